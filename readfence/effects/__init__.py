@@ -1,0 +1,12 @@
+"""The effect lattice: read ends, per-buffer effects, platform capabilities and laws.
+
+>>> from readfence.effects import ReadEnd, ReadEffect, Capabilities, degrade
+>>> degrade(ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY}), Capabilities(in_graph_events=False))
+ReadEffect({'req_to_token': POST_REPLAY}, default=NONE)
+"""
+
+from ._platform import Capabilities, degrade, resolve
+from ._read_effect import ReadEffect
+from ._read_end import ReadEnd
+
+__all__ = ["Capabilities", "ReadEffect", "ReadEnd", "degrade", "resolve"]
