@@ -1,0 +1,69 @@
+"""The graph layer: devices (CPU and CUDA), fault injection and the sanitizer.
+
+>>> from readfence.graph import CpuDevice
+>>> with CpuDevice() as dev:
+...     dev.stream("forward").launch(print, "hello from the forward stream", label="hello")
+...     dev.synchronize(timeout=5)
+hello from the forward stream
+"""
+
+from ._cpu import CpuDevice, CpuEvent, CpuGraph, CpuStream, Generation
+from ._cuda import CudaDevice
+from ._device import (
+    DEFAULT_TIMEOUT_S,
+    Device,
+    DeviceObserver,
+    Event,
+    Graph,
+    Stream,
+    default_device,
+    delay_point,
+    record_here,
+)
+from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
+from ._faults import FaultInjector
+from ._ops import Op, Read, Record, Write, bind_step, records_in
+from ._policy import Policy
+from ._sanitizer import Sanitizer, SanitizerError, Violation
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CaptureError",
+    "CpuDevice",
+    "CpuEvent",
+    "CpuGraph",
+    "CpuStream",
+    "CudaDevice",
+    "Device",
+    "DeviceClosed",
+    "DeviceError",
+    "DeviceObserver",
+    "DeviceTimeout",
+    "Event",
+    "EventNeverRecorded",
+    "FaultInjector",
+    "Generation",
+    "Graph",
+    "Op",
+    "Policy",
+    "Read",
+    "Record",
+    "Sanitizer",
+    "SanitizerError",
+    "Stream",
+    "StreamError",
+    "Violation",
+    "Write",
+    "bind_step",
+    "default_device",
+    "delay_point",
+    "record_here",
+    "records_in",
+]
+
+from ._fence import Bound, Fence, RingWrapError  # noqa: E402
+from ._lower import Lowered, StepRun, UnsoundLowering, lower, make_state  # noqa: E402
+from ._plan import FencePlan, Placement, plan_fences  # noqa: E402
+
+__all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
+            "UnsoundLowering", "lower", "make_state", "plan_fences"]

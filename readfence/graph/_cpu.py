@@ -1,0 +1,708 @@
+"""``CpuDevice``: streams as worker threads, events as timestamped generations, graphs as
+captured op lists replayed as one unit.
+
+torch ops release the GIL, so two streams really overlap on two cores.
+
+Events have *generations*: every enqueued record (``stream.record``, or a ``Record`` item of a
+launch or graph replay) creates a new generation at enqueue time; a wait binds to the
+generation that is latest when the wait is called, exactly like ``cudaStreamWaitEvent``. A
+graph replay creates the generations of its in-graph records when the replay is enqueued, so
+a wait enqueued after ``replay()`` binds to that replay's records.
+
+>>> import torch
+>>> with CpuDevice() as dev:
+...     sched, fwd = dev.stream("schedule"), dev.stream("forward")
+...     ready = dev.event("ready")
+...     x = torch.zeros(3)
+...     sched.launch(x.fill_, 1.0, label="write x")
+...     sched.record(ready)
+...     fwd.wait(ready)                       # forward runs after the write
+...     out = []
+...     fwd.launch(lambda: out.append(x.sum().item()), label="read x")
+...     dev.synchronize(timeout=5)
+>>> out
+[3.0]
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+
+from readfence.effects import Capabilities
+
+from ._device import (
+    DEFAULT_TIMEOUT_S,
+    DeviceObserver,
+    _check_all_recorded,
+    _current_context,
+    _label_of,
+    _OpContext,
+    _running,
+    _take_pending,
+)
+from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
+from ._faults import FaultInjector
+from ._ops import Op, Record, bind_step, records_in
+
+
+class Generation:
+    """One enqueued record of an event: a one-shot, timestamped signal.
+
+    ``index`` counts from 1 per event; ``stream`` and ``label`` say which op fires it;
+    ``timestamp`` is ``time.perf_counter()`` when it fired (``None`` until then).
+    """
+
+    __slots__ = ("event", "index", "stream", "label", "_done", "timestamp", "error")
+
+    def __init__(self, event: CpuEvent | None, index: int, stream: str, label: str) -> None:
+        self.event = event
+        self.index = index
+        self.stream = stream
+        self.label = label
+        self._done = threading.Event()
+        self.timestamp: float | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def fired(self) -> bool:
+        """Whether the record ran (``False`` if it failed or has not run yet)."""
+        return self._done.is_set() and self.error is None
+
+    @property
+    def done(self) -> bool:
+        """Whether the record ran or failed."""
+        return self._done.is_set()
+
+    def _fire(self) -> None:
+        if not self._done.is_set():
+            self.timestamp = time.perf_counter()
+            self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._done.is_set():
+            self.error = error
+            self._done.set()
+
+    def _what(self) -> str:
+        ev = f"event {self.event.name!r}" if self.event is not None else "marker"
+        return f"{ev} (generation {self.index})"
+
+    def synchronize(self, timeout: float) -> None:
+        """Host wait for this generation; raises ``DeviceTimeout`` or the stream's error."""
+        if not self._done.wait(timeout):
+            raise DeviceTimeout(
+                self._what(), stream=self.stream, timeout=timeout, detail=f"op {self.label!r} has not run"
+            )
+        if self.error is not None:
+            raise self.error
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error is not None else "fired" if self._done.is_set() else "pending"
+        return f"<Generation {self._what()} on {self.stream!r} via {self.label!r}: {state}>"
+
+
+class CpuEvent:
+    """A named event of a :class:`CpuDevice` (create with ``device.event(name)``)."""
+
+    def __init__(self, device: CpuDevice, name: str) -> None:
+        self.device = device
+        self.name = name
+        self._latest: Generation | None = None
+        self._count = 0
+
+    @property
+    def generation(self) -> int:
+        """How many records of this event have been enqueued."""
+        return self._count
+
+    @property
+    def latest(self) -> Generation | None:
+        """The latest enqueued record (what a wait called now binds to), or ``None``."""
+        return self._latest
+
+    @property
+    def timestamp(self) -> float | None:
+        """When the latest enqueued record fired (``time.perf_counter()``), ``None`` if not yet."""
+        gen = self._latest
+        return None if gen is None else gen.timestamp
+
+    def _new_generation(self, stream: str, label: str) -> Generation:
+        # Called under the device lock.
+        self._count += 1
+        gen = Generation(self, self._count, stream, label)
+        self._latest = gen
+        return gen
+
+    def _bind(self, action: str) -> Generation:
+        gen = self._latest
+        if gen is None:
+            raise EventNeverRecorded(self.name, action)
+        return gen
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Host wait for the latest record enqueued so far.
+
+        Raises :class:`DeviceTimeout` (naming the event, its generation and stream) after
+        ``timeout`` seconds (default ``device.timeout``), :class:`StreamError` if the op that
+        should record it failed, :class:`EventNeverRecorded` if it was never recorded.
+        """
+        gen = self._bind("host synchronize")
+        gen.synchronize(self.device._timeout(timeout))
+        self.device._notify("on_event_synchronize", self)
+
+    def query(self) -> bool:
+        """Whether the latest enqueued record has fired; raises its stream's error if it failed."""
+        gen = self._bind("query")
+        if gen.error is not None:
+            raise gen.error
+        return gen.done
+
+    def __repr__(self) -> str:
+        return f"<CpuEvent {self.name!r} generation={self._count}>"
+
+
+# ----------------------------------------------------------------------------------- queue items
+
+
+class _Item:
+    label: str
+
+    def run(self, stream: CpuStream) -> None:
+        raise NotImplementedError
+
+    def skip(self, error: BaseException) -> None:
+        """The stream failed or closed before this item ran: fail what it would signal."""
+
+
+class _Stop(_Item):
+    label = "<stop>"
+
+
+_STOP = _Stop()
+
+
+class _LaunchItem(_Item):
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], label: str, tokens: list) -> None:
+        self.fn, self.args, self.label, self.tokens = fn, args, label, tokens
+
+    def run(self, stream: CpuStream) -> None:
+        stream.device._delay(stream.name, self.label)
+        _call(stream, self.label, self.fn, self.args, self.tokens)
+
+    def skip(self, error: BaseException) -> None:
+        for _, gen in self.tokens:
+            gen._fail(error)
+
+
+def _call(stream: CpuStream, label: str, fn: Callable[..., Any], args: tuple[Any, ...], tokens: list) -> None:
+    ctx = _OpContext(stream.device, stream.name, label, tokens)
+    with _running(ctx):
+        fn(*args)
+    _check_all_recorded(ctx)
+
+
+class _RecordItem(_Item):
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.label = gen.label
+
+    def run(self, stream: CpuStream) -> None:
+        if self.gen.event is not None:
+            stream.device._delay(stream.name, self.label)
+        self.gen._fire()
+
+    def skip(self, error: BaseException) -> None:
+        self.gen._fail(error)
+
+
+class _WaitItem(_Item):
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        assert gen.event is not None
+        self.label = f"wait({gen.event.name})"
+
+    def run(self, stream: CpuStream) -> None:
+        timeout = stream.device.timeout
+        if not self.gen._done.wait(timeout):
+            raise DeviceTimeout(
+                f"{self.gen._what()} (device-side wait on stream {stream.name!r})",
+                stream=self.gen.stream,
+                timeout=timeout,
+                detail=f"op {self.gen.label!r} has not run",
+            )
+        if self.gen.error is not None:
+            raise self.gen.error
+
+
+class _ReplayItem(_Item):
+    def __init__(self, graph: CpuGraph, tokens: list[list]) -> None:
+        self.graph = graph
+        self.tokens = tokens
+        self.label = graph.label
+
+    def run(self, stream: CpuStream) -> None:
+        dev = stream.device
+        for entry, tokens in zip(self.graph._entries, self.tokens, strict=True):
+            label = f"{self.graph.label}/{entry.label}"
+            try:
+                dev._delay(stream.name, label)
+                if isinstance(entry, _GraphRecord):
+                    tokens[0][1]._fire()
+                else:
+                    _call(stream, label, entry.fn, entry.args, tokens)
+            except BaseException as exc:
+                raise StreamError(stream.name, label, exc) from exc
+
+    def skip(self, error: BaseException) -> None:
+        for tokens in self.tokens:
+            for _, gen in tokens:
+                gen._fail(error)
+
+
+# ---------------------------------------------------------------------------------------- graph
+
+
+@attrs.frozen(eq=False)
+class _GraphLaunch:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    label: str
+    ops: tuple[Op, ...]
+
+
+@attrs.frozen(eq=False)
+class _GraphRecord:
+    event: CpuEvent
+
+    @property
+    def label(self) -> str:
+        return f"record({self.event.name})"
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return (Record(self.event),)
+
+
+class CpuGraph:
+    """Launches and records captured on one stream, replayed as one unit.
+
+    Obtain one from ``with device.capture(stream) as graph:``.
+    """
+
+    def __init__(self, device: CpuDevice, stream: CpuStream, label: str) -> None:
+        self.device = device
+        self.stream = stream
+        self.label = label
+        self._entries: list[_GraphLaunch | _GraphRecord] = []
+        self._sealed = False
+        self._broken: BaseException | None = None
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The static op sequence of the graph: its launches' ops and its records, in order."""
+        return tuple(op for entry in self._entries for op in entry.ops)
+
+    @property
+    def records(self) -> tuple[CpuEvent, ...]:
+        """The events the graph records on each replay, in order."""
+        return records_in(self.ops)
+
+    def _add(self, entry: _GraphLaunch | _GraphRecord) -> None:
+        if records_in(entry.ops) and not self.device.caps.in_graph_events:
+            raise CaptureError(
+                f"device {self.device.name!r} cannot record events inside a graph "
+                f"(Capabilities.in_graph_events=False): {entry.label!r} in graph {self.label!r} "
+                "records " + ", ".join(repr(e.name) for e in records_in(entry.ops))
+                + "; record after the replay instead"
+            )
+        self._entries.append(entry)
+
+    def replay(self, stream: CpuStream | None = None, *, step: int | None = None) -> None:
+        """Enqueue the whole graph on ``stream`` (default: the capture stream) as one op.
+
+        The generations of the graph's in-graph records are created now, so a wait enqueued
+        after this call binds to this replay. ``step`` binds unbound steps of the graph's ops
+        for observers.
+        """
+        dev = self.device
+        stream = self.stream if stream is None else dev._own_stream(stream)
+        if self._broken is not None:
+            raise CaptureError(f"graph {self.label!r} cannot be replayed: its capture failed") from self._broken
+        if not self._sealed:
+            raise CaptureError(f"graph {self.label!r} is replayed inside its own capture")
+        ops = bind_step(self.ops, step)
+        with dev._lock:
+            dev._check_open()
+            if stream._capture is not None:
+                raise CaptureError(f"cannot replay graph {self.label!r} while stream {stream.name!r} is capturing")
+            dev._notify_locked("on_launch", stream.name, self.label, ops)
+            tokens = [
+                [(ev, ev._new_generation(stream.name, f"{self.label}/{entry.label}")) for ev in records_in(entry.ops)]
+                for entry in self._entries
+            ]
+            stream._put(_ReplayItem(self, tokens))
+
+    def __repr__(self) -> str:
+        return f"<CpuGraph {self.label!r}: {len(self._entries)} ops captured on {self.stream.name!r}>"
+
+
+# --------------------------------------------------------------------------------------- stream
+
+
+class CpuStream:
+    """A FIFO of work run by its own daemon thread (create with ``device.stream(name)``)."""
+
+    def __init__(self, device: CpuDevice, name: str) -> None:
+        self.device = device
+        self.name = name
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._capture: CpuGraph | None = None
+        self._running_label: str | None = None
+        self._thread = threading.Thread(target=self._work, name=f"readfence:{device.name}:{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The sticky error of this stream, if an op on it failed."""
+        return self._error
+
+    def _put(self, item: _Item) -> None:
+        self._queue.put(item)
+
+    def _work(self) -> None:
+        dev = self.device
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            self._running_label = item.label
+            try:
+                if self._error is not None:
+                    item.skip(self._error)
+                elif dev._closed:
+                    item.skip(DeviceClosed(f"device {dev.name!r} closed before op {item.label!r} ran on stream {self.name!r}"))
+                else:
+                    try:
+                        item.run(self)
+                    except BaseException as exc:  # noqa: BLE001 - reported at the next wait
+                        if isinstance(exc, StreamError) and exc.stream == self.name:
+                            err = exc
+                        else:
+                            err = StreamError(self.name, item.label, exc)
+                        self._error = err
+                        item.skip(err)
+            finally:
+                self._running_label = None
+
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        label: str = "",
+        ops: Sequence[Op] = (),
+        step: int | None = None,
+    ) -> None:
+        """Enqueue ``fn(*args)``; inside a capture of this stream, add it to the graph instead.
+
+        ``ops`` declares, in order, what ``fn`` reads (``Read``), writes (``Write``) and which
+        events it records from inside with ``device.record_here(event)`` (``Record``); the
+        generations of those records are created now. ``step`` binds unbound op steps.
+        Exceptions raised by ``fn`` fail the stream and surface at the next wait.
+        """
+        if not callable(fn):
+            raise TypeError(f"launch needs a callable, got {fn!r}")
+        label = _label_of(fn, label)
+        ops = bind_step(ops, step)
+        dev = self.device
+        for ev in records_in(ops):
+            dev._own_event(ev)
+        with dev._lock:
+            dev._check_open()
+            if self._capture is not None:
+                self._capture._add(_GraphLaunch(fn, args, label, ops))
+                return
+            dev._notify_locked("on_launch", self.name, label, ops)
+            tokens = [(ev, ev._new_generation(self.name, label)) for ev in records_in(ops)]
+            self._put(_LaunchItem(fn, args, label, tokens))
+
+    def record(self, event: CpuEvent) -> None:
+        """Enqueue a record of ``event``: a new generation, fired when the stream reaches it.
+
+        Inside a capture, the record becomes part of the graph (needs
+        ``caps.in_graph_events``).
+        """
+        dev = self.device
+        dev._own_event(event)
+        with dev._lock:
+            dev._check_open()
+            if self._capture is not None:
+                self._capture._add(_GraphRecord(event))
+                return
+            dev._notify_locked("on_record", self.name, event)
+            self._put(_RecordItem(event._new_generation(self.name, f"record({event.name})")))
+
+    def wait(self, event: CpuEvent) -> None:
+        """Later work on this stream waits for ``event``'s latest record enqueued so far.
+
+        Raises :class:`EventNeverRecorded` now if the event was never recorded. If the op
+        that records it fails, this stream fails too (with the original as the cause).
+        """
+        dev = self.device
+        dev._own_event(event)
+        with dev._lock:
+            dev._check_open()
+            if self._capture is not None:
+                raise CaptureError(
+                    f"stream {self.name!r} cannot wait on event {event.name!r} inside a capture; "
+                    "wait before the replay instead"
+                )
+            gen = event._bind(f"stream {self.name!r} wait")
+            dev._notify_locked("on_wait", self.name, event)
+            self._put(_WaitItem(gen))
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Host wait until every op enqueued so far on this stream has run.
+
+        Raises :class:`DeviceTimeout` naming the stream and the op it is stuck in, or the
+        stream's :class:`StreamError`.
+        """
+        dev = self.device
+        with dev._lock:
+            if self._capture is not None:
+                raise CaptureError(f"cannot synchronize stream {self.name!r} while it is capturing")
+            if dev._closed:
+                raise self._error or DeviceClosed(f"device {dev.name!r} is closed: cannot synchronize stream {self.name!r}")
+            marker = Generation(None, 0, self.name, "synchronize")
+            self._put(_RecordItem(marker))
+        t = dev._timeout(timeout)
+        if not marker._done.wait(t):
+            running = self._running_label
+            raise DeviceTimeout(
+                f"stream {self.name!r}",
+                stream=None,
+                timeout=t,
+                detail=f"it is still running op {running!r}" if running else "",
+            )
+        if marker.error is not None:
+            raise marker.error
+        dev._notify("on_stream_synchronize", self.name)
+
+    def __repr__(self) -> str:
+        state = " failed" if self._error is not None else ""
+        return f"<CpuStream {self.name!r}{state}>"
+
+
+# --------------------------------------------------------------------------------------- device
+
+
+def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:
+    base = Capabilities() if caps is None else caps
+    changes: dict[str, bool] = {}
+    if in_graph_events is not None:
+        changes["in_graph_events"] = in_graph_events
+    if graphs is not None:
+        changes["graphs"] = graphs
+    return attrs.evolve(base, **changes) if changes else base
+
+
+class CpuDevice:
+    """The embedded device: one worker thread per stream.
+
+    ``caps`` (or the shortcuts ``in_graph_events=`` / ``graphs=``) emulates a platform:
+    ``CpuDevice(in_graph_events=False)`` refuses event records inside a capture, like a
+    platform without in-graph events. ``timeout`` (seconds) is the default of every host
+    wait and bounds device-side waits. ``faults`` delays ops; ``observers`` see every
+    enqueue. Use as a context manager, or call :meth:`close`.
+
+    >>> dev = CpuDevice(in_graph_events=False)
+    >>> dev.caps
+    Capabilities(in_graph_events=False, graphs=True)
+    >>> s = dev.stream("forward")
+    >>> with dev.capture(s) as g:
+    ...     s.record(dev.event("fence"))
+    Traceback (most recent call last):
+    ...
+    readfence.graph._errors.CaptureError: device 'cpu' cannot record events inside a graph (Capabilities.in_graph_events=False): 'record(fence)' in graph 'graph' records 'fence'; record after the replay instead
+    >>> dev.close()
+    """
+
+    def __init__(
+        self,
+        *,
+        caps: Capabilities | None = None,
+        in_graph_events: bool | None = None,
+        graphs: bool | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        faults: FaultInjector | None = None,
+        observers: Sequence[DeviceObserver] = (),
+        name: str = "cpu",
+    ) -> None:
+        self.name = name
+        self.caps = _caps(caps, in_graph_events, graphs)
+        self.timeout = float(timeout)
+        self.faults = faults
+        self.observers: list[DeviceObserver] = list(observers)
+        self._lock = threading.RLock()
+        self._streams: dict[str, CpuStream] = {}
+        self._closed = False
+
+    # -- construction
+    def stream(self, name: str) -> CpuStream:
+        """The stream called ``name``, created (with its worker thread) on first use."""
+        with self._lock:
+            self._check_open()
+            s = self._streams.get(name)
+            if s is None:
+                s = self._streams[name] = CpuStream(self, name)
+            return s
+
+    @property
+    def streams(self) -> tuple[CpuStream, ...]:
+        """Every stream created so far."""
+        with self._lock:
+            return tuple(self._streams.values())
+
+    def event(self, name: str) -> CpuEvent:
+        """A new event; ``name`` is used in messages (each call returns a distinct event)."""
+        return CpuEvent(self, name)
+
+    def add_observer(self, observer: DeviceObserver) -> None:
+        """Report every later launch, record, wait and host synchronize to ``observer``."""
+        with self._lock:
+            self.observers.append(observer)
+
+    def remove_observer(self, observer: DeviceObserver) -> None:
+        with self._lock:
+            self.observers.remove(observer)
+
+    # -- graphs
+    @contextmanager
+    def capture(self, stream: CpuStream, *, label: str = "graph") -> Iterator[CpuGraph]:
+        """Capture launches and records issued on ``stream`` inside the ``with`` into a graph.
+
+        Captured work does not run; ``graph.replay()`` runs it as one unit. Waits and
+        synchronizes on the capturing stream are refused; work on other streams runs as usual.
+
+        >>> with CpuDevice() as dev:
+        ...     s, ev = dev.stream("forward"), dev.event("mid")
+        ...     trace = []
+        ...     with dev.capture(s, label="step") as g:
+        ...         s.launch(trace.append, "a", label="a")
+        ...         s.record(ev)
+        ...         s.launch(trace.append, "b", label="b")
+        ...     assert trace == []            # captured, not run
+        ...     g.replay(step=0); g.replay(step=1)
+        ...     s.synchronize(timeout=5)
+        >>> trace, ev.generation
+        (['a', 'b', 'a', 'b'], 2)
+        """
+        stream = self._own_stream(stream)
+        if not self.caps.graphs:
+            raise CaptureError(
+                f"device {self.name!r} cannot capture graphs (Capabilities.graphs=False): launch eagerly"
+            )
+        with self._lock:
+            self._check_open()
+            if stream._capture is not None:
+                raise CaptureError(f"stream {stream.name!r} is already capturing graph {stream._capture.label!r}")
+            graph = CpuGraph(self, stream, label)
+            stream._capture = graph
+        try:
+            yield graph
+        except BaseException as exc:
+            graph._broken = exc
+            raise
+        finally:
+            with self._lock:
+                stream._capture = None
+                graph._sealed = True
+
+    # -- inside launched code
+    def record_here(self, event: CpuEvent) -> None:
+        """Record ``event`` at this point of the running launch or graph replay.
+
+        Must be called on the stream's worker thread, from a launched function whose ``ops``
+        declare ``Record(event)`` next in order; fires the generation created when the
+        launch (or replay) was enqueued.
+        """
+        self._own_event(event)
+        _, gen = _take_pending(event)
+        gen._fire()
+
+    def delay_point(self, label: str) -> None:
+        """Let the fault injector delay the running stream here (no-op without one)."""
+        ctx = _current_context()
+        if ctx is not None:
+            self._delay(ctx.stream, label)
+
+    # -- host waits
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Host wait for every stream; the timeout covers all of them together."""
+        deadline = time.monotonic() + self._timeout(timeout)
+        for s in self.streams:
+            s.synchronize(max(0.0, deadline - time.monotonic()))
+        self._notify("on_device_synchronize")
+
+    def close(self) -> None:
+        """Stop the worker threads. Queued ops are skipped, their events fail with
+        :class:`DeviceClosed`, so nothing waits forever. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            streams = list(self._streams.values())
+        for s in streams:
+            s._put(_STOP)
+        deadline = time.monotonic() + 2.0
+        for s in streams:
+            s._thread.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> CpuDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers
+    def _timeout(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else float(timeout)
+        if t < 0:
+            raise ValueError(f"timeout must be >= 0, got {t}")
+        return t
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeviceClosed(f"device {self.name!r} is closed")
+
+    def _own_stream(self, stream: Any) -> CpuStream:
+        if not isinstance(stream, CpuStream) or stream.device is not self:
+            raise DeviceError(f"{stream!r} is not a stream of device {self.name!r}")
+        return stream
+
+    def _own_event(self, event: Any) -> CpuEvent:
+        if not isinstance(event, CpuEvent) or event.device is not self:
+            raise DeviceError(f"{event!r} is not an event of device {self.name!r}")
+        return event
+
+    def _delay(self, stream: str, label: str) -> None:
+        if self.faults is not None:
+            self.faults.maybe_delay(stream, label)
+
+    def _notify_locked(self, method: str, *args: Any) -> None:
+        for obs in self.observers:
+            getattr(obs, method)(*args)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        with self._lock:
+            self._notify_locked(method, *args)
+
+    def __repr__(self) -> str:
+        return f"<CpuDevice {self.name!r} {self.caps} streams={sorted(self._streams)}>"

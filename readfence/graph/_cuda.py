@@ -1,0 +1,425 @@
+"""``CudaDevice``: the :class:`~readfence.graph.Device` protocol over ``torch.cuda``.
+
+Streams are ``torch.cuda.Stream``; launches run the Python function *now* under
+``torch.cuda.stream(s)`` (its kernels are enqueued on ``s``); graphs are
+``torch.cuda.CUDAGraph`` captured with ``torch.cuda.graph(g, stream=s)``; events are
+``torch.cuda.Event(external=True)``, so a record issued while the capture stream is current
+(``stream.record(event)`` or ``device.record_here(event)`` inside a captured function)
+becomes an event-record node that fires at that point of every replay (torch >= 2.8).
+
+Host waits poll ``event.query()`` until their deadline, so they time out with
+:class:`DeviceTimeout` instead of hanging. Python exceptions raised by a launched function
+fail the stream (sticky, like CUDA errors) and surface as :class:`StreamError` at the next
+wait or synchronize, as on :class:`CpuDevice`.
+
+On the CPU-only torch build ``torch.cuda`` classes raise when constructed; ``CudaDevice()``
+raises :class:`DeviceError` when ``torch.cuda.is_available()`` is false.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from readfence.effects import Capabilities
+
+from ._device import (
+    DEFAULT_TIMEOUT_S,
+    DeviceObserver,
+    _check_all_recorded,
+    _current_context,
+    _label_of,
+    _OpContext,
+    _running,
+    _take_pending,
+)
+from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
+from ._faults import FaultInjector
+from ._ops import Op, Record, bind_step, records_in
+
+_SLEEP_CYCLES_PER_S = 1.0e9  # rough GPU clock for fault-injection sleeps (torch.cuda._sleep)
+
+
+def _in_graph_events_supported() -> bool:
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
+def _poll(query: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not query():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 1e-3)
+    return True
+
+
+class CudaEvent:
+    """A named ``torch.cuda.Event(external=True)`` (create with ``device.event(name)``)."""
+
+    def __init__(self, device: CudaDevice, name: str) -> None:
+        self.device = device
+        self.name = name
+        self.torch = torch.cuda.Event(external=True)
+        self._count = 0
+        self._stream: str | None = None  # stream of the latest enqueued record
+
+    @property
+    def generation(self) -> int:
+        """How many records of this event have been enqueued (replays included)."""
+        return self._count
+
+    def _enqueued(self, stream: str) -> None:
+        self._count += 1
+        self._stream = stream
+
+    def _check(self, action: str) -> None:
+        if self._count == 0:
+            raise EventNeverRecorded(self.name, action)
+        err = self.device._streams[self._stream]._error if self._stream in self.device._streams else None
+        if err is not None:
+            raise err
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Host wait (polling) for the latest enqueued record; see ``CpuEvent.synchronize``."""
+        self._check("host synchronize")
+        t = self.device._timeout(timeout)
+        if not _poll(self.torch.query, t):
+            raise DeviceTimeout(f"event {self.name!r} (generation {self._count})", stream=self._stream, timeout=t)
+        self.device._notify("on_event_synchronize", self)
+
+    def query(self) -> bool:
+        """Whether the latest enqueued record has completed."""
+        self._check("query")
+        return bool(self.torch.query())
+
+    def __repr__(self) -> str:
+        return f"<CudaEvent {self.name!r} generation={self._count}>"
+
+
+class CudaGraph:
+    """A captured ``torch.cuda.CUDAGraph`` and its static op list."""
+
+    def __init__(self, device: CudaDevice, stream: CudaStream, label: str) -> None:
+        self.device = device
+        self.stream = stream
+        self.label = label
+        self.torch = torch.cuda.CUDAGraph()
+        self._ops: list[Op] = []
+        self._sealed = False
+        self._broken: BaseException | None = None
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The static op sequence of the graph: its launches' ops and its records, in order."""
+        return tuple(self._ops)
+
+    @property
+    def records(self) -> tuple[CudaEvent, ...]:
+        """The events the graph records on each replay, in order."""
+        return records_in(self._ops)
+
+    def _add(self, ops: Sequence[Op], label: str) -> None:
+        if records_in(ops) and not self.device.caps.in_graph_events:
+            raise CaptureError(
+                f"device {self.device.name!r} cannot record events inside a graph "
+                f"(Capabilities.in_graph_events=False): {label!r} in graph {self.label!r}"
+            )
+        self._ops.extend(ops)
+
+    def replay(self, stream: CudaStream | None = None, *, step: int | None = None) -> None:
+        """Launch the graph on ``stream`` (default: the capture stream); its in-graph records
+        count as new generations of their events from now on."""
+        dev = self.device
+        stream = self.stream if stream is None else dev._own_stream(stream)
+        if self._broken is not None:
+            raise CaptureError(f"graph {self.label!r} cannot be replayed: its capture failed") from self._broken
+        if not self._sealed:
+            raise CaptureError(f"graph {self.label!r} is replayed inside its own capture")
+        ops = bind_step(self._ops, step)
+        with dev._lock:
+            dev._check_open()
+            if stream._capture is not None:
+                raise CaptureError(f"cannot replay graph {self.label!r} while stream {stream.name!r} is capturing")
+            dev._notify_locked("on_launch", stream.name, self.label, ops)
+            if stream._error is not None:
+                for ev in records_in(ops):
+                    ev._enqueued(stream.name)
+                return
+            with torch.cuda.stream(stream.torch):
+                self.torch.replay()
+            for ev in records_in(ops):
+                ev._enqueued(stream.name)
+
+
+class CudaStream:
+    """A ``torch.cuda.Stream`` (create with ``device.stream(name)``)."""
+
+    def __init__(self, device: CudaDevice, name: str) -> None:
+        self.device = device
+        self.name = name
+        self.torch = torch.cuda.Stream(device=device.index)
+        self._error: BaseException | None = None
+        self._capture: CudaGraph | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        label: str = "",
+        ops: Sequence[Op] = (),
+        step: int | None = None,
+    ) -> None:
+        """Run ``fn(*args)`` now with this stream current (inside a capture: captured).
+
+        ``ops`` as for ``CpuStream.launch``; ``device.record_here(event)`` inside ``fn``
+        records ``event`` on the current stream at that point.
+        """
+        if not callable(fn):
+            raise TypeError(f"launch needs a callable, got {fn!r}")
+        label = _label_of(fn, label)
+        ops = bind_step(ops, step)
+        dev = self.device
+        for ev in records_in(ops):
+            dev._own_event(ev)
+        with dev._lock:
+            dev._check_open()
+            capture = self._capture
+            if capture is not None:
+                capture._add(ops, label)
+                ctx = _OpContext(dev, self.name, label, [(ev, None) for ev in records_in(ops)])
+                with _running(ctx):  # the capture context already made this stream current
+                    fn(*args)
+                _check_all_recorded(ctx)
+                return
+            dev._notify_locked("on_launch", self.name, label, ops)
+            for ev in records_in(ops):
+                ev._enqueued(self.name)
+            if self._error is not None:
+                return
+            try:
+                with torch.cuda.stream(self.torch):
+                    dev._delay(self.name, label)
+                    ctx = _OpContext(dev, self.name, label, [(ev, None) for ev in records_in(ops)])
+                    with _running(ctx):
+                        fn(*args)
+                    _check_all_recorded(ctx)
+            except Exception as exc:  # noqa: BLE001 - sticky, surfaces at the next wait
+                self._error = StreamError(self.name, label, exc)
+
+    def record(self, event: CudaEvent) -> None:
+        """Record ``event`` on this stream (inside a capture: an in-graph record node)."""
+        dev = self.device
+        dev._own_event(event)
+        with dev._lock:
+            dev._check_open()
+            if self._capture is not None:
+                self._capture._add((Record(event),), f"record({event.name})")
+                event.torch.record(self.torch)
+                return
+            dev._notify_locked("on_record", self.name, event)
+            event._enqueued(self.name)
+            if self._error is None:
+                event.torch.record(self.torch)
+
+    def wait(self, event: CudaEvent) -> None:
+        """Later work on this stream waits for ``event``'s latest record (``wait_event``)."""
+        dev = self.device
+        dev._own_event(event)
+        with dev._lock:
+            dev._check_open()
+            if self._capture is not None:
+                raise CaptureError(
+                    f"stream {self.name!r} cannot wait on event {event.name!r} inside a capture; "
+                    "wait before the replay instead"
+                )
+            if event._count == 0:
+                raise EventNeverRecorded(event.name, f"stream {self.name!r} wait")
+            dev._notify_locked("on_wait", self.name, event)
+            src = dev._streams.get(event._stream or "")
+            if src is not None and src._error is not None and self._error is None:
+                self._error = StreamError(self.name, f"wait({event.name})", src._error)
+            self.torch.wait_event(event.torch)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Host wait (polling) for everything enqueued on this stream so far."""
+        dev = self.device
+        if self._capture is not None:
+            raise CaptureError(f"cannot synchronize stream {self.name!r} while it is capturing")
+        marker = torch.cuda.Event()
+        marker.record(self.torch)
+        t = dev._timeout(timeout)
+        if not _poll(marker.query, t):
+            raise DeviceTimeout(f"stream {self.name!r}", stream=None, timeout=t)
+        if self._error is not None:
+            raise self._error
+        dev._notify("on_stream_synchronize", self.name)
+
+    def __repr__(self) -> str:
+        return f"<CudaStream {self.name!r} on {self.device.name}>"
+
+
+class CudaDevice:
+    """The CUDA device (see the module docstring). Same constructor options as ``CpuDevice``,
+    plus ``index``; ``caps.in_graph_events`` defaults to ``torch >= 2.8``.
+
+    ``faults`` delays eager launches with ``torch.cuda._sleep`` on the stream; a delay drawn
+    inside a capture is baked into the graph (the same on every replay).
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int = 0,
+        caps: Capabilities | None = None,
+        in_graph_events: bool | None = None,
+        graphs: bool | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        faults: FaultInjector | None = None,
+        observers: Sequence[DeviceObserver] = (),
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise DeviceError("CudaDevice needs CUDA, but torch.cuda.is_available() is False; use CpuDevice")
+        from ._cpu import _caps
+
+        self.index = index
+        self.name = f"cuda:{index}"
+        base = Capabilities(in_graph_events=_in_graph_events_supported(), graphs=True) if caps is None else caps
+        self.caps = _caps(base, in_graph_events, graphs)
+        self.timeout = float(timeout)
+        self.faults = faults
+        self.observers: list[DeviceObserver] = list(observers)
+        self._lock = threading.RLock()
+        self._streams: dict[str, CudaStream] = {}
+        self._closed = False
+
+    def stream(self, name: str) -> CudaStream:
+        with self._lock:
+            self._check_open()
+            s = self._streams.get(name)
+            if s is None:
+                s = self._streams[name] = CudaStream(self, name)
+            return s
+
+    @property
+    def streams(self) -> tuple[CudaStream, ...]:
+        with self._lock:
+            return tuple(self._streams.values())
+
+    def event(self, name: str) -> CudaEvent:
+        return CudaEvent(self, name)
+
+    def add_observer(self, observer: DeviceObserver) -> None:
+        with self._lock:
+            self.observers.append(observer)
+
+    def remove_observer(self, observer: DeviceObserver) -> None:
+        with self._lock:
+            self.observers.remove(observer)
+
+    @contextmanager
+    def capture(self, stream: CudaStream, *, label: str = "graph") -> Iterator[CudaGraph]:
+        """Capture work issued on ``stream`` into a ``torch.cuda.CUDAGraph``.
+
+        Launched functions run now (their kernels are captured); records issued on the
+        stream (or with ``record_here`` inside a launched function) become in-graph event
+        records. Waits on the capturing stream are refused.
+        """
+        stream = self._own_stream(stream)
+        if not self.caps.graphs:
+            raise CaptureError(f"device {self.name!r} cannot capture graphs (Capabilities.graphs=False)")
+        with self._lock:
+            self._check_open()
+            if stream._capture is not None:
+                raise CaptureError(f"stream {stream.name!r} is already capturing graph {stream._capture.label!r}")
+            graph = CudaGraph(self, stream, label)
+            stream._capture = graph
+        try:
+            with torch.cuda.graph(graph.torch, stream=stream.torch, capture_error_mode="thread_local"):
+                yield graph
+        except BaseException as exc:
+            graph._broken = exc
+            raise
+        finally:
+            with self._lock:
+                stream._capture = None
+                graph._sealed = True
+
+    def record_here(self, event: CudaEvent) -> None:
+        """Record ``event`` on the current stream, from inside a launched/captured function
+        that declared ``Record(event)`` next in its ops."""
+        self._own_event(event)
+        _take_pending(event)
+        event.torch.record(torch.cuda.current_stream())
+
+    def delay_point(self, label: str) -> None:
+        """Let the fault injector delay the current stream here (``torch.cuda._sleep``)."""
+        ctx = _current_context()
+        if ctx is not None:
+            self._delay(ctx.stream, label)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + self._timeout(timeout)
+        for s in self.streams:
+            s.synchronize(max(0.0, deadline - time.monotonic()))
+        self._notify("on_device_synchronize")
+
+    def close(self) -> None:
+        """Mark the device closed (later enqueues raise). Pending GPU work is not cancelled."""
+        with self._lock:
+            self._closed = True
+
+    def __enter__(self) -> CudaDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _timeout(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else float(timeout)
+        if t < 0:
+            raise ValueError(f"timeout must be >= 0, got {t}")
+        return t
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeviceClosed(f"device {self.name!r} is closed")
+
+    def _own_stream(self, stream: Any) -> CudaStream:
+        if not isinstance(stream, CudaStream) or stream.device is not self:
+            raise DeviceError(f"{stream!r} is not a stream of device {self.name!r}")
+        return stream
+
+    def _own_event(self, event: Any) -> CudaEvent:
+        if not isinstance(event, CudaEvent) or event.device is not self:
+            raise DeviceError(f"{event!r} is not an event of device {self.name!r}")
+        return event
+
+    def _delay(self, stream: str, label: str) -> None:
+        if self.faults is not None:
+            delay = self.faults.delay_for(stream, label)
+            if delay > 0.0:
+                torch.cuda._sleep(int(delay * _SLEEP_CYCLES_PER_S))
+
+    def _notify_locked(self, method: str, *args: Any) -> None:
+        for obs in self.observers:
+            getattr(obs, method)(*args)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        with self._lock:
+            self._notify_locked(method, *args)
+
+    def __repr__(self) -> str:
+        return f"<CudaDevice {self.name!r} {self.caps} streams={sorted(self._streams)}>"

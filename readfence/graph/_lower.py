@@ -1,0 +1,317 @@
+"""Lowering: a traced step becomes device work with events placed from the joined effect.
+
+``lower`` traces the backend's step (``readfence.core.trace``), refuses an unsound
+declaration (unless the policy is COARSE), plans where each buffer's release is published
+(``plan_fences``), and builds on a :class:`Device`:
+
+* the out-of-graph stage, launched eagerly before every replay (PRE_REPLAY reads);
+* one captured graph per event-ring slot holding ``prepare_in_graph`` and the model body,
+  with event records inside it (IN_REPLAY, and EXACT records after the last-reading node);
+* a post-forward launch that copies the logits out (the COARSE fence follows it).
+
+Every lowered graph owns its events: nothing is shared across shapes, modes or streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, example_step, init_params, make_pools
+from readfence.core._audit import audit as audit_backend
+from readfence.core import make_shared_state
+from readfence.core._trace import trace as trace_step
+from readfence.core._program import Program, StageGraph, flatten_inputs
+from readfence.effects import ReadEnd
+
+from ._device import Device
+from ._fence import Bound, Fence
+from ._fx_records import insert_records, stage_ops
+from ._ops import Op
+from ._plan import FencePlan, LastRead, Placement, plan_fences
+from ._policy import Policy
+
+_COUNTER = itertools.count()
+
+
+class UnsoundLowering(ValueError):
+    """Lowering refused: a buffer is declared to end earlier than the traced code reads it."""
+
+
+@attrs.define
+class StepRun:
+    """What one ``Lowered.run`` returns: the step's logits (valid once ``fence.done`` fired)."""
+
+    step: int
+    logits: Tensor
+    fence: Fence
+
+    def result(self, timeout: float | None = None) -> Tensor:
+        """Host wait for the whole forward (with timeout), then the logits."""
+        self.fence.done.check(f"step {self.step}").synchronize(timeout)
+        return self.logits
+
+
+@attrs.define
+class _Slot:
+    """One event-ring slot: its events, its stage graphs with records, its captured graph."""
+
+    events: dict[Placement, Any]
+    probes: dict[str, Any]
+    done: Any
+    stages: dict[str, tuple[Any, tuple[Op, ...]]]
+    graph: Any = None
+
+
+def _check_positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class Lowered:
+    """A backend's step lowered onto a device for one (mode, batch size, policy, stream).
+
+    Build with :func:`lower`. ``shared``, ``pools`` and ``params`` are the live tensors the
+    step reads (share them with the scheduler and other lowered graphs); :meth:`run` enqueues
+    one step and returns its logits and :class:`Fence`.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: Any,
+        mode: ForwardMode,
+        policy: Policy,
+        device: Device,
+        cfg: ModelConfig,
+        batch_size: int,
+        program: Program,
+        plan: FencePlan,
+        stream: Any,
+        ring_size: int,
+        state: Mapping[str, dict[str, Tensor]],
+        measure: bool,
+    ) -> None:
+        self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
+        self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
+        self.stream, self.ring_size, self.measure = stream, ring_size, measure
+        self.shared, self.pools, self.params = state["shared"], state["pools"], state["params"]
+        self.label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
+        self.graphed = mode.uses_graph and device.caps.graphs
+        self._runs = 0
+        dev = _device_of(self.shared)
+        example = example_step(cfg, mode, batch_size, device=dev)
+        self._batch = {k: torch.zeros_like(v, device=dev) for k, v in example.batch.items()}
+        self._env: dict[str, Tensor] = flatten_inputs(
+            shared=self.shared, batch=self._batch, pools=self.pools, params=self.params
+        )
+        self._meta = self._static_meta(example, dev)
+        self._env.update(self._meta)
+        self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
+        self._slots = [self._build_slot(r) for r in range(ring_size)]
+
+    # -- construction -----------------------------------------------------------------------
+    def _static_meta(self, example: Any, dev: torch.device) -> dict[str, Tensor]:
+        # Shapes of the out-of-graph stage's outputs, from one run on a throwaway example.
+        env = flatten_inputs(shared=example.shared, batch=example.batch, pools=example.pools,
+                             params=example.params)
+        out = self.program.stage("prepare_out_graph").run(env)
+        return {k: torch.zeros_like(v, device=dev) for k, v in out.items()}
+
+    def _build_slot(self, r: int) -> _Slot:
+        dev = self.device
+        events = {p: dev.event(f"{self.label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
+                  for p in self.plan.points()}
+        probes = {}
+        if self.measure:
+            probes = {b: dev.event(f"{self.label}/lastread:{b}#{r}") for b in last_reads(self.program)}
+        after: dict[str, dict[str, list[Any]]] = {s.name: {} for s in self.program.stages}
+        for b, last in last_reads(self.program).items():  # probes first: read, then release
+            if b in probes:
+                after[last.stage].setdefault(last.node, []).append(probes[b])
+        for point, event in events.items():
+            if point.after is not None:
+                after[point.after.stage].setdefault(point.after.node, []).append(event)
+        stages = {s.name: self._stage_fn(s, after[s.name]) for s in self.program.stages}
+        slot = _Slot(events, probes, dev.event(f"{self.label}/done#{r}"), stages)
+        if self.graphed:
+            with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
+                self._in_graph_work(slot)
+            slot.graph = graph
+        return slot
+
+    def _stage_fn(self, stage: StageGraph, after: dict[str, list[Any]]) -> tuple[Any, tuple[Op, ...]]:
+        if not stage.faithful:
+            # The tracer could not see everything: run the Python stage; no node-level records.
+            return stage, tuple(stage_ops(stage.gm, stage.reads, stage.name))
+        gm = insert_records(stage.gm, after, self.device) if after else stage.gm
+        runner = attrs.evolve(stage, gm=gm)
+        return runner, stage_ops(gm, stage.reads, stage.name)
+
+    def _launch_stage(self, name: str, slot: _Slot, step: int | None, sink: Any) -> None:
+        runner, ops = slot.stages[name]
+        env = self._env
+
+        def run_stage() -> None:
+            sink(runner.run(env))
+
+        self.stream.launch(run_stage, label=f"{self.label}/{name}", ops=ops, step=step)
+
+    def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
+        for point, event in slot.events.items():
+            if point.after is None and point.end is end:
+                self.stream.record(event)
+
+    def _in_graph_work(self, slot: _Slot, step: int | None = None) -> None:
+        # prepare_in_graph and the body: captured once per slot, or launched eagerly.
+        self._launch_stage("prepare_in_graph", slot, step, self._env.update)
+        self._record_points(slot, ReadEnd.IN_REPLAY)
+        self._launch_stage("body", slot, step, lambda out: self._logits.copy_(out["logits"]))
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Any] = ()) -> StepRun:
+        """Enqueue one step on the lowered stream; returns its logits and fence.
+
+        ``batch`` holds this step's inputs (copied into the graph's static buffers on the
+        stream); ``after`` are events the step must wait for (e.g. the scheduler's writes).
+        """
+        step = self._runs if step is None else step
+        missing = sorted(set(self._batch) - set(batch))
+        if missing:
+            raise KeyError(f"{self.label}: batch is missing {missing}")
+        for key, t in self._batch.items():
+            if tuple(batch[key].shape) != tuple(t.shape):
+                raise ValueError(
+                    f"{self.label}: batch[{key!r}] has shape {tuple(batch[key].shape)}, the lowered "
+                    f"graph was captured for {tuple(t.shape)} (batch_size={self.batch_size})"
+                )
+        slot = self._slots[self._runs % self.ring_size]
+        self._runs += 1
+        s = self.stream
+        for event in after:
+            s.wait(event)
+        staged = {k: batch[k] for k in self._batch}
+        s.launch(lambda: [self._batch[k].copy_(v) for k, v in staged.items()],
+                 label=f"{self.label}/load_batch", step=step)
+        self._launch_stage("prepare_out_graph", slot, step,
+                           lambda out: [self._meta[k].copy_(v) for k, v in out.items()])
+        self._record_points(slot, ReadEnd.PRE_REPLAY)
+        if self.graphed:
+            slot.graph.replay(s, step=step)
+        else:
+            self._in_graph_work(slot, step)
+        self._record_points(slot, ReadEnd.POST_REPLAY)
+        logits = torch.empty_like(self._logits)
+        s.launch(logits.copy_, self._logits, label=f"{self.label}/outputs", step=step)
+        self._record_points(slot, ReadEnd.UNKNOWN)
+        s.record(slot.done)
+        return StepRun(step, logits, self._fence(slot, step))
+
+    def _fence(self, slot: _Slot, step: int) -> Fence:
+        bounds = {p: Bound.latest(e) for p, e in slot.events.items()}
+        per_buffer = {b: (bounds[p] if p.waits else None) for b, p in self.plan.placements.items()}
+        probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
+        return Fence(self.label, step, per_buffer, Bound.latest(slot.done), probes)
+
+    def describe(self) -> list[dict[str, str]]:
+        """Per buffer: declared, observed, placement of its event."""
+        declared, observed = self.backend.read_effect(self.mode), self.program.observed()
+        return [
+            {**row, "declared": declared[row["buffer"]].name, "observed": observed[row["buffer"]].name}
+            for row in self.plan.describe()
+        ]
+
+    def __repr__(self) -> str:
+        return f"<Lowered {self.label}: {len(self.plan.points())} fence point(s), ring {self.ring_size}>"
+
+
+def last_reads(program: Program) -> dict[str, LastRead]:
+    """Per shared buffer read by ``program``, where its last read is (stage, node, index)."""
+    out = {}
+    for b in SHARED_BUFFERS:
+        last = program.last_reader(b)
+        if last is not None:
+            stage, node = last
+            index = [n.name for n in program.stage(stage).gm.graph.nodes].index(node)
+            out[b] = LastRead(stage, node, index)
+    return out
+
+
+def _device_of(shared: Mapping[str, Tensor]) -> torch.device:
+    return next(iter(shared.values())).device
+
+
+def make_state(cfg: ModelConfig, device: Device) -> dict[str, dict[str, Tensor]]:
+    """Fresh live tensors (shared buffers, pools, params) on ``device``'s torch device."""
+    where = "cuda" if device.name.startswith("cuda") else "cpu"
+    return {
+        "shared": make_shared_state(cfg, device=where),
+        "pools": make_pools(cfg, device=where),
+        "params": init_params(cfg, device=where),
+    }
+
+
+def lower(
+    backend: Any,
+    mode: ForwardMode,
+    *,
+    batch_size: int,
+    device: Device,
+    policy: Policy,
+    cfg: ModelConfig | None = None,
+    stream: Any = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
+    ring_size: int = 1,
+    measure: bool = False,
+    UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
+) -> Lowered:
+    """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
+
+    Refuses (``UnsoundLowering``, with the audit's message) a declaration earlier than the
+    traced reads unless ``policy`` is COARSE. ``UNSAFE_skip_soundness_check=True`` lowers it
+    anyway: only for tests that show what an unsound fence does.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    ...     [(r["buffer"], r["end"]) for r in low.describe()][:2]
+    [('req_to_token', 'IN_REPLAY'), ('seq_lens', 'IN_REPLAY')]
+    """
+    if not isinstance(mode, ForwardMode):
+        raise TypeError(f"mode must be a ForwardMode, got {mode!r}")
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
+    _check_positive("batch_size", batch_size)
+    _check_positive("ring_size", ring_size)
+    cfg = ModelConfig() if cfg is None else cfg
+    if batch_size > cfg.max_reqs:
+        raise ValueError(f"batch_size {batch_size} exceeds cfg.max_reqs={cfg.max_reqs}")
+    trace_device = "cuda" if device.name.startswith("cuda") else "cpu"
+    program = trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=trace_device)
+    declared = backend.read_effect(mode)
+    observed = program.observed()
+    if policy is not Policy.COARSE and not observed <= declared and not UNSAFE_skip_soundness_check:
+        failure = audit_backend(backend, mode, cfg=cfg, batch_size=batch_size).failure()
+        raise UnsoundLowering(
+            f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
+            f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
+        )
+    graphed = mode.uses_graph and device.caps.graphs
+    plan = plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=device.caps, policy=policy,
+                       last_reads=last_reads(program), observed=observed, graphed=graphed)
+    return Lowered(
+        backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size,
+        program=program, plan=plan, stream=stream if stream is not None else device.stream("forward"),
+        ring_size=ring_size, state=state if state is not None else make_state(cfg, device),
+        measure=measure,
+    )
+
+
+__all__ = ["Lowered", "StepRun", "UnsoundLowering", "lower", "make_state"]

@@ -1,0 +1,141 @@
+"""A deterministic scheduler: the host side that writes each step's shared state.
+
+Each step it advances the running requests by ``tokens_per_request(mode)`` tokens, finishes
+some (seeded coin flips, or a full context) and admits new ones into freed rows, so that
+page-table rows, KV slots and state slots are reused. It returns fresh host tensors for the
+next step's shared buffers and batch; the runtime copies them into the live buffers behind
+the previous step's fence.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import torch
+from torch import Tensor
+
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
+
+
+@attrs.define
+class _Request:
+    row: int
+    state_slot: int
+    slots: list[int] = attrs.Factory(list)
+
+    @property
+    def length(self) -> int:
+        return len(self.slots)
+
+
+@attrs.frozen
+class StepState:
+    """One step's scheduler output: the whole shared state and the batch, as host tensors."""
+
+    step: int
+    shared: dict[str, Tensor]
+    batch: dict[str, Tensor]
+    admitted: int
+    finished: int
+
+
+class Scheduler:
+    """Seeded request churn over a fixed batch size (the graph's static shape).
+
+    >>> from readfence.core import ModelConfig, ForwardMode
+    >>> s = Scheduler(ModelConfig(), ForwardMode.DECODE, batch_size=2, seed=0)
+    >>> first, second = s.next_step(), s.next_step()
+    >>> second.batch["positions"].tolist() == [p + 1 for p in first.batch["positions"].tolist()]
+    True
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mode: ForwardMode,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        finish_prob: float = 0.1,
+    ) -> None:
+        if not isinstance(batch_size, int) or not 0 < batch_size <= cfg.max_reqs:
+            raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs}, got {batch_size!r}")
+        if not 0.0 <= finish_prob <= 1.0:
+            raise ValueError(f"finish_prob must be in [0, 1], got {finish_prob!r}")
+        self.cfg, self.mode, self.batch_size = cfg, mode, batch_size
+        self.tokens = tokens_per_request(mode)
+        if self.tokens == 0:
+            raise ValueError(f"{mode} steps carry no tokens: nothing to schedule")
+        self.finish_prob = finish_prob
+        self.rng = random.Random(seed)
+        self.step = -1
+        self.free_rows = list(range(cfg.max_reqs))
+        self.free_slots = list(range(cfg.num_slots))
+        self.free_state = list(range(cfg.num_state_slots))
+        self.free_swa = list(range(cfg.num_swa_slots))
+        self.rng.shuffle(self.free_slots)
+        self.rng.shuffle(self.free_swa)
+        self.req_to_token = torch.zeros(cfg.max_reqs, cfg.max_ctx, dtype=torch.int32)
+        self.seq_lens = torch.zeros(cfg.max_reqs, dtype=torch.int32)
+        self.swa_map = torch.zeros(cfg.num_slots, dtype=torch.int32)
+        self.state_slots = torch.zeros(cfg.max_reqs, dtype=torch.int32)
+        self.running: list[_Request | None] = [None] * batch_size
+
+    def _take(self, pool: list[int]) -> int:
+        return pool.pop(self.rng.randrange(len(pool)))
+
+    def _finish(self, req: _Request) -> None:
+        self.free_rows.append(req.row)
+        self.free_state.append(req.state_slot)
+        for slot in req.slots:
+            self.free_swa.append(int(self.swa_map[slot]))
+            self.free_slots.append(slot)
+
+    def _admit(self) -> _Request:
+        req = _Request(row=self._take(self.free_rows), state_slot=self._take(self.free_state))
+        self.state_slots[req.row] = req.state_slot
+        return req
+
+    def next_step(self) -> StepState:
+        """Advance one step; returns the full next shared state and batch (fresh tensors)."""
+        self.step += 1
+        admitted = finished = 0
+        n, cfg = self.tokens, self.cfg
+        for i, req in enumerate(self.running):
+            full = req is not None and req.length + n > cfg.max_ctx
+            if req is not None and (full or self.rng.random() < self.finish_prob):
+                self._finish(req)
+                self.running[i] = req = None
+                finished += 1
+            if req is None:
+                self.running[i] = self._admit()
+                admitted += 1
+        ids, positions, rows, locs = [], [], [], []
+        for req in self.running:
+            assert req is not None
+            rows.append(req.row)
+            for _ in range(n):
+                slot = self._take(self.free_slots)
+                self.swa_map[slot] = self._take(self.free_swa)
+                self.req_to_token[req.row, req.length] = slot
+                positions.append(req.length)
+                locs.append(slot)
+                ids.append(self.rng.randrange(cfg.vocab))
+                req.slots.append(slot)
+            self.seq_lens[req.row] = req.length
+        shared = {
+            "req_to_token": self.req_to_token.clone(),
+            "seq_lens": self.seq_lens.clone(),
+            "swa_map": self.swa_map.clone(),
+            "state_slots": self.state_slots.clone(),
+        }
+        assert tuple(shared) == SHARED_BUFFERS
+        i64 = torch.int64
+        batch = {
+            "input_ids": torch.tensor(ids, dtype=i64),
+            "positions": torch.tensor(positions, dtype=i64),
+            "req_pool_indices": torch.tensor(rows, dtype=i64),
+            "out_cache_loc": torch.tensor(locs, dtype=i64),
+        }
+        return StepState(self.step, shared, batch, admitted, finished)
