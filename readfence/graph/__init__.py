@@ -67,3 +67,9 @@ from ._plan import FencePlan, Placement, plan_fences  # noqa: E402
 
 __all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
             "UnsoundLowering", "lower", "make_state", "plan_fences"]
+from ._runtime import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial  # noqa: E402
+from ._scheduler import Scheduler, StepState  # noqa: E402
+from ._timeline import Timeline  # noqa: E402
+
+__all__ += ["DecodeLoop", "LoopResult", "Scheduler", "StepState", "Timeline", "decode_loop",
+            "run_overlapped", "run_serial"]

@@ -27,6 +27,13 @@ class Bound:
         """The event's latest enqueued record (what a wait called now would bind to)."""
         return cls(event, event.generation, getattr(event, "latest", None))
 
+    def synchronize(self, what: str, timeout: float | None = None) -> None:
+        """Host wait for this very generation (where the device can tell generations apart)."""
+        if self.handle is not None:
+            self.handle.synchronize(self.event.device._timeout(timeout))
+        else:
+            self.check(what).synchronize(timeout)
+
     def check(self, what: str) -> Any:
         current = self.event.generation
         if current != self.generation:
@@ -90,7 +97,9 @@ class Fence:
     def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """Host wait (with timeout) until ``buffers`` (default: all) may be overwritten."""
         for bound in self._bounds(buffers):
-            bound.check(f"fence of {self.owner} step {self.step}").synchronize(timeout)
+            what = f"fence of {self.owner} step {self.step}"
+            bound.check(what)
+            bound.synchronize(what, timeout)
 
     def released(self, buffer: str) -> bool:
         """Whether ``buffer`` may be overwritten now (its event fired, or it is not read)."""

@@ -53,7 +53,7 @@ class StepRun:
 
     def result(self, timeout: float | None = None) -> Tensor:
         """Host wait for the whole forward (with timeout), then the logits."""
-        self.fence.done.check(f"step {self.step}").synchronize(timeout)
+        self.fence.done.synchronize(f"outputs of step {self.step}", timeout)
         return self.logits
 
 
@@ -97,10 +97,12 @@ class Lowered:
         ring_size: int,
         state: Mapping[str, dict[str, Tensor]],
         measure: bool,
+        timeline: Any = None,
     ) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.stream, self.ring_size, self.measure = stream, ring_size, measure
+        self.timeline = timeline
         self.shared, self.pools, self.params = state["shared"], state["pools"], state["params"]
         self.label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
         self.graphed = mode.uses_graph and device.caps.graphs
@@ -161,7 +163,8 @@ class Lowered:
         def run_stage() -> None:
             sink(runner.run(env))
 
-        self.stream.launch(run_stage, label=f"{self.label}/{name}", ops=ops, step=step)
+        fn = run_stage if self.timeline is None else self.timeline.timed(self.stream.name, name, run_stage, "stage")
+        self.stream.launch(fn, label=f"{self.label}/{name}", ops=ops, step=step)
 
     def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
         for point, event in slot.events.items():
@@ -269,6 +272,7 @@ def lower(
     state: Mapping[str, dict[str, Tensor]] | None = None,
     ring_size: int = 1,
     measure: bool = False,
+    timeline: Any = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
@@ -310,7 +314,7 @@ def lower(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size,
         program=program, plan=plan, stream=stream if stream is not None else device.stream("forward"),
         ring_size=ring_size, state=state if state is not None else make_state(cfg, device),
-        measure=measure,
+        measure=measure, timeline=timeline,
     )
 
 
