@@ -6,7 +6,8 @@ ReadEffect({'req_to_token': POST_REPLAY}, default=NONE)
 """
 
 from ._platform import Capabilities, degrade, resolve
+from ._position import Position, publish_positions
 from ._read_effect import ReadEffect
 from ._read_end import ReadEnd
 
-__all__ = ["Capabilities", "ReadEffect", "ReadEnd", "degrade", "resolve"]
+__all__ = ["Capabilities", "Position", "ReadEffect", "ReadEnd", "degrade", "publish_positions", "resolve"]

@@ -73,3 +73,9 @@ from ._timeline import Timeline  # noqa: E402
 
 __all__ += ["DecodeLoop", "LoopResult", "Scheduler", "StepState", "Timeline", "decode_loop",
             "run_overlapped", "run_serial"]
+from ._composite import JoinedFence, PhasedStep, StreamGroup  # noqa: E402
+from ._runtime import lower_step  # noqa: E402
+from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, parse_step  # noqa: E402
+
+__all__ += ["JoinedFence", "Phase", "PhasedStep", "STEP_SHAPES", "StepShape", "StreamGroup", "eagle",
+            "lower_step", "multi_eagle", "ngram", "parse_step"]

@@ -101,6 +101,10 @@ class Fence:
             bound.check(what)
             bound.synchronize(what, timeout)
 
+    def wait_done(self, timeout: float | None = None) -> None:
+        """Host wait (with timeout) for the whole forward of this step, outputs included."""
+        self.done.synchronize(f"outputs of {self.owner} step {self.step}", timeout)
+
     def released(self, buffer: str) -> bool:
         """Whether ``buffer`` may be overwritten now (its event fired, or it is not read)."""
         bound = self.per_buffer[buffer]

@@ -48,12 +48,12 @@ class StepRun:
     """What one ``Lowered.run`` returns: the step's logits (valid once ``fence.done`` fired)."""
 
     step: int
-    logits: Tensor
-    fence: Fence
+    logits: Any  # a Tensor, or a tuple of them for composite steps (phases, streams)
+    fence: Any  # Fence, or JoinedFence for composite steps
 
     def result(self, timeout: float | None = None) -> Tensor:
         """Host wait for the whole forward (with timeout), then the logits."""
-        self.fence.done.synchronize(f"outputs of step {self.step}", timeout)
+        self.fence.wait_done(timeout)
         return self.logits
 
 
@@ -98,11 +98,13 @@ class Lowered:
         state: Mapping[str, dict[str, Tensor]],
         measure: bool,
         timeline: Any = None,
+        new_event: Any = None,
     ) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.stream, self.ring_size, self.measure = stream, ring_size, measure
         self.timeline = timeline
+        self._new_event = device.event if new_event is None else new_event
         self.shared, self.pools, self.params = state["shared"], state["pools"], state["params"]
         self.label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
         self.graphed = mode.uses_graph and device.caps.graphs
@@ -128,11 +130,12 @@ class Lowered:
 
     def _build_slot(self, r: int) -> _Slot:
         dev = self.device
-        events = {p: dev.event(f"{self.label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
+        events = {p: self._new_event(f"{self.label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
                   for p in self.plan.points()}
         probes = {}
         if self.measure:
-            probes = {b: dev.event(f"{self.label}/lastread:{b}#{r}") for b in last_reads(self.program)}
+            probes = {b: dev.event(f"{self.label}/lastread:{b}#{r}") for b in last_reads(self.program)
+                      if b in self.plan.placements}
         after: dict[str, dict[str, list[Any]]] = {s.name: {} for s in self.program.stages}
         for b, last in last_reads(self.program).items():  # probes first: read, then release
             if b in probes:
@@ -141,7 +144,7 @@ class Lowered:
             if point.after is not None:
                 after[point.after.stage].setdefault(point.after.node, []).append(event)
         stages = {s.name: self._stage_fn(s, after[s.name]) for s in self.program.stages}
-        slot = _Slot(events, probes, dev.event(f"{self.label}/done#{r}"), stages)
+        slot = _Slot(events, probes, self._new_event(f"{self.label}/done#{r}"), stages)
         if self.graphed:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
@@ -222,6 +225,11 @@ class Lowered:
         probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
         return Fence(self.label, step, per_buffer, Bound.latest(slot.done), probes)
 
+    def write_key(self, buffer: str) -> tuple[int, int, int]:
+        """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
+        placement = self.plan.placements.get(buffer)
+        return (9, 0, 0) if placement is None else placement.sort_key
+
     def describe(self) -> list[dict[str, str]]:
         """Per buffer: declared, observed, placement of its event."""
         declared, observed = self.backend.read_effect(self.mode), self.program.observed()
@@ -270,9 +278,12 @@ def lower(
     cfg: ModelConfig | None = None,
     stream: Any = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    ring_size: int = 1,
+    ring_size: int | None = None,
+    steps_in_flight: int = 1,
+    publish: Sequence[str] | None = None,
     measure: bool = False,
     timeline: Any = None,
+    new_event: Any = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
@@ -293,7 +304,18 @@ def lower(
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
     _check_positive("batch_size", batch_size)
-    _check_positive("ring_size", ring_size)
+    _check_positive("steps_in_flight", steps_in_flight)
+    ring_size = steps_in_flight if ring_size is None else _check_positive("ring_size", ring_size)
+    if ring_size < steps_in_flight:
+        raise ValueError(
+            f"event ring of size {ring_size} is too small for {steps_in_flight} steps in flight: "
+            f"the record of step i+{ring_size} would reuse an event that a wait of step i has not "
+            f"bound yet; use ring_size >= {steps_in_flight}"
+        )
+    buffers = SHARED_BUFFERS if publish is None else tuple(publish)
+    unknown = [b for b in buffers if b not in SHARED_BUFFERS]
+    if unknown:
+        raise ValueError(f"publish names unknown buffers {unknown}; shared buffers are {list(SHARED_BUFFERS)}")
     cfg = ModelConfig() if cfg is None else cfg
     if batch_size > cfg.max_reqs:
         raise ValueError(f"batch_size {batch_size} exceeds cfg.max_reqs={cfg.max_reqs}")
@@ -308,13 +330,13 @@ def lower(
             f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
         )
     graphed = mode.uses_graph and device.caps.graphs
-    plan = plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=device.caps, policy=policy,
+    plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
                        last_reads=last_reads(program), observed=observed, graphed=graphed)
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size,
         program=program, plan=plan, stream=stream if stream is not None else device.stream("forward"),
         ring_size=ring_size, state=state if state is not None else make_state(cfg, device),
-        measure=measure, timeline=timeline,
+        measure=measure, timeline=timeline, new_event=new_event,
     )
 
 

@@ -22,11 +22,13 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
 
 from ._device import Device
-from ._lower import Lowered, StepRun, lower, make_state
+from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
+from ._lower import StepRun, lower, make_state
 from ._ops import Write
 from ._policy import Policy
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepState
+from ._shapes import StepShape
 from ._timeline import Timeline
 
 
@@ -48,15 +50,52 @@ class LoopResult:
     def steps_per_s(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
 
-    def matches(self, reference: LoopResult | Sequence[Tensor]) -> bool:
-        """Bit-identical logits, step by step."""
+    def matches(self, reference: LoopResult | Sequence[Any]) -> bool:
+        """Bit-identical logits, step by step (phases and streams included)."""
         ref = reference.logits if isinstance(reference, LoopResult) else list(reference)
-        return len(ref) == len(self.logits) and all(torch.equal(a, b) for a, b in zip(self.logits, ref))
+        return len(ref) == len(self.logits) and all(_same(a, b) for a, b in zip(self.logits, ref))
 
     @property
     def mean_slack(self) -> float | None:
         """Mean over buffers of the mean time from a buffer's last read to its release (s)."""
         return statistics.fmean(self.slack.values()) if self.slack else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def _is_per_stream(target: Any) -> bool:
+    return type(target).__name__ == "PerStream" and hasattr(target, "members")
+
+
+def _scheduling_mode(target: Any, mode: ForwardMode) -> ForwardMode:
+    return target.scheduling_mode() if isinstance(target, StepShape) else mode
+
+
+def _eager_step(target: Any, mode: ForwardMode, cfg: ModelConfig, state: dict[str, dict[str, Tensor]],
+                batch: dict[str, Tensor]) -> Any:
+    shared, pools, params = state["shared"], state["pools"], state["params"]
+    if isinstance(target, StepShape):
+        return eager_phases(target, cfg, shared, pools, params, batch)
+    if _is_per_stream(target):
+        return eager_streams(target.members, mode, cfg, shared, pools, params, batch)
+    return run_step(target, mode, cfg, StepInputs(shared=shared, batch=batch, pools=pools, params=params)).clone()
+
+
+def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
+               cfg: ModelConfig, state: dict[str, dict[str, Tensor]], **kwargs: Any) -> Any:
+    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`."""
+    common = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
+    if isinstance(target, StepShape):
+        return PhasedStep(target, **common)
+    if _is_per_stream(target):
+        return StreamGroup(target.members, mode, **common)
+    return lower(target, mode, **common)
 
 
 def _busy(work: Tensor | None) -> None:
@@ -88,15 +127,14 @@ def run_serial(
     """
     cfg = ModelConfig() if cfg is None else cfg
     state = make_state(cfg, _HostOnly())
-    sched = Scheduler(cfg, mode, batch_size, seed=seed, finish_prob=finish_prob)
+    sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     t0 = time.perf_counter()
     logits = []
     for _ in range(steps):
         nxt = sched.next_step()
         for b in SHARED_BUFFERS:
             state["shared"][b].copy_(nxt.shared[b])
-        step = StepInputs(shared=state["shared"], batch=nxt.batch, pools=state["pools"], params=state["params"])
-        logits.append(run_step(backend, mode, cfg, step).clone())
+        logits.append(_eager_step(backend, mode, cfg, state, nxt.batch))
     return LoopResult(None, logits, time.perf_counter() - t0)
 
 
@@ -111,7 +149,7 @@ class DecodeLoop:
     Build with :func:`decode_loop`; :meth:`run` runs ``steps`` overlapped steps.
     """
 
-    lowered: Lowered
+    lowered: Any  # Lowered, PhasedStep or StreamGroup: run(), shared, write_key()
     scheduler: Scheduler
     device: Device
     schedule_stream: Any
@@ -170,21 +208,23 @@ def decode_loop(
     seed: int = 0,
     finish_prob: float = 0.1,
     write_cost: int = 0,
-    ring_size: int = 1,
+    ring_size: int | None = None,
     timeline: Timeline | None = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
 ) -> DecodeLoop:
-    """Lower ``backend`` and wire it to a seeded scheduler on ``device``.
+    """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
+    wire it to a seeded scheduler on ``device``.
 
     ``write_cost`` adds an ``n x n`` matmul to each page-table write (synthetic scheduler
     work that must happen after the fence, to make overlap measurable).
     """
     cfg = ModelConfig() if cfg is None else cfg
-    low = lower(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                state=make_state(cfg, device), ring_size=ring_size, measure=True, timeline=timeline,
-                UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
-    sched = Scheduler(cfg, mode, batch_size, seed=seed, finish_prob=finish_prob)
-    order = tuple(sorted(SHARED_BUFFERS, key=lambda b: low.plan.placements[b].sort_key))
+    extra = {} if ring_size is None else {"ring_size": ring_size}
+    low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
+                     state=make_state(cfg, device), measure=True, timeline=timeline,
+                     UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, **extra)
+    sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
+    order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
     where = next(iter(low.shared.values())).device
     work = torch.randn(write_cost, write_cost, device=where) if write_cost else None
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),
@@ -227,7 +267,7 @@ def run_overlapped(
             if s is not None:
                 slack.setdefault(b, []).append(s)
     if loop.timeline is not None:
-        _fence_instants(loop.timeline, loop.lowered.stream.name, runs)
+        _fence_instants(loop.timeline, "fences", runs)
     return LoopResult(
         policy, [r.logits for r in runs], seconds,
         tuple(sanitizer.violations) if sanitizer is not None else (),

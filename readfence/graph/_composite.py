@@ -1,0 +1,204 @@
+"""Composite steps: several lowered graphs per step, and the fence they publish together.
+
+* :class:`PhasedStep`: the phases of a :class:`StepShape` run in order on one forward
+  stream; each buffer's fence comes from the phase holding its last read.
+* :class:`StreamGroup`: a ``per_stream`` backend; member ``s`` is lowered on its own forward
+  stream and serves its share of the requests; each stream's fence comes from its own
+  member's graph, and the scheduler waits on every stream that reads a buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request
+from readfence.core._state import request_ranges
+
+from ._fence import Fence
+from ._lower import Lowered, StepRun, lower
+from ._plan import Placement
+from ._shapes import StepShape
+
+
+@attrs.frozen
+class JoinedFence:
+    """A step's fence made of parts: per buffer, the part fences that must all release it.
+
+    >>> JoinedFence("demo", 0, {"seq_lens": ()}, ()).released("seq_lens")
+    True
+    """
+
+    owner: str
+    step: int
+    parts: Mapping[str, tuple[Fence, ...]]
+    done_parts: tuple[Fence, ...]
+
+    def _check(self, buffers: Iterable[str] | None) -> list[str]:
+        names = list(self.parts) if buffers is None else list(buffers)
+        unknown = [b for b in names if b not in self.parts]
+        if unknown:
+            raise KeyError(f"fence of {self.owner} (step {self.step}) publishes no buffer {unknown}")
+        return names
+
+    def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
+        for b in self._check(buffers):
+            for part in self.parts[b]:
+                part.wait(stream, [b])
+
+    def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
+        for b in self._check(buffers):
+            for part in self.parts[b]:
+                part.synchronize([b], timeout=timeout)
+
+    def wait_done(self, timeout: float | None = None) -> None:
+        for part in self.done_parts:
+            part.wait_done(timeout)
+
+    def released(self, buffer: str) -> bool:
+        return all(p.released(buffer) for p in self.parts[buffer])
+
+    def _latest(self, buffer: str, get: str) -> float | None:
+        times = [getattr(p, get)(buffer) for p in self.parts[buffer]]
+        return None if not times or None in times else max(times)
+
+    def release_time(self, buffer: str) -> float | None:
+        return self._latest(buffer, "release_time")
+
+    def last_read_time(self, buffer: str) -> float | None:
+        return self._latest(buffer, "last_read_time")
+
+    def slack(self, buffer: str) -> float | None:
+        read, release = self.last_read_time(buffer), self.release_time(buffer)
+        return None if read is None or release is None else release - read
+
+
+def narrow_tokens(batch: Mapping[str, Tensor], have: int, want: int) -> dict[str, Tensor]:
+    """The first ``want`` of each request's ``have`` new tokens (request-major batches).
+
+    >>> b = {"input_ids": torch.arange(6), "req_pool_indices": torch.tensor([4, 9])}
+    >>> narrow_tokens(b, 3, 1)["input_ids"].tolist()
+    [0, 3]
+    """
+    if want == have:
+        return dict(batch)
+    out = {}
+    for key, t in batch.items():
+        out[key] = t if key == "req_pool_indices" else t.reshape(-1, have)[:, :want].reshape(-1).contiguous()
+    return out
+
+
+def _sort_key(placement: Placement | None) -> tuple[int, int, int]:
+    return (-1, 0, 0) if placement is None else placement.sort_key
+
+
+class PhasedStep:
+    """The phases of ``shape`` lowered on one forward stream (one graph per runner and mode)."""
+
+    def __init__(self, shape: StepShape, *, device: Any, policy: Any, batch_size: int, cfg: ModelConfig,
+                 state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> None:
+        self.shape, self.cfg = shape, cfg
+        self.shared = state["shared"]
+        self.tokens = shape.tokens
+        positions = shape.positions()
+        self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
+        replays: dict[Any, int] = {}
+        for ph in shape.phases:
+            replays[ph.graph_key] = replays.get(ph.graph_key, 0) + 1
+        stream = device.stream("forward")
+        self.graphs: dict[Any, Lowered] = {}
+        for i, ph in enumerate(shape.phases):
+            if ph.graph_key in self.graphs:
+                continue
+            publish = [b for b, k in self.owner.items() if shape.phases[k].graph_key == ph.graph_key]
+            # Every replay of a runner's graph in one step is a step in flight for its events.
+            self.graphs[ph.graph_key] = lower(
+                ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
+                stream=stream, state=state, steps_in_flight=replays[ph.graph_key], publish=publish, **kwargs)
+        self.stream = stream
+        self.label = f"{shape.name}/{policy.name}"
+
+    def write_key(self, buffer: str) -> tuple[int, tuple[int, int, int]]:
+        """Order of the scheduler's writes: by the position that releases the buffer."""
+        k = self.owner.get(buffer)
+        if k is None:
+            return (-1, (0, 0, 0))
+        return (k, _sort_key(self.graphs[self.shape.phases[k].graph_key].plan.placements.get(buffer)))
+
+    def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Any] = ()) -> StepRun:
+        runs = []
+        for i, ph in enumerate(self.shape.phases):
+            part = narrow_tokens(batch, self.tokens, tokens_per_request(ph.mode))
+            runs.append(self.graphs[ph.graph_key].run(part, step=step, after=after if i == 0 else ()))
+        parts = {b: (runs[k].fence,) for b, k in self.owner.items()}
+        parts.update({b: () for b in SHARED_BUFFERS if b not in parts})
+        fence = JoinedFence(self.label, step, parts, (runs[-1].fence,))
+        return StepRun(step, tuple(r.logits for r in runs), fence)
+
+    def eager(self, shared: dict[str, Tensor], pools: dict[str, Tensor], params: dict[str, Tensor],
+              batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        return eager_phases(self.shape, self.cfg, shared, pools, params, batch)
+
+
+def eager_phases(shape: StepShape, cfg: ModelConfig, shared: dict[str, Tensor], pools: dict[str, Tensor],
+                 params: dict[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+    """The serial reference of one multi-phase step: each phase's eager ``run_step``."""
+    out = []
+    for ph in shape.phases:
+        part = narrow_tokens(batch, shape.tokens, tokens_per_request(ph.mode))
+        out.append(run_step(ph.backend, ph.mode, cfg, StepInputs(shared, part, pools, params)).clone())
+    return tuple(out)
+
+
+def split_requests(batch: Mapping[str, Tensor], tokens: int, parts: int) -> list[dict[str, Tensor]]:
+    """Consecutive request ranges of a request-major batch, one per stream."""
+    ranges = request_ranges(int(batch["req_pool_indices"].shape[0]), parts)
+    return [{k: (t[lo:hi] if k == "req_pool_indices" else t[lo * tokens:hi * tokens]).contiguous()
+             for k, t in batch.items()} for lo, hi in ranges]
+
+
+def eager_streams(members: Sequence[Any], mode: ForwardMode, cfg: ModelConfig, shared: dict[str, Tensor],
+                  pools: dict[str, Tensor], params: dict[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+    """The serial reference of a ``per_stream`` step: each member on its share, one after another."""
+    parts = split_requests(batch, tokens_per_request(mode), len(members))
+    return tuple(run_step(m, mode, cfg, StepInputs(shared, p, pools, params)).clone()
+                 for m, p in zip(members, parts))
+
+
+class StreamGroup:
+    """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]``."""
+
+    def __init__(self, members: Sequence[Any], mode: ForwardMode, *, device: Any, policy: Any, batch_size: int,
+                 cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> None:
+        if batch_size < len(members):
+            raise ValueError(f"per_stream with {len(members)} members needs batch_size >= {len(members)}, "
+                             f"got {batch_size}")
+        self.members, self.mode, self.cfg = tuple(members), mode, cfg
+        self.shared = state["shared"]
+        self.tokens = tokens_per_request(mode)
+        sizes = [hi - lo for lo, hi in request_ranges(batch_size, len(members))]
+        self.lowered = [
+            lower(m, mode, batch_size=n, device=device, policy=policy, cfg=cfg, stream=device.stream(f"forward[{s}]"),
+                  state=state, **kwargs)
+            for s, (m, n) in enumerate(zip(members, sizes))
+        ]
+        self.label = f"per_stream/{policy.name}"
+
+    def write_key(self, buffer: str) -> tuple[int, int, int]:
+        return max(_sort_key(low.plan.placements.get(buffer)) for low in self.lowered)
+
+    def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Any] = ()) -> StepRun:
+        parts = split_requests(batch, self.tokens, len(self.lowered))
+        runs = [low.run(p, step=step, after=after) for low, p in zip(self.lowered, parts)]
+        fence = JoinedFence(self.label, step, {b: tuple(r.fence for r in runs) for b in SHARED_BUFFERS},
+                            tuple(r.fence for r in runs))
+        return StepRun(step, tuple(r.logits for r in runs), fence)
+
+    def eager(self, shared: dict[str, Tensor], pools: dict[str, Tensor], params: dict[str, Tensor],
+              batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        return eager_streams(self.members, self.mode, self.cfg, shared, pools, params, batch)
+

@@ -1,0 +1,173 @@
+"""Multi-phase step shapes (speculative decoding): a step is a sequence of lowered phases.
+
+Each phase runs one backend in one mode on one runner (a runner's graph for a mode is
+captured once and replayed by every phase that uses it). A buffer's last read in the step is
+the maximum :class:`~readfence.effects.Position` over the phases; the phase holding it
+publishes the buffer's fence. Nothing here is configured by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
+from readfence.effects import Position, ReadEffect, publish_positions
+
+
+@attrs.frozen
+class Phase:
+    """One phase of a step: ``backend`` in ``mode`` on graph runner ``runner``."""
+
+    name: str
+    backend: Any
+    mode: ForwardMode
+    runner: str
+
+    @property
+    def graph_key(self) -> tuple[str, ForwardMode]:
+        """Phases with the same key replay the same lowered graph."""
+        return (self.runner, self.mode)
+
+
+@attrs.frozen
+class StepShape:
+    """A named sequence of phases; ``spec`` is how it is written (``parse_step`` reads it).
+
+    >>> from readfence.backends import paged, trtllm_mha
+    >>> shape = eagle(paged(), trtllm_mha(), draft_steps=2)
+    >>> [p.name for p in shape.phases]
+    ['draft_decode[0]', 'draft_decode[1]', 'target_verify', 'draft_extend']
+    >>> shape.publisher("req_to_token").name
+    'draft_extend'
+    """
+
+    name: str
+    phases: tuple[Phase, ...]
+    spec: str
+
+    def effects(self) -> list[ReadEffect]:
+        return [p.backend.read_effect(p.mode) for p in self.phases]
+
+    def positions(self) -> dict[str, Position]:
+        """Per shared buffer, the position (phase index, end) of its last read in the step."""
+        return publish_positions(self.effects(), SHARED_BUFFERS)
+
+    def publisher(self, buffer: str) -> Phase | None:
+        """The phase that publishes ``buffer``'s fence (``None``: no phase reads it)."""
+        pos = self.positions()[buffer]
+        return None if pos.phase < 0 else self.phases[pos.phase]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per request the scheduler allocates per step (the largest phase)."""
+        return max(tokens_per_request(p.mode) for p in self.phases)
+
+    def scheduling_mode(self) -> ForwardMode:
+        """A mode with :attr:`tokens` tokens per request (for the scheduler)."""
+        return next(m for m in ForwardMode if tokens_per_request(m) == self.tokens)
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def _check(name: str, backends: Sequence[Any]) -> None:
+    for i, b in enumerate(backends):
+        if not hasattr(b, "read_effect"):
+            raise TypeError(f"{name}: argument {i} must be a backend, got {b!r}")
+
+
+def eagle(target: Any, draft: Any, *, draft_steps: int = 2) -> StepShape:
+    """EAGLE: the draft decodes ``draft_steps`` times, the target verifies, the draft extends.
+
+    The draft extend runs last, so it publishes every buffer it reads.
+    """
+    _check("eagle", [target, draft])
+    if not isinstance(draft_steps, int) or draft_steps <= 0:
+        raise ValueError(f"eagle: draft_steps must be a positive int, got {draft_steps!r}")
+    phases = [Phase(f"draft_decode[{i}]", draft, ForwardMode.DECODE, "draft") for i in range(draft_steps)]
+    phases += [Phase("target_verify", target, ForwardMode.TARGET_VERIFY, "target"),
+               Phase("draft_extend", draft, ForwardMode.DRAFT_EXTEND, "draft")]
+    return StepShape("eagle", tuple(phases), f"eagle({target}, {draft}, draft_steps={draft_steps})")
+
+
+def multi_eagle(target: Any, *drafts: Any) -> StepShape:
+    """Multi-layer EAGLE: the target verifies, then each draft runner extends in turn.
+
+    The last draft runner reads last, so it publishes.
+    """
+    _check("multi_eagle", [target, *drafts])
+    if not drafts:
+        raise ValueError("multi_eagle needs at least one draft backend")
+    phases = [Phase("target_verify", target, ForwardMode.TARGET_VERIFY, "target")]
+    phases += [Phase(f"draft_extend[{i}]", d, ForwardMode.DRAFT_EXTEND, f"draft[{i}]") for i, d in enumerate(drafts)]
+    spec = f"multi_eagle({', '.join(str(b) for b in (target, *drafts))})"
+    return StepShape("multi_eagle", tuple(phases), spec)
+
+
+def ngram(target: Any) -> StepShape:
+    """An n-gram speculator: no draft model, target verify is the only phase."""
+    _check("ngram", [target])
+    return StepShape("ngram", (Phase("target_verify", target, ForwardMode.TARGET_VERIFY, "target"),),
+                     f"ngram({target})")
+
+
+STEP_SHAPES = {"eagle": eagle, "multi_eagle": multi_eagle, "ngram": ngram}
+
+
+def _split_args(text: str) -> list[str]:
+    depth, start, out = 0, 0, []
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return [a.strip() for a in out if a.strip()]
+
+
+def parse_step(spec: str) -> Result[StepShape, str]:
+    """Parse ``eagle(TARGET, DRAFT[, draft_steps=N])``, ``multi_eagle(T, D1, D2...)``, ``ngram(T)``.
+
+    Backend arguments are backend specs (``readfence.backends.parse``).
+
+    >>> parse_step("eagle(paged, trtllm_mha, draft_steps=3)").unwrap().phases[2].name
+    'draft_decode[2]'
+    >>> parse_step("eagle(paged)").failure()
+    'eagle(paged): eagle needs 2 backends (target, draft), got 1'
+    """
+    from readfence.backends import parse
+
+    text = spec.strip()
+    head, _, rest = text.partition("(")
+    head = head.strip()
+    if head not in STEP_SHAPES:
+        return Failure(f"unknown step shape {head!r}; step shapes: {', '.join(STEP_SHAPES)}")
+    if not rest.endswith(")"):
+        return Failure(f"{text}: expected ')' at position {len(text)}")
+    backends, kwargs = [], {}
+    for arg in _split_args(rest[:-1]):
+        key, eq, value = arg.partition("=")
+        if eq and "(" not in key:
+            if head != "eagle" or key.strip() != "draft_steps" or not value.strip().isdigit():
+                return Failure(f"{text}: unexpected argument {arg!r} (eagle takes draft_steps=N)")
+            kwargs["draft_steps"] = int(value)
+            continue
+        parsed = parse(arg)
+        if isinstance(parsed, Failure):
+            return Failure(f"{text}: in {arg!r}: {parsed.failure()}")
+        backends.append(parsed.unwrap())
+    need = {"eagle": (2, 2, "2 backends (target, draft)"), "ngram": (1, 1, "1 backend (target)"),
+            "multi_eagle": (2, 10**9, "a target and at least one draft backend")}[head]
+    if not need[0] <= len(backends) <= need[1]:
+        return Failure(f"{text}: {head} needs {need[2]}, got {len(backends)}")
+    try:
+        return Success(STEP_SHAPES[head](*backends, **kwargs))
+    except (TypeError, ValueError) as e:
+        return Failure(f"{text}: {e}")
