@@ -1,0 +1,207 @@
+"""Issue 7: multi-phase steps, per-stream groups, event rings and the eager prefill path."""
+
+import functools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from readfence.backends import deepseek_v4, linear, paged, per_stream, redeclare, trtllm_mha
+from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.effects import Position, ReadEffect, ReadEnd, laws
+from readfence.graph import (
+    CpuDevice, FaultInjector, Policy, RingWrapError, Sanitizer, StepShape, StreamGroup, decode_loop, eagle,
+    lower, multi_eagle, ngram, parse_step, run_overlapped, run_serial,
+)
+from readfence.core import ModelConfig
+from readfence.graph import Scheduler, make_state
+from readfence.graph._fence import Bound
+from readfence.graph._runtime import DecodeLoop
+from readfence.graph._shapes import Phase
+
+laws.check_join_semilattice(
+    st.builds(Position.of, st.integers(0, 3), st.sampled_from(list(ReadEnd))),
+    join=lambda a, b: a | b, leq=lambda a, b: a <= b, bottom=Position.bottom(), name="position",
+)
+
+MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
+effects = st.dictionaries(st.sampled_from(SHARED_BUFFERS), st.sampled_from(list(ReadEnd))).map(ReadEffect.of)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MODES), effects), min_size=1, max_size=5))
+def test_published_position_is_the_maximum(phases):
+    shape = StepShape("random", tuple(
+        Phase(f"p{i}", redeclare(paged(), lambda m, e=e: e), mode, f"r{i}") for i, (mode, e) in enumerate(phases)
+    ), "random")
+    positions = shape.positions()
+    for b in SHARED_BUFFERS:
+        candidates = [(i, e[b]) for i, (_, e) in enumerate(phases) if e[b] is not ReadEnd.NONE]
+        expected = max(candidates, key=lambda c: (c[0], c[1].value), default=None)
+        if expected is None:
+            assert positions[b] == Position.bottom() and shape.publisher(b) is None
+        else:
+            assert (positions[b].phase, positions[b].end) == expected
+            assert shape.publisher(b) is shape.phases[expected[0]]
+
+
+@functools.cache
+def _serial(spec: str, steps: int):
+    return run_serial(parse_step(spec).unwrap(), steps=steps, batch_size=2)
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MODES), effects), min_size=1, max_size=3), st.integers(0, 1000))
+def test_random_phase_sequences_overlap_like_serial(phases, seed):
+    # Declarations are random but sound: joined with what paged really reads in each mode.
+    from readfence.core import trace
+    ph = []
+    for i, (mode, e) in enumerate(phases):
+        sound = e | trace(paged(), mode).observed()
+        ph.append(Phase(f"p{i}", redeclare(paged(), lambda m, s=sound: s), mode, f"r{i}"))
+    shape = StepShape("random", tuple(ph), "random")
+    ref = run_serial(shape, steps=12, batch_size=2, seed=seed)
+    with CpuDevice(faults=FaultInjector(seed=seed, max_delay_s=0.002)) as dev:
+        res = run_overlapped(shape, steps=12, policy=Policy.PER_BUFFER, device=dev, batch_size=2, seed=seed)
+    assert res.matches(ref) and res.violations == ()
+
+
+P, I, Q = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY
+
+
+@pytest.mark.parametrize(("spec", "publishers"), [
+    # EAGLE: the draft extend reads last (its PRE_REPLAY beats the verify's IN_REPLAY: later phase)
+    ("eagle(paged, trtllm_mha)", {"req_to_token": ("draft_extend", Q), "seq_lens": ("draft_extend", P),
+                                  "swa_map": ("draft_extend", P), "state_slots": None}),
+    # multi-layer EAGLE: the last draft runner reads last
+    ("multi_eagle(paged, trtllm_mha, trtllm_mha)", {"req_to_token": ("draft_extend[1]", Q),
+                                                    "seq_lens": ("draft_extend[1]", P), "state_slots": None}),
+    # n-gram: verify is the only phase
+    ("ngram(deepseek_v4)", {"req_to_token": ("target_verify", Q), "seq_lens": ("target_verify", I),
+                            "swa_map": None}),
+])
+def test_speculative_step_shapes_and_their_publisher(spec, publishers):
+    shape = parse_step(spec).unwrap()
+    for buffer, expected in publishers.items():
+        phase = shape.publisher(buffer)
+        got = None if phase is None else (phase.name, shape.positions()[buffer].end)
+        assert got == expected, buffer
+    ref = _serial(spec, 20)
+    with CpuDevice(faults=FaultInjector(seed=3, max_delay_s=0.002)) as dev:
+        res = run_overlapped(shape, steps=20, policy=Policy.EXACT, device=dev, batch_size=2)
+    assert res.matches(ref) and res.violations == ()
+
+
+def test_eagle_only_the_owner_graph_publishes():
+    with CpuDevice() as dev:
+        loop = decode_loop(eagle(paged(), trtllm_mha()), policy=Policy.PER_BUFFER, device=dev, batch_size=2)
+        graphs = loop.lowered.graphs
+        draft_extend = graphs[("draft", ForwardMode.DRAFT_EXTEND)]
+        assert set(draft_extend.plan.placements) >= {"req_to_token"}
+        assert "req_to_token" not in graphs[("target", ForwardMode.TARGET_VERIFY)].plan.placements
+        # the draft DECODE graph is replayed twice per step: its ring holds two slots
+        assert graphs[("draft", ForwardMode.DECODE)].ring_size == 2
+
+
+def test_parse_step_errors():
+    assert "unknown step shape 'medusa'" in parse_step("medusa(paged)").failure()
+    assert "ngram needs 1 backend" in parse_step("ngram(paged, paged)").failure()
+    assert "nosuch" in parse_step("eagle(paged, nosuch)").failure()
+
+
+# -- per-stream groups ------------------------------------------------------------------------
+GROUP = per_stream(paged(), trtllm_mha())
+
+
+def test_two_forward_streams_bit_identical_and_clean():
+    ref = run_serial(GROUP, steps=200, batch_size=4, seed=5)
+    with CpuDevice(faults=FaultInjector(seed=5, max_delay_s=0.001)) as dev:
+        res = run_overlapped(GROUP, steps=200, policy=Policy.PER_BUFFER, device=dev, batch_size=4, seed=5)
+    assert res.matches(ref)
+    assert res.violations == ()
+
+
+def test_each_stream_fence_comes_from_its_own_member():
+    with CpuDevice() as dev:
+        loop = decode_loop(GROUP, policy=Policy.PER_BUFFER, device=dev, batch_size=4)
+        a, b = loop.lowered.lowered
+        assert (a.stream.name, b.stream.name) == ("forward[0]", "forward[1]")
+        assert a.backend == paged() and b.backend == trtllm_mha()
+        assert a.plan.end("req_to_token") is ReadEnd.IN_REPLAY
+        assert b.plan.end("req_to_token") is ReadEnd.PRE_REPLAY
+        events_a = {id(e) for s in a._slots for e in [*s.events.values(), s.done]}
+        events_b = {id(e) for s in b._slots for e in [*s.events.values(), s.done]}
+        assert events_a and events_b and not events_a & events_b
+
+
+def _shared_event_group(dev):
+    """BROKEN fixture: both streams are handed one shared event (the bug class of issue 7)."""
+    event = dev.event("the-one-event")
+    cfg = ModelConfig()
+    return StreamGroup(GROUP.members, ForwardMode.DECODE, device=dev, policy=Policy.PER_BUFFER, batch_size=4,
+                       cfg=cfg, state=make_state(cfg, dev), new_event=lambda name: event)
+
+
+def _drive(group, dev, steps=30):
+    sched = Scheduler(ModelConfig(), ForwardMode.DECODE, 4, seed=1)
+    order = tuple(sorted(SHARED_BUFFERS, key=group.write_key))
+    return DecodeLoop(group, sched, dev, dev.stream("schedule"), dev.event("written"), None, None, order).run(steps)
+
+
+def test_shared_event_between_streams_is_caught_by_generation_check():
+    with CpuDevice(faults=FaultInjector(seed=2, max_delay_s=0.001)) as dev:
+        with pytest.raises(RingWrapError, match="recorded again"):
+            _drive(_shared_event_group(dev), dev)
+
+
+def test_shared_event_between_streams_races_without_the_check(monkeypatch):
+    # An engine that waits on "the event" without binding generations: the sanitizer catches it.
+    monkeypatch.setattr(Bound, "check", lambda self, what: self.event)
+    san = Sanitizer()
+    with CpuDevice(faults=FaultInjector(seed=2, max_delay_s=0.001), observers=[san]) as dev:
+        _drive(_shared_event_group(dev), dev)
+    assert san.violations, "one event shared by two streams must race"
+    assert any(v.buffer in SHARED_BUFFERS for v in san.violations)
+
+
+# -- event rings ------------------------------------------------------------------------------
+def test_ring_too_small_for_steps_in_flight_is_refused():
+    with CpuDevice() as dev:
+        with pytest.raises(ValueError, match=r"event ring of size 1 is too small for 3 steps in flight"):
+            lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                  ring_size=1, steps_in_flight=3)
+        low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                    steps_in_flight=3)
+        assert low.ring_size == 3
+
+
+def test_ring_slots_keep_in_flight_fences_bound():
+    from readfence.core import example_step
+    with CpuDevice() as dev:
+        for ring, wraps in ((1, True), (2, False)):
+            low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                        ring_size=ring)
+            batch = example_step(low.cfg, ForwardMode.DECODE, 2).batch
+            first = low.run(batch, step=0)
+            low.run(batch, step=1)  # a second step in flight before the first fence is waited on
+            if wraps:
+                with pytest.raises(RingWrapError, match="larger ring_size"):
+                    first.fence.wait(dev.stream("schedule"), ["seq_lens"])
+            else:
+                first.fence.wait(dev.stream("schedule"), ["seq_lens"])
+            dev.synchronize(timeout=10)
+
+
+# -- prefill / extend: eager, no graph ----------------------------------------------------------
+@pytest.mark.parametrize(("backend", "end"), [(deepseek_v4(), ReadEnd.PRE_REPLAY), (paged(), ReadEnd.UNKNOWN),
+                                              (linear(), ReadEnd.UNKNOWN)])
+def test_extend_runs_eagerly_and_publishes_pre_replay_only_with_a_snapshot(backend, end):
+    with CpuDevice() as dev:
+        low = lower(backend, ForwardMode.EXTEND, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+        assert not low.graphed and all(s.graph is None for s in low._slots)
+        assert low.plan.end("req_to_token") is end
+    ref = run_serial(backend, ForwardMode.EXTEND, steps=15, batch_size=2)
+    with CpuDevice(faults=FaultInjector(seed=4, max_delay_s=0.002)) as dev:
+        res = run_overlapped(backend, ForwardMode.EXTEND, steps=15, policy=Policy.PER_BUFFER, device=dev,
+                             batch_size=2)
+    assert res.matches(ref) and res.violations == ()
