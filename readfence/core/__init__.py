@@ -1,6 +1,54 @@
 """The step program: forward modes, shared state, the tiny model, tracing and audit."""
 
 from ._modes import ForwardMode
+from ._model import forward, prepare, rms_norm, rotary, run_step
 from ._protocol import STAGE_ENDS, BackendLike
+from ._state import (
+    SHARED_BUFFERS,
+    ModelConfig,
+    StepInputs,
+    example_step,
+    init_params,
+    make_pools,
+    make_shared_state,
+    split_batch,
+    tokens_per_request,
+)
 
-__all__ = ["STAGE_ENDS", "BackendLike", "ForwardMode"]
+__all__ = [
+    "SHARED_BUFFERS",
+    "STAGE_ENDS",
+    "BackendLike",
+    "ForwardMode",
+    "ModelConfig",
+    "StepInputs",
+    "example_step",
+    "forward",
+    "init_params",
+    "make_pools",
+    "make_shared_state",
+    "prepare",
+    "rms_norm",
+    "rotary",
+    "run_step",
+    "split_batch",
+    "tokens_per_request",
+]
+
+# -- tracing and audit (issue 4) -------------------------------------------------------------
+from ._program import Program, StageGraph, flatten_inputs  # noqa: E402
+from ._trace import StageWriteError, trace  # noqa: E402
+from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report  # noqa: E402
+
+__all__ += [
+    "AuditReport",
+    "BufferAudit",
+    "Program",
+    "StageGraph",
+    "StageWriteError",
+    "Unsound",
+    "audit",
+    "audit_report",
+    "flatten_inputs",
+    "trace",
+]

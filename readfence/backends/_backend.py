@@ -1,0 +1,420 @@
+"""The ``Backend`` value, leaves, user-defined leaves and redeclaration.
+
+A backend is an immutable value. Its effect table (one :class:`ReadEffect` per
+:class:`ForwardMode`) is computed once, at construction: a leaf's from its declaration, a
+combinator's from its children's tables. So ``read_effect`` is a lookup, building a tree is
+linear in its size, and deep trees never recurse. Equality, hashing and ``str`` are iterative
+as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+from torch import Tensor
+
+from readfence.core import ForwardMode
+from readfence.core._state import check_mode
+from readfence.effects import ReadEffect, ReadEnd
+
+#: The modes, in the order of every effect table.
+MODES: tuple[ForwardMode, ...] = tuple(ForwardMode)
+_INDEX: dict[ForwardMode, int] = {m: i for i, m in enumerate(MODES)}
+
+Table = tuple[ReadEffect, ...]
+Tensors = Mapping[str, Tensor]
+
+_INTERNED: dict[ReadEffect, ReadEffect] = {}
+
+
+def intern(effect: ReadEffect) -> ReadEffect:
+    """One shared object per distinct effect, so joins can deduplicate by identity."""
+    return _INTERNED.setdefault(effect, effect)
+
+
+def join_effects(effects: Iterable[ReadEffect]) -> ReadEffect:
+    """Join of ``effects`` (bottom for none), fast when many are the same interned object.
+
+    >>> a = ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY})
+    >>> join_effects([a, a, ReadEffect.of({"swa_map": ReadEnd.PRE_REPLAY})]).end
+    <ReadEnd.IN_REPLAY: 2>
+    """
+    unique = {id(e): e for e in effects}
+    out = ReadEffect.none()
+    for effect in unique.values():
+        out = out | effect
+    return intern(out)
+
+
+def default_declaration(mode: ForwardMode, reads: Iterable[str] | None = None) -> ReadEffect:
+    """The default declaration of a leaf (DESIGN.md §3).
+
+    ``IN_REPLAY`` for DECODE and TARGET_VERIFY over ``reads`` (every buffer when ``None``),
+    ``UNKNOWN`` for every other mode.
+
+    >>> default_declaration(ForwardMode.DECODE, ["seq_lens"])
+    ReadEffect({'seq_lens': IN_REPLAY}, default=NONE)
+    >>> default_declaration(ForwardMode.EXTEND).end
+    <ReadEnd.UNKNOWN: 4>
+    """
+    mode = check_mode(mode)
+    if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        if reads is None:
+            return ReadEffect.of({}, default=ReadEnd.IN_REPLAY)
+        return ReadEffect.uniform(tuple(reads), ReadEnd.IN_REPLAY)
+    return ReadEffect.unknown()
+
+
+def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:
+    """Evaluate ``declare`` for every mode; ``TypeError`` names a mode that gave no effect."""
+    table = []
+    for mode in MODES:
+        effect = declare(mode)
+        if not isinstance(effect, ReadEffect):
+            raise TypeError(
+                f"declaration of {who} for {mode} must be a ReadEffect, got {effect!r} "
+                f"({type(effect).__name__})"
+            )
+        table.append(intern(effect))
+    return tuple(table)
+
+
+class Backend:
+    """An attention backend: pure stage functions plus an effect table (immutable).
+
+    Subclasses: :class:`Leaf` (declared effects) and the combinators (computed effects).
+
+    >>> from readfence.backends import paged
+    >>> b = paged()
+    >>> b.read_end(ForwardMode.DECODE), b == paged(), str(b)
+    (<ReadEnd.IN_REPLAY: 2>, True, 'paged')
+    """
+
+    __slots__ = ()
+
+    # -- set by subclasses in __attrs_post_init__ -------------------------------------------
+    _table: Table
+    _hash: int
+
+    @property
+    def name(self) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def children(self) -> tuple[tuple[str, Backend], ...]:
+        """``(label, child)`` pairs; ``()`` for a leaf."""
+        return ()
+
+    def active_children(self, mode: ForwardMode) -> tuple[tuple[str, Backend], ...]:
+        """The children whose effects make up this node's effect in ``mode``; ``()`` for a leaf."""
+        check_mode(mode)
+        return ()
+
+    def with_children(self, children: Iterable[Backend]) -> Backend:
+        """The same node over new children (a leaf has none and returns itself)."""
+        if tuple(children):
+            raise ValueError(f"{self.name} is a leaf: it has no children to replace")
+        return self
+
+    def read_effect(self, mode: ForwardMode) -> ReadEffect:
+        """Per shared buffer, when this backend's last read of it ends in a step of ``mode``."""
+        return self._table[_INDEX[check_mode(mode, "read_effect(mode)")]]
+
+    def read_end(self, mode: ForwardMode) -> ReadEnd:
+        """``read_effect(mode).end``: the join over all buffers."""
+        return self.read_effect(check_mode(mode, "read_end(mode)")).end
+
+    def effects(self) -> dict[ForwardMode, ReadEffect]:
+        """The whole effect table, ``{mode: read_effect(mode)}``."""
+        return dict(zip(MODES, self._table))
+
+    def walk(self) -> Iterable[tuple[str, Backend]]:
+        """Every node with its path (``tbo/children[0]/deepseek_v4``), pre-order, iterative.
+
+        >>> from readfence.backends import tbo, paged, linear
+        >>> [p for p, _ in tbo(paged(), linear()).walk()]
+        ['tbo', 'tbo/primary/paged', 'tbo/children[0]/linear']
+        """
+        stack: list[tuple[str, Backend]] = [(self.name, self)]
+        while stack:
+            path, node = stack.pop()
+            yield path, node
+            for label, child in reversed(node.children()):
+                stack.append((f"{path}/{label}/{child.name}", child))
+
+    # -- stage functions (subclasses implement) --------------------------------------------
+    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def prepare_in_graph(
+        self, mode: ForwardMode, shared: Tensors, batch: Tensors, meta: Tensors
+    ) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def attend(
+        self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
+        pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors,
+    ) -> Tensor:
+        raise NotImplementedError
+
+    # -- value semantics, all iterative ----------------------------------------------------
+    def _shallow(self) -> tuple[Any, ...]:
+        """What identifies this node apart from its children."""
+        raise NotImplementedError
+
+    def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
+        """``(head, args)``: args are ``(keyword or None, Backend or literal)`` pairs."""
+        raise NotImplementedError
+
+    def _finish(self, table: Table) -> None:
+        object.__setattr__(self, "_table", table)
+        child_hashes = tuple((label, c._hash) for label, c in self.children())
+        object.__setattr__(self, "_hash", hash((type(self).__name__, self._shallow(), child_hashes)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Backend):
+            return NotImplemented
+        stack: list[tuple[Backend, Backend]] = [(self, other)]
+        while stack:
+            a, b = stack.pop()
+            if a is b:
+                continue
+            if type(a) is not type(b) or a._hash != b._hash or a._shallow() != b._shallow():
+                return False
+            ca, cb = a.children(), b.children()
+            if len(ca) != len(cb):
+                return False
+            for (la, xa), (lb, xb) in zip(ca, cb):
+                if la != lb:
+                    return False
+                stack.append((xa, xb))
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    def __str__(self) -> str:
+        return to_spec(self)
+
+    def __repr__(self) -> str:
+        return f"<Backend {to_spec(self)}>"
+
+
+def literal(value: object) -> str:
+    """A spec literal: ``true``/``false``, ints, floats, double-quoted strings.
+
+    >>> literal(True), literal(8), literal("0111")
+    ('true', '8', '"0111"')
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return f'"{value}"'
+    raise TypeError(f"no spec literal for {value!r} ({type(value).__name__})")
+
+
+def to_spec(backend: Backend) -> str:
+    """The spec text of ``backend`` (``parse`` reads it back), built without recursion.
+
+    >>> from readfence.backends import tbo, deepseek_v4, paged
+    >>> to_spec(tbo(deepseek_v4(dspark=True), paged()))
+    'tbo(deepseek_v4(dspark=true), paged)'
+    """
+    out: list[str] = []
+    stack: list[Backend | str] = [backend]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        head, args = item._spec_parts()
+        if not args:
+            out.append(head)
+            continue
+        pieces: list[Backend | str] = [head + "("]
+        for i, (key, value) in enumerate(args):
+            if i:
+                pieces.append(", ")
+            if key is not None:
+                pieces.append(f"{key}=")
+            pieces.append(value if isinstance(value, Backend) else literal(value))
+        pieces.append(")")
+        stack.extend(reversed(pieces))
+    return "".join(out)
+
+
+# ------------------------------------------------------------------------------------------
+# Leaves
+# ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False, repr=False)
+class Functions:
+    """A leaf kernel made of three plain functions (what :func:`leaf` builds)."""
+
+    attend_fn: Callable[..., Tensor]
+    prepare_out_graph_fn: Callable[..., dict[str, Tensor]] | None = None
+    prepare_in_graph_fn: Callable[..., dict[str, Tensor]] | None = None
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.attend_fn, self.prepare_out_graph_fn, self.prepare_in_graph_fn)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Functions) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+        fn = self.prepare_out_graph_fn
+        return {} if fn is None else dict(fn(mode, shared, batch))
+
+    def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors,
+                         meta: Tensors) -> dict[str, Tensor]:
+        fn = self.prepare_in_graph_fn
+        return {} if fn is None else dict(fn(mode, shared, batch, meta))
+
+    def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
+        return self.attend_fn(mode, layer, q, k, v, pools, shared, batch, meta)
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a backend name must be an identifier (it appears in specs), got {name!r}")
+    return name
+
+
+@attrs.frozen(eq=False, repr=False)
+class Leaf(Backend):
+    """A leaf backend: a kernel (the three stage functions) and a declared effect table.
+
+    ``IDLE`` is the empty step: the kernel is not called, prepare stages return ``{}`` and
+    ``attend`` returns zeros shaped like ``q``, so no stage reads a shared buffer.
+    """
+
+    leaf_name: str = attrs.field(converter=_check_name)
+    kernel: Any
+    declaration: Table
+    options: tuple[tuple[str, Any], ...] = ()
+    _table: Table = attrs.field(init=False, default=None)
+    _hash: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.declaration) != len(MODES):
+            raise ValueError(f"{self.leaf_name}: a declaration has one effect per mode")
+        self._finish(tuple(intern(e) for e in self.declaration))
+
+    @property
+    def name(self) -> str:
+        return self.leaf_name
+
+    def _shallow(self) -> tuple[Any, ...]:
+        return (self.leaf_name, self.kernel, self._table, self.options)
+
+    def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
+        return self.leaf_name, tuple(self.options)
+
+    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+        if check_mode(mode) is ForwardMode.IDLE:
+            return {}
+        return self.kernel.prepare_out_graph(mode, shared, batch)
+
+    def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors,
+                         meta: Tensors) -> dict[str, Tensor]:
+        if check_mode(mode) is ForwardMode.IDLE:
+            return {}
+        return self.kernel.prepare_in_graph(mode, shared, batch, meta)
+
+    def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
+        if check_mode(mode) is ForwardMode.IDLE:
+            return q.new_zeros(q.shape)
+        return self.kernel.attend(mode, layer, q, k, v, pools, shared, batch, meta)
+
+
+Declaration = Mapping[ForwardMode, ReadEffect] | Callable[[ForwardMode], ReadEffect] | None
+
+
+def declaration_table(name: str, declare: Declaration, reads: Iterable[str] | None) -> Table:
+    """The table of ``declare`` (a mapping or function); unlisted modes get the default."""
+    reads = None if reads is None else tuple(reads)
+    if declare is None:
+        return make_table(lambda m: default_declaration(m, reads), name)
+    if callable(declare) and not isinstance(declare, Mapping):
+        return make_table(declare, name)
+    if not isinstance(declare, Mapping):
+        raise TypeError(f"declare of {name} must be a mapping mode -> ReadEffect or a function, "
+                        f"got {declare!r}")
+    for key in declare:
+        check_mode(key, f"declare key of {name}")
+    return make_table(lambda m: declare.get(m) or default_declaration(m, reads), name)
+
+
+def leaf(
+    name: str,
+    attend: Callable[..., Tensor],
+    *,
+    prepare_out_graph: Callable[..., dict[str, Tensor]] | None = None,
+    prepare_in_graph: Callable[..., dict[str, Tensor]] | None = None,
+    declare: Declaration = None,
+    reads: Iterable[str] | None = None,
+) -> Leaf:
+    """Define your own leaf backend from plain functions.
+
+    Stage signatures are those of :class:`readfence.core.BackendLike`: ``prepare_out_graph(mode,
+    shared, batch)``, ``prepare_in_graph(mode, shared, batch, meta)`` (both return a dict of
+    tensors; omitted ones return ``{}``) and ``attend(mode, layer, q, k, v, pools, shared,
+    batch, meta)``. ``declare`` maps modes to effects (or is a function of the mode); modes it
+    leaves out get the default declaration over ``reads`` (every buffer if ``None``):
+    ``IN_REPLAY`` for DECODE/TARGET_VERIFY, ``UNKNOWN`` otherwise. ``core.audit`` checks the
+    declaration against what the code reads.
+
+    >>> from readfence.backends import softmax_attention, page_meta, store_kv
+    >>> def prep(mode, shared, batch, meta):
+    ...     return page_meta(shared, batch)          # reads req_to_token, seq_lens in graph
+    >>> def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+    ...     store_kv(pools, layer, batch["out_cache_loc"], k, v)
+    ...     return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+    >>> mine = leaf("mine", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+    >>> mine.read_effect(ForwardMode.DECODE)
+    ReadEffect({'req_to_token': IN_REPLAY, 'seq_lens': IN_REPLAY}, default=NONE)
+    >>> mine.read_end(ForwardMode.EXTEND)
+    <ReadEnd.UNKNOWN: 4>
+    """
+    if not callable(attend):
+        raise TypeError(f"attend of leaf {name!r} must be callable, got {attend!r}")
+    for stage, fn in (("prepare_out_graph", prepare_out_graph), ("prepare_in_graph", prepare_in_graph)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{stage} of leaf {name!r} must be callable or None, got {fn!r}")
+    return Leaf(name, Functions(attend, prepare_out_graph, prepare_in_graph),
+                declaration_table(name, declare, reads))
+
+
+def redeclare(backend: Backend, read_effect: Callable[[ForwardMode], ReadEffect]) -> Leaf:
+    """A copy of the leaf ``backend`` whose declaration is ``read_effect(mode)``.
+
+    Combinators compute their effects, so only leaves can be redeclared.
+
+    >>> from readfence.backends import paged
+    >>> loose = redeclare(paged(), lambda mode: ReadEffect.unknown())
+    >>> loose.read_end(ForwardMode.DECODE), loose == paged()
+    (<ReadEnd.UNKNOWN: 4>, False)
+    """
+    if not isinstance(backend, Leaf):
+        raise TypeError(
+            f"redeclare takes a leaf; {backend.name if isinstance(backend, Backend) else backend!r} "
+            "is a combinator whose effect is computed from its children (redeclare those)"
+        )
+    if not callable(read_effect):
+        raise TypeError(f"read_effect must be a function mode -> ReadEffect, got {read_effect!r}")
+    return attrs.evolve(backend, declaration=make_table(read_effect, backend.name))

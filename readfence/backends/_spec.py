@@ -1,0 +1,352 @@
+"""``parse``: backend specs like ``tbo(deepseek_v4(dspark=false), paged)`` -> ``Backend``.
+
+Grammar (whitespace is free; leaves may drop the ``()``; a trailing comma is allowed)::
+
+    spec    := backend END
+    backend := NAME [ "(" [ arg ("," arg)* [","] ] ")" ]
+    arg     := backend | NAME "=" value
+    value   := backend | INT | FLOAT | "true" | "false" | STRING
+
+A hand-written tokenizer and an explicit-stack parser: no ``eval``, no recursion, linear time;
+nesting deeper than ``max_depth`` is an error. Every failure is a ``SpecError`` naming the
+position and what was expected (or which names / keywords exist).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from readfence.core import ForwardMode
+
+from ._backend import Backend
+from ._combinators import hybrid, hybrid_linear, join, minimax, per_stream, select, tbo
+from ._leaves import REFERENCE_LEAVES
+
+#: Deepest nesting ``parse`` accepts by default.
+MAX_DEPTH = 1000
+
+
+@attrs.frozen
+class SpecError:
+    """Why a spec did not parse: ``position`` (0-based character offset), ``message``, ``spec``.
+
+    >>> err = parse("tbo(").failure()
+    >>> err.position, err.message
+    (4, 'expected a backend name, found end of spec')
+    >>> print(err)
+    position 4: expected a backend name, found end of spec
+      tbo(
+          ^
+    """
+
+    position: int
+    message: str
+    spec: str
+
+    def __str__(self) -> str:
+        start = max(0, self.position - 60)
+        excerpt = self.spec[start:self.position + 60]
+        lead = "..." if start else ""
+        return (f"position {self.position}: {self.message}\n  {lead}{excerpt}\n"
+                f"  {' ' * (len(lead) + self.position - start)}^")
+
+
+class _Fail(Exception):
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(message)
+        self.position, self.message = position, message
+
+
+@attrs.frozen
+class _Token:
+    kind: str  # name, int, float, string, "(", ")", ",", "=", end
+    text: str
+    pos: int
+    value: Any = None
+
+    def show(self) -> str:
+        return "end of spec" if self.kind == "end" else repr(self.text)
+
+
+def _tokenize(spec: str) -> list[_Token]:
+    tokens: list[_Token] = []
+    i, n = 0, len(spec)
+    while i < n:
+        c = spec[i]
+        if c.isspace():
+            i += 1
+        elif c in "(),=":
+            tokens.append(_Token(c, c, i))
+            i += 1
+        elif c.isalpha() or c == "_":
+            j = i + 1
+            while j < n and (spec[j].isalnum() or spec[j] == "_"):
+                j += 1
+            tokens.append(_Token("name", spec[i:j], i))
+            i = j
+        elif c.isdigit() or (c in "-+." and i + 1 < n and (spec[i + 1].isdigit() or spec[i + 1] == ".")):
+            j = i + 1
+            while j < n and (spec[j].isdigit() or spec[j] in ".eE_" or
+                             (spec[j] in "+-" and spec[j - 1] in "eE")):
+                j += 1
+            text = spec[i:j]
+            try:
+                tokens.append(_Token("int", text, i, int(text)))
+            except ValueError:
+                try:
+                    tokens.append(_Token("float", text, i, float(text)))
+                except ValueError:
+                    raise _Fail(i, f"bad number {text!r}") from None
+            i = j
+        elif c == '"':
+            j = spec.find('"', i + 1)
+            if j < 0:
+                raise _Fail(i, "unterminated string: expected a closing '\"'")
+            tokens.append(_Token("string", spec[i:j + 1], i, spec[i + 1:j]))
+            i = j + 1
+        else:
+            raise _Fail(i, f"unexpected character {c!r}; expected a name, a literal or one of ( ) , =")
+    tokens.append(_Token("end", "", n))
+    return tokens
+
+
+# -- forms: what each name accepts -----------------------------------------------------------
+
+_LITERAL_TYPES: dict[type, str] = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
+
+
+@attrs.frozen
+class _Form:
+    """How to build ``name(args, kwargs)``: counts of positional backends and keyword types."""
+
+    build: Callable[[list[Backend], dict[str, Any]], Backend]
+    min_args: int = 0
+    max_args: int | None = 0
+    keywords: Mapping[str, type] = attrs.field(factory=dict)
+    required: tuple[str, ...] = ()
+    usage: str = ""
+
+
+def _leaf_form(name: str, ctor: Callable[..., Backend]) -> _Form:
+    keywords: dict[str, type] = {}
+    try:
+        params = inspect.signature(ctor).parameters.values()
+    except (TypeError, ValueError):
+        params = []  # type: ignore[assignment]
+    for p in params:
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is not p.empty:
+            keywords[p.name] = type(p.default)
+    return _Form(lambda args, kw: ctor(**kw), keywords=keywords, usage=name)
+
+
+def _select(args: list[Backend], kw: dict[str, Any]) -> Backend:
+    default = kw.pop("default", None)
+    return select({ForwardMode(k): v for k, v in kw.items()}, default=default)
+
+
+_COMBINATORS: dict[str, _Form] = {
+    "select": _Form(_select, keywords={**{m.value: Backend for m in ForwardMode}, "default": Backend},
+                    usage="select(decode=..., extend=..., default=...)"),
+    "hybrid": _Form(lambda a, kw: hybrid(**kw),
+                    keywords=dict.fromkeys(("decode", "prefill", "verify", "draft_extend"), Backend),
+                    required=("decode", "prefill"), usage="hybrid(decode=..., prefill=...)"),
+    "join": _Form(lambda a, kw: join(*a), 1, None, usage="join(backend, ...)"),
+    "tbo": _Form(lambda a, kw: tbo(*a), 1, None, usage="tbo(primary, *children)"),
+    "per_stream": _Form(lambda a, kw: per_stream(*a), 1, None, usage="per_stream(backend, ...)"),
+    "hybrid_linear": _Form(lambda a, kw: hybrid_linear(*a, **kw), 1, None, {"pattern": str},
+                           usage='hybrid_linear(backend, ..., pattern="0111")'),
+    "minimax": _Form(lambda a, kw: minimax(*a), 2, 2, usage="minimax(sparse, dense)"),
+}
+
+
+def _check_value(name: str, key: str, expected: type, value: Any, pos: int) -> Any:
+    if expected is Backend:
+        if not isinstance(value, Backend):
+            raise _Fail(pos, f"{name}({key}=...) expects a backend, got {value!r}")
+        return value
+    if isinstance(value, Backend):
+        raise _Fail(pos, f"{name}({key}=...) expects {_LITERAL_TYPES.get(expected, expected.__name__)}, "
+                         f"got the backend {value}")
+    ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool))) or (
+        expected is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        want = _LITERAL_TYPES.get(expected, expected.__name__)
+        raise _Fail(pos, f"{name}({key}=...) expects {want}, got {_show_literal(value)}")
+    return float(value) if expected is float else value
+
+
+def _show_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+@attrs.define
+class _Frame:
+    name: str
+    pos: int
+    form: _Form
+    args: list[tuple[Backend, int]] = attrs.field(factory=list)
+    kwargs: dict[str, tuple[Any, int]] = attrs.field(factory=dict)
+    key: str | None = None
+    key_pos: int = 0
+
+
+class _Parser:
+    def __init__(self, spec: str, leaves: Mapping[str, Callable[..., Backend]], max_depth: int) -> None:
+        self.spec, self.max_depth = spec, max_depth
+        self.forms: dict[str, _Form] = dict(_COMBINATORS)
+        for name, ctor in leaves.items():
+            if name in _COMBINATORS:
+                raise ValueError(f"leaf name {name!r} is a combinator")
+            self.forms[name] = _leaf_form(name, ctor)
+        self.leaf_names = sorted(leaves)
+
+    def form(self, tok: _Token) -> _Form:
+        form = self.forms.get(tok.text)
+        if form is None:
+            raise _Fail(tok.pos, f"unknown backend {tok.text!r}; known leaves: {', '.join(self.leaf_names)}; "
+                                 f"combinators: {', '.join(sorted(_COMBINATORS))}")
+        return form
+
+    def build(self, frame: _Frame) -> Backend:
+        form, name = frame.form, frame.name
+        args = [b for b, _ in frame.args]
+        if len(args) < form.min_args or (form.max_args is not None and len(args) > form.max_args):
+            if form.max_args == 0:
+                raise _Fail(frame.args[0][1], f"{name} takes no positional arguments; usage: {form.usage}"
+                            + self._allowed(form))
+            want = (f"exactly {form.min_args}" if form.min_args == form.max_args
+                    else f"at least {form.min_args}")
+            raise _Fail(frame.pos, f"{name} needs {want} backend argument(s), got {len(args)}; "
+                                   f"usage: {form.usage}")
+        kwargs = {}
+        for key, (value, pos) in frame.kwargs.items():
+            kwargs[key] = _check_value(name, key, form.keywords[key], value, pos)
+        missing = [k for k in form.required if k not in kwargs]
+        if missing:
+            raise _Fail(frame.pos, f"{name} needs {', '.join(k + '=' for k in missing)}; usage: {form.usage}")
+        try:
+            return form.build(args, kwargs)
+        except (TypeError, ValueError) as exc:
+            raise _Fail(frame.pos, f"bad arguments for {name}: {exc}") from None
+
+    @staticmethod
+    def _allowed(form: _Form) -> str:
+        return f"; allowed keywords: {', '.join(sorted(form.keywords)) or '(none)'}"
+
+    def parse(self) -> Backend:
+        tokens = _tokenize(self.spec)
+        stack: list[_Frame] = []
+        i = 0
+        state = "value"
+        value: Any = None
+        value_pos = 0
+        while True:
+            tok = tokens[i]
+            if state == "arg":
+                frame = stack[-1]
+                if tok.kind == "name" and tokens[i + 1].kind == "=":
+                    if tok.text not in frame.form.keywords:
+                        raise _Fail(tok.pos, f"{frame.name} has no keyword {tok.text!r}"
+                                    + self._allowed(frame.form))
+                    if tok.text in frame.kwargs:
+                        raise _Fail(tok.pos, f"{frame.name}: keyword {tok.text!r} given twice")
+                    frame.key, frame.key_pos = tok.text, tok.pos
+                    i += 2
+                elif frame.kwargs:
+                    raise _Fail(tok.pos, f"{frame.name}: positional argument after keyword arguments")
+                state = "value"
+                continue
+            if state == "value":
+                in_keyword = bool(stack) and stack[-1].key is not None
+                value_pos = tok.pos
+                if tok.kind == "name" and tok.text not in ("true", "false"):
+                    form = self.form(tok)
+                    if tokens[i + 1].kind == "(":
+                        if len(stack) >= self.max_depth:
+                            raise _Fail(tok.pos, f"nesting deeper than {self.max_depth} levels")
+                        stack.append(_Frame(tok.text, tok.pos, form))
+                        i += 2
+                        if tokens[i].kind == ")":
+                            i += 1
+                            value = self.build(stack.pop())
+                            state = "after"
+                        else:
+                            state = "arg"
+                        continue
+                    value = self.build(_Frame(tok.text, tok.pos, form))
+                    i += 1
+                elif in_keyword and tok.kind in ("int", "float", "string"):
+                    value = tok.value
+                    i += 1
+                elif in_keyword and tok.kind == "name":
+                    value = tok.text == "true"
+                    i += 1
+                else:
+                    what = "a backend name or a literal" if in_keyword else "a backend name"
+                    raise _Fail(tok.pos, f"expected {what}, found {tok.show()}")
+                state = "after"
+                continue
+            # state == "after": a complete value is in hand
+            if not stack:
+                if tok.kind != "end":
+                    raise _Fail(tok.pos, f"expected end of spec, found {tok.show()}")
+                return value
+            frame = stack[-1]
+            if frame.key is not None:
+                frame.kwargs[frame.key] = (value, value_pos)
+                frame.key = None
+            else:
+                frame.args.append((value, value_pos))
+            if tok.kind == ",":
+                i += 1
+                if tokens[i].kind != ")":
+                    state = "arg"
+                    continue
+                tok = tokens[i]
+            if tok.kind == ")":
+                i += 1
+                value_pos = frame.pos
+                value = self.build(stack.pop())
+                continue
+            raise _Fail(tok.pos, f"expected ',' or ')' in {frame.name}(...), found {tok.show()}")
+
+
+def parse(
+    spec: str,
+    *,
+    leaves: Mapping[str, Callable[..., Backend]] | None = None,
+    max_depth: int = MAX_DEPTH,
+) -> Result[Backend, SpecError]:
+    """Parse a backend spec; ``Success(backend)`` or ``Failure(SpecError)``, never an exception.
+
+    ``leaves`` adds (or replaces) leaf constructors by name, e.g. your own ``leaf``; the
+    reference leaves are always known.
+
+    >>> parse("tbo(deepseek_v4(dspark=false), paged)").unwrap()
+    <Backend tbo(deepseek_v4, paged)>
+    >>> print(parse("paged(x=1)").failure().message)
+    paged has no keyword 'x'; allowed keywords: (none)
+    >>> parse("nosuch").failure().message.startswith("unknown backend 'nosuch'; known leaves: deepseek_v4, dense")
+    True
+    """
+    if not isinstance(spec, str):
+        return Failure(SpecError(0, f"a spec is a str, got {spec!r} ({type(spec).__name__})", repr(spec)))
+    known = dict(REFERENCE_LEAVES)
+    known.update(leaves or {})
+    try:
+        parser = _Parser(spec, known, max_depth)
+    except ValueError as exc:
+        return Failure(SpecError(0, str(exc), spec))
+    try:
+        if not spec.strip():
+            raise _Fail(len(spec), "empty spec: expected a backend name")
+        return Success(parser.parse())
+    except _Fail as exc:
+        return Failure(SpecError(exc.position, exc.message, spec))

@@ -1,0 +1,109 @@
+"""The tiny decoder as pure functions over explicit parameters, and the serial eager step.
+
+The model body never reads a shared buffer: it hands ``shared`` to ``backend.attend`` and
+nothing else, so the reads of a step are exactly its backend's. Everything is traceable by
+``make_fx(functionalize(...))``: static shapes, no ``.item()``, no ``[]`` indexing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._modes import ForwardMode
+from ._protocol import BackendLike
+from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
+
+_EPS = 1e-6
+
+
+def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
+    """Root-mean-square normalisation over the last dimension.
+
+    >>> rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2)).pow(2).mean().round(decimals=4)
+    tensor(1.)
+    """
+    return x * x.pow(2).mean(-1, keepdim=True).add(_EPS).rsqrt() * weight
+
+
+def rotary(x: Tensor, positions: Tensor) -> Tensor:
+    """Rotary position embedding of ``x`` ``[T, H, D]`` at integer ``positions`` ``[T]``.
+
+    >>> x = torch.randn(3, 2, 4)
+    >>> torch.allclose(rotary(x, torch.zeros(3, dtype=torch.long)), x)
+    True
+    """
+    half = x.shape[-1] // 2
+    freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angle = positions.to(torch.float32).unsqueeze(-1) * freq.unsqueeze(0)  # [T, half]
+    cos, sin = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)  # [T, 1, half]
+    x1, x2 = x.narrow(-1, 0, half), x.narrow(-1, half, half)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def forward(
+    cfg: ModelConfig,
+    params: Mapping[str, Tensor],
+    pools: dict[str, Tensor],
+    shared: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    meta: Mapping[str, Tensor],
+    backend: BackendLike,
+    mode: ForwardMode,
+) -> Tensor:
+    """Logits ``[T, vocab]`` of one step; attention is ``backend.attend`` in every layer.
+
+    >>> from readfence.backends import paged
+    >>> cfg = ModelConfig()
+    >>> step = example_step(cfg, ForwardMode.DECODE, 2)
+    >>> meta = paged().prepare_in_graph(ForwardMode.DECODE, step.shared, step.batch, {})
+    >>> forward(cfg, step.params, step.pools, step.shared, step.batch, meta, paged(),
+    ...         ForwardMode.DECODE).shape
+    torch.Size([2, 64])
+    """
+    mode = check_mode(mode)
+    heads, dim = cfg.heads, cfg.head_dim
+    positions = batch["positions"]
+    x = F.embedding(batch["input_ids"], params["embed"])
+    tokens = x.shape[0]
+    for layer in range(cfg.layers):
+        pre = f"layers.{layer}."
+        h = rms_norm(x, params[pre + "attn_norm"])
+        q, k, v = (h @ params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
+        q, k = rotary(q, positions), rotary(k, positions)
+        o = backend.attend(mode, layer, q, k, v, pools, shared, batch, meta)
+        x = x + o.reshape(tokens, heads * dim) @ params[pre + "wo"]
+        h = rms_norm(x, params[pre + "mlp_norm"])
+        x = x + F.silu(h @ params[pre + "w_up"]) @ params[pre + "w_down"]
+    return rms_norm(x, params["final_norm"]) @ params["lm_head"]
+
+
+def prepare(backend: BackendLike, mode: ForwardMode, shared: Mapping[str, Tensor],
+            batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Both prepare stages in order: ``out = prepare_out_graph``; ``{**out, **prepare_in_graph}``.
+
+    >>> from readfence.backends import paged
+    >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
+    >>> sorted(prepare(paged(), ForwardMode.DECODE, step.shared, step.batch))
+    ['kv_indices', 'kv_lens']
+    """
+    meta = dict(backend.prepare_out_graph(mode, shared, batch))
+    return {**meta, **backend.prepare_in_graph(mode, shared, batch, meta)}
+
+
+def run_step(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, step: StepInputs) -> Tensor:
+    """The serial eager reference: prepare stages, then :func:`forward`. Writes ``step.pools``.
+
+    >>> from readfence.backends import paged
+    >>> cfg = ModelConfig()
+    >>> run_step(paged(), ForwardMode.TARGET_VERIFY, cfg,
+    ...          example_step(cfg, ForwardMode.TARGET_VERIFY, 2)).shape
+    torch.Size([6, 64])
+    """
+    mode = check_mode(mode)
+    meta = prepare(backend, mode, step.shared, step.batch)
+    return forward(cfg, step.params, step.pools, step.shared, step.batch, meta, backend, mode)
+

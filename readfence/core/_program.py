@@ -1,0 +1,236 @@
+"""A traced step: one FX graph per stage, every node annotated with the shared buffers it reads.
+
+Calling convention (what the lowering relies on)
+------------------------------------------------
+Every value that crosses a stage boundary has a *dotted name*: ``<group>.<key path>`` with
+group one of ``shared``, ``batch``, ``pools``, ``params``, ``meta`` (nested keys are joined
+with dots, list indices included: ``params.layers.0.wq``), and ``logits`` for the body's
+output. A stage's ``GraphModule`` takes its tensors *positionally*, in the order of
+``StageGraph.inputs`` (the placeholder nodes carry the same order; each placeholder is named
+after its dotted name with non-identifier characters replaced by ``_`` and keeps the dotted
+name in ``node.meta["readfence_input"]``), and returns a tuple of tensors in the order of
+``StageGraph.outputs``. Non-tensor leaves (ints, ``None``) are baked into the graph.
+
+``StageGraph.run(env)`` and ``Program.run_stage(stage, env)`` do the lookup for you:
+``env`` maps dotted names to tensors, the result maps the stage's output names to tensors.
+Writes the stage makes to ``pools`` happen in place on the tensors passed in, exactly as
+in eager mode (the graphs are not functionalized: they execute the traced ops as they are).
+
+Reads
+-----
+``node.meta["readfence_reads"]`` is a ``frozenset`` of shared-buffer names the node reads
+(it consumes, as data, a tensor whose storage may be a shared buffer's). View nodes do not
+read (they only alias); their consumers do. ``node.meta["readfence_opaque"]`` is set on a
+node the tracer cannot see through (an escape such as ``data_ptr()``, a higher-order op or
+an op whose schema cannot be reasoned about); the buffers it touches end at ``UNKNOWN``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import fx
+
+from readfence.effects import ReadEffect, ReadEnd
+
+from ._modes import ForwardMode
+from ._protocol import STAGE_ENDS
+
+READS_KEY = "readfence_reads"
+OPAQUE_KEY = "readfence_opaque"
+INPUT_KEY = "readfence_input"
+
+
+@attrs.frozen(eq=False)
+class StageGraph:
+    """One traced stage: its graph, its flattened inputs/outputs, and what its nodes read.
+
+    ``reads`` maps node name -> shared buffers read (only nodes that read something);
+    ``unknown`` is the set of buffers an opaque node of this stage touches; ``faithful`` is
+    False when the graph misses work the tracer could not see (then ``run`` executes the
+    Python stage function instead, with the same calling convention).
+    """
+
+    name: str
+    gm: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    reads: Mapping[str, frozenset[str]]
+    unknown: frozenset[str]
+    opaque: Mapping[str, str]
+    faithful: bool
+    eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+
+    @property
+    def end(self) -> ReadEnd:
+        """The read end of a read in this stage (``STAGE_ENDS``)."""
+        return STAGE_ENDS[self.name]
+
+    def buffers_read(self) -> frozenset[str]:
+        """Every shared buffer some node of this stage reads."""
+        out: frozenset[str] = frozenset()
+        for bufs in self.reads.values():
+            out |= bufs
+        return out
+
+    def last_reader(self, buffer: str) -> str | None:
+        """Name of the last node (in graph order) that reads ``buffer``, or ``None``."""
+        last = None
+        for name, bufs in self.reads.items():  # insertion order is graph order
+            if buffer in bufs:
+                last = name
+        return last
+
+    def run(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Execute the stage on ``env`` (dotted name -> tensor); outputs by dotted name."""
+        if not self.faithful and self.eager is not None:
+            return self.eager(env)
+        missing = [n for n in self.inputs if n not in env]
+        if missing:
+            raise KeyError(f"stage {self.name}: missing inputs {missing}")
+        outs = self.gm(*[env[n] for n in self.inputs])
+        return dict(zip(self.outputs, outs, strict=True))
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Positional call in ``inputs`` order, returning outputs in ``outputs`` order."""
+        if not self.faithful and self.eager is not None:
+            out = self.eager(dict(zip(self.inputs, tensors, strict=True)))
+            return tuple(out[n] for n in self.outputs)
+        return tuple(self.gm(*tensors))
+
+
+@attrs.frozen(eq=False)
+class Program:
+    """A backend's step, traced: stage graphs in execution order, with their reads.
+
+    ``buffers`` are the shared buffers of the step (the keys of the ``shared`` group).
+    ``aborted`` is set when tracing had to stop at an escape it cannot follow under fake
+    tensors; then every buffer is ``UNKNOWN``.
+
+    >>> import torch
+    >>> from readfence.core._trace import trace_functions
+    >>> prog = trace_functions(
+    ...     "toy", ForwardMode.DECODE,
+    ...     inputs={"shared": {"seq_lens": torch.ones(2, dtype=torch.int32)}, "batch": {}},
+    ...     prepare_out_graph=lambda shared, batch: {},
+    ...     prepare_in_graph=lambda shared, batch, meta: {"n": shared["seq_lens"] + 1},
+    ...     body=lambda shared, batch, meta: meta["n"] * 2)
+    >>> prog.observed()
+    ReadEffect({'seq_lens': IN_REPLAY}, default=NONE)
+    >>> prog.last_reader("seq_lens")
+    ('prepare_in_graph', 'add')
+    >>> prog.stage("prepare_in_graph").inputs
+    ('shared.seq_lens',)
+    """
+
+    backend: str
+    mode: ForwardMode
+    device: str
+    buffers: tuple[str, ...]
+    stages: tuple[StageGraph, ...]
+    aborted: str | None = None
+
+    # -- structure ---------------------------------------------------------------------------
+    def stage(self, name: str) -> StageGraph:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
+
+    def __iter__(self) -> Iterator[StageGraph]:
+        return iter(self.stages)
+
+    @property
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """Stage name -> GraphModule, in execution order."""
+        return {s.name: s.gm for s in self.stages}
+
+    def reads(self, stage: str) -> dict[str, frozenset[str]]:
+        """Node name -> shared buffers it reads, for the nodes of ``stage`` that read any."""
+        return dict(self.stage(stage).reads)
+
+    # -- effects -----------------------------------------------------------------------------
+    def observed(self) -> ReadEffect:
+        """The effect the code really has: per buffer, the end of the stage of its last read.
+
+        A buffer touched by an opaque node is ``UNKNOWN``; a buffer never read is ``NONE``.
+        """
+        if self.aborted is not None:
+            return ReadEffect.unknown()
+        ends: dict[str, ReadEnd] = {}
+        for s in self.stages:
+            for buf in s.buffers_read():
+                ends[buf] = ends.get(buf, ReadEnd.NONE) | s.end
+            for buf in s.unknown:
+                ends[buf] = ReadEnd.UNKNOWN
+        return ReadEffect.of(ends)
+
+    def last_reader(self, buffer: str) -> tuple[str, str] | None:
+        """``(stage, node_name)`` of the last node that reads ``buffer``; ``None`` if unread.
+
+        The EXACT fence policy records the buffer's event right after that node.
+        """
+        for s in reversed(self.stages):
+            node = s.last_reader(buffer)
+            if node is not None:
+                return (s.name, node)
+        return None
+
+    def opaque(self) -> dict[str, dict[str, str]]:
+        """Per stage, the opaque nodes and why the tracer could not see through them."""
+        return {s.name: dict(s.opaque) for s in self.stages if s.opaque}
+
+    # -- execution ---------------------------------------------------------------------------
+    def run_stage(self, stage: str, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run one stage on ``env`` (dotted name -> tensor); see the module docstring."""
+        return self.stage(stage).run(env)
+
+    def run(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run all stages in order, threading ``meta``; returns the env with every output."""
+        env = dict(env)
+        for s in self.stages:
+            env.update(s.run(env))
+        return env
+
+
+def flatten_group(prefix: str, tree: Any) -> list[tuple[str, Any]]:
+    """``[(dotted name, leaf)]`` for a pytree (dicts, lists, tuples) under ``prefix``.
+
+    >>> flatten_group("params", {"layers": [{"wq": 1}], "emb": 2})
+    [('params.layers.0.wq', 1), ('params.emb', 2)]
+    """
+    from torch.utils import _pytree as pytree
+
+    pairs, _ = pytree.tree_flatten_with_path(tree)
+    out = []
+    for path, leaf in pairs:
+        parts = [prefix]
+        for k in path:
+            if isinstance(k, pytree.MappingKey):
+                parts.append(str(k.key))
+            elif isinstance(k, pytree.SequenceKey):
+                parts.append(str(k.idx))
+            elif isinstance(k, pytree.GetAttrKey):
+                parts.append(k.name)
+            else:  # pragma: no cover - other key kinds
+                parts.append(str(k))
+        out.append((".".join(parts), leaf))
+    return out
+
+
+def flatten_inputs(**groups: Any) -> dict[str, Any]:
+    """Flatten named groups into one env of dotted names (the Program calling convention).
+
+    >>> import torch
+    >>> sorted(flatten_inputs(shared={"seq_lens": torch.ones(1)}, batch={"input_ids": torch.ones(1)}))
+    ['batch.input_ids', 'shared.seq_lens']
+    """
+    env: dict[str, Any] = {}
+    for prefix, tree in groups.items():
+        if tree is None:
+            continue
+        env.update(flatten_group(prefix, tree))
+    return env

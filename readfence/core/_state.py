@@ -1,0 +1,387 @@
+"""The shared-state schema, the per-step inputs, the model's pools and a consistent example.
+
+Conventions (every backend and the model rely on them):
+
+* ``shared`` (scheduler-owned, read-only for every stage), see :data:`SHARED_BUFFERS`:
+
+  - ``req_to_token`` ``[max_reqs, max_ctx]`` int32: page table; row = request pool index,
+    entry ``p`` = KV slot of that request's token at position ``p``.
+  - ``seq_lens`` ``[max_reqs]`` int32: length of each request INCLUDING this step's new tokens.
+  - ``swa_map`` ``[num_slots]`` int32: full-KV slot -> sliding-window-KV slot.
+  - ``state_slots`` ``[max_reqs]`` int32: linear-attention state slot of each request.
+
+* ``batch`` (per-step inputs): ``B`` requests with ``n = tokens_per_request(mode)`` new tokens
+  each, request-major (token ``t`` belongs to request ``t // n``), ``T = B * n``:
+
+  - ``input_ids`` ``[T]`` int64, ``positions`` ``[T]`` int64 (``seq_len - n + i`` for the
+    ``i``-th new token of a request), ``req_pool_indices`` ``[B]`` int64,
+    ``out_cache_loc`` ``[T]`` int64 (``= req_to_token[req, position]``, where the new K/V go).
+  - ``IDLE`` is the empty step: ``B = T = 0``; every stage returns without reading ``shared``.
+
+* ``pools`` (model-owned, stages may write them in place):
+
+  - ``k_cache``/``v_cache`` ``[layers, num_slots, heads, head_dim]``: full paged KV cache.
+  - ``swa_k_cache``/``swa_v_cache`` ``[layers, num_swa_slots, heads, head_dim]``:
+    sliding-window KV cache, indexed by ``swa_map[full_slot]``.
+  - ``state`` ``[layers, num_state_slots, heads, head_dim, head_dim]``: linear-attention
+    recurrent state, indexed by ``state_slots[req]``.
+
+Everything here builds tensors with factory functions on ``device`` and never indexes with
+``[]`` (which needs a real CUDA runtime even under ``FakeTensorMode``), so
+``example_step(cfg, mode, 2, device="cuda")`` works inside ``FakeTensorMode`` on a CPU build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch import Tensor
+
+from ._modes import ForwardMode
+
+#: The scheduler-owned buffers, in a fixed order.
+SHARED_BUFFERS: tuple[str, ...] = ("req_to_token", "seq_lens", "swa_map", "state_slots")
+
+#: The per-step input tensors.
+BATCH_FIELDS: tuple[str, ...] = ("input_ids", "positions", "req_pool_indices", "out_cache_loc")
+
+#: The model-owned pools.
+POOL_NAMES: tuple[str, ...] = ("k_cache", "v_cache", "swa_k_cache", "swa_v_cache", "state")
+
+_TOKENS_PER_REQUEST: dict[ForwardMode, int] = {
+    ForwardMode.DECODE: 1,
+    ForwardMode.TARGET_VERIFY: 3,
+    ForwardMode.DRAFT_EXTEND: 2,
+    ForwardMode.EXTEND: 4,
+    ForwardMode.IDLE: 0,
+}
+
+
+def check_mode(mode: object, where: str = "mode") -> ForwardMode:
+    """``mode`` itself, or a ``TypeError`` naming the bad value.
+
+    >>> check_mode(ForwardMode.DECODE)
+    <ForwardMode.DECODE: 'decode'>
+    >>> check_mode("decode")
+    Traceback (most recent call last):
+    ...
+    TypeError: mode must be a ForwardMode, got 'decode' (str); did you mean ForwardMode.DECODE?
+    """
+    if isinstance(mode, ForwardMode):
+        return mode
+    hint = ""
+    if isinstance(mode, str) and mode.strip().upper() in ForwardMode.__members__:
+        hint = f"; did you mean ForwardMode.{mode.strip().upper()}?"
+    raise TypeError(f"{where} must be a ForwardMode, got {mode!r} ({type(mode).__name__}){hint}")
+
+
+def tokens_per_request(mode: ForwardMode) -> int:
+    """New tokens per request in one step of ``mode`` (static, so shapes are static).
+
+    >>> [tokens_per_request(m) for m in ForwardMode]
+    [1, 3, 2, 4, 0]
+    """
+    return _TOKENS_PER_REQUEST[check_mode(mode)]
+
+
+def _positive(name: str):  # noqa: ANN202 - attrs validator factory
+    def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"ModelConfig.{attribute.name} must be a positive int, got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class ModelConfig:
+    """Sizes of the tiny decoder and of the scheduler's buffers (small: fast CPU tests).
+
+    >>> cfg = ModelConfig()
+    >>> cfg.num_slots, cfg.num_state_slots
+    (1024, 17)
+    >>> ModelConfig(hidden=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: ModelConfig.hidden must be a positive int, got 0
+    """
+
+    vocab: int = attrs.field(default=64, validator=_positive("vocab"))
+    hidden: int = attrs.field(default=32, validator=_positive("hidden"))
+    heads: int = attrs.field(default=2, validator=_positive("heads"))
+    head_dim: int = attrs.field(default=16, validator=_positive("head_dim"))
+    layers: int = attrs.field(default=4, validator=_positive("layers"))
+    mlp: int = attrs.field(default=64, validator=_positive("mlp"))
+    max_reqs: int = attrs.field(default=16, validator=_positive("max_reqs"))
+    max_ctx: int = attrs.field(default=64, validator=_positive("max_ctx"))
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even (rotary), got {self.head_dim}")
+        if self.max_ctx < max(_TOKENS_PER_REQUEST.values()):
+            raise ValueError(
+                f"ModelConfig.max_ctx must hold one step of every mode "
+                f"(>= {max(_TOKENS_PER_REQUEST.values())}), got {self.max_ctx}"
+            )
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of the full KV cache: every request can hold ``max_ctx`` tokens."""
+        return self.max_reqs * self.max_ctx
+
+    @property
+    def num_swa_slots(self) -> int:
+        """Slots of the sliding-window cache (``swa_map`` is a bijection onto them)."""
+        return self.num_slots
+
+    @property
+    def num_state_slots(self) -> int:
+        """Linear-attention state slots: one per request plus a spare."""
+        return self.max_reqs + 1
+
+
+@attrs.define
+class StepInputs:
+    """Everything one step needs: ``shared`` (scheduler), ``batch``, ``pools`` (model), ``params``.
+
+    >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
+    >>> sorted(step.shared) == sorted(SHARED_BUFFERS), step.num_tokens
+    (True, 2)
+    """
+
+    shared: dict[str, Tensor]
+    batch: dict[str, Tensor]
+    pools: dict[str, Tensor]
+    params: dict[str, Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.batch["input_ids"].shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.batch["req_pool_indices"].shape[0])
+
+    def clone(self) -> StepInputs:
+        """A deep copy (a step writes ``pools`` in place; clone to compare two runs)."""
+        return StepInputs(*({k: v.clone() for k, v in d.items()} for d in
+                            (self.shared, self.batch, self.pools, self.params)))
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """Seeded random weights of the tiny decoder (``cfg.seed``; no downloads).
+
+    >>> p = init_params(ModelConfig())
+    >>> tuple(p["embed"].shape), tuple(p["layers.0.wqkv"].shape)
+    ((64, 32), (32, 96))
+    >>> torch.equal(p["lm_head"], init_params(ModelConfig())["lm_head"])
+    True
+    """
+    g = _generator(cfg.seed)
+    qkv = 3 * cfg.heads * cfg.head_dim
+
+    def w(*shape: int, fan_in: int) -> Tensor:
+        return torch.randn(*shape, generator=g, device=device) * (fan_in**-0.5)
+
+    params = {"embed": torch.randn(cfg.vocab, cfg.hidden, generator=g, device=device)}
+    for layer in range(cfg.layers):
+        pre = f"layers.{layer}."
+        params[pre + "attn_norm"] = torch.ones(cfg.hidden, device=device)
+        params[pre + "wqkv"] = w(cfg.hidden, qkv, fan_in=cfg.hidden)
+        params[pre + "wo"] = w(cfg.heads * cfg.head_dim, cfg.hidden, fan_in=cfg.heads * cfg.head_dim)
+        params[pre + "mlp_norm"] = torch.ones(cfg.hidden, device=device)
+        params[pre + "w_up"] = w(cfg.hidden, cfg.mlp, fan_in=cfg.hidden)
+        params[pre + "w_down"] = w(cfg.mlp, cfg.hidden, fan_in=cfg.mlp)
+    params["final_norm"] = torch.ones(cfg.hidden, device=device)
+    params["lm_head"] = w(cfg.hidden, cfg.vocab, fan_in=cfg.hidden)
+    return params
+
+
+def make_pools(
+    cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: int | None = None
+) -> dict[str, Tensor]:
+    """The model-owned caches: zeros, or seeded random history when ``seed`` is given.
+
+    The sliding-window cache holds the same history as the full cache, moved through the
+    example ``swa_map`` (see :func:`make_shared_state`).
+
+    >>> pools = make_pools(ModelConfig())
+    >>> tuple(pools["k_cache"].shape), tuple(pools["state"].shape)
+    ((4, 1024, 2, 16), (4, 17, 2, 16, 16))
+    """
+    kv = (cfg.layers, cfg.num_slots, cfg.heads, cfg.head_dim)
+    state = (cfg.layers, cfg.num_state_slots, cfg.heads, cfg.head_dim, cfg.head_dim)
+    if seed is None:
+        k = torch.zeros(kv, device=device)
+        v = torch.zeros(kv, device=device)
+        s = torch.zeros(state, device=device)
+    else:
+        g = _generator(seed + 1)
+        k = torch.randn(kv, generator=g, device=device)
+        v = torch.randn(kv, generator=g, device=device)
+        s = torch.randn(state, generator=g, device=device) * (cfg.head_dim**-0.5)
+    swa = _example_swa_map(cfg, device).long()
+    swa_k = torch.zeros(cfg.layers, cfg.num_swa_slots, cfg.heads, cfg.head_dim, device=device)
+    swa_v = torch.zeros_like(swa_k)
+    swa_k.index_copy_(1, swa, k)
+    swa_v.index_copy_(1, swa, v)
+    return {"k_cache": k, "v_cache": v, "swa_k_cache": swa_k, "swa_v_cache": swa_v, "state": s}
+
+
+def _example_slot(cfg: ModelConfig, req: Tensor, pos: Tensor) -> Tensor:
+    # A bijection (req, pos) -> slot that is not the identity: 5 is odd, num_slots a power of
+    # two in the default config; otherwise still distinct because gcd is checked below.
+    return ((req * cfg.max_ctx + pos) * _SLOT_STRIDE + 1) % cfg.num_slots
+
+
+_SLOT_STRIDE = 5
+
+
+def _example_swa_map(cfg: ModelConfig, device: str | torch.device) -> Tensor:
+    full = torch.arange(cfg.num_slots, device=device, dtype=torch.int64)
+    return ((full * 3 + 7) % cfg.num_swa_slots).to(torch.int32)
+
+
+def make_shared_state(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """The scheduler's buffers with every request row allocated to distinct KV slots.
+
+    ``seq_lens`` is all zero (no request is running); :func:`example_step` fills it in.
+
+    >>> s = make_shared_state(ModelConfig())
+    >>> s["req_to_token"].unique().numel() == s["req_to_token"].numel()
+    True
+    """
+    _check_bijections(cfg)
+    req = torch.arange(cfg.max_reqs, device=device, dtype=torch.int64).unsqueeze(1)
+    pos = torch.arange(cfg.max_ctx, device=device, dtype=torch.int64).unsqueeze(0)
+    req_to_token = _example_slot(cfg, req, pos).to(torch.int32)
+    seq_lens = torch.zeros(cfg.max_reqs, device=device, dtype=torch.int32)
+    slots = torch.arange(cfg.max_reqs, device=device, dtype=torch.int64)
+    state_slots = ((slots * 7 + 2) % cfg.num_state_slots).to(torch.int32)
+    return {
+        "req_to_token": req_to_token,
+        "seq_lens": seq_lens,
+        "swa_map": _example_swa_map(cfg, device),
+        "state_slots": state_slots,
+    }
+
+
+def _check_bijections(cfg: ModelConfig) -> None:
+    import math
+
+    for stride, n, what in ((_SLOT_STRIDE, cfg.num_slots, "num_slots"),
+                            (3, cfg.num_swa_slots, "num_swa_slots"),
+                            (7, cfg.num_state_slots, "num_state_slots")):
+        if math.gcd(stride, n) != 1:
+            raise ValueError(f"example layout needs gcd({stride}, {what}={n}) == 1")
+
+
+def example_batch_layout(
+    cfg: ModelConfig, mode: ForwardMode, batch_size: int, *, seed: int = 0
+) -> tuple[list[int], list[int]]:
+    """``(request pool indices, prefix lengths)`` of the example step, as python ints.
+
+    >>> example_batch_layout(ModelConfig(), ForwardMode.DECODE, 3)
+    ([0, 3, 6], [3, 10, 17])
+    """
+    mode = check_mode(mode)
+    if mode is ForwardMode.IDLE:
+        return [], []
+    if not isinstance(batch_size, int) or not 0 < batch_size <= cfg.max_reqs:
+        raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs}, got {batch_size!r}")
+    n = tokens_per_request(mode)
+    span = cfg.max_ctx - n + 1
+    reqs = [(b * 3 + seed) % cfg.max_reqs for b in range(batch_size)]
+    if len(set(reqs)) != batch_size:  # gcd(3, max_reqs) > 1: fall back to consecutive rows
+        reqs = [(b + seed) % cfg.max_reqs for b in range(batch_size)]
+    prefix = [(b * 7 + 3 + seed) % span for b in range(batch_size)]
+    return reqs, prefix
+
+
+def example_step(
+    cfg: ModelConfig,
+    mode: ForwardMode,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> StepInputs:
+    """A consistent step: rows allocated, ``seq_lens`` set, history in the caches.
+
+    ``IDLE`` ignores ``batch_size`` and gives the empty batch.
+
+    >>> step = example_step(ModelConfig(), ForwardMode.TARGET_VERIFY, 2)
+    >>> step.batch["positions"].tolist(), step.shared["seq_lens"][[0, 3]].tolist()
+    ([3, 4, 5, 10, 11, 12], [6, 13])
+    >>> example_step(ModelConfig(), ForwardMode.IDLE, 4).num_tokens
+    0
+    """
+    mode = check_mode(mode)
+    reqs, prefix = example_batch_layout(cfg, mode, batch_size, seed=seed)
+    n = tokens_per_request(mode)
+    shared = make_shared_state(cfg, device=device)
+    i64 = torch.int64
+    req_t = torch.tensor(reqs, dtype=i64, device=device)
+    prefix_t = torch.tensor(prefix, dtype=i64, device=device)
+    step_t = torch.arange(n, dtype=i64, device=device)
+    positions = (prefix_t.unsqueeze(1) + step_t.unsqueeze(0)).reshape(-1)
+    req_per_token = req_t.repeat_interleave(n)
+    shared["seq_lens"].index_copy_(0, req_t, (prefix_t + n).to(torch.int32))
+    g = _generator(seed + 2)
+    batch = {
+        "input_ids": torch.randint(0, cfg.vocab, (len(reqs) * n,), generator=g, device=device, dtype=i64),
+        "positions": positions,
+        "req_pool_indices": req_t,
+        "out_cache_loc": _example_slot(cfg, req_per_token, positions),
+    }
+    return StepInputs(
+        shared=shared,
+        batch=batch,
+        pools=make_pools(cfg, device=device, seed=seed),
+        params=init_params(cfg, device=device),
+    )
+
+
+def split_batch(batch: Mapping[str, Tensor], mode: ForwardMode, parts: int) -> list[dict[str, Tensor]]:
+    """Split a batch into ``parts`` micro-batches of consecutive requests (some may be empty).
+
+    Sizes follow ``torch.tensor_split``; slicing uses ``narrow`` (traceable, no ``[]``).
+
+    >>> step = example_step(ModelConfig(), ForwardMode.TARGET_VERIFY, 3)
+    >>> [mb["input_ids"].shape[0] for mb in split_batch(step.batch, ForwardMode.TARGET_VERIFY, 2)]
+    [6, 3]
+    """
+    sizes = request_ranges(int(batch["req_pool_indices"].shape[0]), parts)
+    return [_narrow_batch(batch, mode, lo, hi) for lo, hi in sizes]
+
+
+def request_ranges(batch_size: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` request ranges of ``parts`` micro-batches (``torch.tensor_split`` sizes).
+
+    >>> request_ranges(5, 2)
+    [(0, 3), (3, 5)]
+    """
+    if parts <= 0:
+        raise ValueError(f"parts must be positive, got {parts}")
+    base, extra = divmod(batch_size, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def _narrow_batch(batch: Mapping[str, Tensor], mode: ForwardMode, lo: int, hi: int) -> dict[str, Tensor]:
+    n = tokens_per_request(mode)
+    out = {}
+    for key, t in batch.items():
+        per = 1 if key == "req_pool_indices" else n
+        out[key] = t.narrow(0, lo * per, (hi - lo) * per)
+    return out

@@ -1,0 +1,448 @@
+"""Trace a backend's step into a ``Program``: one FX graph per stage, reads on every node.
+
+Each stage is traced with ``make_fx`` (real tensors on CPU; fake tensors for any other
+device, so ``device="cuda"`` traces on a machine without a GPU). The graphs are *not*
+functionalized: they keep the ops as written (views, in-place writes to ``pools``) so they
+can be executed as they are; reads through views are found by alias analysis over op
+schemas instead (see ``_alias``). Escapes the tracer cannot see through (``data_ptr()``,
+``numpy()``, ``tolist()``, ``item()``, ``untyped_storage()``...) are recorded in the graph as a
+``readfence::opaque`` node on the escaping tensor, which makes its buffers ``UNKNOWN``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ._alias import analyse
+from ._modes import ForwardMode
+from ._program import INPUT_KEY, Program, StageGraph, flatten_group
+from ._protocol import BackendLike
+
+
+class StageWriteError(Exception):
+    """A stage writes a shared buffer (in place, ``out=``, or a mutating custom op).
+
+    Stages may only *read* shared state; the scheduler owns it. Writes to ``pools`` are fine.
+    """
+
+    def __init__(self, backend: str, stage: str, buffer: str, node: str, op: str) -> None:
+        self.backend, self.stage, self.buffer, self.node, self.op = backend, stage, buffer, node, op
+        super().__init__(
+            f"backend {backend!r} writes shared buffer {buffer!r} in stage {stage} "
+            f"(node {node!r}, op {op}); stages may only read shared state "
+            f"(pools may be written) - compute into a fresh tensor instead"
+        )
+
+    def at(self, path: str) -> StageWriteError:
+        """The same error, naming the backend by its path in a combinator tree."""
+        return StageWriteError(path, self.stage, self.buffer, self.node, self.op)
+
+
+# -- the escape marker -----------------------------------------------------------------------
+@torch.library.custom_op("readfence::opaque", mutates_args=())
+def _opaque(t: torch.Tensor, what: str) -> None:
+    """Marks, in a traced graph, that ``t`` escaped to code the tracer cannot see."""
+    return None
+
+
+@_opaque.register_fake
+def _opaque_fake(t: torch.Tensor, what: str) -> None:
+    return None
+
+
+OPAQUE_OP = torch.ops.readfence.opaque.default
+
+_ESCAPES: dict[Any, str] = {
+    torch.Tensor.item: "item()",
+    torch.Tensor.__int__: "__int__()",
+    torch.Tensor.__float__: "__float__()",
+    torch.Tensor.__bool__: "__bool__()",
+    torch.Tensor.__index__: "__index__()",
+    torch.Tensor.data_ptr: "data_ptr()",
+    torch.Tensor.untyped_storage: "untyped_storage()",
+    torch.Tensor.storage: "storage()",
+    torch.Tensor.numpy: "numpy()",
+    torch.Tensor.tolist: "tolist()",
+    torch.Tensor.__array__: "__array__()",
+    torch.Tensor.__dlpack__: "__dlpack__()",
+}
+
+
+class _Aborted(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class _TraceMode(TorchFunctionMode):
+    """Records escapes; under fake tensors on a device this build lacks, indexes via aten."""
+
+    def __init__(self, *, fake: bool) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        what = _ESCAPES.get(func)
+        if what is not None and args and isinstance(args[0], torch.Tensor):
+            OPAQUE_OP(args[0], what)
+            if self.fake:
+                raise _Aborted(f"{what} escapes under fake tensors")
+            # the value leaves the graph: compute it on the real tensor, outside the tracer
+            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+            with disable_proxy_modes_tracing():
+                return func(*args, **kwargs)
+        if self.fake and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+            if func is torch.Tensor.__getitem__:
+                return _getitem(args[0], args[1])
+            if func is torch.Tensor.__setitem__:
+                return _setitem(args[0], args[1], args[2])
+            # Python bindings that take a device guard this build lacks: use the op instead
+            if func is torch.Tensor.__invert__:
+                return torch.bitwise_not(args[0])
+            if func is torch.Tensor.cuda:
+                return args[0].to(torch.device("cuda", args[0].device.index or 0))
+            if func is torch.Tensor.type and (len(args) > 1 or kwargs):
+                dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+                if isinstance(dtype, torch.dtype):
+                    return args[0].to(dtype)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as e:
+                # a Python binding that takes a CUDA device guard: call the aten op directly
+                packet = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
+                if "not linked with support for cuda" not in str(e) or packet is None:
+                    raise
+                return packet(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _basic_index(t: torch.Tensor, idx: Any) -> tuple[torch.Tensor, list[Any]]:
+    """Apply ints, slices, None and Ellipsis; collect tensor indices for ``aten.index``."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+
+    def consumes(i: Any) -> int:
+        if i is None or i is Ellipsis:
+            return 0
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            return i.dim()
+        return 1
+
+    used = sum(consumes(i) for i in idx)
+    out, dim, adv = t, 0, []
+    for item in idx:
+        if item is None:
+            out = torch.ops.aten.unsqueeze.default(out, dim)
+            adv.append(None)
+            dim += 1
+        elif item is Ellipsis:
+            skip = t.dim() - used  # the dims the ellipsis stands for
+            adv.extend([None] * skip)
+            dim += skip
+        elif isinstance(item, (int, torch.SymInt)) and not isinstance(item, bool):
+            out = torch.ops.aten.select.int(out, dim, item)
+        elif isinstance(item, slice):
+            start = 0 if item.start is None else item.start
+            stop = out.shape[dim] if item.stop is None else item.stop
+            out = torch.ops.aten.slice.Tensor(out, dim, start, stop, 1 if item.step is None else item.step)
+            adv.append(None)
+            dim += 1
+        else:
+            tensor = item if isinstance(item, torch.Tensor) else torch.tensor(item, device=t.device)
+            adv.append(tensor)
+            dim += 1
+    while adv and adv[-1] is None:
+        adv.pop()
+    return out, adv
+
+
+def _getitem(t: torch.Tensor, idx: Any) -> torch.Tensor:
+    out, adv = _basic_index(t, idx)
+    return torch.ops.aten.index.Tensor(out, adv) if adv else out
+
+
+def _setitem(t: torch.Tensor, idx: Any, value: Any) -> None:
+    out, adv = _basic_index(t, idx)
+    if not isinstance(value, torch.Tensor):
+        value = torch.ops.aten.full.default([], value, dtype=t.dtype, device=t.device)
+    if adv:
+        torch.ops.aten.index_put_.default(out, adv, torch.ops.aten._to_copy.default(value, dtype=out.dtype))
+    else:
+        torch.ops.aten.copy_.default(out, value)
+
+
+# -- tracing one stage -----------------------------------------------------------------------
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _identifier(dotted: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in dotted)
+    return out if out and not out[0].isdigit() else "_" + out
+
+
+def _trace_stage(
+    backend: str,
+    stage: str,
+    fn: Callable[..., Any],
+    groups: dict[str, Any],
+    shared_refs: dict[StorageWeakRef, set[str]],
+    out_prefix: str,
+    fake_mode: Any,
+    last: bool,
+) -> tuple[StageGraph, Any]:
+    names: list[str] = []
+    leaves: list[Any] = []
+    specs: dict[str, tuple[pytree.TreeSpec, int, int]] = {}
+    for g, tree in groups.items():
+        pairs = flatten_group(g, tree)
+        _, spec = pytree.tree_flatten(tree)
+        specs[g] = (spec, len(leaves), len(leaves) + len(pairs))
+        for n, leaf in pairs:
+            names.append(n)
+            leaves.append(leaf)
+    tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    input_names = tuple(names[i] for i in tensor_pos)
+    stash: dict[str, Any] = {}
+
+    def rebuild(flat: list[Any]) -> dict[str, Any]:
+        return {g: pytree.tree_unflatten(flat[a:b], spec) for g, (spec, a, b) in specs.items()}
+
+    def outputs_of(out: Any) -> list[tuple[str, Any]]:
+        return [(n, v) for n, v in flatten_group(out_prefix, out) if isinstance(v, torch.Tensor)]
+
+    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = list(leaves)
+        for i, t in zip(tensor_pos, tensors, strict=True):
+            flat[i] = t
+        with _TraceMode(fake=fake_mode is not None):
+            out = fn(**rebuild(flat))
+        pairs = outputs_of(out)
+        stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
+        return tuple(v for _, v in pairs)
+
+    def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flat = list(leaves)
+        for i, n in zip(tensor_pos, input_names, strict=True):
+            flat[i] = env[n]
+        return dict(outputs_of(fn(**rebuild(flat))))
+
+    args = [leaves[i] for i in tensor_pos]
+    if fake_mode is not None:
+        ctx: Any = fake_mode
+    else:
+        # make_fx records a fake "val" per node; without a fake mode in the tracing context it
+        # builds a new FakeTensorMode for every node (most of the tracing time). Share one.
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        ctx = tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
+    with ctx:
+        gm = make_fx(flat_fn, tracing_mode="real")(*args)
+
+    initial: dict[str, frozenset[str]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, dotted, t in zip(placeholders, input_names, args, strict=True):
+        node._rename(_identifier(dotted))
+        node.target = node.name
+        node.meta[INPUT_KEY] = dotted
+        initial[node.name] = frozenset(shared_refs.get(_storage(t), ()))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor):
+                initial[node.name] = frozenset(shared_refs.get(_storage(value), ()))
+    gm.recompile()
+
+    result = analyse(gm.graph, initial, opaque_ops=frozenset({OPAQUE_OP}), output_reads=last)
+    for w in result.writes:
+        raise StageWriteError(backend, stage, sorted(w.buffers)[0], w.node, w.op)
+    graph = StageGraph(
+        name=stage,
+        gm=gm,
+        inputs=input_names,
+        outputs=stash["names"],
+        reads=result.reads,
+        unknown=result.unknown,
+        opaque=result.opaque,
+        faithful=not result.opaque,
+        eager=eager,
+    )
+    return graph, stash["out"]
+
+
+def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:
+    def conv(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        with fake_mode:
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=device)
+
+    return pytree.tree_map(conv, tree)
+
+
+def trace_functions(
+    backend: str,
+    mode: ForwardMode,
+    *,
+    inputs: Mapping[str, Any],
+    prepare_out_graph: Callable[..., Any],
+    prepare_in_graph: Callable[..., Any],
+    body: Callable[..., Any],
+    device: str = "cpu",
+) -> Program:
+    """Trace three stage functions over named input groups into a ``Program``.
+
+    ``inputs`` maps group names (``shared`` required, then e.g. ``batch``, ``pools``,
+    ``params``) to pytrees of tensors. The stages are called with keyword groups:
+    ``prepare_out_graph(shared=, batch=)``, ``prepare_in_graph(shared=, batch=, meta=)`` and
+    ``body(**inputs, meta=)``; each prepare stage returns a ``meta`` dict (the body sees
+    ``{**out_graph_meta, **in_graph_meta}``, as ``core._model.prepare`` builds it), the body
+    returns the logits. This is the engine under ``trace``; tests use it with toy functions.
+
+    >>> import torch
+    >>> prog = trace_functions(
+    ...     "toy", ForwardMode.DECODE,
+    ...     inputs={"shared": {"req_to_token": torch.zeros(2, 8, dtype=torch.int32)}, "batch": {}},
+    ...     prepare_out_graph=lambda shared, batch: {"pt": shared["req_to_token"][:, :4]},
+    ...     prepare_in_graph=lambda shared, batch, meta: dict(meta),
+    ...     body=lambda shared, batch, meta: meta["pt"].float().sum())
+    >>> prog.observed()  # the view escapes the eager stage and is read in the body
+    ReadEffect({'req_to_token': POST_REPLAY}, default=NONE)
+    """
+    device = str(device)
+    fake_mode = None
+    groups = dict(inputs)
+    if torch.device(device).type != "cpu":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+        groups = {g: _fake_tree(t, fake_mode, device) for g, t in groups.items()}
+    shared = groups.get("shared", {})
+    buffers = tuple(shared.keys())
+    shared_refs: dict[StorageWeakRef, set[str]] = {}
+    for b, t in shared.items():
+        if isinstance(t, torch.Tensor):
+            shared_refs.setdefault(_storage(t), set()).add(b)
+    plan: list[tuple[str, Callable[..., Any], dict[str, Any], str]] = [
+        ("prepare_out_graph", prepare_out_graph, {"shared": shared, "batch": groups.get("batch", {})}, "meta"),
+        ("prepare_in_graph", prepare_in_graph, {"shared": shared, "batch": groups.get("batch", {})}, "meta"),
+        ("body", body, dict(groups), "logits"),
+    ]
+    stages: list[StageGraph] = []
+    meta: Any = None
+    aborted = None
+    for i, (name, fn, grp, prefix) in enumerate(plan):
+        if i > 0:
+            grp = {**grp, "meta": meta}
+        try:
+            graph, out = _trace_stage(
+                backend, name, fn, grp, shared_refs, prefix, fake_mode, last=(i == len(plan) - 1)
+            )
+        except _Aborted as e:
+            aborted = f"stage {name}: {e.why}"
+            break
+        stages.append(graph)
+        # the body sees {**out_graph_meta, **in_graph_meta} (core._model.prepare)
+        meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
+    return Program(
+        backend=backend, mode=mode, device=device, buffers=buffers, stages=tuple(stages), aborted=aborted
+    )
+
+
+# -- the public entry point ------------------------------------------------------------------
+def _default_cfg() -> Any:
+    from ._state import ModelConfig
+
+    return ModelConfig()
+
+
+def _code_key(backend: BackendLike) -> Any:
+    """What a trace depends on: the code, not the declaration.
+
+    A leaf that carries a ``kernel`` (the backends layer's ``Leaf``) is keyed by its name,
+    kernel and options, so ``redeclare``d copies share one trace; anything else by itself.
+    """
+    kernel = getattr(backend, "kernel", None)
+    if kernel is not None and not backend.children():
+        try:
+            key = (type(backend), backend.name, kernel, tuple(getattr(backend, "options", ())))
+            hash(key)
+            return key
+        except TypeError:
+            pass
+    return backend
+
+
+_CACHE: dict[Any, Program] = {}
+_CACHE_LIMIT = 1024
+
+
+def clear_cache() -> None:
+    """Forget every cached trace."""
+    _CACHE.clear()
+
+
+def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
+    key = (_code_key(backend), mode, cfg, batch_size, device, seed)
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.pop(next(iter(_CACHE)))
+        hit = _CACHE[key] = _trace_uncached(backend, mode, cfg, batch_size, device, seed)
+    return hit
+
+
+def _trace_uncached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
+    from ._model import forward
+    from ._state import example_step
+
+    step = example_step(cfg, mode, batch_size, seed=seed, device="cpu")
+    return trace_functions(
+        backend.name,
+        mode,
+        inputs={"shared": step.shared, "batch": step.batch, "pools": step.pools, "params": step.params},
+        prepare_out_graph=lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
+        prepare_in_graph=lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
+        body=lambda shared, batch, pools, params, meta: forward(
+            cfg, params, pools, shared, batch, meta, backend, mode
+        ),
+        device=device,
+    )
+
+
+def trace(
+    backend: BackendLike,
+    mode: ForwardMode,
+    *,
+    cfg: Any = None,
+    batch_size: int = 2,
+    device: str = "cpu",
+    seed: int = 0,
+) -> Program:
+    """Trace ``backend``'s step in ``mode`` into a ``Program`` (cached per arguments).
+
+    Stages: ``prepare_out_graph`` (eager, before replay), ``prepare_in_graph`` (first nodes
+    of the graph) and ``body`` (the model's forward, calling ``attend`` per layer). Inputs
+    come from ``example_step(cfg, mode, batch_size, seed=seed)``; on a device other than
+    CPU they are fake tensors, so no such device is needed. Raises ``StageWriteError`` if a
+    stage writes a shared buffer.
+
+    >>> from readfence.backends import paged
+    >>> prog = trace(paged(), ForwardMode.DECODE)
+    >>> prog.observed() <= paged().read_effect(ForwardMode.DECODE)
+    True
+    """
+    if cfg is None:
+        cfg = _default_cfg()
+    return _trace_cached(backend, mode, cfg, int(batch_size), str(device), int(seed))

@@ -1,0 +1,49 @@
+"""10,000-leaf trees, wide and deep: effects in well under a second, no recursion anywhere."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from returns.result import Failure
+
+from readfence.backends import MODES, deepseek_v4, join, linear, paged, parse, tbo, trtllm_mha
+
+N = 10_000
+
+
+def _deep(n: int):
+    tree = paged()
+    leaves = (deepseek_v4(), linear(), trtllm_mha())
+    for i in range(n - 1):
+        tree = tbo(tree, leaves[i % 3]) if i % 2 else join(leaves[i % 3], tree)
+    return tree
+
+
+def test_wide_tree_effects_are_fast():
+    start = time.perf_counter()
+    tree = join(*[(paged(), deepseek_v4(), linear(), trtllm_mha())[i % 4] for i in range(N)])
+    table = [tree.read_effect(m) for m in MODES]
+    elapsed = time.perf_counter() - start
+    assert table == [join(paged(), deepseek_v4(), linear(), trtllm_mha()).read_effect(m) for m in MODES]
+    assert elapsed < 1.0, elapsed
+
+
+def test_deep_chain_builds_compares_prints_and_walks_without_recursion():
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(200)  # anything recursive over 10,000 levels would now fail
+    try:
+        start = time.perf_counter()
+        a, b = _deep(N), _deep(N)
+        effects = [a.read_effect(m) for m in MODES]
+        assert time.perf_counter() - start < 2.0
+        assert a == b and hash(a) == hash(b)
+        assert a != _deep(N - 1)
+        text = str(a)
+        assert text.count("(") == N - 1
+        assert sum(1 for _ in a.walk()) == 2 * N - 1
+        assert effects == [join(paged(), deepseek_v4(), linear(), trtllm_mha()).read_effect(m) for m in MODES]
+    finally:
+        sys.setrecursionlimit(limit)
+    assert isinstance(parse(text), Failure)  # deeper than the default max_depth
+    assert parse(text, max_depth=N).unwrap() == a

@@ -1,0 +1,122 @@
+"""parse: good specs build equal backends; bad specs fail with a useful message, never raise."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from returns.result import Failure, Success
+
+from readfence.backends import (
+    REFERENCE_LEAVES,
+    SpecError,
+    deepseek_v4,
+    hybrid,
+    hybrid_linear,
+    leaf,
+    linear,
+    minimax,
+    paged,
+    parse,
+    select,
+    sparse,
+    tbo,
+    trtllm_mha,
+)
+from readfence.core import ForwardMode
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("tbo(deepseek_v4(dspark=false), paged)", tbo(deepseek_v4(), paged())),
+    ("tbo(deepseek_v4(dspark=true), paged())", tbo(deepseek_v4(dspark=True), paged())),
+    (" hybrid( decode = trtllm_mha(window=4) , prefill=deepseek_v4, ) ",
+     hybrid(decode=trtllm_mha(window=4), prefill=deepseek_v4())),
+    ('hybrid_linear(trtllm_mha, linear(decay=0.5), pattern="0111")',
+     hybrid_linear(trtllm_mha(), linear(decay=0.5), pattern="0111")),
+    ("minimax(sparse(top_k=3), dense)", minimax(sparse(top_k=3), REFERENCE_LEAVES["dense"]())),
+    ("select(decode=paged, extend=linear, default=sparse)",
+     select({ForwardMode.EXTEND: linear(), ForwardMode.DECODE: paged()}, default=sparse())),
+    ("linear(decay=1)", linear(decay=1.0)),
+])
+def test_good_specs(spec, want):
+    got = parse(spec)
+    assert got == Success(want)
+    assert parse(str(want)) == Success(want)
+
+
+def _failure(spec: str) -> SpecError:
+    result = parse(spec)
+    assert isinstance(result, Failure), f"{spec!r} parsed to {result}"
+    err = result.failure()
+    assert isinstance(err, SpecError) and err.spec == spec
+    return err
+
+
+@pytest.mark.parametrize("spec,position,needles", [
+    ("tbo(", 4, ["expected a backend name", "end of spec"]),
+    ("nosuch", 0, ["unknown backend 'nosuch'", "paged", "deepseek_v4", "tbo"]),
+    ("paged(x=1)", 6, ["paged has no keyword 'x'", "(none)"]),
+    ("sparse(x=1)", 7, ["no keyword 'x'", "page_size, top_k"]),
+    ("", 0, ["empty spec"]),
+    ("   ", 3, ["empty spec"]),
+    ("deepseek_v4(dspark=1)", 19, ["expects true or false", "got 1"]),
+    ("trtllm_mha(window=0)", 0, ["bad arguments for trtllm_mha", "positive int"]),
+    ("tbo", 0, ["tbo needs at least 1 backend"]),
+    ("hybrid(decode=paged)", 0, ["hybrid needs prefill="]),
+    ("paged(linear)", 6, ["paged takes no positional arguments"]),
+    ("tbo(paged,,)", 10, ["expected a backend name", "','"]),
+    ("tbo(paged) extra", 11, ["expected end of spec", "'extra'"]),
+    ("tbo(paged linear)", 10, ["expected ',' or ')'", "tbo(...)"]),
+    ("tbo(paged, decode=linear)", 11, ["tbo has no keyword 'decode'"]),
+    ("hybrid(decode=paged, decode=paged, prefill=paged)", 21, ["given twice"]),
+    ("hybrid(decode=1, prefill=paged)", 14, ["expects a backend", "got 1"]),
+    ("tbo(paged$)", 9, ["unexpected character '$'"]),
+    ('hybrid_linear(paged, pattern="01', 29, ["unterminated string"]),
+    ("select(decode=paged)", 0, ["no backend for modes", "default"]),
+])
+def test_bad_specs_name_position_and_expectation(spec, position, needles):
+    err = _failure(spec)
+    assert err.position == position, err
+    for needle in needles:
+        assert needle in err.message, (needle, err.message)
+    assert "^" in str(err)
+
+
+@pytest.mark.parametrize("spec", [
+    "(" * 10_000,
+    "tbo(" * 10_000,
+    "tbo(" * 10_000 + "paged" + ")" * 10_000,
+    ")" * 10_000,
+    "paged(" + "(" * 10_000,
+])
+def test_deep_nesting_fails_fast_without_recursion(spec):
+    start = time.perf_counter()
+    err = _failure(spec)
+    assert time.perf_counter() - start < 2.0
+    assert "nesting deeper" in err.message or "expected" in err.message
+
+
+def test_nesting_limit_is_configurable():
+    spec = "tbo(" * 50 + "paged" + ")" * 50
+    assert "nesting deeper than 10" in _failure_with(spec, max_depth=10).message
+    assert isinstance(parse(spec, max_depth=50), Success)
+
+
+def _failure_with(spec, **kw):
+    result = parse(spec, **kw)
+    assert isinstance(result, Failure)
+    return result.failure()
+
+
+def test_non_string_spec_is_a_failure():
+    assert isinstance(parse(None), Failure)  # type: ignore[arg-type]
+
+
+def test_user_leaves_can_be_registered():
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        return q
+
+    mine = leaf("mine", attend, declare={ForwardMode.DECODE: paged().read_effect(ForwardMode.DECODE)})
+    got = parse("tbo(mine, paged)", leaves={"mine": lambda: mine})
+    assert got == Success(tbo(mine, paged()))
+    assert _failure("mine").message.startswith("unknown backend 'mine'")  # not known by default

@@ -1,0 +1,510 @@
+"""Audit: declared effects against traced reads, for every reference backend and combinator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from returns.result import Failure, Success
+
+from readfence.backends import (
+    deepseek_v4,
+    dense,
+    hybrid_linear,
+    join,
+    leaf,
+    linear,
+    minimax,
+    page_meta,
+    paged,
+    redeclare,
+    reference_compositions,
+    select,
+    softmax_attention,
+    sparse,
+    store_kv,
+    tbo,
+    trtllm_mha,
+)
+from readfence.core import (
+    SHARED_BUFFERS,
+    AuditReport,
+    ForwardMode,
+    ModelConfig,
+    StageWriteError,
+    Unsound,
+    audit,
+    audit_report,
+)
+from readfence.effects import ReadEffect, ReadEnd
+
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+M = ForwardMode
+
+LEAVES = [paged(), trtllm_mha(), deepseek_v4(), deepseek_v4(dspark=True), linear(), sparse(), dense()]
+BACKENDS = [
+    *LEAVES,
+    *reference_compositions().values(),
+    select({M.DECODE: paged(), M.TARGET_VERIFY: deepseek_v4()}, default=dense()),
+    join(paged(), linear()),
+    tbo(deepseek_v4(dspark=True), paged(), trtllm_mha()),
+]
+
+SHORT = {"NONE": "-", "PRE_REPLAY": "PRE", "IN_REPLAY": "IN", "POST_REPLAY": "POST", "UNKNOWN": "UNK"}
+
+
+def render(report: AuditReport) -> list[str]:
+    """One line per node: ``path MODE buffer=declared/observed:verdict ...`` (from rows())."""
+    lines: dict[tuple[str, str], list[str]] = {}
+    for row in report.rows(detail=True):
+        verdict = {"exact": "=", "unsound": "UNSOUND"}.get(row["verdict"], f"+{row['steps']}")
+        cell = f"{row['buffer']}={SHORT[row['declared']]}/{SHORT[row['observed']]}{verdict}"
+        lines.setdefault((row["backend"], row["mode"]), []).append(cell)
+    return [f"{path} {mode} {' '.join(cells)}" for (path, mode), cells in lines.items()]
+
+
+# The full audit table: per node of each backend tree and mode, for every shared buffer,
+# declared/observed and the verdict ("=" exact, "+k" conservative by k steps).
+EXPECTED = """
+paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+trtllm_mha TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+trtllm_mha DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+trtllm_mha EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
+trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+deepseek_v4 TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+deepseek_v4 TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+linear DECODE req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
+linear TARGET_VERIFY req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
+linear DRAFT_EXTEND req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/IN+2
+linear EXTEND req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/IN+2
+linear IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+sparse DECODE req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+sparse TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+sparse DRAFT_EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+sparse EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+sparse IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+dense DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+dense TARGET_VERIFY req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+dense DRAFT_EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+dense EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+dense IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/primary/deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/children[0]/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo TARGET_VERIFY req_to_token=POST/IN+1 seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/primary/deepseek_v4 TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/children[0]/paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/primary/deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[0]/paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/primary/deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+tbo/children[0]/paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/primary/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[0]/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+hybrid/decode/trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+hybrid/prefill/deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+hybrid TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+hybrid/decode/trtllm_mha TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+hybrid/prefill/deepseek_v4 TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+hybrid DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+hybrid/decode/trtllm_mha DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+hybrid/prefill/deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+hybrid/decode/trtllm_mha EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
+hybrid/prefill/deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+hybrid IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid/decode/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid/prefill/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid_linear DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=IN/IN=
+hybrid_linear/children[0]/trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+hybrid_linear/children[1]/linear DECODE req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
+hybrid_linear TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=IN/IN=
+hybrid_linear/children[0]/trtllm_mha TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+hybrid_linear/children[1]/linear TARGET_VERIFY req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
+hybrid_linear DRAFT_EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/PRE+3 swa_map=UNK/PRE+3 state_slots=UNK/IN+2
+hybrid_linear/children[0]/trtllm_mha DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+hybrid_linear/children[1]/linear DRAFT_EXTEND req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/IN+2
+hybrid_linear EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/IN+2
+hybrid_linear/children[0]/trtllm_mha EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
+hybrid_linear/children[1]/linear EXTEND req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/IN+2
+hybrid_linear IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid_linear/children[0]/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+hybrid_linear/children[1]/linear IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax DECODE req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+minimax/sparse/sparse DECODE req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+minimax/dense/dense DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+minimax TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+minimax/sparse/sparse TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+minimax/dense/dense TARGET_VERIFY req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+minimax DRAFT_EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax/sparse/sparse DRAFT_EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax/dense/dense DRAFT_EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+minimax EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax/sparse/sparse EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax/dense/dense EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+minimax IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax/sparse/sparse IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+minimax/dense/dense IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=PRE/-+1 state_slots=-/-=
+per_stream/members[0]/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+per_stream/members[1]/trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+per_stream TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/-+2 state_slots=-/-=
+per_stream/members[0]/paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+per_stream/members[1]/trtllm_mha TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+per_stream DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream/members[0]/paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream/members[1]/trtllm_mha DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+per_stream EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream/members[0]/paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream/members[1]/trtllm_mha EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
+per_stream IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream/members[0]/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+per_stream/members[1]/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+select DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+select/decode/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+select/target_verify/deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+select/default/dense DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+select/decode/paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+select/target_verify/deepseek_v4 TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+select/default/dense TARGET_VERIFY req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select DRAFT_EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select/decode/paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+select/target_verify/deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+select/default/dense DRAFT_EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select/decode/paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+select/target_verify/deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select/default/dense EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+select IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+select/decode/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+select/target_verify/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+select/default/dense IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+join DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=IN/IN=
+join/children[0]/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+join/children[1]/linear DECODE req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
+join TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=IN/IN=
+join/children[0]/paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+join/children[1]/linear TARGET_VERIFY req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
+join DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/IN+2
+join/children[0]/paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+join/children[1]/linear DRAFT_EXTEND req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/IN+2
+join EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/IN+2
+join/children[0]/paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+join/children[1]/linear EXTEND req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/IN+2
+join IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+join/children[0]/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+join/children[1]/linear IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=PRE/PRE= state_slots=-/-=
+tbo/primary/deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/children[0]/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/children[1]/trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+tbo TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+tbo/primary/deepseek_v4 TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/children[0]/paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
+tbo/children[1]/trtllm_mha TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
+tbo DRAFT_EXTEND req_to_token=UNK/POST+1 seq_lens=UNK/IN+2 swa_map=UNK/PRE+3 state_slots=UNK/-+4
+tbo/primary/deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[0]/paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[1]/trtllm_mha DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
+tbo EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
+tbo/primary/deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
+tbo/children[0]/paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[1]/trtllm_mha EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
+tbo IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/primary/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[0]/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+tbo/children[1]/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
+"""
+
+
+def test_full_audit_table_of_every_reference_backend_in_every_mode() -> None:
+    lines = []
+    for backend in BACKENDS:
+        for mode in ForwardMode:
+            result = audit(backend, mode, cfg=CFG)
+            assert isinstance(result, Success), result.failure().message
+            lines += render(result.unwrap())
+    assert lines == EXPECTED_LINES
+
+
+def test_the_table_has_every_verdict_kind_and_no_unsound_row() -> None:
+    text = "\n".join(EXPECTED_LINES)
+    assert "UNSOUND" not in text and "=" in text and "+1" in text and "+4" in text
+    # four buffers per node line, every buffer of the schema named
+    assert all(all(f" {b}=" in line for b in SHARED_BUFFERS) for line in EXPECTED_LINES)
+
+
+# ------------------------------------------------------------------------------------------
+# Mutation: a declaration one step too early is caught
+# ------------------------------------------------------------------------------------------
+
+
+def _lower_one(effect: ReadEffect, buffer: str, end: ReadEnd) -> ReadEffect:
+    ends = {b: effect[b] for b in SHARED_BUFFERS}
+    ends[buffer] = end
+    return ReadEffect.of(ends, default=effect.default)
+
+
+def _below(end: ReadEnd) -> ReadEnd:
+    return ReadEnd(end.value - 1)
+
+
+@pytest.mark.parametrize("backend", LEAVES, ids=lambda b: str(b))
+def test_mutants_declared_one_step_earlier_are_unsound_exactly_when_below_the_trace(backend) -> None:
+    caught = kept = 0
+    for mode in ForwardMode:
+        report = audit_report(backend, mode, cfg=CFG)
+        for entry in report.buffers:
+            if entry.declared is ReadEnd.NONE:
+                continue
+            earlier = _below(entry.declared)
+            declared = backend.read_effect(mode)
+            mutant = redeclare(
+                backend, lambda m, d=declared, b=entry.buffer, e=earlier, mm=mode: (
+                    _lower_one(d, b, e) if m is mm else backend.read_effect(m)
+                ),
+            )
+            result = audit(mutant, mode, cfg=CFG)
+            if earlier < entry.observed:  # an exact declaration lowered: must be caught
+                caught += 1
+                assert isinstance(result, Failure), (mode, entry)
+                bad = result.failure()
+                assert (bad.path, bad.mode, bad.buffer) == (backend.name, mode, entry.buffer)
+                assert (bad.declared, bad.observed) == (earlier, entry.observed)
+                assert f"buffer {entry.buffer!r}" in bad.message and backend.name in bad.message
+                assert bad.reader is not None and bad.reader[1] in bad.message
+            else:  # a conservative declaration lowered by one: still sound
+                kept += 1
+                assert isinstance(result, Success), (mode, entry, result)
+    assert caught > 0  # the test exercises real catches for every leaf
+
+
+@pytest.mark.parametrize("backend", LEAVES, ids=lambda b: str(b))
+def test_declaring_any_read_buffer_one_step_before_its_observed_end_is_caught(backend) -> None:
+    count = 0
+    for mode in ForwardMode:
+        report = audit_report(backend, mode, cfg=CFG)
+        for entry in report.buffers:
+            if entry.observed is ReadEnd.NONE:
+                continue
+            count += 1
+            too_early = _lower_one(backend.read_effect(mode), entry.buffer, _below(entry.observed))
+            mutant = redeclare(backend, lambda m, e=too_early, mm=mode: e if m is mm else backend.read_effect(m))
+            bad = audit(mutant, mode, cfg=CFG).failure()
+            assert isinstance(bad, Unsound)
+            assert (bad.path, bad.buffer, bad.observed) == (backend.name, entry.buffer, entry.observed)
+    assert count >= 4
+
+
+def test_unsound_leaf_inside_a_combinator_is_named_by_its_path() -> None:
+    early = redeclare(deepseek_v4(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
+                                                              "seq_lens": ReadEnd.IN_REPLAY}))
+    bad = audit(tbo(early, paged()), M.TARGET_VERIFY, cfg=CFG).failure()
+    assert bad.path == "tbo/primary/deepseek_v4"
+    assert (bad.buffer, bad.declared, bad.observed) == ("req_to_token", ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY)
+    assert bad.message.startswith(
+        "unsound declaration: tbo/primary/deepseek_v4 in mode TARGET_VERIFY declares buffer "
+        "'req_to_token' ends at IN_REPLAY but the traced code reads it until POST_REPLAY "
+        "(last read by node "
+    )
+    assert bad.reader is not None and bad.reader[0] == "body"
+    # the tree is in the failure: the root itself is sound (tbo's primary only prepares)
+    assert bad.report.path == "tbo" and [r.path for r in bad.report.walk()] == [
+        "tbo", "tbo/primary/deepseek_v4", "tbo/children[0]/paged"]
+    assert [(p, e.buffer) for p, e in bad.report.unsound()] == [("tbo/primary/deepseek_v4", "req_to_token")]
+
+    early_linear = redeclare(linear(), lambda m: ReadEffect.of({"state_slots": ReadEnd.PRE_REPLAY}))
+    bad = audit(hybrid_linear(trtllm_mha(), early_linear, pattern="01"), M.DECODE, cfg=CFG).failure()
+    # both the combinator (which joins the lowered child) and the child are unsound: the
+    # deepest guilty node is named
+    assert (bad.path, bad.buffer) == ("hybrid_linear/children[1]/linear", "state_slots")
+    assert {p for p, _ in bad.report.unsound()} == {"hybrid_linear", "hybrid_linear/children[1]/linear"}
+
+    early_sparse = redeclare(sparse(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
+                                                                "seq_lens": ReadEnd.IN_REPLAY}))
+    bad = audit(minimax(early_sparse, dense()), M.DECODE, cfg=CFG).failure()
+    assert (bad.path, bad.buffer) == ("minimax/sparse/sparse", "req_to_token")
+
+
+# ------------------------------------------------------------------------------------------
+# Report shape: rows, table, what is left to improve
+# ------------------------------------------------------------------------------------------
+
+
+def test_rows_and_table() -> None:
+    report = audit(tbo(deepseek_v4(), paged()), M.TARGET_VERIFY, cfg=CFG).unwrap()
+    rows = report.rows()
+    assert set(rows[0]) == {"backend", "mode", "buffer", "declared", "observed", "verdict"}
+    assert rows[0] == {"backend": "tbo", "mode": "TARGET_VERIFY", "buffer": "req_to_token",
+                       "declared": "POST_REPLAY", "observed": "IN_REPLAY", "verdict": "conservative"}
+    assert len(rows) == 3 * len(SHARED_BUFFERS)
+    table = str(report).splitlines()
+    assert table[0].split() == ["backend", "mode", "buffer", "declared", "observed", "verdict"]
+    assert table[1].split() == ["tbo", "TARGET_VERIFY", "req_to_token", "POST_REPLAY", "IN_REPLAY",
+                                "conservative", "+1", "(no", "metadata", "snapshot", "yet)"]
+    assert table[-1] == ("11 exact, 1 conservative, 0 unsound; 2 POST_REPLAY (no metadata snapshot "
+                         "yet), 0 UNKNOWN (not audited)")
+    assert report.post_replay() == [("tbo", "req_to_token"), ("tbo/primary/deepseek_v4", "req_to_token")]
+    assert report.not_audited() == []
+    assert report.counts() == {"exact": 11, "conservative": 1, "unsound": 0, "post_replay": 2,
+                               "not_audited": 0}
+
+
+def test_unknown_declarations_are_listed_as_not_audited() -> None:
+    report = audit(paged(), M.EXTEND, cfg=CFG).unwrap()
+    assert report.not_audited() == [("paged", b) for b in SHARED_BUFFERS]
+    assert [r["verdict"] for r in report.rows()] == ["conservative"] * 4
+    assert "(not audited)" in report.table().splitlines()[1]
+    assert report.find("paged") is report
+
+
+def test_unsound_table_names_the_reader() -> None:
+    early = redeclare(sparse(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
+                                                         "seq_lens": ReadEnd.IN_REPLAY}))
+    bad = audit(early, M.DECODE, cfg=CFG).failure()
+    line = bad.report.table().splitlines()[1]
+    assert "unsound: read by body:" in line and bad.reader[1] in line
+    assert bad.report.counts()["unsound"] == 1 and not bad.report.sound
+
+
+# ------------------------------------------------------------------------------------------
+# A user's own backend (the README's way: backends.leaf)
+# ------------------------------------------------------------------------------------------
+
+
+def _user_prep(mode, shared, batch, meta):
+    return page_meta(shared, batch)
+
+
+def _user_attend(mode, layer, q, k, v, pools, shared, batch, meta):
+    store_kv(pools, layer, batch["out_cache_loc"], k, v)
+    return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+
+
+def test_user_leaf_audits_correctly() -> None:
+    mine = leaf("mine", _user_attend, prepare_in_graph=_user_prep, reads=["req_to_token", "seq_lens"])
+    lines = []
+    for mode in ForwardMode:
+        lines += render(audit(mine, mode, cfg=CFG).unwrap())
+    assert lines == [
+        "mine DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=",
+        "mine TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=",
+        "mine DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4",
+        "mine EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4",
+        "mine IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4",
+    ]
+    # inside a combinator, by path
+    report = audit(tbo(paged(), mine), M.DECODE, cfg=CFG).unwrap()
+    assert [r.path for r in report.walk()] == ["tbo", "tbo/primary/paged", "tbo/children[0]/mine"]
+
+
+def _view_prep(mode, shared, batch, meta):
+    out = page_meta(shared, batch)
+    out["head"] = shared["req_to_token"][:, :4]  # a view: no read here...
+    return out
+
+
+def _view_attend(mode, layer, q, k, v, pools, shared, batch, meta):
+    o = _user_attend(mode, layer, q, k, v, pools, shared, batch, meta)
+    return o + meta["head"].sum().to(o.dtype) * 0  # ...the read happens here, in the body
+
+
+def test_a_read_through_a_view_counts_where_the_view_is_consumed() -> None:
+    mine = leaf("viewer", _view_attend, prepare_in_graph=_view_prep, reads=["req_to_token", "seq_lens"])
+    bad = audit(mine, M.DECODE, cfg=CFG).failure()
+    assert (bad.buffer, bad.declared, bad.observed) == ("req_to_token", ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY)
+    assert bad.reader[0] == "body"
+    fixed = redeclare(mine, lambda m: ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY,
+                                                     "seq_lens": ReadEnd.IN_REPLAY}))
+    assert audit(fixed, M.DECODE, cfg=CFG).unwrap().find("viewer").buffers[0].verdict == "exact"
+
+
+def _opaque_prep(mode, shared, batch, meta):
+    out = page_meta(shared, batch)
+    lens = shared["state_slots"].numpy()  # escapes to code the tracer cannot see
+    out["slot0"] = torch.tensor(int(lens[0]))
+    return out
+
+
+def test_an_opaque_read_is_unknown_never_none() -> None:
+    mine = leaf("opaque", _user_attend, prepare_in_graph=_opaque_prep, reads=["req_to_token", "seq_lens"])
+    bad = audit(mine, M.DECODE, cfg=CFG).failure()
+    assert (bad.buffer, bad.declared, bad.observed) == ("state_slots", ReadEnd.NONE, ReadEnd.UNKNOWN)
+    report = bad.report
+    assert report.observed == ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY,
+                                             "state_slots": ReadEnd.UNKNOWN})
+    assert [(stage, why) for stage, _, why in report.opaque] == [("prepare_in_graph", "escape: numpy()")]
+    # declaring it UNKNOWN is the only sound choice
+    honest = redeclare(mine, lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
+                                                      "seq_lens": ReadEnd.IN_REPLAY,
+                                                      "state_slots": ReadEnd.UNKNOWN}))
+    assert audit(honest, M.DECODE, cfg=CFG).unwrap().counts()["unsound"] == 0
+    # under fake tensors the escape cannot be followed at all: everything is UNKNOWN
+    assert audit(honest, M.DECODE, cfg=CFG, device="cuda").failure().observed is ReadEnd.UNKNOWN
+
+
+# ------------------------------------------------------------------------------------------
+# Writes to shared state are rejected
+# ------------------------------------------------------------------------------------------
+
+
+def _writes_in_place(mode, shared, batch, meta):
+    shared["req_to_token"].add_(0)
+    return page_meta(shared, batch)
+
+
+def _writes_out(mode, layer, q, k, v, pools, shared, batch, meta):
+    torch.add(shared["seq_lens"], 0, out=shared["seq_lens"])
+    return _user_attend(mode, layer, q, k, v, pools, shared, batch, meta)
+
+
+def test_a_backend_writing_req_to_token_in_place_is_rejected() -> None:
+    evil = leaf("evil", _user_attend, prepare_in_graph=_writes_in_place)
+    with pytest.raises(StageWriteError) as info:
+        audit(evil, M.DECODE, cfg=CFG)
+    assert str(info.value) == (
+        "backend 'evil' writes shared buffer 'req_to_token' in stage prepare_in_graph (node 'add_', "
+        "op aten.add_.Tensor); stages may only read shared state (pools may be written) - compute "
+        "into a fresh tensor instead"
+    )
+    with pytest.raises(StageWriteError, match=r"backend 'tbo/children\[0\]/evil' writes shared buffer "
+                                              r"'req_to_token' in stage prepare_in_graph"):
+        audit(tbo(paged(), evil), M.DECODE, cfg=CFG)
+
+
+def test_an_out_write_to_a_shared_buffer_is_rejected() -> None:
+    evil = leaf("evil_out", _writes_out, prepare_in_graph=_user_prep)
+    with pytest.raises(StageWriteError) as info:
+        audit(evil, M.TARGET_VERIFY, cfg=CFG, device="cuda")
+    e = info.value
+    assert (e.backend, e.stage, e.buffer, e.op) == ("evil_out", "body", "seq_lens", "aten.add.out")
+
+
+def _writes_pools(mode, layer, q, k, v, pools, shared, batch, meta):
+    pools["k_cache"].mul_(1.0)
+    torch.mul(pools["v_cache"], 1.0, out=pools["v_cache"])
+    return _user_attend(mode, layer, q, k, v, pools, shared, batch, meta)
+
+
+def test_writes_to_pools_are_fine() -> None:
+    ok = leaf("pool_writer", _writes_pools, prepare_in_graph=_user_prep, reads=["req_to_token", "seq_lens"])
+    assert audit(ok, M.DECODE, cfg=CFG).unwrap().counts()["exact"] == 4
+
+
+EXPECTED_LINES = [line for line in EXPECTED.strip().splitlines() if line]

@@ -1,0 +1,287 @@
+"""Tracing: stage graphs, read annotations, calling convention, fake CUDA, writes, escapes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from readfence.backends import reference_compositions, tbo
+from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, sparse, trtllm_mha
+from readfence.core import (
+    ForwardMode,
+    ModelConfig,
+    Program,
+    StageWriteError,
+    example_step,
+    flatten_inputs,
+    run_step,
+    trace,
+)
+from readfence.core._trace import _getitem, _setitem, trace_functions
+from readfence.effects import ReadEffect, ReadEnd
+
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+M = ForwardMode
+LEAVES = [paged(), trtllm_mha(), deepseek_v4(), deepseek_v4(dspark=True), linear(), sparse(), dense()]
+
+
+def _inputs() -> dict:
+    return {
+        "shared": {
+            "req_to_token": torch.arange(32, dtype=torch.int32).reshape(4, 8),
+            "seq_lens": torch.tensor([3, 4, 5, 6], dtype=torch.int32),
+            "swa_map": torch.arange(32, dtype=torch.int32),
+        },
+        "batch": {"req_pool_indices": torch.tensor([0, 2])},
+        "pools": {"k": torch.zeros(40)},
+    }
+
+
+def _nothing(shared, batch):
+    return {}
+
+
+def _toy(out=_nothing, inn=None, body=None, device="cpu") -> Program:
+    return trace_functions(
+        "toy", M.DECODE, inputs=_inputs(), device=device,
+        prepare_out_graph=out,
+        prepare_in_graph=inn or (lambda shared, batch, meta: {}),
+        body=body or (lambda shared, batch, pools, meta: pools["k"].sum()),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Reads, views and aliases
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_reads_are_attributed_to_the_stage_of_the_consumer_of_a_view(device) -> None:
+    def inn(shared, batch, meta):
+        return {"head": shared["req_to_token"][:, :4], "lens": shared["seq_lens"][batch["req_pool_indices"]]}
+
+    def body(shared, batch, pools, meta):
+        rows = meta["head"][batch["req_pool_indices"]].long().reshape(-1)
+        pools["k"][rows] = 1.0  # a write to a pool through an index: allowed
+        return pools["k"].sum() + meta["lens"].sum()
+
+    prog = _toy(inn=inn, body=body, device=device)
+    assert prog.observed() == ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
+    # the view node itself reads nothing; the index in the body does
+    in_reads = prog.reads("prepare_in_graph")
+    assert list(in_reads.values()) == [frozenset({"seq_lens"})]
+    stage, node = prog.last_reader("req_to_token")
+    assert stage == "body"
+    gm = prog.stage("body").gm
+    by_name = {n.name: n for n in gm.graph.nodes}
+    assert by_name[node].meta["readfence_reads"] == frozenset({"req_to_token"})
+    assert by_name[node].target is torch.ops.aten.index.Tensor
+    assert prog.last_reader("swa_map") is None and prog.observed()["swa_map"] is ReadEnd.NONE
+
+
+def test_a_view_returned_by_the_eager_stage_is_read_later() -> None:
+    prog = _toy(out=lambda shared, batch: {"pt": shared["req_to_token"].narrow(1, 0, 4), "r": shared["swa_map"]},
+                inn=lambda shared, batch, meta: {"x": meta["pt"].sum()},
+                body=lambda shared, batch, pools, meta: pools["k"].sum() + meta["x"])
+    assert prog.observed() == ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY})
+    # swa_map only passes through (identity) and is never consumed: NONE
+
+
+def test_an_identity_output_of_the_last_stage_is_read_after_the_forward() -> None:
+    prog = _toy(body=lambda shared, batch, pools, meta: shared["seq_lens"])
+    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
+    assert prog.last_reader("seq_lens") == ("body", "output")
+
+
+def test_a_closure_captured_shared_tensor_is_seen_by_storage() -> None:
+    inputs = _inputs()
+    captured = inputs["shared"]["swa_map"]
+    prog = trace_functions(
+        "toy", M.DECODE, inputs=inputs, prepare_out_graph=_nothing,
+        prepare_in_graph=lambda shared, batch, meta: {"y": captured * 2},
+        body=lambda shared, batch, pools, meta: pools["k"].sum())
+    assert prog.observed() == ReadEffect.of({"swa_map": ReadEnd.IN_REPLAY})
+
+
+@torch.library.custom_op("readfence_test::lens_plus", mutates_args=())
+def _lens_plus(lens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x + lens.sum()
+
+
+@_lens_plus.register_fake
+def _(lens, x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("readfence_test::bump", mutates_args=("t",))
+def _bump(t: torch.Tensor) -> None:
+    t.add_(1)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_custom_ops_are_visible_and_their_schema_says_reads_and_writes(device) -> None:
+    def body(shared, batch, pools, meta):
+        _bump(pools["k"])  # mutates a pool: fine
+        return _lens_plus(shared["seq_lens"], pools["k"]).sum()
+
+    prog = _toy(body=body, device=device)
+    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
+    assert prog.last_reader("seq_lens") == ("body", "lens_plus")
+
+    with pytest.raises(StageWriteError, match="writes shared buffer 'seq_lens' in stage prepare_out_graph "
+                                              r"\(node 'bump', op readfence_test.bump.default\)"):
+        _toy(out=lambda shared, batch: (_bump(shared["seq_lens"]), {})[1], device=device)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("how", ["add_", "out", "setitem", "index_put_", "view_copy_"])
+def test_writes_to_shared_buffers_are_errors(device, how) -> None:
+    def inn(shared, batch, meta):
+        t = shared["req_to_token"]
+        if how == "add_":
+            t.add_(1)
+        elif how == "out":
+            torch.mul(t, 2, out=t)
+        elif how == "setitem":
+            t[0, 1:3] = 7
+        elif how == "index_put_":
+            t.index_put_((batch["req_pool_indices"],), torch.zeros((), dtype=t.dtype, device=t.device))
+        else:
+            t.view(-1).narrow(0, 0, 2).copy_(torch.zeros(2, dtype=t.dtype, device=t.device))
+        return {}
+
+    with pytest.raises(StageWriteError) as info:
+        _toy(inn=inn, device=device)
+    e = info.value
+    assert (e.backend, e.stage, e.buffer) == ("toy", "prepare_in_graph", "req_to_token")
+    assert f"node {e.node!r}" in str(e) and "writes shared buffer 'req_to_token'" in str(e)
+
+
+@pytest.mark.parametrize("escape", ["numpy", "tolist", "item", "data_ptr"])
+def test_escapes_make_the_buffer_unknown_and_the_stage_runs_eagerly(escape) -> None:
+    def inn(shared, batch, meta):
+        lens = shared["seq_lens"]
+        if escape == "numpy":
+            total = int(lens.numpy().sum())
+        elif escape == "tolist":
+            total = sum(lens.tolist())
+        elif escape == "item":
+            total = int(lens[1].item()) * 4  # a view of the buffer escapes
+        else:  # an opaque "kernel" reading the buffer's memory through its address
+            cells = (ctypes.c_int32 * lens.numel()).from_address(lens.data_ptr())
+            total = sum(cells)
+        return {"total": torch.tensor(total)}
+
+    prog = _toy(inn=inn, body=lambda shared, batch, pools, meta: meta["total"] * 2)
+    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.UNKNOWN})
+    assert list(prog.opaque()["prepare_in_graph"].values()) == [f"escape: {escape}()"]
+    stage = prog.stage("prepare_in_graph")
+    assert not stage.faithful
+    # the graph misses what the escape computed; run() falls back to the Python stage
+    env = flatten_inputs(**_inputs())
+    env["shared.seq_lens"] = torch.tensor([1, 1, 1, 1], dtype=torch.int32)
+    assert prog.run(env)["logits"].item() == 8
+    # under fake tensors the trace cannot continue past the escape: everything UNKNOWN
+    fake = _toy(inn=inn, body=lambda shared, batch, pools, meta: meta["total"] * 2, device="cuda")
+    assert fake.observed() == ReadEffect.unknown() and fake.aborted
+
+
+def test_an_escaping_fresh_value_does_not_make_the_buffer_unknown() -> None:
+    # the sum is a visible read; only a fresh scalar escapes to the host
+    prog = _toy(inn=lambda shared, batch, meta: {"n": torch.tensor(int(shared["seq_lens"].sum().item()))})
+    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY})
+    assert list(prog.opaque()["prepare_in_graph"].values()) == ["escape: item()"]
+    assert not prog.stage("prepare_in_graph").faithful  # the value is baked: run eagerly
+
+
+# ------------------------------------------------------------------------------------------
+# Reference backends: fake CUDA, calling convention, execution
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", LEAVES, ids=str)
+def test_fake_cuda_trace_observes_the_same_effect_as_cpu(backend) -> None:
+    for mode in ForwardMode:
+        cpu = trace(backend, mode, cfg=CFG)
+        cuda = trace(backend, mode, cfg=CFG, device="cuda")
+        assert cuda.observed() == cpu.observed(), mode
+        for buffer in cpu.buffers:
+            assert cuda.last_reader(buffer) == cpu.last_reader(buffer), (mode, buffer)
+        body = cuda.stage("body").gm
+        vals = [n.meta["val"] for n in body.graph.nodes if n.op == "placeholder"]
+        assert {v.device.type for v in vals} == {"cuda"}
+
+
+def test_calling_convention_and_annotations() -> None:
+    prog = trace(paged(), M.DECODE, cfg=CFG)
+    assert [s.name for s in prog] == ["prepare_out_graph", "prepare_in_graph", "body"]
+    assert prog.buffers == ("req_to_token", "seq_lens", "swa_map", "state_slots")
+    inn = prog.stage("prepare_in_graph")
+    assert inn.inputs[:4] == ("shared.req_to_token", "shared.seq_lens", "shared.swa_map", "shared.state_slots")
+    assert inn.outputs == ("meta.kv_indices", "meta.kv_lens")
+    body = prog.stage("body")
+    assert "params.layers.0.wqkv" in body.inputs and "pools.k_cache" in body.inputs
+    assert body.outputs == ("logits",)
+    placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
+    assert [n.meta["readfence_input"] for n in placeholders] == list(body.inputs)
+    assert placeholders[0].name == "shared_req_to_token"
+    # every node is annotated; the body reads no shared buffer (paged snapshots in graph)
+    for stage in prog:
+        assert all("readfence_reads" in n.meta for n in stage.gm.graph.nodes)
+    assert body.buffers_read() == frozenset()
+    assert prog.last_reader("seq_lens")[0] == "prepare_in_graph"
+    assert prog.observed() == paged().read_effect(M.DECODE)
+    # positional call == env call
+    step = example_step(CFG, M.DECODE, 2)
+    env = flatten_inputs(shared=step.shared, batch=step.batch)
+    positional = inn(*[env[name] for name in inn.inputs])
+    named = inn.run(env)
+    assert all(torch.equal(a, named[n]) for a, n in zip(positional, inn.outputs))
+
+
+BACKENDS = [*LEAVES, *reference_compositions().values(), tbo(deepseek_v4(dspark=True), paged(), trtllm_mha())]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_running_the_program_equals_the_eager_step_bit_for_bit(backend) -> None:
+    for mode in ForwardMode:
+        prog = trace(backend, mode, cfg=CFG)
+        step = example_step(CFG, mode, 2, seed=1)
+        ref = step.clone()
+        env = prog.run(flatten_inputs(shared=step.shared, batch=step.batch, pools=step.pools, params=step.params))
+        expected = run_step(backend, mode, CFG, ref)
+        assert torch.equal(env["logits"], expected), mode
+        for name, pool in step.pools.items():  # the graphs wrote the KV caches in place
+            assert torch.equal(pool, ref.pools[name]), (mode, name)
+
+
+def test_traces_are_cached_per_code_not_per_declaration() -> None:
+    a = trace(sparse(), M.DECODE, cfg=CFG)
+    assert trace(sparse(), M.DECODE, cfg=CFG) is a
+    loose = redeclare(sparse(), lambda m: ReadEffect.unknown())
+    assert trace(loose, M.DECODE, cfg=CFG) is a
+    assert trace(sparse(), M.DECODE, cfg=CFG, batch_size=3) is not a
+    assert trace(sparse(top_k=1), M.DECODE, cfg=CFG) is not a
+
+
+# ------------------------------------------------------------------------------------------
+# The indexing shim used under fake CUDA tensors matches torch's own indexing
+# ------------------------------------------------------------------------------------------
+
+_IDX = torch.tensor([2, 0])
+CASES = [
+    (slice(None), slice(1, 3)), (1,), (1, _IDX), (_IDX,), (Ellipsis, 1), (None, 0, slice(None, None, 2)),
+    (slice(None), _IDX, 0), (_IDX, slice(1, 3)), (Ellipsis,), (0, Ellipsis, _IDX),
+]
+
+
+@pytest.mark.parametrize("index", CASES, ids=repr)
+def test_getitem_and_setitem_shims_match_torch(index) -> None:
+    t = torch.arange(3 * 4 * 5).reshape(3, 4, 5)
+    assert torch.equal(_getitem(t, index), t[index])
+    a, b = t.clone(), t.clone()
+    a[index] = -1
+    _setitem(b, index, -1)
+    assert torch.equal(a, b)
