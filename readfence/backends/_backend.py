@@ -34,18 +34,32 @@ def intern(effect: ReadEffect) -> ReadEffect:
     return _INTERNED.setdefault(effect, effect)
 
 
+_BOTTOM = intern(ReadEffect.none())
+# (id(a), id(b)) -> (a, b, a | b). Holding a and b keeps their ids from being reused.
+_JOINS: dict[tuple[int, int], tuple[ReadEffect, ReadEffect, ReadEffect]] = {}
+
+
+def join2(a: ReadEffect, b: ReadEffect) -> ReadEffect:
+    """``a | b``, interned and memoized by identity (tables hold few distinct effects)."""
+    if a is b:
+        return a
+    hit = _JOINS.get((id(a), id(b)))
+    if hit is None:
+        hit = _JOINS[(id(a), id(b))] = (a, b, intern(a | b))
+    return hit[2]
+
+
 def join_effects(effects: Iterable[ReadEffect]) -> ReadEffect:
-    """Join of ``effects`` (bottom for none), fast when many are the same interned object.
+    """Join of ``effects`` (bottom for none); memoized pairwise joins make it a few lookups.
 
     >>> a = ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY})
     >>> join_effects([a, a, ReadEffect.of({"swa_map": ReadEnd.PRE_REPLAY})]).end
     <ReadEnd.IN_REPLAY: 2>
     """
-    unique = {id(e): e for e in effects}
-    out = ReadEffect.none()
-    for effect in unique.values():
-        out = out | effect
-    return intern(out)
+    out = _BOTTOM
+    for effect in effects:
+        out = join2(out, effect)
+    return out
 
 
 def default_declaration(mode: ForwardMode, reads: Iterable[str] | None = None) -> ReadEffect:
@@ -65,6 +79,15 @@ def default_declaration(mode: ForwardMode, reads: Iterable[str] | None = None) -
             return ReadEffect.of({}, default=ReadEnd.IN_REPLAY)
         return ReadEffect.uniform(tuple(reads), ReadEnd.IN_REPLAY)
     return ReadEffect.unknown()
+
+
+_TABLES: dict[tuple[int, ...], Table] = {}
+
+
+def intern_table(table: Iterable[ReadEffect]) -> Table:
+    """One shared tuple per distinct table of interned effects (children often share one)."""
+    effects = tuple(intern(e) for e in table)
+    return _TABLES.setdefault(tuple(map(id, effects)), effects)
 
 
 def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:
@@ -312,7 +335,7 @@ class Leaf(Backend):
     def __attrs_post_init__(self) -> None:
         if len(self.declaration) != len(MODES):
             raise ValueError(f"{self.leaf_name}: a declaration has one effect per mode")
-        self._finish(tuple(intern(e) for e in self.declaration))
+        self._finish(intern_table(self.declaration))
 
     @property
     def name(self) -> str:

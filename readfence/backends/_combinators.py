@@ -23,7 +23,12 @@ from torch import Tensor
 from readfence.core import ForwardMode
 from readfence.core._state import check_mode, request_ranges, split_batch, tokens_per_request
 
-from ._backend import MODES, Backend, Table, join_effects
+from ._backend import _TABLES, MODES, Backend, Table, join2
+
+
+def _table_of(effects: Table) -> Table:
+    """The shared tuple for a table of already-interned effects (cheap: keyed by ids)."""
+    return _TABLES.setdefault(tuple(map(id, effects)), effects)
 
 Tensors = Mapping[str, Tensor]
 M = ForwardMode
@@ -69,7 +74,7 @@ class Select(Backend):
     _hash: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self._finish(tuple(self.arms[r][1]._table[i] for i, r in enumerate(self.route)))
+        self._finish(_table_of(tuple(self.arms[r][1]._table[i] for i, r in enumerate(self.route))))
 
     @property
     def name(self) -> str:
@@ -184,7 +189,15 @@ class _JoinBase(Backend):
         if not self.arms:
             raise ValueError(f"{self.head} needs at least one backend")
         tables = [b._table for _, b in self.arms]
-        self._finish(tuple(join_effects(t[i] for t in tables) for i in range(len(MODES))))
+        if len(tables) == 1:
+            self._finish(tables[0])
+            return
+        unique = list({id(t): t for t in tables}.values())  # many children share a table
+        acc = list(unique[0])
+        for table in unique[1:]:
+            for i, effect in enumerate(table):
+                acc[i] = join2(acc[i], effect)
+        self._finish(_table_of(tuple(acc)))
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ dense          r2t, lens: PRE                   r2t, lens: PRE                  
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -48,6 +49,28 @@ R2T, LENS, SWA, SLOTS = "req_to_token", "seq_lens", "swa_map", "state_slots"
 def _effect(**ends: ReadEnd) -> ReadEffect:
     names = {"r2t": R2T, "lens": LENS, "swa": SWA, "slots": SLOTS}
     return ReadEffect.of({names[k]: v for k, v in ends.items()})
+
+
+def _memo(ctor: Callable[..., Leaf]) -> Callable[..., Leaf]:
+    """Reference leaves are immutable values: build each distinct one once.
+
+    The cache key holds each argument's type, so ``deepseek_v4(dspark=1)`` is still rejected
+    rather than served the ``dspark=True`` leaf.
+    """
+    cache: dict[tuple, Leaf] = {}
+
+    @functools.wraps(ctor)
+    def build(*args: object, **kwargs: object) -> Leaf:
+        try:
+            key = (tuple((type(a), a) for a in args), tuple(sorted((k, type(v), v) for k, v in kwargs.items())))
+            hit = cache.get(key)
+        except TypeError:  # unhashable argument: let the constructor complain
+            return ctor(*args, **kwargs)
+        if hit is None:
+            hit = cache[key] = ctor(*args, **kwargs)
+        return hit
+
+    return build
 
 
 class _Kernel:
@@ -81,6 +104,7 @@ class _Paged(_Kernel):
         return _paged_attend(mode, layer, q, k, v, pools, batch, meta["kv_indices"], meta["kv_lens"])
 
 
+@_memo
 def paged() -> Leaf:
     """FlashInfer-like paged attention; metadata built in graph (IN_REPLAY for DECODE/VERIFY).
 
@@ -142,6 +166,7 @@ class _TrtllmMha(_Kernel):
                                  prefix="swa_", window=self.window)
 
 
+@_memo
 def trtllm_mha(window: int = 8) -> Leaf:
     """TRT-LLM MHA with sliding-window layers; decode metadata snapshotted out of graph.
 
@@ -191,6 +216,7 @@ class _DeepseekV4(_Kernel):
         return _paged_attend(mode, layer, q, k, v, pools, batch, indices, meta["kv_lens"])
 
 
+@_memo
 def deepseek_v4(dspark: bool = False) -> Leaf:
     """DeepSeek-V4-like attention; TARGET_VERIFY is POST_REPLAY unless ``dspark=True``.
 
@@ -234,6 +260,7 @@ class _Linear(_Kernel):
         return out
 
 
+@_memo
 def linear(decay: float = 0.9) -> Leaf:
     """Linear-attention (state-space) layer reading ``state_slots`` in graph.
 
@@ -265,6 +292,7 @@ class _Sparse(_Kernel):
                              select=top_pages(self.top_k, self.page_size))
 
 
+@_memo
 def sparse(top_k: int = 2, page_size: int = 8) -> Leaf:
     """MiniMax-style sparse attention: selects pages per layer from the page table.
 
@@ -289,6 +317,7 @@ class _Dense(_Kernel):
         return _paged_attend(mode, layer, q, k, v, pools, batch, meta["kv_indices"], meta["kv_lens"])
 
 
+@_memo
 def dense() -> Leaf:
     """MiniMax-style dense attention; metadata planned out of graph (PRE_REPLAY).
 

@@ -8,9 +8,12 @@ Reuse them to property-test your own combinators or declarations::
     @given(trees())
     def test_round_trip(b): ...
 
->>> from readfence.backends import Backend
->>> isinstance(trees().example(), Backend)
-True
+>>> from hypothesis import given, settings
+>>> @settings(max_examples=5, database=None)
+... @given(trees())
+... def check(tree):
+...     assert all(tree.read_effect(m) == tree.effects()[m] for m in MODES)
+>>> check()
 """
 
 from __future__ import annotations

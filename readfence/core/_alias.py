@@ -50,10 +50,7 @@ def _is_opaque_type(ty: torch._C.JitType) -> bool:  # type: ignore[name-defined]
     kind = ty.kind()
     if kind in ("AnyType", "ClassType", "InterfaceType", "PyObjectType", "CapsuleType"):
         return True
-    inner = getattr(ty, "getElementType", None)
-    if kind == "OptionalType":
-        return _is_opaque_type(ty.getElementType())
-    if kind == "ListType" and inner is not None:
+    if kind in ("OptionalType", "ListType"):
         return _is_opaque_type(ty.getElementType())
     if kind == "TupleType":
         return any(_is_opaque_type(t) for t in ty.elements())

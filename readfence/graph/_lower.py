@@ -33,7 +33,7 @@ from ._device import Device
 from ._fence import Bound, Fence
 from ._fx_records import insert_records, stage_ops
 from ._ops import Op
-from ._plan import FencePlan, LastRead, Placement, plan_fences
+from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
 from ._policy import Policy
 
 _COUNTER = itertools.count()
@@ -134,8 +134,11 @@ class Lowered:
                   for p in self.plan.points()}
         probes = {}
         if self.measure:
-            probes = {b: dev.event(f"{self.label}/lastread:{b}#{r}") for b in last_reads(self.program)
-                      if b in self.plan.placements}
+            # Probes are in-launch records: skip those a captured graph could not record
+            # (no in-graph events), instead of failing the capture of a measured run.
+            can_probe = not self.graphed or dev.caps.in_graph_events
+            probes = {b: dev.event(f"{self.label}/lastread:{b}#{r}") for b, last in last_reads(self.program).items()
+                      if b in self.plan.placements and (can_probe or last.stage not in IN_GRAPH_STAGES)}
         after: dict[str, dict[str, list[Any]]] = {s.name: {} for s in self.program.stages}
         for b, last in last_reads(self.program).items():  # probes first: read, then release
             if b in probes:

@@ -146,6 +146,9 @@ def _exact(buffer: str, observed: ReadEffect, last: LastRead | None, caps: Capab
     end = observed[buffer]
     if end in (ReadEnd.NONE, ReadEnd.UNKNOWN) or last is None:
         return Placement(end if last is None else ReadEnd.UNKNOWN)
-    if degrade(end, caps) is not end:
-        return Placement(degrade(end, caps))  # no in-graph events: fall back to a later point
+    in_graph_ok = caps.in_graph_events or not caps.graphs  # eager stages can always record
+    if degrade(end, caps) is not end or (last.stage in IN_GRAPH_STAGES and not in_graph_ok):
+        # No in-graph events: fall back to the stage-level point after the replay (later is
+        # sound); a node-level record inside a captured graph would fail the capture.
+        return Placement(degrade(end, caps))
     return Placement(_stage_end(last.stage), last)

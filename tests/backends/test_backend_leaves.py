@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_refs import ATOL, RTOL, linear_reference, softmax_reference
+from .backend_refs import ATOL, RTOL, linear_reference, softmax_reference
 
 from readfence.backends import (
     deepseek_v4,

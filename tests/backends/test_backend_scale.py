@@ -1,9 +1,11 @@
-"""10,000-leaf trees, wide and deep: effects in well under a second, no recursion anywhere."""
+"""10,000-leaf trees, wide and deep: correct effects, no recursion anywhere.
+
+Timing is measured in ``benchmarks/bench_effects.py``, never asserted here (machines are noisy).
+"""
 
 from __future__ import annotations
 
 import sys
-import time
 
 from returns.result import Failure
 
@@ -20,23 +22,18 @@ def _deep(n: int):
     return tree
 
 
-def test_wide_tree_effects_are_fast():
-    start = time.perf_counter()
+def test_wide_tree_effects():
     tree = join(*[(paged(), deepseek_v4(), linear(), trtllm_mha())[i % 4] for i in range(N)])
     table = [tree.read_effect(m) for m in MODES]
-    elapsed = time.perf_counter() - start
     assert table == [join(paged(), deepseek_v4(), linear(), trtllm_mha()).read_effect(m) for m in MODES]
-    assert elapsed < 1.0, elapsed
 
 
 def test_deep_chain_builds_compares_prints_and_walks_without_recursion():
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(200)  # anything recursive over 10,000 levels would now fail
     try:
-        start = time.perf_counter()
         a, b = _deep(N), _deep(N)
         effects = [a.read_effect(m) for m in MODES]
-        assert time.perf_counter() - start < 2.0
         assert a == b and hash(a) == hash(b)
         assert a != _deep(N - 1)
         text = str(a)

@@ -1,0 +1,172 @@
+"""Command-line inputs: parameter types that turn bad input into one clean error line.
+
+Every bad value raises :class:`InputError`: click prints ``Error: <message>`` on one line and
+exits with status 2, without a usage banner or a traceback. The message names the option,
+the value, what was wrong and what is allowed.
+
+>>> Positive().convert("12", None, None)
+12
+>>> try:
+...     Positive().convert("0", None, None)
+... except InputError as e:
+...     print(e.message, "| exit status", e.exit_code)
+invalid value '0': must be a positive integer (1, 2, 3, ...) | exit status 2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from returns.pipeline import is_successful
+
+from readfence.backends import Backend, parse
+from readfence.core import ForwardMode
+from readfence.graph import Policy
+
+
+class InputError(click.ClickException):
+    """Bad input: one ``Error: ...`` line on stderr, exit status 2."""
+
+    exit_code = 2
+
+
+def _where(param: click.Parameter | None) -> str:
+    if param is None:
+        return "value"
+    if isinstance(param, click.Argument):
+        return param.human_readable_name
+    return max(param.opts, key=len)
+
+
+def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
+    name = _where(param)
+    shown = "value" if name == "value" else name
+    return InputError(f"invalid {shown} {value!r}: {why}")
+
+
+def parse_spec(text: str) -> Backend:
+    """The backend a spec names; ``ValueError`` carries the position and what was expected.
+
+    This is the one place the CLI reads a ``--spec``/``SPEC``: speculative step shapes
+    (several phases per step) plug in here.
+
+    >>> str(parse_spec("tbo( deepseek_v4 , paged )"))
+    'tbo(deepseek_v4, paged)'
+    >>> parse_spec("tbo(")
+    Traceback (most recent call last):
+    ...
+    ValueError: position 4: expected a backend name, found end of spec
+    """
+    result = parse(text)
+    if not is_successful(result):
+        error = result.failure()
+        raise ValueError(f"position {error.position}: {error.message}")
+    return result.unwrap()
+
+
+class Spec(click.ParamType):
+    """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``."""
+
+    name = "spec"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Backend:
+        if isinstance(value, Backend):
+            return value
+        try:
+            return parse_spec(value)
+        except ValueError as e:
+            raise _fail(param, value, str(e)) from None
+
+
+class Mode(click.ParamType):
+    """A forward mode name (case-insensitive)."""
+
+    name = "mode"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> ForwardMode:
+        if isinstance(value, ForwardMode):
+            return value
+        try:
+            return ForwardMode.parse(value)
+        except ValueError:
+            allowed = ", ".join(m.name.lower() for m in ForwardMode)
+            raise _fail(param, value, f"unknown forward mode; allowed: {allowed}") from None
+
+
+class Policies(click.ParamType):
+    """One fence policy, or ``all``; converts to a tuple of policies in a fixed order."""
+
+    name = "policy"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Policy, ...]:
+        if isinstance(value, tuple):
+            return value
+        if value.strip().lower() == "all":
+            return tuple(Policy)
+        try:
+            return (Policy.parse(value),)
+        except ValueError:
+            allowed = ", ".join([p.value for p in Policy] + ["all"])
+            raise _fail(param, value, f"unknown policy; allowed: {allowed}") from None
+
+
+class Positive(click.ParamType):
+    """A positive integer."""
+
+    name = "N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            number = 0
+        if number <= 0 or str(number) != str(value).strip().lstrip("+"):
+            raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
+        return number
+
+
+class DeviceName(click.ParamType):
+    """``auto``, ``cpu`` or ``cuda``; ``cuda`` must be available."""
+
+    name = "device"
+    choices = ("auto", "cpu", "cuda")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        key = str(value).strip().lower()
+        if key not in self.choices:
+            raise _fail(param, value, f"unknown device; allowed: {', '.join(self.choices)}")
+        if key == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
+                                          "is False); allowed: auto, cpu")
+        return key
+
+
+def open_device(name: str) -> Any:
+    """A fresh device for ``auto``/``cpu``/``cuda`` (close it, or use it as a context manager).
+
+    >>> with open_device("cpu") as dev:
+    ...     dev.name
+    'cpu'
+    """
+    from readfence.graph import CpuDevice, CudaDevice, default_device
+
+    if name == "cpu":
+        return CpuDevice()
+    if name == "cuda":
+        return CudaDevice()
+    return default_device()
+
+
+def device_caps(name: str) -> Any:
+    """``(device name, Capabilities)`` of the device ``name`` would open, closing it again."""
+    dev = open_device(name)
+    try:
+        return dev.name, dev.caps
+    finally:
+        dev.close()

@@ -1,0 +1,80 @@
+"""``readfence plan``: how a backend's read effect is derived, resolved and fenced."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from readfence.core import ForwardMode
+
+from ._params import DeviceName, Mode, Spec, device_caps
+from ._plan_data import plan_report
+from ._table import table
+
+
+def _ends(effect: dict[str, str]) -> str:
+    return " ".join(f"{b}={e}" for b, e in effect.items()) or "(reads no shared buffer)"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The text form of :func:`~readfence.cli._plan_data.plan_report`.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.effects import Capabilities
+    >>> from readfence.cli._plan_data import plan_report
+    >>> text = render(plan_report(paged(), ForwardMode.DECODE, device="cpu", caps=Capabilities()))
+    >>> print(text.splitlines()[0])
+    spec: paged  mode: DECODE
+    """
+    caps = report["caps"]
+    lines = [
+        f"spec: {report['spec']}  mode: {report['mode']}",
+        f"device: {report['device']} (in-graph events: {'yes' if caps['in_graph_events'] else 'no'}, "
+        f"graphs: {'yes' if caps['graphs'] else 'no'}; this mode "
+        f"{'replays a graph' if caps['graphed'] else 'runs eagerly'})",
+        "",
+        f"derivation: each node's read ends in {report['mode']} (a combinator's are computed from "
+        "its children)",
+    ]
+    tree = report["tree"]
+    width = max(2 * n["depth"] + len(n["label"] + n["name"]) + 2 for n in tree)
+    for n in tree:
+        head = "  " * n["depth"] + (f"{n['label']}: " if n["label"] else "") + n["name"]
+        tail = _ends(n["effect"]) if n["active"] else f"(not selected in {report['mode']})"
+        lines.append(f"  {head.ljust(width)}  {tail}".rstrip())
+    lines += ["", f"per buffer (joined end {report['end']}, resolved for this device: {report['resolved_end']})"]
+    rows = [{"buffer": b, "declared": e, "forced by": ", ".join(report["forced_by"][b]) or "-",
+             "resolved": report["resolved"][b]} for b, e in report["effect"].items()]
+    lines.append(table(rows, ["buffer", "declared", "resolved", "forced by"]) if rows
+                 else "  (no shared buffer is read)")
+    lines += ["", "fence placement per policy (one event per distinct point)"]
+    rows = []
+    for policy, plan in report["policies"].items():
+        if "refused" in plan:
+            rows.append({"policy": policy, "buffer": "*", "end": "-", "placement": plan["refused"]})
+            continue
+        for i, r in enumerate(plan["placements"]):
+            rows.append({"policy": policy if i == 0 else "", "events": plan["events"] if i == 0 else "", **r})
+    lines.append(table(rows, ["policy", "events", "buffer", "end", "placement"]))
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("spec", type=Spec())
+@click.option("--mode", type=Mode(), default="decode", show_default=True,
+              help="decode, target_verify, draft_extend, extend or idle.")
+@click.option("--device", type=DeviceName(), default="auto", show_default=True,
+              help="auto, cpu or cuda: whose capabilities resolve the ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+def plan(spec: Any, mode: ForwardMode, device: str, as_json: bool) -> None:
+    """Show how SPEC's read effect in MODE is derived and where each policy fences it.
+
+    \b
+    SPEC is a backend spec, e.g. 'tbo(deepseek_v4, paged)'. For each buffer: its end, the
+    leaf that forces it, the end this device can signal, and each policy's event placement.
+    """
+    name, caps = device_caps(device)
+    report = plan_report(spec, mode, device=name, caps=caps)
+    click.echo(json.dumps(report, indent=2) if as_json else render(report))

@@ -1,0 +1,118 @@
+"""What ``readfence plan`` reports: the effect's derivation, its resolution, fence placements.
+
+>>> from readfence.backends import hybrid_linear, trtllm_mha, linear
+>>> from readfence.core import ForwardMode
+>>> b = hybrid_linear(trtllm_mha(), linear())
+>>> [(n["path"], n["effect"].get("state_slots")) for n in derivation(b, ForwardMode.DECODE)]
+[('hybrid_linear', 'IN_REPLAY'), ('hybrid_linear/children[0]/trtllm_mha', None), ('hybrid_linear/children[1]/linear', 'IN_REPLAY')]
+>>> forced_by(b, ForwardMode.DECODE)["state_slots"]
+['hybrid_linear/children[1]/linear']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
+from readfence.graph import Policy, plan_fences
+
+
+def effect_names(effect: ReadEffect) -> dict[str, str]:
+    """``{buffer: end name}`` for the shared buffers (and any other named buffer) not NONE.
+
+    >>> effect_names(ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY}))
+    {'seq_lens': 'IN_REPLAY'}
+    """
+    names = list(SHARED_BUFFERS) + [b for b in effect.buffers if b not in SHARED_BUFFERS]
+    return {b: effect[b].name for b in names if effect[b] is not ReadEnd.NONE}
+
+
+def derivation(backend: Any, mode: ForwardMode) -> list[dict[str, Any]]:
+    """Every node, pre-order: ``path``, ``depth``, ``label``, ``name``, ``leaf``, ``active``
+    (whether it contributes to the root's effect in ``mode``) and ``effect``."""
+    out: list[dict[str, Any]] = []
+    stack: list[tuple[str, str, Any, int, bool]] = [(backend.name, "", backend, 0, True)]
+    while stack:
+        path, label, node, depth, active = stack.pop()
+        kids = node.children()
+        out.append({"path": path, "depth": depth, "label": label, "name": node.name, "leaf": not kids,
+                    "active": active, "effect": effect_names(node.read_effect(mode))})
+        live = {lab for lab, _ in node.active_children(mode)} if active else set()
+        for lab, child in reversed(kids):
+            stack.append((f"{path}/{lab}/{child.name}", lab, child, depth + 1, lab in live))
+    return out
+
+
+def forced_by(backend: Any, mode: ForwardMode) -> dict[str, list[str]]:
+    """Per buffer the root reads, the active leaves whose declared end equals the root's."""
+    root = backend.read_effect(mode)
+    nodes = [n for n in derivation(backend, mode) if n["leaf"] and n["active"]]
+    out = {}
+    for buffer, end in effect_names(root).items():
+        out[buffer] = [n["path"] for n in nodes if n["effect"].get(buffer, "NONE") == end]
+    return out
+
+
+def phase_caps(caps: Capabilities, mode: ForwardMode) -> Capabilities:
+    """The capabilities a step of ``mode`` runs with: eager modes have no graph.
+
+    >>> phase_caps(Capabilities(), ForwardMode.EXTEND)
+    Capabilities(in_graph_events=True, graphs=False)
+    """
+    return caps if mode.uses_graph and caps.graphs else attrs.evolve(caps, graphs=False)
+
+
+def placements(backend: Any, mode: ForwardMode, caps: Capabilities, *, trace_device: str = "cpu",
+               batch_size: int = 2) -> dict[str, dict[str, Any]]:
+    """Per policy: ``{"events": n, "placements": [{buffer, end, placement}]}``, or
+    ``{"refused": why}`` when the declaration is earlier than the traced reads.
+
+    Traces the step once (``readfence.core.trace``) and plans every policy from it, as
+    ``readfence.graph.lower`` does.
+    """
+    from readfence.core import trace
+    from readfence.graph._lower import last_reads
+
+    program = trace(backend, mode, batch_size=batch_size, device=trace_device)
+    declared, observed = backend.read_effect(mode), program.observed()
+    early = {b: (declared[b].name, observed[b].name) for b in SHARED_BUFFERS if declared[b] < observed[b]}
+    out: dict[str, dict[str, Any]] = {}
+    for policy in Policy:
+        if policy is not Policy.COARSE and early:
+            why = "; ".join(f"{b} declared {d} but read until {o}" for b, (d, o) in early.items())
+            out[policy.name] = {"refused": f"unsound declaration ({why}): lowering refuses it"}
+            continue
+        plan = plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=caps, policy=policy,
+                           last_reads=last_reads(program), observed=observed, graphed=mode.uses_graph and caps.graphs)
+        out[policy.name] = {"events": len(plan.points()), "placements": plan.describe()}
+    return out
+
+
+def plan_report(backend: Any, mode: ForwardMode, *, device: str, caps: Capabilities) -> dict[str, Any]:
+    """Everything ``readfence plan`` prints, as plain data (its ``--json`` output).
+
+    >>> from readfence.backends import paged
+    >>> r = plan_report(paged(), ForwardMode.DECODE, device="cpu", caps=Capabilities())
+    >>> r["end"], r["resolved_end"], r["policies"]["PER_BUFFER"]["events"]
+    ('IN_REPLAY', 'IN_REPLAY', 1)
+    """
+    effect = backend.read_effect(mode)
+    run_caps = phase_caps(caps, mode)
+    degraded = degrade(effect, run_caps)
+    return {
+        "spec": str(backend),
+        "mode": mode.name,
+        "device": device,
+        "caps": {"in_graph_events": caps.in_graph_events, "graphs": caps.graphs,
+                 "graphed": mode.uses_graph and caps.graphs},
+        "effect": effect_names(effect),
+        "end": effect.end.name,
+        "tree": derivation(backend, mode),
+        "forced_by": forced_by(backend, mode),
+        "resolved": {b: degraded[b].name for b in effect_names(effect)},
+        "resolved_end": resolve(effect, owns_publish=True, caps=run_caps).name,
+        "policies": placements(backend, mode, caps, trace_device="cuda" if device.startswith("cuda") else "cpu"),
+    }

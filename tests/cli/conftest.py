@@ -1,0 +1,44 @@
+"""Helpers for driving the ``readfence`` command: click's runner and the installed script."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from readfence.cli import main
+
+
+
+@pytest.fixture
+def cli():
+    """``cli(*args)`` runs ``readfence args`` in-process; stdout and stderr kept apart."""
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, list(args), catch_exceptions=False)
+
+    return invoke
+
+
+def readfence_script() -> str:
+    """The installed console script (next to this interpreter, else on PATH)."""
+    here = os.path.join(os.path.dirname(sys.executable), "readfence")
+    found = here if os.path.exists(here) else shutil.which("readfence")
+    assert found, "the readfence console script is not installed: pip install -e ."
+    return found
+
+
+@pytest.fixture
+def script():
+    """``script(*args)`` runs the installed ``readfence`` script in a subprocess."""
+
+    def run(*args: str, cwd: str | None = None, timeout: float = 300):
+        return subprocess.run([readfence_script(), *args], capture_output=True, text=True,
+                              cwd=cwd, timeout=timeout, check=False)
+
+    return run

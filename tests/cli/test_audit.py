@@ -1,0 +1,67 @@
+"""``readfence audit``: the table, the POST_REPLAY/UNKNOWN counts, JSON, the exit status."""
+
+from __future__ import annotations
+
+import json
+
+from readfence.backends import paged, redeclare
+from readfence.cli import _audit_cmd, _params
+from readfence.effects import ReadEffect, ReadEnd
+
+
+def test_table_and_counts_for_a_spec(cli):
+    result = cli("audit", "tbo(deepseek_v4, paged)", "--mode", "target_verify", "--mode", "extend")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["backend", "mode", "buffer", "declared", "observed", "verdict"]
+    row = next(x for x in lines if x.startswith("tbo/primary/deepseek_v4  TARGET_VERIFY  req_to_token"))
+    assert "POST_REPLAY" in row and "no metadata snapshot" in row
+    assert any(x.startswith("paged") is False and "EXTEND" in x and "not audited" in x for x in lines)
+    summary = lines[-1]
+    assert "POST_REPLAY (no metadata snapshot yet)" in summary and "UNKNOWN (not audited)" in summary
+    assert "0 unsound" in summary
+
+
+def test_json_rows(cli):
+    result = cli("audit", "paged", "--mode", "decode", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert rows and all({"backend", "mode", "buffer", "declared", "observed", "verdict"} <= set(r) for r in rows)
+    assert {(r["buffer"], r["verdict"]) for r in rows} >= {("req_to_token", "exact")}
+
+
+def test_every_mode_by_default(cli):
+    rows = json.loads(cli("audit", "dense", "--json").output)
+    assert {r["mode"] for r in rows} == {"DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "EXTEND", "IDLE"}
+
+
+def test_reference_backends_by_default(cli, monkeypatch):
+    seen = []
+    real = _audit_cmd.audit_all
+
+    def spy(backends, modes, **kw):
+        backends = list(backends)
+        seen.extend(str(b) for b in backends)
+        return real(backends[:1], modes[:1], **kw)  # keep the test fast: audit only the first
+
+    monkeypatch.setattr(_audit_cmd, "audit_all", spy)
+    result = cli("audit")
+    assert result.exit_code == 0, result.output
+    assert {"paged", "trtllm_mha", "deepseek_v4", "linear", "sparse", "dense",
+            "tbo(deepseek_v4, paged)", "minimax(sparse, dense)"} <= set(seen)
+
+
+def test_unsound_declaration_exits_1_and_is_named(cli, monkeypatch):
+    early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
+                                                        "seq_lens": ReadEnd.IN_REPLAY}))
+    monkeypatch.setattr(_params, "parse_spec", lambda text: early)
+    result = cli("audit", "paged", "--mode", "decode")
+    assert result.exit_code == 1
+    assert "UNSOUND: paged in DECODE: req_to_token declared PRE_REPLAY but read until IN_REPLAY" in result.output
+
+
+def test_bad_spec_exits_2(cli):
+    result = cli("audit", "paged(window=3)")
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("Error: invalid SPEC 'paged(window=3)': position")
+    assert "Traceback" not in result.output

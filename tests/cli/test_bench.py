@@ -1,0 +1,52 @@
+"""``readfence bench``: finds the benchmarks, runs them, prints their ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from readfence.cli import _bench_cmd
+
+OVERLAP = '''
+def main(quick=False):
+    return {"per_buffer_vs_coarse": 1.5 if quick else 2.0, "exact_vs_coarse": 1.75}
+'''
+OVERHEAD = '''
+import sys
+def main(argv):
+    print("argv", argv)
+    return {"lowered_vs_eager": 0.5}
+'''
+
+
+def test_calls_main_and_prints_ratios(cli, monkeypatch, tmp_path):
+    (tmp_path / "bench_overlap.py").write_text(OVERLAP)
+    (tmp_path / "bench_overhead.py").write_text(OVERHEAD)
+    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
+    result = cli("bench", "--quick")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines == ["== bench_overlap (quick)", "per_buffer_vs_coarse: 1.50", "exact_vs_coarse: 1.75",
+                     "== bench_overhead (quick)", "argv ['--quick']", "lowered_vs_eager: 0.50"]
+
+
+def test_without_a_checkout_says_where_the_benchmarks_are(cli, monkeypatch):
+    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: None)
+    result = cli("bench")
+    assert result.exit_code == 1
+    assert "the benchmarks live in the source repository" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_an_empty_benchmarks_dir_is_reported(cli, monkeypatch, tmp_path):
+    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
+    result = cli("bench")
+    assert result.exit_code == 1 and "no benchmark found" in result.output
+
+
+def test_the_repository_benchmarks_run_quick(script):
+    where = _bench_cmd.benchmarks_dir()
+    if where is None or not all((where / b).is_file() for b in _bench_cmd.BENCHMARKS):
+        pytest.skip("benchmarks/bench_overlap.py and bench_overhead.py are not in this checkout")
+    run = script("bench", "--quick", timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "== bench_overlap" in run.stdout and "== bench_overhead" in run.stdout

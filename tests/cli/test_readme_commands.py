@@ -1,0 +1,57 @@
+"""Every ``readfence ...`` command in the README's bash blocks runs (with fewer demo steps)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shlex
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+TEXT = README.read_text()
+BASH = re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S)
+COMMANDS = [line.strip() for block in BASH for line in block.splitlines() if line.startswith("readfence ")]
+
+
+def shrink(argv: list[str]) -> list[str]:
+    """A demo with 4 steps of 2 requests: the README's flags otherwise unchanged.
+
+    >>> shrink(["readfence", "demo", "--steps", "20"])
+    ['readfence', 'demo', '--steps', '4', '--batch-size', '2']
+    """
+    if argv[1:2] != ["demo"]:
+        return argv
+    out = list(argv)
+    if "--steps" in out:
+        out[out.index("--steps") + 1] = "4"
+    else:
+        out += ["--steps", "4"]
+    if "--batch-size" not in out:
+        out += ["--batch-size", "2"]
+    return out
+
+
+def test_readme_shows_the_commands():
+    assert {shlex.split(c)[1] for c in COMMANDS} >= {"demo", "plan", "audit"}
+
+
+def test_main_command_runs_the_demo():
+    block = TEXT.split("<!-- main-command -->", 1)[1]
+    command = re.search(r"```bash\n(.*?)\n```", block, flags=re.S).group(1)
+    assert command.rstrip().endswith("&& readfence demo")
+    assert '(python -c "import torch" 2>/dev/null || pip install torch==2.13.0)' in command
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_runs(command, script, tmp_path):
+    argv = shrink(shlex.split(command))
+    run = script(*argv[1:], cwd=str(tmp_path))
+    assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
+    assert "Traceback" not in run.stderr
+    if "--json" in argv:
+        json.loads(run.stdout)
+    for flag in ("--trace", "--plot"):
+        if flag in argv:
+            assert (tmp_path / argv[argv.index(flag) + 1]).stat().st_size > 0

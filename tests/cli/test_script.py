@@ -1,0 +1,48 @@
+"""The installed ``readfence`` console script, run in a subprocess as a user would."""
+
+from __future__ import annotations
+
+import json
+
+from readfence import __version__
+
+
+def test_version_and_help(script):
+    version = script("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"readfence, version {__version__}"
+    helped = script("--help")
+    assert helped.returncode == 0
+    for command in ("demo", "plan", "audit", "bench"):
+        assert command in helped.stdout
+
+
+def test_demo_json(script):
+    run = script("demo", "--steps", "3", "--batch-size", "2", "--policy", "exact", "--json")
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert [r["policy"] for r in rows] == ["COARSE", "EXACT"]
+    assert all(r["matches_serial"] and r["violations"] == 0 for r in rows)
+    assert run.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_plan_and_audit(script):
+    plan = script("plan", "tbo(deepseek_v4, paged)", "--mode", "decode", "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["effect"]["req_to_token"] == "IN_REPLAY"
+    audit = script("audit", "linear", "--mode", "decode")
+    assert audit.returncode == 0, audit.stderr
+    row = next(line for line in audit.stdout.splitlines() if "state_slots" in line)
+    assert row.split() == ["linear", "DECODE", "state_slots", "IN_REPLAY", "IN_REPLAY", "exact"]
+
+
+def test_bad_input_is_one_line_without_traceback(script):
+    for args, expected in [
+        (["demo", "--spec", "tbo(paged"], "invalid --spec 'tbo(paged': position 9: expected ',' or ')'"),
+        (["demo", "--steps", "-3"], "invalid --steps '-3': must be a positive integer"),
+        (["plan", "paged", "--mode", "prefill"], "invalid --mode 'prefill': unknown forward mode"),
+    ]:
+        run = script(*args)
+        assert run.returncode == 2, (args, run.stderr)
+        assert run.stdout == ""
+        assert run.stderr.strip().splitlines() == [f"Error: {run.stderr.strip()[7:]}"]
+        assert expected in run.stderr and "Traceback" not in run.stderr

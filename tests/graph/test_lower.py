@@ -1,0 +1,204 @@
+"""Lowering: one step on a device, its events, its records inside the graph, its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from readfence.backends import hybrid_linear, linear, minimax, paged, redeclare, sparse, dense, trtllm_mha
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
+from readfence.effects import ReadEffect, ReadEnd
+from readfence.graph import (
+    CpuDevice,
+    DeviceObserver,
+    Policy,
+    Read,
+    Record,
+    Scheduler,
+    UnsoundLowering,
+    lower,
+)
+from readfence.graph._plan import IN_GRAPH_STAGES
+
+M = ForwardMode
+CFG = ModelConfig()
+T = 10.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def dev():
+    with CpuDevice(timeout=T) as d:
+        yield d
+
+
+def _step(low, mode=M.DECODE, seed=0, batch_size=2):
+    """One scheduled step written into ``low``'s live buffers; returns its batch."""
+    nxt = Scheduler(low.cfg, mode, batch_size, seed=seed).next_step()
+    for b in SHARED_BUFFERS:
+        low.shared[b].copy_(nxt.shared[b])
+    return nxt.batch
+
+
+def _events(fence):
+    evs = {id(b.event): b.event for b in fence.per_buffer.values() if b is not None}
+    evs[id(fence.done.event)] = fence.done.event
+    return evs
+
+
+@pytest.mark.parametrize("policy", list(Policy), ids=str)
+@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND], ids=str)
+def test_one_lowered_step_equals_the_eager_step(dev, mode, policy):
+    backend = hybrid_linear(trtllm_mha(), linear())
+    low = lower(backend, mode, batch_size=2, device=dev, policy=policy)
+    batch = _step(low, mode)
+    pools_before = {k: v.clone() for k, v in low.pools.items()}
+    out = low.run(batch, step=0).result(T)
+    expected = run_step(backend, mode, low.cfg, StepInputs(
+        shared={k: v.clone() for k, v in low.shared.items()}, batch=batch, pools=pools_before,
+        params=low.params))
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, torch.zeros_like(out))
+
+
+def test_each_lowered_graph_owns_its_events(dev):
+    # different modes, batch sizes (shapes), streams and policies: no event object shared
+    lows = [
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER),
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER),  # same everything
+        lower(paged(), M.DECODE, batch_size=3, device=dev, policy=Policy.PER_BUFFER),
+        lower(paged(), M.TARGET_VERIFY, batch_size=2, device=dev, policy=Policy.PER_BUFFER),
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, stream=dev.stream("other")),
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT),
+    ]
+    seen: dict[int, str] = {}
+    for i, low in enumerate(lows):
+        batch = _step(low, low.mode, batch_size=low.batch_size)
+        fence = low.run(batch, step=0).fence
+        fence.synchronize(timeout=T)
+        for key, ev in _events(fence).items():
+            assert key not in seen, f"{ev.name} of lowering {i} is also used by {seen[key]}"
+            seen[key] = low.label
+    assert len({low.label for low in lows}) == len(lows)
+
+
+def test_ring_slots_own_their_events_and_ring_one_reuses(dev):
+    ring2 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=2)
+    batch = _step(ring2)
+    f0, f1, f2 = (ring2.run(batch, step=i).fence for i in range(3))
+    assert not set(_events(f0)) & set(_events(f1))
+    assert set(_events(f0)) == set(_events(f2))  # slot 0 again
+    ring1 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=1)
+    g0, g1 = (ring1.run(batch, step=i).fence for i in range(2))
+    assert set(_events(g0)) == set(_events(g1))
+    dev.synchronize(T)
+
+
+class _Ops(DeviceObserver):
+    def __init__(self):
+        self.launches = []
+
+    def on_launch(self, stream, label, ops):
+        self.launches.append((stream, label, tuple(ops)))
+
+
+def _replays(obs):
+    return [ops for _, label, ops in obs.launches if "/graph#" in label]
+
+
+@pytest.mark.parametrize("policy", [Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT], ids=str)
+def test_without_in_graph_events_the_graph_records_nothing(policy):
+    with CpuDevice(timeout=T, in_graph_events=False) as dev:
+        backend = minimax(sparse(), dense())
+        low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=policy, measure=True)
+        obs = _Ops()
+        dev.add_observer(obs)
+        run = low.run(_step(low), step=0)
+        run.fence.synchronize(timeout=T)
+        run.result(T)
+        replays = _replays(obs)
+        assert len(replays) == 1
+        assert not [op for op in replays[0] if isinstance(op, Record)]
+        assert any(isinstance(op, Read) for op in replays[0])  # the graph does read shared buffers
+        for b, p in low.plan.placements.items():
+            assert p.end is not ReadEnd.IN_REPLAY
+            assert p.after is None or p.after.stage not in IN_GRAPH_STAGES
+        assert run.fence.released("seq_lens")
+
+
+def test_exact_records_right_after_the_last_read_inside_the_graph(dev):
+    backend = minimax(sparse(), dense())
+    low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    obs = _Ops()
+    dev.add_observer(obs)
+    low.run(_step(low), step=0).fence.synchronize(timeout=T)
+    (ops,) = _replays(obs)
+    for b in ("req_to_token", "seq_lens"):
+        stage, node = low.program.last_reader(b)
+        assert stage in IN_GRAPH_STAGES
+        point = low.plan.placements[b]
+        reads = [i for i, op in enumerate(ops) if isinstance(op, Read) and op.buffer == b]
+        last = reads[-1]
+        assert ops[last].node == f"{stage}:{node}"
+        # the next Record after the last read is this buffer's release, with no read of b between
+        nxt = next(i for i in range(last + 1, len(ops)) if isinstance(ops[i], Record)
+                   and point.end.name in ops[i].event.name and node in ops[i].event.name)
+        assert not any(isinstance(op, Read) and op.buffer == b for op in ops[last + 1:nxt])
+
+
+def test_refusal_message_names_backend_mode_buffer_and_ends(dev):
+    early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
+                                                         "seq_lens": ReadEnd.PRE_REPLAY}))
+    with pytest.raises(UnsoundLowering) as err:
+        lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    msg = str(err.value)
+    for part in ("paged", "DECODE", "PER_BUFFER", "'seq_lens'", "PRE_REPLAY", "IN_REPLAY", "COARSE"):
+        assert part in msg, (part, msg)
+    # the unsafe flag lowers it, one step early
+    low = lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                UNSAFE_skip_soundness_check=True)
+    assert low.plan.end("seq_lens") is ReadEnd.PRE_REPLAY
+    # COARSE needs no flag
+    assert lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.COARSE).plan.end("seq_lens") \
+        is ReadEnd.UNKNOWN
+
+
+def test_lower_validates_its_arguments(dev):
+    with pytest.raises(TypeError, match="ForwardMode"):
+        lower(paged(), "decode", batch_size=2, device=dev, policy=Policy.EXACT)
+    with pytest.raises(TypeError, match="Policy"):
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy="exact")
+    with pytest.raises(ValueError, match="batch_size"):
+        lower(paged(), M.DECODE, batch_size=0, device=dev, policy=Policy.EXACT)
+    with pytest.raises(ValueError, match="max_reqs"):
+        lower(paged(), M.DECODE, batch_size=CFG.max_reqs + 1, device=dev, policy=Policy.EXACT)
+    with pytest.raises(ValueError, match="ring_size"):
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, ring_size=0)
+
+
+def test_run_checks_the_batch(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    batch = _step(low)
+    with pytest.raises(KeyError, match="input_ids"):
+        low.run({k: v for k, v in batch.items() if k != "input_ids"})
+    wrong = Scheduler(low.cfg, M.DECODE, 3).next_step().batch
+    with pytest.raises(ValueError, match="batch_size=2"):
+        low.run(wrong)
+
+
+def test_describe_lists_declared_observed_and_placement(dev):
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+                policy=Policy.PER_BUFFER)
+    rows = {r["buffer"]: r for r in low.describe()}
+    assert set(rows) == set(SHARED_BUFFERS)
+    assert rows["state_slots"] == {"buffer": "state_slots", "end": "IN_REPLAY", "declared": "IN_REPLAY",
+                                   "observed": "IN_REPLAY",
+                                   "placement": "inside the graph, after prepare_in_graph"}
+    assert rows["req_to_token"]["end"] == rows["req_to_token"]["observed"] == "PRE_REPLAY"
