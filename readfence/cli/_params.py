@@ -4,8 +4,8 @@ Every bad value raises :class:`InputError`: click prints ``Error: <message>`` on
 exits with status 2, without a usage banner or a traceback. The message names the option,
 the value, what was wrong and what is allowed.
 
->>> Positive().convert("12", None, None)
-12
+>>> Positive().convert("12", None, None), Positive().convert("007", None, None)
+(12, 7)
 >>> try:
 ...     Positive().convert("0", None, None)
 ... except InputError as e:
@@ -15,6 +15,7 @@ invalid value '0': must be a positive integer (1, 2, 3, ...) | exit status 2
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import click
@@ -119,13 +120,10 @@ class Positive(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-        try:
-            number = int(str(value).strip())
-        except ValueError:
-            number = 0
-        if number <= 0 or str(number) != str(value).strip().lstrip("+"):
+        text = str(value).strip()
+        if not re.fullmatch(r"\+?[0-9]+", text) or int(text) <= 0:
             raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
-        return number
+        return int(text)
 
 
 class DeviceName(click.ParamType):

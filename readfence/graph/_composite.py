@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request
@@ -80,6 +79,7 @@ class JoinedFence:
 def narrow_tokens(batch: Mapping[str, Tensor], have: int, want: int) -> dict[str, Tensor]:
     """The first ``want`` of each request's ``have`` new tokens (request-major batches).
 
+    >>> import torch
     >>> b = {"input_ids": torch.arange(6), "req_pool_indices": torch.tensor([4, 9])}
     >>> narrow_tokens(b, 3, 1)["input_ids"].tolist()
     [0, 3]
@@ -187,13 +187,22 @@ class StreamGroup:
             for s, (m, n) in enumerate(zip(members, sizes))
         ]
         self.label = f"per_stream/{policy.name}"
+        self._previous: list[Fence] = []
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         return max(_sort_key(low.plan.placements.get(buffer)) for low in self.lowered)
 
     def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Any] = ()) -> StepRun:
         parts = split_requests(batch, self.tokens, len(self.lowered))
+        # The members share the KV and state pools, and the scheduler may hand a slot freed by
+        # one stream's request to another stream's request at once: each stream's step waits
+        # for the other streams' previous step (bound before any member of this step runs).
+        for s, low in enumerate(self.lowered):
+            for t, prev in enumerate(self._previous):
+                if t != s:
+                    low.stream.wait(prev.done.check(f"{self.label} step {step}"))
         runs = [low.run(p, step=step, after=after) for low, p in zip(self.lowered, parts)]
+        self._previous = [r.fence for r in runs]
         fence = JoinedFence(self.label, step, {b: tuple(r.fence for r in runs) for b in SHARED_BUFFERS},
                             tuple(r.fence for r in runs))
         return StepRun(step, tuple(r.logits for r in runs), fence)

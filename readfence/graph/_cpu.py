@@ -29,25 +29,24 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from readfence.effects import Capabilities
 
+from ._device_base import DeviceBase, _caps
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
     _check_all_recorded,
-    _current_context,
     _label_of,
     _OpContext,
     _running,
     _take_pending,
 )
-from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
+from ._errors import CaptureError, DeviceClosed, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, bind_step, records_in
 
@@ -503,17 +502,7 @@ class CpuStream:
 # --------------------------------------------------------------------------------------- device
 
 
-def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:
-    base = Capabilities() if caps is None else caps
-    changes: dict[str, bool] = {}
-    if in_graph_events is not None:
-        changes["in_graph_events"] = in_graph_events
-    if graphs is not None:
-        changes["graphs"] = graphs
-    return attrs.evolve(base, **changes) if changes else base
-
-
-class CpuDevice:
+class CpuDevice(DeviceBase):
     """The embedded device: one worker thread per stream.
 
     ``caps`` (or the shortcuts ``in_graph_events=`` / ``graphs=``) emulates a platform:
@@ -532,7 +521,26 @@ class CpuDevice:
     ...
     readfence.graph._errors.CaptureError: device 'cpu' cannot record events inside a graph (Capabilities.in_graph_events=False): 'record(fence)' in graph 'graph' records 'fence'; record after the replay instead
     >>> dev.close()
+
+    Capture records launches instead of running them; ``graph.replay()`` runs them as one unit:
+
+    >>> with CpuDevice() as dev:
+    ...     s, ev = dev.stream("forward"), dev.event("mid")
+    ...     trace = []
+    ...     with dev.capture(s, label="step") as g:
+    ...         s.launch(trace.append, "a", label="a")
+    ...         s.record(ev)
+    ...         s.launch(trace.append, "b", label="b")
+    ...     assert trace == []            # captured, not run
+    ...     g.replay(step=0); g.replay(step=1)
+    ...     s.synchronize(timeout=5)
+    >>> trace, ev.generation
+    (['a', 'b', 'a', 'b'], 2)
     """
+
+    _stream_type = CpuStream
+    _event_type = CpuEvent
+    _graph_type = CpuGraph
 
     def __init__(
         self,
@@ -545,85 +553,7 @@ class CpuDevice:
         observers: Sequence[DeviceObserver] = (),
         name: str = "cpu",
     ) -> None:
-        self.name = name
-        self.caps = _caps(caps, in_graph_events, graphs)
-        self.timeout = float(timeout)
-        self.faults = faults
-        self.observers: list[DeviceObserver] = list(observers)
-        self._lock = threading.RLock()
-        self._streams: dict[str, CpuStream] = {}
-        self._closed = False
-
-    # -- construction
-    def stream(self, name: str) -> CpuStream:
-        """The stream called ``name``, created (with its worker thread) on first use."""
-        with self._lock:
-            self._check_open()
-            s = self._streams.get(name)
-            if s is None:
-                s = self._streams[name] = CpuStream(self, name)
-            return s
-
-    @property
-    def streams(self) -> tuple[CpuStream, ...]:
-        """Every stream created so far."""
-        with self._lock:
-            return tuple(self._streams.values())
-
-    def event(self, name: str) -> CpuEvent:
-        """A new event; ``name`` is used in messages (each call returns a distinct event)."""
-        return CpuEvent(self, name)
-
-    def add_observer(self, observer: DeviceObserver) -> None:
-        """Report every later launch, record, wait and host synchronize to ``observer``."""
-        with self._lock:
-            self.observers.append(observer)
-
-    def remove_observer(self, observer: DeviceObserver) -> None:
-        with self._lock:
-            self.observers.remove(observer)
-
-    # -- graphs
-    @contextmanager
-    def capture(self, stream: CpuStream, *, label: str = "graph") -> Iterator[CpuGraph]:
-        """Capture launches and records issued on ``stream`` inside the ``with`` into a graph.
-
-        Captured work does not run; ``graph.replay()`` runs it as one unit. Waits and
-        synchronizes on the capturing stream are refused; work on other streams runs as usual.
-
-        >>> with CpuDevice() as dev:
-        ...     s, ev = dev.stream("forward"), dev.event("mid")
-        ...     trace = []
-        ...     with dev.capture(s, label="step") as g:
-        ...         s.launch(trace.append, "a", label="a")
-        ...         s.record(ev)
-        ...         s.launch(trace.append, "b", label="b")
-        ...     assert trace == []            # captured, not run
-        ...     g.replay(step=0); g.replay(step=1)
-        ...     s.synchronize(timeout=5)
-        >>> trace, ev.generation
-        (['a', 'b', 'a', 'b'], 2)
-        """
-        stream = self._own_stream(stream)
-        if not self.caps.graphs:
-            raise CaptureError(
-                f"device {self.name!r} cannot capture graphs (Capabilities.graphs=False): launch eagerly"
-            )
-        with self._lock:
-            self._check_open()
-            if stream._capture is not None:
-                raise CaptureError(f"stream {stream.name!r} is already capturing graph {stream._capture.label!r}")
-            graph = CpuGraph(self, stream, label)
-            stream._capture = graph
-        try:
-            yield graph
-        except BaseException as exc:
-            graph._broken = exc
-            raise
-        finally:
-            with self._lock:
-                stream._capture = None
-                graph._sealed = True
+        super().__init__(name, _caps(caps, in_graph_events, graphs), timeout, faults, observers)
 
     # -- inside launched code
     def record_here(self, event: CpuEvent) -> None:
@@ -636,20 +566,6 @@ class CpuDevice:
         self._own_event(event)
         _, gen = _take_pending(event)
         gen._fire()
-
-    def delay_point(self, label: str) -> None:
-        """Let the fault injector delay the running stream here (no-op without one)."""
-        ctx = _current_context()
-        if ctx is not None:
-            self._delay(ctx.stream, label)
-
-    # -- host waits
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Host wait for every stream; the timeout covers all of them together."""
-        deadline = time.monotonic() + self._timeout(timeout)
-        for s in self.streams:
-            s.synchronize(max(0.0, deadline - time.monotonic()))
-        self._notify("on_device_synchronize")
 
     def close(self) -> None:
         """Stop the worker threads. Queued ops are skipped, their events fail with
@@ -665,44 +581,7 @@ class CpuDevice:
         for s in streams:
             s._thread.join(max(0.0, deadline - time.monotonic()))
 
-    def __enter__(self) -> CpuDevice:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- helpers
-    def _timeout(self, timeout: float | None) -> float:
-        t = self.timeout if timeout is None else float(timeout)
-        if t < 0:
-            raise ValueError(f"timeout must be >= 0, got {t}")
-        return t
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DeviceClosed(f"device {self.name!r} is closed")
-
-    def _own_stream(self, stream: Any) -> CpuStream:
-        if not isinstance(stream, CpuStream) or stream.device is not self:
-            raise DeviceError(f"{stream!r} is not a stream of device {self.name!r}")
-        return stream
-
-    def _own_event(self, event: Any) -> CpuEvent:
-        if not isinstance(event, CpuEvent) or event.device is not self:
-            raise DeviceError(f"{event!r} is not an event of device {self.name!r}")
-        return event
-
     def _delay(self, stream: str, label: str) -> None:
         if self.faults is not None:
             self.faults.maybe_delay(stream, label)
 
-    def _notify_locked(self, method: str, *args: Any) -> None:
-        for obs in self.observers:
-            getattr(obs, method)(*args)
-
-    def _notify(self, method: str, *args: Any) -> None:
-        with self._lock:
-            self._notify_locked(method, *args)
-
-    def __repr__(self) -> str:
-        return f"<CpuDevice {self.name!r} {self.caps} streams={sorted(self._streams)}>"

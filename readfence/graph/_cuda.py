@@ -18,27 +18,25 @@ raises :class:`DeviceError` when ``torch.cuda.is_available()`` is false.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from readfence.effects import Capabilities
 
+from ._device_base import DeviceBase, _caps
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
     _check_all_recorded,
-    _current_context,
     _label_of,
     _OpContext,
     _running,
     _take_pending,
 )
-from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
+from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, bind_step, records_in
 
@@ -271,13 +269,17 @@ class CudaStream:
         return f"<CudaStream {self.name!r} on {self.device.name}>"
 
 
-class CudaDevice:
+class CudaDevice(DeviceBase):
     """The CUDA device (see the module docstring). Same constructor options as ``CpuDevice``,
     plus ``index``; ``caps.in_graph_events`` defaults to ``torch >= 2.8``.
 
     ``faults`` delays eager launches with ``torch.cuda._sleep`` on the stream; a delay drawn
     inside a capture is baked into the graph (the same on every replay).
     """
+
+    _stream_type = CudaStream
+    _event_type = CudaEvent
+    _graph_type = CudaGraph
 
     def __init__(
         self,
@@ -292,70 +294,13 @@ class CudaDevice:
     ) -> None:
         if not torch.cuda.is_available():
             raise DeviceError("CudaDevice needs CUDA, but torch.cuda.is_available() is False; use CpuDevice")
-        from ._cpu import _caps
-
-        self.index = index
-        self.name = f"cuda:{index}"
         base = Capabilities(in_graph_events=_in_graph_events_supported(), graphs=True) if caps is None else caps
-        self.caps = _caps(base, in_graph_events, graphs)
-        self.timeout = float(timeout)
-        self.faults = faults
-        self.observers: list[DeviceObserver] = list(observers)
-        self._lock = threading.RLock()
-        self._streams: dict[str, CudaStream] = {}
-        self._closed = False
+        super().__init__(f"cuda:{index}", _caps(base, in_graph_events, graphs), timeout, faults, observers)
+        self.index = index
 
-    def stream(self, name: str) -> CudaStream:
-        with self._lock:
-            self._check_open()
-            s = self._streams.get(name)
-            if s is None:
-                s = self._streams[name] = CudaStream(self, name)
-            return s
-
-    @property
-    def streams(self) -> tuple[CudaStream, ...]:
-        with self._lock:
-            return tuple(self._streams.values())
-
-    def event(self, name: str) -> CudaEvent:
-        return CudaEvent(self, name)
-
-    def add_observer(self, observer: DeviceObserver) -> None:
-        with self._lock:
-            self.observers.append(observer)
-
-    def remove_observer(self, observer: DeviceObserver) -> None:
-        with self._lock:
-            self.observers.remove(observer)
-
-    @contextmanager
-    def capture(self, stream: CudaStream, *, label: str = "graph") -> Iterator[CudaGraph]:
-        """Capture work issued on ``stream`` into a ``torch.cuda.CUDAGraph``.
-
-        Launched functions run now (their kernels are captured); records issued on the
-        stream (or with ``record_here`` inside a launched function) become in-graph event
-        records. Waits on the capturing stream are refused.
-        """
-        stream = self._own_stream(stream)
-        if not self.caps.graphs:
-            raise CaptureError(f"device {self.name!r} cannot capture graphs (Capabilities.graphs=False)")
-        with self._lock:
-            self._check_open()
-            if stream._capture is not None:
-                raise CaptureError(f"stream {stream.name!r} is already capturing graph {stream._capture.label!r}")
-            graph = CudaGraph(self, stream, label)
-            stream._capture = graph
-        try:
-            with torch.cuda.graph(graph.torch, stream=stream.torch, capture_error_mode="thread_local"):
-                yield graph
-        except BaseException as exc:
-            graph._broken = exc
-            raise
-        finally:
-            with self._lock:
-                stream._capture = None
-                graph._sealed = True
+    def _capture_context(self, graph: CudaGraph, stream: CudaStream) -> Any:
+        # Launched functions run now; their kernels and in-graph records are captured.
+        return torch.cuda.graph(graph.torch, stream=stream.torch, capture_error_mode="thread_local")
 
     def record_here(self, event: CudaEvent) -> None:
         """Record ``event`` on the current stream, from inside a launched/captured function
@@ -364,62 +309,13 @@ class CudaDevice:
         _take_pending(event)
         event.torch.record(torch.cuda.current_stream())
 
-    def delay_point(self, label: str) -> None:
-        """Let the fault injector delay the current stream here (``torch.cuda._sleep``)."""
-        ctx = _current_context()
-        if ctx is not None:
-            self._delay(ctx.stream, label)
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + self._timeout(timeout)
-        for s in self.streams:
-            s.synchronize(max(0.0, deadline - time.monotonic()))
-        self._notify("on_device_synchronize")
-
     def close(self) -> None:
         """Mark the device closed (later enqueues raise). Pending GPU work is not cancelled."""
         with self._lock:
             self._closed = True
-
-    def __enter__(self) -> CudaDevice:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _timeout(self, timeout: float | None) -> float:
-        t = self.timeout if timeout is None else float(timeout)
-        if t < 0:
-            raise ValueError(f"timeout must be >= 0, got {t}")
-        return t
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DeviceClosed(f"device {self.name!r} is closed")
-
-    def _own_stream(self, stream: Any) -> CudaStream:
-        if not isinstance(stream, CudaStream) or stream.device is not self:
-            raise DeviceError(f"{stream!r} is not a stream of device {self.name!r}")
-        return stream
-
-    def _own_event(self, event: Any) -> CudaEvent:
-        if not isinstance(event, CudaEvent) or event.device is not self:
-            raise DeviceError(f"{event!r} is not an event of device {self.name!r}")
-        return event
 
     def _delay(self, stream: str, label: str) -> None:
         if self.faults is not None:
             delay = self.faults.delay_for(stream, label)
             if delay > 0.0:
                 torch.cuda._sleep(int(delay * _SLEEP_CYCLES_PER_S))
-
-    def _notify_locked(self, method: str, *args: Any) -> None:
-        for obs in self.observers:
-            getattr(obs, method)(*args)
-
-    def _notify(self, method: str, *args: Any) -> None:
-        with self._lock:
-            self._notify_locked(method, *args)
-
-    def __repr__(self) -> str:
-        return f"<CudaDevice {self.name!r} {self.caps} streams={sorted(self._streams)}>"

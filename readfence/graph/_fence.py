@@ -79,7 +79,9 @@ class Fence:
         return None if read is None or release is None else release - read
 
     def _bounds(self, buffers: Iterable[str] | None) -> list[Bound]:
-        names = list(self.per_buffer) if buffers is None else list(buffers)
+        if buffers is None:  # every buffer: no name to check
+            return list({id(b.event): b for b in self.per_buffer.values() if b is not None}.values())
+        names = list(buffers)
         unknown = [b for b in names if b not in self.per_buffer]
         if unknown:
             raise KeyError(
@@ -92,7 +94,9 @@ class Fence:
     def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
         for bound in self._bounds(buffers):
-            stream.wait(bound.check(f"fence of {self.owner} step {self.step}"))
+            if bound.event.generation != bound.generation:
+                bound.check(f"fence of {self.owner} step {self.step}")  # raises RingWrapError
+            stream.wait(bound.event)
 
     def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """Host wait (with timeout) until ``buffers`` (default: all) may be overwritten."""

@@ -66,6 +66,10 @@ class _Slot:
     done: Any
     stages: dict[str, tuple[Any, tuple[Op, ...]]]
     graph: Any = None
+    # stage-level events per end, in plan order (precomputed: run() is on the host's hot path)
+    at_end: dict[ReadEnd, list[Any]] = attrs.Factory(dict)
+    point_events: list[Any] = attrs.Factory(list)  # events in plan order
+    buffer_points: list[tuple[str, int | None]] = attrs.Factory(list)  # buffer -> index (None: no wait)
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -118,6 +122,8 @@ class Lowered:
         self._meta = self._static_meta(example, dev)
         self._env.update(self._meta)
         self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
+        self._labels = {name: f"{self.label}/{name}" for name in
+                        ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
         self._slots = [self._build_slot(r) for r in range(ring_size)]
 
     # -- construction -----------------------------------------------------------------------
@@ -148,6 +154,12 @@ class Lowered:
                 after[point.after.stage].setdefault(point.after.node, []).append(event)
         stages = {s.name: self._stage_fn(s, after[s.name]) for s in self.program.stages}
         slot = _Slot(events, probes, self._new_event(f"{self.label}/done#{r}"), stages)
+        for point, event in events.items():
+            if point.after is None:
+                slot.at_end.setdefault(point.end, []).append(event)
+        index = {p: i for i, p in enumerate(events)}
+        slot.point_events = list(events.values())
+        slot.buffer_points = [(b, index.get(p)) for b, p in self.plan.placements.items()]
         if self.graphed:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
@@ -170,12 +182,11 @@ class Lowered:
             sink(runner.run(env))
 
         fn = run_stage if self.timeline is None else self.timeline.timed(self.stream.name, name, run_stage, "stage")
-        self.stream.launch(fn, label=f"{self.label}/{name}", ops=ops, step=step)
+        self.stream.launch(fn, label=self._labels[name], ops=ops, step=step)
 
     def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
-        for point, event in slot.events.items():
-            if point.after is None and point.end is end:
-                self.stream.record(event)
+        for event in slot.at_end.get(end, ()):
+            self.stream.record(event)
 
     def _in_graph_work(self, slot: _Slot, step: int | None = None) -> None:
         # prepare_in_graph and the body: captured once per slot, or launched eagerly.
@@ -191,23 +202,25 @@ class Lowered:
         stream); ``after`` are events the step must wait for (e.g. the scheduler's writes).
         """
         step = self._runs if step is None else step
-        missing = sorted(set(self._batch) - set(batch))
-        if missing:
-            raise KeyError(f"{self.label}: batch is missing {missing}")
+        staged = {}
         for key, t in self._batch.items():
-            if tuple(batch[key].shape) != tuple(t.shape):
+            given = batch.get(key)
+            if given is None:
+                missing = sorted(set(self._batch) - set(batch))
+                raise KeyError(f"{self.label}: batch is missing {missing}")
+            if given.shape != t.shape:
                 raise ValueError(
-                    f"{self.label}: batch[{key!r}] has shape {tuple(batch[key].shape)}, the lowered "
+                    f"{self.label}: batch[{key!r}] has shape {tuple(given.shape)}, the lowered "
                     f"graph was captured for {tuple(t.shape)} (batch_size={self.batch_size})"
                 )
+            staged[key] = given
         slot = self._slots[self._runs % self.ring_size]
         self._runs += 1
         s = self.stream
         for event in after:
             s.wait(event)
-        staged = {k: batch[k] for k in self._batch}
         s.launch(lambda: [self._batch[k].copy_(v) for k, v in staged.items()],
-                 label=f"{self.label}/load_batch", step=step)
+                 label=self._labels["load_batch"], step=step)
         self._launch_stage("prepare_out_graph", slot, step,
                            lambda out: [self._meta[k].copy_(v) for k, v in out.items()])
         self._record_points(slot, ReadEnd.PRE_REPLAY)
@@ -217,15 +230,16 @@ class Lowered:
             self._in_graph_work(slot, step)
         self._record_points(slot, ReadEnd.POST_REPLAY)
         logits = torch.empty_like(self._logits)
-        s.launch(logits.copy_, self._logits, label=f"{self.label}/outputs", step=step)
+        s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
         self._record_points(slot, ReadEnd.UNKNOWN)
         s.record(slot.done)
         return StepRun(step, logits, self._fence(slot, step))
 
     def _fence(self, slot: _Slot, step: int) -> Fence:
-        bounds = {p: Bound.latest(e) for p, e in slot.events.items()}
-        per_buffer = {b: (bounds[p] if p.waits else None) for b, p in self.plan.placements.items()}
-        probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
+        # hot path: no Placement hashing, one Bound per event (buffers sharing a point share it)
+        bounds = [Bound.latest(e) for e in slot.point_events]
+        per_buffer = {b: None if i is None else bounds[i] for b, i in slot.buffer_points}  # None: unread
+        probes = {b: Bound.latest(e) for b, e in slot.probes.items()} if slot.probes else {}
         return Fence(self.label, step, per_buffer, Bound.latest(slot.done), probes)
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:

@@ -11,7 +11,7 @@ from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import Position, ReadEffect, ReadEnd, laws
 from readfence.graph import (
     CpuDevice, FaultInjector, Policy, RingWrapError, Sanitizer, StepShape, StreamGroup, decode_loop, eagle,
-    lower, multi_eagle, ngram, parse_step, run_overlapped, run_serial,
+    lower, parse_step, run_overlapped, run_serial,
 )
 from readfence.core import ModelConfig
 from readfence.graph import Scheduler, make_state

@@ -1,0 +1,182 @@
+"""Overhead: host cost per step of ``Lowered.run`` plus the fence wait, against a hand loop.
+
+Both loops enqueue exactly the same device work for one decode step on the same device and
+the same lowered graph: wait for the scheduler's event, copy the batch in, launch the
+out-of-graph stage GraphModule, record the PRE_REPLAY events, replay the captured graph
+(in-graph records included), record the POST_REPLAY events, copy the logits out, record the
+done event, and make the schedule stream wait on every fence event. The hand loop does it with
+direct device calls; the other calls ``Lowered.run`` and ``fence.wait`` (shape checks, ring
+slot, ``Fence`` and ``Bound`` objects).
+
+Only host time is measured, as CPU time of the enqueueing thread (``time.thread_time``), so
+that other processes on a busy machine do not count: the forward stream is held by a gate while the steps are
+enqueued (so the two loops never compete with device work for the GIL), then released and
+drained; the garbage collector is paused while timing (as ``timeit`` does). The two loops
+alternate in blocks; a run's ratio compares their fastest blocks; the printed ratio is the
+median over runs.
+
+    python benchmarks/bench_overhead.py [--quick] [--json]
+
+``main(quick=False)`` returns ``{"lowered_vs_hand": ratio, ...}`` (``readfence bench`` prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from readfence.backends import hybrid_linear, linear, trtllm_mha
+from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.effects import ReadEnd
+from readfence.graph import CpuDevice, Policy, Scheduler, lower
+
+MODE = ForwardMode.DECODE
+
+
+def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
+    """One step of ``low`` issued by hand: the same launches, records and waits as ``run``."""
+    s = low.stream
+    slot = low._slots[0]
+    pre = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.PRE_REPLAY]
+    post = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.POST_REPLAY]
+    unknown = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.UNKNOWN]
+    fence_events = list({id(e): e for p, e in slot.events.items() if p.waits}.values())
+    out_runner, out_ops = slot.stages["prepare_out_graph"]
+    env, meta, static_batch, static_logits = low._env, low._meta, low._batch, low._logits
+    graph = slot.graph
+    label = low.label
+
+    def step(batch: dict, i: int) -> None:
+        s.wait(written)
+        s.launch(lambda: [static_batch[k].copy_(v) for k, v in batch.items()], label=f"{label}/load_batch", step=i)
+        s.launch(lambda: [meta[k].copy_(v) for k, v in out_runner.run(env).items()],
+                 label=f"{label}/prepare_out_graph", ops=out_ops, step=i)
+        for e in pre:
+            s.record(e)
+        graph.replay(s, step=i)
+        for e in post:
+            s.record(e)
+        logits = torch.empty_like(static_logits)
+        s.launch(logits.copy_, static_logits, label=f"{label}/outputs", step=i)
+        for e in unknown:
+            s.record(e)
+        s.record(slot.done)
+        for e in fence_events:
+            sched.wait(e)
+
+    return step
+
+
+def _timed(dev: Any, low: Any, step: Any, batch: dict, steps: int) -> float:
+    """Host CPU seconds per step to enqueue ``steps`` steps while the forward stream is gated."""
+    gate = threading.Event()
+    low.stream.launch(gate.wait, 30.0, label="gate")
+    gc.collect()
+    gc.disable()  # as timeit does: a collection landing in one loop and not the other is noise
+    try:
+        t0 = time.thread_time()  # CPU time of this thread: other processes' load does not count
+        for i in range(steps):
+            step(batch, i)
+        host = (time.thread_time() - t0) / steps
+    finally:
+        gc.enable()
+        gate.set()
+    dev.synchronize(120)
+    return host
+
+
+def measure(*, quick: bool = False) -> dict[str, Any]:
+    """Per policy: host us/step of both loops and their ratio (median over runs).
+
+    A run alternates ``blocks`` pairs of ``steps``-step blocks of the two loops and takes the
+    ratio of their fastest blocks (the least disturbed by other processes); the reported
+    ratio is the median over ``runs`` runs.
+    """
+    steps, blocks, runs = (50, 4, 3) if quick else (100, 8, 7)
+    backend = hybrid_linear(trtllm_mha(), linear())
+    results = {}
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):
+        with CpuDevice(timeout=120) as dev:
+            low = lower(backend, MODE, batch_size=4, device=dev, policy=policy, ring_size=1)
+            nxt = Scheduler(low.cfg, MODE, 4).next_step()
+            for b in SHARED_BUFFERS:
+                low.shared[b].copy_(nxt.shared[b])
+            batch = {k: v for k, v in nxt.batch.items()}
+            sched = dev.stream("schedule")
+            written = dev.event("scheduler/written")
+            sched.record(written)
+
+            def lowered_step(batch: dict, i: int) -> None:
+                run = low.run(batch, step=i, after=[written])
+                run.fence.wait(sched)
+
+            hand_step = _hand_loop(low, sched, written)
+            for fn in (lowered_step, hand_step):  # warm up both
+                _timed(dev, low, fn, batch, 20)
+            ratios, lowered, hand = [], [], []
+            for _ in range(runs):
+                t: dict[Any, list[float]] = {lowered_step: [], hand_step: []}
+                for block in range(blocks):
+                    pair = (lowered_step, hand_step) if block % 2 == 0 else (hand_step, lowered_step)
+                    for fn in pair:
+                        t[fn].append(_timed(dev, low, fn, batch, steps))
+                lowered.append(min(t[lowered_step]))
+                hand.append(min(t[hand_step]))
+                ratios.append(lowered[-1] / hand[-1])
+            results[policy.name] = {
+                "lowered_us_per_step": statistics.median(lowered) * 1e6,
+                "hand_us_per_step": statistics.median(hand) * 1e6,
+                "lowered_vs_hand": statistics.median(ratios),
+                "ratios": ratios,
+                "fence_points": len(low.plan.points()),
+            }
+    return {"backend": str(backend), "steps": steps, "blocks": blocks, "runs": runs, "policies": results}
+
+
+def main(quick: bool = False) -> dict[str, Any]:
+    """Median ratio (Lowered.run + fence) / (hand loop) of host time per step, per policy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = measure(quick=quick)
+    finally:
+        torch.set_num_threads(threads)
+    main.details = r  # type: ignore[attr-defined]
+    out: dict[str, Any] = {}
+    for policy, v in r["policies"].items():
+        p = policy.lower()
+        out[f"{p}_lowered_vs_hand"] = v["lowered_vs_hand"]
+        out[f"{p}_lowered_us_per_step"] = v["lowered_us_per_step"]
+        out[f"{p}_hand_us_per_step"] = v["hand_us_per_step"]
+    return out
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    parser.add_argument("--json", action="store_true", help="print the full result as JSON")
+    args = parser.parse_args(argv)
+    main(quick=args.quick)
+    r = main.details  # type: ignore[attr-defined]
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{r['backend']}: host time per step; {r['runs']} runs of {r['blocks']} alternating blocks of "
+          f"{r['steps']} steps (fastest block per run, median over runs)")
+    for policy, v in r["policies"].items():
+        print(f"  {policy:10} Lowered.run + fence {v['lowered_us_per_step']:7.1f} us   hand loop "
+              f"{v['hand_us_per_step']:7.1f} us   ratio {v['lowered_vs_hand']:.3f}x "
+              f"({v['fence_points']} fence points; target <= 1.10x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,169 @@
+"""What CpuDevice and CudaDevice share: streams by name, observers, capture bookkeeping, waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, ClassVar
+
+import attrs
+
+from readfence.effects import Capabilities
+
+from ._device import DEFAULT_TIMEOUT_S, DeviceObserver, _current_context
+from ._errors import CaptureError, DeviceClosed, DeviceError
+from ._faults import FaultInjector
+
+
+def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:
+    base = Capabilities() if caps is None else caps
+    changes: dict[str, bool] = {}
+    if in_graph_events is not None:
+        changes["in_graph_events"] = in_graph_events
+    if graphs is not None:
+        changes["graphs"] = graphs
+    return attrs.evolve(base, **changes) if changes else base
+
+
+class DeviceBase:
+    """Common machinery; subclasses set the stream/event/graph types and the device specifics."""
+
+    _stream_type: ClassVar[type]
+    _event_type: ClassVar[type]
+    _graph_type: ClassVar[type]
+
+    def __init__(
+        self,
+        name: str,
+        caps: Capabilities,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        faults: FaultInjector | None = None,
+        observers: Sequence[DeviceObserver] = (),
+    ) -> None:
+        self.name = name
+        self.caps = caps
+        self.timeout = float(timeout)
+        self.faults = faults
+        self.observers: list[DeviceObserver] = list(observers)
+        self._lock = threading.RLock()
+        self._streams: dict[str, Any] = {}
+        self._closed = False
+
+    # -- construction
+    def stream(self, name: str) -> Any:
+        """The stream called ``name``, created on first use."""
+        with self._lock:
+            self._check_open()
+            s = self._streams.get(name)
+            if s is None:
+                s = self._streams[name] = self._stream_type(self, name)
+            return s
+
+    @property
+    def streams(self) -> tuple[Any, ...]:
+        """Every stream created so far."""
+        with self._lock:
+            return tuple(self._streams.values())
+
+    def event(self, name: str) -> Any:
+        """A new event; ``name`` is used in messages (each call returns a distinct event)."""
+        return self._event_type(self, name)
+
+    def add_observer(self, observer: DeviceObserver) -> None:
+        """Report every later launch, record, wait and host synchronize to ``observer``."""
+        with self._lock:
+            self.observers.append(observer)
+
+    def remove_observer(self, observer: DeviceObserver) -> None:
+        with self._lock:
+            self.observers.remove(observer)
+
+    # -- graphs
+    def _capture_context(self, graph: Any, stream: Any) -> AbstractContextManager[Any]:
+        """Device-specific context around a capture (CUDA: ``torch.cuda.graph``)."""
+        return nullcontext()
+
+    @contextmanager
+    def capture(self, stream: Any, *, label: str = "graph") -> Iterator[Any]:
+        """Capture launches and records issued on ``stream`` inside the ``with`` into a graph."""
+        stream = self._own_stream(stream)
+        if not self.caps.graphs:
+            raise CaptureError(
+                f"device {self.name!r} cannot capture graphs (Capabilities.graphs=False): launch eagerly"
+            )
+        with self._lock:
+            self._check_open()
+            if stream._capture is not None:
+                raise CaptureError(f"stream {stream.name!r} is already capturing graph {stream._capture.label!r}")
+            graph = self._graph_type(self, stream, label)
+            stream._capture = graph
+        try:
+            with self._capture_context(graph, stream):
+                yield graph
+        except BaseException as exc:
+            graph._broken = exc
+            raise
+        finally:
+            with self._lock:
+                stream._capture = None
+                graph._sealed = True
+
+    def delay_point(self, label: str) -> None:
+        """Let the fault injector delay the running stream here (no-op without one)."""
+        ctx = _current_context()
+        if ctx is not None:
+            self._delay(ctx.stream, label)
+
+    # -- host waits
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Host wait for every stream; the timeout covers all of them together."""
+        deadline = time.monotonic() + self._timeout(timeout)
+        for s in self.streams:
+            s.synchronize(max(0.0, deadline - time.monotonic()))
+        self._notify("on_device_synchronize")
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _delay(self, stream: str, label: str) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -- helpers
+    def _timeout(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else float(timeout)
+        if t < 0:
+            raise ValueError(f"timeout must be >= 0, got {t}")
+        return t
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeviceClosed(f"device {self.name!r} is closed")
+
+    def _own_stream(self, stream: Any) -> Any:
+        if not isinstance(stream, self._stream_type) or stream.device is not self:
+            raise DeviceError(f"{stream!r} is not a stream of device {self.name!r}")
+        return stream
+
+    def _own_event(self, event: Any) -> Any:
+        if not isinstance(event, self._event_type) or event.device is not self:
+            raise DeviceError(f"{event!r} is not an event of device {self.name!r}")
+        return event
+
+    def _notify_locked(self, method: str, *args: Any) -> None:
+        for obs in self.observers:
+            getattr(obs, method)(*args)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        with self._lock:
+            self._notify_locked(method, *args)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.caps} streams={sorted(self._streams)}>"

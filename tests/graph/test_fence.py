@@ -1,0 +1,244 @@
+"""Fences: timeouts with clear errors, stream exceptions with their context, event rings.
+
+Nothing here may hang: every wait has a small timeout, and every blocked stream is released
+in ``finally``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
+from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.graph import (
+    CpuDevice,
+    DeviceTimeout,
+    EventNeverRecorded,
+    Policy,
+    RingWrapError,
+    Scheduler,
+    StreamError,
+    lower,
+)
+
+M = ForwardMode
+SHORT = 0.2  # a wait that must time out
+T = 10.0  # a wait that must succeed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def dev():
+    with CpuDevice(timeout=T) as d:
+        yield d
+
+
+def _batch(low, seed=0):
+    nxt = Scheduler(low.cfg, low.mode, low.batch_size, seed=seed).next_step()
+    for b in SHARED_BUFFERS:
+        low.shared[b].copy_(nxt.shared[b])
+    return nxt.batch
+
+
+def _blocker():
+    gate = threading.Event()
+
+    def block():
+        assert gate.wait(T), "test gate never opened"
+
+    return gate, block
+
+
+# -- a fence that never fires --------------------------------------------------------------------
+
+
+def test_host_wait_on_a_fence_that_never_fires_times_out_clearly(dev):
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+                policy=Policy.PER_BUFFER)
+    batch = _batch(low)
+    gate, block = _blocker()
+    try:
+        low.stream.launch(block, label="stuck kernel")  # the forward stream never gets to the step
+        run = low.run(batch, step=0)
+        for buffers in (["req_to_token"], ["state_slots"], None):
+            with pytest.raises(DeviceTimeout) as err:
+                run.fence.synchronize(buffers, timeout=SHORT)
+            msg = str(err.value)
+            assert f"timed out after {SHORT:g} s" in msg
+            assert low.label in msg  # which lowered graph's event
+            assert "'forward'" in msg  # the stream that should record it
+            assert err.value.timeout == SHORT
+        assert not run.fence.released("req_to_token")
+        with pytest.raises(DeviceTimeout, match="done"):
+            run.result(timeout=SHORT)
+    finally:
+        gate.set()
+    # released: everything completes, nothing was lost
+    run.fence.synchronize(timeout=T)
+    assert run.fence.released("req_to_token") and run.fence.released("state_slots")
+    assert run.result(T).shape[0] == 2
+
+
+def test_device_side_wait_on_a_fence_that_never_fires_times_out(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    batch = _batch(low)
+    sched = dev.stream("schedule")
+    gate, block = _blocker()
+    try:
+        low.stream.launch(block, label="stuck kernel")
+        run = low.run(batch, step=0)
+        run.fence.wait(sched, ["req_to_token"])  # device-side: returns at once
+        wrote = []
+        sched.launch(wrote.append, 1, label="scheduler/write:req_to_token")
+        with pytest.raises(DeviceTimeout) as err:
+            sched.synchronize(timeout=SHORT)
+        assert "stream 'schedule'" in str(err.value) and "wait(" in str(err.value)
+        assert wrote == []  # the write really waited
+    finally:
+        gate.set()
+    sched.synchronize(timeout=T)
+    assert wrote == [1]
+
+
+def test_device_side_wait_gives_up_after_the_device_timeout():
+    # The forward stream stays blocked longer than the device timeout: the waiting stream fails
+    # with DeviceTimeout (naming the event) instead of hanging, and the error surfaces at the
+    # next host wait on that stream.
+    with CpuDevice(timeout=SHORT) as dev:
+        low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+        batch = _batch(low)
+        sched = dev.stream("schedule")
+        gate, block = _blocker()
+        try:
+            low.stream.launch(block, label="stuck kernel")
+            run = low.run(batch, step=0)
+            run.fence.wait(sched, ["seq_lens"])
+            sched.launch(lambda: None, label="scheduler/write:seq_lens")
+            with pytest.raises(StreamError) as err:
+                sched.synchronize(timeout=T)
+            assert err.value.stream == "schedule"
+            assert isinstance(err.value.original, DeviceTimeout)
+            assert low.label in str(err.value)
+        finally:
+            gate.set()
+
+
+def test_waiting_on_an_unrecorded_event_is_refused(dev):
+    ev = dev.event("never")
+    with pytest.raises(EventNeverRecorded, match="never"):
+        dev.stream("schedule").wait(ev)
+    with pytest.raises(EventNeverRecorded):
+        ev.synchronize(timeout=SHORT)
+
+
+# -- exceptions inside a stream ------------------------------------------------------------------
+
+
+def test_exception_in_a_launched_fn_surfaces_at_the_next_fence_wait(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    batch = _batch(low)
+
+    def boom():
+        raise ValueError("kernel exploded")
+
+    low.stream.launch(boom, label="bad kernel")
+    run = low.run(batch, step=0)
+    with pytest.raises(StreamError) as err:
+        run.fence.synchronize(["req_to_token"], timeout=T)
+    e = err.value
+    assert (e.stream, e.label) == ("forward", "bad kernel")
+    assert isinstance(e.original, ValueError) and isinstance(e.__cause__, ValueError)
+    assert "stream 'forward' failed in op 'bad kernel': ValueError: kernel exploded" in str(e)
+    with pytest.raises(StreamError, match="kernel exploded"):
+        run.result(T)
+    # sticky: a later step on the failed stream fails the same way, and so does a stream that
+    # waits on its fence; nothing hangs.
+    later = low.run(batch, step=1)
+    with pytest.raises(StreamError, match="bad kernel"):
+        later.fence.synchronize(timeout=T)
+    sched = dev.stream("schedule")
+    later.fence.wait(sched)
+    sched.launch(lambda: None, label="scheduler/write")
+    with pytest.raises(StreamError, match="kernel exploded"):
+        sched.synchronize(timeout=T)
+
+
+def test_exception_inside_a_graph_replay_names_the_graph_and_stage(dev):
+    # A broken step: request rows outside the page table make the in-graph stage fail.
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    batch = dict(_batch(low))
+    batch["req_pool_indices"] = torch.tensor([0, 10_000])
+    run = low.run(batch, step=0)
+    with pytest.raises(StreamError) as err:
+        run.fence.synchronize(["seq_lens"], timeout=T)
+    e = err.value
+    assert e.stream == "forward"
+    assert "/graph#0/" in e.label and "prepare_in_graph" in e.label and low.label in e.label
+    assert isinstance(e.original, IndexError)
+    with pytest.raises(StreamError):
+        run.result(T)
+
+
+def test_exception_in_the_out_of_graph_stage_surfaces_before_the_replay(dev):
+    low = lower(trtllm_mha(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    batch = dict(_batch(low))
+    batch["req_pool_indices"] = torch.tensor([0, 10_000])
+    run = low.run(batch, step=0)
+    with pytest.raises(StreamError) as err:
+        run.fence.synchronize(["req_to_token"], timeout=T)
+    assert err.value.label.endswith("/prepare_out_graph") and low.label in err.value.label
+
+
+# -- event rings ---------------------------------------------------------------------------------
+
+
+def test_ring_of_one_wrapped_by_the_next_step_is_an_error(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=1)
+    batch = _batch(low)
+    first = low.run(batch, step=0)
+    low.run(batch, step=1)  # re-records the same events
+    sched = dev.stream("schedule")
+    with pytest.raises(RingWrapError) as err:
+        first.fence.wait(sched, ["req_to_token"])
+    msg = str(err.value)
+    assert "ring_size" in msg and "generation" in msg and low.label in msg
+    with pytest.raises(RingWrapError):
+        first.fence.synchronize(["seq_lens"], timeout=T)
+    dev.synchronize(T)
+
+
+def test_ring_of_two_makes_the_same_sequence_fine(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=2)
+    batch = _batch(low)
+    first = low.run(batch, step=0)
+    second = low.run(batch, step=1)
+    sched = dev.stream("schedule")
+    first.fence.wait(sched, ["req_to_token"])
+    first.fence.synchronize(timeout=T)
+    second.fence.synchronize(timeout=T)
+    sched.synchronize(timeout=T)
+    third = low.run(batch, step=2)  # wraps onto step 0's slot: step 0's fence is now stale
+    with pytest.raises(RingWrapError):
+        first.fence.wait(sched, ["req_to_token"])
+    third.fence.synchronize(timeout=T)
+    assert torch.equal(first.result(T), second.result(T))  # same inputs, same outputs
+
+
+def test_fence_rejects_unknown_buffers_and_skips_unread_ones(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    run = low.run(_batch(low), step=0)
+    with pytest.raises(KeyError, match="kv_pool"):
+        run.fence.synchronize(["kv_pool"], timeout=T)
+    assert run.fence.per_buffer["state_slots"] is None  # paged never reads it: no wait at all
+    assert run.fence.released("state_slots")
+    run.fence.synchronize(timeout=T)
