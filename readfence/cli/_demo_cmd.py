@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from readfence.graph import Policy
+from readfence.graph import Policy, StepShape
 
 from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
 from ._params import DeviceName, InputError, Policies, Positive, Spec
@@ -44,7 +44,8 @@ def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
     return str(value)
 
 
-def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: int) -> str:
+def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: int,
+           phases: str | None = None) -> str:
     """The demo's text report: the device, one table, then any problems in full.
 
     >>> from readfence.core import ForwardMode
@@ -67,7 +68,9 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
                   f"graphs: {'yes' if caps.graphs else 'no'})")
     cells = [{k: _cell(k, r.get(k), r) for k in COLUMNS} for r in result.rows]
     lines = [f"device: {where}",
-             f"spec: {spec}  mode: {result.mode.name}  steps: {steps}  batch size: {batch_size}  seed: {seed}",
+             f"spec: {spec}  mode: {result.mode.name}  steps: {steps}  batch size: {batch_size}  seed: {seed}"
+             if phases is None else
+             f"spec: {spec}  phases: {phases}  steps: {steps}  batch size: {batch_size}  seed: {seed}",
              "", table(cells, COLUMNS), ""]
     for r in result.rows:
         if r["error"]:
@@ -116,7 +119,8 @@ class _Progress:
 
 @click.command()
 @click.option("--spec", type=Spec(), default=DEFAULT_SPEC, show_default=True,
-              help="Backend to run, e.g. 'tbo(deepseek_v4, paged)'.")
+              help="Backend to run, e.g. 'tbo(deepseek_v4, paged)', or a speculative step shape: "
+                   "'eagle(TARGET, DRAFT)', 'multi_eagle(TARGET, D1, D2)', 'ngram(TARGET)'.")
 @click.option("--steps", type=Positive(), default=100, show_default=True, help="Decode steps per policy.")
 @click.option("--policy", "policies", type=Policies(), default="all", show_default=True,
               help="coarse, joined, per_buffer, exact or all (COARSE always runs: it is the baseline).")
@@ -165,11 +169,14 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
 
         plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}")
     if as_json:
-        out = [{**r, "spec": str(spec), "device": result.device, "mode": result.mode.name, "steps": steps,
+        mode = "phases" if isinstance(spec, StepShape) else result.mode.name
+        out = [{**r, "spec": str(spec), "device": result.device, "mode": mode, "steps": steps,
                 "batch_size": batch_size, "seed": seed, "write_cost": write_cost} for r in result.rows]
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed))
+        phases = (" -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
+                  if isinstance(spec, StepShape) else None)
+        click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases))
         for what, path in (("trace", trace_path), ("plot", plot_path)):
             if path is not None:
                 click.echo(f"{what} written to {path}")

@@ -23,7 +23,7 @@ from returns.pipeline import is_successful
 
 from readfence.backends import Backend, parse
 from readfence.core import ForwardMode
-from readfence.graph import Policy
+from readfence.graph import STEP_SHAPES, Policy, StepShape, parse_step
 
 
 class InputError(click.ClickException):
@@ -46,19 +46,26 @@ def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
     return InputError(f"invalid {shown} {value!r}: {why}")
 
 
-def parse_spec(text: str) -> Backend:
-    """The backend a spec names; ``ValueError`` carries the position and what was expected.
+def parse_spec(text: str) -> Backend | StepShape:
+    """The backend (or speculative step shape) a spec names; ``ValueError`` says what is wrong.
 
-    This is the one place the CLI reads a ``--spec``/``SPEC``: speculative step shapes
-    (several phases per step) plug in here.
+    Step shapes (``eagle(TARGET, DRAFT)``, ``multi_eagle(TARGET, D1, D2...)``,
+    ``ngram(TARGET)``) run several phases per step; anything else is a backend spec.
 
     >>> str(parse_spec("tbo( deepseek_v4 , paged )"))
     'tbo(deepseek_v4, paged)'
+    >>> [p.name for p in parse_spec("ngram(deepseek_v4)").phases]
+    ['target_verify']
     >>> parse_spec("tbo(")
     Traceback (most recent call last):
     ...
     ValueError: position 4: expected a backend name, found end of spec
     """
+    if text.strip().partition("(")[0].strip() in STEP_SHAPES:
+        shape = parse_step(text)
+        if not is_successful(shape):
+            raise ValueError(shape.failure())
+        return shape.unwrap()
     result = parse(text)
     if not is_successful(result):
         error = result.failure()
@@ -67,12 +74,12 @@ def parse_spec(text: str) -> Backend:
 
 
 class Spec(click.ParamType):
-    """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``."""
+    """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``, or a step shape."""
 
     name = "spec"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Backend:
-        if isinstance(value, Backend):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, (Backend, StepShape)):
             return value
         try:
             return parse_spec(value)

@@ -8,9 +8,10 @@ from typing import Any
 import click
 
 from readfence.core import ForwardMode
+from readfence.graph import StepShape
 
 from ._params import DeviceName, Mode, Spec, device_caps
-from ._plan_data import plan_report
+from ._plan_data import plan_report, shape_plan_report
 from ._table import table
 
 
@@ -61,6 +62,38 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_shape(report: dict[str, Any]) -> str:
+    """The text form of :func:`~readfence.cli._plan_data.shape_plan_report`.
+
+    >>> from readfence.graph import parse_step
+    >>> from readfence.effects import Capabilities
+    >>> from readfence.cli._plan_data import shape_plan_report
+    >>> r = shape_plan_report(parse_step("ngram(paged)").unwrap(), device="cpu", caps=Capabilities())
+    >>> print(render_shape(r).splitlines()[0])
+    spec: ngram(paged)  phases: 1
+    """
+    lines = [f"spec: {report['spec']}  phases: {len(report['phases'])}", "",
+             "phases in step order (each a lowered graph of its runner and mode)"]
+    lines.append(table([{**p, "effect": _ends(p["effect"])} for p in report["phases"]],
+                       ["phase", "runner", "mode", "backend", "effect"]))
+    lines += ["", f"per buffer: the position (phase, end) of its last read; that phase publishes "
+                  f"its fence (latest: {report['end']})"]
+    rows = [{"buffer": b, "last read": pos, "published by": report["publishers"][b]}
+            for b, pos in report["effect"].items()]
+    lines.append(table(rows, ["buffer", "last read", "published by"]) if rows else "  (no shared buffer is read)")
+    for phase, plans in report["policies_by_phase"].items():
+        lines += ["", f"fence placement in phase {phase}"]
+        rows = []
+        for policy, plan in plans.items():
+            if "refused" in plan:
+                rows.append({"policy": policy, "buffer": "*", "placement": plan["refused"]})
+                continue
+            for i, r in enumerate(plan["placements"]):
+                rows.append({"policy": policy if i == 0 else "", **r})
+        lines.append(table(rows, ["policy", "buffer", "end", "placement"]))
+    return "\n".join(lines)
+
+
 @click.command()
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
@@ -74,7 +107,13 @@ def plan(spec: Any, mode: ForwardMode, device: str, as_json: bool) -> None:
     \b
     SPEC is a backend spec, e.g. 'tbo(deepseek_v4, paged)'. For each buffer: its end, the
     leaf that forces it, the end this device can signal, and each policy's event placement.
+    For a speculative step shape (eagle, multi_eagle, ngram) it shows which phase publishes
+    each buffer (MODE is then given by the phases).
     """
     name, caps = device_caps(device)
+    if isinstance(spec, StepShape):  # the phases fix the modes
+        report = shape_plan_report(spec, device=name, caps=caps)
+        click.echo(json.dumps(report, indent=2) if as_json else render_shape(report))
+        return
     report = plan_report(spec, mode, device=name, caps=caps)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))

@@ -116,3 +116,43 @@ def plan_report(backend: Any, mode: ForwardMode, *, device: str, caps: Capabilit
         "resolved_end": resolve(effect, owns_publish=True, caps=run_caps).name,
         "policies": placements(backend, mode, caps, trace_device="cuda" if device.startswith("cuda") else "cpu"),
     }
+
+
+def shape_plan_report(shape: Any, *, device: str, caps: Capabilities) -> dict[str, Any]:
+    """``readfence plan`` for a multi-phase step shape: per buffer, the phase that publishes.
+
+    A buffer's last read is the maximum (phase, end) position over the phases; that phase's
+    lowered graph records the buffer's event, placed by each policy as for a single step.
+
+    >>> from readfence.graph import parse_step
+    >>> r = shape_plan_report(parse_step("ngram(deepseek_v4)").unwrap(), device="cpu", caps=Capabilities())
+    >>> r["publishers"]["req_to_token"], r["effect"]["req_to_token"]
+    ('target_verify', 'target_verify:POST_REPLAY')
+    """
+    positions = shape.positions()
+    read = {b: p for b, p in positions.items() if p.phase >= 0}
+    trace_device = "cuda" if device.startswith("cuda") else "cpu"
+    per_phase = {}
+    for i, ph in enumerate(shape.phases):
+        owned = [b for b, p in read.items() if p.phase == i]
+        if owned and ph.name not in per_phase:
+            plans = placements(ph.backend, ph.mode, caps, trace_device=trace_device)
+            per_phase[ph.name] = {
+                policy: (plan if "refused" in plan else
+                         {"events": len({r["placement"] for r in plan["placements"] if r["buffer"] in owned}),
+                          "placements": [r for r in plan["placements"] if r["buffer"] in owned]})
+                for policy, plan in plans.items()
+            }
+    end = max(read.values(), default=None)
+    return {
+        "spec": str(shape),
+        "mode": "phases",
+        "device": device,
+        "caps": {"in_graph_events": caps.in_graph_events, "graphs": caps.graphs},
+        "phases": [{"phase": ph.name, "runner": ph.runner, "mode": ph.mode.name, "backend": str(ph.backend),
+                    "effect": effect_names(ph.backend.read_effect(ph.mode))} for ph in shape.phases],
+        "effect": {b: f"{shape.phases[p.phase].name}:{p.end.name}" for b, p in read.items()},
+        "end": "NONE" if end is None else f"{shape.phases[end.phase].name}:{end.end.name}",
+        "publishers": {b: shape.phases[p.phase].name for b, p in read.items()},
+        "policies_by_phase": per_phase,
+    }
