@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from readfence.effects._names import parse_member
+
 
 class ForwardMode(enum.Enum):
     """What a forward pass does; it decides which stage of a backend reads what.
@@ -29,8 +31,4 @@ class ForwardMode(enum.Enum):
     @staticmethod
     def parse(text: str) -> ForwardMode:
         """The mode named ``text`` (case-insensitive); ``ValueError`` lists the modes."""
-        key = text.strip().upper()
-        if key in ForwardMode.__members__:
-            return ForwardMode[key]
-        names = ", ".join(m.name for m in ForwardMode)
-        raise ValueError(f"unknown forward mode {text!r}; expected one of {names}")
+        return parse_member(ForwardMode, text, "forward mode")

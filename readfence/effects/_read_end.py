@@ -6,6 +6,8 @@ import enum
 import functools
 from collections.abc import Iterable
 
+from ._names import parse_member
+
 
 @functools.total_ordering
 class ReadEnd(enum.Enum):
@@ -72,11 +74,7 @@ class ReadEnd(enum.Enum):
         >>> ReadEnd.parse("in_replay")
         <ReadEnd.IN_REPLAY: 2>
         """
-        try:
-            return ReadEnd[text.strip().upper()]
-        except KeyError:
-            names = ", ".join(e.name for e in ReadEnd)
-            raise ValueError(f"unknown read end {text!r}; expected one of {names}") from None
+        return parse_member(ReadEnd, text, "read end")
 
     @staticmethod
     def _check(value: object) -> ReadEnd:

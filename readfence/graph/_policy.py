@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from readfence.effects._names import parse_member
+
 
 class Policy(enum.Enum):
     """Where a lowered step records the events the scheduler waits on.
@@ -28,8 +30,4 @@ class Policy(enum.Enum):
     @staticmethod
     def parse(text: str) -> Policy:
         """The policy named ``text`` (case-insensitive); ``ValueError`` lists the policies."""
-        key = text.strip().upper().replace("-", "_")
-        if key in Policy.__members__:
-            return Policy[key]
-        names = ", ".join(p.name for p in Policy)
-        raise ValueError(f"unknown policy {text!r}; expected one of {names}")
+        return parse_member(Policy, text, "policy")
