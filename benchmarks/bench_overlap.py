@@ -2,12 +2,17 @@
 
 Workload: ``hybrid_linear(trtllm_mha(), linear())`` (page table, lengths and swa map end
 before the replay, state slots inside it) on a model big enough that matmuls dominate the
-forward, and a scheduler whose page-table write carries a synthetic ``write_cost x write_cost``
-matmul calibrated so that the writes cost about as much as the forward. Both sides release
-the GIL, so on two cores a policy that releases the page table early overlaps them.
+forward, and a scheduler whose page-table write carries extra work calibrated so that the
+scheduler alone costs about as much as the forward alone:
+
+* ``matmul``: a ``write_cost x write_cost`` matmul (GIL-free CPU work). On CpuDevice it
+  competes with the forward for the same cores and memory bandwidth, so even perfect fences
+  cannot reach the limit; the measured slowdown of each side is part of the result;
+* ``wait``: a CPU-free wait of the same duration (host work that does not share the device's
+  compute, as on a GPU machine). This isolates what the fences themselves allow.
 
 * forward alone: lowered steps back to back, no scheduler;
-* writes alone: the scheduler's next step and its writes (matmul included), no forward;
+* writes alone: the scheduler's next step and its writes (extra work included), no forward;
 * limit: ``1 / max(forward alone, writes alone)`` steps/s (perfect overlap);
 * each policy: the overlapped decode loop (sanitizer off), interleaved with the other policies
   in every repetition; the median steps/s over repetitions.
@@ -18,7 +23,8 @@ join of all buffers is late while the page table ends early: JOINED waits for th
 
     python benchmarks/bench_overlap.py            # full run (a few minutes on 2 cores)
     python benchmarks/bench_overlap.py --quick    # smoke run (smaller model, fewer steps)
-    python benchmarks/bench_overlap.py --json     # the result dict as JSON
+    python benchmarks/bench_overlap.py --json     # the full result as JSON
+    python benchmarks/bench_overlap.py --only mixed_matmul
 
 ``main(quick=False)`` returns the ratios as a dict (``readfence bench`` prints it).
 """
@@ -88,62 +94,59 @@ def _forward_alone(backend: Any, cfg: ModelConfig, batch_size: int, steps: int) 
         return (time.perf_counter() - t0) / steps
 
 
-def _writes_alone(cfg: ModelConfig, batch_size: int, write_cost: int, steps: int) -> float:
-    """Seconds per step of the scheduler alone: next step + writes (matmul) on its stream."""
+def _writes_alone(cfg: ModelConfig, batch_size: int, write_cost: int, steps: int, wait_s: float = 0.0) -> float:
+    """Seconds per step of the scheduler alone: next step + writes (matmul or wait) on its stream."""
     work = torch.randn(write_cost, write_cost) if write_cost else None
     live = {b: t.clone() for b, t in Scheduler(cfg, MODE, batch_size).next_step().shared.items()}
     sched = Scheduler(cfg, MODE, batch_size)
     with CpuDevice() as dev:
         s = dev.stream("schedule")
 
-        def write(dst, src, w):
+        def write(dst, src, w, wait):
             if w is not None:
                 torch.mm(w, w)
+            if wait:
+                time.sleep(wait)
             dst.copy_(src)
 
         t0 = time.perf_counter()
         for _ in range(steps):
             nxt = sched.next_step()
             for b in SHARED_BUFFERS:
-                s.launch(write, live[b], nxt.shared[b], work if b == "req_to_token" else None)
+                r2t = b == "req_to_token"
+                s.launch(write, live[b], nxt.shared[b], work if r2t else None, wait_s if r2t else 0.0)
         dev.synchronize()
         return (time.perf_counter() - t0) / steps
 
 
-def _mm_seconds(n: int, reps: int = 5) -> float:
-    w = torch.randn(n, n)
-    torch.mm(w, w)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(w, w)
-    return (time.perf_counter() - t0) / reps
+def calibrate(cfg: ModelConfig, batch_size: int, forward_s: float, kind: str) -> tuple[int, float]:
+    """``(write_cost, write_wait_s)`` so that the scheduler alone takes about ``forward_s``."""
+    base = _writes_alone(cfg, batch_size, 0, 20)  # next step and copies, without extra work
+    if kind == "wait":
+        return 0, max(forward_s - base, 0.0)
+    n = 512
+    for _ in range(4):  # matmul time ~ n^3: refit on the measured writes
+        writes = _writes_alone(cfg, batch_size, n, 8)
+        n = max(32, int(round(n * (max(forward_s - base, 1e-4) / max(writes - base, 1e-4)) ** (1 / 3) / 16)) * 16)
+    return n, 0.0
 
 
-def calibrate(target_s: float) -> int:
-    """The matmul size whose time is about ``target_s`` (cube-root fit, refined twice)."""
-    n = 256
-    for _ in range(3):
-        t = _mm_seconds(n)
-        n = max(16, int(round(n * (target_s / t) ** (1 / 3) / 16)) * 16)
-    return n
+def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Run one workload; returns steps/s per policy, ratios to COARSE and to the limit.
 
-
-def measure(workload: str, *, quick: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Run one workload; returns steps/s per policy, ratios to COARSE and to the limit."""
+    ``kind``: the scheduler's extra page-table work is a matmul (``"matmul"``: CPU work that
+    competes with the CpuDevice forward for the cores) or a CPU-free wait (``"wait"``).
+    """
     st = _settings(quick)
     cfg, batch_size, steps, reps = st["cfg"], st["batch_size"], st["steps"], st["reps"]
     make = WORKLOADS[workload]
     forward_s = _forward_alone(make(), cfg, batch_size, steps)
-    write_cost = calibrate(forward_s)
-    writes_s = _writes_alone(cfg, batch_size, write_cost, steps)
-    # the scheduler's own work (next step, copies) counts too: refit the matmul once
-    other_s = max(0.0, writes_s - _mm_seconds(write_cost))
-    write_cost = calibrate(max(forward_s - other_s, 0.2 * forward_s))
-    writes_s = _writes_alone(cfg, batch_size, write_cost, steps)
+    write_cost, wait_s = calibrate(cfg, batch_size, forward_s, kind)
+    writes_s = _writes_alone(cfg, batch_size, write_cost, steps, wait_s)
     limit = 1.0 / max(forward_s, writes_s)
     with CpuDevice() as dev:
         loops = {p: decode_loop(make(), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg,
-                                write_cost=write_cost) for p in POLICIES}
+                                write_cost=write_cost, write_wait_s=wait_s) for p in POLICIES}
         plans = {p.name: {r["buffer"]: r["end"] for r in loop.lowered.plan.describe()} for p, loop in loops.items()}
         for loop in loops.values():
             loop.run(st["warmup"])
@@ -160,9 +163,11 @@ def measure(workload: str, *, quick: bool = False, progress: bool = False) -> di
     coarse = med[Policy.COARSE]
     return {
         "workload": workload,
+        "write_kind": kind,
         "forward_ms": forward_s * 1e3,
         "writes_ms": writes_s * 1e3,
         "write_cost": write_cost,
+        "write_wait_ms": wait_s * 1e3,
         "limit_steps_per_s": limit,
         "steps_per_s": {p.name: med[p] for p in POLICIES},
         "vs_coarse": {p.name: med[p] / coarse for p in POLICIES},
@@ -173,15 +178,26 @@ def measure(workload: str, *, quick: bool = False, progress: bool = False) -> di
     }
 
 
-def main(quick: bool = False, workloads: tuple[str, ...] | None = None, progress: bool = False) -> dict[str, Any]:
-    """Ratios of every workload (flat ``name: number`` entries, for ``readfence bench``)."""
+#: (key, workload, write kind) measured by ``main``, in order.
+RUNS = (
+    ("mixed_matmul", "hybrid_linear(trtllm_mha,linear)", "matmul"),
+    ("mixed_wait", "hybrid_linear(trtllm_mha,linear)", "wait"),
+    ("late_join_wait", "hybrid_linear(trtllm_mha,linear_per_layer)", "wait"),
+)
+
+
+def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
+         progress: bool = False) -> dict[str, Any]:
+    """Ratios of every run (nested ``name: number`` entries, for ``readfence bench``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # streams are the parallelism: one intra-op thread each
     try:
         out: dict[str, Any] = {}
-        for i, name in enumerate(workloads or tuple(WORKLOADS)):
-            r = measure(name, quick=quick, progress=progress)
-            key = "mixed" if i == 0 else "late_join"
+        details: dict[str, Any] = {}
+        for key, workload, kind in runs:
+            if progress:
+                print(f"{key}: {workload}, scheduler work = {kind}", file=sys.stderr)
+            r = details[key] = measure(workload, kind=kind, quick=quick, progress=progress)
             out[key] = {
                 "forward_ms": r["forward_ms"], "writes_ms": r["writes_ms"],
                 "limit_steps_per_s": r["limit_steps_per_s"],
@@ -189,8 +205,6 @@ def main(quick: bool = False, workloads: tuple[str, ...] | None = None, progress
                 **{f"{p.lower()}_vs_coarse": v for p, v in r["vs_coarse"].items() if p != "COARSE"},
                 **{f"{p.lower()}_vs_limit": v for p, v in r["vs_limit"].items()},
             }
-            out.setdefault("_details", {})[key] = r
-        details = out.pop("_details")
         main.details = details  # type: ignore[attr-defined]
         return out
     finally:
@@ -200,10 +214,12 @@ def main(quick: bool = False, workloads: tuple[str, ...] | None = None, progress
 def _print(details: dict[str, Any]) -> None:
     for key, r in details.items():
         s = r["settings"]
-        print(f"[{key}] {r['workload']}  (batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
+        print(f"[{key}] {r['workload']}, scheduler work: {r['write_kind']}  (batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
               f"{s['layers']} layers; {s['steps']} steps x {s['reps']} reps, median)")
+        work = (f"matmul {r['write_cost']}x{r['write_cost']}" if r["write_kind"] == "matmul"
+                else f"wait {r['write_wait_ms']:.1f} ms")
         print(f"  forward alone {r['forward_ms']:.1f} ms/step, writes alone {r['writes_ms']:.1f} ms/step "
-              f"(write_cost {r['write_cost']}), limit {r['limit_steps_per_s']:.1f} steps/s")
+              f"({work}), limit {r['limit_steps_per_s']:.1f} steps/s")
         for p in POLICIES:
             ends = ", ".join(f"{b}={e}" for b, e in r["plans"][p.name].items())
             print(f"  {p.name:10} {r['steps_per_s'][p.name]:6.1f} steps/s  {r['vs_coarse'][p.name]:5.2f}x COARSE  "
@@ -214,10 +230,11 @@ def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps and repetitions")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
-    parser.add_argument("--workload", choices=list(WORKLOADS), action="append",
-                        help="run only this workload (repeatable)")
+    parser.add_argument("--only", choices=[k for k, _, _ in RUNS], action="append",
+                        help="run only this measurement (repeatable)")
     args = parser.parse_args(argv)
-    main(quick=args.quick, workloads=tuple(args.workload) if args.workload else None, progress=not args.json)
+    runs = tuple(r for r in RUNS if not args.only or r[0] in args.only)
+    main(quick=args.quick, runs=runs, progress=not args.json)
     details = main.details  # type: ignore[attr-defined]
     if args.json:
         print(json.dumps(details, indent=2))

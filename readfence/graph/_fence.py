@@ -14,18 +14,50 @@ class RingWrapError(DeviceError):
     """A fence's event was re-recorded by a later step before this wait was bound."""
 
 
-@attrs.frozen
 class Bound:
-    """One event generation: the record a wait must bind to."""
+    """One event generation: the record a wait must bind to (immutable).
+
+    A plain slotted class rather than attrs: ``Lowered.run`` makes one per fence point per
+    step, on the host's hot path. Equality and hash are over ``(event, generation)``.
+
+    >>> class Ev:
+    ...     name, generation = "e", 3
+    >>> ev = Ev()
+    >>> b = Bound.latest(ev)
+    >>> (b.generation, b == Bound(ev, 3), b.handle is None)
+    (3, True, True)
+    """
+
+    __slots__ = ("event", "generation", "handle")
 
     event: Any
     generation: int
-    handle: Any = attrs.field(default=None, eq=False)  # CpuDevice: the Generation (timestamps)
+    handle: Any  # CpuDevice: the Generation (timestamps); None elsewhere
+
+    def __init__(self, event: Any, generation: int, handle: Any = None) -> None:
+        _set = object.__setattr__
+        _set(self, "event", event)
+        _set(self, "generation", generation)
+        _set(self, "handle", handle)
 
     @classmethod
     def latest(cls, event: Any) -> Bound:
         """The event's latest enqueued record (what a wait called now would bind to)."""
         return cls(event, event.generation, getattr(event, "latest", None))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise attrs.exceptions.FrozenInstanceError()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Bound):
+            return NotImplemented
+        return self.event is other.event and self.generation == other.generation
+
+    def __hash__(self) -> int:
+        return hash((id(self.event), self.generation))
+
+    def __repr__(self) -> str:
+        return f"Bound(event={getattr(self.event, 'name', self.event)!r}, generation={self.generation})"
 
     def synchronize(self, what: str, timeout: float | None = None) -> None:
         """Host wait for this very generation (where the device can tell generations apart)."""
@@ -67,6 +99,8 @@ class Fence:
     per_buffer: Mapping[str, Bound | None]
     done: Bound
     probes: Mapping[str, Bound] = attrs.field(factory=dict, eq=False)  # last reads (measure=True)
+    # the distinct bounds of per_buffer, when the maker knows them (a wait on every buffer)
+    distinct: tuple[Bound, ...] | None = attrs.field(default=None, eq=False, repr=False)
 
     def last_read_time(self, buffer: str) -> float | None:
         """When the step's last read of ``buffer`` finished (CpuDevice, ``measure=True``)."""
@@ -80,6 +114,8 @@ class Fence:
 
     def _bounds(self, buffers: Iterable[str] | None) -> list[Bound]:
         if buffers is None:  # every buffer: no name to check
+            if self.distinct is not None:
+                return self.distinct
             return list({id(b.event): b for b in self.per_buffer.values() if b is not None}.values())
         names = list(buffers)
         unknown = [b for b in names if b not in self.per_buffer]
@@ -93,10 +129,11 @@ class Fence:
 
     def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
-        for bound in self._bounds(buffers):
-            if bound.event.generation != bound.generation:
+        for bound in self.distinct if buffers is None and self.distinct is not None else self._bounds(buffers):
+            event = bound.event
+            if event.generation != bound.generation:
                 bound.check(f"fence of {self.owner} step {self.step}")  # raises RingWrapError
-            stream.wait(bound.event)
+            stream.wait(event)
 
     def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """Host wait (with timeout) until ``buffers`` (default: all) may be overwritten."""

@@ -70,6 +70,7 @@ class _Slot:
     at_end: dict[ReadEnd, list[Any]] = attrs.Factory(dict)
     point_events: list[Any] = attrs.Factory(list)  # events in plan order
     buffer_points: list[tuple[str, int | None]] = attrs.Factory(list)  # buffer -> index (None: no wait)
+    out_fn: Any = None  # the prepare_out_graph launch (no timeline)
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -122,6 +123,7 @@ class Lowered:
         self._meta = self._static_meta(example, dev)
         self._env.update(self._meta)
         self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
+        self._shapes = [t.shape for t in self._batch.values()]
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
         self._slots = [self._build_slot(r) for r in range(ring_size)]
@@ -160,6 +162,8 @@ class Lowered:
         index = {p: i for i, p in enumerate(events)}
         slot.point_events = list(events.values())
         slot.buffer_points = [(b, index.get(p)) for b, p in self.plan.placements.items()]
+        out_runner, env, copy_meta = stages["prepare_out_graph"][0], self._env, self._copy_meta
+        slot.out_fn = lambda: copy_meta(out_runner.run(env))
         if self.graphed:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
@@ -202,45 +206,58 @@ class Lowered:
         stream); ``after`` are events the step must wait for (e.g. the scheduler's writes).
         """
         step = self._runs if step is None else step
-        staged = {}
-        for key, t in self._batch.items():
-            given = batch.get(key)
-            if given is None:
-                missing = sorted(set(self._batch) - set(batch))
-                raise KeyError(f"{self.label}: batch is missing {missing}")
-            if given.shape != t.shape:
-                raise ValueError(
-                    f"{self.label}: batch[{key!r}] has shape {tuple(given.shape)}, the lowered "
-                    f"graph was captured for {tuple(t.shape)} (batch_size={self.batch_size})"
-                )
-            staged[key] = given
+        try:
+            staged = {k: batch[k] for k in self._batch}
+        except KeyError:
+            missing = sorted(set(self._batch) - set(batch))
+            raise KeyError(f"{self.label}: batch is missing {missing}") from None
+        if [v.shape for v in staged.values()] != self._shapes:
+            for key, t in self._batch.items():
+                if staged[key].shape != t.shape:
+                    raise ValueError(
+                        f"{self.label}: batch[{key!r}] has shape {tuple(staged[key].shape)}, the lowered "
+                        f"graph was captured for {tuple(t.shape)} (batch_size={self.batch_size})"
+                    )
         slot = self._slots[self._runs % self.ring_size]
         self._runs += 1
         s = self.stream
         for event in after:
             s.wait(event)
-        s.launch(lambda: [self._batch[k].copy_(v) for k, v in staged.items()],
+        static = self._batch
+        s.launch(lambda: [static[k].copy_(v) for k, v in staged.items()],
                  label=self._labels["load_batch"], step=step)
-        self._launch_stage("prepare_out_graph", slot, step,
-                           lambda out: [self._meta[k].copy_(v) for k, v in out.items()])
-        self._record_points(slot, ReadEnd.PRE_REPLAY)
+        if self.timeline is None:  # hot path: the stage launch prebuilt per slot
+            s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.stages["prepare_out_graph"][1],
+                     step=step)
+        else:
+            self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
+        at_end = slot.at_end
+        for event in at_end.get(ReadEnd.PRE_REPLAY, ()):
+            s.record(event)
         if self.graphed:
             slot.graph.replay(s, step=step)
         else:
             self._in_graph_work(slot, step)
-        self._record_points(slot, ReadEnd.POST_REPLAY)
+        for event in at_end.get(ReadEnd.POST_REPLAY, ()):
+            s.record(event)
         logits = torch.empty_like(self._logits)
         s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
-        self._record_points(slot, ReadEnd.UNKNOWN)
+        for event in at_end.get(ReadEnd.UNKNOWN, ()):
+            s.record(event)
         s.record(slot.done)
         return StepRun(step, logits, self._fence(slot, step))
 
+    def _copy_meta(self, out: Mapping[str, Tensor]) -> None:
+        meta = self._meta
+        for k, v in out.items():
+            meta[k].copy_(v)
+
     def _fence(self, slot: _Slot, step: int) -> Fence:
         # hot path: no Placement hashing, one Bound per event (buffers sharing a point share it)
-        bounds = [Bound.latest(e) for e in slot.point_events]
+        bounds = [Bound(e, e.generation, getattr(e, "latest", None)) for e in slot.point_events]
         per_buffer = {b: None if i is None else bounds[i] for b, i in slot.buffer_points}  # None: unread
         probes = {b: Bound.latest(e) for b, e in slot.probes.items()} if slot.probes else {}
-        return Fence(self.label, step, per_buffer, Bound.latest(slot.done), probes)
+        return Fence(self.label, step, per_buffer, Bound.latest(slot.done), probes, tuple(bounds))
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""

@@ -98,13 +98,16 @@ def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy
     return lower(target, mode, **common)
 
 
-def _busy(work: Tensor | None) -> None:
-    # Synthetic scheduler work (e.g. building page-table rows with kernels): a GIL-free matmul.
-    if work is not None:
+def _busy(work: Tensor | float | None) -> None:
+    # Synthetic scheduler work (e.g. building page-table rows with kernels): a GIL-free matmul,
+    # or (a float) a wait of that many seconds that needs no CPU (e.g. a copy engine).
+    if isinstance(work, float):
+        time.sleep(work)
+    elif work is not None:
         torch.mm(work, work)
 
 
-def _write(dst: Tensor, src: Tensor, work: Tensor | None) -> None:
+def _write(dst: Tensor, src: Tensor, work: Tensor | float | None) -> None:
     _busy(work)
     dst.copy_(src)
 
@@ -154,7 +157,7 @@ class DecodeLoop:
     device: Device
     schedule_stream: Any
     written: Any
-    write_work: Tensor | None
+    write_work: Tensor | float | None
     timeline: Timeline | None
     write_order: tuple[str, ...]
 
@@ -208,6 +211,7 @@ def decode_loop(
     seed: int = 0,
     finish_prob: float = 0.1,
     write_cost: int = 0,
+    write_wait_s: float = 0.0,
     ring_size: int | None = None,
     timeline: Timeline | None = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
@@ -217,6 +221,8 @@ def decode_loop(
 
     ``write_cost`` adds an ``n x n`` matmul to each page-table write (synthetic scheduler
     work that must happen after the fence, to make overlap measurable).
+    ``write_wait_s`` instead makes each page-table write wait that many seconds without using
+    the CPU (host work that does not compete with a CpuDevice forward for cores).
     """
     cfg = ModelConfig() if cfg is None else cfg
     extra = {} if ring_size is None else {"ring_size": ring_size}
@@ -226,7 +232,13 @@ def decode_loop(
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
     where = next(iter(low.shared.values())).device
-    work = torch.randn(write_cost, write_cost, device=where) if write_cost else None
+    if write_cost and write_wait_s:
+        raise ValueError("pass write_cost (a matmul) or write_wait_s (a wait), not both")
+    work: Tensor | float | None = None
+    if write_cost:
+        work = torch.randn(write_cost, write_cost, device=where)
+    elif write_wait_s:
+        work = float(write_wait_s)
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),
                       work, timeline, order)
 

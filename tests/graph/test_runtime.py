@@ -92,21 +92,11 @@ POST_REPLAY_CASES = [
     ("select(DECODE:trtllm_mha,TARGET_VERIFY:deepseek_v4,default=paged)", M.TARGET_VERIFY),
 ]
 
-# per_stream: member streams share the KV and state pools, and nothing orders stream A's step
-# i+1 after stream B's step i: a KV (or state) slot freed by B's request and reused at once by
-# A's request is overwritten while B may still read it. The sanitizer does not model pool
-# writes, so it stays silent while the logits (rarely, timing-dependent) differ from serial.
-# Fix belongs in StreamGroup.run (each member's step waits for the other members' previous
-# step); until then these cases may fail and are marked non-strict xfail.
-_PER_STREAM_RACE = pytest.mark.xfail(
-    strict=False,
-    reason="per_stream: unfenced cross-stream reuse of KV/state pool slots (StreamGroup orders no "
-           "stream after another's previous step); see tests/graph/test_runtime.py",
-)
-CASES = [
-    pytest.param(name, M.DECODE, marks=_PER_STREAM_RACE) if name.startswith("per_stream") else (name, M.DECODE)
-    for name in BACKENDS
-] + POST_REPLAY_CASES
+# per_stream members share the KV and state pools: these cases caught a slot freed by one
+# stream's request and reused at once by another stream's request while still being read
+# (the sanitizer does not model pool writes; the logits differed). StreamGroup now orders
+# each stream's step after the other streams' previous step.
+CASES = [(name, M.DECODE) for name in BACKENDS] + POST_REPLAY_CASES
 
 
 @functools.cache
@@ -127,9 +117,7 @@ def test_post_replay_cases_really_end_after_the_replay():
 
 
 @pytest.mark.parametrize("policy", list(Policy), ids=str)
-@pytest.mark.parametrize(("name", "mode"), CASES, ids=[
-    f"{c.values[0] if hasattr(c, 'values') else c[0]}-{(c.values[1] if hasattr(c, 'values') else c[1]).name}"
-    for c in CASES])
+@pytest.mark.parametrize(("name", "mode"), CASES, ids=[f"{n}-{m.name}" for n, m in CASES])
 def test_overlapped_is_bit_identical_to_serial_and_clean(name, mode, policy):
     ref = _serial(name, mode)
     assert ref.steps == STEPS
