@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+import operator
 from typing import Any
-
-import attrs
 
 from ._errors import DeviceError
 
@@ -14,11 +13,12 @@ class RingWrapError(DeviceError):
     """A fence's event was re-recorded by a later step before this wait was bound."""
 
 
-class Bound:
-    """One event generation: the record a wait must bind to (immutable).
+class Bound(tuple):
+    """One event generation: the record a wait must bind to.
 
-    A plain slotted class rather than attrs: ``Lowered.run`` makes one per fence point per
-    step, on the host's hot path. Equality and hash are over ``(event, generation)``.
+    An immutable tuple ``(event, generation, handle)``: ``Lowered.run`` makes one per fence
+    point per step on the host's hot path. ``handle`` is the CpuDevice ``Generation`` (for
+    timestamps), ``None`` elsewhere; equality and hash are over ``(event, generation)``.
 
     >>> class Ev:
     ...     name, generation = "e", 3
@@ -28,33 +28,31 @@ class Bound:
     (3, True, True)
     """
 
-    __slots__ = ("event", "generation", "handle")
+    __slots__ = ()
 
-    event: Any
-    generation: int
-    handle: Any  # CpuDevice: the Generation (timestamps); None elsewhere
+    def __new__(cls, event: Any, generation: int, handle: Any = None) -> Bound:
+        return tuple.__new__(cls, (event, generation, handle))
 
-    def __init__(self, event: Any, generation: int, handle: Any = None) -> None:
-        _set = object.__setattr__
-        _set(self, "event", event)
-        _set(self, "generation", generation)
-        _set(self, "handle", handle)
+    event = property(operator.itemgetter(0))
+    generation = property(operator.itemgetter(1))
+    handle = property(operator.itemgetter(2))
 
     @classmethod
     def latest(cls, event: Any) -> Bound:
         """The event's latest enqueued record (what a wait called now would bind to)."""
-        return cls(event, event.generation, getattr(event, "latest", None))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise attrs.exceptions.FrozenInstanceError()
+        return tuple.__new__(cls, (event, event.generation, getattr(event, "latest", None)))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Bound):
             return NotImplemented
-        return self.event is other.event and self.generation == other.generation
+        return self[0] is other[0] and self[1] == other[1]
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
 
     def __hash__(self) -> int:
-        return hash((id(self.event), self.generation))
+        return hash((id(self[0]), self[1]))
 
     def __repr__(self) -> str:
         return f"Bound(event={getattr(self.event, 'name', self.event)!r}, generation={self.generation})"
@@ -77,12 +75,12 @@ class Bound:
         return self.event
 
 
-@attrs.frozen
-class Fence:
+class Fence(tuple):
     """Per buffer, the event generation after which the scheduler may overwrite it.
 
     A buffer mapped to ``None`` is not read by the step: no wait is needed. ``done`` fires
-    when the whole forward (outputs included) has finished.
+    when the whole forward (outputs included) has finished. An immutable tuple, cheap to
+    build: ``Lowered.run`` makes one per step on the host's hot path.
 
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
@@ -94,13 +92,46 @@ class Fence:
     True
     """
 
-    owner: str
-    step: int
-    per_buffer: Mapping[str, Bound | None]
-    done: Bound
-    probes: Mapping[str, Bound] = attrs.field(factory=dict, eq=False)  # last reads (measure=True)
-    # the distinct bounds of per_buffer, when the maker knows them (a wait on every buffer)
-    distinct: tuple[Bound, ...] | None = attrs.field(default=None, eq=False, repr=False)
+    __slots__ = ()
+
+    def __new__(cls, owner: str, step: int, per_buffer: Mapping[str, Bound | None], done: Bound,
+                probes: Mapping[str, Bound] | None = None) -> Fence:
+        distinct: dict[int, int] = {}
+        bounds: list[Bound] = []
+        points: list[tuple[str, int | None]] = []
+        for buffer, bound in per_buffer.items():
+            if bound is None:
+                points.append((buffer, None))
+                continue
+            index = distinct.setdefault(id(bound.event), len(bounds))
+            if index == len(bounds):
+                bounds.append(bound)
+            points.append((buffer, index))
+        return cls.from_points(owner, step, tuple(points), tuple(bounds), done, {} if probes is None else probes)
+
+    @classmethod
+    def from_points(cls, owner: str, step: int, points: Sequence[tuple[str, int | None]],
+                    bounds: tuple[Bound, ...], done: Bound, probes: Mapping[str, Bound]) -> Fence:
+        """Buffer ``b`` maps to ``bounds[i]`` for ``(b, i)`` in ``points`` (``i`` None: not read).
+
+        ``points`` is static per lowered graph and shared between steps: nothing is copied.
+        """
+        return tuple.__new__(cls, (owner, step, done, probes, bounds, points))
+
+    owner = property(operator.itemgetter(0))
+    step = property(operator.itemgetter(1))
+    done = property(operator.itemgetter(2))
+    probes = property(operator.itemgetter(3))
+    distinct = property(operator.itemgetter(4), doc="The distinct bounds (one per event).")
+
+    @property
+    def per_buffer(self) -> dict[str, Bound | None]:
+        """Per published buffer, its bound generation (``None``: not read, no wait)."""
+        bounds = self[4]
+        return {b: None if i is None else bounds[i] for b, i in self[5]}
+
+    def __repr__(self) -> str:
+        return f"Fence(owner={self.owner!r}, step={self.step}, per_buffer={self.per_buffer!r})"
 
     def last_read_time(self, buffer: str) -> float | None:
         """When the step's last read of ``buffer`` finished (CpuDevice, ``measure=True``)."""
@@ -112,26 +143,24 @@ class Fence:
         read, release = self.last_read_time(buffer), self.release_time(buffer)
         return None if read is None or release is None else release - read
 
-    def _bounds(self, buffers: Iterable[str] | None) -> list[Bound]:
-        if buffers is None:  # every buffer: no name to check
-            if self.distinct is not None:
-                return self.distinct
-            return list({id(b.event): b for b in self.per_buffer.values() if b is not None}.values())
+    def _bounds(self, buffers: Iterable[str] | None) -> tuple[Bound, ...] | list[Bound]:
+        if buffers is None:  # every buffer
+            return self[4]
+        per_buffer = self.per_buffer
         names = list(buffers)
-        unknown = [b for b in names if b not in self.per_buffer]
+        unknown = [b for b in names if b not in per_buffer]
         if unknown:
             raise KeyError(
                 f"fence of {self.owner} (step {self.step}) publishes no buffer {unknown}; "
-                f"it publishes {sorted(self.per_buffer)}"
+                f"it publishes {sorted(per_buffer)}"
             )
-        bounds = {id(b.event): b for n in names if (b := self.per_buffer[n]) is not None}
-        return list(bounds.values())
+        return list({id(b.event): b for n in names if (b := per_buffer[n]) is not None}.values())
 
     def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
-        for bound in self.distinct if buffers is None and self.distinct is not None else self._bounds(buffers):
-            event = bound.event
-            if event.generation != bound.generation:
+        for bound in self._bounds(buffers):
+            event = bound[0]
+            if event.generation != bound[1]:
                 bound.check(f"fence of {self.owner} step {self.step}")  # raises RingWrapError
             stream.wait(event)
 

@@ -254,10 +254,13 @@ class Lowered:
 
     def _fence(self, slot: _Slot, step: int) -> Fence:
         # hot path: no Placement hashing, one Bound per event (buffers sharing a point share it)
-        bounds = [Bound(e, e.generation, getattr(e, "latest", None)) for e in slot.point_events]
-        per_buffer = {b: None if i is None else bounds[i] for b, i in slot.buffer_points}  # None: unread
-        probes = {b: Bound.latest(e) for b, e in slot.probes.items()} if slot.probes else {}
-        return Fence(self.label, step, per_buffer, Bound.latest(slot.done), probes, tuple(bounds))
+        new = tuple.__new__  # Bound is a tuple (event, generation, handle)
+        if self.measure:  # keep the CpuDevice generations: their timestamps give the slack
+            bounds = tuple([new(Bound, (e, e.generation, getattr(e, "latest", None))) for e in slot.point_events])
+            probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
+        else:
+            bounds, probes = tuple([new(Bound, (e, e.generation, None)) for e in slot.point_events]), {}
+        return Fence.from_points(self.label, step, slot.buffer_points, bounds, Bound.latest(slot.done), probes)
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
