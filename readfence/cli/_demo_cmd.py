@@ -45,7 +45,7 @@ def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
 
 
 def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: int,
-           phases: str | None = None) -> str:
+           phases: str | None = None, write_wait_ms: float = 0.0) -> str:
     """The demo's text report: the device, one table, then any problems in full.
 
     >>> from readfence.core import ForwardMode
@@ -71,6 +71,8 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
              f"spec: {spec}  mode: {result.mode.name}  steps: {steps}  batch size: {batch_size}  seed: {seed}"
              if phases is None else
              f"spec: {spec}  phases: {phases}  steps: {steps}  batch size: {batch_size}  seed: {seed}",
+             *([f"each page-table write takes {write_wait_ms:g} ms (CPU-free): what a fence lets "
+                "overlap the forward"] if write_wait_ms else []),
              "", table(cells, COLUMNS), ""]
     for r in result.rows:
         if r["error"]:
@@ -130,13 +132,16 @@ class _Progress:
 @click.option("--write-cost", type=click.IntRange(min=0), default=0, show_default=True,
               help="Synthetic scheduler work per page-table write (an NxN matmul after the fence): "
                    "makes the overlap measurable.")
+@click.option("--write-wait-ms", type=click.FloatRange(min=0.0), default=5.0, show_default=True,
+              help="How long each page-table write takes, without using the CPU (a stand-in for the "
+                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True, path_type=pathlib.Path),
               help="Write a Chrome trace-event JSON of every run (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True, path_type=pathlib.Path),
               help="Draw the first steps of each run's timeline as a PNG (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
 def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed: int, batch_size: int,
-         write_cost: int, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None, as_json: bool) -> None:
+         write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None, as_json: bool) -> None:
     """Run the tiny model's overlapped decode loop under each fence policy.
 
     Each run is checked bit for bit against a serial run and watched by the sanitizer; the
@@ -156,7 +161,7 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     progress = _Progress(steps * (len(set(policies) | {Policy.COARSE})), enabled=not as_json)
     try:
         result = run_demo(spec, policies=policies, device=device, steps=steps, batch_size=batch_size,
-                          seed=seed, write_cost=write_cost, trace=trace_path is not None or plot_path is not None,
+                          seed=seed, write_cost=write_cost, write_wait_s=write_wait_ms / 1e3, trace=trace_path is not None or plot_path is not None,
                           progress=progress.step, on_policy=progress.phase)
     finally:
         progress.close()
@@ -171,12 +176,14 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     if as_json:
         mode = "phases" if isinstance(spec, StepShape) else result.mode.name
         out = [{**r, "spec": str(spec), "device": result.device, "mode": mode, "steps": steps,
-                "batch_size": batch_size, "seed": seed, "write_cost": write_cost} for r in result.rows]
+                "batch_size": batch_size, "seed": seed, "write_cost": write_cost,
+                "write_wait_ms": write_wait_ms} for r in result.rows]
         click.echo(json.dumps(out, indent=2))
     else:
         phases = (" -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
                   if isinstance(spec, StepShape) else None)
-        click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases))
+        click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
+                          write_wait_ms=write_wait_ms))
         for what, path in (("trace", trace_path), ("plot", plot_path)):
             if path is not None:
                 click.echo(f"{what} written to {path}")

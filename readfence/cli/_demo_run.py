@@ -81,6 +81,7 @@ def run_demo(
     batch_size: int = 4,
     seed: int = 0,
     write_cost: int = 0,
+    write_wait_s: float = 0.0,
     mode: ForwardMode = ForwardMode.DECODE,
     trace: bool = False,
     progress: Callable[[int], None] | None = None,
@@ -90,7 +91,8 @@ def run_demo(
 
     Each row has ``policy``, ``steps_per_s``, ``speedup_vs_coarse``, ``mean_slack_ms``,
     ``matches_serial``, ``violations`` (how many sanitizer findings), ``findings`` (their
-    messages) and ``error`` (why lowering was refused, else ``None``). ``write_cost`` adds
+    messages) and ``error`` (why lowering was refused, else ``None``). ``write_wait_s`` makes each page-table write take that long without using
+    the CPU (a stand-in for a copy engine, so overlap shows on a CPU device); ``write_cost`` adds
     synthetic scheduler work to each page-table write (see ``decode_loop``). ``progress(i)`` is
     called after every overlapped step; ``on_policy(name)`` before each run.
     """
@@ -109,7 +111,7 @@ def run_demo(
         try:
             res, timeline, dev_name, caps = _run_one(backend, policy, device=device, mode=mode,
                                                      trace=trace, progress=progress,
-                                                     write_cost=write_cost, **kw)
+                                                     write_cost=write_cost, write_wait_s=write_wait_s, **kw)
         except UnsoundLowering as e:
             row["error"] = str(e)
             rows.append(row)

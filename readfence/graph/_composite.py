@@ -58,6 +58,10 @@ class JoinedFence:
         for part in self.done_parts:
             part.wait_done(timeout)
 
+    def done_time(self) -> float | None:
+        times = [p.done_time() for p in self.done_parts]
+        return None if not times or None in times else max(times)
+
     def released(self, buffer: str) -> bool:
         return all(p.released(buffer) for p in self.parts[buffer])
 

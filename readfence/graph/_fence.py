@@ -175,6 +175,10 @@ class Fence(tuple):
         """Host wait (with timeout) for the whole forward of this step, outputs included."""
         self.done.synchronize(f"outputs of {self.owner} step {self.step}", timeout)
 
+    def done_time(self) -> float | None:
+        """When the whole forward finished (``time.perf_counter``; CpuDevice only), else None."""
+        return _timestamp(self.done)
+
     def released(self, buffer: str) -> bool:
         """Whether ``buffer`` may be overwritten now (its event fired, or it is not read)."""
         bound = self.per_buffer[buffer]
