@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode

@@ -29,18 +29,8 @@ SHORT = 0.2  # a wait that must time out
 T = 10.0  # a wait that must succeed
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-@pytest.fixture
-def dev():
-    with CpuDevice(timeout=T) as d:
-        yield d
 
 
 def _batch(low, seed=0):

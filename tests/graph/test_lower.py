@@ -25,18 +25,8 @@ CFG = ModelConfig()
 T = 10.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
-@pytest.fixture
-def dev():
-    with CpuDevice(timeout=T) as d:
-        yield d
 
 
 def _step(low, mode=M.DECODE, seed=0, batch_size=2):

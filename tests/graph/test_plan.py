@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from readfence.backends import deepseek_v4, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha, dense
 from readfence.core import SHARED_BUFFERS, ForwardMode
@@ -25,12 +24,6 @@ NONE, PRE, IN, POST, UNKNOWN = (ReadEnd.NONE, ReadEnd.PRE_REPLAY, ReadEnd.IN_REP
 NO_IN_GRAPH = Capabilities(in_graph_events=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- pure planning -------------------------------------------------------------------------------

@@ -56,12 +56,6 @@ BATCH = 2
 CFG = ModelConfig(layers=2)  # two layers: every combinator below still mixes its children
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # name -> factory; factories so that every test builds fresh values (equality is structural).
