@@ -36,7 +36,7 @@ import attrs
 
 from readfence.effects import Capabilities
 
-from ._device_base import DeviceBase, _caps
+from ._device_base import DeviceBase, GraphBase, _caps
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
@@ -289,38 +289,23 @@ class _GraphRecord:
         return (Record(self.event),)
 
 
-class CpuGraph:
+class CpuGraph(GraphBase):
     """Launches and records captured on one stream, replayed as one unit.
 
     Obtain one from ``with device.capture(stream) as graph:``.
     """
 
     def __init__(self, device: CpuDevice, stream: CpuStream, label: str) -> None:
-        self.device = device
-        self.stream = stream
-        self.label = label
+        super().__init__(device, stream, label)
         self._entries: list[_GraphLaunch | _GraphRecord] = []
-        self._sealed = False
-        self._broken: BaseException | None = None
 
     @property
     def ops(self) -> tuple[Op, ...]:
         """The static op sequence of the graph: its launches' ops and its records, in order."""
         return tuple(op for entry in self._entries for op in entry.ops)
 
-    @property
-    def records(self) -> tuple[CpuEvent, ...]:
-        """The events the graph records on each replay, in order."""
-        return records_in(self.ops)
-
     def _add(self, entry: _GraphLaunch | _GraphRecord) -> None:
-        if records_in(entry.ops) and not self.device.caps.in_graph_events:
-            raise CaptureError(
-                f"device {self.device.name!r} cannot record events inside a graph "
-                f"(Capabilities.in_graph_events=False): {entry.label!r} in graph {self.label!r} "
-                "records " + ", ".join(repr(e.name) for e in records_in(entry.ops))
-                + "; record after the replay instead"
-            )
+        self._refuse_records(entry.ops, entry.label)
         self._entries.append(entry)
 
     def replay(self, stream: CpuStream | None = None, *, step: int | None = None) -> None:
@@ -330,18 +315,9 @@ class CpuGraph:
         after this call binds to this replay. ``step`` binds unbound steps of the graph's ops
         for observers.
         """
-        dev = self.device
-        stream = self.stream if stream is None else dev._own_stream(stream)
-        if self._broken is not None:
-            raise CaptureError(f"graph {self.label!r} cannot be replayed: its capture failed") from self._broken
-        if not self._sealed:
-            raise CaptureError(f"graph {self.label!r} is replayed inside its own capture")
-        ops = bind_step(self.ops, step)
-        with dev._lock:
-            dev._check_open()
-            if stream._capture is not None:
-                raise CaptureError(f"cannot replay graph {self.label!r} while stream {stream.name!r} is capturing")
-            dev._notify_locked("on_launch", stream.name, self.label, ops)
+        stream, ops = self._replay_ops(stream, step)
+        with self.device._lock:
+            self._announce_locked(stream, ops)
             tokens = [
                 [(ev, ev._new_generation(stream.name, f"{self.label}/{entry.label}")) for ev in records_in(entry.ops)]
                 for entry in self._entries

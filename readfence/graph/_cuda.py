@@ -26,7 +26,7 @@ import torch
 
 from readfence.effects import Capabilities
 
-from ._device_base import DeviceBase, _caps
+from ._device_base import DeviceBase, GraphBase, _caps
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
@@ -103,51 +103,29 @@ class CudaEvent:
         return f"<CudaEvent {self.name!r} generation={self._count}>"
 
 
-class CudaGraph:
+class CudaGraph(GraphBase):
     """A captured ``torch.cuda.CUDAGraph`` and its static op list."""
 
     def __init__(self, device: CudaDevice, stream: CudaStream, label: str) -> None:
-        self.device = device
-        self.stream = stream
-        self.label = label
+        super().__init__(device, stream, label)
         self.torch = torch.cuda.CUDAGraph()
         self._ops: list[Op] = []
-        self._sealed = False
-        self._broken: BaseException | None = None
 
     @property
     def ops(self) -> tuple[Op, ...]:
         """The static op sequence of the graph: its launches' ops and its records, in order."""
         return tuple(self._ops)
 
-    @property
-    def records(self) -> tuple[CudaEvent, ...]:
-        """The events the graph records on each replay, in order."""
-        return records_in(self._ops)
-
     def _add(self, ops: Sequence[Op], label: str) -> None:
-        if records_in(ops) and not self.device.caps.in_graph_events:
-            raise CaptureError(
-                f"device {self.device.name!r} cannot record events inside a graph "
-                f"(Capabilities.in_graph_events=False): {label!r} in graph {self.label!r}"
-            )
+        self._refuse_records(ops, label)
         self._ops.extend(ops)
 
     def replay(self, stream: CudaStream | None = None, *, step: int | None = None) -> None:
         """Launch the graph on ``stream`` (default: the capture stream); its in-graph records
         count as new generations of their events from now on."""
-        dev = self.device
-        stream = self.stream if stream is None else dev._own_stream(stream)
-        if self._broken is not None:
-            raise CaptureError(f"graph {self.label!r} cannot be replayed: its capture failed") from self._broken
-        if not self._sealed:
-            raise CaptureError(f"graph {self.label!r} is replayed inside its own capture")
-        ops = bind_step(self._ops, step)
-        with dev._lock:
-            dev._check_open()
-            if stream._capture is not None:
-                raise CaptureError(f"cannot replay graph {self.label!r} while stream {stream.name!r} is capturing")
-            dev._notify_locked("on_launch", stream.name, self.label, ops)
+        stream, ops = self._replay_ops(stream, step)
+        with self.device._lock:
+            self._announce_locked(stream, ops)
             if stream._error is not None:
                 for ev in records_in(ops):
                     ev._enqueued(stream.name)

@@ -15,6 +15,7 @@ from readfence.effects import Capabilities
 from ._device import DEFAULT_TIMEOUT_S, DeviceObserver, _current_context
 from ._errors import CaptureError, DeviceClosed, DeviceError
 from ._faults import FaultInjector
+from ._ops import Op, bind_step, records_in
 
 
 def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:
@@ -167,3 +168,49 @@ class DeviceBase:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.caps} streams={sorted(self._streams)}>"
+
+
+class GraphBase:
+    """What CpuGraph and CudaGraph share: their capture state and the replay preconditions."""
+
+    def __init__(self, device: Any, stream: Any, label: str) -> None:
+        self.device = device
+        self.stream = stream
+        self.label = label
+        self._sealed = False
+        self._broken: BaseException | None = None
+
+    @property
+    def ops(self) -> tuple[Op, ...]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def records(self) -> tuple[Any, ...]:
+        """The events the graph records on each replay, in order."""
+        return records_in(self.ops)
+
+    def _refuse_records(self, ops: Sequence[Op], label: str) -> None:
+        events = records_in(ops)
+        if events and not self.device.caps.in_graph_events:
+            raise CaptureError(
+                f"device {self.device.name!r} cannot record events inside a graph "
+                f"(Capabilities.in_graph_events=False): {label!r} in graph {self.label!r} records "
+                + ", ".join(repr(e.name) for e in events) + "; record after the replay instead"
+            )
+
+    def _replay_ops(self, stream: Any, step: int | None) -> tuple[Any, tuple[Op, ...]]:
+        """The stream to replay on and the graph's ops with ``step`` bound, after the checks."""
+        stream = self.stream if stream is None else self.device._own_stream(stream)
+        if self._broken is not None:
+            raise CaptureError(f"graph {self.label!r} cannot be replayed: its capture failed") from self._broken
+        if not self._sealed:
+            raise CaptureError(f"graph {self.label!r} is replayed inside its own capture")
+        return stream, bind_step(self.ops, step)
+
+    def _announce_locked(self, stream: Any, ops: tuple[Op, ...]) -> None:
+        """Under the device lock: the device is open, the stream free; observers are told."""
+        dev = self.device
+        dev._check_open()
+        if stream._capture is not None:
+            raise CaptureError(f"cannot replay graph {self.label!r} while stream {stream.name!r} is capturing")
+        dev._notify_locked("on_launch", stream.name, self.label, ops)
