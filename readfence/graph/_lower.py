@@ -22,10 +22,17 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, example_step, init_params, make_pools
-from readfence.core._audit import audit as audit_backend
-from readfence.core import make_shared_state
-from readfence.core._trace import trace as trace_step
+from readfence.core import (
+    SHARED_BUFFERS,
+    ForwardMode,
+    ModelConfig,
+    example_step,
+    init_params,
+    make_pools,
+    make_shared_state,
+)
+from readfence.core import audit as audit_backend
+from readfence.core import trace as trace_step
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
