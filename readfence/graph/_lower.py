@@ -131,6 +131,7 @@ class Lowered:
         self._env.update(self._meta)
         self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
         self._shapes = [t.shape for t in self._batch.values()]
+        self._static_batch = tuple(self._batch.values())
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
         self._slots = [self._build_slot(r) for r in range(ring_size)]
@@ -214,15 +215,15 @@ class Lowered:
         """
         step = self._runs if step is None else step
         try:
-            staged = {k: batch[k] for k in self._batch}
+            staged = [batch[k] for k in self._batch]
         except KeyError:
             missing = sorted(set(self._batch) - set(batch))
             raise KeyError(f"{self.label}: batch is missing {missing}") from None
-        if [v.shape for v in staged.values()] != self._shapes:
-            for key, t in self._batch.items():
-                if staged[key].shape != t.shape:
+        if [v.shape for v in staged] != self._shapes:
+            for given, (key, t) in zip(staged, self._batch.items()):
+                if given.shape != t.shape:
                     raise ValueError(
-                        f"{self.label}: batch[{key!r}] has shape {tuple(staged[key].shape)}, the lowered "
+                        f"{self.label}: batch[{key!r}] has shape {tuple(given.shape)}, the lowered "
                         f"graph was captured for {tuple(t.shape)} (batch_size={self.batch_size})"
                     )
         slot = self._slots[self._runs % self.ring_size]
@@ -230,9 +231,8 @@ class Lowered:
         s = self.stream
         for event in after:
             s.wait(event)
-        static = self._batch
-        s.launch(lambda: [static[k].copy_(v) for k, v in staged.items()],
-                 label=self._labels["load_batch"], step=step)
+        static = self._static_batch
+        s.launch(lambda: [t.copy_(v) for t, v in zip(static, staged)], label=self._labels["load_batch"], step=step)
         if self.timeline is None:  # hot path: the stage launch prebuilt per slot
             s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.stages["prepare_out_graph"][1],
                      step=step)
@@ -267,7 +267,9 @@ class Lowered:
             probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
         else:
             bounds, probes = tuple([new(Bound, (e, e.generation, None)) for e in slot.point_events]), {}
-        return Fence.from_points(self.label, step, slot.buffer_points, bounds, Bound.latest(slot.done), probes)
+        done = slot.done
+        return Fence.from_points(self.label, step, slot.buffer_points, bounds,
+                                 new(Bound, (done, done.generation, getattr(done, "latest", None))), probes)
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
