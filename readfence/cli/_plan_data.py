@@ -17,7 +17,7 @@ import attrs
 
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
-from readfence.graph import Policy, plan_fences
+from readfence.graph import Policy, plan_fences, torch_device
 
 
 def effect_names(effect: ReadEffect) -> dict[str, str]:
@@ -114,7 +114,7 @@ def plan_report(backend: Any, mode: ForwardMode, *, device: str, caps: Capabilit
         "forced_by": forced_by(backend, mode),
         "resolved": {b: degraded[b].name for b in effect_names(effect)},
         "resolved_end": resolve(effect, owns_publish=True, caps=run_caps).name,
-        "policies": placements(backend, mode, caps, trace_device="cuda" if device.startswith("cuda") else "cpu"),
+        "policies": placements(backend, mode, caps, trace_device=torch_device(device)),
     }
 
 
@@ -131,7 +131,7 @@ def shape_plan_report(shape: Any, *, device: str, caps: Capabilities) -> dict[st
     """
     positions = shape.positions()
     read = {b: p for b, p in positions.items() if p.phase >= 0}
-    trace_device = "cuda" if device.startswith("cuda") else "cpu"
+    trace_device = torch_device(device)
     per_phase = {}
     for i, ph in enumerate(shape.phases):
         owned = [b for b, p in read.items() if p.phase == i]

@@ -41,14 +41,13 @@ from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
     _check_all_recorded,
-    _label_of,
     _OpContext,
     _running,
     _take_pending,
 )
 from ._errors import CaptureError, DeviceClosed, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
-from ._ops import Op, Record, bind_step, records_in
+from ._ops import Op, Record, records_in
 
 
 class Generation:
@@ -392,13 +391,8 @@ class CpuStream:
         generations of those records are created now. ``step`` binds unbound op steps.
         Exceptions raised by ``fn`` fail the stream and surface at the next wait.
         """
-        if not callable(fn):
-            raise TypeError(f"launch needs a callable, got {fn!r}")
-        label = _label_of(fn, label)
-        ops = bind_step(ops, step)
         dev = self.device
-        for ev in records_in(ops):
-            dev._own_event(ev)
+        label, ops = dev._launch_ops(fn, label, ops, step)
         with dev._lock:
             dev._check_open()
             if self._capture is not None:

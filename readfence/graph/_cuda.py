@@ -31,14 +31,13 @@ from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
     _check_all_recorded,
-    _label_of,
     _OpContext,
     _running,
     _take_pending,
 )
 from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
-from ._ops import Op, Record, bind_step, records_in
+from ._ops import Op, Record, records_in
 
 _SLEEP_CYCLES_PER_S = 1.0e9  # rough GPU clock for fault-injection sleeps (torch.cuda._sleep)
 
@@ -163,13 +162,8 @@ class CudaStream:
         ``ops`` as for ``CpuStream.launch``; ``device.record_here(event)`` inside ``fn``
         records ``event`` on the current stream at that point.
         """
-        if not callable(fn):
-            raise TypeError(f"launch needs a callable, got {fn!r}")
-        label = _label_of(fn, label)
-        ops = bind_step(ops, step)
         dev = self.device
-        for ev in records_in(ops):
-            dev._own_event(ev)
+        label, ops = dev._launch_ops(fn, label, ops, step)
         with dev._lock:
             dev._check_open()
             capture = self._capture

@@ -12,7 +12,7 @@ import attrs
 
 from readfence.effects import Capabilities
 
-from ._device import DEFAULT_TIMEOUT_S, DeviceObserver, _current_context
+from ._device import DEFAULT_TIMEOUT_S, DeviceObserver, _current_context, _label_of
 from ._errors import CaptureError, DeviceClosed, DeviceError
 from ._faults import FaultInjector
 from ._ops import Op, bind_step, records_in
@@ -138,6 +138,15 @@ class DeviceBase:
         raise NotImplementedError
 
     # -- helpers
+    def _launch_ops(self, fn: Any, label: str, ops: Sequence[Op], step: int | None) -> tuple[str, tuple[Op, ...]]:
+        """A launch's label and its ops with ``step`` bound; its records must be our events."""
+        if not callable(fn):
+            raise TypeError(f"launch needs a callable, got {fn!r}")
+        ops = bind_step(ops, step)
+        for ev in records_in(ops):
+            self._own_event(ev)
+        return _label_of(fn, label), ops
+
     def _timeout(self, timeout: float | None) -> float:
         t = self.timeout if timeout is None else float(timeout)
         if t < 0:

@@ -304,9 +304,15 @@ def _device_of(shared: Mapping[str, Tensor]) -> torch.device:
     return next(iter(shared.values())).device
 
 
-def make_state(cfg: ModelConfig, device: Device) -> dict[str, dict[str, Tensor]]:
+def torch_device(device: Device | str) -> str:
+    """The torch device kind a readfence ``Device`` (or its name) runs on: ``cuda`` or ``cpu``."""
+    name = device if isinstance(device, str) else device.name
+    return "cuda" if name.startswith("cuda") else "cpu"
+
+
+def make_state(cfg: ModelConfig, device: Device | str = "cpu") -> dict[str, dict[str, Tensor]]:
     """Fresh live tensors (shared buffers, pools, params) on ``device``'s torch device."""
-    where = "cuda" if device.name.startswith("cuda") else "cpu"
+    where = torch_device(device)
     return {
         "shared": make_shared_state(cfg, device=where),
         "pools": make_pools(cfg, device=where),
@@ -365,8 +371,7 @@ def lower(
     cfg = ModelConfig() if cfg is None else cfg
     if batch_size > cfg.max_reqs:
         raise ValueError(f"batch_size {batch_size} exceeds cfg.max_reqs={cfg.max_reqs}")
-    trace_device = "cuda" if device.name.startswith("cuda") else "cpu"
-    program = trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=trace_device)
+    program = trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
     declared = backend.read_effect(mode)
     observed = program.observed()
     if policy is not Policy.COARSE and not observed <= declared and not UNSAFE_skip_soundness_check:

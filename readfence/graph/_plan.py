@@ -11,12 +11,11 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
+from readfence.core import STAGE_ENDS
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 
 from ._policy import Policy
 
-#: Stages of a step in execution order; a read in stage s ends at STAGE_END[s].
-STAGES: tuple[str, ...] = ("prepare_out_graph", "prepare_in_graph", "body")
 IN_GRAPH_STAGES = frozenset({"prepare_in_graph", "body"})
 
 _END_TEXT = {
@@ -93,14 +92,6 @@ class FencePlan:
         return [{"buffer": b, "end": p.end.name, "placement": str(p)} for b, p in self.placements.items()]
 
 
-def _stage_end(stage: str) -> ReadEnd:
-    return {
-        "prepare_out_graph": ReadEnd.PRE_REPLAY,
-        "prepare_in_graph": ReadEnd.IN_REPLAY,
-        "body": ReadEnd.POST_REPLAY,
-    }[stage]
-
-
 def plan_fences(
     *,
     buffers: Iterable[str],
@@ -151,4 +142,4 @@ def _exact(buffer: str, observed: ReadEffect, last: LastRead | None, caps: Capab
         # No in-graph events: fall back to the stage-level point after the replay (later is
         # sound); a node-level record inside a captured graph would fail the capture.
         return Placement(degrade(end, caps))
-    return Placement(_stage_end(last.stage), last)
+    return Placement(STAGE_ENDS[last.stage], last)

@@ -135,7 +135,7 @@ def run_serial(
     3
     """
     cfg = ModelConfig() if cfg is None else cfg
-    state = make_state(cfg, _HostOnly())
+    state = make_state(cfg, "cpu")
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     t0 = time.perf_counter()
     logits = []
@@ -145,10 +145,6 @@ def run_serial(
             state["shared"][b].copy_(nxt.shared[b])
         logits.append(_eager_step(backend, mode, cfg, state, nxt.batch))
     return LoopResult(None, logits, time.perf_counter() - t0)
-
-
-class _HostOnly:
-    name = "cpu"
 
 
 @attrs.define
