@@ -8,12 +8,11 @@ done event, and make the schedule stream wait on every fence event. The hand loo
 direct device calls; the other calls ``Lowered.run`` and ``fence.wait`` (shape checks, ring
 slot, ``Fence`` and ``Bound`` objects).
 
-Only host time is measured, as CPU time of the enqueueing thread (``time.thread_time``), so
-that other processes on a busy machine do not count: the forward stream is held by a gate while the steps are
+Only host time is measured: the forward stream is held by a gate while the steps are
 enqueued (so the two loops never compete with device work for the GIL), then released and
 drained; the garbage collector is paused while timing (as ``timeit`` does). The two loops
-alternate in blocks; a run's ratio compares their fastest blocks; the printed ratio is the
-median over runs.
+alternate step by step, so the machine's drift hits both alike; a run's ratio compares their
+median step times; the printed ratio is the median over runs.
 
     python benchmarks/bench_overhead.py [--quick] [--json]
 
@@ -75,32 +74,42 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     return step
 
 
-def _timed(dev: Any, low: Any, step: Any, batch: dict, steps: int) -> float:
-    """Host CPU seconds per step to enqueue ``steps`` steps while the forward stream is gated."""
+def _interleaved(dev: Any, low: Any, steps: dict[str, Any], batch: dict, n: int) -> dict[str, float]:
+    """Median host nanoseconds per step of each loop, the loops alternating step by step.
+
+    The forward stream is gated while the steps are enqueued (so no device work competes with
+    the host for the GIL), then released and drained. Alternating single steps pairs every
+    sample of one loop with a neighbour of the other: the machine's drift (on a shared VM,
+    per-step cost moves by 2x from one second to the next) hits both loops alike, and the
+    median ignores preemptions. The garbage collector is paused while timing, as ``timeit`` does.
+    """
+    clock = time.perf_counter_ns
+    fns = list(steps.items())
+    times: dict[str, list[int]] = {name: [] for name in steps}
     gate = threading.Event()
     low.stream.launch(gate.wait, 30.0, label="gate")
     gc.collect()
-    gc.disable()  # as timeit does: a collection landing in one loop and not the other is noise
+    gc.disable()
     try:
-        t0 = time.thread_time()  # CPU time of this thread: other processes' load does not count
-        for i in range(steps):
-            step(batch, i)
-        host = (time.thread_time() - t0) / steps
+        for i in range(n):
+            for name, fn in (fns if i % 2 == 0 else fns[::-1]):
+                t0 = clock()
+                fn(batch, i)
+                times[name].append(clock() - t0)
     finally:
         gc.enable()
         gate.set()
     dev.synchronize(120)
-    return host
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure(*, quick: bool = False) -> dict[str, Any]:
     """Per policy: host us/step of both loops and their ratio (median over runs).
 
-    A run alternates ``blocks`` pairs of ``steps``-step blocks of the two loops and takes the
-    ratio of their fastest blocks (the least disturbed by other processes); the reported
-    ratio is the median over ``runs`` runs.
+    A run interleaves ``steps`` steps of each loop (see :func:`_interleaved`) and takes the
+    ratio of their median step times; the reported ratio is the median over ``runs`` runs.
     """
-    steps, blocks, runs = (50, 4, 3) if quick else (100, 8, 7)
+    steps, runs = (100, 3) if quick else (300, 9)
     backend = hybrid_linear(trtllm_mha(), linear())
     results = {}
     for policy in (Policy.PER_BUFFER, Policy.EXACT):
@@ -118,18 +127,13 @@ def measure(*, quick: bool = False) -> dict[str, Any]:
                 run = low.run(batch, step=i, after=[written])
                 run.fence.wait(sched)
 
-            hand_step = _hand_loop(low, sched, written)
-            for fn in (lowered_step, hand_step):  # warm up both
-                _timed(dev, low, fn, batch, 20)
+            loops = {"lowered": lowered_step, "hand": _hand_loop(low, sched, written)}
+            _interleaved(dev, low, loops, batch, 20)  # warm up both
             ratios, lowered, hand = [], [], []
             for _ in range(runs):
-                t: dict[Any, list[float]] = {lowered_step: [], hand_step: []}
-                for block in range(blocks):
-                    pair = (lowered_step, hand_step) if block % 2 == 0 else (hand_step, lowered_step)
-                    for fn in pair:
-                        t[fn].append(_timed(dev, low, fn, batch, steps))
-                lowered.append(min(t[lowered_step]))
-                hand.append(min(t[hand_step]))
+                t = _interleaved(dev, low, loops, batch, steps)
+                lowered.append(t["lowered"] / 1e9)
+                hand.append(t["hand"] / 1e9)
                 ratios.append(lowered[-1] / hand[-1])
             results[policy.name] = {
                 "lowered_us_per_step": statistics.median(lowered) * 1e6,
@@ -138,7 +142,7 @@ def measure(*, quick: bool = False) -> dict[str, Any]:
                 "ratios": ratios,
                 "fence_points": len(low.plan.points()),
             }
-    return {"backend": str(backend), "steps": steps, "blocks": blocks, "runs": runs, "policies": results}
+    return {"backend": str(backend), "steps": steps, "runs": runs, "policies": results}
 
 
 def main(quick: bool = False) -> dict[str, Any]:
@@ -169,8 +173,8 @@ def cli(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    print(f"{r['backend']}: host time per step; {r['runs']} runs of {r['blocks']} alternating blocks of "
-          f"{r['steps']} steps (fastest block per run, median over runs)")
+    print(f"{r['backend']}: host time per step; {r['runs']} runs of {r['steps']} steps of each loop, "
+          f"alternating step by step (median step per run, median over runs)")
     for policy, v in r["policies"].items():
         print(f"  {policy:10} Lowered.run + fence {v['lowered_us_per_step']:7.1f} us   hand loop "
               f"{v['hand_us_per_step']:7.1f} us   ratio {v['lowered_vs_hand']:.3f}x "

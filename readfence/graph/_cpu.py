@@ -107,39 +107,34 @@ class Generation:
 
 
 class CpuEvent:
-    """A named event of a :class:`CpuDevice` (create with ``device.event(name)``)."""
+    """A named event of a :class:`CpuDevice` (create with ``device.event(name)``).
+
+    ``generation`` counts the records enqueued so far and ``latest`` is the latest of them
+    (a :class:`Generation`, ``None`` before the first); read them, never set them (plain
+    attributes: fences read them on the host's hot path).
+    """
 
     def __init__(self, device: CpuDevice, name: str) -> None:
         self.device = device
         self.name = name
-        self._latest: Generation | None = None
-        self._count = 0
-
-    @property
-    def generation(self) -> int:
-        """How many records of this event have been enqueued."""
-        return self._count
-
-    @property
-    def latest(self) -> Generation | None:
-        """The latest enqueued record (what a wait called now binds to), or ``None``."""
-        return self._latest
+        self.latest: Generation | None = None  # what a wait called now binds to
+        self.generation = 0
 
     @property
     def timestamp(self) -> float | None:
         """When the latest enqueued record fired (``time.perf_counter()``), ``None`` if not yet."""
-        gen = self._latest
+        gen = self.latest
         return None if gen is None else gen.timestamp
 
     def _new_generation(self, stream: str, label: str) -> Generation:
         # Called under the device lock.
-        self._count += 1
-        gen = Generation(self, self._count, stream, label)
-        self._latest = gen
+        self.generation += 1
+        gen = Generation(self, self.generation, stream, label)
+        self.latest = gen
         return gen
 
     def _bind(self, action: str) -> Generation:
-        gen = self._latest
+        gen = self.latest
         if gen is None:
             raise EventNeverRecorded(self.name, action)
         return gen
@@ -163,7 +158,7 @@ class CpuEvent:
         return gen.done
 
     def __repr__(self) -> str:
-        return f"<CpuEvent {self.name!r} generation={self._count}>"
+        return f"<CpuEvent {self.name!r} generation={self.generation}>"
 
 
 # ----------------------------------------------------------------------------------- queue items

@@ -60,26 +60,25 @@ def _poll(query: Callable[[], bool], timeout: float) -> bool:
 
 
 class CudaEvent:
-    """A named ``torch.cuda.Event(external=True)`` (create with ``device.event(name)``)."""
+    """A named ``torch.cuda.Event(external=True)`` (create with ``device.event(name)``).
+
+    ``generation`` counts the records enqueued so far (replays included); read it, never set
+    it (a plain attribute: fences read it on the host's hot path).
+    """
 
     def __init__(self, device: CudaDevice, name: str) -> None:
         self.device = device
         self.name = name
         self.torch = torch.cuda.Event(external=True)
-        self._count = 0
+        self.generation = 0
         self._stream: str | None = None  # stream of the latest enqueued record
 
-    @property
-    def generation(self) -> int:
-        """How many records of this event have been enqueued (replays included)."""
-        return self._count
-
     def _enqueued(self, stream: str) -> None:
-        self._count += 1
+        self.generation += 1
         self._stream = stream
 
     def _check(self, action: str) -> None:
-        if self._count == 0:
+        if self.generation == 0:
             raise EventNeverRecorded(self.name, action)
         err = self.device._streams[self._stream]._error if self._stream in self.device._streams else None
         if err is not None:
@@ -90,7 +89,7 @@ class CudaEvent:
         self._check("host synchronize")
         t = self.device._timeout(timeout)
         if not _poll(self.torch.query, t):
-            raise DeviceTimeout(f"event {self.name!r} (generation {self._count})", stream=self._stream, timeout=t)
+            raise DeviceTimeout(f"event {self.name!r} (generation {self.generation})", stream=self._stream, timeout=t)
         self.device._notify("on_event_synchronize", self)
 
     def query(self) -> bool:
@@ -99,7 +98,7 @@ class CudaEvent:
         return bool(self.torch.query())
 
     def __repr__(self) -> str:
-        return f"<CudaEvent {self.name!r} generation={self._count}>"
+        return f"<CudaEvent {self.name!r} generation={self.generation}>"
 
 
 class CudaGraph(GraphBase):
@@ -215,7 +214,7 @@ class CudaStream:
                     f"stream {self.name!r} cannot wait on event {event.name!r} inside a capture; "
                     "wait before the replay instead"
                 )
-            if event._count == 0:
+            if event.generation == 0:
                 raise EventNeverRecorded(event.name, f"stream {self.name!r} wait")
             dev._notify_locked("on_wait", self.name, event)
             src = dev._streams.get(event._stream or "")

@@ -80,7 +80,8 @@ class Fence(tuple):
 
     A buffer mapped to ``None`` is not read by the step: no wait is needed. ``done`` fires
     when the whole forward (outputs included) has finished. An immutable tuple, cheap to
-    build: ``Lowered.run`` makes one per step on the host's hot path.
+    build: ``Lowered.run`` makes one per step on the host's hot path, so it holds the
+    generations as plain ints and builds :class:`Bound` values only when asked.
 
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
@@ -107,28 +108,53 @@ class Fence(tuple):
             if index == len(bounds):
                 bounds.append(bound)
             points.append((buffer, index))
-        return cls.from_points(owner, step, tuple(points), tuple(bounds), done, {} if probes is None else probes)
+        bounds.append(done)
+        handles = tuple(b.handle for b in bounds)
+        return cls.from_generations(
+            owner, step, tuple(points), tuple(b.event for b in bounds), tuple(b.generation for b in bounds),
+            None if all(h is None for h in handles[:-1]) else handles, {} if probes is None else probes,
+            done.handle,
+        )
 
     @classmethod
-    def from_points(cls, owner: str, step: int, points: Sequence[tuple[str, int | None]],
-                    bounds: tuple[Bound, ...], done: Bound, probes: Mapping[str, Bound]) -> Fence:
-        """Buffer ``b`` maps to ``bounds[i]`` for ``(b, i)`` in ``points`` (``i`` None: not read).
+    def from_generations(cls, owner: str, step: int, points: Sequence[tuple[str, int | None]],
+                         events: Sequence[Any], generations: Sequence[int], handles: Sequence[Any] | None,
+                         probes: Mapping[str, Bound], done_handle: Any = None) -> Fence:
+        """Buffer ``b`` is released by ``events[i]`` at ``generations[i]`` for ``(b, i)`` in ``points``.
 
-        ``points`` is static per lowered graph and shared between steps: nothing is copied.
+        ``i`` None: not read. The last event is the whole forward's (``done``). ``points`` and
+        ``events`` are static per lowered graph and shared between steps: nothing is copied.
+        ``handles`` (CpuDevice ``Generation`` records, for timestamps) may be ``None``;
+        ``done_handle`` alone keeps the outputs waitable after the event ring wraps.
         """
-        return tuple.__new__(cls, (owner, step, done, probes, bounds, points))
+        return tuple.__new__(cls, (owner, step, points, events, generations, handles, probes, done_handle))
 
     owner = property(operator.itemgetter(0))
     step = property(operator.itemgetter(1))
-    done = property(operator.itemgetter(2))
-    probes = property(operator.itemgetter(3))
-    distinct = property(operator.itemgetter(4), doc="The distinct bounds (one per event).")
+    probes = property(operator.itemgetter(6))
+
+    def _bound(self, i: int) -> Bound:
+        handles, events = self[5], self[3]
+        if handles is not None:
+            handle = handles[i]
+        else:
+            handle = self[7] if i == len(events) - 1 else None
+        return Bound(events[i], self[4][i], handle)
+
+    @property
+    def done(self) -> Bound:
+        """The generation of the whole forward's end (outputs included)."""
+        return self._bound(len(self[3]) - 1)
+
+    @property
+    def distinct(self) -> tuple[Bound, ...]:
+        """The distinct bounds (one per event), in execution order."""
+        return tuple(self._bound(i) for i in range(len(self[3]) - 1))
 
     @property
     def per_buffer(self) -> dict[str, Bound | None]:
         """Per published buffer, its bound generation (``None``: not read, no wait)."""
-        bounds = self[4]
-        return {b: None if i is None else bounds[i] for b, i in self[5]}
+        return {b: None if i is None else self._bound(i) for b, i in self[2]}
 
     def __repr__(self) -> str:
         return f"Fence(owner={self.owner!r}, step={self.step}, per_buffer={self.per_buffer!r})"
@@ -143,31 +169,34 @@ class Fence(tuple):
         read, release = self.last_read_time(buffer), self.release_time(buffer)
         return None if read is None or release is None else release - read
 
-    def _bounds(self, buffers: Iterable[str] | None) -> tuple[Bound, ...] | list[Bound]:
-        if buffers is None:  # every buffer
-            return self[4]
-        per_buffer = self.per_buffer
+    def _indices(self, buffers: Iterable[str] | None) -> Iterable[int]:
+        """Indices of the distinct events guarding ``buffers`` (default: every buffer)."""
+        if buffers is None:
+            return range(len(self[3]) - 1)
+        index = dict(self[2])
         names = list(buffers)
-        unknown = [b for b in names if b not in per_buffer]
+        unknown = [b for b in names if b not in index]
         if unknown:
             raise KeyError(
                 f"fence of {self.owner} (step {self.step}) publishes no buffer {unknown}; "
-                f"it publishes {sorted(per_buffer)}"
+                f"it publishes {sorted(index)}"
             )
-        return list({id(b.event): b for n in names if (b := per_buffer[n]) is not None}.values())
+        return sorted({i for n in names if (i := index[n]) is not None})
 
     def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
-        for bound in self._bounds(buffers):
-            event = bound[0]
-            if event.generation != bound[1]:
-                bound.check(f"fence of {self.owner} step {self.step}")  # raises RingWrapError
+        events, generations = self[3], self[4]
+        for i in self._indices(buffers):
+            event = events[i]
+            if event.generation != generations[i]:
+                event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError
             stream.wait(event)
 
     def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """Host wait (with timeout) until ``buffers`` (default: all) may be overwritten."""
-        for bound in self._bounds(buffers):
-            what = f"fence of {self.owner} step {self.step}"
+        what = f"fence of {self.owner} step {self.step}"
+        for i in self._indices(buffers):
+            bound = self._bound(i)
             bound.check(what)
             bound.synchronize(what, timeout)
 

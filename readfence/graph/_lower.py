@@ -15,6 +15,8 @@ Every lowered graph owns its events: nothing is shared across shapes, modes or s
 from __future__ import annotations
 
 import itertools
+import operator
+from types import MappingProxyType
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +46,9 @@ from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
 from ._policy import Policy
 
 _COUNTER = itertools.count()
+_NO_PROBES: Mapping[str, Bound] = MappingProxyType({})
+_SHAPE = operator.attrgetter("shape")
+_PRE, _POST, _LAST = ReadEnd.PRE_REPLAY.rank, ReadEnd.POST_REPLAY.rank, ReadEnd.UNKNOWN.rank
 
 
 class UnsoundLowering(ValueError):
@@ -73,11 +78,13 @@ class _Slot:
     done: Any
     stages: dict[str, tuple[Any, tuple[Op, ...]]]
     graph: Any = None
-    # stage-level events per end, in plan order (precomputed: run() is on the host's hot path)
-    at_end: dict[ReadEnd, list[Any]] = attrs.Factory(dict)
-    point_events: list[Any] = attrs.Factory(list)  # events in plan order
+    # stage-level events per end, indexed by ReadEnd.rank, in plan order (a tuple, not a dict
+    # keyed by the enum: run() is on the host's hot path and enum hashing is slow)
+    at_end: tuple[tuple[Any, ...], ...] = ()
+    fence_events: tuple[Any, ...] = ()  # events in plan order, then done
     buffer_points: list[tuple[str, int | None]] = attrs.Factory(list)  # buffer -> index (None: no wait)
-    out_fn: Any = None  # the prepare_out_graph launch (no timeline)
+    out_fn: Any = None  # the prepare_out_graph launch (no timeline) and its ops
+    out_ops: tuple[Op, ...] = ()
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -164,14 +171,13 @@ class Lowered:
                 after[point.after.stage].setdefault(point.after.node, []).append(event)
         stages = {s.name: self._stage_fn(s, after[s.name]) for s in self.program.stages}
         slot = _Slot(events, probes, self._new_event(f"{self.label}/done#{r}"), stages)
-        for point, event in events.items():
-            if point.after is None:
-                slot.at_end.setdefault(point.end, []).append(event)
+        slot.at_end = tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd)
         index = {p: i for i, p in enumerate(events)}
-        slot.point_events = list(events.values())
+        slot.fence_events = (*events.values(), slot.done)
         slot.buffer_points = [(b, index.get(p)) for b, p in self.plan.placements.items()]
         out_runner, env, copy_meta = stages["prepare_out_graph"][0], self._env, self._copy_meta
         slot.out_fn = lambda: copy_meta(out_runner.run(env))
+        slot.out_ops = stages["prepare_out_graph"][1]
         if self.graphed:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
@@ -197,7 +203,7 @@ class Lowered:
         self.stream.launch(fn, label=self._labels[name], ops=ops, step=step)
 
     def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
-        for event in slot.at_end.get(end, ()):
+        for event in slot.at_end[end.rank]:
             self.stream.record(event)
 
     def _in_graph_work(self, slot: _Slot, step: int | None = None) -> None:
@@ -215,11 +221,11 @@ class Lowered:
         """
         step = self._runs if step is None else step
         try:
-            staged = [batch[k] for k in self._batch]
+            staged = list(map(batch.__getitem__, self._batch))
         except KeyError:
             missing = sorted(set(self._batch) - set(batch))
             raise KeyError(f"{self.label}: batch is missing {missing}") from None
-        if [v.shape for v in staged] != self._shapes:
+        if list(map(_SHAPE, staged)) != self._shapes:
             for given, (key, t) in zip(staged, self._batch.items()):
                 if given.shape != t.shape:
                     raise ValueError(
@@ -234,22 +240,21 @@ class Lowered:
         static = self._static_batch
         s.launch(lambda: [t.copy_(v) for t, v in zip(static, staged)], label=self._labels["load_batch"], step=step)
         if self.timeline is None:  # hot path: the stage launch prebuilt per slot
-            s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.stages["prepare_out_graph"][1],
-                     step=step)
+            s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
         else:
             self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
         at_end = slot.at_end
-        for event in at_end.get(ReadEnd.PRE_REPLAY, ()):
+        for event in at_end[_PRE]:
             s.record(event)
         if self.graphed:
             slot.graph.replay(s, step=step)
         else:
             self._in_graph_work(slot, step)
-        for event in at_end.get(ReadEnd.POST_REPLAY, ()):
+        for event in at_end[_POST]:
             s.record(event)
         logits = torch.empty_like(self._logits)
         s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
-        for event in at_end.get(ReadEnd.UNKNOWN, ()):
+        for event in at_end[_LAST]:
             s.record(event)
         s.record(slot.done)
         return StepRun(step, logits, self._fence(slot, step))
@@ -260,16 +265,16 @@ class Lowered:
             meta[k].copy_(v)
 
     def _fence(self, slot: _Slot, step: int) -> Fence:
-        # hot path: no Placement hashing, one Bound per event (buffers sharing a point share it)
-        new = tuple.__new__  # Bound is a tuple (event, generation, handle)
+        # hot path: generations as plain ints; Bound values are built only when asked for
+        events = slot.fence_events
+        generations = tuple([e.generation for e in events])
         if self.measure:  # keep the CpuDevice generations: their timestamps give the slack
-            bounds = tuple([new(Bound, (e, e.generation, getattr(e, "latest", None))) for e in slot.point_events])
+            handles = tuple([getattr(e, "latest", None) for e in events])
             probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
-        else:
-            bounds, probes = tuple([new(Bound, (e, e.generation, None)) for e in slot.point_events]), {}
-        done = slot.done
-        return Fence.from_points(self.label, step, slot.buffer_points, bounds,
-                                 new(Bound, (done, done.generation, getattr(done, "latest", None))), probes)
+            return Fence.from_generations(self.label, step, slot.buffer_points, events, generations, handles, probes,
+                                          handles[-1])
+        return Fence.from_generations(self.label, step, slot.buffer_points, events, generations, None, _NO_PROBES,
+                                      getattr(slot.done, "latest", None))
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
