@@ -14,8 +14,10 @@ scheduler alone costs about as much as the forward alone:
 * forward alone: lowered steps back to back, no scheduler;
 * writes alone: the scheduler's next step and its writes (extra work included), no forward;
 * limit: ``1 / max(forward alone, writes alone)`` steps/s (perfect overlap);
-* each policy: the overlapped decode loop (sanitizer off), interleaved with the other policies
-  in every repetition; the median steps/s over repetitions.
+* each policy: the overlapped decode loop (sanitizer off).
+
+Every repetition measures all of them side by side (policies in alternating order); each
+printed ratio is the median over repetitions of that repetition's ratio.
 
 A second workload, ``hybrid_linear(trtllm_mha(), linear_per_layer)`` (a linear-attention leaf
 that looks its state slot up in every layer, so ``state_slots`` ends POST_REPLAY), is where the
@@ -77,56 +79,67 @@ def _settings(quick: bool) -> dict[str, Any]:
             "batch_size": 16, "steps": 60, "reps": 5, "warmup": 10}
 
 
-def _forward_alone(backend: Any, cfg: ModelConfig, batch_size: int, steps: int) -> float:
+class _ForwardAlone:
     """Seconds per step of the lowered forward alone (no scheduler, no fences waited)."""
-    with CpuDevice() as dev:
-        low = lower(backend, MODE, batch_size=batch_size, device=dev, policy=Policy.COARSE, cfg=cfg)
+
+    def __init__(self, backend: Any, cfg: ModelConfig, batch_size: int, dev: CpuDevice) -> None:
+        self.dev = dev
+        self.low = lower(backend, MODE, batch_size=batch_size, device=dev, policy=Policy.COARSE, cfg=cfg,
+                         stream=dev.stream("forward alone"))
         nxt = Scheduler(cfg, MODE, batch_size).next_step()
         for b in SHARED_BUFFERS:
-            low.shared[b].copy_(nxt.shared[b])
-        for _ in range(3):
-            low.run(nxt.batch)
-        dev.synchronize()
+            self.low.shared[b].copy_(nxt.shared[b])
+        self.batch = nxt.batch
+        self(3)
+
+    def __call__(self, steps: int) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
-            low.run(nxt.batch)
-        dev.synchronize()
+            self.low.run(self.batch)
+        self.dev.synchronize()
         return (time.perf_counter() - t0) / steps
 
 
-def _writes_alone(cfg: ModelConfig, batch_size: int, write_cost: int, steps: int, wait_s: float = 0.0) -> float:
+class _WritesAlone:
     """Seconds per step of the scheduler alone: next step + writes (matmul or wait) on its stream."""
-    work = torch.randn(write_cost, write_cost) if write_cost else None
-    live = {b: t.clone() for b, t in Scheduler(cfg, MODE, batch_size).next_step().shared.items()}
-    sched = Scheduler(cfg, MODE, batch_size)
-    with CpuDevice() as dev:
-        s = dev.stream("schedule")
 
-        def write(dst, src, w, wait):
-            if w is not None:
-                torch.mm(w, w)
-            if wait:
-                time.sleep(wait)
-            dst.copy_(src)
+    def __init__(self, cfg: ModelConfig, batch_size: int, dev: CpuDevice, write_cost: int = 0,
+                 wait_s: float = 0.0) -> None:
+        self.cfg, self.batch_size, self.dev = cfg, batch_size, dev
+        self.work = torch.randn(write_cost, write_cost) if write_cost else None
+        self.wait_s = wait_s
+        self.live = {b: t.clone() for b, t in Scheduler(cfg, MODE, batch_size).next_step().shared.items()}
+        self.stream = dev.stream("writes alone")
 
+    @staticmethod
+    def _write(dst: Any, src: Any, work: Any, wait: float) -> None:
+        if work is not None:
+            torch.mm(work, work)
+        if wait:
+            time.sleep(wait)
+        dst.copy_(src)
+
+    def __call__(self, steps: int) -> float:
+        sched = Scheduler(self.cfg, MODE, self.batch_size)
         t0 = time.perf_counter()
         for _ in range(steps):
             nxt = sched.next_step()
             for b in SHARED_BUFFERS:
                 r2t = b == "req_to_token"
-                s.launch(write, live[b], nxt.shared[b], work if r2t else None, wait_s if r2t else 0.0)
-        dev.synchronize()
+                self.stream.launch(self._write, self.live[b], nxt.shared[b], self.work if r2t else None,
+                                   self.wait_s if r2t else 0.0)
+        self.dev.synchronize()
         return (time.perf_counter() - t0) / steps
 
 
-def calibrate(cfg: ModelConfig, batch_size: int, forward_s: float, kind: str) -> tuple[int, float]:
+def calibrate(cfg: ModelConfig, batch_size: int, forward_s: float, kind: str, dev: CpuDevice) -> tuple[int, float]:
     """``(write_cost, write_wait_s)`` so that the scheduler alone takes about ``forward_s``."""
-    base = _writes_alone(cfg, batch_size, 0, 20)  # next step and copies, without extra work
+    base = _WritesAlone(cfg, batch_size, dev)(20)  # next step and copies, without extra work
     if kind == "wait":
         return 0, max(forward_s - base, 0.0)
     n = 512
     for _ in range(4):  # matmul time ~ n^3: refit on the measured writes
-        writes = _writes_alone(cfg, batch_size, n, 8)
+        writes = _WritesAlone(cfg, batch_size, dev, n)(8)
         n = max(32, int(round(n * (max(forward_s - base, 1e-4) / max(writes - base, 1e-4)) ** (1 / 3) / 16)) * 16)
     return n, 0.0
 
@@ -136,42 +149,47 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
 
     ``kind``: the scheduler's extra page-table work is a matmul (``"matmul"``: CPU work that
     competes with the CpuDevice forward for the cores) or a CPU-free wait (``"wait"``).
+    Every repetition measures the forward alone, the writes alone (hence its own limit) and
+    each policy, side by side; each ratio is the median over repetitions of that
+    repetition's ratio, so a machine that slows down halfway does not skew it.
     """
     st = _settings(quick)
     cfg, batch_size, steps, reps = st["cfg"], st["batch_size"], st["steps"], st["reps"]
     make = WORKLOADS[workload]
-    forward_s = _forward_alone(make(), cfg, batch_size, steps)
-    write_cost, wait_s = calibrate(cfg, batch_size, forward_s, kind)
-    writes_s = _writes_alone(cfg, batch_size, write_cost, steps, wait_s)
-    limit = 1.0 / max(forward_s, writes_s)
     with CpuDevice() as dev:
+        forward_alone = _ForwardAlone(make(), cfg, batch_size, dev)
+        write_cost, wait_s = calibrate(cfg, batch_size, forward_alone(steps), kind, dev)
+        writes_alone = _WritesAlone(cfg, batch_size, dev, write_cost, wait_s)
         loops = {p: decode_loop(make(), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg,
                                 write_cost=write_cost, write_wait_s=wait_s) for p in POLICIES}
         plans = {p.name: {r["buffer"]: r["end"] for r in loop.lowered.plan.describe()} for p, loop in loops.items()}
         for loop in loops.values():
             loop.run(st["warmup"])
+        forward, writes = [], []
         rates: dict[Policy, list[float]] = {p: [] for p in POLICIES}
         for rep in range(reps):
+            forward.append(forward_alone(steps))
+            writes.append(writes_alone(steps))
             order = POLICIES if rep % 2 == 0 else tuple(reversed(POLICIES))
             for p in order:
                 _, seconds = loops[p].run(steps)
                 rates[p].append(steps / seconds)
             if progress:
-                print(f"  rep {rep + 1}/{reps}: " + "  ".join(f"{p.name} {rates[p][-1]:.1f}" for p in POLICIES),
-                      file=sys.stderr)
-    med = {p: statistics.median(v) for p, v in rates.items()}
-    coarse = med[Policy.COARSE]
+                print(f"  rep {rep + 1}/{reps}: forward {forward[-1] * 1e3:.1f} ms, writes {writes[-1] * 1e3:.1f} ms; "
+                      + "  ".join(f"{p.name} {rates[p][-1]:.1f}" for p in POLICIES), file=sys.stderr)
+    limits = [1.0 / max(f, w) for f, w in zip(forward, writes)]
+    med = statistics.median
     return {
         "workload": workload,
         "write_kind": kind,
-        "forward_ms": forward_s * 1e3,
-        "writes_ms": writes_s * 1e3,
+        "forward_ms": med(forward) * 1e3,
+        "writes_ms": med(writes) * 1e3,
         "write_cost": write_cost,
         "write_wait_ms": wait_s * 1e3,
-        "limit_steps_per_s": limit,
-        "steps_per_s": {p.name: med[p] for p in POLICIES},
-        "vs_coarse": {p.name: med[p] / coarse for p in POLICIES},
-        "vs_limit": {p.name: med[p] / limit for p in POLICIES},
+        "limit_steps_per_s": med(limits),
+        "steps_per_s": {p.name: med(rates[p]) for p in POLICIES},
+        "vs_coarse": {p.name: med([r / c for r, c in zip(rates[p], rates[Policy.COARSE])]) for p in POLICIES},
+        "vs_limit": {p.name: med([r / lim for r, lim in zip(rates[p], limits)]) for p in POLICIES},
         "plans": plans,
         "settings": {"batch_size": batch_size, "steps": steps, "reps": reps, "hidden": cfg.hidden,
                      "mlp": cfg.mlp, "layers": cfg.layers},
