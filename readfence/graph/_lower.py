@@ -145,11 +145,16 @@ class Lowered:
 
     # -- construction -----------------------------------------------------------------------
     def _static_meta(self, example: Any, dev: torch.device) -> dict[str, Tensor]:
-        # Shapes of the out-of-graph stage's outputs, from one run on a throwaway example.
+        # Rehearse the whole step once, eagerly, on a throwaway example and on the lowered
+        # stream: it gives the shapes of the out-of-graph stage's outputs, and it runs every
+        # kernel once before any capture, as torch.cuda.graph asks (lazy library and allocator
+        # set-up must not happen inside a capture). The live state is not touched.
         env = flatten_inputs(shared=example.shared, batch=example.batch, pools=example.pools,
                              params=example.params)
-        out = self.program.stage("prepare_out_graph").run(env)
-        return {k: torch.zeros_like(v, device=dev) for k, v in out.items()}
+        outputs: dict[str, Tensor] = {}
+        self.stream.launch(lambda: outputs.update(self.program.run(env)), label=f"{self.label}/rehearse")
+        self.stream.synchronize()
+        return {k: torch.zeros_like(outputs[k], device=dev) for k in self.program.stage("prepare_out_graph").outputs}
 
     def _build_slot(self, r: int) -> _Slot:
         dev = self.device
