@@ -1,9 +1,7 @@
 """Overlap: steps/s of each fence policy on CpuDevice, as ratios to COARSE and to the limit.
 
-Workload: ``hybrid_linear(trtllm_mha(), linear())`` (page table, lengths and swa map end
-before the replay, state slots inside it) on a model big enough that matmuls dominate the
-forward, and a scheduler whose page-table write carries extra work calibrated so that the
-scheduler alone costs about as much as the forward alone:
+A model big enough that matmuls dominate the forward, and a scheduler whose page-table write
+carries extra work calibrated so that the scheduler alone costs about as much as the forward:
 
 * ``matmul``: a ``write_cost x write_cost`` matmul (GIL-free CPU work). On CpuDevice it
   competes with the forward for the same cores and memory bandwidth, so even perfect fences
@@ -11,22 +9,26 @@ scheduler alone costs about as much as the forward alone:
 * ``wait``: a CPU-free wait of the same duration (host work that does not share the device's
   compute, as on a GPU machine). This isolates what the fences themselves allow.
 
+Measured side by side in every repetition (policies in alternating order):
+
 * forward alone: lowered steps back to back, no scheduler;
 * writes alone: the scheduler's next step and its writes (extra work included), no forward;
 * limit: ``1 / max(forward alone, writes alone)`` steps/s (perfect overlap);
 * each policy: the overlapped decode loop (sanitizer off).
 
-Every repetition measures all of them side by side (policies in alternating order); each
-printed ratio is the median over repetitions of that repetition's ratio.
+Each printed ratio is the median over repetitions of that repetition's ratio.
 
-A second workload, ``hybrid_linear(trtllm_mha(), linear_per_layer)`` (a linear-attention leaf
-that looks its state slot up in every layer, so ``state_slots`` ends POST_REPLAY), is where the
-join of all buffers is late while the page table ends early: JOINED waits for the replay.
+Workloads (see ``RUNS``): ``hybrid_linear(trtllm_mha(), linear())`` (page table, lengths and
+swa map end before the replay, state slots inside it: the join is early);
+``hybrid_linear(trtllm_mha(), linear_per_layer)`` (state slots read in every layer: the join is
+POST_REPLAY and JOINED waits for the replay); ``hybrid_linear(trtllm_mha(), linear_indexed)``
+(state slots read first in a long in-graph prepare: the join falls mid-forward and JOINED lands
+between COARSE and PER_BUFFER).
 
-    python benchmarks/bench_overlap.py            # full run (a few minutes on 2 cores)
+    python benchmarks/bench_overlap.py            # full run (about 8 minutes on 2 cores)
     python benchmarks/bench_overlap.py --quick    # smoke run (smaller model, fewer steps)
     python benchmarks/bench_overlap.py --json     # the full result as JSON
-    python benchmarks/bench_overlap.py --only mixed_matmul
+    python benchmarks/bench_overlap.py --only mixed_wait
 
 ``main(quick=False)`` returns the ratios as a dict (``readfence bench`` prints it).
 """
@@ -65,9 +67,38 @@ def linear_per_layer():
     return leaf("linear_per_layer", attend, declare={ForwardMode.DECODE: post}, reads=["state_slots"])
 
 
+def linear_indexed(width: int = 1024, depth: int = 16):
+    """Linear attention whose in-graph prepare looks up ``state_slots`` first, then runs an
+    indexer network (IN_REPLAY, with the IN_REPLAY point well inside the forward).
+
+    The indexer stands for in-graph work such as DeepSeek's lightning indexer; its cost here
+    is synthetic (``depth`` ``width x width`` matmuls) and its scores are not used by the model.
+    """
+    weight = torch.randn(width, width) / width**0.5
+
+    def prepare_in_graph(mode, shared, batch, meta):
+        slots = remap(shared["state_slots"], batch["req_pool_indices"])  # the last read
+        h = weight.index_select(0, batch["input_ids"].reshape(-1) % width)
+        for _ in range(depth):
+            h = torch.tanh(h @ weight)
+        return {"state_slots": slots, "indexer_scores": h}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        slots = meta["state_slots"]
+        pool = pools["state"].select(0, layer)
+        out, state = linear_attention(mode, q, k, v, pool.index_select(0, slots), decay=0.9)
+        pool.index_copy_(0, slots, state)
+        return out
+
+    return leaf("linear_indexed", attend, prepare_in_graph=prepare_in_graph, reads=["state_slots"])
+
+
 WORKLOADS = {
-    "hybrid_linear(trtllm_mha,linear)": lambda: hybrid_linear(trtllm_mha(), linear()),
-    "hybrid_linear(trtllm_mha,linear_per_layer)": lambda: hybrid_linear(trtllm_mha(), linear_per_layer()),
+    "hybrid_linear(trtllm_mha,linear)": lambda cfg: hybrid_linear(trtllm_mha(), linear()),
+    "hybrid_linear(trtllm_mha,linear_per_layer)": lambda cfg: hybrid_linear(trtllm_mha(), linear_per_layer()),
+    # an indexer about a third of the forward: twice the model's width, 16 deep
+    "hybrid_linear(trtllm_mha,linear_indexed)": lambda cfg: hybrid_linear(trtllm_mha(),
+                                                                          linear_indexed(width=2 * cfg.hidden)),
 }
 
 
@@ -157,10 +188,10 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
     cfg, batch_size, steps, reps = st["cfg"], st["batch_size"], st["steps"], st["reps"]
     make = WORKLOADS[workload]
     with CpuDevice() as dev:
-        forward_alone = _ForwardAlone(make(), cfg, batch_size, dev)
+        forward_alone = _ForwardAlone(make(cfg), cfg, batch_size, dev)
         write_cost, wait_s = calibrate(cfg, batch_size, forward_alone(steps), kind, dev)
         writes_alone = _WritesAlone(cfg, batch_size, dev, write_cost, wait_s)
-        loops = {p: decode_loop(make(), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg,
+        loops = {p: decode_loop(make(cfg), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg,
                                 write_cost=write_cost, write_wait_s=wait_s) for p in POLICIES}
         plans = {p.name: {r["buffer"]: r["end"] for r in loop.lowered.plan.describe()} for p, loop in loops.items()}
         for loop in loops.values():
@@ -201,6 +232,7 @@ RUNS = (
     ("mixed_matmul", "hybrid_linear(trtllm_mha,linear)", "matmul"),
     ("mixed_wait", "hybrid_linear(trtllm_mha,linear)", "wait"),
     ("late_join_wait", "hybrid_linear(trtllm_mha,linear_per_layer)", "wait"),
+    ("mid_join_wait", "hybrid_linear(trtllm_mha,linear_indexed)", "wait"),
 )
 
 
