@@ -14,7 +14,7 @@ drained; the garbage collector is paused while timing (as ``timeit`` does). The 
 alternate step by step, so the machine's drift hits both alike; a run's ratio compares their
 median step times; the printed ratio is the median over runs.
 
-    python benchmarks/bench_overhead.py [--quick] [--json]
+    python benchmarks/bench_overhead.py [--quick] [--json] [--device cpu|cuda|auto]
 
 ``main(quick=False)`` returns ``{"lowered_vs_hand": ratio, ...}`` (``readfence bench`` prints it).
 """
@@ -35,7 +35,7 @@ import torch
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEnd
-from readfence.graph import CpuDevice, Policy, Scheduler, lower
+from readfence.graph import DEVICE_KINDS, CpuDevice, Policy, Scheduler, lower, open_device
 
 MODE = ForwardMode.DECODE
 
@@ -74,36 +74,51 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     return step
 
 
+def _hold(dev: Any, stream: Any) -> Any:
+    """Keep ``stream`` from running until the returned function is called.
+
+    On CpuDevice the stream's worker thread would compete with the host for the GIL while
+    steps are enqueued; a CUDA stream needs no GIL, so there is nothing to hold.
+    """
+    if not isinstance(dev, CpuDevice):
+        return lambda: None
+    gate = threading.Event()
+    stream.launch(gate.wait, 30.0, label="gate")
+    return gate.set
+
+
 def _interleaved(dev: Any, low: Any, steps: dict[str, Any], batch: dict, n: int) -> dict[str, float]:
     """Median host nanoseconds per step of each loop, the loops alternating step by step.
 
-    The forward stream is gated while the steps are enqueued (so no device work competes with
-    the host for the GIL), then released and drained. Alternating single steps pairs every
-    sample of one loop with a neighbour of the other: the machine's drift (on a shared VM,
-    per-step cost moves by 2x from one second to the next) hits both loops alike, and the
-    median ignores preemptions. The garbage collector is paused while timing, as ``timeit`` does.
+    Steps are enqueued in chunks while the forward stream is held (see :func:`_hold`), then
+    it is released and drained, untimed (short chunks keep a CUDA launch queue from filling).
+    Alternating single steps pairs every sample of one loop with a neighbour of the other:
+    the machine's drift (on a shared VM, per-step cost moves by 2x from one second to the
+    next) hits both loops alike, and the median ignores preemptions. The garbage collector is
+    paused while timing, as ``timeit`` does.
     """
     clock = time.perf_counter_ns
     fns = list(steps.items())
     times: dict[str, list[int]] = {name: [] for name in steps}
-    gate = threading.Event()
-    low.stream.launch(gate.wait, 30.0, label="gate")
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(n):
-            for name, fn in (fns if i % 2 == 0 else fns[::-1]):
-                t0 = clock()
-                fn(batch, i)
-                times[name].append(clock() - t0)
-    finally:
-        gc.enable()
-        gate.set()
-    dev.synchronize(120)
+    chunk = 50 if isinstance(dev, CpuDevice) else 8
+    for start in range(0, n, chunk):
+        release = _hold(dev, low.stream)
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(start, min(n, start + chunk)):
+                for name, fn in (fns if i % 2 == 0 else fns[::-1]):
+                    t0 = clock()
+                    fn(batch, i)
+                    times[name].append(clock() - t0)
+        finally:
+            gc.enable()
+            release()
+        dev.synchronize(120)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def measure(*, quick: bool = False) -> dict[str, Any]:
+def measure(*, quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Per policy: host us/step of both loops and their ratio (median over runs).
 
     A run interleaves ``steps`` steps of each loop (see :func:`_interleaved`) and takes the
@@ -113,7 +128,7 @@ def measure(*, quick: bool = False) -> dict[str, Any]:
     backend = hybrid_linear(trtllm_mha(), linear())
     results = {}
     for policy in (Policy.PER_BUFFER, Policy.EXACT):
-        with CpuDevice(timeout=120) as dev:
+        with open_device(device, timeout=120) as dev:
             low = lower(backend, MODE, batch_size=4, device=dev, policy=policy, ring_size=1)
             nxt = Scheduler(low.cfg, MODE, 4).next_step()
             for b in SHARED_BUFFERS:
@@ -142,15 +157,16 @@ def measure(*, quick: bool = False) -> dict[str, Any]:
                 "ratios": ratios,
                 "fence_points": len(low.plan.points()),
             }
-    return {"backend": str(backend), "steps": steps, "runs": runs, "policies": results}
+            device_name = dev.name
+    return {"backend": str(backend), "device": device_name, "steps": steps, "runs": runs, "policies": results}
 
 
-def main(quick: bool = False) -> dict[str, Any]:
+def main(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Median ratio (Lowered.run + fence) / (hand loop) of host time per step, per policy."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        r = measure(quick=quick)
+        r = measure(quick=quick, device=device)
     finally:
         torch.set_num_threads(threads)
     main.details = r  # type: ignore[attr-defined]
@@ -167,13 +183,15 @@ def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
+    parser.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
+                        help="device to run on (default cpu; auto = CUDA when available)")
     args = parser.parse_args(argv)
-    main(quick=args.quick)
+    main(quick=args.quick, device=args.device)
     r = main.details  # type: ignore[attr-defined]
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    print(f"{r['backend']}: host time per step; {r['runs']} runs of {r['steps']} steps of each loop, "
+    print(f"{r['backend']} on {r['device']}: host time per step; {r['runs']} runs of {r['steps']} steps of each loop, "
           f"alternating step by step (median step per run, median over runs)")
     for policy, v in r["policies"].items():
         print(f"  {policy:10} Lowered.run + fence {v['lowered_us_per_step']:7.1f} us   hand loop "

@@ -39,15 +39,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Any
 
+import attrs
 import torch
 
 from readfence.backends import hybrid_linear, leaf, linear, linear_attention, remap, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core import ForwardMode, ModelConfig
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, Policy, Scheduler, decode_loop, lower
+from readfence.graph import DEVICE_KINDS, DecodeLoop, Policy, decode_loop, open_device, synthetic_work
 
 MODE = ForwardMode.DECODE
 POLICIES = (Policy.COARSE, Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT)
@@ -110,97 +110,50 @@ def _settings(quick: bool) -> dict[str, Any]:
             "batch_size": 16, "steps": 60, "reps": 5, "warmup": 10}
 
 
-class _ForwardAlone:
-    """Seconds per step of the lowered forward alone (no scheduler, no fences waited)."""
-
-    def __init__(self, backend: Any, cfg: ModelConfig, batch_size: int, dev: CpuDevice) -> None:
-        self.dev = dev
-        self.low = lower(backend, MODE, batch_size=batch_size, device=dev, policy=Policy.COARSE, cfg=cfg,
-                         stream=dev.stream("forward alone"))
-        nxt = Scheduler(cfg, MODE, batch_size).next_step()
-        for b in SHARED_BUFFERS:
-            self.low.shared[b].copy_(nxt.shared[b])
-        self.batch = nxt.batch
-        self(3)
-
-    def __call__(self, steps: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.low.run(self.batch)
-        self.dev.synchronize()
-        return (time.perf_counter() - t0) / steps
-
-
-class _WritesAlone:
-    """Seconds per step of the scheduler alone: next step + writes (matmul or wait) on its stream."""
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, dev: CpuDevice, write_cost: int = 0,
-                 wait_s: float = 0.0) -> None:
-        self.cfg, self.batch_size, self.dev = cfg, batch_size, dev
-        self.work = torch.randn(write_cost, write_cost) if write_cost else None
-        self.wait_s = wait_s
-        self.live = {b: t.clone() for b, t in Scheduler(cfg, MODE, batch_size).next_step().shared.items()}
-        self.stream = dev.stream("writes alone")
-
-    @staticmethod
-    def _write(dst: Any, src: Any, work: Any, wait: float) -> None:
-        if work is not None:
-            torch.mm(work, work)
-        if wait:
-            time.sleep(wait)
-        dst.copy_(src)
-
-    def __call__(self, steps: int) -> float:
-        sched = Scheduler(self.cfg, MODE, self.batch_size)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            nxt = sched.next_step()
-            for b in SHARED_BUFFERS:
-                r2t = b == "req_to_token"
-                self.stream.launch(self._write, self.live[b], nxt.shared[b], self.work if r2t else None,
-                                   self.wait_s if r2t else 0.0)
-        self.dev.synchronize()
-        return (time.perf_counter() - t0) / steps
-
-
-def calibrate(cfg: ModelConfig, batch_size: int, forward_s: float, kind: str, dev: CpuDevice) -> tuple[int, float]:
-    """``(write_cost, write_wait_s)`` so that the scheduler alone takes about ``forward_s``."""
-    base = _WritesAlone(cfg, batch_size, dev)(20)  # next step and copies, without extra work
+def calibrate(loop: DecodeLoop, forward_s: float, kind: str) -> tuple[int, float]:
+    """``(write_cost, write_wait_s)`` so that ``loop``'s scheduler alone takes about ``forward_s``."""
+    base = attrs.evolve(loop, write_work=None).time_scheduler(20)  # next step and copies only
     if kind == "wait":
         return 0, max(forward_s - base, 0.0)
     n = 512
     for _ in range(4):  # matmul time ~ n^3: refit on the measured writes
-        writes = _WritesAlone(cfg, batch_size, dev, n)(8)
+        work = synthetic_work(loop.device, write_cost=n)
+        writes = attrs.evolve(loop, write_work=work).time_scheduler(8)
         n = max(32, int(round(n * (max(forward_s - base, 1e-4) / max(writes - base, 1e-4)) ** (1 / 3) / 16)) * 16)
     return n, 0.0
 
 
-def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progress: bool = False) -> dict[str, Any]:
+def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progress: bool = False,
+            device: str = "cpu") -> dict[str, Any]:
     """Run one workload; returns steps/s per policy, ratios to COARSE and to the limit.
 
-    ``kind``: the scheduler's extra page-table work is a matmul (``"matmul"``: CPU work that
-    competes with the CpuDevice forward for the cores) or a CPU-free wait (``"wait"``).
-    Every repetition measures the forward alone, the writes alone (hence its own limit) and
-    each policy, side by side; each ratio is the median over repetitions of that
-    repetition's ratio, so a machine that slows down halfway does not skew it.
+    ``kind``: the scheduler's extra page-table work is a matmul (``"matmul"``: compute that,
+    on CpuDevice, competes with the forward for the cores) or a stall of the schedule stream
+    that uses no compute (``"wait"``). Every repetition measures the forward alone and the
+    scheduler alone (``DecodeLoop.time_forward`` / ``time_scheduler`` of the COARSE loop, hence
+    that repetition's limit) and each policy, side by side; each ratio is the median over
+    repetitions of that repetition's ratio, so a machine that slows down halfway does not skew it.
     """
     st = _settings(quick)
     cfg, batch_size, steps, reps = st["cfg"], st["batch_size"], st["steps"], st["reps"]
     make = WORKLOADS[workload]
-    with CpuDevice() as dev:
-        forward_alone = _ForwardAlone(make(cfg), cfg, batch_size, dev)
-        write_cost, wait_s = calibrate(cfg, batch_size, forward_alone(steps), kind, dev)
-        writes_alone = _WritesAlone(cfg, batch_size, dev, write_cost, wait_s)
-        loops = {p: decode_loop(make(cfg), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg,
-                                write_cost=write_cost, write_wait_s=wait_s) for p in POLICIES}
+    with open_device(device) as dev:
+        loops = {p: decode_loop(make(cfg), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg)
+                 for p in POLICIES}
+        coarse = loops[Policy.COARSE]
+        coarse.time_forward(3)  # warm up
+        write_cost, wait_s = calibrate(coarse, coarse.time_forward(steps), kind)
+        work = synthetic_work(dev, write_cost=write_cost, write_wait_s=wait_s)
+        for loop in loops.values():
+            loop.write_work = work
         plans = {p.name: {r["buffer"]: r["end"] for r in loop.lowered.plan.describe()} for p, loop in loops.items()}
         for loop in loops.values():
             loop.run(st["warmup"])
         forward, writes = [], []
         rates: dict[Policy, list[float]] = {p: [] for p in POLICIES}
         for rep in range(reps):
-            forward.append(forward_alone(steps))
-            writes.append(writes_alone(steps))
+            forward.append(coarse.time_forward(steps))
+            writes.append(coarse.time_scheduler(steps))
             order = POLICIES if rep % 2 == 0 else tuple(reversed(POLICIES))
             for p in order:
                 _, seconds = loops[p].run(steps)
@@ -208,10 +161,12 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
             if progress:
                 print(f"  rep {rep + 1}/{reps}: forward {forward[-1] * 1e3:.1f} ms, writes {writes[-1] * 1e3:.1f} ms; "
                       + "  ".join(f"{p.name} {rates[p][-1]:.1f}" for p in POLICIES), file=sys.stderr)
+        device_name = dev.name
     limits = [1.0 / max(f, w) for f, w in zip(forward, writes)]
     med = statistics.median
     return {
         "workload": workload,
+        "device": device_name,
         "write_kind": kind,
         "forward_ms": med(forward) * 1e3,
         "writes_ms": med(writes) * 1e3,
@@ -237,7 +192,7 @@ RUNS = (
 
 
 def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
-         progress: bool = False) -> dict[str, Any]:
+         progress: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Ratios of every run (nested ``name: number`` entries, for ``readfence bench``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # streams are the parallelism: one intra-op thread each
@@ -247,7 +202,7 @@ def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
         for key, workload, kind in runs:
             if progress:
                 print(f"{key}: {workload}, scheduler work = {kind}", file=sys.stderr)
-            r = details[key] = measure(workload, kind=kind, quick=quick, progress=progress)
+            r = details[key] = measure(workload, kind=kind, quick=quick, progress=progress, device=device)
             out[key] = {
                 "forward_ms": r["forward_ms"], "writes_ms": r["writes_ms"],
                 "limit_steps_per_s": r["limit_steps_per_s"],
@@ -264,7 +219,7 @@ def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
 def _print(details: dict[str, Any]) -> None:
     for key, r in details.items():
         s = r["settings"]
-        print(f"[{key}] {r['workload']}, scheduler work: {r['write_kind']}  (batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
+        print(f"[{key}] {r['workload']} on {r['device']}, scheduler work: {r['write_kind']}  (batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
               f"{s['layers']} layers; {s['steps']} steps x {s['reps']} reps, median)")
         work = (f"matmul {r['write_cost']}x{r['write_cost']}" if r["write_kind"] == "matmul"
                 else f"wait {r['write_wait_ms']:.1f} ms")
@@ -282,9 +237,11 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("--only", choices=[k for k, _, _ in RUNS], action="append",
                         help="run only this measurement (repeatable)")
+    parser.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
+                        help="device to run on (default cpu; auto = CUDA when available)")
     args = parser.parse_args(argv)
     runs = tuple(r for r in RUNS if not args.only or r[0] in args.only)
-    main(quick=args.quick, runs=runs, progress=not args.json)
+    main(quick=args.quick, runs=runs, progress=not args.json, device=args.device)
     details = main.details  # type: ignore[attr-defined]
     if args.json:
         print(json.dumps(details, indent=2))

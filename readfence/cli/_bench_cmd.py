@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 
+from ._params import DeviceName
+
 #: The benchmarks ``readfence bench`` runs, in order (files under ``benchmarks/``).
 BENCHMARKS = ("bench_overlap.py", "bench_overhead.py")
 
@@ -36,11 +38,11 @@ def benchmarks_dir() -> pathlib.Path | None:
     return candidate if candidate.is_dir() else None
 
 
-def _call_main(main: Any, quick: bool) -> Any:
+def _call_main(main: Any, quick: bool, device: str = "cpu") -> Any:
     params = inspect.signature(main).parameters
     if "quick" in params:
-        return main(quick=quick)
-    argv = ["--quick"] if quick else []
+        return main(quick=quick, **({"device": device} if "device" in params else {}))
+    argv = (["--quick"] if quick else []) + (["--device", device] if device != "cpu" else [])
     if params:
         return main(argv)
     saved = sys.argv
@@ -74,7 +76,7 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def run_benchmark(path: pathlib.Path, quick: bool) -> int:
+def run_benchmark(path: pathlib.Path, quick: bool, device: str = "cpu") -> int:
     """Run one benchmark (see the module docstring); returns an exit status."""
     spec = importlib.util.spec_from_file_location(f"readfence_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec) if spec and spec.loader else None
@@ -86,16 +88,19 @@ def run_benchmark(path: pathlib.Path, quick: bool) -> int:
         module = None
     main = getattr(module, "main", None)
     if not callable(main):
-        cmd = [sys.executable, str(path)] + (["--quick"] if quick else [])
+        cmd = [sys.executable, str(path)] + (["--quick"] if quick else []) + \
+            (["--device", device] if device != "cpu" else [])
         return subprocess.run(cmd, check=False).returncode
-    for line in format_ratios(_call_main(main, quick)):
+    for line in format_ratios(_call_main(main, quick, device)):
         click.echo(line)
     return 0
 
 
 @click.command()
 @click.option("--quick", is_flag=True, help="Fewer steps and repeats: a smoke run.")
-def bench(quick: bool) -> None:
+@click.option("--device", type=DeviceName(), default="cpu", show_default=True,
+              help="cpu, cuda or auto (passed to each benchmark's main).")
+def bench(quick: bool, device: str) -> None:
     """Run the benchmarks (from the source checkout) and print their ratios."""
     where = benchmarks_dir()
     if where is None:
@@ -109,6 +114,6 @@ def bench(quick: bool) -> None:
     for path in found:
         click.echo(f"== {path.stem}{' (quick)' if quick else ''}")
         sys.stdout.flush()
-        failed += run_benchmark(path, quick) != 0
+        failed += run_benchmark(path, quick, device) != 0
     if failed:
         sys.exit(1)

@@ -15,9 +15,8 @@ from typing import Any
 import attrs
 
 from readfence.core import ForwardMode
-from readfence.graph import Policy, Timeline, UnsoundLowering, run_overlapped, run_serial
+from readfence.graph import Policy, Timeline, UnsoundLowering, open_device, run_overlapped, run_serial
 
-from ._params import open_device
 from ._trace import WaitRecorder, add_replays, add_waits
 
 #: A composition whose buffers end at different stages: trtllm_mha snapshots its page-table

@@ -23,7 +23,7 @@ from returns.pipeline import is_successful
 
 from readfence.backends import Backend, parse
 from readfence.core import ForwardMode
-from readfence.graph import STEP_SHAPES, Policy, StepShape, parse_step
+from readfence.graph import DEVICE_KINDS, STEP_SHAPES, Policy, StepShape, open_device, parse_step
 
 
 class InputError(click.ClickException):
@@ -137,7 +137,7 @@ class DeviceName(click.ParamType):
     """``auto``, ``cpu`` or ``cuda``; ``cuda`` must be available."""
 
     name = "device"
-    choices = ("auto", "cpu", "cuda")
+    choices = DEVICE_KINDS
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         key = str(value).strip().lower()
@@ -150,22 +150,6 @@ class DeviceName(click.ParamType):
                 raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
                                           "is False); allowed: auto, cpu")
         return key
-
-
-def open_device(name: str) -> Any:
-    """A fresh device for ``auto``/``cpu``/``cuda`` (close it, or use it as a context manager).
-
-    >>> with open_device("cpu") as dev:
-    ...     dev.name
-    'cpu'
-    """
-    from readfence.graph import CpuDevice, CudaDevice, default_device
-
-    if name == "cpu":
-        return CpuDevice()
-    if name == "cuda":
-        return CudaDevice()
-    return default_device()
 
 
 def device_caps(name: str) -> Any:

@@ -11,6 +11,7 @@ from ._cpu import CpuDevice, CpuEvent, CpuGraph, CpuStream, Generation
 from ._cuda import CudaDevice
 from ._device import (
     DEFAULT_TIMEOUT_S,
+    DEVICE_KINDS,
     Device,
     DeviceObserver,
     Event,
@@ -18,6 +19,7 @@ from ._device import (
     Stream,
     default_device,
     delay_point,
+    open_device,
     record_here,
 )
 from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
@@ -55,8 +57,10 @@ __all__ = [
     "Violation",
     "Write",
     "bind_step",
+    "DEVICE_KINDS",
     "default_device",
     "delay_point",
+    "open_device",
     "record_here",
     "records_in",
 ]
@@ -67,12 +71,12 @@ from ._plan import FencePlan, Placement, plan_fences  # noqa: E402
 
 __all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
             "UnsoundLowering", "lower", "make_state", "plan_fences", "torch_device"]
-from ._runtime import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial  # noqa: E402
+from ._runtime import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial, synthetic_work  # noqa: E402
 from ._scheduler import Scheduler, StepState  # noqa: E402
 from ._timeline import Timeline  # noqa: E402
 
 __all__ += ["DecodeLoop", "LoopResult", "Scheduler", "StepState", "Timeline", "decode_loop",
-            "run_overlapped", "run_serial"]
+            "run_overlapped", "run_serial", "synthetic_work"]
 from ._composite import JoinedFence, PhasedStep, StreamGroup  # noqa: E402
 from ._runtime import lower_step  # noqa: E402
 from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, parse_step  # noqa: E402

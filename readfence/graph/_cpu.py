@@ -36,7 +36,7 @@ import attrs
 
 from readfence.effects import Capabilities
 
-from ._device_base import DeviceBase, GraphBase, _caps
+from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
@@ -531,6 +531,20 @@ class CpuDevice(DeviceBase):
         self._own_event(event)
         _, gen = _take_pending(event)
         gen._fire()
+
+    def stall(self, seconds: float) -> None:
+        """From inside a launched function: hold the running stream for about ``seconds``
+        without using the CPU (the stream's worker thread sleeps).
+
+        >>> import time
+        >>> with CpuDevice() as dev:
+        ...     s = dev.stream("copy engine")
+        ...     t0 = time.perf_counter()
+        ...     s.launch(dev.stall, 0.05, label="copy"); s.synchronize(timeout=5)
+        >>> time.perf_counter() - t0 >= 0.05
+        True
+        """
+        time.sleep(_check_seconds(seconds))
 
     def close(self) -> None:
         """Stop the worker threads. Queued ops are skipped, their events fail with

@@ -26,7 +26,7 @@ import torch
 
 from readfence.effects import Capabilities
 
-from ._device_base import DeviceBase, GraphBase, _caps
+from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
@@ -39,12 +39,25 @@ from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorde
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
 
-_SLEEP_CYCLES_PER_S = 1.0e9  # rough GPU clock for fault-injection sleeps (torch.cuda._sleep)
 
 
 def _in_graph_events_supported() -> bool:
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 8)
+
+
+def _sleep_cycles_per_second(index: int) -> float:
+    """GPU clock cycles per second of ``torch.cuda._sleep`` on device ``index``, measured once
+    (eagerly, outside any capture) with timing events."""
+    with torch.cuda.device(index):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000)  # load the kernel
+        cycles = 20_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
 
 
 def _poll(query: Callable[[], bool], timeout: float) -> bool:
@@ -268,6 +281,7 @@ class CudaDevice(DeviceBase):
         base = Capabilities(in_graph_events=_in_graph_events_supported(), graphs=True) if caps is None else caps
         super().__init__(f"cuda:{index}", _caps(base, in_graph_events, graphs), timeout, faults, observers)
         self.index = index
+        self._cycles_per_s = _sleep_cycles_per_second(index)
 
     def _capture_context(self, graph: CudaGraph, stream: CudaStream) -> Any:
         # Launched functions run now; their kernels and in-graph records are captured.
@@ -280,6 +294,12 @@ class CudaDevice(DeviceBase):
         _take_pending(event)
         event.torch.record(torch.cuda.current_stream())
 
+    def stall(self, seconds: float) -> None:
+        """From inside a launched function: hold the current stream for about ``seconds``
+        (a ``torch.cuda._sleep`` kernel; the host does not wait). Inside a capture, the stall
+        becomes part of the graph."""
+        torch.cuda._sleep(int(_check_seconds(seconds) * self._cycles_per_s))
+
     def close(self) -> None:
         """Mark the device closed (later enqueues raise). Pending GPU work is not cancelled."""
         with self._lock:
@@ -289,4 +309,4 @@ class CudaDevice(DeviceBase):
         if self.faults is not None:
             delay = self.faults.delay_for(stream, label)
             if delay > 0.0:
-                torch.cuda._sleep(int(delay * _SLEEP_CYCLES_PER_S))
+                self.stall(delay)

@@ -130,6 +130,11 @@ class Device(Protocol):
     def record_here(self, event: Event) -> None:
         """Record ``event`` now, from inside a launched or captured function."""
 
+    def stall(self, seconds: float) -> None:
+        """From inside a launched function: hold the running stream for about ``seconds``
+        without using compute (stands for a copy engine or a network wait)."""
+        ...
+
     def delay_point(self, label: str) -> None:
         """A point where the fault injector (if any) may delay the running stream."""
 
@@ -285,9 +290,30 @@ def default_device(**kwargs: Any) -> Device:
     True
     >>> dev.close()
     """
+    return open_device("auto", **kwargs)
+
+
+DEVICE_KINDS = ("auto", "cpu", "cuda")
+
+
+def open_device(kind: str = "auto", **kwargs: Any) -> Device:
+    """A fresh device of ``kind``: ``cpu``, ``cuda``, or ``auto`` (CUDA when available).
+
+    Close it, or use it as a context manager; kwargs go to the device's constructor.
+
+    >>> with open_device("cpu", timeout=5) as dev:
+    ...     dev.name, dev.timeout
+    ('cpu', 5.0)
+    >>> open_device("tpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown device kind 'tpu'; allowed: auto, cpu, cuda
+    """
     import torch
 
-    if torch.cuda.is_available():
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"unknown device kind {kind!r}; allowed: {', '.join(DEVICE_KINDS)}")
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         from ._cuda import CudaDevice
 
         return CudaDevice(**kwargs)

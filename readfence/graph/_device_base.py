@@ -28,6 +28,12 @@ def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool 
     return attrs.evolve(base, **changes) if changes else base
 
 
+def _check_seconds(seconds: float) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"stall needs a number of seconds >= 0, got {seconds!r}")
+    return float(seconds)
+
+
 class DeviceBase:
     """Common machinery; subclasses set the stream/event/graph types and the device specifics."""
 

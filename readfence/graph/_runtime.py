@@ -23,7 +23,7 @@ from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs,
 
 from ._device import Device
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
-from ._lower import StepRun, lower, make_state
+from ._lower import StepRun, lower, make_state, torch_device
 from ._ops import Write
 from ._policy import Policy
 from ._sanitizer import Sanitizer, Violation
@@ -104,17 +104,9 @@ def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy
     return lower(target, mode, **common)
 
 
-def _busy(work: Tensor | float | None) -> None:
-    # Synthetic scheduler work (e.g. building page-table rows with kernels): a GIL-free matmul,
-    # or (a float) a wait of that many seconds that needs no CPU (e.g. a copy engine).
-    if isinstance(work, float):
-        time.sleep(work)
-    elif work is not None:
-        torch.mm(work, work)
-
-
-def _write(dst: Tensor, src: Tensor, work: Tensor | float | None) -> None:
-    _busy(work)
+def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None) -> None:
+    if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
+        work()
     dst.copy_(src)
 
 
@@ -159,7 +151,7 @@ class DecodeLoop:
     device: Device
     schedule_stream: Any
     written: Any
-    write_work: Tensor | float | None
+    write_work: Callable[[], Any] | None  # run on the schedule stream before the page-table write
     timeline: Timeline | None
     write_order: tuple[str, ...]
 
@@ -182,8 +174,7 @@ class DecodeLoop:
 
     def run(self, steps: int, *, progress: Callable[[int], None] | None = None, timeout: float | None = None) -> tuple[list[StepRun], float]:
         """Run ``steps`` overlapped steps; returns the step runs and the wall time (s)."""
-        if not isinstance(steps, int) or steps <= 0:
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        _check_steps(steps)
         t0 = time.perf_counter()
         nxt = self._next()
         self._write_state(nxt, None)
@@ -200,6 +191,73 @@ class DecodeLoop:
             run.result(timeout)
         self.device.synchronize(timeout)
         return runs, time.perf_counter() - t0
+
+
+    def time_forward(self, steps: int, timeout: float | None = None) -> float:
+        """Seconds per step of the lowered forward alone: ``steps`` replays of one scheduled
+        batch back to back, no scheduler work (one side of the overlap limit).
+
+        A measurement: like :meth:`time_scheduler` it advances the scheduler and rewrites the
+        live state and pools, so later outputs no longer follow ``run_serial``'s."""
+        _check_steps(steps)
+        nxt = self._next()
+        self._write_state(nxt, None)
+        self.device.synchronize(timeout)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            self.lowered.run(nxt.batch, step=i, after=[self.written])
+        self.device.synchronize(timeout)
+        return (time.perf_counter() - t0) / steps
+
+    def time_scheduler(self, steps: int, timeout: float | None = None) -> float:
+        """Seconds per step of the scheduler alone: next step plus its writes (synthetic work
+        included), no forward and no fence (the other side of the overlap limit)."""
+        _check_steps(steps)
+        self.device.synchronize(timeout)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self._write_state(self._next(), None)
+        self.device.synchronize(timeout)
+        return (time.perf_counter() - t0) / steps
+
+    def limit(self, steps: int, timeout: float | None = None) -> float:
+        """Steps/s with perfect overlap: ``1 / max(forward alone, scheduler alone)``.
+
+        >>> from readfence.backends import paged
+        >>> from readfence.graph import CpuDevice
+        >>> with CpuDevice() as dev:
+        ...     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, write_wait_s=0.01)
+        ...     loop.limit(5) <= 100.0           # the scheduler alone takes >= 10 ms a step
+        True
+        """
+        return 1.0 / max(self.time_forward(steps, timeout), self.time_scheduler(steps, timeout))
+
+
+def _check_steps(steps: object) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+
+
+def synthetic_work(device: Device, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], Any] | None:
+    """The scheduler's synthetic page-table work for ``decode_loop``: a GIL-free
+    ``write_cost x write_cost`` matmul on ``device``, or a ``write_wait_s`` stall of the
+    schedule stream that uses no compute (a copy engine); ``None`` for neither.
+
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     synthetic_work(dev) is None, callable(synthetic_work(dev, write_wait_s=0.001))
+    (True, True)
+    """
+    if write_cost and write_wait_s:
+        raise ValueError("pass write_cost (a matmul) or write_wait_s (a wait), not both")
+    if write_wait_s < 0 or write_cost < 0:
+        raise ValueError(f"write_cost and write_wait_s must be >= 0, got {write_cost!r} and {write_wait_s!r}")
+    if write_cost:
+        w = torch.randn(write_cost, write_cost, device=torch_device(device))
+        return functools.partial(torch.mm, w, w)
+    if write_wait_s:
+        return functools.partial(device.stall, float(write_wait_s))
+    return None
 
 
 def decode_loop(
@@ -233,14 +291,7 @@ def decode_loop(
                      UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, **extra)
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
-    where = next(iter(low.shared.values())).device
-    if write_cost and write_wait_s:
-        raise ValueError("pass write_cost (a matmul) or write_wait_s (a wait), not both")
-    work: Tensor | float | None = None
-    if write_cost:
-        work = torch.randn(write_cost, write_cost, device=where)
-    elif write_wait_s:
-        work = float(write_wait_s)
+    work = synthetic_work(device, write_cost=write_cost, write_wait_s=write_wait_s)
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),
                       work, timeline, order)
 

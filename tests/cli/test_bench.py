@@ -70,3 +70,25 @@ def test_the_repository_benchmarks_run_quick(script):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "== bench_overlap" in run.stdout
     assert "_vs_coarse: " in run.stdout
+
+
+DEVICE_AWARE = '''
+def main(quick=False, device="cpu"):
+    return {"device_" + device: 1.0}
+'''
+
+
+def test_device_is_passed_to_mains_that_take_it(cli, monkeypatch, tmp_path):
+    (tmp_path / "bench_overlap.py").write_text(DEVICE_AWARE)
+    (tmp_path / "bench_overhead.py").write_text(OVERLAP)  # takes no device: runs as it is
+    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
+    result = cli("bench", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "device_cpu: 1.00" in result.output and "per_buffer_vs_coarse: 2.00" in result.output
+
+
+def test_unknown_device_is_refused_clearly(cli, monkeypatch, tmp_path):
+    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
+    result = cli("bench", "--device", "tpu")
+    assert result.exit_code == 2
+    assert "unknown device" in result.output and "Traceback" not in result.output

@@ -174,3 +174,16 @@ def test_sanitizer_sees_inside_cuda_graph_replay(dev):
         sched.record(written)
     dev.synchronize(timeout=T)
     assert [(v.reading_node, v.read_step) for v in san.violations] == [("attend", 0), ("attend", 1), ("attend", 2)]
+
+
+def test_stall_holds_the_stream_not_the_host(dev):
+    import time
+
+    s = dev.stream("copy engine")
+    done = dev.event("stalled")
+    t0 = time.perf_counter()
+    s.launch(dev.stall, 0.2, label="stall")
+    s.record(done)
+    assert time.perf_counter() - t0 < 0.1  # enqueued, not waited for
+    done.synchronize(timeout=T)
+    assert time.perf_counter() - t0 >= 0.15  # calibrated cycles: about the asked time
