@@ -186,6 +186,8 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
                         help="device to run on (default cpu; auto = CUDA when available)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here (torch.cuda.is_available() is False)")
     main(quick=args.quick, device=args.device)
     r = main.details  # type: ignore[attr-defined]
     if args.json:
