@@ -90,8 +90,9 @@ def _hold(dev: Any, stream: Any) -> Any:
 def _interleaved(dev: Any, low: Any, steps: dict[str, Any], batch: dict, n: int) -> dict[str, float]:
     """Median host nanoseconds per step of each loop, the loops alternating step by step.
 
-    Steps are enqueued in chunks while the forward stream is held (see :func:`_hold`), then
-    it is released and drained, untimed (short chunks keep a CUDA launch queue from filling).
+    Steps are enqueued while the forward stream is held (see :func:`_hold`), then it is
+    released and drained, untimed; on CUDA in chunks of 8 steps, so that the launch queue
+    never fills.
     Alternating single steps pairs every sample of one loop with a neighbour of the other:
     the machine's drift (on a shared VM, per-step cost moves by 2x from one second to the
     next) hits both loops alike, and the median ignores preemptions. The garbage collector is
@@ -100,7 +101,7 @@ def _interleaved(dev: Any, low: Any, steps: dict[str, Any], batch: dict, n: int)
     clock = time.perf_counter_ns
     fns = list(steps.items())
     times: dict[str, list[int]] = {name: [] for name in steps}
-    chunk = 50 if isinstance(dev, CpuDevice) else 8
+    chunk = n if isinstance(dev, CpuDevice) else 8  # CpuDevice queues are unbounded; chunks cool caches
     for start in range(0, n, chunk):
         release = _hold(dev, low.stream)
         gc.collect()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 import operator
 from typing import Any
 
@@ -99,30 +100,30 @@ class Fence(tuple):
                 probes: Mapping[str, Bound] | None = None) -> Fence:
         distinct: dict[int, int] = {}
         bounds: list[Bound] = []
-        points: list[tuple[str, int | None]] = []
+        points: dict[str, int | None] = {}
         for buffer, bound in per_buffer.items():
             if bound is None:
-                points.append((buffer, None))
+                points[buffer] = None
                 continue
             index = distinct.setdefault(id(bound.event), len(bounds))
             if index == len(bounds):
                 bounds.append(bound)
-            points.append((buffer, index))
+            points[buffer] = index
         bounds.append(done)
         handles = tuple(b.handle for b in bounds)
         return cls.from_generations(
-            owner, step, tuple(points), tuple(b.event for b in bounds), tuple(b.generation for b in bounds),
+            owner, step, MappingProxyType(points), tuple(b.event for b in bounds), tuple(b.generation for b in bounds),
             None if all(h is None for h in handles[:-1]) else handles, {} if probes is None else probes,
             done.handle,
         )
 
     @classmethod
-    def from_generations(cls, owner: str, step: int, points: Sequence[tuple[str, int | None]],
+    def from_generations(cls, owner: str, step: int, points: Mapping[str, int | None],
                          events: Sequence[Any], generations: Sequence[int], handles: Sequence[Any] | None,
                          probes: Mapping[str, Bound], done_handle: Any = None) -> Fence:
-        """Buffer ``b`` is released by ``events[i]`` at ``generations[i]`` for ``(b, i)`` in ``points``.
+        """Buffer ``b`` is released by ``events[points[b]]`` at ``generations[points[b]]``.
 
-        ``i`` None: not read. The last event is the whole forward's (``done``). ``points`` and
+        ``points[b]`` None: not read. The last event is the whole forward's (``done``). ``points`` and
         ``events`` are static per lowered graph and shared between steps: nothing is copied.
         ``handles`` (CpuDevice ``Generation`` records, for timestamps) may be ``None``;
         ``done_handle`` alone keeps the outputs waitable after the event ring wraps.
@@ -154,7 +155,7 @@ class Fence(tuple):
     @property
     def per_buffer(self) -> dict[str, Bound | None]:
         """Per published buffer, its bound generation (``None``: not read, no wait)."""
-        return {b: None if i is None else self._bound(i) for b, i in self[2]}
+        return {b: None if i is None else self._bound(i) for b, i in self[2].items()}
 
     def __repr__(self) -> str:
         return f"Fence(owner={self.owner!r}, step={self.step}, per_buffer={self.per_buffer!r})"
@@ -173,7 +174,7 @@ class Fence(tuple):
         """Indices of the distinct events guarding ``buffers`` (default: every buffer)."""
         if buffers is None:
             return range(len(self[3]) - 1)
-        index = dict(self[2])
+        index = self[2]
         names = list(buffers)
         unknown = [b for b in names if b not in index]
         if unknown:
@@ -186,7 +187,7 @@ class Fence(tuple):
     def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
         events, generations = self[3], self[4]
-        for i in self._indices(buffers):
+        for i in range(len(events) - 1) if buffers is None else self._indices(buffers):
             event = events[i]
             if event.generation != generations[i]:
                 event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError

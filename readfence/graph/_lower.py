@@ -55,13 +55,28 @@ class UnsoundLowering(ValueError):
     """Lowering refused: a buffer is declared to end earlier than the traced code reads it."""
 
 
-@attrs.define
-class StepRun:
-    """What one ``Lowered.run`` returns: the step's logits (valid once ``fence.done`` fired)."""
+class StepRun(tuple):
+    """What one ``Lowered.run`` returns: ``step``, ``logits`` (a Tensor, or a tuple of them for
+    composite steps; valid once ``fence.done`` fired) and ``fence`` (a :class:`Fence`, or a
+    ``JoinedFence`` for composite steps). An immutable tuple: one is made per step on the
+    host's hot path.
 
-    step: int
-    logits: Any  # a Tensor, or a tuple of them for composite steps (phases, streams)
-    fence: Any  # Fence, or JoinedFence for composite steps
+    >>> run = StepRun(3, None, None)
+    >>> run.step, run.fence is None
+    (3, True)
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, step: int, logits: Any, fence: Any) -> StepRun:
+        return tuple.__new__(cls, (step, logits, fence))
+
+    step = property(operator.itemgetter(0))
+    logits = property(operator.itemgetter(1))
+    fence = property(operator.itemgetter(2))
+
+    def __repr__(self) -> str:
+        return f"StepRun(step={self.step}, fence={self.fence!r})"
 
     def result(self, timeout: float | None = None) -> Tensor:
         """Host wait for the whole forward (with timeout), then the logits."""
@@ -82,7 +97,7 @@ class _Slot:
     # keyed by the enum: run() is on the host's hot path and enum hashing is slow)
     at_end: tuple[tuple[Any, ...], ...] = ()
     fence_events: tuple[Any, ...] = ()  # events in plan order, then done
-    buffer_points: list[tuple[str, int | None]] = attrs.Factory(list)  # buffer -> index (None: no wait)
+    buffer_points: Mapping[str, int | None] = attrs.Factory(dict)  # buffer -> event index (None: no wait)
     out_fn: Any = None  # the prepare_out_graph launch (no timeline) and its ops
     out_ops: tuple[Op, ...] = ()
 
@@ -179,7 +194,7 @@ class Lowered:
         slot.at_end = tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd)
         index = {p: i for i, p in enumerate(events)}
         slot.fence_events = (*events.values(), slot.done)
-        slot.buffer_points = [(b, index.get(p)) for b, p in self.plan.placements.items()]
+        slot.buffer_points = MappingProxyType({b: index.get(p) for b, p in self.plan.placements.items()})
         out_runner, env, copy_meta = stages["prepare_out_graph"][0], self._env, self._copy_meta
         slot.out_fn = lambda: copy_meta(out_runner.run(env))
         slot.out_ops = stages["prepare_out_graph"][1]
@@ -262,7 +277,7 @@ class Lowered:
         for event in at_end[_LAST]:
             s.record(event)
         s.record(slot.done)
-        return StepRun(step, logits, self._fence(slot, step))
+        return tuple.__new__(StepRun, (step, logits, self._fence(slot, step)))
 
     def _copy_meta(self, out: Mapping[str, Tensor]) -> None:
         meta = self._meta
