@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-import operator
 from typing import Any
 
 from ._errors import DeviceError

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from types import MappingProxyType
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import attrs
