@@ -17,6 +17,7 @@ from readfence.graph import (
     Scheduler,
     UnsoundLowering,
     lower,
+    make_state,
 )
 from readfence.graph._plan import IN_GRAPH_STAGES
 
@@ -192,3 +193,23 @@ def test_describe_lists_declared_observed_and_placement(dev):
                                    "observed": "IN_REPLAY",
                                    "placement": "inside the graph, after prepare_in_graph"}
     assert rows["req_to_token"]["end"] == rows["req_to_token"]["observed"] == "PRE_REPLAY"
+
+
+def test_lowering_rehearses_on_a_throwaway_example_not_on_the_live_state(dev):
+    # The rehearsal before capture runs every stage once; it must not write live pools/state.
+    state = make_state(CFG, dev)
+    before = {g: {k: t.clone() for k, t in tensors.items()} for g, tensors in state.items()}
+    seen = []
+
+    class Launches(DeviceObserver):
+        def on_launch(self, stream, label, ops):
+            seen.append(label)
+
+    dev.add_observer(Launches())
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+                policy=Policy.EXACT, state=state)
+    assert any(label.endswith("/rehearse") for label in seen)  # it did run, on the lowered stream
+    for group, tensors in before.items():
+        for k, t in tensors.items():
+            assert torch.equal(state[group][k], t), f"lowering changed live {group}.{k}"
+    assert low.shared is state["shared"]
