@@ -41,6 +41,8 @@ import statistics
 import sys
 from typing import Any
 
+import time
+
 import attrs
 import torch
 
@@ -125,6 +127,23 @@ def calibrate(loop: DecodeLoop, forward_s: float, kind: str) -> tuple[int, float
     return n, 0.0
 
 
+def parallel_speedup(dev: Any, work: Any, n: int = 20) -> float:
+    """How much faster two streams run ``work`` than one (2.0: two free cores, or a device
+    with room for both). Bounds what overlapping a forward with compute writes can gain."""
+    one, two = dev.stream("capacity a"), dev.stream("capacity b")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        one.launch(work, label="capacity")
+    dev.synchronize()
+    alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        one.launch(work, label="capacity")
+        two.launch(work, label="capacity")
+    dev.synchronize()
+    return 2 * alone / (time.perf_counter() - t0)
+
+
 def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progress: bool = False,
             device: str = "cpu") -> dict[str, Any]:
     """Run one workload; returns steps/s per policy, ratios to COARSE and to the limit.
@@ -146,6 +165,7 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
         coarse.time_forward(3)  # warm up
         write_cost, wait_s = calibrate(coarse, coarse.time_forward(steps), kind)
         work = synthetic_work(dev, write_cost=write_cost, write_wait_s=wait_s)
+        speedup = parallel_speedup(dev, work) if kind == "matmul" else None
         for loop in loops.values():
             loop.write_work = work
         plans = {p.name: {r["buffer"]: r["end"] for r in loop.lowered.plan.describe()} for p, loop in loops.items()}
@@ -175,6 +195,7 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
         "write_cost": write_cost,
         "write_wait_ms": wait_s * 1e3,
         "limit_steps_per_s": med(limits),
+        "parallel_speedup": speedup,
         "steps_per_s": {p.name: med(rates[p]) for p in POLICIES},
         "vs_coarse": {p.name: med([r / c for r, c in zip(rates[p], rates[Policy.COARSE])]) for p in POLICIES},
         "vs_limit": {p.name: med([r / lim for r, lim in zip(rates[p], limits)]) for p in POLICIES},
@@ -211,6 +232,7 @@ def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
                 **{f"{p.lower()}_steps_per_s": v for p, v in r["steps_per_s"].items()},
                 **{f"{p.lower()}_vs_coarse": v for p, v in r["vs_coarse"].items() if p != "COARSE"},
                 **{f"{p.lower()}_vs_limit": v for p, v in r["vs_limit"].items()},
+                **({"parallel_speedup": r["parallel_speedup"]} if r["parallel_speedup"] is not None else {}),
             }
         main.details = details  # type: ignore[attr-defined]
         return out
@@ -227,6 +249,9 @@ def _print(details: dict[str, Any]) -> None:
                 else f"wait {r['write_wait_ms']:.1f} ms")
         print(f"  forward alone {r['forward_ms']:.1f} ms/step, writes alone {r['writes_ms']:.1f} ms/step "
               f"({work}), limit {r['limit_steps_per_s']:.1f} steps/s")
+        if r["parallel_speedup"] is not None:
+            print(f"  two streams run the write's matmul {r['parallel_speedup']:.2f}x as fast as one "
+                  "(2.00: room for both; below it, forward and writes slow each other down)")
         for p in POLICIES:
             ends = ", ".join(f"{b}={e}" for b, e in r["plans"][p.name].items())
             print(f"  {p.name:10} {r['steps_per_s'][p.name]:6.1f} steps/s  {r['vs_coarse'][p.name]:5.2f}x COARSE  "
