@@ -20,17 +20,17 @@ from readfence.graph import (
     synthetic_work,
 )
 
-WAIT = 0.02  # seconds of stall per page-table write
+WAIT = 0.05  # seconds of stall per page-table write: far above the tiny forward
 
 
 def test_stall_holds_the_stream_without_the_host(dev):
     s = dev.stream("copy engine")
     t0 = time.perf_counter()
-    s.launch(dev.stall, WAIT, label="stall")
+    s.launch(dev.stall, 0.3, label="stall")
     enqueued = time.perf_counter() - t0
     s.synchronize()
-    assert enqueued < WAIT  # the host did not wait
-    assert time.perf_counter() - t0 >= WAIT  # the stream did
+    assert enqueued < 0.3  # the host did not wait
+    assert time.perf_counter() - t0 >= 0.3  # the stream did
 
 
 @pytest.mark.parametrize("bad", [-0.1, "1", None, True])
