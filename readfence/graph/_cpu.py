@@ -40,9 +40,7 @@ from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
-    _check_all_recorded,
-    _OpContext,
-    _running,
+    _run_launched,
     _take_pending,
 )
 from ._errors import CaptureError, DeviceClosed, DeviceTimeout, EventNeverRecorded, StreamError
@@ -187,18 +185,11 @@ class _LaunchItem(_Item):
 
     def run(self, stream: CpuStream) -> None:
         stream.device._delay(stream.name, self.label)
-        _call(stream, self.label, self.fn, self.args, self.tokens)
+        _run_launched(stream.device, stream.name, self.label, self.fn, self.args, self.tokens)
 
     def skip(self, error: BaseException) -> None:
         for _, gen in self.tokens:
             gen._fail(error)
-
-
-def _call(stream: CpuStream, label: str, fn: Callable[..., Any], args: tuple[Any, ...], tokens: list) -> None:
-    ctx = _OpContext(stream.device, stream.name, label, tokens)
-    with _running(ctx):
-        fn(*args)
-    _check_all_recorded(ctx)
 
 
 class _RecordItem(_Item):
@@ -249,7 +240,7 @@ class _ReplayItem(_Item):
                 if isinstance(entry, _GraphRecord):
                     tokens[0][1]._fire()
                 else:
-                    _call(stream, label, entry.fn, entry.args, tokens)
+                    _run_launched(dev, stream.name, label, entry.fn, entry.args, tokens)
             except BaseException as exc:
                 raise StreamError(stream.name, label, exc) from exc
 

@@ -30,9 +30,7 @@ from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
-    _check_all_recorded,
-    _OpContext,
-    _running,
+    _run_launched,
     _take_pending,
 )
 from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
@@ -181,10 +179,8 @@ class CudaStream:
             capture = self._capture
             if capture is not None:
                 capture._add(ops, label)
-                ctx = _OpContext(dev, self.name, label, [(ev, None) for ev in records_in(ops)])
-                with _running(ctx):  # the capture context already made this stream current
-                    fn(*args)
-                _check_all_recorded(ctx)
+                # the capture context already made this stream current
+                _run_launched(dev, self.name, label, fn, args, [(ev, None) for ev in records_in(ops)])
                 return
             dev._notify_locked("on_launch", self.name, label, ops)
             for ev in records_in(ops):
@@ -194,10 +190,7 @@ class CudaStream:
             try:
                 with torch.cuda.stream(self.torch):
                     dev._delay(self.name, label)
-                    ctx = _OpContext(dev, self.name, label, [(ev, None) for ev in records_in(ops)])
-                    with _running(ctx):
-                        fn(*args)
-                    _check_all_recorded(ctx)
+                    _run_launched(dev, self.name, label, fn, args, [(ev, None) for ev in records_in(ops)])
             except Exception as exc:  # noqa: BLE001 - sticky, surfaces at the next wait
                 self._error = StreamError(self.name, label, exc)
 

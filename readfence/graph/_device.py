@@ -246,6 +246,16 @@ def _check_all_recorded(ctx: _OpContext) -> None:
         )
 
 
+def _run_launched(device: Any, stream: str, label: str, fn: Callable[..., Any], args: Sequence[Any],
+                  pending: Sequence[tuple[Any, Any]]) -> None:
+    """Run a launched ``fn(*args)`` with its declared records ``pending`` (``(event, token)``
+    pairs, for ``record_here``); each of them must be recorded by the time it returns."""
+    ctx = _OpContext(device, stream, label, pending)
+    with _running(ctx):
+        fn(*args)
+    _check_all_recorded(ctx)
+
+
 def record_here(event: Event) -> None:
     """Record ``event`` at this point of the running launch: ``event.device.record_here(event)``.
 
