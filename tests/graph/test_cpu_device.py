@@ -28,6 +28,8 @@ from readfence.graph import (
     record_here,
 )
 
+from ._gates import make_gate
+
 T = 5.0  # generous timeout for waits that must succeed
 
 
@@ -35,16 +37,6 @@ T = 5.0  # generous timeout for waits that must succeed
 def dev():
     with CpuDevice(timeout=T) as d:
         yield d
-
-
-def _gate():
-    """A threading.Event and a launchable function that blocks until it is set."""
-    gate = threading.Event()
-
-    def block():
-        assert gate.wait(T), "test gate never opened"
-
-    return gate, block
 
 
 def test_stream_is_fifo(dev):
@@ -86,7 +78,7 @@ def test_wait_orders_work_across_streams(dev):
 def test_without_wait_there_is_no_order(dev):
     """Broken counterpart of the test above: with no wait, the forward reads before the write."""
     sched, fwd = dev.stream("schedule"), dev.stream("forward")
-    gate, block = _gate()
+    gate, block = make_gate(T)
     x = torch.zeros(4)
     seen: list[float] = []
     sched.launch(block, label="slow")
@@ -101,8 +93,8 @@ def test_without_wait_there_is_no_order(dev):
 def test_wait_binds_to_latest_record_at_call_time(dev):
     a, b = dev.stream("a"), dev.stream("b")
     ev = dev.event("fence")
-    gate1, block1 = _gate()
-    gate2, block2 = _gate()
+    gate1, block1 = make_gate(T)
+    gate2, block2 = make_gate(T)
     ran = threading.Event()
     a.launch(block1, label="block1")
     a.record(ev)  # generation 1
@@ -122,7 +114,7 @@ def test_wait_binds_to_latest_record_at_call_time(dev):
 def test_in_graph_record_fires_mid_replay(dev):
     fwd = dev.stream("forward")
     mid, end = dev.event("mid"), dev.event("end")
-    gate, block = _gate()
+    gate, block = make_gate(T)
     trace: list[str] = []
     with dev.capture(fwd, label="step") as g:
         fwd.launch(trace.append, "prepare", label="prepare")
@@ -145,7 +137,7 @@ def test_in_graph_record_fires_mid_replay(dev):
 def test_record_here_fires_at_that_point_of_a_launch(dev):
     fwd, other = dev.stream("forward"), dev.stream("other")
     ev = dev.event("last read")
-    gate, block = _gate()
+    gate, block = make_gate(T)
     order: list[str] = []
 
     def body():
@@ -186,7 +178,7 @@ def test_several_events_at_different_points_of_one_replay(dev):
 def test_replay_twice_gives_two_generations_and_waits_bind_per_replay(dev):
     fwd, s1, s2 = dev.stream("forward"), dev.stream("sched1"), dev.stream("sched2")
     ev, after1, after2 = dev.event("fence"), dev.event("after1"), dev.event("after2")
-    gate, block = _gate()
+    gate, block = make_gate(T)
     calls = iter(range(2))
     seen: list[int] = []
 
@@ -227,7 +219,7 @@ def test_waiting_on_a_never_recorded_event_is_an_error(dev):
 
 def test_host_wait_times_out_quickly_naming_event_and_stream(dev):
     fwd = dev.stream("forward")
-    gate, block = _gate()
+    gate, block = make_gate(T)
     fence = dev.event("fence")
     fwd.launch(block, label="stuck body")
     fwd.record(fence)
@@ -248,7 +240,7 @@ def test_host_wait_times_out_quickly_naming_event_and_stream(dev):
 def test_device_side_wait_times_out_and_fails_the_waiting_stream():
     with CpuDevice(timeout=0.2) as dev:
         fwd, sched = dev.stream("forward"), dev.stream("schedule")
-        gate, block = _gate()
+        gate, block = make_gate(T)
         fence = dev.event("fence")
         fwd.launch(block, label="stuck")
         fwd.record(fence)
@@ -369,7 +361,7 @@ def test_foreign_streams_and_events_are_refused(dev):
 def test_close_fails_pending_work_instead_of_hanging():
     dev = CpuDevice(timeout=T)
     fwd = dev.stream("forward")
-    gate, block = _gate()
+    gate, block = make_gate(T)
     ev = dev.event("fence")
     fwd.launch(block, label="running")
     fwd.launch(lambda: None, label="queued")

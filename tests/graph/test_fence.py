@@ -6,7 +6,6 @@ in ``finally``.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -24,6 +23,8 @@ from readfence.graph import (
     lower,
 )
 
+from ._gates import make_gate
+
 M = ForwardMode
 SHORT = 0.2  # a wait that must time out
 T = 10.0  # a wait that must succeed
@@ -40,15 +41,6 @@ def _batch(low, seed=0):
     return nxt.batch
 
 
-def _blocker():
-    gate = threading.Event()
-
-    def block():
-        assert gate.wait(T), "test gate never opened"
-
-    return gate, block
-
-
 # -- a fence that never fires --------------------------------------------------------------------
 
 
@@ -56,7 +48,7 @@ def test_host_wait_on_a_fence_that_never_fires_times_out_clearly(dev):
     low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
                 policy=Policy.PER_BUFFER)
     batch = _batch(low)
-    gate, block = _blocker()
+    gate, block = make_gate(T)
     try:
         low.stream.launch(block, label="stuck kernel")  # the forward stream never gets to the step
         run = low.run(batch, step=0)
@@ -83,7 +75,7 @@ def test_device_side_wait_on_a_fence_that_never_fires_times_out(dev):
     low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
     batch = _batch(low)
     sched = dev.stream("schedule")
-    gate, block = _blocker()
+    gate, block = make_gate(T)
     try:
         low.stream.launch(block, label="stuck kernel")
         run = low.run(batch, step=0)
@@ -108,7 +100,7 @@ def test_device_side_wait_gives_up_after_the_device_timeout():
         low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
         batch = _batch(low)
         sched = dev.stream("schedule")
-        gate, block = _blocker()
+        gate, block = make_gate(T)
         try:
             low.stream.launch(block, label="stuck kernel")
             run = low.run(batch, step=0)
@@ -163,12 +155,16 @@ def test_exception_in_a_launched_fn_surfaces_at_the_next_fence_wait(dev):
         sched.synchronize(timeout=T)
 
 
-def test_exception_inside_a_graph_replay_names_the_graph_and_stage(dev):
-    # A broken step: request rows outside the page table make the in-graph stage fail.
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+def _run_rows_out_of_range(dev, backend):
+    """A broken step: request rows outside the page table make the stage that maps them fail."""
+    low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
     batch = dict(_batch(low))
     batch["req_pool_indices"] = torch.tensor([0, 10_000])
-    run = low.run(batch, step=0)
+    return low, low.run(batch, step=0)
+
+
+def test_exception_inside_a_graph_replay_names_the_graph_and_stage(dev):
+    low, run = _run_rows_out_of_range(dev, paged())  # paged maps rows in graph
     with pytest.raises(StreamError) as err:
         run.fence.synchronize(["seq_lens"], timeout=T)
     e = err.value
@@ -180,10 +176,7 @@ def test_exception_inside_a_graph_replay_names_the_graph_and_stage(dev):
 
 
 def test_exception_in_the_out_of_graph_stage_surfaces_before_the_replay(dev):
-    low = lower(trtllm_mha(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
-    batch = dict(_batch(low))
-    batch["req_pool_indices"] = torch.tensor([0, 10_000])
-    run = low.run(batch, step=0)
+    low, run = _run_rows_out_of_range(dev, trtllm_mha())  # trtllm_mha maps rows out of graph
     with pytest.raises(StreamError) as err:
         run.fence.synchronize(["req_to_token"], timeout=T)
     assert err.value.label.endswith("/prepare_out_graph") and low.label in err.value.label

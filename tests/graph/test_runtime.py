@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from readfence.backends import (
+    REFERENCE_LEAVES,
     deepseek_v4,
     dense,
     hybrid,
@@ -60,12 +61,7 @@ CFG = ModelConfig(layers=2)  # two layers: every combinator below still mixes it
 
 # name -> factory; factories so that every test builds fresh values (equality is structural).
 BACKENDS = {
-    "paged": paged,
-    "trtllm_mha": trtllm_mha,
-    "deepseek_v4": deepseek_v4,
-    "linear": linear,
-    "sparse": sparse,
-    "dense": dense,
+    **REFERENCE_LEAVES,
     "tbo(deepseek_v4,paged)": lambda: tbo(deepseek_v4(), paged()),
     "hybrid_linear(trtllm_mha,linear)": lambda: hybrid_linear(trtllm_mha(), linear()),
     "minimax(sparse,dense)": lambda: minimax(sparse(), dense()),
