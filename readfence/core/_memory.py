@@ -1,0 +1,121 @@
+"""Which shared buffers a tensor touches, by memory range rather than by Python identity.
+
+Two tensors alias when the bytes they may touch overlap: a view, a piece of ``split``, a
+``torch.from_dlpack`` round trip or a ``torch.frombuffer`` over the same memory all make new
+tensor (and even new storage) objects over a buffer's bytes, so identity misses them while
+an address range does not. A tensor's span is the interval from its first to one past its
+last addressable element (strides included): an over-approximation for strided views, which
+is the sound side. Fake and meta tensors have no addresses: their span lives in the space of
+their storage object instead (identity is all there is to compare under fake tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+
+@attrs.frozen
+class Span:
+    """The bytes ``[start, stop)`` a tensor may touch within one address ``space``.
+
+    >>> base = torch.zeros(4, 8, dtype=torch.int32)
+    >>> span_of(base[1]).overlaps(span_of(base)), span_of(base[1]).overlaps(span_of(base[2]))
+    (True, False)
+    """
+
+    space: Hashable  # ("cpu", None) / ("cuda", 0) for real memory; a StorageWeakRef otherwise
+    start: int
+    stop: int
+
+    def overlaps(self, other: Span) -> bool:
+        return self.space == other.space and self.start < other.stop and other.start < self.stop
+
+
+def _addressless(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def span_of(t: torch.Tensor) -> Span | None:
+    """The span of ``t``'s elements, or ``None`` when it has none (``numel() == 0``).
+
+    >>> t = torch.zeros(10)
+    >>> s = span_of(t[2:5]); s.stop - s.start
+    12
+    >>> span_of(torch.from_dlpack(torch.to_dlpack(t))) == span_of(t)
+    True
+    """
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    last = t.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    storage = t.untyped_storage()
+    if _addressless(t):
+        return Span(StorageWeakRef(storage), t.storage_offset() * size, (last + 1) * size)
+    base = storage.data_ptr()
+    return Span((t.device.type, t.device.index), base + t.storage_offset() * size, base + (last + 1) * size)
+
+
+def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a pytree (lists of pieces, dicts, tuples), in order."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+@attrs.frozen
+class BufferMap:
+    """Named memory regions (the shared buffers of a step) and which of them a tensor touches.
+
+    >>> live = {"seq_lens": torch.zeros(4, dtype=torch.int32), "swa_map": torch.zeros(8)}
+    >>> bm = BufferMap.of(live)
+    >>> bm.touched(live["seq_lens"].chunk(2)[1]), bm.touched(torch.zeros(4))
+    (frozenset({'seq_lens'}), frozenset())
+    """
+
+    spans: tuple[tuple[str, Span], ...]
+
+    @classmethod
+    def of(cls, named: Mapping[str, Any]) -> BufferMap:
+        """From ``{name: tensor}`` (non-tensors and empty tensors are skipped)."""
+        spans = []
+        for name, t in named.items():
+            if isinstance(t, torch.Tensor):
+                s = span_of(t)
+                if s is not None:
+                    spans.append((name, s))
+        return cls(tuple(spans))
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for n, _ in self.spans))
+
+    def touched(self, t: torch.Tensor) -> frozenset[str]:
+        """The names whose memory ``t`` may touch."""
+        s = span_of(t)
+        if s is None:
+            return frozenset()
+        return frozenset(n for n, span in self.spans if span.overlaps(s))
+
+    def touched_by(self, tree: Any) -> frozenset[str]:
+        """The names touched by any tensor of a pytree."""
+        out: frozenset[str] = frozenset()
+        for t in tensors_in(tree):
+            out |= self.touched(t)
+        return out
+
+    def union(self, others: Iterable[BufferMap]) -> BufferMap:
+        spans = list(self.spans)
+        for o in others:
+            spans.extend(o.spans)
+        return BufferMap(tuple(spans))
