@@ -2,7 +2,7 @@
 
 from ._modes import ForwardMode
 from ._model import forward, prepare, rms_norm, rotary, run_step
-from ._protocol import STAGE_ENDS, BackendLike
+from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._state import (
     SHARED_BUFFERS,
     ModelConfig,
@@ -22,6 +22,7 @@ __all__ = [
     "ForwardMode",
     "ModelConfig",
     "StepInputs",
+    "cross_into_graph",
     "example_step",
     "forward",
     "init_params",

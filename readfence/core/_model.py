@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._modes import ForwardMode
-from ._protocol import BackendLike
+from ._protocol import BackendLike, cross_into_graph
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
 
 _EPS = 1e-6
@@ -85,12 +85,15 @@ def prepare(backend: BackendLike, mode: ForwardMode, shared: Mapping[str, Tensor
             batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Both prepare stages in order: ``out = prepare_out_graph``; ``{**out, **prepare_in_graph}``.
 
+    ``out`` crosses into the graph as a copy (:func:`~readfence.core.cross_into_graph`), as it
+    does when lowered, so eager and lowered steps read the same memory.
+
     >>> from readfence.backends import paged
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> sorted(prepare(paged(), ForwardMode.DECODE, step.shared, step.batch))
     ['kv_indices', 'kv_lens']
     """
-    meta = dict(backend.prepare_out_graph(mode, shared, batch))
+    meta = cross_into_graph(backend.prepare_out_graph(mode, shared, batch))
     return {**meta, **backend.prepare_in_graph(mode, shared, batch, meta)}
 
 

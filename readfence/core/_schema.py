@@ -1,0 +1,103 @@
+"""What an op's schema says about aliasing and writes, for the static and the runtime checks.
+
+Both the alias analysis over traced graphs and the runtime read observer ask the same three
+questions of an op: which arguments does it write, which arguments may each output contain
+an alias of, and is it a pure view (it only makes aliases, reading no data). They are
+answered from the schema by torch's own alias oracle (``torch._C._SchemaInfo``), which knows
+containers (``Tensor(a)[]`` pieces of ``split``/``unbind``), wildcards and write annotations,
+rather than from a list of op names (a list is how holes get in).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch._C import _SchemaArgType as _ArgType
+from torch._C import _SchemaArgument as _Arg
+from torch._C import _SchemaInfo
+
+_OPAQUE_KINDS = ("AnyType", "ClassType", "InterfaceType", "PyObjectType", "CapsuleType")
+
+
+def _is_opaque_type(ty: Any) -> bool:
+    kind = ty.kind()
+    if kind in _OPAQUE_KINDS:
+        return True
+    if kind in ("OptionalType", "ListType"):
+        return _is_opaque_type(ty.getElementType())
+    if kind == "TupleType":
+        return any(_is_opaque_type(t) for t in ty.elements())
+    return False
+
+
+@attrs.frozen
+class OpAliasing:
+    """An op's aliasing, by argument position (``schema.arguments`` order).
+
+    ``writes``: arguments the op may write. ``outputs``: per return, the arguments it may
+    contain an alias of. ``opaque``: an argument type the analysis cannot look into (a Python
+    object, ``Any``): then anything it touches is unknown.
+
+    >>> a = op_aliasing(torch.ops.aten.split.Tensor)
+    >>> a.outputs, a.is_view
+    (((0,),), True)
+    >>> op_aliasing(torch.ops.aten.index_put_.default).writes
+    (0,)
+    >>> op_aliasing(torch.ops.aten.index_select.default).is_view
+    False
+    """
+
+    name: str
+    writes: tuple[int, ...]
+    outputs: tuple[tuple[int, ...], ...]
+    opaque: bool
+
+    @property
+    def is_view(self) -> bool:
+        """Only makes aliases: every output aliases an input and nothing is written.
+
+        A view reads no data; its consumers do."""
+        return bool(self.outputs) and all(self.outputs) and not self.writes
+
+    def written_names(self, schema: torch._C.FunctionSchema) -> tuple[str, ...]:  # type: ignore[name-defined]
+        return tuple(schema.arguments[i].name for i in self.writes)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by op overload: a finite set per process
+def _aliasing(schema: torch._C.FunctionSchema) -> OpAliasing:  # type: ignore[name-defined]
+    info = _SchemaInfo(schema)
+    n_args, n_rets = len(schema.arguments), len(schema.returns)
+    writes = tuple(j for j in range(n_args) if info.is_mutable(_Arg(_ArgType.input, j)))
+    outputs = tuple(
+        tuple(j for j in range(n_args) if info.may_contain_alias(_Arg(_ArgType.output, i), _Arg(_ArgType.input, j)))
+        for i in range(n_rets)
+    )
+    opaque = any(_is_opaque_type(a.type) for a in schema.arguments)
+    return OpAliasing(f"{schema.name}.{schema.overload_name}".rstrip("."), writes, outputs, opaque)
+
+
+def op_aliasing(op: Any) -> OpAliasing | None:
+    """The aliasing of an op overload (``torch.ops.ns.op.overload``); ``None`` without a schema."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return None
+    return _aliasing(schema)
+
+
+def bind(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """The value passed for each schema argument, in schema order (``None`` when omitted).
+
+    >>> bind(torch.ops.aten.add.Tensor, (1, 2), {"alpha": 3})
+    [1, 2, 3]
+    """
+    out = []
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out.append(args[i])
+        else:
+            out.append(kwargs.get(arg.name))
+    return out
