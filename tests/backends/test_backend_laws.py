@@ -106,6 +106,7 @@ def _under_tbo(table: dict) -> tuple[ReadEffect, ...]:
 
 laws.check_monotone(
     declarations(), _under_tbo,
+    join=lambda a, b: {m: a[m] | b[m] for m in MODES},
     leq_in=lambda a, b: all(a[m] <= b[m] for m in MODES),
     leq_out=lambda a, b: all(map(operator.le, a, b)),
     name="tbo_in_child_declaration", max_examples=100,

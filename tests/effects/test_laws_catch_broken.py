@@ -5,10 +5,12 @@ import operator
 import pytest
 from hypothesis import strategies as st
 
-from readfence.effects import ReadEnd, laws
+from readfence.effects import ReadEffect, ReadEnd, laws
 from readfence.effects.laws import LawViolation
 
 ENDS = st.from_type(ReadEnd)
+EFFECTS = st.from_type(ReadEffect)
+SEEDS = range(8)
 
 
 def left_biased(a, b):
@@ -60,7 +62,7 @@ def test_non_idempotent_closure_is_caught():
     def bump(x):  # extensive and monotone, never idempotent below the top
         return ReadEnd(min(x.value + 1, ReadEnd.UNKNOWN.value))
 
-    suite = laws.closure_laws(ENDS, bump, leq=operator.le, name="bump")
+    suite = laws.closure_laws(ENDS, bump, join=ReadEnd.join, leq=operator.le, name="bump")
     suite.check_law("extensive")
     suite.check_law("monotone")
     with pytest.raises(LawViolation, match=r"bump\.idempotent failed: f\(f\(a\)\) == f\(a\)"):
@@ -73,7 +75,8 @@ def test_unsound_degrade_is_caught():
         return ReadEnd.PRE_REPLAY if x is ReadEnd.IN_REPLAY else x
 
     with pytest.raises(LawViolation, match="extensive") as info:
-        laws.closure_laws(ENDS, early, leq=operator.le, name="early").check_law("extensive")
+        laws.closure_laws(ENDS, early, join=ReadEnd.join, leq=operator.le,
+                          name="early").check_law("extensive")
     assert info.value.inputs == (ReadEnd.IN_REPLAY,)
 
 
@@ -82,7 +85,76 @@ def test_non_monotone_map_is_caught():
         return ReadEnd.NONE if x is ReadEnd.UNKNOWN else x
 
     with pytest.raises(LawViolation, match="monotone"):
-        laws.monotone_laws(ENDS, flip, leq_in=operator.le, leq_out=operator.le).check()
+        laws.monotone_laws(ENDS, flip, join=ReadEnd.join, leq_in=operator.le,
+                           leq_out=operator.le).check()
+
+
+def reverse_end(x):
+    """Order-reversing on the chain: NONE <-> UNKNOWN, PRE_REPLAY <-> POST_REPLAY."""
+    return ReadEnd(ReadEnd.UNKNOWN.value - x.value)
+
+
+def reverse_effect(e):
+    return e.map(reverse_end)
+
+
+def _assert_monotonicity_counterexample(info, f):
+    a, b = info.value.inputs
+    assert a <= b and a != b
+    assert not f(a) <= f(b)
+    assert "a <= b  implies  f(a) <= f(b)" in str(info.value)
+    assert f"with a={a!r}, b={b!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("strategy", "join", "f"),
+    [(ENDS, ReadEnd.join, reverse_end), (EFFECTS, operator.or_, reverse_effect)],
+    ids=["read_end", "read_effect"],
+)
+def test_order_reversing_map_fails_monotone_laws_for_every_seed(seed, strategy, join, f):
+    suite = laws.monotone_laws(strategy, f, join=join, leq_in=operator.le, leq_out=operator.le,
+                               name="reversed")
+    with pytest.raises(LawViolation, match=r"reversed\.monotone failed") as info:
+        suite.check(seed=seed)
+    _assert_monotonicity_counterexample(info, f)
+
+
+def jump_pre_replay(e):
+    """Extensive and idempotent, but not monotone: PRE_REPLAY jumps above IN_REPLAY."""
+    return e.map(lambda x: ReadEnd.UNKNOWN if x is ReadEnd.PRE_REPLAY else x)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_non_monotone_closure_fails_for_every_seed(seed):
+    suite = laws.closure_laws(EFFECTS, jump_pre_replay, join=operator.or_, leq=operator.le,
+                              name="jump")
+    suite.check_law("extensive", seed=seed)
+    suite.check_law("idempotent", seed=seed)
+    with pytest.raises(LawViolation, match=r"jump\.monotone failed") as info:
+        suite.check_law("monotone", seed=seed)
+    _assert_monotonicity_counterexample(info, jump_pre_replay)
+
+
+def test_a_join_that_is_not_a_join_fails_loudly():
+    # A right-biased merge (dict's |) gives pairs that are not ordered: the law must say so
+    # rather than skip them and pass.
+    suite = laws.monotone_laws(ENDS, lambda x: x, join=lambda a, c: c, leq_in=operator.le,
+                               leq_out=operator.le, name="merge")
+    with pytest.raises(LawViolation, match="join and the order disagree") as info:
+        suite.check()
+    a, b = info.value.inputs
+    assert not a <= b
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_order_too_strict_for_the_join_is_caught(seed):
+    # Equality as the order: "a | b == b implies a <= b" fails on every strictly ordered pair.
+    suite = laws.join_semilattice_laws(EFFECTS, join=operator.or_, leq=operator.eq, name="eq")
+    with pytest.raises(LawViolation, match=r"eq\.order_is_join failed") as info:
+        suite.check_law("order_is_join", seed=seed)
+    a, b = info.value.inputs
+    assert a | b == b and a != b
 
 
 def test_register_refuses_duplicate_names():

@@ -18,10 +18,10 @@ laws.check_join_semilattice(
 for _caps in (Capabilities(), Capabilities(in_graph_events=False), Capabilities(graphs=False),
               Capabilities(in_graph_events=False, graphs=False)):
     _tag = f"{'ige' if _caps.in_graph_events else 'noige'}_{'graphs' if _caps.graphs else 'eager'}"
-    laws.check_closure(st.from_type(ReadEnd), lambda x, c=_caps: degrade(x, c), leq=operator.le,
-                       name=f"degrade_end_{_tag}")
-    laws.check_closure(st.from_type(ReadEffect), lambda x, c=_caps: degrade(x, c), leq=operator.le,
-                       name=f"degrade_effect_{_tag}")
+    laws.check_closure(st.from_type(ReadEnd), lambda x, c=_caps: degrade(x, c),
+                       join=ReadEnd.join, leq=operator.le, name=f"degrade_end_{_tag}")
+    laws.check_closure(st.from_type(ReadEffect), lambda x, c=_caps: degrade(x, c),
+                       join=operator.or_, leq=operator.le, name=f"degrade_effect_{_tag}")
 
 
 def test_registered_tests_exist():
