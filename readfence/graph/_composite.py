@@ -1,7 +1,9 @@
 """Composite steps: several lowered graphs per step, and the fence they publish together.
 
 * :class:`PhasedStep`: the phases of a :class:`StepShape` run in order on one forward
-  stream; each buffer's fence comes from the phase holding its last read.
+  stream; each buffer's fence comes from the phase holding its last read, ranked by what
+  the policy places events from (the declarations; the trace under EXACT; under COARSE
+  the last phase publishes every buffer).
 * :class:`StreamGroup`: a ``per_stream`` backend; member ``s`` is lowered on its own forward
   stream and serves its share of the requests; each stream's fence comes from its own
   member's graph, and the scheduler waits on every stream that reads a buffer.
@@ -15,11 +17,11 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request, trace
 from readfence.core._state import request_ranges
 
 from ._fence import Fence
-from ._lower import Lowered, StepRun, lower
+from ._lower import Lowered, StepRun, lower, torch_device
 from ._plan import Placement
 from ._shapes import StepShape
 
@@ -108,7 +110,11 @@ class PhasedStep:
         self.shape, self.cfg = shape, cfg
         self.shared = state["shared"]
         self.tokens = shape.tokens
-        positions = shape.positions()
+        # Traced as each phase's graph will be lowered (``lower`` hits the same trace cache):
+        # under EXACT the traced reads, not the declarations, decide which phase publishes.
+        observed = [trace(ph.backend, ph.mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)).observed()
+                    for ph in shape.phases]
+        positions = shape.positions_under(policy, observed)
         self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
         replays: dict[Any, int] = {}
         for ph in shape.phases:

@@ -133,6 +133,32 @@ def plan_fences(
     raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
 
 
+def placing_effect(policy: Policy, *, declared: ReadEffect, observed: ReadEffect) -> ReadEffect:
+    """The effect ``policy`` places a buffer's event from: ``plan_fences``'s own input.
+
+    A multi-phase step chooses each buffer's publishing phase from this effect, so that
+    the phase it picks is the one whose plan places that buffer's event. EXACT places from the
+    trace: a phase that only *declares* a read (a leaf's default ``UNKNOWN``) observes none,
+    and publishing from it would place "no wait" after an earlier phase's real read. COARSE
+    uses no read information at all: every buffer waits for the whole step, even under a
+    declaration that lowering did not check.
+
+    >>> declared = ReadEffect.unknown()
+    >>> observed = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY})
+    >>> placing_effect(Policy.EXACT, declared=declared, observed=observed)["swa_map"].name
+    'NONE'
+    >>> placing_effect(Policy.PER_BUFFER, declared=declared, observed=observed)["swa_map"].name
+    'UNKNOWN'
+    """
+    if policy is Policy.COARSE:
+        return ReadEffect.unknown()
+    if policy is Policy.EXACT:
+        return observed
+    if policy in (Policy.JOINED, Policy.PER_BUFFER):
+        return declared
+    raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
+
+
 def _exact(buffer: str, observed: ReadEffect, last: LastRead | None, caps: Capabilities) -> Placement:
     end = observed[buffer]
     if end in (ReadEnd.NONE, ReadEnd.UNKNOWN) or last is None:

@@ -3,7 +3,8 @@
 Each phase runs one backend in one mode on one runner (a runner's graph for a mode is
 captured once and replayed by every phase that uses it). A buffer's last read in the step is
 the maximum :class:`~readfence.effects.Position` over the phases; the phase holding it
-publishes the buffer's fence. Nothing here is configured by hand.
+publishes the buffer's fence. Which effect ranks the phases is the policy's (its
+``placing_effect``: declared, traced, or the whole step). Nothing here is configured by hand.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
-from readfence.effects import Position, ReadEffect, publish_positions
+from readfence.effects import Position, ReadEffect, ReadEnd, publish_positions
+
+from ._plan import placing_effect
+from ._policy import Policy
 
 
 @attrs.frozen
@@ -46,18 +50,47 @@ class StepShape:
     """
 
     name: str
-    phases: tuple[Phase, ...]
+    phases: tuple[Phase, ...] = attrs.field(validator=lambda _, __, v: _check_graph_keys(v))
     spec: str
 
     def effects(self) -> list[ReadEffect]:
+        """Each phase's declared effect."""
         return [p.backend.read_effect(p.mode) for p in self.phases]
 
-    def positions(self) -> dict[str, Position]:
-        """Per shared buffer, the position (phase index, end) of its last read in the step."""
-        return publish_positions(self.effects(), SHARED_BUFFERS)
+    def positions(self, effects: Sequence[ReadEffect] | None = None) -> dict[str, Position]:
+        """Per shared buffer, the position (phase index, end) of its last read in the step.
+
+        ``effects[i]`` is phase ``i``'s effect (default: the declared ones, :meth:`effects`).
+        """
+        effects = self.effects() if effects is None else list(effects)
+        if len(effects) != len(self.phases):
+            raise ValueError(f"{self.spec}: {len(effects)} effects for {len(self.phases)} phases")
+        return publish_positions(effects, SHARED_BUFFERS)
+
+    def positions_under(self, policy: Policy, observed: Sequence[ReadEffect]) -> dict[str, Position]:
+        """The positions that decide the publishing phases when lowered with ``policy``.
+
+        ``observed[i]`` is phase ``i``'s traced effect. Each phase is ranked by the effect
+        ``policy`` places its events from (``placing_effect``), so the phase chosen is one
+        whose plan really covers the buffer's last read.
+
+        >>> from readfence.backends import trtllm_mha
+        >>> shape = ngram(trtllm_mha())
+        >>> seen = [ReadEffect.of({"swa_map": ReadEnd.IN_REPLAY})]
+        >>> shape.positions_under(Policy.EXACT, seen)["req_to_token"].phase
+        -1
+        >>> shape.positions_under(Policy.PER_BUFFER, seen)["req_to_token"].end.name
+        'IN_REPLAY'
+        """
+        observed = list(observed)
+        if len(observed) != len(self.phases):
+            raise ValueError(f"{self.spec}: {len(observed)} observed effects for {len(self.phases)} phases")
+        return self.positions([placing_effect(policy, declared=d, observed=o)
+                               for d, o in zip(self.effects(), observed)])
 
     def publisher(self, buffer: str) -> Phase | None:
-        """The phase that publishes ``buffer``'s fence (``None``: no phase reads it)."""
+        """The phase that publishes ``buffer``'s fence by the declarations (JOINED, PER_BUFFER);
+        ``None``: no phase declares reading it. See :meth:`positions_under` for any policy."""
         pos = self.positions()[buffer]
         return None if pos.phase < 0 else self.phases[pos.phase]
 
@@ -72,6 +105,19 @@ class StepShape:
 
     def __str__(self) -> str:
         return self.spec
+
+
+def _check_graph_keys(phases: Sequence[Phase]) -> None:
+    # One graph is lowered per (runner, mode) and replayed by all its phases: a phase with
+    # another backend on the same key would replay code that is not its own, and its
+    # declaration would rank the phases for a graph it does not run.
+    seen: dict[tuple[str, ForwardMode], Phase] = {}
+    for ph in phases:
+        first = seen.setdefault(ph.graph_key, ph)
+        if first.backend != ph.backend:
+            raise ValueError(f"phases {first.name!r} and {ph.name!r} share runner {ph.runner!r} in "
+                             f"{ph.mode.name} (one graph) but run {first.backend} and {ph.backend}; "
+                             "give them different runners")
 
 
 def _check(name: str, backends: Sequence[Any]) -> None:

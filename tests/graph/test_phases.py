@@ -1,4 +1,4 @@
-"""Issue 7: multi-phase steps, per-stream groups, event rings and the eager prefill path."""
+"""Multi-phase steps, per-stream groups, event rings and the eager prefill path."""
 
 import functools
 
@@ -135,7 +135,7 @@ def test_each_stream_fence_comes_from_its_own_member():
 
 
 def _shared_event_group(dev):
-    """BROKEN fixture: both streams are handed one shared event (the bug class of issue 7)."""
+    """BROKEN fixture: both streams are handed one shared event."""
     event = dev.event("the-one-event")
     cfg = ModelConfig()
     return StreamGroup(GROUP.members, ForwardMode.DECODE, device=dev, policy=Policy.PER_BUFFER, batch_size=4,
