@@ -1,24 +1,28 @@
 """Alias and read analysis over a traced (non-functionalized) FX graph, from op schemas.
 
-Each node gets the set of shared buffers its value may alias (storage identity, an
-over-approximation, which is sound). Views propagate aliases and read nothing; every other
-op reads the buffers its tensor arguments alias. Schema alias info with ``is_write`` on an
-argument aliasing a shared buffer is a write: the caller turns it into ``StageWriteError``.
-Ops without a schema the analysis can reason about (higher-order ops, opaque arguments, the
-``readfence::opaque`` escape marker) make the buffers they touch ``UNKNOWN``.
+Each node gets the set of shared buffers its value may alias (an over-approximation, which is
+sound): what torch's schema alias oracle says its outputs may contain (``_schema``), joined
+with what its real value was seen to touch in memory when the graph was executed on the
+example (``observed``; the tracer passes it when it traces real tensors). Pure views
+propagate aliases and read nothing; every other op reads the buffers its tensor arguments
+alias, including list arguments (the pieces of ``split``/``chunk``/``unbind``). An argument
+the schema marks as written, and aliasing a shared buffer, is a write: the caller turns it
+into ``StageWriteError``. Ops the analysis cannot reason about (no schema, an argument of an
+opaque type) make the buffers they touch ``UNKNOWN``; escapes (``readfence::opaque`` nodes)
+are reported to the caller, which decides what they mean.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-import torch
 from torch import fx
 
 from ._program import OPAQUE_KEY, READS_KEY
+from ._schema import bind, op_aliasing
 
 Aliases = frozenset[str]
 _EMPTY: Aliases = frozenset()
@@ -26,9 +30,13 @@ _EMPTY: Aliases = frozenset()
 
 @attrs.frozen
 class Write:
+    """A node that writes shared buffers: what its schema says of the written arguments."""
+
     node: str
     op: str
     buffers: frozenset[str]
+    schema: str = ""
+    arguments: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -38,6 +46,7 @@ class Analysis:
     unknown: frozenset[str]
     writes: tuple[Write, ...]
     output_aliases: tuple[Aliases, ...]
+    escapes: dict[str, frozenset[str]]  # escape node -> the buffers of the escaping tensor
 
 
 def _node_refs(value: Any) -> list[fx.Node]:
@@ -46,57 +55,37 @@ def _node_refs(value: Any) -> list[fx.Node]:
     return out
 
 
-def _is_opaque_type(ty: torch._C.JitType) -> bool:  # type: ignore[name-defined]
-    kind = ty.kind()
-    if kind in ("AnyType", "ClassType", "InterfaceType", "PyObjectType", "CapsuleType"):
-        return True
-    if kind in ("OptionalType", "ListType"):
-        return _is_opaque_type(ty.getElementType())
-    if kind == "TupleType":
-        return any(_is_opaque_type(t) for t in ty.elements())
-    return False
-
-
-def _bind(schema: torch._C.FunctionSchema, node: fx.Node) -> list[tuple[Any, Any]]:  # type: ignore[name-defined]
-    """``[(schema argument, value)]`` for the arguments the node passes."""
-    bound = []
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            bound.append((arg, node.args[i]))
-        elif arg.name in node.kwargs:
-            bound.append((arg, node.kwargs[arg.name]))
-    return bound
-
-
 def analyse(
     graph: fx.Graph,
     initial: Mapping[str, Aliases],
     *,
-    opaque_ops: frozenset[Any] = frozenset(),
+    escape_op: Any = None,
+    escape_reads: Callable[[fx.Node], bool] = lambda node: False,
     output_reads: bool = False,
+    observed: Mapping[str, Aliases] | None = None,
 ) -> Analysis:
     """Annotate ``graph``'s nodes with ``READS_KEY`` (and ``OPAQUE_KEY``) in place.
 
     ``initial`` maps placeholder / get_attr node names to the shared buffers they alias.
-    ``opaque_ops`` are op overloads that mark an escape (their tensor arguments' buffers go
-    ``UNKNOWN``). With ``output_reads`` the output node reads what the outputs alias (the
-    step's consumer reads them after the forward).
+    ``escape_op`` marks an escape of its first argument; ``escape_reads(node)`` says whether
+    that escape is a read of the value there and then (``item()``) rather than a reference
+    leaving the graph (``data_ptr()``: the buffer becomes ``UNKNOWN``). With ``output_reads``
+    the output node reads what the outputs alias (they are consumed after the stage: copied
+    into the graph, or read as the step's logits). ``observed`` maps node names to the
+    buffers their real value touched in memory; it is joined into the aliases.
     """
-    alias: dict[fx.Node, Any] = {}
+    alias: dict[fx.Node, Aliases] = {}
+    seen = observed or {}
     reads: dict[str, frozenset[str]] = {}
     opaque: dict[str, str] = {}
+    escapes: dict[str, frozenset[str]] = {}
     unknown: set[str] = set()
     writes: list[Write] = []
 
     def al(v: Any) -> Aliases:
         out: set[str] = set()
         for n in _node_refs(v):
-            a = alias.get(n, _EMPTY)
-            if isinstance(a, tuple):
-                for x in a:
-                    out |= x
-            else:
-                out |= a
+            out |= alias.get(n, _EMPTY)
         return frozenset(out)
 
     def mark(node: fx.Node, bufs: Aliases) -> None:
@@ -104,15 +93,14 @@ def analyse(
         if bufs:
             reads[node.name] = bufs
 
-    def mark_opaque(node: fx.Node, bufs: Aliases, why: str) -> None:
+    def mark_opaque(node: fx.Node, why: str) -> None:
         node.meta[OPAQUE_KEY] = why
         opaque[node.name] = why
-        unknown.update(bufs)
 
     output_aliases: tuple[Aliases, ...] = ()
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
-            alias[node] = frozenset(initial.get(node.name, _EMPTY))
+            alias[node] = frozenset(initial.get(node.name, _EMPTY)) | seen.get(node.name, _EMPTY)
             mark(node, _EMPTY)
             continue
         if node.op == "output":
@@ -122,63 +110,43 @@ def analyse(
             mark(node, al(outs) if output_reads else _EMPTY)
             continue
         target = node.target
+        everything = al((node.args, node.kwargs))
         if node.op == "call_function" and target is operator.getitem:
-            src, idx = node.args[0], node.args[1]
-            a = alias.get(src, _EMPTY) if isinstance(src, fx.Node) else _EMPTY
-            alias[node] = a[idx] if isinstance(a, tuple) and isinstance(idx, int) and idx < len(a) else (
-                frozenset().union(*a) if isinstance(a, tuple) else a
-            )
+            # a piece of a list or tuple output: it may alias whatever the container holds
+            alias[node] = al(node.args[0]) | seen.get(node.name, _EMPTY)
             mark(node, _EMPTY)
             continue
-        everything = al((node.args, node.kwargs))
-        schema = getattr(target, "_schema", None) if node.op == "call_function" else None
-        if node.op == "call_function" and target in opaque_ops:
+        if node.op == "call_function" and escape_op is not None and target is escape_op:
+            escaping = al(node.args[0])
             alias[node] = _EMPTY
-            mark(node, everything)
-            mark_opaque(node, everything, f"escape: {node.args[1] if len(node.args) > 1 else target}")
+            escapes[node.name] = escaping
+            mark(node, escaping)
+            mark_opaque(node, f"escape: {node.args[1] if len(node.args) > 1 else target}")
+            if not escape_reads(node):
+                unknown.update(escaping)
             continue
-        if schema is None:
-            if not everything:
-                alias[node] = _EMPTY
-                mark(node, _EMPTY)
-                continue
-            # a higher-order op, a call_module/call_method, or a python callable in the graph
-            alias[node] = everything
+        aliasing = op_aliasing(target) if node.op == "call_function" else None
+        if aliasing is None or aliasing.opaque:
+            alias[node] = everything | seen.get(node.name, _EMPTY)
             mark(node, everything)
-            mark_opaque(node, everything, f"no schema: {getattr(target, '__name__', target)}")
+            if everything:
+                # a higher-order op, a call_module/call_method, a Python callable, or an op
+                # taking a Python object: the analysis cannot tell what it does with them
+                why = f"opaque argument type in {aliasing.name}" if aliasing else (
+                    f"no schema: {getattr(target, '__name__', target)}")
+                mark_opaque(node, why)
+                unknown.update(everything)
             continue
-        bound = _bind(schema, node)
-        if any(_is_opaque_type(arg.type) for arg, _ in bound):
-            alias[node] = everything
-            mark(node, everything)
-            mark_opaque(node, everything, f"opaque argument type in {schema.name}")
-            continue
+        values = bind(target, node.args, node.kwargs)
+        arg_aliases = [al(v) for v in values]
         written: set[str] = set()
-        sets_of: dict[str, set[str]] = {}  # alias set letter -> buffers of the args in it
-        is_view = bool(schema.returns)
-        for arg, value in bound:
-            info = arg.alias_info
-            a = al(value)
-            if info is not None:
-                if info.is_write:
-                    written |= a
-                for letter in info.before_set:
-                    sets_of.setdefault(letter, set()).update(a)
-        outs: list[Aliases] = []
-        for ret in schema.returns:
-            info = ret.alias_info
-            if info is None:
-                is_view = False
-                outs.append(_EMPTY)
-                continue
-            if info.is_write:
-                is_view = False
-            got: set[str] = set()
-            for letter in info.before_set:
-                got |= sets_of.get(letter, set())
-            outs.append(frozenset(got))
+        for i in aliasing.writes:
+            written |= arg_aliases[i]
+        outs = [frozenset().union(*(arg_aliases[i] for i in sources)) for sources in aliasing.outputs]
+        alias[node] = frozenset().union(*outs) | seen.get(node.name, _EMPTY)
         if written:
-            writes.append(Write(node.name, str(target), frozenset(written)))
-        alias[node] = outs[0] if len(outs) == 1 else tuple(outs)
-        mark(node, _EMPTY if is_view and not written else everything)
-    return Analysis(reads, opaque, frozenset(unknown), tuple(writes), output_aliases)
+            schema = target._schema
+            names = tuple(schema.arguments[i].name for i in aliasing.writes if arg_aliases[i])
+            writes.append(Write(node.name, str(target), frozenset(written), str(schema), names))
+        mark(node, _EMPTY if aliasing.is_view else everything)
+    return Analysis(reads, opaque, frozenset(unknown), tuple(writes), output_aliases, escapes)

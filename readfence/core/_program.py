@@ -19,10 +19,30 @@ in eager mode (the graphs are not functionalized: they execute the traced ops as
 Reads
 -----
 ``node.meta["readfence_reads"]`` is a ``frozenset`` of shared-buffer names the node reads
-(it consumes, as data, a tensor whose storage may be a shared buffer's). View nodes do not
-read (they only alias); their consumers do. ``node.meta["readfence_opaque"]`` is set on a
-node the tracer cannot see through (an escape such as ``data_ptr()``, a higher-order op or
-an op whose schema cannot be reasoned about); the buffers it touches end at ``UNKNOWN``.
+(it consumes, as data, a tensor whose memory may overlap a shared buffer's). View nodes do
+not read (they only alias); their consumers do. ``node.meta["readfence_opaque"]`` is set on a
+node the tracer cannot see through (an escape such as ``item()`` or ``data_ptr()``, a
+higher-order op or an op whose schema cannot be reasoned about); ``node.meta
+["readfence_source"]`` is the user's source line that made the node.
+
+Stages that cannot be traced faithfully
+---------------------------------------
+A stage with an escape ran Python the graph does not hold (a host read, a branch on data):
+the graph holds one path, the one the example took, and the stage runs its Python function
+instead. Its reads on other paths are unknown, so such a stage is given every shared buffer:
+the out-of-graph stage (eager, before the replay) reads every buffer until ``PRE_REPLAY``; an
+in-graph stage, which nothing can capture faithfully, reads every buffer until ``UNKNOWN``
+(only a COARSE fence is sound for it). A reference escaping (``data_ptr()``, DLPack, numpy)
+may be read through at any later time: its buffers are ``UNKNOWN`` wherever it happens.
+
+Tensors captured from outside the arguments
+-------------------------------------------
+A tensor a stage reads without receiving it (a closure, an attribute, a global) is a
+constant of its graph (a ``get_attr`` node), listed in ``StageGraph.captured``. It is matched
+by memory range against the state the program runs on: the example when traced, the live
+state when lowered (:meth:`Program.bind`). A captured tensor that is not a shared buffer, a
+pool or a parameter of that state is trace-time state baked into the graph (stale on the
+next step) and is refused; one that matches a live shared buffer is a read of that buffer.
 """
 
 from __future__ import annotations
@@ -42,6 +62,49 @@ from ._protocol import STAGE_ENDS
 READS_KEY = "readfence_reads"
 OPAQUE_KEY = "readfence_opaque"
 INPUT_KEY = "readfence_input"
+SOURCE_KEY = "readfence_source"
+
+#: The stage that runs eagerly, before the replay (its outputs cross into the graph as copies).
+OUT_OF_GRAPH = "prepare_out_graph"
+
+
+@attrs.frozen
+class Captured:
+    """A tensor a stage reads without receiving it as an argument (closure, attribute, global).
+
+    ``node`` is its ``get_attr`` node, ``users`` the nodes that consume it, ``source`` the
+    user's line that first consumed it. ``matches`` says what the tensor's memory is, in the
+    state last matched against: ``("shared", buffers)``, ``("owned", ())`` (a pool or a
+    parameter) or ``("none", ())``; ``state`` names that state (``"example"`` or ``"live"``).
+    """
+
+    stage: str
+    node: str
+    target: str
+    users: tuple[str, ...]
+    source: str
+    matches: tuple[str, tuple[str, ...]]
+    state: str = "example"
+
+    @property
+    def buffers(self) -> frozenset[str]:
+        return frozenset(self.matches[1]) if self.matches[0] == "shared" else frozenset()
+
+    @property
+    def usable(self) -> bool:
+        """Live memory the step really uses: a live shared buffer, pool or parameter."""
+        return self.state == "live" and self.matches[0] in ("shared", "owned")
+
+    def why(self) -> str:
+        """Why lowering cannot use it, in words."""
+        what = {"shared": f"shared buffer(s) {sorted(self.buffers)}", "owned": "a pool or parameter",
+                "none": "no shared buffer, pool or parameter"}[self.matches[0]]
+        if self.state == "example":
+            return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
+                    f"is {what} of the example state the trace ran on: trace-time state baked into the "
+                    f"graph, stale on every later step")
+        return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
+                f"matches {what} of the live state: trace-time state baked into the graph")
 
 
 @attrs.frozen(eq=False)
@@ -63,6 +126,19 @@ class StageGraph:
     opaque: Mapping[str, str]
     faithful: bool
     eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    captured: tuple[Captured, ...] = ()
+    memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
+
+    def source(self, node: str) -> str:
+        """The user's source line that made ``node`` (``"?"`` when unknown)."""
+        for n in self.gm.graph.nodes:
+            if n.name == node:
+                return str(n.meta.get(SOURCE_KEY, "?"))
+        return "?"
+
+    def escapes(self) -> list[tuple[str, str, str]]:
+        """``(node, why, source)`` of every node the tracer could not see through."""
+        return [(node, why, self.source(node)) for node, why in self.opaque.items()]
 
     @property
     def end(self) -> ReadEnd:
@@ -156,17 +232,38 @@ class Program:
     def observed(self) -> ReadEffect:
         """The effect the code really has: per buffer, the end of the stage of its last read.
 
-        A buffer touched by an opaque node is ``UNKNOWN``; a buffer never read is ``NONE``.
+        A buffer touched by an opaque node is ``UNKNOWN``; a buffer never read is ``NONE``. A
+        stage that cannot be traced faithfully reads every buffer (until ``PRE_REPLAY`` out of
+        the graph, ``UNKNOWN`` inside it), and so does a captured tensor whose memory is not
+        known to be part of the state (see the module docstring).
         """
         if self.aborted is not None:
             return ReadEffect.unknown()
         ends: dict[str, ReadEnd] = {}
+
+        def at_least(buf: str, end: ReadEnd) -> None:
+            ends[buf] = ends.get(buf, ReadEnd.NONE) | end
+
         for s in self.stages:
             for buf in s.buffers_read():
-                ends[buf] = ends.get(buf, ReadEnd.NONE) | s.end
+                at_least(buf, s.end)
+            if not s.faithful:
+                for buf in self.buffers:
+                    at_least(buf, s.end if s.name == OUT_OF_GRAPH else ReadEnd.UNKNOWN)
             for buf in s.unknown:
-                ends[buf] = ReadEnd.UNKNOWN
+                at_least(buf, ReadEnd.UNKNOWN)
+            if any(c.matches[0] == "none" for c in s.captured):
+                for buf in self.buffers:
+                    at_least(buf, ReadEnd.UNKNOWN)
         return ReadEffect.of(ends)
+
+    def unfaithful(self) -> list[tuple[str, str, str, str]]:
+        """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""
+        return [(s.name, *e) for s in self.stages for e in s.escapes()]
+
+    def captured(self) -> tuple[Captured, ...]:
+        """Every tensor a stage reads without receiving it (see the module docstring)."""
+        return tuple(c for s in self.stages for c in s.captured)
 
     def last_reader(self, buffer: str) -> tuple[str, str] | None:
         """``(stage, node_name)`` of the last node that reads ``buffer``; ``None`` if unread.

@@ -68,7 +68,8 @@ class OpAliasing:
 
 
 @functools.lru_cache(maxsize=4096)  # keyed by op overload: a finite set per process
-def _aliasing(schema: torch._C.FunctionSchema) -> OpAliasing:  # type: ignore[name-defined]
+def _aliasing(op: Any) -> OpAliasing:
+    schema = op._schema
     info = _SchemaInfo(schema)
     n_args, n_rets = len(schema.arguments), len(schema.returns)
     writes = tuple(j for j in range(n_args) if info.is_mutable(_Arg(_ArgType.input, j)))
@@ -82,10 +83,9 @@ def _aliasing(schema: torch._C.FunctionSchema) -> OpAliasing:  # type: ignore[na
 
 def op_aliasing(op: Any) -> OpAliasing | None:
     """The aliasing of an op overload (``torch.ops.ns.op.overload``); ``None`` without a schema."""
-    schema = getattr(op, "_schema", None)
-    if schema is None:
+    if getattr(op, "_schema", None) is None:
         return None
-    return _aliasing(schema)
+    return _aliasing(op)
 
 
 def bind(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:

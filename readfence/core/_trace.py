@@ -4,45 +4,80 @@ Each stage is traced with ``make_fx`` (real tensors on CPU; fake tensors for any
 device, so ``device="cuda"`` traces on a machine without a GPU). The graphs are *not*
 functionalized: they keep the ops as written (views, in-place writes to ``pools``) so they
 can be executed as they are; reads through views are found by alias analysis over op
-schemas instead (see ``_alias``). Escapes the tracer cannot see through (``data_ptr()``,
-``numpy()``, ``tolist()``, ``item()``, ``untyped_storage()``...) are recorded in the graph as a
-``readfence::opaque`` node on the escaping tensor, which makes its buffers ``UNKNOWN``.
+schemas instead (see ``_alias``), joined with the memory each node's real value touches when
+the graph is run once more on the example (real tensors only; under fake tensors the schemas
+are all there is). Tensors are matched to shared buffers by memory range (``_memory``).
+
+Escapes the tracer cannot see through are recorded in the graph as a ``readfence::opaque``
+node on the escaping tensor, at the user's source line: a *value* escape (``item()``,
+``int()``, ``tolist()``...) reads the tensor there and then; a *reference* escape
+(``data_ptr()``, ``numpy()``, DLPack, ``untyped_storage()``) lets code the tracer cannot see
+read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stage unfaithful
+(see ``_program``: such a stage is given every shared buffer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
+from torch import fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._alias import analyse
+from ._alias import Analysis, Write, analyse
+from ._memory import BufferMap, tensors_in
 from ._modes import ForwardMode
-from ._program import INPUT_KEY, Program, StageGraph, flatten_group
-from ._protocol import BackendLike
+from ._program import (
+    INPUT_KEY,
+    OUT_OF_GRAPH,
+    SOURCE_KEY,
+    Captured,
+    Program,
+    StageGraph,
+    flatten_group,
+    flatten_inputs,
+)
+from ._protocol import BackendLike, cross_into_graph
+from ._schema import op_aliasing
 
 
 class StageWriteError(Exception):
     """A stage writes a shared buffer (in place, ``out=``, or a mutating custom op).
 
     Stages may only *read* shared state; the scheduler owns it. Writes to ``pools`` are fine.
+    ``why`` says what revealed the write: the op's schema (and which arguments it marks as
+    written), or the buffer's bytes changing when the graph ran.
     """
 
-    def __init__(self, backend: str, stage: str, buffer: str, node: str, op: str) -> None:
+    def __init__(self, backend: str, stage: str, buffer: str, node: str, op: str, why: str = "",
+                 source: str = "?") -> None:
         self.backend, self.stage, self.buffer, self.node, self.op = backend, stage, buffer, node, op
+        self.why, self.source = why, source
         super().__init__(
             f"backend {backend!r} writes shared buffer {buffer!r} in stage {stage} "
-            f"(node {node!r}, op {op}); stages may only read shared state "
-            f"(pools may be written) - compute into a fresh tensor instead"
+            f"(node {node!r}, op {op}, at {source}){': ' + why if why else ''}; stages may only "
+            f"read shared state (pools may be written) - compute into a fresh tensor instead"
         )
 
     def at(self, path: str) -> StageWriteError:
         """The same error, naming the backend by its path in a combinator tree."""
-        return StageWriteError(path, self.stage, self.buffer, self.node, self.op)
+        return StageWriteError(path, self.stage, self.buffer, self.node, self.op, self.why, self.source)
+
+
+def _write_reason(w: Write) -> str:
+    args = ", ".join(w.arguments)
+    why = f"its schema `{w.schema}` marks argument(s) {args} as written"
+    if not w.op.startswith(("aten.", "prims.")):
+        why += (" (a torch.library.custom_op registered with mutates_args='unknown' claims to write "
+                "every tensor argument: if the op only reads them, register it with mutates_args=())")
+    return why
 
 
 # -- the escape marker -----------------------------------------------------------------------
@@ -59,20 +94,46 @@ def _opaque_fake(t: torch.Tensor, what: str) -> None:
 
 OPAQUE_OP = torch.ops.readfence.opaque.default
 
-_ESCAPES: dict[Any, str] = {
+#: Escapes that read the value there and then (the host gets a copy).
+_VALUE_ESCAPES: dict[Any, str] = {
     torch.Tensor.item: "item()",
     torch.Tensor.__int__: "__int__()",
     torch.Tensor.__float__: "__float__()",
     torch.Tensor.__bool__: "__bool__()",
     torch.Tensor.__index__: "__index__()",
+    torch.Tensor.tolist: "tolist()",
+}
+#: Escapes that hand out the memory itself: code the tracer cannot see may read it later.
+_REFERENCE_ESCAPES: dict[Any, str] = {
     torch.Tensor.data_ptr: "data_ptr()",
     torch.Tensor.untyped_storage: "untyped_storage()",
     torch.Tensor.storage: "storage()",
     torch.Tensor.numpy: "numpy()",
-    torch.Tensor.tolist: "tolist()",
     torch.Tensor.__array__: "__array__()",
     torch.Tensor.__dlpack__: "__dlpack__()",
+    torch.to_dlpack: "to_dlpack()",
+    torch.utils.dlpack.to_dlpack: "to_dlpack()",
 }
+_ESCAPES = {**_VALUE_ESCAPES, **_REFERENCE_ESCAPES}
+_VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
+
+
+def _is_value_escape(node: fx.Node) -> bool:
+    return len(node.args) > 1 and node.args[1] in _VALUE_WHATS
+
+
+_SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__file__))
+
+
+def _user_line() -> str:
+    """``file:line in function`` of the innermost caller outside torch and the tracer."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_SKIP):
+            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
 
 
 class _Aborted(Exception):
@@ -82,7 +143,8 @@ class _Aborted(Exception):
 
 
 class _TraceMode(TorchFunctionMode):
-    """Records escapes; under fake tensors on a device this build lacks, indexes via aten."""
+    """Records escapes and the user's source line of every node; under fake tensors on a
+    device this build lacks, indexes via aten."""
 
     def __init__(self, *, fake: bool) -> None:
         super().__init__()
@@ -90,14 +152,26 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        proxy = get_proxy_mode()
+        graph = proxy.tracer.graph if proxy is not None else None
+        tail = graph._root.prev if graph is not None else None
+        try:
+            return self._call(func, args, kwargs)
+        finally:
+            if graph is not None and graph._root.prev is not tail:
+                line = _user_line()
+                node = tail.next if tail is not None else graph._root.next
+                while node is not graph._root:
+                    node.meta.setdefault(SOURCE_KEY, line)
+                    node = node.next
+
+    def _call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         what = _ESCAPES.get(func)
         if what is not None and args and isinstance(args[0], torch.Tensor):
             OPAQUE_OP(args[0], what)
             if self.fake:
-                raise _Aborted(f"{what} escapes under fake tensors")
+                raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
             # the value leaves the graph: compute it on the real tensor, outside the tracer
-            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
             with disable_proxy_modes_tracing():
                 return func(*args, **kwargs)
         if self.fake and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
@@ -181,13 +255,88 @@ def _setitem(t: torch.Tensor, idx: Any, value: Any) -> None:
 
 
 # -- tracing one stage -----------------------------------------------------------------------
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
-
-
 def _identifier(dotted: str) -> str:
     out = "".join(c if c.isalnum() or c == "_" else "_" for c in dotted)
     return out if out and not out[0].isdigit() else "_" + out
+
+
+_LITERAL_USERS = frozenset({torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default})
+
+
+class _MemoryProbe(fx.Interpreter):
+    """Runs a traced stage on real tensors, recording what each node's value touches in memory.
+
+    Independent of the schemas: a node whose output overlaps a shared buffer aliases it,
+    whatever its schema says, and a node that changes a shared buffer's bytes writes it.
+    """
+
+    def __init__(self, gm: fx.GraphModule, shared: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(gm)
+        self.shared = shared
+        self.buffers = BufferMap.of(shared)
+        self.touched: dict[str, frozenset[str]] = {}
+        self.changed: list[tuple[fx.Node, str]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        watch: frozenset[str] = frozenset()
+        before: dict[str, torch.Tensor] = {}
+        if n.op == "call_function":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            watch = self.buffers.touched_by((args, kwargs))
+            aliasing = op_aliasing(n.target)
+            if watch and not (aliasing is not None and aliasing.is_view):
+                before = {b: self.shared[b].clone() for b in watch}
+        out = super().run_node(n)
+        touched = self.buffers.touched_by(out)
+        if touched:
+            self.touched[n.name] = touched
+        for b, old in before.items():
+            if not torch.equal(old, self.shared[b]):
+                self.changed.append((n, b))
+        return out
+
+
+def _captured(stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or not node.users:
+            continue
+        if all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users):
+            continue  # a literal (``torch.tensor([...])`` in the stage): copied fresh every run
+        users = tuple(u.name for u in node.users)
+        source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
+        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned)))
+    return out
+
+
+def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> tuple[str, tuple[str, ...]]:
+    hit = buffers.touched(value)
+    if hit:
+        return ("shared", tuple(sorted(hit)))
+    if owned.touched(value):
+        return ("owned", ())
+    return ("none", ())
+
+
+def _analyse_stage(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], captured: Iterable[Captured],
+                   memory: Mapping[str, frozenset[str]], stage: str, last: bool) -> Analysis:
+    initial = {**initial, **{c.node: c.buffers for c in captured}}
+    return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=_is_value_escape,
+                   output_reads=last or stage == OUT_OF_GRAPH, observed=memory)
+
+
+def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis,
+                  changed: Iterable[tuple[fx.Node, str]]) -> None:
+    sources = {n.name: str(n.meta.get(SOURCE_KEY, "?")) for n in gm.graph.nodes}
+    for w in result.writes:
+        raise StageWriteError(backend, stage, sorted(w.buffers)[0], w.node, w.op, _write_reason(w), sources[w.node])
+    for node, buf in changed:
+        raise StageWriteError(backend, stage, buf, node.name, str(node.target),
+                              "the buffer's bytes changed when the node ran, though its schema "
+                              "declares no write", sources[node.name])
 
 
 def _trace_stage(
@@ -195,7 +344,8 @@ def _trace_stage(
     stage: str,
     fn: Callable[..., Any],
     groups: dict[str, Any],
-    shared_refs: dict[StorageWeakRef, set[str]],
+    shared: Mapping[str, Any],
+    owned: BufferMap,
     out_prefix: str,
     fake_mode: Any,
     last: bool,
@@ -249,23 +399,25 @@ def _trace_stage(
     with ctx:
         gm = make_fx(flat_fn, tracing_mode="real")(*args)
 
+    buffers = BufferMap.of(shared)
     initial: dict[str, frozenset[str]] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, dotted, t in zip(placeholders, input_names, args, strict=True):
         node._rename(_identifier(dotted))
         node.target = node.name
         node.meta[INPUT_KEY] = dotted
-        initial[node.name] = frozenset(shared_refs.get(_storage(t), ()))
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor):
-                initial[node.name] = frozenset(shared_refs.get(_storage(value), ()))
+        initial[node.name] = buffers.touched(t)
     gm.recompile()
+    captured = _captured(stage, gm, buffers, owned)
 
-    result = analyse(gm.graph, initial, opaque_ops=frozenset({OPAQUE_OP}), output_reads=last)
-    for w in result.writes:
-        raise StageWriteError(backend, stage, sorted(w.buffers)[0], w.node, w.op)
+    memory: dict[str, frozenset[str]] = {}
+    changed: list[tuple[fx.Node, str]] = []
+    if fake_mode is None:
+        probe = _MemoryProbe(gm, shared)
+        probe.run(*args)
+        memory, changed = probe.touched, probe.changed
+    result = _analyse_stage(gm, initial, captured, memory, stage, last)
+    _check_writes(backend, stage, gm, result, changed)
     graph = StageGraph(
         name=stage,
         gm=gm,
@@ -274,8 +426,10 @@ def _trace_stage(
         reads=result.reads,
         unknown=result.unknown,
         opaque=result.opaque,
-        faithful=not result.opaque,
+        faithful=not result.escapes,
         eager=eager,
+        captured=tuple(captured),
+        memory=memory,
     )
     return graph, stash["out"]
 
@@ -310,14 +464,14 @@ def trace_functions(
     returns the logits. This is the engine under ``trace``; tests use it with toy functions.
 
     >>> import torch
+    >>> shared = {"req_to_token": torch.zeros(2, 8, dtype=torch.int32), "seq_lens": torch.ones(2)}
     >>> prog = trace_functions(
-    ...     "toy", ForwardMode.DECODE,
-    ...     inputs={"shared": {"req_to_token": torch.zeros(2, 8, dtype=torch.int32)}, "batch": {}},
+    ...     "toy", ForwardMode.DECODE, inputs={"shared": shared, "batch": {}},
     ...     prepare_out_graph=lambda shared, batch: {"pt": shared["req_to_token"][:, :4]},
-    ...     prepare_in_graph=lambda shared, batch, meta: dict(meta),
-    ...     body=lambda shared, batch, meta: meta["pt"].float().sum())
-    >>> prog.observed()  # the view escapes the eager stage and is read in the body
-    ReadEffect({'req_to_token': POST_REPLAY}, default=NONE)
+    ...     prepare_in_graph=lambda shared, batch, meta: {"lens": shared["seq_lens"][:1]},
+    ...     body=lambda shared, batch, meta: meta["pt"].float().sum() + meta["lens"].sum())
+    >>> prog.observed()  # out-of-graph outputs cross as copies; in-graph views are read in the body
+    ReadEffect({'req_to_token': PRE_REPLAY, 'seq_lens': POST_REPLAY}, default=NONE)
     """
     device = str(device)
     fake_mode = None
@@ -329,10 +483,7 @@ def trace_functions(
         groups = {g: _fake_tree(t, fake_mode, device) for g, t in groups.items()}
     shared = groups.get("shared", {})
     buffers = tuple(shared.keys())
-    shared_refs: dict[StorageWeakRef, set[str]] = {}
-    for b, t in shared.items():
-        if isinstance(t, torch.Tensor):
-            shared_refs.setdefault(_storage(t), set()).add(b)
+    owned = BufferMap.of(flatten_inputs(**{g: t for g, t in groups.items() if g != "shared"}))
     plan: list[tuple[str, Callable[..., Any], dict[str, Any], str]] = [
         ("prepare_out_graph", prepare_out_graph, {"shared": shared, "batch": groups.get("batch", {})}, "meta"),
         ("prepare_in_graph", prepare_in_graph, {"shared": shared, "batch": groups.get("batch", {})}, "meta"),
@@ -346,12 +497,14 @@ def trace_functions(
             grp = {**grp, "meta": meta}
         try:
             graph, out = _trace_stage(
-                backend, name, fn, grp, shared_refs, prefix, fake_mode, last=(i == len(plan) - 1)
+                backend, name, fn, grp, shared, owned, prefix, fake_mode, last=(i == len(plan) - 1)
             )
         except _Aborted as e:
             aborted = f"stage {name}: {e.why}"
             break
         stages.append(graph)
+        if name == OUT_OF_GRAPH:
+            out = cross_into_graph(out)  # what the graph sees of it: copies (core._protocol)
         # the body sees {**out_graph_meta, **in_graph_meta} (core._model.prepare)
         meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
     return Program(

@@ -81,12 +81,15 @@ def test_reads_are_attributed_to_the_stage_of_the_consumer_of_a_view(device) -> 
     assert prog.last_reader("swa_map") is None and prog.observed()["swa_map"] is ReadEnd.NONE
 
 
-def test_a_view_returned_by_the_eager_stage_is_read_later() -> None:
+def test_a_view_returned_by_the_eager_stage_is_read_by_the_copy_into_the_graph() -> None:
+    # what prepare_out_graph returns crosses into the graph as a copy made when it returns
+    # (core.cross_into_graph): the copy is the last read, even of an identity output
     prog = _toy(out=lambda shared, batch: {"pt": shared["req_to_token"].narrow(1, 0, 4), "r": shared["swa_map"]},
                 inn=lambda shared, batch, meta: {"x": meta["pt"].sum()},
-                body=lambda shared, batch, pools, meta: pools["k"].sum() + meta["x"])
-    assert prog.observed() == ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY})
-    # swa_map only passes through (identity) and is never consumed: NONE
+                body=lambda shared, batch, pools, meta: pools["k"].sum() + meta["x"] + meta["r"].sum())
+    assert prog.observed() == ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "swa_map": ReadEnd.PRE_REPLAY})
+    assert prog.last_reader("req_to_token") == ("prepare_out_graph", "output")
+    assert prog.stage("body").buffers_read() == frozenset()
 
 
 def test_an_identity_output_of_the_last_stage_is_read_after_the_forward() -> None:
@@ -131,7 +134,7 @@ def test_custom_ops_are_visible_and_their_schema_says_reads_and_writes(device) -
     assert prog.last_reader("seq_lens") == ("body", "lens_plus")
 
     with pytest.raises(StageWriteError, match="writes shared buffer 'seq_lens' in stage prepare_out_graph "
-                                              r"\(node 'bump', op readfence_test.bump.default\)"):
+                                              r"\(node 'bump', op readfence_test.bump.default, at .*test_trace.py"):
         _toy(out=lambda shared, batch: (_bump(shared["seq_lens"]), {})[1], device=device)
 
 
@@ -159,8 +162,34 @@ def test_writes_to_shared_buffers_are_errors(device, how) -> None:
     assert f"node {e.node!r}" in str(e) and "writes shared buffer 'req_to_token'" in str(e)
 
 
+def _escape(escape: str, lens: torch.Tensor) -> int:
+    if escape == "numpy":
+        return int(lens.numpy().sum())
+    if escape == "tolist":
+        return sum(lens.tolist())
+    if escape == "item":
+        return int(lens[1].item()) * 4  # a view of the buffer escapes
+    # an opaque "kernel" reading the buffer's memory through its address
+    return sum((ctypes.c_int32 * lens.numel()).from_address(lens.data_ptr()))
+
+
 @pytest.mark.parametrize("escape", ["numpy", "tolist", "item", "data_ptr"])
-def test_escapes_make_the_buffer_unknown_and_the_stage_runs_eagerly(escape) -> None:
+def test_an_escape_out_of_the_graph_reads_every_buffer_before_the_replay(escape) -> None:
+    # The out-of-graph stage runs eagerly: on any path it reads what it reads before the
+    # replay (PRE_REPLAY), and since the graph holds only the example's path, every buffer is
+    # given that end; a reference escaping (numpy, data_ptr) may be read through later: UNKNOWN.
+    prog = _toy(out=lambda shared, batch: {"total": torch.tensor(_escape(escape, shared["seq_lens"]))},
+                body=lambda shared, batch, pools, meta: meta["total"] * 2)
+    lens_end = ReadEnd.UNKNOWN if escape in ("numpy", "data_ptr") else ReadEnd.PRE_REPLAY
+    assert prog.observed() == ReadEffect.of(
+        {"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": lens_end, "swa_map": ReadEnd.PRE_REPLAY})
+    ((stage, node, why, source),) = prog.unfaithful()
+    assert (stage, why) == ("prepare_out_graph", f"escape: {escape}()")
+    assert "test_trace.py" in source and "_escape" in source
+
+
+@pytest.mark.parametrize("escape", ["numpy", "tolist", "item", "data_ptr"])
+def test_escapes_in_the_graph_read_every_buffer_until_unknown_and_the_stage_runs_eagerly(escape) -> None:
     def inn(shared, batch, meta):
         lens = shared["seq_lens"]
         if escape == "numpy":
@@ -175,7 +204,8 @@ def test_escapes_make_the_buffer_unknown_and_the_stage_runs_eagerly(escape) -> N
         return {"total": torch.tensor(total)}
 
     prog = _toy(inn=inn, body=lambda shared, batch, pools, meta: meta["total"] * 2)
-    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.UNKNOWN})
+    # nothing can capture the stage faithfully: it could read anything, on a path not traced
+    assert prog.observed() == ReadEffect.uniform(("req_to_token", "seq_lens", "swa_map"), ReadEnd.UNKNOWN)
     assert list(prog.opaque()["prepare_in_graph"].values()) == [f"escape: {escape}()"]
     stage = prog.stage("prepare_in_graph")
     assert not stage.faithful
@@ -188,12 +218,12 @@ def test_escapes_make_the_buffer_unknown_and_the_stage_runs_eagerly(escape) -> N
     assert fake.observed() == ReadEffect.unknown() and fake.aborted
 
 
-def test_an_escaping_fresh_value_does_not_make_the_buffer_unknown() -> None:
-    # the sum is a visible read; only a fresh scalar escapes to the host
-    prog = _toy(inn=lambda shared, batch, meta: {"n": torch.tensor(int(shared["seq_lens"].sum().item()))})
-    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY})
-    assert list(prog.opaque()["prepare_in_graph"].values()) == ["escape: item()"]
-    assert not prog.stage("prepare_in_graph").faithful  # the value is baked: run eagerly
+def test_an_escaping_fresh_value_out_of_the_graph_is_a_read_before_the_replay() -> None:
+    # the sum is a visible read; only a fresh scalar escapes to the host, there and then
+    prog = _toy(out=lambda shared, batch: {"n": torch.tensor(int(shared["seq_lens"].sum().item()))})
+    assert prog.observed() == ReadEffect.uniform(("req_to_token", "seq_lens", "swa_map"), ReadEnd.PRE_REPLAY)
+    assert list(prog.opaque()["prepare_out_graph"].values()) == ["escape: item()"]
+    assert not prog.stage("prepare_out_graph").faithful  # the value is baked: run eagerly
 
 
 # ------------------------------------------------------------------------------------------
