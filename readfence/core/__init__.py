@@ -38,18 +38,32 @@ __all__ = [
 
 # -- tracing and audit (issue 4) -------------------------------------------------------------
 from ._program import Program, StageGraph, flatten_inputs  # noqa: E402
-from ._trace import StageWriteError, trace  # noqa: E402
-from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report  # noqa: E402
+from ._trace import CapturedStateError, StageWriteError, bind, trace  # noqa: E402
+from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes  # noqa: E402
 
 __all__ += [
     "AuditReport",
     "BufferAudit",
+    "CapturedStateError",
     "Program",
     "StageGraph",
     "StageWriteError",
     "Unsound",
     "audit",
     "audit_report",
+    "bind",
+    "default_batch_sizes",
     "flatten_inputs",
     "trace",
+]
+
+# -- the runtime read observer and its cross-check of the trace ---------------------------------
+from ._observe import Disagreement, Observation, ReadObserver, cross_check, observe  # noqa: E402
+
+__all__ += [
+    "Disagreement",
+    "Observation",
+    "ReadObserver",
+    "cross_check",
+    "observe",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 from torch import fx
 
-from ._program import OPAQUE_KEY, READS_KEY
+from ._program import ESCAPE, OPAQUE_KEY, READS_KEY
 from ._schema import bind, op_aliasing
 
 Aliases = frozenset[str]
@@ -121,7 +121,7 @@ def analyse(
             alias[node] = _EMPTY
             escapes[node.name] = escaping
             mark(node, escaping)
-            mark_opaque(node, f"escape: {node.args[1] if len(node.args) > 1 else target}")
+            mark_opaque(node, f"{ESCAPE}{node.args[1] if len(node.args) > 1 else target}")
             if not escape_reads(node):
                 unknown.update(escaping)
             continue

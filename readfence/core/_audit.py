@@ -4,11 +4,15 @@ Like JAX's ``check_jaxpr``: recompute (trace) and compare. Per buffer, the decla
 be at or after the observed end: ``exact`` (equal), ``conservative`` (later: a fence that
 fires later than needed, by ``steps`` lattice steps) or ``unsound`` (earlier than a traced
 read: the scheduler could overwrite the buffer while the step still reads it).
+
+Reads can depend on the batch size (a branch on ``q.shape[0]``), so the step is traced at
+every batch size that will run, by default 1, 2 and the model's maximum; a buffer's observed
+end is the latest over them, and the report names the batch size that reads it latest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -18,7 +22,9 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._modes import ForwardMode
 from ._protocol import BackendLike
-from ._trace import StageWriteError, trace
+from ._program import Program
+from ._state import ModelConfig
+from ._trace import StageWriteError, bind, trace
 
 EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"
 
@@ -42,6 +48,7 @@ class BufferAudit:
     declared: ReadEnd
     observed: ReadEnd
     reader: tuple[str, str] | None  # (stage, node) of the last traced read
+    batch_size: int | None = None  # the batch size whose trace reads it latest
 
     @property
     def steps(self) -> int:
@@ -78,7 +85,8 @@ class AuditReport:
     observed: ReadEffect
     buffers: tuple[BufferAudit, ...]
     children: tuple[AuditReport, ...] = ()
-    opaque: tuple[tuple[str, str, str], ...] = ()  # (stage, node, why)
+    opaque: tuple[tuple[str, str, str], ...] = ()  # (stage, node, why), why naming the source line
+    batch_sizes: tuple[int, ...] = ()  # the batch sizes traced
 
     # -- queries -----------------------------------------------------------------------------
     def walk(self) -> Iterator[AuditReport]:
@@ -145,6 +153,7 @@ class AuditReport:
                 row["steps"] = b.steps
                 row["note"] = b.note
                 row["reader"] = f"{b.reader[0]}:{b.reader[1]}" if b.reader else ""
+                row["batch_size"] = b.batch_size
             out.append(row)
         return out
 
@@ -201,14 +210,20 @@ class Unsound:
     declared: ReadEnd
     observed: ReadEnd
     reader: tuple[str, str] | None
+    batch_size: int | None = None
 
     @property
     def message(self) -> str:
-        where = (
-            f"last read by node {self.reader[1]!r} in stage {self.reader[0]}"
-            if self.reader
-            else "read by an op the tracer cannot see"
-        )
+        node = self.report.find(self.path)
+        if self.observed is ReadEnd.UNKNOWN and node.opaque:
+            stage, name, why = node.opaque[0]
+            where = f"stage {stage}, node {name!r}: {why}"
+        elif self.reader:
+            where = f"last read by node {self.reader[1]!r} in stage {self.reader[0]}"
+        else:
+            where = "read by an op the tracer cannot see"
+        if self.batch_size is not None and len(node.batch_sizes) > 1:
+            where += f"; at batch size {self.batch_size}"
         return (
             f"unsound declaration: {self.path} in mode {self.mode.name} declares buffer "
             f"{self.buffer!r} ends at {self.declared.name} but the traced code reads it until "
@@ -219,19 +234,52 @@ class Unsound:
         return self.message
 
 
-def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any]) -> AuditReport:
-    try:
-        program = trace(backend, mode, **kw)
-    except StageWriteError as e:
-        raise e.at(path) from None
+def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
+    out = [(s.name, node, f"{why} at {source}") for s in program.stages for node, why, source in s.escapes()]
+    out += [(c.stage, c.node, c.why()) for c in program.captured() if not c.usable and c.matches[0] == "none"]
+    return tuple(out)
+
+
+def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any],
+                batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None) -> AuditReport:
+    programs = []
+    for n in batch_sizes:
+        try:
+            program = trace(backend, mode, batch_size=n, **kw)
+        except StageWriteError as e:
+            raise e.at(path) from None
+        programs.append((n, program if state is None else bind(program, state)))
     declared = backend.read_effect(mode)
-    observed = program.observed()
-    names = list(program.buffers) + [b for b in declared.buffers + observed.buffers if b not in program.buffers]
-    entries = tuple(
-        BufferAudit(b, declared[b], observed[b], program.last_reader(b)) for b in dict.fromkeys(names)
-    )
-    opaque = tuple((stage, node, why) for stage, nodes in program.opaque().items() for node, why in nodes.items())
-    return AuditReport(path, mode, declared, observed, entries, (), opaque)
+    observed = ReadEffect.none()
+    for _, program in programs:
+        observed = observed | program.observed()
+    first = programs[0][1]
+    names = list(first.buffers) + [b for b in declared.buffers + observed.buffers if b not in first.buffers]
+    entries = []
+    for b in dict.fromkeys(names):
+        n, latest = next((n, p) for n, p in programs if p.observed()[b] is observed[b])
+        entries.append(BufferAudit(b, declared[b], observed[b], latest.last_reader(b), n))
+    opaque = tuple(dict.fromkeys(o for _, program in programs for o in _why_opaque(program)))
+    return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes)
+
+
+def default_batch_sizes(cfg: ModelConfig) -> tuple[int, ...]:
+    """The batch sizes audited by default: 1, 2 and the model's maximum.
+
+    >>> default_batch_sizes(ModelConfig(max_reqs=8))
+    (1, 2, 8)
+    """
+    return tuple(sorted({1, min(2, cfg.max_reqs), cfg.max_reqs}))
+
+
+def _batch_sizes(cfg: ModelConfig, batch_sizes: Iterable[int] | None) -> tuple[int, ...]:
+    if batch_sizes is None:
+        return default_batch_sizes(cfg)
+    sizes = tuple(batch_sizes)
+    bad = [n for n in sizes if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cfg.max_reqs]
+    if not sizes or bad:
+        raise ValueError(f"batch_sizes must be ints in 1..{cfg.max_reqs} (cfg.max_reqs), got {list(sizes)!r}")
+    return tuple(sorted(set(sizes)))
 
 
 def audit_report(
@@ -239,11 +287,14 @@ def audit_report(
     mode: ForwardMode,
     *,
     cfg: Any = None,
-    batch_size: int = 2,
+    batch_sizes: Iterable[int] | None = None,
     device: str = "cpu",
+    state: Mapping[str, Any] | None = None,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
-    kw = {"cfg": cfg, "batch_size": batch_size, "device": device}
+    cfg = ModelConfig() if cfg is None else cfg
+    sizes = _batch_sizes(cfg, batch_sizes)
+    kw = {"cfg": cfg, "device": device}
     # iterative post-order: children's reports are built before their parent's
     order: list[tuple[str, BackendLike, int]] = []  # (path, node, number of children)
     stack: list[tuple[str, BackendLike]] = [(backend.name, backend)]
@@ -258,7 +309,7 @@ def audit_report(
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        report = _audit_node(path, node, mode, kw)
+        report = _audit_node(path, node, mode, kw, sizes, state)
         done.append(attrs.evolve(report, children=kids_reports))
     (root,) = done
     return root
@@ -269,14 +320,19 @@ def audit(
     mode: ForwardMode,
     *,
     cfg: Any = None,
-    batch_size: int = 2,
+    batch_sizes: Iterable[int] | None = None,
     device: str = "cpu",
+    state: Mapping[str, Any] | None = None,
 ) -> Result[AuditReport, Unsound]:
     """Trace ``backend`` (and, for a combinator, every node below it) and compare effects.
 
     ``Success(report)`` when every declaration is at or after its observed end, else
     ``Failure(Unsound)`` naming the deepest guilty node's path, the mode, the buffer, both
-    ends and the reading node. A stage writing a shared buffer raises ``StageWriteError``.
+    ends, the reading node and the batch size. A stage writing a shared buffer raises
+    ``StageWriteError``. The step is traced at each of ``batch_sizes`` (default: 1, 2 and
+    ``cfg.max_reqs``). ``state`` (``shared``, ``pools``, ``params``: the live tensors) lets
+    tensors a stage captured by reference be matched against them (see ``bind``); without it
+    a captured tensor that is not part of the example makes every buffer ``UNKNOWN``.
 
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect
@@ -286,9 +342,10 @@ def audit(
     >>> print(audit(early, ForwardMode.DECODE).failure().message)  # doctest: +ELLIPSIS
     unsound declaration: paged in mode DECODE declares buffer 'req_to_token' ends at PRE_REPLAY but ...
     """
-    report = audit_report(backend, mode, cfg=cfg, batch_size=batch_size, device=device)
+    report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state)
     bad = report.unsound()
     if not bad:
         return Success(report)
     path, entry = bad[0]
-    return Failure(Unsound(report, path, mode, entry.buffer, entry.declared, entry.observed, entry.reader))
+    return Failure(Unsound(report, path, mode, entry.buffer, entry.declared, entry.observed, entry.reader,
+                           entry.batch_size))

@@ -63,6 +63,7 @@ READS_KEY = "readfence_reads"
 OPAQUE_KEY = "readfence_opaque"
 INPUT_KEY = "readfence_input"
 SOURCE_KEY = "readfence_source"
+ESCAPE = "escape: "  # how an escape node's OPAQUE_KEY reason starts
 
 #: The stage that runs eagerly, before the replay (its outputs cross into the graph as copies).
 OUT_OF_GRAPH = "prepare_out_graph"
@@ -128,6 +129,7 @@ class StageGraph:
     eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     captured: tuple[Captured, ...] = ()
     memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
+    initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
 
     def source(self, node: str) -> str:
         """The user's source line that made ``node`` (``"?"`` when unknown)."""
@@ -139,6 +141,10 @@ class StageGraph:
     def escapes(self) -> list[tuple[str, str, str]]:
         """``(node, why, source)`` of every node the tracer could not see through."""
         return [(node, why, self.source(node)) for node, why in self.opaque.items()]
+
+    def escaping(self) -> list[tuple[str, str, str]]:
+        """The escapes proper (what makes the stage unfaithful): ``(node, why, source)``."""
+        return [e for e in self.escapes() if e[1].startswith(ESCAPE)]
 
     @property
     def end(self) -> ReadEnd:
@@ -259,7 +265,7 @@ class Program:
 
     def unfaithful(self) -> list[tuple[str, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""
-        return [(s.name, *e) for s in self.stages for e in s.escapes()]
+        return [(s.name, *e) for s in self.stages for e in s.escaping()]
 
     def captured(self) -> tuple[Captured, ...]:
         """Every tensor a stage reads without receiving it (see the module docstring)."""

@@ -430,8 +430,59 @@ def _trace_stage(
         eager=eager,
         captured=tuple(captured),
         memory=memory,
+        initial=initial,
     )
     return graph, stash["out"]
+
+
+class CapturedStateError(ValueError):
+    """A stage reads a tensor it did not receive that is not live state of the step.
+
+    Such a tensor is a constant of the traced graph: trace-time state (a copy or a DLPack view
+    made while tracing, a tensor kept from another state) that would be replayed stale.
+    """
+
+    def __init__(self, backend: str, mode: ForwardMode, captured: Iterable[Captured]) -> None:
+        self.backend, self.mode, self.captured = backend, mode, tuple(captured)
+        reasons = "; ".join(f"stage {c.stage}: {c.why()}" for c in self.captured)
+        super().__init__(
+            f"cannot lower {backend} for {mode.name}: {reasons}. Pass live state to the stage "
+            f"through its arguments (shared, pools), or compute the tensor inside the stage"
+        )
+
+
+def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
+    """``program`` as it runs on ``state`` (``shared``, ``pools``, ``params``): every captured
+    tensor matched, by memory range, against that state instead of the example.
+
+    A captured tensor that is one of ``state``'s shared buffers is a read of that buffer;
+    one that is a pool or a parameter is fine; anything else stays unusable (``Captured.usable``
+    is False) and the caller refuses it (``CapturedStateError``). Programs without captured
+    tensors are returned as they are.
+
+    >>> from readfence.backends import paged
+    >>> prog = trace(paged(), ForwardMode.DECODE)
+    >>> bind(prog, {"shared": {}, "pools": {}, "params": {}}) is prog
+    True
+    """
+    if not program.captured():
+        return program
+    shared = BufferMap.of(state["shared"])
+    owned = BufferMap.of(flatten_inputs(pools=state.get("pools", {}), params=state.get("params", {})))
+    stages = []
+    for s in program.stages:
+        if not s.captured:
+            stages.append(s)
+            continue
+        gm = fx.GraphModule(s.gm, copy.deepcopy(s.gm.graph))
+        captured = tuple(attrs.evolve(c, matches=_match(getattr(gm, c.target), shared, owned), state="live")
+                         for c in s.captured)
+        last = s.name == program.stages[-1].name
+        result = _analyse_stage(gm, s.initial, captured, s.memory, s.name, last)
+        _check_writes(program.backend, s.name, gm, result, ())
+        stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
+                                   captured=captured))
+    return attrs.evolve(program, stages=tuple(stages))
 
 
 def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:

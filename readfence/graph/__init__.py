@@ -66,11 +66,11 @@ __all__ = [
 ]
 
 from ._fence import Bound, Fence, RingWrapError  # noqa: E402
-from ._lower import Lowered, StepRun, UnsoundLowering, lower, make_state, torch_device  # noqa: E402
+from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device  # noqa: E402
 from ._plan import FencePlan, Placement, plan_fences  # noqa: E402
 
 __all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
-            "UnsoundLowering", "lower", "make_state", "plan_fences", "torch_device"]
+            "UncapturableStage", "UnsoundLowering", "lower", "make_state", "plan_fences", "torch_device"]
 from ._runtime import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial, synthetic_work  # noqa: E402
 from ._scheduler import Scheduler, StepState  # noqa: E402
 from ._timeline import Timeline  # noqa: E402

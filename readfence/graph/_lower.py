@@ -33,6 +33,7 @@ from readfence.core import (
     make_pools,
     make_shared_state,
 )
+from readfence.core import CapturedStateError, bind
 from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
 from readfence.core._program import Program, StageGraph, flatten_inputs
@@ -53,6 +54,11 @@ _PRE, _POST, _LAST = ReadEnd.PRE_REPLAY.rank, ReadEnd.POST_REPLAY.rank, ReadEnd.
 
 class UnsoundLowering(ValueError):
     """Lowering refused: a buffer is declared to end earlier than the traced code reads it."""
+
+
+class UncapturableStage(ValueError):
+    """Lowering refused: an in-graph stage escapes the tracer, and a device graph would replay
+    only the path the example took (a CUDA graph captures kernels, not Python)."""
 
 
 class StepRun(tuple):
@@ -314,14 +320,24 @@ class Lowered:
 
 
 def last_reads(program: Program) -> dict[str, LastRead]:
-    """Per shared buffer read by ``program``, where its last read is (stage, node, index)."""
+    """Per shared buffer read by ``program``, the node after which its last read is done.
+
+    Only nodes an event can follow: a stage that runs its Python function instead of its
+    graph (unfaithful) has no nodes to follow, and a read by a stage's output (the copy of the
+    out-of-graph stage's outputs into the graph) ends with the stage; those buffers get the
+    stage-level point.
+    """
     out = {}
     for b in SHARED_BUFFERS:
         last = program.last_reader(b)
-        if last is not None:
-            stage, node = last
-            index = [n.name for n in program.stage(stage).gm.graph.nodes].index(node)
-            out[b] = LastRead(stage, node, index)
+        if last is None:
+            continue
+        stage, node = last
+        graph = program.stage(stage)
+        names = [n.name for n in graph.gm.graph.nodes]
+        if not graph.faithful or node == names[-1]:
+            continue
+        out[b] = LastRead(stage, node, names.index(node))
     return out
 
 
@@ -396,24 +412,45 @@ def lower(
     cfg = ModelConfig() if cfg is None else cfg
     if batch_size > cfg.max_reqs:
         raise ValueError(f"batch_size {batch_size} exceeds cfg.max_reqs={cfg.max_reqs}")
-    program = trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
+    state = state if state is not None else make_state(cfg, device)
+    graphed = mode.uses_graph and device.caps.graphs
+    program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     declared = backend.read_effect(mode)
     observed = program.observed()
     if policy is not Policy.COARSE and not observed <= declared and not UNSAFE_skip_soundness_check:
-        failure = audit_backend(backend, mode, cfg=cfg, batch_size=batch_size).failure()
+        failure = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], state=state).failure()
         raise UnsoundLowering(
             f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
             f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
         )
-    graphed = mode.uses_graph and device.caps.graphs
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
                        last_reads=last_reads(program), observed=observed, graphed=graphed)
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size,
         program=program, plan=plan, stream=stream if stream is not None else device.stream("forward"),
-        ring_size=ring_size, state=state if state is not None else make_state(cfg, device),
-        measure=measure, timeline=timeline, new_event=new_event,
+        ring_size=ring_size, state=state, measure=measure, timeline=timeline, new_event=new_event,
     )
 
 
-__all__ = ["Lowered", "StepRun", "UnsoundLowering", "lower", "make_state"]
+def _checked_program(backend: Any, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
+                     state: Mapping[str, Mapping[str, Tensor]], graphed: bool) -> Program:
+    """The traced step bound to the live ``state``; refuses what no fence can make correct:
+    captured trace-time state (stale whatever the policy) and, on a device whose graphs
+    capture kernels rather than Python, an in-graph stage that escapes the tracer."""
+    program = bind(trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)), state)
+    unusable = [c for c in program.captured() if not c.usable]
+    if unusable:
+        raise CapturedStateError(backend.name, mode, unusable)
+    if graphed and torch_device(device) == "cuda":
+        escapes = [e for e in program.unfaithful() if e[0] in IN_GRAPH_STAGES]
+        if escapes:
+            stage, node, why, source = escapes[0]
+            raise UncapturableStage(
+                f"cannot capture {backend.name} for {mode.name} on {device.name}: stage {stage} escapes "
+                f"the tracer ({why.removeprefix('escape: ')} at {source}, node {node!r}), so a graph would "
+                f"replay only the path the example took; move host reads to prepare_out_graph"
+            )
+    return program
+
+
+__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "lower", "make_state"]

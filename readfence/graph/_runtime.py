@@ -119,15 +119,19 @@ def run_serial(
     cfg: ModelConfig | None = None,
     seed: int = 0,
     finish_prob: float = 0.1,
+    state: dict[str, dict[str, Tensor]] | None = None,
 ) -> LoopResult:
     """The reference: eager ``run_step`` on the host; writes always precede reads.
+
+    ``state`` (``shared``, ``pools``, ``params``) is the state to run on, fresh by default;
+    pass one for a backend that holds references to it.
 
     >>> from readfence.backends import paged
     >>> run_serial(paged(), steps=3, batch_size=2).steps
     3
     """
     cfg = ModelConfig() if cfg is None else cfg
-    state = make_state(cfg, "cpu")
+    state = make_state(cfg, "cpu") if state is None else state
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     t0 = time.perf_counter()
     logits = []
@@ -274,10 +278,14 @@ def decode_loop(
     write_wait_s: float = 0.0,
     ring_size: int | None = None,
     timeline: Timeline | None = None,
+    state: dict[str, dict[str, Tensor]] | None = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
 ) -> DecodeLoop:
     """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
     wire it to a seeded scheduler on ``device``.
+
+    ``state`` (``shared``, ``pools``, ``params`` on the device) is the live state the step
+    runs on, fresh by default: pass the one a backend holds references to.
 
     ``write_cost`` adds an ``n x n`` matmul to each page-table write (synthetic scheduler
     work that must happen after the fence, to make overlap measurable).
@@ -287,7 +295,7 @@ def decode_loop(
     cfg = ModelConfig() if cfg is None else cfg
     extra = {} if ring_size is None else {"ring_size": ring_size}
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                     state=make_state(cfg, device), measure=True, timeline=timeline,
+                     state=make_state(cfg, device) if state is None else state, measure=True, timeline=timeline,
                      UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, **extra)
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))

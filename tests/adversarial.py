@@ -1,0 +1,349 @@
+"""Adversarial user backends: every way a read of a shared buffer might hide from the analysis.
+
+Each case is a leaf written through the public ``leaf(...)`` API, as a user would, whose
+hidden read changes the output (a late read that races changes the logits). Cases carry the
+verdict the analysis must reach:
+
+* ``refused``: ``audit`` reports it unsound (or a ``StageWriteError``) and ``lower`` refuses it
+  for every policy but COARSE (captured trace-time state: every policy);
+* ``accepted``: genuinely fine, it must be accepted and run bit-identical to the serial run
+  under every policy, with delays injected on the forward stream;
+* ``invisible``: no static analysis can see the read (a custom op reading state an earlier
+  stage stored by reference): accepted by ``audit``; only the dynamic checks catch it.
+
+Builders take the live state (``shared``/``pools``/``params``) so that backends holding a
+reference to the engine's live buffers (closures, attributes, globals, DLPack) can be built
+against the state they will run on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from readfence.backends import kv_indices, leaf, page_meta, softmax_attention, store_kv
+from readfence.core import ForwardMode
+from readfence.effects import ReadEffect, ReadEnd
+
+M = ForwardMode
+PRE, IN, POST = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY
+State = Mapping[str, Mapping[str, Tensor]]
+LensFn = Callable[..., Tensor]  # (shared, batch, meta, layer, q) -> lens [B] int64
+
+
+@attrs.frozen
+class Case:
+    """One adversarial backend: how to build it and what the analysis must conclude."""
+
+    name: str
+    klass: str  # the hole class it attacks
+    build: Callable[[State | None], Any]
+    verdict: str  # "refused", "accepted" or "invisible"
+    buffer: str | None = None  # the buffer read late, for refused and invisible cases
+    mode: ForwardMode = M.DECODE
+    captures: bool = False  # holds a reference to the live state: needs it to be built
+
+
+def _declare(lens: ReadEnd = IN, r2t: ReadEnd = IN) -> dict[ForwardMode, ReadEffect]:
+    effect = ReadEffect.of({"req_to_token": r2t, "seq_lens": lens})
+    return {M.DECODE: effect, M.TARGET_VERIFY: effect}
+
+
+def _rows(batch: Mapping[str, Tensor]) -> Tensor:
+    return batch["req_pool_indices"]
+
+
+def _gather(lens: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+    return lens.index_select(0, _rows(batch)).long()
+
+
+def _prep(mode, shared, batch, meta):  # noqa: ANN001, ARG001 - the leaf stage signature
+    return page_meta(shared, batch)
+
+
+def body_reader(name: str, lens_fn: LensFn, *, declare: Mapping | None = None, prep: Callable | None = _prep,
+                out: Callable | None = None) -> Any:
+    """A paged leaf whose ``attend`` takes its lengths from ``lens_fn`` (a body read)."""
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):  # noqa: ANN001
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = lens_fn(shared, batch, meta, layer, q)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+
+    return leaf(name, attend, prepare_in_graph=prep, prepare_out_graph=out,
+                declare=_declare() if declare is None else declare)
+
+
+def _fixed(name: str, lens_fn: LensFn, **kw: Any) -> Callable[[State | None], Any]:
+    return lambda state: body_reader(name, lens_fn, **kw)
+
+
+# -- class 1: views and list views ---------------------------------------------------------
+VIEWS: dict[str, LensFn] = {
+    "slice": lambda s, b, m, layer, q: _gather(s["seq_lens"][:], b),
+    "narrow": lambda s, b, m, layer, q: _gather(s["seq_lens"].narrow(0, 0, s["seq_lens"].shape[0]), b),
+    "view": lambda s, b, m, layer, q: _gather(s["seq_lens"].view(-1), b),
+    "t": lambda s, b, m, layer, q: _gather(s["seq_lens"].view(1, -1).t().squeeze(1), b),
+    "expand": lambda s, b, m, layer, q: _gather(s["seq_lens"].unsqueeze(0).expand(2, -1)[1], b),
+    "to_same_dtype": lambda s, b, m, layer, q: _gather(s["seq_lens"].to(torch.int32), b),
+    "contiguous": lambda s, b, m, layer, q: _gather(s["seq_lens"].contiguous(), b),
+    "detach": lambda s, b, m, layer, q: _gather(s["seq_lens"].detach(), b),
+    "split": lambda s, b, m, layer, q: _gather(torch.cat(s["seq_lens"].split(1)), b),
+    "chunk": lambda s, b, m, layer, q: _gather(torch.cat(s["seq_lens"].chunk(2)), b),
+    "unbind": lambda s, b, m, layer, q: _gather(torch.stack(s["seq_lens"].unbind(0)), b),
+    "split_with_sizes": lambda s, b, m, layer, q: _gather(
+        torch.cat(s["seq_lens"].split_with_sizes([1, s["seq_lens"].shape[0] - 1])), b),
+    "tensor_split": lambda s, b, m, layer, q: _gather(torch.cat(s["seq_lens"].tensor_split(3)), b),
+    "iteration": lambda s, b, m, layer, q: _gather(torch.stack([x for x in s["seq_lens"]]), b),
+    "piece_of_chunk": lambda s, b, m, layer, q: torch.cat(s["seq_lens"].chunk(2)).index_select(0, _rows(b)).long(),
+}
+
+
+# -- class 2: tensors captured from outside the stage's arguments ---------------------------
+class _Holder:
+    """An engine-style backend object keeping a reference to the live buffer."""
+
+    def __init__(self, lens: Tensor) -> None:
+        self.seq_lens = lens
+
+
+_GLOBAL: dict[str, Tensor] = {}  # a module global the backend reads
+
+
+def _closure(state: State | None, declare: Mapping | None = None) -> Any:
+    lens = state["shared"]["seq_lens"] if state else torch.zeros(1, dtype=torch.int32)
+    return body_reader("closure", lambda s, b, m, layer, q: _gather(lens, b), declare=declare)
+
+
+def _attribute(state: State | None, declare: Mapping | None = None) -> Any:
+    holder = _Holder(state["shared"]["seq_lens"] if state else torch.zeros(1, dtype=torch.int32))
+    return body_reader("attribute", lambda s, b, m, layer, q: _gather(holder.seq_lens, b), declare=declare)
+
+
+def _global(state: State | None, declare: Mapping | None = None) -> Any:
+    _GLOBAL["seq_lens"] = state["shared"]["seq_lens"] if state else torch.zeros(1, dtype=torch.int32)
+    return body_reader("global_ref", lambda s, b, m, layer, q: _gather(_GLOBAL["seq_lens"], b), declare=declare)
+
+
+def _dlpack_live(state: State | None, declare: Mapping | None = None) -> Any:
+    src = state["shared"]["seq_lens"] if state else torch.zeros(1, dtype=torch.int32)
+    alias = torch.from_dlpack(torch.to_dlpack(src))  # a new storage object over the same memory
+    return body_reader("dlpack_live", lambda s, b, m, layer, q: _gather(alias, b), declare=declare)
+
+
+def _dlpack_arg(s, b, m, layer, q):  # noqa: ANN001
+    return _gather(torch.from_dlpack(torch.to_dlpack(s["seq_lens"])), b)
+
+
+# -- class 3: trace-time state baked into the graph ----------------------------------------
+def _stashed_clone(state: State | None) -> Any:
+    stash: dict[str, Tensor] = {}
+
+    def out(mode, shared, batch):  # noqa: ANN001, ARG001
+        stash["lens"] = shared["seq_lens"].clone()  # kept in a closure, not returned
+        return {}
+
+    return body_reader("stashed_clone", lambda s, b, m, layer, q: _gather(stash["lens"], b), out=out)
+
+
+def _stashed_dlpack(state: State | None) -> Any:
+    stash: dict[str, Tensor] = {}
+
+    def out(mode, shared, batch):  # noqa: ANN001, ARG001
+        stash["lens"] = torch.from_dlpack(torch.to_dlpack(shared["seq_lens"]))
+        return {}
+
+    return body_reader("stashed_dlpack", lambda s, b, m, layer, q: _gather(stash["lens"], b), out=out)
+
+
+# -- class 4: escapes and data-dependent branches -------------------------------------------
+def _host_read(s, b, m, layer, q):  # noqa: ANN001
+    return torch.tensor([int(s["seq_lens"][r]) for r in b["req_pool_indices"].tolist()], dtype=torch.long)
+
+
+def _host_iteration(s, b, m, layer, q):  # noqa: ANN001
+    return _gather(torch.tensor([int(x) for x in s["seq_lens"]], dtype=torch.int32), b)
+
+
+def _branch_on_content(s, b, m, layer, q):  # noqa: ANN001
+    # taken only when some position is even: the path traced on one example may not take it
+    if bool((b["positions"] % 2 == 0).any()):
+        return _gather(s["seq_lens"], b)
+    return m["kv_lens"]
+
+
+def _branch_on_layer(s, b, m, layer, q):  # noqa: ANN001
+    return _gather(s["seq_lens"], b) if layer == 1 else m["kv_lens"]
+
+
+def _branch_on_batch_size(s, b, m, layer, q):  # noqa: ANN001
+    return _gather(s["seq_lens"], b) if q.shape[0] > 2 else m["kv_lens"]
+
+
+def _branch_on_mode(mode: ForwardMode) -> Any:
+    def attend(mode_, layer, q, k, v, pools, shared, batch, meta):  # noqa: ANN001
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = _gather(shared["seq_lens"], batch) if mode_ is mode else meta["kv_lens"]
+        return softmax_attention(mode_, q, pools, layer, meta["kv_indices"], lens)
+
+    return leaf("branch_on_mode", attend, prepare_in_graph=_prep, declare=_declare())
+
+
+# -- class 6: custom ops ---------------------------------------------------------------------
+@torch.library.custom_op("readfence_adv::gather_lens", mutates_args=())
+def gather_lens(lens: Tensor, rows: Tensor) -> Tensor:
+    """A pure custom kernel reading the lengths of the batch's rows."""
+    return lens.index_select(0, rows).long()
+
+
+@gather_lens.register_fake
+def _(lens: Tensor, rows: Tensor) -> Tensor:
+    return torch.empty(rows.shape, dtype=torch.long, device=lens.device)
+
+
+@torch.library.custom_op("readfence_adv::gather_lens_unknown", mutates_args="unknown")
+def gather_lens_unknown(lens: Tensor, rows: Tensor) -> Tensor:
+    """The same kernel registered without saying what it mutates (claims to write everything)."""
+    return lens.index_select(0, rows).long()
+
+
+@torch.library.custom_op("readfence_adv::sneaky_bump", mutates_args=())
+def sneaky_bump(lens: Tensor) -> Tensor:
+    """A custom op that writes its argument in place though its schema claims it does not."""
+    lens.add_(1)
+    return lens.sum().reshape(1)
+
+
+class _Plan:
+    """FlashInfer-style plan/run: ``plan`` keeps a *reference* to the lengths, ``run`` reads it."""
+
+    lens: Tensor | None = None
+
+
+PLAN = _Plan()
+
+
+@torch.library.custom_op("readfence_adv::plan_run", mutates_args=())
+def plan_run(rows: Tensor) -> Tensor:
+    """Reads the lengths ``plan`` stored, not any of its arguments: invisible to static analysis."""
+    assert PLAN.lens is not None, "plan() must run before run()"
+    return PLAN.lens.index_select(0, rows).long()
+
+
+@plan_run.register_fake
+def _(rows: Tensor) -> Tensor:
+    return torch.empty(rows.shape, dtype=torch.long, device=rows.device)
+
+
+def _plan_prep(mode, shared, batch, meta):  # noqa: ANN001
+    PLAN.lens = shared["seq_lens"]  # a reference, not a copy
+    return page_meta(shared, batch)
+
+
+# -- writes ------------------------------------------------------------------------------------
+def _writer(name: str, write: Callable[[Mapping[str, Tensor]], Any]) -> Callable[[State | None], Any]:
+    def prep(mode, shared, batch, meta):  # noqa: ANN001
+        write(shared)
+        return page_meta(shared, batch)
+
+    return lambda state: body_reader(name, lambda s, b, m, layer, q: m["kv_lens"], prep=prep)
+
+
+def _clamp_chunks(shared: Mapping[str, Tensor]) -> None:
+    for piece in shared["seq_lens"].chunk(2):
+        piece.clamp_(max=8)
+
+
+WRITES: dict[str, Callable[[Mapping[str, Tensor]], Any]] = {
+    "write_chunk_pieces": _clamp_chunks,
+    "write_unbind_piece": lambda s: s["seq_lens"].unbind(0)[0].add_(0),
+    "write_split_piece": lambda s: s["seq_lens"].split(2)[1].mul_(1),
+    "write_through_view": lambda s: s["req_to_token"][:, :2].zero_(),
+    "write_custom_unknown": lambda s: gather_lens_unknown(s["seq_lens"], torch.zeros(1, dtype=torch.long)),
+    "write_custom_undeclared": lambda s: sneaky_bump(s["seq_lens"]),
+}
+
+
+# -- what crosses into the graph ---------------------------------------------------------------
+def _crossing(name: str, where: str, make: Callable[[Tensor], Tensor], lens_end: ReadEnd) -> Callable:
+    """A leaf returning ``make(seq_lens)`` from the stage ``where`` and reading it in the body."""
+
+    def out(mode, shared, batch):  # noqa: ANN001, ARG001
+        return {"lens_x": make(shared["seq_lens"])}
+
+    def inn(mode, shared, batch, meta):  # noqa: ANN001, ARG001
+        got = {"kv_indices": kv_indices(shared, batch)}  # the lengths come only through lens_x
+        if where == "in":
+            got["lens_x"] = make(shared["seq_lens"])
+        return got
+
+    lens_fn: LensFn = lambda s, b, m, layer, q: _gather(m["lens_x"], b)  # noqa: E731
+    return lambda state: body_reader(name, lens_fn, prep=inn, out=out if where == "out" else None,
+                                     declare=_declare(lens=lens_end))
+
+
+CROSSINGS = {
+    "view": lambda t: t[:],
+    "list_view": lambda t: t.split(t.shape[0])[0],
+    "noop_copy": lambda t: t.contiguous(),
+    "real_copy": lambda t: t.clone(),
+}
+
+
+def _cases() -> list[Case]:
+    cases: list[Case] = []
+    for name, fn in VIEWS.items():
+        cases.append(Case(name, "views", _fixed(name, fn), "refused", "seq_lens"))
+    for name, make in (("closure", _closure), ("attribute", _attribute), ("global_ref", _global),
+                       ("dlpack_live", _dlpack_live)):
+        cases.append(Case(name, "captured", make, "refused", "seq_lens", captures=True))
+        honest = _declare(lens=POST)
+        cases.append(Case(f"{name}_declared_post", "captured",
+                          lambda state, make=make, honest=honest: make(state, honest), "accepted", captures=True))
+    cases.append(Case("dlpack_arg", "captured", _fixed("dlpack_arg", _dlpack_arg), "refused", "seq_lens"))
+    cases.append(Case("stashed_clone", "baked", _stashed_clone, "refused", "seq_lens"))
+    cases.append(Case("stashed_dlpack", "baked", _stashed_dlpack, "refused", "seq_lens"))
+    for name, fn in (("host_read", _host_read), ("host_iteration", _host_iteration),
+                     ("branch_on_content", _branch_on_content)):
+        cases.append(Case(name, "unfaithful", _fixed(name, fn), "refused", "seq_lens"))
+    cases.append(Case("branch_on_layer", "conditional", _fixed("branch_on_layer", _branch_on_layer),
+                      "refused", "seq_lens"))
+    cases.append(Case("branch_on_mode", "conditional", lambda state: _branch_on_mode(M.TARGET_VERIFY),
+                      "refused", "seq_lens", mode=M.TARGET_VERIFY))
+    cases.append(Case("branch_on_mode_not_taken", "conditional", lambda state: _branch_on_mode(M.TARGET_VERIFY),
+                      "accepted", mode=M.DECODE))
+    cases.append(Case("branch_on_batch_size", "shape", _fixed("branch_on_batch_size", _branch_on_batch_size),
+                      "refused", "seq_lens"))
+    cases.append(Case("branch_on_batch_size_declared_post", "shape",
+                      _fixed("branch_on_batch_size_post", _branch_on_batch_size, declare=_declare(lens=POST)),
+                      "accepted"))
+    cases.append(Case("custom_op", "custom_op",
+                      _fixed("custom_op", lambda s, b, m, layer, q: gather_lens(s["seq_lens"], _rows(b))),
+                      "refused", "seq_lens"))
+    cases.append(Case("plan_run", "custom_op",
+                      _fixed("plan_run", lambda s, b, m, layer, q: plan_run(_rows(b)), prep=_plan_prep),
+                      "invisible", "seq_lens"))
+    for name, write in WRITES.items():
+        cases.append(Case(name, "writes", _writer(name, write), "refused"))
+    for kind, make in CROSSINGS.items():
+        # out of the graph: the copy into the graph is the last read (PRE_REPLAY): fine
+        cases.append(Case(f"out_graph_{kind}", "crossing", _crossing(f"out_{kind}", "out", make, PRE), "accepted"))
+        # in the graph a view stays a view (read in the body), a real copy does not
+        late = kind != "real_copy"
+        cases.append(Case(f"in_graph_{kind}", "crossing", _crossing(f"in_{kind}", "in", make, IN),
+                          "refused" if late else "accepted", "seq_lens" if late else None))
+    cases.append(Case("in_graph_view_declared_post", "crossing",
+                      _crossing("in_view_post", "in", CROSSINGS["view"], POST), "accepted"))
+    cases.append(Case("snapshot_clone", "fine", _fixed(
+        "snapshot_clone", lambda s, b, m, layer, q: _gather(m["lens_copy"], b),
+        prep=lambda mode, s, b, m: {**page_meta(s, b), "lens_copy": s["seq_lens"].clone()}), "accepted"))
+    cases.append(Case("snapshot_index_select", "fine", _fixed(
+        "snapshot_index_select", lambda s, b, m, layer, q: m["kv_lens"]), "accepted"))
+    return cases
+
+
+CASES: dict[str, Case] = {c.name: c for c in _cases()}

@@ -1,0 +1,69 @@
+"""Adversarial backends through ``lower`` and the overlapped loop: each is refused, or it runs
+bit-identical to the serial run under PER_BUFFER and EXACT with delays injected on the
+forward stream. Never accepted and different from serial.
+
+The backends live in ``tests/adversarial.py``; ``tests/core/test_adversarial_audit.py`` checks
+the audit's verdicts on the same cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from readfence.core import CapturedStateError, ModelConfig, StageWriteError
+from readfence.graph import (
+    CpuDevice,
+    FaultInjector,
+    Policy,
+    UnsoundLowering,
+    lower,
+    make_state,
+    run_overlapped,
+    run_serial,
+)
+from tests.adversarial import CASES
+
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+STEPS, BATCH = 5, 4  # batch 4 takes the batch-size-dependent branches
+
+
+def _state_for(case):
+    return make_state(CFG) if case.captures else None
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.verdict == "refused"])
+def test_refused_cases_cannot_be_lowered_with_an_early_fence(name) -> None:
+    case = CASES[name]
+    state = make_state(CFG)
+    backend = case.build(state)
+    with CpuDevice(timeout=10.0) as dev:
+        for policy in (Policy.PER_BUFFER, Policy.EXACT, Policy.JOINED):
+            with pytest.raises((UnsoundLowering, StageWriteError, CapturedStateError)) as info:
+                lower(backend, case.mode, batch_size=BATCH, device=dev, policy=policy, cfg=CFG, state=state)
+            assert backend.name in str(info.value)
+        if case.klass == "baked":
+            # trace-time state is stale whatever the fence: even COARSE refuses it
+            with pytest.raises(CapturedStateError, match="trace-time state baked into the graph"):
+                lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
+
+
+@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT], ids=str)
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.verdict == "accepted"])
+def test_accepted_cases_run_bit_identical_to_serial_with_forward_delays(name, policy) -> None:
+    case = CASES[name]
+    serial_state, live_state = _state_for(case), _state_for(case)
+    ref = run_serial(case.build(serial_state), case.mode, steps=STEPS, batch_size=BATCH, cfg=CFG, state=serial_state)
+    faults = FaultInjector(seed=sum(map(ord, name + policy.name)), max_delay_s=0.002, streams=["forward"])
+    with CpuDevice(timeout=30.0, faults=faults) as dev:
+        res = run_overlapped(case.build(live_state), case.mode, steps=STEPS, policy=policy, device=dev,
+                             batch_size=BATCH, cfg=CFG, state=live_state)
+    assert res.matches(ref), f"{name} under {policy.name}: accepted but differs from the serial run"
+    assert res.violations == (), "\n".join(map(str, res.violations[:3]))
+
+
+def test_a_captured_live_buffer_is_refused_against_another_state() -> None:
+    # the backend captured state A; lowering it on state B would read A's buffer: refused
+    case = CASES["closure_declared_post"]
+    backend = case.build(make_state(CFG))
+    with CpuDevice(timeout=10.0) as dev, pytest.raises(CapturedStateError, match="no shared buffer, pool or"):
+        lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG, state=make_state(CFG))
