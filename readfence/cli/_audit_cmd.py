@@ -9,10 +9,10 @@ from typing import Any
 
 import click
 
-from readfence.core import ForwardMode, audit_report
+from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch_sizes
 from readfence.core._audit import format_table
 
-from ._params import Mode, Spec
+from ._params import InputError, Mode, Positive, Spec
 
 
 def reference_backends() -> list[Any]:
@@ -26,10 +26,12 @@ def reference_backends() -> list[Any]:
     return [make() for make in REFERENCE_LEAVES.values()] + list(reference_compositions().values())
 
 
-def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress: bool = False) -> list[Any]:
+def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress: bool = False,
+              batch_sizes: Sequence[int] | None = None) -> list[Any]:
     """One :class:`~readfence.core.AuditReport` per (backend, mode), in that order.
 
-    ``progress`` shows a bar on stderr when it is a terminal (tracing takes a while).
+    ``progress`` shows a bar on stderr when it is a terminal (tracing takes a while);
+    ``batch_sizes`` are traced for each (default: 1, 2 and the model's maximum).
 
     >>> from readfence.backends import paged
     >>> [r.sound for r in audit_all([paged()], [ForwardMode.DECODE])]
@@ -40,7 +42,7 @@ def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress
     pairs = [(b, m) for b in backends for m in modes]
     bar = tqdm(pairs, file=sys.stderr, unit="audit", leave=False,
                disable=not (progress and sys.stderr.isatty()))
-    return [audit_report(b, m) for b, m in bar]
+    return [audit_report(b, m, batch_sizes=batch_sizes) for b, m in bar]
 
 
 def totals(reports: Iterable[Any]) -> dict[str, int]:
@@ -56,18 +58,27 @@ def totals(reports: Iterable[Any]) -> dict[str, int]:
 @click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", "modes", type=Mode(), multiple=True,
               help="Audit only this mode (repeatable); default: every mode.")
+@click.option("--batch-size", "batch_sizes", type=Positive(), multiple=True,
+              help="Trace this batch size (repeatable); default: 1, 2 and the model's maximum.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
-def audit(spec: Any, modes: tuple[ForwardMode, ...], as_json: bool) -> None:
+def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool) -> None:
     """Trace SPEC (default: every reference backend) and check its declared read ends.
 
     \b
     For every mode and every node of the backend tree: per buffer, the declared end, the end
-    the traced code really has, and the verdict (exact, conservative, unsound). Then how
-    many declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
+    the traced code really has (the latest over the batch sizes traced: reads can depend on
+    the batch size), and the verdict (exact, conservative, unsound). Then how many
+    declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
     Exit status 1 if any declaration is unsound (earlier than a traced read).
     """
+    limit = ModelConfig().max_reqs
+    too_big = [n for n in batch_sizes if n > limit]
+    if too_big:
+        raise InputError(f"invalid --batch-size {too_big[0]!r}: exceeds the model's maximum batch size "
+                         f"({limit}); use 1..{limit}")
+    sizes = tuple(batch_sizes) or default_batch_sizes(ModelConfig())
     backends = [spec] if spec is not None else reference_backends()
-    reports = audit_all(backends, modes or tuple(ForwardMode), progress=not as_json)
+    reports = audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
     counts = totals(reports)
     if as_json:
         click.echo(json.dumps([row for r in reports for row in r.rows(detail=True)], indent=2))
@@ -78,6 +89,9 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], as_json: bool) -> None:
             for path, b in r.unsound():
                 click.echo(f"UNSOUND: {path} in {r.mode.name}: {b.buffer} declared {b.declared.name} "
                            f"but read until {b.observed.name}"
-                           + (f" by {b.reader[0]}:{b.reader[1]}" if b.reader else ""))
+                           + (f" by {b.reader[0]}:{b.reader[1]}" if b.reader else "")
+                           + (f" at batch size {b.batch_size}" if len(sizes) > 1 else ""))
+            for stage, node, why in r.opaque:
+                click.echo(f"OPAQUE: {r.path} in {r.mode.name}: stage {stage}, node {node!r}: {why}")
     if counts.get("unsound", 0):
         sys.exit(1)

@@ -65,3 +65,25 @@ def test_bad_spec_exits_2(cli):
     assert result.exit_code == 2
     assert result.output.strip().startswith("Error: invalid SPEC 'paged(window=3)': position")
     assert "Traceback" not in result.output
+
+
+def test_batch_sizes_are_traced_and_the_late_one_is_named(cli, monkeypatch):
+    from tests.adversarial import CASES
+
+    shape_dependent = CASES["branch_on_batch_size"].build(None)  # reads seq_lens in attend if B > 2
+    monkeypatch.setattr(_params, "parse_spec", lambda text: shape_dependent)
+    only_small = cli("audit", "x", "--mode", "decode", "--batch-size", "1", "--batch-size", "2", "--json")
+    assert only_small.exit_code == 0, only_small.output
+    assert {r["batch_size"] for r in json.loads(only_small.output)} <= {1, 2}
+    result = cli("audit", "x", "--mode", "decode")  # default: 1, 2 and the maximum
+    assert result.exit_code == 1
+    assert ("UNSOUND: branch_on_batch_size in DECODE: seq_lens declared IN_REPLAY but read until POST_REPLAY "
+            "by body:") in result.output
+    assert "at batch size 16" in result.output
+
+
+def test_batch_size_beyond_the_model_exits_2(cli):
+    result = cli("audit", "paged", "--batch-size", "99")
+    assert result.exit_code == 2
+    assert result.output.strip() == ("Error: invalid --batch-size 99: exceeds the model's maximum batch size (16); "
+                                     "use 1..16")
