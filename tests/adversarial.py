@@ -219,7 +219,8 @@ def sneaky_bump(lens: Tensor) -> Tensor:
 
 
 class _Plan:
-    """FlashInfer-style plan/run: ``plan`` keeps a *reference* to the lengths, ``run`` reads it."""
+    """FlashInfer-style plan/run: the wrapper keeps a *reference* to the engine's live lengths
+    (planned once, as engines do with persistent buffers); ``run`` reads it in the kernel."""
 
     lens: Tensor | None = None
 
@@ -229,8 +230,8 @@ PLAN = _Plan()
 
 @torch.library.custom_op("readfence_adv::plan_run", mutates_args=())
 def plan_run(rows: Tensor) -> Tensor:
-    """Reads the lengths ``plan`` stored, not any of its arguments: invisible to static analysis."""
-    assert PLAN.lens is not None, "plan() must run before run()"
+    """Reads the lengths the plan keeps, not any of its arguments: invisible to static analysis."""
+    assert PLAN.lens is not None, "plan before run"
     return PLAN.lens.index_select(0, rows).long()
 
 
@@ -239,9 +240,9 @@ def _(rows: Tensor) -> Tensor:
     return torch.empty(rows.shape, dtype=torch.long, device=rows.device)
 
 
-def _plan_prep(mode, shared, batch, meta):  # noqa: ANN001
-    PLAN.lens = shared["seq_lens"]  # a reference, not a copy
-    return page_meta(shared, batch)
+def _plan_run(state: State | None) -> Any:
+    PLAN.lens = state["shared"]["seq_lens"] if state else torch.ones(64, dtype=torch.int32)
+    return body_reader("plan_run", lambda s, b, m, layer, q: plan_run(_rows(b)))
 
 
 # -- writes ------------------------------------------------------------------------------------
@@ -324,9 +325,7 @@ def _cases() -> list[Case]:
     cases.append(Case("custom_op", "custom_op",
                       _fixed("custom_op", lambda s, b, m, layer, q: gather_lens(s["seq_lens"], _rows(b))),
                       "refused", "seq_lens"))
-    cases.append(Case("plan_run", "custom_op",
-                      _fixed("plan_run", lambda s, b, m, layer, q: plan_run(_rows(b)), prep=_plan_prep),
-                      "invisible", "seq_lens"))
+    cases.append(Case("plan_run", "custom_op", _plan_run, "invisible", "seq_lens", captures=True))
     for name, write in WRITES.items():
         cases.append(Case(name, "writes", _writer(name, write), "refused"))
     for kind, make in CROSSINGS.items():

@@ -272,6 +272,23 @@ def make_shared_state(cfg: ModelConfig, *, device: str | torch.device = "cpu") -
     }
 
 
+def buffer_ranges(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The values each shared buffer may hold, ``[lo, hi)``: a KV slot, a length, a state slot.
+
+    Any value in range is safe to read (an index stays within its pool), so a check that
+    overwrites a buffer with other in-range values gets wrong results, never a crash.
+
+    >>> buffer_ranges(ModelConfig(max_reqs=4, max_ctx=8))["seq_lens"]
+    (1, 9)
+    """
+    return {
+        "req_to_token": (0, cfg.num_slots),
+        "seq_lens": (1, cfg.max_ctx + 1),
+        "swa_map": (0, cfg.num_swa_slots),
+        "state_slots": (0, cfg.num_state_slots),
+    }
+
+
 def _check_bijections(cfg: ModelConfig) -> None:
     import math
 

@@ -83,3 +83,8 @@ from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, p
 
 __all__ += ["JoinedFence", "Phase", "PhasedStep", "STEP_SHAPES", "StepShape", "StreamGroup", "eagle",
             "lower_step", "multi_eagle", "ngram", "parse_step"]
+
+from ._check import CheckState  # noqa: E402
+from ._verify import LateRead, PolicyCheck, VerifyReport, verify  # noqa: E402
+
+__all__ += ["CheckState", "LateRead", "PolicyCheck", "VerifyReport", "verify"]

@@ -60,6 +60,10 @@ class JoinedFence:
         for part in self.done_parts:
             part.wait_done(timeout)
 
+    def wait_end(self, stream: Any) -> None:
+        for part in self.done_parts:
+            part.wait_end(stream)
+
     def done_time(self) -> float | None:
         times = [p.done_time() for p in self.done_parts]
         return None if not times or None in times else max(times)
@@ -116,6 +120,9 @@ class PhasedStep:
                     for ph in shape.phases]
         positions = shape.positions_under(policy, observed)
         self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
+        self.checked = kwargs.get("check") is not None
+        # check mode: a buffer no phase reads is released (poisoned) as the step starts
+        self.never_read = tuple(b for b in SHARED_BUFFERS if b not in self.owner)
         replays: dict[Any, int] = {}
         for ph in shape.phases:
             replays[ph.graph_key] = replays.get(ph.graph_key, 0) + 1
@@ -125,6 +132,8 @@ class PhasedStep:
             if ph.graph_key in self.graphs:
                 continue
             publish = [b for b, k in self.owner.items() if shape.phases[k].graph_key == ph.graph_key]
+            if self.checked and i == 0:
+                publish += self.never_read
             # Every replay of a runner's graph in one step is a step in flight for its events.
             self.graphs[ph.graph_key] = lower(
                 ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
@@ -141,9 +150,14 @@ class PhasedStep:
 
     def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Any] = ()) -> StepRun:
         runs = []
+        last = len(self.shape.phases) - 1
         for i, ph in enumerate(self.shape.phases):
             part = narrow_tokens(batch, self.tokens, tokens_per_request(ph.mode))
-            runs.append(self.graphs[ph.graph_key].run(part, step=step, after=after if i == 0 else ()))
+            kw: dict[str, Any] = {}
+            if self.checked:  # only the owner phase's replay of a shared graph poisons a buffer
+                owned = [b for b, k in self.owner.items() if k == i]
+                kw = {"poison": owned + list(self.never_read if i == 0 else ()), "first": i == 0, "last": i == last}
+            runs.append(self.graphs[ph.graph_key].run(part, step=step, after=after if i == 0 else (), **kw))
         parts = {b: (runs[k].fence,) for b, k in self.owner.items()}
         parts.update({b: () for b in SHARED_BUFFERS if b not in parts})
         fence = JoinedFence(self.label, step, parts, (runs[-1].fence,))
@@ -198,6 +212,10 @@ class StreamGroup:
         ]
         self.label = f"per_stream/{policy.name}"
         self._previous: list[Fence] = []
+        # check mode: the members run one after another, each poisoning at its own release
+        # points and restoring at its end (a member reading after its own release is late,
+        # whatever the others do)
+        self.checked = kwargs.get("check") is not None
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         return max(_sort_key(low.plan.placements.get(buffer)) for low in self.lowered)
@@ -211,7 +229,11 @@ class StreamGroup:
             for t, prev in enumerate(self._previous):
                 if t != s:
                     low.stream.wait(prev.done.check(f"{self.label} step {step}"))
-        runs = [low.run(p, step=step, after=after) for low, p in zip(self.lowered, parts)]
+        runs: list[StepRun] = []
+        for low, p in zip(self.lowered, parts):
+            if self.checked and runs:
+                runs[-1].fence.wait_end(low.stream)
+            runs.append(low.run(p, step=step, after=after))
         self._previous = [r.fence for r in runs]
         fence = JoinedFence(self.label, step, {b: tuple(r.fence for r in runs) for b in SHARED_BUFFERS},
                             tuple(r.fence for r in runs))

@@ -205,6 +205,10 @@ class Fence(tuple):
         """Host wait (with timeout) for the whole forward of this step, outputs included."""
         self.done.synchronize(f"outputs of {self.owner} step {self.step}", timeout)
 
+    def wait_end(self, stream: Any) -> None:
+        """Device-side: later work on ``stream`` waits for the whole forward of this step."""
+        stream.wait(self.done.check(f"fence of {self.owner} step {self.step}"))
+
     def done_time(self) -> float | None:
         """When the whole forward finished (``time.perf_counter``; CpuDevice only), else None."""
         return _timestamp(self.done)

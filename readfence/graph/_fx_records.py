@@ -30,9 +30,11 @@ class _RecordHere:
 
 
 def insert_records(
-    gm: fx.GraphModule, after: Mapping[str, Sequence[Any]], device: Any
+    gm: fx.GraphModule, after: Mapping[str, Sequence[Any]], device: Any,
+    actions: Mapping[str, Sequence[Any]] | None = None,
 ) -> fx.GraphModule:
-    """A copy of ``gm`` recording ``after[node]`` events (in order) right after each node.
+    """A copy of ``gm`` recording ``after[node]`` events (in order) right after each node,
+    then calling ``actions[node]`` (plain callables, e.g. a check's poison) after them.
 
     >>> import torch
     >>> gm = fx.symbolic_trace(lambda x: (x + 1) * 2)
@@ -46,15 +48,19 @@ def insert_records(
     """
     graph = copy.deepcopy(gm.graph)
     nodes = {n.name: n for n in graph.nodes}
-    missing = [name for name in after if name not in nodes]
+    actions = actions or {}
+    missing = [name for name in (*after, *actions) if name not in nodes]
     if missing:
         raise KeyError(f"cannot place records after unknown nodes {missing}")
-    for name, events in after.items():
+    for name in dict.fromkeys((*after, *actions)):
         anchor = nodes[name]
-        for event in events:
+        for event in after.get(name, ()):
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(_RecordHere(device, event), ())
                 anchor.meta[RECORD_KEY] = event
+        for action in actions.get(name, ()):
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(action, ())
     return fx.GraphModule(gm, graph)
 
 

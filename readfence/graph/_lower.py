@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -39,6 +39,7 @@ from readfence.core import trace as trace_step
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
+from ._check import CheckState, poison_points
 from ._device import Device
 from ._fence import Bound, Fence
 from ._fx_records import insert_records, stage_ops
@@ -53,7 +54,11 @@ _PRE, _POST, _LAST = ReadEnd.PRE_REPLAY.rank, ReadEnd.POST_REPLAY.rank, ReadEnd.
 
 
 class UnsoundLowering(ValueError):
-    """Lowering refused: a buffer is declared to end earlier than the traced code reads it."""
+    """Lowering refused: a buffer is declared to end earlier than the traced code reads it.
+
+    ``failure`` is the audit's :class:`~readfence.core.Unsound` (buffer, ends, reader)."""
+
+    failure: Any = None
 
 
 class UncapturableStage(ValueError):
@@ -106,6 +111,8 @@ class _Slot:
     buffer_points: Mapping[str, int | None] = attrs.Factory(dict)  # buffer -> event index (None: no wait)
     out_fn: Any = None  # the prepare_out_graph launch (no timeline) and its ops
     out_ops: tuple[Op, ...] = ()
+    # check mode: the poison action of each stage-level release point, indexed by ReadEnd.rank
+    act_at_end: tuple[Any, ...] = ()
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -139,8 +146,12 @@ class Lowered:
         measure: bool,
         timeline: Any = None,
         new_event: Any = None,
+        check: CheckState | None = None,
     ) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
+        self.check = check
+        # check mode: the buffers this graph's release points poison by default (all it releases)
+        self.poisons = frozenset(b for bs in poison_points(plan.placements).values() for b in bs)
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.stream, self.ring_size, self.measure = stream, ring_size, measure
         self.timeline = timeline
@@ -195,14 +206,32 @@ class Lowered:
         for point, event in events.items():
             if point.after is not None:
                 after[point.after.stage].setdefault(point.after.node, []).append(event)
-        stages = {s.name: self._stage_fn(s, after[s.name]) for s in self.program.stages}
+        actions: dict[str, dict[str, list[Any]]] = {s.name: {} for s in self.program.stages}
+        at_end: list[Any] = [None] * len(ReadEnd)
+        if self.check is not None:
+            for point, buffers in poison_points(self.plan.placements).items():
+                act = self.check.poisoner(buffers)
+                if point.after is not None:
+                    actions[point.after.stage].setdefault(point.after.node, []).append(act)
+                else:
+                    at_end[point.end.rank] = act
+        stages = {s.name: self._stage_fn(s, after[s.name], actions[s.name]) for s in self.program.stages}
         slot = _Slot(events, probes, self._new_event(f"{self.label}/done#{r}"), stages)
+        slot.act_at_end = tuple(at_end)
         slot.at_end = tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd)
         index = {p: i for i, p in enumerate(events)}
         slot.fence_events = (*events.values(), slot.done)
         slot.buffer_points = MappingProxyType({b: index.get(p) for b, p in self.plan.placements.items()})
         out_runner, env, copy_meta = stages["prepare_out_graph"][0], self._env, self._copy_meta
         slot.out_fn = lambda: copy_meta(out_runner.run(env))
+        if self.check is not None and self.check.watcher is not None:
+            watch, plain = self.check.watcher.stage, slot.out_fn
+
+            def watched() -> None:
+                with watch("prepare_out_graph"):  # the copy into the graph is this stage's read
+                    plain()
+
+            slot.out_fn = watched
         slot.out_ops = stages["prepare_out_graph"][1]
         if self.graphed:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
@@ -210,20 +239,26 @@ class Lowered:
             slot.graph = graph
         return slot
 
-    def _stage_fn(self, stage: StageGraph, after: dict[str, list[Any]]) -> tuple[Any, tuple[Op, ...]]:
+    def _stage_fn(self, stage: StageGraph, after: dict[str, list[Any]],
+                  actions: dict[str, list[Any]]) -> tuple[Any, tuple[Op, ...]]:
         if not stage.faithful:
             # The tracer could not see everything: run the Python stage; no node-level records.
             return stage, tuple(stage_ops(stage.gm, stage.reads, stage.name))
-        gm = insert_records(stage.gm, after, self.device) if after else stage.gm
+        gm = insert_records(stage.gm, after, self.device, actions) if after or actions else stage.gm
         runner = attrs.evolve(stage, gm=gm)
         return runner, stage_ops(gm, stage.reads, stage.name)
 
     def _launch_stage(self, name: str, slot: _Slot, step: int | None, sink: Any) -> None:
         runner, ops = slot.stages[name]
         env = self._env
+        watcher = None if self.check is None else self.check.watcher
 
         def run_stage() -> None:
-            sink(runner.run(env))
+            if watcher is None:
+                sink(runner.run(env))
+                return
+            with watcher.stage(name):
+                sink(runner.run(env))
 
         fn = run_stage if self.timeline is None else self.timeline.timed(self.stream.name, name, run_stage, "stage")
         self.stream.launch(fn, label=self._labels[name], ops=ops, step=step)
@@ -231,6 +266,8 @@ class Lowered:
     def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
         for event in slot.at_end[end.rank]:
             self.stream.record(event)
+        if slot.act_at_end and slot.act_at_end[end.rank] is not None:
+            self.stream.launch(slot.act_at_end[end.rank], label=f"{self.label}/poison@{end.name}")
 
     def _in_graph_work(self, slot: _Slot, step: int | None = None) -> None:
         # prepare_in_graph and the body: captured once per slot, or launched eagerly.
@@ -239,11 +276,15 @@ class Lowered:
         self._launch_stage("body", slot, step, lambda out: self._logits.copy_(out["logits"]))
 
     # -- running ----------------------------------------------------------------------------
-    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Any] = ()) -> StepRun:
+    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Any] = (),
+            poison: Iterable[str] | None = None, first: bool = True, last: bool = True) -> StepRun:
         """Enqueue one step on the lowered stream; returns its logits and fence.
 
         ``batch`` holds this step's inputs (copied into the graph's static buffers on the
         stream); ``after`` are events the step must wait for (e.g. the scheduler's writes).
+        In check mode, ``poison`` are the buffers this replay's release points poison (default:
+        every buffer it releases), ``first``/``last`` whether it starts/ends the step (a
+        multi-phase step replays several graphs).
         """
         step = self._runs if step is None else step
         try:
@@ -265,25 +306,49 @@ class Lowered:
             s.wait(event)
         static = self._static_batch
         s.launch(lambda: [t.copy_(v) for t, v in zip(static, staged)], label=self._labels["load_batch"], step=step)
+        check = self.check
+        if check is not None:
+            self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
         if self.timeline is None:  # hot path: the stage launch prebuilt per slot
             s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
         else:
             self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
         at_end = slot.at_end
-        for event in at_end[_PRE]:
-            s.record(event)
+        if check is None:
+            for event in at_end[_PRE]:
+                s.record(event)
+        else:
+            self._record_points(slot, ReadEnd.PRE_REPLAY)
         if self.graphed:
             slot.graph.replay(s, step=step)
         else:
             self._in_graph_work(slot, step)
-        for event in at_end[_POST]:
-            s.record(event)
+        if check is None:
+            for event in at_end[_POST]:
+                s.record(event)
+        else:
+            self._record_points(slot, ReadEnd.POST_REPLAY)
         logits = torch.empty_like(self._logits)
         s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
         for event in at_end[_LAST]:
             s.record(event)
+        if check is not None and last:
+            s.launch(check.restorer(), label=f"{self.label}/restore", step=step)
+            s.launch(check.finish, step, label=f"{self.label}/check", step=step)
         s.record(slot.done)
         return tuple.__new__(StepRun, (step, logits, self._fence(slot, step)))
+
+    def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:
+        # before anything of the step reads: pick the poison, arm this replay's release points,
+        # and poison what the plan says is never read (its release point is the start)
+        check, s = self.check, self.stream
+        assert check is not None
+        if first:
+            s.launch(check.start, step, label=f"{self.label}/check", step=step)
+        s.launch(check.arm, poison, label=f"{self.label}/arm", step=step)
+        never = slot.act_at_end[ReadEnd.NONE.rank]
+        if never is not None:
+            s.launch(never, label=f"{self.label}/poison@NONE", step=step)
 
     def _copy_meta(self, out: Mapping[str, Tensor]) -> None:
         meta = self._meta
@@ -377,13 +442,16 @@ def lower(
     measure: bool = False,
     timeline: Any = None,
     new_event: Any = None,
+    check: CheckState | None = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
 
     Refuses (``UnsoundLowering``, with the audit's message) a declaration earlier than the
     traced reads unless ``policy`` is COARSE. ``UNSAFE_skip_soundness_check=True`` lowers it
-    anyway: only for tests that show what an unsound fence does.
+    anyway: only for tests that show what an unsound fence does. ``check`` (a
+    :class:`~readfence.graph.CheckState` over ``state["shared"]``) lowers the check mode:
+    every release point poisons the buffers it releases (see ``graph._check``).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -419,16 +487,19 @@ def lower(
     observed = program.observed()
     if policy is not Policy.COARSE and not observed <= declared and not UNSAFE_skip_soundness_check:
         failure = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], state=state).failure()
-        raise UnsoundLowering(
+        error = UnsoundLowering(
             f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
             f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
         )
+        error.failure = failure
+        raise error
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
                        last_reads=last_reads(program), observed=observed, graphed=graphed)
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size,
         program=program, plan=plan, stream=stream if stream is not None else device.stream("forward"),
         ring_size=ring_size, state=state, measure=measure, timeline=timeline, new_event=new_event,
+        check=check,
     )
 
 

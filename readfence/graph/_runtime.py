@@ -22,6 +22,7 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
 
 from ._device import Device
+from ._check import CheckState
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
 from ._lower import StepRun, lower, make_state, torch_device
 from ._ops import Write
@@ -104,10 +105,12 @@ def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy
     return lower(target, mode, **common)
 
 
-def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None) -> None:
+def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: Tensor | None = None) -> None:
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
     dst.copy_(src)
+    if expected is not None:  # check mode: what the forward must find there until it releases it
+        expected.copy_(src)
 
 
 def run_serial(
@@ -158,14 +161,15 @@ class DecodeLoop:
     write_work: Callable[[], Any] | None  # run on the schedule stream before the page-table write
     timeline: Timeline | None
     write_order: tuple[str, ...]
+    check: CheckState | None = None  # check mode: poison on release (graph._check)
 
     def _write_state(self, nxt: StepState, fence_wait: Callable[[str], None] | None) -> None:
-        shared, s = self.lowered.shared, self.schedule_stream
+        shared, s, check = self.lowered.shared, self.schedule_stream, self.check
         for b in self.write_order:
             if fence_wait is not None:
                 fence_wait(b)
             work = self.write_work if b == "req_to_token" else None
-            fn = functools.partial(_write, shared[b], nxt.shared[b], work)
+            fn = functools.partial(_write, shared[b], nxt.shared[b], work, None if check is None else check.expected[b])
             if self.timeline is not None:
                 fn = self.timeline.timed(s.name, f"write {b}", fn, "write", step=nxt.step)
             s.launch(fn, label=f"scheduler/write:{b}", ops=[Write(b, nxt.step, "scheduler")], step=nxt.step)
@@ -188,7 +192,11 @@ class DecodeLoop:
             runs.append(run)
             if i + 1 < steps:
                 nxt = self._next()
-                self._write_state(nxt, lambda b, f=run.fence: f.wait(self.schedule_stream, [b]))
+                if self.check is None:
+                    self._write_state(nxt, lambda b, f=run.fence: f.wait(self.schedule_stream, [b]))
+                else:  # the step restores what it poisoned at its very end: write after that
+                    run.fence.wait_end(self.schedule_stream)
+                    self._write_state(nxt, None)
             if progress is not None:
                 progress(i)
         for run in runs:
@@ -279,13 +287,17 @@ def decode_loop(
     ring_size: int | None = None,
     timeline: Timeline | None = None,
     state: dict[str, dict[str, Tensor]] | None = None,
+    check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
 ) -> DecodeLoop:
     """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
     wire it to a seeded scheduler on ``device``.
 
     ``state`` (``shared``, ``pools``, ``params`` on the device) is the live state the step
-    runs on, fresh by default: pass the one a backend holds references to.
+    runs on, fresh by default: pass the one a backend holds references to. ``check=True`` (or a
+    :class:`CheckState` over ``state["shared"]``) lowers the poison-on-release check mode
+    (``graph._check``): every release point poisons what it releases, and the scheduler
+    writes each step after the previous one ended.
 
     ``write_cost`` adds an ``n x n`` matmul to each page-table write (synthetic scheduler
     work that must happen after the fence, to make overlap measurable).
@@ -293,15 +305,19 @@ def decode_loop(
     the CPU (host work that does not compete with a CpuDevice forward for cores).
     """
     cfg = ModelConfig() if cfg is None else cfg
-    extra = {} if ring_size is None else {"ring_size": ring_size}
+    extra: dict[str, Any] = {} if ring_size is None else {"ring_size": ring_size}
+    state = make_state(cfg, device) if state is None else state
+    checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
+    if checker is not None:
+        extra["check"] = checker
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                     state=make_state(cfg, device) if state is None else state, measure=True, timeline=timeline,
+                     state=state, measure=True, timeline=timeline,
                      UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, **extra)
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
     work = synthetic_work(device, write_cost=write_cost, write_wait_s=write_wait_s)
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),
-                      work, timeline, order)
+                      work, timeline, order, checker)
 
 
 def run_overlapped(

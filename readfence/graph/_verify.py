@@ -1,0 +1,338 @@
+"""``verify``: checks of a lowered step that do not trust the analysis that placed its fences.
+
+For each policy the step is lowered in check mode (``graph._check``) and run against the
+serial reference:
+
+* **poison on release**: every release point overwrites what it releases with in-range
+  poison, so any read after it, through any code, changes the outputs deterministically;
+  two poisons alternate step by step. The outputs must be bit-identical to the serial run.
+* **guard**: at its release point every buffer must still hold what the scheduler wrote
+  (a forward that writes shared state is caught).
+* **runtime read observer** (CpuDevice): a ``ReadObserver`` watches every op the forward
+  stream really executes and reports any read of a buffer after the point that released it,
+  naming the stage and the op, whatever the outputs (a late read that happens not to change
+  them is still reported). On CUDA a replayed graph runs no Python: only poison and guard
+  apply there, and the report says so.
+
+A finding is a :class:`LateRead` naming the policy, the buffer, the first step that differed
+and, when the observer saw it, the stage and op. When poison changes the outputs but the
+observer saw nothing, the buffer is found by poisoning one buffer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageWriteError
+from readfence.core._memory import BufferMap
+
+from ._check import CheckState, poison_points
+from ._device import Device
+from ._lower import UncapturableStage, UnsoundLowering, make_state, torch_device
+from ._policy import Policy
+from ._runtime import _same, decode_loop, run_serial
+
+State = Mapping[str, Mapping[str, Tensor]]
+
+
+@attrs.frozen
+class LateRead:
+    """A finding of :func:`verify`: a read after the buffer's release, a write by the forward,
+    an output that differs, or a declaration the lowering refuses.
+
+    ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"`` or
+    ``"refused"`` (captured trace-time state, a stage no graph can capture);
+    ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``, ``"output"`` or ``"audit"``.
+    """
+
+    target: str
+    mode: ForwardMode
+    policy: Policy
+    kind: str
+    evidence: str
+    buffer: str | None = None
+    step: int | None = None
+    stage: str | None = None
+    op: str | None = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        where = f" of {self.buffer!r}" if self.buffer else ""
+        when = f" at step {self.step}" if self.step is not None else ""
+        by = f" by {self.stage}: {self.op}" if self.op else ""
+        text = (f"{self.kind}{where}{when}{by} ({self.evidence}): {self.target} in {self.mode.name} "
+                f"under {self.policy.name}")
+        return f"{text}; {self.detail}" if self.detail else text
+
+    def as_json(self) -> dict[str, Any]:
+        return {"spec": self.target, "mode": self.mode.name, "policy": self.policy.name, "verdict": self.kind,
+                "evidence": self.evidence, "buffer": self.buffer, "step": self.step, "stage": self.stage,
+                "op": self.op, "detail": self.detail}
+
+
+@attrs.frozen
+class PolicyCheck:
+    """One policy verified: which buffers its release points poisoned, how long it took."""
+
+    policy: Policy
+    poisoned: tuple[str, ...]
+    seconds: float
+    observed_ops: int  # shared-buffer accesses the observer saw (0 where it cannot watch)
+
+
+@attrs.frozen
+class VerifyReport:
+    """What :func:`verify` checked and found clean."""
+
+    target: str
+    mode: ForwardMode
+    device: str
+    steps: int
+    batch_size: int
+    checks: tuple[PolicyCheck, ...]
+    observer: bool  # whether the runtime read observer watched (CpuDevice)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"spec": self.target, "mode": self.mode.name, "policy": c.policy.name, "verdict": "clean",
+                 "buffer": None, "step": None, "stage": None, "op": None, "poisoned": list(c.poisoned),
+                 "observed_accesses": c.observed_ops, "seconds": round(c.seconds, 3)} for c in self.checks]
+
+    def __str__(self) -> str:
+        watch = ("poison, guard and the runtime read observer" if self.observer else
+                 "poison and guard (no op-by-op observer on this device: a replayed graph runs no Python)")
+        lines = [f"verified {self.target} in {self.mode.name} on {self.device}: {self.steps} steps, batch size "
+                 f"{self.batch_size}, checks: {watch}"]
+        for c in self.checks:
+            poisoned = ", ".join(c.poisoned) or "nothing (released after the whole forward)"
+            lines.append(f"  {c.policy.name:<10} clean; poisoned on release: {poisoned}")
+        return "\n".join(lines)
+
+
+class _LateReadWatch:
+    """The runtime read observer, told by the check when each buffer was released.
+
+    One :class:`~readfence.core.ReadObserver` per forward stream thread (dispatch modes are
+    thread-local); a read of a buffer after the release point that poisoned it, before the
+    step restored it, is a late read.
+    """
+
+    def __init__(self, shared: Mapping[str, Tensor]) -> None:
+        self.buffers = BufferMap.of(shared)
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.found: list[tuple[int, str, str, str]] = []  # (step, buffer, stage, op)
+        self.accesses = 0
+
+    def _observer(self) -> ReadObserver:
+        obs = getattr(self.local, "observer", None)
+        if obs is None:
+            obs = self.local.observer = ReadObserver(self.buffers)
+            self.local.released, self.local.step = {}, -1
+        return obs
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        obs = self._observer()
+        with obs, obs.stage(name):
+            yield
+
+    def started(self, step: int) -> None:
+        obs = self._observer()
+        obs.accesses.clear()
+        self.local.released, self.local.step = {}, step
+
+    def released(self, check: CheckState, buffers: tuple[str, ...]) -> None:
+        obs = self._observer()
+        for b in buffers:
+            if check.is_armed(b):
+                self.local.released.setdefault(b, len(obs.accesses))
+
+    def restored(self) -> None:
+        obs = self._observer()
+        found = []
+        for b, since in self.local.released.items():
+            late = next((a for a in obs.accesses[since:] if a.buffer == b and a.kind != "write"), None)
+            if late is not None:
+                found.append((self.local.step, b, late.stage, late.op))
+        with self.lock:
+            self.found += found
+            self.accesses += len(obs.accesses)
+        obs.accesses.clear()
+        self.local.released = {}
+
+
+def _snapshot(state: State) -> dict[str, dict[str, Tensor]]:
+    return {g: {k: v.clone() for k, v in d.items()} for g, d in state.items()}
+
+
+def _reset(state: State, snapshot: State) -> None:
+    for g, d in snapshot.items():
+        for k, v in d.items():
+            state[g][k].copy_(v)
+
+
+def _name(target: Any) -> str:
+    return getattr(target, "spec", None) or str(target)
+
+
+def _policies(policy: Policy | Iterable[Policy] | None) -> tuple[Policy, ...]:
+    if policy is None:
+        return tuple(Policy)
+    items = (policy,) if isinstance(policy, Policy) else tuple(policy)
+    bad = [p for p in items if not isinstance(p, Policy)]
+    if bad or not items:
+        raise TypeError(f"policy must be a readfence.graph.Policy or a list of them, got {policy!r}")
+    return items
+
+
+def _first_difference(logits: Sequence[Any], reference: Sequence[Any]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(logits, reference)) if not _same(a, b)), None)
+
+
+def _poisoned(loop: Any) -> tuple[str, ...]:
+    parts = getattr(loop.lowered, "lowered", None) or list(getattr(loop.lowered, "graphs", {}).values()) or [loop.lowered]
+    names: set[str] = set()
+    for low in parts:
+        for bs in poison_points(low.plan.placements).values():
+            names.update(bs)
+    return tuple(sorted(names))
+
+
+def verify(
+    target: Any,
+    mode: ForwardMode = ForwardMode.DECODE,
+    *,
+    policy: Policy | Iterable[Policy] | None = None,
+    steps: int = 8,
+    batch_size: int = 4,
+    device: Device,
+    cfg: ModelConfig | None = None,
+    seed: int = 0,
+    finish_prob: float = 0.3,
+    state: State | None = None,
+    UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
+    **lowering: Any,
+) -> Result[VerifyReport, LateRead]:
+    """Check ``target`` (a backend, a ``per_stream`` group or a step shape) with poison on
+    release, the write guard and the runtime read observer, for each policy (default: all).
+
+    ``Success(VerifyReport)`` when every policy's outputs are bit-identical to the serial run
+    and nothing read after a release or wrote shared state; else ``Failure(LateRead)``
+    naming the policy, the buffer, the first step that differed and, when the observer saw
+    it, the stage and op. A declaration ``lower`` refuses is a finding too, unless
+    ``UNSAFE_skip_soundness_check=True`` lowers it anyway (to show it failing). ``state``
+    is the live state to run on (fresh by default): pass the one a backend holds references
+    to; it is reset between runs. Other keywords go to the lowering.
+
+    >>> from readfence.backends import paged, redeclare
+    >>> from readfence.effects import ReadEffect, ReadEnd
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     print(verify(paged(), steps=3, batch_size=2, device=dev, policy=Policy.PER_BUFFER).unwrap())
+    ...     early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
+    ...                                                           "seq_lens": ReadEnd.IN_REPLAY}))
+    ...     bad = verify(early, steps=3, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    ...                  UNSAFE_skip_soundness_check=True).failure()
+    ...     print(bad.kind, bad.buffer, bad.step, bad.stage, bad.evidence)  # doctest: +ELLIPSIS
+    verified paged in DECODE on cpu: 3 steps, batch size 2, checks: poison, guard and the runtime read observer
+      PER_BUFFER clean; poisoned on release: req_to_token, seq_lens, state_slots, swa_map
+    late read req_to_token 0 prepare_in_graph observer
+    """
+    policies = _policies(policy)
+    if not isinstance(mode, ForwardMode):
+        raise TypeError(f"mode must be a ForwardMode, got {mode!r}")
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    cfg = ModelConfig() if cfg is None else cfg
+    where = torch_device(device)
+    live = make_state(cfg, device) if state is None else state
+    snapshot = _snapshot(live)
+    name = _name(target)
+    common = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
+    observe = where == "cpu"
+
+    if where == "cpu":
+        reference = run_serial(target, mode, state=live, **common).logits  # type: ignore[arg-type]
+    else:  # float results differ between devices: the reference is COARSE on this device
+        reference = _run(target, mode, Policy.COARSE, device, live, None, lowering, **common)[0]
+    checks = []
+    for pol in policies:
+        _reset(live, snapshot)
+        t0 = time.perf_counter()
+        watch = _LateReadWatch(live["shared"]) if observe else None
+        try:
+            logits, check, loop = _run(target, mode, pol, device, live, watch, lowering,
+                                       unsafe=UNSAFE_skip_soundness_check, **common)
+        except UnsoundLowering as e:
+            return Failure(_refused(name, mode, pol, e))
+        except StageWriteError as e:
+            return Failure(LateRead(name, mode, pol, "write", "audit", e.buffer, None, e.stage, e.op, str(e)))
+        except (CapturedStateError, UncapturableStage) as e:  # no fence makes these correct
+            return Failure(LateRead(name, mode, pol, "refused", "audit", detail=str(e)))
+        seconds = time.perf_counter() - t0
+        moved = check.moved_buffers()
+        if moved:
+            step, buffer = moved[0]
+            return Failure(LateRead(name, mode, pol, "write", "guard", buffer, step,
+                                    detail="the forward changed the buffer before releasing it"))
+        if watch is not None and watch.found:
+            step, buffer, stage, op = min(watch.found)
+            return Failure(LateRead(name, mode, pol, "late read", "observer", buffer, step, stage, op,
+                                    "read after the release point of its fence"))
+        differs = _first_difference(logits, reference)
+        if differs is not None:
+            return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, lowering,
+                                      UNSAFE_skip_soundness_check, _poisoned(loop), **common))
+        checks.append(PolicyCheck(pol, _poisoned(loop), seconds, 0 if watch is None else watch.accesses))
+    _reset(live, snapshot)
+    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe))
+
+
+def _run(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
+         lowering: Mapping[str, Any], *, steps: int, batch_size: int, cfg: ModelConfig, seed: int,
+         finish_prob: float, unsafe: bool = False, only: Iterable[str] | None = None) -> tuple[list[Any], Any, Any]:
+    check = CheckState(state["shared"], cfg, watcher=watch, only=only)
+    loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
+                       finish_prob=finish_prob, state=state, check=check, UNSAFE_skip_soundness_check=unsafe,
+                       **lowering)
+    runs, _ = loop.run(steps, timeout=device.timeout)
+    return [r.logits for r in runs], loop.check, loop
+
+
+def _attribute(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
+               reference: Sequence[Any], differs: int, lowering: Mapping[str, Any], unsafe: bool,
+               poisoned: tuple[str, ...], **common: Any) -> LateRead:
+    # poison changed the outputs and the observer named nothing: poison one buffer at a time
+    name = _name(target)
+    if not poisoned:
+        return LateRead(name, mode, policy, "differs", "output", None, differs,
+                        detail="outputs differ from the serial run with nothing poisoned")
+    for buffer in poisoned:
+        _reset(state, snapshot)
+        logits = _run(target, mode, policy, device, state, None, lowering, unsafe=unsafe, only=[buffer], **common)[0]
+        step = _first_difference(logits, reference)
+        if step is not None:
+            return LateRead(name, mode, policy, "late read", "poison", buffer, step,
+                            detail="outputs differ from the serial run when this buffer is poisoned on release")
+    return LateRead(name, mode, policy, "late read", "poison", None, differs,
+                    detail=f"outputs differ when {', '.join(poisoned)} are poisoned together, not one at a time")
+
+
+def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowering) -> LateRead:
+    failure = getattr(error, "failure", None)
+    if failure is None:
+        return LateRead(name, mode, policy, "unsound declaration", "audit", detail=str(error))
+    stage, op = failure.reader if failure.reader else (None, None)
+    return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
+
+
+__all__ = ["LateRead", "PolicyCheck", "VerifyReport", "verify"]
