@@ -1,0 +1,587 @@
+"""The runtime read observer: which shared buffers the code really touches, op by op.
+
+The second of the three checking lines (DESIGN.md section 6). It trusts nothing the tracer
+computed: a ``TorchDispatchMode`` looks at every op the dispatcher runs and matches the
+memory of its tensor arguments against the shared buffers by address range
+(:class:`~readfence.core._memory.BufferMap`), asking the op's schema
+(:func:`~readfence.core._schema.op_aliasing`) whether it is a pure view or a write. So it
+sees reads through views, list pieces, tensors captured in closures, attributes or globals
+and DLPack aliases alike: it never looks at names. :func:`cross_check` then holds the static
+analysis to what was observed.
+
+What it cannot see, it says: work that does not go through the dispatcher (a compiled
+kernel reading a raw pointer, numpy code over a tensor's memory, a CUDA graph replay) is
+recorded where its pointer or array leaves torch, as an *escape* (``UNKNOWN``), and only
+when that hand-over happens in Python on the observed thread. An observation covers only
+the paths that ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from readfence.effects import ReadEffect, ReadEnd
+
+from ._memory import BufferMap, tensors_in
+from ._model import forward
+from ._modes import ForwardMode
+from ._program import Program
+from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
+from ._schema import bind, op_aliasing
+from ._state import ModelConfig, check_mode, example_step
+
+Kind = Literal["read", "write", "escape"]
+
+#: Op namespaces whose kernels are torch's own; any other op may be a Python or extension
+#: kernel whose inner ops the observer runs under itself (see ``ReadObserver``).
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"})
+
+#: Python-level tensor methods that read the data on the host without an op.
+_HOST_READS: dict[Any, str] = {
+    torch.Tensor.tolist: "tolist()",
+    torch.Tensor.__repr__: "__repr__()",
+    torch.Tensor.__format__: "__format__()",
+}
+
+#: Python-level tensor methods that hand the memory to code the dispatcher never sees.
+_ESCAPES: dict[Any, str] = {
+    torch.Tensor.data_ptr: "data_ptr()",
+    torch.Tensor.untyped_storage: "untyped_storage()",
+    torch.Tensor.storage: "storage()",
+    torch.Tensor.numpy: "numpy()",
+    torch.Tensor.__array__: "__array__()",
+    torch.Tensor.__dlpack__: "__dlpack__()",
+}
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by op overload: a finite set per process
+def _decomposes(func: Any) -> bool:
+    """``func`` has a CompositeImplicitAutograd kernel (``func.decompose`` runs it)."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+
+
+@attrs.frozen
+class Access:
+    """One observed touch of one shared buffer by one executed op.
+
+    ``kind``: ``read`` (the op consumed it), ``write`` (the schema says the op writes an
+    argument over it) or ``escape`` (its memory left the dispatcher: read ``UNKNOWN``).
+    ``note`` says why an access counts when the schema does not say so (``no schema``,
+    ``host read``...). ``step`` and ``seq`` (the op's position among every op the step ran)
+    order accesses within one observed step.
+
+    >>> Access("seq_lens", "body", "aten.sum.default", "read").end
+    <ReadEnd.POST_REPLAY: 3>
+    """
+
+    buffer: str
+    stage: str
+    op: str
+    kind: Kind
+    note: str = ""
+    step: int = 0
+    seq: int = 0
+
+    @property
+    def end(self) -> ReadEnd:
+        """The read end this access implies: its stage's (``STAGE_ENDS``), ``UNKNOWN`` for an
+        escape or a stage label outside ``STAGE_ENDS``."""
+        if self.kind == "escape":
+            return ReadEnd.UNKNOWN
+        return STAGE_ENDS.get(self.stage, ReadEnd.UNKNOWN)
+
+
+class _HostReads(TorchFunctionMode):
+    """The part of ``ReadObserver`` above the dispatcher: host reads and escapes without an op."""
+
+    def __init__(self, observer: ReadObserver) -> None:
+        super().__init__()
+        self.observer = observer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        obs = self.observer
+        if not obs._busy and args and isinstance(args[0], torch.Tensor):
+            if func in _HOST_READS:
+                obs._record(args[0], _HOST_READS[func], "read", "host read without an op")
+            elif func in _ESCAPES:
+                obs._record(args[0], _ESCAPES[func], "escape", "memory leaves the dispatcher")
+        return func(*args, **(kwargs or {}))
+
+
+class ReadObserver(TorchDispatchMode):
+    """A dispatch mode that records which shared buffers each executed op touches, by memory.
+
+    Enter it (``with observer:``) around eager code; label the stage with
+    ``observer.stage(name)``. For every op it runs, each tensor argument (lists of them
+    flattened: the ``split`` pieces ``cat`` receives) is matched against ``buffers`` by
+    address range. A pure view (``op_aliasing(op).is_view``) reads nothing: its consumers do.
+    Any other op reads every buffer an argument touches, and also writes those of the
+    arguments its schema marks written. An op without a schema, or with an argument type
+    the schema cannot describe, counts as a read of what it touches, with a ``note`` saying
+    so. Host reads go through ops (``item()``, ``int(t)``, ``bool(t)``:
+    ``aten._local_scalar_dense``); those that do not (``tolist()``, ``repr``) are caught
+    above the dispatcher, as are escapes (``data_ptr()``, ``numpy()``, ``__dlpack__()``,
+    ``untyped_storage()``), whose buffers become ``UNKNOWN``.
+
+    Custom ops (any namespace but torch's own): the mode records the op with its arguments,
+    then runs its kernel *under the mode* (a redispatch below the Python key with the mode
+    pushed back, since a handler runs with its mode popped), so the ops inside a
+    ``torch.library.custom_op`` Python implementation (or any kernel that calls back into
+    the dispatcher) are observed too, named ``outer/inner``. That is how a plan/run kernel
+    is caught: ``run`` reading a tensor that ``plan`` stored in a Python object earlier.
+    Composite ops that reach the mode (below autograd: inside such a kernel, under
+    ``inference_mode``) are decomposed under it, as ``FakeTensorMode`` does, since their
+    schema cannot say whether they alias or copy (``reshape``, ``to``).
+
+    What stays opaque: a compiled kernel (C++/CUDA extension, Triton) reading memory through
+    a raw pointer it was given or kept, numpy code over an array it was handed, a custom op
+    without tensor arguments (no device to redispatch on: it runs as usual), a CUDA graph
+    replay, and anything on another thread (modes are thread-local). A pointer or array
+    handed over in Python on this thread is recorded as an escape; one kept from before the
+    observer was entered is invisible. An alias made without handing anything out
+    (``torch.from_dlpack(torch.to_dlpack(t))``) is just memory, read where it is consumed;
+    ``torch.from_dlpack(t)`` calls ``t.__dlpack__()``, an escape.
+
+    >>> shared = {"seq_lens": torch.arange(4, dtype=torch.int32)}
+    >>> obs = ReadObserver(shared)
+    >>> with obs, obs.stage("body"):
+    ...     head = shared["seq_lens"][:2]     # a view: reads nothing
+    ...     total = head.sum()                # reads seq_lens
+    >>> [(a.buffer, a.stage, a.op) for a in obs.accesses]
+    [('seq_lens', 'body', 'aten.sum.default')]
+    """
+
+    def __init__(self, buffers: BufferMap | Mapping[str, torch.Tensor], *, step: int = 0) -> None:
+        super().__init__()
+        self.buffers = buffers if isinstance(buffers, BufferMap) else BufferMap.of(buffers)
+        self.step = step
+        self.current_stage = "unlabelled"
+        self.accesses: list[Access] = []
+        self._seq = 0
+        self._within: list[str] = []  # the custom ops whose kernels are running under the mode
+        self._busy = False
+        self._host: _HostReads | None = None
+
+    # -- use -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stage(self, label: str) -> Iterator[ReadObserver]:
+        """Label the accesses made inside the block with ``label`` (e.g. ``"body"``)."""
+        if not isinstance(label, str):
+            raise TypeError(f"stage label must be a str, got {label!r} ({type(label).__name__})")
+        before, self.current_stage = self.current_stage, label
+        try:
+            yield self
+        finally:
+            self.current_stage = before
+
+    def consume(self, tree: Any, what: str) -> None:
+        """Record a read of every buffer the tensors of ``tree`` touch, by ``what``.
+
+        For consumers outside the observed code, e.g. the step's caller reading the body's
+        output after the forward."""
+        for t in tensors_in(tree):
+            self._record(t, what, "read", "consumed after the stage")
+
+    def __enter__(self) -> ReadObserver:
+        if self._host is not None:
+            raise RuntimeError("this ReadObserver is already entered; use one observer per `with` block")
+        self._host = _HostReads(self)
+        self._host.__enter__()
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            self._host.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._host is not None:
+                self._host.__exit__(*exc)
+                self._host = None
+
+    # -- the dispatcher's side -------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        self._seq += 1
+        if _decomposes(func):
+            # It may alias or copy and its schema cannot say which: its decomposition says it
+            # op by op. Torch function off: ``decompose`` goes through the op's Python
+            # binding, which a host-read mode on the stack would send back here.
+            with self._pushed(host=False), torch._C.DisableTorchFunction():
+                return func.decompose(*args, **kwargs)
+        if self.buffers:
+            self._busy = True
+            try:
+                self._record_op(func, args, kwargs)
+            finally:
+                self._busy = False
+        if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES:
+            return self._run_kernel_observed(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _pushed(self, *, host: bool) -> Iterator[None]:
+        """The mode back on the stack inside its own handler (which runs with it popped);
+        with ``host``, the host-read mode as well (popped while it handles the op's call)."""
+        with contextlib.ExitStack() as stack:
+            mode = self._host
+            on_stack = torch.overrides._get_current_function_mode_stack()
+            if host and mode is not None and mode not in on_stack:
+                stack.enter_context(mode)
+            TorchDispatchMode.__enter__(self)
+            stack.callback(TorchDispatchMode.__exit__, self, None, None, None)
+            yield
+
+    def _record_op(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        aliasing = op_aliasing(func)
+        if aliasing is None:
+            for b in sorted(self.buffers.touched_by((args, kwargs))):
+                self._add(b, self._qualified(str(func)), "read", "no schema: counted as a read")
+            return
+        if aliasing.is_view:
+            return
+        values = bind(func, args, kwargs)
+        read = self.buffers.touched_by(values)
+        if not read:
+            return
+        name = self._qualified(str(func))
+        note = "opaque argument type: counted as a read" if aliasing.opaque else ""
+        for b in sorted(read):
+            self._add(b, name, "read", note)
+        for i in aliasing.writes:
+            for b in sorted(self.buffers.touched_by(values[i])):
+                self._add(b, name, "write", note)
+
+    def _run_kernel_observed(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        # Inside __torch_dispatch__ the mode is popped, so the kernel's inner ops would go
+        # unseen; push it back and redispatch below the Python key, straight to the kernel.
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+        for t in tensors_in((args, kwargs)):
+            keys = keys | torch._C._dispatch_keys(t)
+        keys = keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+        if keys.highestPriorityTypeId() == torch._C.DispatchKey.Undefined:
+            return func(*args, **kwargs)  # no tensor argument: no device to redispatch on
+        self._within.append(self._qualified(str(func)))
+        try:
+            with self._pushed(host=True):
+                return func.redispatch(keys, *args, **kwargs)
+        finally:
+            self._within.pop()
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _qualified(self, name: str) -> str:
+        return "/".join([*self._within[-1:], name]) if self._within else name
+
+    def _add(self, buffer: str, op: str, kind: Kind, note: str) -> None:
+        self.accesses.append(Access(buffer, self.current_stage, op, kind, note, self.step, self._seq))
+
+    def _record(self, t: torch.Tensor, what: str, kind: Kind, note: str) -> None:
+        busy, self._busy = self._busy, True
+        try:
+            for b in sorted(self.buffers.touched(t)):
+                self._add(b, self._qualified(what), kind, note)
+        finally:
+            self._busy = busy
+
+
+# ------------------------------------------------------------------------------------------
+# Observations of whole steps
+# ------------------------------------------------------------------------------------------
+
+
+def _distinct(accesses: Sequence[Access], kinds: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    return tuple(dict.fromkeys((a.buffer, a.stage, a.op) for a in accesses if a.kind in kinds))
+
+
+@attrs.frozen
+class Observation:
+    """The shared-buffer accesses a backend's step made, run eagerly under a ``ReadObserver``.
+
+    ``accesses`` in execution order over ``steps`` example steps at each of ``batch_sizes``
+    (``()`` for toy inputs). Like ``Program``, it answers ``observed()`` (per buffer, the end
+    of its last observed read) and ``last_reader(buffer)`` (``(stage, op)``), and lists the
+    ``writes`` of shared buffers it saw. It covers only the paths that ran (``coverage``):
+    a branch no observed step took, another batch size or another mode is not in it.
+    """
+
+    backend: str
+    mode: ForwardMode
+    buffers: tuple[str, ...]
+    accesses: tuple[Access, ...]
+    steps: int
+    batch_sizes: tuple[int, ...]
+    coverage: str = attrs.field()
+
+    @coverage.default
+    def _coverage(self) -> str:
+        shapes = f" at each batch size in {self.batch_sizes}" if self.batch_sizes else ""
+        return (f"only the paths that ran: {self.steps} step(s) of {self.mode.name}{shapes}; "
+                "a branch none of them took is not covered")
+
+    def observed(self) -> ReadEffect:
+        """Per buffer, the end of the stage of its last observed read (``UNKNOWN`` if its
+        memory escaped the dispatcher); ``NONE`` for a buffer never seen read."""
+        ends: dict[str, ReadEnd] = {}
+        for a in self.accesses:
+            if a.kind != "write":
+                ends[a.buffer] = ends.get(a.buffer, ReadEnd.NONE) | a.end
+        return ReadEffect.of(ends)
+
+    def last_reader(self, buffer: str) -> tuple[str, str] | None:
+        """``(stage, op)`` of the last observed read of ``buffer`` (the latest stage, then the
+        latest position within a step); ``None`` if it was never seen read."""
+        rank = {stage: i for i, stage in enumerate(STAGE_ENDS)}
+        reads = [a for a in self.accesses if a.buffer == buffer and a.kind != "write"]
+        if not reads:
+            return None
+        last = max(reads, key=lambda a: (rank.get(a.stage, len(rank)), a.seq, a.step))
+        return (last.stage, last.op)
+
+    @property
+    def reads(self) -> tuple[tuple[str, str, str], ...]:
+        """Distinct ``(buffer, stage, op)`` reads (escapes included), in first-seen order."""
+        return _distinct(self.accesses, ("read", "escape"))
+
+    @property
+    def writes(self) -> tuple[tuple[str, str, str], ...]:
+        """Distinct ``(buffer, stage, op)`` writes of shared buffers, in first-seen order."""
+        return _distinct(self.accesses, ("write",))
+
+    def __str__(self) -> str:
+        effect = self.observed()
+        names = list(self.buffers) + [b for b in effect.buffers if b not in self.buffers]
+        rows = [("buffer", "observed", "last read")]
+        for b in names:
+            last = self.last_reader(b)
+            rows.append((b, effect[b].name, f"{last[0]}: {last[1]}" if last else "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(2)]
+        lines = [f"observed {self.backend} in {self.mode.name}, {self.coverage}"]
+        lines += [f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip() for r in rows]
+        writes = ", ".join(f"{b} in {s} by {op}" for b, s, op in self.writes)
+        lines.append(f"writes of shared buffers: {writes or 'none'}")
+        return "\n".join(lines)
+
+
+def _observe_step(
+    inputs: Mapping[str, Any],
+    prepare_out_graph: Callable[..., Any],
+    prepare_in_graph: Callable[..., Any],
+    body: Callable[..., Any],
+    step: int,
+) -> list[Access]:
+    shared = inputs.get("shared", {})
+    batch = inputs.get("batch", {})
+    observer = ReadObserver(shared, step=step)
+    with observer:
+        with observer.stage("prepare_out_graph"):
+            # the copy into the graph's static inputs reads here (cross_into_graph)
+            meta = cross_into_graph(prepare_out_graph(shared=shared, batch=batch))
+        with observer.stage("prepare_in_graph"):
+            meta = {**meta, **prepare_in_graph(shared=shared, batch=batch, meta=meta)}
+        with observer.stage("body"):
+            out = body(**inputs, meta=meta)
+            observer.consume(out, "output")  # the step's caller reads the logits
+    return observer.accesses
+
+
+def observe_functions(
+    backend: str,
+    mode: ForwardMode,
+    *,
+    inputs: Mapping[str, Any],
+    prepare_out_graph: Callable[..., Any],
+    prepare_in_graph: Callable[..., Any],
+    body: Callable[..., Any],
+) -> Observation:
+    """One observed step of three stage functions, run eagerly under a ``ReadObserver``.
+
+    The calling convention of :func:`~readfence.core._trace.trace_functions` (keyword
+    groups; the body sees ``{**out_graph_meta, **in_graph_meta}``), with what
+    ``prepare_out_graph`` returns crossing into the graph as a copy
+    (:func:`~readfence.core.cross_into_graph`). Tests use it with toy functions.
+
+    >>> lens = torch.ones(2, dtype=torch.int32)
+    >>> obs = observe_functions(
+    ...     "toy", ForwardMode.DECODE, inputs={"shared": {"seq_lens": lens}, "batch": {}},
+    ...     prepare_out_graph=lambda shared, batch: {},
+    ...     prepare_in_graph=lambda shared, batch, meta: {"n": shared["seq_lens"] + 1},
+    ...     body=lambda shared, batch, meta: meta["n"] * 2)
+    >>> obs.observed(), obs.last_reader("seq_lens")
+    (ReadEffect({'seq_lens': IN_REPLAY}, default=NONE), ('prepare_in_graph', 'aten.add.Tensor'))
+    """
+    mode = check_mode(mode)
+    accesses = _observe_step(inputs, prepare_out_graph, prepare_in_graph, body, 0)
+    buffers = tuple(inputs.get("shared", {}).keys())
+    return Observation(backend, mode, buffers, tuple(accesses), 1, ())
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _batch_sizes(batch_size: int | Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:
+    sizes = (batch_size,) if isinstance(batch_size, int) else batch_size
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
+        raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs} or a non-empty sequence "
+                         f"of them, got {batch_size!r}")
+    for b in sizes:
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 < b <= cfg.max_reqs:
+            raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs}, got {b!r}")
+    return tuple(dict.fromkeys(sizes))
+
+
+def observe(
+    backend: BackendLike,
+    mode: ForwardMode,
+    *,
+    batch_size: int | Sequence[int] = 2,
+    steps: int = 3,
+    cfg: ModelConfig | None = None,
+    seed: int = 0,
+) -> Observation:
+    """The ``Observation`` of ``backend``'s step: what it touches, run eagerly under a ``ReadObserver``.
+
+    Each step is the serial eager step of ``core.run_step``: ``prepare_out_graph`` (whose
+    outputs then cross into the graph as copies, read in that stage), ``prepare_in_graph``,
+    then the model's ``forward`` (``body``), each labelled with its stage. It runs ``steps``
+    different example steps (``example_step(cfg, mode, b, seed=seed + i)``: other requests,
+    lengths and tokens) at each batch size ``b`` (an int or a sequence of them). Independent
+    of the tracer: the observation covers only the paths those steps took.
+
+    >>> from readfence.backends import paged, trtllm_mha
+    >>> obs = observe(paged(), ForwardMode.DECODE, steps=2)
+    >>> obs.observed()
+    ReadEffect({'req_to_token': IN_REPLAY, 'seq_lens': IN_REPLAY}, default=NONE)
+    >>> obs.last_reader("seq_lens")
+    ('prepare_in_graph', 'aten.index_select.default')
+    >>> observe(trtllm_mha(), ForwardMode.DECODE, batch_size=[1, 3], steps=1).observed().end
+    <ReadEnd.PRE_REPLAY: 1>
+    """
+    if not isinstance(backend, BackendLike):
+        raise TypeError(f"backend must be a backend (readfence.core.BackendLike), got {backend!r} "
+                        f"({type(backend).__name__})")
+    mode = check_mode(mode)
+    if cfg is None:
+        cfg = ModelConfig()
+    elif not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {cfg!r} ({type(cfg).__name__})")
+    sizes = _batch_sizes(batch_size, cfg)
+    _positive_int("steps", steps)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+
+    def body(shared: Any, batch: Any, pools: Any, params: Any, meta: Any) -> torch.Tensor:
+        return forward(cfg, params, pools, shared, batch, meta, backend, mode)
+
+    accesses: list[Access] = []
+    buffers: tuple[str, ...] = ()
+    for k, (size, i) in enumerate(itertools.product(sizes, range(steps))):
+        step = example_step(cfg, mode, size, seed=seed + i)
+        buffers = tuple(step.shared)
+        accesses += _observe_step(
+            {"shared": step.shared, "batch": step.batch, "pools": step.pools, "params": step.params},
+            lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
+            lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
+            body,
+            k,
+        )
+    return Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
+
+
+# ------------------------------------------------------------------------------------------
+# Cross-checking the static analysis
+# ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Disagreement:
+    """An observed access the traced program does not cover: a bug in the static analysis.
+
+    For a faithful stage the trace must contain every read that ran: the observed read of
+    ``buffer`` in ``stage`` (by ``op``) ends at ``observed``, but the traced program has the
+    buffer only until ``traced`` (its last traced read: ``traced_reader``). A fence placed
+    from that trace would release the buffer while the step still reads it. ``kind`` is
+    ``write`` for a write of a shared buffer that tracing did not refuse.
+    """
+
+    backend: str
+    mode: ForwardMode
+    buffer: str
+    stage: str
+    op: str
+    kind: Kind
+    observed: ReadEnd
+    traced: ReadEnd
+    traced_reader: tuple[str, str] | None
+
+    @property
+    def message(self) -> str:
+        where = f"backend {self.backend!r} in mode {self.mode.name}"
+        if self.kind == "write":
+            return (f"readfence's static analysis missed a write (a bug in the analysis): {where} "
+                    f"writes shared buffer {self.buffer!r} in stage {self.stage} (op {self.op}, "
+                    f"observed at run time), which tracing did not refuse")
+        traced = ("never reads it" if self.traced is ReadEnd.NONE else
+                  f"reads it only until {self.traced.name} (last traced read: "
+                  f"{self.traced_reader[0]}:{self.traced_reader[1]})" if self.traced_reader else
+                  f"reads it only until {self.traced.name}")
+        return (f"readfence's static analysis missed a read (a bug in the analysis): {where} "
+                f"reads shared buffer {self.buffer!r} in stage {self.stage} (op {self.op}, observed "
+                f"at run time: {self.observed.name}), but the traced program {traced}; a fence "
+                f"placed from the trace would release it while it is still read")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def cross_check(program: Program, observation: Observation) -> tuple[Disagreement, ...]:
+    """The observed accesses of ``observation`` that ``program``'s traced reads do not cover.
+
+    Only faithful stages (``StageGraph.faithful``) are held to it: there every observed read
+    of a buffer must lie within the traced reads (the same buffer read in the same stage or
+    a later one, or ``UNKNOWN``), and no shared buffer may be written. An aborted trace makes
+    every buffer ``UNKNOWN``, which covers anything. ``()`` means agreement, on the paths the
+    observation covers. One disagreement per ``(kind, buffer, stage, op)``, first seen first.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import trace
+    >>> cross_check(trace(paged(), ForwardMode.DECODE), observe(paged(), ForwardMode.DECODE, steps=1))
+    ()
+    """
+    if not isinstance(program, Program):
+        raise TypeError(f"program must be a Program, got {program!r} ({type(program).__name__})")
+    if not isinstance(observation, Observation):
+        raise TypeError(f"observation must be an Observation, got {observation!r} "
+                        f"({type(observation).__name__})")
+    if (program.backend, program.mode) != (observation.backend, observation.mode):
+        raise ValueError(f"cannot cross-check a trace of {program.backend!r} in {program.mode.name} "
+                         f"with an observation of {observation.backend!r} in {observation.mode.name}")
+    if program.aborted is not None:
+        return ()
+    traced = program.observed()
+    faithful = {s.name for s in program if s.faithful}
+    found: dict[tuple[str, str, str, str], Disagreement] = {}
+    for a in observation.accesses:
+        if a.stage not in faithful or (a.kind != "write" and a.end <= traced[a.buffer]):
+            continue
+        key = (a.kind, a.buffer, a.stage, a.op)
+        if key not in found:
+            found[key] = Disagreement(observation.backend, observation.mode, a.buffer, a.stage, a.op,
+                                      a.kind, a.end, traced[a.buffer], program.last_reader(a.buffer))
+    return tuple(found.values())
