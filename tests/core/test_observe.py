@@ -509,17 +509,14 @@ def test_the_run_kernel_of_a_plan_is_invisible_to_the_static_analysis() -> None:
         assert isinstance(found[0], Disagreement)
 
 
-#: The adversarial backends whose reads a static analysis must follow through list views
-#: (``Tensor(a)[]`` pieces), captured tensors and DLPack aliases. Once it does, cross_check
-#: finds nothing; an analysis that does not yet is reported by cross_check, which is its job,
-#: and these tests say so as expected failures rather than as a passing check.
+#: The adversarial backends whose reads the static analysis must follow through list views
+#: (``Tensor(a)[]`` pieces), captured tensors and DLPack aliases: an analysis that misses one
+#: is what cross_check exists to report.
 LIST_VIEWS_AND_CAPTURES = ["split", "chunk", "unbind", "iteration", "split_in_graph", "chunk_in_graph",
                            "unbind_in_graph", "iteration_in_graph", "in_graph_view", "closure", "attribute",
                            "global", "dlpack"]
 
 
-@pytest.mark.xfail(reason="until the static analysis follows list views and captured tensors, "
-                          "cross_check reports their reads as missed", raises=AssertionError, strict=False)
 @pytest.mark.parametrize("case", LIST_VIEWS_AND_CAPTURES)
 def test_the_static_analysis_covers_what_the_observer_sees(case) -> None:
     backend = CASES[case].backend
