@@ -8,8 +8,9 @@ verdict the analysis must reach:
   for every policy but COARSE (captured trace-time state: every policy);
 * ``accepted``: genuinely fine, it must be accepted and run bit-identical to the serial run
   under every policy, with delays injected on the forward stream;
-* ``invisible``: no static analysis can see the read (a custom op reading state an earlier
-  stage stored by reference): accepted by ``audit``; only the dynamic checks catch it.
+* ``invisible``: no static analysis can see the read or write (a custom op reading or
+  writing a buffer it keeps by reference): accepted by ``audit``; only the dynamic checks
+  catch it.
 
 Builders take the live state (``shared``/``pools``/``params``) so that backends holding a
 reference to the engine's live buffers (closures, attributes, globals, DLPack) can be built
@@ -240,6 +241,25 @@ def _(rows: Tensor) -> Tensor:
     return torch.empty(rows.shape, dtype=torch.long, device=rows.device)
 
 
+@torch.library.custom_op("readfence_adv::bump_planned", mutates_args=())
+def bump_planned(rows: Tensor) -> Tensor:
+    """A kernel that writes the live lengths it keeps (none of its arguments): no schema, no
+    trace can see the write."""
+    assert PLAN.lens is not None, "plan before run"
+    PLAN.lens.index_add_(0, rows[:1], torch.ones(1, dtype=PLAN.lens.dtype))
+    return rows.clone()
+
+
+@bump_planned.register_fake
+def _(rows: Tensor) -> Tensor:
+    return torch.empty_like(rows)
+
+
+def _hidden_write(state: State | None) -> Any:
+    PLAN.lens = state["shared"]["seq_lens"] if state else torch.ones(64, dtype=torch.int32)
+    return body_reader("hidden_write", lambda s, b, m, layer, q: m["kv_lens"] + 0 * bump_planned(_rows(b)))
+
+
 def _plan_run(state: State | None) -> Any:
     PLAN.lens = state["shared"]["seq_lens"] if state else torch.ones(64, dtype=torch.int32)
     return body_reader("plan_run", lambda s, b, m, layer, q: plan_run(_rows(b)))
@@ -305,7 +325,7 @@ def _cases() -> list[Case]:
         honest = _declare(lens=POST)
         cases.append(Case(f"{name}_declared_post", "captured",
                           lambda state, make=make, honest=honest: make(state, honest), "accepted", captures=True))
-    cases.append(Case("dlpack_arg", "captured", _fixed("dlpack_arg", _dlpack_arg), "refused", "seq_lens"))
+    cases.append(Case("dlpack_arg", "baked", _fixed("dlpack_arg", _dlpack_arg), "refused", "seq_lens"))
     cases.append(Case("stashed_clone", "baked", _stashed_clone, "refused", "seq_lens"))
     cases.append(Case("stashed_dlpack", "baked", _stashed_dlpack, "refused", "seq_lens"))
     for name, fn in (("host_read", _host_read), ("host_iteration", _host_iteration),
@@ -326,6 +346,7 @@ def _cases() -> list[Case]:
                       _fixed("custom_op", lambda s, b, m, layer, q: gather_lens(s["seq_lens"], _rows(b))),
                       "refused", "seq_lens"))
     cases.append(Case("plan_run", "custom_op", _plan_run, "invisible", "seq_lens", captures=True))
+    cases.append(Case("hidden_write", "writes", _hidden_write, "invisible", "seq_lens", captures=True))
     for name, write in WRITES.items():
         cases.append(Case(name, "writes", _writer(name, write), "refused"))
     for kind, make in CROSSINGS.items():

@@ -4,7 +4,8 @@ At every point where a lowered step releases a shared buffer (where its policy p
 buffer's fence), the forward stream itself, right after recording the release event:
 
 1. checks the buffer still holds what the scheduler wrote (a forward that wrote it is caught,
-   with the buffer and the step);
+   with the buffer and the step; a write after the release is caught when the step restores
+   the buffer, since it no longer holds the poison);
 2. saves it, and overwrites it with *poison*: other in-range values (``buffer_ranges``: a slot
    stays a slot, a length a length), so a late read computes on wrong values but never
    indexes out of bounds.
@@ -70,7 +71,8 @@ class CheckState:
 
     ``live`` are the shared buffers the step reads; ``expected`` holds what the scheduler
     last wrote (it writes both); ``moved`` flags, per buffer, that the forward changed it
-    before releasing it. ``log`` collects, per step, the buffers flagged.
+    (before its release: it differs from ``expected``; after: from the poison). ``log``
+    collects, per step, the buffers flagged.
 
     >>> from readfence.core import ModelConfig, make_shared_state
     >>> cfg = ModelConfig(max_reqs=4, max_ctx=8)
@@ -98,6 +100,7 @@ class CheckState:
         dev = next(iter(live.values())).device
         self.backup = {b: live[b].clone() for b in self.names}
         self.expected = {b: live[b].clone() for b in self.names}
+        self.poison = {b: live[b].clone() for b in self.names}  # what the release wrote there
         # two rotations per buffer: 1 and about half the range (distinct when the span > 2)
         spans = torch.tensor([self.span[b] for b in self.names], dtype=torch.long)
         self.rotations = torch.stack([torch.ones_like(spans), spans // 2 + 1]).remainder(spans).to(dev)
@@ -145,6 +148,7 @@ class CheckState:
                     self.backup[b].copy_(torch.where(arm, live, self.backup[b]))
                     rotated = (live.long() - self.lo[b] + self.shift[i] * arm).remainder(self.span[b]) + self.lo[b]
                     live.copy_(torch.where(arm, rotated.to(live.dtype), live))
+                    self.poison[b].copy_(live)
                     self.hit[i] |= arm
             if self.watcher is not None:  # host code: runs on CpuDevice replays and at capture
                 self.watcher.released(self, names)
@@ -158,7 +162,9 @@ class CheckState:
         def restore() -> None:
             with _quiet():
                 for b, i in self.index.items():
-                    self.live[b].copy_(torch.where(self.hit[i], self.backup[b], self.live[b]))
+                    live, hit = self.live[b], self.hit[i]
+                    self.moved[i] |= hit & live.ne(self.poison[b]).any()  # written after its release
+                    live.copy_(torch.where(hit, self.backup[b], live))
             if self.watcher is not None:
                 self.watcher.restored()
 

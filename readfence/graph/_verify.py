@@ -218,6 +218,7 @@ def verify(
     seed: int = 0,
     finish_prob: float = 0.3,
     state: State | None = None,
+    observer: bool | None = None,
     UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
     **lowering: Any,
 ) -> Result[VerifyReport, LateRead]:
@@ -258,7 +259,9 @@ def verify(
     snapshot = _snapshot(live)
     name = _name(target)
     common = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
-    observe = where == "cpu"
+    if observer and where != "cpu":
+        raise ValueError(f"the runtime read observer cannot watch {device.name}: a replayed graph runs no Python")
+    observe = where == "cpu" if observer is None else bool(observer)
 
     if where == "cpu":
         reference = run_serial(target, mode, state=live, **common).logits  # type: ignore[arg-type]
@@ -283,7 +286,7 @@ def verify(
         if moved:
             step, buffer = moved[0]
             return Failure(LateRead(name, mode, pol, "write", "guard", buffer, step,
-                                    detail="the forward changed the buffer before releasing it"))
+                                    detail="the forward changed a shared buffer the scheduler owns"))
         if watch is not None and watch.found:
             step, buffer, stage, op = min(watch.found)
             return Failure(LateRead(name, mode, pol, "late read", "observer", buffer, step, stage, op,

@@ -41,7 +41,7 @@ def test_a_hidden_late_read_is_refused_naming_backend_mode_buffer_and_reader(nam
         assert bad.report.observed[case.buffer] > bad.report.declared[case.buffer]
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.klass == "writes"])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.klass == "writes" and c.verdict == "refused"])
 def test_a_write_through_any_view_or_op_is_an_error_naming_stage_buffer_and_op(name) -> None:
     case = CASES[name]
     with pytest.raises(StageWriteError) as info:
@@ -59,7 +59,8 @@ def test_a_write_through_any_view_or_op_is_an_error_naming_stage_buffer_and_op(n
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.verdict in ("accepted", "invisible")])
 def test_fine_backends_are_accepted(name) -> None:
     # precision: snapshots, copies crossing into the graph and honest declarations pass; the
-    # plan/run custom op ("invisible") is accepted too: no static analysis can see its read
+    # custom ops keeping a live reference ("invisible") are accepted too: no static analysis
+    # can see their read or write
     _, result = _audit(CASES[name])
     assert isinstance(result, Success), result.failure().message
 
@@ -69,7 +70,7 @@ def test_the_adversarial_set_covers_every_class_with_several_variants() -> None:
     assert per_class["views"] >= 10 and per_class["captured"] >= 6 and per_class["writes"] >= 5
     assert {"baked", "unfaithful", "conditional", "shape", "custom_op", "crossing", "fine"} <= set(per_class)
     verdicts = Counter(c.verdict for c in CASES.values())
-    assert verdicts["refused"] >= 35 and verdicts["accepted"] >= 12 and verdicts["invisible"] == 1
+    assert verdicts["refused"] >= 35 and verdicts["accepted"] >= 12 and verdicts["invisible"] == 2
 
 
 def test_a_captured_live_buffer_is_unknown_without_the_live_state() -> None:
