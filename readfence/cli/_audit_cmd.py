@@ -67,7 +67,8 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
     \b
     For every mode and every node of the backend tree: per buffer, the declared end, the end
     the traced code really has (the latest over the batch sizes traced: reads can depend on
-    the batch size), and the verdict (exact, conservative, unsound). Then how many
+    the batch size; a read the runtime observer sees that the trace missed is an ANALYSIS BUG
+    line and counts too), and the verdict (exact, conservative, unsound). Then how many
     declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
     Exit status 1 if any declaration is unsound (earlier than a traced read).
     """
@@ -93,5 +94,7 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
                            + (f" at batch size {b.batch_size}" if len(sizes) > 1 else ""))
             for stage, node, why in r.opaque:
                 click.echo(f"OPAQUE: {r.path} in {r.mode.name}: stage {stage}, node {node!r}: {why}")
+            for bug in r.disagreements:
+                click.echo(f"ANALYSIS BUG: {bug.message}")
     if counts.get("unsound", 0):
         sys.exit(1)

@@ -22,6 +22,7 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._modes import ForwardMode
 from ._protocol import BackendLike
+from ._observe import Disagreement, cross_check, observe
 from ._program import Program
 from ._state import ModelConfig
 from ._trace import StageWriteError, bind, trace
@@ -87,6 +88,8 @@ class AuditReport:
     children: tuple[AuditReport, ...] = ()
     opaque: tuple[tuple[str, str, str], ...] = ()  # (stage, node, why), why naming the source line
     batch_sizes: tuple[int, ...] = ()  # the batch sizes traced
+    # observed accesses the trace does not cover: bugs in readfence's static analysis
+    disagreements: tuple[Disagreement, ...] = ()
 
     # -- queries -----------------------------------------------------------------------------
     def walk(self) -> Iterator[AuditReport]:
@@ -241,26 +244,35 @@ def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
 
 
 def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any],
-                batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None) -> AuditReport:
-    programs = []
+                batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None, observe_steps: int) -> AuditReport:
+    # per batch size: the traced program and, independently, what running it really reads
+    runs: list[tuple[int, Any, ReadEffect]] = []
+    disagreements: list[Disagreement] = []
     for n in batch_sizes:
         try:
             program = trace(backend, mode, batch_size=n, **kw)
         except StageWriteError as e:
             raise e.at(path) from None
-        programs.append((n, program if state is None else bind(program, state)))
+        program = program if state is None else bind(program, state)
+        effect = program.observed()
+        if observe_steps:
+            seen = observe(backend, mode, batch_size=n, steps=observe_steps, cfg=kw["cfg"])
+            disagreements += cross_check(program, seen)
+            effect = effect | seen.observed()  # a read the trace missed still counts
+        runs.append((n, program, effect))
     declared = backend.read_effect(mode)
     observed = ReadEffect.none()
-    for _, program in programs:
-        observed = observed | program.observed()
-    first = programs[0][1]
+    for _, _, effect in runs:
+        observed = observed | effect
+    first = runs[0][1]
     names = list(first.buffers) + [b for b in declared.buffers + observed.buffers if b not in first.buffers]
     entries = []
     for b in dict.fromkeys(names):
-        n, latest = next((n, p) for n, p in programs if p.observed()[b] is observed[b])
+        n, latest, _ = next(r for r in runs if r[2][b] is observed[b])
         entries.append(BufferAudit(b, declared[b], observed[b], latest.last_reader(b), n))
-    opaque = tuple(dict.fromkeys(o for _, program in programs for o in _why_opaque(program)))
-    return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes)
+    opaque = tuple(dict.fromkeys(o for _, program, _ in runs for o in _why_opaque(program)))
+    return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes,
+                       tuple(dict.fromkeys(disagreements)))
 
 
 def default_batch_sizes(cfg: ModelConfig) -> tuple[int, ...]:
@@ -290,6 +302,7 @@ def audit_report(
     batch_sizes: Iterable[int] | None = None,
     device: str = "cpu",
     state: Mapping[str, Any] | None = None,
+    observe_steps: int = 1,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
     cfg = ModelConfig() if cfg is None else cfg
@@ -309,7 +322,7 @@ def audit_report(
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        report = _audit_node(path, node, mode, kw, sizes, state)
+        report = _audit_node(path, node, mode, kw, sizes, state, observe_steps if device == "cpu" else 0)
         done.append(attrs.evolve(report, children=kids_reports))
     (root,) = done
     return root
@@ -323,6 +336,7 @@ def audit(
     batch_sizes: Iterable[int] | None = None,
     device: str = "cpu",
     state: Mapping[str, Any] | None = None,
+    observe_steps: int = 1,
 ) -> Result[AuditReport, Unsound]:
     """Trace ``backend`` (and, for a combinator, every node below it) and compare effects.
 
@@ -334,6 +348,11 @@ def audit(
     tensors a stage captured by reference be matched against them (see ``bind``); without it
     a captured tensor that is not part of the example makes every buffer ``UNKNOWN``.
 
+    Independently of the trace, each batch size is also run eagerly for ``observe_steps``
+    example steps under the runtime read observer (``observe``; on a CPU trace, ``0``
+    disables it): a read it sees that a faithful stage's trace does not cover is a bug in
+    readfence's analysis, listed in ``report.disagreements``, and counts in the verdict.
+
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect
     >>> audit(paged(), ForwardMode.DECODE).map(lambda r: r.sound)
@@ -342,7 +361,8 @@ def audit(
     >>> print(audit(early, ForwardMode.DECODE).failure().message)  # doctest: +ELLIPSIS
     unsound declaration: paged in mode DECODE declares buffer 'req_to_token' ends at PRE_REPLAY but ...
     """
-    report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state)
+    report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state,
+                          observe_steps=observe_steps)
     bad = report.unsound()
     if not bad:
         return Success(report)

@@ -78,3 +78,36 @@ def test_a_captured_live_buffer_is_unknown_without_the_live_state() -> None:
     backend = CASES["closure_declared_post"].build(STATE)
     bad = audit(backend, CASES["closure"].mode, cfg=CFG).failure()
     assert bad.observed.name == "UNKNOWN" and "captured tensor" in bad.message
+
+
+def test_a_hole_in_the_static_analysis_is_caught_by_the_observer_and_reported_as_a_bug(monkeypatch) -> None:
+    # Break the analysis on purpose: the schema oracle forgets that split pieces alias their
+    # source and the memory probe sees nothing. The trace then misses the body read of
+    # seq_lens; the runtime observer, which trusts neither, still sees it.
+    import readfence.core._alias as alias
+    import readfence.core._trace as tracing
+    from readfence.core import ForwardMode
+    from readfence.core._trace import clear_cache
+
+    real = alias.op_aliasing
+
+    class Blind:  # a view whose pieces alias nothing
+        name, writes, outputs, opaque, is_view = "split", (), ((),), False, True
+
+    def forgetful(op):
+        return Blind() if "split" in str(op) else real(op)
+
+    monkeypatch.setattr(alias, "op_aliasing", forgetful)
+    monkeypatch.setattr(tracing._MemoryProbe, "run", lambda self, *args: None)
+    clear_cache()
+    try:
+        backend = CASES["split"].build(None)
+        blind = audit(backend, ForwardMode.DECODE, cfg=CFG, batch_sizes=[2], observe_steps=0)
+        assert isinstance(blind, Success)  # the broken analysis alone accepts the early fence
+        result = audit(backend, ForwardMode.DECODE, cfg=CFG, batch_sizes=[2])
+        assert isinstance(result, Failure) and result.failure().buffer == "seq_lens"
+        (bug,) = [d for d in result.failure().report.disagreements if d.buffer == "seq_lens"]
+        assert "static analysis missed a read (a bug in the analysis)" in bug.message
+        assert bug.stage == "body" and bug.op == "aten.cat.default"
+    finally:
+        clear_cache()
