@@ -92,9 +92,10 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
                            f"but read until {b.observed.name}"
                            + (f" by {b.reader[0]}:{b.reader[1]}" if b.reader else "")
                            + (f" at batch size {b.batch_size}" if len(sizes) > 1 else ""))
-            for stage, node, why in r.opaque:
-                click.echo(f"OPAQUE: {r.path} in {r.mode.name}: stage {stage}, node {node!r}: {why}")
-            for bug in r.disagreements:
-                click.echo(f"ANALYSIS BUG: {bug.message}")
+            for n in r.walk():
+                for stage, node, why in n.opaque:
+                    click.echo(f"OPAQUE: {n.path} in {n.mode.name}: stage {stage}, node {node!r}: {why}")
+                for bug in n.disagreements:
+                    click.echo(f"ANALYSIS BUG: {bug.message}")
     if counts.get("unsound", 0):
         sys.exit(1)
