@@ -1,4 +1,4 @@
-"""The ``readfence`` command: ``demo``, ``plan``, ``audit`` and ``bench``.
+"""The ``readfence`` command: ``demo``, ``plan``, ``audit``, ``verify`` and ``bench``.
 
 >>> from click.testing import CliRunner
 >>> result = CliRunner().invoke(main, ["--version"])
@@ -16,6 +16,7 @@ from ._audit_cmd import audit
 from ._bench_cmd import bench
 from ._demo_cmd import demo
 from ._plan_cmd import plan
+from ._verify_cmd import verify_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,11 +26,12 @@ def main() -> None:
 
     \b
     Start with `readfence demo`; `readfence plan SPEC` shows where fences go and why,
-    `readfence audit` checks declarations against traced code.
+    `readfence audit` checks declarations against traced code, `readfence verify SPEC`
+    checks the fences at run time (poison on release, a write guard, a read observer).
     """
 
 
-for _command in (demo, plan, audit, bench):
+for _command in (demo, plan, audit, verify_cmd, bench):
     main.add_command(_command)
 
 __all__ = ["main"]
