@@ -27,6 +27,9 @@ import torch
 from torch import Tensor
 
 from readfence.backends import kv_indices, leaf, page_meta, softmax_attention, store_kv
+from readfence.backends.fuzz import gather_rows as gather_lens
+from readfence.backends.fuzz import gather_rows_unknown as gather_lens_unknown
+from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import ForwardMode
 from readfence.effects import ReadEffect, ReadEnd
 
@@ -195,23 +198,6 @@ def _branch_on_mode(mode: ForwardMode) -> Any:
 
 
 # -- class 6: custom ops ---------------------------------------------------------------------
-@torch.library.custom_op("readfence_adv::gather_lens", mutates_args=())
-def gather_lens(lens: Tensor, rows: Tensor) -> Tensor:
-    """A pure custom kernel reading the lengths of the batch's rows."""
-    return lens.index_select(0, rows).long()
-
-
-@gather_lens.register_fake
-def _(lens: Tensor, rows: Tensor) -> Tensor:
-    return torch.empty(rows.shape, dtype=torch.long, device=lens.device)
-
-
-@torch.library.custom_op("readfence_adv::gather_lens_unknown", mutates_args="unknown")
-def gather_lens_unknown(lens: Tensor, rows: Tensor) -> Tensor:
-    """The same kernel registered without saying what it mutates (claims to write everything)."""
-    return lens.index_select(0, rows).long()
-
-
 @torch.library.custom_op("readfence_adv::sneaky_bump", mutates_args=())
 def sneaky_bump(lens: Tensor) -> Tensor:
     """A custom op that writes its argument in place though its schema claims it does not."""
@@ -220,25 +206,14 @@ def sneaky_bump(lens: Tensor) -> Tensor:
 
 
 class _Plan:
-    """FlashInfer-style plan/run: the wrapper keeps a *reference* to the engine's live lengths
-    (planned once, as engines do with persistent buffers); ``run`` reads it in the kernel."""
+    """FlashInfer-style plan: the wrapper keeps a *reference* to the engine's live lengths
+    (planned once, as engines do with persistent buffers); a kernel then uses it, none of
+    its arguments (the plan/run read is ``readfence.backends.fuzz.planned_gather``)."""
 
     lens: Tensor | None = None
 
 
 PLAN = _Plan()
-
-
-@torch.library.custom_op("readfence_adv::plan_run", mutates_args=())
-def plan_run(rows: Tensor) -> Tensor:
-    """Reads the lengths the plan keeps, not any of its arguments: invisible to static analysis."""
-    assert PLAN.lens is not None, "plan before run"
-    return PLAN.lens.index_select(0, rows).long()
-
-
-@plan_run.register_fake
-def _(rows: Tensor) -> Tensor:
-    return torch.empty(rows.shape, dtype=torch.long, device=rows.device)
 
 
 @torch.library.custom_op("readfence_adv::bump_planned", mutates_args=())
@@ -261,8 +236,8 @@ def _hidden_write(state: State | None) -> Any:
 
 
 def _plan_run(state: State | None) -> Any:
-    PLAN.lens = state["shared"]["seq_lens"] if state else torch.ones(64, dtype=torch.int32)
-    return body_reader("plan_run", lambda s, b, m, layer, q: plan_run(_rows(b)))
+    handle = keep(state["shared"]["seq_lens"] if state else torch.ones(64, dtype=torch.int32))
+    return body_reader("plan_run", lambda s, b, m, layer, q: planned_gather(_rows(b), handle))
 
 
 # -- writes ------------------------------------------------------------------------------------
