@@ -58,7 +58,7 @@ __all__ += [
 ]
 
 # -- the runtime read observer and its cross-check of the trace ---------------------------------
-from ._observe import Disagreement, Observation, ReadObserver, cross_check, observe  # noqa: E402
+from ._observe import Disagreement, Observation, ReadObserver, cross_check, observe, observe_program  # noqa: E402
 
 __all__ += [
     "Disagreement",
@@ -66,4 +66,5 @@ __all__ += [
     "ReadObserver",
     "cross_check",
     "observe",
+    "observe_program",
 ]

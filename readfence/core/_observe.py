@@ -34,7 +34,7 @@ from readfence.effects import ReadEffect, ReadEnd
 from ._memory import BufferMap, tensors_in
 from ._model import forward
 from ._modes import ForwardMode
-from ._program import Program
+from ._program import OUT_OF_GRAPH, Program
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._schema import bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
@@ -502,6 +502,66 @@ def observe(
             k,
         )
     return Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
+
+
+# ------------------------------------------------------------------------------------------
+# Observing a traced program node by node
+# ------------------------------------------------------------------------------------------
+
+
+class _NodeLabels(torch.fx.Interpreter):
+    """Runs a stage graph, labelling what each node touches with ``stage:node``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, observer: ReadObserver, stage: str) -> None:
+        super().__init__(gm)
+        self.observer, self.stage_name = observer, stage
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with self.observer.stage(f"{self.stage_name}:{n.name}"):
+            return super().run_node(n)
+
+
+def observe_program(program: Program, env: Mapping[str, torch.Tensor],
+                    buffers: BufferMap | Mapping[str, torch.Tensor]) -> dict[str, dict[str, frozenset[str]]]:
+    """Run ``program`` on ``env`` under a ``ReadObserver``: per stage, per node, the shared
+    buffers it really read (``{stage: {node: buffers}}``).
+
+    A faithful stage runs node by node (so a read hidden inside a custom op's kernel is
+    attributed to that node); an unfaithful one runs its Python function, its reads
+    attributed to the stage's first node. What ``prepare_out_graph`` returns crosses into the
+    graph as a copy (``cross_into_graph``), read by that stage's output node. ``env`` is
+    updated with every output, as ``Program.run`` does.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import example_step, flatten_inputs, trace
+    >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
+    >>> env = flatten_inputs(shared=step.shared, batch=step.batch, pools=step.pools, params=step.params)
+    >>> seen = observe_program(trace(paged(), ForwardMode.DECODE), env, step.shared)
+    >>> sorted(seen["prepare_in_graph"].items())
+    [('index_select', frozenset({'req_to_token'})), ('index_select_1', frozenset({'seq_lens'}))]
+    """
+    observer = ReadObserver(buffers)
+    out: dict[str, dict[str, frozenset[str]]] = {}
+    with observer:
+        for s in program.stages:
+            first = next(n.name for n in s.gm.graph.nodes)
+            if s.faithful:
+                results = _NodeLabels(s.gm, observer, s.name).run(*[env[n] for n in s.inputs])
+                outputs = dict(zip(s.outputs, results, strict=True))
+            else:
+                with observer.stage(f"{s.name}:{first}"):
+                    outputs = s.run(env)
+            if s.name == OUT_OF_GRAPH:
+                last = next(reversed(s.gm.graph.nodes)).name
+                with observer.stage(f"{s.name}:{last}"):
+                    outputs = cross_into_graph(outputs)
+            env.update(outputs)  # type: ignore[attr-defined]
+    for a in observer.accesses:
+        stage, _, node = a.stage.partition(":")
+        if a.kind != "write":
+            seen = out.setdefault(stage, {})
+            seen[node] = seen.get(node, frozenset()) | {a.buffer}
+    return out
 
 
 # ------------------------------------------------------------------------------------------

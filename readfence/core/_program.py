@@ -292,10 +292,14 @@ class Program:
         return self.stage(stage).run(env)
 
     def run(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run all stages in order, threading ``meta``; returns the env with every output."""
+        """Run all stages in order, threading ``meta``; returns the env with every output.
+
+        What ``prepare_out_graph`` returns crosses into the graph as a copy, as it does when
+        lowered (``core.cross_into_graph``)."""
         env = dict(env)
         for s in self.stages:
-            env.update(s.run(env))
+            out = s.run(env)
+            env.update({k: v.clone() for k, v in out.items()} if s.name == OUT_OF_GRAPH else out)
         return env
 
 

@@ -33,7 +33,8 @@ from readfence.core import (
     make_pools,
     make_shared_state,
 )
-from readfence.core import CapturedStateError, bind
+from readfence.core import CapturedStateError, bind, observe_program
+from readfence.core._memory import BufferMap
 from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
 from readfence.core._program import Program, StageGraph, flatten_inputs
@@ -160,6 +161,7 @@ class Lowered:
         self.label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
         self.graphed = mode.uses_graph and device.caps.graphs
         self._runs = 0
+        self._observed: dict[str, dict[str, frozenset[str]]] = {}
         dev = _device_of(self.shared)
         example = example_step(cfg, mode, batch_size, device=dev)
         self._batch = {k: torch.zeros_like(v, device=dev) for k, v in example.batch.items()}
@@ -180,13 +182,19 @@ class Lowered:
         # Rehearse the whole step once, eagerly, on a throwaway example and on the lowered
         # stream: it gives the shapes of the out-of-graph stage's outputs, and it runs every
         # kernel once before any capture, as torch.cuda.graph asks (lazy library and allocator
-        # set-up must not happen inside a capture). The live state is not touched.
+        # set-up must not happen inside a capture). The live state is not touched. It runs under
+        # the runtime read observer: what each node really reads (the example's buffers, or the
+        # live ones a stage keeps a reference to) is what the sanitizer is told, with the trace.
         env = flatten_inputs(shared=example.shared, batch=example.batch, pools=example.pools,
                              params=example.params)
-        outputs: dict[str, Tensor] = {}
-        self.stream.launch(lambda: outputs.update(self.program.run(env)), label=f"{self.label}/rehearse")
+        buffers = BufferMap.of(example.shared).union([BufferMap.of(self.shared)])
+
+        def rehearse() -> None:
+            self._observed = observe_program(self.program, env, buffers)
+
+        self.stream.launch(rehearse, label=f"{self.label}/rehearse")
         self.stream.synchronize()
-        return {k: torch.zeros_like(outputs[k], device=dev) for k in self.program.stage("prepare_out_graph").outputs}
+        return {k: torch.zeros_like(env[k], device=dev) for k in self.program.stage("prepare_out_graph").outputs}
 
     def _build_slot(self, r: int) -> _Slot:
         dev = self.device
@@ -239,14 +247,19 @@ class Lowered:
             slot.graph = graph
         return slot
 
+    def _reads(self, stage: StageGraph) -> dict[str, frozenset[str]]:
+        # per node, the traced reads and what the rehearsal observed it really read
+        seen = self._observed.get(stage.name, {})
+        return {n: stage.reads.get(n, frozenset()) | seen.get(n, frozenset()) for n in {*stage.reads, *seen}}
+
     def _stage_fn(self, stage: StageGraph, after: dict[str, list[Any]],
                   actions: dict[str, list[Any]]) -> tuple[Any, tuple[Op, ...]]:
         if not stage.faithful:
             # The tracer could not see everything: run the Python stage; no node-level records.
-            return stage, tuple(stage_ops(stage.gm, stage.reads, stage.name))
+            return stage, tuple(stage_ops(stage.gm, self._reads(stage), stage.name))
         gm = insert_records(stage.gm, after, self.device, actions) if after or actions else stage.gm
         runner = attrs.evolve(stage, gm=gm)
-        return runner, stage_ops(gm, stage.reads, stage.name)
+        return runner, stage_ops(gm, self._reads(stage), stage.name)
 
     def _launch_stage(self, name: str, slot: _Slot, step: int | None, sink: Any) -> None:
         runner, ops = slot.stages[name]

@@ -67,3 +67,16 @@ def test_a_captured_live_buffer_is_refused_against_another_state() -> None:
     backend = case.build(make_state(CFG))
     with CpuDevice(timeout=10.0) as dev, pytest.raises(CapturedStateError, match="no shared buffer, pool or"):
         lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG, state=make_state(CFG))
+
+
+@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT], ids=str)
+def test_the_sanitizer_sees_a_read_no_static_analysis_can_see(policy) -> None:
+    # The plan/run kernel reads the live lengths it keeps: the trace cannot see it, the
+    # lowering's rehearsal under the runtime read observer does, so the sanitizer names it.
+    case = CASES["plan_run"]
+    state = make_state(CFG)
+    with CpuDevice(timeout=30.0) as dev:
+        res = run_overlapped(case.build(state), case.mode, steps=STEPS, policy=policy, device=dev,
+                             batch_size=BATCH, cfg=CFG, state=state)
+    races = [v for v in res.violations if v.buffer == "seq_lens"]
+    assert races and all(v.reading_node.startswith("body:plan_run") for v in races), res.violations[:3]
