@@ -250,6 +250,8 @@ def verify(
     policies = _policies(policy)
     if not isinstance(mode, ForwardMode):
         raise TypeError(f"mode must be a ForwardMode, got {mode!r}")
+    if mode is ForwardMode.IDLE:
+        raise ValueError("mode IDLE carries no tokens: there is nothing to schedule or verify")
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
