@@ -40,9 +40,13 @@ Tensors captured from outside the arguments
 A tensor a stage reads without receiving it (a closure, an attribute, a global) is a
 constant of its graph (a ``get_attr`` node), listed in ``StageGraph.captured``. It is matched
 by memory range against the state the program runs on: the example when traced, the live
-state when lowered (:meth:`Program.bind`). A captured tensor that is not a shared buffer, a
-pool or a parameter of that state is trace-time state baked into the graph (stale on the
-next step) and is refused; one that matches a live shared buffer is a read of that buffer.
+state when lowered (``core.bind``). One that matches a live shared buffer is a read of that
+buffer; a pool or a parameter is fine. Anything else is fine only if it is *persistent*: the
+step, run once more, reads the very same memory again (weights the backend keeps). A tensor
+the stage computed while being traced (a ``.clone()`` kept from the call, a DLPack view of the
+example) is trace-time state baked into the graph, stale on the next step: it is refused.
+Without the live state (``audit`` without ``state=``), a captured tensor that is not part of
+the example may be any live buffer: every buffer is ``UNKNOWN``.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ class Captured:
     source: str
     matches: tuple[str, tuple[str, ...]]
     state: str = "example"
+    # the stage reads the same memory again on the next call: a constant it keeps (an
+    # indexer's weights), not a value it computed once while being traced
+    persistent: bool = False
 
     @property
     def buffers(self) -> frozenset[str]:
@@ -93,19 +100,28 @@ class Captured:
 
     @property
     def usable(self) -> bool:
-        """Live memory the step really uses: a live shared buffer, pool or parameter."""
-        return self.state == "live" and self.matches[0] in ("shared", "owned")
+        """Memory the step really uses on every call: a live shared buffer, pool or parameter,
+        or a constant the stage keeps (persistent, and no part of the example state)."""
+        if self.state != "live":
+            return False
+        return self.matches[0] in ("shared", "owned", "constant")
 
     def why(self) -> str:
         """Why lowering cannot use it, in words."""
+        kind, names = self.matches
         what = {"shared": f"shared buffer(s) {sorted(self.buffers)}", "owned": "a pool or parameter",
-                "none": "no shared buffer, pool or parameter"}[self.matches[0]]
+                "constant": "a constant", "none": "no shared buffer, pool or parameter"}.get(kind) or (
+            f"no shared buffer, but has the shape and dtype of {names[0]!r} (a buffer of another state?)")
         if self.state == "example":
             return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
                     f"is {what} of the example state the trace ran on: trace-time state baked into the "
                     f"graph, stale on every later step")
+        if kind == "lookalike":
+            return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
+                    f"matches {what}: pass the state the backend keeps references to")
         return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
-                f"matches {what} of the live state: trace-time state baked into the graph")
+                f"matches {what} of the live state, and the step does not read it again on its next "
+                f"call: trace-time state baked into the graph")
 
 
 @attrs.frozen(eq=False)
@@ -258,8 +274,8 @@ class Program:
                     at_least(buf, s.end if s.name == OUT_OF_GRAPH else ReadEnd.UNKNOWN)
             for buf in s.unknown:
                 at_least(buf, ReadEnd.UNKNOWN)
-            if any(c.matches[0] == "none" for c in s.captured):
-                for buf in self.buffers:
+            if any(c.matches[0] == "none" and c.state == "example" for c in s.captured):
+                for buf in self.buffers:  # not matched against the live state: it may be any
                     at_least(buf, ReadEnd.UNKNOWN)
         return ReadEffect.of(ends)
 

@@ -29,10 +29,11 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from ._alias import Analysis, Write, analyse
-from ._memory import BufferMap, tensors_in
+from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
 from ._program import (
     INPUT_KEY,
@@ -435,6 +436,54 @@ def _trace_stage(
     return graph, stash["out"]
 
 
+class _Consumed(TorchDispatchMode):
+    """Records the memory every op's tensor arguments span (to tell kept constants from
+    values a stage computed once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        for t in tensors_in((args, kwargs or {})):
+            span = span_of(t)
+            if span is not None:
+                self.spans.append(span)
+        return func(*args, **(kwargs or {}))
+
+
+def _bind_captured(c: Captured, value: torch.Tensor, live: Mapping[str, torch.Tensor], shared: BufferMap,
+                   owned: BufferMap) -> Captured:
+    matches = _match(value, shared, owned)
+    if matches[0] == "none" and c.persistent and c.matches[0] == "none":
+        twin = [b for b, t in live.items() if t.shape == value.shape and t.dtype == value.dtype]
+        matches = ("lookalike", (twin[0],)) if twin else ("constant", ())
+    return attrs.evolve(c, matches=matches, state="live")
+
+
+def _mark_persistent(stages: list[StageGraph], plan: list[tuple[str, Callable[..., Any], dict[str, Any], str]],
+                     groups: Mapping[str, Any]) -> list[StageGraph]:
+    # Run the step once more, eagerly: a captured tensor whose memory it reads again is a
+    # constant the backend keeps; one it does not read again was computed for that one call.
+    consumed = _Consumed()
+    meta: Any = None
+    with consumed:
+        for i, (name, fn, grp, prefix) in enumerate(plan):
+            out = fn(**(grp if i == 0 else {**grp, "meta": meta}))
+            if name == OUT_OF_GRAPH:
+                out = cross_into_graph(out)
+            meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
+    marked = []
+    for s in stages:
+        captured = []
+        for c in s.captured:
+            span = span_of(getattr(s.gm, c.target))
+            again = span is not None and any(span.overlaps(other) for other in consumed.spans)
+            captured.append(attrs.evolve(c, persistent=again) if c.matches[0] == "none" else c)
+        marked.append(attrs.evolve(s, captured=tuple(captured)))
+    return marked
+
+
 class CapturedStateError(ValueError):
     """A stage reads a tensor it did not receive that is not live state of the step.
 
@@ -444,7 +493,7 @@ class CapturedStateError(ValueError):
 
     def __init__(self, backend: str, mode: ForwardMode, captured: Iterable[Captured]) -> None:
         self.backend, self.mode, self.captured = backend, mode, tuple(captured)
-        reasons = "; ".join(f"stage {c.stage}: {c.why()}" for c in self.captured)
+        reasons = "; ".join(dict.fromkeys(f"stage {c.stage}: {c.why()}" for c in self.captured))
         super().__init__(
             f"cannot lower {backend} for {mode.name}: {reasons}. Pass live state to the stage "
             f"through its arguments (shared, pools), or compute the tensor inside the stage"
@@ -475,7 +524,8 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
             stages.append(s)
             continue
         gm = fx.GraphModule(s.gm, copy.deepcopy(s.gm.graph))
-        captured = tuple(attrs.evolve(c, matches=_match(getattr(gm, c.target), shared, owned), state="live")
+        captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), state["shared"],
+                                                                    shared, owned)
                          for c in s.captured)
         last = s.name == program.stages[-1].name
         result = _analyse_stage(gm, s.initial, captured, s.memory, s.name, last)
@@ -558,6 +608,8 @@ def trace_functions(
             out = cross_into_graph(out)  # what the graph sees of it: copies (core._protocol)
         # the body sees {**out_graph_meta, **in_graph_meta} (core._model.prepare)
         meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
+    if fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured):
+        stages = _mark_persistent(stages, plan, groups)
     return Program(
         backend=backend, mode=mode, device=device, buffers=buffers, stages=tuple(stages), aborted=aborted
     )

@@ -10,7 +10,7 @@ from readfence.effects import ReadEffect, ReadEnd
 
 
 def test_table_and_counts_for_a_spec(cli):
-    result = cli("audit", "tbo(deepseek_v4, paged)", "--mode", "target_verify", "--mode", "extend")
+    result = cli("audit", "tbo(deepseek_v4, paged)", "--mode", "target_verify", "--mode", "extend", "--batch-size", "2")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].split() == ["backend", "mode", "buffer", "declared", "observed", "verdict"]
@@ -23,7 +23,7 @@ def test_table_and_counts_for_a_spec(cli):
 
 
 def test_json_rows(cli):
-    result = cli("audit", "paged", "--mode", "decode", "--json")
+    result = cli("audit", "paged", "--mode", "decode", "--json", "--batch-size", "2")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert rows and all({"backend", "mode", "buffer", "declared", "observed", "verdict"} <= set(r) for r in rows)
@@ -31,7 +31,7 @@ def test_json_rows(cli):
 
 
 def test_every_mode_by_default(cli):
-    rows = json.loads(cli("audit", "dense", "--json").output)
+    rows = json.loads(cli("audit", "dense", "--json", "--batch-size", "2").output)
     assert {r["mode"] for r in rows} == {"DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "EXTEND", "IDLE"}
 
 

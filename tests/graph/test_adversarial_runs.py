@@ -65,7 +65,7 @@ def test_a_captured_live_buffer_is_refused_against_another_state() -> None:
     # the backend captured state A; lowering it on state B would read A's buffer: refused
     case = CASES["closure_declared_post"]
     backend = case.build(make_state(CFG))
-    with CpuDevice(timeout=10.0) as dev, pytest.raises(CapturedStateError, match="no shared buffer, pool or"):
+    with CpuDevice(timeout=10.0) as dev, pytest.raises(CapturedStateError, match="shape and dtype of 'seq_lens'"):
         lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG, state=make_state(CFG))
 
 
@@ -80,3 +80,27 @@ def test_the_sanitizer_sees_a_read_no_static_analysis_can_see(policy) -> None:
                              batch_size=BATCH, cfg=CFG, state=state)
     races = [v for v in res.violations if v.buffer == "seq_lens"]
     assert races and all(v.reading_node.startswith("body:plan_run") for v in races), res.violations[:3]
+
+
+def test_weights_a_backend_keeps_are_a_constant_not_trace_time_state() -> None:
+    # an indexer's weight matrix in a closure is read again on every call: lowering uses it
+    import torch
+
+    from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+    from readfence.core import ForwardMode
+
+    weight = torch.randn(8, 8)
+
+    def prep(mode, shared, batch, meta):
+        return {**page_meta(shared, batch), "score": (weight @ weight).sum()}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + 0 * meta["score"]
+
+    keeps = leaf("keeps_weights", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+    ref = run_serial(keeps, ForwardMode.DECODE, steps=STEPS, batch_size=BATCH, cfg=CFG)
+    with CpuDevice(timeout=30.0) as dev:
+        res = run_overlapped(keeps, ForwardMode.DECODE, steps=STEPS, policy=Policy.EXACT, device=dev,
+                             batch_size=BATCH, cfg=CFG)
+    assert res.matches(ref) and res.violations == ()
