@@ -144,7 +144,7 @@ def _(rows: Tensor, handle: int) -> Tensor:
 # ------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # holds the batch's tensors: compared by identity
 class Site:
     """Where a pattern runs: its buffer, stage, mode, batch and layer (``None`` outside
     ``attend``), and the handle of the buffer its leaf planned (plan/run patterns)."""
@@ -806,7 +806,12 @@ def _drawn(draw: st.DrawFn) -> Pick:
 def placements(vocabulary: Mapping[str, Pattern] | None = None) -> st.SearchStrategy[Placement]:
     """A pattern of ``vocabulary`` (default :data:`VOCABULARY`; classes weighted by
     :data:`CLASS_WEIGHTS`) placed in a stage it allows, on any buffer, via any way of reaching
-    it, carried or not."""
+    it, carried or not.
+
+    >>> from hypothesis import find, settings
+    >>> find(placements(), lambda p: p.via == "closure", settings=settings(database=None))
+    chunk(req_to_token) via closure in prepare_out_graph
+    """
     gen = _generator(vocabulary)
     return st.composite(lambda draw: gen.placement(_drawn(draw)))()
 
@@ -841,7 +846,13 @@ def programs(vocabulary: Mapping[str, Pattern] | None = None, *, max_leaves: int
     ``tbo``, ``hybrid_linear`` and ``select``, run in one of ``modes``; leaves are named
     ``f0``, ``f1``, ... in pre-order. Hypothesis draws (and shrinks) every choice; it favours
     the first option of each, so for long runs that should cover the vocabulary evenly use
-    :func:`random_programs`."""
+    :func:`random_programs`.
+
+    >>> from hypothesis import find, settings
+    >>> smallest_tree = find(programs(), lambda p: isinstance(p.root, FuzzTree), settings=settings(database=None))
+    >>> print(str(smallest_tree).splitlines()[0])
+    join(f0, f1) in DECODE
+    """
     gen, modes_ = _generator(vocabulary), _check_sizes(max_leaves, max_placements, modes)
     return st.composite(lambda draw: gen.program(_drawn(draw), modes_, max_leaves, max_placements))()
 

@@ -519,8 +519,13 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
     shared = BufferMap.of(state["shared"])
     owned = BufferMap.of(flatten_inputs(pools=state.get("pools", {}), params=state.get("params", {})))
     stages = []
+    # what an in-graph stage's outputs alias under this state, by dotted name: a view of a
+    # captured live buffer handed to the next stage is a read of that buffer there
+    carried: dict[str, frozenset[str]] = {}
     for s in program.stages:
-        if not s.captured:
+        initial = {node: aliases | carried.get(dotted, frozenset())
+                   for node, dotted, aliases in zip(s.initial, s.inputs, s.initial.values(), strict=True)}
+        if not s.captured and initial == s.initial:
             stages.append(s)
             continue
         gm = fx.GraphModule(s.gm, copy.deepcopy(s.gm.graph))
@@ -528,10 +533,12 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
                                                                     shared, owned)
                          for c in s.captured)
         last = s.name == program.stages[-1].name
-        result = _analyse_stage(gm, s.initial, captured, s.memory, s.name, last)
+        result = _analyse_stage(gm, initial, captured, s.memory, s.name, last)
         _check_writes(program.backend, s.name, gm, result, ())
+        if s.name != OUT_OF_GRAPH:  # out-of-graph outputs cross into the graph as copies
+            carried.update(zip(s.outputs, result.output_aliases, strict=True))
         stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
-                                   captured=captured))
+                                   captured=captured, initial=initial))
     return attrs.evolve(program, stages=tuple(stages))
 
 

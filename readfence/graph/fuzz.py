@@ -146,7 +146,8 @@ class Outcome:
         path = message.split(" in mode ")[0]
         if "/" in path:
             return f"{head}: a node below the root"
-        if "escape" in message or "captured tensor" in message:
+        if any(why in message for why in ("escape", "captured tensor", "tracer cannot see")):
+            # an escape gives its stage every buffer: the out-of-graph one until PRE_REPLAY
             return f"{head}: escape or captured tensor (every buffer)"
         return f"{head}: unsound declaration"
 
