@@ -9,6 +9,12 @@ generation that is latest when the wait is called, exactly like ``cudaStreamWait
 graph replay creates the generations of its in-graph records when the replay is enqueued, so
 a wait enqueued after ``replay()`` binds to that replay's records.
 
+``CpuDevice(cuda_events=True)`` keeps those semantics but hides what CUDA cannot offer: an
+event is only its latest record (``event.latest`` stays ``None``: no per-record handle, no
+timestamp), and a host wait or query while any stream of the device is capturing is an error
+(on CUDA it would invalidate the capture). Code that runs under it makes no promise a
+``CudaDevice`` cannot keep.
+
 >>> import torch
 >>> with CpuDevice() as dev:
 ...     sched, fwd = dev.stream("schedule"), dev.stream("forward")
@@ -108,19 +114,25 @@ class CpuEvent:
     """A named event of a :class:`CpuDevice` (create with ``device.event(name)``).
 
     ``generation`` counts the records enqueued so far and ``latest`` is the latest of them
-    (a :class:`Generation`, ``None`` before the first); read them, never set them (plain
-    attributes: fences read them on the host's hot path).
+    (a :class:`Generation`, ``None`` before the first, and always ``None`` on a device with
+    ``cuda_events``); ``single_stream`` is the stream every record so far was enqueued on
+    (``None`` before the first, or once two streams recorded it). Read them, never set them
+    (plain attributes: fences read them on the host's hot path).
     """
 
     def __init__(self, device: CpuDevice, name: str) -> None:
         self.device = device
         self.name = name
-        self.latest: Generation | None = None  # what a wait called now binds to
+        self.latest: Generation | None = None  # the per-record handle, where the device exposes one
+        self._latest: Generation | None = None  # what a wait called now binds to
+        self._handles = not device.cuda_events
         self.generation = 0
+        self.single_stream: str | None = None
 
     @property
     def timestamp(self) -> float | None:
-        """When the latest enqueued record fired (``time.perf_counter()``), ``None`` if not yet."""
+        """When the latest enqueued record fired (``time.perf_counter()``), ``None`` if not yet
+        (or on a device with ``cuda_events``, which keeps no timestamps)."""
         gen = self.latest
         return None if gen is None else gen.timestamp
 
@@ -128,11 +140,17 @@ class CpuEvent:
         # Called under the device lock.
         self.generation += 1
         gen = Generation(self, self.generation, stream, label)
-        self.latest = gen
+        self._latest = gen
+        if self._handles:
+            self.latest = gen
+        if self.generation == 1:
+            self.single_stream = stream
+        elif self.single_stream != stream:
+            self.single_stream = None
         return gen
 
     def _bind(self, action: str) -> Generation:
-        gen = self.latest
+        gen = self._latest
         if gen is None:
             raise EventNeverRecorded(self.name, action)
         return gen
@@ -144,12 +162,14 @@ class CpuEvent:
         ``timeout`` seconds (default ``device.timeout``), :class:`StreamError` if the op that
         should record it failed, :class:`EventNeverRecorded` if it was never recorded.
         """
+        self.device._refuse_host_wait_while_capturing(f"synchronize event {self.name!r}")
         gen = self._bind("host synchronize")
         gen.synchronize(self.device._timeout(timeout))
         self.device._notify("on_event_synchronize", self)
 
     def query(self) -> bool:
         """Whether the latest enqueued record has fired; raises its stream's error if it failed."""
+        self.device._refuse_host_wait_while_capturing(f"query event {self.name!r}")
         gen = self._bind("query")
         if gen.error is not None:
             raise gen.error
@@ -433,6 +453,7 @@ class CpuStream:
         with dev._lock:
             if self._capture is not None:
                 raise CaptureError(f"cannot synchronize stream {self.name!r} while it is capturing")
+            dev._refuse_host_wait_while_capturing(f"synchronize stream {self.name!r}")
             if dev._closed:
                 raise self._error or DeviceClosed(f"device {dev.name!r} is closed: cannot synchronize stream {self.name!r}")
             marker = Generation(None, 0, self.name, "synchronize")
@@ -465,7 +486,16 @@ class CpuDevice(DeviceBase):
     ``CpuDevice(in_graph_events=False)`` refuses event records inside a capture, like a
     platform without in-graph events. ``timeout`` (seconds) is the default of every host
     wait and bounds device-side waits. ``faults`` delays ops; ``observers`` see every
-    enqueue. Use as a context manager, or call :meth:`close`.
+    enqueue. ``cuda_events=True`` gives events CUDA's semantics (see the module docstring):
+    the CPU tests run lowering, fences and the decode loop under it to catch code that leans
+    on per-record handles. Use as a context manager, or call :meth:`close`.
+
+    >>> with CpuDevice(cuda_events=True) as dev:
+    ...     s, ev = dev.stream("forward"), dev.event("done")
+    ...     s.record(ev); s.record(ev)
+    ...     ev.synchronize(timeout=5)
+    ...     ev.generation, ev.latest, ev.single_stream
+    (2, None, 'forward')
 
     >>> dev = CpuDevice(in_graph_events=False)
     >>> dev.caps
@@ -508,8 +538,14 @@ class CpuDevice(DeviceBase):
         faults: FaultInjector | None = None,
         observers: Sequence[DeviceObserver] = (),
         name: str = "cpu",
+        cuda_events: bool = False,
     ) -> None:
         super().__init__(name, _caps(caps, in_graph_events, graphs), timeout, faults, observers)
+        self.cuda_events = bool(cuda_events)
+
+    def _refuse_host_wait_while_capturing(self, action: str) -> None:
+        if self.cuda_events:
+            super()._refuse_host_wait_while_capturing(action)
 
     # -- inside launched code
     def record_here(self, event: CpuEvent) -> None:

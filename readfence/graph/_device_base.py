@@ -159,6 +159,16 @@ class DeviceBase:
             raise ValueError(f"timeout must be >= 0, got {t}")
         return t
 
+    def _refuse_host_wait_while_capturing(self, action: str) -> None:
+        """A host wait or query while a stream captures: on CUDA it invalidates the capture."""
+        capturing = [s for s in tuple(self._streams.values()) if s._capture is not None]
+        if capturing:
+            s = capturing[0]
+            raise CaptureError(
+                f"cannot {action} while stream {s.name!r} is capturing graph {s._capture.label!r}: "
+                "a host wait or query during a capture invalidates it; wait before or after the capture"
+            )
+
     def _check_open(self) -> None:
         if self._closed:
             raise DeviceClosed(f"device {self.name!r} is closed")

@@ -473,3 +473,54 @@ def test_default_device_is_cpu_without_cuda():
         assert dev.name.split(":")[0] == expected and dev.timeout == 1.0
     finally:
         dev.close()
+
+
+# -- CUDA's event semantics ------------------------------------------------------------------------
+
+
+def test_cuda_events_keep_no_per_record_handle_but_waits_still_bind_at_call_time():
+    gate = threading.Event()
+    with CpuDevice(timeout=T, cuda_events=True) as dev:
+        s, side, ev = dev.stream("forward"), dev.stream("side"), dev.event("e")
+        seen = []
+        s.launch(gate.wait, T, label="held")
+        s.record(ev)  # generation 1
+        side.wait(ev)  # binds to generation 1, as cudaStreamWaitEvent does
+        side.launch(seen.append, "after 1", label="read")
+        s.launch(lambda: None, label="later")
+        s.record(ev)  # generation 2: the event is now only this record
+        assert (ev.generation, ev.latest, ev.timestamp, ev.single_stream) == (2, None, None, "forward")
+        assert not ev.query()
+        gate.set()
+        ev.synchronize(T)
+        side.synchronize(T)
+        assert seen == ["after 1"]
+        dev.stream("other").record(ev)
+        assert ev.single_stream is None  # recorded on two streams
+
+
+@pytest.mark.parametrize("action", ["event.synchronize", "event.query", "stream.synchronize",
+                                    "other_stream.synchronize", "device.synchronize"])
+def test_cuda_events_refuse_host_waits_and_queries_while_a_stream_captures(action):
+    with CpuDevice(timeout=T, cuda_events=True) as dev:
+        s, other, ev = dev.stream("forward"), dev.stream("other"), dev.event("e")
+        other.record(ev)
+        ev.synchronize(T)
+        calls = {"event.synchronize": lambda: ev.synchronize(T), "event.query": ev.query,
+                 "stream.synchronize": lambda: s.synchronize(T),
+                 "other_stream.synchronize": lambda: other.synchronize(T),
+                 "device.synchronize": lambda: dev.synchronize(T)}
+        with dev.capture(s, label="g"):
+            s.launch(lambda: None, label="a")
+            with pytest.raises(CaptureError, match="is capturing"):
+                calls[action]()
+        calls[action]()  # after the capture: fine
+
+
+def test_plain_cpu_events_keep_their_handles_and_allow_host_waits_during_a_capture(dev):
+    s, other, ev = dev.stream("forward"), dev.stream("other"), dev.event("e")
+    other.record(ev)
+    with dev.capture(s):
+        ev.synchronize(T)
+        assert ev.query()
+    assert ev.latest is not None and ev.latest.timestamp is not None
