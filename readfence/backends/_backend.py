@@ -63,7 +63,7 @@ def join_effects(effects: Iterable[ReadEffect]) -> ReadEffect:
 
 
 def default_declaration(mode: ForwardMode, reads: Iterable[str] | None = None) -> ReadEffect:
-    """The default declaration of a leaf (DESIGN.md §3).
+    """The default declaration of a leaf: what an engine assumes of a backend that declares nothing.
 
     ``IN_REPLAY`` for DECODE and TARGET_VERIFY over ``reads`` (every buffer when ``None``),
     ``UNKNOWN`` for every other mode.

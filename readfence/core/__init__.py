@@ -36,7 +36,7 @@ __all__ = [
     "tokens_per_request",
 ]
 
-# -- tracing and audit (issue 4) -------------------------------------------------------------
+# -- tracing and audit ----------------------------------------------------------------------
 from ._program import Program, StageGraph, flatten_inputs  # noqa: E402
 from ._trace import CapturedStateError, StageWriteError, bind, trace  # noqa: E402
 from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes  # noqa: E402

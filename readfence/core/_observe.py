@@ -1,6 +1,6 @@
 """The runtime read observer: which shared buffers the code really touches, op by op.
 
-The second of the three checking lines (DESIGN.md section 6). It trusts nothing the tracer
+One of the checks that do not trust the analysis (with poison on release and fuzzing). It trusts nothing the tracer
 computed: a ``TorchDispatchMode`` looks at every op the dispatcher runs and matches the
 memory of its tensor arguments against the shared buffers by address range
 (:class:`~readfence.core._memory.BufferMap`), asking the op's schema

@@ -1,4 +1,4 @@
-"""Issue 7 on the command line: demo and plan take speculative step shapes."""
+"""Speculative step shapes on the command line: demo and plan take them."""
 
 import json
 

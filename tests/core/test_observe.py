@@ -498,7 +498,7 @@ def test_cross_check_refuses_to_compare_different_steps() -> None:
 
 
 def test_the_run_kernel_of_a_plan_is_invisible_to_the_static_analysis() -> None:
-    # DESIGN.md: only the dynamic checks can see a read through a reference an earlier stage
+    # only the dynamic checks can see a read through a reference an earlier stage
     # stored; cross_check reports it unless the trace gives up on the buffer (UNKNOWN)
     backend = CASES["plan_run"].backend
     program = trace(backend, M.DECODE, cfg=ONE_LAYER)
