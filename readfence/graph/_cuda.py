@@ -73,8 +73,10 @@ def _poll(query: Callable[[], bool], timeout: float) -> bool:
 class CudaEvent:
     """A named ``torch.cuda.Event(external=True)`` (create with ``device.event(name)``).
 
-    ``generation`` counts the records enqueued so far (replays included); read it, never set
-    it (a plain attribute: fences read it on the host's hot path).
+    ``generation`` counts the records enqueued so far (replays included); ``single_stream`` is
+    the stream every record so far was enqueued on (``None`` before the first, or once two
+    streams recorded it). Read them, never set them (plain attributes: fences read them on the
+    host's hot path). There is no per-record handle: a CUDA event is only its latest record.
     """
 
     def __init__(self, device: CudaDevice, name: str) -> None:
@@ -82,10 +84,15 @@ class CudaEvent:
         self.name = name
         self.torch = torch.cuda.Event(external=True)
         self.generation = 0
+        self.single_stream: str | None = None
         self._stream: str | None = None  # stream of the latest enqueued record
 
     def _enqueued(self, stream: str) -> None:
         self.generation += 1
+        if self.generation == 1:
+            self.single_stream = stream
+        elif self.single_stream != stream:
+            self.single_stream = None
         self._stream = stream
 
     def _check(self, action: str) -> None:

@@ -59,11 +59,21 @@ class Bound(tuple):
         return f"Bound(event={getattr(self.event, 'name', self.event)!r}, generation={self.generation})"
 
     def synchronize(self, what: str, timeout: float | None = None) -> None:
-        """Host wait for this very generation (where the device can tell generations apart)."""
+        """Host wait until this generation has fired.
+
+        With a per-record handle (CpuDevice), that record. Without one (CUDA: an event is only
+        its latest record) the event's latest record, when it is this one or a later record
+        enqueued on the same single stream: a stream runs in order, so the later record fires
+        after this one and waiting for it is sound (at worst later). A later record on another
+        stream cannot stand for this one: :class:`RingWrapError`.
+        """
         if self.handle is not None:
             self.handle.synchronize(self.event.device._timeout(timeout))
-        else:
-            self.check(what).synchronize(timeout)
+            return
+        event = self.event
+        if event.generation != self.generation and getattr(event, "single_stream", None) is None:
+            self.check(what)
+        event.synchronize(timeout)
 
     def check(self, what: str) -> Any:
         current = self.event.generation
