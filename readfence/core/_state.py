@@ -38,6 +38,7 @@ from collections.abc import Mapping
 import attrs
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ._modes import ForwardMode
 
@@ -174,6 +175,20 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _on(device: str | torch.device, drawn: Tensor) -> Tensor:
+    """``drawn`` (made with a CPU generator) on ``device``: a CUDA factory refuses a CPU
+    generator, and moving the draw gives the same values on every device."""
+    if torch.device(device).type == "cpu":
+        return drawn
+    if isinstance(drawn, FakeTensor):  # tracing for CUDA on a CPU-only build: no values to move
+        return torch.empty(drawn.shape, dtype=drawn.dtype, device=device)
+    return drawn.to(device)
+
+
+def _randn(*shape: int | tuple[int, ...], generator: torch.Generator, device: str | torch.device) -> Tensor:
+    return _on(device, torch.randn(*shape, generator=generator))
+
+
 def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """Seeded random weights of the tiny decoder (``cfg.seed``; no downloads).
 
@@ -187,9 +202,9 @@ def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict
     qkv = 3 * cfg.heads * cfg.head_dim
 
     def w(*shape: int, fan_in: int) -> Tensor:
-        return torch.randn(*shape, generator=g, device=device) * (fan_in**-0.5)
+        return _randn(*shape, generator=g, device=device) * (fan_in**-0.5)
 
-    params = {"embed": torch.randn(cfg.vocab, cfg.hidden, generator=g, device=device)}
+    params = {"embed": _randn(cfg.vocab, cfg.hidden, generator=g, device=device)}
     for layer in range(cfg.layers):
         pre = f"layers.{layer}."
         params[pre + "attn_norm"] = torch.ones(cfg.hidden, device=device)
@@ -223,9 +238,9 @@ def make_pools(
         s = torch.zeros(state, device=device)
     else:
         g = _generator(seed + 1)
-        k = torch.randn(kv, generator=g, device=device)
-        v = torch.randn(kv, generator=g, device=device)
-        s = torch.randn(state, generator=g, device=device) * (cfg.head_dim**-0.5)
+        k = _randn(kv, generator=g, device=device)
+        v = _randn(kv, generator=g, device=device)
+        s = _randn(state, generator=g, device=device) * (cfg.head_dim**-0.5)
     swa = _example_swa_map(cfg, device).long()
     swa_k = torch.zeros(cfg.layers, cfg.num_swa_slots, cfg.heads, cfg.head_dim, device=device)
     swa_v = torch.zeros_like(swa_k)
@@ -352,7 +367,7 @@ def example_step(
     shared["seq_lens"].index_copy_(0, req_t, (prefix_t + n).to(torch.int32))
     g = _generator(seed + 2)
     batch = {
-        "input_ids": torch.randint(0, cfg.vocab, (len(reqs) * n,), generator=g, device=device, dtype=i64),
+        "input_ids": _on(device, torch.randint(0, cfg.vocab, (len(reqs) * n,), generator=g, dtype=i64)),
         "positions": positions,
         "req_pool_indices": req_t,
         "out_cache_loc": _example_slot(cfg, req_per_token, positions),

@@ -128,3 +128,24 @@ def test_example_step_and_trace_under_fake_cuda():
         assert step.shared["req_to_token"].device.type == "cuda"
         graph = _traced(tbo(deepseek_v4(), paged()), M.TARGET_VERIFY, step)
     assert any(n.op == "call_function" for n in graph.graph.nodes)
+
+
+class _GeneratorDeviceRule(torch.overrides.TorchFunctionMode):
+    """CUDA's rule, on any build: a factory given a generator must create on its device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        gen, device = kwargs.get("generator"), kwargs.get("device")
+        if gen is not None and device is not None and torch.device(device).type != gen.device.type:
+            raise RuntimeError(f"Expected a {torch.device(device).type!r} device type for generator "
+                               f"but found {gen.device.type!r}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY], ids=str)
+def test_state_for_another_device_is_drawn_on_the_cpu_generator_then_moved(mode):
+    # The path that creates a CUDA step's weights, caches and token ids, on the meta device
+    # (not CPU, present on every build): a CPU generator must never meet a foreign device.
+    with _GeneratorDeviceRule():
+        step = example_step(CFG, mode, 2, device="meta")
+    assert {t.device.type for d in (step.shared, step.batch, step.pools, step.params) for t in d.values()} == {"meta"}
