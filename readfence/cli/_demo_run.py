@@ -15,7 +15,15 @@ from typing import Any
 import attrs
 
 from readfence.core import ForwardMode
-from readfence.graph import Policy, Timeline, UnsoundLowering, open_device, run_overlapped, run_serial
+from readfence.graph import (
+    Policy,
+    Timeline,
+    UnsoundLowering,
+    open_device,
+    run_overlapped,
+    run_serial,
+    torch_device,
+)
 
 from ._trace import WaitRecorder, add_replays, add_waits
 
@@ -98,7 +106,9 @@ def run_demo(
     if on_policy:
         on_policy("serial reference")
     kw = {"steps": steps, "batch_size": batch_size, "seed": seed}
-    reference = run_serial(backend, mode, **kw)
+    with open_device(device) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
+        device = torch_device(dev)
+    reference = run_serial(backend, mode, device=device, **kw)
     rows, timelines = [], {}
     dev_name, caps = device, None
     for policy in with_baseline(policies):

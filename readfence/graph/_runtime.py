@@ -24,7 +24,7 @@ from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs,
 from ._device import Device
 from ._check import CheckState
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
-from ._lower import StepRun, lower, make_state, torch_device
+from ._lower import StepRun, _device_of, lower, make_state, torch_device
 from ._ops import Write
 from ._policy import Policy
 from ._sanitizer import Sanitizer, Violation
@@ -58,7 +58,8 @@ class LoopResult:
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
 
     def matches(self, reference: LoopResult | Sequence[Any]) -> bool:
-        """Bit-identical logits, step by step (phases and streams included)."""
+        """Bit-identical logits, step by step (phases and streams included); the reference
+        must be on the same device (``ValueError`` otherwise)."""
         ref = reference.logits if isinstance(reference, LoopResult) else list(reference)
         return len(ref) == len(self.logits) and all(_same(a, b) for a, b in zip(self.logits, ref))
 
@@ -70,6 +71,11 @@ class LoopResult:
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) and isinstance(b, Tensor):
+        if a.device != b.device:
+            raise ValueError(
+                f"cannot compare logits on {a.device} with logits on {b.device} bit for bit: run the "
+                f"reference on the run's device (run_serial(..., device=...))"
+            )
         return torch.equal(a, b)
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return False
@@ -123,18 +129,28 @@ def run_serial(
     seed: int = 0,
     finish_prob: float = 0.1,
     state: dict[str, dict[str, Tensor]] | None = None,
+    device: Device | str | None = None,
 ) -> LoopResult:
-    """The reference: eager ``run_step`` on the host; writes always precede reads.
+    """The reference: eager ``run_step``, one step after another; writes always precede reads.
 
-    ``state`` (``shared``, ``pools``, ``params``) is the state to run on, fresh by default;
-    pass one for a backend that holds references to it.
+    ``device`` (a readfence ``Device`` or a torch device kind) is where the reference runs:
+    the device of the run it is compared with, since float results differ between devices and
+    logits on two devices do not compare. ``state`` (``shared``, ``pools``, ``params``) is the
+    state to run on, fresh by default; pass one for a backend that holds references to it
+    (the reference then runs where the state lives).
 
     >>> from readfence.backends import paged
     >>> run_serial(paged(), steps=3, batch_size=2).steps
     3
     """
     cfg = ModelConfig() if cfg is None else cfg
-    state = make_state(cfg, "cpu") if state is None else state
+    if device is None:
+        where = "cpu" if state is None else _device_of(state["shared"]).type
+    else:
+        where = torch_device(device)
+    state = make_state(cfg, where) if state is None else state
+    if _device_of(state["shared"]).type != where:
+        raise ValueError(f"run_serial on {where!r} was given a state on {_device_of(state['shared'])}")
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     t0 = time.perf_counter()
     logits = []
@@ -142,7 +158,8 @@ def run_serial(
         nxt = sched.next_step()
         for b in SHARED_BUFFERS:
             state["shared"][b].copy_(nxt.shared[b])
-        logits.append(_eager_step(backend, mode, cfg, state, nxt.batch))
+        batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
+        logits.append(_eager_step(backend, mode, cfg, state, batch))
     return LoopResult(None, logits, time.perf_counter() - t0)
 
 

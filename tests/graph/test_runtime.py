@@ -42,6 +42,7 @@ from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
+    LoopResult,
     Policy,
     Sanitizer,
     UnsoundLowering,
@@ -284,3 +285,23 @@ def test_capabilities_without_in_graph_events_run_correctly():
                                      batch_size=BATCH, cfg=CFG)
             assert res.violations == (), (name, policy, res.violations[:3])
             assert res.matches(ref), (name, policy)
+
+
+# -- the serial reference runs on the run's device -------------------------------------------------
+def test_serial_reference_runs_on_the_device_it_is_given(monkeypatch):
+    # The meta device stands in for CUDA (a device that is not the host): state, batches and
+    # logits of the reference must all live there, or they cannot be compared with the run's.
+    import readfence.graph._lower as lowering
+    import readfence.graph._runtime as runtime
+
+    monkeypatch.setattr(lowering, "torch_device", lambda device: "meta")
+    monkeypatch.setattr(runtime, "torch_device", lambda device: "meta")
+    res = run_serial(paged(), steps=2, batch_size=BATCH, cfg=CFG, device="cuda")
+    assert {t.device.type for t in res.logits} == {"meta"}
+
+
+def test_comparing_logits_on_two_devices_asks_for_a_reference_on_the_run_device():
+    ref = run_serial(paged(), steps=1, batch_size=BATCH, cfg=CFG, device="cpu")
+    elsewhere = LoopResult(Policy.EXACT, [torch.zeros_like(ref.logits[0], device="meta")], 0.0)
+    with pytest.raises(ValueError, match=r"run_serial\(\.\.\., device=\.\.\.\)"):
+        elsewhere.matches(ref)
