@@ -471,6 +471,9 @@ class CpuStream:
             raise marker.error
         dev._notify("on_stream_synchronize", self.name)
 
+    def keep(self, tensor: Any) -> None:
+        """Nothing to do: host memory is not handed out per stream (see ``Stream.keep``)."""
+
     def __repr__(self) -> str:
         state = " failed" if self._error is not None else ""
         return f"<CpuStream {self.name!r}{state}>"

@@ -249,6 +249,11 @@ class CudaStream:
             raise self._error
         dev._notify("on_stream_synchronize", self.name)
 
+    def keep(self, tensor: torch.Tensor) -> None:
+        """``tensor.record_stream``: the caching allocator hands a block to the stream that
+        allocated it, and would reuse it there while this stream still writes it."""
+        tensor.record_stream(self.torch)
+
     def __repr__(self) -> str:
         return f"<CudaStream {self.name!r} on {self.device.name}>"
 

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from torch import Tensor
+
 from readfence.effects import Capabilities
 
 from ._errors import CaptureError
@@ -108,6 +110,10 @@ class Stream(Protocol):
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Host wait until every op enqueued so far on this stream has run."""
+
+    def keep(self, tensor: Tensor) -> None:
+        """Do not let ``tensor``'s memory be reused before the work enqueued on this stream so
+        far has run (for a tensor allocated on the host's stream and written by this one)."""
 
 
 @runtime_checkable
@@ -272,6 +278,24 @@ def delay_point(label: str) -> None:
     ctx = _current_context()
     if ctx is not None:
         ctx.device.delay_point(label)
+
+
+def copy_from_host(dst: Tensor, src: Tensor) -> Tensor:
+    """``dst.copy_(src)``, without making the host wait when ``src`` is on the host and ``dst``
+    is not: the copy reads page-locked memory (``src`` pinned, or a pinned copy of it) with
+    ``non_blocking=True``. From pageable memory CUDA stages the copy through the host, which
+    then waits for the stream inside a C call that has no timeout. Host to host, a plain copy.
+
+    The pinned copy needs no keeping alive: torch's pinned-memory allocator does not reuse it
+    before the copy that reads it has run.
+
+    >>> import torch
+    >>> copy_from_host(torch.zeros(2), torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    if src.device.type != "cpu" or dst.device.type == "cpu":
+        return dst.copy_(src)
+    return dst.copy_(src if src.is_pinned() else src.pin_memory(), non_blocking=True)
 
 
 def _label_of(fn: Callable[..., Any], label: str) -> str:

@@ -41,7 +41,7 @@ from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
 from ._check import CheckState, poison_points
-from ._device import Device
+from ._device import Device, copy_from_host
 from ._fence import Bound, Fence
 from ._fx_records import insert_records, stage_ops
 from ._ops import Op
@@ -318,7 +318,7 @@ class Lowered:
         for event in after:
             s.wait(event)
         static = self._static_batch
-        s.launch(lambda: [t.copy_(v) for t, v in zip(static, staged)], label=self._labels["load_batch"], step=step)
+        s.launch(load_batch, static, staged, label=self._labels["load_batch"], step=step)
         check = self.check
         if check is not None:
             self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
@@ -341,8 +341,9 @@ class Lowered:
                 s.record(event)
         else:
             self._record_points(slot, ReadEnd.POST_REPLAY)
-        logits = torch.empty_like(self._logits)
+        logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
         s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
+        s.keep(logits)
         for event in at_end[_LAST]:
             s.record(event)
         if check is not None and last:
@@ -395,6 +396,12 @@ class Lowered:
 
     def __repr__(self) -> str:
         return f"<Lowered {self.label}: {len(self.plan.points())} fence point(s), ring {self.ring_size}>"
+
+
+def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
+    """Copy a step's inputs into the graph's static buffers (from the host without blocking it)."""
+    for t, v in zip(static, staged):
+        copy_from_host(t, v)
 
 
 def last_reads(program: Program) -> dict[str, LastRead]:

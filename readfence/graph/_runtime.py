@@ -21,7 +21,7 @@ from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
 
-from ._device import Device
+from ._device import Device, copy_from_host
 from ._check import CheckState
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
 from ._lower import StepRun, _device_of, lower, make_state, torch_device
@@ -114,9 +114,9 @@ def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy
 def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: Tensor | None = None) -> None:
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
-    dst.copy_(src)
+    copy_from_host(dst, src)
     if expected is not None:  # check mode: what the forward must find there until it releases it
-        expected.copy_(src)
+        copy_from_host(expected, src)
 
 
 def run_serial(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from readfence.backends import hybrid_linear, linear, minimax, paged, redeclare, sparse, dense, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, example_step, run_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
@@ -213,3 +213,58 @@ def test_lowering_rehearses_on_a_throwaway_example_not_on_the_live_state(dev):
         for k, t in tensors.items():
             assert torch.equal(state[group][k], t), f"lowering changed live {group}.{k}"
     assert low.shared is state["shared"]
+
+
+# -- host to device copies and outputs on the forward stream -----------------------------------------
+def _spy_host_copies(monkeypatch) -> list:
+    """Record each copy as (to, from, from pinned memory, non_blocking). The meta device stands
+    in for CUDA; this build cannot pin memory, so pinning is recorded, not done."""
+    seen = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: getattr(self, "_pinned", False))
+
+    def pin_memory(self):
+        copy = self.clone()
+        copy._pinned = True
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    real = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        seen.append((self.device.type, src.device.type, src.is_pinned(), non_blocking))
+        return real(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    return seen
+
+
+def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_stay_plain(monkeypatch):
+    from readfence.graph._lower import load_batch
+
+    seen = _spy_host_copies(monkeypatch)
+    staged = [torch.arange(4), torch.ones(3)]
+    load_batch([torch.empty(4, dtype=torch.int64, device="meta"), torch.empty(3, device="meta")], staged)
+    assert seen == [("meta", "cpu", True, True)] * 2
+    seen.clear()
+    host = [torch.empty(4, dtype=torch.int64), torch.empty(3)]
+    load_batch(host, staged)
+    assert seen == [("cpu", "cpu", False, False)] * 2 and torch.equal(host[0], staged[0])
+
+
+def test_scheduler_writes_read_pinned_host_memory_without_blocking(monkeypatch):
+    from readfence.graph._runtime import _write
+
+    seen = _spy_host_copies(monkeypatch)
+    _write(torch.empty(5, device="meta"), torch.ones(5), None, torch.empty(5, device="meta"))
+    assert seen == [("meta", "cpu", True, True)] * 2
+
+
+def test_outputs_allocated_by_the_host_are_kept_for_the_stream_that_writes_them(dev, monkeypatch):
+    from readfence.graph._cpu import CpuStream
+
+    kept = []
+    monkeypatch.setattr(CpuStream, "keep", lambda self, tensor: kept.append((self.name, tensor)))
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    run = low.run(example_step(low.cfg, M.DECODE, 2).batch, step=0)
+    run.result(10)
+    assert [(name, t is run.logits) for name, t in kept] == [(low.stream.name, True)]
