@@ -134,7 +134,8 @@ class Positive(click.ParamType):
 
 
 class DeviceName(click.ParamType):
-    """``auto``, ``cpu`` or ``cuda``; ``cuda`` must be available."""
+    """``auto``, ``cpu`` or ``cuda``; ``cuda`` must be available and pass the start-up self-check
+    (``auto`` falls back to the CPU device with a one-line notice when it does not)."""
 
     name = "device"
     choices = DEVICE_KINDS
@@ -149,6 +150,11 @@ class DeviceName(click.ParamType):
             if not torch.cuda.is_available():
                 raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
                                           "is False); allowed: auto, cpu")
+            from readfence.graph import _cuda
+
+            error = _cuda.self_check_error()
+            if error is not None:
+                raise _fail(param, value, f"{error}; allowed: auto (falls back to cpu), cpu")
         return key
 
 

@@ -18,6 +18,8 @@ raises :class:`DeviceError` when ``torch.cuda.is_available()`` is false.
 
 from __future__ import annotations
 
+import functools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,22 +42,38 @@ from ._ops import Op, Record, records_in
 
 
 def _in_graph_events_supported() -> bool:
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 8)
+    """Whether this torch can record an event inside a graph capture: its ``torch.cuda.Event``
+    takes ``external=True`` (the feature itself, not a version number; builds differ). The
+    start-up self-check (:func:`self_check`) then shows that such a record really fires
+    mid-graph on this machine."""
+    try:
+        torch.cuda.Event(external=True)
+    except TypeError:
+        return False
+    return True
+
+
+_SLEEP_SAMPLES = 10
+_SLEEP_CYCLES = 1_000_000
 
 
 def _sleep_cycles_per_second(index: int) -> float:
     """GPU clock cycles per second of ``torch.cuda._sleep`` on device ``index``, measured once
-    (eagerly, outside any capture) with timing events."""
+    (eagerly, outside any capture) with timing events: the mean of several samples without the
+    two fastest and two slowest (clocks ramp up and the host may stall a launch), as torch's own
+    test helper does."""
     with torch.cuda.device(index):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(1_000)  # load the kernel
-        cycles = 20_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        return cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
+        rates = []
+        for _ in range(_SLEEP_SAMPLES):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            end.record()
+            end.synchronize()
+            rates.append(_SLEEP_CYCLES / max(start.elapsed_time(end) / 1e3, 1e-9))
+        rates.sort()
+        return statistics.fmean(rates[2:-2])
 
 
 def _poll(query: Callable[[], bool], timeout: float) -> bool:
@@ -103,7 +121,9 @@ class CudaEvent:
             raise err
 
     def synchronize(self, timeout: float | None = None) -> None:
-        """Host wait (polling) for the latest enqueued record; see ``CpuEvent.synchronize``."""
+        """Host wait (polling) for the latest enqueued record; see ``CpuEvent.synchronize``.
+        Refused while a stream captures (a query there invalidates the capture)."""
+        self.device._refuse_host_wait_while_capturing(f"synchronize event {self.name!r}")
         self._check("host synchronize")
         t = self.device._timeout(timeout)
         if not _poll(self.torch.query, t):
@@ -111,7 +131,8 @@ class CudaEvent:
         self.device._notify("on_event_synchronize", self)
 
     def query(self) -> bool:
-        """Whether the latest enqueued record has completed."""
+        """Whether the latest enqueued record has completed (refused while a stream captures)."""
+        self.device._refuse_host_wait_while_capturing(f"query event {self.name!r}")
         self._check("query")
         return bool(self.torch.query())
 
@@ -214,7 +235,8 @@ class CudaStream:
             dev._notify_locked("on_record", self.name, event)
             event._enqueued(self.name)
             if self._error is None:
-                event.torch.record(self.torch)
+                with torch.cuda.stream(self.torch):  # the named stream is current, capture or not
+                    event.torch.record(self.torch)
 
     def wait(self, event: CudaEvent) -> None:
         """Later work on this stream waits for ``event``'s latest record (``wait_event``)."""
@@ -233,13 +255,15 @@ class CudaStream:
             src = dev._streams.get(event._stream or "")
             if src is not None and src._error is not None and self._error is None:
                 self._error = StreamError(self.name, f"wait({event.name})", src._error)
-            self.torch.wait_event(event.torch)
+            with torch.cuda.stream(self.torch):
+                self.torch.wait_event(event.torch)
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Host wait (polling) for everything enqueued on this stream so far."""
         dev = self.device
         if self._capture is not None:
             raise CaptureError(f"cannot synchronize stream {self.name!r} while it is capturing")
+        dev._refuse_host_wait_while_capturing(f"synchronize stream {self.name!r}")
         marker = torch.cuda.Event()
         marker.record(self.torch)
         t = dev._timeout(timeout)
@@ -315,3 +339,68 @@ class CudaDevice(DeviceBase):
             delay = self.faults.delay_for(stream, label)
             if delay > 0.0:
                 self.stall(delay)
+
+
+class SelfCheckFailed(DeviceError):
+    """The CUDA start-up self-check found this machine's graphs or events unlike what readfence
+    relies on; use the CPU device."""
+
+
+def self_check(index: int = 0, *, timeout: float = 10.0) -> None:
+    """Check on GPU ``index`` what the CUDA device relies on; raise :class:`SelfCheckFailed`.
+
+    A graph captured on one stream: a short spin, ``x += 1``, an in-graph external event
+    record, a long spin, ``x += 1``. It is replayed twice; after each replay a side stream
+    waits on the event and copies ``x``. The copies must read 1 then 3: the value written
+    before the record (the side stream waited), not the one written after it (it started
+    before the graph ended), and 3 rather than 2 the second time (the wait bound to the latest
+    replay). Every host wait has a timeout.
+    """
+    dev = CudaDevice(index=index, timeout=timeout)
+    try:
+        if not dev.caps.in_graph_events:
+            raise SelfCheckFailed(f"torch {torch.__version__} cannot record events inside a CUDA graph "
+                                  "(torch.cuda.Event takes no external=True)")
+        where = f"cuda:{index}"
+        x = torch.zeros(1, device=where)
+        seen = torch.full((2,), -1.0, device=where)
+        fwd, side = dev.stream("self-check"), dev.stream("self-check/side")
+        mid = dev.event("self-check/mid-graph")
+        fwd.launch(x.add_, 0.0, label="warm up")  # kernels load outside the capture
+        fwd.launch(dev.stall, 0.001, label="warm up")
+        fwd.synchronize(timeout)
+        with dev.capture(fwd, label="self-check") as graph:
+            fwd.launch(dev.stall, 0.005, label="short spin")
+            fwd.launch(x.add_, 1.0, label="x += 1")
+            fwd.record(mid)
+            fwd.launch(dev.stall, 0.05, label="long spin")
+            fwd.launch(x.add_, 1.0, label="x += 1")
+        for i in range(2):
+            graph.replay(fwd)
+            side.wait(mid)
+            side.launch(seen[i : i + 1].copy_, x, label="copy x")
+            mid.synchronize(timeout)
+        dev.synchronize(timeout)
+        got = [float(v) for v in seen.tolist()]
+    except SelfCheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the check is its verdict
+        raise SelfCheckFailed(f"CUDA self-check on cuda:{index} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        dev.close()
+    if got != [1.0, 3.0]:
+        why = {0.0: "the side stream did not wait for the in-graph record",
+               2.0: "the side stream ran after the graph ended (the record did not fire mid-graph)"}
+        reasons = [why.get(got[0], "")] + (["the second wait did not bind to the latest replay"] if got[1] != 3.0 else [])
+        raise SelfCheckFailed(f"CUDA self-check on cuda:{index}: a side stream waiting on an in-graph event read "
+                              f"{got}, expected [1.0, 3.0]: " + "; ".join(r for r in reasons if r))
+
+
+@functools.cache
+def self_check_error(index: int = 0) -> SelfCheckFailed | None:
+    """:func:`self_check`'s failure on GPU ``index``, or ``None``; run once per process."""
+    try:
+        self_check(index)
+    except SelfCheckFailed as exc:
+        return exc
+    return None

@@ -330,10 +330,13 @@ def default_device(**kwargs: Any) -> Device:
 DEVICE_KINDS = ("auto", "cpu", "cuda")
 
 
-def open_device(kind: str = "auto", **kwargs: Any) -> Device:
-    """A fresh device of ``kind``: ``cpu``, ``cuda``, or ``auto`` (CUDA when available).
+def open_device(kind: str = "auto", *, notice: Callable[[str], None] | None = None, **kwargs: Any) -> Device:
+    """A fresh device of ``kind``: ``cpu``, ``cuda``, or ``auto`` (CUDA when available and it
+    passes the start-up self-check, ``readfence.graph._cuda.self_check``, run once per process).
 
-    Close it, or use it as a context manager; kwargs go to the device's constructor.
+    ``cuda`` raises the self-check's error; ``auto`` falls back to the CPU device and says so in
+    one line to ``notice`` (default: standard error). Close the device, or use it as a context
+    manager; kwargs go to the device's constructor.
 
     >>> with open_device("cpu", timeout=5) as dev:
     ...     dev.name, dev.timeout
@@ -348,9 +351,22 @@ def open_device(kind: str = "auto", **kwargs: Any) -> Device:
     if kind not in DEVICE_KINDS:
         raise ValueError(f"unknown device kind {kind!r}; allowed: {', '.join(DEVICE_KINDS)}")
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        from ._cuda import CudaDevice
+        from . import _cuda
 
-        return CudaDevice(**kwargs)
+        error = _cuda.self_check_error(kwargs.get("index", 0))
+        if error is None:
+            return _cuda.CudaDevice(**kwargs)
+        if kind == "cuda":
+            raise error
+        message = " ".join(str(error).split())
+        (notice or _stderr)(f"readfence: CUDA failed its start-up self-check, using the CPU device ({message})")
+        kwargs.pop("index", None)
     from ._cpu import CpuDevice
 
     return CpuDevice(**kwargs)
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
