@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 5 in one run: the `cuda` tests and both benchmarks on CudaDevice.
+# The GPU checks in one run (under ten minutes): the `cuda` tests, the CUDA start-up self-check,
+# the overlapped loop of every reference backend and step shape under every policy against a
+# serial run on the GPU, `readfence verify` with poison, both benchmarks, and the demo on CUDA.
+# Every figure ends up in one file, $OUT/summary.txt.
 #
 # Made for the `device` tool's H200 machine (PyTorch, attrs, click, hypothesis, pytest are in
 # its image; `returns` is not, so it travels as a wheel). Here, once, in the repository root:
@@ -21,8 +24,27 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 status=0
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" \
     | tee "$out/env.txt" || exit 1
-timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests 2>&1 | tee "$out/cuda_tests.log" || status=1
-timeout 120 python3 benchmarks/bench_overhead.py --device cuda --quick 2>&1 | tee "$out/overhead.txt" || status=1
-timeout 150 python3 benchmarks/bench_overlap.py --device cuda --quick --only mixed_matmul --only mixed_wait \
-    2>&1 | tee "$out/overlap.txt" || status=1
+step() {  # step NAME SECONDS COMMAND...: run it, log it, note its status in the summary
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    [ $rc -eq 0 ] || status=1
+    echo "== $name: exit $rc in $((SECONDS - t0)) s" >>"$out/summary.txt"
+}
+: >"$out/summary.txt"
+cat "$out/env.txt" >>"$out/summary.txt"
+step self_check 60 python3 -c "from readfence.graph import _cuda; _cuda.self_check(); print('CUDA self-check passed')"
+step cuda_tests 150 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests
+step loop_check 120 python3 scripts/gpu_loop_check.py --device cuda --steps 20
+rf=(python3 -c "from readfence.cli import main; main()")  # the package is on PYTHONPATH, not installed
+step verify 60 "${rf[@]}" verify "hybrid_linear(trtllm_mha, linear)" --device cuda --steps 8
+step overhead 90 python3 benchmarks/bench_overhead.py --device cuda --quick
+step overlap 120 python3 benchmarks/bench_overlap.py --device cuda --quick --only mixed_matmul --only mixed_wait
+step demo 60 "${rf[@]}" demo --device cuda --steps 50
+for name in self_check cuda_tests loop_check verify overhead overlap demo; do
+    { echo; echo "---- $name (last 40 lines)"; tail -n 40 "$out/$name.log"; } >>"$out/summary.txt"
+done
+cat "$out/summary.txt"
 exit $status
