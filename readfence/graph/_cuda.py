@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -312,9 +313,35 @@ class CudaDevice(DeviceBase):
         self.index = index
         self._cycles_per_s = _sleep_cycles_per_second(index)
 
-    def _capture_context(self, graph: CudaGraph, stream: CudaStream) -> Any:
+    @contextmanager
+    def _capture_context(self, graph: CudaGraph, stream: CudaStream) -> Iterator[None]:
         # Launched functions run now; their kernels and in-graph records are captured.
-        return torch.cuda.graph(graph.torch, stream=stream.torch, capture_error_mode="thread_local")
+        # When code inside the capture invalidates it (a host sync: .item(), synchronize),
+        # ending the capture raises a bare "previous error during capture" and torch.cuda.graph
+        # leaves the capture stream current on this thread: the outer stream context restores
+        # the host's stream, and the error names the graph, the stream and the first failure.
+        first: BaseException | None = None
+        try:
+            with torch.cuda.stream(stream.torch), torch.cuda.graph(
+                graph.torch, stream=stream.torch, capture_error_mode="thread_local"
+            ):
+                try:
+                    yield
+                except BaseException as exc:
+                    first = exc
+                    raise
+        except DeviceError:
+            raise
+        except Exception as exc:
+            cause = first if isinstance(first, Exception) else exc
+            hint = "" if cause is exc else (
+                "; it invalidated the capture: code inside a capture must not wait for the device or "
+                "read device values on the host (.item(), .tolist(), synchronize)"
+            )
+            raise CaptureError(
+                f"capture of graph {graph.label!r} on stream {stream.name!r} failed: "
+                f"{type(cause).__name__}: {cause}{hint}"
+            ) from exc
 
     def record_here(self, event: CudaEvent) -> None:
         """Record ``event`` on the current stream, from inside a launched/captured function

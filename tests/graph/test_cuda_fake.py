@@ -147,3 +147,81 @@ def test_outputs_are_kept_for_the_stream_that_writes_them(fake_cuda):
         s = dev.stream("forward")
         s.keep(tensor)
         assert kept == [s.torch]
+
+
+class InvalidatingFakeCuda(FakeCuda):
+    """A FakeCuda whose graph context does what ``torch.cuda.graph`` does after the code inside
+    it invalidated the capture: ending the capture raises a bare "previous error" and leaves
+    the capture stream current (its ``__exit__`` stops at ``capture_end``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.invalidated = False
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        # as torch.cuda.StreamContext: make s current, then restore what was current on entry
+        before, self._current[-1] = self._current[-1], s
+        try:
+            yield
+        finally:
+            self._current[-1] = before
+
+    def graph(self, g, stream=None, capture_error_mode=None):
+        fake = self
+
+        class Capture:
+            def __enter__(self):
+                self.before, fake._current[-1] = fake._current[-1], stream
+
+            def __exit__(self, *exc):
+                if fake.invalidated:
+                    fake.invalidated = False
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                fake._current[-1] = self.before
+
+        return Capture()
+
+    def host_sync(self) -> None:
+        """What ``tensor.item()`` or a stream synchronize does inside a capture."""
+        self.invalidated = True
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def test_a_capture_invalidated_by_a_host_sync_fails_with_a_capture_error_and_the_host_stream_back(monkeypatch):
+    fake = InvalidatingFakeCuda()
+    monkeypatch.setattr(_cuda, "torch", types.SimpleNamespace(cuda=fake, __version__=torch.__version__))
+    with _cuda.CudaDevice() as dev:
+        s = dev.stream("forward")
+        host = fake.current_stream()
+        with pytest.raises(CaptureError, match=r"graph 'step' on stream 'forward' failed: RuntimeError: "
+                                               r"CUDA error: operation not permitted.*must not wait") as info:
+            with dev.capture(s, label="step") as broken:
+                s.launch(fake.host_sync, label="x.item()")
+        assert "previous error during capture" in str(info.value.__cause__)
+        assert "not permitted" in str(info.value.__cause__.__context__)
+        assert fake.current_stream() is host  # not the capture stream torch.cuda.graph left current
+        with pytest.raises(CaptureError, match="capture failed"):
+            broken.replay()
+        with dev.capture(s, label="again") as graph:  # the stream captures again
+            s.launch(fake._sleep, 1, label="spin")
+        graph.replay()
+        assert fake.current_stream() is host
+
+
+def test_errors_raised_inside_a_capture_name_the_graph_and_readfence_refusals_pass_unchanged(fake_cuda):
+    fake_cuda()
+    with _cuda.CudaDevice(timeout=1.0) as dev:
+        s, ev = dev.stream("forward"), dev.event("e")
+        s.record(ev)
+
+        def bad() -> None:
+            raise ValueError("bad shape")
+
+        with pytest.raises(CaptureError, match=r"graph 'g' on stream 'forward' failed: ValueError: bad shape$") as info:
+            with dev.capture(s, label="g"):
+                s.launch(bad, label="bad")
+        assert isinstance(info.value.__cause__, ValueError)
+        with pytest.raises(CaptureError, match=r"^cannot query event 'e' while stream 'forward' is capturing"):
+            with dev.capture(s, label="g"):
+                ev.query()
