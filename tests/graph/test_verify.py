@@ -150,3 +150,16 @@ def test_verify_names_bad_input(dev) -> None:
         verify(paged(), steps=0, device=dev)
     with pytest.raises(TypeError, match="policy must be"):
         verify(paged(), policy="exact", device=dev)
+
+
+def test_the_check_mode_benchmark_runs_and_reports_its_ratios() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_check.py"
+    spec = importlib.util.spec_from_file_location("bench_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(steps=2, reps=1)
+    assert (result["steps"], result["repetitions"]) == (2, 1)
+    assert result["poison_vs_plain"] > 0 and result["observer_vs_plain"] > 0 and result["plain_steps_per_s"] > 0
