@@ -12,6 +12,8 @@ import click
 from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch_sizes
 from readfence.core._audit import format_table
 
+from readfence.graph import StepShape
+
 from ._params import InputError, Mode, Positive, Spec
 
 
@@ -37,9 +39,30 @@ def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress
     >>> [r.sound for r in audit_all([paged()], [ForwardMode.DECODE])]
     [True]
     """
+    return _audit_pairs([(b, m) for b in backends for m in modes], progress, batch_sizes)
+
+
+def audit_phases(shape: StepShape, modes: Sequence[ForwardMode] = (), *, progress: bool = False,
+                 batch_sizes: Sequence[int] | None = None) -> list[Any]:
+    """One report per distinct (backend, mode) of a step shape's phases (a phase fixes its own
+    mode); ``modes``, when given, keeps only the phases in those modes.
+
+    >>> from readfence.graph import parse_step
+    >>> [(r.path, r.mode.name) for r in audit_phases(parse_step("ngram(paged)").unwrap(), batch_sizes=[2])]
+    [('paged', 'TARGET_VERIFY')]
+    """
+    pairs = [(b, m) for b, m in dict.fromkeys((p.backend, p.mode) for p in shape.phases) if not modes or m in modes]
+    if not pairs:
+        have = sorted({p.mode.name.lower() for p in shape.phases})
+        raise InputError(f"{shape} has no phase in mode {', '.join(m.name.lower() for m in modes)}; "
+                         f"its phases run in: {', '.join(have)}")
+    return _audit_pairs(pairs, progress, batch_sizes)
+
+
+def _audit_pairs(pairs: Sequence[tuple[Any, ForwardMode]], progress: bool,
+                 batch_sizes: Sequence[int] | None) -> list[Any]:
     from tqdm import tqdm
 
-    pairs = [(b, m) for b in backends for m in modes]
     bar = tqdm(pairs, file=sys.stderr, unit="audit", leave=False,
                disable=not (progress and sys.stderr.isatty()))
     return [audit_report(b, m, batch_sizes=batch_sizes) for b, m in bar]
@@ -65,6 +88,9 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
     """Trace SPEC (default: every reference backend) and check its declared read ends.
 
     \b
+    A step shape (eagle, multi_eagle, ngram) is audited phase by phase, each in its own mode.
+
+    \b
     For every mode and every node of the backend tree: per buffer, the declared end, the end
     the traced code really has (the latest over the batch sizes traced: reads can depend on
     the batch size; a read the runtime observer sees that the trace missed is an ANALYSIS BUG
@@ -78,8 +104,11 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
         raise InputError(f"invalid --batch-size {too_big[0]!r}: exceeds the model's maximum batch size "
                          f"({limit}); use 1..{limit}")
     sizes = tuple(batch_sizes) or default_batch_sizes(ModelConfig())
-    backends = [spec] if spec is not None else reference_backends()
-    reports = audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
+    if isinstance(spec, StepShape):
+        reports = audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json)
+    else:
+        backends = [spec] if spec is not None else reference_backends()
+        reports = audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
     counts = totals(reports)
     if as_json:
         click.echo(json.dumps([row for r in reports for row in r.rows(detail=True)], indent=2))

@@ -87,3 +87,22 @@ def test_batch_size_beyond_the_model_exits_2(cli):
     assert result.exit_code == 2
     assert result.output.strip() == ("Error: invalid --batch-size 99: exceeds the model's maximum batch size (16); "
                                      "use 1..16")
+
+
+def test_step_shapes_are_audited_phase_by_phase_in_their_own_modes(cli):
+    # every spec the other commands take: a step shape's phases fix their modes
+    rows = json.loads(cli("audit", "eagle(paged, trtllm_mha)", "--json", "--batch-size", "2").output)
+    assert {(r["backend"], r["mode"]) for r in rows} == {
+        ("paged", "TARGET_VERIFY"), ("trtllm_mha", "DECODE"), ("trtllm_mha", "DRAFT_EXTEND")}
+    rows = json.loads(cli("audit", "ngram(paged)", "--json", "--batch-size", "2").output)
+    assert {(r["backend"], r["mode"]) for r in rows} == {("paged", "TARGET_VERIFY")}
+    narrowed = json.loads(cli("audit", "eagle(paged, trtllm_mha)", "--mode", "decode", "--json",
+                              "--batch-size", "2").output)
+    assert {(r["backend"], r["mode"]) for r in narrowed} == {("trtllm_mha", "DECODE")}
+
+
+def test_a_mode_no_phase_of_a_step_shape_runs_in_is_bad_input(cli):
+    result = cli("audit", "ngram(paged)", "--mode", "extend")
+    assert result.exit_code == 2
+    assert "no phase in mode extend" in result.output and "target_verify" in result.output
+    assert "Traceback" not in result.output
