@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import ForwardMode
-from readfence.core._state import check_mode
+from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core._checks import check_mode, did_you_mean
 from readfence.effects import ReadEffect, ReadEnd
 
 #: The modes, in the order of every effect table.
@@ -90,8 +90,27 @@ def intern_table(table: Iterable[ReadEffect]) -> Table:
     return _TABLES.setdefault(tuple(map(id, effects)), effects)
 
 
+def check_buffers(buffers: Iterable[str], where: str) -> tuple[str, ...]:
+    """``buffers`` if each is a shared buffer (:data:`~readfence.core.SHARED_BUFFERS`); else a
+    ``ValueError`` naming the first unknown one, ``where`` it was found and the known buffers.
+
+    >>> check_buffers(["req_to_tokn"], "declaration of mine for DECODE")
+    Traceback (most recent call last):
+    ...
+    ValueError: declaration of mine for DECODE names unknown buffer 'req_to_tokn'; shared buffers are req_to_token, seq_lens, swa_map, state_slots; did you mean 'req_to_token'?
+    """
+    names = tuple(buffers)
+    for b in names:
+        if b not in SHARED_BUFFERS:
+            raise ValueError(f"{where} names unknown buffer {b!r}; shared buffers are "
+                             f"{', '.join(SHARED_BUFFERS)}{did_you_mean(b, SHARED_BUFFERS)}")
+    return names
+
+
 def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:
-    """Evaluate ``declare`` for every mode; ``TypeError`` names a mode that gave no effect."""
+    """Evaluate ``declare`` for every mode; ``TypeError`` names a mode that gave no effect,
+    ``ValueError`` a buffer that is not a shared buffer (a misspelt name would otherwise
+    declare nothing about the buffer it meant)."""
     table = []
     for mode in MODES:
         effect = declare(mode)
@@ -100,6 +119,7 @@ def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:
                 f"declaration of {who} for {mode} must be a ReadEffect, got {effect!r} "
                 f"({type(effect).__name__})"
             )
+        check_buffers(effect.buffers, f"declaration of {who} for {mode}")
         table.append(intern(effect))
     return tuple(table)
 
@@ -369,8 +389,17 @@ Declaration = Mapping[ForwardMode, ReadEffect] | Callable[[ForwardMode], ReadEff
 
 
 def declaration_table(name: str, declare: Declaration, reads: Iterable[str] | None) -> Table:
-    """The table of ``declare`` (a mapping or function); unlisted modes get the default."""
-    reads = None if reads is None else tuple(reads)
+    """The table of ``declare`` (a mapping or function); unlisted modes get the default.
+
+    A mapping must be non-empty (omit ``declare`` for the default) and map each mode it lists
+    to a ``ReadEffect`` (leave a mode out for its default); ``reads`` and every declared
+    buffer must be shared buffers.
+    """
+    if reads is not None:
+        if isinstance(reads, str):
+            raise TypeError(f"reads of {name} must be a list of buffer names, got {reads!r} (str); "
+                            f"write [{reads!r}]")
+        reads = check_buffers(reads, f"reads of {name}")
     if declare is None:
         return make_table(lambda m: default_declaration(m, reads), name)
     if callable(declare) and not isinstance(declare, Mapping):
@@ -378,9 +407,15 @@ def declaration_table(name: str, declare: Declaration, reads: Iterable[str] | No
     if not isinstance(declare, Mapping):
         raise TypeError(f"declare of {name} must be a mapping mode -> ReadEffect or a function, "
                         f"got {declare!r}")
-    for key in declare:
-        check_mode(key, f"declare key of {name}")
-    return make_table(lambda m: declare.get(m) or default_declaration(m, reads), name)
+    if not declare:
+        raise ValueError(f"declare of {name} is an empty mapping; omit declare for the default declaration "
+                         "(IN_REPLAY for DECODE and TARGET_VERIFY, UNKNOWN otherwise)")
+    for key, effect in declare.items():
+        mode = check_mode(key, f"declare key of {name}")
+        if effect is None:
+            raise TypeError(f"declare of {name} maps {mode.name} to None; give it a ReadEffect, or leave "
+                            f"{mode.name} out for its default declaration")
+    return make_table(lambda m: declare[m] if m in declare else default_declaration(m, reads), name)
 
 
 def leaf(
@@ -399,8 +434,11 @@ def leaf(
     tensors; omitted ones return ``{}``) and ``attend(mode, layer, q, k, v, pools, shared,
     batch, meta)``. ``declare`` maps modes to effects (or is a function of the mode); modes it
     leaves out get the default declaration over ``reads`` (every buffer if ``None``):
-    ``IN_REPLAY`` for DECODE/TARGET_VERIFY, ``UNKNOWN`` otherwise. ``core.audit`` checks the
-    declaration against what the code reads.
+    ``IN_REPLAY`` for DECODE/TARGET_VERIFY, ``UNKNOWN`` otherwise. Omit ``declare`` (rather
+    than pass ``{}``) for the default everywhere; a mapping's values must be ``ReadEffect``
+    values, and every buffer named (in ``reads`` or a declared effect) one of
+    ``readfence.core.SHARED_BUFFERS``. ``core.audit`` checks the declaration against what the
+    code reads.
 
     >>> from readfence.backends import softmax_attention, page_meta, store_kv
     >>> def prep(mode, shared, batch, meta):
@@ -426,7 +464,8 @@ def leaf(
 def redeclare(backend: Backend, read_effect: Callable[[ForwardMode], ReadEffect]) -> Leaf:
     """A copy of the leaf ``backend`` whose declaration is ``read_effect(mode)``.
 
-    Combinators compute their effects, so only leaves can be redeclared.
+    Combinators compute their effects, so only leaves can be redeclared. The buffers the
+    effects name must be shared buffers (``readfence.core.SHARED_BUFFERS``).
 
     >>> from readfence.backends import paged
     >>> loose = redeclare(paged(), lambda mode: ReadEffect.unknown())

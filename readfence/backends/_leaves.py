@@ -26,6 +26,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import ForwardMode
+from readfence.core._checks import positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._attention import (
@@ -118,8 +119,7 @@ def paged() -> Leaf:
 
 
 def _positive_int(_inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+    positive_int(attribute.name, value)
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ from returns.result import Failure, Result, Success
 
 from readfence.effects import ReadEffect, ReadEnd
 
+from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
 from ._protocol import BackendLike
 from ._observe import Disagreement, cross_check, observe
@@ -287,10 +288,14 @@ def default_batch_sizes(cfg: ModelConfig) -> tuple[int, ...]:
 def _batch_sizes(cfg: ModelConfig, batch_sizes: Iterable[int] | None) -> tuple[int, ...]:
     if batch_sizes is None:
         return default_batch_sizes(cfg)
+    if isinstance(batch_sizes, (int, str, bytes)) or not isinstance(batch_sizes, Iterable):
+        raise TypeError(f"batch_sizes must be a non-empty list of ints in 1..{cfg.max_reqs} (cfg.max_reqs), "
+                        f"got {batch_sizes!r} ({type(batch_sizes).__name__}); for one size write [n]")
     sizes = tuple(batch_sizes)
-    bad = [n for n in sizes if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cfg.max_reqs]
-    if not sizes or bad:
-        raise ValueError(f"batch_sizes must be ints in 1..{cfg.max_reqs} (cfg.max_reqs), got {list(sizes)!r}")
+    if not sizes:
+        raise ValueError("batch_sizes must be a non-empty list of ints; omit it for the default (1, 2, max_reqs)")
+    for i, n in enumerate(sizes):
+        positive_int(f"batch_sizes[{i}]", n, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     return tuple(sorted(set(sizes)))
 
 
@@ -305,6 +310,10 @@ def audit_report(
     observe_steps: int = 1,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
+    check_backend(backend)
+    check_mode(mode)
+    if observe_steps != 0 or isinstance(observe_steps, bool):
+        positive_int("observe_steps (0 turns the observer off)", observe_steps)
     cfg = ModelConfig() if cfg is None else cfg
     sizes = _batch_sizes(cfg, batch_sizes)
     kw = {"cfg": cfg, "device": device}
@@ -343,8 +352,9 @@ def audit(
     ``Success(report)`` when every declaration is at or after its observed end, else
     ``Failure(Unsound)`` naming the deepest guilty node's path, the mode, the buffer, both
     ends, the reading node and the batch size. A stage writing a shared buffer raises
-    ``StageWriteError``. The step is traced at each of ``batch_sizes`` (default: 1, 2 and
-    ``cfg.max_reqs``). ``state`` (``shared``, ``pools``, ``params``: the live tensors) lets
+    ``StageWriteError``. The step is traced at each of ``batch_sizes`` (a non-empty list of
+    ints in ``1..cfg.max_reqs``; default: 1, 2 and ``cfg.max_reqs``). ``backend`` must be a
+    backend value (parse a spec string with ``readfence.backends.parse``). ``state`` (``shared``, ``pools``, ``params``: the live tensors) lets
     tensors a stage captured by reference be matched against them (see ``bind``); without it
     a captured tensor that is not part of the example makes every buffer ``UNKNOWN``.
 

@@ -37,6 +37,7 @@ from ._modes import ForwardMode
 from ._program import OUT_OF_GRAPH, Program
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._schema import bind, op_aliasing
+from ._checks import check_backend, positive_int
 from ._state import ModelConfig, check_mode, example_step
 
 Kind = Literal["read", "write", "escape"]
@@ -429,20 +430,13 @@ def observe_functions(
     return Observation(backend, mode, buffers, tuple(accesses), 1, ())
 
 
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _batch_sizes(batch_size: int | Sequence[int], cfg: ModelConfig) -> tuple[int, ...]:
     sizes = (batch_size,) if isinstance(batch_size, int) else batch_size
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
         raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs} or a non-empty sequence "
                          f"of them, got {batch_size!r}")
     for b in sizes:
-        if not isinstance(b, int) or isinstance(b, bool) or not 0 < b <= cfg.max_reqs:
-            raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs}, got {b!r}")
+        positive_int("batch_size", b, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     return tuple(dict.fromkeys(sizes))
 
 
@@ -473,16 +467,14 @@ def observe(
     >>> observe(trtllm_mha(), ForwardMode.DECODE, batch_size=[1, 3], steps=1).observed().end
     <ReadEnd.PRE_REPLAY: 1>
     """
-    if not isinstance(backend, BackendLike):
-        raise TypeError(f"backend must be a backend (readfence.core.BackendLike), got {backend!r} "
-                        f"({type(backend).__name__})")
+    check_backend(backend)
     mode = check_mode(mode)
     if cfg is None:
         cfg = ModelConfig()
     elif not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {cfg!r} ({type(cfg).__name__})")
     sizes = _batch_sizes(batch_size, cfg)
-    _positive_int("steps", steps)
+    positive_int("steps", steps)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
 

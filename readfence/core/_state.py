@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ._checks import check_mode, positive_int
 from ._modes import ForwardMode
 
 #: The scheduler-owned buffers, in a fixed order.
@@ -58,24 +59,6 @@ _TOKENS_PER_REQUEST: dict[ForwardMode, int] = {
     ForwardMode.EXTEND: 4,
     ForwardMode.IDLE: 0,
 }
-
-
-def check_mode(mode: object, where: str = "mode") -> ForwardMode:
-    """``mode`` itself, or a ``TypeError`` naming the bad value.
-
-    >>> check_mode(ForwardMode.DECODE)
-    <ForwardMode.DECODE: 'decode'>
-    >>> check_mode("decode")
-    Traceback (most recent call last):
-    ...
-    TypeError: mode must be a ForwardMode, got 'decode' (str); did you mean ForwardMode.DECODE?
-    """
-    if isinstance(mode, ForwardMode):
-        return mode
-    hint = ""
-    if isinstance(mode, str) and mode.strip().upper() in ForwardMode.__members__:
-        hint = f"; did you mean ForwardMode.{mode.strip().upper()}?"
-    raise TypeError(f"{where} must be a ForwardMode, got {mode!r} ({type(mode).__name__}){hint}")
 
 
 def tokens_per_request(mode: ForwardMode) -> int:
@@ -325,8 +308,7 @@ def example_batch_layout(
     mode = check_mode(mode)
     if mode is ForwardMode.IDLE:
         return [], []
-    if not isinstance(batch_size, int) or not 0 < batch_size <= cfg.max_reqs:
-        raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs}, got {batch_size!r}")
+    positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     n = tokens_per_request(mode)
     span = cfg.max_ctx - n + 1
     reqs = [(b * 3 + seed) % cfg.max_reqs for b in range(batch_size)]

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from ._alias import Analysis, Write, analyse
+from ._checks import check_backend, check_mode, positive_int
 from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
 from ._program import (
@@ -705,6 +706,11 @@ def trace(
     >>> prog.observed() <= paged().read_effect(ForwardMode.DECODE)
     True
     """
+    check_backend(backend)
+    check_mode(mode)
     if cfg is None:
         cfg = _default_cfg()
-    return _trace_cached(backend, mode, cfg, int(batch_size), str(device), int(seed))
+    positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+    return _trace_cached(backend, mode, cfg, batch_size, str(device), seed)

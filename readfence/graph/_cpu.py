@@ -487,8 +487,8 @@ class CpuDevice(DeviceBase):
 
     ``caps`` (or the shortcuts ``in_graph_events=`` / ``graphs=``) emulates a platform:
     ``CpuDevice(in_graph_events=False)`` refuses event records inside a capture, like a
-    platform without in-graph events. ``timeout`` (seconds) is the default of every host
-    wait and bounds device-side waits. ``faults`` delays ops; ``observers`` see every
+    platform without in-graph events. ``timeout`` (seconds, finite and > 0) is the default of
+    every host wait and bounds device-side waits. ``faults`` delays ops; ``observers`` see every
     enqueue. ``cuda_events=True`` gives events CUDA's semantics (see the module docstring):
     the CPU tests run lowering, fences and the decode loop under it to catch code that leans
     on per-record handles. Use as a context manager, or call :meth:`close`.

@@ -315,6 +315,22 @@ class _Observers:
         return bool(self.items)
 
 
+def check_device(device: Any, name: str = "device") -> Any:
+    """``device`` if it is a readfence device (streams, events, ``caps``); else a ``TypeError``
+    naming ``name`` that says how to make one.
+
+    >>> check_device("cpu")
+    Traceback (most recent call last):
+    ...
+    TypeError: device must be a readfence device object such as CpuDevice() or open_device('cpu') (from readfence.graph), got 'cpu' (str)
+    """
+    if isinstance(getattr(device, "caps", None), Capabilities) and callable(getattr(device, "stream", None)):
+        return device
+    kind = f"{device.strip().lower()!r}" if isinstance(device, str) and device.strip().lower() in DEVICE_KINDS else "'cpu'"
+    raise TypeError(f"{name} must be a readfence device object such as CpuDevice() or open_device({kind}) "
+                    f"(from readfence.graph), got {device!r} ({type(device).__name__})")
+
+
 def default_device(**kwargs: Any) -> Device:
     """``CudaDevice`` when ``torch.cuda.is_available()``, else ``CpuDevice`` (kwargs passed on).
 

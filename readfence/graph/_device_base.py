@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from readfence.core._checks import positive_seconds
 from readfence.effects import Capabilities
 
 from ._device import DEFAULT_TIMEOUT_S, DeviceObserver, _current_context, _label_of
@@ -51,7 +52,7 @@ class DeviceBase:
     ) -> None:
         self.name = name
         self.caps = caps
-        self.timeout = float(timeout)
+        self.timeout = positive_seconds("timeout", timeout)
         self.faults = faults
         self.observers: list[DeviceObserver] = list(observers)
         self._lock = threading.RLock()

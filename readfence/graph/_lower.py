@@ -34,6 +34,7 @@ from readfence.core import (
     make_shared_state,
 )
 from readfence.core import CapturedStateError, bind, observe_program
+from readfence.core._checks import check_backend, check_forward_mode, did_you_mean, positive_int
 from readfence.core._memory import BufferMap
 from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
@@ -41,7 +42,7 @@ from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
 from ._check import CheckState, poison_points
-from ._device import Device, copy_from_host
+from ._device import Device, check_device, copy_from_host
 from ._fence import Bound, Fence
 from ._fx_records import insert_records, stage_ops
 from ._ops import Op
@@ -114,12 +115,6 @@ class _Slot:
     out_ops: tuple[Op, ...] = ()
     # check mode: the poison action of each stage-level release point, indexed by ReadEnd.rank
     act_at_end: tuple[Any, ...] = ()
-
-
-def _check_positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class Lowered:
@@ -467,6 +462,10 @@ def lower(
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
 
+    ``backend`` is a backend value (parse a spec with ``readfence.backends.parse``), ``mode``
+    any mode but ``IDLE`` (which runs no forward), ``device`` a device object
+    (``CpuDevice()``, ``open_device(kind)``), ``batch_size`` an int in ``1..cfg.max_reqs``.
+
     Refuses (``UnsoundLowering``, with the audit's message) a declaration earlier than the
     traced reads unless ``policy`` is COARSE. ``UNSAFE_skip_soundness_check=True`` lowers it
     anyway: only for tests that show what an unsound fence does. ``check`` (a
@@ -480,13 +479,14 @@ def lower(
     ...     [(r["buffer"], r["end"]) for r in low.describe()][:2]
     [('req_to_token', 'IN_REPLAY'), ('seq_lens', 'IN_REPLAY')]
     """
-    if not isinstance(mode, ForwardMode):
-        raise TypeError(f"mode must be a ForwardMode, got {mode!r}")
+    check_backend(backend)
+    check_forward_mode(mode, "lower")
+    check_device(device)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
-    _check_positive("batch_size", batch_size)
-    _check_positive("steps_in_flight", steps_in_flight)
-    ring_size = steps_in_flight if ring_size is None else _check_positive("ring_size", ring_size)
+    positive_int("batch_size", batch_size)
+    positive_int("steps_in_flight", steps_in_flight)
+    ring_size = steps_in_flight if ring_size is None else positive_int("ring_size", ring_size)
     if ring_size < steps_in_flight:
         raise ValueError(
             f"event ring of size {ring_size} is too small for {steps_in_flight} steps in flight: "
@@ -496,10 +496,10 @@ def lower(
     buffers = SHARED_BUFFERS if publish is None else tuple(publish)
     unknown = [b for b in buffers if b not in SHARED_BUFFERS]
     if unknown:
-        raise ValueError(f"publish names unknown buffers {unknown}; shared buffers are {list(SHARED_BUFFERS)}")
+        raise ValueError(f"publish names unknown buffers {unknown}; shared buffers are {list(SHARED_BUFFERS)}"
+                         f"{did_you_mean(unknown[0], SHARED_BUFFERS)}")
     cfg = ModelConfig() if cfg is None else cfg
-    if batch_size > cfg.max_reqs:
-        raise ValueError(f"batch_size {batch_size} exceeds cfg.max_reqs={cfg.max_reqs}")
+    positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
     graphed = mode.uses_graph and device.caps.graphs
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
+from readfence.core._checks import check_forward_mode, positive_int
 
-from ._device import Device, copy_from_host
+from ._device import Device, check_device, copy_from_host
 from ._check import CheckState
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
 from ._lower import StepRun, _device_of, lower, make_state, torch_device
@@ -29,7 +30,7 @@ from ._ops import Write
 from ._policy import Policy
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepState
-from ._shapes import StepShape
+from ._shapes import StepShape, check_target
 from ._timeline import Timeline
 
 
@@ -100,9 +101,21 @@ def _eager_step(target: Any, mode: ForwardMode, cfg: ModelConfig, state: dict[st
     return run_step(target, mode, cfg, StepInputs(shared=shared, batch=batch, pools=pools, params=params)).clone()
 
 
+def check_run(target: Any, mode: ForwardMode, action: str = "run", name: str = "backend") -> Any:
+    """The checks every loop entry point makes first: ``target`` is a backend, a ``per_stream``
+    group or a :class:`StepShape`, and (unless a step shape, whose phases bring their own modes)
+    ``mode`` is a mode that runs a forward (not ``IDLE``)."""
+    check_target(target, name)
+    if not isinstance(target, StepShape):
+        check_forward_mode(mode, action)
+    return target
+
+
 def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
                cfg: ModelConfig, state: dict[str, dict[str, Tensor]], **kwargs: Any) -> Any:
     """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`."""
+    check_run(target, mode, "lower", "target")
+    check_device(device)
     common = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
     if isinstance(target, StepShape):
         return PhasedStep(target, **common)
@@ -139,10 +152,19 @@ def run_serial(
     state to run on, fresh by default; pass one for a backend that holds references to it
     (the reference then runs where the state lives).
 
+    ``steps`` is a positive int, as for every loop entry point.
+
     >>> from readfence.backends import paged
     >>> run_serial(paged(), steps=3, batch_size=2).steps
     3
     """
+    check_run(backend, mode)
+    positive_int("steps", steps)
+    if device is not None and not isinstance(device, str):
+        check_device(device)
+    elif isinstance(device, str) and device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be a readfence device object or a torch device kind ('cpu', 'cuda'), "
+                         f"got {device!r}")
     cfg = ModelConfig() if cfg is None else cfg
     if device is None:
         where = "cpu" if state is None else _device_of(state["shared"]).type
@@ -199,7 +221,7 @@ class DecodeLoop:
 
     def run(self, steps: int, *, progress: Callable[[int], None] | None = None, timeout: float | None = None) -> tuple[list[StepRun], float]:
         """Run ``steps`` overlapped steps; returns the step runs and the wall time (s)."""
-        _check_steps(steps)
+        positive_int("steps", steps)
         t0 = time.perf_counter()
         nxt = self._next()
         self._write_state(nxt, None)
@@ -228,7 +250,7 @@ class DecodeLoop:
 
         A measurement: like :meth:`time_scheduler` it advances the scheduler and rewrites the
         live state and pools, so later outputs no longer follow ``run_serial``'s."""
-        _check_steps(steps)
+        positive_int("steps", steps)
         nxt = self._next()
         self._write_state(nxt, None)
         self.device.synchronize(timeout)
@@ -241,7 +263,7 @@ class DecodeLoop:
     def time_scheduler(self, steps: int, timeout: float | None = None) -> float:
         """Seconds per step of the scheduler alone: next step plus its writes (synthetic work
         included), no forward and no fence (the other side of the overlap limit)."""
-        _check_steps(steps)
+        positive_int("steps", steps)
         self.device.synchronize(timeout)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -260,11 +282,6 @@ class DecodeLoop:
         True
         """
         return 1.0 / max(self.time_forward(steps, timeout), self.time_scheduler(steps, timeout))
-
-
-def _check_steps(steps: object) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
 
 
 def synthetic_work(device: Device, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], Any] | None:
@@ -321,6 +338,8 @@ def decode_loop(
     ``write_wait_s`` instead makes each page-table write wait that many seconds without using
     the CPU (host work that does not compete with a CpuDevice forward for cores).
     """
+    check_run(backend, mode, "lower")
+    check_device(device)
     cfg = ModelConfig() if cfg is None else cfg
     extra: dict[str, Any] = {} if ring_size is None else {"ring_size": ring_size}
     state = make_state(cfg, device) if state is None else state
@@ -357,6 +376,9 @@ def run_overlapped(
     >>> res.matches(run_serial(paged(), steps=5, batch_size=2)), res.violations
     (True, ())
     """
+    check_run(backend, mode)
+    positive_int("steps", steps)
+    check_device(device)
     loop = decode_loop(backend, mode, policy=policy, device=device, **kwargs)
     sanitizer = Sanitizer() if sanitize else None
     if sanitizer is not None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
+from readfence.core._checks import positive_int
 
 
 @attrs.define
@@ -59,8 +60,7 @@ class Scheduler:
         seed: int = 0,
         finish_prob: float = 0.1,
     ) -> None:
-        if not isinstance(batch_size, int) or not 0 < batch_size <= cfg.max_reqs:
-            raise ValueError(f"batch_size must be an int in 1..{cfg.max_reqs}, got {batch_size!r}")
+        positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
         if not 0.0 <= finish_prob <= 1.0:
             raise ValueError(f"finish_prob must be in [0, 1], got {finish_prob!r}")
         self.cfg, self.mode, self.batch_size = cfg, mode, batch_size

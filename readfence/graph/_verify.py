@@ -32,13 +32,14 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageWriteError
+from readfence.core._checks import positive_int
 from readfence.core._memory import BufferMap
 
 from ._check import CheckState, poison_points
-from ._device import Device
+from ._device import Device, check_device
 from ._lower import UncapturableStage, UnsoundLowering, make_state, torch_device
 from ._policy import Policy
-from ._runtime import _same, decode_loop, run_serial
+from ._runtime import _same, check_run, decode_loop, run_serial
 
 State = Mapping[str, Mapping[str, Tensor]]
 
@@ -224,6 +225,8 @@ def verify(
 ) -> Result[VerifyReport, LateRead]:
     """Check ``target`` (a backend, a ``per_stream`` group or a step shape) with poison on
     release, the write guard and the runtime read observer, for each policy (default: all).
+    ``mode`` is any mode but ``IDLE`` (a step shape brings its own modes), ``steps`` a
+    positive int and ``batch_size`` an int in ``1..cfg.max_reqs``.
 
     ``Success(VerifyReport)`` when every policy's outputs are bit-identical to the serial run
     and nothing read after a release or wrote shared state; else ``Failure(LateRead)``
@@ -247,15 +250,12 @@ def verify(
       PER_BUFFER clean; poisoned on release: req_to_token, seq_lens, state_slots, swa_map
     late read req_to_token 0 prepare_in_graph observer
     """
+    check_run(target, mode, "verify", "target")
+    check_device(device)
     policies = _policies(policy)
-    if not isinstance(mode, ForwardMode):
-        raise TypeError(f"mode must be a ForwardMode, got {mode!r}")
-    if mode is ForwardMode.IDLE:
-        raise ValueError("mode IDLE carries no tokens: there is nothing to schedule or verify")
-    for name, value in (("steps", steps), ("batch_size", batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("steps", steps)
     cfg = ModelConfig() if cfg is None else cfg
+    positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     where = torch_device(device)
     live = make_state(cfg, device) if state is None else state
     snapshot = _snapshot(live)

@@ -1,0 +1,142 @@
+"""Argument checks shared by every public entry point: bad input fails up front, by name.
+
+Each check returns the value it accepts, or raises an error whose message names the
+argument, shows the bad value and its type, and says what is allowed (and, where a likely
+fix exists, what to write instead). The command line reports the same faults in the same
+words (``readfence.cli._params``).
+
+>>> positive_int("steps", 3)
+3
+>>> positive_int("steps", 2.5)
+Traceback (most recent call last):
+...
+ValueError: steps must be a positive int, got 2.5 (float)
+>>> positive_int("batch_size", 17, at_most=16, limit="cfg.max_reqs")
+Traceback (most recent call last):
+...
+ValueError: batch_size must be an int in 1..16, got 17 (int); 16 is cfg.max_reqs
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._modes import ForwardMode
+from ._protocol import BackendLike
+
+
+def _shown(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices`` to ``value``, else ``""``.
+
+    >>> did_you_mean("req_to_tokn", ["req_to_token", "seq_lens"])
+    "; did you mean 'req_to_token'?"
+    >>> did_you_mean("kv", ["req_to_token", "seq_lens"])
+    ''
+    """
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def positive_int(name: str, value: object, *, at_most: int | None = None, limit: str = "") -> int:
+    """``value`` if it is an int ``>= 1`` (and ``<= at_most``); bools and floats are refused.
+
+    ``limit`` names where ``at_most`` comes from (``cfg.max_reqs``) in the message.
+    """
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if ok and (at_most is None or value <= at_most):  # type: ignore[operator]
+        return value  # type: ignore[return-value]
+    if at_most is None:
+        raise ValueError(f"{name} must be a positive int, got {_shown(value)}")
+    where = f"; {at_most} is {limit}" if limit else ""
+    raise ValueError(f"{name} must be an int in 1..{at_most}, got {_shown(value)}{where}")
+
+
+def positive_seconds(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite number of seconds ``> 0``.
+
+    >>> positive_seconds("timeout", 5)
+    5.0
+    >>> positive_seconds("timeout", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: timeout must be a finite number of seconds > 0, got 0 (int)
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {_shown(value)}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_mode(mode: object, where: str = "mode") -> ForwardMode:
+    """``mode`` itself, or a ``TypeError`` naming the bad value.
+
+    >>> check_mode(ForwardMode.DECODE)
+    <ForwardMode.DECODE: 'decode'>
+    >>> check_mode("decode")
+    Traceback (most recent call last):
+    ...
+    TypeError: mode must be a ForwardMode, got 'decode' (str); did you mean ForwardMode.DECODE?
+    """
+    if isinstance(mode, ForwardMode):
+        return mode
+    hint = ""
+    if isinstance(mode, str) and mode.strip().upper() in ForwardMode.__members__:
+        hint = f"; did you mean ForwardMode.{mode.strip().upper()}?"
+    raise TypeError(f"{where} must be a ForwardMode, got {_shown(mode)}{hint}")
+
+
+def check_forward_mode(mode: object, action: str, where: str = "mode") -> ForwardMode:
+    """Like :func:`check_mode`, and refuses ``IDLE``: an idle step runs no forward, so there is
+    nothing to ``action`` (lower, verify, schedule).
+
+    >>> check_forward_mode(ForwardMode.IDLE, "lower")
+    Traceback (most recent call last):
+    ...
+    ValueError: mode IDLE runs no forward (its steps carry no tokens): there is nothing to lower; allowed: DECODE, TARGET_VERIFY, DRAFT_EXTEND, EXTEND
+    """
+    mode = check_mode(mode, where)
+    if mode is ForwardMode.IDLE:
+        allowed = ", ".join(m.name for m in ForwardMode if m is not ForwardMode.IDLE)
+        raise ValueError(f"{where} IDLE runs no forward (its steps carry no tokens): there is nothing to "
+                         f"{action}; allowed: {allowed}")
+    return mode
+
+
+def check_backend(
+    value: Any,
+    name: str = "backend",
+    *,
+    accept: tuple[type, ...] = (),
+    allowed: str = "a backend (e.g. readfence.backends.paged())",
+    parse_hint: Callable[[str], str] | None = None,
+) -> Any:
+    """``value`` if it is a backend (:class:`BackendLike`) or one of ``accept``; else a
+    ``TypeError`` naming ``name`` and ``allowed``. A spec string gets the call that parses it
+    (``parse_hint(text)``, by default ``readfence.backends.parse``).
+
+    >>> check_backend("paged")
+    Traceback (most recent call last):
+    ...
+    TypeError: backend must be a backend (e.g. readfence.backends.paged()), got 'paged' (str); to use a spec string, parse it first: readfence.backends.parse('paged').unwrap()
+    """
+    if isinstance(value, accept) or isinstance(value, BackendLike):
+        return value
+    hint = ""
+    if isinstance(value, str):
+        call = parse_hint(value) if parse_hint is not None else f"readfence.backends.parse({value!r}).unwrap()"
+        hint = f"; to use a spec string, parse it first: {call}"
+    elif isinstance(value, type) or (callable(value) and isinstance(getattr(value, "__name__", None), str)):
+        hint = f"; did you forget to call it ({value.__name__}())?"
+    raise TypeError(f"{name} must be {allowed}, got {_shown(value)}{hint}")
+
+
+__all__ = ["check_backend", "check_forward_mode", "check_mode", "did_you_mean", "positive_int", "positive_seconds"]

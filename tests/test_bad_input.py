@@ -1,0 +1,229 @@
+"""Bad input through the Python API fails up front with an error that names the argument.
+
+Every check here runs before any tracing or lowering, so each test is fast; where the old
+behaviour was to lower first and fail (or not) later, a closed device shows that nothing was
+lowered: touching it would raise ``DeviceClosed`` instead of the argument error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from readfence.backends import leaf, paged, redeclare
+from readfence.core import ForwardMode, ModelConfig, audit, example_step, trace
+from readfence.effects import ReadEffect, ReadEnd
+from readfence.graph import (
+    CpuDevice,
+    Policy,
+    decode_loop,
+    lower,
+    lower_step,
+    open_device,
+    run_overlapped,
+    run_serial,
+    verify,
+)
+
+M = ForwardMode
+CFG = ModelConfig()
+
+
+@pytest.fixture(scope="module")
+def closed():
+    """A device nothing may touch: using it raises ``DeviceClosed``."""
+    dev = CpuDevice(timeout=5.0)
+    dev.close()
+    return dev
+
+
+def _attend(mode, layer, q, k, v, pools, shared, batch, meta):
+    return q
+
+
+# -- backend: a spec string (or an uncalled constructor) is not a backend --------------------
+
+def _entry_points(dev):
+    return {
+        "audit": lambda b: audit(b, M.DECODE),
+        "trace": lambda b: trace(b, M.DECODE),
+        "lower": lambda b: lower(b, M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT),
+        "run_serial": lambda b: run_serial(b, steps=2),
+        "run_overlapped": lambda b: run_overlapped(b, steps=2, policy=Policy.EXACT, device=dev),
+        "decode_loop": lambda b: decode_loop(b, policy=Policy.EXACT, device=dev),
+        "verify": lambda b: verify(b, device=dev),
+        "lower_step": lambda b: lower_step(b, M.DECODE, device=dev, policy=Policy.EXACT, batch_size=2, cfg=CFG,
+                                           state={}),
+    }
+
+
+@pytest.mark.parametrize("entry", ["audit", "trace", "lower", "run_serial", "run_overlapped", "decode_loop",
+                                   "verify", "lower_step"])
+def test_a_spec_string_is_refused_naming_the_argument_and_the_parser(entry, closed) -> None:
+    name = "target" if entry in ("verify", "lower_step") else "backend"
+    with pytest.raises(TypeError, match=rf"^{name} must be a backend .*got 'paged' \(str\); .*"
+                                        r"readfence\.backends\.parse\('paged'\)\.unwrap\(\)"):
+        _entry_points(closed)[entry]("paged")
+
+
+def test_a_step_shape_spec_string_points_to_the_step_parser(closed) -> None:
+    with pytest.raises(TypeError, match=r"readfence\.graph\.parse_step\('eagle\(paged, paged\)'\)"):
+        run_serial("eagle(paged, paged)", steps=2)
+
+
+def test_an_uncalled_backend_constructor_is_refused_with_the_call_to_make() -> None:
+    with pytest.raises(TypeError, match=r"backend must be a backend .*\(function\); did you forget to call it "
+                                        r"\(paged\(\)\)\?"):
+        audit(paged, M.DECODE)
+
+
+# -- device: a device kind string is not a device ------------------------------------------
+
+@pytest.mark.parametrize("entry", ["lower", "run_overlapped", "decode_loop", "verify"])
+def test_a_device_name_is_refused_naming_device_and_how_to_open_one(entry) -> None:
+    with pytest.raises(TypeError, match=r"^device must be a readfence device object such as CpuDevice\(\) or "
+                                        r"open_device\('cpu'\) .*got 'cpu' \(str\)"):
+        _entry_points("cpu")[entry](paged())
+
+
+def test_run_serial_takes_a_device_object_or_a_torch_device_kind_only() -> None:
+    with pytest.raises(TypeError, match=r"^device must be a readfence device object"):
+        run_serial(paged(), steps=1, device=3)
+    with pytest.raises(ValueError, match=r"^device must be .* torch device kind \('cpu', 'cuda'\), got 'gpu'"):
+        run_serial(paged(), steps=1, device="gpu")
+
+
+# -- steps: one check, a positive int, everywhere ------------------------------------------
+
+STEPS = [-1, 0, 2.5, True, "3"]
+
+
+@pytest.mark.parametrize("steps", STEPS, ids=repr)
+def test_run_serial_refuses_bad_step_counts(steps) -> None:
+    with pytest.raises(ValueError, match=r"^steps must be a positive int, got "):
+        run_serial(paged(), steps=steps)
+
+
+@pytest.mark.parametrize("steps", STEPS, ids=repr)
+def test_run_overlapped_refuses_bad_step_counts_before_lowering(steps, closed) -> None:
+    with pytest.raises(ValueError, match=r"^steps must be a positive int, got "):
+        run_overlapped(paged(), steps=steps, policy=Policy.EXACT, device=closed)
+
+
+@pytest.mark.parametrize("steps", STEPS, ids=repr)
+def test_verify_refuses_bad_step_counts_before_lowering(steps, closed) -> None:
+    with pytest.raises(ValueError, match=r"^steps must be a positive int, got "):
+        verify(paged(), steps=steps, device=closed)
+
+
+# -- batch sizes: ints in 1..cfg.max_reqs, never truncated ---------------------------------
+
+BATCH = [2.5, True, 0, -1, CFG.max_reqs + 1]
+
+
+@pytest.mark.parametrize("size", BATCH, ids=repr)
+def test_trace_refuses_a_bad_batch_size_instead_of_truncating_it(size) -> None:
+    with pytest.raises(ValueError, match=rf"^batch_size must be an int in 1\.\.{CFG.max_reqs}, got .*cfg\.max_reqs"):
+        trace(paged(), M.DECODE, batch_size=size)
+
+
+@pytest.mark.parametrize("size", BATCH, ids=repr)
+def test_example_step_refuses_a_bad_batch_size(size) -> None:
+    with pytest.raises(ValueError, match=rf"^batch_size must be an int in 1\.\.{CFG.max_reqs}"):
+        example_step(CFG, M.DECODE, size)
+
+
+@pytest.mark.parametrize("size", BATCH, ids=repr)
+def test_audit_names_the_bad_entry_of_batch_sizes(size) -> None:
+    with pytest.raises(ValueError, match=rf"^batch_sizes\[1\] must be an int in 1\.\.{CFG.max_reqs}, got"):
+        audit(paged(), M.DECODE, batch_sizes=[1, size])
+
+
+def test_audit_batch_sizes_must_be_a_non_empty_list() -> None:
+    with pytest.raises(TypeError, match=r"^batch_sizes must be a non-empty list .*got 2 \(int\); for one size "
+                                        r"write \[n\]"):
+        audit(paged(), M.DECODE, batch_sizes=2)
+    with pytest.raises(ValueError, match=r"^batch_sizes must be a non-empty list of ints; omit it"):
+        audit(paged(), M.DECODE, batch_sizes=[])
+
+
+def test_audit_refuses_a_negative_observe_step_count() -> None:
+    with pytest.raises(ValueError, match=r"^observe_steps .* must be a positive int, got -1"):
+        audit(paged(), M.DECODE, observe_steps=-1)
+
+
+# -- device timeouts -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("timeout", [-1, 0, 0.0, math.nan, math.inf, "5", True], ids=repr)
+def test_a_device_refuses_a_timeout_that_is_not_a_finite_positive_number(timeout) -> None:
+    with pytest.raises(ValueError, match=r"^timeout must be a finite number of seconds > 0, got"):
+        CpuDevice(timeout=timeout)
+    with pytest.raises(ValueError, match=r"^timeout must be"):
+        open_device("cpu", timeout=timeout)
+
+
+# -- declarations of user leaves -----------------------------------------------------------
+
+def test_an_empty_declare_mapping_is_refused_saying_to_omit_it() -> None:
+    with pytest.raises(ValueError, match=r"^declare of mine is an empty mapping; omit declare for the default"):
+        leaf("mine", _attend, declare={})
+
+
+def test_a_none_declaration_is_refused_naming_its_mode() -> None:
+    with pytest.raises(TypeError, match=r"^declare of mine maps DECODE to None; give it a ReadEffect, or leave "
+                                        r"DECODE out"):
+        leaf("mine", _attend, declare={M.DECODE: None})
+
+
+def test_a_declared_effect_of_none_is_kept_not_replaced_by_the_default() -> None:
+    mine = leaf("mine", _attend, declare={M.DECODE: ReadEffect.none()})
+    assert mine.read_effect(M.DECODE) == ReadEffect.none()
+
+
+MISSPELT = "declaration of mine for DECODE names unknown buffer 'req_to_tokn'; shared buffers are req_to_token, " \
+           "seq_lens, swa_map, state_slots; did you mean 'req_to_token'?"
+
+
+@pytest.mark.parametrize("how", ["mapping", "function"])
+def test_a_misspelt_buffer_in_a_declaration_is_refused_with_a_suggestion(how) -> None:
+    effect = ReadEffect.of({"req_to_tokn": ReadEnd.IN_REPLAY})
+    declare = {M.DECODE: effect} if how == "mapping" else (lambda m: effect)
+    with pytest.raises(ValueError) as info:
+        leaf("mine", _attend, declare=declare)
+    assert str(info.value) == MISSPELT
+
+
+def test_redeclare_refuses_a_misspelt_buffer() -> None:
+    with pytest.raises(ValueError, match=r"^declaration of paged for DECODE names unknown buffer 'swa'; .*"
+                                        r"did you mean 'swa_map'\?"):
+        redeclare(paged(), lambda m: ReadEffect.of({"swa": ReadEnd.IN_REPLAY}))
+
+
+def test_reads_must_name_shared_buffers() -> None:
+    with pytest.raises(ValueError, match=r"^reads of mine names unknown buffer 'seq_len'; .*did you mean "
+                                        r"'seq_lens'\?"):
+        leaf("mine", _attend, reads=["req_to_token", "seq_len"])
+    with pytest.raises(TypeError, match=r"^reads of mine must be a list of buffer names, got 'seq_lens' \(str\)"):
+        leaf("mine", _attend, reads="seq_lens")
+
+
+# -- IDLE runs no forward: nothing to lower, run or verify ---------------------------------
+
+IDLE_ERROR = r"^mode IDLE runs no forward \(its steps carry no tokens\): there is nothing to {}; allowed: DECODE"
+
+
+def test_lower_refuses_idle(closed) -> None:
+    with pytest.raises(ValueError, match=IDLE_ERROR.format("lower")):
+        lower(paged(), M.IDLE, batch_size=2, device=closed, policy=Policy.EXACT)
+
+
+def test_the_loops_refuse_idle_with_the_same_check(closed) -> None:
+    with pytest.raises(ValueError, match=IDLE_ERROR.format("run")):
+        run_serial(paged(), M.IDLE, steps=2)
+    with pytest.raises(ValueError, match=IDLE_ERROR.format("run")):
+        run_overlapped(paged(), M.IDLE, steps=2, policy=Policy.EXACT, device=closed)
+    with pytest.raises(ValueError, match=IDLE_ERROR.format("lower")):
+        decode_loop(paged(), M.IDLE, policy=Policy.EXACT, device=closed)
+    with pytest.raises(ValueError, match=IDLE_ERROR.format("verify")):
+        verify(paged(), M.IDLE, device=closed)
