@@ -4,13 +4,10 @@
 # serial run on the GPU, `readfence verify` with poison, both benchmarks, and the demo on CUDA.
 # Every figure ends up in one file, $OUT/summary.txt.
 #
-# Made for the `device` tool's H200 machine (PyTorch, attrs, click, hypothesis, pytest are in
-# its image; `returns` is not, so it travels as a wheel). Here, once, in the repository root:
-#
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl returns==0.30.0
-#
-# then run `bash scripts/gpu_check.sh` there with carry [".whl"] and timeout_s 540.
+# Run it on a machine with a CUDA GPU and a CUDA build of torch, from the repository root,
+# after `pip install -e '.[test]'`: `bash scripts/gpu_check.sh`. On a machine without network
+# access, put the wheels of missing dependencies in a `.whl/` folder at the root first; they
+# are installed into /tmp/site before anything runs.
 # Logs and results land in $OUT (or ./gpu_out when OUT is unset).
 set -uo pipefail
 out="${OUT:-gpu_out}"
