@@ -16,6 +16,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
+from readfence.core._checks import check_backend, positive_int
 from readfence.effects import Position, ReadEffect, ReadEnd, publish_positions
 
 from ._plan import placing_effect
@@ -122,8 +123,27 @@ def _check_graph_keys(phases: Sequence[Phase]) -> None:
 
 def _check(name: str, backends: Sequence[Any]) -> None:
     for i, b in enumerate(backends):
-        if not hasattr(b, "read_effect"):
-            raise TypeError(f"{name}: argument {i} must be a backend, got {b!r}")
+        check_backend(b, f"{name}: argument {i}")
+
+
+def _parse_hint(text: str) -> str:
+    head = text.strip().partition("(")[0].strip()
+    parser = "readfence.graph.parse_step" if head in STEP_SHAPES else "readfence.backends.parse"
+    return f"{parser}({text!r}).unwrap()"
+
+
+def check_target(target: Any, name: str = "backend") -> Any:
+    """``target`` if it is a backend, a ``per_stream`` group or a :class:`StepShape`; else a
+    ``TypeError`` that names ``name`` (and, for a spec string, the call that parses it).
+
+    >>> check_target("eagle(paged, paged)")
+    Traceback (most recent call last):
+    ...
+    TypeError: backend must be a backend (e.g. readfence.backends.paged()), a per_stream group or a step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
+    """
+    return check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
+                         allowed="a backend (e.g. readfence.backends.paged()), a per_stream group or "
+                                 "a step shape (e.g. readfence.graph.eagle(...))")
 
 
 def eagle(target: Any, draft: Any, *, draft_steps: int = 2) -> StepShape:
@@ -132,8 +152,7 @@ def eagle(target: Any, draft: Any, *, draft_steps: int = 2) -> StepShape:
     The draft extend runs last, so it publishes every buffer it reads.
     """
     _check("eagle", [target, draft])
-    if not isinstance(draft_steps, int) or draft_steps <= 0:
-        raise ValueError(f"eagle: draft_steps must be a positive int, got {draft_steps!r}")
+    positive_int("eagle: draft_steps", draft_steps)
     phases = [Phase(f"draft_decode[{i}]", draft, ForwardMode.DECODE, "draft") for i in range(draft_steps)]
     phases += [Phase("target_verify", target, ForwardMode.TARGET_VERIFY, "target"),
                Phase("draft_extend", draft, ForwardMode.DRAFT_EXTEND, "draft")]
