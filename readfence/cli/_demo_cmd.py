@@ -12,7 +12,7 @@ import click
 from readfence.graph import Policy, StepShape
 
 from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
-from ._params import DeviceName, InputError, Policies, Positive, Spec
+from ._params import DeviceName, InputError, Policies, Positive, Spec, merge_policies
 from ._table import table
 from ._trace import chrome_trace
 
@@ -124,8 +124,9 @@ class _Progress:
               help="Backend to run, e.g. 'tbo(deepseek_v4, paged)', or a speculative step shape: "
                    "'eagle(TARGET, DRAFT)', 'multi_eagle(TARGET, D1, D2)', 'ngram(TARGET)'.")
 @click.option("--steps", type=Positive(), default=100, show_default=True, help="Decode steps per policy.")
-@click.option("--policy", "policies", type=Policies(), default="all", show_default=True,
-              help="coarse, joined, per_buffer, exact or all (COARSE always runs: it is the baseline).")
+@click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True,
+              callback=merge_policies, show_default=True,
+              help="coarse, joined, per_buffer, exact or all; a comma list or repeated (COARSE always runs: it is the baseline).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Scheduler seed (request churn).")
 @click.option("--batch-size", type=Positive(), default=4, show_default=True, help="Requests per step.")

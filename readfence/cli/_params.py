@@ -103,20 +103,41 @@ class Mode(click.ParamType):
 
 
 class Policies(click.ParamType):
-    """One fence policy, or ``all``; converts to a tuple of policies in a fixed order."""
+    """Fence policies as a comma list (``per_buffer,exact``) or ``all``; converts to a tuple of
+    policies in a fixed order. The option is repeatable: :func:`merge_policies` joins the uses.
+
+    >>> Policies().convert("exact, coarse", None, None)
+    (<Policy.COARSE: 'coarse'>, <Policy.EXACT: 'exact'>)
+    """
 
     name = "policy"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Policy, ...]:
         if isinstance(value, tuple):
             return value
-        if value.strip().lower() == "all":
-            return tuple(Policy)
-        try:
-            return (Policy.parse(value),)
-        except ValueError:
-            allowed = ", ".join([p.value for p in Policy] + ["all"])
-            raise _fail(param, value, f"unknown policy; allowed: {allowed}") from None
+        chosen: set[Policy] = set()
+        for part in value.split(","):
+            name = part.strip().lower()
+            if name == "all":
+                chosen.update(Policy)
+                continue
+            try:
+                chosen.add(Policy.parse(name))
+            except ValueError:
+                allowed = ", ".join([p.value for p in Policy] + ["all"])
+                raise _fail(param, value, f"unknown policy {part.strip()!r}; allowed: {allowed} "
+                                          f"(a comma list, or the option repeated)") from None
+        return tuple(p for p in Policy if p in chosen)
+
+
+def merge_policies(ctx: click.Context, param: click.Parameter, value: Any) -> tuple[Policy, ...]:
+    """The policies of every use of a repeated ``--policy``, in a fixed order (a click callback).
+
+    >>> merge_policies(None, None, ((Policy.EXACT,), (Policy.COARSE, Policy.EXACT)))
+    (<Policy.COARSE: 'coarse'>, <Policy.EXACT: 'exact'>)
+    """
+    chosen = {p for group in value for p in group}
+    return tuple(p for p in Policy if p in chosen)
 
 
 class Positive(click.ParamType):

@@ -138,8 +138,9 @@ def test_a_mismatch_with_serial_exits_1(cli, monkeypatch):
 @pytest.mark.parametrize("args, expected", [
     (["--spec", "tbo("], "invalid --spec 'tbo(': position 4: expected a backend name"),
     (["--spec", "nosuch"], "unknown backend 'nosuch'; known leaves: deepseek_v4"),
-    (["--policy", "fastest"], "invalid --policy 'fastest': unknown policy; allowed: coarse, joined, "
+    (["--policy", "fastest"], "invalid --policy 'fastest': unknown policy 'fastest'; allowed: coarse, joined, "
                               "per_buffer, exact, all"),
+    (["--policy", "exact,fast"], "invalid --policy 'exact,fast': unknown policy 'fast'"),
     (["--steps", "0"], "invalid --steps '0': must be a positive integer"),
     (["--steps", "many"], "invalid --steps 'many': must be a positive integer"),
     (["--steps", "2.5"], "invalid --steps '2.5': must be a positive integer"),
@@ -162,3 +163,10 @@ def test_cuda_when_absent_exits_2(cli):
     result = cli("demo", "--device", "cuda")
     assert result.exit_code == 2
     assert "CUDA is not available here" in result.output and "allowed: auto, cpu" in result.output
+
+
+def test_policies_take_a_comma_list_or_repeats(cli):
+    both = json.loads(cli("demo", *FAST, "--policy", "exact,joined", "--json").output)
+    repeated = json.loads(cli("demo", *FAST, "--policy", "exact", "--policy", "joined", "--json").output)
+    for rows in (both, repeated):
+        assert [r["policy"] for r in rows] == ["COARSE", "JOINED", "EXACT"]
