@@ -88,6 +88,32 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
     return "\n".join(lines)
 
 
+def check_output_path(flag: str, path: pathlib.Path, suffix: str) -> None:
+    """Refuse, before anything runs, an output file that cannot be written: a wrong suffix, a
+    missing folder, something that is not a regular file, or a place the user may not write.
+
+    >>> check_output_path("--plot", pathlib.Path("timeline.txt"), ".png")
+    Traceback (most recent call last):
+    ...
+    readfence.cli._params.InputError: invalid --plot 'timeline.txt': the file name must end in .png
+    """
+    where = f"invalid {flag} {str(path)!r}"
+    if path.suffix.lower() != suffix:
+        raise InputError(f"{where}: the file name must end in {suffix}")
+    if not path.resolve().parent.is_dir():
+        raise InputError(f"{where}: directory {str(path.parent)!r} does not exist")
+    if path.exists() and not path.is_file():
+        raise InputError(f"{where}: not a regular file")
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise InputError(f"{where}: cannot write there ({e.strerror})") from None
+    if not existed:
+        path.unlink()  # only checking: a run that fails leaves nothing behind
+
+
 def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -149,9 +175,9 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     table shows throughput, speedup over the COARSE fence and the mean fence slack (time
     from a buffer's last read to its release). Exit status 1 if any run is wrong.
     """
-    for flag, path in (("--trace", trace_path), ("--plot", plot_path)):
-        if path is not None and not path.resolve().parent.is_dir():
-            raise InputError(f"invalid {flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    for flag, path, suffix in (("--trace", trace_path, ".json"), ("--plot", plot_path, ".png")):
+        if path is not None:
+            check_output_path(flag, path, suffix)
     if plot_path is not None:
         _need_matplotlib()
     from readfence.core import ModelConfig

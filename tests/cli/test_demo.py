@@ -170,3 +170,26 @@ def test_policies_take_a_comma_list_or_repeats(cli):
     repeated = json.loads(cli("demo", *FAST, "--policy", "exact", "--policy", "joined", "--json").output)
     for rows in (both, repeated):
         assert [r["policy"] for r in rows] == ["COARSE", "JOINED", "EXACT"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--trace", "/proc/x.json"], "invalid --trace '/proc/x.json': cannot write there"),
+    (["--trace", "/dev/full"], "invalid --trace '/dev/full': the file name must end in .json"),
+    (["--plot", "x.txt"], "invalid --plot 'x.txt': the file name must end in .png"),
+    (["--trace", "run.png"], "invalid --trace 'run.png': the file name must end in .json"),
+])
+def test_output_paths_are_checked_before_anything_runs(cli, args, expected):
+    result = cli("demo", *FAST, *args)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_pipe_is_not_an_output_file_and_a_checked_path_leaves_nothing_behind(cli, tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.json")  # opening it to write would block: refused before
+    result = cli("demo", *FAST, "--trace", str(tmp_path / "pipe.json"))
+    assert result.exit_code == 2 and "not a regular file" in result.output, result.output
+    result = cli("demo", *FAST, "--batch-size", "1000", "--trace", str(tmp_path / "t.json"))  # refused after the check
+    assert result.exit_code == 2 and "--batch-size" in result.output and not (tmp_path / "t.json").exists()
