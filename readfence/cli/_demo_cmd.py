@@ -12,7 +12,7 @@ import click
 from readfence.graph import Policy, StepShape
 
 from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
-from ._params import DeviceName, InputError, Policies, Positive, Spec, merge_policies
+from ._params import MAX_STEPS, DeviceName, InputError, Policies, Positive, Spec, merge_policies
 from ._table import table
 from ._trace import chrome_trace
 
@@ -149,7 +149,7 @@ class _Progress:
 @click.option("--spec", type=Spec(), default=DEFAULT_SPEC, show_default=True,
               help="Backend to run, e.g. 'tbo(deepseek_v4, paged)', or a speculative step shape: "
                    "'eagle(TARGET, DRAFT)', 'multi_eagle(TARGET, D1, D2)', 'ngram(TARGET)'.")
-@click.option("--steps", type=Positive(), default=100, show_default=True, help="Decode steps per policy.")
+@click.option("--steps", type=Positive(at_most=MAX_STEPS), default=100, show_default=True, help="Decode steps per policy.")
 @click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True,
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated (COARSE always runs: it is the baseline).")

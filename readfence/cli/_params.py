@@ -141,17 +141,33 @@ def merge_policies(ctx: click.Context, param: click.Parameter, value: Any) -> tu
 
 
 class Positive(click.ParamType):
-    """A positive integer."""
+    """A positive integer, at most ``at_most`` (what can still be useful: a step count past it
+    would run for hours, not show more).
+
+    >>> Positive(at_most=10).convert("11", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._params.InputError: invalid value '11': must be at most 10
+    """
 
     name = "N"
 
+    def __init__(self, at_most: int | None = None) -> None:
+        self.at_most = at_most
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
         text = str(value).strip()
-        if not re.fullmatch(r"\+?[0-9]+", text) or int(text) <= 0:
+        if not (isinstance(value, int) and not isinstance(value, bool)) and not re.fullmatch(r"\+?[0-9]+", text):
             raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
-        return int(text)
+        number = int(text)
+        if number <= 0:
+            raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
+        if self.at_most is not None and number > self.at_most:
+            raise _fail(param, value, f"must be at most {self.at_most}")
+        return number
+
+
+MAX_STEPS = 100_000  # steps per run of a command: minutes on a CPU device, more shows nothing new
 
 
 class DeviceName(click.ParamType):

@@ -19,7 +19,7 @@ import click
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
 from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
 
-from ._params import DeviceName, InputError, Mode, Policies, Positive, Spec, merge_policies
+from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -255,7 +255,7 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
 @click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True,
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated.")
-@click.option("--steps", type=Positive(), default=8, show_default=True, help="Steps verified per policy.")
+@click.option("--steps", type=Positive(at_most=MAX_STEPS), default=8, show_default=True, help="Steps verified per policy.")
 @click.option("--batch-size", type=Positive(), default=4, show_default=True, help="Requests per step.")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda (on CUDA only poison and the guard watch: a replayed graph runs no Python).")

@@ -146,13 +146,18 @@ def check_target(target: Any, name: str = "backend") -> Any:
                                  "a step shape (e.g. readfence.graph.eagle(...))")
 
 
+# EAGLE drafts a handful of tokens per step; each draft step is one more captured graph and
+# one more phase to fence, so thousands cannot be useful (and take minutes to lower)
+MAX_DRAFT_STEPS = 64
+
+
 def eagle(target: Any, draft: Any, *, draft_steps: int = 2) -> StepShape:
     """EAGLE: the draft decodes ``draft_steps`` times, the target verifies, the draft extends.
 
     The draft extend runs last, so it publishes every buffer it reads.
     """
     _check("eagle", [target, draft])
-    positive_int("eagle: draft_steps", draft_steps)
+    positive_int("eagle: draft_steps", draft_steps, at_most=MAX_DRAFT_STEPS, limit="MAX_DRAFT_STEPS")
     phases = [Phase(f"draft_decode[{i}]", draft, ForwardMode.DECODE, "draft") for i in range(draft_steps)]
     phases += [Phase("target_verify", target, ForwardMode.TARGET_VERIFY, "target"),
                Phase("draft_extend", draft, ForwardMode.DRAFT_EXTEND, "draft")]

@@ -193,3 +193,12 @@ def test_a_pipe_is_not_an_output_file_and_a_checked_path_leaves_nothing_behind(c
     assert result.exit_code == 2 and "not a regular file" in result.output, result.output
     result = cli("demo", *FAST, "--batch-size", "1000", "--trace", str(tmp_path / "t.json"))  # refused after the check
     assert result.exit_code == 2 and "--batch-size" in result.output and not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--steps", "99999999999999999999999"], "invalid --steps '99999999999999999999999': must be at most 100000"),
+    (["--spec", "eagle(paged, trtllm_mha, draft_steps=2000)"], "draft_steps must be an int in 1..64"),
+])
+def test_what_cannot_be_useful_is_bounded(cli, args, expected):
+    result = cli("demo", *args)
+    assert result.exit_code == 2 and expected in result.output, result.output
