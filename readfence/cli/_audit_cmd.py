@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,7 +13,7 @@ from readfence.core._audit import format_table
 
 from readfence.graph import StepShape
 
-from ._params import InputError, Mode, Positive, Spec
+from ._params import InputError, Mode, Positive, Spec, echo_json
 
 
 def reference_backends() -> list[Any]:
@@ -111,7 +110,7 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
         reports = audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
     counts = totals(reports)
     if as_json:
-        click.echo(json.dumps([row for r in reports for row in r.rows(detail=True)], indent=2))
+        echo_json([row for r in reports for row in r.rows(detail=True)])
     else:
         rows = [row for r in reports for row in r.rows(detail=True)]
         click.echo(format_table(rows, counts))

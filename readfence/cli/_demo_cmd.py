@@ -12,7 +12,7 @@ import click
 from readfence.graph import Policy, StepShape
 
 from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
-from ._params import MAX_STEPS, DeviceName, InputError, Policies, Positive, Spec, merge_policies
+from ._params import MAX_STEPS, DeviceName, InputError, Policies, Positive, Spec, echo_json, merge_policies
 from ._table import table
 from ._trace import chrome_trace
 
@@ -205,7 +205,7 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
         out = [{**r, "spec": str(spec), "device": result.device, "mode": mode, "steps": steps,
                 "batch_size": batch_size, "seed": seed, "write_cost": write_cost,
                 "write_wait_ms": write_wait_ms} for r in result.rows]
-        click.echo(json.dumps(out, indent=2))
+        echo_json(out)
     else:
         phases = (" -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
                   if isinstance(spec, StepShape) else None)

@@ -202,3 +202,26 @@ def device_caps(name: str) -> Any:
         return dev.name, dev.caps
     finally:
         dev.close()
+
+
+JSON_SCHEMA_VERSION = 1  # bumped when a --json key changes meaning or goes away (new keys do not)
+
+
+def echo_json(doc: Any) -> None:
+    """Print a ``--json`` document: every object in it (one, or a list of them) carries
+    ``schema_version``.
+
+    >>> echo_json([{"policy": "EXACT"}])
+    [
+      {
+        "schema_version": 1,
+        "policy": "EXACT"
+      }
+    ]
+    """
+    import json
+
+    def versioned(obj: Any) -> Any:
+        return {"schema_version": JSON_SCHEMA_VERSION, **obj} if isinstance(obj, dict) else obj
+
+    click.echo(json.dumps([versioned(o) for o in doc] if isinstance(doc, list) else versioned(doc), indent=2))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -10,7 +9,7 @@ import click
 from readfence.core import ForwardMode
 from readfence.graph import StepShape
 
-from ._params import DeviceName, Mode, Spec, device_caps
+from ._params import DeviceName, Mode, Spec, device_caps, echo_json
 from ._plan_data import plan_report, shape_plan_report
 from ._table import table
 
@@ -113,7 +112,7 @@ def plan(spec: Any, mode: ForwardMode, device: str, as_json: bool) -> None:
     name, caps = device_caps(device)
     if isinstance(spec, StepShape):  # the phases fix the modes
         report = shape_plan_report(spec, device=name, caps=caps)
-        click.echo(json.dumps(report, indent=2) if as_json else render_shape(report))
+        echo_json(report) if as_json else click.echo(render_shape(report))
         return
     report = plan_report(spec, mode, device=name, caps=caps)
-    click.echo(json.dumps(report, indent=2) if as_json else render(report))
+    echo_json(report) if as_json else click.echo(render(report))

@@ -8,7 +8,6 @@ release, through any code, changes the outputs (poison) or is named by the obser
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +18,7 @@ import click
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
 from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
 
-from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, merge_policies
+from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -288,6 +287,6 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
                          f"to verify; allowed: {allowed}")
     result = run_verify(spec, mode, policies=policies, device=device, steps=steps, batch_size=batch_size,
                         seed=seed, unsafe=unsafe, progress=not as_json)
-    click.echo(json.dumps(result.rows(), indent=2) if as_json else render(result))
+    echo_json(result.rows()) if as_json else click.echo(render(result))
     if not result.ok:
         sys.exit(1)
