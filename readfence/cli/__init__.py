@@ -1,5 +1,8 @@
 """The ``readfence`` command: ``demo``, ``plan``, ``audit``, ``verify`` and ``bench``.
 
+Each command's module (and torch with it) is imported only when that command runs, so
+``readfence --help`` and ``--version`` answer at once.
+
 >>> from click.testing import CliRunner
 >>> result = CliRunner().invoke(main, ["--version"])
 >>> result.output.startswith("readfence, version ")
@@ -8,18 +11,45 @@ True
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import click
 
 from readfence import __version__
 
-from ._audit_cmd import audit
-from ._bench_cmd import bench
-from ._demo_cmd import demo
-from ._plan_cmd import plan
-from ._verify_cmd import verify_cmd
+# name -> (module, attribute, the line ``readfence --help`` shows; a test keeps it equal to
+# the command's own docstring)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("._demo_cmd", "demo", "Run the tiny model's overlapped decode loop under each fence policy."),
+    "plan": ("._plan_cmd", "plan", "Show how SPEC's read effect in MODE is derived and where each policy fences it."),
+    "audit": ("._audit_cmd", "audit",
+              "Trace SPEC (default: every reference backend) and check its declared read ends."),
+    "verify": ("._verify_cmd", "verify_cmd",
+               "Audit SPEC, then check each policy's fences at run time, against the serial run."),
+    "bench": ("._bench_cmd", "bench", "Run the benchmarks (from the source checkout) and print their ratios."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """A group whose commands are imported when one is asked for, not when the group is."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attribute, _ = COMMANDS[cmd_name]
+        command: Any = getattr(importlib.import_module(module, __name__), attribute)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short) for name, (_, _, short) in COMMANDS.items()])
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="readfence")
 def main() -> None:
     """readfence: exact, sound fences for shared buffers read during graph replay.
@@ -30,8 +60,5 @@ def main() -> None:
     checks the fences at run time (poison on release, a write guard, a read observer).
     """
 
-
-for _command in (demo, plan, audit, verify_cmd, bench):
-    main.add_command(_command)
 
 __all__ = ["main"]

@@ -12,8 +12,30 @@ def test_version_and_help(script):
     assert version.returncode == 0 and version.stdout.strip() == f"readfence, version {__version__}"
     helped = script("--help")
     assert helped.returncode == 0
-    for command in ("demo", "plan", "audit", "bench"):
+    for command in ("demo", "plan", "audit", "verify", "bench"):
         assert command in helped.stdout
+
+
+def test_help_and_version_import_no_command_and_no_torch() -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys; from click.testing import CliRunner; from readfence.cli import main; "
+             "assert CliRunner().invoke(main, ['--help']).exit_code == 0; "
+             "assert CliRunner().invoke(main, ['--version']).exit_code == 0; "
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('readfence.cli._')))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_the_help_listing_says_what_each_command_says_of_itself() -> None:
+    from readfence.cli import COMMANDS, main
+
+    for name, (_, _, short) in COMMANDS.items():
+        command = main.get_command(None, name)
+        assert command is not None and command.name == name
+        assert command.get_short_help_str(limit=200) == short
 
 
 def test_demo_json(script):
