@@ -9,6 +9,8 @@ as well.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -26,12 +28,24 @@ _INDEX: dict[ForwardMode, int] = {m: i for i, m in enumerate(MODES)}
 Table = tuple[ReadEffect, ...]
 Tensors = Mapping[str, Tensor]
 
-_INTERNED: dict[ReadEffect, ReadEffect] = {}
+# The caches below are bounded: a program declares few distinct effects, but a long-lived
+# process that builds many backends (a fuzzer drawing random declarations) must not grow
+# without end. Each evicts its oldest entry when full; an evicted entry only costs sharing:
+# an effect interned again is a new object, a join or table is computed again.
+_CACHE_LIMIT = 4096
 
 
+def _put(cache: dict[Any, Any], key: Any, value: Any) -> Any:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
+@functools.lru_cache(maxsize=_CACHE_LIMIT)
 def intern(effect: ReadEffect) -> ReadEffect:
     """One shared object per distinct effect, so joins can deduplicate by identity."""
-    return _INTERNED.setdefault(effect, effect)
+    return effect
 
 
 _BOTTOM = intern(ReadEffect.none())
@@ -45,7 +59,7 @@ def join2(a: ReadEffect, b: ReadEffect) -> ReadEffect:
         return a
     hit = _JOINS.get((id(a), id(b)))
     if hit is None:
-        hit = _JOINS[(id(a), id(b))] = (a, b, intern(a | b))
+        hit = _put(_JOINS, (id(a), id(b)), (a, b, intern(a | b)))
     return hit[2]
 
 
@@ -81,13 +95,20 @@ def default_declaration(mode: ForwardMode, reads: Iterable[str] | None = None) -
     return ReadEffect.unknown()
 
 
+# ids of the effects -> the table; the table holds its effects, so their ids stay theirs
 _TABLES: dict[tuple[int, ...], Table] = {}
 
 
 def intern_table(table: Iterable[ReadEffect]) -> Table:
     """One shared tuple per distinct table of interned effects (children often share one)."""
-    effects = tuple(intern(e) for e in table)
-    return _TABLES.setdefault(tuple(map(id, effects)), effects)
+    return table_of(tuple(intern(e) for e in table))
+
+
+def table_of(effects: Table) -> Table:
+    """The shared tuple for a table of already-interned effects (cheap: keyed by ids)."""
+    key = tuple(map(id, effects))
+    hit = _TABLES.get(key)
+    return hit if hit is not None else _put(_TABLES, key, effects)
 
 
 def check_buffers(buffers: Iterable[str], where: str) -> tuple[str, ...]:

@@ -23,12 +23,8 @@ from torch import Tensor
 from readfence.core import ForwardMode
 from readfence.core._state import check_mode, request_ranges, split_batch, tokens_per_request
 
-from ._backend import _TABLES, MODES, Backend, Table, join2
-
-
-def _table_of(effects: Table) -> Table:
-    """The shared tuple for a table of already-interned effects (cheap: keyed by ids)."""
-    return _TABLES.setdefault(tuple(map(id, effects)), effects)
+from ._backend import MODES, Backend, Table, join2
+from ._backend import table_of as _table_of
 
 Tensors = Mapping[str, Tensor]
 M = ForwardMode

@@ -53,23 +53,21 @@ def _effect(**ends: ReadEnd) -> ReadEffect:
 
 
 def _memo(ctor: Callable[..., Leaf]) -> Callable[..., Leaf]:
-    """Reference leaves are immutable values: build each distinct one once.
+    """Reference leaves are immutable values: build each distinct one once (bounded).
 
-    The cache key holds each argument's type, so ``deepseek_v4(dspark=1)`` is still rejected
-    rather than served the ``dspark=True`` leaf.
+    ``typed`` keys each argument by its type too, so ``deepseek_v4(dspark=1)`` is still
+    rejected rather than served the ``dspark=True`` leaf; an unhashable argument goes to the
+    constructor, which says what is wrong with it.
     """
-    cache: dict[tuple, Leaf] = {}
+    cached = functools.lru_cache(maxsize=256, typed=True)(ctor)
 
     @functools.wraps(ctor)
     def build(*args: object, **kwargs: object) -> Leaf:
         try:
-            key = (tuple((type(a), a) for a in args), tuple(sorted((k, type(v), v) for k, v in kwargs.items())))
-            hit = cache.get(key)
-        except TypeError:  # unhashable argument: let the constructor complain
+            hash((args, tuple(kwargs.items())))
+        except TypeError:
             return ctor(*args, **kwargs)
-        if hit is None:
-            hit = cache[key] = ctor(*args, **kwargs)
-        return hit
+        return cached(*args, **kwargs)
 
     return build
 

@@ -44,3 +44,19 @@ def test_deep_chain_builds_compares_prints_and_walks_without_recursion():
         sys.setrecursionlimit(limit)
     assert isinstance(parse(text), Failure)  # deeper than the default max_depth
     assert parse(text, max_depth=N).unwrap() == a
+
+
+def test_the_effect_caches_stay_bounded_however_many_effects_a_process_builds() -> None:
+    # a fuzzer draws random declarations for hours: interning, joins and tables are bounded
+    from readfence.backends import _backend
+    from readfence.effects import ReadEffect, ReadEnd
+
+    names = [f"b{i}" for i in range(2 * _backend._CACHE_LIMIT)]
+    effects = [_backend.intern(ReadEffect.of({n: ReadEnd.IN_REPLAY})) for n in names]
+    for a, b in zip(effects, effects[1:]):
+        _backend.join2(a, b)
+        _backend.intern_table((a, b))
+    assert _backend.intern.cache_info().currsize <= _backend._CACHE_LIMIT
+    assert len(_backend._JOINS) <= _backend._CACHE_LIMIT and len(_backend._TABLES) <= _backend._CACHE_LIMIT
+    # an evicted entry only costs sharing: the join is still right
+    assert _backend.join2(effects[0], effects[1]) == effects[0] | effects[1]
