@@ -18,7 +18,7 @@ import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -68,25 +68,20 @@ class UncapturableStage(ValueError):
     only the path the example took (a CUDA graph captures kernels, not Python)."""
 
 
-class StepRun(tuple):
+class StepRun(NamedTuple):
     """What one ``Lowered.run`` returns: ``step``, ``logits`` (a Tensor, or a tuple of them for
     composite steps; valid once ``fence.done`` fired) and ``fence`` (a :class:`Fence`, or a
-    ``JoinedFence`` for composite steps). An immutable tuple: one is made per step on the
-    host's hot path.
+    ``JoinedFence`` for composite steps). One is made per step on the host's hot path, with
+    ``tuple.__new__`` (a NamedTuple's own constructor costs a Python call).
 
     >>> run = StepRun(3, None, None)
     >>> run.step, run.fence is None
     (3, True)
     """
 
-    __slots__ = ()
-
-    def __new__(cls, step: int, logits: Any, fence: Any) -> StepRun:
-        return tuple.__new__(cls, (step, logits, fence))
-
-    step = property(operator.itemgetter(0))
-    logits = property(operator.itemgetter(1))
-    fence = property(operator.itemgetter(2))
+    step: int
+    logits: Any
+    fence: Any
 
     def __repr__(self) -> str:
         return f"StepRun(step={self.step}, fence={self.fence!r})"
