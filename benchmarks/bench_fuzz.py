@@ -115,7 +115,7 @@ def _cli() -> None:
     if args.programs < 1:
         parser.error(f"--programs must be at least 1, got {args.programs}")
     signal.signal(signal.SIGTERM, _stop)
-    log = open(args.log, "a") if args.log else None  # noqa: SIM115 - open for the whole run
+    log = open(args.log, "a") if args.log else None
     try:
         r = main(args.programs, args.seed, quick=args.quick, max_leaves=args.max_leaves, log=log,
                  progress=sys.stderr)

@@ -139,7 +139,7 @@ def measure(*, quick: bool = False, device: str = "cpu") -> dict[str, Any]:
             written = dev.event("scheduler/written")
             sched.record(written)
 
-            def lowered_step(batch: dict, i: int) -> None:
+            def lowered_step(batch: dict, i: int, low: Any = low, sched: Any = sched, written: Any = written) -> None:
                 run = low.run(batch, step=i, after=[written])
                 run.fence.wait(sched)
 

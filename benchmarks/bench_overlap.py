@@ -39,9 +39,8 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Any
-
 import time
+from typing import Any
 
 import attrs
 import torch
@@ -243,7 +242,8 @@ def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
 def _print(details: dict[str, Any]) -> None:
     for key, r in details.items():
         s = r["settings"]
-        print(f"[{key}] {r['workload']} on {r['device']}, scheduler work: {r['write_kind']}  (batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
+        print(f"[{key}] {r['workload']} on {r['device']}, scheduler work: {r['write_kind']}  "
+              f"(batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
               f"{s['layers']} layers; {s['steps']} steps x {s['reps']} reps, median)")
         work = (f"matmul {r['write_cost']}x{r['write_cost']}" if r["write_kind"] == "matmul"
                 else f"wait {r['write_wait_ms']:.1f} ms")

@@ -15,8 +15,7 @@ import time
 
 from readfence.backends import REFERENCE_LEAVES
 from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import Policy, UnsoundLowering, eagle, multi_eagle, ngram, open_device, run_overlapped, run_serial
-from readfence.graph import torch_device
+from readfence.graph import Policy, UnsoundLowering, eagle, multi_eagle, ngram, open_device, run_overlapped, run_serial, torch_device
 
 
 def cases():
@@ -53,7 +52,7 @@ def main() -> int:
             except UnsoundLowering:
                 print(f"{label:32s} {policy.name:10s} refused (unsound declaration)", flush=True)
                 continue
-            except Exception as exc:  # noqa: BLE001 - a line per failing case, then go on
+            except Exception as exc:
                 failed += 1
                 print(f"{label:32s} {policy.name:10s} ERROR {type(exc).__name__}: {exc}", flush=True)
                 continue

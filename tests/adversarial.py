@@ -65,7 +65,7 @@ def _gather(lens: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
     return lens.index_select(0, _rows(batch)).long()
 
 
-def _prep(mode, shared, batch, meta):  # noqa: ANN001, ARG001 - the leaf stage signature
+def _prep(mode, shared, batch, meta):
     return page_meta(shared, batch)
 
 
@@ -73,7 +73,7 @@ def body_reader(name: str, lens_fn: LensFn, *, declare: Mapping | None = None, p
                 out: Callable | None = None) -> Any:
     """A paged leaf whose ``attend`` takes its lengths from ``lens_fn`` (a body read)."""
 
-    def attend(mode, layer, q, k, v, pools, shared, batch, meta):  # noqa: ANN001
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
         lens = lens_fn(shared, batch, meta, layer, q)
         return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
@@ -139,7 +139,7 @@ def _dlpack_live(state: State | None, declare: Mapping | None = None) -> Any:
     return body_reader("dlpack_live", lambda s, b, m, layer, q: _gather(alias, b), declare=declare)
 
 
-def _dlpack_arg(s, b, m, layer, q):  # noqa: ANN001
+def _dlpack_arg(s, b, m, layer, q):
     return _gather(torch.from_dlpack(torch.to_dlpack(s["seq_lens"])), b)
 
 
@@ -147,7 +147,7 @@ def _dlpack_arg(s, b, m, layer, q):  # noqa: ANN001
 def _stashed_clone(state: State | None) -> Any:
     stash: dict[str, Tensor] = {}
 
-    def out(mode, shared, batch):  # noqa: ANN001, ARG001
+    def out(mode, shared, batch):
         stash["lens"] = shared["seq_lens"].clone()  # kept in a closure, not returned
         return {}
 
@@ -157,7 +157,7 @@ def _stashed_clone(state: State | None) -> Any:
 def _stashed_dlpack(state: State | None) -> Any:
     stash: dict[str, Tensor] = {}
 
-    def out(mode, shared, batch):  # noqa: ANN001, ARG001
+    def out(mode, shared, batch):
         stash["lens"] = torch.from_dlpack(torch.to_dlpack(shared["seq_lens"]))
         return {}
 
@@ -165,31 +165,31 @@ def _stashed_dlpack(state: State | None) -> Any:
 
 
 # -- class 4: escapes and data-dependent branches -------------------------------------------
-def _host_read(s, b, m, layer, q):  # noqa: ANN001
+def _host_read(s, b, m, layer, q):
     return torch.tensor([int(s["seq_lens"][r]) for r in b["req_pool_indices"].tolist()], dtype=torch.long)
 
 
-def _host_iteration(s, b, m, layer, q):  # noqa: ANN001
+def _host_iteration(s, b, m, layer, q):
     return _gather(torch.tensor([int(x) for x in s["seq_lens"]], dtype=torch.int32), b)
 
 
-def _branch_on_content(s, b, m, layer, q):  # noqa: ANN001
+def _branch_on_content(s, b, m, layer, q):
     # taken only when some position is even: the path traced on one example may not take it
     if bool((b["positions"] % 2 == 0).any()):
         return _gather(s["seq_lens"], b)
     return m["kv_lens"]
 
 
-def _branch_on_layer(s, b, m, layer, q):  # noqa: ANN001
+def _branch_on_layer(s, b, m, layer, q):
     return _gather(s["seq_lens"], b) if layer == 1 else m["kv_lens"]
 
 
-def _branch_on_batch_size(s, b, m, layer, q):  # noqa: ANN001
+def _branch_on_batch_size(s, b, m, layer, q):
     return _gather(s["seq_lens"], b) if q.shape[0] > 2 else m["kv_lens"]
 
 
 def _branch_on_mode(mode: ForwardMode) -> Any:
-    def attend(mode_, layer, q, k, v, pools, shared, batch, meta):  # noqa: ANN001
+    def attend(mode_, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
         lens = _gather(shared["seq_lens"], batch) if mode_ is mode else meta["kv_lens"]
         return softmax_attention(mode_, q, pools, layer, meta["kv_indices"], lens)
@@ -242,7 +242,7 @@ def _plan_run(state: State | None) -> Any:
 
 # -- writes ------------------------------------------------------------------------------------
 def _writer(name: str, write: Callable[[Mapping[str, Tensor]], Any]) -> Callable[[State | None], Any]:
-    def prep(mode, shared, batch, meta):  # noqa: ANN001
+    def prep(mode, shared, batch, meta):
         write(shared)
         return page_meta(shared, batch)
 
@@ -268,10 +268,10 @@ WRITES: dict[str, Callable[[Mapping[str, Tensor]], Any]] = {
 def _crossing(name: str, where: str, make: Callable[[Tensor], Tensor], lens_end: ReadEnd) -> Callable:
     """A leaf returning ``make(seq_lens)`` from the stage ``where`` and reading it in the body."""
 
-    def out(mode, shared, batch):  # noqa: ANN001, ARG001
+    def out(mode, shared, batch):
         return {"lens_x": make(shared["seq_lens"])}
 
-    def inn(mode, shared, batch, meta):  # noqa: ANN001, ARG001
+    def inn(mode, shared, batch, meta):
         got = {"kv_indices": kv_indices(shared, batch)}  # the lengths come only through lens_x
         if where == "in":
             got["lens_x"] = make(shared["seq_lens"])

@@ -10,7 +10,6 @@ as well.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -115,10 +114,11 @@ def check_buffers(buffers: Iterable[str], where: str) -> tuple[str, ...]:
     """``buffers`` if each is a shared buffer (:data:`~readfence.core.SHARED_BUFFERS`); else a
     ``ValueError`` naming the first unknown one, ``where`` it was found and the known buffers.
 
-    >>> check_buffers(["req_to_tokn"], "declaration of mine for DECODE")
+    >>> check_buffers(["req_to_tokn"], "declaration of mine for DECODE")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: declaration of mine for DECODE names unknown buffer 'req_to_tokn'; shared buffers are req_to_token, seq_lens, swa_map, state_slots; did you mean 'req_to_token'?
+    ValueError: declaration of mine for DECODE names unknown buffer 'req_to_tokn'; shared buffers are
+    req_to_token, seq_lens, swa_map, state_slots; did you mean 'req_to_token'?
     """
     names = tuple(buffers)
     for b in names:

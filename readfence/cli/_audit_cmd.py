@@ -10,7 +10,6 @@ import click
 
 from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch_sizes
 from readfence.core._audit import format_table
-
 from readfence.graph import StepShape
 
 from ._params import InputError, Mode, Positive, Spec, echo_json

@@ -40,7 +40,7 @@ def window(timeline: Timeline, steps: int, stream: str = "forward") -> tuple[flo
 
 
 def _color(span: object) -> str:
-    name, cat = getattr(span, "name"), getattr(span, "category")
+    name, cat = span.name, span.category
     return _COLORS.get(name) or _COLORS.get(cat) or "#999999"
 
 

@@ -1,7 +1,7 @@
 """The step program: forward modes, shared state, the tiny model, tracing and audit."""
 
-from ._modes import ForwardMode
 from ._model import forward, prepare, rms_norm, rotary, run_step
+from ._modes import ForwardMode
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._state import (
     SHARED_BUFFERS,
@@ -37,9 +37,9 @@ __all__ = [
 ]
 
 # -- tracing and audit ----------------------------------------------------------------------
-from ._program import Program, StageGraph, flatten_inputs  # noqa: E402
-from ._trace import CapturedStateError, StageWriteError, bind, trace  # noqa: E402
-from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes  # noqa: E402
+from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes
+from ._program import Program, StageGraph, flatten_inputs
+from ._trace import CapturedStateError, StageWriteError, bind, trace
 
 __all__ += [
     "AuditReport",

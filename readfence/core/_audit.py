@@ -22,9 +22,9 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
-from ._protocol import BackendLike
 from ._observe import Disagreement, cross_check, observe
 from ._program import Program
+from ._protocol import BackendLike
 from ._state import ModelConfig
 from ._trace import StageWriteError, bind, trace
 

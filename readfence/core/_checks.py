@@ -123,10 +123,11 @@ def check_backend(
     ``TypeError`` naming ``name`` and ``allowed``. A spec string gets the call that parses it
     (``parse_hint(text)``, by default ``readfence.backends.parse``).
 
-    >>> check_backend("paged")
+    >>> check_backend("paged")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    TypeError: backend must be a backend (e.g. readfence.backends.paged()), got 'paged' (str); to use a spec string, parse it first: readfence.backends.parse('paged').unwrap()
+    TypeError: backend must be a backend (e.g. readfence.backends.paged()), got 'paged' (str); to use
+    a spec string, parse it first: readfence.backends.parse('paged').unwrap()
     """
     if isinstance(value, accept) or isinstance(value, BackendLike):
         return value

@@ -70,7 +70,7 @@ def tokens_per_request(mode: ForwardMode) -> int:
     return _TOKENS_PER_REQUEST[check_mode(mode)]
 
 
-def _positive(name: str):  # noqa: ANN202 - attrs validator factory
+def _positive(name: str):
     def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"ModelConfig.{attribute.name} must be a positive int, got {value!r}")

@@ -29,8 +29,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int

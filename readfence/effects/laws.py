@@ -29,7 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-from hypothesis import Phase, given, seed as hseed, settings as hsettings
+from hypothesis import Phase, given
+from hypothesis import seed as hseed
+from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 Eq = Callable[[Any, Any], bool]

@@ -65,9 +65,9 @@ __all__ = [
     "records_in",
 ]
 
-from ._fence import Bound, Fence, RingWrapError  # noqa: E402
-from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device  # noqa: E402
-from ._plan import FencePlan, Placement, plan_fences  # noqa: E402
+from ._fence import Bound, Fence, RingWrapError
+from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device
+from ._plan import FencePlan, Placement, plan_fences
 
 __all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
             "UncapturableStage", "UnsoundLowering", "lower", "make_state", "plan_fences", "torch_device"]

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from readfence.core import SHARED_BUFFERS
 from readfence.core._state import ModelConfig, buffer_ranges
 
+
 class Watcher(Protocol):
     """Told, on the forward stream, what the check does: how the runtime read observer learns
     when each buffer was released (``graph.verify`` implements it).

@@ -42,13 +42,13 @@ import attrs
 
 from readfence.effects import Capabilities
 
-from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
     _run_launched,
     _take_pending,
 )
+from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._errors import CaptureError, DeviceClosed, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
@@ -372,7 +372,7 @@ class CpuStream:
                 else:
                     try:
                         item.run(self)
-                    except BaseException as exc:  # noqa: BLE001 - reported at the next wait
+                    except BaseException as exc:
                         if isinstance(exc, StreamError) and exc.stream == self.name:
                             err = exc
                         else:
@@ -504,11 +504,13 @@ class CpuDevice(DeviceBase):
     >>> dev.caps
     Capabilities(in_graph_events=False, graphs=True)
     >>> s = dev.stream("forward")
-    >>> with dev.capture(s) as g:
+    >>> with dev.capture(s) as g:  # doctest: +NORMALIZE_WHITESPACE
     ...     s.record(dev.event("fence"))
     Traceback (most recent call last):
     ...
-    readfence.graph._errors.CaptureError: device 'cpu' cannot record events inside a graph (Capabilities.in_graph_events=False): 'record(fence)' in graph 'graph' records 'fence'; record after the replay instead
+    readfence.graph._errors.CaptureError: device 'cpu' cannot record events inside a graph
+    (Capabilities.in_graph_events=False): 'record(fence)' in graph 'graph' records 'fence';
+    record after the replay instead
     >>> dev.close()
 
     Capture records launches instead of running them; ``graph.replay()`` runs them as one unit:

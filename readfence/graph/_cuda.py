@@ -29,17 +29,16 @@ import torch
 
 from readfence.effects import Capabilities
 
-from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._device import (
     DEFAULT_TIMEOUT_S,
     DeviceObserver,
     _run_launched,
     _take_pending,
 )
+from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
 from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
-
 
 
 def _in_graph_events_supported() -> bool:
@@ -220,7 +219,7 @@ class CudaStream:
                 with torch.cuda.stream(self.torch):
                     dev._delay(self.name, label)
                     _run_launched(dev, self.name, label, fn, args, [(ev, None) for ev in records_in(ops)])
-            except Exception as exc:  # noqa: BLE001 - sticky, surfaces at the next wait
+            except Exception as exc:
                 self._error = StreamError(self.name, label, exc)
 
     def record(self, event: CudaEvent) -> None:
@@ -411,7 +410,7 @@ def self_check(index: int = 0, *, timeout: float = 10.0) -> None:
         got = [float(v) for v in seen.tolist()]
     except SelfCheckFailed:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure of the check is its verdict
+    except Exception as exc:
         raise SelfCheckFailed(f"CUDA self-check on cuda:{index} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         dev.close()

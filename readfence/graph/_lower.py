@@ -26,18 +26,20 @@ from torch import Tensor
 
 from readfence.core import (
     SHARED_BUFFERS,
+    CapturedStateError,
     ForwardMode,
     ModelConfig,
+    bind,
     example_step,
     init_params,
     make_pools,
     make_shared_state,
+    observe_program,
 )
-from readfence.core import CapturedStateError, bind, observe_program
-from readfence.core._checks import check_backend, check_forward_mode, did_you_mean, positive_int
-from readfence.core._memory import BufferMap
 from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
+from readfence.core._checks import check_backend, check_forward_mode, did_you_mean, positive_int
+from readfence.core._memory import BufferMap
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
@@ -453,7 +455,7 @@ def lower(
     timeline: Any = None,
     new_event: Any = None,
     check: CheckState | None = None,
-    UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
+    UNSAFE_skip_soundness_check: bool = False,
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
 

@@ -54,7 +54,7 @@ class Record:
 
     event: Any
 
-    def at(self, step: int) -> Record:  # noqa: ARG002 - uniform with Read/Write
+    def at(self, step: int) -> Record:
         return self
 
 

@@ -22,9 +22,9 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
 from readfence.core._checks import check_forward_mode, positive_int
 
-from ._device import Device, check_device, copy_from_host
 from ._check import CheckState
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
+from ._device import Device, check_device, copy_from_host
 from ._lower import StepRun, _device_of, lower, make_state, torch_device
 from ._ops import Write
 from ._policy import Policy
@@ -322,7 +322,7 @@ def decode_loop(
     timeline: Timeline | None = None,
     state: dict[str, dict[str, Tensor]] | None = None,
     check: bool | CheckState = False,
-    UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
+    UNSAFE_skip_soundness_check: bool = False,
 ) -> DecodeLoop:
     """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
     wire it to a seeded scheduler on ``device``.

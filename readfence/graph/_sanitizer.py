@@ -24,8 +24,9 @@ latest write of ``b`` for a step ``<= s`` is not ordered before it (``read-befor
 >>> san = Sanitizer()
 >>> san.on_launch("forward", "replay", [Read("req_to_token", "attend", 0)])
 >>> san.on_launch("schedule", "write", [Write("req_to_token", 1, "sched")])   # no wait!
->>> print(san.violations[0])
-write-after-read race on 'req_to_token': the write for step 1 ('sched' on 'schedule') is not ordered after node 'attend' of step 0 reading it on 'forward'
+>>> print(san.violations[0])  # doctest: +NORMALIZE_WHITESPACE
+write-after-read race on 'req_to_token': the write for step 1 ('sched' on 'schedule') is not
+ordered after node 'attend' of step 0 reading it on 'forward'
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from returns.result import Failure, Result, Success
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
 from readfence.core._checks import check_backend, positive_int
-from readfence.effects import Position, ReadEffect, ReadEnd, publish_positions
+from readfence.effects import Position, ReadEffect, publish_positions
 
 from ._plan import placing_effect
 from ._policy import Policy
@@ -76,6 +76,7 @@ class StepShape:
         whose plan really covers the buffer's last read.
 
         >>> from readfence.backends import trtllm_mha
+        >>> from readfence.effects import ReadEnd
         >>> shape = ngram(trtllm_mha())
         >>> seen = [ReadEffect.of({"swa_map": ReadEnd.IN_REPLAY})]
         >>> shape.positions_under(Policy.EXACT, seen)["req_to_token"].phase
@@ -136,10 +137,12 @@ def check_target(target: Any, name: str = "backend") -> Any:
     """``target`` if it is a backend, a ``per_stream`` group or a :class:`StepShape`; else a
     ``TypeError`` that names ``name`` (and, for a spec string, the call that parses it).
 
-    >>> check_target("eagle(paged, paged)")
+    >>> check_target("eagle(paged, paged)")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    TypeError: backend must be a backend (e.g. readfence.backends.paged()), a per_stream group or a step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
+    TypeError: backend must be a backend (e.g. readfence.backends.paged()), a per_stream group or a
+    step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec
+    string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
     """
     return check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
                          allowed="a backend (e.g. readfence.backends.paged()), a per_stream group or "

@@ -220,7 +220,7 @@ def verify(
     finish_prob: float = 0.3,
     state: State | None = None,
     observer: bool | None = None,
-    UNSAFE_skip_soundness_check: bool = False,  # noqa: N803 - loud on purpose
+    UNSAFE_skip_soundness_check: bool = False,
     **lowering: Any,
 ) -> Result[VerifyReport, LateRead]:
     """Check ``target`` (a backend, a ``per_stream`` group or a step shape) with poison on

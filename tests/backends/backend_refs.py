@@ -46,7 +46,7 @@ def softmax_reference(step, mode: ForwardMode, layer: int, q, k, v, *, window=No
             for h in range(heads):
                 qh = q[t, h].double()
 
-                def score(p: int, h: int = h, qh: torch.Tensor = qh) -> float:
+                def score(p: int, h: int = h, qh: torch.Tensor = qh, req: int = req) -> float:
                     slot = int(shared["req_to_token"][req, p])
                     if swa:
                         slot = int(shared["swa_map"][slot])

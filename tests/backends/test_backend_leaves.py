@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .backend_refs import ATOL, RTOL, linear_reference, softmax_reference
 
 from readfence.backends import (
     deepseek_v4,
@@ -20,6 +19,8 @@ from readfence.backends import (
     trtllm_mha,
 )
 from readfence.core import ForwardMode, ModelConfig, example_step, prepare
+
+from .backend_refs import ATOL, RTOL, linear_reference, softmax_reference
 
 CFG = ModelConfig()
 WORK_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND]

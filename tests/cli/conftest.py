@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from readfence.cli import main
 
 
-
 @pytest.fixture
 def cli():
     """``cli(*args)`` runs ``readfence args`` in-process; stdout and stderr kept apart."""

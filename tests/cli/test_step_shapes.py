@@ -21,7 +21,7 @@ def test_plan_shows_which_phase_publishes_each_buffer(cli):
     run = cli("plan", "multi_eagle(paged, trtllm_mha, trtllm_mha)")
     assert run.exit_code == 0, run.output
     assert "published by" in run.stdout
-    line = next(l for l in run.stdout.splitlines() if l.startswith("req_to_token"))
+    line = next(x for x in run.stdout.splitlines() if x.startswith("req_to_token"))
     assert "draft_extend[1]:POST_REPLAY" in line and line.rstrip().endswith("draft_extend[1]")
 
 

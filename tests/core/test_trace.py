@@ -7,8 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from readfence.backends import reference_compositions, tbo
-from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, sparse, trtllm_mha
+from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, reference_compositions, sparse, tbo, trtllm_mha
 from readfence.core import (
     ForwardMode,
     ModelConfig,

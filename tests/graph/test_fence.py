@@ -6,7 +6,6 @@ in ``finally``.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -11,10 +11,10 @@ import torch
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
 from readfence.graph import (
     CpuDevice,
-    Policy,
-    StreamError,
     FaultInjector,
+    Policy,
     Sanitizer,
+    StreamError,
     decode_loop,
     open_device,
     synthetic_work,

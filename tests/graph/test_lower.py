@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readfence.backends import hybrid_linear, linear, minimax, paged, redeclare, sparse, dense, trtllm_mha
+from readfence.backends import dense, hybrid_linear, linear, minimax, paged, redeclare, sparse, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, example_step, run_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
@@ -118,7 +118,7 @@ def test_without_in_graph_events_the_graph_records_nothing(policy):
         assert len(replays) == 1
         assert not [op for op in replays[0] if isinstance(op, Record)]
         assert any(isinstance(op, Read) for op in replays[0])  # the graph does read shared buffers
-        for b, p in low.plan.placements.items():
+        for p in low.plan.placements.values():
             assert p.end is not ReadEnd.IN_REPLAY
             assert p.after is None or p.after.stage not in IN_GRAPH_STAGES
         assert run.fence.released("seq_lens")

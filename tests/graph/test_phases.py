@@ -7,14 +7,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from readfence.backends import deepseek_v4, linear, paged, per_stream, redeclare, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.effects import Position, ReadEffect, ReadEnd, laws
 from readfence.graph import (
-    CpuDevice, FaultInjector, Policy, RingWrapError, Sanitizer, StepShape, StreamGroup, decode_loop, eagle,
-    lower, parse_step, run_overlapped, run_serial,
+    CpuDevice,
+    FaultInjector,
+    Policy,
+    RingWrapError,
+    Sanitizer,
+    Scheduler,
+    StepShape,
+    StreamGroup,
+    decode_loop,
+    eagle,
+    lower,
+    make_state,
+    parse_step,
+    run_overlapped,
+    run_serial,
 )
-from readfence.core import ModelConfig
-from readfence.graph import Scheduler, make_state
 from readfence.graph._fence import Bound
 from readfence.graph._runtime import DecodeLoop
 from readfence.graph._shapes import Phase
@@ -66,7 +77,7 @@ def test_random_phase_sequences_overlap_like_serial(phases, seed):
     assert res.matches(ref) and res.violations == ()
 
 
-P, I, Q = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY
+P, IN, Q = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY
 
 
 @pytest.mark.parametrize(("spec", "publishers"), [
@@ -77,7 +88,7 @@ P, I, Q = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY
     ("multi_eagle(paged, trtllm_mha, trtllm_mha)", {"req_to_token": ("draft_extend[1]", Q),
                                                     "seq_lens": ("draft_extend[1]", P), "state_slots": None}),
     # n-gram: verify is the only phase
-    ("ngram(deepseek_v4)", {"req_to_token": ("target_verify", Q), "seq_lens": ("target_verify", I),
+    ("ngram(deepseek_v4)", {"req_to_token": ("target_verify", Q), "seq_lens": ("target_verify", IN),
                             "swa_map": None}),
 ])
 def test_speculative_step_shapes_and_their_publisher(spec, publishers):

@@ -16,7 +16,16 @@ from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, paged, r
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
-    CpuDevice, FaultInjector, Phase, Policy, StepShape, decode_loop, eagle, multi_eagle, ngram, run_overlapped,
+    CpuDevice,
+    FaultInjector,
+    Phase,
+    Policy,
+    StepShape,
+    decode_loop,
+    eagle,
+    multi_eagle,
+    ngram,
+    run_overlapped,
     run_serial,
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.backends import deepseek_v4, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha, dense
+from readfence.backends import deepseek_v4, dense, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 from readfence.graph import CpuDevice, Placement, Policy, lower, plan_fences
@@ -37,7 +37,10 @@ LAST = {
 }
 
 
-def _plan(policy, declared=MIXED, caps=Capabilities(), **kw):
+FULL_CAPS = Capabilities()
+
+
+def _plan(policy, declared=MIXED, caps=FULL_CAPS, **kw):
     return plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=caps, policy=policy,
                        last_reads=LAST, observed=declared, **kw)
 

@@ -112,9 +112,9 @@ def test_stream_and_device_synchronize_order_the_host():
         san = Sanitizer()
         san.on_launch("forward", "replay", [Read(B, "attend", 0)])
         san.on_launch("other", "x", [])
-        {"stream": lambda: san.on_stream_synchronize("forward"),
+        {"stream": lambda san=san: san.on_stream_synchronize("forward"),
          "device": san.on_device_synchronize,
-         "other stream": lambda: san.on_stream_synchronize("other")}[sync]()
+         "other stream": lambda san=san: san.on_stream_synchronize("other")}[sync]()
         san.host_write(B, 1)
         assert san.count == (1 if sync == "other stream" else 0), sync
 
