@@ -208,6 +208,12 @@ def test_reads_must_name_shared_buffers() -> None:
         leaf("mine", _attend, reads="seq_lens")
 
 
+def test_lower_names_a_misspelt_published_buffer_as_declarations_do(closed) -> None:
+    with pytest.raises(ValueError, match=r"^publish names unknown buffer 'seq_len'; shared buffers are req_to_token, "
+                                         r".*did you mean 'seq_lens'\?$"):
+        lower(paged(), M.DECODE, batch_size=2, device=closed, policy=Policy.EXACT, publish=["seq_len"])
+
+
 # -- IDLE runs no forward: nothing to lower, run or verify ---------------------------------
 
 IDLE_ERROR = r"^mode IDLE runs no forward \(its steps carry no tokens\): there is nothing to {}; allowed: DECODE"

@@ -46,6 +46,24 @@ def did_you_mean(value: object, choices: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def check_buffers(buffers: Iterable[str], known: Iterable[str], where: str) -> tuple[str, ...]:
+    """``buffers`` as a tuple if each is one of the shared buffers ``known``; else a
+    ``ValueError`` naming the first unknown one, ``where`` it was found, the shared buffers and
+    the closest of them (a misspelt name would otherwise say nothing about the buffer it meant).
+
+    >>> check_buffers(["req_to_tokn"], ["req_to_token", "seq_lens"], "publish")
+    Traceback (most recent call last):
+    ...
+    ValueError: publish names unknown buffer 'req_to_tokn'; shared buffers are req_to_token, seq_lens; did you mean 'req_to_token'?
+    """
+    names, known = tuple(buffers), tuple(known)
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{where} names unknown buffer {name!r}; shared buffers are {', '.join(known)}"
+                             f"{did_you_mean(name, known)}")
+    return names
+
+
 def positive_int(name: str, value: object, *, at_most: int | None = None, limit: str = "") -> int:
     """``value`` if it is an int ``>= 1`` (and ``<= at_most``); bools and floats are refused.
 
@@ -140,4 +158,5 @@ def check_backend(
     raise TypeError(f"{name} must be {allowed}, got {_shown(value)}{hint}")
 
 
-__all__ = ["check_backend", "check_forward_mode", "check_mode", "did_you_mean", "positive_int", "positive_seconds"]
+__all__ = ["check_backend", "check_forward_mode", "check_mode", "check_buffers", "did_you_mean", "positive_int",
+           "positive_seconds"]

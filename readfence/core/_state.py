@@ -72,8 +72,7 @@ def tokens_per_request(mode: ForwardMode) -> int:
 
 def _positive(name: str):
     def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"ModelConfig.{attribute.name} must be a positive int, got {value!r}")
+        positive_int(f"ModelConfig.{attribute.name}", value)
 
     return check
 
@@ -88,7 +87,7 @@ class ModelConfig:
     >>> ModelConfig(hidden=0)
     Traceback (most recent call last):
     ...
-    ValueError: ModelConfig.hidden must be a positive int, got 0
+    ValueError: ModelConfig.hidden must be a positive int, got 0 (int)
     """
 
     vocab: int = attrs.field(default=64, validator=_positive("vocab"))

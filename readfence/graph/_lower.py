@@ -38,7 +38,7 @@ from readfence.core import (
 )
 from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
-from readfence.core._checks import check_backend, check_forward_mode, did_you_mean, positive_int
+from readfence.core._checks import check_backend, check_buffers, check_forward_mode, positive_int
 from readfence.core._memory import BufferMap
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
@@ -481,7 +481,6 @@ def lower(
     check_device(device)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
-    positive_int("batch_size", batch_size)
     positive_int("steps_in_flight", steps_in_flight)
     ring_size = steps_in_flight if ring_size is None else positive_int("ring_size", ring_size)
     if ring_size < steps_in_flight:
@@ -490,11 +489,7 @@ def lower(
             f"the record of step i+{ring_size} would reuse an event that a wait of step i has not "
             f"bound yet; use ring_size >= {steps_in_flight}"
         )
-    buffers = SHARED_BUFFERS if publish is None else tuple(publish)
-    unknown = [b for b in buffers if b not in SHARED_BUFFERS]
-    if unknown:
-        raise ValueError(f"publish names unknown buffers {unknown}; shared buffers are {list(SHARED_BUFFERS)}"
-                         f"{did_you_mean(unknown[0], SHARED_BUFFERS)}")
+    buffers = SHARED_BUFFERS if publish is None else check_buffers(publish, SHARED_BUFFERS, "publish")
     cfg = ModelConfig() if cfg is None else cfg
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
