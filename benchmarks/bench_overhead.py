@@ -14,6 +14,13 @@ drained; the garbage collector is paused while timing (as ``timeit`` does). The 
 alternate step by step, so the machine's drift hits both alike; a run's ratio compares their
 median step times; the printed ratio is the median over runs.
 
+It also measures what CpuDevice's machinery costs against running the same functions inline
+on the host (``machinery``): microseconds per launch (a stream of launches drained by the
+worker thread, and one launch waited for by the host: the handoff to an idle stream and
+back), per record, per wait (on a fired event, and the handoff from a record on one stream
+to a stream blocked waiting on it), and per graph replay (a captured graph shaped like a
+lowered step's: two launches and an in-graph record). Each figure is the median over runs.
+
     python benchmarks/bench_overhead.py [--quick] [--json] [--device cpu|cuda|auto]
 
 ``main(quick=False)`` returns ``{"lowered_vs_hand": ratio, ...}`` (``readfence bench`` prints it).
@@ -162,16 +169,124 @@ def measure(*, quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     return {"backend": str(backend), "device": device_name, "steps": steps, "runs": runs, "policies": results}
 
 
+def _noop() -> None:
+    pass
+
+
+def _per_call_us(fn: Any, n: int, runs: int) -> float:
+    """Median over ``runs`` of ``fn(n)``'s seconds / ``n``, in microseconds (gc paused)."""
+    samples = []
+    for _ in range(runs):
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            fn(n)
+            samples.append((time.perf_counter() - t0) / n * 1e6)
+        finally:
+            gc.enable()
+    return statistics.median(samples)
+
+
+def measure_machinery(*, quick: bool = False) -> dict[str, float]:
+    """Microseconds per CpuDevice primitive, and per inline call of the same function.
+
+    * ``inline_call_us``: calling the launched function (a no-op) on the host;
+    * ``launch_us``: ``n`` launches of it, then a host wait for the stream, per launch (the
+      worker drains the queue while the host fills it, as in the decode loop);
+    * ``launch_handoff_us``: one launch, then the host waits for it: the wake-up of an idle
+      stream and of the host, per launch;
+    * ``record_us`` / ``wait_us``: ``n`` records of an event (``n`` waits on a fired one),
+      then a host wait for the stream, per op;
+    * ``wait_handoff_us``: from a record firing on one stream to the op after a wait on it
+      running on another stream that was blocked in that wait (the events' timestamps);
+    * ``replay_us`` / ``replay_inline_us``: a graph of two launches and an in-graph record,
+      replayed ``n`` times then waited for, per replay; and its two launches called inline.
+    """
+    n, runs = (300, 3) if quick else (2000, 7)
+    out: dict[str, float] = {}
+    with CpuDevice(timeout=120) as dev:
+        s, other = dev.stream("forward"), dev.stream("schedule")
+        ev = dev.event("ev")
+
+        def inline(k: int) -> None:
+            for _ in range(k):
+                _noop()
+
+        def launches(k: int) -> None:
+            for _ in range(k):
+                s.launch(_noop, label="noop")
+            s.synchronize()
+
+        def handoffs(k: int) -> None:
+            for _ in range(k):
+                s.launch(_noop, label="noop")
+                s.synchronize()
+
+        def records(k: int) -> None:
+            for _ in range(k):
+                s.record(ev)
+            s.synchronize()
+
+        s.record(ev)
+        s.synchronize()
+
+        def waits(k: int) -> None:
+            for _ in range(k):
+                s.wait(ev)
+            s.synchronize()
+
+        with dev.capture(s, label="step") as graph:
+            s.launch(_noop, label="prepare_in_graph")
+            s.record(dev.event("in replay"))
+            s.launch(_noop, label="body")
+
+        def replays(k: int) -> None:
+            for _ in range(k):
+                graph.replay(s)
+            s.synchronize()
+
+        def replay_inline(k: int) -> None:
+            for _ in range(k):
+                _noop()
+                _noop()
+
+        for key, fn in (("inline_call_us", inline), ("launch_us", launches), ("launch_handoff_us", handoffs),
+                        ("record_us", records), ("wait_us", waits), ("replay_us", replays),
+                        ("replay_inline_us", replay_inline)):
+            fn(n // 10)  # warm up
+            out[key] = _per_call_us(fn, n // 10 if key == "launch_handoff_us" else n, runs)
+        out["wait_handoff_us"] = _wait_handoff_us(dev, s, other, n // 10, runs)
+    return out
+
+
+def _wait_handoff_us(dev: Any, s: Any, other: Any, k: int, runs: int) -> float:
+    """Median microseconds from a record firing on ``s`` to the next op of ``other``, which
+    was blocked waiting on it (``s`` is held by a short stall first, so ``other`` is waiting)."""
+    samples = []
+    for _ in range(runs * k):
+        ev = dev.event("handoff")
+        seen: list[float] = []
+        s.launch(dev.stall, 0.002, label="hold")
+        s.record(ev)
+        other.wait(ev)
+        other.launch(lambda seen=seen: seen.append(time.perf_counter()), label="after wait")
+        other.synchronize()
+        samples.append((seen[0] - ev.timestamp) * 1e6)
+    return statistics.median(samples)
+
+
 def main(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Median ratio (Lowered.run + fence) / (hand loop) of host time per step, per policy."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         r = measure(quick=quick, device=device)
+        r["machinery"] = measure_machinery(quick=quick)
     finally:
         torch.set_num_threads(threads)
     main.details = r  # type: ignore[attr-defined]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {f"cpu_{k}": v for k, v in r["machinery"].items()}
     for policy, v in r["policies"].items():
         p = policy.lower()
         out[f"{p}_lowered_vs_hand"] = v["lowered_vs_hand"]
@@ -200,6 +315,14 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"  {policy:10} Lowered.run + fence {v['lowered_us_per_step']:7.1f} us   hand loop "
               f"{v['hand_us_per_step']:7.1f} us   ratio {v['lowered_vs_hand']:.3f}x "
               f"({v['fence_points']} fence points; target <= 1.10x)")
+    m = r["machinery"]
+    print(f"CpuDevice machinery, us per op (median of runs; inline call of the same no-op: {m['inline_call_us']:.2f} us)")
+    print(f"  launch {m['launch_us']:.1f} (queued behind others), {m['launch_handoff_us']:.1f} (to an idle stream "
+          f"and back to the host)")
+    print(f"  record {m['record_us']:.1f}   wait on a fired event {m['wait_us']:.1f}   record -> waiting stream runs "
+          f"{m['wait_handoff_us']:.1f}")
+    print(f"  replay of a 2-launch, 1-record graph {m['replay_us']:.1f} (its 2 launches inline: "
+          f"{m['replay_inline_us']:.2f})")
     return 0
 
 
