@@ -46,6 +46,7 @@ from readfence.effects import ReadEnd
 from ._check import CheckState, poison_points
 from ._device import Device, check_device, copy_from_host
 from ._fence import Bound, Fence
+from ._fx_compile import compile_graph
 from ._fx_records import insert_records, stage_ops
 from ._ops import Op
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
@@ -250,8 +251,8 @@ class Lowered:
             # The tracer could not see everything: run the Python stage; no node-level records.
             return stage, tuple(stage_ops(stage.gm, self._reads(stage), stage.name))
         gm = insert_records(stage.gm, after, self.device, actions) if after or actions else stage.gm
-        runner = attrs.evolve(stage, gm=gm)
-        return runner, stage_ops(gm, self._reads(stage), stage.name)
+        reads = self._reads(stage)
+        return CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, stage.name)
 
     def _launch_stage(self, name: str, slot: _Slot, step: int | None, sink: Any) -> None:
         runner, ops = slot.stages[name]
@@ -388,6 +389,20 @@ class Lowered:
 
     def __repr__(self) -> str:
         return f"<Lowered {self.label}: {len(self.plan.points())} fence point(s), ring {self.ring_size}>"
+
+
+class CompiledStage:
+    """A faithful stage's graph, compiled (``graph._fx_compile``), run like ``StageGraph.run``."""
+
+    __slots__ = ("stage", "graph", "_fn", "_inputs", "_outputs")
+
+    def __init__(self, stage: StageGraph, graph: Any) -> None:
+        self.stage, self.graph = stage, graph
+        self._fn, self._inputs, self._outputs = graph.fn, stage.inputs, stage.outputs
+
+    def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Execute the stage on ``env`` (dotted name -> tensor); outputs by dotted name."""
+        return dict(zip(self._outputs, self._fn(*map(env.__getitem__, self._inputs)), strict=True))
 
 
 def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:

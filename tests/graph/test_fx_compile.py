@@ -1,0 +1,241 @@
+"""The compiled stage graphs: the same results as the GraphModule, bit for bit, whatever the
+graph writes; folding and sharing only where nothing can tell the difference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from readfence.backends import deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
+from readfence.core import ForwardMode, ModelConfig, example_step, trace
+from readfence.core._program import flatten_inputs
+from readfence.graph._fx_compile import compile_graph
+from readfence.graph._fx_records import insert_records
+
+M = ForwardMode
+
+
+def _clones(args):
+    return [a.clone() for a in args]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def _same(a, b) -> bool:
+    """Bitwise equal values (``torch.equal`` takes ``-0.0`` for ``0.0`` and no NaN for a NaN)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _check(fn, *inputs, **compile_kw):
+    """Compile ``make_fx(fn)``; run both on copies of ``inputs``: outputs and inputs after equal."""
+    gm = make_fx(fn)(*_clones(inputs))
+    compiled = compile_graph(gm, **compile_kw)
+    a, b = _clones(inputs), _clones(inputs)
+    out_gm, out_c = gm(*a), compiled(*b)
+    assert _same(out_c, out_gm), compiled.source
+    assert _same(b, a), "the compiled graph left its inputs in a different state"
+    return compiled
+
+
+def test_folds_and_shares_only_pure_recomputation():
+    def f(x):
+        w = torch.arange(4.0).exp()      # no input: folded
+        return x * w + x * w             # the second product is the first one
+
+    compiled = _check(f, torch.randn(4))
+    assert compiled.stats == {"nodes": 5, "folded": 2, "shared": 1}
+
+
+def test_a_read_after_an_in_place_write_is_not_the_read_before_it():
+    def f(x, i, j, y):
+        a = x.index_select(0, i)
+        x.index_copy_(0, j, y)
+        b = x.index_select(0, i)         # same op, same arguments, other memory contents
+        return a + b
+
+    x, i = torch.randn(6, 2), torch.tensor([1, 2])
+    compiled = _check(f, x, i, torch.tensor([2, 3]), torch.randn(2, 2))
+    assert compiled.stats["shared"] == 0
+
+
+def test_a_write_through_a_view_counts_as_a_write_of_its_base():
+    def f(x):
+        a = x.sum(0)
+        x[1:3].add_(1.0)                 # writes x through a slice (the trace still says x)
+        b = x.sum(0)
+        return a - b
+
+    assert _check(f, torch.randn(4, 3)).stats["shared"] == 0
+
+
+def test_values_written_later_are_never_shared():
+    def f(x):
+        a = x * 2
+        b = x * 2
+        a.add_(1.0)                      # sharing would make b see this write
+        return a - b
+
+    assert _check(f, torch.randn(3)).stats["shared"] == 0
+
+
+def test_values_that_leave_the_graph_are_not_shared_nor_folded():
+    def f(x):
+        return torch.arange(3.0), x + 1, x + 1
+
+    compiled = _check(f, torch.randn(3))
+    assert compiled.stats["folded"] == 0 and compiled.stats["shared"] == 0
+    first, second = compiled(torch.zeros(3)), compiled(torch.zeros(3))
+    first[0].add_(5.0)                   # a caller may write an output: the next call is fresh
+    assert second[0] is not first[0] and torch.equal(compiled(torch.zeros(3))[0], torch.arange(3.0))
+
+
+def test_random_ops_are_neither_folded_nor_shared():
+    def f(x):
+        return x + torch.rand(3) + torch.rand(3)
+
+    compiled = _check_random(f)
+    assert compiled.stats["folded"] == 0 and compiled.stats["shared"] == 0
+    assert not torch.equal(compiled(torch.zeros(3)), compiled(torch.zeros(3)))
+
+
+def _check_random(fn):
+    gm = make_fx(fn)(torch.zeros(3))
+    compiled = compile_graph(gm)
+    torch.manual_seed(3)
+    expected = gm(torch.zeros(3))
+    torch.manual_seed(3)
+    assert torch.equal(compiled(torch.zeros(3)), expected)
+    return compiled
+
+
+def test_floats_compare_by_their_bits():
+    def f(x):
+        return 1.0 / (x * 0.0) + 1.0 / (x * -0.0)     # inf + -inf: nan; sharing gives inf + inf
+
+    compiled = _check(f, torch.ones(2))
+    assert torch.isnan(compiled(torch.ones(2))).all()
+
+
+def test_an_opaque_python_call_turns_the_passes_off():
+    poked = []
+
+    def f(x):
+        return x * 2 + x * 2
+
+    gm = make_fx(f)(torch.ones(2))
+    first_mul = next(n.name for n in gm.graph.nodes if n.op == "call_function")
+    with_action = insert_records(gm, {}, None, {first_mul: [lambda: poked.append(1)]})
+    compiled = compile_graph(with_action)
+    assert compiled.stats["shared"] == 0 and torch.equal(compiled(torch.ones(2)), torch.full((2,), 4.0))
+    assert poked == [1]
+
+
+def test_event_records_do_not_turn_the_passes_off():
+    class Dev:
+        fired: list[str] = []
+
+        def record_here(self, event):
+            self.fired.append(event.name)
+
+    class Ev:
+        name = "e"
+
+    gm = make_fx(lambda x: x * 2 + x * 2)(torch.ones(2))
+    first_mul = next(n.name for n in gm.graph.nodes if n.op == "call_function")
+    compiled = compile_graph(insert_records(gm, {first_mul: [Ev()]}, Dev()))
+    assert compiled.stats["shared"] == 1 and torch.equal(compiled(torch.ones(2)), torch.full((2,), 4.0))
+    assert Dev.fired == ["e"]
+
+
+def test_kept_nodes_run_where_they_are():
+    gm = make_fx(lambda x, i: x.index_select(0, i) + x.index_select(0, i))(torch.randn(4), torch.tensor([1]))
+    reads = [n.name for n in gm.graph.nodes if "index_select" in str(n.target)]
+    assert compile_graph(gm).stats["shared"] == 1
+    assert compile_graph(gm, keep=reads).stats["shared"] == 0
+
+
+# ---------------------------------------------------------------- random programs, adversarially
+
+_OPS = ("add", "mul", "cumsum", "half", "tail", "view", "clone", "add_", "index_copy_", "arange", "cos")
+
+
+def _program(steps):
+    """A straight-line program over two inputs from ``steps``: each step applies an op to one of
+    the latest values (few choices, so that equal expressions, views and writes through them
+    between two equal expressions are common: make_fx renames a tensor written in place, but
+    not the base of a view written in place)."""
+
+    def fn(x, y):
+        values = [x, y]
+        for op, a, b in steps:
+            u, v = values[-1 - a % len(values)], values[-1 - b % len(values)]
+            if op == "add":
+                values.append(u + v if u.shape == v.shape else u + 1.0)
+            elif op == "mul":
+                values.append(u * 2.0)
+            elif op == "cumsum":
+                values.append(u.cumsum(0))
+            elif op == "half" and u.numel() >= 2:
+                values.append(u[: u.numel() // 2])
+            elif op == "tail" and u.numel() >= 2:
+                values.append(u[1:])
+            elif op == "view":
+                values.append(u.view(-1))
+            elif op == "clone":
+                values.append(u.clone())
+            elif op == "add_":
+                u.add_(1.0)              # an in-place write, maybe through a view, maybe of an input
+            elif op == "index_copy_":
+                u.index_copy_(0, torch.tensor([0]), v[:1].clone())
+            elif op == "arange":
+                values.append(torch.arange(4.0) * 0.5)
+            elif op == "cos":
+                values.append(u.cos())
+        return sum((v[:1] for v in values[2:]), torch.zeros(1)), x, y
+
+    return fn
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 2), st.integers(0, 2)), min_size=1, max_size=14))
+def test_random_programs_compile_to_the_same_results(steps):
+    _check(_program(steps), torch.randn(8), torch.randn(8))
+
+
+# ----------------------------------------------------------------------- the reference backends
+
+
+@pytest.mark.parametrize("backend,mode", [
+    (hybrid_linear(trtllm_mha(), linear()), M.DECODE),
+    (tbo(deepseek_v4(), paged()), M.TARGET_VERIFY),
+    (paged(), M.DRAFT_EXTEND),
+])
+def test_stages_of_reference_backends_compile_to_the_same_results(backend, mode):
+    cfg = ModelConfig()
+    program = trace(backend, mode, cfg=cfg, batch_size=2)
+    step = example_step(cfg, mode, 2)
+    env = flatten_inputs(shared=step.shared, batch=step.batch, pools=step.pools, params=step.params)
+    env_c = {k: v.clone() for k, v in env.items()}
+    shared_nodes = 0
+    for stage in program.stages:
+        compiled = compile_graph(stage.gm, keep=stage.reads)
+        shared_nodes += compiled.stats["shared"] + compiled.stats["folded"]
+        out = stage.gm(*[env[n] for n in stage.inputs])
+        out_c = compiled(*[env_c[n] for n in stage.inputs])
+        assert _same(list(out_c), list(out)), stage.name
+        env.update(zip(stage.outputs, out))
+        env_c.update(zip(stage.outputs, out_c))
+        assert all(_same(env_c[k], v) for k, v in env.items()), f"{stage.name} wrote differently"
+    assert shared_nodes > 0  # the body's rotary tables are computed once: the passes ran
+    assert math.isfinite(float(env["pools.k_cache"].sum()))
