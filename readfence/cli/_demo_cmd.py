@@ -20,6 +20,7 @@ COLUMNS = {
     "policy": "policy",
     "steps_per_s": "steps/s",
     "speedup_vs_coarse": "speedup vs COARSE",
+    "speedup_vs_serial": "vs serial",
     "mean_slack_ms": "mean fence slack (ms)",
     "matches_serial": "matches serial",
     "violations": "sanitizer findings",
@@ -27,13 +28,13 @@ COLUMNS = {
 
 
 def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
-    if row["error"] is not None and key != "policy":
+    if row.get("error") is not None and key != "policy":
         return "refused" if key == "steps_per_s" else "-"
     if value is None:
         return "-"
     if key == "steps_per_s":
         return f"{value:.1f}"
-    if key == "speedup_vs_coarse":
+    if key in ("speedup_vs_coarse", "speedup_vs_serial"):
         return f"{value:.2f}x"
     if key == "mean_slack_ms":
         return f"{value:.3f}"
@@ -44,20 +45,25 @@ def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
     return str(value)
 
 
+SERIAL = "serial (no overlap)"
+"""The table's baseline row: the serial reference, writes then forward on one thread."""
+
+
 def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: int,
            phases: str | None = None, write_wait_ms: float = 0.0) -> str:
     """The demo's text report: the device, one table, then any problems in full.
 
     >>> from readfence.core import ForwardMode
-    >>> row = {"policy": "COARSE", "steps_per_s": 50.0, "speedup_vs_coarse": 1.0,
+    >>> row = {"policy": "COARSE", "steps_per_s": 50.0, "speedup_vs_coarse": 1.0, "speedup_vs_serial": 0.8,
     ...        "mean_slack_ms": 2.5, "matches_serial": True, "violations": 0, "findings": [], "error": None}
-    >>> print(render(DemoResult("cpu", None, ForwardMode.DECODE, [row], {}),
+    >>> print(render(DemoResult("cpu", None, ForwardMode.DECODE, [row], {}, 62.5),
     ...              spec="paged", steps=10, batch_size=2, seed=0))  # doctest: +NORMALIZE_WHITESPACE
     device: cpu
     spec: paged  mode: DECODE  steps: 10  batch size: 2  seed: 0
     <BLANKLINE>
-    policy  steps/s  speedup vs COARSE  mean fence slack (ms)  matches serial  sanitizer findings
-    COARSE  50.0     1.00x              2.500                  yes             none
+    policy               steps/s  speedup vs COARSE  vs serial  mean fence slack (ms)  matches serial  sanitizer findings
+    serial (no overlap)  62.5     1.25x              1.00x      -                      -               -
+    COARSE               50.0     1.00x              0.80x      2.500                  yes             none
     <BLANKLINE>
     every policy matched the serial run bit for bit; the sanitizer found no race
     """
@@ -66,7 +72,7 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
     if caps is not None:
         where += (f" (in-graph events: {'yes' if caps.in_graph_events else 'no'}, "
                   f"graphs: {'yes' if caps.graphs else 'no'})")
-    cells = [{k: _cell(k, r.get(k), r) for k in COLUMNS} for r in result.rows]
+    cells = [{k: _cell(k, r.get(k), r) for k in COLUMNS} for r in _serial_row(result) + result.rows]
     lines = [f"device: {where}",
              f"spec: {spec}  mode: {result.mode.name}  steps: {steps}  batch size: {batch_size}  seed: {seed}"
              if phases is None else
@@ -86,6 +92,15 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
     if result.ok:
         lines.append("every policy matched the serial run bit for bit; the sanitizer found no race")
     return "\n".join(lines)
+
+
+def _serial_row(result: DemoResult) -> list[dict[str, Any]]:
+    serial = result.serial_steps_per_s
+    if serial is None:
+        return []
+    coarse = next((r["steps_per_s"] for r in result.rows if r["policy"] == "COARSE" and r["steps_per_s"]), None)
+    return [{"policy": SERIAL, "steps_per_s": serial, "speedup_vs_coarse": serial / coarse if coarse else None,
+             "speedup_vs_serial": 1.0}]
 
 
 def check_output_path(flag: str, path: pathlib.Path, suffix: str) -> None:
@@ -172,8 +187,9 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     """Run the tiny model's overlapped decode loop under each fence policy.
 
     Each run is checked bit for bit against a serial run and watched by the sanitizer; the
-    table shows throughput, speedup over the COARSE fence and the mean fence slack (time
-    from a buffer's last read to its release). Exit status 1 if any run is wrong.
+    table shows throughput, speedup over the COARSE fence and over the serial run (no
+    overlap, the same write work), and the mean fence slack (time from a buffer's last read to
+    its release). Exit status 1 if any run is wrong.
     """
     for flag, path, suffix in (("--trace", trace_path, ".json"), ("--plot", plot_path, ".png")):
         if path is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from readfence.core import ForwardMode
 from readfence.graph import (
@@ -37,13 +38,15 @@ FORWARD = "forward"
 
 @attrs.frozen
 class DemoResult:
-    """What ``run_demo`` measured: the device, one row per policy, the timelines (if traced)."""
+    """What ``run_demo`` measured: the device, one row per policy, the timelines (if traced),
+    and the steps/s of the serial reference (no overlap: the baseline the loop must beat)."""
 
     device: str
     caps: Any
     mode: ForwardMode
     rows: list[dict[str, Any]]
     timelines: dict[str, Timeline]
+    serial_steps_per_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -96,27 +99,45 @@ def run_demo(
 ) -> DemoResult:
     """Run the serial reference, then the overlapped loop for COARSE and each of ``policies``.
 
-    Each row has ``policy``, ``steps_per_s``, ``speedup_vs_coarse``, ``mean_slack_ms``,
-    ``matches_serial``, ``violations`` (how many sanitizer findings), ``findings`` (their
-    messages) and ``error`` (why lowering was refused, else ``None``). ``write_wait_s`` makes each page-table write take that long without using
+    Each row has ``policy``, ``steps_per_s``, ``speedup_vs_coarse``, ``speedup_vs_serial``,
+    ``serial_steps_per_s``, ``mean_slack_ms``, ``matches_serial``, ``violations`` (how many
+    sanitizer findings), ``findings`` (their messages) and ``error`` (why lowering was refused,
+    else ``None``). ``write_wait_s`` makes each page-table write take that long without using
     the CPU (a stand-in for a copy engine, so overlap shows on a CPU device); ``write_cost`` adds
-    synthetic scheduler work to each page-table write (see ``decode_loop``). ``progress(i)`` is
-    called after every overlapped step; ``on_policy(name)`` before each run.
+    synthetic scheduler work to each page-table write (see ``decode_loop``). The serial reference
+    does the same work before each step's writes, on one thread: it is the no-overlap baseline.
+    ``progress(i)`` is called after every overlapped step; ``on_policy(name)`` before each run.
     """
+    # One intra-op thread, as in the benchmarks: a CPU device's streams are its parallelism, and
+    # torch's default pool (one thread per core) made the tiny model's eager steps 6x slower on
+    # a loaded 2-core VM (97 against 630 steps/s), the serial reference's more than the loop's.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_demo(backend, policies, device, steps, batch_size, seed, write_cost, write_wait_s, mode, trace,
+                         progress, on_policy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(backend: Any, policies: Sequence[Policy], device: str, steps: int, batch_size: int, seed: int,
+              write_cost: int, write_wait_s: float, mode: ForwardMode, trace: bool,
+              progress: Callable[[int], None] | None, on_policy: Callable[[str], None] | None) -> DemoResult:
     if on_policy:
         on_policy("serial reference")
     kw = {"steps": steps, "batch_size": batch_size, "seed": seed}
     with open_device(device) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
-    reference = run_serial(backend, mode, device=device, **kw)
+    reference = run_serial(backend, mode, device=device, write_cost=write_cost, write_wait_s=write_wait_s, **kw)
+    serial = reference.steps_per_s
     rows, timelines = [], {}
     dev_name, caps = device, None
     for policy in with_baseline(policies):
         if on_policy:
             on_policy(policy.name)
         row: dict[str, Any] = {"policy": policy.name, "steps_per_s": None, "speedup_vs_coarse": None,
-                               "mean_slack_ms": None, "matches_serial": False, "violations": 0,
-                               "findings": [], "error": None}
+                               "speedup_vs_serial": None, "serial_steps_per_s": serial, "mean_slack_ms": None,
+                               "matches_serial": False, "violations": 0, "findings": [], "error": None}
         try:
             res, timeline, dev_name, caps = _run_one(backend, policy, device=device, mode=mode,
                                                      trace=trace, progress=progress,
@@ -129,6 +150,7 @@ def run_demo(
             timelines[policy.name] = timeline
         row.update(
             steps_per_s=res.steps_per_s,
+            speedup_vs_serial=res.steps_per_s / serial,
             mean_slack_ms=None if res.mean_slack is None else res.mean_slack * 1e3,
             matches_serial=res.matches(reference),
             violations=len(res.violations),
@@ -139,4 +161,4 @@ def run_demo(
     for row in rows:
         if base and row["steps_per_s"] is not None:
             row["speedup_vs_coarse"] = row["steps_per_s"] / base
-    return DemoResult(dev_name, caps, mode, rows, timelines)
+    return DemoResult(dev_name, caps, mode, rows, timelines, serial)

@@ -143,6 +143,8 @@ def run_serial(
     finish_prob: float = 0.1,
     state: dict[str, dict[str, Tensor]] | None = None,
     device: Device | str | None = None,
+    write_cost: int = 0,
+    write_wait_s: float = 0.0,
 ) -> LoopResult:
     """The reference: eager ``run_step``, one step after another; writes always precede reads.
 
@@ -151,6 +153,11 @@ def run_serial(
     logits on two devices do not compare. ``state`` (``shared``, ``pools``, ``params``) is the
     state to run on, fresh by default; pass one for a backend that holds references to it
     (the reference then runs where the state lives).
+
+    ``write_cost`` / ``write_wait_s`` add the synthetic page-table work of ``decode_loop`` to
+    each step (a matmul, or a wait that uses no compute and overlaps nothing), so that the
+    reference is also the baseline *without overlap* of a loop given the same work: its
+    ``steps_per_s`` is 1 / the median time between two steps' ends, as for the loop.
 
     ``steps`` is a positive int, as for every loop entry point.
 
@@ -174,15 +181,22 @@ def run_serial(
     if _device_of(state["shared"]).type != where:
         raise ValueError(f"run_serial on {where!r} was given a state on {_device_of(state['shared'])}")
     sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
+    work = synthetic_work(where, write_cost=write_cost, write_wait_s=write_wait_s)
     t0 = time.perf_counter()
-    logits = []
+    logits, ends = [], []
     for _ in range(steps):
         nxt = sched.next_step()
+        if work is not None:
+            work()
         for b in SHARED_BUFFERS:
             state["shared"][b].copy_(nxt.shared[b])
         batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
         logits.append(_eager_step(backend, mode, cfg, state, batch))
-    return LoopResult(None, logits, time.perf_counter() - t0)
+        ends.append(time.perf_counter())
+    if where != "cpu":  # eager CUDA work is asynchronous: the steps ended when the device is done
+        torch.cuda.synchronize()
+    intervals = tuple(b - a for a, b in zip(ends, ends[1:])) if where == "cpu" else ()
+    return LoopResult(None, logits, time.perf_counter() - t0, intervals=intervals)
 
 
 @attrs.define
@@ -284,10 +298,13 @@ class DecodeLoop:
         return 1.0 / max(self.time_forward(steps, timeout), self.time_scheduler(steps, timeout))
 
 
-def synthetic_work(device: Device, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], Any] | None:
+def synthetic_work(device: Device | str, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], Any] | None:
     """The scheduler's synthetic page-table work for ``decode_loop``: a GIL-free
     ``write_cost x write_cost`` matmul on ``device``, or a ``write_wait_s`` stall of the
     schedule stream that uses no compute (a copy engine); ``None`` for neither.
+
+    For a torch device kind (``"cpu"``, ``"cuda"``: the serial reference, which has no streams)
+    the wait is a host sleep, after the device has finished what was queued: it overlaps nothing.
 
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
@@ -302,8 +319,16 @@ def synthetic_work(device: Device, *, write_cost: int = 0, write_wait_s: float =
         w = torch.randn(write_cost, write_cost, device=torch_device(device))
         return functools.partial(torch.mm, w, w)
     if write_wait_s:
+        if isinstance(device, str):
+            return functools.partial(_host_wait, device, float(write_wait_s))
         return functools.partial(device.stall, float(write_wait_s))
     return None
+
+
+def _host_wait(where: str, seconds: float) -> None:
+    if where != "cpu":
+        torch.cuda.synchronize()
+    time.sleep(seconds)
 
 
 def decode_loop(

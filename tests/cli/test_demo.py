@@ -31,6 +31,17 @@ def test_table_has_one_row_per_policy_and_names_the_device(cli):
     assert rows[0][2] == "1.00x"
 
 
+def test_table_and_json_carry_the_serial_baseline(cli):
+    out = cli("demo", *FAST, "--write-wait-ms", "0").output
+    header = next(line for line in out.splitlines() if line.startswith("policy"))
+    serial = next(line for line in out.splitlines() if line.startswith("serial (no overlap)")).split()
+    assert "vs serial" in header and float(serial[3]) > 0 and serial[5] == "1.00x"  # its steps/s, then 1.00x
+    rows = json.loads(cli("demo", *FAST, "--policy", "exact", "--json").output)
+    for row in rows:
+        assert row["serial_steps_per_s"] == rows[0]["serial_steps_per_s"] > 0  # one reference run
+        assert row["speedup_vs_serial"] == pytest.approx(row["steps_per_s"] / row["serial_steps_per_s"])
+
+
 def test_default_spec_has_buffers_ending_at_different_stages():
     from readfence.cli._params import parse_spec
 

@@ -17,6 +17,7 @@ from readfence.graph import (
     StreamError,
     decode_loop,
     open_device,
+    run_serial,
     synthetic_work,
 )
 
@@ -73,6 +74,17 @@ def test_synthetic_work_kinds(dev):
         synthetic_work(dev, write_wait_s=-1.0)
     with pytest.raises(ValueError, match=">= 0"):
         decode_loop(paged(), policy=Policy.COARSE, device=dev, write_cost=-3)
+
+
+def test_the_serial_baseline_does_the_loops_write_work_and_overlaps_none_of_it():
+    plain = run_serial(paged(), steps=4, batch_size=2)
+    waited = run_serial(paged(), steps=4, batch_size=2, write_wait_s=WAIT)
+    assert waited.matches(plain)  # the work changes the time, never the outputs
+    assert len(waited.intervals) == 3 and min(waited.intervals) >= WAIT  # every step waited, on one thread
+    assert waited.steps_per_s <= 1.0 / WAIT < plain.steps_per_s
+    assert run_serial(paged(), steps=2, batch_size=2, write_cost=8).steps == 2
+    with pytest.raises(ValueError, match="not both"):
+        run_serial(paged(), steps=2, write_cost=8, write_wait_s=0.1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
