@@ -7,14 +7,18 @@ carries extra work calibrated so that the scheduler alone costs about as much as
   competes with the forward for the same cores and memory bandwidth, so even perfect fences
   cannot reach the limit; the measured slowdown of each side is part of the result;
 * ``wait``: a CPU-free wait of the same duration (host work that does not share the device's
-  compute, as on a GPU machine). This isolates what the fences themselves allow.
+  compute, as on a GPU machine). This isolates what the fences themselves allow;
+* ``none``: no extra work, on the demo's own model and batch (``default_nowait``): the loop
+  against the serial eager run (``run_serial``: scheduler, writes and forward on one thread),
+  the baseline a user compares with. Overlap has only the scheduler's own work to hide here.
 
 Measured side by side in every repetition (policies in alternating order):
 
 * forward alone: lowered steps back to back, no scheduler;
 * writes alone: the scheduler's next step and its writes (extra work included), no forward;
 * limit: ``1 / max(forward alone, writes alone)`` steps/s (perfect overlap);
-* each policy: the overlapped decode loop (sanitizer off).
+* each policy: the overlapped decode loop (sanitizer off);
+* for ``none``: the serial eager run, as one more contender.
 
 Each printed ratio is the median over repetitions of that repetition's ratio.
 
@@ -48,7 +52,7 @@ import torch
 from readfence.backends import hybrid_linear, leaf, linear, linear_attention, remap, trtllm_mha
 from readfence.core import ForwardMode, ModelConfig
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import DEVICE_KINDS, DecodeLoop, Policy, decode_loop, open_device, synthetic_work
+from readfence.graph import DEVICE_KINDS, DecodeLoop, Policy, decode_loop, open_device, run_serial, synthetic_work
 
 MODE = ForwardMode.DECODE
 POLICIES = (Policy.COARSE, Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT)
@@ -103,7 +107,10 @@ WORKLOADS = {
 }
 
 
-def _settings(quick: bool) -> dict[str, Any]:
+def _settings(quick: bool, kind: str = "wait") -> dict[str, Any]:
+    if kind == "none":  # the demo's model and batch, and enough steps that a step is ~1 ms of ~0.2 s
+        return {"cfg": ModelConfig(), "batch_size": 4, "steps": 60 if quick else 200, "reps": 3 if quick else 7,
+                "warmup": 10}
     if quick:
         return {"cfg": ModelConfig(hidden=256, mlp=1024, layers=4, heads=4, head_dim=64),
                 "batch_size": 8, "steps": 20, "reps": 3, "warmup": 3}
@@ -154,7 +161,7 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
     that repetition's limit) and each policy, side by side; each ratio is the median over
     repetitions of that repetition's ratio, so a machine that slows down halfway does not skew it.
     """
-    st = _settings(quick)
+    st = _settings(quick, kind)
     cfg, batch_size, steps, reps = st["cfg"], st["batch_size"], st["steps"], st["reps"]
     make = WORKLOADS[workload]
     with open_device(device) as dev:
@@ -162,7 +169,7 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
                  for p in POLICIES}
         coarse = loops[Policy.COARSE]
         coarse.time_forward(3)  # warm up
-        write_cost, wait_s = calibrate(coarse, coarse.time_forward(steps), kind)
+        write_cost, wait_s = (0, 0.0) if kind == "none" else calibrate(coarse, coarse.time_forward(steps), kind)
         work = synthetic_work(dev, write_cost=write_cost, write_wait_s=wait_s)
         speedup = parallel_speedup(dev, work) if kind == "matmul" else None
         for loop in loops.values():
@@ -171,20 +178,25 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
         for loop in loops.values():
             loop.run(st["warmup"])
         forward, writes = [], []
-        rates: dict[Policy, list[float]] = {p: [] for p in POLICIES}
+        contenders: tuple[Any, ...] = POLICIES + ((SERIAL,) if kind == "none" else ())
+        rates: dict[Any, list[float]] = {p: [] for p in contenders}
         for rep in range(reps):
             forward.append(coarse.time_forward(steps))
             writes.append(coarse.time_scheduler(steps))
-            order = POLICIES if rep % 2 == 0 else tuple(reversed(POLICIES))
-            for p in order:
-                _, seconds = loops[p].run(steps)
+            for p in contenders if rep % 2 == 0 else tuple(reversed(contenders)):
+                if p is SERIAL:
+                    seconds = run_serial(make(cfg), MODE, steps=steps, batch_size=batch_size, cfg=cfg,
+                                         device=dev).seconds
+                else:
+                    _, seconds = loops[p].run(steps)
                 rates[p].append(steps / seconds)
             if progress:
                 print(f"  rep {rep + 1}/{reps}: forward {forward[-1] * 1e3:.1f} ms, writes {writes[-1] * 1e3:.1f} ms; "
-                      + "  ".join(f"{p.name} {rates[p][-1]:.1f}" for p in POLICIES), file=sys.stderr)
+                      + "  ".join(f"{_name(p)} {rates[p][-1]:.1f}" for p in contenders), file=sys.stderr)
         device_name = dev.name
     limits = [1.0 / max(f, w) for f, w in zip(forward, writes)]
     med = statistics.median
+    serial = rates.get(SERIAL)
     return {
         "workload": workload,
         "device": device_name,
@@ -198,14 +210,27 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
         "steps_per_s": {p.name: med(rates[p]) for p in POLICIES},
         "vs_coarse": {p.name: med([r / c for r, c in zip(rates[p], rates[Policy.COARSE])]) for p in POLICIES},
         "vs_limit": {p.name: med([r / lim for r, lim in zip(rates[p], limits)]) for p in POLICIES},
+        "serial_steps_per_s": None if serial is None else med(serial),
+        "serial_vs_limit": None if serial is None else med([r / lim for r, lim in zip(serial, limits)]),
+        "vs_serial": None if serial is None else {p.name: med([r / e for r, e in zip(rates[p], serial)])
+                                                  for p in POLICIES},
         "plans": plans,
         "settings": {"batch_size": batch_size, "steps": steps, "reps": reps, "hidden": cfg.hidden,
                      "mlp": cfg.mlp, "layers": cfg.layers},
     }
 
 
+#: The serial eager run, a contender of the ``none`` runs.
+SERIAL = "SERIAL"
+
+
+def _name(contender: Any) -> str:
+    return contender if isinstance(contender, str) else contender.name
+
+
 #: (key, workload, write kind) measured by ``main``, in order.
 RUNS = (
+    ("default_nowait", "hybrid_linear(trtllm_mha,linear)", "none"),
     ("mixed_matmul", "hybrid_linear(trtllm_mha,linear)", "matmul"),
     ("mixed_wait", "hybrid_linear(trtllm_mha,linear)", "wait"),
     ("late_join_wait", "hybrid_linear(trtllm_mha,linear_per_layer)", "wait"),
@@ -232,6 +257,9 @@ def main(quick: bool = False, runs: tuple[tuple[str, str, str], ...] = RUNS,
                 **{f"{p.lower()}_vs_coarse": v for p, v in r["vs_coarse"].items() if p != "COARSE"},
                 **{f"{p.lower()}_vs_limit": v for p, v in r["vs_limit"].items()},
                 **({"parallel_speedup": r["parallel_speedup"]} if r["parallel_speedup"] is not None else {}),
+                **({"serial_steps_per_s": r["serial_steps_per_s"], "serial_vs_limit": r["serial_vs_limit"],
+                    **{f"{p.lower()}_vs_serial": v for p, v in r["vs_serial"].items()}}
+                   if r["vs_serial"] is not None else {}),
             }
         main.details = details  # type: ignore[attr-defined]
         return out
@@ -246,16 +274,21 @@ def _print(details: dict[str, Any]) -> None:
               f"(batch {s['batch_size']}, hidden {s['hidden']}, mlp {s['mlp']}, "
               f"{s['layers']} layers; {s['steps']} steps x {s['reps']} reps, median)")
         work = (f"matmul {r['write_cost']}x{r['write_cost']}" if r["write_kind"] == "matmul"
-                else f"wait {r['write_wait_ms']:.1f} ms")
+                else f"wait {r['write_wait_ms']:.1f} ms" if r["write_kind"] == "wait" else "no extra work")
         print(f"  forward alone {r['forward_ms']:.1f} ms/step, writes alone {r['writes_ms']:.1f} ms/step "
               f"({work}), limit {r['limit_steps_per_s']:.1f} steps/s")
         if r["parallel_speedup"] is not None:
             print(f"  two streams run the write's matmul {r['parallel_speedup']:.2f}x as fast as one "
                   "(2.00: room for both; below it, forward and writes slow each other down)")
+        serial = r["vs_serial"]
+        if serial is not None:
+            print(f"  {'serial':10} {r['serial_steps_per_s']:6.1f} steps/s  (eager, one thread, no overlap)  "
+                  f"{r['serial_vs_limit']:5.2f}x limit")
         for p in POLICIES:
             ends = ", ".join(f"{b}={e}" for b, e in r["plans"][p.name].items())
+            vs = f"{serial[p.name]:5.2f}x serial  " if serial is not None else ""
             print(f"  {p.name:10} {r['steps_per_s'][p.name]:6.1f} steps/s  {r['vs_coarse'][p.name]:5.2f}x COARSE  "
-                  f"{r['vs_limit'][p.name]:5.2f}x limit   [{ends}]")
+                  f"{vs}{r['vs_limit'][p.name]:5.2f}x limit   [{ends}]")
 
 
 def cli(argv: list[str] | None = None) -> int:
