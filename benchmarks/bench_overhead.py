@@ -1,7 +1,7 @@
 """Overhead: host cost per step of ``Lowered.run`` plus the fence wait, against a hand loop.
 
 Both loops enqueue exactly the same device work for one decode step on the same device and
-the same lowered graph: wait for the scheduler's event, copy the batch in, launch the
+the same lowered graph, as one ``stream.batch()``: wait for the scheduler's event, copy the batch in, launch the
 out-of-graph stage GraphModule, record the PRE_REPLAY events, replay the captured graph
 (in-graph records included), record the POST_REPLAY events, copy the logits out, record the
 done event, and make the schedule stream wait on every fence event. The hand loop does it with
@@ -61,20 +61,22 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     label = low.label
 
     def step(batch: dict, i: int) -> None:
-        s.wait(written)
-        s.launch(lambda: [static_batch[k].copy_(v) for k, v in batch.items()], label=f"{label}/load_batch", step=i)
-        s.launch(lambda: [meta[k].copy_(v) for k, v in out_runner.run(env).items()],
-                 label=f"{label}/prepare_out_graph", ops=out_ops, step=i)
-        for e in pre:
-            s.record(e)
-        graph.replay(s, step=i)
-        for e in post:
-            s.record(e)
-        logits = torch.empty_like(static_logits)
-        s.launch(logits.copy_, static_logits, label=f"{label}/outputs", step=i)
-        for e in unknown:
-            s.record(e)
-        s.record(slot.done)
+        with s.batch():
+            s.wait(written)
+            s.launch(lambda: [static_batch[k].copy_(v) for k, v in batch.items()], label=f"{label}/load_batch",
+                     step=i)
+            s.launch(lambda: [meta[k].copy_(v) for k, v in out_runner.run(env).items()],
+                     label=f"{label}/prepare_out_graph", ops=out_ops, step=i)
+            for e in pre:
+                s.record(e)
+            graph.replay(s, step=i)
+            for e in post:
+                s.record(e)
+            logits = torch.empty_like(static_logits)
+            s.launch(logits.copy_, static_logits, label=f"{label}/outputs", step=i)
+            for e in unknown:
+                s.record(e)
+            s.record(slot.done)
         for e in fence_events:
             sched.wait(e)
 

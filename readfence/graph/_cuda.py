@@ -22,7 +22,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -187,6 +187,10 @@ class CudaStream:
     def error(self) -> BaseException | None:
         return self._error
 
+    def batch(self) -> AbstractContextManager[None]:
+        """Nothing to group: a CUDA launch is already asynchronous (see ``Stream.batch``)."""
+        return nullcontext()
+
     def launch(
         self,
         fn: Callable[..., Any],
@@ -201,7 +205,7 @@ class CudaStream:
         records ``event`` on the current stream at that point.
         """
         dev = self.device
-        label, ops = dev._launch_ops(fn, label, ops, step)
+        label, ops, _ = dev._launch_ops(fn, label, ops, step)
         with dev._lock:
             dev._check_open()
             capture = self._capture

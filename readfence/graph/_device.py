@@ -111,6 +111,12 @@ class Stream(Protocol):
     def synchronize(self, timeout: float | None = None) -> None:
         """Host wait until every op enqueued so far on this stream has run."""
 
+    def batch(self) -> AbstractContextManager[None]:
+        """Hand what is issued on this stream inside the ``with`` block over as one unit when it
+        ends (``CpuStream``: one work item; nothing to do on CUDA). Ops, bindings and observer
+        calls are as if issued one by one."""
+        ...
+
     def keep(self, tensor: Tensor) -> None:
         """Do not let ``tensor``'s memory be reused before the work enqueued on this stream so
         far has run (for a tensor allocated on the host's stream and written by this one)."""

@@ -145,14 +145,17 @@ class DeviceBase:
         raise NotImplementedError
 
     # -- helpers
-    def _launch_ops(self, fn: Any, label: str, ops: Sequence[Op], step: int | None) -> tuple[str, tuple[Op, ...]]:
-        """A launch's label and its ops with ``step`` bound; its records must be our events."""
+    def _launch_ops(self, fn: Any, label: str, ops: Sequence[Op], step: int | None,
+                    bind: bool = True) -> tuple[str, tuple[Op, ...], tuple[Any, ...]]:
+        """A launch's label, its ops (with ``step`` bound, unless ``bind`` is false: only observers
+        and captures read the steps) and the events it records, which must be ours."""
         if not callable(fn):
             raise TypeError(f"launch needs a callable, got {fn!r}")
-        ops = bind_step(ops, step)
-        for ev in records_in(ops):
+        ops = bind_step(ops, step if bind else None)
+        records = records_in(ops)
+        for ev in records:
             self._own_event(ev)
-        return _label_of(fn, label), ops
+        return _label_of(fn, label), ops, records
 
     def _timeout(self, timeout: float | None) -> float:
         t = self.timeout if timeout is None else float(timeout)
@@ -225,13 +228,14 @@ class GraphBase:
             )
 
     def _replay_ops(self, stream: Any, step: int | None) -> tuple[Any, tuple[Op, ...]]:
-        """The stream to replay on and the graph's ops with ``step`` bound, after the checks."""
+        """The stream to replay on and the graph's ops with ``step`` bound (for observers: with
+        none, the static ops), after the checks."""
         stream = self.stream if stream is None else self.device._own_stream(stream)
         if self._broken is not None:
             raise CaptureError(f"graph {self.label!r} cannot be replayed: its capture failed") from self._broken
         if not self._sealed:
             raise CaptureError(f"graph {self.label!r} is replayed inside its own capture")
-        return stream, bind_step(self.ops, step)
+        return stream, bind_step(self.ops, step) if self.device.observers else self.ops
 
     def _announce_locked(self, stream: Any, ops: tuple[Op, ...]) -> None:
         """Under the device lock: the device is open, the stream free; observers are told."""

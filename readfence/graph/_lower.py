@@ -308,41 +308,42 @@ class Lowered:
         slot = self._slots[self._runs % self.ring_size]
         self._runs += 1
         s = self.stream
-        for event in after:
-            s.wait(event)
-        static = self._static_batch
-        s.launch(load_batch, static, staged, label=self._labels["load_batch"], step=step)
-        check = self.check
-        if check is not None:
-            self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
-        if self.timeline is None:  # hot path: the stage launch prebuilt per slot
-            s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
-        else:
-            self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
-        at_end = slot.at_end
-        if check is None:
-            for event in at_end[_PRE]:
+        with s.batch():  # the step is one work item of the stream (CpuDevice)
+            for event in after:
+                s.wait(event)
+            static = self._static_batch
+            s.launch(load_batch, static, staged, label=self._labels["load_batch"], step=step)
+            check = self.check
+            if check is not None:
+                self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
+            if self.timeline is None:  # hot path: the stage launch prebuilt per slot
+                s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
+            else:
+                self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
+            at_end = slot.at_end
+            if check is None:
+                for event in at_end[_PRE]:
+                    s.record(event)
+            else:
+                self._record_points(slot, ReadEnd.PRE_REPLAY)
+            if self.graphed:
+                slot.graph.replay(s, step=step)
+            else:
+                self._in_graph_work(slot, step)
+            if check is None:
+                for event in at_end[_POST]:
+                    s.record(event)
+            else:
+                self._record_points(slot, ReadEnd.POST_REPLAY)
+            logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
+            s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
+            s.keep(logits)
+            for event in at_end[_LAST]:
                 s.record(event)
-        else:
-            self._record_points(slot, ReadEnd.PRE_REPLAY)
-        if self.graphed:
-            slot.graph.replay(s, step=step)
-        else:
-            self._in_graph_work(slot, step)
-        if check is None:
-            for event in at_end[_POST]:
-                s.record(event)
-        else:
-            self._record_points(slot, ReadEnd.POST_REPLAY)
-        logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
-        s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
-        s.keep(logits)
-        for event in at_end[_LAST]:
-            s.record(event)
-        if check is not None and last:
-            s.launch(check.restorer(), label=f"{self.label}/restore", step=step)
-            s.launch(check.finish, step, label=f"{self.label}/check", step=step)
-        s.record(slot.done)
+            if check is not None and last:
+                s.launch(check.restorer(), label=f"{self.label}/restore", step=step)
+                s.launch(check.finish, step, label=f"{self.label}/check", step=step)
+            s.record(slot.done)
         return tuple.__new__(StepRun, (step, logits, self._fence(slot, step)))
 
     def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:

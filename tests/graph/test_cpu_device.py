@@ -524,3 +524,60 @@ def test_plain_cpu_events_keep_their_handles_and_allow_host_waits_during_a_captu
         ev.synchronize(T)
         assert ev.query()
     assert ev.latest is not None and ev.latest.timestamp is not None
+
+
+# -- batch(): one work item, the same semantics ------------------------------------------------
+def test_a_batch_runs_when_it_ends_in_order_with_each_ops_own_error_and_skips(dev):
+    s, other = dev.stream("forward"), dev.stream("schedule")
+    before, after = dev.event("before"), dev.event("after")
+    out: list[str] = []
+    seen = []
+
+    class Watch(DeviceObserver):
+        def on_launch(self, stream, label, ops):
+            seen.append((label, tuple(ops)))
+
+    dev.add_observer(Watch())
+    with s.batch():
+        s.launch(out.append, "a", label="a", ops=[Read("req_to_token", "n")], step=4)
+        s.record(before)
+        other.wait(before)  # binds now, to the generation created inside the batch
+        with s.batch():  # nested: still one unit
+            s.launch(lambda: 1 / 0, label="boom")
+        s.launch(out.append, "never", label="skipped")
+        s.record(after)
+        assert out == [] and seen[0] == ("a", (Read("req_to_token", "n", 4),))  # observers see it now
+    other.launch(out.append, "after the wait", label="waiter")
+    other.synchronize(timeout=T)
+    before.synchronize(timeout=T)
+    with pytest.raises(StreamError, match="boom"):
+        after.synchronize(timeout=T)
+    assert out == ["a", "after the wait"]
+    assert isinstance(s.error, StreamError) and "boom" in str(s.error)
+
+
+def test_a_host_wait_inside_a_batch_hands_over_what_was_issued(dev):
+    s, ev = dev.stream("forward"), dev.event("mid")
+    out: list[int] = []
+    with s.batch():
+        s.launch(out.append, 1)
+        s.record(ev)
+        ev.synchronize(timeout=T)  # would time out if the batch were still held back
+        assert out == [1]
+        s.launch(out.append, 2)
+        s.synchronize(timeout=T)
+        assert out == [1, 2]
+        s.launch(out.append, 3)
+    dev.synchronize(timeout=T)
+    assert out == [1, 2, 3]
+
+
+def test_closing_with_a_batch_open_fails_its_events_instead_of_hanging():
+    dev = CpuDevice(timeout=T)
+    s, ev = dev.stream("forward"), dev.event("late")
+    with s.batch():
+        s.record(ev)
+        gen = ev._latest
+        dev.close()  # hands the batch over, to be skipped
+    with pytest.raises(DeviceClosed):
+        gen.synchronize(T)
