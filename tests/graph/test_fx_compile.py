@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from readfence.backends import deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
 from readfence.core import ForwardMode, ModelConfig, example_step, trace
 from readfence.core._program import flatten_inputs
-from readfence.graph._fx_compile import compile_graph
+from readfence.graph._fx_compile import binding_for, compile_graph
 from readfence.graph._fx_records import insert_records
 
 M = ForwardMode
@@ -54,7 +54,7 @@ def test_folds_and_shares_only_pure_recomputation():
         return x * w + x * w             # the second product is the first one
 
     compiled = _check(f, torch.randn(4))
-    assert compiled.stats == {"nodes": 5, "folded": 2, "shared": 1}
+    assert compiled.stats == {"nodes": 5, "folded": 2, "shared": 1, "bound": 2}
 
 
 def test_a_read_after_an_in_place_write_is_not_the_read_before_it():
@@ -163,6 +163,39 @@ def test_kept_nodes_run_where_they_are():
     reads = [n.name for n in gm.graph.nodes if "index_select" in str(n.target)]
     assert compile_graph(gm).stats["shared"] == 1
     assert compile_graph(gm, keep=reads).stats["shared"] == 0
+
+
+# ------------------------------------------------------------------- bindings, only when probed
+
+_X, _Y = torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta")
+_MUL = torch.ops.aten.mul.Tensor
+
+
+@pytest.mark.parametrize("candidate, why", [
+    (torch.add, "another op"),
+    (lambda a, b: torch.mul(b, a), "the arguments swapped"),
+    (lambda a, b: torch.mul(a, b.clone()), "two ops"),
+    (lambda a, b: torch.mul(a, 2.0), "another argument"),
+    (lambda a, b: None, "no op at all"),
+    (lambda a, b: 1 / 0, "an error"),
+])
+def test_a_binding_must_dispatch_the_nodes_op_with_its_arguments(candidate, why):
+    assert binding_for(_MUL, (_X, _Y), {}, candidates=[candidate]) is None, why
+    assert binding_for(_MUL, (_X, _Y), {}, candidates=[torch.mul]) is torch.mul
+
+
+def test_a_binding_may_spell_out_a_default_but_not_change_a_scalars_type():
+    spelled = lambda a, b: torch.add(a, b, alpha=1)  # noqa: E731
+    assert binding_for(torch.ops.aten.add.Tensor, (_X, _Y), {}, candidates=[spelled]) is spelled
+    assert binding_for(_MUL, (_X, 2), {}, candidates=[lambda a, b: torch.mul(a, 2.0)]) is None
+    assert binding_for(_MUL, (_X, 2), {}) is torch._C.TensorBase.mul
+
+
+def test_without_bindings_every_call_goes_through_its_handle():
+    gm = make_fx(lambda x: x.view(-1) * 2)(torch.ones(2, 2))
+    assert compile_graph(gm).stats["bound"] == 2
+    plain = compile_graph(gm, bindings=False)
+    assert plain.stats["bound"] == 0 and torch.equal(plain(torch.ones(2, 2)), torch.full((4,), 2.0))
 
 
 # ---------------------------------------------------------------- random programs, adversarially
