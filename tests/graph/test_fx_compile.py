@@ -14,8 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from readfence.backends import deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
 from readfence.core import ForwardMode, ModelConfig, example_step, trace
 from readfence.core._program import flatten_inputs
-from readfence.graph._fx_compile import binding_for, compile_graph
-from readfence.graph._fx_records import insert_records
+from readfence.graph.lowering._fx_compile import binding_for, compile_graph
+from readfence.graph.lowering._fx_records import insert_records
 
 M = ForwardMode
 
