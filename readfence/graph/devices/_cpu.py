@@ -146,6 +146,7 @@ class CpuEvent:
         self._handles = not device.cuda_events
         self.generation = 0
         self.single_stream: str | None = None
+        self._wait_label = f"wait({name})"  # made once: a wait is on the host's hot path
 
     @property
     def timestamp(self) -> float | None:
@@ -285,7 +286,7 @@ class _WaitItem(_Item):
     def __init__(self, gen: Generation) -> None:
         self.gen = gen
         assert gen.event is not None
-        self.label = f"wait({gen.event.name})"
+        self.label = gen.event._wait_label
 
     def run(self, stream: CpuStream) -> None:
         timeout = stream.device.timeout

@@ -24,7 +24,7 @@ from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.core._checks import positive_int
 
 from ..devices import Device, Timeline, Write
-from ..devices._copy import copy_from_host
+from ..devices._copy import copy_all_from_host
 from ..devices._open import check_device
 from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
 from ..lowering._lower import _device_of
@@ -87,12 +87,10 @@ def _run_all(fns: Sequence[Callable[[], Any]]) -> None:
         fn()
 
 
-def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: Tensor | None = None) -> None:
+def _write(dsts: Sequence[Tensor], srcs: Sequence[Tensor], work: Callable[[], Any] | None) -> None:
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
-    copy_from_host(dst, src)
-    if expected is not None:  # check mode: what the forward must find there until it releases it
-        copy_from_host(expected, src)
+    copy_all_from_host(dsts, srcs)
 
 
 def run_serial(
@@ -187,14 +185,23 @@ class DecodeLoop:
         key = self.lowered.write_key
         self.write_groups = tuple(tuple(g) for _, g in itertools.groupby(self.write_order, key=key))
 
-    def _writer(self, b: str, nxt: StepState) -> Callable[[], None]:
-        check = self.check
-        work = self.write_work if b == "req_to_token" else None
-        fn = functools.partial(_write, self.lowered.shared[b], nxt.shared[b], work,
-                               None if check is None else check.expected[b])
-        if self.timeline is not None:
-            fn = self.timeline.timed(self.schedule_stream.name, f"write {b}", fn, "write", step=nxt.step)
-        return fn
+    def _writer(self, group: Sequence[str], nxt: StepState) -> Callable[[], None]:
+        """The launch that writes ``group``'s buffers (and, in check mode, what the forward must
+        find there until it releases them); traced, one span per buffer."""
+        shared, check = self.lowered.shared, self.check
+
+        def write(buffers: Sequence[str]) -> Callable[[], None]:
+            work = self.write_work if "req_to_token" in buffers else None
+            dsts, srcs = [shared[b] for b in buffers], [nxt.shared[b] for b in buffers]
+            if check is not None:
+                dsts, srcs = dsts + [check.expected[b] for b in buffers], srcs + srcs
+            return functools.partial(_write, dsts, srcs, work)
+
+        if self.timeline is None:
+            return write(group)
+        timed = [self.timeline.timed(self.schedule_stream.name, f"write {b}", write([b]), "write", step=nxt.step)
+                 for b in group]
+        return timed[0] if len(timed) == 1 else functools.partial(_run_all, timed)
 
     def _write_state(self, nxt: StepState, fence_wait: Callable[[Sequence[str]], None] | None) -> None:
         s, step = self.schedule_stream, nxt.step
@@ -202,11 +209,9 @@ class DecodeLoop:
             for group in self.write_groups:
                 if fence_wait is not None:
                     fence_wait(group)
-                writes = [self._writer(b, nxt) for b in group]
-                fn = writes[0] if len(writes) == 1 else functools.partial(_run_all, writes)
                 # named after its first buffer: a trace matches launches to spans by name
-                s.launch(fn, label=f"scheduler/write:{group[0]}", ops=[Write(b, step, "scheduler") for b in group],
-                         step=step)
+                s.launch(self._writer(group, nxt), label=f"scheduler/write:{group[0]}",
+                         ops=[Write(b, step, "scheduler") for b in group], step=step)
             s.record(self.written)
 
     def _next(self) -> StepState:
