@@ -88,16 +88,22 @@ def op_aliasing(op: Any) -> OpAliasing | None:
     return _aliasing(op)
 
 
-def bind(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-    """The value passed for each schema argument, in schema order (``None`` when omitted).
+def bind(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, defaults: bool = False) -> list[Any]:
+    """The value passed for each schema argument, in schema order (``None`` when omitted, or
+    with ``defaults`` the schema's default where it has one: two calls that differ only in
+    spelling a default out then bind alike).
 
     >>> bind(torch.ops.aten.add.Tensor, (1, 2), {"alpha": 3})
     [1, 2, 3]
+    >>> bind(torch.ops.aten.add.Tensor, (1, 2), {}), bind(torch.ops.aten.add.Tensor, (1, 2), {}, defaults=True)
+    ([1, 2, None], [1, 2, 1])
     """
     out = []
     for i, arg in enumerate(op._schema.arguments):
         if i < len(args) and not arg.kwarg_only:
             out.append(args[i])
-        else:
+        elif arg.name in kwargs or not defaults or not arg.has_default_value():
             out.append(kwargs.get(arg.name))
+        else:
+            out.append(arg.default_value)
     return out

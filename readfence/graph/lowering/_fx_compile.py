@@ -168,23 +168,6 @@ def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any]
 
 # ------------------------------------------------------------------------- bindings, by probe
 
-_NOT_GIVEN = object()
-
-
-def _schema_values(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """Every schema argument's value, defaults filled in (calls that differ only in spelling
-    out a default compare equal)."""
-    out = []
-    for i, arg in enumerate(op._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            out.append(args[i])
-        elif arg.name in kwargs:
-            out.append(kwargs[arg.name])
-        else:
-            out.append(arg.default_value if arg.has_default_value() else _NOT_GIVEN)
-    return out
-
-
 def _same_argument(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
@@ -227,7 +210,7 @@ def binding_for(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     >>> binding_for(torch.ops.aten.mul.Tensor, (x, x), {}, candidates=[torch.add]) is None
     True
     """
-    expected = _schema_values(op, args, kwargs)
+    expected = bind(op, args, kwargs, defaults=True)
     for fn in _candidates(op) if candidates is None else candidates:
         seen = _Dispatched()
         try:
@@ -239,7 +222,7 @@ def binding_for(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             continue
         func, got_args, got_kwargs = seen.calls[0]
         if func is op and all(_same_argument(a, b) for a, b in
-                              zip(_schema_values(op, got_args, got_kwargs), expected, strict=True)):
+                              zip(bind(op, got_args, got_kwargs, defaults=True), expected, strict=True)):
             return fn
     return None
 
