@@ -42,20 +42,6 @@ def _current_context() -> _OpContext | None:
     return _CONTEXT.stack[-1] if _CONTEXT.stack else None
 
 
-class _running:
-    """Context manager: run a launched function with its declared records pending."""
-
-    def __init__(self, ctx: _OpContext) -> None:
-        self.ctx = ctx
-
-    def __enter__(self) -> _OpContext:
-        _CONTEXT.stack.append(self.ctx)
-        return self.ctx
-
-    def __exit__(self, *exc: object) -> None:
-        _CONTEXT.stack.pop()
-
-
 def _take_pending(event: Any) -> tuple[_OpContext, Any]:
     """Pop the next declared record of the running launch; it must be ``event``."""
     ctx = _current_context()
@@ -94,8 +80,12 @@ def _run_launched(device: Any, stream: str, label: str, fn: Callable[..., Any], 
     """Run a launched ``fn(*args)`` with its declared records ``pending`` (``(event, token)``
     pairs, for ``record_here``); each of them must be recorded by the time it returns."""
     ctx = _OpContext(device, stream, label, pending)
-    with _running(ctx):
+    stack = _CONTEXT.stack  # the thread's stack, fetched once: a launch is on the stream's hot path
+    stack.append(ctx)
+    try:
         fn(*args)
+    finally:
+        stack.pop()
     _check_all_recorded(ctx)
 
 

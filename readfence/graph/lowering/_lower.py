@@ -44,7 +44,7 @@ from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Op
-from ..devices._copy import copy_all_from_host
+from ..devices._copy import copy_from_host
 from ..devices._open import check_device
 from ._fence import Bound, Fence
 from ._fx_compile import compile_graph
@@ -409,7 +409,8 @@ class CompiledStage:
 
 def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
     """Copy a step's inputs into the graph's static buffers (from the host without blocking it)."""
-    copy_all_from_host(static, staged)
+    for t, v in zip(static, staged):
+        copy_from_host(t, v)
 
 
 def last_reads(program: Program) -> dict[str, LastRead]:

@@ -87,7 +87,12 @@ def _run_all(fns: Sequence[Callable[[], Any]]) -> None:
         fn()
 
 
-def _write(dsts: Sequence[Tensor], srcs: Sequence[Tensor], work: Callable[[], Any] | None) -> None:
+def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: Tensor | None = None) -> None:
+    """One buffer's write (a traced run times each buffer on its own)."""
+    _write_group([dst] if expected is None else [dst, expected], [src] if expected is None else [src, src], work)
+
+
+def _write_group(dsts: Sequence[Tensor], srcs: Sequence[Tensor], work: Callable[[], Any] | None) -> None:
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
     copy_all_from_host(dsts, srcs)
@@ -190,16 +195,18 @@ class DecodeLoop:
         find there until it releases them); traced, one span per buffer."""
         shared, check = self.lowered.shared, self.check
 
-        def write(buffers: Sequence[str]) -> Callable[[], None]:
-            work = self.write_work if "req_to_token" in buffers else None
-            dsts, srcs = [shared[b] for b in buffers], [nxt.shared[b] for b in buffers]
-            if check is not None:
-                dsts, srcs = dsts + [check.expected[b] for b in buffers], srcs + srcs
-            return functools.partial(_write, dsts, srcs, work)
+        def work(buffers: Sequence[str]) -> Callable[[], Any] | None:
+            return self.write_work if "req_to_token" in buffers else None
 
         if self.timeline is None:
-            return write(group)
-        timed = [self.timeline.timed(self.schedule_stream.name, f"write {b}", write([b]), "write", step=nxt.step)
+            dsts, srcs = [shared[b] for b in group], [nxt.shared[b] for b in group]
+            if check is not None:
+                dsts, srcs = dsts + [check.expected[b] for b in group], srcs + srcs
+            return functools.partial(_write_group, dsts, srcs, work(group))
+        timed = [self.timeline.timed(self.schedule_stream.name, f"write {b}",
+                                     functools.partial(_write, shared[b], nxt.shared[b], work([b]),
+                                                       None if check is None else check.expected[b]),
+                                     "write", step=nxt.step)
                  for b in group]
         return timed[0] if len(timed) == 1 else functools.partial(_run_all, timed)
 
