@@ -405,7 +405,7 @@ class CpuStream:
     def __init__(self, device: CpuDevice, name: str) -> None:
         self.device = device
         self.name = name
-        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | _Batch] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._capture: CpuGraph | None = None
         self._running_label: str | None = None
@@ -480,7 +480,7 @@ class CpuStream:
             item = get()
             if item is _STOP:
                 return
-            if type(item) is _Batch:
+            if isinstance(item, _Batch):
                 for op in item.items:
                     run(op)
             else:

@@ -150,6 +150,7 @@ def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any]
     for node in graph.nodes:
         if node.name in keep or not _pure(node) or memory.roots[node] & kept_apart:
             continue
+        target: Any = node.target  # an aten OpOverload (_pure)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: same.get(n, n))
         inputs = _refs((args, kwargs))
         if memory.of((args, kwargs)) & kept_apart:
@@ -162,7 +163,7 @@ def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any]
             same[node] = first
         elif all(n in folded for n in inputs):
             args, kwargs = fx.node.map_arg((args, kwargs), folded.__getitem__)
-            folded[node] = node.target(*args, **kwargs)
+            folded[node] = target(*args, **kwargs)
     return folded, same
 
 
@@ -334,9 +335,9 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
 
     params, body = [], []
     bound = 0
-    freed: dict[fx.Node, list[str]] = {}
+    freed: dict[fx.Node, list[fx.Node]] = {}
     for ref, user in last_use.items():
-        freed.setdefault(user, []).append(ref)  # type: ignore[arg-type]
+        freed.setdefault(user, []).append(ref)
     for i, node in enumerate(nodes):
         if node in same:
             continue

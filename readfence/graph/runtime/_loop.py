@@ -239,7 +239,7 @@ class DecodeLoop:
             if i + 1 < steps:
                 nxt = self._next()
                 if self.check is None:
-                    self._write_state(nxt, lambda group, f=run.fence: f.wait(self.schedule_stream, group))
+                    self._write_state(nxt, functools.partial(run.fence.wait, self.schedule_stream))
                 else:  # the step restores what it poisoned at its very end: write after that
                     run.fence.wait_end(self.schedule_stream)
                     self._write_state(nxt, None)
