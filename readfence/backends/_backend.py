@@ -10,7 +10,7 @@ as well.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -170,7 +170,7 @@ class Backend:
         check_mode(mode)
         return ()
 
-    def with_children(self, children: Iterable[Backend]) -> Backend:
+    def with_children(self, children: Sequence[Backend]) -> Backend:
         """The same node over new children (a leaf has none and returns itself)."""
         if tuple(children):
             raise ValueError(f"{self.name} is a leaf: it has no children to replace")
