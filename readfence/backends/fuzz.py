@@ -817,7 +817,7 @@ def placements(vocabulary: Mapping[str, Pattern] | None = None) -> st.SearchStra
     it, carried or not.
 
     >>> from hypothesis import find, settings
-    >>> find(placements(), lambda p: p.via == "closure", settings=settings(database=None))
+    >>> find(placements(), lambda p: p.via == "closure", settings=settings(database=None, derandomize=True))
     chunk(req_to_token) via closure in prepare_out_graph
     """
     gen = _generator(vocabulary)
@@ -857,7 +857,8 @@ def programs(vocabulary: Mapping[str, Pattern] | None = None, *, max_leaves: int
     :func:`random_programs`.
 
     >>> from hypothesis import find, settings
-    >>> smallest_tree = find(programs(), lambda p: isinstance(p.root, FuzzTree), settings=settings(database=None))
+    >>> smallest_tree = find(programs(), lambda p: isinstance(p.root, FuzzTree),
+    ...                      settings=settings(database=None, derandomize=True))
     >>> print(str(smallest_tree).splitlines()[0])
     join(f0, f1) in DECODE
     """
