@@ -125,7 +125,7 @@ def _run_demo(backend: Any, policies: Sequence[Policy], device: str, steps: int,
               progress: Callable[[int], None] | None, on_policy: Callable[[str], None] | None) -> DemoResult:
     if on_policy:
         on_policy("serial reference")
-    kw = {"steps": steps, "batch_size": batch_size, "seed": seed}
+    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed}
     with open_device(device) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
     reference = run_serial(backend, mode, device=device, write_cost=write_cost, write_wait_s=write_wait_s, **kw)

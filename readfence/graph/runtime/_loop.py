@@ -13,7 +13,7 @@ import functools
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -23,12 +23,12 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.core._checks import positive_int
 
-from ..devices import Device, Timeline, Write
+from ..devices import Device, Event, Stream, Timeline, Write
 from ..devices._copy import copy_all_from_host
 from ..devices._open import check_device
 from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
 from ..lowering._lower import _device_of
-from ..steps._target import check_run, eager_step, lower_step, scheduling_mode
+from ..steps._target import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepState
 
@@ -99,7 +99,7 @@ def _write_group(dsts: Sequence[Tensor], srcs: Sequence[Tensor], work: Callable[
 
 
 def run_serial(
-    backend: Any,
+    backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     steps: int,
@@ -107,7 +107,7 @@ def run_serial(
     cfg: ModelConfig | None = None,
     seed: int = 0,
     finish_prob: float = 0.1,
-    state: dict[str, dict[str, Tensor]] | None = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
     device: Device | str | None = None,
     write_cost: int = 0,
     write_wait_s: float = 0.0,
@@ -172,11 +172,11 @@ class DecodeLoop:
     Build with :func:`decode_loop`; :meth:`run` runs ``steps`` overlapped steps.
     """
 
-    lowered: Any  # Lowered, PhasedStep or StreamGroup: run(), shared, write_key()
+    lowered: LoweredStep
     scheduler: Scheduler
     device: Device
-    schedule_stream: Any
-    written: Any
+    schedule_stream: Stream
+    written: Event
     write_work: Callable[[], Any] | None  # run on the schedule stream before the page-table write
     timeline: Timeline | None
     write_order: tuple[str, ...]
@@ -325,7 +325,7 @@ def _host_wait(where: str, seconds: float) -> None:
 
 
 def decode_loop(
-    backend: Any,
+    backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     policy: Policy,
@@ -338,7 +338,7 @@ def decode_loop(
     write_wait_s: float = 0.0,
     ring_size: int | None = None,
     timeline: Timeline | None = None,
-    state: dict[str, dict[str, Tensor]] | None = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
     check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,
 ) -> DecodeLoop:
@@ -375,7 +375,7 @@ def decode_loop(
 
 
 def run_overlapped(
-    backend: Any,
+    backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     steps: int,
