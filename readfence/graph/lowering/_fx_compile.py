@@ -12,9 +12,10 @@ order, on each op's C++ handle, after two passes that only drop recomputation:
 * common subexpressions: a pure node equal to an earlier one (same op, same arguments) whose
   inputs nothing in the graph writes is replaced by it (the rotary angles of every layer).
 
-On the demo's body the two passes leave 340 of its 446 calls, and the compiled body runs
-about 1.9x as fast as the GraphModule (0.94 vs 1.80 ms; the eager step it was traced from:
-1.41 ms), measured side by side on a 2-core VM.
+On the demo's body (446 calls) the passes fold 9 and share 99, and bindings carry 301 of the
+rest. Medians side by side on a quiet 2-core VM: GraphModule 1.80 ms, the same calls on their
+handles 1.33 ms, with the two passes 0.93 ms, with bindings 0.82 ms; the whole eager step the
+body was traced from takes 1.37 ms.
 
 *Pure* is read from the op's schema (``core._schema``): an ``aten`` op that writes none of its
 arguments, returns something, and is not tagged nondeterministic. Opaque Python callables
