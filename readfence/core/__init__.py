@@ -2,6 +2,7 @@
 
 from ._model import forward, prepare, rms_norm, rotary, run_step
 from ._modes import ForwardMode
+from ._parallel import TensorParallel, all_reduce
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._state import (
     SHARED_BUFFERS,
@@ -22,6 +23,8 @@ __all__ = [
     "ForwardMode",
     "ModelConfig",
     "StepInputs",
+    "TensorParallel",
+    "all_reduce",
     "cross_into_graph",
     "example_step",
     "forward",
