@@ -88,6 +88,11 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
     return "\n".join(lines)
 
 
+def phases_of(spec: Any) -> str | None:
+    """A step shape's phases as ``name:MODE -> ...``; ``None`` for a backend."""
+    return " -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases) if isinstance(spec, StepShape) else None
+
+
 def check_output_path(flag: str, path: pathlib.Path, suffix: str) -> None:
     """Refuse, before anything runs, an output file that cannot be written: a wrong suffix, a
     missing folder, something that is not a regular file, or a place the user may not write.
@@ -166,9 +171,13 @@ class _Progress:
               help="Write a Chrome trace-event JSON of every run (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True, path_type=pathlib.Path),
               help="Draw the first steps of each run's timeline as a PNG (needs matplotlib).")
+@click.option("--tp", type=Positive(), default=None,
+              help="Tensor parallelism: run on N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), each with its "
+                   "own scheduler, shared buffers and lowered step of its shard of the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
 def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed: int, batch_size: int,
-         write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None, as_json: bool) -> None:
+         write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None,
+         tp: int | None, as_json: bool) -> None:
     """Run the tiny model's overlapped decode loop under each fence policy.
 
     Each run is checked bit for bit against a serial run and watched by the sanitizer; the
@@ -185,6 +194,15 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     if batch_size > ModelConfig().max_reqs:
         raise InputError(f"invalid --batch-size {batch_size}: the tiny model serves at most "
                          f"{ModelConfig().max_reqs} requests (1..{ModelConfig().max_reqs})")
+    if tp is not None:
+        from ._tp_cmd import check_tp, demo_tp
+
+        check_tp(tp)
+        if trace_path is not None or plot_path is not None:
+            raise InputError("--trace and --plot draw one process's streams: run them without --tp")
+        demo_tp(spec, tp=tp, device=device, policies=policies, as_json=as_json, steps=steps, batch_size=batch_size,
+                seed=seed, write_cost=write_cost, write_wait_s=write_wait_ms / 1e3)
+        return
     progress = _Progress(steps * (len(set(policies) | {Policy.COARSE})), enabled=not as_json)
     try:
         result = run_demo(spec, policies=policies, device=device, steps=steps, batch_size=batch_size,
@@ -207,9 +225,7 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
                 "write_wait_ms": write_wait_ms} for r in result.rows]
         echo_json(out)
     else:
-        phases = (" -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
-                  if isinstance(spec, StepShape) else None)
-        click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
+        click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases_of(spec),
                           write_wait_ms=write_wait_ms))
         for what, path in (("trace", trace_path), ("plot", plot_path)):
             if path is not None:

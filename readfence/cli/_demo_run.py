@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from readfence.core import ForwardMode
+from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import (
     Policy,
     Timeline,
@@ -61,10 +61,11 @@ def with_baseline(policies: Sequence[Policy]) -> tuple[Policy, ...]:
 
 
 def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, trace: bool,
-             progress: Callable[[int], None] | None, **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
+             progress: Callable[[int], None] | None, device_options: Mapping[str, Any],
+             **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
     timeline = Timeline() if trace else None
     recorder = WaitRecorder()
-    with open_device(device) as dev:
+    with open_device(device, **device_options) as dev:
         if trace:
             dev.add_observer(recorder)
         try:
@@ -93,6 +94,8 @@ def run_demo(
     trace: bool = False,
     progress: Callable[[int], None] | None = None,
     on_policy: Callable[[str], None] | None = None,
+    cfg: ModelConfig | None = None,
+    device_options: Mapping[str, Any] | None = None,
 ) -> DemoResult:
     """Run the serial reference, then the overlapped loop for COARSE and each of ``policies``.
 
@@ -101,12 +104,15 @@ def run_demo(
     messages) and ``error`` (why lowering was refused, else ``None``). ``write_wait_s`` makes each page-table write take that long without using
     the CPU (a stand-in for a copy engine, so overlap shows on a CPU device); ``write_cost`` adds
     synthetic scheduler work to each page-table write (see ``decode_loop``). ``progress(i)`` is
-    called after every overlapped step; ``on_policy(name)`` before each run.
+    called after every overlapped step; ``on_policy(name)`` before each run. ``cfg`` is the
+    model (one tensor-parallel rank's, see ``readfence.parallel``), ``device_options`` go to
+    ``open_device`` (a timeout, a GPU index).
     """
     if on_policy:
         on_policy("serial reference")
-    kw = {"steps": steps, "batch_size": batch_size, "seed": seed}
-    with open_device(device) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
+    options = dict(device_options or {})
+    kw = {"steps": steps, "batch_size": batch_size, "seed": seed, "cfg": cfg}
+    with open_device(device, **options) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
     reference = run_serial(backend, mode, device=device, **kw)
     rows, timelines = [], {}
@@ -119,7 +125,7 @@ def run_demo(
                                "findings": [], "error": None}
         try:
             res, timeline, dev_name, caps = _run_one(backend, policy, device=device, mode=mode,
-                                                     trace=trace, progress=progress,
+                                                     trace=trace, progress=progress, device_options=options,
                                                      write_cost=write_cost, write_wait_s=write_wait_s, **kw)
         except UnsoundLowering as e:
             row["error"] = str(e)

@@ -9,7 +9,7 @@ release, through any code, changes the outputs (poison) or is named by the obser
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -77,7 +77,7 @@ def audit_targets(spec: Any, mode: ForwardMode) -> list[tuple[Any, ForwardMode]]
 
 
 def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
-               unsafe: bool = False) -> AuditFinding | None:
+               unsafe: bool = False, cfg: ModelConfig | None = None) -> AuditFinding | None:
     """The first declaration the audit refuses at any of ``batch_sizes``, else ``None``.
 
     >>> from readfence.backends import paged
@@ -86,7 +86,7 @@ def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
     """
     for backend, m in audit_targets(spec, mode):
         try:
-            result = audit(backend, m, batch_sizes=batch_sizes)
+            result = audit(backend, m, batch_sizes=batch_sizes, cfg=cfg)
         except StageWriteError as e:
             return AuditFinding("write", e.buffer, e.stage, e.op, str(e), _ADVICE["write"])
         if result.map(lambda _: True).value_or(False):
@@ -203,8 +203,12 @@ def render(result: Verified) -> str:
 
 
 def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], device: str, steps: int,
-               batch_size: int, seed: int, unsafe: bool = False, progress: bool = False) -> Verified:
+               batch_size: int, seed: int, unsafe: bool = False, progress: bool = False,
+               cfg: ModelConfig | None = None, device_options: Mapping[str, Any] | None = None) -> Verified:
     """Audit ``spec`` (1, 2, the model's maximum and ``batch_size``), then verify each policy.
+
+    ``cfg`` is the model (one tensor-parallel rank's, see ``readfence.parallel``);
+    ``device_options`` go to ``open_device`` (a timeout, a GPU index).
 
     A policy the audit's refusal concerns is not run unless ``unsafe``; its finding stands
     even when the run is clean (the verified steps may not take the path that reads late).
@@ -217,13 +221,14 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
     """
     from tqdm import tqdm
 
-    sizes = tuple(sorted({*default_batch_sizes(ModelConfig()), batch_size}))
-    refused = audit_spec(spec, mode, sizes, unsafe=unsafe)
+    cfg = ModelConfig() if cfg is None else cfg
+    sizes = tuple(sorted({*default_batch_sizes(cfg), batch_size}))
+    refused = audit_spec(spec, mode, sizes, unsafe=unsafe, cfg=cfg)
     name = str(spec)
     checks: list[PolicyCheck] = []
     findings: list[LateRead] = []
     ran: set[Policy] = set()
-    with open_device(device) as dev:
+    with open_device(device, **(device_options or {})) as dev:
         observer = torch_device(dev) == "cpu"
         for policy in tqdm(policies, file=sys.stderr, unit="policy", leave=False,
                            disable=not (progress and sys.stderr.isatty())):
@@ -233,7 +238,7 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
                 continue
             ran.add(policy)
             result = verify(spec, mode, policy=policy, steps=steps, batch_size=batch_size, device=dev, seed=seed,
-                            UNSAFE_skip_soundness_check=unsafe)
+                            cfg=cfg, UNSAFE_skip_soundness_check=unsafe)
             if not result.map(lambda _: True).value_or(False):
                 findings.append(result.failure())
             elif concerned:
@@ -263,9 +268,12 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
               help="UNSAFE: lower a declaration the audit refuses anyway, to watch poison and the observer "
                    "catch its late read at run time. The audit's finding still fails the run (exit 1); "
                    "never deploy fences placed this way.")
+@click.option("--tp", type=Positive(), default=None,
+              help="Tensor parallelism: verify on N ranks (torch.distributed), each rank its own shard, fences and "
+                   "checks, against a serial run with the same sharding.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
 def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps: int, batch_size: int,
-               device: str, seed: int, unsafe: bool, as_json: bool) -> None:
+               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool) -> None:
     """Audit SPEC, then check each policy's fences at run time, against the serial run.
 
     \b
@@ -285,6 +293,13 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
         allowed = ", ".join(m.name.lower() for m in ForwardMode if tokens_per_request(m))
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing "
                          f"to verify; allowed: {allowed}")
+    if tp is not None:
+        from ._tp_cmd import check_tp, verify_tp
+
+        check_tp(tp)
+        verify_tp(spec, mode, tp=tp, device=device, policies=policies, as_json=as_json, steps=steps,
+                  batch_size=batch_size, seed=seed, unsafe=unsafe)
+        return
     result = run_verify(spec, mode, policies=policies, device=device, steps=steps, batch_size=batch_size,
                         seed=seed, unsafe=unsafe, progress=not as_json)
     echo_json(result.rows()) if as_json else click.echo(render(result))

@@ -117,7 +117,11 @@ def analyse(
             outs = node.args[0]
             seq = outs if isinstance(outs, (tuple, list)) else (outs,)
             output_aliases = tuple(al(o) for o in seq)
-            mark(node, al(outs) if output_reads else _EMPTY)
+            leaked = pending_of(outs)
+            mark(node, (al(outs) if output_reads else _EMPTY) | leaked)
+            if leaked:  # a collective not waited for here: its reads last until no one knows when
+                mark_opaque(node, "a collective leaves the stage before its wait")
+                unknown.update(leaked)
             continue
         target = node.target
         everything = al((node.args, node.kwargs))

@@ -37,14 +37,17 @@ from ._model import forward
 from ._modes import ForwardMode
 from ._program import OUT_OF_GRAPH, Program
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
+from ._collectives import COLLECTIVE_NAMESPACES
 from ._schema import bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
 
 Kind = Literal["read", "write", "escape"]
 
 #: Op namespaces whose kernels are torch's own; any other op may be a Python or extension
-#: kernel whose inner ops the observer runs under itself (see ``ReadObserver``).
-_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"})
+#: kernel whose inner ops the observer runs under itself (see ``ReadObserver``). The functional
+#: collectives are torch's C++ kernels too (run under the mode, their inner ops would see
+#: tensors without a Python storage).
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"}) | COLLECTIVE_NAMESPACES
 
 #: Python-level tensor methods that read the data on the host without an op.
 _HOST_READS: dict[Any, str] = {

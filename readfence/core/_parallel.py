@@ -85,9 +85,13 @@ def all_reduce(partial: Tensor, tp: TensorParallel) -> Tensor:
     """
     if tp.size == 1:
         return partial
-    import torch.distributed._functional_collectives as funcol
+    import torch.distributed._functional_collectives  # noqa: F401 (registers the ops)
 
-    return funcol.all_reduce(partial, "sum", tp.group)
+    # the ops themselves, not funcol.all_reduce: eagerly that returns an AsyncCollectiveTensor
+    # (a wrapper without storage of its own) and waits when it is first used; traced, it is
+    # these two nodes either way
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor.default(ops.all_reduce.default(partial, "sum", tp.group))
 
 
 def _narrow(t: Tensor, dim: int, span: tuple[int, int]) -> Tensor:

@@ -13,6 +13,8 @@ from ._launch import (
     TensorParallelError,
     culprits,
     launch,
+    resolve_device,
+    tp_sizes,
     under_torchrun,
 )
 
@@ -23,5 +25,7 @@ __all__ = [
     "TensorParallelError",
     "culprits",
     "launch",
+    "resolve_device",
+    "tp_sizes",
     "under_torchrun",
 ]

@@ -246,7 +246,13 @@ def under_torchrun() -> bool:
     return all(os.environ.get(k) for k in TORCHRUN_ENV)
 
 
-def _device_kind(device: str, size: int) -> str:
+def resolve_device(device: str, size: int) -> str:
+    """The device kind ``size`` ranks run on: ``cpu``, or ``cuda`` (one GPU per rank); ``auto``
+    is CUDA when there are enough GPUs.
+
+    >>> resolve_device("cpu", 2)
+    'cpu'
+    """
     import torch
 
     if device not in ("auto", "cpu", "cuda"):
@@ -341,14 +347,14 @@ def launch(
     for what, total in (("heads", cfg.heads), ("mlp", cfg.mlp)):
         if total % tp:
             raise ValueError(f"tp={tp} cannot shard the model: it has {what}={total}, which {tp} ranks must "
-                             f"divide evenly (allowed: {', '.join(str(d) for d in _divisors(cfg))})")
+                             f"divide evenly (allowed: {', '.join(map(str, tp_sizes(cfg)))})")
     collective_timeout_s = positive_seconds("collective_timeout_s", collective_timeout_s)
     device_timeout_s = positive_seconds("device_timeout_s", collective_timeout_s + 30.0 if device_timeout_s is None
                                         else device_timeout_s)
     grace_s = device_timeout_s + 30.0 if grace_s is None else positive_seconds("grace_s", grace_s)
     if not callable(job):
         raise TypeError(f"job must be a function of the rank, got {job!r}")
-    setup = _Setup(tp, _device_kind(device, tp), cfg, device_timeout_s, collective_timeout_s)
+    setup = _Setup(tp, resolve_device(device, tp), cfg, device_timeout_s, collective_timeout_s)
     if under_torchrun():
         outcome = _run_rank(job, args, setup)
         if outcome.failure is not None:
@@ -357,7 +363,13 @@ def launch(
     return _spawn(job, args, setup, grace_s, deadline_s)
 
 
-def _divisors(cfg: ModelConfig) -> list[int]:
+def tp_sizes(cfg: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes ``cfg`` can be sharded by: those that divide its heads and
+    its MLP columns.
+
+    >>> tp_sizes(ModelConfig())
+    [1, 2]
+    """
     return [d for d in range(1, cfg.heads + 1) if cfg.heads % d == 0 and cfg.mlp % d == 0]
 
 
