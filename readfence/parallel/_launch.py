@@ -28,7 +28,7 @@ import os
 import queue
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -112,10 +112,12 @@ class TensorParallelError(RuntimeError):
     """Ranks failed; every rank was stopped and its process group destroyed.
 
     ``failures``: every rank's :class:`RankFailure`, by rank; ``culprits``: the ranks that
-    failed first-hand (see the module docstring).
+    failed first-hand (see the module docstring); ``pids``: the ranks' process ids (all ended
+    by the time this is raised; empty under torchrun).
     """
 
-    def __init__(self, failures: Sequence[RankFailure], size: int) -> None:
+    def __init__(self, failures: Sequence[RankFailure], size: int, pids: Sequence[int] = ()) -> None:
+        self.pids = tuple(pids)
         self.failures = {f.rank: f for f in sorted(failures, key=lambda f: f.rank)}
         self.culprits = culprits(list(self.failures.values()))
         first = "; ".join(str(self.failures[r]) for r in self.culprits)
@@ -295,10 +297,14 @@ def _collect(context: Any, results: Any, size: int, grace_s: float, deadline_s: 
     return [outcomes[i] for i in range(size)]
 
 
-def _reap(context: Any) -> None:
-    """End every child: wait briefly for those that are ending, terminate, then kill the rest."""
+def _reap(context: Any, hung: Iterable[int] = (), ending_s: float = 5.0) -> None:
+    """End every child: terminate the ``hung`` ranks, give the others ``ending_s`` together to
+    exit (a rank that reported is exiting), then terminate, then kill what is left."""
+    for i in hung:
+        context.processes[i].terminate()
+    deadline = time.monotonic() + ending_s
     for p in context.processes:
-        p.join(5.0)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in context.processes:
         if p.is_alive():
             p.terminate()
@@ -319,6 +325,7 @@ def launch(
     device_timeout_s: float | None = None,
     grace_s: float | None = None,
     deadline_s: float | None = None,
+    start_method: str = "spawn",
 ) -> dict[int, Any]:
     """Run ``job(rank, *args)`` on each of ``tp`` tensor-parallel ranks; their results by rank.
 
@@ -333,6 +340,10 @@ def launch(
     (default: the collective timeout plus 30 s). A rank that has not ended ``grace_s`` after
     another failed (default: the device timeout plus 30 s), or when ``deadline_s`` has passed,
     is terminated. Raises :class:`TensorParallelError` naming the failed ranks.
+
+    ``start_method``: ``spawn`` (each rank a fresh interpreter) or ``forkserver`` (ranks fork
+    from a server process that imported readfence once: later launches from the same process
+    start in a fraction of the time; the server lives as long as this process).
 
     >>> from readfence.parallel._launch import Rank
     >>> def heads(rank: Rank) -> int:   # (a job must be importable by its ranks: define it in a module)
@@ -354,13 +365,15 @@ def launch(
     grace_s = device_timeout_s + 30.0 if grace_s is None else positive_seconds("grace_s", grace_s)
     if not callable(job):
         raise TypeError(f"job must be a function of the rank, got {job!r}")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
     setup = _Setup(tp, resolve_device(device, tp), cfg, device_timeout_s, collective_timeout_s)
     if under_torchrun():
         outcome = _run_rank(job, args, setup)
         if outcome.failure is not None:
             raise TensorParallelError([outcome.failure], tp)
         return {outcome.rank: outcome.value}
-    return _spawn(job, args, setup, grace_s, deadline_s)
+    return _spawn(job, args, setup, grace_s, deadline_s, start_method)
 
 
 def tp_sizes(cfg: ModelConfig) -> list[int]:
@@ -374,7 +387,7 @@ def tp_sizes(cfg: ModelConfig) -> list[int]:
 
 
 def _spawn(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_s: float,
-           deadline_s: float | None) -> dict[int, Any]:
+           deadline_s: float | None, start_method: str) -> dict[int, Any]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -383,16 +396,19 @@ def _spawn(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_
                           timeout=datetime.timedelta(seconds=setup.collective_timeout_s))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(setup.size),
            "LOCAL_WORLD_SIZE": str(setup.size), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    results = mp.get_context("spawn").Queue()
+    if start_method == "forkserver":  # (effective when this process starts its fork server)
+        mp.set_forkserver_preload(["readfence.parallel._launch"])
+    results = mp.get_context(start_method).Queue()
     context = mp.start_processes(_spawned, args=(env, job, args, setup, results), nprocs=setup.size, join=False,
-                                 start_method="spawn")
+                                 start_method=start_method)
+    outcomes: list[_Outcome] = []
     try:
         outcomes = _collect(context, results, setup.size, grace_s, deadline_s)
     finally:
-        _reap(context)
+        _reap(context, [o.rank for o in outcomes if o.failure is not None and o.failure.kind == "unfinished"])
         results.close()
         del store
     failures = [o.failure for o in outcomes if o.failure is not None]
     if failures:
-        raise TensorParallelError(failures, setup.size)
+        raise TensorParallelError(failures, setup.size, context.pids())
     return {o.rank: o.value for o in outcomes}
