@@ -24,8 +24,10 @@ from ._params import echo_json
 def shard_line(cfg: ModelConfig, size: int, backend: str, device: str) -> str:
     """What each rank holds and does, in one line.
 
-    >>> print(shard_line(ModelConfig(), 2, "gloo", "cpu"))
-    tensor parallel: 2 ranks (gloo on cpu), each with its own scheduler, shared buffers and lowered step; a rank holds 1 of 2 attention heads and 32 of 64 MLP columns and all-reduces after attention and after the MLP, inside its graph
+    >>> print(shard_line(ModelConfig(), 2, "gloo", "cpu"))  # doctest: +NORMALIZE_WHITESPACE
+    tensor parallel: 2 ranks (gloo on cpu), each with its own scheduler, shared buffers and lowered
+    step; a rank holds 1 of 2 attention heads and 32 of 64 MLP columns and all-reduces after
+    attention and after the MLP, inside its graph
     """
     return (f"tensor parallel: {size} ranks ({backend} on {device}), each with its own scheduler, shared buffers and "
             f"lowered step; a rank holds {cfg.heads // size} of {cfg.heads} attention heads and {cfg.mlp // size} of "
@@ -70,7 +72,7 @@ def _report(results: dict[int, Any], *, tp: int, device: str, as_json: bool, wha
         echo_json([{**row, "rank": r, "tp": tp} for r, res in sorted(results.items()) for row in res["rows"]])
     else:
         lines = [shard_line(ModelConfig(), tp, "nccl" if device == "cuda" else "gloo", device),
-                 f"reference: on every rank, a serial run with the same sharding", ""]
+                 "reference: on every rank, a serial run with the same sharding", ""] if 0 in results else []
         for r, res in sorted(results.items()):
             lines += [f"[rank {r}]", res["text"], ""]
         bad = [r for r, res in sorted(results.items()) if not res["ok"]]
@@ -104,10 +106,11 @@ def verify_tp(spec: Any, mode: ForwardMode, *, tp: int, device: str, policies: S
 def check_tp(tp: int) -> None:
     """Refuse a tensor-parallel size the tiny model cannot be sharded by (exit status 2).
 
-    >>> check_tp(3)
+    >>> check_tp(3)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    readfence.cli._params.InputError: invalid --tp 3: the tiny model has 2 attention heads and 64 MLP columns, which 3 ranks cannot share evenly; allowed: 1, 2
+    readfence.cli._params.InputError: invalid --tp 3: the tiny model has 2 attention heads and 64 MLP
+    columns, which 3 ranks cannot share evenly; allowed: 1, 2
     """
     from readfence.parallel import tp_sizes
 

@@ -32,12 +32,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
+from ._collectives import COLLECTIVE_NAMESPACES
 from ._memory import BufferMap, tensors_in
 from ._model import forward
 from ._modes import ForwardMode
 from ._program import OUT_OF_GRAPH, Program
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
-from ._collectives import COLLECTIVE_NAMESPACES
 from ._schema import bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
 

@@ -85,7 +85,7 @@ def all_reduce(partial: Tensor, tp: TensorParallel) -> Tensor:
     """
     if tp.size == 1:
         return partial
-    import torch.distributed._functional_collectives  # noqa: F401 (registers the ops)
+    from torch.distributed import _functional_collectives  # noqa: F401 (registers the ops)
 
     # the ops themselves, not funcol.all_reduce: eagerly that returns an AsyncCollectiveTensor
     # (a wrapper without storage of its own) and waits when it is first used; traced, it is

@@ -2,7 +2,8 @@
 
 :func:`launch` runs ``job(rank, *args)`` on every rank of a tensor-parallel group:
 
-* as ``torch.multiprocessing`` spawn children of this process. This process hosts the ranks'
+* as ``torch.multiprocessing`` children of this process (``start_processes``, forked from a
+  server that imported readfence once, or spawned). This process hosts the ranks'
   ``TCPStore`` on a port the system picks, as torchrun's agent does
   (``TORCHELASTIC_USE_AGENT_STORE``), so no port is guessed; each child gets torchrun's
   environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
@@ -235,7 +236,7 @@ def _run_rank(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup) -> 
             dist.destroy_process_group()
 
 
-def _spawned(index: int, env: Mapping[str, str], job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup,
+def _child(index: int, env: Mapping[str, str], job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup,
              results: Any) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
@@ -325,7 +326,7 @@ def launch(
     device_timeout_s: float | None = None,
     grace_s: float | None = None,
     deadline_s: float | None = None,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
 ) -> dict[int, Any]:
     """Run ``job(rank, *args)`` on each of ``tp`` tensor-parallel ranks; their results by rank.
 
@@ -341,9 +342,9 @@ def launch(
     another failed (default: the device timeout plus 30 s), or when ``deadline_s`` has passed,
     is terminated. Raises :class:`TensorParallelError` naming the failed ranks.
 
-    ``start_method``: ``spawn`` (each rank a fresh interpreter) or ``forkserver`` (ranks fork
-    from a server process that imported readfence once: later launches from the same process
-    start in a fraction of the time; the server lives as long as this process).
+    ``start_method``: ``forkserver`` (ranks fork from a server process that imported readfence
+    once, so later launches from the same process start in a fraction of the time; the server
+    lives as long as this process) or ``spawn`` (each rank a fresh interpreter).
 
     >>> from readfence.parallel._launch import Rank
     >>> def heads(rank: Rank) -> int:   # (a job must be importable by its ranks: define it in a module)
@@ -373,7 +374,7 @@ def launch(
         if outcome.failure is not None:
             raise TensorParallelError([outcome.failure], tp)
         return {outcome.rank: outcome.value}
-    return _spawn(job, args, setup, grace_s, deadline_s, start_method)
+    return _start(job, args, setup, grace_s, deadline_s, start_method)
 
 
 def tp_sizes(cfg: ModelConfig) -> list[int]:
@@ -386,7 +387,7 @@ def tp_sizes(cfg: ModelConfig) -> list[int]:
     return [d for d in range(1, cfg.heads + 1) if cfg.heads % d == 0 and cfg.mlp % d == 0]
 
 
-def _spawn(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_s: float,
+def _start(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_s: float,
            deadline_s: float | None, start_method: str) -> dict[int, Any]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -399,7 +400,7 @@ def _spawn(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_
     if start_method == "forkserver":  # (effective when this process starts its fork server)
         mp.set_forkserver_preload(["readfence.parallel._launch"])
     results = mp.get_context(start_method).Queue()
-    context = mp.start_processes(_spawned, args=(env, job, args, setup, results), nprocs=setup.size, join=False,
+    context = mp.start_processes(_child, args=(env, job, args, setup, results), nprocs=setup.size, join=False,
                                  start_method=start_method)
     outcomes: list[_Outcome] = []
     try:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed._functional_collectives  # noqa: F401 (registers the ops)
+import torch.distributed._functional_collectives
 from torch import fx
 
 from readfence.backends import leaf, page_meta, paged, softmax_attention, store_kv
-from readfence.core import ForwardMode, ModelConfig, StageWriteError, TensorParallel, trace
-from readfence.core import _alias, _collectives
+from readfence.core import ForwardMode, ModelConfig, StageWriteError, TensorParallel, _alias, _collectives, trace
 from readfence.core._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 

@@ -50,3 +50,25 @@ def test_poison_and_the_observer_are_clean_and_catch_a_declaration_one_step_earl
     caught = verify(early, steps=3, batch_size=2, device=dev, cfg=cfg, policy=Policy.PER_BUFFER,
                     UNSAFE_skip_soundness_check=True).failure()
     assert (caught.kind, caught.buffer, caught.step, caught.stage) == ("late read", "req_to_token", 0, "prepare_in_graph")
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_all_reduces_are_captured_in_the_graph(solo_group):
+    # a one-rank NCCL group beside the gloo world: the rank's all-reduces go into its CUDA graph
+    import torch
+
+    from readfence.graph import open_device
+
+    torch.cuda.set_device(0)
+    nccl = dist.new_group(backend="nccl")
+    cfg = ModelConfig(tp=TensorParallel(size=2, rank=0, group=nccl.group_name))
+    try:
+        with open_device("cuda") as dev:
+            low = lower(paged(), DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
+            assert low.graphed and dev.caps.graphs
+            for policy in (Policy.COARSE, Policy.EXACT):
+                run = run_overlapped(paged(), steps=4, policy=policy, device=dev, batch_size=2, cfg=cfg)
+                assert run.matches(run_serial(paged(), steps=4, batch_size=2, cfg=cfg, device=dev))
+                assert run.violations == ()
+    finally:
+        dist.destroy_process_group(nccl)

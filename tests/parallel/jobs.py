@@ -65,3 +65,8 @@ def faulty_loop(rank, fail_rank: int, action: str) -> None:
     faults = FailAt(action, 3) if rank.rank == fail_rank else None
     with rank.open_device(faults=faults) as dev:
         run_overlapped(paged(), steps=6, policy=Policy.PER_BUFFER, device=dev, batch_size=BATCH, cfg=rank.cfg)
+
+
+def nothing(rank) -> int:
+    """Only the launch: the rank's number."""
+    return rank.rank

@@ -20,13 +20,9 @@ from readfence.parallel import TensorParallelError, launch
 from . import jobs
 
 
-#: later launches of this process fork from one server that imported readfence (seconds saved each)
-FAST = {"start_method": "forkserver"}
-
-
 @pytest.fixture(scope="module")
 def healthy():
-    return launch(jobs.every_check, tp=2, deadline_s=240, **FAST)
+    return launch(jobs.every_check, tp=2, deadline_s=240)
 
 
 def test_every_policy_matches_the_serial_run_with_the_same_sharding_on_every_rank(healthy):
@@ -73,7 +69,7 @@ def test_a_failing_rank_stops_every_rank_and_is_named(action, grace_s, kind, say
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError) as caught:
         launch(jobs.faulty_loop, 1, action, tp=2, collective_timeout_s=4, device_timeout_s=6, grace_s=grace_s,
-               deadline_s=60, **FAST)
+               deadline_s=60)
     elapsed = time.monotonic() - t0
     error = caught.value
     assert error.culprits == (1,), str(error)
