@@ -46,10 +46,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_overlap import calibrate
+from bench_overlap import _settings, calibrate  # the overlap benchmark's settings and calibration
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
-from readfence.core import ForwardMode, ModelConfig
+from readfence.core import ForwardMode
 from readfence.graph import Policy, decode_loop, synthetic_work
 from readfence.parallel import launch
 
@@ -74,7 +74,8 @@ def measure_rank(rank: Any, quick: bool) -> dict[str, Any]:
         loops = {p: decode_loop(hybrid_linear(trtllm_mha(), linear()), ForwardMode.DECODE, policy=p, device=dev,
                                 batch_size=st["batch_size"], cfg=rank.cfg) for p in POLICIES}
         coarse = loops[Policy.COARSE]
-        coarse.time_forward(3)  # warm up
+        for loop in loops.values():  # warm up every loop before timing anything
+            loop.run(st["warmup"])
         forward_s = statistics.median(coarse.time_forward(steps) for _ in range(3))  # robust to a load spike
         _, wait_s = calibrate(coarse, forward_s, "wait")
         agreed = torch.tensor([wait_s])
@@ -83,7 +84,6 @@ def measure_rank(rank: Any, quick: bool) -> dict[str, Any]:
         work = synthetic_work(dev, write_wait_s=float(agreed))
         for loop in loops.values():
             loop.write_work = work
-            loop.run(st["warmup"])
         forward, writes = [], []
         rates: dict[Policy, list[float]] = {p: [] for p in POLICIES}
         for rep in range(reps):

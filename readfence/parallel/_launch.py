@@ -286,7 +286,9 @@ def _collect(context: Any, results: Any, size: int, grace_s: float, deadline_s: 
             if i not in outcomes and p.exitcode is not None:
                 # its report, if any, is in the pipe before it exits: give the pipe a moment
                 if now - exited_at.setdefault(i, now) > 2.0:
-                    outcomes[i] = _Outcome(i, failure=RankFailure(i, "exited", f"exit code {p.exitcode}"))
+                    why = f"exit code {p.exitcode}" + (" (its result could not be sent back: a job must return "
+                                                       "something picklable)" if p.exitcode == 0 else "")
+                    outcomes[i] = _Outcome(i, failure=RankFailure(i, "exited", why))
                     failed_at = failed_at or now
         overdue = (failed_at is not None and now - failed_at > grace_s) or (
             deadline_s is not None and now - start > deadline_s)

@@ -70,8 +70,7 @@ def torchrun_env(monkeypatch):
     hosted here, as torchrun's agent hosts it)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+    assert not dist.is_initialized(), "another test left a process group initialised in this process"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
