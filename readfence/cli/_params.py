@@ -187,7 +187,7 @@ class DeviceName(click.ParamType):
             if not torch.cuda.is_available():
                 raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
                                           "is False); allowed: auto, cpu")
-            from readfence.graph import _cuda
+            from readfence.graph.devices import _cuda
 
             error = _cuda.self_check_error()
             if error is not None:

@@ -10,8 +10,11 @@ from readfence.backends import deepseek_v4, linear, paged, per_stream, redeclare
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.effects import Position, ReadEffect, ReadEnd, laws
 from readfence.graph import (
+    Bound,
     CpuDevice,
+    DecodeLoop,
     FaultInjector,
+    Phase,
     Policy,
     RingWrapError,
     Sanitizer,
@@ -26,9 +29,6 @@ from readfence.graph import (
     run_overlapped,
     run_serial,
 )
-from readfence.graph._fence import Bound
-from readfence.graph._runtime import DecodeLoop
-from readfence.graph._shapes import Phase
 
 laws.check_join_semilattice(
     st.builds(Position.of, st.integers(0, 3), st.sampled_from(list(ReadEnd))),

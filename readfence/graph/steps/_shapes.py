@@ -15,12 +15,13 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
+from readfence.backends import parse
 from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
 from readfence.core._checks import check_backend, positive_int
 from readfence.effects import Position, ReadEffect, publish_positions
 
-from ._plan import placing_effect
-from ._policy import Policy
+from ..lowering import Policy
+from ..lowering._plan import placing_effect
 
 
 @attrs.frozen
@@ -127,28 +128,6 @@ def _check(name: str, backends: Sequence[Any]) -> None:
         check_backend(b, f"{name}: argument {i}")
 
 
-def _parse_hint(text: str) -> str:
-    head = text.strip().partition("(")[0].strip()
-    parser = "readfence.graph.parse_step" if head in STEP_SHAPES else "readfence.backends.parse"
-    return f"{parser}({text!r}).unwrap()"
-
-
-def check_target(target: Any, name: str = "backend") -> Any:
-    """``target`` if it is a backend, a ``per_stream`` group or a :class:`StepShape`; else a
-    ``TypeError`` that names ``name`` (and, for a spec string, the call that parses it).
-
-    >>> check_target("eagle(paged, paged)")  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    TypeError: backend must be a backend (e.g. readfence.backends.paged()), a per_stream group or a
-    step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec
-    string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
-    """
-    return check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
-                         allowed="a backend (e.g. readfence.backends.paged()), a per_stream group or "
-                                 "a step shape (e.g. readfence.graph.eagle(...))")
-
-
 # EAGLE drafts a handful of tokens per step; each draft step is one more captured graph and
 # one more phase to fence, so thousands cannot be useful (and take minutes to lower)
 MAX_DRAFT_STEPS = 64
@@ -215,8 +194,6 @@ def parse_step(spec: str) -> Result[StepShape, str]:
     >>> parse_step("eagle(paged)").failure()
     'eagle(paged): eagle needs 2 backends (target, draft), got 1'
     """
-    from readfence.backends import parse
-
     text = spec.strip()
     head, _, rest = text.partition("(")
     head = head.strip()
