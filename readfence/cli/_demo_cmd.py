@@ -93,6 +93,18 @@ def phases_of(spec: Any) -> str | None:
     return " -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases) if isinstance(spec, StepShape) else None
 
 
+def _tp_rank(rank: Any, spec: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """The demo on one tensor-parallel rank (``readfence.parallel.Rank``): its report and rows."""
+    from ._params import parse_spec
+
+    backend = parse_spec(spec)
+    result = run_demo(backend, policies=[Policy[p] for p in policies], device=rank.device, cfg=rank.cfg,
+                      device_options=rank.device_options(), **options)
+    text = render(result, spec=spec, steps=options["steps"], batch_size=options["batch_size"], seed=options["seed"],
+                  phases=phases_of(backend), write_wait_ms=options["write_wait_s"] * 1e3)
+    return {"ok": result.ok, "text": text, "rows": result.rows}
+
+
 def check_output_path(flag: str, path: pathlib.Path, suffix: str) -> None:
     """Refuse, before anything runs, an output file that cannot be written: a wrong suffix, a
     missing folder, something that is not a regular file, or a place the user may not write.
@@ -195,13 +207,16 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
         raise InputError(f"invalid --batch-size {batch_size}: the tiny model serves at most "
                          f"{ModelConfig().max_reqs} requests (1..{ModelConfig().max_reqs})")
     if tp is not None:
-        from ._tp_cmd import check_tp, demo_tp
+        from ._tp_cmd import check_tp, run_on_ranks
 
         check_tp(tp)
         if trace_path is not None or plot_path is not None:
             raise InputError("--trace and --plot draw one process's streams: run them without --tp")
-        demo_tp(spec, tp=tp, device=device, policies=policies, as_json=as_json, steps=steps, batch_size=batch_size,
-                seed=seed, write_cost=write_cost, write_wait_s=write_wait_ms / 1e3)
+        options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=write_cost,
+                       write_wait_s=write_wait_ms / 1e3)
+        run_on_ranks(_tp_rank, str(spec), [p.name for p in policies], options, tp=tp, device=device, as_json=as_json,
+                     what="every policy matched the serial run with the same sharding bit for bit; the sanitizer "
+                          "found no race")
         return
     progress = _Progress(steps * (len(set(policies) | {Policy.COARSE})), enabled=not as_json)
     try:

@@ -1,5 +1,5 @@
 """``readfence demo --tp N`` and ``readfence verify --tp N``: the same run on every rank of a
-tensor-parallel group.
+tensor-parallel group (each command brings its job, a function of the rank).
 
 Each rank (``readfence.parallel.launch``) runs its own scheduler, its own copy of the shared
 buffers and its own lowered step of its shard of the model; the report of each rank is the one
@@ -10,13 +10,11 @@ run with the same sharding. Under torchrun each process prints its own rank's re
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import click
 
-from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import Policy
+from readfence.core import ModelConfig
 
 from ._params import echo_json
 
@@ -32,28 +30,6 @@ def shard_line(cfg: ModelConfig, size: int, backend: str, device: str) -> str:
     return (f"tensor parallel: {size} ranks ({backend} on {device}), each with its own scheduler, shared buffers and "
             f"lowered step; a rank holds {cfg.heads // size} of {cfg.heads} attention heads and {cfg.mlp // size} of "
             f"{cfg.mlp} MLP columns and all-reduces after attention and after the MLP, inside its graph")
-
-
-def _demo_rank(rank: Any, spec: str, policies: Sequence[str], options: dict[str, Any]) -> dict[str, Any]:
-    from ._demo_cmd import phases_of, render
-    from ._demo_run import run_demo
-    from ._params import parse_spec
-
-    backend = parse_spec(spec)
-    result = run_demo(backend, policies=[Policy[p] for p in policies], device=rank.device, cfg=rank.cfg,
-                      device_options=rank.device_options(), **options)
-    text = render(result, spec=spec, steps=options["steps"], batch_size=options["batch_size"], seed=options["seed"],
-                  phases=phases_of(backend), write_wait_ms=options["write_wait_s"] * 1e3)
-    return {"ok": result.ok, "text": text, "rows": result.rows, "device": result.device, "mode": result.mode.name}
-
-
-def _verify_rank(rank: Any, spec: str, mode: str, policies: Sequence[str], options: dict[str, Any]) -> dict[str, Any]:
-    from ._params import parse_spec
-    from ._verify_cmd import render, run_verify
-
-    result = run_verify(parse_spec(spec), ForwardMode[mode], policies=[Policy[p] for p in policies],
-                        device=rank.device, cfg=rank.cfg, device_options=rank.device_options(), **options)
-    return {"ok": result.ok, "text": render(result), "rows": result.rows()}
 
 
 def _launch(job: Any, *args: Any, tp: int, device: str) -> tuple[dict[int, Any], str]:
@@ -85,22 +61,11 @@ def _report(results: dict[int, Any], *, tp: int, device: str, as_json: bool, wha
         sys.exit(1)
 
 
-def demo_tp(spec: Any, *, tp: int, device: str, policies: Sequence[Policy], as_json: bool,
-            **options: Any) -> None:
-    """Run the demo on ``tp`` ranks and print each rank's report."""
-    results, kind = _launch(_demo_rank, str(spec), [p.name for p in policies], options, tp=tp, device=device)
-    _report(results, tp=tp, device=kind, as_json=as_json,
-            what="every policy matched the serial run with the same sharding bit for bit; the sanitizer found no race")
-
-
-def verify_tp(spec: Any, mode: ForwardMode, *, tp: int, device: str, policies: Sequence[Policy], as_json: bool,
-              **options: Any) -> None:
-    """Run ``readfence verify`` on ``tp`` ranks and print each rank's report."""
-    results, kind = _launch(_verify_rank, str(spec), mode.name, [p.name for p in policies], options, tp=tp,
-                            device=device)
-    _report(results, tp=tp, device=kind, as_json=as_json,
-            what="clean under every policy: outputs bit-identical to the serial run with the same sharding, "
-                 "nothing read a buffer after its release, and nothing wrote one")
+def run_on_ranks(job: Any, *args: Any, tp: int, device: str, as_json: bool, what: str) -> None:
+    """Run ``job(rank, *args)`` on ``tp`` ranks and print each rank's report; ``job`` returns
+    ``{"ok", "text", "rows"}``, ``what`` is the last line when every rank is ok."""
+    results, kind = _launch(job, *args, tp=tp, device=device)
+    _report(results, tp=tp, device=kind, as_json=as_json, what=what)
 
 
 def check_tp(tp: int) -> None:

@@ -252,6 +252,15 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
     return Verified(name, mode.name, seed, sizes, refused, report, tuple(findings), frozenset(ran))
 
 
+def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """``readfence verify`` on one tensor-parallel rank (``readfence.parallel.Rank``)."""
+    from ._params import parse_spec
+
+    result = run_verify(parse_spec(spec), ForwardMode[mode], policies=[Policy[p] for p in policies],
+                        device=rank.device, cfg=rank.cfg, device_options=rank.device_options(), **options)
+    return {"ok": result.ok, "text": render(result), "rows": result.rows()}
+
+
 @click.command("verify")
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
@@ -294,11 +303,14 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing "
                          f"to verify; allowed: {allowed}")
     if tp is not None:
-        from ._tp_cmd import check_tp, verify_tp
+        from ._tp_cmd import check_tp, run_on_ranks
 
         check_tp(tp)
-        verify_tp(spec, mode, tp=tp, device=device, policies=policies, as_json=as_json, steps=steps,
-                  batch_size=batch_size, seed=seed, unsafe=unsafe)
+        options = dict(steps=steps, batch_size=batch_size, seed=seed, unsafe=unsafe)
+        run_on_ranks(_tp_rank, str(spec), mode.name, [p.name for p in policies], options, tp=tp, device=device,
+                     as_json=as_json, what="clean under every policy: outputs bit-identical to the serial run with "
+                                           "the same sharding, nothing read a buffer after its release, and nothing "
+                                           "wrote one")
         return
     result = run_verify(spec, mode, policies=policies, device=device, steps=steps, batch_size=batch_size,
                         seed=seed, unsafe=unsafe, progress=not as_json)
