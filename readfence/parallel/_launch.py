@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from readfence.core import ModelConfig, TensorParallel
-from readfence.graph import DeviceTimeout, open_device
+from readfence.graph import Device, DeviceTimeout, open_device
 
 #: The environment torchrun gives each rank (``launch`` gives its children the same).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -74,7 +74,7 @@ class Rank:
             options["index"] = self.local_rank
         return options
 
-    def open_device(self, **kwargs: Any) -> Any:
+    def open_device(self, **kwargs: Any) -> Device:
         """This rank's readfence device (close it, or use it as a context manager)."""
         return open_device(self.device, **{**self.device_options(), **kwargs})
 

@@ -83,7 +83,13 @@ def torchrun_env(monkeypatch):
 
 
 def test_under_torchrun_only_this_rank_runs(torchrun_env):
+    import torch.distributed as dist
+
     assert readfence.parallel.under_torchrun()
     assert launch(jobs.nothing, tp=1) == {0: 0}
+    assert not dist.is_initialized()
+    with pytest.raises(TensorParallelError, match="rank 0 raised an error after 0 collective"):
+        launch(jobs.fails, tp=1)
+    assert not dist.is_initialized()  # destroyed whatever the job did
     with pytest.raises(TensorParallelError, match=r"started in a group of 1 ranks \(WORLD_SIZE\), but --tp is 2"):
         launch(jobs.nothing, tp=2)

@@ -70,3 +70,8 @@ def faulty_loop(rank, fail_rank: int, action: str) -> None:
 def nothing(rank) -> int:
     """Only the launch: the rank's number."""
     return rank.rank
+
+
+def fails(rank) -> None:
+    """Raises once the process group is up."""
+    raise RuntimeError(f"failure on rank {rank.rank} after init")
