@@ -114,12 +114,6 @@ def test_eagle_only_the_owner_graph_publishes():
         assert graphs[("draft", ForwardMode.DECODE)].ring_size == 2
 
 
-def test_parse_step_errors():
-    assert "unknown step shape 'medusa'" in parse_step("medusa(paged)").failure()
-    assert "ngram needs 1 backend" in parse_step("ngram(paged, paged)").failure()
-    assert "nosuch" in parse_step("eagle(paged, nosuch)").failure()
-
-
 # -- per-stream groups ------------------------------------------------------------------------
 GROUP = per_stream(paged(), trtllm_mha())
 

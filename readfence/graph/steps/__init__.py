@@ -7,7 +7,7 @@ backend, a group or a shape.
 """
 
 from ._composite import JoinedFence, PhasedStep, StreamGroup
-from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, parse_step
+from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, parse_step, parse_target
 from ._target import lower_step
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "multi_eagle",
     "ngram",
     "parse_step",
+    "parse_target",
 ]
