@@ -199,7 +199,8 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     if plot_path is not None:
         from ._plot import plot_timelines
 
-        plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}")
+        plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}",
+                       phases=len(spec.phases) if isinstance(spec, StepShape) else 1)
     if as_json:
         mode = "phases" if isinstance(spec, StepShape) else result.mode.name
         out = [{**r, "spec": str(spec), "device": result.device, "mode": mode, "steps": steps,
