@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from ._errors import OneLineCommand
 from ._params import DeviceName
 
 #: The benchmarks ``readfence bench`` runs, in order (files under ``benchmarks/``).
@@ -96,7 +97,7 @@ def run_benchmark(path: pathlib.Path, quick: bool, device: str = "cpu") -> int:
     return 0
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--quick", is_flag=True, help="Fewer steps and repeats: a smoke run.")
 @click.option("--device", type=DeviceName(), default="cpu", show_default=True,
               help="cpu, cuda or auto (passed to each benchmark's main).")

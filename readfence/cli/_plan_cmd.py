@@ -9,6 +9,7 @@ import click
 from readfence.core import ForwardMode
 from readfence.graph import StepShape
 
+from ._errors import OneLineCommand
 from ._params import DeviceName, Mode, Spec, device_caps, echo_json
 from ._plan_data import plan_report, shape_plan_report
 from ._table import table
@@ -93,7 +94,7 @@ def render_shape(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend, extend or idle.")

@@ -18,7 +18,8 @@ import click
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
 from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
 
-from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, echo_json, merge_policies
+from ._errors import InputError, OneLineCommand
+from ._params import BATCH_SIZE, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -247,7 +248,7 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
     return Verified(name, mode.name, seed, sizes, refused, report, tuple(findings), frozenset(ran))
 
 
-@click.command("verify")
+@click.command("verify", cls=OneLineCommand)
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend or extend (a step shape's phases fix their own modes).")
@@ -255,10 +256,10 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated.")
 @click.option("--steps", type=Positive(at_most=MAX_STEPS), default=8, show_default=True, help="Steps verified per policy.")
-@click.option("--batch-size", type=Positive(), default=4, show_default=True, help="Requests per step.")
+@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help="Requests per step.")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda (on CUDA only poison and the guard watch: a replayed graph runs no Python).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Scheduler seed (request churn).")
+@click.option("--seed", type=Integer(), default=0, show_default=True, help="Scheduler seed (request churn).")
 @click.option("--unsafe-skip-soundness-check", "unsafe", is_flag=True,
               help="UNSAFE: lower a declaration the audit refuses anyway, to watch poison and the observer "
                    "catch its late read at run time. The audit's finding still fails the run (exit 1); "
@@ -277,10 +278,6 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
     names the stage and op of any read after a release.
     Exit status 0 clean, 1 on any finding, 2 for bad input.
     """
-    limit = ModelConfig().max_reqs
-    if batch_size > limit:
-        raise InputError(f"invalid --batch-size {batch_size!r}: exceeds the model's maximum batch size "
-                         f"({limit}); use 1..{limit}")
     if not isinstance(spec, StepShape) and tokens_per_request(mode) == 0:
         allowed = ", ".join(m.name.lower() for m in ForwardMode if tokens_per_request(m))
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing "
