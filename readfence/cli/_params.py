@@ -257,6 +257,30 @@ class OutputFile(click.ParamType):
         return path
 
 
+class OneOf(click.ParamType):
+    """One of a fixed list of names (case-insensitive), ``what`` they are named in the error.
+
+    >>> OneOf(("overlap", "check"), "benchmark").convert("Overlap", None, None)
+    'overlap'
+    >>> OneOf(("overlap", "check"), "benchmark").convert("overlay", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value 'overlay': unknown benchmark; allowed: overlap, check
+    """
+
+    name = "NAME"
+
+    def __init__(self, choices: tuple[str, ...], what: str) -> None:
+        self.choices, self.what = choices, what
+        self.expects = f"a {what}: {', '.join(choices)}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        key = str(value).strip().lower()
+        if key not in self.choices:
+            raise _fail(param, value, f"unknown {self.what}; allowed: {', '.join(self.choices)}")
+        return key
+
+
 class DeviceName(click.ParamType):
     """``auto``, ``cpu`` or ``cuda``; ``cuda`` must be available and pass the start-up self-check
     (``auto`` falls back to the CPU device with a one-line notice when it does not)."""

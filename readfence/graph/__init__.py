@@ -85,6 +85,6 @@ __all__ += ["JoinedFence", "Phase", "PhasedStep", "STEP_SHAPES", "StepShape", "S
             "lower_step", "multi_eagle", "ngram", "parse_step"]
 
 from ._check import CheckState  # noqa: E402
-from ._verify import LateRead, PolicyCheck, VerifyReport, verify  # noqa: E402
+from ._verify import LateRead, LateReadWatch, PolicyCheck, VerifyReport, verify  # noqa: E402
 
-__all__ += ["CheckState", "LateRead", "PolicyCheck", "VerifyReport", "verify"]
+__all__ += ["CheckState", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "verify"]

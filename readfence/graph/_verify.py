@@ -117,12 +117,26 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-class _LateReadWatch:
-    """The runtime read observer, told by the check when each buffer was released.
+class LateReadWatch:
+    """The runtime read observer, told by the check when each buffer was released (what
+    :func:`verify` watches with; give it to a :class:`CheckState` as its ``watcher``).
 
     One :class:`~readfence.core.ReadObserver` per forward stream thread (dispatch modes are
     thread-local); a read of a buffer after the release point that poisoned it, before the
-    step restored it, is a late read.
+    step restored it, is a late read: ``found`` lists them as ``(step, buffer, stage, op)``.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ModelConfig
+    >>> from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
+    >>> cfg = ModelConfig()
+    >>> state = make_state(cfg)
+    >>> watch = LateReadWatch(state["shared"])
+    >>> with CpuDevice() as dev:
+    ...     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=cfg, state=state,
+    ...                        check=CheckState(state["shared"], cfg, watcher=watch))
+    ...     _ = loop.run(2)
+    >>> watch.found, watch.accesses > 0
+    ([], True)
     """
 
     def __init__(self, shared: Mapping[str, Tensor]) -> None:
@@ -273,7 +287,7 @@ def verify(
     for pol in policies:
         _reset(live, snapshot)
         t0 = time.perf_counter()
-        watch = _LateReadWatch(live["shared"]) if observe else None
+        watch = LateReadWatch(live["shared"]) if observe else None
         try:
             logits, check, loop = _run(target, mode, pol, device, live, watch, lowering,
                                        unsafe=UNSAFE_skip_soundness_check, **common)
@@ -340,4 +354,4 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
 
 
-__all__ = ["LateRead", "PolicyCheck", "VerifyReport", "verify"]
+__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "verify"]

@@ -34,6 +34,8 @@ def _bad_values(param: click.Parameter) -> list[str]:
         return ["fastest", "exact,fast", ""]
     if isinstance(kind, _params.Mode):
         return ["sideways", ""]
+    if isinstance(kind, _params.OneOf):
+        return ["no-such-" + kind.what, kind.choices[0] + "x", ""]
     if isinstance(kind, _params.DeviceName):
         return ["tpu", ""]
     if isinstance(kind, _params.Spec):
