@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from readfence.graph import Policy, StepShape
+from readfence.graph import Policy, StepShape, phase_modes
 
 from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
 from ._errors import InputError, OneLineCommand
@@ -183,15 +183,14 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
 
         plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}",
                        phases=len(spec.phases) if isinstance(spec, StepShape) else 1)
+    phases = phase_modes(spec) or None
     if as_json:
-        mode = "phases" if isinstance(spec, StepShape) else result.mode.name
-        out = [{**r, "spec": str(spec), "device": result.device, "mode": mode, "steps": steps,
+        mode = {"mode": "phases", "phases": phases} if phases else {"mode": result.mode.name}
+        out = [{**r, "spec": str(spec), "device": result.device, **mode, "steps": steps,
                 "batch_size": batch_size, "seed": seed, "write_cost": write_cost,
                 "write_wait_ms": write_wait_ms} for r in result.rows]
         echo_json(out)
     else:
-        phases = (" -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
-                  if isinstance(spec, StepShape) else None)
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
                           write_wait_ms=write_wait_ms))
         for what, path in (("trace", trace_path), ("plot", plot_path)):

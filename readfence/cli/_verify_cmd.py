@@ -16,7 +16,17 @@ import attrs
 import click
 
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
-from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
+from readfence.graph import (
+    LateRead,
+    Policy,
+    PolicyCheck,
+    StepShape,
+    VerifyReport,
+    open_device,
+    phase_modes,
+    torch_device,
+    verify,
+)
 
 from ._errors import InputError, OneLineCommand
 from ._params import BATCH_SIZE, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
@@ -130,7 +140,8 @@ class Verified:
         clean = {r["policy"]: {**r, "evidence": None, "detail": ""} for r in self.report.rows()}
         found = {f.policy.name: f.as_json() for f in self.findings}
         rows = {**clean, **found}
-        return [{**rows[p.name], "mode": self.mode, **common} for p in Policy if p.name in rows]
+        mode = {"mode": self.mode, **({"phases": self.phases} if self.phases else {})}
+        return [{**rows[p.name], **mode, **common} for p in Policy if p.name in rows]
 
     def advice(self, finding: LateRead) -> str:
         """What to do about ``finding``."""
@@ -241,10 +252,9 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
                 findings.append(refused.late_read(name, mode, policy))  # type: ignore[union-attr]
             else:
                 checks.extend(result.unwrap().checks)
-        report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer)
+        report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer, phase_modes(spec))
     if isinstance(spec, StepShape):
-        phases = " -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
-        return Verified(name, "phases", seed, sizes, refused, report, tuple(findings), frozenset(ran), phases)
+        return Verified(name, "phases", seed, sizes, refused, report, tuple(findings), frozenset(ran), report.phases)
     return Verified(name, mode.name, seed, sizes, refused, report, tuple(findings), frozenset(ran))
 
 

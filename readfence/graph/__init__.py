@@ -66,11 +66,11 @@ __all__ = [
 ]
 
 from ._fence import Bound, Fence, RingWrapError
-from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device
+from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
 from ._plan import FencePlan, Placement, plan_fences
 
 __all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
-            "UncapturableStage", "UnsoundLowering", "lower", "make_state", "plan_fences", "torch_device"]
+            "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state", "plan_fences", "torch_device"]
 from ._runtime import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial, synthetic_work  # noqa: E402
 from ._scheduler import Scheduler, StepState  # noqa: E402
 from ._timeline import Timeline  # noqa: E402
@@ -85,6 +85,6 @@ __all__ += ["JoinedFence", "Phase", "PhasedStep", "STEP_SHAPES", "StepShape", "S
             "lower_step", "multi_eagle", "ngram", "parse_step"]
 
 from ._check import CheckState  # noqa: E402
-from ._verify import LateRead, LateReadWatch, PolicyCheck, VerifyReport, verify  # noqa: E402
+from ._verify import LateRead, LateReadWatch, PolicyCheck, VerifyReport, phase_modes, verify  # noqa: E402
 
-__all__ += ["CheckState", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "verify"]
+__all__ += ["CheckState", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]

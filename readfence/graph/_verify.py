@@ -40,6 +40,7 @@ from ._device import Device, check_device
 from ._lower import UncapturableStage, UnsoundLowering, make_state, torch_device
 from ._policy import Policy
 from ._runtime import _same, check_run, decode_loop, run_serial
+from ._shapes import StepShape
 
 State = Mapping[str, Mapping[str, Tensor]]
 
@@ -100,16 +101,19 @@ class VerifyReport:
     batch_size: int
     checks: tuple[PolicyCheck, ...]
     observer: bool  # whether the runtime read observer watched (CpuDevice)
+    phases: str = ""  # a step shape's phases, "name:MODE -> ...": they bring their own modes
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"spec": self.target, "mode": self.mode.name, "policy": c.policy.name, "verdict": "clean",
+        mode = {"mode": "phases", "phases": self.phases} if self.phases else {"mode": self.mode.name}
+        return [{"spec": self.target, **mode, "policy": c.policy.name, "verdict": "clean",
                  "buffer": None, "step": None, "stage": None, "op": None, "poisoned": list(c.poisoned),
                  "observed_accesses": c.observed_ops, "seconds": round(c.seconds, 3)} for c in self.checks]
 
     def __str__(self) -> str:
         watch = ("poison, guard and the runtime read observer" if self.observer else
                  "poison and guard (no op-by-op observer on this device: a replayed graph runs no Python)")
-        lines = [f"verified {self.target} in {self.mode.name} on {self.device}: {self.steps} steps, batch size "
+        where = f"in phases {self.phases}" if self.phases else f"in {self.mode.name}"
+        lines = [f"verified {self.target} {where} on {self.device}: {self.steps} steps, batch size "
                  f"{self.batch_size}, checks: {watch}"]
         for c in self.checks:
             poisoned = ", ".join(c.poisoned) or "nothing (released after the whole forward)"
@@ -192,6 +196,19 @@ def _reset(state: State, snapshot: State) -> None:
     for g, d in snapshot.items():
         for k, v in d.items():
             state[g][k].copy_(v)
+
+
+def phase_modes(target: Any) -> str:
+    """A step shape's phases with their modes (``""`` for a backend or a ``per_stream`` group).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import ngram
+    >>> phase_modes(ngram(paged())), phase_modes(paged())
+    ('target_verify:TARGET_VERIFY', '')
+    """
+    if not isinstance(target, StepShape):
+        return ""
+    return " -> ".join(f"{p.name}:{p.mode.name}" for p in target.phases)
 
 
 def _name(target: Any) -> str:
@@ -313,7 +330,8 @@ def verify(
                                       UNSAFE_skip_soundness_check, _poisoned(loop), **common))
         checks.append(PolicyCheck(pol, _poisoned(loop), seconds, 0 if watch is None else watch.accesses))
     _reset(live, snapshot)
-    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe))
+    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe,
+                                phase_modes(target)))
 
 
 def _run(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
@@ -354,4 +372,4 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
 
 
-__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "verify"]
+__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]
