@@ -15,6 +15,7 @@ from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
 from ._errors import InputError, OneLineCommand
 from ._params import (
     BATCH_SIZE,
+    MAX_BATCH,
     MAX_STEPS,
     Amount,
     DeviceName,
@@ -145,13 +146,13 @@ class _Progress:
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated (COARSE always runs: it is the baseline).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--seed", type=Integer(), default=0, show_default=True, help="Scheduler seed (request churn).")
-@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help="Requests per step.")
+@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help=f"Requests per step (1..{MAX_BATCH}).")
 @click.option("--write-cost", type=Amount(MAX_WRITE_COST, integer=True), default=0, show_default=True,
               help="Synthetic scheduler work per page-table write (an NxN matmul after the fence): "
-                   "makes the overlap measurable.")
+                   "makes the overlap measurable (0..4096).")
 @click.option("--write-wait-ms", type=Amount(MAX_WRITE_WAIT_MS, unit=" ms"), default=5.0, show_default=True,
               help="How long each page-table write takes, without using the CPU (a stand-in for the "
-                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free.")
+                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free (0..1000).")
 @click.option("--trace", "trace_path", type=OutputFile(".json"),
               help="Write a Chrome trace-event JSON of every run (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=OutputFile(".png"),

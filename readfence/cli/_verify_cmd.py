@@ -29,7 +29,7 @@ from readfence.graph import (
 )
 
 from ._errors import InputError, OneLineCommand
-from ._params import BATCH_SIZE, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
+from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -266,7 +266,7 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated.")
 @click.option("--steps", type=Positive(at_most=MAX_STEPS), default=8, show_default=True, help="Steps verified per policy.")
-@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help="Requests per step.")
+@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help=f"Requests per step (1..{MAX_BATCH}).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda (on CUDA only poison and the guard watch: a replayed graph runs no Python).")
 @click.option("--seed", type=Integer(), default=0, show_default=True, help="Scheduler seed (request churn).")
