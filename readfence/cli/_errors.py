@@ -89,11 +89,13 @@ def one_line(error: click.UsageError, ctx: click.Context | None = None) -> Input
         extra = message.partition("(")[2].rstrip(")")
         return InputError(f"unexpected extra argument{'s' if ' ' in extra else ''} "
                           f"{', '.join(repr(a) for a in extra.split())}{see}")
-    names = getattr(error, "possibilities", None)
-    if getattr(error, "command_name", None):
-        known = ", ".join(ctx.command.list_commands(ctx)) if isinstance(ctx and ctx.command, click.Group) else ""
+    command = getattr(error, "command_name", None)  # click >= 8.2 raises NoSuchCommand
+    if command:
+        group = ctx.command if ctx is not None else None
+        known = ", ".join(group.list_commands(ctx)) if isinstance(group, click.Group) and ctx is not None else ""
+        names = getattr(error, "possibilities", None)
         hint = f" (did you mean {', '.join(names)}?)" if names else ""
-        return InputError(f"unknown command {error.command_name!r}{hint}; commands: {known}")  # type: ignore[attr-defined]
+        return InputError(f"unknown command {command!r}{hint}; commands: {known}")
     return InputError(f"{message[:1].lower()}{message[1:]}{see}")
 
 

@@ -167,12 +167,12 @@ def shape_plan_report(shape: Any, *, device: str, caps: Capabilities, batch_size
                 points.add((ph.graph_key, row["end"], row["placement"]))
         policies[policy.name] = {"events": len(points), "placements": rows}
     by_phase: dict[str, dict[str, Any]] = {}
-    for policy, plan in policies.items():
+    for name, plan in policies.items():
         if "refused" in plan:
             continue
         for row in plan["placements"]:
             if row["phase"] != "-":
-                entry = by_phase.setdefault(row["phase"], {}).setdefault(policy, {"events": 0, "placements": []})
+                entry = by_phase.setdefault(row["phase"], {}).setdefault(name, {"events": 0, "placements": []})
                 entry["placements"].append({k: row[k] for k in ("buffer", "end", "placement")})
     for plans in by_phase.values():
         for entry in plans.values():
