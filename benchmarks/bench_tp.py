@@ -108,10 +108,19 @@ def measure_rank(rank: Any, quick: bool) -> dict[str, Any]:
     }
 
 
-def main(quick: bool = False) -> dict[str, Any]:
-    """Per rank: steps/s, ratios to COARSE and to the limit, per policy."""
+def measure(quick: bool = False) -> dict[int, dict[str, Any]]:
+    """Each rank's figures by rank (see :func:`measure_rank`), the two ranks run side by side."""
     st = settings(quick)
-    per_rank = launch(measure_rank, quick, tp=2, device="cpu", cfg=st["cfg"], collective_timeout_s=120)
+    return launch(measure_rank, quick, tp=2, device="cpu", cfg=st["cfg"], collective_timeout_s=120)
+
+
+def main(quick: bool = False) -> dict[str, Any]:
+    """Per rank: steps/s, ratios to COARSE and to the limit, per policy (``readfence bench tp``)."""
+    return flat(measure(quick))
+
+
+def flat(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """``measure``'s figures as one mapping of numbers per rank (``rank0.per_buffer_vs_limit``)."""
     out: dict[str, Any] = {}
     for rank, r in sorted(per_rank.items()):
         out[f"rank{rank}"] = {
@@ -120,7 +129,6 @@ def main(quick: bool = False) -> dict[str, Any]:
             **{f"{p.lower()}_vs_coarse": v for p, v in r["vs_coarse"].items() if p != "COARSE"},
             **{f"{p.lower()}_vs_limit": v for p, v in r["vs_limit"].items()},
         }
-    main.details = per_rank  # type: ignore[attr-defined]
     return out
 
 
@@ -146,8 +154,7 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps and repetitions")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = parser.parse_args(argv)
-    main(quick=args.quick)
-    per_rank = main.details  # type: ignore[attr-defined]
+    per_rank = measure(quick=args.quick)
     print(json.dumps(per_rank, indent=2) if args.json else report(per_rank, args.quick))
     return 0
 

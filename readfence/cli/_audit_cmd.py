@@ -12,7 +12,8 @@ from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch
 from readfence.core._audit import format_table
 from readfence.graph import StepShape
 
-from ._params import InputError, Mode, Positive, Spec, echo_json
+from ._errors import InputError, OneLineCommand
+from ._params import BATCH_SIZE, Mode, Spec, echo_json
 
 
 def reference_backends() -> list[Any]:
@@ -75,11 +76,11 @@ def totals(reports: Iterable[Any]) -> dict[str, int]:
     return out
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", "modes", type=Mode(), multiple=True,
               help="Audit only this mode (repeatable); default: every mode.")
-@click.option("--batch-size", "batch_sizes", type=Positive(), multiple=True,
+@click.option("--batch-size", "batch_sizes", type=BATCH_SIZE, multiple=True,
               help="Trace this batch size (repeatable); default: 1, 2 and the model's maximum.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
 def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool) -> None:
@@ -96,11 +97,6 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
     declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
     Exit status 1 if any declaration is unsound (earlier than a traced read).
     """
-    limit = ModelConfig().max_reqs
-    too_big = [n for n in batch_sizes if n > limit]
-    if too_big:
-        raise InputError(f"invalid --batch-size {too_big[0]!r}: exceeds the model's maximum batch size "
-                         f"({limit}); use 1..{limit}")
     sizes = tuple(batch_sizes) or default_batch_sizes(ModelConfig())
     if isinstance(spec, StepShape):
         reports = audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json)

@@ -17,6 +17,7 @@ import attrs
 from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import (
     Policy,
+    StepShape,
     Timeline,
     UnsoundLowering,
     open_device,
@@ -30,9 +31,6 @@ from ._trace import WaitRecorder, add_replays, add_waits
 #: A composition whose buffers end at different stages: trtllm_mha snapshots its page-table
 #: metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph (IN_REPLAY).
 DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
-
-#: The forward stream the lowering replays on (``lower``'s default).
-FORWARD = "forward"
 
 
 @attrs.frozen
@@ -76,7 +74,12 @@ def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, tr
                 dev.remove_observer(recorder)
         if timeline is not None:
             add_waits(timeline, recorder)
-            add_replays(timeline, FORWARD, graphed=mode.uses_graph and dev.caps.graphs)
+            graphs = dev.caps.graphs
+            if isinstance(backend, StepShape):
+                add_replays(timeline, graphed=[ph.mode.uses_graph and graphs for ph in backend.phases],
+                            phases=[ph.name for ph in backend.phases])
+            else:
+                add_replays(timeline, graphed=[mode.uses_graph and graphs])
         return res, timeline, dev.name, dev.caps
 
 

@@ -74,7 +74,7 @@ def check_tp(tp: int) -> None:
     >>> check_tp(3)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    readfence.cli._params.InputError: invalid --tp 3: the tiny model has 2 attention heads and 64 MLP
+    readfence.cli._errors.InputError: invalid --tp 3: the tiny model has 2 attention heads and 64 MLP
     columns, which 3 ranks cannot share evenly; allowed: 1, 2
     """
     from readfence.parallel import tp_sizes

@@ -16,9 +16,20 @@ import attrs
 import click
 
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
-from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
+from readfence.graph import (
+    LateRead,
+    Policy,
+    PolicyCheck,
+    StepShape,
+    VerifyReport,
+    open_device,
+    phase_modes,
+    torch_device,
+    verify,
+)
 
-from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, echo_json, merge_policies
+from ._errors import InputError, OneLineCommand
+from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -129,7 +140,8 @@ class Verified:
         clean = {r["policy"]: {**r, "evidence": None, "detail": ""} for r in self.report.rows()}
         found = {f.policy.name: f.as_json() for f in self.findings}
         rows = {**clean, **found}
-        return [{**rows[p.name], "mode": self.mode, **common} for p in Policy if p.name in rows]
+        mode = {"mode": self.mode, **({"phases": self.phases} if self.phases else {})}
+        return [{**rows[p.name], **mode, **common} for p in Policy if p.name in rows]
 
     def advice(self, finding: LateRead) -> str:
         """What to do about ``finding``."""
@@ -245,10 +257,9 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
                 findings.append(refused.late_read(name, mode, policy))  # type: ignore[union-attr]
             else:
                 checks.extend(result.unwrap().checks)
-        report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer)
+        report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer, phase_modes(spec))
     if isinstance(spec, StepShape):
-        phases = " -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
-        return Verified(name, "phases", seed, sizes, refused, report, tuple(findings), frozenset(ran), phases)
+        return Verified(name, "phases", seed, sizes, refused, report, tuple(findings), frozenset(ran), report.phases)
     return Verified(name, mode.name, seed, sizes, refused, report, tuple(findings), frozenset(ran))
 
 
@@ -261,7 +272,7 @@ def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict
     return {"ok": result.ok, "text": render(result), "rows": result.rows()}
 
 
-@click.command("verify")
+@click.command("verify", cls=OneLineCommand)
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend or extend (a step shape's phases fix their own modes).")
@@ -269,10 +280,10 @@ def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated.")
 @click.option("--steps", type=Positive(at_most=MAX_STEPS), default=8, show_default=True, help="Steps verified per policy.")
-@click.option("--batch-size", type=Positive(), default=4, show_default=True, help="Requests per step.")
+@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help=f"Requests per step (1..{MAX_BATCH}).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda (on CUDA only poison and the guard watch: a replayed graph runs no Python).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Scheduler seed (request churn).")
+@click.option("--seed", type=Integer(), default=0, show_default=True, help="Scheduler seed (request churn).")
 @click.option("--unsafe-skip-soundness-check", "unsafe", is_flag=True,
               help="UNSAFE: lower a declaration the audit refuses anyway, to watch poison and the observer "
                    "catch its late read at run time. The audit's finding still fails the run (exit 1); "
@@ -294,10 +305,6 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
     names the stage and op of any read after a release.
     Exit status 0 clean, 1 on any finding, 2 for bad input.
     """
-    limit = ModelConfig().max_reqs
-    if batch_size > limit:
-        raise InputError(f"invalid --batch-size {batch_size!r}: exceeds the model's maximum batch size "
-                         f"({limit}); use 1..{limit}")
     if not isinstance(spec, StepShape) and tokens_per_request(mode) == 0:
         allowed = ", ".join(m.name.lower() for m in ForwardMode if tokens_per_request(m))
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing "

@@ -42,7 +42,7 @@ __all__ = [
 # -- tracing and audit ----------------------------------------------------------------------
 from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes
 from ._program import Program, StageGraph, flatten_inputs
-from ._trace import CapturedStateError, StageWriteError, bind, trace
+from ._trace import CapturedStateError, StageWriteError, bind, clear_trace_cache, trace, trace_cache_size
 
 __all__ += [
     "AuditReport",
@@ -55,9 +55,11 @@ __all__ += [
     "audit",
     "audit_report",
     "bind",
+    "clear_trace_cache",
     "default_batch_sizes",
     "flatten_inputs",
     "trace",
+    "trace_cache_size",
 ]
 
 # -- the runtime read observer and its cross-check of the trace ---------------------------------

@@ -651,9 +651,21 @@ _CACHE: dict[Any, Program] = {}
 _CACHE_LIMIT = 1024
 
 
-def clear_cache() -> None:
-    """Forget every cached trace."""
+def clear_trace_cache() -> None:
+    """Forget every cached trace (``trace`` caches one program per backend code, mode, model
+    config, batch size, device and seed; the next call traces again).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> clear_trace_cache(); _ = trace(paged(), ForwardMode.DECODE); trace_cache_size()
+    1
+    """
     _CACHE.clear()
+
+
+def trace_cache_size() -> int:
+    """How many traced programs are cached (at most 1024: the oldest is forgotten first)."""
+    return len(_CACHE)
 
 
 def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:

@@ -403,7 +403,13 @@ def last_reads(program: Program) -> dict[str, LastRead]:
     Only nodes an event can follow: a stage that runs its Python function instead of its
     graph (unfaithful) has no nodes to follow, and a read by a stage's output (the copy of the
     out-of-graph stage's outputs into the graph) ends with the stage; those buffers get the
-    stage-level point.
+    stage-level point. EXACT places its events from these (``plan_fences(last_reads=...)``).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import trace
+    >>> last = last_reads(trace(paged(), ForwardMode.DECODE))["req_to_token"]
+    >>> last.stage, last.node
+    ('prepare_in_graph', 'index_select')
     """
     out = {}
     for b in SHARED_BUFFERS:
@@ -537,4 +543,4 @@ def _checked_program(backend: Any, mode: ForwardMode, cfg: ModelConfig, batch_si
     return program
 
 
-__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "lower", "make_state"]
+__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state"]
