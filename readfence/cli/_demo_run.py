@@ -114,7 +114,7 @@ def run_demo(
     if on_policy:
         on_policy("serial reference")
     options = dict(device_options or {})
-    kw = {"steps": steps, "batch_size": batch_size, "seed": seed, "cfg": cfg}
+    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed, "cfg": cfg}
     with open_device(device, **options) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
     reference = run_serial(backend, mode, device=device, **kw)

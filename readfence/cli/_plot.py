@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from readfence.graph import Timeline
+from readfence.graph import Span, Timeline
 
 from ._trace import stage_tracks
 
@@ -68,7 +68,7 @@ def window(timeline: Timeline, steps: int, phases: int = 1) -> tuple[float, floa
     return start, end
 
 
-def _color(span: Any) -> str:
+def _color(span: Span) -> str:
     return _COLORS.get(span.name) or _COLORS.get(span.category) or "#999999"
 
 

@@ -42,9 +42,9 @@ from ..lowering._poison import poison_points
 from ..runtime import decode_loop, run_serial
 from ..runtime._loop import _same
 from ..steps import StepShape
-from ..steps._target import check_run
+from ..steps._target import Target, check_run
 
-State = Mapping[str, Mapping[str, Tensor]]
+State = Mapping[str, dict[str, Tensor]]
 
 
 @attrs.frozen
@@ -200,7 +200,7 @@ def _reset(state: State, snapshot: State) -> None:
             state[g][k].copy_(v)
 
 
-def phase_modes(target: Any) -> str:
+def phase_modes(target: Target) -> str:
     """A step shape's phases with their modes (``""`` for a backend or a ``per_stream`` group).
 
     >>> from readfence.backends import paged
@@ -213,7 +213,7 @@ def phase_modes(target: Any) -> str:
     return " -> ".join(f"{p.name}:{p.mode.name}" for p in target.phases)
 
 
-def _name(target: Any) -> str:
+def _name(target: Target) -> str:
     return getattr(target, "spec", None) or str(target)
 
 
@@ -241,7 +241,7 @@ def _poisoned(loop: Any) -> tuple[str, ...]:
 
 
 def verify(
-    target: Any,
+    target: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     policy: Policy | Iterable[Policy] | None = None,
@@ -293,13 +293,13 @@ def verify(
     live = make_state(cfg, device) if state is None else state
     snapshot = _snapshot(live)
     name = _name(target)
-    common = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
+    common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
     if observer and where != "cpu":
         raise ValueError(f"the runtime read observer cannot watch {device.name}: a replayed graph runs no Python")
     observe = where == "cpu" if observer is None else bool(observer)
 
     if where == "cpu":
-        reference = run_serial(target, mode, state=live, **common).logits  # type: ignore[arg-type]
+        reference = run_serial(target, mode, state=live, **common).logits
     else:  # float results differ between devices: the reference is COARSE on this device
         reference = _run(target, mode, Policy.COARSE, device, live, None, lowering, **common)[0]
     checks = []
@@ -336,7 +336,7 @@ def verify(
                                 phase_modes(target)))
 
 
-def _run(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
+def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
          lowering: Mapping[str, Any], *, steps: int, batch_size: int, cfg: ModelConfig, seed: int,
          finish_prob: float, unsafe: bool = False, only: Iterable[str] | None = None) -> tuple[list[Any], Any, Any]:
     check = CheckState(state["shared"], cfg, watcher=watch, only=only)
@@ -347,7 +347,7 @@ def _run(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: 
     return [r.logits for r in runs], loop.check, loop
 
 
-def _attribute(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
+def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
                reference: Sequence[Any], differs: int, lowering: Mapping[str, Any], unsafe: bool,
                poisoned: tuple[str, ...], **common: Any) -> LateRead:
     # poison changed the outputs and the observer named nothing: poison one buffer at a time
