@@ -113,7 +113,11 @@ def check_run(target: Any, mode: ForwardMode, action: str = "run", name: str = "
 
 def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
                cfg: ModelConfig, state: dict[str, dict[str, Tensor]], **kwargs: Any) -> Any:
-    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`."""
+    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`.
+
+    A backend with a ``lower_step(mode, **lowering)`` method lowers itself (an engine's own
+    runner, ``readfence.engine``): it returns an object with ``run``, ``shared``, ``plan`` and
+    ``write_key``, as :class:`Lowered` has."""
     check_run(target, mode, "lower", "target")
     check_device(device)
     common = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
@@ -121,6 +125,9 @@ def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy
         return PhasedStep(target, **common)
     if _is_per_stream(target):
         return StreamGroup(target.members, mode, **common)
+    own = getattr(target, "lower_step", None)
+    if callable(own):
+        return own(mode, **common)
     return lower(target, mode, **common)
 
 
