@@ -39,6 +39,7 @@ Step = tuple[str, Any]  # ("attr", name) or ("item", key or index)
 Path = tuple[Step, ...]
 
 _DEPTH = 8
+_NODES = 20_000  # objects visited at most: an engine's metadata is small, a model is not walked
 _OPAQUE_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                  torch.dtype, torch.device, torch.Generator, enum.Enum, str, bytes, int, float, complex, bool,
                  type(None), _Pools, ReqToTokenPool, TokenToKVPool, StatePool, ModelConfigView, AttentionLayer)
@@ -74,24 +75,26 @@ def _children(node: Any) -> Iterator[tuple[Step, Any]]:
 
 
 def leaves(obj: Any) -> Iterator[tuple[Path, Any]]:
-    """Every tensor and forward batch reachable from ``obj``'s attributes, with its path.
+    """Every tensor and forward batch reachable from ``obj``'s attributes, by every path.
 
-    Follows attributes, dicts, lists and tuples (depth 8, each object once), not into tensors,
-    the runner view and its pools, functions, modules or plain values.
+    Follows attributes, dicts, lists and tuples (depth 8, no cycles), not into tensors, the
+    runner view and its pools, functions, modules or plain values. An object reachable two
+    ways is listed under both paths: the metadata one method replaces under one name may
+    stay under another (``self.forward_metadata = self.prefill_snapshot``).
     """
-    seen = {id(obj)}
-    stack: list[tuple[Path, Any]] = [((), obj)]
-    while stack:
-        path, node = stack.pop()
+    stack: list[tuple[Path, Any, frozenset[int]]] = [((), obj, frozenset({id(obj)}))]
+    budget = _NODES
+    while stack and budget:
+        path, node, above = stack.pop()
+        budget -= 1
         if len(path) >= _DEPTH:
             continue
         kids = []
         for step, value in _children(node):
             if isinstance(value, (Tensor, ForwardBatch)):
                 yield (*path, step), value
-            elif not isinstance(value, _OPAQUE_TYPES) and id(value) not in seen:
-                seen.add(id(value))
-                kids.append(((*path, step), value))
+            elif not isinstance(value, _OPAQUE_TYPES) and id(value) not in above:
+                kids.append(((*path, step), value, above | {id(value)}))
         stack.extend(reversed(kids))
 
 
