@@ -18,6 +18,7 @@ import click
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
 from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
 
+from ._engine_cmd import Engine, verify_engines
 from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
@@ -248,7 +249,7 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
 
 
 @click.command("verify")
-@click.argument("spec", type=Spec())
+@click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend or extend (a step shape's phases fix their own modes).")
 @click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True,
@@ -264,8 +265,11 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
                    "catch its late read at run time. The audit's finding still fails the run (exit 1); "
                    "never deploy fences placed this way.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
+@click.option("--engine", "engines", type=Engine(), default=None,
+              help="Verify an engine's own backend object instead of SPEC, under each policy and its engine's "
+                   "runner model: MODULE:FACTORY (see readfence.engine).")
 def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps: int, batch_size: int,
-               device: str, seed: int, unsafe: bool, as_json: bool) -> None:
+               device: str, seed: int, unsafe: bool, as_json: bool, engines: Any = None) -> None:
     """Audit SPEC, then check each policy's fences at run time, against the serial run.
 
     \b
@@ -276,7 +280,23 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
     guard checks nothing wrote a shared buffer, and on a CPU device a runtime read observer
     names the stage and op of any read after a release.
     Exit status 0 clean, 1 on any finding, 2 for bad input.
+
+    \b
+    --engine MODULE:FACTORY verifies an engine's stateful backend object instead (adapted by
+    readfence.engine; e.g. readfence.engine.reference:minimax_hybrid): each policy, then the
+    ENGINE RUNNER (SGLang's runner: one event from the scalar declaration, trusted as the
+    engine trusts it), with the same checks.
     """
+    if engines is not None:
+        if spec is not None:
+            raise InputError(f"give SPEC or --engine MODULE:FACTORY, not both (got SPEC {str(spec)!r})")
+        if unsafe:
+            raise InputError("--unsafe-skip-soundness-check is for SPEC; with --engine the ENGINE RUNNER row "
+                             "already runs the declaration as the engine does")
+        sys.exit(verify_engines(engines, mode, policies=policies, device=device, steps=steps,
+                                batch_size=batch_size, seed=seed, as_json=as_json))
+    if spec is None:
+        raise InputError("give SPEC (a backend spec or step shape) or --engine MODULE:FACTORY")
     limit = ModelConfig().max_reqs
     if batch_size > limit:
         raise InputError(f"invalid --batch-size {batch_size!r}: exceeds the model's maximum batch size "
