@@ -24,13 +24,13 @@ from typing import Any
 
 import attrs
 
-from readfence.core import ForwardMode, Program, bind, default_batch_sizes, example_step, trace
+from readfence.core import ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
 from readfence.core._audit import BufferAudit
 from readfence.core._checks import check_forward_mode, positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._adapter import EAGER, EngineBackend
-from ._contract import PREFILL, STAGE_METHODS
+from ._contract import PREFILL, STAGE_METHODS, EngineError
 from ._observe import observe_engine
 
 #: The modes an engine runs (IDLE reads nothing).
@@ -215,7 +215,7 @@ def _node_op(program: Program, stage: str, node: str) -> tuple[str, str, str]:
 @attrs.frozen
 class _Run:
     size: int
-    program: Program
+    program: Program | None  # None: make_fx could not trace the step at all
     traced: dict[str, ReadEnd]
     readers: dict[str, tuple[str, str]]
     observed: ReadEffect
@@ -225,11 +225,21 @@ class _Run:
     resolved: ReadEnd | None
 
 
-def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: int) -> _Run:
+def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: int, path: str) -> _Run:
     cfg = node.cfg
-    program = bind(trace(node, mode, cfg=cfg, batch_size=size), node.state)
-    escapes = _escapes(program)
-    traced, readers = _traced(program, escapes)
+    program: Program | None
+    try:
+        program = bind(trace(node, mode, cfg=cfg, batch_size=size), node.state)
+    except StageWriteError as e:
+        raise e.at(path) from None
+    except EngineError as e:  # data-dependent control flow make_fx refuses: observation is all there is
+        program = None
+        why = str(e.__cause__ or e).splitlines()[0][:200]
+        escapes = {stage: [(f"make_fx cannot trace it: {why}", "?")] for stage in STAGE_METHODS}
+        traced, readers = {}, {}
+    if program is not None:
+        escapes = _escapes(program)
+        traced, readers = _traced(program, escapes)
     observation = observe_engine(node, mode, batch_sizes=[size], steps=steps, seed=seed)
     resolved = None
     if mode is ForwardMode.EXTEND and hasattr(node.object, PREFILL):
@@ -243,7 +253,7 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
     truth = ReadEnd.join_all(r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer] for r in runs)
     run = next((r for r in runs if (r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer]) is truth), runs[0])
     traced = run.traced.get(buffer, ReadEnd.NONE)
-    if traced is truth and (truth is not ReadEnd.NONE or not run.escapes):
+    if run.program is not None and traced is truth and (truth is not ReadEnd.NONE or not run.escapes):
         reader = run.readers.get(buffer)
         method, op, where = _node_op(run.program, *reader) if reader else ("", "", "")
         return EngineRow(path, mode, buffer, declared, truth, TRACED, method, op, where, run.size, per_batch)
@@ -259,7 +269,7 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
 
 def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[int, ...], steps: int,
                 seed: int) -> NodeAudit:
-    runs = [_run(node, mode, n, steps, seed) for n in sizes]
+    runs = [_run(node, mode, n, steps, seed, path) for n in sizes]
     per_batch = runs[0].resolved is not None
     rows = []
     for b in node.reads + tuple(b for b in runs[0].observed.buffers if b not in node.reads):
@@ -271,9 +281,13 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
                                       for why, source in found))
     lowering = ""
     declared = node.read_effect(mode)
-    refused = [r for r in runs if not r.program.observed() <= declared]
-    if refused:
+    failed = [r for r in runs if r.program is None]
+    refused = [r for r in runs if r.program is not None and not r.program.observed() <= declared]
+    if failed:
+        lowering = f"readfence cannot lower it with any policy: {failed[0].escapes['body'][0][0]}"
+    elif refused:
         r = refused[0]
+        assert r.program is not None
         worst = max(r.program.observed().buffers, key=lambda b: r.program.observed()[b].rank)
         lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
                     f"{r.program.observed()[worst].name}, later than declared ({declared[worst].name})")

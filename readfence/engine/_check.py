@@ -30,6 +30,7 @@ from readfence.graph import (
 )
 
 from ._adapter import EngineBackend
+from ._contract import EngineError
 from ._observe import preserved
 from ._runner import RunnerModel, runner_model
 
@@ -139,7 +140,12 @@ def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE,
     for name, target, policy in targets:
         t0 = time.perf_counter()
         with preserved(engine.state):
-            result = verify(target, mode, policy=policy, **common)  # type: ignore[arg-type]
+            try:
+                result = verify(target, mode, policy=policy, **common)  # type: ignore[arg-type]
+            except EngineError as e:  # the tracer cannot follow the step: nothing to lower
+                rows.append(VerifyRow(name, LateRead(engine.name, mode, policy, "refused", "audit", detail=str(e)),
+                                      (), time.perf_counter() - t0))
+                continue
         if is_successful(result):
             check = result.unwrap()
             observer = check.observer
@@ -236,7 +242,7 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
             try:
                 run: LoopResult = run_overlapped(target, mode, policy=policy, device=device, state=state,
                                                  write_wait_s=write_wait_s, **common)
-            except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError) as e:
+            except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, EngineError) as e:
                 rows.append(CompareRow(name, refused=str(e).split(": ", 1)[-1][:160]))
                 continue
         slack = statistics.fmean(run.slack.values()) * 1e3 if run.slack else None
