@@ -62,6 +62,9 @@ def _children(node: Any) -> Iterator[tuple[Step, Any]]:
         for k, v in node.items():
             if isinstance(k, (str, int)):
                 yield ("item", k), v
+    elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple: by field name
+        for name in node._fields:
+            yield ("attr", name), getattr(node, name)
     elif isinstance(node, (list, tuple)):
         for i, v in enumerate(node):
             yield ("item", i), v
@@ -238,12 +241,14 @@ def _set_path(node: Any, path: Path, value: Any, who: str) -> Any:
     new = value if not rest else _set_path(child, rest, value, who)
     if new is child:
         return node
+    if kind == "attr" and isinstance(node, tuple):
+        return node._replace(**{key: new})  # type: ignore[attr-defined]
     if kind == "attr":
         object.__setattr__(node, key, new)
         return node
     if isinstance(node, tuple):
         items = list(node)
         items[key] = new
-        return type(node)._make(items) if hasattr(type(node), "_make") else type(node)(items)
+        return type(node)(items)
     node[key] = new
     return node
