@@ -211,12 +211,15 @@ class Comparison:
 
 def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
             policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = RunnerModel(),
-            steps: int = 20, batch_size: int = 4, seed: int = 0, write_wait_s: float = 0.005) -> Comparison:
+            steps: int = 20, batch_size: int = 4, seed: int = 0, write_wait_s: float = 0.005,
+            repeats: int = 1) -> Comparison:
     """Run ``engine`` overlapped under the engine's runner model and each of ``policies``
     (default: all), side by side on one device: steps/s (1 / the median time between two steps'
     ends), mean fence slack, whether the outputs match the serial run bit for bit, sanitizer
     findings. ``write_wait_s`` is the scheduler's page-table write time (what a fence lets
-    overlap the forward). A policy the lowering refuses is a row saying why.
+    overlap the forward). Each fence runs ``repeats`` times, in turn, and its row reports the
+    median steps/s and slack (a noisy machine slows one run, not the median). A policy the
+    lowering refuses is a row saying why.
 
     >>> from readfence.engine.reference import trtllm_mha
     >>> from readfence.graph import CpuDevice
@@ -236,15 +239,27 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
     if runner is not None:
         targets.append((RUNNER, runner_model(engine, runner), Policy.JOINED))
     targets += [(p.name, engine, p) for p in _policies(policies)]
-    rows = []
-    for name, target, policy in targets:
-        with preserved(state):
-            try:
-                run: LoopResult = run_overlapped(target, mode, policy=policy, device=device, state=state,
-                                                 write_wait_s=write_wait_s, **common)
-            except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, EngineError) as e:
-                rows.append(CompareRow(name, refused=str(e).split(": ", 1)[-1][:160]))
+    positive_int("repeats", repeats)
+    runs: dict[str, list[LoopResult]] = {name: [] for name, _, _ in targets}
+    refused: dict[str, str] = {}
+    for _ in range(repeats):  # interleaved: every fence sees the same machine, run by run
+        for name, target, policy in targets:
+            if name in refused:
                 continue
-        slack = statistics.fmean(run.slack.values()) * 1e3 if run.slack else None
-        rows.append(CompareRow(name, run.steps_per_s, slack, run.matches(reference), len(run.violations)))
+            with preserved(state):
+                try:
+                    runs[name].append(run_overlapped(target, mode, policy=policy, device=device, state=state,
+                                                     write_wait_s=write_wait_s, **common))
+                except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, EngineError) as e:
+                    refused[name] = str(e).split(": ", 1)[-1][:160]
+    rows = []
+    for name, _, _ in targets:
+        if name in refused:
+            rows.append(CompareRow(name, refused=refused[name]))
+            continue
+        done = runs[name]
+        slacks = [statistics.fmean(r.slack.values()) * 1e3 for r in done if r.slack]
+        rows.append(CompareRow(name, statistics.median(r.steps_per_s for r in done),
+                               statistics.median(slacks) if slacks else None,
+                               all(r.matches(reference) for r in done), sum(len(r.violations) for r in done)))
     return Comparison(engine.name, mode, steps, batch_size, tuple(rows))
