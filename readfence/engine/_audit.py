@@ -309,8 +309,9 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
 
     >>> from readfence.engine.reference import minimax_hybrid
     >>> report = audit_engine(minimax_hybrid(), ForwardMode.DECODE, batch_sizes=[2], steps=1)
-    >>> [(r.backend.rsplit("/", 1)[-1], r.text()) for r in report.unsound()]
-    [('MiniMaxSparseBackend', 'unsound: read by forward_extend (aten.index_select.default)'), ('MiniMaxHybridAttnBackend', 'unsound: read by forward_extend (aten.index_select.default)')]
+    >>> [(r.backend.rsplit("/", 1)[-1], r.text()) for r in report.unsound()]  # doctest: +NORMALIZE_WHITESPACE
+    [('MiniMaxSparseBackend', 'unsound: forward reads it (aten.index_select.default)'),
+     ('MiniMaxHybridAttnBackend', 'unsound: forward reads it (aten.index_select.default)')]
     """
     if not isinstance(engine, EngineBackend):
         raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r} "

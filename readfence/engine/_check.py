@@ -37,6 +37,9 @@ from ._runner import RunnerModel, runner_model
 #: The name of the engine runner's row, next to readfence's policies.
 RUNNER = "ENGINE RUNNER"
 
+#: The runner model as SGLang configures it by default (no kill switch, prefill read-done on).
+SGLANG = RunnerModel()
+
 
 def _policies(policies: Policy | Iterable[Policy] | None) -> tuple[Policy, ...]:
     if policies is None:
@@ -113,7 +116,7 @@ class EngineVerification:
 
 
 def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
-                  policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = RunnerModel(),
+                  policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = SGLANG,
                   steps: int = 8, batch_size: int = 4, seed: int = 0) -> EngineVerification:
     """``readfence.graph.verify`` of ``engine`` under each of ``policies`` (default: all) and under
     the engine's runner model (``runner``; ``None`` leaves it out), on the engine's own state.
@@ -210,7 +213,7 @@ class Comparison:
 
 
 def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
-            policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = RunnerModel(),
+            policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = SGLANG,
             steps: int = 20, batch_size: int = 4, seed: int = 0, write_wait_s: float = 0.005,
             repeats: int = 1) -> Comparison:
     """Run ``engine`` overlapped under the engine's runner model and each of ``policies``
