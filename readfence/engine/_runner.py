@@ -177,14 +177,6 @@ class RunnerTarget(Backend):
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return f"runner[{self.engine.name}]", ()
 
-    @property
-    def state(self) -> Any:
-        return self.engine.state
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.engine.cfg
-
     def prepare_out_graph(self, mode: ForwardMode, shared: Any, batch: Any) -> dict[str, Tensor]:
         return self.engine.prepare_out_graph(mode, shared, batch)
 
