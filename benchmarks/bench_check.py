@@ -25,7 +25,7 @@ import torch
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ModelConfig
 from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
-from readfence.graph._verify import _LateReadWatch
+from readfence.graph.verification._verify import _LateReadWatch
 
 
 def _seconds(kind: str, steps: int, cfg: ModelConfig) -> float:

@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log it, note its status in the
 }
 : >"$out/summary.txt"
 cat "$out/env.txt" >>"$out/summary.txt"
-step self_check 60 python3 -c "from readfence.graph import _cuda; _cuda.self_check(); print('CUDA self-check passed')"
+step self_check 60 python3 -c "from readfence.graph.devices import _cuda; _cuda.self_check(); print('CUDA self-check passed')"
 step cuda_tests 150 python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" tests
 step loop_check 120 python3 scripts/gpu_loop_check.py --device cuda --steps 20
 rf=(python3 -c "from readfence.cli import main; main()")  # the package is on PYTHONPATH, not installed

@@ -33,7 +33,7 @@ from ._combinators import (
     tbo,
 )
 from ._leaves import REFERENCE_LEAVES, deepseek_v4, dense, linear, paged, sparse, trtllm_mha
-from ._spec import SpecError, parse
+from ._spec import CallForm, SpecError, parse, parse_call
 
 
 def reference_compositions() -> dict[str, Backend]:
@@ -58,6 +58,7 @@ __all__ = [
     "MODES",
     "REFERENCE_LEAVES",
     "Backend",
+    "CallForm",
     "Join",
     "Leaf",
     "PerStream",
@@ -80,6 +81,7 @@ __all__ = [
     "page_meta",
     "paged",
     "parse",
+    "parse_call",
     "per_stream",
     "redeclare",
     "reference_compositions",

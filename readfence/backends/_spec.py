@@ -1,14 +1,21 @@
-"""``parse``: backend specs like ``tbo(deepseek_v4(dspark=false), paged)`` -> ``Backend``.
+"""The spec grammar: ``tbo(deepseek_v4(dspark=false), paged)`` -> ``Backend``, and the calls
+other layers build on it (the speculative step shapes: ``eagle(paged, trtllm_mha, draft_steps=2)``).
 
-Grammar (whitespace is free; leaves may drop the ``()``; a trailing comma is allowed)::
+Grammar (whitespace is free; a call without arguments may drop the ``()``; a trailing comma
+is allowed)::
 
-    spec    := backend END
-    backend := NAME [ "(" [ arg ("," arg)* [","] ] ")" ]
-    arg     := backend | NAME "=" value
-    value   := backend | INT | FLOAT | "true" | "false" | STRING
+    spec    := call END
+    call    := NAME [ "(" [ arg ("," arg)* [","] ] ")" ]
+    arg     := call | NAME "=" value
+    value   := call | INT | FLOAT | "true" | "false" | STRING
+
+What a name accepts is its :class:`CallForm`: how many positional backends, which keywords
+of which type (or int range). The leaves and combinators are the backend forms; ``parse_call``
+takes more forms for the outermost call only (the step shapes register theirs), so there is
+one grammar, one parser and one error type for every spec.
 
 A hand-written tokenizer and an explicit-stack parser: no ``eval``, no recursion, linear time;
-nesting deeper than ``max_depth`` is an error. Every failure is a ``SpecError`` naming the
+nesting deeper than ``max_depth`` is an error. Every failure is a :class:`SpecError` naming the
 position and what was expected (or which names / keywords exist).
 """
 
@@ -119,64 +126,92 @@ def _tokenize(spec: str) -> list[_Token]:
 
 _LITERAL_TYPES: dict[type, str] = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
 
+#: What a keyword takes: ``Backend``, a literal type (``bool``, ``int``, ``float``, ``str``), or
+#: a ``range`` of ints (``range(1, 65)``: an int in 1..64).
+Keyword = type | range
+
 
 @attrs.frozen
-class _Form:
-    """How to build ``name(args, kwargs)``: counts of positional backends and keyword types."""
+class CallForm:
+    """How a spec writes one call, ``name(backend, ..., key=value, ...)``, and what it builds.
 
-    build: Callable[[list[Backend], dict[str, Any]], Backend]
+    ``build(*backends, **keywords)`` makes the value once the parser has checked the call:
+    between ``min_args`` and ``max_args`` (``None``: no limit) positional backends, only the
+    ``keywords`` listed, each of its :data:`Keyword` type, and every ``required`` one. ``usage``
+    is shown when the call is wrong. Calling the form calls ``build``.
+
+    >>> form = CallForm(lambda *backends, steps=1: (len(backends), steps), 1, None,
+    ...                 {"steps": range(1, 9)}, usage="repeat(backend, ..., steps=N)")
+    >>> parse_call("repeat(paged, linear, steps=3)", {"repeat": form}, what="repeat").unwrap()
+    (2, 3)
+    >>> print(parse_call("repeat(paged, steps=0)", {"repeat": form}, what="repeat").failure())
+    position 20: repeat(steps=...) expects an int in 1..8, got 0
+      repeat(paged, steps=0)
+                          ^
+    """
+
+    build: Callable[..., Any]
     min_args: int = 0
     max_args: int | None = 0
-    keywords: Mapping[str, type] = attrs.field(factory=dict)
+    keywords: Mapping[str, Keyword] = attrs.field(factory=dict)
     required: tuple[str, ...] = ()
     usage: str = ""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.build(*args, **kwargs)
 
-def _leaf_form(name: str, ctor: Callable[..., Backend]) -> _Form:
-    keywords: dict[str, type] = {}
+
+def _leaf_form(name: str, ctor: Callable[..., Backend]) -> CallForm:
+    keywords: dict[str, Keyword] = {}
     try:
-        params = inspect.signature(ctor).parameters.values()
+        params = list(inspect.signature(ctor).parameters.values())
     except (TypeError, ValueError):
-        params = []  # type: ignore[assignment]
+        params = []
     for p in params:
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is not p.empty:
             keywords[p.name] = type(p.default)
-    return _Form(lambda args, kw: ctor(**kw), keywords=keywords, usage=name)
+    return CallForm(ctor, keywords=keywords, usage=name)
 
 
-def _select(args: list[Backend], kw: dict[str, Any]) -> Backend:
+def _select(**kw: Backend) -> Backend:
     default = kw.pop("default", None)
     return select({ForwardMode(k): v for k, v in kw.items()}, default=default)
 
 
-_COMBINATORS: dict[str, _Form] = {
-    "select": _Form(_select, keywords={**{m.value: Backend for m in ForwardMode}, "default": Backend},
-                    usage="select(decode=..., extend=..., default=...)"),
-    "hybrid": _Form(lambda a, kw: hybrid(**kw),
-                    keywords=dict.fromkeys(("decode", "prefill", "verify", "draft_extend"), Backend),
-                    required=("decode", "prefill"), usage="hybrid(decode=..., prefill=...)"),
-    "join": _Form(lambda a, kw: join(*a), 1, None, usage="join(backend, ...)"),
-    "tbo": _Form(lambda a, kw: tbo(*a), 1, None, usage="tbo(primary, *children)"),
-    "per_stream": _Form(lambda a, kw: per_stream(*a), 1, None, usage="per_stream(backend, ...)"),
-    "hybrid_linear": _Form(lambda a, kw: hybrid_linear(*a, **kw), 1, None, {"pattern": str},
-                           usage='hybrid_linear(backend, ..., pattern="0111")'),
-    "minimax": _Form(lambda a, kw: minimax(*a), 2, 2, usage="minimax(sparse, dense)"),
+_COMBINATORS: dict[str, CallForm] = {
+    "select": CallForm(_select, keywords={**{m.value: Backend for m in ForwardMode}, "default": Backend},
+                       usage="select(decode=..., extend=..., default=...)"),
+    "hybrid": CallForm(hybrid, keywords=dict.fromkeys(("decode", "prefill", "verify", "draft_extend"), Backend),
+                       required=("decode", "prefill"), usage="hybrid(decode=..., prefill=...)"),
+    "join": CallForm(join, 1, None, usage="join(backend, ...)"),
+    "tbo": CallForm(tbo, 1, None, usage="tbo(primary, *children)"),
+    "per_stream": CallForm(per_stream, 1, None, usage="per_stream(backend, ...)"),
+    "hybrid_linear": CallForm(hybrid_linear, 1, None, {"pattern": str}, usage='hybrid_linear(backend, ..., pattern="0111")'),
+    "minimax": CallForm(minimax, 2, 2, usage="minimax(sparse, dense)"),
 }
 
 
-def _check_value(name: str, key: str, expected: type, value: Any, pos: int) -> Any:
+def _describe(expected: Keyword) -> str:
+    if isinstance(expected, range):
+        return f"an int in {expected.start}..{expected[-1]}" if len(expected) else "an int in an empty range"
+    return _LITERAL_TYPES.get(expected, expected.__name__)
+
+
+def _check_value(name: str, key: str, expected: Keyword, value: Any, pos: int) -> Any:
     if expected is Backend:
         if not isinstance(value, Backend):
-            raise _Fail(pos, f"{name}({key}=...) expects a backend, got {value!r}")
+            raise _Fail(pos, f"{name}({key}=...) expects a backend, got {_show_literal(value)}")
         return value
     if isinstance(value, Backend):
-        raise _Fail(pos, f"{name}({key}=...) expects {_LITERAL_TYPES.get(expected, expected.__name__)}, "
-                         f"got the backend {value}")
-    ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool))) or (
-        expected is float and isinstance(value, int) and not isinstance(value, bool))
+        raise _Fail(pos, f"{name}({key}=...) expects {_describe(expected)}, got the backend {value}")
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(expected, range):
+        ok = is_int and value in expected
+    else:
+        ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool))) or (
+            expected is float and is_int)
     if not ok:
-        want = _LITERAL_TYPES.get(expected, expected.__name__)
-        raise _Fail(pos, f"{name}({key}=...) expects {want}, got {_show_literal(value)}")
+        raise _Fail(pos, f"{name}({key}=...) expects {_describe(expected)}, got {_show_literal(value)}")
     return float(value) if expected is float else value
 
 
@@ -190,7 +225,7 @@ def _show_literal(value: Any) -> str:
 class _Frame:
     name: str
     pos: int
-    form: _Form
+    form: CallForm
     args: list[tuple[Backend, int]] = attrs.field(factory=list)
     kwargs: dict[str, tuple[Any, int]] = attrs.field(factory=dict)
     key: str | None = None
@@ -198,23 +233,43 @@ class _Frame:
 
 
 class _Parser:
-    def __init__(self, spec: str, leaves: Mapping[str, Callable[..., Backend]], max_depth: int) -> None:
+    """One parse of ``spec``: the backend forms (combinators and ``leaves``), and the ``outer``
+    forms the outermost call may be (a ``what``, e.g. a step shape), or a backend as well when
+    ``or_backend``."""
+
+    def __init__(self, spec: str, leaves: Mapping[str, Callable[..., Backend]], max_depth: int,
+                 outer: Mapping[str, CallForm], what: str, or_backend: bool) -> None:
         self.spec, self.max_depth = spec, max_depth
-        self.forms: dict[str, _Form] = dict(_COMBINATORS)
+        self.forms: dict[str, CallForm] = dict(_COMBINATORS)
         for name, ctor in leaves.items():
             if name in _COMBINATORS:
                 raise ValueError(f"leaf name {name!r} is a combinator")
+            if name in outer:
+                raise ValueError(f"leaf name {name!r} is a {what}")
             self.forms[name] = _leaf_form(name, ctor)
         self.leaf_names = sorted(leaves)
+        self.outer, self.what, self.or_backend = outer, what, or_backend or not outer
 
-    def form(self, tok: _Token) -> _Form:
-        form = self.forms.get(tok.text)
-        if form is None:
-            raise _Fail(tok.pos, f"unknown backend {tok.text!r}; known leaves: {', '.join(self.leaf_names)}; "
-                                 f"combinators: {', '.join(sorted(_COMBINATORS))}")
-        return form
+    def form(self, tok: _Token, depth: int) -> CallForm:
+        name = tok.text
+        if name in self.outer:
+            if depth:
+                raise _Fail(tok.pos, f"{name} is a {self.what}: it can only be the whole spec, not an argument "
+                                     "(its arguments are backends)")
+            return self.outer[name]
+        form = self.forms.get(name)
+        if form is not None and (depth or self.or_backend):
+            return form
+        outer = ", ".join(self.outer)
+        if depth == 0 and not self.or_backend:
+            if form is None:
+                raise _Fail(tok.pos, f"unknown {self.what} {name!r}; {self.what}s: {outer}")
+            raise _Fail(tok.pos, f"expected a {self.what} ({outer}), found the backend {name!r}")
+        shapes = f"; {self.what}s: {outer}" if self.outer and depth == 0 else ""
+        raise _Fail(tok.pos, f"unknown backend {name!r}; known leaves: {', '.join(self.leaf_names)}; "
+                             f"combinators: {', '.join(sorted(_COMBINATORS))}{shapes}")
 
-    def build(self, frame: _Frame) -> Backend:
+    def build(self, frame: _Frame) -> Any:
         form, name = frame.form, frame.name
         args = [b for b, _ in frame.args]
         if len(args) < form.min_args or (form.max_args is not None and len(args) > form.max_args):
@@ -222,7 +277,8 @@ class _Parser:
                 raise _Fail(frame.args[0][1], f"{name} takes no positional arguments; usage: {form.usage}"
                             + self._allowed(form))
             want = (f"exactly {form.min_args}" if form.min_args == form.max_args
-                    else f"at least {form.min_args}")
+                    else f"at least {form.min_args}" if form.max_args is None
+                    else f"{form.min_args} to {form.max_args}")
             raise _Fail(frame.pos, f"{name} needs {want} backend argument(s), got {len(args)}; "
                                    f"usage: {form.usage}")
         kwargs = {}
@@ -232,15 +288,15 @@ class _Parser:
         if missing:
             raise _Fail(frame.pos, f"{name} needs {', '.join(k + '=' for k in missing)}; usage: {form.usage}")
         try:
-            return form.build(args, kwargs)
+            return form.build(*args, **kwargs)
         except (TypeError, ValueError) as exc:
             raise _Fail(frame.pos, f"bad arguments for {name}: {exc}") from None
 
     @staticmethod
-    def _allowed(form: _Form) -> str:
+    def _allowed(form: CallForm) -> str:
         return f"; allowed keywords: {', '.join(sorted(form.keywords)) or '(none)'}"
 
-    def parse(self) -> Backend:
+    def parse(self) -> Any:
         tokens = _tokenize(self.spec)
         stack: list[_Frame] = []
         i = 0
@@ -267,7 +323,7 @@ class _Parser:
                 in_keyword = bool(stack) and stack[-1].key is not None
                 value_pos = tok.pos
                 if tok.kind == "name" and tok.text not in ("true", "false"):
-                    form = self.form(tok)
+                    form = self.form(tok, len(stack))
                     if tokens[i + 1].kind == "(":
                         if len(stack) >= self.max_depth:
                             raise _Fail(tok.pos, f"nesting deeper than {self.max_depth} levels")
@@ -336,17 +392,49 @@ def parse(
     >>> parse("nosuch").failure().message.startswith("unknown backend 'nosuch'; known leaves: deepseek_v4, dense")
     True
     """
+    return _parse(spec, leaves, max_depth, {}, "", or_backend=True)
+
+
+def parse_call(
+    spec: str,
+    forms: Mapping[str, CallForm],
+    *,
+    what: str,
+    or_backend: bool = False,
+    leaves: Mapping[str, Callable[..., Backend]] | None = None,
+    max_depth: int = MAX_DEPTH,
+) -> Result[Any, SpecError]:
+    """Parse a spec whose outermost call is one of ``forms`` (each a ``what``, e.g. a step
+    shape), its arguments backend specs; with ``or_backend``, a backend spec is accepted too.
+
+    The grammar, the checks and the errors are those of :func:`parse`: ``Success(value)`` or
+    ``Failure(SpecError)``. A form of ``forms`` nested inside another call is an error.
+
+    >>> form = CallForm(lambda backend: ("wrapped", str(backend)), 1, 1, usage="wrap(backend)")
+    >>> parse_call("wrap(tbo(paged, linear))", {"wrap": form}, what="wrapper").unwrap()
+    ('wrapped', 'tbo(paged, linear)')
+    >>> parse_call("paged", {"wrap": form}, what="wrapper").failure().message
+    "expected a wrapper (wrap), found the backend 'paged'"
+    >>> parse_call("paged", {"wrap": form}, what="wrapper", or_backend=True).unwrap()
+    <Backend paged>
+    """
+    return _parse(spec, leaves, max_depth, forms, what, or_backend=or_backend)
+
+
+def _parse(spec: str, leaves: Mapping[str, Callable[..., Backend]] | None, max_depth: int,
+           outer: Mapping[str, CallForm], what: str, *, or_backend: bool) -> Result[Any, SpecError]:
     if not isinstance(spec, str):
         return Failure(SpecError(0, f"a spec is a str, got {spec!r} ({type(spec).__name__})", repr(spec)))
-    known = dict(REFERENCE_LEAVES)
+    known: dict[str, Callable[..., Backend]] = dict(REFERENCE_LEAVES)
     known.update(leaves or {})
     try:
-        parser = _Parser(spec, known, max_depth)
+        parser = _Parser(spec, known, max_depth, outer, what, or_backend)
     except ValueError as exc:
         return Failure(SpecError(0, str(exc), spec))
     try:
         if not spec.strip():
-            raise _Fail(len(spec), "empty spec: expected a backend name")
+            expected = f"a {what} name" if outer and not or_backend else "a backend name"
+            raise _Fail(len(spec), f"empty spec: expected {expected}")
         return Success(parser.parse())
     except _Fail as exc:
         return Failure(SpecError(exc.position, exc.message, spec))

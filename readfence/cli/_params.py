@@ -21,9 +21,9 @@ from typing import Any
 import click
 from returns.pipeline import is_successful
 
-from readfence.backends import Backend, parse
+from readfence.backends import Backend
 from readfence.core import ForwardMode
-from readfence.graph import DEVICE_KINDS, STEP_SHAPES, Policy, StepShape, open_device, parse_step
+from readfence.graph import DEVICE_KINDS, Policy, StepShape, open_device, parse_target
 
 
 class InputError(click.ClickException):
@@ -47,10 +47,12 @@ def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
 
 
 def parse_spec(text: str) -> Backend | StepShape:
-    """The backend (or speculative step shape) a spec names; ``ValueError`` says what is wrong.
+    """The backend (or speculative step shape) a spec names; ``ValueError`` says what is wrong
+    and where: ``position N: ...``, on one line, for every command that takes a spec.
 
     Step shapes (``eagle(TARGET, DRAFT)``, ``multi_eagle(TARGET, D1, D2...)``,
-    ``ngram(TARGET)``) run several phases per step; anything else is a backend spec.
+    ``ngram(TARGET)``) run several phases per step; anything else is a backend spec. Both are
+    the one spec grammar (``readfence.graph.parse_target``).
 
     >>> str(parse_spec("tbo( deepseek_v4 , paged )"))
     'tbo(deepseek_v4, paged)'
@@ -61,12 +63,7 @@ def parse_spec(text: str) -> Backend | StepShape:
     ...
     ValueError: position 4: expected a backend name, found end of spec
     """
-    if text.strip().partition("(")[0].strip() in STEP_SHAPES:
-        shape = parse_step(text)
-        if not is_successful(shape):
-            raise ValueError(shape.failure())
-        return shape.unwrap()
-    result = parse(text)
+    result = parse_target(text)
     if not is_successful(result):
         error = result.failure()
         raise ValueError(f"position {error.position}: {error.message}")
@@ -187,7 +184,7 @@ class DeviceName(click.ParamType):
             if not torch.cuda.is_available():
                 raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
                                           "is False); allowed: auto, cpu")
-            from readfence.graph import _cuda
+            from readfence.graph.devices import _cuda
 
             error = _cuda.self_check_error()
             if error is not None:

@@ -74,7 +74,7 @@ def placements(backend: Any, mode: ForwardMode, caps: Capabilities, *, trace_dev
     ``readfence.graph.lower`` does.
     """
     from readfence.core import trace
-    from readfence.graph._lower import last_reads
+    from readfence.graph.lowering._lower import last_reads
 
     program = trace(backend, mode, batch_size=batch_size, device=trace_device)
     declared, observed = backend.read_effect(mode), program.observed()

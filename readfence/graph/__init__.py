@@ -1,90 +1,30 @@
-"""The graph layer: devices (CPU and CUDA), fault injection and the sanitizer.
+"""The graph layer, in pipeline order: each subpackage imports only those before it.
 
->>> from readfence.graph import CpuDevice
->>> with CpuDevice() as dev:
-...     dev.stream("forward").launch(print, "hello from the forward stream", label="hello")
-...     dev.synchronize(timeout=5)
-hello from the forward stream
+* ``devices``: the ``Device`` protocol, ``CpuDevice`` and ``CudaDevice``, opening one by kind,
+  op items, errors, fault injection, timelines;
+* ``lowering``: fence policies and plans, the FX pass that inserts event records, fences and
+  event rings, the poison-on-release check state, ``lower``;
+* ``steps``: steps of several graphs: speculative step shapes, per-stream groups, ``lower_step``;
+* ``runtime``: the scheduler, the race sanitizer, the overlapped decode loop and its serial
+  reference;
+* ``verification``: ``verify`` (poison, guard and read observer against the serial run); the
+  differential fuzzer that uses it is ``readfence.graph.fuzz``.
+
+Each subpackage's ``__init__`` lists its public names; all of them are re-exported here.
+
+>>> import readfence.graph as graph
+>>> graph.CpuDevice is graph.devices.CpuDevice, graph.lower is graph.lowering.lower
+(True, True)
 """
 
-from ._cpu import CpuDevice, CpuEvent, CpuGraph, CpuStream, Generation
-from ._cuda import CudaDevice
-from ._device import (
-    DEFAULT_TIMEOUT_S,
-    DEVICE_KINDS,
-    Device,
-    DeviceObserver,
-    Event,
-    Graph,
-    Stream,
-    default_device,
-    delay_point,
-    open_device,
-    record_here,
-)
-from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
-from ._faults import FaultInjector
-from ._ops import Op, Read, Record, Write, bind_step, records_in
-from ._policy import Policy
-from ._sanitizer import Sanitizer, SanitizerError, Violation
+# in pipeline order, not alphabetical: each subpackage imports only those above it
+# isort: off
+from . import devices, lowering, steps, runtime, verification
+from .devices import *
+from .lowering import *
+from .steps import *
+from .runtime import *
+from .verification import *
+# isort: on
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "CaptureError",
-    "CpuDevice",
-    "CpuEvent",
-    "CpuGraph",
-    "CpuStream",
-    "CudaDevice",
-    "Device",
-    "DeviceClosed",
-    "DeviceError",
-    "DeviceObserver",
-    "DeviceTimeout",
-    "Event",
-    "EventNeverRecorded",
-    "FaultInjector",
-    "Generation",
-    "Graph",
-    "Op",
-    "Policy",
-    "Read",
-    "Record",
-    "Sanitizer",
-    "SanitizerError",
-    "Stream",
-    "StreamError",
-    "Violation",
-    "Write",
-    "bind_step",
-    "DEVICE_KINDS",
-    "default_device",
-    "delay_point",
-    "open_device",
-    "record_here",
-    "records_in",
-]
-
-from ._fence import Bound, Fence, RingWrapError
-from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device
-from ._plan import FencePlan, Placement, plan_fences
-
-__all__ += ["Bound", "Fence", "FencePlan", "Lowered", "Placement", "RingWrapError", "StepRun",
-            "UncapturableStage", "UnsoundLowering", "lower", "make_state", "plan_fences", "torch_device"]
-from ._runtime import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial, synthetic_work  # noqa: E402
-from ._scheduler import Scheduler, StepState  # noqa: E402
-from ._timeline import Timeline  # noqa: E402
-
-__all__ += ["DecodeLoop", "LoopResult", "Scheduler", "StepState", "Timeline", "decode_loop",
-            "run_overlapped", "run_serial", "synthetic_work"]
-from ._composite import JoinedFence, PhasedStep, StreamGroup  # noqa: E402
-from ._runtime import lower_step  # noqa: E402
-from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, parse_step  # noqa: E402
-
-__all__ += ["JoinedFence", "Phase", "PhasedStep", "STEP_SHAPES", "StepShape", "StreamGroup", "eagle",
-            "lower_step", "multi_eagle", "ngram", "parse_step"]
-
-from ._check import CheckState  # noqa: E402
-from ._verify import LateRead, PolicyCheck, VerifyReport, verify  # noqa: E402
-
-__all__ += ["CheckState", "LateRead", "PolicyCheck", "VerifyReport", "verify"]
+__all__ = [*devices.__all__, *lowering.__all__, *steps.__all__, *runtime.__all__, *verification.__all__]

@@ -61,10 +61,9 @@ from readfence.core import (
     trace,
 )
 
-from ._device import Device
-from ._lower import make_state
-from ._policy import Policy
-from ._verify import LateRead, verify
+from .devices import Device
+from .lowering import Policy, make_state
+from .verification import LateRead, verify
 
 State = Mapping[str, Mapping[str, Tensor]]
 

@@ -9,6 +9,7 @@ from returns.result import Failure, Success
 
 from readfence.backends import (
     REFERENCE_LEAVES,
+    CallForm,
     SpecError,
     deepseek_v4,
     hybrid,
@@ -18,6 +19,7 @@ from readfence.backends import (
     minimax,
     paged,
     parse,
+    parse_call,
     select,
     sparse,
     tbo,
@@ -120,3 +122,44 @@ def test_user_leaves_can_be_registered():
     got = parse("tbo(mine, paged)", leaves={"mine": lambda: mine})
     assert got == Success(tbo(mine, paged()))
     assert _failure("mine").message.startswith("unknown backend 'mine'")  # not known by default
+
+
+# -- call forms: what other layers add to the one grammar -------------------------------------
+def _wrap(*backends, times=1):
+    return ("wrap", tuple(str(b) for b in backends), times)
+
+
+WRAP = {"wrap": CallForm(_wrap, 1, 2, {"times": range(1, 4)}, usage="wrap(backend, [backend], times=N)")}
+
+
+def test_outer_forms_take_backend_arguments_and_checked_keywords():
+    assert parse_call("wrap(tbo(paged, linear), times=3)", WRAP, what="wrapper") == Success(
+        ("wrap", ("tbo(paged, linear)",), 3))
+    assert parse_call("paged", WRAP, what="wrapper", or_backend=True) == Success(paged())
+
+
+@pytest.mark.parametrize("spec,position,message", [
+    ("wrap(paged, times=0)", 18, "wrap(times=...) expects an int in 1..3, got 0"),
+    ("wrap(paged, times=-2)", 18, "wrap(times=...) expects an int in 1..3, got -2"),
+    ("wrap(paged, times=false)", 18, "wrap(times=...) expects an int in 1..3, got false"),
+    ("wrap(paged, paged, paged)", 0, "wrap needs 1 to 2 backend argument(s), got 3; usage: wrap(backend, [backend], times=N)"),
+    ("tbo(wrap(paged))", 0, "expected a wrapper (wrap), found the backend 'tbo'"),
+    ("wrap(wrap(paged))", 5, "wrap is a wrapper: it can only be the whole spec, not an argument (its arguments are backends)"),
+    ("paged", 0, "expected a wrapper (wrap), found the backend 'paged'"),
+    ("nosuch(paged)", 0, "unknown wrapper 'nosuch'; wrappers: wrap"),
+    ("   ", 3, "empty spec: expected a wrapper name"),
+])
+def test_outer_forms_fail_like_backends(spec, position, message):
+    err = parse_call(spec, WRAP, what="wrapper").failure()
+    assert isinstance(err, SpecError) and (err.position, err.message, err.spec) == (position, message, spec)
+
+
+def test_an_outer_form_inside_a_backend_is_refused_at_its_name():
+    err = parse_call("tbo(paged, wrap(paged))", WRAP, what="wrapper", or_backend=True).failure()
+    assert (err.position, err.message) == (11, "wrap is a wrapper: it can only be the whole spec, not an argument "
+                                               "(its arguments are backends)")
+
+
+def test_a_leaf_cannot_take_the_name_of_an_outer_form():
+    err = parse_call("wrap(paged)", WRAP, what="wrapper", leaves={"wrap": paged}).failure()
+    assert (err.position, err.message) == (0, "leaf name 'wrap' is a wrapper")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readfence.graph import CpuDevice, _cuda, open_device
+from readfence.graph import CpuDevice, open_device
+from readfence.graph.devices import _cuda
 
 SPEC = "paged"
 

@@ -40,5 +40,5 @@ def test_plan_json_for_a_step_shape(cli):
 def test_bad_step_shape_is_one_line(cli):
     run = cli("plan", "eagle(paged)")
     assert run.exit_code == 2
-    assert "eagle needs 2 backends (target, draft), got 1" in run.stderr
+    assert "position 0: eagle needs exactly 2 backend argument(s), got 1; usage: eagle(target, draft, draft_steps=N)" in run.stderr
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1

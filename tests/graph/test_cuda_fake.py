@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-from readfence.graph import CaptureError, _cuda
+from readfence.graph import CaptureError
+from readfence.graph.devices import _cuda
 
 
 class FakeCuda:

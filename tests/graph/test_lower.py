@@ -19,7 +19,7 @@ from readfence.graph import (
     lower,
     make_state,
 )
-from readfence.graph._plan import IN_GRAPH_STAGES
+from readfence.graph.lowering._plan import IN_GRAPH_STAGES
 
 M = ForwardMode
 CFG = ModelConfig()
@@ -239,7 +239,7 @@ def _spy_host_copies(monkeypatch) -> list:
 
 
 def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_stay_plain(monkeypatch):
-    from readfence.graph._lower import load_batch
+    from readfence.graph.lowering._lower import load_batch
 
     seen = _spy_host_copies(monkeypatch)
     staged = [torch.arange(4), torch.ones(3)]
@@ -252,7 +252,7 @@ def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_st
 
 
 def test_scheduler_writes_read_pinned_host_memory_without_blocking(monkeypatch):
-    from readfence.graph._runtime import _write
+    from readfence.graph.runtime._loop import _write
 
     seen = _spy_host_copies(monkeypatch)
     _write(torch.empty(5, device="meta"), torch.ones(5), None, torch.empty(5, device="meta"))
@@ -260,7 +260,7 @@ def test_scheduler_writes_read_pinned_host_memory_without_blocking(monkeypatch):
 
 
 def test_outputs_allocated_by_the_host_are_kept_for_the_stream_that_writes_them(dev, monkeypatch):
-    from readfence.graph._cpu import CpuStream
+    from readfence.graph import CpuStream
 
     kept = []
     monkeypatch.setattr(CpuStream, "keep", lambda self, tensor: kept.append((self.name, tensor)))

@@ -10,8 +10,11 @@ from readfence.backends import deepseek_v4, linear, paged, per_stream, redeclare
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.effects import Position, ReadEffect, ReadEnd, laws
 from readfence.graph import (
+    Bound,
     CpuDevice,
+    DecodeLoop,
     FaultInjector,
+    Phase,
     Policy,
     RingWrapError,
     Sanitizer,
@@ -26,9 +29,6 @@ from readfence.graph import (
     run_overlapped,
     run_serial,
 )
-from readfence.graph._fence import Bound
-from readfence.graph._runtime import DecodeLoop
-from readfence.graph._shapes import Phase
 
 laws.check_join_semilattice(
     st.builds(Position.of, st.integers(0, 3), st.sampled_from(list(ReadEnd))),
@@ -112,12 +112,6 @@ def test_eagle_only_the_owner_graph_publishes():
         assert "req_to_token" not in graphs[("target", ForwardMode.TARGET_VERIFY)].plan.placements
         # the draft DECODE graph is replayed twice per step: its ring holds two slots
         assert graphs[("draft", ForwardMode.DECODE)].ring_size == 2
-
-
-def test_parse_step_errors():
-    assert "unknown step shape 'medusa'" in parse_step("medusa(paged)").failure()
-    assert "ngram needs 1 backend" in parse_step("ngram(paged, paged)").failure()
-    assert "nosuch" in parse_step("eagle(paged, nosuch)").failure()
 
 
 # -- per-stream groups ------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_a_declaration_one_step_early_races(dev):
 def test_exact_ranking_phases_by_declarations_races(dev, monkeypatch):
     # BROKEN on purpose: EXACT publishing from the phase that declares the last read (the
     # draft extend, which never reads swa_map: its traced plan waits for nothing).
-    import readfence.graph._shapes as shapes
+    import readfence.graph.steps._shapes as shapes
     monkeypatch.setattr(shapes, "placing_effect", lambda policy, *, declared, observed: declared)
     res = run_overlapped(REPORTED[0], steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG)
     assert {v.buffer for v in res.violations} == {"swa_map", "state_slots"}

@@ -16,7 +16,7 @@ from readfence.backends import deepseek_v4, dense, hybrid_linear, linear, minima
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 from readfence.graph import CpuDevice, Placement, Policy, lower, plan_fences
-from readfence.graph._plan import IN_GRAPH_STAGES, LastRead
+from readfence.graph.lowering._plan import IN_GRAPH_STAGES, LastRead
 
 M = ForwardMode
 NONE, PRE, IN, POST, UNKNOWN = (ReadEnd.NONE, ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY,

@@ -291,8 +291,8 @@ def test_capabilities_without_in_graph_events_run_correctly():
 def test_serial_reference_runs_on_the_device_it_is_given(monkeypatch):
     # The meta device stands in for CUDA (a device that is not the host): state, batches and
     # logits of the reference must all live there, or they cannot be compared with the run's.
-    import readfence.graph._lower as lowering
-    import readfence.graph._runtime as runtime
+    import readfence.graph.lowering._lower as lowering
+    import readfence.graph.runtime._loop as runtime
 
     monkeypatch.setattr(lowering, "torch_device", lambda device: "meta")
     monkeypatch.setattr(runtime, "torch_device", lambda device: "meta")

@@ -42,16 +42,12 @@ import attrs
 
 from readfence.effects import Capabilities
 
-from ._device import (
-    DEFAULT_TIMEOUT_S,
-    DeviceObserver,
-    _run_launched,
-    _take_pending,
-)
-from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
+from ._base import DeviceBase, GraphBase, _caps, _check_seconds
+from ._context import _run_launched, _take_pending
 from ._errors import CaptureError, DeviceClosed, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
+from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver
 
 
 class Generation:
@@ -508,7 +504,7 @@ class CpuDevice(DeviceBase):
     ...     s.record(dev.event("fence"))
     Traceback (most recent call last):
     ...
-    readfence.graph._errors.CaptureError: device 'cpu' cannot record events inside a graph
+    readfence.graph.devices._errors.CaptureError: device 'cpu' cannot record events inside a graph
     (Capabilities.in_graph_events=False): 'record(fence)' in graph 'graph' records 'fence';
     record after the replay instead
     >>> dev.close()

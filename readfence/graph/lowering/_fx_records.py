@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import fx
 
-from ._ops import Op, Read, Record
+from ..devices import Op, Read, Record
 
 RECORD_KEY = "readfence_record"
 

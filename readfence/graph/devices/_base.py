@@ -13,10 +13,11 @@ import attrs
 from readfence.core._checks import positive_seconds
 from readfence.effects import Capabilities
 
-from ._device import DEFAULT_TIMEOUT_S, DeviceObserver, _current_context, _label_of
+from ._context import _current_context, _label_of
 from ._errors import CaptureError, DeviceClosed, DeviceError
 from ._faults import FaultInjector
 from ._ops import Op, bind_step, records_in
+from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver
 
 
 def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:

@@ -13,14 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-from returns.result import Failure, Result, Success
+from returns.result import Result
 
+from readfence.backends import Backend, CallForm, SpecError, parse_call
 from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
 from readfence.core._checks import check_backend, positive_int
 from readfence.effects import Position, ReadEffect, publish_positions
 
-from ._plan import placing_effect
-from ._policy import Policy
+from ..lowering import Policy
+from ..lowering._plan import placing_effect
 
 
 @attrs.frozen
@@ -127,28 +128,6 @@ def _check(name: str, backends: Sequence[Any]) -> None:
         check_backend(b, f"{name}: argument {i}")
 
 
-def _parse_hint(text: str) -> str:
-    head = text.strip().partition("(")[0].strip()
-    parser = "readfence.graph.parse_step" if head in STEP_SHAPES else "readfence.backends.parse"
-    return f"{parser}({text!r}).unwrap()"
-
-
-def check_target(target: Any, name: str = "backend") -> Any:
-    """``target`` if it is a backend, a ``per_stream`` group or a :class:`StepShape`; else a
-    ``TypeError`` that names ``name`` (and, for a spec string, the call that parses it).
-
-    >>> check_target("eagle(paged, paged)")  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    TypeError: backend must be a backend (e.g. readfence.backends.paged()), a per_stream group or a
-    step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec
-    string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
-    """
-    return check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
-                         allowed="a backend (e.g. readfence.backends.paged()), a per_stream group or "
-                                 "a step shape (e.g. readfence.graph.eagle(...))")
-
-
 # EAGLE drafts a handful of tokens per step; each draft step is one more captured graph and
 # one more phase to fence, so thousands cannot be useful (and take minutes to lower)
 MAX_DRAFT_STEPS = 64
@@ -188,59 +167,38 @@ def ngram(target: Any) -> StepShape:
                      f"ngram({target})")
 
 
-STEP_SHAPES = {"eagle": eagle, "multi_eagle": multi_eagle, "ngram": ngram}
+#: The step shapes a spec can name, as call forms of the one spec grammar
+#: (:func:`readfence.backends.parse_call`); each is callable like its constructor.
+STEP_SHAPES: dict[str, CallForm] = {
+    "eagle": CallForm(eagle, 2, 2, {"draft_steps": range(1, MAX_DRAFT_STEPS + 1)},
+                      usage="eagle(target, draft, draft_steps=N)"),
+    "multi_eagle": CallForm(multi_eagle, 2, None, usage="multi_eagle(target, draft, ...)"),
+    "ngram": CallForm(ngram, 1, 1, usage="ngram(target)"),
+}
 
 
-def _split_args(text: str) -> list[str]:
-    depth, start, out = 0, 0, []
-    for i, ch in enumerate(text):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(text[start:i])
-            start = i + 1
-    out.append(text[start:])
-    return [a.strip() for a in out if a.strip()]
-
-
-def parse_step(spec: str) -> Result[StepShape, str]:
+def parse_step(spec: str) -> Result[StepShape, SpecError]:
     """Parse ``eagle(TARGET, DRAFT[, draft_steps=N])``, ``multi_eagle(T, D1, D2...)``, ``ngram(T)``.
 
-    Backend arguments are backend specs (``readfence.backends.parse``).
+    Backend arguments are backend specs, in the one spec grammar (``readfence.backends.parse``):
+    a failure is a :class:`~readfence.backends.SpecError` with its position.
 
     >>> parse_step("eagle(paged, trtllm_mha, draft_steps=3)").unwrap().phases[2].name
     'draft_decode[2]'
-    >>> parse_step("eagle(paged)").failure()
-    'eagle(paged): eagle needs 2 backends (target, draft), got 1'
+    >>> print(parse_step("eagle(paged, paged, draft_steps=0)").failure())
+    position 32: eagle(draft_steps=...) expects an int in 1..64, got 0
+      eagle(paged, paged, draft_steps=0)
+                                      ^
     """
-    from readfence.backends import parse
+    return parse_call(spec, STEP_SHAPES, what="step shape")
 
-    text = spec.strip()
-    head, _, rest = text.partition("(")
-    head = head.strip()
-    if head not in STEP_SHAPES:
-        return Failure(f"unknown step shape {head!r}; step shapes: {', '.join(STEP_SHAPES)}")
-    if not rest.endswith(")"):
-        return Failure(f"{text}: expected ')' at position {len(text)}")
-    backends, kwargs = [], {}
-    for arg in _split_args(rest[:-1]):
-        key, eq, value = arg.partition("=")
-        if eq and "(" not in key:
-            if head != "eagle" or key.strip() != "draft_steps" or not value.strip().isdigit():
-                return Failure(f"{text}: unexpected argument {arg!r} (eagle takes draft_steps=N)")
-            kwargs["draft_steps"] = int(value)
-            continue
-        parsed = parse(arg)
-        if isinstance(parsed, Failure):
-            return Failure(f"{text}: in {arg!r}: {parsed.failure()}")
-        backends.append(parsed.unwrap())
-    need = {"eagle": (2, 2, "2 backends (target, draft)"), "ngram": (1, 1, "1 backend (target)"),
-            "multi_eagle": (2, 10**9, "a target and at least one draft backend")}[head]
-    if not need[0] <= len(backends) <= need[1]:
-        return Failure(f"{text}: {head} needs {need[2]}, got {len(backends)}")
-    try:
-        return Success(STEP_SHAPES[head](*backends, **kwargs))
-    except (TypeError, ValueError) as e:
-        return Failure(f"{text}: {e}")
+
+def parse_target(spec: str) -> Result[Backend | StepShape, SpecError]:
+    """Parse a spec that names a backend or a step shape (what every command takes).
+
+    >>> [str(parse_target(s).unwrap()) for s in ("tbo(paged, linear)", "ngram(paged)")]
+    ['tbo(paged, linear)', 'ngram(paged)']
+    >>> parse_target("eagle(ngram(paged), paged)").failure().message
+    'ngram is a step shape: it can only be the whole spec, not an argument (its arguments are backends)'
+    """
+    return parse_call(spec, STEP_SHAPES, what="step shape", or_backend=True)

@@ -19,19 +19,17 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step
-from readfence.core._checks import check_forward_mode, positive_int
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core._checks import positive_int
 
-from ._check import CheckState
-from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
-from ._device import Device, check_device, copy_from_host
-from ._lower import StepRun, _device_of, lower, make_state, torch_device
-from ._ops import Write
-from ._policy import Policy
+from ..devices import Device, Timeline, Write
+from ..devices._copy import copy_from_host
+from ..devices._open import check_device
+from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
+from ..lowering._lower import _device_of
+from ..steps._target import check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepState
-from ._shapes import StepShape, check_target
-from ._timeline import Timeline
 
 
 @attrs.frozen
@@ -83,54 +81,6 @@ def _same(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
-def _is_per_stream(target: Any) -> bool:
-    return type(target).__name__ == "PerStream" and hasattr(target, "members")
-
-
-def _scheduling_mode(target: Any, mode: ForwardMode) -> ForwardMode:
-    return target.scheduling_mode() if isinstance(target, StepShape) else mode
-
-
-def _eager_step(target: Any, mode: ForwardMode, cfg: ModelConfig, state: dict[str, dict[str, Tensor]],
-                batch: dict[str, Tensor]) -> Any:
-    shared, pools, params = state["shared"], state["pools"], state["params"]
-    if isinstance(target, StepShape):
-        return eager_phases(target, cfg, shared, pools, params, batch)
-    if _is_per_stream(target):
-        return eager_streams(target.members, mode, cfg, shared, pools, params, batch)
-    return run_step(target, mode, cfg, StepInputs(shared=shared, batch=batch, pools=pools, params=params)).clone()
-
-
-def check_run(target: Any, mode: ForwardMode, action: str = "run", name: str = "backend") -> Any:
-    """The checks every loop entry point makes first: ``target`` is a backend, a ``per_stream``
-    group or a :class:`StepShape`, and (unless a step shape, whose phases bring their own modes)
-    ``mode`` is a mode that runs a forward (not ``IDLE``)."""
-    check_target(target, name)
-    if not isinstance(target, StepShape):
-        check_forward_mode(mode, action)
-    return target
-
-
-def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
-               cfg: ModelConfig, state: dict[str, dict[str, Tensor]], **kwargs: Any) -> Any:
-    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`.
-
-    A backend with a ``lower_step(mode, **lowering)`` method lowers itself (an engine's own
-    runner, ``readfence.engine``): it returns an object with ``run``, ``shared``, ``plan`` and
-    ``write_key``, as :class:`Lowered` has."""
-    check_run(target, mode, "lower", "target")
-    check_device(device)
-    common = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
-    if isinstance(target, StepShape):
-        return PhasedStep(target, **common)
-    if _is_per_stream(target):
-        return StreamGroup(target.members, mode, **common)
-    own = getattr(target, "lower_step", None)
-    if callable(own):
-        return own(mode, **common)
-    return lower(target, mode, **common)
-
-
 def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: Tensor | None = None) -> None:
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
@@ -180,7 +130,7 @@ def run_serial(
     state = make_state(cfg, where) if state is None else state
     if _device_of(state["shared"]).type != where:
         raise ValueError(f"run_serial on {where!r} was given a state on {_device_of(state['shared'])}")
-    sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
+    sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     t0 = time.perf_counter()
     logits = []
     for _ in range(steps):
@@ -188,7 +138,7 @@ def run_serial(
         for b in SHARED_BUFFERS:
             state["shared"][b].copy_(nxt.shared[b])
         batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
-        logits.append(_eager_step(backend, mode, cfg, state, batch))
+        logits.append(eager_step(backend, mode, cfg, state, batch))
     return LoopResult(None, logits, time.perf_counter() - t0)
 
 
@@ -207,7 +157,7 @@ class DecodeLoop:
     write_work: Callable[[], Any] | None  # run on the schedule stream before the page-table write
     timeline: Timeline | None
     write_order: tuple[str, ...]
-    check: CheckState | None = None  # check mode: poison on release (graph._check)
+    check: CheckState | None = None  # check mode: poison on release (graph.lowering._poison)
 
     def _write_state(self, nxt: StepState, fence_wait: Callable[[str], None] | None) -> None:
         shared, s, check = self.lowered.shared, self.schedule_stream, self.check
@@ -337,7 +287,7 @@ def decode_loop(
     ``state`` (``shared``, ``pools``, ``params`` on the device) is the live state the step
     runs on, fresh by default: pass the one a backend holds references to. ``check=True`` (or a
     :class:`CheckState` over ``state["shared"]``) lowers the poison-on-release check mode
-    (``graph._check``): every release point poisons what it releases, and the scheduler
+    (``graph.lowering._poison``): every release point poisons what it releases, and the scheduler
     writes each step after the previous one ended.
 
     ``write_cost`` adds an ``n x n`` matmul to each page-table write (synthetic scheduler
@@ -356,7 +306,7 @@ def decode_loop(
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
                      state=state, measure=True, timeline=timeline,
                      UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, **extra)
-    sched = Scheduler(cfg, _scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
+    sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
     work = synthetic_work(device, write_cost=write_cost, write_wait_s=write_wait_s)
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ._errors import DeviceError
+from ..devices import DeviceError
 
 
 class RingWrapError(DeviceError):

@@ -29,16 +29,12 @@ import torch
 
 from readfence.effects import Capabilities
 
-from ._device import (
-    DEFAULT_TIMEOUT_S,
-    DeviceObserver,
-    _run_launched,
-    _take_pending,
-)
-from ._device_base import DeviceBase, GraphBase, _caps, _check_seconds
+from ._base import DeviceBase, GraphBase, _caps, _check_seconds
+from ._context import _run_launched, _take_pending
 from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
+from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver
 
 
 def _in_graph_events_supported() -> bool:

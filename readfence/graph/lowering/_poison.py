@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.core import SHARED_BUFFERS
 from readfence.core._state import ModelConfig, buffer_ranges
+from readfence.effects import ReadEnd
 
 
 class Watcher(Protocol):
@@ -188,8 +189,6 @@ def poison_points(placements: Mapping[str, Any]) -> dict[Any, tuple[str, ...]]:
 
     ``UNKNOWN`` (after the whole forward) releases nothing the step could still read.
     """
-    from readfence.effects import ReadEnd
-
     out: dict[Any, list[str]] = {}
     for b, p in placements.items():
         if p.end is not ReadEnd.UNKNOWN:

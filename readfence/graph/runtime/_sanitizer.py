@@ -38,8 +38,7 @@ from typing import Any
 
 import attrs
 
-from ._device import DeviceObserver
-from ._ops import Op, Read, Record, Write
+from ..devices import DeviceObserver, Op, Read, Record, Write
 
 HOST = "<host>"
 """The host agent's name in vector clocks and violations."""

@@ -1,6 +1,6 @@
 """``verify``: checks of a lowered step that do not trust the analysis that placed its fences.
 
-For each policy the step is lowered in check mode (``graph._check``) and run against the
+For each policy the step is lowered in check mode (``graph.lowering._poison``) and run against the
 serial reference:
 
 * **poison on release**: every release point overwrites what it releases with in-range
@@ -35,11 +35,13 @@ from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObs
 from readfence.core._checks import positive_int
 from readfence.core._memory import BufferMap
 
-from ._check import CheckState, poison_points
-from ._device import Device, check_device
-from ._lower import UncapturableStage, UnsoundLowering, make_state, torch_device
-from ._policy import Policy
-from ._runtime import _same, check_run, decode_loop, run_serial
+from ..devices import Device
+from ..devices._open import check_device
+from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, make_state, torch_device
+from ..lowering._poison import poison_points
+from ..runtime import decode_loop, run_serial
+from ..runtime._loop import _same
+from ..steps._target import check_run
 
 State = Mapping[str, Mapping[str, Tensor]]
 

@@ -20,9 +20,7 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request, trace
 from readfence.core._state import request_ranges
 
-from ._fence import Fence
-from ._lower import Lowered, StepRun, lower, torch_device
-from ._plan import Placement
+from ..lowering import Fence, Lowered, Placement, StepRun, lower, torch_device
 from ._shapes import StepShape
 
 

@@ -43,12 +43,13 @@ from readfence.core._memory import BufferMap
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
-from ._check import CheckState, poison_points
-from ._device import Device, check_device, copy_from_host
+from ..devices import Device, Op
+from ..devices._copy import copy_from_host
+from ..devices._open import check_device
 from ._fence import Bound, Fence
 from ._fx_records import insert_records, stage_ops
-from ._ops import Op
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
+from ._poison import CheckState, poison_points
 from ._policy import Policy
 
 _COUNTER = itertools.count()
@@ -467,7 +468,7 @@ def lower(
     traced reads unless ``policy`` is COARSE. ``UNSAFE_skip_soundness_check=True`` lowers it
     anyway: only for tests that show what an unsound fence does. ``check`` (a
     :class:`~readfence.graph.CheckState` over ``state["shared"]``) lowers the check mode:
-    every release point poisons the buffers it releases (see ``graph._check``).
+    every release point poisons the buffers it releases (see ``graph.lowering._poison``).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice

@@ -1,0 +1,30 @@
+"""Lowering: a traced step becomes device work with its fences placed from the joined effect.
+
+Fence policies and plans (where each buffer's release is published), the FX pass that
+inserts event records after chosen nodes, the fences a step publishes (event generations,
+event rings), the poison-on-release check mode, and ``lower`` itself.
+"""
+
+from ._fence import Bound, Fence, RingWrapError
+from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device
+from ._plan import FencePlan, Placement, plan_fences
+from ._poison import CheckState
+from ._policy import Policy
+
+__all__ = [
+    "Bound",
+    "CheckState",
+    "Fence",
+    "FencePlan",
+    "Lowered",
+    "Placement",
+    "Policy",
+    "RingWrapError",
+    "StepRun",
+    "UncapturableStage",
+    "UnsoundLowering",
+    "lower",
+    "make_state",
+    "plan_fences",
+    "torch_device",
+]

@@ -1,0 +1,91 @@
+"""What a step runs: a backend, a ``per_stream`` group or a step shape, and each one's dispatch.
+
+The one place that tells the three apart: the loops check a target, lower it, run its serial
+reference and pick the mode its scheduler works in through these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from readfence.backends import PerStream
+from readfence.core import ForwardMode, ModelConfig, StepInputs, run_step
+from readfence.core._checks import check_backend, check_forward_mode
+
+from ..devices import Device
+from ..devices._open import check_device
+from ..lowering import Policy, lower
+from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
+from ._shapes import STEP_SHAPES, StepShape
+
+
+def _parse_hint(text: str) -> str:
+    head = text.strip().partition("(")[0].strip()
+    parser = "readfence.graph.parse_step" if head in STEP_SHAPES else "readfence.backends.parse"
+    return f"{parser}({text!r}).unwrap()"
+
+
+def check_target(target: Any, name: str = "backend") -> Any:
+    """``target`` if it is a backend, a ``per_stream`` group or a :class:`StepShape`; else a
+    ``TypeError`` that names ``name`` (and, for a spec string, the call that parses it).
+
+    >>> check_target("eagle(paged, paged)")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    TypeError: backend must be a backend (e.g. readfence.backends.paged()), a per_stream group or a
+    step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec
+    string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
+    """
+    return check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
+                         allowed="a backend (e.g. readfence.backends.paged()), a per_stream group or "
+                                 "a step shape (e.g. readfence.graph.eagle(...))")
+
+
+
+def check_run(target: Any, mode: ForwardMode, action: str = "run", name: str = "backend") -> Any:
+    """The checks every loop entry point makes first: ``target`` is a backend, a ``per_stream``
+    group or a :class:`StepShape`, and (unless a step shape, whose phases bring their own modes)
+    ``mode`` is a mode that runs a forward (not ``IDLE``)."""
+    check_target(target, name)
+    if not isinstance(target, StepShape):
+        check_forward_mode(mode, action)
+    return target
+
+
+def scheduling_mode(target: Any, mode: ForwardMode) -> ForwardMode:
+    """The mode the scheduler allocates tokens for: a step shape's largest phase, else ``mode``."""
+    return target.scheduling_mode() if isinstance(target, StepShape) else mode
+
+
+def eager_step(target: Any, mode: ForwardMode, cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]],
+               batch: dict[str, Tensor]) -> Any:
+    """The serial reference of one step of ``target``: its logits (a tuple for a composite step)."""
+    shared, pools, params = state["shared"], state["pools"], state["params"]
+    if isinstance(target, StepShape):
+        return eager_phases(target, cfg, shared, pools, params, batch)
+    if isinstance(target, PerStream):
+        return eager_streams(target.members, mode, cfg, shared, pools, params, batch)
+    return run_step(target, mode, cfg, StepInputs(shared=shared, batch=batch, pools=pools, params=params)).clone()
+
+
+def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
+               cfg: ModelConfig, state: dict[str, dict[str, Tensor]], **kwargs: Any) -> Any:
+    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`.
+
+    A backend with a ``lower_step(mode, **lowering)`` method lowers itself (an engine's own
+    runner, ``readfence.engine``): it returns an object with ``run``, ``shared``, ``plan`` and
+    ``write_key``, as :class:`Lowered` has."""
+    check_run(target, mode, "lower", "target")
+    check_device(device)
+    common = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
+    if isinstance(target, StepShape):
+        return PhasedStep(target, **common)
+    if isinstance(target, PerStream):
+        return StreamGroup(target.members, mode, **common)
+    own = getattr(target, "lower_step", None)
+    if callable(own):
+        return own(mode, **common)
+    return lower(target, mode, **common)
