@@ -228,6 +228,8 @@ class _Run:
 def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: int, path: str) -> _Run:
     cfg = node.cfg
     program: Program | None
+    traced: dict[str, ReadEnd] = {}
+    readers: dict[str, tuple[str, str]] = {}
     try:
         program = bind(trace(node, mode, cfg=cfg, batch_size=size), node.state)
     except StageWriteError as e:
@@ -236,7 +238,6 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         program = None
         why = str(e.__cause__ or e).splitlines()[0][:200]
         escapes = {stage: [(f"make_fx cannot trace it: {why}", "?")] for stage in STAGE_METHODS}
-        traced, readers = {}, {}
     if program is not None:
         escapes = _escapes(program)
         traced, readers = _traced(program, escapes)
@@ -286,11 +287,10 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     if failed:
         lowering = f"readfence cannot lower it with any policy: {failed[0].escapes['body'][0][0]}"
     elif refused:
-        r = refused[0]
-        assert r.program is not None
-        worst = max(r.program.observed().buffers, key=lambda b: r.program.observed()[b].rank)
+        effect = refused[0].program.observed()  # type: ignore[union-attr]
+        worst = max(effect.buffers, key=lambda b: effect[b].rank)
         lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
-                    f"{r.program.observed()[worst].name}, later than declared ({declared[worst].name})")
+                    f"{effect[worst].name}, later than declared ({declared[worst].name})")
         if untraceable:
             lowering += " (a stage the tracer cannot follow reads every buffer until UNKNOWN)"
     prefill = tuple((r.size, r.resolved) for r in runs if r.resolved is not None)

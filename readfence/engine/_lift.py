@@ -161,8 +161,9 @@ class Lifter:
     def _lift(self, obj: Any, before: Mapping[Path, Any]) -> None:
         changed = [(p, v) for p, v in leaves(obj) if before.get(p) is not v]
         held = {id(v): v for v in before.values() if isinstance(v, Tensor)}
-        named = [(kind, name, t, span_of(t)) for kind in ("shared", "pool")
-                 for group in self.bases.get(kind, []) for name, t in group.items()]
+        named: list[tuple[str, Any, Tensor, Span | None]] = [
+            (kind, name, t, span_of(t)) for kind in ("shared", "pool")
+            for group in self.bases.get(kind, []) for name, t in group.items()]
         # an earlier stage's output put back on the object is that output, not a constant
         named += [("meta", key, t, span_of(t)) for key, t in self.inputs.items() if isinstance(t, Tensor)]
         named += [("owned", t, t, span_of(t)) for t in held.values()]
