@@ -42,7 +42,7 @@ Factory = Callable[[ModelRunnerView], Any]
 
 #: Why the out-of-graph stage of an engine backend runs as Python (what the trace records).
 EAGER = "eager: init_forward_metadata_out_graph runs its Python before every replay"
-State = Mapping[str, Mapping[str, Tensor]]
+State = dict[str, dict[str, Tensor]]
 Tensors = Mapping[str, Tensor]
 
 
@@ -61,6 +61,7 @@ class Binding:
     server_args: dict[str, Any]
     runner: ModelRunnerView
     root: Any
+    name: str | None = None  # the root's label when adapt was given one
     # the per-step metadata lifted from each (node, stage, mode, batch size)
     records: dict[tuple[tuple[int, ...], str, ForwardMode, int], list[Record]] = attrs.Factory(dict)
     # what resolve_prefill_shared_read_ends returned while building the snapshot, per (node, batch size)
@@ -143,7 +144,7 @@ def adapt(
     if not isinstance(label, str) or not label:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     _check_tree(root, label)
-    binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root)
+    binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, name)
     return _node(binding, (), label, tuple(covered))
 
 
@@ -220,15 +221,12 @@ class EngineBackend(Backend):
     def bind(self, state: State | None = None) -> EngineBackend:
         """The same node, its object tree built again by the factory over ``state`` (fresh by default)."""
         b = self.binding
-        root = adapt(b.factory, buffers=b.layout, cfg=b.cfg, state=state, name=self._root_label(),
-                     reads=self.reads, server_args=b.server_args)
+        root = adapt(b.factory, buffers=b.layout, cfg=b.cfg, state=state, name=b.name, reads=self.reads,
+                     server_args=b.server_args)
         node = root
         for i in self.path:
             node = node.kids[i][1]
         return node
-
-    def _root_label(self) -> str | None:
-        return self.label if not self.path else None
 
     def redeclared(self, mode: ForwardMode, end: ReadEnd) -> EngineBackend:
         """A copy (without children) whose declaration in ``mode`` is ``end`` for every buffer it covers."""
