@@ -30,7 +30,6 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ModelConfig, tokens_per_request
@@ -308,6 +307,3 @@ def check_state(cfg: ModelConfig, state: Mapping[str, Mapping[str, Tensor]], who
         raise ContractError(f"{who}: the state's page table is {tuple(table.shape)}, but the model config has "
                             f"max_reqs={cfg.max_reqs}, max_ctx={cfg.max_ctx}: pass the state made for this cfg")
 
-
-def device_of(state: Mapping[str, Mapping[str, Tensor]]) -> torch.device:
-    return next(iter(state["shared"].values())).device
