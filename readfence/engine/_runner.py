@@ -17,7 +17,9 @@ Per step, on the host, the runner resolves one end for all shared buffers and pu
 (``decode_loop``, ``run_overlapped``, ``verify`` with ``Policy.JOINED``; ``Policy.COARSE``
 turns the kill switch on), so an engine's behaviour and readfence's policies are compared
 on the same steps. It trusts the declaration, as the engine does: an unsound one races, and
-the sanitizer (``run_overlapped``) or poison (``verify``) says so.
+the sanitizer (``run_overlapped``) or poison (``verify``) says so. The declaration methods are
+asked on the host while earlier steps may still run: they must not change the object (a
+``resolve_prefill_shared_read_ends`` asked with ``build_snapshot=False`` only answers).
 """
 
 from __future__ import annotations

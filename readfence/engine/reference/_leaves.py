@@ -240,13 +240,11 @@ class DeepSeekV4Backend(_Paged):
                                          build_snapshot: bool = True) -> SharedReadEnds:
         if forward_batch.forward_mode.name != "EXTEND":
             return UNKNOWN
-        if self.snapshot_tokens is not None and num_qo_tokens > self.snapshot_tokens:
-            self.prefill_snapshot = None
-            return UNKNOWN
-        if build_snapshot:
+        can = self.snapshot_tokens is None or num_qo_tokens <= self.snapshot_tokens
+        if build_snapshot:  # asked only whether it can (build_snapshot=False), it changes nothing
             self.prefill_snapshot = ForwardMetadata(kv_indices=page_rows(self.req_to_token, forward_batch),
-                                                    kv_lens=forward_batch.seq_lens.long())
-        return PRE
+                                                    kv_lens=forward_batch.seq_lens.long()) if can else None
+        return PRE if can else UNKNOWN
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         mode = forward_batch.forward_mode
