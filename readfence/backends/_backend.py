@@ -10,7 +10,7 @@ as well.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -170,7 +170,7 @@ class Backend:
         check_mode(mode)
         return ()
 
-    def with_children(self, children: Iterable[Backend]) -> Backend:
+    def with_children(self, children: Sequence[Backend]) -> Backend:
         """The same node over new children (a leaf has none and returns itself)."""
         if tuple(children):
             raise ValueError(f"{self.name} is a leaf: it has no children to replace")
@@ -202,19 +202,22 @@ class Backend:
             for label, child in reversed(node.children()):
                 stack.append((f"{path}/{label}/{child.name}", child))
 
-    # -- stage functions (subclasses implement) --------------------------------------------
+    # -- stage functions (subclasses implement; see readfence.core.BackendLike) --------------
     def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+        """Eager metadata before the replay (``PRE_REPLAY``); see :meth:`readfence.core.BackendLike.prepare_out_graph`."""
         raise NotImplementedError
 
     def prepare_in_graph(
         self, mode: ForwardMode, shared: Tensors, batch: Tensors, meta: Tensors
     ) -> dict[str, Tensor]:
+        """The graph's first nodes (``IN_REPLAY``); see :meth:`readfence.core.BackendLike.prepare_in_graph`."""
         raise NotImplementedError
 
     def attend(
         self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
         pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors,
     ) -> Tensor:
+        """One layer's attention in the model body (``POST_REPLAY``); see :meth:`readfence.core.BackendLike.attend`."""
         raise NotImplementedError
 
     # -- value semantics, all iterative ----------------------------------------------------
@@ -445,16 +448,29 @@ def leaf(
 ) -> Leaf:
     """Define your own leaf backend from plain functions.
 
-    Stage signatures are those of :class:`readfence.core.BackendLike`: ``prepare_out_graph(mode,
-    shared, batch)``, ``prepare_in_graph(mode, shared, batch, meta)`` (both return a dict of
-    tensors; omitted ones return ``{}``) and ``attend(mode, layer, q, k, v, pools, shared,
-    batch, meta)``. ``declare`` maps modes to effects (or is a function of the mode); modes it
-    leaves out get the default declaration over ``reads`` (every buffer if ``None``):
-    ``IN_REPLAY`` for DECODE/TARGET_VERIFY, ``UNKNOWN`` otherwise. Omit ``declare`` (rather
-    than pass ``{}``) for the default everywhere; a mapping's values must be ``ReadEffect``
-    values, and every buffer named (in ``reads`` or a declared effect) one of
+    The stages are those of :class:`readfence.core.BackendLike` (its methods say what each
+    receives, may read, must not write, and what crosses into the graph):
+
+    * ``name``: an identifier; specs and messages use it;
+    * ``attend(mode, layer, q, k, v, pools, shared, batch, meta) -> Tensor``: every layer, in the
+      model body. Reads of ``shared`` here end at ``POST_REPLAY``; it may write ``pools`` (store
+      ``k``/``v`` at ``batch["out_cache_loc"]``), never ``shared``; returns a tensor shaped like ``q``;
+    * ``prepare_out_graph(mode, shared, batch) -> dict``: eager, before the replay (reads end at
+      ``PRE_REPLAY``; host reads allowed). Its outputs cross into the graph as copies, made as
+      it returns. Omitted: ``{}``;
+    * ``prepare_in_graph(mode, shared, batch, meta) -> dict``: the graph's first nodes (reads
+      end at ``IN_REPLAY``; device ops only). ``meta`` holds the copies of
+      ``prepare_out_graph``'s outputs; its own outputs join ``meta`` for ``attend``, uncopied.
+      Omitted: ``{}``;
+    * ``declare``: per mode, when each buffer's last read ends: a mapping mode ->
+      ``ReadEffect`` (modes it leaves out get the default) or a function of the mode. Omit it
+      (rather than pass ``{}``) for the default everywhere: ``IN_REPLAY`` over ``reads`` for
+      DECODE/TARGET_VERIFY, ``UNKNOWN`` otherwise;
+    * ``reads``: the buffers the default declaration covers (every buffer when ``None``).
+
+    Every buffer named (in ``reads`` or a declared effect) must be one of
     ``readfence.core.SHARED_BUFFERS``. ``core.audit`` checks the declaration against what the
-    code reads.
+    code reads; ``graph.verify`` checks it at run time.
 
     >>> from readfence.backends import softmax_attention, page_meta, store_kv
     >>> def prep(mode, shared, batch, meta):

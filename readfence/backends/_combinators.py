@@ -31,10 +31,12 @@ M = ForwardMode
 
 
 def _check_backends(where: str, backends: Sequence[object]) -> tuple[Backend, ...]:
+    checked = []
     for i, b in enumerate(backends):
         if not isinstance(b, Backend):
             raise TypeError(f"{where}: argument {i} must be a Backend, got {b!r} ({type(b).__name__})")
-    return tuple(backends)  # type: ignore[arg-type]
+        checked.append(b)
+    return tuple(checked)
 
 
 def _namespaced(label: str, meta: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -358,8 +360,8 @@ class Tbo(_JoinBase):
         ranges = request_ranges(int(batch["req_pool_indices"].shape[0]), len(self.micro))
         outs = []
         for (label, child), part, (lo, hi) in zip(self.micro, self._parts(mode, batch), ranges):
-            cut = [x.narrow(0, lo * n, (hi - lo) * n) for x in (q, k, v)]
-            outs.append(child.attend(mode, layer, *cut, pools, shared, part, _own(label, meta)))
+            q_part, k_part, v_part = (x.narrow(0, lo * n, (hi - lo) * n) for x in (q, k, v))
+            outs.append(child.attend(mode, layer, q_part, k_part, v_part, pools, shared, part, _own(label, meta)))
         return torch.cat(outs, dim=0)
 
 

@@ -30,6 +30,7 @@ from readfence.core._checks import positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._attention import (
+    Selector,
     kv_indices,
     kv_lens,
     linear_attention,
@@ -83,9 +84,9 @@ class _Kernel:
 
 
 def _paged_attend(mode: M, layer: int, q: Tensor, k: Tensor, v: Tensor, pools: dict[str, Tensor],
-                  batch: Tensors, indices: Tensor, lens: Tensor, **kw: object) -> Tensor:
+                  batch: Tensors, indices: Tensor, lens: Tensor, *, select: Selector | None = None) -> Tensor:
     store_kv(pools, layer, batch["out_cache_loc"], k, v)
-    return softmax_attention(mode, q, pools, layer, indices, lens, **kw)  # type: ignore[arg-type]
+    return softmax_attention(mode, q, pools, layer, indices, lens, select=select)
 
 
 # -- paged ---------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def dense() -> Leaf:
     >>> dense().read_end(ForwardMode.EXTEND)
     <ReadEnd.PRE_REPLAY: 1>
     """
-    declare = {m: _effect(r2t=PRE, lens=PRE) for m in M if m is not M.IDLE}
+    declare: dict[ForwardMode, ReadEffect] = {m: _effect(r2t=PRE, lens=PRE) for m in M if m is not M.IDLE}
     return Leaf("dense", _Dense(), declaration_table("dense", declare, (R2T, LENS)))
 
 

@@ -39,6 +39,7 @@ mine in DECODE
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import weakref
@@ -216,7 +217,7 @@ def _branch_on_value(t: Tensor, s: Site) -> Tensor:
     return _zeros_like_gather(t, s)
 
 
-def _host_scalar(value: int, t: Tensor) -> Tensor:
+def _host_scalar(value: int | float, t: Tensor) -> Tensor:
     return torch.full((1,), value, dtype=torch.long, device=t.device)
 
 
@@ -553,6 +554,12 @@ class _Holder:
 _GLOBALS: dict[str, Tensor] = {}  # module globals some leaves read (one key per leaf and placement)
 
 
+def _live_buffer(live: Tensors | None, spec: FuzzLeaf, p: Placement) -> Tensor:
+    if live is None:  # FuzzProgram.build refuses to build such a program without the state
+        raise ValueError(f"leaf {spec.name!r} keeps a reference to {p.buffer!r}: build it with the live state")
+    return live[p.buffer]
+
+
 class _Refs:
     """What a built leaf keeps: references to live buffers per placement, the handles of its
     planned buffers, and what ``prepare_out_graph`` stashed. Compared by identity: two leaves
@@ -564,11 +571,11 @@ class _Refs:
         self.stash: dict[int, Tensor] = {}
         for i, p in enumerate(spec.placements):
             if p.pattern.invisible:
-                self.handles[i] = keep(live[p.buffer])  # type: ignore[index]
+                self.handles[i] = keep(_live_buffer(live, spec, p))
             if p.via in _LIVE_VIAS:
-                self.sources[i] = self._source(p.via, live[p.buffer], f"{id(self)}/{i}")  # type: ignore[index]
+                self.sources[i] = self._source(p.via, _live_buffer(live, spec, p), f"{id(self)}/{i}")
             elif p.via in _STASH_VIAS:
-                self.sources[i] = lambda i=i: self.stash[i]
+                self.sources[i] = functools.partial(self.stash.__getitem__, i)
 
     def _source(self, via: str, buf: Tensor, key: str) -> Callable[[], Tensor]:
         if via == "closure":
@@ -619,11 +626,12 @@ class _Out:
 
     def __call__(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         refs = self.code.refs
-        for i, p in enumerate(self.code.placements):
-            if p.via == "stash_clone":
-                refs.stash[i] = shared[p.buffer].clone()  # type: ignore[union-attr]
-            elif p.via == "stash_dlpack":
-                refs.stash[i] = torch.from_dlpack(torch.to_dlpack(shared[p.buffer]))  # type: ignore[union-attr]
+        if refs is not None:  # a leaf that stashes holds references (see _build_leaf)
+            for i, p in enumerate(self.code.placements):
+                if p.via == "stash_clone":
+                    refs.stash[i] = shared[p.buffer].clone()
+                elif p.via == "stash_dlpack":
+                    refs.stash[i] = torch.from_dlpack(torch.to_dlpack(shared[p.buffer]))
         return self.code.prepared(OUT, mode, shared, batch)
 
 
@@ -809,7 +817,7 @@ def placements(vocabulary: Mapping[str, Pattern] | None = None) -> st.SearchStra
     it, carried or not.
 
     >>> from hypothesis import find, settings
-    >>> find(placements(), lambda p: p.via == "closure", settings=settings(database=None))
+    >>> find(placements(), lambda p: p.via == "closure", settings=settings(database=None, derandomize=True))
     chunk(req_to_token) via closure in prepare_out_graph
     """
     gen = _generator(vocabulary)
@@ -849,7 +857,8 @@ def programs(vocabulary: Mapping[str, Pattern] | None = None, *, max_leaves: int
     :func:`random_programs`.
 
     >>> from hypothesis import find, settings
-    >>> smallest_tree = find(programs(), lambda p: isinstance(p.root, FuzzTree), settings=settings(database=None))
+    >>> smallest_tree = find(programs(), lambda p: isinstance(p.root, FuzzTree),
+    ...                      settings=settings(database=None, derandomize=True))
     >>> print(str(smallest_tree).splitlines()[0])
     join(f0, f1) in DECODE
     """

@@ -79,13 +79,13 @@ def _show(value: Any) -> str:
 def run_benchmark(path: pathlib.Path, quick: bool, device: str = "cpu") -> int:
     """Run one benchmark (see the module docstring); returns an exit status."""
     spec = importlib.util.spec_from_file_location(f"readfence_bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec) if spec and spec.loader else None
-    try:
-        if module is None:
-            raise ImportError(path)
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except ImportError:
-        module = None
+    module = None
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except ImportError:
+            module = None
     main = getattr(module, "main", None)
     if not callable(main):
         cmd = [sys.executable, str(path)] + (["--quick"] if quick else []) + \

@@ -105,7 +105,7 @@ def run_demo(
     """
     if on_policy:
         on_policy("serial reference")
-    kw = {"steps": steps, "batch_size": batch_size, "seed": seed}
+    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed}
     with open_device(device) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
     reference = run_serial(backend, mode, device=device, **kw)

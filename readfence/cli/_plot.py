@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Mapping
 
-from readfence.graph import Timeline
+from readfence.graph import Span, Timeline
 
 _COLORS = {
     "prepare_out_graph": "#4c72b0",
@@ -39,7 +39,7 @@ def window(timeline: Timeline, steps: int, stream: str = "forward") -> tuple[flo
     return start, end
 
 
-def _color(span: object) -> str:
+def _color(span: Span) -> str:
     name, cat = span.name, span.category
     return _COLORS.get(name) or _COLORS.get(cat) or "#999999"
 

@@ -111,10 +111,10 @@ def add_waits(timeline: Timeline, recorder: WaitRecorder, *, min_s: float = 1e-5
         launches = recorder.launches.get(w.stream, [])
         target = None
         for j in range(w.position, len(launches)):
-            spans = by_name.get((w.stream, launches[j]))
-            if spans:
+            named = by_name.get((w.stream, launches[j]))
+            if named:
                 ordinal = launches[:j].count(launches[j])
-                target = spans[ordinal] if ordinal < len(spans) else None
+                target = named[ordinal] if ordinal < len(named) else None
                 break
         if target is None:
             continue

@@ -137,8 +137,8 @@ class Verified:
         if finding.evidence == "audit" and self.audit is not None and finding.kind == self.audit.kind:
             return self.audit.fix
         if finding.kind == "late read":
-            predicted = self.audit is not None and self.audit.kind == "unsound declaration"
-            if predicted and self.audit.buffer == finding.buffer:  # type: ignore[union-attr]
+            audit = self.audit
+            if audit is not None and audit.kind == "unsound declaration" and audit.buffer == finding.buffer:
                 return "the race the audit predicted, caught at run time: fix the declaration (see above)"
             return _UNSEEN.format(buffer=finding.buffer)
         return _ADVICE.get(finding.kind, "see the detail")
@@ -228,17 +228,17 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
         observer = torch_device(dev) == "cpu"
         for policy in tqdm(policies, file=sys.stderr, unit="policy", leave=False,
                            disable=not (progress and sys.stderr.isatty())):
-            concerned = refused is not None and refused.concerns(policy)
-            if concerned and not unsafe:
-                findings.append(refused.late_read(name, mode, policy))  # type: ignore[union-attr]
+            predicted = refused.late_read(name, mode, policy) if refused is not None and refused.concerns(policy) else None
+            if predicted is not None and not unsafe:
+                findings.append(predicted)
                 continue
             ran.add(policy)
             result = verify(spec, mode, policy=policy, steps=steps, batch_size=batch_size, device=dev, seed=seed,
                             UNSAFE_skip_soundness_check=unsafe)
             if not result.map(lambda _: True).value_or(False):
                 findings.append(result.failure())
-            elif concerned:
-                findings.append(refused.late_read(name, mode, policy))  # type: ignore[union-attr]
+            elif predicted is not None:
+                findings.append(predicted)
             else:
                 checks.extend(result.unwrap().checks)
         report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer)

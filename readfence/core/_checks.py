@@ -69,9 +69,8 @@ def positive_int(name: str, value: object, *, at_most: int | None = None, limit:
 
     ``limit`` names where ``at_most`` comes from (``cfg.max_reqs``) in the message.
     """
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    if ok and (at_most is None or value <= at_most):  # type: ignore[operator]
-        return value  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value and (at_most is None or value <= at_most):
+        return value
     if at_most is None:
         raise ValueError(f"{name} must be a positive int, got {_shown(value)}")
     where = f"; {at_most} is {limit}" if limit else ""
@@ -88,10 +87,9 @@ def positive_seconds(name: str, value: object) -> float:
     ...
     ValueError: timeout must be a finite number of seconds > 0, got 0 (int)
     """
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {_shown(value)}")
-    return float(value)  # type: ignore[arg-type]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise ValueError(f"{name} must be a finite number of seconds > 0, got {_shown(value)}")
 
 
 def check_mode(mode: object, where: str = "mode") -> ForwardMode:

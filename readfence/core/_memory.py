@@ -55,12 +55,13 @@ def span_of(t: torch.Tensor) -> Span | None:
     if t.numel() == 0:
         return None
     size = t.element_size()
-    last = t.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    offset = int(t.storage_offset())  # a plain int: readfence traces with static shapes
+    last = offset + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
     storage = t.untyped_storage()
     if _addressless(t):
-        return Span(StorageWeakRef(storage), t.storage_offset() * size, (last + 1) * size)
+        return Span(StorageWeakRef(storage), offset * size, (last + 1) * size)
     base = storage.data_ptr()
-    return Span((t.device.type, t.device.index), base + t.storage_offset() * size, base + (last + 1) * size)
+    return Span((t.device.type, t.device.index), base + offset * size, base + (last + 1) * size)
 
 
 def tensors_in(tree: Any) -> Iterator[torch.Tensor]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -111,7 +111,7 @@ class _HostReads(TorchFunctionMode):
         super().__init__()
         self.observer = observer
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         obs = self.observer
         if not obs._busy and args and isinstance(args[0], torch.Tensor):
             if func in _HOST_READS:
@@ -201,7 +201,7 @@ class ReadObserver(TorchDispatchMode):
         self._host = _HostReads(self)
         self._host.__enter__()
         try:
-            return super().__enter__()  # type: ignore[no-any-return]
+            return super().__enter__()
         except BaseException:
             self._host.__exit__(None, None, None)
             raise
@@ -215,7 +215,7 @@ class ReadObserver(TorchDispatchMode):
                 self._host = None
 
     # -- the dispatcher's side -------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         self._seq += 1
         if _decomposes(func):
@@ -513,7 +513,7 @@ class _NodeLabels(torch.fx.Interpreter):
             return super().run_node(n)
 
 
-def observe_program(program: Program, env: Mapping[str, torch.Tensor],
+def observe_program(program: Program, env: MutableMapping[str, torch.Tensor],
                     buffers: BufferMap | Mapping[str, torch.Tensor]) -> dict[str, dict[str, frozenset[str]]]:
     """Run ``program`` on ``env`` under a ``ReadObserver``: per stage, per node, the shared
     buffers it really read (``{stage: {node: buffers}}``).
@@ -547,7 +547,7 @@ def observe_program(program: Program, env: Mapping[str, torch.Tensor],
                 last = next(reversed(s.gm.graph.nodes)).name
                 with observer.stage(f"{s.name}:{last}"):
                     outputs = cross_into_graph(outputs)
-            env.update(outputs)  # type: ignore[attr-defined]
+            env.update(outputs)
     for a in observer.accesses:
         stage, _, node = a.stage.partition(":")
         if a.kind != "write":

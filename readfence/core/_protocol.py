@@ -59,24 +59,61 @@ def cross_into_graph(meta: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 @runtime_checkable
 class BackendLike(Protocol):
-    """An attention backend as core sees it."""
+    """An attention backend as core sees it: a name, a declared effect, three stage functions.
+
+    What every stage receives: ``mode`` (the step's :class:`ForwardMode`); ``shared``, the
+    scheduler's shared buffers by name (``req_to_token``, ``seq_lens``, ``swa_map``,
+    ``state_slots``: see :data:`SHARED_BUFFERS`) holding this step's state; ``batch``, this
+    step's inputs (``input_ids``, ``positions``, ``req_pool_indices``, ``out_cache_loc``;
+    ``tokens_per_request(mode)`` tokens per request, request-major). No stage may write a shared
+    buffer, in place, through a view or with ``out=`` (``StageWriteError``): the scheduler owns
+    them. A read of a shared buffer ends at the stage that makes it, which is what
+    :meth:`read_effect` must declare (``readfence.core.audit`` checks it against the traced code).
+    """
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The name specs use for this backend (a leaf's, or the combinator's)."""
+        ...
 
-    def read_effect(self, mode: ForwardMode) -> ReadEffect: ...
+    def read_effect(self, mode: ForwardMode) -> ReadEffect:
+        """Per shared buffer, the stage end by which every read of it in a ``mode`` step is done."""
+        ...
 
-    def read_end(self, mode: ForwardMode) -> ReadEnd: ...
+    def read_end(self, mode: ForwardMode) -> ReadEnd:
+        """``read_effect(mode).end``: the join over all buffers."""
+        ...
 
     def children(self) -> tuple[tuple[str, BackendLike], ...]:
         """``(label, child)`` pairs, e.g. ``("children[0]", paged)``; ``()`` for a leaf."""
         ...
 
-    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]: ...
+    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+        """Eager metadata work the host launches before the replay; its reads end at ``PRE_REPLAY``.
+
+        May read ``shared`` and ``batch``, on the device or on the host (``.item()``,
+        ``.tolist()`` and data-dependent branches are fine here: this stage is not captured).
+        Returns metadata tensors by name; they cross into the graph as *copies* made when it
+        returns (:func:`cross_into_graph`), so a view of a shared buffer returned here is read
+        by that copy, never inside the graph. Keep no reference to ``shared`` for later stages:
+        a kernel that reads what an earlier stage stored is invisible to the static analysis.
+        """
+        ...
 
     def prepare_in_graph(
         self, mode: ForwardMode, shared: Tensors, batch: Tensors, meta: Tensors
-    ) -> dict[str, Tensor]: ...
+    ) -> dict[str, Tensor]:
+        """The first nodes of the captured graph; its reads end at ``IN_REPLAY``.
+
+        Receives ``meta``: the copies of what ``prepare_out_graph`` returned. May read
+        ``shared``, ``batch`` and ``meta`` with device ops only: the graph replays kernels, not
+        Python, so a host read or a branch on tensor data here cannot be captured (the stage
+        then holds every buffer until ``UNKNOWN``, and CUDA lowering refuses it). Returns more
+        metadata, merged over ``meta`` for ``attend``; it is *not* copied: a view of a shared
+        buffer returned here is read wherever ``attend`` uses it (``POST_REPLAY``); snapshot it
+        (``.clone()``, ``index_select``) to end the read here.
+        """
+        ...
 
     def attend(
         self,
@@ -89,4 +126,13 @@ class BackendLike(Protocol):
         shared: Tensors,
         batch: Tensors,
         meta: Tensors,
-    ) -> Tensor: ...
+    ) -> Tensor:
+        """Attention of one ``layer``, inside the model body; reads of ``shared`` here end at
+        ``POST_REPLAY`` (after the replay: the fence waits for the whole graph).
+
+        Receives the layer's ``q``, ``k``, ``v`` ``[T, H, D]`` for the step's ``T`` tokens;
+        ``pools``, the model-owned caches (KV, linear state), which it may write (store this
+        step's ``k``/``v`` at ``batch["out_cache_loc"]``); ``meta``, both prepare stages'
+        outputs. Returns the attention output shaped like ``q``. It must not write ``shared``.
+        """
+        ...

@@ -63,7 +63,7 @@ class OpAliasing:
         A view reads no data; its consumers do."""
         return bool(self.outputs) and all(self.outputs) and not self.writes
 
-    def written_names(self, schema: torch._C.FunctionSchema) -> tuple[str, ...]:  # type: ignore[name-defined]
+    def written_names(self, schema: torch._C.FunctionSchema) -> tuple[str, ...]:
         return tuple(schema.arguments[i].name for i in self.writes)
 
 

@@ -33,7 +33,7 @@ Everything here builds tensors with factory functions on ``device`` and never in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -70,7 +70,7 @@ def tokens_per_request(mode: ForwardMode) -> int:
     return _TOKENS_PER_REQUEST[check_mode(mode)]
 
 
-def _positive(name: str):
+def _positive(name: str) -> Callable[[object, attrs.Attribute, object], None]:
     def check(_inst: object, attribute: attrs.Attribute, value: object) -> None:
         positive_int(f"ModelConfig.{attribute.name}", value)
 
@@ -167,7 +167,7 @@ def _on(device: str | torch.device, drawn: Tensor) -> Tensor:
     return drawn.to(device)
 
 
-def _randn(*shape: int | tuple[int, ...], generator: torch.Generator, device: str | torch.device) -> Tensor:
+def _randn(*shape: int, generator: torch.Generator, device: str | torch.device) -> Tensor:
     return _on(device, torch.randn(*shape, generator=generator))
 
 
@@ -220,9 +220,9 @@ def make_pools(
         s = torch.zeros(state, device=device)
     else:
         g = _generator(seed + 1)
-        k = _randn(kv, generator=g, device=device)
-        v = _randn(kv, generator=g, device=device)
-        s = _randn(state, generator=g, device=device) * (cfg.head_dim**-0.5)
+        k = _randn(*kv, generator=g, device=device)
+        v = _randn(*kv, generator=g, device=device)
+        s = _randn(*state, generator=g, device=device) * (cfg.head_dim**-0.5)
     swa = _example_swa_map(cfg, device).long()
     swa_k = torch.zeros(cfg.layers, cfg.num_swa_slots, cfg.heads, cfg.head_dim, device=device)
     swa_v = torch.zeros_like(swa_k)

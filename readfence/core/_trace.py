@@ -22,6 +22,7 @@ import copy
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from types import FrameType
 from typing import Any
 
 import attrs
@@ -129,7 +130,7 @@ _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__fil
 
 def _user_line() -> str:
     """``file:line in function`` of the innermost caller outside torch and the tracer."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_SKIP):
@@ -152,7 +153,7 @@ class _TraceMode(TorchFunctionMode):
         super().__init__()
         self.fake = fake
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         proxy = get_proxy_mode()
         graph = proxy.tracer.graph if proxy is not None else None
@@ -214,7 +215,8 @@ def _basic_index(t: torch.Tensor, idx: Any) -> tuple[torch.Tensor, list[Any]]:
         return 1
 
     used = sum(consumes(i) for i in idx)
-    out, dim, adv = t, 0, []
+    out, dim = t, 0
+    adv: list[torch.Tensor | None] = []  # per indexed dim: its tensor index, None for a kept dim
     for item in idx:
         if item is None:
             out = torch.ops.aten.unsqueeze.default(out, dim)
@@ -445,7 +447,7 @@ class _Consumed(TorchDispatchMode):
         super().__init__()
         self.spans: list[Any] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         for t in tensors_in((args, kwargs or {})):
             span = span_of(t)
             if span is not None:

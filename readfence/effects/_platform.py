@@ -58,5 +58,6 @@ def resolve(declared: ReadEnd | ReadEffect, *, owns_publish: bool, caps: Capabil
     """
     if not owns_publish:
         return ReadEnd.UNKNOWN
-    degraded = degrade(declared, caps)
-    return degraded.end if isinstance(degraded, ReadEffect) else degraded
+    if isinstance(declared, ReadEffect):
+        return degrade(declared, caps).end
+    return degrade(declared, caps)

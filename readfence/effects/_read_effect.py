@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import attrs
 
 from ._read_end import ReadEnd
 
 
-def _normalise(items: object) -> tuple[tuple[str, ReadEnd], ...]:
-    pairs = tuple(items)  # type: ignore[call-overload]
+def _normalise(items: Iterable[tuple[str, ReadEnd]]) -> tuple[tuple[str, ReadEnd], ...]:
+    pairs = tuple(items)
     # Sort by name only (mixed key types are rejected later with a clear message).
     return tuple(sorted(pairs, key=lambda kv: repr(kv[0])))
 
@@ -140,10 +140,10 @@ class ReadEffect:
         return other < self
 
     @staticmethod
-    def join_all(effects: object) -> ReadEffect:
+    def join_all(effects: Iterable[ReadEffect]) -> ReadEffect:
         """Join of any number of effects; the empty join is ``ReadEffect.none()``."""
         out = ReadEffect.none()
-        for effect in effects:  # type: ignore[attr-defined]
+        for effect in effects:
             out = out | effect
         return out
 

@@ -13,14 +13,18 @@ from readfence.effects import Capabilities
 from readfence.graph import (
     CaptureError,
     CpuDevice,
+    Device,
     DeviceClosed,
     DeviceError,
     DeviceObserver,
     DeviceTimeout,
+    Event,
     EventNeverRecorded,
     FaultInjector,
+    Graph,
     Read,
     Record,
+    Stream,
     StreamError,
     Write,
     default_device,
@@ -37,6 +41,26 @@ T = 5.0  # generous timeout for waits that must succeed
 def dev():
     with CpuDevice(timeout=T) as d:
         yield d
+
+
+def test_the_cpu_device_and_its_parts_implement_the_protocol(dev):
+    # at run time, every member of each protocol is there (mypy checks the signatures: see the
+    # _IMPLEMENTS assignments in readfence/graph/devices/_cpu.py and _cuda.py)
+    stream, event = dev.stream("forward"), dev.event("e")
+    with dev.capture(stream) as graph:
+        stream.launch(lambda: None, label="noop")
+    assert isinstance(dev, Device) and isinstance(stream, Stream) and isinstance(event, Event)
+    assert isinstance(graph, Graph) and event.device is dev
+    observer = DeviceObserver()
+    dev.add_observer(observer)
+    dev.remove_observer(observer)
+    assert dev.observers == []
+    with pytest.raises(ValueError):
+        dev.remove_observer(observer)
+    with CpuDevice() as other:
+        assert isinstance(other, CpuDevice)  # __enter__ gives the device itself
+    with pytest.raises(DeviceClosed):
+        other.stream("forward")
 
 
 def test_stream_is_fifo(dev):

@@ -20,7 +20,7 @@ from ._faults import FaultInjector
 from ._open import DEVICE_KINDS, default_device, open_device
 from ._ops import Op, Read, Record, Write, bind_step, records_in
 from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
-from ._timeline import Timeline
+from ._timeline import Span, Timeline
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -44,6 +44,7 @@ __all__ = [
     "Op",
     "Read",
     "Record",
+    "Span",
     "Stream",
     "StreamError",
     "Timeline",

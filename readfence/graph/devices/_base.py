@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import attrs
 
@@ -39,9 +39,9 @@ def _check_seconds(seconds: float) -> float:
 class DeviceBase:
     """Common machinery; subclasses set the stream/event/graph types and the device specifics."""
 
-    _stream_type: ClassVar[type]
-    _event_type: ClassVar[type]
-    _graph_type: ClassVar[type]
+    _stream_type: ClassVar[type[Any]]
+    _event_type: ClassVar[type[Any]]
+    _graph_type: ClassVar[type[Any]]
 
     def __init__(
         self,
@@ -86,6 +86,7 @@ class DeviceBase:
             self.observers.append(observer)
 
     def remove_observer(self, observer: DeviceObserver) -> None:
+        """Stop reporting to ``observer`` (``ValueError`` if it was not added)."""
         with self._lock:
             self.observers.remove(observer)
 
@@ -133,7 +134,7 @@ class DeviceBase:
             s.synchronize(max(0.0, deadline - time.monotonic()))
         self._notify("on_device_synchronize")
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -104,7 +104,7 @@ def record_here(event: Event) -> None:
 
     A plain module-level function, convenient as the target of an FX ``call_function`` node.
     """
-    event.device.record_here(event)  # type: ignore[attr-defined]
+    event.device.record_here(event)
 
 
 def delay_point(label: str) -> None:

@@ -34,7 +34,7 @@ from ._context import _run_launched, _take_pending
 from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
-from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver
+from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
 
 
 def _in_graph_events_supported() -> bool:
@@ -153,20 +153,20 @@ class CudaGraph(GraphBase):
         self._refuse_records(ops, label)
         self._ops.extend(ops)
 
-    def replay(self, stream: CudaStream | None = None, *, step: int | None = None) -> None:
+    def replay(self, stream: Stream | None = None, *, step: int | None = None) -> None:
         """Launch the graph on ``stream`` (default: the capture stream); its in-graph records
         count as new generations of their events from now on."""
-        stream, ops = self._replay_ops(stream, step)
+        target, ops = self._replay_ops(stream, step)
         with self.device._lock:
-            self._announce_locked(stream, ops)
-            if stream._error is not None:
+            self._announce_locked(target, ops)
+            if target._error is not None:
                 for ev in records_in(ops):
-                    ev._enqueued(stream.name)
+                    ev._enqueued(target.name)
                 return
-            with torch.cuda.stream(stream.torch):
+            with torch.cuda.stream(target.torch):
                 self.torch.replay()
             for ev in records_in(ops):
-                ev._enqueued(stream.name)
+                ev._enqueued(target.name)
 
 
 class CudaStream:
@@ -218,41 +218,41 @@ class CudaStream:
             except Exception as exc:
                 self._error = StreamError(self.name, label, exc)
 
-    def record(self, event: CudaEvent) -> None:
+    def record(self, event: Event) -> None:
         """Record ``event`` on this stream (inside a capture: an in-graph record node)."""
         dev = self.device
-        dev._own_event(event)
+        ev: CudaEvent = dev._own_event(event)
         with dev._lock:
             dev._check_open()
             if self._capture is not None:
-                self._capture._add((Record(event),), f"record({event.name})")
-                event.torch.record(self.torch)
+                self._capture._add((Record(ev),), f"record({ev.name})")
+                ev.torch.record(self.torch)
                 return
-            dev._notify_locked("on_record", self.name, event)
-            event._enqueued(self.name)
+            dev._notify_locked("on_record", self.name, ev)
+            ev._enqueued(self.name)
             if self._error is None:
                 with torch.cuda.stream(self.torch):  # the named stream is current, capture or not
-                    event.torch.record(self.torch)
+                    ev.torch.record(self.torch)
 
-    def wait(self, event: CudaEvent) -> None:
+    def wait(self, event: Event) -> None:
         """Later work on this stream waits for ``event``'s latest record (``wait_event``)."""
         dev = self.device
-        dev._own_event(event)
+        ev: CudaEvent = dev._own_event(event)
         with dev._lock:
             dev._check_open()
             if self._capture is not None:
                 raise CaptureError(
-                    f"stream {self.name!r} cannot wait on event {event.name!r} inside a capture; "
+                    f"stream {self.name!r} cannot wait on event {ev.name!r} inside a capture; "
                     "wait before the replay instead"
                 )
-            if event.generation == 0:
-                raise EventNeverRecorded(event.name, f"stream {self.name!r} wait")
-            dev._notify_locked("on_wait", self.name, event)
-            src = dev._streams.get(event._stream or "")
+            if ev.generation == 0:
+                raise EventNeverRecorded(ev.name, f"stream {self.name!r} wait")
+            dev._notify_locked("on_wait", self.name, ev)
+            src = dev._streams.get(ev._stream or "")
             if src is not None and src._error is not None and self._error is None:
-                self._error = StreamError(self.name, f"wait({event.name})", src._error)
+                self._error = StreamError(self.name, f"wait({ev.name})", src._error)
             with torch.cuda.stream(self.torch):
-                self.torch.wait_event(event.torch)
+                self.torch.wait_event(ev.torch)
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Host wait (polling) for everything enqueued on this stream so far."""
@@ -338,12 +338,12 @@ class CudaDevice(DeviceBase):
                 f"{type(cause).__name__}: {cause}{hint}"
             ) from exc
 
-    def record_here(self, event: CudaEvent) -> None:
+    def record_here(self, event: Event) -> None:
         """Record ``event`` on the current stream, from inside a launched/captured function
         that declared ``Record(event)`` next in its ops."""
-        self._own_event(event)
-        _take_pending(event)
-        event.torch.record(torch.cuda.current_stream())
+        ev: CudaEvent = self._own_event(event)
+        _take_pending(ev)
+        ev.torch.record(torch.cuda.current_stream())
 
     def stall(self, seconds: float) -> None:
         """From inside a launched function: hold the current stream for about ``seconds``
@@ -361,6 +361,10 @@ class CudaDevice(DeviceBase):
             delay = self.faults.delay_for(stream, label)
             if delay > 0.0:
                 self.stall(delay)
+
+
+# CudaDevice and its parts implement the protocol (checked by mypy, as for CpuDevice)
+_IMPLEMENTS: tuple[type[Device], type[Stream], type[Event], type[Graph]] = (CudaDevice, CudaStream, CudaEvent, CudaGraph)
 
 
 class SelfCheckFailed(DeviceError):

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 from torch import Tensor
 
@@ -58,6 +58,11 @@ class Event(Protocol):
     """A named device event. ``generation`` counts the records enqueued so far."""
 
     name: str
+
+    @property
+    def device(self) -> Device:
+        """The device whose streams record it."""
+        ...
 
     @property
     def generation(self) -> int: ...
@@ -147,8 +152,17 @@ class Device(Protocol):
     def add_observer(self, observer: DeviceObserver) -> None:
         """Report every later enqueue to ``observer``."""
 
+    def remove_observer(self, observer: DeviceObserver) -> None:
+        """Stop reporting to ``observer``."""
+
     def close(self) -> None:
         """Stop the device; pending waits fail instead of hanging."""
+
+    def __enter__(self) -> Self:
+        """``with device:`` closes the device on the way out."""
+        ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 class DeviceObserver:

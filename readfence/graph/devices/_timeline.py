@@ -16,6 +16,10 @@ import attrs
 
 @attrs.frozen
 class Span:
+    """``name`` on ``track`` (a stream, or ``host``) from ``start`` to ``end`` (``perf_counter``
+    seconds; equal for an instant); ``category`` groups spans (colours, filters), ``args`` go to
+    the trace viewer."""
+
     track: str
     name: str
     start: float

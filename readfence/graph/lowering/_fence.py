@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ..devices import DeviceError
+from ..devices import DeviceError, Stream
 
 
 class RingWrapError(DeviceError):
@@ -194,7 +194,7 @@ class Fence(tuple):
             )
         return sorted({i for n in names if (i := index[n]) is not None})
 
-    def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
+    def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
         events, generations = self[3], self[4]
         for i in range(len(events) - 1) if buffers is None else self._indices(buffers):
@@ -215,7 +215,7 @@ class Fence(tuple):
         """Host wait (with timeout) for the whole forward of this step, outputs included."""
         self.done.synchronize(f"outputs of {self.owner} step {self.step}", timeout)
 
-    def wait_end(self, stream: Any) -> None:
+    def wait_end(self, stream: Stream) -> None:
         """Device-side: later work on ``stream`` waits for the whole forward of this step."""
         stream.wait(self.done.check(f"fence of {self.owner} step {self.step}"))
 

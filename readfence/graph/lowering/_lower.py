@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from readfence.core import (
     SHARED_BUFFERS,
+    BackendLike,
     CapturedStateError,
     ForwardMode,
     ModelConfig,
@@ -43,7 +44,7 @@ from readfence.core._memory import BufferMap
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
-from ..devices import Device, Op
+from ..devices import Device, Event, Op, Stream, Timeline
 from ..devices._copy import copy_from_host
 from ..devices._open import check_device
 from ._fence import Bound, Fence
@@ -126,7 +127,7 @@ class Lowered:
     def __init__(
         self,
         *,
-        backend: Any,
+        backend: BackendLike,
         mode: ForwardMode,
         policy: Policy,
         device: Device,
@@ -134,12 +135,12 @@ class Lowered:
         batch_size: int,
         program: Program,
         plan: FencePlan,
-        stream: Any,
+        stream: Stream,
         ring_size: int,
         state: Mapping[str, dict[str, Tensor]],
         measure: bool,
-        timeline: Any = None,
-        new_event: Any = None,
+        timeline: Timeline | None = None,
+        new_event: Callable[[str], Event] | None = None,
         check: CheckState | None = None,
     ) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
@@ -282,7 +283,7 @@ class Lowered:
         self._launch_stage("body", slot, step, lambda out: self._logits.copy_(out["logits"]))
 
     # -- running ----------------------------------------------------------------------------
-    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Any] = (),
+    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Event] = (),
             poison: Iterable[str] | None = None, first: bool = True, last: bool = True) -> StepRun:
         """Enqueue one step on the lowered stream; returns its logits and fence.
 
@@ -440,21 +441,21 @@ def make_state(cfg: ModelConfig, device: Device | str = "cpu") -> dict[str, dict
 
 
 def lower(
-    backend: Any,
+    backend: BackendLike,
     mode: ForwardMode,
     *,
     batch_size: int,
     device: Device,
     policy: Policy,
     cfg: ModelConfig | None = None,
-    stream: Any = None,
+    stream: Stream | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
     ring_size: int | None = None,
     steps_in_flight: int = 1,
     publish: Sequence[str] | None = None,
     measure: bool = False,
-    timeline: Any = None,
-    new_event: Any = None,
+    timeline: Timeline | None = None,
+    new_event: Callable[[str], Event] | None = None,
     check: CheckState | None = None,
     UNSAFE_skip_soundness_check: bool = False,
 ) -> Lowered:
@@ -516,7 +517,7 @@ def lower(
     )
 
 
-def _checked_program(backend: Any, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
+def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
                      state: Mapping[str, Mapping[str, Tensor]], graphed: bool) -> Program:
     """The traced step bound to the live ``state``; refuses what no fence can make correct:
     captured trace-time state (stale whatever the policy) and, on a device whose graphs

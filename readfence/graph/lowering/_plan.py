@@ -69,12 +69,16 @@ class Placement:
         return _END_TEXT[self.end]
 
 
+def _by_buffer(placements: Mapping[str, Placement]) -> dict[str, Placement]:
+    return dict(sorted(placements.items()))
+
+
 @attrs.frozen
 class FencePlan:
     """Per buffer, where its release is published; one event per distinct placement."""
 
     policy: Policy
-    placements: Mapping[str, Placement] = attrs.field(converter=lambda m: dict(sorted(m.items())))
+    placements: Mapping[str, Placement] = attrs.field(converter=_by_buffer)
 
     def points(self) -> tuple[Placement, ...]:
         """Distinct placements that need an event, in execution order."""

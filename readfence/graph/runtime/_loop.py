@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -22,12 +22,12 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.core._checks import positive_int
 
-from ..devices import Device, Timeline, Write
+from ..devices import Device, Event, Stream, Timeline, Write
 from ..devices._copy import copy_from_host
 from ..devices._open import check_device
 from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
 from ..lowering._lower import _device_of
-from ..steps._target import check_run, eager_step, lower_step, scheduling_mode
+from ..steps._target import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepState
 
@@ -81,6 +81,11 @@ def _same(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
+def _wait_for(fence: Any, stream: Stream, buffer: str) -> None:
+    """The schedule stream waits until ``fence`` releases ``buffer``."""
+    fence.wait(stream, [buffer])
+
+
 def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: Tensor | None = None) -> None:
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
@@ -90,7 +95,7 @@ def _write(dst: Tensor, src: Tensor, work: Callable[[], Any] | None, expected: T
 
 
 def run_serial(
-    backend: Any,
+    backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     steps: int,
@@ -98,7 +103,7 @@ def run_serial(
     cfg: ModelConfig | None = None,
     seed: int = 0,
     finish_prob: float = 0.1,
-    state: dict[str, dict[str, Tensor]] | None = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
     device: Device | str | None = None,
 ) -> LoopResult:
     """The reference: eager ``run_step``, one step after another; writes always precede reads.
@@ -149,11 +154,11 @@ class DecodeLoop:
     Build with :func:`decode_loop`; :meth:`run` runs ``steps`` overlapped steps.
     """
 
-    lowered: Any  # Lowered, PhasedStep or StreamGroup: run(), shared, write_key()
+    lowered: LoweredStep
     scheduler: Scheduler
     device: Device
-    schedule_stream: Any
-    written: Any
+    schedule_stream: Stream
+    written: Event
     write_work: Callable[[], Any] | None  # run on the schedule stream before the page-table write
     timeline: Timeline | None
     write_order: tuple[str, ...]
@@ -165,7 +170,8 @@ class DecodeLoop:
             if fence_wait is not None:
                 fence_wait(b)
             work = self.write_work if b == "req_to_token" else None
-            fn = functools.partial(_write, shared[b], nxt.shared[b], work, None if check is None else check.expected[b])
+            fn: Callable[[], Any] = functools.partial(_write, shared[b], nxt.shared[b], work,
+                                                      None if check is None else check.expected[b])
             if self.timeline is not None:
                 fn = self.timeline.timed(s.name, f"write {b}", fn, "write", step=nxt.step)
             s.launch(fn, label=f"scheduler/write:{b}", ops=[Write(b, nxt.step, "scheduler")], step=nxt.step)
@@ -189,7 +195,7 @@ class DecodeLoop:
             if i + 1 < steps:
                 nxt = self._next()
                 if self.check is None:
-                    self._write_state(nxt, lambda b, f=run.fence: f.wait(self.schedule_stream, [b]))
+                    self._write_state(nxt, functools.partial(_wait_for, run.fence, self.schedule_stream))
                 else:  # the step restores what it poisoned at its very end: write after that
                     run.fence.wait_end(self.schedule_stream)
                     self._write_state(nxt, None)
@@ -264,7 +270,7 @@ def synthetic_work(device: Device, *, write_cost: int = 0, write_wait_s: float =
 
 
 def decode_loop(
-    backend: Any,
+    backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     policy: Policy,
@@ -277,7 +283,7 @@ def decode_loop(
     write_wait_s: float = 0.0,
     ring_size: int | None = None,
     timeline: Timeline | None = None,
-    state: dict[str, dict[str, Tensor]] | None = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
     check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,
 ) -> DecodeLoop:
@@ -314,7 +320,7 @@ def decode_loop(
 
 
 def run_overlapped(
-    backend: Any,
+    backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     steps: int,

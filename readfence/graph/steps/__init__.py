@@ -8,15 +8,17 @@ backend, a group or a shape.
 
 from ._composite import JoinedFence, PhasedStep, StreamGroup
 from ._shapes import STEP_SHAPES, Phase, StepShape, eagle, multi_eagle, ngram, parse_step, parse_target
-from ._target import lower_step
+from ._target import LoweredStep, Target, lower_step
 
 __all__ = [
     "STEP_SHAPES",
     "JoinedFence",
+    "LoweredStep",
     "Phase",
     "PhasedStep",
     "StepShape",
     "StreamGroup",
+    "Target",
     "eagle",
     "lower_step",
     "multi_eagle",

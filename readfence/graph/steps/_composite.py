@@ -17,10 +17,11 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request, trace
+from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request, trace
 from readfence.core._state import request_ranges
 
-from ..lowering import Fence, Lowered, Placement, StepRun, lower, torch_device
+from ..devices import Device, Event, Stream
+from ..lowering import Fence, Lowered, Placement, Policy, StepRun, lower, torch_device
 from ._shapes import StepShape
 
 
@@ -44,7 +45,7 @@ class JoinedFence:
             raise KeyError(f"fence of {self.owner} (step {self.step}) publishes no buffer {unknown}")
         return names
 
-    def wait(self, stream: Any, buffers: Iterable[str] | None = None) -> None:
+    def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         for b in self._check(buffers):
             for part in self.parts[b]:
                 part.wait(stream, [b])
@@ -58,20 +59,18 @@ class JoinedFence:
         for part in self.done_parts:
             part.wait_done(timeout)
 
-    def wait_end(self, stream: Any) -> None:
+    def wait_end(self, stream: Stream) -> None:
         for part in self.done_parts:
             part.wait_end(stream)
 
     def done_time(self) -> float | None:
-        times = [p.done_time() for p in self.done_parts]
-        return None if not times or None in times else max(times)
+        return _latest_of([p.done_time() for p in self.done_parts])
 
     def released(self, buffer: str) -> bool:
         return all(p.released(buffer) for p in self.parts[buffer])
 
     def _latest(self, buffer: str, get: str) -> float | None:
-        times = [getattr(p, get)(buffer) for p in self.parts[buffer]]
-        return None if not times or None in times else max(times)
+        return _latest_of([getattr(p, get)(buffer) for p in self.parts[buffer]])
 
     def release_time(self, buffer: str) -> float | None:
         return self._latest(buffer, "release_time")
@@ -82,6 +81,12 @@ class JoinedFence:
     def slack(self, buffer: str) -> float | None:
         read, release = self.last_read_time(buffer), self.release_time(buffer)
         return None if read is None or release is None else release - read
+
+
+def _latest_of(times: Sequence[float | None]) -> float | None:
+    """The latest of ``times``; ``None`` when there are none or one is unknown."""
+    known = [t for t in times if t is not None]
+    return max(known) if known and len(known) == len(times) else None
 
 
 def narrow_tokens(batch: Mapping[str, Tensor], have: int, want: int) -> dict[str, Tensor]:
@@ -107,7 +112,7 @@ def _sort_key(placement: Placement | None) -> tuple[int, int, int]:
 class PhasedStep:
     """The phases of ``shape`` lowered on one forward stream (one graph per runner and mode)."""
 
-    def __init__(self, shape: StepShape, *, device: Any, policy: Any, batch_size: int, cfg: ModelConfig,
+    def __init__(self, shape: StepShape, *, device: Device, policy: Policy, batch_size: int, cfg: ModelConfig,
                  state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> None:
         self.shape, self.cfg = shape, cfg
         self.shared = state["shared"]
@@ -146,7 +151,7 @@ class PhasedStep:
             return (-1, (0, 0, 0))
         return (k, _sort_key(self.graphs[self.shape.phases[k].graph_key].plan.placements.get(buffer)))
 
-    def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Any] = ()) -> StepRun:
+    def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Event] = ()) -> StepRun:
         runs = []
         last = len(self.shape.phases) - 1
         for i, ph in enumerate(self.shape.phases):
@@ -156,7 +161,7 @@ class PhasedStep:
                 owned = [b for b, k in self.owner.items() if k == i]
                 kw = {"poison": owned + list(self.never_read if i == 0 else ()), "first": i == 0, "last": i == last}
             runs.append(self.graphs[ph.graph_key].run(part, step=step, after=after if i == 0 else (), **kw))
-        parts = {b: (runs[k].fence,) for b, k in self.owner.items()}
+        parts: dict[str, tuple[Fence, ...]] = {b: (runs[k].fence,) for b, k in self.owner.items()}
         parts.update({b: () for b in SHARED_BUFFERS if b not in parts})
         fence = JoinedFence(self.label, step, parts, (runs[-1].fence,))
         return StepRun(step, tuple(r.logits for r in runs), fence)
@@ -194,7 +199,7 @@ def eager_streams(members: Sequence[Any], mode: ForwardMode, cfg: ModelConfig, s
 class StreamGroup:
     """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]``."""
 
-    def __init__(self, members: Sequence[Any], mode: ForwardMode, *, device: Any, policy: Any, batch_size: int,
+    def __init__(self, members: Sequence[BackendLike], mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
                  cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> None:
         if batch_size < len(members):
             raise ValueError(f"per_stream with {len(members)} members needs batch_size >= {len(members)}, "
@@ -218,7 +223,7 @@ class StreamGroup:
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         return max(_sort_key(low.plan.placements.get(buffer)) for low in self.lowered)
 
-    def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Any] = ()) -> StepRun:
+    def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Event] = ()) -> StepRun:
         parts = split_requests(batch, self.tokens, len(self.lowered))
         # The members share the KV and state pools, and the scheduler may hand a slot freed by
         # one stream's request to another stream's request at once: each stream's step waits

@@ -16,7 +16,7 @@ import attrs
 from returns.result import Result
 
 from readfence.backends import Backend, CallForm, SpecError, parse_call
-from readfence.core import SHARED_BUFFERS, ForwardMode, tokens_per_request
+from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, tokens_per_request
 from readfence.core._checks import check_backend, positive_int
 from readfence.effects import Position, ReadEffect, publish_positions
 
@@ -29,7 +29,7 @@ class Phase:
     """One phase of a step: ``backend`` in ``mode`` on graph runner ``runner``."""
 
     name: str
-    backend: Any
+    backend: BackendLike
     mode: ForwardMode
     runner: str
 
@@ -133,7 +133,7 @@ def _check(name: str, backends: Sequence[Any]) -> None:
 MAX_DRAFT_STEPS = 64
 
 
-def eagle(target: Any, draft: Any, *, draft_steps: int = 2) -> StepShape:
+def eagle(target: BackendLike, draft: BackendLike, *, draft_steps: int = 2) -> StepShape:
     """EAGLE: the draft decodes ``draft_steps`` times, the target verifies, the draft extends.
 
     The draft extend runs last, so it publishes every buffer it reads.
@@ -146,7 +146,7 @@ def eagle(target: Any, draft: Any, *, draft_steps: int = 2) -> StepShape:
     return StepShape("eagle", tuple(phases), f"eagle({target}, {draft}, draft_steps={draft_steps})")
 
 
-def multi_eagle(target: Any, *drafts: Any) -> StepShape:
+def multi_eagle(target: BackendLike, *drafts: BackendLike) -> StepShape:
     """Multi-layer EAGLE: the target verifies, then each draft runner extends in turn.
 
     The last draft runner reads last, so it publishes.
@@ -160,7 +160,7 @@ def multi_eagle(target: Any, *drafts: Any) -> StepShape:
     return StepShape("multi_eagle", tuple(phases), spec)
 
 
-def ngram(target: Any) -> StepShape:
+def ngram(target: BackendLike) -> StepShape:
     """An n-gram speculator: no draft model, target verify is the only phase."""
     _check("ngram", [target])
     return StepShape("ngram", (Phase("target_verify", target, ForwardMode.TARGET_VERIFY, "target"),),

@@ -7,19 +7,26 @@ reference and pick the mode its scheduler works in through these functions.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from torch import Tensor
 
 from readfence.backends import PerStream
-from readfence.core import ForwardMode, ModelConfig, StepInputs, run_step
+from readfence.core import BackendLike, ForwardMode, ModelConfig, StepInputs, run_step
 from readfence.core._checks import check_backend, check_forward_mode
 
 from ..devices import Device
 from ..devices._open import check_device
-from ..lowering import Policy, lower
+from ..lowering import Lowered, Policy, lower
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
 from ._shapes import STEP_SHAPES, StepShape
+
+Target: TypeAlias = BackendLike | StepShape
+"""What a step runs: a backend (``readfence.backends.paged()``; a ``per_stream`` group is one,
+lowered one member per forward stream) or a step shape (``eagle(...)``)."""
+
+LoweredStep: TypeAlias = Lowered | PhasedStep | StreamGroup
+"""A target lowered for one step (what :func:`lower_step` returns): ``run``, ``shared``, ``write_key``."""
 
 
 def _parse_hint(text: str) -> str:
@@ -28,7 +35,7 @@ def _parse_hint(text: str) -> str:
     return f"{parser}({text!r}).unwrap()"
 
 
-def check_target(target: Any, name: str = "backend") -> Any:
+def check_target(target: object, name: str = "backend") -> Target:
     """``target`` if it is a backend, a ``per_stream`` group or a :class:`StepShape`; else a
     ``TypeError`` that names ``name`` (and, for a spec string, the call that parses it).
 
@@ -39,28 +46,29 @@ def check_target(target: Any, name: str = "backend") -> Any:
     step shape (e.g. readfence.graph.eagle(...)), got 'eagle(paged, paged)' (str); to use a spec
     string, parse it first: readfence.graph.parse_step('eagle(paged, paged)').unwrap()
     """
-    return check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
+    checked: Target = check_backend(target, name, accept=(StepShape,), parse_hint=_parse_hint,
                          allowed="a backend (e.g. readfence.backends.paged()), a per_stream group or "
                                  "a step shape (e.g. readfence.graph.eagle(...))")
+    return checked
 
 
 
-def check_run(target: Any, mode: ForwardMode, action: str = "run", name: str = "backend") -> Any:
+def check_run(target: object, mode: ForwardMode, action: str = "run", name: str = "backend") -> Target:
     """The checks every loop entry point makes first: ``target`` is a backend, a ``per_stream``
     group or a :class:`StepShape`, and (unless a step shape, whose phases bring their own modes)
     ``mode`` is a mode that runs a forward (not ``IDLE``)."""
-    check_target(target, name)
-    if not isinstance(target, StepShape):
+    checked = check_target(target, name)
+    if not isinstance(checked, StepShape):
         check_forward_mode(mode, action)
-    return target
+    return checked
 
 
-def scheduling_mode(target: Any, mode: ForwardMode) -> ForwardMode:
+def scheduling_mode(target: Target, mode: ForwardMode) -> ForwardMode:
     """The mode the scheduler allocates tokens for: a step shape's largest phase, else ``mode``."""
     return target.scheduling_mode() if isinstance(target, StepShape) else mode
 
 
-def eager_step(target: Any, mode: ForwardMode, cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]],
+def eager_step(target: Target, mode: ForwardMode, cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]],
                batch: dict[str, Tensor]) -> Any:
     """The serial reference of one step of ``target``: its logits (a tuple for a composite step)."""
     shared, pools, params = state["shared"], state["pools"], state["params"]
@@ -71,8 +79,8 @@ def eager_step(target: Any, mode: ForwardMode, cfg: ModelConfig, state: Mapping[
     return run_step(target, mode, cfg, StepInputs(shared=shared, batch=batch, pools=pools, params=params)).clone()
 
 
-def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
-               cfg: ModelConfig, state: dict[str, dict[str, Tensor]], **kwargs: Any) -> Any:
+def lower_step(target: Target, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
+               cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> LoweredStep:
     """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`.
 
     A backend with a ``lower_step(mode, **lowering)`` method lowers itself (an engine's own
@@ -80,7 +88,7 @@ def lower_step(target: Any, mode: ForwardMode, *, device: Device, policy: Policy
     ``write_key``, as :class:`Lowered` has."""
     check_run(target, mode, "lower", "target")
     check_device(device)
-    common = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
+    common: dict[str, Any] = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
     if isinstance(target, StepShape):
         return PhasedStep(target, **common)
     if isinstance(target, PerStream):

@@ -41,9 +41,9 @@ from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, m
 from ..lowering._poison import poison_points
 from ..runtime import decode_loop, run_serial
 from ..runtime._loop import _same
-from ..steps._target import check_run
+from ..steps._target import Target, check_run
 
-State = Mapping[str, Mapping[str, Tensor]]
+State = Mapping[str, dict[str, Tensor]]
 
 
 @attrs.frozen
@@ -182,7 +182,7 @@ def _reset(state: State, snapshot: State) -> None:
             state[g][k].copy_(v)
 
 
-def _name(target: Any) -> str:
+def _name(target: Target) -> str:
     return getattr(target, "spec", None) or str(target)
 
 
@@ -210,7 +210,7 @@ def _poisoned(loop: Any) -> tuple[str, ...]:
 
 
 def verify(
-    target: Any,
+    target: Target,
     mode: ForwardMode = ForwardMode.DECODE,
     *,
     policy: Policy | Iterable[Policy] | None = None,
@@ -262,13 +262,13 @@ def verify(
     live = make_state(cfg, device) if state is None else state
     snapshot = _snapshot(live)
     name = _name(target)
-    common = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
+    common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
     if observer and where != "cpu":
         raise ValueError(f"the runtime read observer cannot watch {device.name}: a replayed graph runs no Python")
     observe = where == "cpu" if observer is None else bool(observer)
 
     if where == "cpu":
-        reference = run_serial(target, mode, state=live, **common).logits  # type: ignore[arg-type]
+        reference = run_serial(target, mode, state=live, **common).logits
     else:  # float results differ between devices: the reference is COARSE on this device
         reference = _run(target, mode, Policy.COARSE, device, live, None, lowering, **common)[0]
     checks = []
@@ -304,7 +304,7 @@ def verify(
     return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe))
 
 
-def _run(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
+def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
          lowering: Mapping[str, Any], *, steps: int, batch_size: int, cfg: ModelConfig, seed: int,
          finish_prob: float, unsafe: bool = False, only: Iterable[str] | None = None) -> tuple[list[Any], Any, Any]:
     check = CheckState(state["shared"], cfg, watcher=watch, only=only)
@@ -315,7 +315,7 @@ def _run(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: 
     return [r.logits for r in runs], loop.check, loop
 
 
-def _attribute(target: Any, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
+def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
                reference: Sequence[Any], differs: int, lowering: Mapping[str, Any], unsafe: bool,
                poisoned: tuple[str, ...], **common: Any) -> LateRead:
     # poison changed the outputs and the observer named nothing: poison one buffer at a time
