@@ -28,6 +28,7 @@ from readfence.graph import (
     verify,
 )
 
+from ._engine_cmd import Engine, verify_engines
 from ._errors import InputError, OneLineCommand
 from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
@@ -273,7 +274,7 @@ def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict
 
 
 @click.command("verify", cls=OneLineCommand)
-@click.argument("spec", type=Spec())
+@click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend or extend (a step shape's phases fix their own modes).")
 @click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True,
@@ -292,8 +293,11 @@ def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict
               help="Tensor parallelism: verify on N ranks (torch.distributed), each rank its own shard, fences and "
                    "checks, against a serial run with the same sharding.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
+@click.option("--engine", "engines", type=Engine(), default=None,
+              help="Verify an engine's own backend object instead of SPEC, under each policy and its engine's "
+                   "runner model: MODULE:FACTORY (see readfence.engine).")
 def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps: int, batch_size: int,
-               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool) -> None:
+               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool, engines: Any = None) -> None:
     """Audit SPEC, then check each policy's fences at run time, against the serial run.
 
     \b
@@ -304,7 +308,25 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
     guard checks nothing wrote a shared buffer, and on a CPU device a runtime read observer
     names the stage and op of any read after a release.
     Exit status 0 clean, 1 on any finding, 2 for bad input.
+
+    \b
+    --engine MODULE:FACTORY verifies an engine's stateful backend object instead (adapted by
+    readfence.engine; e.g. readfence.engine.reference:minimax_hybrid): each policy, then the
+    ENGINE RUNNER (SGLang's runner: one event from the scalar declaration, trusted as the
+    engine trusts it), with the same checks.
     """
+    if engines is not None:
+        if spec is not None:
+            raise InputError(f"give SPEC or --engine MODULE:FACTORY, not both (got SPEC {str(spec)!r})")
+        if unsafe:
+            raise InputError("--unsafe-skip-soundness-check is for SPEC; with --engine the ENGINE RUNNER row "
+                             "already runs the declaration as the engine does")
+        if tp is not None:
+            raise InputError("--tp runs readfence's own sharded model: give SPEC, not --engine")
+        sys.exit(verify_engines(engines, mode, policies=policies, device=device, steps=steps,
+                                batch_size=batch_size, seed=seed, as_json=as_json))
+    if spec is None:
+        raise InputError("give SPEC (a backend spec or step shape) or --engine MODULE:FACTORY")
     if not isinstance(spec, StepShape) and tokens_per_request(mode) == 0:
         allowed = ", ".join(m.name.lower() for m in ForwardMode if tokens_per_request(m))
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing "

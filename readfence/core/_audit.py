@@ -220,7 +220,8 @@ class Unsound:
     def message(self) -> str:
         node = self.report.find(self.path)
         if self.observed is ReadEnd.UNKNOWN and node.opaque:
-            stage, name, why = node.opaque[0]
+            # an escape in the graph makes a buffer UNKNOWN; one before it only PRE_REPLAY
+            stage, name, why = next((o for o in node.opaque if o[0] != "prepare_out_graph"), node.opaque[0])
             where = f"stage {stage}, node {name!r}: {why}"
         elif self.reader:
             where = f"last read by node {self.reader[1]!r} in stage {self.reader[0]}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 import pytest
 
-from readfence.cli import COMMANDS, _params, main
+from readfence.cli import COMMANDS, _engine_cmd, _params, main
 
 # a valid SPEC for commands that require one, so that only the option under test is wrong
 NEEDS_SPEC = {"plan": ["paged"], "verify": ["paged"]}
@@ -42,6 +42,8 @@ def _bad_values(param: click.Parameter) -> list[str]:
         return ["tbo(", "nope", "eagle(paged)", ""]
     if isinstance(kind, _params.OutputFile):
         return ["x.txt", f"no/such/dir/x{kind.suffix}", f"/proc/x{kind.suffix}", "/tmp"]
+    if isinstance(kind, _engine_cmd.Engine):
+        return ["no_such_module_xyz:factory", "readfence.engine.reference:no_such_factory", "no-colon", ":", ""]
     if isinstance(kind, click.Choice):
         return ["no-such-choice", ""]
     if isinstance(param, click.Option) and param.is_flag:
