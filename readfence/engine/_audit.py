@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from readfence.core import ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
-from readfence.core._audit import BufferAudit
+from readfence.core._audit import BufferAudit, escape_note
 from readfence.core._checks import check_forward_mode, positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
@@ -161,7 +161,8 @@ class EngineAudit:
         for n in self.nodes:
             for stage, why, source in n.untraceable:
                 lines.append(f"UNTRACEABLE: {n.path} in {n.mode.name}: {STAGE_METHODS.get(stage, stage)} "
-                             f"({stage}) escapes the tracer ({why} at {source}): its reads are observed")
+                             f"({stage}) escapes the tracer ({why} at {source}): its reads are observed; "
+                             f"{escape_note(stage)}")
             if n.lowering:
                 lines.append(f"LOWERING: {n.path} in {n.mode.name}: {n.lowering}")
             if n.prefill:
@@ -292,7 +293,8 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
         lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
                     f"{effect[worst].name}, later than declared ({declared[worst].name})")
         if untraceable:
-            lowering += " (a stage the tracer cannot follow reads every buffer until UNKNOWN)"
+            lowering += (" (a stage the tracer cannot follow reads every buffer: until PRE_REPLAY before the "
+                         "replay, POST_REPLAY in it)")
     prefill = tuple((r.size, r.resolved) for r in runs if r.resolved is not None)
     return NodeAudit(path, mode, runs[0].declared, tuple(rows), untraceable, lowering, prefill)
 

@@ -67,11 +67,15 @@ def test_data_dependent_shapes_are_audited_by_observation_and_run_under_the_runn
     assert _verdicts(report)["seq_lens"] == ("exact", "observed", POST)
     node = report.find("HostBounds", M.DECODE)
     assert {stage for stage, _, _ in node.untraceable} == {"prepare_out_graph", "body"}
-    assert "COARSE only" in node.lowering
+    # both stages run as Python in the step: every buffer until POST_REPLAY, which it declares
+    assert node.lowering == ""
     assert "cover only the paths that ran" in report.table()
     result = verify_engine(engine, device=dev, steps=3, batch_size=2)
-    assert [r.name for r in result.rows if r.clean] == ["COARSE", RUNNER]
-    assert {r.finding.evidence for r in result.rows if not r.clean} == {"audit"}
+    assert [r.name for r in result.rows if r.clean] == [*(p.name for p in Policy), RUNNER], str(result)
+    # declared before the replay's end, the same class is refused by readfence's lowering
+    early = engine.redeclared(M.DECODE, ReadEnd.IN_REPLAY)
+    refused = audit_engine(early, M.DECODE, batch_sizes=[2], steps=1).find("HostBounds", M.DECODE)
+    assert "COARSE only" in refused.lowering and "POST_REPLAY in it" in refused.lowering
 
 
 def test_a_buffer_the_engine_keeps_under_its_own_name_is_found_through_the_layout(dev):

@@ -8,7 +8,7 @@ import pytest
 from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
-from readfence.engine.reference import ENGINES, deepseek_v4, dots_hybrid, tbo
+from readfence.engine.reference import ENGINES, deepseek_v4, dots_hybrid, tbo, torch_native
 from readfence.graph import Policy
 
 from .conftest import CFG
@@ -30,10 +30,10 @@ EXPECTED = {
     # the run kernel reads the page table it kept: no static analysis sees it, poison and the observer do
     "flashinfer_reference": ({"req_to_token": ("unsound", "observed", POST), "seq_lens": ("exact", "traced", PRE)},
                              ["FlashInferReferenceBackend"], {"PER_BUFFER": LATE, "EXACT": LATE, RUNNER: LATE}),
-    # untraceable forward: observed; readfence's lowering takes it COARSE only, the runner runs it
+    # untraceable forward: observed; it runs as Python in the step, so readfence's fences give it
+    # every buffer until POST_REPLAY, which it declares: lowered under PER_BUFFER and EXACT
     "torch_native": ({"req_to_token": ("exact", "observed", POST), "seq_lens": ("exact", "observed", POST),
-                      "swa_map": ("conservative", "observed", NONE)}, [],
-                     {"PER_BUFFER": REFUSED, "EXACT": REFUSED, RUNNER: CLEAN}),
+                      "swa_map": ("conservative", "observed", NONE)}, [], SOUND),
     "minimax_sparse": ({"req_to_token": ("unsound", "traced", POST), "seq_lens": ("exact", "traced", IN)},
                        ["MiniMaxSparseBackend"], {"PER_BUFFER": REFUSED, "EXACT": REFUSED, RUNNER: LATE}),
     "linear": ({"state_slots": ("exact", "traced", IN), "req_to_token": ("conservative", "traced", NONE)}, [], SOUND),
@@ -102,3 +102,14 @@ def test_prefill_is_resolved_per_batch_and_each_resolution_audited():
 
 def test_dots_declares_unknown_for_prefill_where_its_padding_path_reads_the_live_tables(dev):
     _check(dots_hybrid(CFG), M.EXTEND, {"req_to_token": ("conservative", "traced", POST)}, [], SOUND, dev)
+
+
+def test_torch_native_s_host_read_forward_runs_as_python_under_readfence_s_fences_in_both_graphed_modes(dev):
+    engine = torch_native(CFG)
+    for mode in (M.DECODE, M.TARGET_VERIFY):
+        report = _check(engine, mode, {"req_to_token": ("exact", "observed", POST)}, [], SOUND, dev)
+        node = report.find("TorchNativeBackend", mode)
+        assert node.lowering == ""  # nothing refused: every policy lowers it on the CPU device
+        (stage, why, _), = node.untraceable
+        assert stage == "body" and "tolist()" in why
+        assert "a CUDA graph cannot capture it" in report.table()

@@ -68,8 +68,12 @@ class UnsoundLowering(ValueError):
 
 
 class UncapturableStage(ValueError):
-    """Lowering refused: an in-graph stage escapes the tracer, and a device graph would replay
-    only the path the example took (a CUDA graph captures kernels, not Python)."""
+    """Lowering refused: a stage escapes the tracer where the device cannot run its Python.
+
+    On CUDA an in-graph stage that escapes would be replayed on the one path the example took (a
+    CUDA graph captures kernels, not Python); and a trace under fake tensors stops at any
+    escape (they hold no values), leaving no stage graph to lower. The CPU device runs such a
+    stage's Python in the step (see ``readfence.core._program``)."""
 
 
 class StepRun(NamedTuple):
@@ -532,6 +536,14 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     unusable = [c for c in program.captured() if not c.usable]
     if unusable:
         raise CapturedStateError(backend.name, mode, unusable)
+    if torch_device(device) == "cuda" and program.aborted is not None:
+        stage = program.aborted_stage
+        what = ("a graph would replay only the path the example took; move host reads to prepare_out_graph"
+                if graphed and stage in IN_GRAPH_STAGES else "the trace cannot follow it on fake tensors")
+        raise UncapturableStage(
+            f"cannot {'capture' if graphed else 'lower'} {backend.name} for {mode.name} on {device.name}: "
+            f"{program.aborted}: {what} (the CPU device runs the stage's Python in the step)"
+        )
     if graphed and torch_device(device) == "cuda":
         escapes = [e for e in program.unfaithful() if e[0] in IN_GRAPH_STAGES]
         if escapes:
