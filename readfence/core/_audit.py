@@ -263,6 +263,11 @@ def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
     out = [(s.name, node, f"{why} at {source}" + (f"; {escape_note(s.name)}" if why.startswith(ESCAPE) else ""))
            for s in program.stages for node, why, source in s.escapes()]
     out += [(c.stage, c.node, c.why()) for c in program.captured() if not c.usable and c.matches[0] == "none"]
+    if program.aborted is not None and program.aborted_stage is not None:  # fake tensors: no value to go on with
+        why = program.aborted.removeprefix(f"stage {program.aborted_stage}: ")
+        out.append((program.aborted_stage, "(trace stopped)",
+                    f"{why}: the trace cannot follow the stage past it, every buffer is UNKNOWN; lower refuses it "
+                    f"on CUDA (UncapturableStage)"))
     return tuple(out)
 
 

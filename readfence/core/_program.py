@@ -42,18 +42,19 @@ touched (``StageGraph.escape_end``):
 * the body: ``POST_REPLAY``; its reads end with it, before the replay's end.
 
 That holds where the stage's Python runs inside the step, before the fence that follows it:
-the CPU device runs it in the forward, and so does any eager launch (a mode without graphs).
-A CUDA graph captures kernels, not Python: ``lower`` refuses an in-graph stage that escapes on
-CUDA (``UncapturableStage``; under fake tensors the trace already stops at the escape).
+the CPU device runs it in the forward, in a replayed graph or an eager launch alike. A CUDA
+graph captures kernels, not Python: ``lower`` refuses an in-graph stage that escapes on CUDA
+(``UncapturableStage``; the trace there runs on fake tensors, and already stops at the escape).
 
 What the rule does not cover is work the stage hands to code that runs later, outside the
-step's launches: a thread or callback it starts, or a pointer or array it keeps for a kernel
-to read
-(the plan/run pattern). A reference escaping on the traced path (``data_ptr()``,
-DLPack, numpy) may be read through at any later time: its buffers are ``UNKNOWN`` wherever it
-happens. On a path the trace did not take, only the runtime checks see such reads. A view the
-stage keeps on ``self`` and reads in a later step's Python stage is read in that step, within
-that step's own fences.
+step's launches: a thread or callback it starts, or a tensor, pointer or array it keeps for a
+kernel to read (the plan/run pattern). A reference escaping on the traced path
+(``data_ptr()``, DLPack, numpy) may be read through at any later time: its buffers are
+``UNKNOWN`` wherever it happens; on a path the trace did not take only the runtime checks see
+such reads. A view the stage keeps on ``self`` and reads in a later step's Python stage is
+read in that step, within that step's own fences; the view left there while the step was
+traced or rehearsed points at an example state (trace-time state that only the comparison
+with the serial run sees).
 
 Tensors captured from outside the arguments
 -------------------------------------------

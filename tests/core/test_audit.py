@@ -473,8 +473,11 @@ def test_an_opaque_read_is_unknown_never_none() -> None:
     assert audit(honest, M.DECODE, cfg=CFG).unwrap().counts()["unsound"] == 0
     slots_post = redeclare(mine, lambda m: ReadEffect.of({}, default=ReadEnd.POST_REPLAY))
     assert audit(slots_post, M.DECODE, cfg=CFG).failure().buffer == "state_slots"
-    # under fake tensors the escape cannot be followed at all: everything is UNKNOWN
-    assert audit(mine, M.DECODE, cfg=CFG, device="cuda").failure().observed is ReadEnd.UNKNOWN
+    # under fake tensors the escape cannot be followed at all: everything is UNKNOWN, and it says why
+    on_cuda = audit(mine, M.DECODE, cfg=CFG, device="cuda").failure()
+    assert on_cuda.observed is ReadEnd.UNKNOWN
+    assert "stage prepare_in_graph, node '(trace stopped)': numpy() escapes under fake tensors" in on_cuda.message
+    assert "lower refuses it on CUDA (UncapturableStage)" in on_cuda.message
 
 
 # ------------------------------------------------------------------------------------------
