@@ -5,59 +5,92 @@ minutes are not. Prints, for CPU tensors and for fake CUDA tensors: the cold tim
 cache cleared) as the median of a few runs, the number of distinct traces, the mean time
 per trace, and the warm time (every trace cached: the audit comparison alone).
 
-    python benchmarks/bench_audit.py [--runs 3] [--layers 4]
+    python benchmarks/bench_audit.py [--runs 3] [--layers 4] [--json]
+    python benchmarks/bench_audit.py --quick     # smoke run: paged in DECODE at batch size 2
+
+``main(quick=False, *, runs=3, layers=None)`` returns ``{"cpu": {...}, "cuda": {...}}``, each
+with ``cold_s``, ``traces``, ``ms_per_trace``, ``warm_ms`` and ``unsound`` (``readfence bench``
+prints it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
-from readfence.backends import REFERENCE_LEAVES, deepseek_v4, reference_compositions
-from readfence.core import ForwardMode, ModelConfig, audit
-from readfence.core._trace import _CACHE, clear_cache
+from readfence.backends import REFERENCE_LEAVES, deepseek_v4, paged, reference_compositions
+from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, trace_cache_size
 
 
-def backends() -> list:
+def backends(quick: bool = False) -> list:
+    if quick:
+        return [paged()]
     leaves = [make() for make in REFERENCE_LEAVES.values()] + [deepseek_v4(dspark=True)]
     return leaves + list(reference_compositions().values())
 
 
-def audit_all(cfg: ModelConfig, device: str) -> int:
+def audit_all(targets: Sequence[Any], modes: Sequence[ForwardMode], cfg: ModelConfig, device: str,
+              batch_sizes: Sequence[int] | None = None) -> int:
     unsound = 0
-    for backend in backends():
-        for mode in ForwardMode:
-            if not audit(backend, mode, cfg=cfg, device=device).map(lambda r: r.sound).value_or(False):
+    for backend in targets:
+        for mode in modes:
+            result = audit(backend, mode, cfg=cfg, device=device, batch_sizes=batch_sizes)
+            if not result.map(lambda r: r.sound).value_or(False):
                 unsound += 1
     return unsound
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=ModelConfig().layers)
-    args = parser.parse_args()
-    cfg = ModelConfig(layers=args.layers)
-    n_backends = len(backends())
-    print(f"{n_backends} backends x {len(ForwardMode)} modes, model with {cfg.layers} layers, "
-          f"median of {args.runs} cold runs")
+def main(quick: bool = False, *, runs: int | None = None, layers: int | None = None) -> dict[str, Any]:
+    """Cold and warm audit times per tensor device (``quick``: paged in DECODE at batch size 2,
+    one run; otherwise each audit traces batch sizes 1, 2 and the model's maximum)."""
+    cfg = ModelConfig() if layers is None else ModelConfig(layers=layers)
+    runs = runs or (1 if quick else 3)
+    targets = backends(quick)
+    modes = (ForwardMode.DECODE,) if quick else tuple(ForwardMode)
+    sizes = (2,) if quick else None
+    out: dict[str, Any] = {"backends": len(targets), "modes": len(modes), "layers": cfg.layers, "runs": runs}
     for device in ("cpu", "cuda"):
         cold = []
-        for _ in range(args.runs):
-            clear_cache()
+        for _ in range(runs):
+            clear_trace_cache()
             start = time.perf_counter()
-            unsound = audit_all(cfg, device)
+            unsound = audit_all(targets, modes, cfg, device, sizes)
             cold.append(time.perf_counter() - start)
-        traces = len(_CACHE)
+        traces = trace_cache_size()
         start = time.perf_counter()
-        audit_all(cfg, device)
+        audit_all(targets, modes, cfg, device, sizes)
         warm = time.perf_counter() - start
-        label = "cpu tensors" if device == "cpu" else "fake cuda tensors"
         med = statistics.median(cold)
-        print(f"{label:18} cold {med:6.2f} s  ({traces} traces, {med / traces * 1000:5.0f} ms/trace)  "
-              f"warm {warm * 1000:6.1f} ms  unsound={unsound}")
+        out[device] = {"cold_s": med, "traces": traces, "ms_per_trace": med / max(traces, 1) * 1e3,
+                       "warm_ms": warm * 1e3, "unsound": unsound}
+    return out
+
+
+def _cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="paged in DECODE at batch size 2, one cold run: a smoke run")
+    parser.add_argument("--runs", type=int, default=None, help="cold runs (median; default 3, 1 with --quick)")
+    parser.add_argument("--layers", type=int, default=ModelConfig().layers)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args()
+    if args.runs is not None and args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
+    r = main(args.quick, runs=args.runs, layers=args.layers)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return
+    print(f"{r['backends']} backends x {r['modes']} modes, model with {r['layers']} layers, "
+          f"median of {r['runs']} cold runs")
+    for device in ("cpu", "cuda"):
+        d = r[device]
+        label = "cpu tensors" if device == "cpu" else "fake cuda tensors"
+        print(f"{label:18} cold {d['cold_s']:6.2f} s  ({d['traces']} traces, {d['ms_per_trace']:5.0f} ms/trace)  "
+              f"warm {d['warm_ms']:6.1f} ms  unsound={d['unsound']}")
 
 
 if __name__ == "__main__":
-    main()
+    _cli()

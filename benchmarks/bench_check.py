@@ -24,8 +24,7 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ModelConfig
-from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
-from readfence.graph.verification._verify import _LateReadWatch
+from readfence.graph import CheckState, CpuDevice, LateReadWatch, Policy, decode_loop, make_state
 
 
 def _seconds(kind: str, steps: int, cfg: ModelConfig) -> float:
@@ -35,7 +34,7 @@ def _seconds(kind: str, steps: int, cfg: ModelConfig) -> float:
     if kind == "poison":
         check = CheckState(state["shared"], cfg)
     elif kind == "observer":
-        check = CheckState(state["shared"], cfg, watcher=_LateReadWatch(state["shared"]))
+        check = CheckState(state["shared"], cfg, watcher=LateReadWatch(state["shared"]))
     with CpuDevice(timeout=60.0) as dev:
         loop = decode_loop(backend, policy=Policy.PER_BUFFER, device=dev, batch_size=4, cfg=cfg, state=state,
                            check=check)
@@ -48,7 +47,7 @@ def _seconds(kind: str, steps: int, cfg: ModelConfig) -> float:
 def main(quick: bool = False, *, steps: int | None = None, reps: int | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = ModelConfig()
-    default_steps, default_reps = (10, 2) if quick else (40, 5)
+    default_steps, default_reps = (4, 1) if quick else (40, 5)  # quick: a smoke run of seconds
     steps, reps = steps or default_steps, reps or default_reps
     ratios: dict[str, list[float]] = {"poison": [], "observer": []}
     plain_steps: list[float] = []

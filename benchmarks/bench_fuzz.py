@@ -11,7 +11,7 @@ them. P3, the false-alarm rate, is measured: refused programs that run clean und
 Prints programs per second, the violations, the false-alarm rate and the per-pattern counts.
 
     python benchmarks/bench_fuzz.py --programs 200 [--seed 0] [--json] [--log fuzz.log]
-    python benchmarks/bench_fuzz.py --quick            # 20 programs: a smoke run
+    python benchmarks/bench_fuzz.py --quick            # 2 programs: a smoke run
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from readfence.graph.fuzz import Outcome, Tally, check_program
 
 def main(programs_n: int = 200, seed: int = 0, *, quick: bool = False, max_leaves: int = 3,
          log: TextIO | None = None, progress: TextIO | None = None) -> dict[str, Any]:
-    """Check ``programs_n`` generated programs (20 with ``quick``); returns the tally as a dict
+    """Check ``programs_n`` generated programs (2 with ``quick``: a smoke run); returns the tally as a dict
     plus ``programs_per_s``, ``errors`` (programs whose check raised) and ``interrupted``
     (stopped early by Ctrl-C or SIGTERM: the figures cover the programs that ran)."""
     torch.set_num_threads(1)  # the device's streams are the parallelism (benchmarks/README.md)
-    n = 20 if quick else programs_n
+    n = 2 if quick else programs_n
     drawn = list(random_programs(n, seed, max_leaves=max_leaves))
     tally = Tally()
     errors = 0
@@ -108,7 +108,7 @@ def _cli() -> None:
     parser.add_argument("--programs", type=int, default=200, help="programs to generate and check")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed: the same programs for the same seed")
     parser.add_argument("--max-leaves", type=int, default=3, help="leaves per tree at most")
-    parser.add_argument("--quick", action="store_true", help="20 programs: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="2 programs: a smoke run")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--log", help="append every violation, false alarm and crash, in full, to this file")
     args = parser.parse_args()

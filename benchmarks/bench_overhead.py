@@ -134,7 +134,7 @@ def measure(*, quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     A run interleaves ``steps`` steps of each loop (see :func:`_interleaved`) and takes the
     ratio of their median step times; the reported ratio is the median over ``runs`` runs.
     """
-    steps, runs = (100, 3) if quick else (300, 9)
+    steps, runs, warmup = (20, 2, 5) if quick else (300, 9, 20)  # quick: a smoke run of seconds
     backend = hybrid_linear(trtllm_mha(), linear())
     results = {}
     for policy in (Policy.PER_BUFFER, Policy.EXACT):
@@ -153,7 +153,7 @@ def measure(*, quick: bool = False, device: str = "cpu") -> dict[str, Any]:
                 run.fence.wait(sched)
 
             loops = {"lowered": lowered_step, "hand": _hand_loop(low, sched, written)}
-            _interleaved(dev, low, loops, batch, 20)  # warm up both
+            _interleaved(dev, low, loops, batch, warmup)  # warm up both
             ratios, lowered, hand = [], [], []
             for _ in range(runs):
                 t = _interleaved(dev, low, loops, batch, steps)

@@ -30,7 +30,7 @@ POST_REPLAY and JOINED waits for the replay); ``hybrid_linear(trtllm_mha(), line
 between COARSE and PER_BUFFER).
 
     python benchmarks/bench_overlap.py            # full run (about 11 minutes on 2 cores)
-    python benchmarks/bench_overlap.py --quick    # smoke run (smaller model, fewer steps)
+    python benchmarks/bench_overlap.py --quick    # smoke run of seconds (tiny model, few steps)
     python benchmarks/bench_overlap.py --json     # the full result as JSON
     python benchmarks/bench_overlap.py --only mixed_wait
 
@@ -109,26 +109,30 @@ WORKLOADS = {
 
 def _settings(quick: bool, kind: str = "wait") -> dict[str, Any]:
     if kind == "none":  # the demo's model and batch, and enough steps that a step is ~1 ms of ~0.2 s
-        return {"cfg": ModelConfig(), "batch_size": 4, "steps": 60 if quick else 200, "reps": 3 if quick else 7,
-                "warmup": 10}
-    if quick:
-        return {"cfg": ModelConfig(hidden=256, mlp=1024, layers=4, heads=4, head_dim=64),
-                "batch_size": 8, "steps": 20, "reps": 3, "warmup": 3}
+        return {"cfg": ModelConfig(), "batch_size": 4, "steps": 20 if quick else 200, "reps": 1 if quick else 7,
+                "warmup": 2 if quick else 10}
+    if quick:  # a smoke run of seconds: every workload and policy runs, the ratios are noise
+        return {"cfg": ModelConfig(hidden=128, mlp=512, layers=2, heads=2, head_dim=64),
+                "batch_size": 4, "steps": 5, "reps": 1, "warmup": 1, "calibration": (5, 4, 2), "capacity": 3}
     # Big enough that compute dominates the per-op Python of CpuDevice's graph replay, which
     # holds the GIL the host scheduler needs too (at hidden 512 that costs 5-15% of the limit).
     return {"cfg": ModelConfig(hidden=1024, mlp=4096, layers=4, heads=8, head_dim=64),
-            "batch_size": 16, "steps": 40, "reps": 5, "warmup": 5}
+            "batch_size": 16, "steps": 40, "reps": 5, "warmup": 5, "calibration": (20, 8, 4), "capacity": 20}
 
 
-def calibrate(loop: DecodeLoop, forward_s: float, kind: str) -> tuple[int, float]:
-    """``(write_cost, write_wait_s)`` so that ``loop``'s scheduler alone takes about ``forward_s``."""
-    base = attrs.evolve(loop, write_work=None).time_scheduler(20)  # next step and copies only
+def calibrate(loop: DecodeLoop, forward_s: float, kind: str, steps: tuple[int, int, int] = (20, 8, 4)) -> tuple[int, float]:
+    """``(write_cost, write_wait_s)`` so that ``loop``'s scheduler alone takes about ``forward_s``.
+
+    ``steps``: scheduler steps timed for the baseline and per matmul fit, and how many fits.
+    """
+    base_steps, fit_steps, fits = steps
+    base = attrs.evolve(loop, write_work=None).time_scheduler(base_steps)  # next step and copies only
     if kind == "wait":
         return 0, max(forward_s - base, 0.0)
     n = 512
-    for _ in range(4):  # matmul time ~ n^3: refit on the measured writes
+    for _ in range(fits):  # matmul time ~ n^3: refit on the measured writes
         work = synthetic_work(loop.device, write_cost=n)
-        writes = attrs.evolve(loop, write_work=work).time_scheduler(8)
+        writes = attrs.evolve(loop, write_work=work).time_scheduler(fit_steps)
         n = max(32, int(round(n * (max(forward_s - base, 1e-4) / max(writes - base, 1e-4)) ** (1 / 3) / 16)) * 16)
     return n, 0.0
 
@@ -163,15 +167,16 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
     """
     st = _settings(quick, kind)
     cfg, batch_size, steps, reps = st["cfg"], st["batch_size"], st["steps"], st["reps"]
-    make = WORKLOADS[workload]
+    backend = WORKLOADS[workload](cfg)  # one value for every policy: traced once, the same weights
     with open_device(device) as dev:
-        loops = {p: decode_loop(make(cfg), MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg)
+        loops = {p: decode_loop(backend, MODE, policy=p, device=dev, batch_size=batch_size, cfg=cfg)
                  for p in POLICIES}
         coarse = loops[Policy.COARSE]
-        coarse.time_forward(3)  # warm up
-        write_cost, wait_s = (0, 0.0) if kind == "none" else calibrate(coarse, coarse.time_forward(steps), kind)
+        coarse.time_forward(st["warmup"])
+        write_cost, wait_s = ((0, 0.0) if kind == "none" else
+                              calibrate(coarse, coarse.time_forward(steps), kind, st["calibration"]))
         work = synthetic_work(dev, write_cost=write_cost, write_wait_s=wait_s)
-        speedup = parallel_speedup(dev, work) if kind == "matmul" else None
+        speedup = parallel_speedup(dev, work, st["capacity"]) if kind == "matmul" else None
         for loop in loops.values():
             loop.write_work = work
         plans = {p.name: {r["buffer"]: r["end"] for r in loop.lowered.plan.describe()} for p, loop in loops.items()}
@@ -185,7 +190,7 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
             writes.append(coarse.time_scheduler(steps))
             for p in contenders if rep % 2 == 0 else tuple(reversed(contenders)):
                 if p is SERIAL:
-                    seconds = run_serial(make(cfg), MODE, steps=steps, batch_size=batch_size, cfg=cfg,
+                    seconds = run_serial(backend, MODE, steps=steps, batch_size=batch_size, cfg=cfg,
                                          device=dev).seconds
                 else:
                     _, seconds = loops[p].run(steps)

@@ -2,6 +2,9 @@
 # The GPU checks in one run (under ten minutes): the `cuda` tests, the CUDA start-up self-check,
 # the overlapped loop of every reference backend and step shape under every policy against a
 # serial run on the GPU, `readfence verify` with poison, both benchmarks, and the demo on CUDA.
+# With two GPUs or more, the tensor-parallel demo and verify on NCCL (each rank's all-reduces
+# captured in its CUDA graph); with one, the `cuda` tests still capture a rank's all-reduce over
+# a one-rank NCCL group. None of the tensor-parallel steps has run on a GPU yet.
 # Every figure ends up in one file, $OUT/summary.txt.
 #
 # Run it on a machine with a CUDA GPU and a CUDA build of torch, from the repository root,
@@ -40,7 +43,16 @@ step verify 60 "${rf[@]}" verify "hybrid_linear(trtllm_mha, linear)" --device cu
 step overhead 90 python3 benchmarks/bench_overhead.py --device cuda --quick
 step overlap 120 python3 benchmarks/bench_overlap.py --device cuda --quick --only mixed_matmul --only mixed_wait
 step demo 60 "${rf[@]}" demo --device cuda --steps 50
-for name in self_check cuda_tests loop_check verify overhead overlap demo; do
+names=(self_check cuda_tests loop_check verify overhead overlap demo)
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+    step tp_demo 180 "${rf[@]}" demo --tp 2 --device cuda --steps 50
+    step tp_verify 240 "${rf[@]}" verify paged --tp 2 --device cuda --steps 8
+    names+=(tp_demo tp_verify)
+else
+    echo "== tp_demo, tp_verify: not run (they need 2 GPUs, one per rank; this machine has $gpus)" >>"$out/summary.txt"
+fi
+for name in "${names[@]}"; do
     { echo; echo "---- $name (last 40 lines)"; tail -n 40 "$out/$name.log"; } >>"$out/summary.txt"
 done
 cat "$out/summary.txt"

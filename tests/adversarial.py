@@ -180,6 +180,40 @@ def _branch_on_content(s, b, m, layer, q):
     return m["kv_lens"]
 
 
+def _every(end: ReadEnd) -> dict[ForwardMode, ReadEffect]:
+    """One end for every shared buffer: what a stage that runs its Python reads."""
+    effect = ReadEffect.of({}, default=end)
+    return {M.DECODE: effect, M.TARGET_VERIFY: effect}
+
+
+def _escaping_prep(mode, shared, batch, meta):
+    # a host read makes the in-graph stage run as Python; what it returns is not copied: the
+    # view of the live lengths is read in the body
+    longest = int(shared["seq_lens"].max())
+    return {"kv_indices": kv_indices(shared, batch), "lens_x": shared["seq_lens"][:],
+            "longest": torch.tensor(longest)}
+
+
+def _branching_prep(mode, shared, batch, meta):
+    # the examples the trace runs on have positions[0] == 3 (a copy); on other steps the stage
+    # hands the body a view of the live lengths, read in the last layer: after the body's
+    # traced read of the buffer in layer 0, so EXACT must not release it there
+    out = page_meta(shared, batch)
+    out["late"] = shared["seq_lens"].clone() if int(batch["positions"][0]) == 3 else shared["seq_lens"][:]
+    return out
+
+
+def _branch_on_position(s, b, m, layer, q):
+    # the examples the trace runs on have positions[0] == 3: the body reads no shared buffer
+    # there (the last traced read of the lengths is prepare_in_graph's); on other steps it
+    # reads the live lengths, so no event may follow prepare_in_graph's read of them
+    return m["kv_lens"] if int(b["positions"][0]) == 3 else _gather(s["seq_lens"], b)
+
+
+def _reads_late_in_the_last_layer(s, b, m, layer, q):
+    return _gather(s["seq_lens"], b) if layer == 0 else _gather(m["late"], b)
+
+
 def _branch_on_layer(s, b, m, layer, q):
     return _gather(s["seq_lens"], b) if layer == 1 else m["kv_lens"]
 
@@ -306,6 +340,30 @@ def _cases() -> list[Case]:
     for name, fn in (("host_read", _host_read), ("host_iteration", _host_iteration),
                      ("branch_on_content", _branch_on_content)):
         cases.append(Case(name, "unfaithful", _fixed(name, fn), "refused", "seq_lens"))
+    # the body runs as Python in the step: its reads, on any path, end with the replay
+    for name, fn in (("host_read", _host_read), ("host_iteration", _host_iteration),
+                     ("branch_on_content", _branch_on_content)):
+        cases.append(Case(f"{name}_declared_post", "unfaithful",
+                          _fixed(f"{name}_post", fn, declare=_every(POST)), "accepted"))
+    cases.append(Case("branch_on_position_declared_post", "unfaithful",
+                      _fixed("branch_on_position_post", _branch_on_position, declare=_every(POST)), "accepted"))
+    cases.append(Case("host_read_declared_pre", "unfaithful",  # its metadata snapshot before the replay
+                      _fixed("host_read_pre", _host_read, declare=_every(PRE), prep=None,
+                             out=lambda mode, shared, batch: page_meta(shared, batch)), "refused", "seq_lens"))
+    # an in-graph stage that runs as Python may hand the body a view of any buffer
+    view_fn: LensFn = lambda s, b, m, layer, q: _gather(m["lens_x"], b)  # noqa: E731
+    cases.append(Case("in_graph_escape_view", "unfaithful",
+                      _fixed("in_graph_escape_view", view_fn, prep=_escaping_prep, declare=_every(IN)),
+                      "refused", "seq_lens"))
+    cases.append(Case("in_graph_escape_view_declared_post", "unfaithful",
+                      _fixed("in_graph_escape_view_post", view_fn, prep=_escaping_prep, declare=_every(POST)),
+                      "accepted"))
+    cases.append(Case("in_graph_branch_view", "unfaithful",
+                      _fixed("in_graph_branch_view", _reads_late_in_the_last_layer, prep=_branching_prep,
+                             declare=_every(IN)), "refused", "seq_lens"))
+    cases.append(Case("in_graph_branch_view_declared_post", "unfaithful",
+                      _fixed("in_graph_branch_view_post", _reads_late_in_the_last_layer, prep=_branching_prep,
+                             declare=_every(POST)), "accepted"))
     cases.append(Case("branch_on_layer", "conditional", _fixed("branch_on_layer", _branch_on_layer),
                       "refused", "seq_lens"))
     cases.append(Case("branch_on_mode", "conditional", lambda state: _branch_on_mode(M.TARGET_VERIFY),

@@ -194,6 +194,16 @@ def test_a_misspelt_buffer_in_a_declaration_is_refused_with_a_suggestion(how) ->
     assert str(info.value) == MISSPELT
 
 
+@pytest.mark.parametrize(("end", "default"), [(ReadEnd.NONE, ReadEnd.NONE), (ReadEnd.UNKNOWN, ReadEnd.UNKNOWN)])
+def test_a_misspelt_buffer_declared_at_the_default_end_is_still_named(end, default) -> None:
+    # an entry equal to the default is no part of the effect's value, but it is still a name
+    effect = ReadEffect.of({"req_to_tokn": end, "seq_lens": ReadEnd.IN_REPLAY}, default=default)
+    assert effect == ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY}, default=default)
+    with pytest.raises(ValueError) as info:
+        leaf("mine", _attend, declare={M.DECODE: effect})
+    assert str(info.value) == MISSPELT
+
+
 def test_redeclare_refuses_a_misspelt_buffer() -> None:
     with pytest.raises(ValueError, match=r"^declaration of paged for DECODE names unknown buffer 'swa'; .*"
                                         r"did you mean 'swa_map'\?"):

@@ -1,6 +1,6 @@
 """The package imports only downwards: each layer imports only the layers before it.
 
-    effects <- core <- backends <- graph (devices <- lowering <- steps <- runtime <- verification) <- cli
+    effects <- core <- backends <- graph (devices <- lowering <- steps <- runtime <- verification) <- engine <- parallel <- cli
 
 Every import statement of every module under ``readfence/`` is read with ``ast``: module-level
 ones, and those inside functions, classes and ``if TYPE_CHECKING`` blocks (a function-level
@@ -36,6 +36,8 @@ LAYERS: tuple[str, ...] = (
     "readfence.graph.runtime",
     "readfence.graph.verification",
     "readfence.graph",
+    "readfence.engine",
+    "readfence.parallel",
     "readfence.cli",
 )
 

@@ -135,7 +135,7 @@ def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:
                 f"declaration of {who} for {mode} must be a ReadEffect, got {effect!r} "
                 f"({type(effect).__name__})"
             )
-        check_buffers(effect.buffers, f"declaration of {who} for {mode}")
+        check_buffers(effect.named, f"declaration of {who} for {mode}")
         table.append(intern(effect))
     return tuple(table)
 

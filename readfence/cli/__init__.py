@@ -18,6 +18,8 @@ import click
 
 from readfence import __version__
 
+from ._errors import OneLineErrors
+
 # name -> (module, attribute, the line ``readfence --help`` shows; a test keeps it equal to
 # the command's own docstring)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -31,8 +33,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-class _LazyGroup(click.Group):
-    """A group whose commands are imported when one is asked for, not when the group is."""
+class _LazyGroup(OneLineErrors, click.Group):
+    """A group whose commands are imported when one is asked for, not when the group is (and
+    whose bad options and unknown commands are one ``Error:`` line, as the commands' are)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)

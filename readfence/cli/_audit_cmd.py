@@ -12,7 +12,9 @@ from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch
 from readfence.core._audit import format_table
 from readfence.graph import StepShape
 
-from ._params import InputError, Mode, Positive, Spec, echo_json
+from ._engine_cmd import Engine, audit_engines
+from ._errors import InputError, OneLineCommand
+from ._params import BATCH_SIZE, Mode, Spec, echo_json
 
 
 def reference_backends() -> list[Any]:
@@ -75,14 +77,17 @@ def totals(reports: Iterable[Any]) -> dict[str, int]:
     return out
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", "modes", type=Mode(), multiple=True,
               help="Audit only this mode (repeatable); default: every mode.")
-@click.option("--batch-size", "batch_sizes", type=Positive(), multiple=True,
+@click.option("--batch-size", "batch_sizes", type=BATCH_SIZE, multiple=True,
               help="Trace this batch size (repeatable); default: 1, 2 and the model's maximum.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
-def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool) -> None:
+@click.option("--engine", "engines", type=Engine(), default=None,
+              help="Audit an engine's own backend object instead of SPEC: MODULE:FACTORY (see readfence.engine).")
+def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool,
+          engines: Any = None) -> None:
     """Trace SPEC (default: every reference backend) and check its declared read ends.
 
     \b
@@ -95,12 +100,19 @@ def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...
     line and counts too), and the verdict (exact, conservative, unsound). Then how many
     declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
     Exit status 1 if any declaration is unsound (earlier than a traced read).
+
+    \b
+    --engine MODULE:FACTORY audits an engine's stateful backend object (SGLang's contract:
+    init_forward_metadata_out_graph/in_graph, forward, shared_read_ends) and its wrapper's
+    children: its one scalar declaration against each buffer's truth, traced where the tracer
+    follows the stages and observed over scheduler steps where it cannot (labelled which).
+    FACTORY returns the adapted backend (readfence.engine.adapt), or is the backend class;
+    e.g. readfence.engine.reference:minimax_hybrid, or :ENGINES for the reference engine.
     """
-    limit = ModelConfig().max_reqs
-    too_big = [n for n in batch_sizes if n > limit]
-    if too_big:
-        raise InputError(f"invalid --batch-size {too_big[0]!r}: exceeds the model's maximum batch size "
-                         f"({limit}); use 1..{limit}")
+    if engines is not None:
+        if spec is not None:
+            raise InputError(f"give SPEC or --engine MODULE:FACTORY, not both (got SPEC {str(spec)!r})")
+        sys.exit(audit_engines(engines, modes, batch_sizes, as_json))
     sizes = tuple(batch_sizes) or default_batch_sizes(ModelConfig())
     if isinstance(spec, StepShape):
         reports = audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json)

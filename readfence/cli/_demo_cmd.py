@@ -9,12 +9,29 @@ from typing import Any
 
 import click
 
-from readfence.graph import Policy, StepShape
+from readfence.graph import Policy, StepShape, phase_modes
 
 from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
-from ._params import MAX_STEPS, DeviceName, InputError, Policies, Positive, Spec, echo_json, merge_policies
+from ._errors import InputError, OneLineCommand
+from ._params import (
+    BATCH_SIZE,
+    MAX_BATCH,
+    MAX_STEPS,
+    Amount,
+    DeviceName,
+    Integer,
+    OutputFile,
+    Policies,
+    Positive,
+    Spec,
+    echo_json,
+    merge_policies,
+)
 from ._table import table
 from ._trace import chrome_trace
+
+MAX_WRITE_COST = 4096  # an N x N matmul per write: past this, seconds per write on a CPU
+MAX_WRITE_WAIT_MS = 1000.0  # per write: longer stalls only slow the run down
 
 COLUMNS = {
     "policy": "policy",
@@ -103,30 +120,16 @@ def _serial_row(result: DemoResult) -> list[dict[str, Any]]:
              "speedup_vs_serial": 1.0}]
 
 
-def check_output_path(flag: str, path: pathlib.Path, suffix: str) -> None:
-    """Refuse, before anything runs, an output file that cannot be written: a wrong suffix, a
-    missing folder, something that is not a regular file, or a place the user may not write.
+def _tp_rank(rank: Any, spec: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """The demo on one tensor-parallel rank (``readfence.parallel.Rank``): its report and rows."""
+    from ._params import parse_spec
 
-    >>> check_output_path("--plot", pathlib.Path("timeline.txt"), ".png")
-    Traceback (most recent call last):
-    ...
-    readfence.cli._params.InputError: invalid --plot 'timeline.txt': the file name must end in .png
-    """
-    where = f"invalid {flag} {str(path)!r}"
-    if path.suffix.lower() != suffix:
-        raise InputError(f"{where}: the file name must end in {suffix}")
-    if not path.resolve().parent.is_dir():
-        raise InputError(f"{where}: directory {str(path.parent)!r} does not exist")
-    if path.exists() and not path.is_file():
-        raise InputError(f"{where}: not a regular file")
-    existed = path.exists()
-    try:
-        with open(path, "ab"):
-            pass
-    except OSError as e:
-        raise InputError(f"{where}: cannot write there ({e.strerror})") from None
-    if not existed:
-        path.unlink()  # only checking: a run that fails leaves nothing behind
+    backend = parse_spec(spec)
+    result = run_demo(backend, policies=[Policy[p] for p in policies], device=rank.device, cfg=rank.cfg,
+                      device_options=rank.device_options(), **options)
+    text = render(result, spec=spec, steps=options["steps"], batch_size=options["batch_size"], seed=options["seed"],
+                  phases=phase_modes(backend) or None, write_wait_ms=options["write_wait_s"] * 1e3)
+    return {"ok": result.ok, "text": text, "rows": result.rows}
 
 
 def _need_matplotlib() -> None:
@@ -160,7 +163,7 @@ class _Progress:
             self.bar.close()
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--spec", type=Spec(), default=DEFAULT_SPEC, show_default=True,
               help="Backend to run, e.g. 'tbo(deepseek_v4, paged)', or a speculative step shape: "
                    "'eagle(TARGET, DRAFT)', 'multi_eagle(TARGET, D1, D2)', 'ngram(TARGET)'.")
@@ -169,21 +172,25 @@ class _Progress:
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated (COARSE always runs: it is the baseline).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Scheduler seed (request churn).")
-@click.option("--batch-size", type=Positive(), default=4, show_default=True, help="Requests per step.")
-@click.option("--write-cost", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--seed", type=Integer(), default=0, show_default=True, help="Scheduler seed (request churn).")
+@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help=f"Requests per step (1..{MAX_BATCH}).")
+@click.option("--write-cost", type=Amount(MAX_WRITE_COST, integer=True), default=0, show_default=True,
               help="Synthetic scheduler work per page-table write (an NxN matmul after the fence): "
-                   "makes the overlap measurable.")
-@click.option("--write-wait-ms", type=click.FloatRange(min=0.0), default=5.0, show_default=True,
+                   "makes the overlap measurable (0..4096).")
+@click.option("--write-wait-ms", type=Amount(MAX_WRITE_WAIT_MS, unit=" ms"), default=5.0, show_default=True,
               help="How long each page-table write takes, without using the CPU (a stand-in for the "
-                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free.")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True, path_type=pathlib.Path),
+                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free (0..1000).")
+@click.option("--trace", "trace_path", type=OutputFile(".json"),
               help="Write a Chrome trace-event JSON of every run (open it in https://ui.perfetto.dev).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True, path_type=pathlib.Path),
+@click.option("--plot", "plot_path", type=OutputFile(".png"),
               help="Draw the first steps of each run's timeline as a PNG (needs matplotlib).")
+@click.option("--tp", type=Positive(), default=None,
+              help="Tensor parallelism: run on N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), each with its "
+                   "own scheduler, shared buffers and lowered step of its shard of the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
 def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed: int, batch_size: int,
-         write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None, as_json: bool) -> None:
+         write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None,
+         tp: int | None, as_json: bool) -> None:
     """Run the tiny model's overlapped decode loop under each fence policy.
 
     Each run is checked bit for bit against a serial run and watched by the sanitizer; the
@@ -191,16 +198,20 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     overlap, the same write work), and the mean fence slack (time from a buffer's last read to
     its release). Exit status 1 if any run is wrong.
     """
-    for flag, path, suffix in (("--trace", trace_path, ".json"), ("--plot", plot_path, ".png")):
-        if path is not None:
-            check_output_path(flag, path, suffix)
+    if tp is not None:
+        from ._tp_cmd import check_tp, run_on_ranks
+
+        check_tp(tp)
+        if trace_path is not None or plot_path is not None:
+            raise InputError("--trace and --plot draw one process's streams: run them without --tp")
+        options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=write_cost,
+                       write_wait_s=write_wait_ms / 1e3)
+        run_on_ranks(_tp_rank, str(spec), [p.name for p in policies], options, tp=tp, device=device, as_json=as_json,
+                     what="every policy matched the serial run with the same sharding bit for bit; the sanitizer "
+                          "found no race")
+        return
     if plot_path is not None:
         _need_matplotlib()
-    from readfence.core import ModelConfig
-
-    if batch_size > ModelConfig().max_reqs:
-        raise InputError(f"invalid --batch-size {batch_size}: the tiny model serves at most "
-                         f"{ModelConfig().max_reqs} requests (1..{ModelConfig().max_reqs})")
     progress = _Progress(steps * (len(set(policies) | {Policy.COARSE})), enabled=not as_json)
     try:
         result = run_demo(spec, policies=policies, device=device, steps=steps, batch_size=batch_size,
@@ -215,16 +226,16 @@ def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed:
     if plot_path is not None:
         from ._plot import plot_timelines
 
-        plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}")
+        plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}",
+                       phases=len(spec.phases) if isinstance(spec, StepShape) else 1)
+    phases = phase_modes(spec) or None
     if as_json:
-        mode = "phases" if isinstance(spec, StepShape) else result.mode.name
-        out = [{**r, "spec": str(spec), "device": result.device, "mode": mode, "steps": steps,
+        mode = {"mode": "phases", "phases": phases} if phases else {"mode": result.mode.name}
+        out = [{**r, "spec": str(spec), "device": result.device, **mode, "steps": steps,
                 "batch_size": batch_size, "seed": seed, "write_cost": write_cost,
                 "write_wait_ms": write_wait_ms} for r in result.rows]
         echo_json(out)
     else:
-        phases = (" -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
-                  if isinstance(spec, StepShape) else None)
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
                           write_wait_ms=write_wait_ms))
         for what, path in (("trace", trace_path), ("plot", plot_path)):

@@ -9,15 +9,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from readfence.core import ForwardMode
+from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import (
     Policy,
+    StepShape,
     Timeline,
     UnsoundLowering,
     open_device,
@@ -31,9 +33,6 @@ from ._trace import WaitRecorder, add_replays, add_waits
 #: A composition whose buffers end at different stages: trtllm_mha snapshots its page-table
 #: metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph (IN_REPLAY).
 DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
-
-#: The forward stream the lowering replays on (``lower``'s default).
-FORWARD = "forward"
 
 
 @attrs.frozen
@@ -64,10 +63,11 @@ def with_baseline(policies: Sequence[Policy]) -> tuple[Policy, ...]:
 
 
 def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, trace: bool,
-             progress: Callable[[int], None] | None, **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
+             progress: Callable[[int], None] | None, device_options: Mapping[str, Any],
+             **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
     timeline = Timeline() if trace else None
     recorder = WaitRecorder()
-    with open_device(device) as dev:
+    with open_device(device, **device_options) as dev:
         if trace:
             dev.add_observer(recorder)
         try:
@@ -78,10 +78,29 @@ def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, tr
                 dev.remove_observer(recorder)
         if timeline is not None:
             add_waits(timeline, recorder)
-            add_replays(timeline, FORWARD, graphed=mode.uses_graph and dev.caps.graphs)
+            graphs = dev.caps.graphs
+            if isinstance(backend, StepShape):
+                add_replays(timeline, graphed=[ph.mode.uses_graph and graphs for ph in backend.phases],
+                            phases=[ph.name for ph in backend.phases])
+            else:
+                add_replays(timeline, graphed=[mode.uses_graph and graphs])
         return res, timeline, dev.name, dev.caps
 
 
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    # One intra-op thread, as in the benchmarks: a CPU device's streams are its parallelism, and
+    # torch's default pool (one thread per core) made the tiny model's eager steps 6x slower on
+    # a loaded 2-core VM (97 against 630 steps/s), the serial reference's more than the loop's.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@_one_intra_op_thread()
 def run_demo(
     backend: Any,
     *,
@@ -96,6 +115,8 @@ def run_demo(
     trace: bool = False,
     progress: Callable[[int], None] | None = None,
     on_policy: Callable[[str], None] | None = None,
+    cfg: ModelConfig | None = None,
+    device_options: Mapping[str, Any] | None = None,
 ) -> DemoResult:
     """Run the serial reference, then the overlapped loop for COARSE and each of ``policies``.
 
@@ -106,27 +127,16 @@ def run_demo(
     the CPU (a stand-in for a copy engine, so overlap shows on a CPU device); ``write_cost`` adds
     synthetic scheduler work to each page-table write (see ``decode_loop``). The serial reference
     does the same work before each step's writes, on one thread: it is the no-overlap baseline.
-    ``progress(i)`` is called after every overlapped step; ``on_policy(name)`` before each run.
+    Torch runs on one intra-op thread meanwhile. ``progress(i)`` is
+    called after every overlapped step; ``on_policy(name)`` before each run. ``cfg`` is the
+    model (one tensor-parallel rank's, see ``readfence.parallel``), ``device_options`` go to
+    ``open_device`` (a timeout, a GPU index).
     """
-    # One intra-op thread, as in the benchmarks: a CPU device's streams are its parallelism, and
-    # torch's default pool (one thread per core) made the tiny model's eager steps 6x slower on
-    # a loaded 2-core VM (97 against 630 steps/s), the serial reference's more than the loop's.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run_demo(backend, policies, device, steps, batch_size, seed, write_cost, write_wait_s, mode, trace,
-                         progress, on_policy)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run_demo(backend: Any, policies: Sequence[Policy], device: str, steps: int, batch_size: int, seed: int,
-              write_cost: int, write_wait_s: float, mode: ForwardMode, trace: bool,
-              progress: Callable[[int], None] | None, on_policy: Callable[[str], None] | None) -> DemoResult:
     if on_policy:
         on_policy("serial reference")
-    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed}
-    with open_device(device) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
+    options = dict(device_options or {})
+    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed, "cfg": cfg}
+    with open_device(device, **options) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
     reference = run_serial(backend, mode, device=device, write_cost=write_cost, write_wait_s=write_wait_s, **kw)
     serial = reference.steps_per_s
@@ -140,7 +150,7 @@ def _run_demo(backend: Any, policies: Sequence[Policy], device: str, steps: int,
                                "matches_serial": False, "violations": 0, "findings": [], "error": None}
         try:
             res, timeline, dev_name, caps = _run_one(backend, policy, device=device, mode=mode,
-                                                     trace=trace, progress=progress,
+                                                     trace=trace, progress=progress, device_options=options,
                                                      write_cost=write_cost, write_wait_s=write_wait_s, **kw)
         except UnsoundLowering as e:
             row["error"] = str(e)

@@ -2,7 +2,8 @@
 
 Every bad value raises :class:`InputError`: click prints ``Error: <message>`` on one line and
 exits with status 2, without a usage banner or a traceback. The message names the option,
-the value, what was wrong and what is allowed.
+the value, what was wrong and what is allowed. Each type's ``expects`` says what it takes
+(the message for an option given no value).
 
 >>> Positive().convert("12", None, None), Positive().convert("007", None, None)
 (12, 7)
@@ -15,6 +16,8 @@ invalid value '0': must be a positive integer (1, 2, 3, ...) | exit status 2
 
 from __future__ import annotations
 
+import math
+import pathlib
 import re
 from typing import Any
 
@@ -22,28 +25,14 @@ import click
 from returns.pipeline import is_successful
 
 from readfence.backends import Backend
-from readfence.core import ForwardMode
+from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import DEVICE_KINDS, Policy, StepShape, open_device, parse_target
 
-
-class InputError(click.ClickException):
-    """Bad input: one ``Error: ...`` line on stderr, exit status 2."""
-
-    exit_code = 2
-
-
-def _where(param: click.Parameter | None) -> str:
-    if param is None:
-        return "value"
-    if isinstance(param, click.Argument):
-        return param.human_readable_name
-    return max(param.opts, key=len)
+from ._errors import InputError, param_name
 
 
 def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
-    name = _where(param)
-    shown = "value" if name == "value" else name
-    return InputError(f"invalid {shown} {value!r}: {why}")
+    return InputError(f"invalid {param_name(param)} {value!r}: {why}")
 
 
 def parse_spec(text: str) -> Backend | StepShape:
@@ -74,6 +63,8 @@ class Spec(click.ParamType):
     """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``, or a step shape."""
 
     name = "spec"
+    expects = ("a backend spec such as 'tbo(deepseek_v4, paged)', or a step shape such as "
+               "'eagle(paged, trtllm_mha)'")
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, (Backend, StepShape)):
@@ -88,6 +79,7 @@ class Mode(click.ParamType):
     """A forward mode name (case-insensitive)."""
 
     name = "mode"
+    expects = "a forward mode: " + ", ".join(m.name.lower() for m in ForwardMode)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> ForwardMode:
         if isinstance(value, ForwardMode):
@@ -108,6 +100,7 @@ class Policies(click.ParamType):
     """
 
     name = "policy"
+    expects = "coarse, joined, per_buffer, exact or all (a comma list, or the option repeated)"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Policy, ...]:
         if isinstance(value, tuple):
@@ -139,18 +132,23 @@ def merge_policies(ctx: click.Context, param: click.Parameter, value: Any) -> tu
 
 class Positive(click.ParamType):
     """A positive integer, at most ``at_most`` (what can still be useful: a step count past it
-    would run for hours, not show more).
+    would run for hours, not show more); ``bound`` says where the bound comes from.
 
     >>> Positive(at_most=10).convert("11", None, None)
     Traceback (most recent call last):
     ...
-    readfence.cli._params.InputError: invalid value '11': must be at most 10
+    readfence.cli._errors.InputError: invalid value '11': must be at most 10
+    >>> BATCH_SIZE.convert("17", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value '17': must be at most 16 (the tiny model serves at most 16 requests)
     """
 
     name = "N"
 
-    def __init__(self, at_most: int | None = None) -> None:
-        self.at_most = at_most
+    def __init__(self, at_most: int | None = None, bound: str = "") -> None:
+        self.at_most, self.bound = at_most, bound
+        self.expects = "a positive integer" + ("" if at_most is None else f" up to {at_most}")
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         text = str(value).strip()
@@ -160,11 +158,124 @@ class Positive(click.ParamType):
         if number <= 0:
             raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
         if self.at_most is not None and number > self.at_most:
-            raise _fail(param, value, f"must be at most {self.at_most}")
+            raise _fail(param, value, f"must be at most {self.at_most}" + (f" ({self.bound})" if self.bound else ""))
         return number
 
 
 MAX_STEPS = 100_000  # steps per run of a command: minutes on a CPU device, more shows nothing new
+MAX_BATCH = ModelConfig().max_reqs
+
+
+#: The type of ``--batch-size``: requests per step, at most what the tiny model serves.
+BATCH_SIZE = Positive(at_most=MAX_BATCH, bound=f"the tiny model serves at most {MAX_BATCH} requests")
+
+
+class Integer(click.ParamType):
+    """Any integer (a seed).
+
+    >>> Integer().convert(" -3 ", None, None)
+    -3
+    """
+
+    name = "INTEGER"
+    expects = "an integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", text):
+            raise _fail(param, value, "must be an integer (..., -1, 0, 1, ...)")
+        return int(text)
+
+
+class Amount(click.ParamType):
+    """A finite number in ``0..at_most`` (an ``int`` when ``integer``): a cost or a duration.
+
+    >>> Amount(100.0).convert("2.5", None, None)
+    2.5
+    >>> Amount(100.0).convert("nan", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value 'nan': must be a number from 0 to 100
+    """
+
+    def __init__(self, at_most: float, *, integer: bool = False, unit: str = "") -> None:
+        self.at_most, self.integer, self.unit = at_most, integer, unit
+        self.name = "N" if integer else "X"
+        self.expects = f"{'an integer' if integer else 'a number'} from 0 to {at_most:g}{unit}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | int:
+        text = str(value).strip()
+        try:
+            number: float | int = int(text) if self.integer and re.fullmatch(r"[+-]?[0-9]+", text) else float(text)
+        except ValueError:
+            number = math.nan
+        if self.integer and not isinstance(number, int):
+            raise _fail(param, value, f"must be {self.expects}")
+        if not (math.isfinite(number) and 0 <= number <= self.at_most):
+            raise _fail(param, value, f"must be {self.expects}")
+        return number
+
+
+class OutputFile(click.ParamType):
+    """A file to write, with ``suffix``: refused before anything runs when it cannot be written
+    (a wrong suffix, a missing folder, something that is not a regular file, a place the user
+    may not write). Nothing is left behind by the check.
+
+    >>> OutputFile(".png").convert("timeline.txt", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value 'timeline.txt': the file name must end in .png
+    """
+
+    name = "FILE"
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.expects = f"a file name ending in {suffix}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> pathlib.Path:
+        path = pathlib.Path(value)
+        if path.suffix.lower() != self.suffix:
+            raise _fail(param, str(path), f"the file name must end in {self.suffix}")
+        if not path.resolve().parent.is_dir():
+            raise _fail(param, str(path), f"directory {str(path.parent)!r} does not exist")
+        if path.exists() and not path.is_file():
+            raise _fail(param, str(path), "not a regular file")
+        existed = path.exists()
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            raise _fail(param, str(path), f"cannot write there ({e.strerror})") from None
+        if not existed:
+            path.unlink()  # only checking: a run that fails leaves nothing behind
+        return path
+
+
+class OneOf(click.ParamType):
+    """One of a fixed list of names (case-insensitive), ``what`` they are named in the error.
+
+    >>> OneOf(("overlap", "check"), "benchmark").convert("Overlap", None, None)
+    'overlap'
+    >>> OneOf(("overlap", "check"), "benchmark").convert("overlay", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value 'overlay': unknown benchmark; allowed: overlap, check
+    """
+
+    name = "NAME"
+
+    def __init__(self, choices: tuple[str, ...], what: str) -> None:
+        self.choices, self.what = choices, what
+        self.expects = f"a {what}: {', '.join(choices)}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        key = str(value).strip().lower()
+        if key not in self.choices:
+            raise _fail(param, value, f"unknown {self.what}; allowed: {', '.join(self.choices)}")
+        return key
 
 
 class DeviceName(click.ParamType):
@@ -173,6 +284,7 @@ class DeviceName(click.ParamType):
 
     name = "device"
     choices = DEVICE_KINDS
+    expects = "auto, cpu or cuda"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         key = str(value).strip().lower()

@@ -9,6 +9,7 @@ import click
 from readfence.core import ForwardMode
 from readfence.graph import StepShape
 
+from ._errors import OneLineCommand
 from ._params import DeviceName, Mode, Spec, device_caps, echo_json
 from ._plan_data import plan_report, shape_plan_report
 from ._table import table
@@ -72,28 +73,32 @@ def render_shape(report: dict[str, Any]) -> str:
     spec: ngram(paged)  phases: 1
     """
     lines = [f"spec: {report['spec']}  phases: {len(report['phases'])}", "",
-             "phases in step order (each a lowered graph of its runner and mode)"]
-    lines.append(table([{**p, "effect": _ends(p["effect"])} for p in report["phases"]],
-                       ["phase", "runner", "mode", "backend", "effect"]))
-    lines += ["", f"per buffer: the position (phase, end) of its last read; that phase publishes "
-                  f"its fence (latest: {report['end']})"]
-    rows = [{"buffer": b, "last read": pos, "published by": report["publishers"][b]}
-            for b, pos in report["effect"].items()]
-    lines.append(table(rows, ["buffer", "last read", "published by"]) if rows else "  (no shared buffer is read)")
-    for phase, plans in report["policies_by_phase"].items():
-        lines += ["", f"fence placement in phase {phase}"]
-        rows = []
-        for policy, plan in plans.items():
-            if "refused" in plan:
-                rows.append({"policy": policy, "buffer": "*", "placement": plan["refused"]})
-                continue
-            for i, r in enumerate(plan["placements"]):
-                rows.append({"policy": policy if i == 0 else "", **r})
-        lines.append(table(rows, ["policy", "buffer", "end", "placement"]))
+             "phases in step order (each a lowered graph of its runner and mode): declared and traced ends"]
+    lines.append(table([{**p, "declared": _ends(p["effect"]), "traced": _ends(p["traced"])} for p in report["phases"]],
+                       ["phase", "runner", "mode", "backend", "declared", "traced"]))
+    lines += ["", "per buffer: the position (phase, end) of its last read, declared and traced; the phase "
+                  "holding it publishes the fence",
+              "(JOINED and PER_BUFFER rank the phases by the declarations, EXACT by the trace; COARSE "
+              "releases every buffer after the whole step)"]
+    buffers = dict.fromkeys([*report["effect"], *report["traced"]])
+    rows = [{"buffer": b, "declared last read": report["effect"].get(b, "NONE"),
+             "traced last read": report["traced"].get(b, "NONE")} for b in buffers]
+    lines.append(table(rows, ["buffer", "declared last read", "traced last read"]) if rows
+                 else "  (no shared buffer is read)")
+    lines += ["", "fence placement per policy (the phase whose graph records each buffer's event)"]
+    rows = []
+    for policy, plan in report["policies"].items():
+        if "refused" in plan:
+            rows.append({"policy": policy, "buffer": "*", "placement": plan["refused"]})
+            continue
+        for i, r in enumerate(plan["placements"]):
+            rows.append({"policy": policy if i == 0 else "", "events": plan["events"] if i == 0 else "",
+                         **r, "published by": r["phase"]})
+    lines.append(table(rows, ["policy", "events", "buffer", "published by", "end", "placement"]))
     return "\n".join(lines)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend, extend or idle.")

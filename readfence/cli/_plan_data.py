@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 
 from readfence.core import SHARED_BUFFERS, ForwardMode
-from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
-from readfence.graph import Policy, plan_fences, torch_device
+from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, publish_positions, resolve
+from readfence.graph import Policy, last_reads, plan_fences, torch_device
 
 
 def effect_names(effect: ReadEffect) -> dict[str, str]:
@@ -74,7 +74,6 @@ def placements(backend: Any, mode: ForwardMode, caps: Capabilities, *, trace_dev
     ``readfence.graph.lower`` does.
     """
     from readfence.core import trace
-    from readfence.graph.lowering._lower import last_reads
 
     program = trace(backend, mode, batch_size=batch_size, device=trace_device)
     declared, observed = backend.read_effect(mode), program.observed()
@@ -118,31 +117,68 @@ def plan_report(backend: Any, mode: ForwardMode, *, device: str, caps: Capabilit
     }
 
 
-def shape_plan_report(shape: Any, *, device: str, caps: Capabilities) -> dict[str, Any]:
-    """``readfence plan`` for a multi-phase step shape: per buffer, the phase that publishes.
+def shape_plan_report(shape: Any, *, device: str, caps: Capabilities, batch_size: int = 2) -> dict[str, Any]:
+    """``readfence plan`` for a multi-phase step shape: per policy, the phase that publishes each
+    buffer and where that phase's graph records its event, as ``lower_step`` places them.
 
-    A buffer's last read is the maximum (phase, end) position over the phases; that phase's
-    lowered graph records the buffer's event, placed by each policy as for a single step.
+    A buffer's last read is the maximum (phase, end) position over the phases, ranked by the
+    effect each policy places from: the declarations for JOINED and PER_BUFFER, the trace for
+    EXACT (a phase that only declares a read does not publish it), none for COARSE (every
+    buffer waits for the whole step). ``publishers`` are the declarations' publishers.
 
     >>> from readfence.graph import parse_step
-    >>> r = shape_plan_report(parse_step("ngram(deepseek_v4)").unwrap(), device="cpu", caps=Capabilities())
-    >>> r["publishers"]["req_to_token"], r["effect"]["req_to_token"]
-    ('target_verify', 'target_verify:POST_REPLAY')
+    >>> r = shape_plan_report(parse_step("eagle(trtllm_mha, paged)").unwrap(), device="cpu", caps=Capabilities())
+    >>> r["publishers"]["swa_map"], r["traced"]["swa_map"]
+    ('draft_extend', 'target_verify:IN_REPLAY')
+    >>> [(row["phase"], row["end"]) for row in r["policies"]["EXACT"]["placements"] if row["buffer"] == "swa_map"]
+    [('target_verify', 'IN_REPLAY')]
     """
-    positions = shape.positions()
-    read = {b: p for b, p in positions.items() if p.phase >= 0}
+    from readfence.core import trace
+
     trace_device = torch_device(device)
-    per_phase = {}
-    for i, ph in enumerate(shape.phases):
-        owned = [b for b, p in read.items() if p.phase == i]
-        if owned and ph.name not in per_phase:
-            plans = placements(ph.backend, ph.mode, caps, trace_device=trace_device)
-            per_phase[ph.name] = {
-                policy: (plan if "refused" in plan else
-                         {"events": len({r["placement"] for r in plan["placements"] if r["buffer"] in owned}),
-                          "placements": [r for r in plan["placements"] if r["buffer"] in owned]})
-                for policy, plan in plans.items()
-            }
+    phases = shape.phases
+    observed = [trace(ph.backend, ph.mode, batch_size=batch_size, device=trace_device).observed() for ph in phases]
+    graph_plans: dict[Any, dict[str, dict[str, Any]]] = {}  # one plan per lowered graph (runner, mode)
+    for ph in phases:
+        if ph.graph_key not in graph_plans:
+            graph_plans[ph.graph_key] = placements(ph.backend, ph.mode, caps, trace_device=trace_device,
+                                                   batch_size=batch_size)
+
+    def position(pos: Any) -> str:
+        return "NONE" if pos.phase < 0 else f"{phases[pos.phase].name}:{pos.end.name}"
+
+    policies: dict[str, dict[str, Any]] = {}
+    for policy in Policy:
+        refused = [f"{ph.name}: {graph_plans[ph.graph_key][policy.name]['refused']}" for ph in dict.fromkeys(phases)
+                   if "refused" in graph_plans[ph.graph_key][policy.name]]
+        if refused:  # lower_step lowers every phase's graph: one refusal refuses the step
+            policies[policy.name] = {"refused": refused[0]}
+            continue
+        rows, points = [], set()
+        for buffer, pos in shape.positions_under(policy, observed).items():
+            if pos.phase < 0:
+                rows.append({"buffer": buffer, "phase": "-", "end": "NONE",
+                             "placement": "never (no phase reads it: no wait)"})
+                continue
+            ph = phases[pos.phase]
+            row = next(r for r in graph_plans[ph.graph_key][policy.name]["placements"] if r["buffer"] == buffer)
+            rows.append({"buffer": buffer, "phase": ph.name, "end": row["end"], "placement": row["placement"]})
+            if row["end"] != "NONE":
+                points.add((ph.graph_key, row["end"], row["placement"]))
+        policies[policy.name] = {"events": len(points), "placements": rows}
+    by_phase: dict[str, dict[str, Any]] = {}
+    for name, plan in policies.items():
+        if "refused" in plan:
+            continue
+        for row in plan["placements"]:
+            if row["phase"] != "-":
+                entry = by_phase.setdefault(row["phase"], {}).setdefault(name, {"events": 0, "placements": []})
+                entry["placements"].append({k: row[k] for k in ("buffer", "end", "placement")})
+    for plans in by_phase.values():
+        for entry in plans.values():
+            entry["events"] = len({(r["end"], r["placement"]) for r in entry["placements"] if r["end"] != "NONE"})
+    declared = shape.positions()
+    read = {b: p for b, p in declared.items() if p.phase >= 0}
     end = max(read.values(), default=None)
     return {
         "spec": str(shape),
@@ -150,9 +186,12 @@ def shape_plan_report(shape: Any, *, device: str, caps: Capabilities) -> dict[st
         "device": device,
         "caps": {"in_graph_events": caps.in_graph_events, "graphs": caps.graphs},
         "phases": [{"phase": ph.name, "runner": ph.runner, "mode": ph.mode.name, "backend": str(ph.backend),
-                    "effect": effect_names(ph.backend.read_effect(ph.mode))} for ph in shape.phases],
-        "effect": {b: f"{shape.phases[p.phase].name}:{p.end.name}" for b, p in read.items()},
-        "end": "NONE" if end is None else f"{shape.phases[end.phase].name}:{end.end.name}",
-        "publishers": {b: shape.phases[p.phase].name for b, p in read.items()},
-        "policies_by_phase": per_phase,
+                    "effect": effect_names(ph.backend.read_effect(ph.mode)),
+                    "traced": effect_names(seen)} for ph, seen in zip(phases, observed)],
+        "effect": {b: position(p) for b, p in read.items()},
+        "traced": {b: position(p) for b, p in publish_positions(observed, SHARED_BUFFERS).items()},
+        "end": "NONE" if end is None else position(end),
+        "publishers": {b: phases[p.phase].name for b, p in read.items()},
+        "policies": policies,
+        "policies_by_phase": by_phase,
     }

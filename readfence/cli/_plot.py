@@ -1,15 +1,20 @@
 """A PNG of the first few steps of each run's timeline (matplotlib, the ``plot`` extra).
 
-One panel per policy, one row per track (host, schedule stream, forward stream): stage,
-write, host and wait spans as bars, buffer releases as red ticks on the forward row.
+One panel per policy, all on one time axis (the same milliseconds from each run's start), one
+row per track (host, schedule stream, each forward stream, fences): stage, write, host and
+wait spans as bars, graph replays as boxes, buffer releases as red ticks and last reads as
+black ticks on the fences row, each step's end as a dotted line.
 """
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Mapping
+from typing import Any
 
 from readfence.graph import Span, Timeline
+
+from ._trace import stage_tracks
 
 _COLORS = {
     "prepare_out_graph": "#4c72b0",
@@ -19,42 +24,67 @@ _COLORS = {
     "host": "#937860",
     "wait": "#dddddd",
 }
+_RELEASE, _READ = "red", "black"
 
 
-def window(timeline: Timeline, steps: int, stream: str = "forward") -> tuple[float, float]:
-    """From the first span to the end of the ``steps``-th ``body`` on ``stream`` (seconds).
+def step_ends(timeline: Timeline, phases: int = 1) -> list[float]:
+    """When each step ended: its last ``body`` on every forward stream (a step runs ``phases``
+    of them per stream), or its last fence instant if that came later (a COARSE release
+    follows the step's outputs).
 
     >>> tl = Timeline()
-    >>> for i in range(3):
+    >>> for i in range(4):
     ...     tl.span("forward", "body", i, i + 0.5, "stage")
-    >>> window(tl, 2)
-    (0, 1.5)
+    >>> tl.instant("fences", "release seq_lens", 3.75, "fence", step=1)
+    >>> step_ends(tl, phases=2)
+    [1.5, 3.75]
     """
-    spans = [s for s in timeline.spans]
-    if not spans:
+    ends: dict[int, float] = {}
+    for track in stage_tracks(timeline):
+        bodies = sorted(s.end for s in timeline.spans if s.track == track and s.name == "body")
+        for i, end in enumerate(bodies):
+            ends[i // phases] = max(ends.get(i // phases, end), end)
+    for s in timeline.spans:
+        step = s.args.get("step")
+        if s.category in ("fence", "read") and isinstance(step, int):
+            ends[step] = max(ends.get(step, s.end), s.end)
+    return [ends[k] for k in sorted(ends)]
+
+
+def window(timeline: Timeline, steps: int, phases: int = 1) -> tuple[float, float]:
+    """From the first span to the end of the ``steps``-th step (seconds); see :func:`step_ends`.
+
+    >>> tl = Timeline()
+    >>> for i in range(6):
+    ...     tl.span("forward", "body", i, i + 0.5, "stage")
+    >>> window(tl, 2), window(tl, 2, phases=3)
+    ((0, 1.5), (0, 5.5))
+    """
+    if not timeline.spans:
         return (timeline.origin, timeline.origin)
-    start = min(s.start for s in spans)
-    bodies = sorted(s.end for s in spans if s.track == stream and s.name == "body")
-    end = bodies[min(steps, len(bodies)) - 1] if bodies else max(s.end for s in spans)
+    start = min(s.start for s in timeline.spans)
+    ends = step_ends(timeline, phases)
+    end = ends[min(steps, len(ends)) - 1] if ends else max(s.end for s in timeline.spans)
     return start, end
 
 
 def _color(span: Span) -> str:
-    name, cat = span.name, span.category
-    return _COLORS.get(name) or _COLORS.get(cat) or "#999999"
+    return _COLORS.get(span.name) or _COLORS.get(span.category) or "#999999"
 
 
-def plot_timelines(timelines: Mapping[str, Timeline], path: str | pathlib.Path, *, steps: int = 3,
-                   title: str = "") -> pathlib.Path:
-    """Draw the first ``steps`` steps of each timeline into one PNG at ``path``.
+def _track_order(track: str) -> tuple[int, str]:
+    return ({"host": 0, "schedule": 1}.get(track, 3 if track == "fences" else 2), track)
 
-    >>> import tempfile, os
-    >>> tl = Timeline()
-    >>> tl.span("forward", "body", tl.origin, tl.origin + 0.002, "stage")
-    >>> tl.instant("forward", "release seq_lens", tl.origin + 0.001, "fence")
-    >>> out = plot_timelines({"EXACT": tl}, os.path.join(tempfile.mkdtemp(), "t.png"))
-    >>> out.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
-    True
+
+def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases: int = 1, title: str = "") -> Any:
+    """The matplotlib figure :func:`plot_timelines` saves: one panel per timeline, one shared
+    time axis long enough for every run's first ``steps`` steps (``phases`` bodies each).
+
+    >>> slow, fast = Timeline(), Timeline()
+    >>> slow.span("forward", "body", 0.0, 0.004, "stage"); fast.span("forward", "body", 0.0, 0.002, "stage")
+    >>> fig = timeline_figure({"COARSE": slow, "EXACT": fast})
+    >>> [tuple(round(float(x), 3) for x in ax.get_xlim()) for ax in fig.axes]
+    [(0.0, 4.0), (0.0, 4.0)]
     """
     import matplotlib
 
@@ -62,38 +92,65 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str | pathlib.Path, 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    path = pathlib.Path(path)
     items = list(timelines.items())
-    fig, axes = plt.subplots(max(1, len(items)), 1, figsize=(12, 1.6 + 1.4 * len(items)), squeeze=False)
-    for ax, (label, tl) in zip(axes[:, 0], items):
-        t0, t1 = window(tl, steps)
-        spans = [s for s in tl.spans if s.start <= t1 and s.end >= t0]
-        tracks = sorted({s.track for s in tl.spans}, key=lambda t: (t != "host", t != "schedule", t))
+    windows = [window(tl, steps, phases) for _, tl in items]
+    width = max([t1 - t0 for t0, t1 in windows] + [1e-6])
+    height = 1.8 + 1.5 * len(items)
+    fig, axes = plt.subplots(max(1, len(items)), 1, figsize=(12, height), squeeze=False, sharex=True)
+    for ax, (label, tl), (t0, _) in zip(axes[:, 0], items, windows):
+        t1 = t0 + width
+        tracks = sorted({s.track for s in tl.spans}, key=_track_order)
         row = {t: i for i, t in enumerate(tracks)}
-        for s in spans:
-            y = row[s.track]
-            x = (s.start - t0) * 1e3
-            if s.end > s.start and s.category != "replay":
-                ax.broken_barh([(x, (s.end - s.start) * 1e3)], (y - 0.35, 0.7), facecolors=_color(s),
-                               edgecolor="black" if s.category == "wait" else "none", linewidth=0.3)
-            elif s.category == "replay":
-                ax.broken_barh([(x, (s.end - s.start) * 1e3)], (y - 0.45, 0.9), facecolors="none",
-                               edgecolor="black", linewidth=0.8)
+        for s in (s for s in tl.spans if s.start <= t1 and s.end >= t0):
+            y, x, w = row[s.track], (s.start - t0) * 1e3, (s.end - s.start) * 1e3
+            if s.category == "replay":
+                ax.broken_barh([(x, w)], (y - 0.45, 0.9), facecolors="none", edgecolor="black", linewidth=0.8)
             elif s.category == "fence":
-                ax.plot([x, x], [y - 0.45, y + 0.45], color="red", linewidth=1)
+                ax.plot([x, x], [y - 0.45, y + 0.45], color=_RELEASE, linewidth=1)
+            elif s.category == "read":
+                ax.plot([x, x], [y - 0.45, y], color=_READ, linewidth=1)
+            elif s.end > s.start:
+                ax.broken_barh([(x, w)], (y - 0.35, 0.7), facecolors=_color(s),
+                               edgecolor="black" if s.category == "wait" else "none", linewidth=0.3)
+        for k, end in enumerate(step_ends(tl, phases)):
+            if end <= t1:
+                x = (end - t0) * 1e3
+                ax.axvline(x, color="#777777", linestyle=":", linewidth=0.8)
+                ax.text(x, -0.55, f"step {k} ends ", fontsize=7, color="#555555", va="bottom", ha="right")
         ax.set_yticks(range(len(tracks)), tracks)
         ax.set_ylim(-0.6, len(tracks) - 0.4)
         ax.invert_yaxis()
-        ax.set_xlim(0, max((t1 - t0) * 1e3, 1e-3))
         ax.set_title(label, loc="left", fontsize=10)
-    axes[-1, 0].set_xlabel("ms")
+    axes[0, 0].set_xlim(0, width * 1e3)
+    axes[-1, 0].set_xlabel("ms since the run's first span")
     legend = [Patch(color=c, label=n) for n, c in _COLORS.items()]
     legend += [Patch(facecolor="none", edgecolor="black", label="graph replay"),
-               Patch(color="red", label="buffer released (fence)")]
-    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
+               Patch(color=_RELEASE, label="buffer released (fence)"),
+               Patch(color=_READ, label="buffer's last read")]
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.55 / height, 1, 1))  # the legend's two rows below
+    return fig
+
+
+def plot_timelines(timelines: Mapping[str, Timeline], path: str | pathlib.Path, *, steps: int = 3,
+                   phases: int = 1, title: str = "") -> pathlib.Path:
+    """Draw the first ``steps`` steps of each timeline into one PNG at ``path`` (``phases``:
+    forward bodies per step, more than one for a speculative step).
+
+    >>> import tempfile, os
+    >>> tl = Timeline()
+    >>> tl.span("forward", "body", tl.origin, tl.origin + 0.002, "stage")
+    >>> tl.instant("fences", "release seq_lens", tl.origin + 0.001, "fence", step=0)
+    >>> out = plot_timelines({"EXACT": tl}, os.path.join(tempfile.mkdtemp(), "t.png"))
+    >>> out.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    True
+    """
+    path = pathlib.Path(path)
+    fig = timeline_figure(timelines, steps=steps, phases=phases, title=title)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -2,7 +2,7 @@
 
 The runtime's :class:`~readfence.graph.Timeline` records stage spans, scheduler writes, host
 scheduling and fence instants. :class:`WaitRecorder` (a device observer) adds the stream
-waits, and :func:`finish_timeline` turns each ``prepare_in_graph`` + ``body`` pair into a
+waits, and :func:`add_replays` turns each ``prepare_in_graph`` + ``body`` pair into a
 ``graph replay`` span. :func:`chrome_trace` merges one timeline per policy into one file:
 one process per policy, one thread track per stream plus the host.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -130,25 +130,51 @@ def add_waits(timeline: Timeline, recorder: WaitRecorder, *, min_s: float = 1e-5
     return len(held)
 
 
-def add_replays(timeline: Timeline, stream: str, *, graphed: bool) -> int:
-    """Add one span per step around ``prepare_in_graph`` .. ``body`` on ``stream``.
+def stage_tracks(timeline: Timeline) -> list[str]:
+    """The tracks that run stages (the forward streams: one, or one per ``per_stream`` member).
 
     >>> tl = Timeline()
-    >>> for name, a, b in [("prepare_in_graph", 1, 2), ("body", 2, 5)]:
-    ...     tl.span("forward", name, a, b, "stage")
-    >>> add_replays(tl, "forward", graphed=True), tl.spans[-1].name, tl.spans[-1].end
-    (1, 'graph replay', 5)
+    >>> tl.span("forward[1]", "body", 0, 1, "stage"); tl.span("host", "schedule next step", 0, 1, "host")
+    >>> stage_tracks(tl)
+    ['forward[1]']
     """
-    stages = sorted((s for s in timeline.spans if s.track == stream and s.category == "stage"),
-                    key=lambda s: s.start)
-    name = "graph replay" if graphed else "in-graph work (eager)"
-    count, start = 0, None
-    for s in stages:
-        if s.name == "prepare_in_graph":
-            start = s.start
-        elif s.name == "body" and start is not None:
-            timeline.span(stream, name, start, s.end, "replay", step=count)
-            count, start = count + 1, None
+    return sorted({s.track for s in timeline.spans if s.category == "stage"})
+
+
+def add_replays(timeline: Timeline, *, graphed: Sequence[bool] = (True,), phases: Sequence[str] = ()) -> int:
+    """Add one span around each ``prepare_in_graph`` .. ``body`` pair on every forward stream.
+
+    A step runs ``len(graphed)`` such pairs on each stream, one per phase (several for a
+    speculative step); ``graphed[k]`` says whether phase ``k`` replays a graph, ``phases[k]``
+    names it. Each span carries its ``step`` (and ``phase``). Returns how many were added.
+
+    >>> tl = Timeline()
+    >>> for name, a, b in [("prepare_in_graph", 1, 2), ("body", 2, 5), ("prepare_in_graph", 6, 7), ("body", 7, 8)]:
+    ...     tl.span("forward", name, a, b, "stage")
+    >>> add_replays(tl, graphed=(True, False), phases=("verify", "extend"))
+    2
+    >>> [(s.name, s.start, s.end, s.args) for s in tl.spans if s.category == "replay"]  # doctest: +NORMALIZE_WHITESPACE
+    [('graph replay', 1, 5, {'step': 0, 'phase': 'verify'}),
+     ('in-graph work (eager)', 6, 8, {'step': 0, 'phase': 'extend'})]
+    """
+    graphed = tuple(graphed) or (True,)
+    count = 0
+    for track in stage_tracks(timeline):
+        stages = sorted((s for s in timeline.spans if s.track == track and s.category == "stage"),
+                        key=lambda s: s.start)
+        pairs, start = 0, None
+        for s in stages:
+            if s.name == "prepare_in_graph":
+                start = s.start
+            elif s.name == "body" and start is not None:
+                k = pairs % len(graphed)
+                args: dict[str, Any] = {"step": pairs // len(graphed)}
+                if k < len(phases):
+                    args["phase"] = phases[k]
+                timeline.span(track, "graph replay" if graphed[k] else "in-graph work (eager)", start, s.end,
+                              "replay", **args)
+                pairs, start = pairs + 1, None
+        count += pairs
     return count
 
 

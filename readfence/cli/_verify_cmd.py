@@ -9,16 +9,28 @@ release, through any code, changes the outputs (poison) or is named by the obser
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import click
 
 from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
-from readfence.graph import LateRead, Policy, PolicyCheck, StepShape, VerifyReport, open_device, torch_device, verify
+from readfence.graph import (
+    LateRead,
+    Policy,
+    PolicyCheck,
+    StepShape,
+    VerifyReport,
+    open_device,
+    phase_modes,
+    torch_device,
+    verify,
+)
 
-from ._params import MAX_STEPS, DeviceName, InputError, Mode, Policies, Positive, Spec, echo_json, merge_policies
+from ._engine_cmd import Engine, verify_engines
+from ._errors import InputError, OneLineCommand
+from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -77,7 +89,7 @@ def audit_targets(spec: Any, mode: ForwardMode) -> list[tuple[Any, ForwardMode]]
 
 
 def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
-               unsafe: bool = False) -> AuditFinding | None:
+               unsafe: bool = False, cfg: ModelConfig | None = None) -> AuditFinding | None:
     """The first declaration the audit refuses at any of ``batch_sizes``, else ``None``.
 
     >>> from readfence.backends import paged
@@ -86,7 +98,7 @@ def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
     """
     for backend, m in audit_targets(spec, mode):
         try:
-            result = audit(backend, m, batch_sizes=batch_sizes)
+            result = audit(backend, m, batch_sizes=batch_sizes, cfg=cfg)
         except StageWriteError as e:
             return AuditFinding("write", e.buffer, e.stage, e.op, str(e), _ADVICE["write"])
         if result.map(lambda _: True).value_or(False):
@@ -129,7 +141,8 @@ class Verified:
         clean = {r["policy"]: {**r, "evidence": None, "detail": ""} for r in self.report.rows()}
         found = {f.policy.name: f.as_json() for f in self.findings}
         rows = {**clean, **found}
-        return [{**rows[p.name], "mode": self.mode, **common} for p in Policy if p.name in rows]
+        mode = {"mode": self.mode, **({"phases": self.phases} if self.phases else {})}
+        return [{**rows[p.name], **mode, **common} for p in Policy if p.name in rows]
 
     def advice(self, finding: LateRead) -> str:
         """What to do about ``finding``."""
@@ -203,8 +216,12 @@ def render(result: Verified) -> str:
 
 
 def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], device: str, steps: int,
-               batch_size: int, seed: int, unsafe: bool = False, progress: bool = False) -> Verified:
+               batch_size: int, seed: int, unsafe: bool = False, progress: bool = False,
+               cfg: ModelConfig | None = None, device_options: Mapping[str, Any] | None = None) -> Verified:
     """Audit ``spec`` (1, 2, the model's maximum and ``batch_size``), then verify each policy.
+
+    ``cfg`` is the model (one tensor-parallel rank's, see ``readfence.parallel``);
+    ``device_options`` go to ``open_device`` (a timeout, a GPU index).
 
     A policy the audit's refusal concerns is not run unless ``unsafe``; its finding stands
     even when the run is clean (the verified steps may not take the path that reads late).
@@ -217,13 +234,14 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
     """
     from tqdm import tqdm
 
-    sizes = tuple(sorted({*default_batch_sizes(ModelConfig()), batch_size}))
-    refused = audit_spec(spec, mode, sizes, unsafe=unsafe)
+    cfg = ModelConfig() if cfg is None else cfg
+    sizes = tuple(sorted({*default_batch_sizes(cfg), batch_size}))
+    refused = audit_spec(spec, mode, sizes, unsafe=unsafe, cfg=cfg)
     name = str(spec)
     checks: list[PolicyCheck] = []
     findings: list[LateRead] = []
     ran: set[Policy] = set()
-    with open_device(device) as dev:
+    with open_device(device, **(device_options or {})) as dev:
         observer = torch_device(dev) == "cpu"
         for policy in tqdm(policies, file=sys.stderr, unit="policy", leave=False,
                            disable=not (progress and sys.stderr.isatty())):
@@ -233,39 +251,53 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
                 continue
             ran.add(policy)
             result = verify(spec, mode, policy=policy, steps=steps, batch_size=batch_size, device=dev, seed=seed,
-                            UNSAFE_skip_soundness_check=unsafe)
+                            cfg=cfg, UNSAFE_skip_soundness_check=unsafe)
             if not result.map(lambda _: True).value_or(False):
                 findings.append(result.failure())
             elif predicted is not None:
                 findings.append(predicted)
             else:
                 checks.extend(result.unwrap().checks)
-        report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer)
+        report = VerifyReport(name, mode, dev.name, steps, batch_size, tuple(checks), observer, phase_modes(spec))
     if isinstance(spec, StepShape):
-        phases = " -> ".join(f"{p.name}:{p.mode.name}" for p in spec.phases)
-        return Verified(name, "phases", seed, sizes, refused, report, tuple(findings), frozenset(ran), phases)
+        return Verified(name, "phases", seed, sizes, refused, report, tuple(findings), frozenset(ran), report.phases)
     return Verified(name, mode.name, seed, sizes, refused, report, tuple(findings), frozenset(ran))
 
 
-@click.command("verify")
-@click.argument("spec", type=Spec())
+def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """``readfence verify`` on one tensor-parallel rank (``readfence.parallel.Rank``)."""
+    from ._params import parse_spec
+
+    result = run_verify(parse_spec(spec), ForwardMode[mode], policies=[Policy[p] for p in policies],
+                        device=rank.device, cfg=rank.cfg, device_options=rank.device_options(), **options)
+    return {"ok": result.ok, "text": render(result), "rows": result.rows()}
+
+
+@click.command("verify", cls=OneLineCommand)
+@click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
               help="decode, target_verify, draft_extend or extend (a step shape's phases fix their own modes).")
 @click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True,
               callback=merge_policies, show_default=True,
               help="coarse, joined, per_buffer, exact or all; a comma list or repeated.")
 @click.option("--steps", type=Positive(at_most=MAX_STEPS), default=8, show_default=True, help="Steps verified per policy.")
-@click.option("--batch-size", type=Positive(), default=4, show_default=True, help="Requests per step.")
+@click.option("--batch-size", type=BATCH_SIZE, default=4, show_default=True, help=f"Requests per step (1..{MAX_BATCH}).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda (on CUDA only poison and the guard watch: a replayed graph runs no Python).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Scheduler seed (request churn).")
+@click.option("--seed", type=Integer(), default=0, show_default=True, help="Scheduler seed (request churn).")
 @click.option("--unsafe-skip-soundness-check", "unsafe", is_flag=True,
               help="UNSAFE: lower a declaration the audit refuses anyway, to watch poison and the observer "
                    "catch its late read at run time. The audit's finding still fails the run (exit 1); "
                    "never deploy fences placed this way.")
+@click.option("--tp", type=Positive(), default=None,
+              help="Tensor parallelism: verify on N ranks (torch.distributed), each rank its own shard, fences and "
+                   "checks, against a serial run with the same sharding.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
+@click.option("--engine", "engines", type=Engine(), default=None,
+              help="Verify an engine's own backend object instead of SPEC, under each policy and its engine's "
+                   "runner model: MODULE:FACTORY (see readfence.engine).")
 def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps: int, batch_size: int,
-               device: str, seed: int, unsafe: bool, as_json: bool) -> None:
+               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool, engines: Any = None) -> None:
     """Audit SPEC, then check each policy's fences at run time, against the serial run.
 
     \b
@@ -276,15 +308,39 @@ def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps
     guard checks nothing wrote a shared buffer, and on a CPU device a runtime read observer
     names the stage and op of any read after a release.
     Exit status 0 clean, 1 on any finding, 2 for bad input.
+
+    \b
+    --engine MODULE:FACTORY verifies an engine's stateful backend object instead (adapted by
+    readfence.engine; e.g. readfence.engine.reference:minimax_hybrid): each policy, then the
+    ENGINE RUNNER (SGLang's runner: one event from the scalar declaration, trusted as the
+    engine trusts it), with the same checks.
     """
-    limit = ModelConfig().max_reqs
-    if batch_size > limit:
-        raise InputError(f"invalid --batch-size {batch_size!r}: exceeds the model's maximum batch size "
-                         f"({limit}); use 1..{limit}")
+    if engines is not None:
+        if spec is not None:
+            raise InputError(f"give SPEC or --engine MODULE:FACTORY, not both (got SPEC {str(spec)!r})")
+        if unsafe:
+            raise InputError("--unsafe-skip-soundness-check is for SPEC; with --engine the ENGINE RUNNER row "
+                             "already runs the declaration as the engine does")
+        if tp is not None:
+            raise InputError("--tp runs readfence's own sharded model: give SPEC, not --engine")
+        sys.exit(verify_engines(engines, mode, policies=policies, device=device, steps=steps,
+                                batch_size=batch_size, seed=seed, as_json=as_json))
+    if spec is None:
+        raise InputError("give SPEC (a backend spec or step shape) or --engine MODULE:FACTORY")
     if not isinstance(spec, StepShape) and tokens_per_request(mode) == 0:
         allowed = ", ".join(m.name.lower() for m in ForwardMode if tokens_per_request(m))
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing "
                          f"to verify; allowed: {allowed}")
+    if tp is not None:
+        from ._tp_cmd import check_tp, run_on_ranks
+
+        check_tp(tp)
+        options = dict(steps=steps, batch_size=batch_size, seed=seed, unsafe=unsafe)
+        run_on_ranks(_tp_rank, str(spec), mode.name, [p.name for p in policies], options, tp=tp, device=device,
+                     as_json=as_json, what="clean under every policy: outputs bit-identical to the serial run with "
+                                           "the same sharding, nothing read a buffer after its release, and nothing "
+                                           "wrote one")
+        return
     result = run_verify(spec, mode, policies=policies, device=device, steps=steps, batch_size=batch_size,
                         seed=seed, unsafe=unsafe, progress=not as_json)
     echo_json(result.rows()) if as_json else click.echo(render(result))

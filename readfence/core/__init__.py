@@ -2,6 +2,7 @@
 
 from ._model import forward, prepare, rms_norm, rotary, run_step
 from ._modes import ForwardMode
+from ._parallel import TensorParallel, all_reduce
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._state import (
     SHARED_BUFFERS,
@@ -22,6 +23,8 @@ __all__ = [
     "ForwardMode",
     "ModelConfig",
     "StepInputs",
+    "TensorParallel",
+    "all_reduce",
     "cross_into_graph",
     "example_step",
     "forward",
@@ -39,7 +42,7 @@ __all__ = [
 # -- tracing and audit ----------------------------------------------------------------------
 from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes
 from ._program import Program, StageGraph, flatten_inputs
-from ._trace import CapturedStateError, StageWriteError, bind, trace
+from ._trace import CapturedStateError, StageWriteError, bind, clear_trace_cache, trace, trace_cache_size
 
 __all__ += [
     "AuditReport",
@@ -52,9 +55,11 @@ __all__ += [
     "audit",
     "audit_report",
     "bind",
+    "clear_trace_cache",
     "default_batch_sizes",
     "flatten_inputs",
     "trace",
+    "trace_cache_size",
 ]
 
 # -- the runtime read observer and its cross-check of the trace ---------------------------------

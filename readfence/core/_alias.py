@@ -9,7 +9,8 @@ alias, including list arguments (the pieces of ``split``/``chunk``/``unbind``). 
 the schema marks as written, and aliasing a shared buffer, is a write: the caller turns it
 into ``StageWriteError``. Ops the analysis cannot reason about (no schema, an argument of an
 opaque type) make the buffers they touch ``UNKNOWN``; escapes (``readfence::opaque`` nodes)
-are reported to the caller, which decides what they mean.
+are reported to the caller, which decides what they mean. A collective reads its inputs until
+the wait of its output (``_collectives``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import attrs
 from torch import fx
 
+from ._collectives import hidden_writes, inert, is_wait, starts_collective
 from ._program import ESCAPE, OPAQUE_KEY, READS_KEY
 from ._schema import bind, op_aliasing
 
@@ -81,11 +83,19 @@ def analyse(
     escapes: dict[str, frozenset[str]] = {}
     unknown: set[str] = set()
     writes: list[Write] = []
+    # a started collective -> the buffers it may still read until its output is waited for
+    pending: dict[fx.Node, Aliases] = {}
 
     def al(v: Any) -> Aliases:
         out: set[str] = set()
         for n in _node_refs(v):
             out |= alias.get(n, _EMPTY)
+        return frozenset(out)
+
+    def pending_of(v: Any) -> Aliases:
+        out: set[str] = set()
+        for n in _node_refs(v):
+            out |= pending.get(n, _EMPTY)
         return frozenset(out)
 
     def mark(node: fx.Node, bufs: Aliases) -> None:
@@ -107,13 +117,19 @@ def analyse(
             outs = node.args[0]
             seq = outs if isinstance(outs, (tuple, list)) else (outs,)
             output_aliases = tuple(al(o) for o in seq)
-            mark(node, al(outs) if output_reads else _EMPTY)
+            leaked = pending_of(outs)
+            mark(node, (al(outs) if output_reads else _EMPTY) | leaked)
+            if leaked:  # a collective not waited for here: its reads last until no one knows when
+                mark_opaque(node, "a collective leaves the stage before its wait")
+                unknown.update(leaked)
             continue
         target = node.target
         everything = al((node.args, node.kwargs))
         if node.op == "call_function" and target is operator.getitem:
             # a piece of a list or tuple output: it may alias whatever the container holds
             alias[node] = al(node.args[0]) | seen.get(node.name, _EMPTY)
+            if node.args[0] in pending:  # a piece of a started collective's outputs
+                pending[node] = pending[node.args[0]]
             mark(node, _EMPTY)
             continue
         if node.op == "call_function" and escape_op is not None and target is escape_op:
@@ -126,7 +142,8 @@ def analyse(
                 unknown.update(escaping)
             continue
         aliasing = op_aliasing(target) if node.op == "call_function" else None
-        if aliasing is None or aliasing.opaque:
+        values = bind(target, node.args, node.kwargs) if aliasing is not None else []
+        if aliasing is None or (aliasing.opaque and not all(inert(values[i]) for i in aliasing.opaque_args)):
             alias[node] = everything | seen.get(node.name, _EMPTY)
             mark(node, everything)
             if everything:
@@ -137,16 +154,27 @@ def analyse(
                 mark_opaque(node, why)
                 unknown.update(everything)
             continue
-        values = bind(target, node.args, node.kwargs)
         arg_aliases = [al(v) for v in values]
         written: set[str] = set()
-        for i in aliasing.writes:
+        write_args = aliasing.writes + hidden_writes(target)
+        for i in write_args:
             written |= arg_aliases[i]
         outs = [frozenset().union(*(arg_aliases[i] for i in sources)) for sources in aliasing.outputs]
+        if is_wait(target):  # it returns its argument itself, whatever its schema says
+            outs = [arg_aliases[0]]
         alias[node] = frozenset().union(*outs) | seen.get(node.name, _EMPTY)
         if written:
             schema = target._schema
-            names = tuple(schema.arguments[i].name for i in aliasing.writes if arg_aliases[i])
+            names = tuple(schema.arguments[i].name for i in write_args if arg_aliases[i])
             writes.append(Write(node.name, str(target), frozenset(written), str(schema), names))
-        mark(node, _EMPTY if aliasing.is_view else everything)
+        read = _EMPTY if aliasing.is_view else everything
+        if starts_collective(target):
+            pending[node] = everything
+        elif aliasing.is_view or is_wait(target):  # a view of a pending output stays pending
+            carried = pending_of((node.args, node.kwargs))
+            if is_wait(target):
+                read |= carried
+            elif carried:
+                pending[node] = carried
+        mark(node, read)
     return Analysis(reads, opaque, frozenset(unknown), tuple(writes), output_aliases, escapes)

@@ -23,7 +23,7 @@ from readfence.effects import ReadEffect, ReadEnd
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
 from ._observe import Disagreement, cross_check, observe
-from ._program import Program
+from ._program import ESCAPE, ESCAPE_ENDS, OUT_OF_GRAPH, Program
 from ._protocol import BackendLike
 from ._state import ModelConfig
 from ._trace import StageWriteError, bind, trace
@@ -219,13 +219,20 @@ class Unsound:
     @property
     def message(self) -> str:
         node = self.report.find(self.path)
+        parts = []
         if self.observed is ReadEnd.UNKNOWN and node.opaque:
-            stage, name, why = node.opaque[0]
-            where = f"stage {stage}, node {name!r}: {why}"
-        elif self.reader:
-            where = f"last read by node {self.reader[1]!r} in stage {self.reader[0]}"
+            # a reference escaping, an op the tracer cannot see through, a captured tensor
+            stage, name, why = next((o for o in node.opaque if o[0] != OUT_OF_GRAPH), node.opaque[0])
+            parts.append(f"stage {stage}, node {name!r}: {why}")
         else:
-            where = "read by an op the tracer cannot see"
+            # an escape gives every buffer its stage's escape end: name the one that reaches it
+            escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and ESCAPE_ENDS[o[0]] is self.observed),
+                          None)
+            if self.reader and (escape is None or self.reader != escape[:2]):
+                parts.append(f"last read by node {self.reader[1]!r} in stage {self.reader[0]}")
+            if escape is not None:
+                parts.append(f"stage {escape[0]}, node {escape[1]!r}: {escape[2]}")
+        where = "; ".join(parts) or "read by an op the tracer cannot see"
         if self.batch_size is not None and len(node.batch_sizes) > 1:
             where += f"; at batch size {self.batch_size}"
         return (
@@ -238,9 +245,29 @@ class Unsound:
         return self.message
 
 
+def escape_note(stage: str) -> str:
+    """What an escape means for its stage (the ``OPAQUE:`` lines of ``readfence audit`` end with it).
+
+    >>> escape_note("body")  # doctest: +NORMALIZE_WHITESPACE
+    'the stage runs as Python in the step: every buffer is read until POST_REPLAY; a CUDA graph
+     cannot capture it (lower refuses it on CUDA: UncapturableStage)'
+    """
+    if stage == OUT_OF_GRAPH:
+        return f"the stage runs as Python before the replay: every buffer is read until {ESCAPE_ENDS[stage].name}"
+    returns = " (what it returns may be a view of any)" if stage == "prepare_in_graph" else ""
+    return (f"the stage runs as Python in the step: every buffer is read until {ESCAPE_ENDS[stage].name}{returns}; "
+            f"a CUDA graph cannot capture it (lower refuses it on CUDA: UncapturableStage)")
+
+
 def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
-    out = [(s.name, node, f"{why} at {source}") for s in program.stages for node, why, source in s.escapes()]
+    out = [(s.name, node, f"{why} at {source}" + (f"; {escape_note(s.name)}" if why.startswith(ESCAPE) else ""))
+           for s in program.stages for node, why, source in s.escapes()]
     out += [(c.stage, c.node, c.why()) for c in program.captured() if not c.usable and c.matches[0] == "none"]
+    if program.aborted is not None and program.aborted_stage is not None:  # fake tensors: no value to go on with
+        why = program.aborted.removeprefix(f"stage {program.aborted_stage}: ")
+        out.append((program.aborted_stage, "(trace stopped)",
+                    f"{why}: the trace cannot follow the stage past it, every buffer is UNKNOWN; lower refuses it "
+                    f"on CUDA (UncapturableStage)"))
     return tuple(out)
 
 

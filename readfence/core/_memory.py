@@ -18,6 +18,7 @@ import attrs
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @attrs.frozen
@@ -65,10 +66,15 @@ def span_of(t: torch.Tensor) -> Span | None:
 
 
 def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a pytree (lists of pieces, dicts, tuples), in order."""
+    """Every tensor in a pytree (lists of pieces, dicts, tuples), in order; a wrapper subclass
+    (an ``AsyncCollectiveTensor``, a ``DTensor``) as the tensors it wraps, which hold its memory."""
     for leaf in pytree.tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):
-            yield leaf
+            if type(leaf) is not torch.Tensor and is_traceable_wrapper_subclass(leaf):
+                names, _ = leaf.__tensor_flatten__()
+                yield from tensors_in([getattr(leaf, n) for n in names])
+            else:
+                yield leaf
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._modes import ForwardMode
+from ._parallel import all_reduce
 from ._protocol import BackendLike, cross_into_graph
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
 
@@ -56,6 +57,9 @@ def forward(
 ) -> Tensor:
     """Logits ``[T, vocab]`` of one step; attention is ``backend.attend`` in every layer.
 
+    Under tensor parallelism (``cfg.tp``) the step is one rank's: attention runs on its heads,
+    the MLP on its columns, and the partial outputs of both are all-reduced over the ranks.
+
     >>> from readfence.backends import paged
     >>> cfg = ModelConfig()
     >>> step = example_step(cfg, ForwardMode.DECODE, 2)
@@ -65,7 +69,7 @@ def forward(
     torch.Size([2, 64])
     """
     mode = check_mode(mode)
-    heads, dim = cfg.heads, cfg.head_dim
+    heads, dim = cfg.local_heads, cfg.head_dim
     positions = batch["positions"]
     x = F.embedding(batch["input_ids"], params["embed"])
     tokens = x.shape[0]
@@ -75,9 +79,9 @@ def forward(
         q, k, v = (h @ params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
         q, k = rotary(q, positions), rotary(k, positions)
         o = backend.attend(mode, layer, q, k, v, pools, shared, batch, meta)
-        x = x + o.reshape(tokens, heads * dim) @ params[pre + "wo"]
+        x = x + all_reduce(o.reshape(tokens, heads * dim) @ params[pre + "wo"], cfg.tp)
         h = rms_norm(x, params[pre + "mlp_norm"])
-        x = x + F.silu(h @ params[pre + "w_up"]) @ params[pre + "w_down"]
+        x = x + all_reduce(F.silu(h @ params[pre + "w_up"]) @ params[pre + "w_down"], cfg.tp)
     return rms_norm(x, params["final_norm"]) @ params["lm_head"]
 
 

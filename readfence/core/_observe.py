@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
+from ._collectives import COLLECTIVE_NAMESPACES
 from ._memory import BufferMap, tensors_in
 from ._model import forward
 from ._modes import ForwardMode
@@ -43,8 +44,10 @@ from ._state import ModelConfig, check_mode, example_step
 Kind = Literal["read", "write", "escape"]
 
 #: Op namespaces whose kernels are torch's own; any other op may be a Python or extension
-#: kernel whose inner ops the observer runs under itself (see ``ReadObserver``).
-_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"})
+#: kernel whose inner ops the observer runs under itself (see ``ReadObserver``). The functional
+#: collectives are torch's C++ kernels too (run under the mode, their inner ops would see
+#: tensors without a Python storage).
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"}) | COLLECTIVE_NAMESPACES
 
 #: Python-level tensor methods that read the data on the host without an op.
 _HOST_READS: dict[Any, str] = {

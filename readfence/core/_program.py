@@ -29,11 +29,32 @@ Stages that cannot be traced faithfully
 ---------------------------------------
 A stage with an escape ran Python the graph does not hold (a host read, a branch on data):
 the graph holds one path, the one the example took, and the stage runs its Python function
-instead. Its reads on other paths are unknown, so such a stage is given every shared buffer:
-the out-of-graph stage (eager, before the replay) reads every buffer until ``PRE_REPLAY``; an
-in-graph stage, which nothing can capture faithfully, reads every buffer until ``UNKNOWN``
-(only a COARSE fence is sound for it). A reference escaping (``data_ptr()``, DLPack, numpy)
-may be read through at any later time: its buffers are ``UNKNOWN`` wherever it happens.
+instead, in the step, every time. Its reads on other paths are unknown, so such a stage is
+given every shared buffer, until the end of the last point that can read through what it
+touched (``StageGraph.escape_end``):
+
+* ``prepare_out_graph`` (eager, before the replay): ``PRE_REPLAY``; its outputs cross into the
+  graph as copies, so nothing it touched is read later;
+* ``prepare_in_graph``: ``POST_REPLAY``; its outputs are not copied, and on a path not traced
+  they may be views of any buffer, read wherever the body consumes them. The body's inputs
+  that it returns are analysed as aliasing every buffer (their consumers read every buffer),
+  so EXACT places each event after the last body node that may read through them;
+* the body: ``POST_REPLAY``; its reads end with it, before the replay's end.
+
+That holds where the stage's Python runs inside the step, before the fence that follows it:
+the CPU device runs it in the forward, in a replayed graph or an eager launch alike. A CUDA
+graph captures kernels, not Python: ``lower`` refuses an in-graph stage that escapes on CUDA
+(``UncapturableStage``; the trace there runs on fake tensors, and already stops at the escape).
+
+What the rule does not cover is work the stage hands to code that runs later, outside the
+step's launches: a thread or callback it starts, or a tensor, pointer or array it keeps for a
+kernel to read (the plan/run pattern). A reference escaping on the traced path
+(``data_ptr()``, DLPack, numpy) may be read through at any later time: its buffers are
+``UNKNOWN`` wherever it happens; on a path the trace did not take only the runtime checks see
+such reads. A view the stage keeps on ``self`` and reads in a later step's Python stage is
+read in that step, within that step's own fences; the view left there while the step was
+traced or rehearsed points at an example state (trace-time state that only the comparison
+with the serial run sees).
 
 Tensors captured from outside the arguments
 -------------------------------------------
@@ -71,6 +92,15 @@ ESCAPE = "escape: "  # how an escape node's OPAQUE_KEY reason starts
 
 #: The stage that runs eagerly, before the replay (its outputs cross into the graph as copies).
 OUT_OF_GRAPH = "prepare_out_graph"
+
+#: Per stage, the end of every shared buffer when the stage escapes the tracer and runs its
+#: Python function: the end of the last point that can read through what it touched (see the
+#: module docstring).
+ESCAPE_ENDS: dict[str, ReadEnd] = {
+    OUT_OF_GRAPH: ReadEnd.PRE_REPLAY,
+    "prepare_in_graph": ReadEnd.POST_REPLAY,
+    "body": ReadEnd.POST_REPLAY,
+}
 
 
 @attrs.frozen
@@ -167,6 +197,19 @@ class StageGraph:
         """The read end of a read in this stage (``STAGE_ENDS``)."""
         return STAGE_ENDS[self.name]
 
+    @property
+    def escape_end(self) -> ReadEnd:
+        """The end of every shared buffer if this stage runs its Python function (``ESCAPE_ENDS``):
+        ``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it.
+
+        >>> import torch
+        >>> from torch import fx
+        >>> StageGraph("prepare_in_graph", fx.symbolic_trace(torch.nn.Identity()), (), (), {},
+        ...            frozenset(), {}, faithful=False).escape_end
+        <ReadEnd.POST_REPLAY: 3>
+        """
+        return ESCAPE_ENDS[self.name]
+
     def buffers_read(self) -> frozenset[str]:
         """Every shared buffer some node of this stage reads."""
         out: frozenset[str] = frozenset()
@@ -255,9 +298,10 @@ class Program:
         """The effect the code really has: per buffer, the end of the stage of its last read.
 
         A buffer touched by an opaque node is ``UNKNOWN``; a buffer never read is ``NONE``. A
-        stage that cannot be traced faithfully reads every buffer (until ``PRE_REPLAY`` out of
-        the graph, ``UNKNOWN`` inside it), and so does a captured tensor whose memory is not
-        known to be part of the state (see the module docstring).
+        stage that cannot be traced faithfully reads every buffer until its ``escape_end``
+        (``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it); a captured tensor whose
+        memory is not known to be part of the state makes every buffer ``UNKNOWN`` (see the
+        module docstring).
         """
         if self.aborted is not None:
             return ReadEffect.unknown()
@@ -271,13 +315,25 @@ class Program:
                 at_least(buf, s.end)
             if not s.faithful:
                 for buf in self.buffers:
-                    at_least(buf, s.end if s.name == OUT_OF_GRAPH else ReadEnd.UNKNOWN)
+                    at_least(buf, s.escape_end)
             for buf in s.unknown:
                 at_least(buf, ReadEnd.UNKNOWN)
             if any(c.matches[0] == "none" and c.state == "example" for c in s.captured):
                 for buf in self.buffers:  # not matched against the live state: it may be any
                     at_least(buf, ReadEnd.UNKNOWN)
         return ReadEffect.of(ends)
+
+    @property
+    def aborted_stage(self) -> str | None:
+        """The stage whose escape stopped the trace (``aborted``), or ``None``.
+
+        >>> Program("toy", ForwardMode.DECODE, "cuda", (), (), aborted="item() escapes").aborted_stage
+        'prepare_out_graph'
+        """
+        if self.aborted is None:
+            return None
+        traced = {s.name for s in self.stages}
+        return next((name for name in STAGE_ENDS if name not in traced), None)
 
     def unfaithful(self) -> list[tuple[str, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""
@@ -290,10 +346,15 @@ class Program:
     def last_reader(self, buffer: str) -> tuple[str, str] | None:
         """``(stage, node_name)`` of the last node that reads ``buffer``; ``None`` if unread.
 
-        The EXACT fence policy records the buffer's event right after that node.
+        A stage that runs its Python function (unfaithful) may read any buffer: when it comes
+        after every traced read of ``buffer``, its first escape is the reader. The EXACT fence
+        policy records the buffer's event right after that node, or, in a stage that runs its
+        Python function, at the stage's end.
         """
         for s in reversed(self.stages):
             node = s.last_reader(buffer)
+            if node is None and not s.faithful and buffer in self.buffers:
+                node = next((n for n, why in s.opaque.items() if why.startswith(ESCAPE)), None)
             if node is not None:
                 return (s.name, node)
         return None

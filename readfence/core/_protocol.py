@@ -92,7 +92,9 @@ class BackendLike(Protocol):
         """Eager metadata work the host launches before the replay; its reads end at ``PRE_REPLAY``.
 
         May read ``shared`` and ``batch``, on the device or on the host (``.item()``,
-        ``.tolist()`` and data-dependent branches are fine here: this stage is not captured).
+        ``.tolist()`` and data-dependent branches are fine here on the CPU device: this stage is
+        not captured, and then holds every buffer until ``PRE_REPLAY``; on CUDA the trace, on
+        fake tensors, stops at a host read and lowering refuses the step).
         Returns metadata tensors by name; they cross into the graph as *copies* made when it
         returns (:func:`cross_into_graph`), so a view of a shared buffer returned here is read
         by that copy, never inside the graph. Keep no reference to ``shared`` for later stages:
@@ -106,9 +108,10 @@ class BackendLike(Protocol):
         """The first nodes of the captured graph; its reads end at ``IN_REPLAY``.
 
         Receives ``meta``: the copies of what ``prepare_out_graph`` returned. May read
-        ``shared``, ``batch`` and ``meta`` with device ops only: the graph replays kernels, not
-        Python, so a host read or a branch on tensor data here cannot be captured (the stage
-        then holds every buffer until ``UNKNOWN``, and CUDA lowering refuses it). Returns more
+        ``shared``, ``batch`` and ``meta`` with device ops only: a CUDA graph replays kernels, not
+        Python, so a host read or a branch on tensor data here cannot be captured (CUDA lowering
+        refuses it; the CPU device runs the stage's Python in the step, and the stage then holds
+        every buffer until ``POST_REPLAY``). Returns more
         metadata, merged over ``meta`` for ``attend``; it is *not* copied: a view of a shared
         buffer returned here is read wherever ``attend`` uses it (``POST_REPLAY``); snapshot it
         (``.clone()``, ``index_select``) to end the read here.

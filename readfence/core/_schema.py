@@ -40,7 +40,8 @@ class OpAliasing:
 
     ``writes``: arguments the op may write. ``outputs``: per return, the arguments it may
     contain an alias of. ``opaque``: an argument type the analysis cannot look into (a Python
-    object, ``Any``): then anything it touches is unknown.
+    object, ``Any``): then anything it touches is unknown; ``opaque_args`` are those arguments
+    (a call that binds each of them to a name or a number hides nothing: see ``_collectives``).
 
     >>> a = op_aliasing(torch.ops.aten.split.Tensor)
     >>> a.outputs, a.is_view
@@ -55,6 +56,7 @@ class OpAliasing:
     writes: tuple[int, ...]
     outputs: tuple[tuple[int, ...], ...]
     opaque: bool
+    opaque_args: tuple[int, ...] = ()
 
     @property
     def is_view(self) -> bool:
@@ -77,8 +79,9 @@ def _aliasing(op: Any) -> OpAliasing:
         tuple(j for j in range(n_args) if info.may_contain_alias(_Arg(_ArgType.output, i), _Arg(_ArgType.input, j)))
         for i in range(n_rets)
     )
-    opaque = any(_is_opaque_type(a.type) for a in schema.arguments)
-    return OpAliasing(f"{schema.name}.{schema.overload_name}".rstrip("."), writes, outputs, opaque)
+    opaque_args = tuple(j for j, a in enumerate(schema.arguments) if _is_opaque_type(a.type))
+    return OpAliasing(f"{schema.name}.{schema.overload_name}".rstrip("."), writes, outputs, bool(opaque_args),
+                      opaque_args)
 
 
 def op_aliasing(op: Any) -> OpAliasing | None:

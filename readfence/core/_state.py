@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import check_mode, positive_int
 from ._modes import ForwardMode
+from ._parallel import TensorParallel, shard_heads, shard_params
 
 #: The scheduler-owned buffers, in a fixed order.
 SHARED_BUFFERS: tuple[str, ...] = ("req_to_token", "seq_lens", "swa_map", "state_slots")
@@ -81,6 +82,9 @@ def _positive(name: str) -> Callable[[object, attrs.Attribute, object], None]:
 class ModelConfig:
     """Sizes of the tiny decoder and of the scheduler's buffers (small: fast CPU tests).
 
+    ``tp`` is the rank's place in tensor parallelism (:class:`TensorParallel`): the sizes are
+    the whole model's, ``local_heads`` and ``local_mlp`` what one rank holds.
+
     >>> cfg = ModelConfig()
     >>> cfg.num_slots, cfg.num_state_slots
     (1024, 17)
@@ -99,8 +103,13 @@ class ModelConfig:
     max_reqs: int = attrs.field(default=16, validator=_positive("max_reqs"))
     max_ctx: int = attrs.field(default=64, validator=_positive("max_ctx"))
     seed: int = 0
+    tp: TensorParallel = attrs.field(factory=TensorParallel, validator=attrs.validators.instance_of(TensorParallel))
 
     def __attrs_post_init__(self) -> None:
+        for what, total in (("heads", self.heads), ("mlp", self.mlp)):
+            if total % self.tp.size:
+                raise ValueError(f"ModelConfig.{what}={total} cannot be sharded over {self.tp.size} tensor-parallel "
+                                 f"ranks: the size must divide it")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even (rotary), got {self.head_dim}")
         if self.max_ctx < max(_TOKENS_PER_REQUEST.values()):
@@ -108,6 +117,16 @@ class ModelConfig:
                 f"ModelConfig.max_ctx must hold one step of every mode "
                 f"(>= {max(_TOKENS_PER_REQUEST.values())}), got {self.max_ctx}"
             )
+
+    @property
+    def local_heads(self) -> int:
+        """Attention heads one tensor-parallel rank holds (all of them with one rank)."""
+        return self.heads // self.tp.size
+
+    @property
+    def local_mlp(self) -> int:
+        """MLP columns one tensor-parallel rank holds."""
+        return self.mlp // self.tp.size
 
     @property
     def num_slots(self) -> int:
@@ -172,7 +191,8 @@ def _randn(*shape: int, generator: torch.Generator, device: str | torch.device) 
 
 
 def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """Seeded random weights of the tiny decoder (``cfg.seed``; no downloads).
+    """Seeded random weights of the tiny decoder (``cfg.seed``; no downloads); under tensor
+    parallelism, this rank's shard of the same full weights (``cfg.tp``).
 
     >>> p = init_params(ModelConfig())
     >>> tuple(p["embed"].shape), tuple(p["layers.0.wqkv"].shape)
@@ -197,7 +217,7 @@ def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict
         params[pre + "w_down"] = w(cfg.mlp, cfg.hidden, fan_in=cfg.mlp)
     params["final_norm"] = torch.ones(cfg.hidden, device=device)
     params["lm_head"] = w(cfg.hidden, cfg.vocab, fan_in=cfg.hidden)
-    return params
+    return shard_params(params, layers=cfg.layers, heads=cfg.heads, head_dim=cfg.head_dim, mlp=cfg.mlp, tp=cfg.tp)
 
 
 def make_pools(
@@ -206,7 +226,8 @@ def make_pools(
     """The model-owned caches: zeros, or seeded random history when ``seed`` is given.
 
     The sliding-window cache holds the same history as the full cache, moved through the
-    example ``swa_map`` (see :func:`make_shared_state`).
+    example ``swa_map`` (see :func:`make_shared_state`). Under tensor parallelism each cache
+    holds this rank's heads of the same history (``cfg.tp``).
 
     >>> pools = make_pools(ModelConfig())
     >>> tuple(pools["k_cache"].shape), tuple(pools["state"].shape)
@@ -223,8 +244,9 @@ def make_pools(
         k = _randn(*kv, generator=g, device=device)
         v = _randn(*kv, generator=g, device=device)
         s = _randn(*state, generator=g, device=device) * (cfg.head_dim**-0.5)
+    k, v, s = (shard_heads(t, 2, cfg.heads, cfg.tp) for t in (k, v, s))
     swa = _example_swa_map(cfg, device).long()
-    swa_k = torch.zeros(cfg.layers, cfg.num_swa_slots, cfg.heads, cfg.head_dim, device=device)
+    swa_k = torch.zeros(cfg.layers, cfg.num_swa_slots, cfg.local_heads, cfg.head_dim, device=device)
     swa_v = torch.zeros_like(swa_k)
     swa_k.index_copy_(1, swa, k)
     swa_v.index_copy_(1, swa, v)

@@ -332,6 +332,34 @@ def _analyse_stage(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], ca
                    output_reads=last or stage == OUT_OF_GRAPH, observed=memory)
 
 
+def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str, frozenset[str]],
+              captured: Iterable[Captured], memory: Mapping[str, frozenset[str]], last: bool,
+              changed: Iterable[tuple[fx.Node, str]], widen: Mapping[str, frozenset[str]]) -> Analysis:
+    """The stage's analysis, its writes to shared buffers refused (``StageWriteError``).
+
+    ``widen`` maps the placeholders an earlier in-graph stage running its Python hands over to
+    every shared buffer: on a path the trace did not take they may be views of any of them, so
+    their consumers read every buffer (the annotations kept are these). Writes are checked on
+    the traced aliases: like the Python stage's own writes on other paths, a write through
+    such a view there is for the write guard to see.
+    """
+    captured = tuple(captured)
+    result = _analyse_stage(gm, initial, captured, memory, stage, last)
+    _check_writes(backend, stage, gm, result, changed)
+    if widen:
+        result = _analyse_stage(gm, {**initial, **widen}, captured, memory, stage, last)
+    return result
+
+
+def _handed_over(before: Iterable[StageGraph], inputs: Iterable[str], placeholders: Iterable[str],
+                 buffers: Iterable[str]) -> dict[str, frozenset[str]]:
+    """Placeholder -> every buffer, for each input an in-graph stage of ``before`` that runs its
+    Python function returns (its outputs are not copied; see ``_program``)."""
+    python = {o for s in before if not s.faithful and s.name != OUT_OF_GRAPH for o in s.outputs}
+    every = frozenset(buffers)
+    return {node: every for node, dotted in zip(placeholders, inputs, strict=True) if dotted in python}
+
+
 def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis,
                   changed: Iterable[tuple[fx.Node, str]]) -> None:
     sources = {n.name: str(n.meta.get(SOURCE_KEY, "?")) for n in gm.graph.nodes}
@@ -353,6 +381,7 @@ def _trace_stage(
     out_prefix: str,
     fake_mode: Any,
     last: bool,
+    before: Iterable[StageGraph] = (),
 ) -> tuple[StageGraph, Any]:
     names: list[str] = []
     leaves: list[Any] = []
@@ -420,8 +449,8 @@ def _trace_stage(
         probe = _MemoryProbe(gm, shared)
         probe.run(*args)
         memory, changed = probe.touched, probe.changed
-    result = _analyse_stage(gm, initial, captured, memory, stage, last)
-    _check_writes(backend, stage, gm, result, changed)
+    widen = _handed_over(before, input_names, initial, shared)
+    result = _analysed(backend, stage, gm, initial, captured, memory, last, changed, widen)
     graph = StageGraph(
         name=stage,
         gm=gm,
@@ -536,8 +565,8 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
                                                                     shared, owned)
                          for c in s.captured)
         last = s.name == program.stages[-1].name
-        result = _analyse_stage(gm, initial, captured, s.memory, s.name, last)
-        _check_writes(program.backend, s.name, gm, result, ())
+        widen = _handed_over(stages, s.inputs, initial, program.buffers)
+        result = _analysed(program.backend, s.name, gm, initial, captured, s.memory, last, (), widen)
         if s.name != OUT_OF_GRAPH:  # out-of-graph outputs cross into the graph as copies
             carried.update(zip(s.outputs, result.output_aliases, strict=True))
         stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
@@ -608,7 +637,7 @@ def trace_functions(
             grp = {**grp, "meta": meta}
         try:
             graph, out = _trace_stage(
-                backend, name, fn, grp, shared, owned, prefix, fake_mode, last=(i == len(plan) - 1)
+                backend, name, fn, grp, shared, owned, prefix, fake_mode, last=(i == len(plan) - 1), before=stages
             )
         except _Aborted as e:
             aborted = f"stage {name}: {e.why}"
@@ -653,9 +682,21 @@ _CACHE: dict[Any, Program] = {}
 _CACHE_LIMIT = 1024
 
 
-def clear_cache() -> None:
-    """Forget every cached trace."""
+def clear_trace_cache() -> None:
+    """Forget every cached trace (``trace`` caches one program per backend code, mode, model
+    config, batch size, device and seed; the next call traces again).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> clear_trace_cache(); _ = trace(paged(), ForwardMode.DECODE); trace_cache_size()
+    1
+    """
     _CACHE.clear()
+
+
+def trace_cache_size() -> int:
+    """How many traced programs are cached (at most 1024: the oldest is forgotten first)."""
+    return len(_CACHE)
 
 
 def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:

@@ -20,7 +20,9 @@ class ReadEffect:
     """Per shared buffer, the end of its last read; unnamed buffers have ``default``.
 
     Immutable and hashable. Entries equal to the default are dropped on construction, so
-    equality is semantic: ``{a: NONE}`` with default ``NONE`` is the empty effect.
+    equality is semantic: ``{a: NONE}`` with default ``NONE`` is the empty effect. The names
+    given stay readable as :attr:`named` (not part of the value), so a check of buffer names
+    sees a misspelt one whatever end it was given.
 
     >>> e = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY})
     >>> (e | ReadEffect.of({"swa_map": ReadEnd.PRE_REPLAY})).end
@@ -31,6 +33,8 @@ class ReadEffect:
 
     _items: tuple[tuple[str, ReadEnd], ...] = attrs.field(alias="items", converter=_normalise)
     default: ReadEnd = ReadEnd.NONE
+    # Names given with the default end: dropped from the value, kept for name checks.
+    _silent: tuple[str, ...] = attrs.field(init=False, default=(), eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.default, ReadEnd):
@@ -48,6 +52,8 @@ class ReadEffect:
                 )
         # Semantic equality: an entry equal to the default says nothing.
         kept = tuple((k, v) for k, v in self._items if v is not self.default)
+        if len(kept) != len(self._items):
+            object.__setattr__(self, "_silent", tuple(k for k, v in self._items if v is self.default))
         object.__setattr__(self, "_items", kept)
 
     @classmethod
@@ -89,6 +95,20 @@ class ReadEffect:
     def buffers(self) -> tuple[str, ...]:
         """The buffers named explicitly (those whose end differs from the default)."""
         return tuple(k for k, _ in self._items)
+
+    @property
+    def named(self) -> tuple[str, ...]:
+        """Every buffer name this effect was built with, those given the default end included.
+
+        Not part of the value (equal effects may differ here, and joins keep only
+        :attr:`buffers`): it is what a declaration *names*, for checking the names against a
+        schema before the entries equal to the default are forgotten.
+
+        >>> e = ReadEffect.of({"req_to_tokn": ReadEnd.NONE, "seq_lens": ReadEnd.IN_REPLAY})
+        >>> e.buffers, e.named, e == ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY})
+        (('seq_lens',), ('seq_lens', 'req_to_tokn'), True)
+        """
+        return self.buffers + self._silent
 
     def items(self) -> Iterator[tuple[str, ReadEnd]]:
         return iter(self._items)

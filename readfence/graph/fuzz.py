@@ -134,7 +134,8 @@ class Outcome:
         """Why the analysis refused, in a few words: the kind of error, and for an unsound
         declaration whether a node below the root was refused (a sibling's or a selected
         child's declaration may still make the root's fence sound) or an escape or captured
-        tensor made every buffer ``UNKNOWN``."""
+        tensor made every buffer late (an escape: until its stage's end; a captured tensor
+        matching nothing: ``UNKNOWN``)."""
         why = self.refused_by
         if why is None:
             return None
@@ -146,7 +147,8 @@ class Outcome:
         if "/" in path:
             return f"{head}: a node below the root"
         if any(why in message for why in ("escape", "captured tensor", "tracer cannot see")):
-            # an escape gives its stage every buffer: the out-of-graph one until PRE_REPLAY
+            # an escape gives its stage every buffer: until PRE_REPLAY out of the graph,
+            # POST_REPLAY in it
             return f"{head}: escape or captured tensor (every buffer)"
         return f"{head}: unsound declaration"
 

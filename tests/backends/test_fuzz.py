@@ -222,12 +222,12 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     monkeypatch.setattr(alias, "op_aliasing", lambda op: Blind() if "split" in str(op) else real(op))
     monkeypatch.setattr(tracing._MemoryProbe, "run", lambda self, *args: None)
     monkeypatch.setattr(fuzz_check, "audit", functools.partial(audit, observe_steps=0))
-    tracing.clear_cache()
+    tracing.clear_trace_cache()
     try:
         early = _leaf("split", "attend", IN_REPLAY=["seq_lens"])
         outcome = check_program(FuzzProgram(early), device=dev)
     finally:
-        tracing.clear_cache()
+        tracing.clear_trace_cache()
     assert outcome.p1_violation and outcome.finding.buffer == "seq_lens", outcome.report()
     assert outcome.p2_violation and (outcome.disagreements[0].buffer, outcome.disagreements[0].op) == (
         "seq_lens", "aten.cat.default")

@@ -85,8 +85,7 @@ def test_batch_sizes_are_traced_and_the_late_one_is_named(cli, monkeypatch):
 def test_batch_size_beyond_the_model_exits_2(cli):
     result = cli("audit", "paged", "--batch-size", "99")
     assert result.exit_code == 2
-    assert result.output.strip() == ("Error: invalid --batch-size 99: exceeds the model's maximum batch size (16); "
-                                     "use 1..16")
+    assert result.output.strip() == "Error: invalid --batch-size '99': must be at most 16 (the tiny model serves at most 16 requests)"
 
 
 def test_step_shapes_are_audited_phase_by_phase_in_their_own_modes(cli):

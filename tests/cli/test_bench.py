@@ -1,32 +1,91 @@
-"""``readfence bench``: finds the benchmarks, runs them, prints their ratios."""
+"""``readfence bench``: finds every benchmark, runs the chosen ones, prints their figures."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from readfence.cli import _bench_cmd
 
-OVERLAP = '''
+FAKE = '''
 def main(quick=False):
-    return {"per_buffer_vs_coarse": 1.5 if quick else 2.0, "exact_vs_coarse": 1.75}
+    return {"per_buffer_vs_coarse": 1.5 if quick else 2.0, "n": {"steps": 3}}
 '''
-OVERHEAD = '''
-import sys
-def main(argv):
-    print("argv", argv)
-    return {"lowered_vs_eager": 0.5}
+DEVICE_AWARE = '''
+def main(quick=False, device="cpu"):
+    return {"device_" + device: 1.0}
+'''
+BROKEN = '''
+def main(quick=False):
+    raise RuntimeError("calibration diverged")
 '''
 
 
-def test_calls_main_and_prints_ratios(cli, monkeypatch, tmp_path):
-    (tmp_path / "bench_overlap.py").write_text(OVERLAP)
-    (tmp_path / "bench_overhead.py").write_text(OVERHEAD)
+@pytest.fixture
+def fake_dir(monkeypatch, tmp_path):
+    """A benchmarks/ folder whose every benchmark is ``FAKE`` unless a test writes another."""
+    for name in _bench_cmd.BENCHMARKS:
+        (tmp_path / f"bench_{name}.py").write_text(FAKE)
     monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def _headers(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("== ")]
+
+
+def test_every_benchmark_file_is_run_by_default():
+    where = _bench_cmd.benchmarks_dir()
+    assert where is not None, "run the tests from the source checkout"
+    files = {p.stem.removeprefix("bench_") for p in where.glob("bench_*.py")}
+    assert files == set(_bench_cmd.BENCHMARKS)
+
+
+def test_runs_all_in_order_and_prints_the_figures(cli, fake_dir):
     result = cli("bench", "--quick")
     assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert lines == ["== bench_overlap (quick)", "per_buffer_vs_coarse: 1.50", "exact_vs_coarse: 1.75",
-                     "== bench_overhead (quick)", "argv ['--quick']", "lowered_vs_eager: 0.50"]
+    assert _headers(result.output) == [f"== {n} (quick)" for n in _bench_cmd.BENCHMARKS]
+    block = result.output.split("== effects (quick)\n")[1].split("==")[0].splitlines()
+    assert block[:2] == ["per_buffer_vs_coarse: 1.50", "n.steps: 3"]
+    assert re.fullmatch(r"\(effects took \d+\.\d s\)", block[2])
+
+
+def test_names_pick_some(cli, fake_dir):
+    result = cli("bench", "overlap", "effects")
+    assert result.exit_code == 0, result.output
+    assert _headers(result.output) == ["== effects", "== overlap"]  # in the fixed order
+    assert "per_buffer_vs_coarse: 2.00" in result.output
+
+
+def test_an_unknown_name_is_one_line_naming_the_choices(cli, fake_dir):
+    result = cli("bench", "overlay")
+    assert result.exit_code == 2
+    assert result.output.strip() == ("Error: invalid NAMES 'overlay': unknown benchmark; allowed: "
+                                     "effects, audit, check, overhead, overlap, fuzz, tp")
+
+
+def test_a_failing_benchmark_is_reported_and_the_others_still_run(cli, fake_dir):
+    (fake_dir / "bench_check.py").write_text(BROKEN)
+    result = cli("bench", "--quick")
+    assert result.exit_code == 1
+    assert "check FAILED: RuntimeError: calibration diverged" in result.stdout
+    assert "Traceback" in result.stderr  # the details, apart from the report
+    assert len(_headers(result.stdout)) == len(_bench_cmd.BENCHMARKS)
+    assert result.stdout.splitlines()[-1] == "failed: check"
+
+
+def test_a_module_without_main_is_a_failure(cli, fake_dir):
+    (fake_dir / "bench_fuzz.py").write_text("x = 1\n")
+    result = cli("bench", "fuzz")
+    assert result.exit_code == 1 and "has no main(quick=...)" in result.output
+
+
+def test_device_is_passed_to_mains_that_take_it(cli, fake_dir):
+    (fake_dir / "bench_overlap.py").write_text(DEVICE_AWARE)
+    result = cli("bench", "overlap", "effects", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "device_cpu: 1.00" in result.output and "per_buffer_vs_coarse: 2.00" in result.output
 
 
 def test_without_a_checkout_says_where_the_benchmarks_are(cli, monkeypatch):
@@ -37,58 +96,40 @@ def test_without_a_checkout_says_where_the_benchmarks_are(cli, monkeypatch):
     assert "Traceback" not in result.output
 
 
-def test_an_empty_benchmarks_dir_is_reported(cli, monkeypatch, tmp_path):
+def test_a_missing_benchmark_file_is_named(cli, monkeypatch, tmp_path):
     monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
-    result = cli("bench")
-    assert result.exit_code == 1 and "no benchmark found" in result.output
+    result = cli("bench", "audit")
+    assert result.exit_code == 1 and "no benchmark file for audit" in result.output
 
 
-def _present() -> list:
-    where = _bench_cmd.benchmarks_dir()
-    return [] if where is None else [where / b for b in _bench_cmd.BENCHMARKS if (where / b).is_file()]
+#: what each benchmark's figures must hold (a key of each part it measures)
+FIGURES = {
+    "effects": ["wide.build_ms", "deep.parse_ms", "balanced.query_us"],
+    "audit": ["cpu.cold_s", "cpu.traces", "cuda.warm_ms", "cpu.unsound"],
+    "check": ["poison_vs_plain", "observer_vs_plain"],
+    "overhead": ["per_buffer_lowered_vs_hand", "exact_lowered_vs_hand"],
+    "overlap": [f"{run}.{p}_vs_coarse" for run in ("mixed_matmul", "mixed_wait", "late_join_wait", "mid_join_wait")
+                for p in ("joined", "per_buffer", "exact")],
+    "fuzz": ["programs", "p1_violations", "p2_violations", "false_alarm_rate"],
+    "tp": [f"rank{r}.{p}_vs_{base}" for r in (0, 1) for p in ("joined", "per_buffer", "exact") for base in ("coarse", "limit")],
+}
 
 
-def test_the_repository_benchmarks_have_a_main_that_returns_ratios():
-    import importlib.util
-    import inspect
-
-    found = _present()
-    if not found:
-        pytest.skip("no benchmarks/bench_overlap.py or bench_overhead.py in this checkout")
-    for path in found:
-        spec = importlib.util.spec_from_file_location(f"check_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        assert "quick" in inspect.signature(module.main).parameters, path
-
-
-@pytest.mark.slow
-def test_the_repository_benchmarks_run_quick(script):
-    if not _present():
-        pytest.skip("no benchmarks/bench_overlap.py or bench_overhead.py in this checkout")
-    run = script("bench", "--quick", timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "== bench_overlap" in run.stdout
-    assert "_vs_coarse: " in run.stdout
-
-
-DEVICE_AWARE = '''
-def main(quick=False, device="cpu"):
-    return {"device_" + device: 1.0}
-'''
-
-
-def test_device_is_passed_to_mains_that_take_it(cli, monkeypatch, tmp_path):
-    (tmp_path / "bench_overlap.py").write_text(DEVICE_AWARE)
-    (tmp_path / "bench_overhead.py").write_text(OVERLAP)  # takes no device: runs as it is
-    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
-    result = cli("bench", "--device", "cpu")
+@pytest.mark.parametrize("name", _bench_cmd.BENCHMARKS)
+def test_each_repository_benchmark_runs_quick(cli, name):
+    result = cli("bench", name, "--quick")
     assert result.exit_code == 0, result.output
-    assert "device_cpu: 1.00" in result.output and "per_buffer_vs_coarse: 2.00" in result.output
+    figures = dict(line.split(": ", 1) for line in result.stdout.splitlines()[1:-1])
+    for key in FIGURES[name]:
+        value = figures[key]
+        assert re.fullmatch(r"-?\d+(\.\d+)?", value), (key, value)
+    if name == "audit":
+        assert figures["cpu.unsound"] == "0" and int(figures["cpu.traces"]) > 0
+    if name == "fuzz":
+        assert figures["p1_violations"] == "0" and figures["p2_violations"] == "0"
 
 
-def test_unknown_device_is_refused_clearly(cli, monkeypatch, tmp_path):
-    monkeypatch.setattr(_bench_cmd, "benchmarks_dir", lambda: tmp_path)
-    result = cli("bench", "--device", "tpu")
-    assert result.exit_code == 2
-    assert "unknown device" in result.output and "Traceback" not in result.output
+def test_the_script_runs_a_benchmark(script):
+    run = script("bench", "effects", "--quick", timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("== effects (quick)\n") and "wide.build_ms: " in run.stdout

@@ -156,7 +156,7 @@ def test_a_mismatch_with_serial_exits_1(cli, monkeypatch):
     (["--steps", "many"], "invalid --steps 'many': must be a positive integer"),
     (["--steps", "2.5"], "invalid --steps '2.5': must be a positive integer"),
     (["--device", "tpu"], "invalid --device 'tpu': unknown device; allowed: auto, cpu, cuda"),
-    (["--batch-size", "1000"], "invalid --batch-size 1000: the tiny model serves at most"),
+    (["--batch-size", "1000"], "invalid --batch-size '1000': must be at most 16 (the tiny model serves at most 16 requests)"),
     (["--trace", "no/such/dir/t.json"], "invalid --trace 'no/such/dir/t.json': directory 'no/such/dir' does not exist"),
 ])
 def test_bad_input_exits_2_with_one_line(cli, args, expected):

@@ -103,8 +103,7 @@ def test_step_shapes_and_per_stream_groups_run_clean(cli, spec):
     (["paged", "--mode", "sideways"], "Error: invalid --mode 'sideways': unknown forward mode"),
     (["paged", "--mode", "idle"], "Error: invalid --mode 'idle': its steps carry no tokens"),
     (["paged", "--steps", "0"], "Error: invalid --steps '0': must be a positive integer"),
-    (["paged", "--batch-size", "99"], "Error: invalid --batch-size 99: exceeds the model's maximum batch size "
-                                      "(16); use 1..16"),
+    (["paged", "--batch-size", "99"], "Error: invalid --batch-size '99': must be at most 16 (the tiny model serves at most 16 requests)"),
     (["paged", "--policy", "fast"], "Error: invalid --policy 'fast': unknown policy"),
 ])
 def test_bad_input_exits_2_with_one_line(cli, args, message):

@@ -86,8 +86,7 @@ def test_a_hole_in_the_static_analysis_is_caught_by_the_observer_and_reported_as
     # seq_lens; the runtime observer, which trusts neither, still sees it.
     import readfence.core._alias as alias
     import readfence.core._trace as tracing
-    from readfence.core import ForwardMode
-    from readfence.core._trace import clear_cache
+    from readfence.core import ForwardMode, clear_trace_cache
 
     real = alias.op_aliasing
 
@@ -99,7 +98,7 @@ def test_a_hole_in_the_static_analysis_is_caught_by_the_observer_and_reported_as
 
     monkeypatch.setattr(alias, "op_aliasing", forgetful)
     monkeypatch.setattr(tracing._MemoryProbe, "run", lambda self, *args: None)
-    clear_cache()
+    clear_trace_cache()
     try:
         backend = CASES["split"].build(None)
         blind = audit(backend, ForwardMode.DECODE, cfg=CFG, batch_sizes=[2], observe_steps=0)
@@ -110,4 +109,4 @@ def test_a_hole_in_the_static_analysis_is_caught_by_the_observer_and_reported_as
         assert "static analysis missed a read (a bug in the analysis)" in bug.message
         assert bug.stage == "body" and bug.op == "aten.cat.default"
     finally:
-        clear_cache()
+        clear_trace_cache()

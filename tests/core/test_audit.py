@@ -455,20 +455,29 @@ def _opaque_prep(mode, shared, batch, meta):
 
 
 def test_an_opaque_read_is_unknown_never_none() -> None:
-    # an escape inside the graph: the stage cannot be captured faithfully and may read any
-    # buffer on a path the example did not take, so every buffer is UNKNOWN
+    # an escape inside the graph: the stage runs as Python and may read any buffer on a path the
+    # example did not take, until the replay's end; the array numpy hands out may be read through
+    # at any later time: that buffer is UNKNOWN
     mine = leaf("opaque", _user_attend, prepare_in_graph=_opaque_prep, reads=["req_to_token", "seq_lens"])
     bad = audit(mine, M.DECODE, cfg=CFG).failure()
-    assert (bad.buffer, bad.declared, bad.observed) == ("req_to_token", ReadEnd.IN_REPLAY, ReadEnd.UNKNOWN)
+    assert (bad.buffer, bad.declared, bad.observed) == ("req_to_token", ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY)
+    assert "stage prepare_in_graph, node " in bad.message and "escape: numpy()" in bad.message
     report = bad.report
-    assert report.observed == ReadEffect.uniform(SHARED_BUFFERS, ReadEnd.UNKNOWN)
+    assert {b: report.observed[b] for b in SHARED_BUFFERS} == {
+        **dict.fromkeys(SHARED_BUFFERS, ReadEnd.POST_REPLAY), "state_slots": ReadEnd.UNKNOWN}
     ((stage, _, why),) = report.opaque
     assert stage == "prepare_in_graph" and why.startswith("escape: numpy() at ") and "_opaque_prep" in why
-    # declaring it UNKNOWN is the only sound choice
-    honest = redeclare(mine, lambda m: ReadEffect.unknown())
+    assert "a CUDA graph cannot capture it" in why
+    # the escaping buffer UNKNOWN and every other one POST_REPLAY is sound; anything earlier is not
+    honest = redeclare(mine, lambda m: ReadEffect.of({"state_slots": ReadEnd.UNKNOWN}, default=ReadEnd.POST_REPLAY))
     assert audit(honest, M.DECODE, cfg=CFG).unwrap().counts()["unsound"] == 0
-    # under fake tensors the escape cannot be followed at all: everything is UNKNOWN
-    assert audit(mine, M.DECODE, cfg=CFG, device="cuda").failure().observed is ReadEnd.UNKNOWN
+    slots_post = redeclare(mine, lambda m: ReadEffect.of({}, default=ReadEnd.POST_REPLAY))
+    assert audit(slots_post, M.DECODE, cfg=CFG).failure().buffer == "state_slots"
+    # under fake tensors the escape cannot be followed at all: everything is UNKNOWN, and it says why
+    on_cuda = audit(mine, M.DECODE, cfg=CFG, device="cuda").failure()
+    assert on_cuda.observed is ReadEnd.UNKNOWN
+    assert "stage prepare_in_graph, node '(trace stopped)': numpy() escapes under fake tensors" in on_cuda.message
+    assert "lower refuses it on CUDA (UncapturableStage)" in on_cuda.message
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ event rings), the poison-on-release check mode, and ``lower`` itself.
 """
 
 from ._fence import Bound, Fence, RingWrapError
-from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, lower, make_state, torch_device
+from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
 from ._plan import FencePlan, Placement, plan_fences
 from ._poison import CheckState
 from ._policy import Policy
@@ -23,6 +23,7 @@ __all__ = [
     "StepRun",
     "UncapturableStage",
     "UnsoundLowering",
+    "last_reads",
     "lower",
     "make_state",
     "plan_fences",

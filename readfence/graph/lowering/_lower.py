@@ -69,8 +69,12 @@ class UnsoundLowering(ValueError):
 
 
 class UncapturableStage(ValueError):
-    """Lowering refused: an in-graph stage escapes the tracer, and a device graph would replay
-    only the path the example took (a CUDA graph captures kernels, not Python)."""
+    """Lowering refused: a stage escapes the tracer where the device cannot run its Python.
+
+    On CUDA an in-graph stage that escapes would be replayed on the one path the example took (a
+    CUDA graph captures kernels, not Python); and a trace under fake tensors stops at any
+    escape (they hold no values), leaving no stage graph to lower. The CPU device runs such a
+    stage's Python in the step (see ``readfence.core._program``)."""
 
 
 class StepRun(NamedTuple):
@@ -420,7 +424,13 @@ def last_reads(program: Program) -> dict[str, LastRead]:
     Only nodes an event can follow: a stage that runs its Python function instead of its
     graph (unfaithful) has no nodes to follow, and a read by a stage's output (the copy of the
     out-of-graph stage's outputs into the graph) ends with the stage; those buffers get the
-    stage-level point.
+    stage-level point. EXACT places its events from these (``plan_fences(last_reads=...)``).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import trace
+    >>> last = last_reads(trace(paged(), ForwardMode.DECODE))["req_to_token"]
+    >>> last.stage, last.node
+    ('prepare_in_graph', 'index_select')
     """
     out = {}
     for b in SHARED_BUFFERS:
@@ -542,6 +552,14 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     unusable = [c for c in program.captured() if not c.usable]
     if unusable:
         raise CapturedStateError(backend.name, mode, unusable)
+    if torch_device(device) == "cuda" and program.aborted is not None:
+        stage = program.aborted_stage
+        what = ("a graph would replay only the path the example took; move host reads to prepare_out_graph"
+                if graphed and stage in IN_GRAPH_STAGES else "the trace cannot follow it on fake tensors")
+        raise UncapturableStage(
+            f"cannot {'capture' if graphed else 'lower'} {backend.name} for {mode.name} on {device.name}: "
+            f"{program.aborted}: {what} (the CPU device runs the stage's Python in the step)"
+        )
     if graphed and torch_device(device) == "cuda":
         escapes = [e for e in program.unfaithful() if e[0] in IN_GRAPH_STAGES]
         if escapes:
@@ -554,4 +572,4 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     return program
 
 
-__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "lower", "make_state"]
+__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state"]

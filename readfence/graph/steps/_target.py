@@ -81,7 +81,11 @@ def eager_step(target: Target, mode: ForwardMode, cfg: ModelConfig, state: Mappi
 
 def lower_step(target: Target, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
                cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> LoweredStep:
-    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`."""
+    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`.
+
+    A backend with a ``lower_step(mode, **lowering)`` method lowers itself (an engine's own
+    runner, ``readfence.engine``): it returns an object with ``run``, ``shared``, ``plan`` and
+    ``write_key``, as :class:`Lowered` has."""
     check_run(target, mode, "lower", "target")
     check_device(device)
     common: dict[str, Any] = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
@@ -89,4 +93,7 @@ def lower_step(target: Target, mode: ForwardMode, *, device: Device, policy: Pol
         return PhasedStep(target, **common)
     if isinstance(target, PerStream):
         return StreamGroup(target.members, mode, **common)
+    own = getattr(target, "lower_step", None)
+    if callable(own):
+        return own(mode, **common)
     return lower(target, mode, **common)

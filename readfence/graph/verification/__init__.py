@@ -5,6 +5,6 @@ observer) against the serial run; ``readfence.graph.fuzz`` holds the static anal
 checks on generated programs.
 """
 
-from ._verify import LateRead, PolicyCheck, VerifyReport, verify
+from ._verify import LateRead, LateReadWatch, PolicyCheck, VerifyReport, phase_modes, verify
 
-__all__ = ["LateRead", "PolicyCheck", "VerifyReport", "verify"]
+__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]

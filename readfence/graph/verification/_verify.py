@@ -41,6 +41,7 @@ from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, m
 from ..lowering._poison import poison_points
 from ..runtime import decode_loop, run_serial
 from ..runtime._loop import _same
+from ..steps import StepShape
 from ..steps._target import Target, check_run
 
 State = Mapping[str, dict[str, Tensor]]
@@ -102,16 +103,19 @@ class VerifyReport:
     batch_size: int
     checks: tuple[PolicyCheck, ...]
     observer: bool  # whether the runtime read observer watched (CpuDevice)
+    phases: str = ""  # a step shape's phases, "name:MODE -> ...": they bring their own modes
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"spec": self.target, "mode": self.mode.name, "policy": c.policy.name, "verdict": "clean",
+        mode = {"mode": "phases", "phases": self.phases} if self.phases else {"mode": self.mode.name}
+        return [{"spec": self.target, **mode, "policy": c.policy.name, "verdict": "clean",
                  "buffer": None, "step": None, "stage": None, "op": None, "poisoned": list(c.poisoned),
                  "observed_accesses": c.observed_ops, "seconds": round(c.seconds, 3)} for c in self.checks]
 
     def __str__(self) -> str:
         watch = ("poison, guard and the runtime read observer" if self.observer else
                  "poison and guard (no op-by-op observer on this device: a replayed graph runs no Python)")
-        lines = [f"verified {self.target} in {self.mode.name} on {self.device}: {self.steps} steps, batch size "
+        where = f"in phases {self.phases}" if self.phases else f"in {self.mode.name}"
+        lines = [f"verified {self.target} {where} on {self.device}: {self.steps} steps, batch size "
                  f"{self.batch_size}, checks: {watch}"]
         for c in self.checks:
             poisoned = ", ".join(c.poisoned) or "nothing (released after the whole forward)"
@@ -119,12 +123,26 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-class _LateReadWatch:
-    """The runtime read observer, told by the check when each buffer was released.
+class LateReadWatch:
+    """The runtime read observer, told by the check when each buffer was released (what
+    :func:`verify` watches with; give it to a :class:`CheckState` as its ``watcher``).
 
     One :class:`~readfence.core.ReadObserver` per forward stream thread (dispatch modes are
     thread-local); a read of a buffer after the release point that poisoned it, before the
-    step restored it, is a late read.
+    step restored it, is a late read: ``found`` lists them as ``(step, buffer, stage, op)``.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ModelConfig
+    >>> from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
+    >>> cfg = ModelConfig()
+    >>> state = make_state(cfg)
+    >>> watch = LateReadWatch(state["shared"])
+    >>> with CpuDevice() as dev:
+    ...     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=cfg, state=state,
+    ...                        check=CheckState(state["shared"], cfg, watcher=watch))
+    ...     _ = loop.run(2)
+    >>> watch.found, watch.accesses > 0
+    ([], True)
     """
 
     def __init__(self, shared: Mapping[str, Tensor]) -> None:
@@ -180,6 +198,19 @@ def _reset(state: State, snapshot: State) -> None:
     for g, d in snapshot.items():
         for k, v in d.items():
             state[g][k].copy_(v)
+
+
+def phase_modes(target: Target) -> str:
+    """A step shape's phases with their modes (``""`` for a backend or a ``per_stream`` group).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import ngram
+    >>> phase_modes(ngram(paged())), phase_modes(paged())
+    ('target_verify:TARGET_VERIFY', '')
+    """
+    if not isinstance(target, StepShape):
+        return ""
+    return " -> ".join(f"{p.name}:{p.mode.name}" for p in target.phases)
 
 
 def _name(target: Target) -> str:
@@ -275,7 +306,7 @@ def verify(
     for pol in policies:
         _reset(live, snapshot)
         t0 = time.perf_counter()
-        watch = _LateReadWatch(live["shared"]) if observe else None
+        watch = LateReadWatch(live["shared"]) if observe else None
         try:
             logits, check, loop = _run(target, mode, pol, device, live, watch, lowering,
                                        unsafe=UNSAFE_skip_soundness_check, **common)
@@ -301,7 +332,8 @@ def verify(
                                       UNSAFE_skip_soundness_check, _poisoned(loop), **common))
         checks.append(PolicyCheck(pol, _poisoned(loop), seconds, 0 if watch is None else watch.accesses))
     _reset(live, snapshot)
-    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe))
+    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe,
+                                phase_modes(target)))
 
 
 def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
@@ -342,4 +374,4 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
 
 
-__all__ = ["LateRead", "PolicyCheck", "VerifyReport", "verify"]
+__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]

@@ -1,0 +1,107 @@
+"""``--engine MODULE:FACTORY`` of ``readfence audit`` and ``readfence verify``: an engine's own
+backend object (SGLang's contract), adapted by :mod:`readfence.engine`.
+
+``FACTORY`` names an adapted backend, a function with no required argument returning one, a
+backend class (or function) taking the model runner, or a list or mapping of them; the
+reference engine is ``readfence.engine.reference:NAME`` (``:ENGINES`` for all of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from readfence.core import ForwardMode
+from readfence.graph import Policy, open_device
+
+from ._params import InputError, echo_json
+
+
+class Engine(click.ParamType):
+    """``MODULE:FACTORY``: imported and built when the option is read (bad input is one line)."""
+
+    name = "MODULE:FACTORY"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, list):
+            return value
+        from readfence.engine._load import load_engines
+
+        try:
+            return load_engines(str(value))
+        except ValueError as e:
+            raise InputError(str(e)) from None
+
+
+def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int]) -> None:
+    for name, engine in engines:
+        limit = engine.cfg.max_reqs
+        for n in batch_sizes:
+            if n > limit:
+                raise InputError(f"invalid --batch-size {n!r}: {name} serves at most {limit} requests (its model "
+                                 f"config's max_reqs); use 1..{limit}")
+
+
+def audit_engines(engines: Sequence[tuple[str, Any]], modes: Sequence[ForwardMode], batch_sizes: Sequence[int],
+                  as_json: bool) -> int:
+    """Audit each engine backend; print the tables (or JSON rows); the exit status (1: unsound)."""
+    from readfence.engine import ENGINE_MODES, audit_engine
+
+    if ForwardMode.IDLE in modes:
+        raise InputError("invalid --mode 'idle': its steps carry no tokens, there is nothing to audit; allowed: "
+                         + ", ".join(m.name.lower() for m in ENGINE_MODES))
+    _check_sizes(engines, batch_sizes)
+    reports = [(name, audit_engine(engine, modes or None, batch_sizes=batch_sizes or None))
+               for name, engine in engines]
+    if as_json:
+        echo_json([{"engine": name, **row.as_json()} for name, report in reports for row in report.rows()])
+    else:
+        click.echo("\n\n".join(f"engine: {name}\n{report.table()}" for name, report in reports))
+    return 1 if any(not report.sound for _, report in reports) else 0
+
+
+def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, policies: Sequence[Policy],
+                   device: str, steps: int, batch_size: int, seed: int, as_json: bool) -> int:
+    """Verify each engine backend under ``policies`` and its engine's runner model; print the
+    report (or JSON rows); the exit status (1: any finding)."""
+    from readfence.core import tokens_per_request
+    from readfence.engine import verify_engine
+
+    if tokens_per_request(mode) == 0:
+        raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing to verify")
+    _check_sizes(engines, [batch_size])
+    results = []
+    with open_device(device) as dev:
+        for name, engine in engines:
+            results.append((name, verify_engine(engine, mode, device=dev, policies=policies, steps=steps,
+                                                batch_size=batch_size, seed=seed)))
+    if as_json:
+        echo_json([{"engine": name, "mode": r.mode.name, "device": r.device, "steps": r.steps,
+                    "batch_size": r.batch_size, "seed": seed, **row.as_json()} for name, r in results for row in r.rows])
+    else:
+        blocks = []
+        for name, r in results:
+            lines = [f"engine: {name}", str(r), ""]
+            if r.ok:
+                lines.append("every fence matched the serial run bit for bit; nothing read a buffer after its "
+                             "release, and nothing wrote one")
+            advice: dict[str, list[str]] = {}
+            for row in r.rows:
+                if row.finding is not None:
+                    advice.setdefault(_advice(row.finding, name), []).append(row.name)
+            lines += [f"{', '.join(names)}: {text}" for text, names in advice.items()]
+            blocks.append("\n".join(lines))
+        click.echo("\n\n".join(blocks))
+    return 0 if all(r.ok for _, r in results) else 1
+
+
+def _advice(finding: Any, name: str) -> str:
+    if finding.evidence == "audit" and finding.kind == "unsound declaration":
+        return (f"the lowering refuses the declaration (the traced code reads {finding.buffer!r} later); "
+                f"`readfence audit --engine {name}` names the method and op")
+    if finding.kind == "late read":
+        return (f"{finding.buffer!r} is read after the fence that released it: declare the later end, or end the "
+                f"read earlier (snapshot it out of the graph)")
+    return finding.detail or finding.kind

@@ -1,0 +1,333 @@
+"""The engine audit: an adapted backend's scalar declaration against its per-buffer truth.
+
+For every node of the wrapper tree, every mode and every batch size, each shared buffer's
+last read comes from one of two independent sources, and the report says which:
+
+* ``traced``: the stages ``make_fx`` follows (``readfence.core.trace``, bound to the engine's
+  state), every path of their code;
+* ``observed``: the runtime read observer over real scheduler steps on the engine's state
+  (:func:`~readfence.engine.observe_engine`), for what the tracer cannot follow: a stage with
+  host reads or data-dependent shapes, or a kernel reading what an earlier stage kept (no
+  static analysis sees that). It covers only the paths those steps took.
+
+The truth is the later of the two. Next to it, the declaration: the object's one
+``shared_read_ends`` value, the same for every buffer (in EXTEND, what
+``resolve_prefill_shared_read_ends`` says for that batch, when the object has it); the verdict
+is exact, conservative by k lattice steps (the gain of a per-buffer fence for that buffer),
+or unsound, naming the method, the buffer and the op that reads late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from readfence.core import ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
+from readfence.core._audit import BufferAudit, escape_note
+from readfence.core._checks import check_forward_mode, positive_int
+from readfence.effects import ReadEffect, ReadEnd
+
+from ._adapter import EAGER, EngineBackend
+from ._contract import PREFILL, STAGE_METHODS, EngineError
+from ._observe import observe_engine
+
+#: The modes an engine runs (IDLE reads nothing).
+ENGINE_MODES: tuple[ForwardMode, ...] = tuple(m for m in ForwardMode if m is not ForwardMode.IDLE)
+TRACED, OBSERVED = "traced", "observed"
+
+
+@attrs.frozen
+class EngineRow:
+    """One buffer of one node in one mode: the scalar declaration against the per-buffer truth.
+
+    ``source`` says where the truth comes from (``traced`` or ``observed``); ``method`` and
+    ``op`` name the last read (``where`` is its source line when traced); ``batch_size`` is the
+    batch size whose run reads it latest (the one declared for, in a per-batch prefill row).
+    """
+
+    backend: str
+    mode: ForwardMode
+    buffer: str
+    declared: ReadEnd
+    truth: ReadEnd
+    source: str
+    method: str = ""
+    op: str = ""
+    where: str = ""
+    batch_size: int | None = None
+    per_batch: bool = False  # the declaration is resolve_prefill_shared_read_ends's for this batch size
+    why: str = ""  # why the truth is observed rather than traced
+
+    @property
+    def audit(self) -> BufferAudit:
+        return BufferAudit(self.buffer, self.declared, self.truth, None, self.batch_size)
+
+    @property
+    def verdict(self) -> str:
+        return self.audit.verdict
+
+    @property
+    def steps(self) -> int:
+        """``declared - truth`` in lattice steps: what a per-buffer fence gains (> 0), or how early
+        the declaration is (< 0)."""
+        return self.audit.steps
+
+    def text(self) -> str:
+        """The verdict in words: ``exact``, ``conservative +2``, ``unsound: forward_decode (aten.index_select...)``."""
+        if self.verdict == "conservative":
+            return f"conservative +{self.steps}"
+        if self.verdict == "unsound":
+            return f"unsound: {self.method} reads it ({self.op})" if self.method else "unsound"
+        return self.verdict
+
+    def as_json(self) -> dict[str, Any]:
+        return {"backend": self.backend, "mode": self.mode.name, "buffer": self.buffer,
+                "declared": self.declared.name, "truth": self.truth.name, "source": self.source,
+                "verdict": self.verdict, "steps": self.steps, "method": self.method, "op": self.op,
+                "where": self.where, "batch_size": self.batch_size, "per_batch": self.per_batch, "why": self.why}
+
+
+@attrs.frozen
+class NodeAudit:
+    """One node in one mode: its rows, why some are observed, what readfence's lowering makes of it."""
+
+    path: str
+    mode: ForwardMode
+    declared: ReadEnd  # the scalar declaration (shared_read_ends)
+    rows: tuple[EngineRow, ...]
+    untraceable: tuple[tuple[str, str, str], ...]  # (stage, why, source line)
+    lowering: str  # "" when readfence's policies lower it, else why only COARSE does
+    prefill: tuple[tuple[int, ReadEnd], ...] = ()  # per batch size, the resolved prefill end
+
+    @property
+    def truth(self) -> ReadEffect:
+        return ReadEffect.of({r.buffer: r.truth for r in self.rows})
+
+
+@attrs.frozen
+class EngineAudit:
+    """The audit of an adapted backend: one :class:`NodeAudit` per (node, mode)."""
+
+    backend: str
+    nodes: tuple[NodeAudit, ...]
+    steps: int
+    batch_sizes: tuple[int, ...]
+
+    def rows(self) -> list[EngineRow]:
+        return [r for n in self.nodes for r in n.rows]
+
+    @property
+    def sound(self) -> bool:
+        return not self.unsound()
+
+    def unsound(self) -> list[EngineRow]:
+        """The unsound rows, deepest nodes first."""
+        return sorted((r for r in self.rows() if r.verdict == "unsound"), key=lambda r: -r.backend.count("/"))
+
+    def find(self, path: str, mode: ForwardMode) -> NodeAudit:
+        for n in self.nodes:
+            if (n.path, n.mode) == (path, mode):
+                return n
+        raise KeyError(f"no node {path!r} in {mode.name}; nodes: {sorted({n.path for n in self.nodes})}")
+
+    def counts(self) -> dict[str, int]:
+        out = {"exact": 0, "conservative": 0, "unsound": 0, "observed": 0, "gain": 0}
+        for r in self.rows():
+            out[r.verdict] += 1
+            out["observed"] += r.source == OBSERVED
+            out["gain"] += max(r.steps, 0)
+        return out
+
+    def table(self) -> str:
+        """The rows as a table, a summary line, then a line per finding and per untraceable stage."""
+        head = ["backend", "mode", "buffer", "declared", "truth", "source", "verdict"]
+        cells = [[r.backend, r.mode.name + (f" b={r.batch_size}" if r.per_batch else ""), r.buffer,
+                  r.declared.name, r.truth.name, r.source, r.text()] for r in self.rows()]
+        widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
+        c = self.counts()
+        lines.append(f"{c['exact']} exact, {c['conservative']} conservative, {c['unsound']} unsound; a per-buffer "
+                     f"fence gains {c['gain']} lattice step(s) over the scalar declarations")
+        if c["observed"]:
+            lines.append(f"observed rows cover only the paths that ran: {self.steps} scheduler step(s) at each "
+                         f"batch size in {self.batch_sizes}")
+        for r in self.unsound():
+            at = f" at {r.where}" if r.where else ""
+            lines.append(f"UNSOUND: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but read "
+                         f"until {r.truth.name} by {r.method}: {r.op}{at} ({r.source}"
+                         f"{': ' + r.why if r.why else ''}; batch size {r.batch_size})")
+        for n in self.nodes:
+            for stage, why, source in n.untraceable:
+                lines.append(f"UNTRACEABLE: {n.path} in {n.mode.name}: {STAGE_METHODS.get(stage, stage)} "
+                             f"({stage}) escapes the tracer ({why} at {source}): its reads are observed; "
+                             f"{escape_note(stage)}")
+            if n.lowering:
+                lines.append(f"LOWERING: {n.path} in {n.mode.name}: {n.lowering}")
+            if n.prefill:
+                shown = ", ".join(f"batch size {b}: {e.name}" for b, e in n.prefill)
+                lines.append(f"PREFILL: {n.path}: resolve_prefill_shared_read_ends per batch: {shown}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _escapes(program: Program) -> dict[str, list[tuple[str, str]]]:
+    """Per stage, its escapes other than the adapter's own eager marker: ``(why, source)``."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for stage, _node, why, source in program.unfaithful():
+        if EAGER not in why:
+            out.setdefault(stage, []).append((why.removeprefix("escape: "), source))
+    return out
+
+
+def _traced(program: Program, untraceable: Iterable[str]) -> tuple[dict[str, ReadEnd], dict[str, tuple[str, str]]]:
+    """Per buffer, the end of its last read in the stages the tracer follows, and that reader."""
+    ends: dict[str, ReadEnd] = {}
+    readers: dict[str, tuple[str, str]] = {}
+    skip = set(untraceable)
+    if program.aborted is not None:
+        return ends, readers
+    for s in program.stages:
+        if s.name in skip:
+            continue
+        for b in s.buffers_read():
+            ends[b] = ends.get(b, ReadEnd.NONE) | s.end
+            node = s.last_reader(b)
+            if node is not None:
+                readers[b] = (s.name, node)
+        for b in s.unknown:
+            ends[b] = ReadEnd.UNKNOWN
+    return ends, readers
+
+
+def _node_op(program: Program, stage: str, node: str) -> tuple[str, str, str]:
+    """``(method, op, source line)`` of a traced node."""
+    graph = program.stage(stage)
+    op = next((str(n.target) for n in graph.gm.graph.nodes if n.name == node), node)
+    return STAGE_METHODS[stage], op, graph.source(node)
+
+
+@attrs.frozen
+class _Run:
+    size: int
+    program: Program | None  # None: make_fx could not trace the step at all
+    traced: dict[str, ReadEnd]
+    readers: dict[str, tuple[str, str]]
+    observed: ReadEffect
+    observation: Any
+    escapes: dict[str, list[tuple[str, str]]]
+    declared: ReadEnd
+    resolved: ReadEnd | None
+
+
+def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: int, path: str) -> _Run:
+    cfg = node.cfg
+    program: Program | None
+    traced: dict[str, ReadEnd] = {}
+    readers: dict[str, tuple[str, str]] = {}
+    try:
+        program = bind(trace(node, mode, cfg=cfg, batch_size=size), node.state)
+    except StageWriteError as e:
+        raise e.at(path) from None
+    except EngineError as e:  # data-dependent control flow make_fx refuses: observation is all there is
+        program = None
+        why = str(e.__cause__ or e).splitlines()[0][:200]
+        escapes = {stage: [(f"make_fx cannot trace it: {why}", "?")] for stage in STAGE_METHODS}
+    if program is not None:
+        escapes = _escapes(program)
+        traced, readers = _traced(program, escapes)
+    observation = observe_engine(node, mode, batch_sizes=[size], steps=steps, seed=seed)
+    resolved = None
+    if mode is ForwardMode.EXTEND and hasattr(node.object, PREFILL):
+        resolved = node.prefill_end(example_step(cfg, mode, size).batch)
+    return _Run(size, program, traced, readers, observation.observed(), observation, escapes,
+                node.read_effect(mode).end, resolved)
+
+
+def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: Sequence[_Run], per_batch: bool) -> EngineRow:
+    declared = (runs[0].resolved if per_batch else runs[0].declared) or ReadEnd.UNKNOWN
+    truth = ReadEnd.join_all(r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer] for r in runs)
+    run = next((r for r in runs if (r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer]) is truth), runs[0])
+    traced = run.traced.get(buffer, ReadEnd.NONE)
+    if run.program is not None and traced is truth and (truth is not ReadEnd.NONE or not run.escapes):
+        reader = run.readers.get(buffer)
+        method, op, where = _node_op(run.program, *reader) if reader else ("", "", "")
+        return EngineRow(path, mode, buffer, declared, truth, TRACED, method, op, where, run.size, per_batch)
+    last = run.observation.last_reader(buffer)
+    method = op = why = ""
+    if last is not None:
+        stage, op = last
+        method = STAGE_METHODS.get(stage, stage)
+        why = (f"{STAGE_METHODS.get(stage, stage)} escapes the tracer" if stage in run.escapes else
+               "a kernel reads what an earlier stage kept: no static analysis sees it")
+    return EngineRow(path, mode, buffer, declared, truth, OBSERVED, method, op, "", run.size, per_batch, why)
+
+
+def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[int, ...], steps: int,
+                seed: int) -> NodeAudit:
+    runs = [_run(node, mode, n, steps, seed, path) for n in sizes]
+    per_batch = runs[0].resolved is not None
+    rows = []
+    for b in node.reads + tuple(b for b in runs[0].observed.buffers if b not in node.reads):
+        if per_batch:
+            rows += [_row(node, path, mode, b, [r], True) for r in runs]
+        else:
+            rows.append(_row(node, path, mode, b, runs, False))
+    untraceable = tuple(dict.fromkeys((stage, why, source) for r in runs for stage, found in r.escapes.items()
+                                      for why, source in found))
+    lowering = ""
+    declared = node.read_effect(mode)
+    failed = [r for r in runs if r.program is None]
+    refused = [r for r in runs if r.program is not None and not r.program.observed() <= declared]
+    if failed:
+        lowering = f"readfence cannot lower it with any policy: {failed[0].escapes['body'][0][0]}"
+    elif refused:
+        effect = refused[0].program.observed()  # type: ignore[union-attr]
+        worst = max(effect.buffers, key=lambda b: effect[b].rank)
+        lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
+                    f"{effect[worst].name}, later than declared ({declared[worst].name})")
+        if untraceable:
+            lowering += (" (a stage the tracer cannot follow reads every buffer: until PRE_REPLAY before the "
+                         "replay, POST_REPLAY in it)")
+    prefill = tuple((r.size, r.resolved) for r in runs if r.resolved is not None)
+    return NodeAudit(path, mode, runs[0].declared, tuple(rows), untraceable, lowering, prefill)
+
+
+def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMode] | None = None, *,
+                 batch_sizes: Iterable[int] | None = None, steps: int = 2, seed: int = 0) -> EngineAudit:
+    """Audit ``engine`` and every node of its wrapper tree in each of ``modes`` (default: every
+    mode but IDLE), traced where the tracer follows the stages, observed where it cannot.
+
+    Each node is traced at each of ``batch_sizes`` (default: 1, 2 and the model's maximum) and
+    observed over ``steps`` scheduler steps at each (``seed`` seeds the request churn), on the
+    engine's own state (put back afterwards). Nothing is run overlapped: see
+    :func:`~readfence.engine.verify_engine` for that.
+
+    >>> from readfence.engine.reference import minimax_hybrid
+    >>> report = audit_engine(minimax_hybrid(), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    >>> [(r.backend.rsplit("/", 1)[-1], r.text()) for r in report.unsound()]  # doctest: +NORMALIZE_WHITESPACE
+    [('MiniMaxSparseBackend', 'unsound: forward reads it (aten.index_select.default)'),
+     ('MiniMaxHybridAttnBackend', 'unsound: forward reads it (aten.index_select.default)')]
+    """
+    if not isinstance(engine, EngineBackend):
+        raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r} "
+                        f"({type(engine).__name__})")
+    if modes is None:
+        chosen = ENGINE_MODES
+    else:
+        chosen = tuple(check_forward_mode(m, "audit") for m in ((modes,) if isinstance(modes, ForwardMode) else modes))
+    positive_int("steps", steps)
+    cfg = engine.cfg
+    sizes = default_batch_sizes(cfg) if batch_sizes is None else tuple(sorted({
+        positive_int("batch_size", n, at_most=cfg.max_reqs, limit="cfg.max_reqs") for n in batch_sizes}))
+    if not sizes or not chosen:
+        raise ValueError("audit_engine needs at least one mode and one batch size")
+    nodes = [_audit_node(path, node, mode, sizes, steps, seed)  # type: ignore[arg-type]
+             for path, node in engine.walk() for mode in chosen]
+    return EngineAudit(engine.name, tuple(nodes), steps, sizes)

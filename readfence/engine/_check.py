@@ -1,0 +1,268 @@
+"""Running an adapted backend: verified with poison (``verify_engine``), and measured side by side
+(``compare``), under readfence's policies and under the engine's own runner model.
+
+Both run on the engine's own state (``engine.state``, put back after each run) and model
+config, so the engine object reads what the loop writes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from returns.pipeline import is_successful
+
+from readfence.core import CapturedStateError, ForwardMode, StageWriteError
+from readfence.core._checks import check_forward_mode, positive_int
+from readfence.graph import (
+    Device,
+    LateRead,
+    LoopResult,
+    Policy,
+    UncapturableStage,
+    UnsoundLowering,
+    run_overlapped,
+    run_serial,
+    verify,
+)
+
+from ._adapter import EngineBackend
+from ._contract import EngineError
+from ._observe import preserved
+from ._runner import RunnerModel, runner_model
+
+#: The name of the engine runner's row, next to readfence's policies.
+RUNNER = "ENGINE RUNNER"
+
+#: The runner model as SGLang configures it by default (no kill switch, prefill read-done on).
+SGLANG = RunnerModel()
+
+
+def _policies(policies: Policy | Iterable[Policy] | None) -> tuple[Policy, ...]:
+    if policies is None:
+        return tuple(Policy)
+    chosen = (policies,) if isinstance(policies, Policy) else tuple(policies)
+    if not all(isinstance(p, Policy) for p in chosen):
+        raise TypeError(f"policies must be readfence.graph.Policy values, got {policies!r}")
+    return chosen
+
+
+def _check(engine: object) -> EngineBackend:
+    if not isinstance(engine, EngineBackend):
+        raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r} "
+                        f"({type(engine).__name__})")
+    return engine
+
+
+@attrs.frozen
+class VerifyRow:
+    """One fence of :func:`verify_engine`: readfence's policy or the engine runner, clean or its finding."""
+
+    name: str
+    finding: LateRead | None
+    poisoned: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return self.finding is None
+
+    def text(self) -> str:
+        if self.finding is None:
+            return f"clean; poisoned on release: {', '.join(self.poisoned) or 'nothing (released after the whole forward)'}"
+        f = self.finding
+        what = f"{f.kind}" + (f" of {f.buffer!r}" if f.buffer else "") + (f" at step {f.step}" if f.step is not None else "")
+        by = f" by {f.stage}: {f.op}" if f.op else ""
+        return f"{what}{by} (evidence: {f.evidence})"
+
+    def as_json(self) -> dict[str, Any]:
+        out = {"fence": self.name, "verdict": "clean" if self.clean else self.finding.kind,  # type: ignore[union-attr]
+               "poisoned": list(self.poisoned), "seconds": round(self.seconds, 3)}
+        if self.finding is not None:
+            out.update({k: v for k, v in self.finding.as_json().items() if k in ("evidence", "buffer", "step", "stage",
+                                                                                 "op", "detail")})
+        return out
+
+
+@attrs.frozen
+class EngineVerification:
+    """What :func:`verify_engine` found, per fence."""
+
+    backend: str
+    mode: ForwardMode
+    device: str
+    steps: int
+    batch_size: int
+    rows: tuple[VerifyRow, ...]
+    observer: bool
+
+    @property
+    def ok(self) -> bool:
+        return all(r.clean for r in self.rows)
+
+    def row(self, name: str) -> VerifyRow:
+        return next(r for r in self.rows if r.name == name)
+
+    def __str__(self) -> str:
+        watch = "poison, guard and the runtime read observer" if self.observer else "poison and guard"
+        lines = [f"verified {self.backend} in {self.mode.name} on {self.device}: {self.steps} steps, batch size "
+                 f"{self.batch_size}, against the serial run; checks: {watch}"]
+        width = max(len(r.name) for r in self.rows)
+        lines += [f"  {r.name:<{width}}  {r.text()}" for r in self.rows]
+        return "\n".join(lines)
+
+
+def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
+                  policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = SGLANG,
+                  steps: int = 8, batch_size: int = 4, seed: int = 0) -> EngineVerification:
+    """``readfence.graph.verify`` of ``engine`` under each of ``policies`` (default: all) and under
+    the engine's runner model (``runner``; ``None`` leaves it out), on the engine's own state.
+
+    A policy the lowering refuses (an unsound declaration) is a finding with evidence
+    ``audit``; the runner trusts the declaration as the engine does, so an unsound one is
+    caught at run time (poison, the observer).
+
+    >>> from readfence.engine.reference import minimax_sparse
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     result = verify_engine(minimax_sparse(), device=dev, policies=[Policy.PER_BUFFER], steps=2, batch_size=2)
+    >>> [(r.name, r.finding.kind, r.finding.evidence) for r in result.rows]
+    [('PER_BUFFER', 'unsound declaration', 'audit'), ('ENGINE RUNNER', 'late read', 'observer')]
+    """
+    engine = _check(engine)
+    mode = check_forward_mode(mode, "verify")
+    positive_int("steps", steps)
+    common = dict(steps=steps, batch_size=batch_size, device=device, cfg=engine.cfg, state=engine.state, seed=seed)
+    targets: list[tuple[str, Any, Policy]] = [(p.name, engine, p) for p in _policies(policies)]
+    if runner is not None:
+        targets.append((RUNNER, runner_model(engine, runner), Policy.JOINED))
+    rows, observer = [], False
+    for name, target, policy in targets:
+        t0 = time.perf_counter()
+        with preserved(engine.state):
+            try:
+                result = verify(target, mode, policy=policy, **common)  # type: ignore[arg-type]
+            except EngineError as e:  # the tracer cannot follow the step: nothing to lower
+                rows.append(VerifyRow(name, LateRead(engine.name, mode, policy, "refused", "audit", detail=str(e)),
+                                      (), time.perf_counter() - t0))
+                continue
+        if is_successful(result):
+            check = result.unwrap()
+            observer = check.observer
+            rows.append(VerifyRow(name, None, check.checks[0].poisoned, time.perf_counter() - t0))
+        else:
+            rows.append(VerifyRow(name, result.failure(), (), time.perf_counter() - t0))
+    return EngineVerification(engine.name, mode, device.name, steps, batch_size, tuple(rows), observer)
+
+
+# ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CompareRow:
+    """One fence of :func:`compare`: throughput, fence slack and correctness, or why it did not run."""
+
+    name: str
+    steps_per_s: float | None = None
+    slack_ms: float | None = None
+    matches_serial: bool | None = None
+    violations: int = 0
+    refused: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Comparison:
+    """The engine's runner and readfence's policies on the same loop (:func:`compare`)."""
+
+    backend: str
+    mode: ForwardMode
+    steps: int
+    batch_size: int
+    rows: tuple[CompareRow, ...]
+
+    def row(self, name: str) -> CompareRow:
+        return next(r for r in self.rows if r.name == name)
+
+    def speedup(self, name: str) -> float | None:
+        """Steps/s of ``name`` over COARSE's, measured side by side."""
+        base, row = self.row(Policy.COARSE.name).steps_per_s, self.row(name).steps_per_s
+        return None if not base or row is None else row / base
+
+    def __str__(self) -> str:
+        head = ["fence", "steps/s", "speedup vs COARSE", "mean fence slack (ms)", "matches serial",
+                "sanitizer findings"]
+        cells = []
+        for r in self.rows:
+            if r.refused:
+                cells.append([r.name, "-", "-", "-", "-", f"not run: {r.refused}"])
+                continue
+            speed = self.speedup(r.name) if any(x.name == Policy.COARSE.name for x in self.rows) else None
+            cells.append([r.name, f"{r.steps_per_s:.1f}", "-" if speed is None else f"{speed:.2f}x",
+                          "-" if r.slack_ms is None else f"{r.slack_ms:.3f}", "yes" if r.matches_serial else "NO",
+                          str(r.violations) if r.violations else "none"])
+        widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
+        lines = [f"{self.backend} in {self.mode.name}: {self.steps} steps, batch size {self.batch_size}"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
+        return "\n".join(lines)
+
+
+def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
+            policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = SGLANG,
+            steps: int = 20, batch_size: int = 4, seed: int = 0, write_wait_s: float = 0.005,
+            repeats: int = 1) -> Comparison:
+    """Run ``engine`` overlapped under the engine's runner model and each of ``policies``
+    (default: all), side by side on one device: steps/s (1 / the median time between two steps'
+    ends), mean fence slack, whether the outputs match the serial run bit for bit, sanitizer
+    findings. ``write_wait_s`` is the scheduler's page-table write time (what a fence lets
+    overlap the forward). Each fence runs ``repeats`` times, in turn, and its row reports the
+    median steps/s and slack (a noisy machine slows one run, not the median). A policy the
+    lowering refuses is a row saying why.
+
+    >>> from readfence.engine.reference import trtllm_mha
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     table = compare(trtllm_mha(), device=dev, steps=4, batch_size=2, write_wait_s=0.0)
+    >>> [(r.name, r.matches_serial, r.violations) for r in table.rows][:2]
+    [('ENGINE RUNNER', True, 0), ('COARSE', True, 0)]
+    """
+    engine = _check(engine)
+    mode = check_forward_mode(mode, "run")
+    positive_int("steps", steps)
+    cfg, state = engine.cfg, engine.state
+    common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed)
+    with preserved(state):
+        reference = run_serial(engine, mode, state=state, **common)
+    targets: list[tuple[str, Any, Policy]] = []
+    if runner is not None:
+        targets.append((RUNNER, runner_model(engine, runner), Policy.JOINED))
+    targets += [(p.name, engine, p) for p in _policies(policies)]
+    positive_int("repeats", repeats)
+    runs: dict[str, list[LoopResult]] = {name: [] for name, _, _ in targets}
+    refused: dict[str, str] = {}
+    for _ in range(repeats):  # interleaved: every fence sees the same machine, run by run
+        for name, target, policy in targets:
+            if name in refused:
+                continue
+            with preserved(state):
+                try:
+                    runs[name].append(run_overlapped(target, mode, policy=policy, device=device, state=state,
+                                                     write_wait_s=write_wait_s, **common))
+                except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, EngineError) as e:
+                    refused[name] = str(e).split(": ", 1)[-1][:160]
+    rows = []
+    for name, _, _ in targets:
+        if name in refused:
+            rows.append(CompareRow(name, refused=refused[name]))
+            continue
+        done = runs[name]
+        slacks = [statistics.fmean(r.slack.values()) * 1e3 for r in done if r.slack]
+        rows.append(CompareRow(name, statistics.median(r.steps_per_s for r in done),
+                               statistics.median(slacks) if slacks else None,
+                               all(r.matches(reference) for r in done), sum(len(r.violations) for r in done)))
+    return Comparison(engine.name, mode, steps, batch_size, tuple(rows))

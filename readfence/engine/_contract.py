@@ -1,0 +1,217 @@
+"""The contract an engine's attention backend object follows, and the checks that hold it to it.
+
+An engine backend (SGLang's style) is a stateful object with:
+
+* ``init_forward_metadata_out_graph(forward_batch, in_capture=False)``: eager, before the
+  replay (host reads and dynamic shapes are fine here);
+* ``init_forward_metadata_in_graph(forward_batch)``: the first work of the captured graph
+  (static shapes, no host reads);
+* ``forward(q, k, v, layer, forward_batch, save_kv_cache=True)``, or ``forward_decode`` and
+  ``forward_extend`` with that signature (called by mode, as SGLang's base class does);
+* ``shared_read_ends(mode)``: ONE value for all its shared reads, a member of the engine's own
+  enum named ``PRE_REPLAY``, ``IN_REPLAY``, ``POST_REPLAY`` or ``UNKNOWN`` (matched by name);
+* optionally ``resolve_prefill_shared_read_ends(forward_batch, *, num_qo_tokens,
+  build_snapshot=True)`` (prefill decides per batch) and ``attn_backend_list`` (a wrapper's
+  children).
+
+Nothing else is asked of the class: no base class, no registration.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from readfence.core import ForwardMode
+from readfence.effects import ReadEnd
+
+#: The names a declaration may have (the engine's enum members are matched by name).
+END_NAMES: tuple[str, ...] = ("PRE_REPLAY", "IN_REPLAY", "POST_REPLAY", "UNKNOWN")
+
+#: Which contract method runs each stage of a step.
+STAGE_METHODS: dict[str, str] = {
+    "prepare_out_graph": "init_forward_metadata_out_graph",
+    "prepare_in_graph": "init_forward_metadata_in_graph",
+    "body": "forward",
+}
+
+PREFILL = "resolve_prefill_shared_read_ends"
+
+
+class ContractError(TypeError):
+    """An engine backend object does not follow the contract (a method missing or misshapen)."""
+
+
+class EngineError(RuntimeError):
+    """An engine backend's own code (its factory or a contract method) raised; the message
+    names the class, the method and the mode, and the original exception is chained."""
+
+
+class EngineMode(enum.Enum):
+    """The forward mode as an engine backend sees it: readfence's modes, with SGLang's predicates.
+
+    ``shared_read_ends(mode)`` and ``forward_batch.forward_mode`` receive one of these; compare
+    with ``mode.is_decode()`` and friends, or by ``mode.name``.
+
+    >>> EngineMode.TARGET_VERIFY.is_extend(), EngineMode.DECODE.is_cuda_graph()
+    (True, True)
+    >>> EngineMode.of(ForwardMode.EXTEND).readfence
+    <ForwardMode.EXTEND: 'extend'>
+    """
+
+    DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+    EXTEND = "extend"
+    IDLE = "idle"
+
+    @staticmethod
+    def of(mode: ForwardMode) -> EngineMode:
+        return EngineMode[mode.name]
+
+    @property
+    def readfence(self) -> ForwardMode:
+        return ForwardMode[self.name]
+
+    def is_decode(self) -> bool:
+        return self is EngineMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self is EngineMode.TARGET_VERIFY
+
+    def is_draft_extend(self) -> bool:
+        return self is EngineMode.DRAFT_EXTEND
+
+    def is_idle(self) -> bool:
+        return self is EngineMode.IDLE
+
+    def is_extend(self) -> bool:
+        """SGLang's sense: every mode that runs ``forward_extend`` (several tokens per request)."""
+        return self in (EngineMode.EXTEND, EngineMode.DRAFT_EXTEND, EngineMode.TARGET_VERIFY)
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (EngineMode.DECODE, EngineMode.IDLE)
+
+    def is_cuda_graph(self) -> bool:
+        """Replayed from a captured graph (every mode but EXTEND)."""
+        return self is not EngineMode.EXTEND
+
+    def is_mixed(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def read_end_of(value: object, where: str) -> ReadEnd:
+    """The readfence end a declaration names: an enum member (or a string) named one of
+    :data:`END_NAMES`; anything else is a ``ValueError`` naming ``where`` it came from.
+
+    >>> class SharedReadEnds(enum.Enum):
+    ...     PRE_REPLAY, IN_REPLAY, POST_REPLAY, UNKNOWN = 1, 2, 3, 4
+    >>> read_end_of(SharedReadEnds.IN_REPLAY, "Mine.shared_read_ends(DECODE)")
+    <ReadEnd.IN_REPLAY: 2>
+    >>> read_end_of(2, "Mine.shared_read_ends(DECODE)")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: Mine.shared_read_ends(DECODE) returned 2 (int), not one of PRE_REPLAY, IN_REPLAY,
+    POST_REPLAY, UNKNOWN (an enum member matched by name; return the member, not its value)
+    """
+    name = value if isinstance(value, str) else getattr(value, "name", None)
+    if isinstance(name, str) and name in END_NAMES:
+        return ReadEnd[name]
+    hint = "; return the member, not its value" if isinstance(value, int) else ""
+    raise ValueError(f"{where} returned {value!r} ({type(value).__name__}), not one of {', '.join(END_NAMES)} "
+                     f"(an enum member matched by name{hint})")
+
+
+def _binds(method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    try:
+        inspect.signature(method).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): assume it accepts
+        return True
+    return True
+
+
+# method name -> (the call the adapter makes, as positional and keyword placeholders)
+_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "init_forward_metadata_out_graph": (("forward_batch",), ("in_capture",), "(forward_batch, in_capture=False)"),
+    "init_forward_metadata_in_graph": (("forward_batch",), (), "(forward_batch)"),
+    "shared_read_ends": (("mode",), (), "(mode)"),
+    "forward": (("q", "k", "v", "layer", "forward_batch"), ("save_kv_cache",),
+                "(q, k, v, layer, forward_batch, save_kv_cache=True)"),
+    "forward_decode": (("q", "k", "v", "layer", "forward_batch"), ("save_kv_cache",),
+                       "(q, k, v, layer, forward_batch, save_kv_cache=True)"),
+    "forward_extend": (("q", "k", "v", "layer", "forward_batch"), ("save_kv_cache",),
+                       "(q, k, v, layer, forward_batch, save_kv_cache=True)"),
+    PREFILL: (("forward_batch",), ("num_qo_tokens", "build_snapshot"),
+              "(forward_batch, *, num_qo_tokens, build_snapshot=True)"),
+}
+
+
+def _check_method(obj: object, name: str, who: str) -> None:
+    method = getattr(obj, name, None)
+    positional, keywords, shown = _SIGNATURES[name]
+    if not callable(method):
+        raise ContractError(f"{who} has no method {name}{shown}: an engine backend defines "
+                            f"init_forward_metadata_out_graph, init_forward_metadata_in_graph, "
+                            f"forward (or forward_decode and forward_extend) and shared_read_ends")
+    if not _binds(method, positional, dict.fromkeys(keywords)):
+        raise ContractError(f"{who}.{name} must accept {shown}, its signature is {inspect.signature(method)}")
+
+
+def check_contract(obj: object, who: str) -> None:
+    """``obj`` has every contract method, each accepting the call the adapter makes; else a
+    :class:`ContractError` naming ``who`` (the object's place in the wrapper tree) and the method.
+
+    >>> class Half:
+    ...     def shared_read_ends(self, mode): ...
+    >>> check_contract(Half(), "Half")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    readfence.engine._contract.ContractError: Half has no method init_forward_metadata_out_graph(forward_batch,
+    in_capture=False): an engine backend defines init_forward_metadata_out_graph,
+    init_forward_metadata_in_graph, forward (or forward_decode and forward_extend) and shared_read_ends
+    """
+    for name in ("init_forward_metadata_out_graph", "init_forward_metadata_in_graph", "shared_read_ends"):
+        _check_method(obj, name, who)
+    if callable(getattr(obj, "forward", None)):
+        _check_method(obj, "forward", who)
+    else:
+        for name in ("forward_decode", "forward_extend"):
+            _check_method(obj, name, who)
+    if hasattr(obj, PREFILL):
+        _check_method(obj, PREFILL, who)
+    children = getattr(obj, "attn_backend_list", None)
+    if children is not None and not isinstance(children, (list, tuple)):
+        raise ContractError(f"{who}.attn_backend_list must be a list of backend objects (or None), "
+                            f"got {children!r} ({type(children).__name__})")
+
+
+def forward_method(obj: object, mode: EngineMode) -> tuple[str, Callable[..., Any]]:
+    """``(name, method)`` the adapter calls for one layer: ``forward``, or the one SGLang's base
+    class would dispatch to (``forward_decode`` in DECODE, ``forward_extend`` otherwise)."""
+    if callable(getattr(obj, "forward", None)):
+        return "forward", obj.forward  # type: ignore[attr-defined]
+    name = "forward_decode" if mode.is_decode() else "forward_extend"
+    return name, getattr(obj, name)
+
+
+def call(obj: object, who: str, method: str, mode: EngineMode, fn: Callable[..., Any], *args: Any,
+         **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, an engine method; an exception of the engine's own code becomes an
+    :class:`EngineError` naming ``who.method`` and the mode (readfence's own errors pass)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        if type(e).__module__.startswith("readfence.") or isinstance(e, EngineError):
+            raise
+        raise EngineError(f"{who}.{method} raised {type(e).__name__} in {mode.name}: {e}") from e
+
+
+__all__ = ["END_NAMES", "STAGE_METHODS", "ContractError", "EngineError", "EngineMode", "check_contract",
+           "read_end_of"]

@@ -1,0 +1,80 @@
+"""Observing an adapted backend on the state it is bound to, over real scheduler steps.
+
+An engine object reads the state it was built over through references it keeps, so it is
+observed there (not on a fresh example): a seeded :class:`~readfence.graph.Scheduler` writes
+each step's shared buffers into the bound state, and the step runs eagerly under the runtime
+read observer (``readfence.core.observe``'s), at each batch size. The state is put back
+afterwards. Like any observation it covers only the paths those steps took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+from torch import Tensor
+
+from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, forward
+from readfence.core._checks import check_forward_mode, positive_int
+from readfence.core._observe import observe_functions
+from readfence.graph import Scheduler
+
+from ._adapter import EngineBackend
+
+
+@contextlib.contextmanager
+def preserved(state: Mapping[str, Mapping[str, Tensor]]) -> Iterator[None]:
+    """Every tensor of ``state`` holds its values again when the block ends."""
+    saved = {g: {k: v.clone() for k, v in d.items()} for g, d in state.items()}
+    try:
+        yield
+    finally:
+        for g, d in saved.items():
+            for k, v in d.items():
+                state[g][k].copy_(v)
+
+
+def observe_engine(engine: EngineBackend, mode: ForwardMode, *, batch_sizes: Sequence[int] = (2,), steps: int = 2,
+                   seed: int = 0) -> Observation:
+    """What ``engine``'s step touches of the shared buffers, observed op by op on its own state.
+
+    ``steps`` scheduler steps (request churn, seeded by ``seed``) at each of ``batch_sizes``.
+
+    >>> from readfence.engine.reference import minimax_sparse
+    >>> obs = observe_engine(minimax_sparse(), ForwardMode.DECODE, steps=1)
+    >>> obs.observed()["req_to_token"], obs.last_reader("req_to_token")
+    (<ReadEnd.POST_REPLAY: 3>, ('body', 'aten.index_select.default'))
+    """
+    if not isinstance(engine, EngineBackend):
+        raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r}")
+    mode = check_forward_mode(mode, "observe")
+    positive_int("steps", steps)
+    cfg, state = engine.cfg, engine.state
+    sizes = tuple(dict.fromkeys(positive_int("batch_size", n, at_most=cfg.max_reqs, limit="cfg.max_reqs")
+                                for n in batch_sizes))
+    if not sizes:
+        raise ValueError("batch_sizes must name at least one batch size")
+
+    def body(shared: Any, batch: Any, pools: Any, params: Any, meta: Any) -> Tensor:
+        return forward(cfg, params, pools, shared, batch, meta, engine, mode)
+
+    accesses: list[Any] = []
+    step = 0
+    with preserved(state):
+        for size in sizes:
+            scheduler = Scheduler(cfg, mode, size, seed=seed)
+            for _ in range(steps):
+                nxt = scheduler.next_step()
+                for b in SHARED_BUFFERS:
+                    state["shared"][b].copy_(nxt.shared[b])
+                seen = observe_functions(
+                    engine.name, mode, inputs={"shared": state["shared"], "batch": nxt.batch,
+                                               "pools": state["pools"], "params": state["params"]},
+                    prepare_out_graph=lambda shared, batch: engine.prepare_out_graph(mode, shared, batch),
+                    prepare_in_graph=lambda shared, batch, meta: engine.prepare_in_graph(mode, shared, batch, meta),
+                    body=body)
+                accesses += [attrs.evolve(a, step=step) for a in seen.accesses]
+                step += 1
+    return Observation(engine.name, mode, SHARED_BUFFERS, tuple(accesses), steps, sizes)

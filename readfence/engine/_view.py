@@ -1,0 +1,309 @@
+"""readfence's step state as an engine sees it: a model runner, its pools, a forward batch.
+
+An engine backend is built from a *model runner* and keeps references to its pools from
+construction (``self.req_to_token = runner.req_to_token_pool.req_to_token``); each call gets a
+*forward batch*. :class:`ModelRunnerView` and :class:`ForwardBatch` present readfence's shared
+buffers, pools and batch in that shape (SGLang's names):
+
+=========================================  =====================================================
+``runner.req_to_token_pool.req_to_token``  the page table ``[max_reqs, max_ctx]`` int32 (shared)
+``runner.req_to_token_pool.seq_lens``      lengths per request row ``[max_reqs]`` int32 (shared)
+``runner.req_to_token_pool.state_slots``   linear-attention state slot per row (shared)
+``runner.token_to_kv_pool``                the KV cache: ``get_key_buffer(layer)``,
+                                           ``set_kv_buffer(layer, loc, k, v)``, the sliding
+                                           window's ``set_swa_kv_buffer``...;
+                                           ``.full_to_swa_index_mapping`` (shared ``swa_map``)
+``runner.state_pool``                      linear-attention states: ``get_state(layer)``
+``runner.model_config``, ``runner.device``  sizes (heads, head_dim, layers, context), device
+``runner.server_args``                     what :func:`~readfence.engine.adapt` was given
+=========================================  =====================================================
+
+Where each shared buffer appears is a *layout*: ``{buffer: dotted path}`` (the table's defaults,
+:data:`DEFAULT_LAYOUT`); name your engine's attributes instead, e.g. ``{"state_slots":
+"req_to_token_pool.req_index_to_mamba_index_mapping"}``. The forward batch carries the same pools,
+over the tensors of the call (so a read through it is traced as a read of its argument).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from readfence.core import SHARED_BUFFERS, ModelConfig, tokens_per_request
+from readfence.core._checks import did_you_mean
+
+from ._contract import ContractError, EngineMode
+
+#: Where each shared buffer appears on the runner (and on the forward batch) by default.
+DEFAULT_LAYOUT: dict[str, str] = {
+    "req_to_token": "req_to_token_pool.req_to_token",
+    "seq_lens": "req_to_token_pool.seq_lens",
+    "swa_map": "token_to_kv_pool.full_to_swa_index_mapping",
+    "state_slots": "req_to_token_pool.state_slots",
+}
+
+#: Attributes of the runner and the forward batch that a layout path may not replace.
+_RESERVED = frozenset({
+    "device", "model_config", "cfg", "server_args", "max_batch_size", "forward_mode", "batch_size",
+    "num_tokens", "tokens_per_request", "input_ids", "positions", "req_pool_indices", "out_cache_loc",
+    "seq_lens", "seq_lens_cpu", "seq_lens_sum", "spec_info", "narrow", "split",
+})
+_POOLS = ("req_to_token_pool", "token_to_kv_pool", "state_pool")
+
+
+def check_layout(buffers: Mapping[str, str] | None) -> dict[str, str]:
+    """The layout with ``buffers`` overriding :data:`DEFAULT_LAYOUT`; a ``ValueError`` names an
+    unknown buffer (with the closest name), a path that is not dotted identifiers, a path that
+    would replace a fixed attribute, or two buffers at one path.
+
+    >>> check_layout({"state_slots": "req_to_token_pool.mamba_index"})["state_slots"]
+    'req_to_token_pool.mamba_index'
+    >>> check_layout({"req_to_tokn": "page_table"})  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: buffers names unknown buffer 'req_to_tokn'; shared buffers are req_to_token, seq_lens,
+    swa_map, state_slots; did you mean 'req_to_token'?
+    """
+    if buffers is None:
+        return dict(DEFAULT_LAYOUT)
+    if not isinstance(buffers, Mapping):
+        raise TypeError(f"buffers must be a mapping {{shared buffer: dotted path}}, got {buffers!r} "
+                        f"({type(buffers).__name__})")
+    layout = dict(DEFAULT_LAYOUT)
+    for buffer, path in buffers.items():
+        if buffer not in SHARED_BUFFERS:
+            raise ValueError(f"buffers names unknown buffer {buffer!r}; shared buffers are "
+                             f"{', '.join(SHARED_BUFFERS)}{did_you_mean(buffer, SHARED_BUFFERS)}")
+        parts = path.split(".") if isinstance(path, str) else []
+        if not parts or not all(p.isidentifier() for p in parts):
+            raise ValueError(f"buffers[{buffer!r}] must be a dotted attribute path such as "
+                             f"'req_to_token_pool.req_to_token', got {path!r}")
+        if parts[0] in _RESERVED or (len(parts) == 1 and parts[0] in _POOLS):
+            raise ValueError(f"buffers[{buffer!r}] = {path!r} would replace the runner's {parts[0]!r}; "
+                             f"put the buffer under a pool (e.g. 'req_to_token_pool.{parts[-1]}') or a new name")
+        layout[buffer] = path
+    seen: dict[str, str] = {}
+    for buffer, path in layout.items():
+        if path in seen:
+            raise ValueError(f"buffers {seen[path]!r} and {buffer!r} are both at {path!r}; give each its own path")
+        seen[path] = buffer
+    return layout
+
+
+def _place(root: Any, path: str, tensor: Tensor) -> None:
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        nxt = getattr(node, name, None)
+        if nxt is None:
+            nxt = types.SimpleNamespace()
+            setattr(node, name, nxt)
+        node = nxt
+    setattr(node, leaf, tensor)
+
+
+class ReqToTokenPool:
+    """The request-to-token pool: the page table (``req_to_token``), its row count and context."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.size = cfg.max_reqs
+        self.max_context_len = cfg.max_ctx
+
+
+class TokenToKVPool:
+    """The KV cache of every layer (full, and the sliding window's through ``swa_map``).
+
+    ``pools`` are readfence's model-owned caches (``k_cache`` ``[layers, slots, heads, dim]``...).
+    """
+
+    def __init__(self, cfg: ModelConfig, pools: Mapping[str, Tensor]) -> None:
+        self.size = cfg.num_slots
+        self.swa_size = cfg.num_swa_slots
+        self.head_num = cfg.heads
+        self.head_dim = cfg.head_dim
+        self.layer_num = cfg.layers
+        self._pools = pools
+
+    @property
+    def k_buffer(self) -> Tensor:
+        """Keys of every layer ``[layers, slots, heads, dim]`` (``k_buffer[layer]`` is one layer's)."""
+        return self._pools["k_cache"]
+
+    @property
+    def v_buffer(self) -> Tensor:
+        return self._pools["v_cache"]
+
+    @property
+    def swa_k_buffer(self) -> Tensor:
+        """The sliding window's keys ``[layers, swa slots, heads, dim]``."""
+        return self._pools["swa_k_cache"]
+
+    @property
+    def swa_v_buffer(self) -> Tensor:
+        return self._pools["swa_v_cache"]
+
+    def get_key_buffer(self, layer_id: int) -> Tensor:
+        return self._pools["k_cache"].select(0, layer_id)
+
+    def get_value_buffer(self, layer_id: int) -> Tensor:
+        return self._pools["v_cache"].select(0, layer_id)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer_id: int, loc: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
+        """Write ``cache_k``/``cache_v`` ``[T, heads, dim]`` of ``layer_id`` at slots ``loc``."""
+        self.get_key_buffer(layer_id).index_copy_(0, loc, cache_k)
+        self.get_value_buffer(layer_id).index_copy_(0, loc, cache_v)
+
+    def get_swa_key_buffer(self, layer_id: int) -> Tensor:
+        return self._pools["swa_k_cache"].select(0, layer_id)
+
+    def get_swa_value_buffer(self, layer_id: int) -> Tensor:
+        return self._pools["swa_v_cache"].select(0, layer_id)
+
+    def set_swa_kv_buffer(self, layer_id: int, swa_loc: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
+        """Write the sliding-window cache at its own slots ``swa_loc`` (``swa_map[full slot]``)."""
+        self.get_swa_key_buffer(layer_id).index_copy_(0, swa_loc, cache_k)
+        self.get_swa_value_buffer(layer_id).index_copy_(0, swa_loc, cache_v)
+
+
+class StatePool:
+    """Linear-attention recurrent states ``[slots, heads, dim, dim]`` per layer."""
+
+    def __init__(self, cfg: ModelConfig, pools: Mapping[str, Tensor]) -> None:
+        self.size = cfg.num_state_slots
+        self._pools = pools
+
+    def get_state(self, layer_id: int) -> Tensor:
+        return self._pools["state"].select(0, layer_id)
+
+
+class _Pools:
+    """The three pool objects over one set of shared buffers and pools, laid out."""
+
+    def __init__(self, cfg: ModelConfig, shared: Mapping[str, Tensor], pools: Mapping[str, Tensor],
+                 layout: Mapping[str, str]) -> None:
+        self.req_to_token_pool = ReqToTokenPool(cfg)
+        self.token_to_kv_pool = TokenToKVPool(cfg, pools)
+        self.state_pool = StatePool(cfg, pools)
+        for buffer, path in layout.items():
+            _place(self, path, shared[buffer])
+
+
+class ModelConfigView:
+    """The model's sizes under an engine's names (``num_attention_heads``, ``head_dim``...)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.num_attention_heads = cfg.heads
+        self.num_key_value_heads = cfg.heads
+        self.head_dim = cfg.head_dim
+        self.hidden_size = cfg.hidden
+        self.num_hidden_layers = cfg.layers
+        self.context_len = cfg.max_ctx
+        self.vocab_size = cfg.vocab
+
+
+class ModelRunnerView(_Pools):
+    """What an engine backend's factory receives: readfence's live state as a model runner.
+
+    ``factory(runner) -> backend object`` may keep any of it (the pools hold the very tensors
+    the step reads; readfence matches them by memory). See the module docstring for the names.
+    """
+
+    def __init__(self, cfg: ModelConfig, state: Mapping[str, Mapping[str, Tensor]], layout: Mapping[str, str],
+                 server_args: Mapping[str, Any] | None = None) -> None:
+        super().__init__(cfg, state["shared"], state["pools"], layout)
+        self.cfg = cfg
+        self.model_config = ModelConfigView(cfg)
+        self.device = next(iter(state["shared"].values())).device
+        self.max_batch_size = cfg.max_reqs
+        self.server_args = types.SimpleNamespace(**dict(server_args or {}))
+
+
+class AttentionLayer:
+    """The ``layer`` argument of ``forward`` (SGLang's ``RadixAttention``'s fields)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        self.layer_id = layer_id
+        self.tp_q_head_num = self.tp_k_head_num = self.tp_v_head_num = cfg.heads
+        self.head_dim = self.qk_head_dim = self.v_head_dim = cfg.head_dim
+        self.scaling = cfg.head_dim ** -0.5
+        self.sliding_window_size = -1
+        self.logit_cap = 0.0
+
+
+class ForwardBatch(_Pools):
+    """One call's batch: readfence's step inputs under an engine's names.
+
+    ``batch_size``, ``num_tokens`` and ``tokens_per_request`` are host ints (static shapes);
+    ``input_ids``, ``positions``, ``req_pool_indices``, ``out_cache_loc`` the batch's tensors;
+    ``seq_lens`` gathers this batch's lengths from the shared ``seq_lens`` *where it is read*
+    (a read of the shared buffer there and then); ``seq_lens_cpu`` and ``seq_lens_sum`` read
+    them on the host. The pools (``req_to_token_pool``...) are over this call's tensors.
+    ``split(parts)`` gives micro-batches of consecutive requests (two-batch overlap).
+    """
+
+    def __init__(self, cfg: ModelConfig, mode: EngineMode, shared: Mapping[str, Tensor], batch: Mapping[str, Tensor],
+                 pools: Mapping[str, Tensor], layout: Mapping[str, str]) -> None:
+        super().__init__(cfg, shared, pools, layout)
+        self.cfg, self.forward_mode, self._shared, self._layout = cfg, mode, shared, layout
+        self.input_ids = batch["input_ids"]
+        self.positions = batch["positions"]
+        self.req_pool_indices = batch["req_pool_indices"]
+        self.out_cache_loc = batch["out_cache_loc"]
+        self.batch_size = int(self.req_pool_indices.shape[0])
+        self.num_tokens = int(self.input_ids.shape[0])
+        self.tokens_per_request = tokens_per_request(mode.readfence)
+        self.spec_info = None
+
+    @property
+    def seq_lens(self) -> Tensor:
+        """``[batch_size]`` int32: this batch's lengths (new tokens included), read from the shared
+        ``seq_lens`` now."""
+        return self._shared["seq_lens"].index_select(0, self.req_pool_indices)
+
+    @property
+    def seq_lens_cpu(self) -> Tensor:
+        """The lengths, for host reads (``.tolist()``, ``int(...)``: reads on the host)."""
+        return self.seq_lens.cpu()
+
+    @property
+    def seq_lens_sum(self) -> int:
+        """The total length of the batch, read on the host."""
+        return int(self.seq_lens.sum())
+
+    def narrow(self, lo: int, hi: int) -> ForwardBatch:
+        """The micro-batch of requests ``lo..hi`` (the same pools and shared buffers)."""
+        n = self.tokens_per_request
+        batch = {"input_ids": self.input_ids.narrow(0, lo * n, (hi - lo) * n),
+                 "positions": self.positions.narrow(0, lo * n, (hi - lo) * n),
+                 "req_pool_indices": self.req_pool_indices.narrow(0, lo, hi - lo),
+                 "out_cache_loc": self.out_cache_loc.narrow(0, lo * n, (hi - lo) * n)}
+        return ForwardBatch(self.cfg, self.forward_mode, self._shared, batch, self.token_to_kv_pool._pools,
+                            self._layout)
+
+    def split(self, parts: int) -> list[ForwardBatch]:
+        """``parts`` micro-batches of consecutive requests (sizes as ``torch.tensor_split``)."""
+        from readfence.core._state import request_ranges
+
+        return [self.narrow(lo, hi) for lo, hi in request_ranges(self.batch_size, parts)]
+
+
+def check_state(cfg: ModelConfig, state: Mapping[str, Mapping[str, Tensor]], who: str) -> None:
+    """``state`` has the shared buffers, pools and params of ``cfg``'s shapes."""
+    for group in ("shared", "pools", "params"):
+        if group not in state:
+            raise ValueError(f"{who}: state must have 'shared', 'pools' and 'params' (readfence.graph.make_state), "
+                             f"it lacks {group!r}")
+    missing = [b for b in SHARED_BUFFERS if b not in state["shared"]]
+    if missing:
+        raise ValueError(f"{who}: state['shared'] lacks {missing}")
+    table = state["shared"]["req_to_token"]
+    if tuple(table.shape) != (cfg.max_reqs, cfg.max_ctx):
+        raise ContractError(f"{who}: the state's page table is {tuple(table.shape)}, but the model config has "
+                            f"max_reqs={cfg.max_reqs}, max_ctx={cfg.max_ctx}: pass the state made for this cfg")
+

@@ -1,0 +1,76 @@
+"""``readfence audit --engine`` and ``readfence verify --engine``: an engine's own backend object."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SMALL = "tests.engine.cli_engines"
+
+
+def test_audit_names_the_unsound_child_by_method_buffer_and_op(cli):
+    result = cli("audit", "--engine", f"{SMALL}:minimax_hybrid", "--mode", "decode", "--batch-size", "2")
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"engine: {SMALL}:minimax_hybrid"
+    assert lines[1].split() == ["backend", "mode", "buffer", "declared", "truth", "source", "verdict"]
+    assert any(x.startswith("UNSOUND: MiniMaxHybridAttnBackend/attn_backend_list[0]/MiniMaxSparseBackend in DECODE: "
+                            "req_to_token declared IN_REPLAY but read until POST_REPLAY by forward: "
+                            "aten.index_select.default") for x in lines), result.output
+    assert "2 unsound" in result.output
+
+
+def test_audit_json_labels_traced_and_observed_rows(cli):
+    result = cli("audit", "--engine", f"{SMALL}:PAIR", "--mode", "decode", "--batch-size", "2", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    sources = {(r["engine"].rsplit("'", 2)[-2], r["buffer"]): (r["source"], r["truth"], r["verdict"]) for r in rows}
+    assert sources[("triton", "req_to_token")] == ("traced", "IN_REPLAY", "exact")
+    assert sources[("host_bounds", "req_to_token")] == ("observed", "POST_REPLAY", "exact")
+    assert all(r["schema_version"] == 1 and r["declared"] for r in rows)
+
+
+def test_the_reference_engine_is_reachable_by_name(cli):
+    result = cli("audit", "--engine", "readfence.engine.reference:minimax_sparse", "--mode", "decode",
+                 "--batch-size", "2")
+    assert result.exit_code == 1
+    assert "MiniMaxSparseBackend  DECODE  req_to_token  IN_REPLAY  POST_REPLAY  traced  unsound" in result.output
+
+
+def test_verify_runs_each_policy_and_the_engine_runner(cli):
+    result = cli("verify", "--engine", f"{SMALL}:triton", "--steps", "2", "--batch-size", "2", "--policy",
+                 "per_buffer,exact")
+    assert result.exit_code == 0, result.output
+    assert [x.split()[0] for x in result.output.splitlines() if x.startswith("  ")] == ["PER_BUFFER", "EXACT", "ENGINE"]
+    assert "every fence matched the serial run bit for bit" in result.output
+    bad = cli("verify", "--engine", f"{SMALL}:minimax_hybrid", "--steps", "2", "--batch-size", "2", "--policy", "exact",
+              "--json")
+    assert bad.exit_code == 1
+    rows = {r["fence"]: r for r in json.loads(bad.output)}
+    assert (rows["EXACT"]["verdict"], rows["EXACT"]["evidence"]) == ("unsound declaration", "audit")
+    assert (rows["ENGINE RUNNER"]["verdict"], rows["ENGINE RUNNER"]["buffer"]) == ("late read", "req_to_token")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["audit", "--engine", "tests.engine"], "Error: --engine takes MODULE:FACTORY"),
+    (["audit", "--engine", "no_such_module_here:x"], "Error: cannot import module 'no_such_module_here'"),
+    (["audit", "--engine", f"{SMALL}:nope"], f"Error: module '{SMALL}' has no attribute 'nope'"),
+    (["audit", "--engine", f"{SMALL}:raises"], f"Error: {SMALL}:raises() raised RuntimeError: no GPU"),
+    (["audit", "--engine", f"{SMALL}:not_an_engine"], f"Error: {SMALL}:not_an_engine() returned 42 (int)"),
+    (["audit", "--engine", f"{SMALL}:two_arguments"], "Error: tests.engine.cli_engines:two_arguments takes 2 required"),
+    (["audit", "--engine", f"{SMALL}:factory_raising"], "Error: tests.engine.cli_engines:factory_raising: the factory "
+                                                        "factory_raising(runner) raised KeyError: 'kv pool'"),
+    (["audit", "paged", "--engine", f"{SMALL}:triton"], "Error: give SPEC or --engine MODULE:FACTORY, not both"),
+    (["audit", "--engine", f"{SMALL}:triton", "--mode", "idle"], "Error: invalid --mode 'idle'"),
+    (["audit", "--engine", f"{SMALL}:triton", "--batch-size", "5"], "Error: invalid --batch-size 5: "
+                                                                      f"{SMALL}:triton serves at most 4 requests"),
+    (["verify"], "Error: give SPEC (a backend spec or step shape) or --engine MODULE:FACTORY"),
+    (["verify", "--engine", f"{SMALL}:triton", "--unsafe-skip-soundness-check"],
+     "Error: --unsafe-skip-soundness-check is for SPEC"),
+])
+def test_bad_engine_input_exits_2_with_one_line(cli, args, message):
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().startswith(message), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

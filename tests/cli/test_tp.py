@@ -1,0 +1,95 @@
+"""``readfence demo --tp N`` and ``readfence verify --tp N``: each rank's report, exit status,
+bad input; the launch under torchrun's environment."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import torch
+
+import readfence.parallel
+from readfence.parallel import RankFailure, TensorParallelError, launch
+
+from ..parallel import jobs
+
+SMALL = ("--steps", "3", "--batch-size", "2")
+
+
+def test_demo_runs_every_rank_against_its_serial_run(cli):
+    result = cli("demo", "--tp", "2", "--policy", "exact", *SMALL, "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [(r["rank"], r["policy"]) for r in rows] == [(0, "COARSE"), (0, "EXACT"), (1, "COARSE"), (1, "EXACT")]
+    assert all(r["tp"] == 2 and r["matches_serial"] and r["violations"] == 0 for r in rows), rows
+    assert all(r["steps_per_s"] > 0 and r["schema_version"] == 1 for r in rows)
+
+
+def test_verify_prints_each_rank_report(cli):
+    result = cli("verify", "paged", "--tp", "2", "--policy", "per_buffer", *SMALL)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert out.startswith("tensor parallel: 2 ranks (gloo on cpu), each with its own scheduler")
+    assert "reference: on every rank, a serial run with the same sharding" in out
+    blocks = out.split("[rank ")[1:]
+    assert [b[0] for b in blocks] == ["0", "1"]
+    for block in blocks:
+        assert "audit: every declaration sound at batch sizes 1, 2, 16" in block
+        assert "  PER_BUFFER clean; poisoned on release: req_to_token, seq_lens" in block
+    assert out.rstrip().splitlines()[-1].startswith("every rank: clean under every policy")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("demo", "--tp", "3"), "invalid --tp 3: the tiny model has 2 attention heads and 64 MLP columns"),
+    (("demo", "--tp", "2", "--trace", "run.json"), "--trace and --plot draw one process's streams"),
+    (("verify", "paged", "--tp", "0"), "invalid --tp '0'"),
+])
+def test_bad_input_is_one_error_line_before_any_rank_starts(cli, args, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = cli(*args)
+    assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_a_failed_rank_is_named_and_the_command_exits_1(cli, monkeypatch):
+    failures = [RankFailure(0, "collective", "Timed out waiting 60000ms", 20),
+                RankFailure(1, "stalled", "timed out after 90 s waiting for event 'done'", 19)]
+
+    def failing(*args, **kwargs):
+        raise TensorParallelError(failures, 2)
+
+    monkeypatch.setattr(readfence.parallel, "launch", failing)
+    result = cli("demo", "--tp", "2", *SMALL)
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: tensor-parallel run of 2 ranks failed on rank 1: rank 1 stalled")
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """This process as rank 0 of a group of one, the way torchrun starts a rank (the store is
+    hosted here, as torchrun's agent hosts it)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "another test left a process group initialised in this process"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(key, value)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    del store
+
+
+def test_under_torchrun_only_this_rank_runs(torchrun_env):
+    import torch.distributed as dist
+
+    assert readfence.parallel.under_torchrun()
+    assert launch(jobs.nothing, tp=1) == {0: 0}
+    assert not dist.is_initialized()
+    with pytest.raises(TensorParallelError, match="rank 0 raised an error after 0 collective"):
+        launch(jobs.fails, tp=1)
+    assert not dist.is_initialized()  # destroyed whatever the job did
+    with pytest.raises(TensorParallelError, match=r"started in a group of 1 ranks \(WORLD_SIZE\), but --tp is 2"):
+        launch(jobs.nothing, tp=2)

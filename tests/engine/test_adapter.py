@@ -1,0 +1,126 @@
+"""The adapter on objects it has never seen (classes written here against the contract alone),
+through readfence's own audit, lower, run loop and verify, and through the engine layer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from returns.pipeline import is_successful
+
+from readfence.core import CapturedStateError, ForwardMode, audit
+from readfence.effects import ReadEnd
+from readfence.engine import RUNNER, adapt, audit_engine, verify_engine
+from readfence.graph import Policy, make_state, run_overlapped, run_serial
+
+from .classes import ForgetfulWrapper, HostBounds, KeepsAView, KeptCopies, RenamedSlots
+from .conftest import CFG
+
+M = ForwardMode
+PRE, IN, POST = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY
+
+
+def _verdicts(report, path=None):
+    return {(r.buffer): (r.verdict, r.source, r.truth) for r in report.rows() if path is None or r.backend == path}
+
+
+def test_state_kept_in_init_is_read_where_the_code_reads_it_and_lowered_on_that_state(dev):
+    engine = adapt(KeptCopies, cfg=CFG)
+    # readfence's own audit takes it (the object's kept references matched against its state)
+    assert audit(engine, M.DECODE, cfg=CFG, batch_sizes=[2], state=engine.state).map(lambda r: r.sound).unwrap()
+    serial = run_serial(engine, steps=4, batch_size=2, cfg=CFG, state=engine.state)
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):
+        run = run_overlapped(engine, steps=4, policy=policy, device=dev, batch_size=2, cfg=CFG, state=engine.state)
+        assert run.matches(serial) and run.violations == (), policy
+    # another state: the object still reads the one it was built over, and lowering says so
+    with pytest.raises(CapturedStateError, match="pass the state the backend keeps references to"):
+        run_overlapped(engine, steps=1, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG)
+    other = make_state(CFG)
+    rebound = engine.bind(other)
+    assert rebound.state is other and rebound.object is not engine.object
+    assert rebound.object.table is other["shared"]["req_to_token"]
+    serial = run_serial(rebound, steps=4, batch_size=2, cfg=CFG, state=other)
+    run = run_overlapped(rebound, steps=4, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG, state=other)
+    assert run.matches(serial) and run.violations == ()
+
+
+def test_a_view_kept_across_the_boundary_is_a_late_read_named_by_method_and_op(dev):
+    engine = adapt(KeepsAView, cfg=CFG)
+    failure = audit(engine, M.DECODE, cfg=CFG, batch_sizes=[2], state=engine.state).failure()
+    assert (failure.buffer, failure.declared, failure.observed) == ("req_to_token", PRE, POST)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    (row,) = report.unsound()
+    assert (row.buffer, row.method, row.op, row.source) == ("req_to_token", "forward", "aten.index_select.default",
+                                                            "traced")
+    assert "classes.py" in row.where and "indices_now" in row.where
+    result = verify_engine(engine, device=dev, policies=[Policy.PER_BUFFER], steps=3, batch_size=2)
+    per_buffer, runner = result.rows
+    assert (per_buffer.finding.kind, per_buffer.finding.evidence) == ("unsound declaration", "audit")
+    # the engine's runner trusts the declaration: the read after its fence is caught at run time
+    assert (runner.name, runner.finding.kind, runner.finding.buffer, runner.finding.stage) == (
+        RUNNER, "late read", "req_to_token", "body")
+
+
+def test_data_dependent_shapes_are_audited_by_observation_and_run_under_the_runner(dev):
+    engine = adapt(HostBounds, cfg=CFG)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[1, 2], steps=2)
+    assert _verdicts(report)["req_to_token"] == ("exact", "observed", POST)
+    assert _verdicts(report)["seq_lens"] == ("exact", "observed", POST)
+    node = report.find("HostBounds", M.DECODE)
+    assert {stage for stage, _, _ in node.untraceable} == {"prepare_out_graph", "body"}
+    # both stages run as Python in the step: every buffer until POST_REPLAY, which it declares
+    assert node.lowering == ""
+    assert "cover only the paths that ran" in report.table()
+    result = verify_engine(engine, device=dev, steps=3, batch_size=2)
+    assert [r.name for r in result.rows if r.clean] == [*(p.name for p in Policy), RUNNER], str(result)
+    # declared before the replay's end, the same class is refused by readfence's lowering
+    early = engine.redeclared(M.DECODE, ReadEnd.IN_REPLAY)
+    refused = audit_engine(early, M.DECODE, batch_sizes=[2], steps=1).find("HostBounds", M.DECODE)
+    assert "COARSE only" in refused.lowering and "POST_REPLAY in it" in refused.lowering
+
+
+def test_a_buffer_the_engine_keeps_under_its_own_name_is_found_through_the_layout(dev):
+    engine = adapt(RenamedSlots, cfg=CFG, buffers={"state_slots": "mamba.indices"})
+    assert engine.object.indices_of is engine.state["shared"]["state_slots"]
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    assert _verdicts(report)["state_slots"] == ("exact", "traced", IN)
+    assert _verdicts(report)["swa_map"] == ("conservative", "traced", ReadEnd.NONE)
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+    assert result.ok, str(result)
+
+
+def test_a_wrapper_that_does_not_delegate_is_unsound_while_its_children_are_sound(dev):
+    engine = adapt(ForgetfulWrapper, cfg=CFG)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    assert [(r.backend, r.buffer) for r in report.unsound()] == [("ForgetfulWrapper", "req_to_token")]
+    child = "ForgetfulWrapper/attn_backend_list[1]/KeepsAView"
+    assert _verdicts(report, child)["req_to_token"] == ("exact", "traced", POST)
+    result = verify_engine(engine, device=dev, policies=[], steps=3, batch_size=2)
+    assert result.row(RUNNER).finding.kind == "late read"
+
+
+def test_a_step_make_fx_cannot_trace_is_audited_by_observation_and_not_lowered(dev):
+    class Branches(KeptCopies):
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            if torch.equal(q, q):  # data-dependent control flow make_fx refuses
+                return super().forward(q, k, v, layer, forward_batch, save_kv_cache)
+            return q
+
+    engine = adapt(Branches, cfg=CFG)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    assert _verdicts(report)["req_to_token"] == ("exact", "observed", PRE)
+    assert "make_fx cannot trace it" in report.find("Branches", M.DECODE).lowering
+    result = verify_engine(engine, device=dev, policies=[Policy.COARSE], steps=2, batch_size=2)
+    assert [(r.finding.kind, r.finding.evidence) for r in result.rows] == [("refused", "audit")] * 2
+
+
+def test_readfence_lowering_and_the_runner_see_the_very_tensors_the_object_reads(dev):
+    # poison lands in the engine's own buffers: an early fence changes what the object computes
+    engine = adapt(KeepsAView, cfg=CFG)
+    early = engine.redeclared(M.DECODE, PRE)
+    result = verify_engine(engine, device=dev, policies=[], steps=2, batch_size=2)
+    assert result.row(RUNNER).finding.evidence == "observer"
+    from readfence.graph import verify
+
+    caught = verify(early, M.DECODE, policy=Policy.PER_BUFFER, steps=2, batch_size=2, device=dev, cfg=CFG,
+                    state=engine.state, observer=False, UNSAFE_skip_soundness_check=True)
+    assert not is_successful(caught) and caught.failure().evidence == "poison"
