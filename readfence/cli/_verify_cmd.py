@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import click
 
-from readfence.core import ForwardMode, ModelConfig, StageWriteError, audit, default_batch_sizes, tokens_per_request
+from readfence.core import ForwardMode, ModelConfig, StageThreadError, StageWriteError, audit, default_batch_sizes, tokens_per_request
 from readfence.graph import (
     LateRead,
     Policy,
@@ -36,6 +36,8 @@ from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode
 _ADVICE = {
     "write": "the forward changes a shared buffer the scheduler owns, and no fence makes that correct: "
              "stages may only read shared buffers (write a copy, or a pool)",
+    "thread": "a stage hands work to another thread, and no fence covers what it reads (COARSE "
+              "included): do the work in the stage itself",
     "refused": "no fence makes this step correct (see the detail): keep no trace-time state in the "
                "graph, and no host read inside it",
     "differs": "the outputs differ from the serial run with nothing poisoned: the step is not a "
@@ -51,10 +53,11 @@ _UNSEEN = ("a late read no static analysis saw: code the tracer does not see (a 
 
 @attrs.frozen
 class AuditFinding:
-    """What the audit refused before anything ran: an unsound declaration or a stage that writes.
+    """What the audit refused before anything ran: an unsound declaration, a stage that writes,
+    or one that hands work to another thread.
 
     An unsound declaration concerns every policy but COARSE (which waits for the whole forward
-    whatever the declarations); a write concerns them all.
+    whatever the declarations); a write or a thread concerns them all.
 
     >>> f = AuditFinding("unsound declaration", "req_to_token", "prepare_in_graph", "index_select", "...", "...")
     >>> [p.name for p in Policy if f.concerns(p)]
@@ -69,7 +72,7 @@ class AuditFinding:
     fix: str
 
     def concerns(self, policy: Policy) -> bool:
-        return self.kind == "write" or policy is not Policy.COARSE
+        return self.kind in ("write", "thread") or policy is not Policy.COARSE
 
     def late_read(self, target: str, mode: ForwardMode, policy: Policy) -> LateRead:
         return LateRead(target, mode, policy, self.kind, "audit", self.buffer, None, self.stage, self.op,
@@ -101,6 +104,8 @@ def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
             result = audit(backend, m, batch_sizes=batch_sizes, cfg=cfg)
         except StageWriteError as e:
             return AuditFinding("write", e.buffer, e.stage, e.op, str(e), _ADVICE["write"])
+        except StageThreadError as e:
+            return AuditFinding("thread", None, e.stage, e.what, str(e), _ADVICE["thread"])
         if result.map(lambda _: True).value_or(False):
             continue
         bad = result.failure()

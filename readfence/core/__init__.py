@@ -42,6 +42,7 @@ __all__ = [
 # -- tracing and audit ----------------------------------------------------------------------
 from ._audit import AuditReport, BufferAudit, Unsound, audit, audit_report, default_batch_sizes
 from ._program import Program, StageGraph, flatten_inputs
+from ._threads import StageThreadError
 from ._trace import CapturedStateError, StageWriteError, bind, clear_trace_cache, trace, trace_cache_size
 
 __all__ += [
@@ -50,6 +51,7 @@ __all__ += [
     "CapturedStateError",
     "Program",
     "StageGraph",
+    "StageThreadError",
     "StageWriteError",
     "Unsound",
     "audit",

@@ -40,6 +40,7 @@ from ._program import OUT_OF_GRAPH, Program
 from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
 from ._schema import bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
+from ._threads import watch_threads
 
 Kind = Literal["read", "write", "escape"]
 
@@ -381,6 +382,7 @@ class Observation:
 
 
 def _observe_step(
+    backend: str,
     inputs: Mapping[str, Any],
     prepare_out_graph: Callable[..., Any],
     prepare_in_graph: Callable[..., Any],
@@ -390,13 +392,20 @@ def _observe_step(
     shared = inputs.get("shared", {})
     batch = inputs.get("batch", {})
     observer = ReadObserver(shared, step=step)
+
+    @contextlib.contextmanager
+    def stage(name: str) -> Iterator[None]:
+        # the observer follows this thread only: work the stage hands to another is refused
+        with observer.stage(name), watch_threads(backend, name, "the read observer"):
+            yield
+
     with observer:
-        with observer.stage("prepare_out_graph"):
+        with stage("prepare_out_graph"):
             # the copy into the graph's static inputs reads here (cross_into_graph)
             meta = cross_into_graph(prepare_out_graph(shared=shared, batch=batch))
-        with observer.stage("prepare_in_graph"):
+        with stage("prepare_in_graph"):
             meta = {**meta, **prepare_in_graph(shared=shared, batch=batch, meta=meta)}
-        with observer.stage("body"):
+        with stage("body"):
             out = body(**inputs, meta=meta)
             observer.consume(out, "output")  # the step's caller reads the logits
     return observer.accesses
@@ -428,7 +437,7 @@ def observe_functions(
     (ReadEffect({'seq_lens': IN_REPLAY}, default=NONE), ('prepare_in_graph', 'aten.add.Tensor'))
     """
     mode = check_mode(mode)
-    accesses = _observe_step(inputs, prepare_out_graph, prepare_in_graph, body, 0)
+    accesses = _observe_step(backend, inputs, prepare_out_graph, prepare_in_graph, body, 0)
     buffers = tuple(inputs.get("shared", {}).keys())
     return Observation(backend, mode, buffers, tuple(accesses), 1, ())
 
@@ -490,6 +499,7 @@ def observe(
         step = example_step(cfg, mode, size, seed=seed + i)
         buffers = tuple(step.shared)
         accesses += _observe_step(
+            backend.name,
             {"shared": step.shared, "batch": step.batch, "pools": step.pools, "params": step.params},
             lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
             lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
@@ -544,7 +554,7 @@ def observe_program(program: Program, env: MutableMapping[str, torch.Tensor],
                 results = _NodeLabels(s.gm, observer, s.name).run(*[env[n] for n in s.inputs])
                 outputs = dict(zip(s.outputs, results, strict=True))
             else:
-                with observer.stage(f"{s.name}:{first}"):
+                with observer.stage(f"{s.name}:{first}"), watch_threads(program.backend, s.name, "the read observer"):
                     outputs = s.run(env)
             if s.name == OUT_OF_GRAPH:
                 last = next(reversed(s.gm.graph.nodes)).name

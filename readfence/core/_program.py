@@ -47,8 +47,10 @@ graph captures kernels, not Python: ``lower`` refuses an in-graph stage that esc
 (``UncapturableStage``; the trace there runs on fake tensors, and already stops at the escape).
 
 What the rule does not cover is work the stage hands to code that runs later, outside the
-step's launches: a thread or callback it starts, or a tensor, pointer or array it keeps for a
-kernel to read (the plan/run pattern). A reference escaping on the traced path
+step's launches: a callback, or a tensor, pointer or array it keeps for a kernel to read (the
+plan/run pattern). Threads are watched (``readfence.core._threads``): a thread or pool job a
+stage starts is refused while it is traced or observed, and when still running as the
+stage's Python returns in a step. A reference escaping on the traced path
 (``data_ptr()``, DLPack, numpy) may be read through at any later time: its buffers are
 ``UNKNOWN`` wherever it happens; on a path the trace did not take only the runtime checks see
 such reads. A view the stage keeps on ``self`` and reads in a later step's Python stage is

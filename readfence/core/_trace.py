@@ -49,6 +49,7 @@ from ._program import (
 )
 from ._protocol import BackendLike, cross_into_graph
 from ._schema import op_aliasing
+from ._threads import watch_threads
 
 
 class StageWriteError(Exception):
@@ -407,7 +408,7 @@ def _trace_stage(
         flat = list(leaves)
         for i, t in zip(tensor_pos, tensors, strict=True):
             flat[i] = t
-        with _TraceMode(fake=fake_mode is not None):
+        with _TraceMode(fake=fake_mode is not None), watch_threads(backend, stage, "the trace"):
             out = fn(**rebuild(flat))
         pairs = outputs_of(out)
         stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
@@ -417,7 +418,8 @@ def _trace_stage(
         flat = list(leaves)
         for i, n in zip(tensor_pos, input_names, strict=True):
             flat[i] = env[n]
-        return dict(outputs_of(fn(**rebuild(flat))))
+        with watch_threads(backend, stage):
+            return dict(outputs_of(fn(**rebuild(flat))))
 
     args = [leaves[i] for i in tensor_pos]
     if fake_mode is not None:

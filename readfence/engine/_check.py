@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 from returns.pipeline import is_successful
 
-from readfence.core import CapturedStateError, ForwardMode, StageWriteError
+from readfence.core import CapturedStateError, ForwardMode, StageThreadError, StageWriteError
 from readfence.core._checks import check_forward_mode, positive_int
 from readfence.graph import (
     Device,
@@ -253,7 +253,8 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
                 try:
                     runs[name].append(run_overlapped(target, mode, policy=policy, device=device, state=state,
                                                      write_wait_s=write_wait_s, **common))
-                except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, EngineError) as e:
+                except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, StageThreadError,
+                        EngineError) as e:
                     refused[name] = str(e).split(": ", 1)[-1][:160]
     rows = []
     for name, _, _ in targets:

@@ -30,6 +30,7 @@ from readfence.core import (
     CapturedStateError,
     ForwardMode,
     ModelConfig,
+    StageThreadError,
     bind,
     example_step,
     init_params,
@@ -44,7 +45,7 @@ from readfence.core._memory import BufferMap
 from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
-from ..devices import Device, Event, Op, Stream, Timeline
+from ..devices import Device, DeviceError, Event, Op, Stream, Timeline
 from ..devices._copy import copy_from_host
 from ..devices._open import check_device
 from ._fence import Bound, Fence
@@ -192,7 +193,12 @@ class Lowered:
             self._observed = observe_program(self.program, env, buffers)
 
         self.stream.launch(rehearse, label=f"{self.label}/rehearse")
-        self.stream.synchronize()
+        try:
+            self.stream.synchronize()
+        except DeviceError as e:  # the backend's own error, not the device's: name it as such
+            if isinstance(e.__cause__, StageThreadError):
+                raise e.__cause__ from None
+            raise
         return {k: torch.zeros_like(env[k], device=dev) for k in self.program.stage("prepare_out_graph").outputs}
 
     def _build_slot(self, r: int) -> _Slot:

@@ -31,11 +31,11 @@ import attrs
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageWriteError
+from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageThreadError, StageWriteError
 from readfence.core._checks import positive_int
 from readfence.core._memory import BufferMap
 
-from ..devices import Device
+from ..devices import Device, DeviceError
 from ..devices._open import check_device
 from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, make_state, torch_device
 from ..lowering._poison import poison_points
@@ -52,9 +52,10 @@ class LateRead:
     """A finding of :func:`verify`: a read after the buffer's release, a write by the forward,
     an output that differs, or a declaration the lowering refuses.
 
-    ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"`` or
-    ``"refused"`` (captured trace-time state, a stage no graph can capture);
-    ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``, ``"output"`` or ``"audit"``.
+    ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"``,
+    ``"thread"`` (a stage hands work to another thread: ``op`` names it) or ``"refused"``
+    (captured trace-time state, a stage no graph can capture); ``evidence``: ``"observer"``,
+    ``"poison"``, ``"guard"``, ``"output"``, ``"audit"`` or ``"run"`` (found while the step ran).
     """
 
     target: str
@@ -314,6 +315,12 @@ def verify(
             return Failure(_refused(name, mode, pol, e))
         except StageWriteError as e:
             return Failure(LateRead(name, mode, pol, "write", "audit", e.buffer, None, e.stage, e.op, str(e)))
+        except (StageThreadError, DeviceError) as e:  # a stage hands work to another thread
+            t = e if isinstance(e, StageThreadError) else e.__cause__
+            if not isinstance(t, StageThreadError):
+                raise
+            evidence = {"the trace": "audit", "the read observer": "observer"}.get(t.watcher or "", "run")
+            return Failure(LateRead(name, mode, pol, "thread", evidence, None, None, t.stage, t.what, str(t)))
         except (CapturedStateError, UncapturableStage) as e:  # no fence makes these correct
             return Failure(LateRead(name, mode, pol, "refused", "audit", detail=str(e)))
         seconds = time.perf_counter() - t0

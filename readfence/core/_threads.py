@@ -1,0 +1,135 @@
+"""Work a stage hands to another thread: no fence covers it.
+
+readfence sees and fences what a stage does on its own thread: the tracer and the runtime
+read observer follow that thread alone (torch's dispatch modes are thread-local), and a
+stage's reads end with the stage's launch. A thread the stage starts, or a job it submits to
+a thread pool, reads on a clock of its own: while the trace runs it is invisible, and once
+the stage has returned it may read a shared buffer after any fence, COARSE's included.
+
+`watch_threads` puts a stage's run under watch: the threads its thread starts
+(``threading.Thread.start``, which ``Timer`` and new pool workers use too) and the jobs it
+submits to a ``concurrent.futures.ThreadPoolExecutor``. While a stage is traced any such work
+or observed any such work is refused (they follow one thread); when its Python runs in a
+step, work still running when it returns is refused.
+Work handed over another way (a job queued to a thread that already runs, a callback a
+library calls later) is not seen: the output comparison with the serial run is the check
+for it.
+
+The watch wraps ``Thread.start`` and ``ThreadPoolExecutor.submit`` once, the first time a
+stage is watched; the wrappers only look up whether the calling thread is running a watched
+stage, so the rest of the process is unaffected.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+_watching = threading.local()  # .started: the work started by this thread's watched stage
+_install_lock = threading.Lock()
+_installed = False
+_OWN_FILES = (os.path.dirname(__file__), threading.__file__, os.path.dirname(concurrent.futures.__file__))
+
+
+class StageThreadError(ValueError):
+    """A stage hands work to another thread, which no fence covers.
+
+    ``what`` names the thread or job (its name and function), ``source`` the user's line
+    that started it; ``watcher`` is what found it: ``"the trace"`` or ``"the read observer"``
+    (any such work: they follow one thread), or ``None`` when the stage's Python ran in a step
+    (work still running when the stage returned).
+    """
+
+    def __init__(self, backend: str, stage: str, what: str, source: str, watcher: str | None) -> None:
+        self.backend, self.stage, self.what, self.source, self.watcher = backend, stage, what, source, watcher
+        when = (f"while {watcher} watched it ({watcher} follows the stage's own thread only)" if watcher
+                else "that was still running when the stage returned")
+        super().__init__(
+            f"backend {backend!r} stage {stage} starts {what} at {source} {when}; what another thread "
+            f"reads is covered by no fence (COARSE included): do the work in the stage itself"
+        )
+
+
+def _user_line() -> str:
+    # the innermost frame outside threading, concurrent.futures and this module
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_OWN_FILES):
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
+def _describe(fn: Any, kind: str, name: str | None = None) -> str:
+    qual = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{kind} {name!r} running {qual}" if name else f"{kind} running {qual}"
+
+
+def _install() -> None:
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        start, submit = threading.Thread.start, concurrent.futures.ThreadPoolExecutor.submit
+
+        def watched_start(self: threading.Thread) -> None:
+            started = getattr(_watching, "started", None)
+            if started is not None:
+                target = getattr(self, "_target", None) or getattr(self, "function", None) or self.run  # Timer: function
+                started.append((self.is_alive, _describe(target, "a thread", self.name), _user_line()))
+            start(self)
+
+        def watched_submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            started = getattr(_watching, "started", None)
+            if started is None:
+                return submit(self, fn, *args, **kwargs)
+            line = _user_line()
+            _watching.started = None  # the pool's own worker threads are the job's, not the stage's
+            try:
+                future = submit(self, fn, *args, **kwargs)
+            finally:
+                _watching.started = started
+            started.append((lambda: not future.done(), _describe(fn, "a thread-pool job"), line))
+            return future
+
+        for cls, name, wrapper in ((threading.Thread, "start", watched_start),
+                                   (concurrent.futures.ThreadPoolExecutor, "submit", watched_submit)):
+            setattr(cls, name, wrapper)
+        _installed = True
+
+
+@contextlib.contextmanager
+def watch_threads(backend: str, stage: str, watcher: str | None = None) -> Iterator[None]:
+    """Run a stage's Python under watch for work it hands to other threads.
+
+    ``watcher`` (``"the trace"``, ``"the read observer"``): what follows the stage's thread
+    meanwhile; any such work is refused. ``None``: the stage runs in a step; work still running
+    when the block ends is refused. A watch inside another hands what it saw to the outer one.
+    Raises :class:`StageThreadError`.
+
+    >>> import threading
+    >>> with watch_threads("toy", "body"):
+    ...     t = threading.Thread(target=lambda: None); t.start(); t.join()
+    >>> try:
+    ...     with watch_threads("toy", "body", "the trace"):
+    ...         t = threading.Thread(target=lambda: None, name="helper"); t.start(); t.join()
+    ... except StageThreadError as e:
+    ...     print(e.what)
+    a thread 'helper' running <lambda>
+    """
+    _install()
+    outer = getattr(_watching, "started", None)
+    started: list[tuple[Any, str, str]] = []
+    _watching.started = started
+    try:
+        yield
+    finally:
+        _watching.started = outer
+        if outer is not None:
+            outer.extend(started)
+    for running, what, source in started:
+        if watcher is not None or running():
+            raise StageThreadError(backend, stage, what, source, watcher)
