@@ -70,6 +70,8 @@ def _describe(fn: Any, kind: str, name: str | None = None) -> str:
 
 def _install() -> None:
     global _installed
+    if _installed:  # every watched stage run asks: no lock once installed
+        return
     with _install_lock:
         if _installed:
             return
