@@ -8,10 +8,9 @@ the stage has returned it may read a shared buffer after any fence, COARSE's inc
 
 `watch_threads` puts a stage's run under watch: the threads its thread starts
 (``threading.Thread.start``, which ``Timer`` and new pool workers use too) and the jobs it
-submits to a ``concurrent.futures.ThreadPoolExecutor``. While a stage is traced any such work
-or observed any such work is refused (they follow one thread); when its Python runs in a
-step, work still running when it returns is refused.
-Work handed over another way (a job queued to a thread that already runs, a callback a
+submits to a ``concurrent.futures.ThreadPoolExecutor``. While a stage is traced or observed,
+any such work is refused (the trace and the observer follow one thread); when its Python runs
+in a step, work still running when it returns is refused. Work handed over another way (a job queued to a thread that already runs, a callback a
 library calls later) is not seen: the output comparison with the serial run is the check
 for it.
 

@@ -69,12 +69,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def dev():
-    with CpuDevice(timeout=30.0) as d:
-        yield d
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_stage_that_hands_work_to_another_thread_is_refused_by_the_trace_naming_it(name, dev) -> None:
     fn, what = CASES[name]

@@ -202,23 +202,25 @@ class CudaStream:
         """
         dev = self.device
         label, ops, _ = dev._launch_ops(fn, label, ops, step)
+        records = records_in(ops)
+        pending = [(ev, None) for ev in records]
         with dev._lock:
             dev._check_open()
             capture = self._capture
             if capture is not None:
                 capture._add(ops, label)
                 # the capture context already made this stream current
-                _run_launched(dev, self.name, label, fn, args, [(ev, None) for ev in records_in(ops)])
+                _run_launched(dev, self.name, label, fn, args, pending)
                 return
             dev._notify_locked("on_launch", self.name, label, ops)
-            for ev in records_in(ops):
+            for ev in records:
                 ev._enqueued(self.name)
             if self._error is not None:
                 return
             try:
                 with torch.cuda.stream(self.torch):
                     dev._delay(self.name, label)
-                    _run_launched(dev, self.name, label, fn, args, [(ev, None) for ev in records_in(ops)])
+                    _run_launched(dev, self.name, label, fn, args, pending)
             except Exception as exc:
                 self._error = StreamError(self.name, label, exc)
 
