@@ -233,3 +233,89 @@ def test_fence_rejects_unknown_buffers_and_skips_unread_ones(dev):
     assert run.fence.per_buffer["state_slots"] is None  # paged never reads it: no wait at all
     assert run.fence.released("state_slots")
     run.fence.synchronize(timeout=T)
+
+
+# -- a fence's generations: its run of the slot ------------------------------------------------
+
+
+def _generations(low, slot):
+    return [e.generation for e in low._slots[slot].fence_events]
+
+
+@pytest.mark.parametrize("mode", [M.DECODE, M.EXTEND], ids=["graphed", "eager"])
+@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT])
+@pytest.mark.parametrize("measure", [False, True], ids=["", "measured"])
+def test_a_fence_is_bound_to_the_records_its_own_run_made(dev, policy, mode, measure):
+    # the fence derives its generations from the slot's run count; the events' own counters,
+    # read right after each run, are the independent truth, and stay so as later runs go on
+    low = lower(hybrid_linear(trtllm_mha(), linear()), mode, batch_size=2, device=dev, policy=policy,
+                ring_size=2, measure=measure)
+    assert low.graphed is (mode is M.DECODE)
+    batch = _batch(low)
+    fences, truth = [], []
+    for step in range(5):
+        fences.append(low.run(batch, step=step).fence)
+        truth.append(_generations(low, step % 2))
+    for fence, want in zip(fences, truth):
+        assert [b.generation for b in (*fence.distinct, fence.done)] == want
+    assert len(fences[0].distinct) == len(low.plan.points()) >= (2 if mode is M.DECODE else 1)
+    fences[-1].wait(dev.stream("schedule"))  # the latest run of its slot: current
+    with pytest.raises(RingWrapError):
+        fences[-3].wait(dev.stream("schedule"))  # the same slot, two runs ago
+    dev.synchronize(T)
+
+
+@EVENT_SEMANTICS
+def test_an_event_recorded_outside_its_graph_is_caught_at_the_wait(dev):
+    # one event recorded by anyone but its graph's runs (here, by hand on another stream):
+    # a wait on it would bind to that record, not the step's, so it is refused
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=2)
+    batch = _batch(low)
+    run = low.run(batch, step=0)
+    (index,) = {run.fence[2]["req_to_token"]}
+    dev.stream("elsewhere").record(run.fence.distinct[index].event)
+    with pytest.raises(RingWrapError, match="recorded again"):
+        run.fence.wait(dev.stream("schedule"), ["req_to_token"])
+    low.run(batch, step=1)  # the other slot is untouched
+    later = low.run(batch, step=2)  # the tampered slot again: still one record too many
+    with pytest.raises(RingWrapError, match="recorded again"):
+        later.fence.wait(dev.stream("schedule"), ["req_to_token"])
+    dev.synchronize(T)
+
+
+def test_a_step_stopped_midway_leaves_the_next_fences_bound(dev, monkeypatch):
+    # the replay raises after the step's PRE_REPLAY events were recorded: the slot's count of
+    # runs and its events' records disagree from then on, unless the run resynchronises them
+    low = lower(trtllm_mha(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=1)
+    batch = _batch(low)
+    low.run(batch, step=0).fence.synchronize(timeout=T)
+    graph = type(low._slots[0].graph)
+    real = graph.replay
+
+    def broken(self, *a, **kw):
+        monkeypatch.setattr(graph, "replay", real)
+        raise RuntimeError("replay interrupted")
+
+    monkeypatch.setattr(graph, "replay", broken)
+    with pytest.raises(RuntimeError, match="replay interrupted"):
+        low.run(batch, step=1)
+    run = low.run(batch, step=2)
+    run.fence.wait(dev.stream("schedule"))  # no RingWrapError: bound to this run's records
+    assert [b.generation for b in (*run.fence.distinct, run.fence.done)] == _generations(low, 0)
+    dev.synchronize(T)
+
+
+def test_a_batch_of_the_wrong_shape_or_keys_is_refused_before_anything_is_enqueued(dev):
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    batch = _batch(low)
+    wrong = {**batch, "positions": torch.zeros(3, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"batch\['positions'\] has shape \(3,\).*captured for \(2,\)"):
+        low.run(wrong, step=0)
+    with pytest.raises(KeyError, match="missing.*positions"):
+        low.run({k: v for k, v in batch.items() if k != "positions"}, step=0)
+    one = {**batch, "positions": torch.zeros(1, dtype=torch.int64)}  # copy_ would broadcast it silently
+    with pytest.raises(ValueError, match=r"has shape \(1,\)"):
+        low.run(one, step=0)
+    run = low.run(batch, step=0)  # nothing of the refused steps was enqueued
+    run.fence.synchronize(timeout=T)
+    assert low._slots[0].clock.runs == 1

@@ -9,9 +9,12 @@ from typing import Any
 
 from ..devices import DeviceError, Stream
 
+NO_PROBES: Mapping[str, Any] = MappingProxyType({})
+
 
 class RingWrapError(DeviceError):
-    """A fence's event was re-recorded by a later step before this wait was bound."""
+    """A fence's event was recorded again before this wait was bound: by a later step (the
+    event ring is too small for the steps in flight), or by anyone but its graph's runs."""
 
 
 class Bound(tuple):
@@ -81,9 +84,34 @@ class Bound(tuple):
             raise RingWrapError(
                 f"{what}: event {self.event.name!r} was recorded again (generation {current}, "
                 f"this fence is generation {self.generation}) before the wait was bound; the "
-                "event ring is too small for the steps in flight: lower with a larger ring_size"
+                "event ring is too small for the steps in flight (lower with a larger ring_size), "
+                "or something else records the event (each lowered graph needs events of its own)"
             )
         return self.event
+
+
+class RunClock:
+    """The runs of one event-ring slot of a lowered graph: a fence's ticket is one of them.
+
+    Every run of a slot records each of its events exactly once, so run ``ticket`` of the slot
+    recorded event ``i`` as generation ``base[i] + ticket``: a fence holds the slot's clock and
+    its ticket instead of a tuple of generations, and a wait that finds another generation
+    knows the event was recorded again, by a later run (the ring wrapped) or by anyone else
+    (an event shared with another graph).
+
+    >>> clock = RunClock((0, 0, 0))
+    >>> clock.runs += 1
+    >>> clock
+    RunClock(base=(0, 0, 0), runs=1)
+    """
+
+    __slots__ = ("base", "runs")
+
+    def __init__(self, base: tuple[int, ...]) -> None:
+        self.base, self.runs = base, 0
+
+    def __repr__(self) -> str:
+        return f"RunClock(base={self.base}, runs={self.runs})"
 
 
 class Fence(tuple):
@@ -92,7 +120,9 @@ class Fence(tuple):
     A buffer mapped to ``None`` is not read by the step: no wait is needed. ``done`` fires
     when the whole forward (outputs included) has finished. An immutable tuple, cheap to
     build: ``Lowered.run`` makes one per step on the host's hot path, so it holds the
-    generations as plain ints and builds :class:`Bound` values only when asked.
+    generations as a tuple of ints shared by every step of a ring slot plus this step's
+    offset into it (a :class:`RunClock` ticket; 0 for explicit generations), and builds
+    :class:`Bound` values only when asked.
 
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
@@ -138,7 +168,17 @@ class Fence(tuple):
         ``handles`` (CpuDevice ``Generation`` records, for timestamps) may be ``None``;
         ``done_handle`` alone keeps the outputs waitable after the event ring wraps.
         """
-        return tuple.__new__(cls, (owner, step, points, events, generations, handles, probes, done_handle))
+        return tuple.__new__(cls, (owner, step, points, events, generations, handles, probes, done_handle, 0))
+
+    @classmethod
+    def from_ticket(cls, owner: str, step: int, points: Mapping[str, int | None], events: Sequence[Any],
+                    clock: RunClock, ticket: int, handles: Sequence[Any] | None = None,
+                    probes: Mapping[str, Bound] = NO_PROBES, done_handle: Any = None) -> Fence:
+        """Like :meth:`from_generations`, for run ``ticket`` of the slot whose runs ``clock`` counts.
+
+        ``Lowered.run`` builds this tuple inline on its hot path (the call is measurable there).
+        """
+        return tuple.__new__(cls, (owner, step, points, events, clock.base, handles, probes, done_handle, ticket))
 
     owner = property(operator.itemgetter(0))
     step = property(operator.itemgetter(1))
@@ -150,7 +190,7 @@ class Fence(tuple):
             handle = handles[i]
         else:
             handle = self[7] if i == len(events) - 1 else None
-        return Bound(events[i], self[4][i], handle)
+        return Bound(events[i], self[4][i] + self[8], handle)
 
     @property
     def done(self) -> Bound:
@@ -196,10 +236,10 @@ class Fence(tuple):
 
     def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
-        events, generations = self[3], self[4]
+        events, generations, ticket = self[3], self[4], self[8]
         for i in range(len(events) - 1) if buffers is None else self._indices(buffers):
             event = events[i]
-            if event.generation != generations[i]:
+            if event.generation != generations[i] + ticket:
                 event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError
             stream.wait(event)
 

@@ -48,7 +48,7 @@ from readfence.effects import ReadEnd
 from ..devices import Device, DeviceError, Event, Op, Stream, Timeline
 from ..devices._copy import copy_from_host
 from ..devices._open import check_device
-from ._fence import Bound, Fence
+from ._fence import NO_PROBES, Bound, Fence, RunClock
 from ._fx_compile import compile_graph
 from ._fx_records import insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
@@ -56,7 +56,6 @@ from ._poison import CheckState, poison_points
 from ._policy import Policy
 
 _COUNTER = itertools.count()
-_NO_PROBES: Mapping[str, Bound] = MappingProxyType({})
 _SHAPE = operator.attrgetter("shape")
 _PRE, _POST, _LAST = ReadEnd.PRE_REPLAY.rank, ReadEnd.POST_REPLAY.rank, ReadEnd.UNKNOWN.rank
 
@@ -120,6 +119,7 @@ class _Slot:
     out_ops: tuple[Op, ...] = ()
     # check mode: the poison action of each stage-level release point, indexed by ReadEnd.rank
     act_at_end: tuple[Any, ...] = ()
+    clock: Any = None  # RunClock of the slot's runs, set once its graph is captured
 
 
 class Lowered:
@@ -171,7 +171,9 @@ class Lowered:
         self._meta = self._static_meta(example, dev)
         self._env.update(self._meta)
         self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
-        self._shapes = [t.shape for t in self._batch.values()]
+        self._shapes = tuple(t.shape for t in self._batch.values())
+        keys = tuple(self._batch)  # a C-level gather of the step's inputs (one key: itemgetter gives no tuple)
+        self._gather = operator.itemgetter(*keys) if len(keys) > 1 else lambda batch: tuple(map(batch.__getitem__, keys))
         self._static_batch = tuple(self._batch.values())
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
@@ -250,6 +252,7 @@ class Lowered:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
             slot.graph = graph
+        slot.clock = RunClock(tuple(e.generation for e in slot.fence_events))
         return slot
 
     def _reads(self, stage: StageGraph) -> dict[str, frozenset[str]]:
@@ -306,11 +309,11 @@ class Lowered:
         """
         step = self._runs if step is None else step
         try:
-            staged = list(map(batch.__getitem__, self._batch))
+            staged = self._gather(batch)
         except KeyError:
             missing = sorted(set(self._batch) - set(batch))
             raise KeyError(f"{self.label}: batch is missing {missing}") from None
-        if list(map(_SHAPE, staged)) != self._shapes:
+        if tuple(map(_SHAPE, staged)) != self._shapes:
             for given, (key, t) in zip(staged, self._batch.items()):
                 if given.shape != t.shape:
                     raise ValueError(
@@ -319,44 +322,55 @@ class Lowered:
                     )
         slot = self._slots[self._runs % self.ring_size]
         self._runs += 1
+        clock = slot.clock
+        clock.runs = ticket = clock.runs + 1
         s = self.stream
-        with s.batch():  # the step is one work item of the stream (CpuDevice)
-            for event in after:
-                s.wait(event)
-            static = self._static_batch
-            s.launch(load_batch, static, staged, label=self._labels["load_batch"], step=step)
-            check = self.check
-            if check is not None:
-                self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
-            if self.timeline is None:  # hot path: the stage launch prebuilt per slot
-                s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
-            else:
-                self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
-            at_end = slot.at_end
-            if check is None:
-                for event in at_end[_PRE]:
+        try:
+            with s.batch():  # the step is one work item of the stream (CpuDevice)
+                for event in after:
+                    s.wait(event)
+                static = self._static_batch
+                s.launch(load_batch, static, staged, label=self._labels["load_batch"], step=step)
+                check = self.check
+                if check is not None:
+                    self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
+                if self.timeline is None:  # hot path: the stage launch prebuilt per slot
+                    s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
+                else:
+                    self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
+                at_end = slot.at_end
+                if check is None:
+                    for event in at_end[_PRE]:
+                        s.record(event)
+                else:
+                    self._record_points(slot, ReadEnd.PRE_REPLAY)
+                if self.graphed:
+                    slot.graph.replay(s, step=step)
+                else:
+                    self._in_graph_work(slot, step)
+                if check is None:
+                    for event in at_end[_POST]:
+                        s.record(event)
+                else:
+                    self._record_points(slot, ReadEnd.POST_REPLAY)
+                logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
+                s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
+                s.keep(logits)
+                for event in at_end[_LAST]:
                     s.record(event)
-            else:
-                self._record_points(slot, ReadEnd.PRE_REPLAY)
-            if self.graphed:
-                slot.graph.replay(s, step=step)
-            else:
-                self._in_graph_work(slot, step)
-            if check is None:
-                for event in at_end[_POST]:
-                    s.record(event)
-            else:
-                self._record_points(slot, ReadEnd.POST_REPLAY)
-            logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
-            s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
-            s.keep(logits)
-            for event in at_end[_LAST]:
-                s.record(event)
-            if check is not None and last:
-                s.launch(check.restorer(), label=f"{self.label}/restore", step=step)
-                s.launch(check.finish, step, label=f"{self.label}/check", step=step)
-            s.record(slot.done)
-        return tuple.__new__(StepRun, (step, logits, self._fence(slot, step)))
+                if check is not None and last:
+                    s.launch(check.restorer(), label=f"{self.label}/restore", step=step)
+                    s.launch(check.finish, step, label=f"{self.label}/check", step=step)
+                s.record(slot.done)
+        except BaseException:  # a step stopped midway recorded some events: later runs start from here
+            clock.base = tuple(e.generation - ticket for e in slot.fence_events)
+            raise
+        if self.measure:
+            return tuple.__new__(StepRun, (step, logits, self._measured_fence(slot, step, ticket)))
+        # hot path: ``Fence.from_ticket`` inline
+        fence = tuple.__new__(Fence, (self.label, step, slot.buffer_points, slot.fence_events, clock.base, None,
+                                      NO_PROBES, getattr(slot.done, "latest", None), ticket))
+        return tuple.__new__(StepRun, (step, logits, fence))
 
     def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:
         # before anything of the step reads: pick the poison, arm this replay's release points,
@@ -375,17 +389,13 @@ class Lowered:
         for k, v in out.items():
             meta[k].copy_(v)
 
-    def _fence(self, slot: _Slot, step: int) -> Fence:
-        # hot path: generations as plain ints; Bound values are built only when asked for
+    def _measured_fence(self, slot: _Slot, step: int, ticket: int) -> Fence:
+        # the CpuDevice generations kept: their timestamps give the slack
         events = slot.fence_events
-        generations = tuple([e.generation for e in events])
-        if self.measure:  # keep the CpuDevice generations: their timestamps give the slack
-            handles = tuple([getattr(e, "latest", None) for e in events])
-            probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
-            return Fence.from_generations(self.label, step, slot.buffer_points, events, generations, handles, probes,
-                                          handles[-1])
-        return Fence.from_generations(self.label, step, slot.buffer_points, events, generations, None, _NO_PROBES,
-                                      getattr(slot.done, "latest", None))
+        handles = tuple([getattr(e, "latest", None) for e in events])
+        probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
+        return Fence.from_ticket(self.label, step, slot.buffer_points, events, slot.clock, ticket, handles, probes,
+                                 handles[-1])
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
