@@ -5,7 +5,7 @@ stream, each on its own one of two identical lowerings (a fence's events belong 
 that records them), as one ``stream.batch()``: wait for the scheduler's event, copy the batch in, launch the
 out-of-graph stage GraphModule, record the PRE_REPLAY events, replay the captured graph
 (in-graph records included), record the POST_REPLAY events, copy the logits out, record the
-done event, and make the schedule stream wait on every fence event. The hand loop does it with
+done event, and make the schedule stream wait on the fence (one wait on its latest event). The hand loop does it with
 direct device calls; the other calls ``Lowered.run`` and ``fence.wait`` (shape checks, ring
 slot, ``Fence`` and ``Bound`` objects).
 
@@ -55,7 +55,8 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     pre = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.PRE_REPLAY]
     post = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.POST_REPLAY]
     unknown = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.UNKNOWN]
-    fence_events = list({id(e): e for p, e in slot.events.items() if p.waits}.values())
+    # as ``Fence.wait``: a step's events fire in order on one stream, so the latest covers all
+    last = [e for p, e in slot.events.items() if p.waits][-1:]
     out_runner, out_ops = slot.stages["prepare_out_graph"]
     env, meta, static_batch, static_logits = low._env, low._meta, low._batch, low._logits
     graph = slot.graph
@@ -78,7 +79,7 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
             for e in unknown:
                 s.record(e)
             s.record(slot.done)
-        for e in fence_events:
+        for e in last:
             sched.wait(e)
 
     return step

@@ -13,8 +13,10 @@ from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.graph import (
     CpuDevice,
+    DeviceObserver,
     DeviceTimeout,
     EventNeverRecorded,
+    Fence,
     Policy,
     RingWrapError,
     Scheduler,
@@ -319,3 +321,50 @@ def test_a_batch_of_the_wrong_shape_or_keys_is_refused_before_anything_is_enqueu
     run = low.run(batch, step=0)  # nothing of the refused steps was enqueued
     run.fence.synchronize(timeout=T)
     assert low._slots[0].clock.runs == 1
+
+
+@pytest.mark.parametrize("mode", [M.DECODE, M.EXTEND, M.TARGET_VERIFY], ids=["decode", "extend", "verify"])
+@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT])
+def test_a_steps_events_fire_on_its_stream_in_index_order(dev, policy, mode):
+    # what lets one wait on the latest event stand for a wait on each: the records' own
+    # streams and timestamps (CpuDevice handles), not the plan's order
+    from readfence.backends import deepseek_v4, tbo
+    for backend in (hybrid_linear(trtllm_mha(), linear()), tbo(deepseek_v4(), paged())):
+        low = lower(backend, mode, batch_size=2, device=dev, policy=policy, measure=True)
+        run = low.run(_batch(low), step=0)
+        run.fence.wait_done(T)
+        handles = [b.handle for b in (*run.fence.distinct, run.fence.done)]
+        assert {h.stream for h in handles} == {low.stream.name}
+        times = [h.timestamp for h in handles]
+        assert None not in times and times == sorted(times), (backend, [h.label for h in handles])
+
+
+class _Waits(DeviceObserver):
+    def __init__(self):
+        self.waits = []
+
+    def on_wait(self, stream, event):
+        self.waits.append((stream, event.name))
+
+
+def test_one_wait_on_the_latest_event_covers_a_lowered_fence_and_each_event_of_a_built_one():
+    seen = _Waits()
+    with CpuDevice(timeout=T, observers=[seen]) as dev:
+        low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+                    policy=Policy.EXACT)
+        run = low.run(_batch(low), step=0)
+        distinct = run.fence.distinct
+        assert len(distinct) >= 3
+        sched = dev.stream("schedule")
+        seen.waits.clear()
+        run.fence.wait(sched)
+        assert seen.waits == [("schedule", distinct[-1].event.name)]
+        first = low.plan.buffers_at(low.plan.points()[0])[0]
+        seen.waits.clear()
+        run.fence.wait(sched, [first])
+        assert seen.waits == [("schedule", distinct[0].event.name)]
+        built = Fence("built", 0, run.fence.per_buffer, run.fence.done)  # events could be on any streams
+        seen.waits.clear()
+        built.wait(sched)
+        assert sorted(seen.waits) == sorted(("schedule", b.event.name) for b in distinct)
+        dev.synchronize(T)

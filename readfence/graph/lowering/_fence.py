@@ -220,8 +220,8 @@ class Fence(tuple):
         read, release = self.last_read_time(buffer), self.release_time(buffer)
         return None if read is None or release is None else release - read
 
-    def _indices(self, buffers: Iterable[str] | None) -> Iterable[int]:
-        """Indices of the distinct events guarding ``buffers`` (default: every buffer)."""
+    def _indices(self, buffers: Iterable[str] | None) -> Sequence[int]:
+        """Indices of the distinct events guarding ``buffers`` (default: every buffer), in order."""
         if buffers is None:
             return range(len(self[3]) - 1)
         index = self[2]
@@ -234,10 +234,17 @@ class Fence(tuple):
             )
         return sorted({i for n in names if (i := index[n]) is not None})
 
+    def _covering(self, buffers: Iterable[str] | None) -> Sequence[int]:
+        """The events a wait for ``buffers`` must bind: a lowered step records its events on one
+        stream in index order, so the latest covers the others (one wake-up of a waiting
+        CpuDevice stream, not one per event); a fence built from bounds needs each of them."""
+        indices = self._indices(buffers)
+        return indices[-1:] if self[8] else indices
+
     def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
         events, generations, ticket = self[3], self[4], self[8]
-        for i in range(len(events) - 1) if buffers is None else self._indices(buffers):
+        for i in self._covering(buffers):
             event = events[i]
             if event.generation != generations[i] + ticket:
                 event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError
@@ -246,7 +253,7 @@ class Fence(tuple):
     def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """Host wait (with timeout) until ``buffers`` (default: all) may be overwritten."""
         what = f"fence of {self.owner} step {self.step}"
-        for i in self._indices(buffers):
+        for i in self._covering(buffers):
             bound = self._bound(i)
             bound.check(what)
             bound.synchronize(what, timeout)
