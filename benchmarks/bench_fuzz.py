@@ -6,7 +6,9 @@ the vocabulary, the same programs for the same ``--seed``) and checks each with
 PER_BUFFER and EXACT implies ``verify`` clean under both) and P2 (the runtime read observer
 sees nothing a faithful stage's trace misses) must never fail;
 reads no static analysis can see (plan/run) are counted apart, and ``verify`` must catch
-them. P3, the false-alarm rate, is measured: refused programs that run clean under
+them; so are reads handed to a thread a stage starts, which must be refused
+(``StageThreadError``) or caught by ``verify``, never accepted. P3, the false-alarm rate, is
+measured: refused programs that run clean under
 ``verify(..., UNSAFE_skip_soundness_check=True)``, over the refused programs that could run.
 Prints programs per second, the violations, the false-alarm rate and the per-pattern counts.
 
@@ -61,8 +63,9 @@ def main(programs_n: int = 200, seed: int = 0, *, quick: bool = False, max_leave
             if progress is not None and i % 100 == 0:
                 rate = i / (time.perf_counter() - start)
                 print(f"{i}/{len(drawn)} programs, {rate:.2f}/s, P1 {tally.p1_violations}, P2 {tally.p2_violations}, "
-                      f"invisible caught {tally.invisible_caught}, false alarms {tally.false_alarms}/"
-                      f"{tally.refused_runnable}, errors {errors}", file=progress, flush=True)
+                      f"invisible caught {tally.invisible_caught}, threads missed {tally.thread_missed}, "
+                      f"false alarms {tally.false_alarms}/{tally.refused_runnable}, errors {errors}", file=progress,
+                      flush=True)
     seconds = time.perf_counter() - start
     result = tally.as_dict()
     ran = tally.programs + errors
@@ -84,6 +87,8 @@ def _print(r: dict[str, Any]) -> None:
     print(f"P2 violations: {r['p2_violations']}")
     print(f"invisible to static analysis, caught by verify: {r['invisible_caught']}; missed by verify: "
           f"{r['invisible_missed']}")
+    print(f"read on another thread: {r['threads']} programs; refused as such {r['thread_refused']}, caught by "
+          f"verify {r['thread_caught']}, missed {r['thread_missed']}")
     print(f"false alarms (P3): {r['false_alarms']} / {r['refused_runnable']} = {r['false_alarm_rate']:.3f}")
     print("false alarms by refusal: " + ", ".join(f"{k} {v}" for k, v in sorted(r["false_alarm_kinds"].items())))
     print(f"errors: {r['errors']}")

@@ -2,7 +2,8 @@
 built from it, and hypothesis strategies that draw them.
 
 A *pattern* is a small named building block that reads (or writes) one shared buffer: a view
-or list view, a real or a no-op copy, a host read, a conditional read, a custom op, a write.
+or list view, a real or a no-op copy, a host read, a conditional read, a custom op, a write,
+a read handed to another thread.
 A :class:`Placement` puts a pattern in a stage of a leaf, on a buffer, reaching the buffer
 *via* the stage's argument or a reference the leaf keeps (closure, attribute, global, DLPack,
 a stash made in ``prepare_out_graph``); from a prepare stage its result is either reduced
@@ -39,9 +40,12 @@ mine in DECODE
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import random
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -176,7 +180,9 @@ class Pattern:
     holding what it read (possibly a view of ``buf``: its consumer then reads it).
 
     ``klass`` groups patterns by the hole they probe; ``stages`` are those it may be placed
-    in; ``invisible`` marks a read no static analysis can see (only the dynamic checks do).
+    in; ``invisible`` marks a read no static analysis can see (only the dynamic checks do);
+    ``threaded`` a read made on a thread the stage starts, which no fence covers: the tracer
+    and the read observer follow the stage's own thread, so they must refuse it.
     """
 
     name: str
@@ -184,6 +190,7 @@ class Pattern:
     op: Op
     stages: tuple[str, ...] = STAGES
     invisible: bool = False
+    threaded: bool = False
 
     def __repr__(self) -> str:
         return self.name
@@ -254,6 +261,53 @@ def _write_index_copy(t: Tensor, s: Site) -> Tensor:
     return t.index_copy_(0, s.rows, t.index_select(0, s.rows))
 
 
+#: How long a stage waits for its reader at most: a wedged reader cannot hang a run. The
+#: readers a stage starts are daemons and the pool's jobs never block, so none keeps the
+#: process from exiting either.
+_THREAD_TIMEOUT_S = 10.0
+
+#: How long the reader a stage leaves running sleeps before it reads: the stage returns first.
+_LATE_S = 0.002
+
+
+def _copy_rows(out: Tensor, t: Tensor, s: Site) -> None:
+    out.copy_(_gather(t, s))
+
+
+def _on_joined_thread(t: Tensor, s: Site) -> Tensor:
+    # the thread fills the stage's result: a trace that missed it would replay zeros
+    out = _zeros_like_gather(t, s)
+    reader = threading.Thread(target=_copy_rows, args=(out, t, s), name="fuzz-joined-reader", daemon=True)
+    reader.start()
+    reader.join(_THREAD_TIMEOUT_S)
+    return out
+
+
+def _late_copy(out: Tensor, t: Tensor, s: Site) -> None:
+    time.sleep(_LATE_S)
+    _copy_rows(out, t, s)
+
+
+def _on_thread_left_running(t: Tensor, s: Site) -> Tensor:
+    # the stage's result is read now; the reader it leaves running reads the buffer again once
+    # the stage has returned and writes what it saw into that result, which its consumers may
+    # read later: after a fence released the buffer, that is poison or the next step's values
+    out = _gather(t, s)
+    threading.Thread(target=_late_copy, args=(out, t, s), name="fuzz-late-reader", daemon=True).start()
+    return out
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fuzz-pool")
+
+
+def _in_pool_job(t: Tensor, s: Site) -> Tensor:
+    out = _zeros_like_gather(t, s)
+    _pool().submit(_copy_rows, out, t, s).result(timeout=_THREAD_TIMEOUT_S)
+    return out
+
+
 def _vocabulary() -> dict[str, Pattern]:
     p = Pattern
     patterns = [
@@ -317,6 +371,10 @@ def _vocabulary() -> dict[str, Pattern]:
         p("write_copy", "write", lambda t, s: t.copy_(t.clone())),
         p("write_index_copy", "write", _write_index_copy),
         p("write_custom_unknown", "write", lambda t, s: gather_rows_unknown(t, s.rows)),
+        # reads handed to another thread, which no fence covers
+        p("thread_joined", "thread", _on_joined_thread, threaded=True),
+        p("thread_left_running", "thread", _on_thread_left_running, threaded=True),
+        p("pool_job", "thread", _in_pool_job, threaded=True),
     ]
     return {x.name: x for x in patterns}
 
@@ -497,6 +555,11 @@ class FuzzProgram:
                 if p.pattern.invisible:
                     out[p.buffer] = out.get(p.buffer, ReadEnd.NONE) | STAGE_END[p.stage]
         return out
+
+    def thread_reads(self) -> frozenset[str]:
+        """The buffers read on a thread a stage starts, in the leaves that run: whatever the
+        declaration, no fence covers such a read, so the checks must refuse or catch it."""
+        return frozenset(p.buffer for node in self.active_leaves() for p in node.placements if p.pattern.threaded)
 
     def needs_state(self) -> bool:
         """Whether building it needs the live state (a pattern keeps a reference to a buffer)."""
@@ -690,8 +753,8 @@ def _build_leaf(spec: FuzzLeaf, live: Tensors | None) -> Backend:
 
 
 #: How often each class of pattern is drawn, relative to the others (a class not listed: 1).
-#: Writes are refused while tracing, whatever else the leaf does: drawn often, they would
-#: hide the rest of the program from the checks.
+#: Writes and threads are refused while tracing, whatever else the leaf does: drawn often,
+#: they would hide the rest of the program from the checks.
 CLASS_WEIGHTS: dict[str, int] = {"view": 6, "list_view": 6, "copy": 4, "conditional": 4, "custom_op": 3, "host": 2}
 
 

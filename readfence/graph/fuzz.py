@@ -17,6 +17,13 @@ is accepted by the audit by design; when it reads after the declared end, ``veri
 catch it. Such a program counts as *invisible, caught by verify*, not as a P1 violation, and
 ``invisible_missed`` flags a late invisible read that ``verify`` let through.
 
+A read handed to a thread the stage starts (joined in the stage, left running past it, or a
+thread-pool job) is covered by no fence, whatever the declaration: the trace and the read
+observer follow the stage's own thread, so they refuse any such thread (``StageThreadError``),
+and a stage whose Python runs in the step fails it when the thread outlives it (``verify``'s
+kind ``"thread"``). Such a program must be refused or caught that way; one accepted with
+``verify`` clean counts as ``thread_missed``, never as accepted.
+
 This module sits in ``graph`` because it runs ``lower`` and ``verify``; the programs and their
 strategies live with the backends.
 
@@ -50,6 +57,7 @@ from readfence.core import (
     ModelConfig,
     Observation,
     ReadObserver,
+    StageThreadError,
     StageWriteError,
     audit,
     bind,
@@ -84,7 +92,8 @@ class Outcome:
     refused one (``None``: clean, a false alarm), ``unsafe_ran`` whether it could run at all
     (writes and trace-time state are refused before any run); ``disagreements`` are P2's.
     ``invisible`` are the buffers a plan/run kernel reads in the leaves that run,
-    ``invisible_late`` those it reads after the declared end.
+    ``invisible_late`` those it reads after the declared end; ``threads`` the buffers read on
+    a thread a stage starts, in the leaves that run.
     """
 
     program: FuzzProgram
@@ -95,6 +104,7 @@ class Outcome:
     disagreements: tuple[Disagreement, ...]
     invisible: frozenset[str]
     invisible_late: frozenset[str]
+    threads: frozenset[str]
     seconds: float
 
     @property
@@ -110,7 +120,8 @@ class Outcome:
     @property
     def p1_violation(self) -> bool:
         """Accepted, yet ``verify`` found a late read or a write no invisible read explains."""
-        return self.accepted and self.finding is not None and not self.explained_by_invisible
+        return (self.accepted and self.finding is not None and not self.explained_by_invisible
+                and not self.thread_caught)
 
     @property
     def invisible_caught(self) -> bool:
@@ -120,6 +131,22 @@ class Outcome:
     def invisible_missed(self) -> bool:
         """An invisible read after the declared end that ``verify`` let through (must not be)."""
         return self.accepted and self.finding is None and bool(self.invisible_late)
+
+    @property
+    def thread_refused(self) -> bool:
+        """Refused because a stage hands work to another thread (the trace, the read observer)."""
+        kind = self.refusal_kind
+        return kind is not None and kind.partition(": ")[2] in ("StageThreadError", "thread")
+
+    @property
+    def thread_caught(self) -> bool:
+        """Accepted, and a step failed: a stage's Python left a thread running as it returned."""
+        return self.accepted and self.finding is not None and self.finding.kind == "thread"
+
+    @property
+    def thread_missed(self) -> bool:
+        """A read on a thread a stage starts, accepted and ``verify`` clean (must not be)."""
+        return self.accepted and self.finding is None and bool(self.threads)
 
     @property
     def p2_violation(self) -> bool:
@@ -163,6 +190,10 @@ class Outcome:
             return "invisible read missed by verify"
         if self.invisible_caught:
             return "invisible, caught by verify"
+        if self.thread_missed:
+            return "thread missed"
+        if self.thread_caught:
+            return "thread, caught by verify"
         return "accepted" if self.accepted else "refused"
 
     def report(self) -> str:
@@ -177,6 +208,8 @@ class Outcome:
         lines += [f"P2: {d}" for d in self.disagreements]
         if self.invisible:
             lines.append(f"invisible reads of {sorted(self.invisible)}, late: {sorted(self.invisible_late)}")
+        if self.threads:
+            lines.append(f"reads of {sorted(self.threads)} on another thread")
         return "\n".join(lines)
 
 
@@ -243,8 +276,9 @@ def _live_disagreements(program: FuzzProgram, backend: Any, traced: Any, cfg: Mo
 
 def _refused_by_lower(finding: LateRead) -> bool:
     # verify reports what lower refuses (an unsound declaration, a write found while tracing,
-    # trace-time state, an uncapturable stage) as a finding whose evidence is the audit
-    return finding.evidence == "audit"
+    # trace-time state, an uncapturable stage) as a finding whose evidence is the audit, and a
+    # thread that lowering's rehearsal meets under the read observer as the observer's
+    return finding.evidence == "audit" or (finding.kind == "thread" and finding.evidence == "observer")
 
 
 def check_program(
@@ -285,7 +319,7 @@ def check_program(
     disagreements: tuple[Disagreement, ...] = ()
     try:
         traced = trace(backend, mode, cfg=cfg, batch_size=batch_size)
-    except StageWriteError:
+    except (StageWriteError, StageThreadError):
         traced = None  # refused while tracing: nothing to cross-check
     if traced is not None:
         seen = observe(backend, mode, batch_size=batch_size, steps=steps, cfg=cfg, seed=seed)
@@ -299,7 +333,7 @@ def check_program(
         result = audit(backend, mode, cfg=cfg, batch_sizes=sizes, state=state)
         if not result.map(lambda r: True).value_or(False):
             refused_by = f"audit: {result.failure().message}"
-    except StageWriteError as e:
+    except (StageWriteError, StageThreadError) as e:
         refused_by = f"audit: {_refusal(e)}"
 
     common: dict[str, Any] = {"policy": FUZZ_POLICIES, "steps": steps, "batch_size": batch_size,
@@ -320,13 +354,14 @@ def check_program(
     declared = backend.read_effect(mode)
     late = frozenset(b for b, end in invisible.items() if declared[b] < end)
     return Outcome(program, refused_by, finding, unsafe, unsafe_ran, disagreements, frozenset(invisible), late,
-                   time.perf_counter() - t0)
+                   program.thread_reads(), time.perf_counter() - t0)
 
 
 @attrs.define
 class Tally:
-    """Counts over many outcomes: verdicts, violations, false alarms, and how often each
-    pattern, stage, way of reaching a buffer, combinator and mode was generated.
+    """Counts over many outcomes: verdicts, violations, false alarms, the programs that read on
+    another thread and how each ended, and how often each pattern, stage, way of reaching a
+    buffer, combinator and mode was generated.
 
     >>> Tally().as_dict()["programs"]
     0
@@ -341,6 +376,10 @@ class Tally:
     p2_violations: int = 0
     invisible_caught: int = 0
     invisible_missed: int = 0
+    threads: int = 0  # programs whose running leaves read on a thread a stage starts
+    thread_refused: int = 0
+    thread_caught: int = 0
+    thread_missed: int = 0
     seconds: float = 0.0
     patterns: Counter[str] = attrs.Factory(Counter)
     stages: Counter[str] = attrs.Factory(Counter)
@@ -363,6 +402,11 @@ class Tally:
         self.p2_violations += outcome.p2_violation
         self.invisible_caught += outcome.invisible_caught
         self.invisible_missed += outcome.invisible_missed
+        if outcome.threads:
+            self.threads += 1
+            self.thread_refused += outcome.thread_refused
+            self.thread_caught += outcome.thread_caught
+            self.thread_missed += outcome.thread_missed
         if outcome.refusal_kind:
             self.refusals[outcome.refusal_kind] += 1
             if outcome.false_alarm:
@@ -382,7 +426,7 @@ class Tally:
             if isinstance(node, FuzzTree):
                 self.combinators[node.combinator] += 1
                 stack.extend(node.children)
-        if outcome.p1_violation or outcome.p2_violation or outcome.invisible_missed:
+        if outcome.p1_violation or outcome.p2_violation or outcome.invisible_missed or outcome.thread_missed:
             self.violations.append(outcome)
 
     @property
@@ -396,7 +440,9 @@ class Tally:
             "refused_runnable": self.refused_runnable, "false_alarms": self.false_alarms,
             "false_alarm_rate": round(self.false_alarm_rate, 4), "p1_violations": self.p1_violations,
             "p2_violations": self.p2_violations, "invisible_caught": self.invisible_caught,
-            "invisible_missed": self.invisible_missed, "seconds": round(self.seconds, 2),
+            "invisible_missed": self.invisible_missed, "threads": self.threads,
+            "thread_refused": self.thread_refused, "thread_caught": self.thread_caught,
+            "thread_missed": self.thread_missed, "seconds": round(self.seconds, 2),
             "refusals": dict(self.refusals), "false_alarm_kinds": dict(self.false_alarm_kinds),
             "patterns": dict(sorted(self.patterns.items())),
             "by_pattern": {k: dict(v) for k, v in sorted(self.by_pattern.items())},
