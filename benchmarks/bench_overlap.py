@@ -40,6 +40,7 @@ between COARSE and PER_BUFFER).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -189,6 +190,10 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
             forward.append(coarse.time_forward(steps))
             writes.append(coarse.time_scheduler(steps))
             for p in contenders if rep % 2 == 0 else tuple(reversed(contenders)):
+                # each timed run starts from a clean heap: otherwise about one run in five holds a
+                # full collection of torch's ~300,000 objects (130-145 ms, GIL held), whichever
+                # contender it falls on (see benchmarks/README.md)
+                gc.collect()
                 if p is SERIAL:
                     seconds = run_serial(backend, MODE, steps=steps, batch_size=batch_size, cfg=cfg,
                                          device=dev).seconds

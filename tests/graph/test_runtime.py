@@ -305,3 +305,49 @@ def test_comparing_logits_on_two_devices_asks_for_a_reference_on_the_run_device(
     elsewhere = LoopResult(Policy.EXACT, [torch.zeros_like(ref.logits[0], device="meta")], 0.0)
     with pytest.raises(ValueError, match=r"run_serial\(\.\.\., device=\.\.\.\)"):
         elsewhere.matches(ref)
+
+
+# -- how the scheduler waits: at every release point when watched, once per write with work otherwise --
+
+
+class _CountingStream:
+    """The schedule stream, counting the waits enqueued on it (an observer would watch the loop)."""
+
+    def __init__(self, stream):
+        self.stream, self.waits = stream, 0
+
+    def wait(self, event):
+        self.waits += 1
+        self.stream.wait(event)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT])
+@pytest.mark.parametrize("write_wait_s", [0.0, 0.0002], ids=["copies", "page-table-work"])
+def test_unwatched_loop_waits_once_per_write_with_work_and_stays_bit_identical(policy, write_wait_s):
+    backend, steps = hybrid_linear(trtllm_mha(), linear()), 60
+    ref = run_serial(backend, M.DECODE, steps=steps, batch_size=BATCH, cfg=CFG)
+    waits = {}
+    for watched in (False, True):
+        san = Sanitizer()
+        with CpuDevice(timeout=30, faults=_delays(11), observers=[san] if watched else ()) as dev:
+            loop = decode_loop(backend, policy=policy, device=dev, batch_size=BATCH, cfg=CFG,
+                               write_wait_s=write_wait_s)
+            loop.schedule_stream = counting = _CountingStream(loop.schedule_stream)
+            runs, _ = loop.run(steps)
+        assert all(torch.equal(r.logits, want) for r, want in zip(runs, ref.logits, strict=True))
+        assert not san.violations
+        waits[watched] = counting.waits / (steps - 1)  # the first step's writes wait for nothing
+        groups = loop._wait_groups()
+        if watched:
+            assert groups == loop.write_groups
+        elif write_wait_s == 0.0:
+            assert groups == (loop.write_order,)
+        else:  # the page-table write still waits at its own release point: its group ends there
+            (with_work,) = [g for g in groups if "req_to_token" in g]
+            assert loop.lowered.write_key(with_work[-1]) == loop.lowered.write_key("req_to_token")
+    # the same fences, used at each release point only when a sanitizer must see the race
+    assert waits[True] == len(loop.write_groups) >= 2
+    assert waits[False] == (1 if write_wait_s == 0.0 else 2)
