@@ -90,6 +90,11 @@ class Bound(tuple):
         return self.event
 
 
+def covering_all(events: Sequence[Any]) -> range:
+    """The index of the latest of a lowered step's events before ``done`` (none if it has none)."""
+    return range(len(events) - 1)[-1:]
+
+
 class RunClock:
     """The runs of one event-ring slot of a lowered graph: a fence's ticket is one of them.
 
@@ -168,7 +173,8 @@ class Fence(tuple):
         ``handles`` (CpuDevice ``Generation`` records, for timestamps) may be ``None``;
         ``done_handle`` alone keeps the outputs waitable after the event ring wraps.
         """
-        return tuple.__new__(cls, (owner, step, points, events, generations, handles, probes, done_handle, 0))
+        return tuple.__new__(cls, (owner, step, points, events, generations, handles, probes, done_handle, 0,
+                                   range(len(events) - 1)))
 
     @classmethod
     def from_ticket(cls, owner: str, step: int, points: Mapping[str, int | None], events: Sequence[Any],
@@ -176,9 +182,12 @@ class Fence(tuple):
                     probes: Mapping[str, Bound] = NO_PROBES, done_handle: Any = None) -> Fence:
         """Like :meth:`from_generations`, for run ``ticket`` of the slot whose runs ``clock`` counts.
 
-        ``Lowered.run`` builds this tuple inline on its hot path (the call is measurable there).
+        The events are recorded on one stream in this order, so a wait for every buffer binds the
+        latest alone (``covering``, static per slot). ``Lowered.run`` builds this tuple inline on
+        its hot path (the call is measurable there).
         """
-        return tuple.__new__(cls, (owner, step, points, events, clock.base, handles, probes, done_handle, ticket))
+        return tuple.__new__(cls, (owner, step, points, events, clock.base, handles, probes, done_handle, ticket,
+                                   covering_all(events)))
 
     owner = property(operator.itemgetter(0))
     step = property(operator.itemgetter(1))
@@ -238,13 +247,15 @@ class Fence(tuple):
         """The events a wait for ``buffers`` must bind: a lowered step records its events on one
         stream in index order, so the latest covers the others (one wake-up of a waiting
         CpuDevice stream, not one per event); a fence built from bounds needs each of them."""
+        if buffers is None:
+            return self[9]
         indices = self._indices(buffers)
         return indices[-1:] if self[8] else indices
 
     def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
         events, generations, ticket = self[3], self[4], self[8]
-        for i in self._covering(buffers):
+        for i in self[9] if buffers is None else self._covering(buffers):
             event = events[i]
             if event.generation != generations[i] + ticket:
                 event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError

@@ -48,7 +48,7 @@ from readfence.effects import ReadEnd
 from ..devices import Device, DeviceError, Event, Op, Stream, Timeline
 from ..devices._copy import copy_from_host
 from ..devices._open import check_device
-from ._fence import NO_PROBES, Bound, Fence, RunClock
+from ._fence import NO_PROBES, Bound, Fence, RunClock, covering_all
 from ._fx_compile import compile_graph
 from ._fx_records import insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
@@ -115,11 +115,12 @@ class _Slot:
     at_end: tuple[tuple[Any, ...], ...] = ()
     fence_events: tuple[Any, ...] = ()  # events in plan order, then done
     buffer_points: Mapping[str, int | None] = attrs.Factory(dict)  # buffer -> event index (None: no wait)
-    out_fn: Any = None  # the prepare_out_graph launch (no timeline) and its ops
+    out_fn: Any = None  # the prepare_out_graph launch (watched, timed as lowered) and its ops
     out_ops: tuple[Op, ...] = ()
     # check mode: the poison action of each stage-level release point, indexed by ReadEnd.rank
     act_at_end: tuple[Any, ...] = ()
     clock: Any = None  # RunClock of the slot's runs, set once its graph is captured
+    covering: range = range(0)  # the index of its latest event: one wait on it covers the step
 
 
 class Lowered:
@@ -177,6 +178,7 @@ class Lowered:
         self._static_batch = tuple(self._batch.values())
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
+        self._step_labels = (self._labels["load_batch"], self._labels["prepare_out_graph"], self._labels["outputs"])
         self._slots = [self._build_slot(r) for r in range(ring_size)]
 
     # -- construction -----------------------------------------------------------------------
@@ -247,12 +249,15 @@ class Lowered:
                     plain()
 
             slot.out_fn = watched
+        if self.timeline is not None:
+            slot.out_fn = self.timeline.timed(self.stream.name, "prepare_out_graph", slot.out_fn, "stage")
         slot.out_ops = stages["prepare_out_graph"][1]
         if self.graphed:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
             slot.graph = graph
         slot.clock = RunClock(tuple(e.generation for e in slot.fence_events))
+        slot.covering = covering_all(slot.fence_events)
         return slot
 
     def _reads(self, stage: StageGraph) -> dict[str, frozenset[str]]:
@@ -285,9 +290,10 @@ class Lowered:
         self.stream.launch(fn, label=self._labels[name], ops=ops, step=step)
 
     def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
+        # as run() does inline for PRE_REPLAY and POST_REPLAY: the records, then check mode's poison
         for event in slot.at_end[end.rank]:
             self.stream.record(event)
-        if slot.act_at_end and slot.act_at_end[end.rank] is not None:
+        if slot.act_at_end[end.rank] is not None:
             self.stream.launch(slot.act_at_end[end.rank], label=f"{self.label}/poison@{end.name}")
 
     def _in_graph_work(self, slot: _Slot, step: int | None = None) -> None:
@@ -325,36 +331,31 @@ class Lowered:
         clock = slot.clock
         clock.runs = ticket = clock.runs + 1
         s = self.stream
+        l_load, l_out, l_outputs = self._step_labels
         try:
             with s.batch():  # the step is one work item of the stream (CpuDevice)
                 for event in after:
                     s.wait(event)
-                static = self._static_batch
-                s.launch(load_batch, static, staged, label=self._labels["load_batch"], step=step)
+                s.launch(load_batch, self._static_batch, staged, label=l_load, step=step)
                 check = self.check
                 if check is not None:
                     self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
-                if self.timeline is None:  # hot path: the stage launch prebuilt per slot
-                    s.launch(slot.out_fn, label=self._labels["prepare_out_graph"], ops=slot.out_ops, step=step)
-                else:
-                    self._launch_stage("prepare_out_graph", slot, step, self._copy_meta)
-                at_end = slot.at_end
-                if check is None:
-                    for event in at_end[_PRE]:
-                        s.record(event)
-                else:
-                    self._record_points(slot, ReadEnd.PRE_REPLAY)
+                s.launch(slot.out_fn, label=l_out, ops=slot.out_ops, step=step)
+                at_end, acts = slot.at_end, slot.act_at_end  # acts: check mode's poison, else None
+                for event in at_end[_PRE]:
+                    s.record(event)
+                if acts[_PRE] is not None:
+                    s.launch(acts[_PRE], label=f"{self.label}/poison@PRE_REPLAY")
                 if self.graphed:
                     slot.graph.replay(s, step=step)
                 else:
                     self._in_graph_work(slot, step)
-                if check is None:
-                    for event in at_end[_POST]:
-                        s.record(event)
-                else:
-                    self._record_points(slot, ReadEnd.POST_REPLAY)
+                for event in at_end[_POST]:
+                    s.record(event)
+                if acts[_POST] is not None:
+                    s.launch(acts[_POST], label=f"{self.label}/poison@POST_REPLAY")
                 logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
-                s.launch(logits.copy_, self._logits, label=self._labels["outputs"], step=step)
+                s.launch(logits.copy_, self._logits, label=l_outputs, step=step)
                 s.keep(logits)
                 for event in at_end[_LAST]:
                     s.record(event)
@@ -369,7 +370,7 @@ class Lowered:
             return tuple.__new__(StepRun, (step, logits, self._measured_fence(slot, step, ticket)))
         # hot path: ``Fence.from_ticket`` inline
         fence = tuple.__new__(Fence, (self.label, step, slot.buffer_points, slot.fence_events, clock.base, None,
-                                      NO_PROBES, getattr(slot.done, "latest", None), ticket))
+                                      NO_PROBES, getattr(slot.done, "latest", None), ticket, slot.covering))
         return tuple.__new__(StepRun, (step, logits, fence))
 
     def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:
