@@ -328,8 +328,9 @@ def test_a_batch_of_the_wrong_shape_or_keys_is_refused_before_anything_is_enqueu
 def test_a_steps_events_fire_on_its_stream_in_index_order(dev, policy, mode):
     # what lets one wait on the latest event stand for a wait on each: the records' own
     # streams and timestamps (CpuDevice handles), not the plan's order
-    from readfence.backends import deepseek_v4, tbo
-    for backend in (hybrid_linear(trtllm_mha(), linear()), tbo(deepseek_v4(), paged())):
+    from readfence.backends import REFERENCE_LEAVES, deepseek_v4, tbo
+    for backend in (hybrid_linear(trtllm_mha(), linear()), tbo(deepseek_v4(), paged()),
+                    *(make() for make in REFERENCE_LEAVES.values())):
         low = lower(backend, mode, batch_size=2, device=dev, policy=policy, measure=True)
         run = low.run(_batch(low), step=0)
         run.fence.wait_done(T)
