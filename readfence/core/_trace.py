@@ -18,6 +18,7 @@ read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stag
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -138,6 +139,19 @@ def _user_line() -> str:
             return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+def _through_compiled_functions() -> Any:
+    """Trace a ``torch.compile``'d function a stage calls as the Python it compiles.
+
+    Dynamo refuses to be traced by FX unless told to run the original function instead; then
+    its ops are traced like the stage's own (and the lowering compiles the stage itself). A
+    process that never imported ``torch._dynamo`` has no compiled function to trace through.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return contextlib.nullcontext()
+    return dynamo.config.patch(error_on_nested_fx_trace=False)
 
 
 class _Aborted(Exception):
@@ -431,7 +445,7 @@ def _trace_stage(
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         ctx = tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
-    with ctx:
+    with ctx, _through_compiled_functions():
         gm = make_fx(flat_fn, tracing_mode="real")(*args)
 
     buffers = BufferMap.of(shared)

@@ -322,3 +322,38 @@ def test_getitem_and_setitem_shims_match_torch(index) -> None:
     a[index] = -1
     _setitem(b, index, -1)
     assert torch.equal(a, b)
+
+
+# -- a torch.compile'd function inside a stage ---------------------------------------------------
+
+
+@torch.compile(backend="eager")  # dynamo wraps it as for any backend; "eager" keeps the test fast
+def _compiled_lengths(lens: torch.Tensor) -> torch.Tensor:
+    return (lens * 2 - lens).relu()
+
+
+def _compiled_reader(s, b, m, layer, q):
+    from tests.adversarial import _gather
+    return _compiled_lengths(_gather(s["seq_lens"], b))
+
+
+def test_a_compiled_function_in_a_stage_is_traced_through_and_its_reads_are_seen():
+    # dynamo refuses to be traced by FX; the trace runs the Python it compiles instead, so the
+    # body's read of the lengths inside it is seen (declared IN_REPLAY: refused) ...
+    from readfence.core import audit
+    from readfence.graph import CpuDevice, Policy, run_overlapped, run_serial, verify
+    from tests.adversarial import _declare, body_reader
+
+    late = body_reader("compiled", _compiled_reader)
+    refused = audit(late, M.DECODE, cfg=CFG).failure()
+    assert (refused.buffer, refused.observed, refused.reader[0]) == ("seq_lens", ReadEnd.POST_REPLAY, "body")
+    program = trace(late, M.DECODE, cfg=CFG)
+    assert program.stage("body").faithful  # its ops are in the graph, not an escape
+    # ... and declared POST_REPLAY it is lowered, runs bit-identical to serial, and verifies clean
+    sound = body_reader("compiled_sound", _compiled_reader, declare=_declare(lens=ReadEnd.POST_REPLAY))
+    ref = run_serial(sound, M.DECODE, steps=6, batch_size=2, cfg=CFG)
+    with CpuDevice(timeout=30) as dev:
+        res = run_overlapped(sound, M.DECODE, steps=6, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG)
+        assert res.matches(ref) and res.violations == ()
+        report = verify(sound, M.DECODE, steps=4, batch_size=2, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
+        assert "PER_BUFFER clean" in str(report.unwrap())
