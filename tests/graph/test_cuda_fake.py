@@ -226,3 +226,24 @@ def test_errors_raised_inside_a_capture_name_the_graph_and_readfence_refusals_pa
         with pytest.raises(CaptureError, match=r"^cannot query event 'e' while stream 'forward' is capturing"):
             with dev.capture(s, label="g"):
                 ev.query()
+
+
+def test_each_replay_counts_each_in_graph_record_once(fake_cuda):
+    # what a lowered fence derives its generations from (its slot's base plus its run): a graph
+    # replay adds exactly one generation per in-graph record, and a capture adds none
+    fake_cuda()
+    with _cuda.CudaDevice() as dev:
+        s, pre, mid, post = dev.stream("forward"), dev.event("pre"), dev.event("mid"), dev.event("post")
+        s.record(pre)
+        with dev.capture(s, label="step") as graph:
+            s.launch(lambda: None, label="prepare_in_graph")
+            s.record(mid)
+            s.launch(lambda: None, label="body")
+        s.record(post)
+        base = (pre.generation, mid.generation, post.generation)
+        assert base == (1, 0, 1)
+        for run in range(1, 4):
+            s.record(pre)
+            graph.replay(s)
+            s.record(post)
+            assert (pre.generation, mid.generation, post.generation) == tuple(b + run for b in base)
