@@ -99,8 +99,8 @@ class RunClock:
     """The runs of one event-ring slot of a lowered graph: a fence's ticket is one of them.
 
     Every run of a slot records each of its events exactly once, so run ``ticket`` of the slot
-    recorded event ``i`` as generation ``base[i] + ticket``: a fence holds the slot's clock and
-    its ticket instead of a tuple of generations, and a wait that finds another generation
+    recorded event ``i`` as generation ``base[i] + ticket``: a fence holds the slot's ``base``
+    and its ticket instead of a tuple of generations read each step, and a wait that finds another generation
     knows the event was recorded again, by a later run (the ring wrapped) or by anyone else
     (an event shared with another graph).
 
