@@ -82,6 +82,11 @@ def _same(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
+def _carries_work(buffers: Sequence[str]) -> bool:
+    """Whether a write of ``buffers`` includes the page table's, the one ``write_work`` goes with."""
+    return "req_to_token" in buffers
+
+
 def _run_all(fns: Sequence[Callable[[], Any]]) -> None:
     for fn in fns:
         fn()
@@ -194,7 +199,7 @@ class DecodeLoop:
         pending: tuple[str, ...] = ()
         for group in self.write_groups:
             pending += group
-            if "req_to_token" in group:  # the write that carries ``write_work``
+            if _carries_work(group):
                 plain.append(pending)
                 pending = ()
         self._plain_groups = (*plain, pending) if pending else tuple(plain)
@@ -221,7 +226,7 @@ class DecodeLoop:
         shared, check = self.lowered.shared, self.check
 
         def work(buffers: Sequence[str]) -> Callable[[], Any] | None:
-            return self.write_work if "req_to_token" in buffers else None
+            return self.write_work if _carries_work(buffers) else None
 
         if self.timeline is None:
             dsts, srcs = [shared[b] for b in group], [nxt.shared[b] for b in group]
