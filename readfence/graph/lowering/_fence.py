@@ -95,6 +95,14 @@ def covering_all(events: Sequence[Any]) -> range:
     return range(len(events) - 1)[-1:]
 
 
+def slot_head(owner: str, points: Mapping[str, int | None], events: Sequence[Any], base: tuple[int, ...],
+              handles: Sequence[Any] | None = None, probes: Mapping[str, Bound] = NO_PROBES) -> tuple[Any, ...]:
+    """What the fences of every run of one ring slot share; a run's :class:`Fence` is
+    ``(head, step, done_handle, ticket)``: building and freeing it per step touches only these
+    four (a flat tuple of all ten fields cost a third more on the host, freeing included)."""
+    return (owner, points, events, base, handles, probes, covering_all(events))
+
+
 class RunClock:
     """The runs of one event-ring slot of a lowered graph: a fence's ticket is one of them.
 
@@ -127,7 +135,8 @@ class Fence(tuple):
     build: ``Lowered.run`` makes one per step on the host's hot path, so it holds the
     generations as a tuple of ints shared by every step of a ring slot plus this step's
     offset into it (a :class:`RunClock` ticket; 0 for explicit generations), and builds
-    :class:`Bound` values only when asked.
+    :class:`Bound` values only when asked. It is ``(head, step, done_handle, ticket)``: the
+    head (:func:`slot_head`) is what a ring slot's runs share.
 
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
@@ -173,8 +182,8 @@ class Fence(tuple):
         ``handles`` (CpuDevice ``Generation`` records, for timestamps) may be ``None``;
         ``done_handle`` alone keeps the outputs waitable after the event ring wraps.
         """
-        return tuple.__new__(cls, (owner, step, points, events, generations, handles, probes, done_handle, 0,
-                                   range(len(events) - 1)))
+        head = (owner, points, events, tuple(generations), handles, probes, range(len(events) - 1))
+        return tuple.__new__(cls, (head, step, done_handle, 0))
 
     @classmethod
     def from_ticket(cls, owner: str, step: int, points: Mapping[str, int | None], events: Sequence[Any],
@@ -186,35 +195,42 @@ class Fence(tuple):
         latest alone (``covering``, static per slot). ``Lowered.run`` builds this tuple inline on
         its hot path (the call is measurable there).
         """
-        return tuple.__new__(cls, (owner, step, points, events, clock.base, handles, probes, done_handle, ticket,
-                                   covering_all(events)))
+        return tuple.__new__(cls, (slot_head(owner, points, events, clock.base, handles, probes), step, done_handle, ticket))
 
-    owner = property(operator.itemgetter(0))
     step = property(operator.itemgetter(1))
-    probes = property(operator.itemgetter(6))
+
+    @property
+    def owner(self) -> str:
+        """The label of the lowered graph (or composite step) that publishes this fence."""
+        return self[0][0]
+
+    @property
+    def probes(self) -> Mapping[str, Bound]:
+        """Per buffer, the probe recorded right after its last read (``measure=True`` only)."""
+        return self[0][5]
 
     def _bound(self, i: int) -> Bound:
-        handles, events = self[5], self[3]
+        _, _, events, generations, handles, _, _ = self[0]
         if handles is not None:
             handle = handles[i]
         else:
-            handle = self[7] if i == len(events) - 1 else None
-        return Bound(events[i], self[4][i] + self[8], handle)
+            handle = self[2] if i == len(events) - 1 else None
+        return Bound(events[i], generations[i] + self[3], handle)
 
     @property
     def done(self) -> Bound:
         """The generation of the whole forward's end (outputs included)."""
-        return self._bound(len(self[3]) - 1)
+        return self._bound(len(self[0][2]) - 1)
 
     @property
     def distinct(self) -> tuple[Bound, ...]:
         """The distinct bounds (one per event), in execution order."""
-        return tuple(self._bound(i) for i in range(len(self[3]) - 1))
+        return tuple(self._bound(i) for i in range(len(self[0][2]) - 1))
 
     @property
     def per_buffer(self) -> dict[str, Bound | None]:
         """Per published buffer, its bound generation (``None``: not read, no wait)."""
-        return {b: None if i is None else self._bound(i) for b, i in self[2].items()}
+        return {b: None if i is None else self._bound(i) for b, i in self[0][1].items()}
 
     def __repr__(self) -> str:
         return f"Fence(owner={self.owner!r}, step={self.step}, per_buffer={self.per_buffer!r})"
@@ -232,8 +248,8 @@ class Fence(tuple):
     def _indices(self, buffers: Iterable[str] | None) -> Sequence[int]:
         """Indices of the distinct events guarding ``buffers`` (default: every buffer), in order."""
         if buffers is None:
-            return range(len(self[3]) - 1)
-        index = self[2]
+            return range(len(self[0][2]) - 1)
+        index = self[0][1]
         names = list(buffers)
         unknown = [b for b in names if b not in index]
         if unknown:
@@ -248,14 +264,15 @@ class Fence(tuple):
         stream in index order, so the latest covers the others (one wake-up of a waiting
         CpuDevice stream, not one per event); a fence built from bounds needs each of them."""
         if buffers is None:
-            return self[9]
+            return self[0][6]
         indices = self._indices(buffers)
-        return indices[-1:] if self[8] else indices
+        return indices[-1:] if self[3] else indices
 
     def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
-        events, generations, ticket = self[3], self[4], self[8]
-        for i in self[9] if buffers is None else self._covering(buffers):
+        head, ticket = self[0], self[3]
+        events, generations = head[2], head[3]
+        for i in head[6] if buffers is None else self._covering(buffers):
             event = events[i]
             if event.generation != generations[i] + ticket:
                 event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError

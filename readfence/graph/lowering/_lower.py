@@ -15,7 +15,6 @@ Every lowered graph owns its events: nothing is shared across shapes, modes or s
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -48,7 +47,8 @@ from readfence.effects import ReadEnd
 from ..devices import Device, DeviceError, Event, Op, Stream, Timeline
 from ..devices._copy import copy_from_host
 from ..devices._open import check_device
-from ._fence import NO_PROBES, Bound, Fence, RunClock, covering_all
+from ._batch import batch_gatherer
+from ._fence import Bound, Fence, RunClock, slot_head
 from ._fx_compile import compile_graph
 from ._fx_records import insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
@@ -56,7 +56,7 @@ from ._poison import CheckState, poison_points
 from ._policy import Policy
 
 _COUNTER = itertools.count()
-_SHAPE = operator.attrgetter("shape")
+_new = tuple.__new__  # builds a StepRun or Fence without a Python call (run() is on the host's hot path)
 _PRE, _POST, _LAST = ReadEnd.PRE_REPLAY.rank, ReadEnd.POST_REPLAY.rank, ReadEnd.UNKNOWN.rank
 
 
@@ -120,7 +120,7 @@ class _Slot:
     # check mode: the poison action of each stage-level release point, indexed by ReadEnd.rank
     act_at_end: tuple[Any, ...] = ()
     clock: Any = None  # RunClock of the slot's runs, set once its graph is captured
-    covering: range = range(0)  # the index of its latest event: one wait on it covers the step
+    fence_head: tuple[Any, ...] = ()  # what the fences of the slot's runs share (``slot_head``)
 
 
 class Lowered:
@@ -172,9 +172,7 @@ class Lowered:
         self._meta = self._static_meta(example, dev)
         self._env.update(self._meta)
         self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
-        self._shapes = tuple(t.shape for t in self._batch.values())
-        keys = tuple(self._batch)  # a C-level gather of the step's inputs (one key: itemgetter gives no tuple)
-        self._gather = operator.itemgetter(*keys) if len(keys) > 1 else lambda batch: tuple(map(batch.__getitem__, keys))
+        self._gather = batch_gatherer(self.label, self._batch, f" (batch_size={batch_size})")
         self._static_batch = tuple(self._batch.values())
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
@@ -256,9 +254,13 @@ class Lowered:
             with dev.capture(self.stream, label=f"{self.label}/graph#{r}") as graph:
                 self._in_graph_work(slot)
             slot.graph = graph
-        slot.clock = RunClock(tuple(e.generation for e in slot.fence_events))
-        slot.covering = covering_all(slot.fence_events)
+        slot.clock = RunClock(())
+        self._set_base(slot, tuple(e.generation for e in slot.fence_events))
         return slot
+
+    def _set_base(self, slot: _Slot, base: tuple[int, ...]) -> None:
+        slot.clock.base = base
+        slot.fence_head = slot_head(self.label, slot.buffer_points, slot.fence_events, base)
 
     def _reads(self, stage: StageGraph) -> dict[str, frozenset[str]]:
         # per node, the traced reads and what the rehearsal observed it really read
@@ -314,18 +316,7 @@ class Lowered:
         multi-phase step replays several graphs).
         """
         step = self._runs if step is None else step
-        try:
-            staged = self._gather(batch)
-        except KeyError:
-            missing = sorted(set(self._batch) - set(batch))
-            raise KeyError(f"{self.label}: batch is missing {missing}") from None
-        if tuple(map(_SHAPE, staged)) != self._shapes:
-            for given, (key, t) in zip(staged, self._batch.items()):
-                if given.shape != t.shape:
-                    raise ValueError(
-                        f"{self.label}: batch[{key!r}] has shape {tuple(given.shape)}, the lowered "
-                        f"graph was captured for {tuple(t.shape)} (batch_size={self.batch_size})"
-                    )
+        staged = self._gather(batch)  # refuses missing keys and wrong shapes before anything is enqueued
         slot = self._slots[self._runs % self.ring_size]
         self._runs += 1
         clock = slot.clock
@@ -364,14 +355,13 @@ class Lowered:
                     s.launch(check.finish, step, label=f"{self.label}/check", step=step)
                 s.record(slot.done)
         except BaseException:  # a step stopped midway recorded some events: later runs start from here
-            clock.base = tuple(e.generation - ticket for e in slot.fence_events)
+            self._set_base(slot, tuple(e.generation - ticket for e in slot.fence_events))
             raise
         if self.measure:
-            return tuple.__new__(StepRun, (step, logits, self._measured_fence(slot, step, ticket)))
+            return _new(StepRun, (step, logits, self._measured_fence(slot, step, ticket)))
         # hot path: ``Fence.from_ticket`` inline
-        fence = tuple.__new__(Fence, (self.label, step, slot.buffer_points, slot.fence_events, clock.base, None,
-                                      NO_PROBES, getattr(slot.done, "latest", None), ticket, slot.covering))
-        return tuple.__new__(StepRun, (step, logits, fence))
+        fence = _new(Fence, (slot.fence_head, step, getattr(slot.done, "latest", None), ticket))
+        return _new(StepRun, (step, logits, fence))
 
     def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:
         # before anything of the step reads: pick the poison, arm this replay's release points,
