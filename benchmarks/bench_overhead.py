@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import operator
 import statistics
 import sys
 import threading
@@ -44,12 +45,16 @@ from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEnd
 from readfence.graph import DEVICE_KINDS, CpuDevice, Policy, Scheduler, lower, open_device
+from readfence.graph.lowering._lower import load_batch
 
 MODE = ForwardMode.DECODE
 
 
 def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
-    """One step of ``low`` issued by hand: the same launches, records and waits as ``run``."""
+    """One step of ``low`` issued by hand: the same launches, records and waits as ``run``,
+    written as a careful user would: labels made once, the step's tensors taken when it is
+    issued (a launch that read the caller's dict later, on the stream thread, would copy in
+    whatever the scheduler put there for the next step), no shape check."""
     s = low.stream
     slot = low._slots[0]
     pre = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.PRE_REPLAY]
@@ -60,22 +65,26 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     out_runner, out_ops = slot.stages["prepare_out_graph"]
     env, meta, static_batch, static_logits = low._env, low._meta, low._batch, low._logits
     graph = slot.graph
-    label = low.label
+    take, static = operator.itemgetter(*static_batch), tuple(static_batch.values())
+    l_load, l_out, l_outputs = (f"{low.label}/{name}" for name in ("load_batch", "prepare_out_graph", "outputs"))
+
+    def prepare_out_graph() -> None:
+        for k, v in out_runner.run(env).items():
+            meta[k].copy_(v)
 
     def step(batch: dict, i: int) -> None:
+        given = take(batch)  # this step's tensors, taken now: the caller refills its dict for the next
         with s.batch():
             s.wait(written)
-            s.launch(lambda: [static_batch[k].copy_(v) for k, v in batch.items()], label=f"{label}/load_batch",
-                     step=i)
-            s.launch(lambda: [meta[k].copy_(v) for k, v in out_runner.run(env).items()],
-                     label=f"{label}/prepare_out_graph", ops=out_ops, step=i)
+            s.launch(load_batch, static, given, label=l_load, step=i)
+            s.launch(prepare_out_graph, label=l_out, ops=out_ops, step=i)
             for e in pre:
                 s.record(e)
             graph.replay(s, step=i)
             for e in post:
                 s.record(e)
             logits = torch.empty_like(static_logits)
-            s.launch(logits.copy_, static_logits, label=f"{label}/outputs", step=i)
+            s.launch(logits.copy_, static_logits, label=l_outputs, step=i)
             for e in unknown:
                 s.record(e)
             s.record(slot.done)

@@ -238,7 +238,7 @@ def _spy_host_copies(monkeypatch) -> list:
     return seen
 
 
-def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_stay_plain(monkeypatch):
+def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_are_one_plain_call(monkeypatch):
     from readfence.graph.lowering._lower import load_batch
 
     seen = _spy_host_copies(monkeypatch)
@@ -246,9 +246,13 @@ def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_st
     load_batch([torch.empty(4, dtype=torch.int64, device="meta"), torch.empty(3, device="meta")], staged)
     assert seen == [("meta", "cpu", True, True)] * 2
     seen.clear()
+    foreach = []
+    real_foreach = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dsts, srcs: foreach.append(len(dsts)) or real_foreach(dsts, srcs))
     host = [torch.empty(4, dtype=torch.int64), torch.empty(3)]
-    load_batch(host, staged)
-    assert seen == [("cpu", "cpu", False, False)] * 2 and torch.equal(host[0], staged[0])
+    load_batch(host, staged)  # host to host: plain copies, all in one torch call
+    assert seen == [] and foreach == [2]
+    assert torch.equal(host[0], staged[0]) and torch.equal(host[1], staged[1])
 
 
 def test_scheduler_writes_read_pinned_host_memory_without_blocking(monkeypatch):

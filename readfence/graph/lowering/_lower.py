@@ -45,7 +45,7 @@ from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
 from ..devices import Device, DeviceError, Event, Op, Stream, Timeline
-from ..devices._copy import copy_from_host
+from ..devices._copy import copy_all_from_host
 from ..devices._open import check_device
 from ._batch import batch_gatherer
 from ._fence import Bound, Fence, RunClock, slot_head
@@ -420,9 +420,9 @@ class CompiledStage:
 
 
 def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
-    """Copy a step's inputs into the graph's static buffers (from the host without blocking it)."""
-    for t, v in zip(static, staged):
-        copy_from_host(t, v)
+    """Copy a step's inputs into the graph's static buffers (from the host without blocking it;
+    on the CPU device one torch call: the shapes were checked when the step was issued)."""
+    copy_all_from_host(static, staged)
 
 
 def last_reads(program: Program) -> dict[str, LastRead]:
