@@ -323,11 +323,30 @@ def _captured(stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferM
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor) or not node.users:
             continue
-        if all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users):
-            continue  # a literal (``torch.tensor([...])`` in the stage): copied fresh every run
+        # a literal (``torch.tensor(...)`` in the stage) is copied by its users on every run:
+        # from fresh memory, or from memory the stage keeps (see ``_fresh_literals_dropped``)
+        literal = all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users)
         users = tuple(u.name for u in node.users)
         source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
-        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned)))
+        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned),
+                            literal=literal))
+    return out
+
+
+def _fresh_literals_dropped(stages: list[StageGraph], persistence_known: bool) -> list[StageGraph]:
+    """The stages without the literals that are constants of the code (``torch.tensor([1, 2])``).
+
+    A literal over no memory of the state that the step, run once more, does not read again
+    was made while tracing: a constant, fine on every run. One the step reads again (the
+    literal of a numpy mirror of a buffer) copies that memory on every run, and stays
+    captured, matched like any other. Without the rerun (fake tensors) every literal over no
+    memory of the example is taken for a constant.
+    """
+    out = []
+    for s in stages:
+        kept = tuple(c for c in s.captured
+                     if not (c.literal and c.matches[0] == "none" and not (persistence_known and c.persistent)))
+        out.append(s if kept == s.captured else attrs.evolve(s, captured=kept))
     return out
 
 
@@ -663,8 +682,10 @@ def trace_functions(
             out = cross_into_graph(out)  # what the graph sees of it: copies (core._protocol)
         # the body sees {**out_graph_meta, **in_graph_meta} (core._model.prepare)
         meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
-    if fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured):
+    rerun = fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured)
+    if rerun:
         stages = _mark_persistent(stages, plan, groups)
+    stages = _fresh_literals_dropped(stages, rerun)
     return Program(
         backend=backend, mode=mode, device=device, buffers=buffers, stages=tuple(stages), aborted=aborted
     )
