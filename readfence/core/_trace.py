@@ -11,8 +11,8 @@ are all there is). Tensors are matched to shared buffers by memory range (``_mem
 Escapes the tracer cannot see through are recorded in the graph as a ``readfence::opaque``
 node on the escaping tensor, at the user's source line: a *value* escape (``item()``,
 ``int()``, ``tolist()``...) reads the tensor there and then; a *reference* escape
-(``data_ptr()``, ``numpy()``, DLPack, ``untyped_storage()``) lets code the tracer cannot see
-read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stage unfaithful
+(``data_ptr()``, ``numpy()``, DLPack, ``untyped_storage()``, a ``.data =`` assignment) lets code
+the tracer cannot see read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stage unfaithful
 (see ``_program``: such a stage is given every shared buffer).
 """
 
@@ -118,6 +118,9 @@ _REFERENCE_ESCAPES: dict[Any, str] = {
     torch.Tensor.__dlpack__: "__dlpack__()",
     torch.to_dlpack: "to_dlpack()",
     torch.utils.dlpack.to_dlpack: "to_dlpack()",
+    # ``t.data = x`` points ``t`` at ``x``'s memory; the trace follows tensors by identity, so
+    # what the code then does through ``t`` the graph does to ``t``'s old value
+    torch.Tensor.data.__set__: ".data assignment",  # type: ignore[attr-defined]
 }
 _ESCAPES = {**_VALUE_ESCAPES, **_REFERENCE_ESCAPES}
 _VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
@@ -186,7 +189,9 @@ class _TraceMode(TorchFunctionMode):
     def _call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         what = _ESCAPES.get(func)
         if what is not None and args and isinstance(args[0], torch.Tensor):
-            OPAQUE_OP(args[0], what)
+            for t in args:  # the memory handed over too (a ``.data`` assignment's value)
+                if isinstance(t, torch.Tensor):
+                    OPAQUE_OP(t, what)
             if self.fake:
                 raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
             # the value leaves the graph: compute it on the real tensor, outside the tracer
