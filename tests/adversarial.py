@@ -139,6 +139,14 @@ def _dlpack_live(state: State | None, declare: Mapping | None = None) -> Any:
     return body_reader("dlpack_live", lambda s, b, m, layer, q: _gather(alias, b), declare=declare)
 
 
+def _numpy_mirror(state: State | None, declare: Mapping | None = None) -> Any:
+    # a numpy mirror of the live lengths kept by the backend (as engines keep host-side
+    # mirrors); ``torch.tensor`` of it traces as a literal constant copied by
+    # ``lift_fresh_copy`` on every run: a read of the live buffer's memory at that node
+    mirror = (state["shared"]["seq_lens"] if state else torch.zeros(1, dtype=torch.int32)).numpy()
+    return body_reader("numpy_mirror", lambda s, b, m, layer, q: _gather(torch.tensor(mirror), b), declare=declare)
+
+
 def _dlpack_arg(s, b, m, layer, q):
     return _gather(torch.from_dlpack(torch.to_dlpack(s["seq_lens"])), b)
 
@@ -329,7 +337,7 @@ def _cases() -> list[Case]:
     for name, fn in VIEWS.items():
         cases.append(Case(name, "views", _fixed(name, fn), "refused", "seq_lens"))
     for name, make in (("closure", _closure), ("attribute", _attribute), ("global_ref", _global),
-                       ("dlpack_live", _dlpack_live)):
+                       ("dlpack_live", _dlpack_live), ("numpy_mirror", _numpy_mirror)):
         cases.append(Case(name, "captured", make, "refused", "seq_lens", captures=True))
         honest = _declare(lens=POST)
         cases.append(Case(f"{name}_declared_post", "captured",

@@ -125,6 +125,10 @@ class Captured:
     # the stage reads the same memory again on the next call: a constant it keeps (an
     # indexer's weights), not a value it computed once while being traced
     persistent: bool = False
+    # consumed only by the copy torch makes of a tensor literal (``lift_fresh_copy``): a
+    # literal made while tracing is a fresh constant, but one built over memory the stage
+    # keeps (``torch.tensor`` of a numpy mirror of a buffer) is copied from it on every run
+    literal: bool = False
 
     @property
     def buffers(self) -> frozenset[str]:

@@ -7,20 +7,24 @@ a thread pool, reads on a clock of its own: while the trace runs it is invisible
 the stage has returned it may read a shared buffer after any fence, COARSE's included.
 
 `watch_threads` puts a stage's run under watch: the threads its thread starts
-(``threading.Thread.start``, which ``Timer`` and new pool workers use too) and the jobs it
-submits to a ``concurrent.futures.ThreadPoolExecutor``. While a stage is traced or observed,
+(``threading.Thread.start``, which ``Timer`` and new pool workers use too, or the primitive
+under it, ``_thread.start_new_thread``) and the jobs it submits to a
+``concurrent.futures.ThreadPoolExecutor``. While a stage is traced or observed,
 any such work is refused (the trace and the observer follow one thread); when its Python runs
 in a step, work still running when it returns is refused. Work handed over another way (a job queued to a thread that already runs, a callback a
 library calls later) is not seen: the output comparison with the serial run is the check
 for it.
 
-The watch wraps ``Thread.start`` and ``ThreadPoolExecutor.submit`` once, the first time a
-stage is watched; the wrappers only look up whether the calling thread is running a watched
-stage, so the rest of the process is unaffected.
+The watch wraps ``Thread.start``, ``_thread.start_new_thread`` and ``ThreadPoolExecutor.submit``
+once, the first time a stage is watched (``threading`` keeps its own reference to the primitive,
+so a ``Thread`` is seen once; a reference to it taken before the watch is installed is not
+seen); the wrappers only look up whether the calling thread is running a watched stage, so
+the rest of the process is unaffected.
 """
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import contextlib
 import os
@@ -96,9 +100,28 @@ def _install() -> None:
             started.append((lambda: not future.done(), _describe(fn, "a thread-pool job"), line))
             return future
 
-        for cls, name, wrapper in ((threading.Thread, "start", watched_start),
-                                   (concurrent.futures.ThreadPoolExecutor, "submit", watched_submit)):
-            setattr(cls, name, wrapper)
+        start_new = _thread.start_new_thread
+
+        def watched_start_new_thread(function: Any, args: tuple[Any, ...], kwargs: Any = None, /) -> int:
+            started = getattr(_watching, "started", None)
+            if started is None:
+                return start_new(function, args, {} if kwargs is None else kwargs)
+            done = threading.Event()
+
+            def run(*a: Any, **k: Any) -> Any:
+                try:
+                    return function(*a, **k)
+                finally:
+                    done.set()
+
+            started.append((lambda: not done.is_set(), _describe(function, "a thread"), _user_line()))
+            return start_new(run, args, {} if kwargs is None else kwargs)
+
+        for owner, name, wrapper in ((threading.Thread, "start", watched_start),
+                                     (concurrent.futures.ThreadPoolExecutor, "submit", watched_submit),
+                                     (_thread, "start_new_thread", watched_start_new_thread),
+                                     (_thread, "start_new", watched_start_new_thread)):
+            setattr(owner, name, wrapper)
         _installed = True
 
 

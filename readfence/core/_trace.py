@@ -11,8 +11,8 @@ are all there is). Tensors are matched to shared buffers by memory range (``_mem
 Escapes the tracer cannot see through are recorded in the graph as a ``readfence::opaque``
 node on the escaping tensor, at the user's source line: a *value* escape (``item()``,
 ``int()``, ``tolist()``...) reads the tensor there and then; a *reference* escape
-(``data_ptr()``, ``numpy()``, DLPack, ``untyped_storage()``) lets code the tracer cannot see
-read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stage unfaithful
+(``data_ptr()``, ``numpy()``, DLPack, ``untyped_storage()``, a ``.data =`` assignment) lets code
+the tracer cannot see read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stage unfaithful
 (see ``_program``: such a stage is given every shared buffer).
 """
 
@@ -118,6 +118,9 @@ _REFERENCE_ESCAPES: dict[Any, str] = {
     torch.Tensor.__dlpack__: "__dlpack__()",
     torch.to_dlpack: "to_dlpack()",
     torch.utils.dlpack.to_dlpack: "to_dlpack()",
+    # ``t.data = x`` points ``t`` at ``x``'s memory; the trace follows tensors by identity, so
+    # what the code then does through ``t`` the graph does to ``t``'s old value
+    torch.Tensor.data.__set__: ".data assignment",  # type: ignore[attr-defined]
 }
 _ESCAPES = {**_VALUE_ESCAPES, **_REFERENCE_ESCAPES}
 _VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
@@ -186,7 +189,9 @@ class _TraceMode(TorchFunctionMode):
     def _call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         what = _ESCAPES.get(func)
         if what is not None and args and isinstance(args[0], torch.Tensor):
-            OPAQUE_OP(args[0], what)
+            for t in args:  # the memory handed over too (a ``.data`` assignment's value)
+                if isinstance(t, torch.Tensor):
+                    OPAQUE_OP(t, what)
             if self.fake:
                 raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
             # the value leaves the graph: compute it on the real tensor, outside the tracer
@@ -323,11 +328,30 @@ def _captured(stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferM
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor) or not node.users:
             continue
-        if all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users):
-            continue  # a literal (``torch.tensor([...])`` in the stage): copied fresh every run
+        # a literal (``torch.tensor(...)`` in the stage) is copied by its users on every run:
+        # from fresh memory, or from memory the stage keeps (see ``_fresh_literals_dropped``)
+        literal = all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users)
         users = tuple(u.name for u in node.users)
         source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
-        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned)))
+        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned),
+                            literal=literal))
+    return out
+
+
+def _fresh_literals_dropped(stages: list[StageGraph], persistence_known: bool) -> list[StageGraph]:
+    """The stages without the literals that are constants of the code (``torch.tensor([1, 2])``).
+
+    A literal over no memory of the state that the step, run once more, does not read again
+    was made while tracing: a constant, fine on every run. One the step reads again (the
+    literal of a numpy mirror of a buffer) copies that memory on every run, and stays
+    captured, matched like any other. Without the rerun (fake tensors) every literal over no
+    memory of the example is taken for a constant.
+    """
+    out = []
+    for s in stages:
+        kept = tuple(c for c in s.captured
+                     if not (c.literal and c.matches[0] == "none" and not (persistence_known and c.persistent)))
+        out.append(s if kept == s.captured else attrs.evolve(s, captured=kept))
     return out
 
 
@@ -663,8 +687,10 @@ def trace_functions(
             out = cross_into_graph(out)  # what the graph sees of it: copies (core._protocol)
         # the body sees {**out_graph_meta, **in_graph_meta} (core._model.prepare)
         meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
-    if fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured):
+    rerun = fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured)
+    if rerun:
         stages = _mark_persistent(stages, plan, groups)
+    stages = _fresh_literals_dropped(stages, rerun)
     return Program(
         backend=backend, mode=mode, device=device, buffers=buffers, stages=tuple(stages), aborted=aborted
     )

@@ -215,3 +215,23 @@ def test_on_cuda_the_trace_stops_at_an_escape_before_the_replay_too() -> None:
                 lower(b, M.DECODE, batch_size=2, device=cuda, policy=Policy.COARSE, cfg=CFG, state=make_state(CFG))
         # on the CPU device the same out-of-graph escape reads every buffer until PRE_REPLAY
         assert audit(out_of_graph, M.DECODE, cfg=CFG).unwrap().observed == ReadEffect.uniform(EVERY, ReadEnd.PRE_REPLAY)
+
+
+def _writes_through_data(mode, shared, batch, meta):
+    # ``.data =`` points a fresh tensor at the lengths' memory: the trace follows tensors by
+    # identity, so the graph adds to the fresh tensor while the Python writes the buffer
+    alias = torch.empty(0, dtype=shared["seq_lens"].dtype)
+    alias.data = shared["seq_lens"]
+    alias.add_(1)
+    return page_meta(shared, batch)
+
+
+def test_a_data_assignment_is_a_reference_escape_not_a_graph_that_misses_the_write(dev) -> None:
+    backend = body_reader("writes_through_data", lambda s, b, m, layer, q: m["kv_lens"], prep=_writes_through_data)
+    bad = audit(backend, M.DECODE, cfg=CFG).failure()
+    assert bad.report.observed["seq_lens"] is ReadEnd.UNKNOWN and "stage prepare_in_graph" in bad.message, bad.message
+    assert "escape: .data assignment" in bad.message, bad.message
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):
+        refused = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=policy).failure()
+        assert (refused.kind, refused.evidence) == ("unsound declaration", "audit") and ".data" in refused.detail, \
+            str(refused)

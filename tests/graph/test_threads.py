@@ -12,6 +12,7 @@ The backends are written through the public ``leaf`` API.
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import threading
 import time
@@ -52,6 +53,11 @@ def _timer(s, b, m, layer, q):
     return _gather(s["seq_lens"], b)
 
 
+def _raw_thread(s, b, m, layer, q):
+    _thread.start_new_thread(_late_copy, (s,))  # the primitive under Thread.start
+    return _gather(s["seq_lens"], b)
+
+
 POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pool")
 POOL.submit(lambda: None).result()  # its worker already runs: a submit starts no thread
 
@@ -65,6 +71,7 @@ CASES = {
     "thread_left_running": (_thread_left_running, "a thread 'late-reader' running _late_copy"),
     "thread_joined": (_thread_joined, "a thread 'joined-reader' running _late_copy"),
     "timer": (_timer, "running _late_copy"),
+    "raw_thread": (_raw_thread, "a thread running _late_copy"),
     "pool_job": (_pool_job, "a thread-pool job running _late_copy"),
 }
 
