@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-_watching = threading.local()  # .started: the work started by this thread's watched stage
+_watching = threading.local()  # .started: the work started by this thread's watched stage; .watcher: what watches
 _install_lock = threading.Lock()
 _installed = False
 _OWN_FILES = (os.path.dirname(__file__), threading.__file__, os.path.dirname(concurrent.futures.__file__))
@@ -131,8 +131,10 @@ def watch_threads(backend: str, stage: str, watcher: str | None = None) -> Itera
 
     ``watcher`` (``"the trace"``, ``"the read observer"``): what follows the stage's thread
     meanwhile; any such work is refused. ``None``: the stage runs in a step; work still running
-    when the block ends is refused. A watch inside another hands what it saw to the outer one.
-    Raises :class:`StageThreadError`.
+    when the block ends is refused. A watch inside another hands what it saw to the outer one,
+    and leaves the refusal to it when the outer has a watcher (it refuses any such work, and
+    names what watched; an inner watch would refuse only work still running, which depends on
+    timing). Raises :class:`StageThreadError`.
 
     >>> import threading
     >>> with watch_threads("toy", "body"):
@@ -145,15 +147,17 @@ def watch_threads(backend: str, stage: str, watcher: str | None = None) -> Itera
     a thread 'helper' running <lambda>
     """
     _install()
-    outer = getattr(_watching, "started", None)
+    outer, outer_watcher = getattr(_watching, "started", None), getattr(_watching, "watcher", None)
     started: list[tuple[Any, str, str]] = []
-    _watching.started = started
+    _watching.started, _watching.watcher = started, watcher or outer_watcher
     try:
         yield
     finally:
-        _watching.started = outer
+        _watching.started, _watching.watcher = outer, outer_watcher
         if outer is not None:
             outer.extend(started)
+    if outer_watcher is not None:
+        return
     for running, what, source in started:
         if watcher is not None or running():
             raise StageThreadError(backend, stage, what, source, watcher)

@@ -181,3 +181,43 @@ def test_threads_outside_a_stage_and_a_thread_a_python_stage_joins_are_left_alon
     runs, _ = loop.run(STEPS)
     serial = run_serial(backend, steps=STEPS, batch_size=BATCH, cfg=CFG)
     assert len(runs) == STEPS and all(torch.equal(r.result(30), s) for r, s in zip(runs, serial.logits))
+
+
+# A stage's Python runs under its own watch (no watcher: work still running when it returns is
+# refused) and, in a rehearsal, inside the read observer's (any work refused). Which refused
+# must not depend on whether the thread is still running when the stage returns.
+def _slow_thread(release: threading.Event) -> threading.Thread:
+    t = threading.Thread(target=release.wait, args=(10.0,), name="slow")
+    t.start()
+    return t
+
+
+def test_a_watch_inside_a_watched_one_leaves_the_refusal_to_the_watcher_whatever_the_timing() -> None:
+    from readfence.core._threads import watch_threads
+
+    release = threading.Event()
+    try:
+        with pytest.raises(StageThreadError) as info:
+            with watch_threads("toy", "body", "the read observer"):
+                with watch_threads("toy", "body"):
+                    t = _slow_thread(release)  # still running when the inner watch ends
+    finally:
+        release.set()
+        t.join()
+    assert (info.value.watcher, info.value.what) == ("the read observer", "a thread 'slow' running Event.wait")
+
+
+def test_a_watch_inside_an_unwatched_one_still_refuses_work_left_running() -> None:
+    from readfence.core._threads import watch_threads
+
+    release = threading.Event()
+    try:
+        with pytest.raises(StageThreadError) as info:
+            with watch_threads("toy", "outer"):
+                with watch_threads("toy", "body"):
+                    t = _slow_thread(release)
+                release.set()  # finished before the outer watch ends: only the inner one can see it
+                t.join()
+    finally:
+        release.set()
+    assert (info.value.stage, info.value.watcher) == ("body", None)
