@@ -28,7 +28,7 @@ from readfence.backends import (
 from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, eagle, make_state, multi_eagle, ngram, verify
-from tests.adversarial import CASES
+from tests.adversarial import CASES, _every, body_reader
 
 CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=16)
 CFG2 = ModelConfig(layers=2, max_reqs=8, max_ctx=16)  # the adversarial layer branch needs two layers
@@ -143,6 +143,19 @@ def test_every_adversarial_backend_is_caught_by_verify_under_the_unsafe_flag(nam
     else:
         assert (bad.kind, bad.buffer, bad.evidence) == ("late read", case.buffer, "observer"), str(bad)
         assert bad.stage == "body" and bad.op
+
+
+@pytest.mark.parametrize("policy", [Policy.COARSE, Policy.PER_BUFFER, Policy.EXACT])
+def test_a_write_to_a_buffer_released_only_after_the_forward_is_caught_by_the_guard(policy, dev) -> None:
+    # the write goes through a ``.data`` alias in prepare_in_graph, which runs as Python in the
+    # step; declared UNKNOWN (sound: a reference escape) or under COARSE, seq_lens has no
+    # release point inside the step: only the guard at the step's end can see the write
+    from tests.graph.test_escapes import _writes_through_data
+
+    backend = body_reader("writes_late", lambda s, b, m, layer, q: m["kv_lens"], prep=_writes_through_data,
+                          declare=_every(ReadEnd.UNKNOWN))
+    bad = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=policy).failure()
+    assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("write", "guard", "seq_lens", 0), str(bad)
 
 
 def test_verify_names_bad_input(dev) -> None:

@@ -5,7 +5,8 @@ buffer's fence), the forward stream itself, right after recording the release ev
 
 1. checks the buffer still holds what the scheduler wrote (a forward that wrote it is caught,
    with the buffer and the step; a write after the release is caught when the step restores
-   the buffer, since it no longer holds the poison);
+   the buffer, since it no longer holds the poison; a buffer with no release point inside
+   the step, ``UNKNOWN`` or COARSE, is checked at the end of the step);
 2. saves it, and overwrites it with *poison*: other in-range values (``buffer_ranges``: a slot
    stays a slot, a length a length), so a late read computes on wrong values but never
    indexes out of bounds.
@@ -159,13 +160,17 @@ class CheckState:
         return poison
 
     def restorer(self) -> Callable[[], None]:
-        """The action at the end of the step: every poisoned buffer gets its value back."""
+        """The action at the end of the step: every poisoned buffer gets its value back, and
+        every buffer is guarded: a poisoned one must still hold its poison (else the forward
+        wrote it after its release), any other what the scheduler wrote (else the forward
+        wrote it; a buffer released only after the whole forward has no release point inside
+        the step that would have looked)."""
 
         def restore() -> None:
             with _quiet():
                 for b, i in self.index.items():
                     live, hit = self.live[b], self.hit[i]
-                    self.moved[i] |= hit & live.ne(self.poison[b]).any()  # written after its release
+                    self.moved[i] |= torch.where(hit, live.ne(self.poison[b]).any(), live.ne(self.expected[b]).any())
                     live.copy_(torch.where(hit, self.backup[b], live))
             if self.watcher is not None:
                 self.watcher.restored()
@@ -177,7 +182,8 @@ class CheckState:
         return bool(self.armed[self.index[buffer]])
 
     def moved_buffers(self) -> list[tuple[int, str]]:
-        """``(step, buffer)`` for every buffer the forward changed before releasing it."""
+        """``(step, buffer)`` for every buffer the forward changed: before its release, after
+        it, or, released only after the whole forward, during the step."""
         out = []
         for step, flags in self.log:
             out += [(step, b) for b, i in self.index.items() if bool(flags[i])]
