@@ -96,11 +96,14 @@ def covering_all(events: Sequence[Any]) -> range:
 
 
 def slot_head(owner: str, points: Mapping[str, int | None], events: Sequence[Any], base: tuple[int, ...],
-              handles: Sequence[Any] | None = None, probes: Mapping[str, Bound] = NO_PROBES) -> tuple[Any, ...]:
+              handles: Sequence[Any] | None = None, probes: Mapping[str, Bound] = NO_PROBES,
+              covering: Sequence[int] | None = None) -> tuple[Any, ...]:
     """What the fences of every run of one ring slot share; a run's :class:`Fence` is
-    ``(head, step, done_handle, ticket)``: building and freeing it per step touches only these
-    four (a flat tuple of all ten fields cost a third more on the host, freeing included)."""
-    return (owner, points, events, base, handles, probes, covering_all(events))
+    ``(head, step, done_handle, ticket)``, so ``Lowered.run`` builds one small tuple per step
+    over a head made once per slot (again only when a stopped step resyncs the slot).
+    ``covering``: the events a wait for every buffer binds (default: the latest, see
+    :func:`covering_all`)."""
+    return (owner, points, events, base, handles, probes, covering_all(events) if covering is None else covering)
 
 
 class RunClock:
@@ -182,7 +185,7 @@ class Fence(tuple):
         ``handles`` (CpuDevice ``Generation`` records, for timestamps) may be ``None``;
         ``done_handle`` alone keeps the outputs waitable after the event ring wraps.
         """
-        head = (owner, points, events, tuple(generations), handles, probes, range(len(events) - 1))
+        head = slot_head(owner, points, events, tuple(generations), handles, probes, range(len(events) - 1))
         return tuple.__new__(cls, (head, step, done_handle, 0))
 
     @classmethod
