@@ -4,7 +4,7 @@ Both loops enqueue exactly the same device work for one decode step on the same 
 stream, each on its own one of two identical lowerings (a fence's events belong to the graph
 that records them), as one ``stream.batch()``: wait for the scheduler's event, copy the batch in, launch the
 out-of-graph stage GraphModule, record the PRE_REPLAY events, replay the captured graph
-(in-graph records included), record the POST_REPLAY events, copy the logits out, record the
+(in-graph records included), record the POST_REPLAY events, copy the logits out (kept for the stream that writes them), record the
 done event, and make the schedule stream wait on the fence (one wait on its latest event). The hand loop does it with
 direct device calls; the other calls ``Lowered.run`` and ``fence.wait`` (shape checks, ring
 slot, ``Fence`` and ``Bound`` objects).
@@ -45,7 +45,7 @@ from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEnd
 from readfence.graph import DEVICE_KINDS, CpuDevice, Policy, Scheduler, lower, open_device
-from readfence.graph.lowering._lower import load_batch
+from readfence.graph.lowering._issue import load_batch
 
 MODE = ForwardMode.DECODE
 
@@ -54,7 +54,8 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     """One step of ``low`` issued by hand: the same launches, records and waits as ``run``,
     written as a careful user would: labels made once, the step's tensors taken when it is
     issued (a launch that read the caller's dict later, on the stream thread, would copy in
-    whatever the scheduler put there for the next step), no shape check."""
+    whatever the scheduler put there for the next step), the logits kept for the stream that
+    writes them (a no-op on CpuDevice, needed on CUDA), no shape check."""
     s = low.stream
     slot = low._slots[0]
     pre = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.PRE_REPLAY]
@@ -85,6 +86,7 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
                 s.record(e)
             logits = torch.empty_like(static_logits)
             s.launch(logits.copy_, static_logits, label=l_outputs, step=i)
+            s.keep(logits)  # on CUDA the allocator would hand the logits' block out again while s writes it
             for e in unknown:
                 s.record(e)
             s.record(slot.done)

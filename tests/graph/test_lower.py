@@ -239,7 +239,7 @@ def _spy_host_copies(monkeypatch) -> list:
 
 
 def test_batch_loads_read_pinned_host_memory_without_blocking_and_host_copies_are_one_plain_call(monkeypatch):
-    from readfence.graph.lowering._lower import load_batch
+    from readfence.graph.lowering._issue import load_batch
 
     seen = _spy_host_copies(monkeypatch)
     staged = [torch.arange(4), torch.ones(3)]

@@ -22,20 +22,24 @@ ValueError: b0: batch['ids'] has shape (1,), the lowered graph was captured for 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from torch import Tensor
 
 BatchGatherer = Callable[[Mapping[str, Tensor]], tuple[Tensor, ...]]
 
 
-def batch_gatherer(owner: str, static: Mapping[str, Tensor], detail: str = "") -> BatchGatherer:
-    """A function from a step's batch mapping to its tensors in ``static``'s key order.
+class GatherCode(NamedTuple):
+    """Straight-line statements that bind ``staged`` from ``batch`` (or raise), and the
+    globals they use: :func:`batch_gatherer` wraps them in a function of their own, the step
+    issuer (``_issue``) inlines them."""
 
-    It raises ``KeyError`` naming the missing keys, or ``ValueError`` naming the first key
-    whose tensor's shape differs from its static buffer's (``owner`` and ``detail`` open and
-    close the message). Extra keys are ignored.
-    """
+    lines: tuple[str, ...]
+    scope: dict[str, Any]
+
+
+def gather_code(owner: str, static: Mapping[str, Tensor], detail: str = "") -> GatherCode:
+    """The gather of :func:`batch_gatherer`, as code to emit into a generated function."""
     keys, shapes = tuple(static), tuple(t.shape for t in static.values())
 
     def missing(batch: Mapping[str, Tensor]) -> NoReturn:
@@ -47,20 +51,26 @@ def batch_gatherer(owner: str, static: Mapping[str, Tensor], detail: str = "") -
                          f"for {tuple(want)}{detail}")
 
     # each key and shape a global of its own: a specialised LOAD_GLOBAL, no subscript
-    scope: dict[str, Any] = {"missing": missing, "wrong_shape": wrong_shape,
-                             **{f"k{i}": k for i, k in enumerate(keys)}, **{f"s{i}": s for i, s in enumerate(shapes)}}
-    lookups = "".join(f"batch[k{i}], " for i in range(len(keys)))
-    same = " and ".join(f"staged[{i}].shape == s{i}" for i in range(len(keys))) or "True"
-    source = (
-        "def gather(batch):\n"
-        "    try:\n"
-        f"        staged = ({lookups})\n"
-        "    except KeyError:\n"
-        "        missing(batch)\n"
-        f"    if {same}:\n"
-        "        return staged\n"
-        "    wrong_shape(staged)\n"
-    )
+    scope: dict[str, Any] = {"missing_keys": missing, "wrong_shape": wrong_shape,
+                             **{f"key{i}": k for i, k in enumerate(keys)},
+                             **{f"shape{i}": s for i, s in enumerate(shapes)}}
+    lookups = "".join(f"batch[key{i}], " for i in range(len(keys)))
+    same = " and ".join(f"staged[{i}].shape == shape{i}" for i in range(len(keys))) or "True"
+    lines = ("try:", f"    staged = ({lookups})", "except KeyError:", "    missing_keys(batch)",
+             f"if not ({same}):", "    wrong_shape(staged)")
+    return GatherCode(lines, scope)
+
+
+def batch_gatherer(owner: str, static: Mapping[str, Tensor], detail: str = "") -> BatchGatherer:
+    """A function from a step's batch mapping to its tensors in ``static``'s key order.
+
+    It raises ``KeyError`` naming the missing keys, or ``ValueError`` naming the first key
+    whose tensor's shape differs from its static buffer's (``owner`` and ``detail`` open and
+    close the message). Extra keys are ignored.
+    """
+    code = gather_code(owner, static, detail)
+    source = "def gather(batch):\n" + "".join(f"    {line}\n" for line in code.lines) + "    return staged\n"
+    scope = dict(code.scope)
     exec(compile(source, f"<batch gatherer of {owner}>", "exec"), scope)
     gather: BatchGatherer = scope["gather"]
     return gather

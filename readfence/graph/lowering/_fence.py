@@ -103,7 +103,9 @@ def slot_head(owner: str, points: Mapping[str, int | None], events: Sequence[Any
     over a head made once per slot (again only when a stopped step resyncs the slot).
     ``covering``: the events a wait for every buffer binds (default: the latest, see
     :func:`covering_all`)."""
-    return (owner, points, events, base, handles, probes, covering_all(events) if covering is None else covering)
+    covering = covering_all(events) if covering is None else covering
+    # ... and the (event, base generation) pairs of ``covering``, for ``Fence.wait`` on the hot path
+    return (owner, points, events, base, handles, probes, covering, tuple((events[i], base[i]) for i in covering))
 
 
 class RunClock:
@@ -213,7 +215,7 @@ class Fence(tuple):
         return self[0][5]
 
     def _bound(self, i: int) -> Bound:
-        _, _, events, generations, handles, _, _ = self[0]
+        _, _, events, generations, handles = self[0][:5]
         if handles is not None:
             handle = handles[i]
         else:
@@ -273,13 +275,15 @@ class Fence(tuple):
 
     def wait(self, stream: Stream, buffers: Iterable[str] | None = None) -> None:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
-        head, ticket = self[0], self[3]
-        events, generations = head[2], head[3]
-        for i in head[6] if buffers is None else self._covering(buffers):
-            event = events[i]
-            if event.generation != generations[i] + ticket:
-                event = self._bound(i).check(f"fence of {self.owner} step {self.step}")  # RingWrapError
-            stream.wait(event)
+        ticket = self[3]
+        if buffers is None:
+            for event, base in self[0][7]:
+                if event.generation != base + ticket:
+                    Bound(event, base + ticket).check(f"fence of {self.owner} step {self.step}")  # RingWrapError
+                stream.wait(event)
+            return
+        for i in self._covering(buffers):
+            stream.wait(self._bound(i).check(f"fence of {self.owner} step {self.step}"))
 
     def synchronize(self, buffers: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """Host wait (with timeout) until ``buffers`` (default: all) may be overwritten."""

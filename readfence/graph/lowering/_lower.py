@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 import torch
@@ -45,19 +45,16 @@ from readfence.core._program import Program, StageGraph, flatten_inputs
 from readfence.effects import ReadEnd
 
 from ..devices import Device, DeviceError, Event, Op, Stream, Timeline
-from ..devices._copy import copy_all_from_host
 from ..devices._open import check_device
-from ._batch import batch_gatherer
 from ._fence import Bound, Fence, RunClock, slot_head
 from ._fx_compile import compile_graph
 from ._fx_records import insert_records, stage_ops
+from ._issue import StepRun, step_issuer
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
 
 _COUNTER = itertools.count()
-_new = tuple.__new__  # builds a StepRun or Fence without a Python call (run() is on the host's hot path)
-_PRE, _POST, _LAST = ReadEnd.PRE_REPLAY.rank, ReadEnd.POST_REPLAY.rank, ReadEnd.UNKNOWN.rank
 
 
 class UnsoundLowering(ValueError):
@@ -75,30 +72,6 @@ class UncapturableStage(ValueError):
     CUDA graph captures kernels, not Python); and a trace under fake tensors stops at any
     escape (they hold no values), leaving no stage graph to lower. The CPU device runs such a
     stage's Python in the step (see ``readfence.core._program``)."""
-
-
-class StepRun(NamedTuple):
-    """What one ``Lowered.run`` returns: ``step``, ``logits`` (a Tensor, or a tuple of them for
-    composite steps; valid once ``fence.done`` fired) and ``fence`` (a :class:`Fence`, or a
-    ``JoinedFence`` for composite steps). One is made per step on the host's hot path, with
-    ``tuple.__new__`` (a NamedTuple's own constructor costs a Python call).
-
-    >>> run = StepRun(3, None, None)
-    >>> run.step, run.fence is None
-    (3, True)
-    """
-
-    step: int
-    logits: Any
-    fence: Any
-
-    def __repr__(self) -> str:
-        return f"StepRun(step={self.step}, fence={self.fence!r})"
-
-    def result(self, timeout: float | None = None) -> Tensor:
-        """Host wait for the whole forward (with timeout), then the logits."""
-        self.fence.wait_done(timeout)
-        return self.logits
 
 
 @attrs.define
@@ -172,12 +145,11 @@ class Lowered:
         self._meta = self._static_meta(example, dev)
         self._env.update(self._meta)
         self._logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
-        self._gather = batch_gatherer(self.label, self._batch, f" (batch_size={batch_size})")
         self._static_batch = tuple(self._batch.values())
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
-        self._step_labels = (self._labels["load_batch"], self._labels["prepare_out_graph"], self._labels["outputs"])
         self._slots = [self._build_slot(r) for r in range(ring_size)]
+        self._issuers = [step_issuer(self, slot) for slot in self._slots]  # one generated function per slot
 
     # -- construction -----------------------------------------------------------------------
     def _static_meta(self, example: Any, dev: torch.device) -> dict[str, Tensor]:
@@ -292,7 +264,7 @@ class Lowered:
         self.stream.launch(fn, label=self._labels[name], ops=ops, step=step)
 
     def _record_points(self, slot: _Slot, end: ReadEnd) -> None:
-        # as run() does inline for PRE_REPLAY and POST_REPLAY: the records, then check mode's poison
+        # as the step issuer emits for PRE_REPLAY and POST_REPLAY: the records, then check mode's poison
         for event in slot.at_end[end.rank]:
             self.stream.record(event)
         if slot.act_at_end[end.rank] is not None:
@@ -315,53 +287,7 @@ class Lowered:
         every buffer it releases), ``first``/``last`` whether it starts/ends the step (a
         multi-phase step replays several graphs).
         """
-        step = self._runs if step is None else step
-        staged = self._gather(batch)  # refuses missing keys and wrong shapes before anything is enqueued
-        slot = self._slots[self._runs % self.ring_size]
-        self._runs += 1
-        clock = slot.clock
-        clock.runs = ticket = clock.runs + 1
-        s = self.stream
-        l_load, l_out, l_outputs = self._step_labels
-        try:
-            with s.batch():  # the step is one work item of the stream (CpuDevice)
-                for event in after:
-                    s.wait(event)
-                s.launch(load_batch, self._static_batch, staged, label=l_load, step=step)
-                check = self.check
-                if check is not None:
-                    self._check_start(slot, step, self.poisons if poison is None else frozenset(poison), first)
-                s.launch(slot.out_fn, label=l_out, ops=slot.out_ops, step=step)
-                at_end, acts = slot.at_end, slot.act_at_end  # acts: check mode's poison, else None
-                for event in at_end[_PRE]:
-                    s.record(event)
-                if acts[_PRE] is not None:
-                    s.launch(acts[_PRE], label=f"{self.label}/poison@PRE_REPLAY")
-                if self.graphed:
-                    slot.graph.replay(s, step=step)
-                else:
-                    self._in_graph_work(slot, step)
-                for event in at_end[_POST]:
-                    s.record(event)
-                if acts[_POST] is not None:
-                    s.launch(acts[_POST], label=f"{self.label}/poison@POST_REPLAY")
-                logits = torch.empty_like(self._logits)  # allocated on the host's stream, written on s
-                s.launch(logits.copy_, self._logits, label=l_outputs, step=step)
-                s.keep(logits)
-                for event in at_end[_LAST]:
-                    s.record(event)
-                if check is not None and last:
-                    s.launch(check.restorer(), label=f"{self.label}/restore", step=step)
-                    s.launch(check.finish, step, label=f"{self.label}/check", step=step)
-                s.record(slot.done)
-        except BaseException:  # a step stopped midway recorded some events: later runs start from here
-            self._set_base(slot, tuple(e.generation - ticket for e in slot.fence_events))
-            raise
-        if self.measure:
-            return _new(StepRun, (step, logits, self._measured_fence(slot, step, ticket)))
-        # hot path: ``Fence.from_ticket`` inline
-        fence = _new(Fence, (slot.fence_head, step, getattr(slot.done, "latest", None), ticket))
-        return _new(StepRun, (step, logits, fence))
+        return self._issuers[self._runs % self.ring_size](batch, step, after, poison, first, last)
 
     def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:
         # before anything of the step reads: pick the poison, arm this replay's release points,
@@ -417,12 +343,6 @@ class CompiledStage:
     def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Execute the stage on ``env`` (dotted name -> tensor); outputs by dotted name."""
         return dict(zip(self._outputs, self._fn(*map(env.__getitem__, self._inputs)), strict=True))
-
-
-def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
-    """Copy a step's inputs into the graph's static buffers (from the host without blocking it;
-    on the CPU device one torch call: the shapes were checked when the step was issued)."""
-    copy_all_from_host(static, staged)
 
 
 def last_reads(program: Program) -> dict[str, LastRead]:

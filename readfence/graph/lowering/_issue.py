@@ -1,0 +1,158 @@
+"""Issuing a lowered step: one generated straight-line function per event-ring slot.
+
+``Lowered.run`` is on the scheduler's hot path: it makes about a dozen device calls per step,
+and a hand-written loop making the same calls is the bar it is measured against
+(``benchmarks/bench_overhead.py``). Written as one general method, it paid at every step for
+choices fixed when the slot was built: check mode or not, a measured fence or not, a captured
+graph or eager stages, how many events each end records, the labels. :func:`step_issuer`
+makes those choices once and emits what is left as straight-line code, with the slot's
+events, labels and actions bound as globals of the function: on the CPU device that took
+``Lowered.run`` plus the fence wait from 1.11-1.12x of the hand loop's host time to about
+1.08x (the rest is the batch's shape check and the two result objects).
+
+The function issues exactly the calls the step needs, in stream order, and its source says
+which (``issuer.source``):
+
+>>> from readfence.backends import paged
+>>> from readfence.core import ForwardMode
+>>> from readfence.graph import CpuDevice, Policy, lower
+>>> with CpuDevice() as dev:
+...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+...     source = low._issuers[0].source
+>>> [line.strip() for line in source.splitlines() if line.strip().startswith(("s.", "graph."))]
+... # doctest: +NORMALIZE_WHITESPACE
+['s.wait(event)', 's.launch(load_batch, static_batch, staged, label=l_load, step=step)',
+ 's.launch(out_fn, label=l_out, ops=out_ops, step=step)', 'graph.replay(s, step=step)',
+ 's.launch(logits.copy_, static_logits, label=l_outputs, step=step)', 's.keep(logits)', 's.record(done)']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from readfence.effects import ReadEnd
+
+from ..devices import Event
+from ..devices._copy import copy_all_from_host
+from ._batch import gather_code
+from ._fence import Fence
+
+
+class StepRun(NamedTuple):
+    """What one ``Lowered.run`` returns: ``step``, ``logits`` (a Tensor, or a tuple of them for
+    composite steps; valid once ``fence.done`` fired) and ``fence`` (a :class:`Fence`, or a
+    ``JoinedFence`` for composite steps). One is made per step on the host's hot path, with
+    ``tuple.__new__`` (a NamedTuple's own constructor costs a Python call).
+
+    >>> run = StepRun(3, None, None)
+    >>> run.step, run.fence is None
+    (3, True)
+    """
+
+    step: int
+    logits: Any
+    fence: Any
+
+    def __repr__(self) -> str:
+        return f"StepRun(step={self.step}, fence={self.fence!r})"
+
+    def result(self, timeout: float | None = None) -> Tensor:
+        """Host wait for the whole forward (with timeout), then the logits."""
+        self.fence.wait_done(timeout)
+        return self.logits
+
+
+#: ``issuer(batch, step, after, poison, first, last)``: the arguments of ``Lowered.run``.
+StepIssuer = Callable[[Mapping[str, Tensor], "int | None", Sequence[Event], "Iterable[str] | None", bool, bool],
+                      StepRun]
+
+
+def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
+    """Copy a step's inputs into the graph's static buffers (from the host without blocking it;
+    on the CPU device one torch call: the shapes were checked when the step was issued)."""
+    copy_all_from_host(static, staged)
+
+
+def step_issuer(low: Any, slot: Any) -> StepIssuer:
+    """The function that issues one step of the ``Lowered`` ``low`` on its ring slot ``slot``
+    (see the module doc; ``_lower`` imports this module, so neither type is named here).
+
+    It counts the run on ``low`` and the slot's clock, enqueues the step as one batch of the
+    stream, resyncs the slot's fence base if the step stops midway, and returns the
+    :class:`StepRun`. Its ``source`` attribute is the generated code.
+    """
+    scope: dict[str, Any] = {
+        "low": low, "slot": slot, "clock": slot.clock, "s": low.stream,
+        "load_batch": load_batch, "static_batch": low._static_batch, "out_fn": slot.out_fn,
+        "out_ops": slot.out_ops, "graph": slot.graph, "empty_like": torch.empty_like,
+        "static_logits": low._logits, "done": slot.done, "fence_events": slot.fence_events,
+        "new": tuple.__new__, "StepRun": StepRun, "Fence": Fence, "frozenset": frozenset,
+        "check": low.check, "poisons": low.poisons,
+    }
+    scope.update({f"l_{short}": low._labels[name] for short, name in
+                  (("load", "load_batch"), ("out", "prepare_out_graph"), ("outputs", "outputs"))})
+    gather = gather_code(low.label, low._batch, f" (batch_size={low.batch_size})")
+    scope.update(gather.scope)
+    body: list[str] = []
+
+    def emit(*lines: str) -> None:
+        body.extend(lines)
+
+    def release(end: ReadEnd) -> None:
+        # the end's records, then check mode's poison of what they release
+        for i, event in enumerate(slot.at_end[end.rank]):
+            scope[f"{end.name.lower()}{i}"] = event
+            emit(f"s.record({end.name.lower()}{i})")
+        act = slot.act_at_end[end.rank]
+        if act is not None:
+            scope[f"poison_{end.name.lower()}"] = act
+            scope[f"l_poison_{end.name.lower()}"] = f"{low.label}/poison@{end.name}"
+            emit(f"s.launch(poison_{end.name.lower()}, label=l_poison_{end.name.lower()})")
+
+    emit("for event in after:", "    s.wait(event)",
+         "s.launch(load_batch, static_batch, staged, label=l_load, step=step)")
+    if low.check is not None:
+        emit("low._check_start(slot, step, poisons if poison is None else frozenset(poison), first)")
+    emit("s.launch(out_fn, label=l_out, ops=out_ops, step=step)")
+    release(ReadEnd.PRE_REPLAY)
+    emit("graph.replay(s, step=step)" if low.graphed else "low._in_graph_work(slot, step)")
+    release(ReadEnd.POST_REPLAY)
+    emit("logits = empty_like(static_logits)  # allocated on the host's stream, written on s",
+         "s.launch(logits.copy_, static_logits, label=l_outputs, step=step)",
+         "s.keep(logits)")
+    release(ReadEnd.UNKNOWN)
+    if low.check is not None:
+        scope["l_restore"], scope["l_check"] = f"{low.label}/restore", f"{low.label}/check"
+        emit("if last:",
+             "    s.launch(check.restorer(), label=l_restore, step=step)",
+             "    s.launch(check.finish, step, label=l_check, step=step)")
+    emit("s.record(done)")
+    if low.measure:  # the CpuDevice generations kept: their timestamps give the slack
+        fence = "low._measured_fence(slot, step, ticket)"
+    else:  # ``Fence.from_ticket``, inline; a CUDA event keeps no per-record handle
+        fence = f"new(Fence, (slot.fence_head, step, {'done.latest' if hasattr(slot.done, 'latest') else 'None'}, ticket))"
+    source = "\n".join([
+        "def issue(batch, step, after, poison, first, last):",
+        "    # the batch's tensors: missing keys and wrong shapes are refused before anything is enqueued",
+        *(f"    {line}" for line in gather.lines),
+        "    if step is None:",
+        "        step = low._runs",
+        "    low._runs += 1",
+        "    clock.runs = ticket = clock.runs + 1",
+        "    try:",
+        "        with s.batch():  # the step is one work item of the stream (CpuDevice)",
+        *(f"            {line}" for line in body),
+        "    except BaseException:  # a step stopped midway recorded some events: later runs start from here",
+        "        low._set_base(slot, tuple([e.generation - ticket for e in fence_events]))",
+        "        raise",
+        f"    return new(StepRun, (step, logits, {fence}))",
+        "",
+    ])
+    exec(compile(source, f"<step issuer of {low.label}>", "exec"), scope)
+    issue = scope["issue"]
+    issue.source = source
+    return issue
