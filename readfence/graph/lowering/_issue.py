@@ -90,7 +90,7 @@ def step_issuer(low: Any, slot: Any) -> StepIssuer:
         "load_batch": load_batch, "static_batch": low._static_batch, "out_fn": slot.out_fn,
         "out_ops": slot.out_ops, "graph": slot.graph, "empty_like": torch.empty_like,
         "static_logits": low._logits, "done": slot.done, "fence_events": slot.fence_events,
-        "new": tuple.__new__, "StepRun": StepRun, "Fence": Fence, "frozenset": frozenset,
+        "new": tuple.__new__, "new_object": object.__new__, "StepRun": StepRun, "Fence": Fence, "frozenset": frozenset,
         "check": low.check, "poisons": low.poisons,
     }
     scope.update({f"l_{short}": low._labels[name] for short, name in
@@ -132,9 +132,11 @@ def step_issuer(low: Any, slot: Any) -> StepIssuer:
              "    s.launch(check.finish, step, label=l_check, step=step)")
     emit("s.record(done)")
     if low.measure:  # the CpuDevice generations kept: their timestamps give the slack
-        fence = "low._measured_fence(slot, step, ticket)"
-    else:  # ``Fence.from_ticket``, inline; a CUDA event keeps no per-record handle
-        fence = f"new(Fence, (slot.fence_head, step, {'done.latest' if hasattr(slot.done, 'latest') else 'None'}, ticket))"
+        fence = ["fence = low._measured_fence(slot, step, ticket)"]
+    else:  # ``fence_of``, inline; a CUDA event keeps no per-record handle
+        fence = ["fence = new_object(Fence)", "fence._head = slot.fence_head", "fence._step = step",
+                 f"fence._done_handle = {'done.latest' if hasattr(slot.done, 'latest') else 'None'}",
+                 "fence._ticket = ticket"]
     source = "\n".join([
         "def issue(batch, step, after, poison, first, last):",
         "    # the batch's tensors: missing keys and wrong shapes are refused before anything is enqueued",
@@ -149,7 +151,8 @@ def step_issuer(low: Any, slot: Any) -> StepIssuer:
         "    except BaseException:  # a step stopped midway recorded some events: later runs start from here",
         "        low._set_base(slot, tuple([e.generation - ticket for e in fence_events]))",
         "        raise",
-        f"    return new(StepRun, (step, logits, {fence}))",
+        *(f"    {line}" for line in fence),
+        "    return new(StepRun, (step, logits, fence))",
         "",
     ])
     exec(compile(source, f"<step issuer of {low.label}>", "exec"), scope)
