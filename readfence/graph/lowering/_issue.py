@@ -7,8 +7,8 @@ choices fixed when the slot was built: check mode or not, a measured fence or no
 graph or eager stages, how many events each end records, the labels. :func:`step_issuer`
 makes those choices once and emits what is left as straight-line code, with the slot's
 events, labels and actions bound as globals of the function: on the CPU device that took
-``Lowered.run`` plus the fence wait from 1.11-1.12x of the hand loop's host time to about
-1.08x (the rest is the batch's shape check and the two result objects).
+``Lowered.run`` plus the fence wait from 1.11-1.12x of the hand loop's host time to 1.08-1.09x
+(with ``Fence`` as a slots object; most of the rest is the batch's shape check).
 
 The function issues exactly the calls the step needs, in stream order, and its source says
 which (``issuer.source``):
