@@ -5,6 +5,8 @@ what check mode adds), not read from the issuer: a call the generator drops, dup
 moves shows up as a difference.
 """
 
+import traceback
+
 import pytest
 import torch
 
@@ -109,3 +111,17 @@ def test_the_run_counter_gives_the_default_step_and_picks_the_slot():
         assert low.run(batch).step == 4  # a refused batch is not a run
         for r in runs:
             r.result(T)
+
+
+def test_a_failure_inside_the_issuer_shows_the_generated_line_in_its_traceback():
+    dev = CpuDevice(timeout=T)
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+                policy=Policy.PER_BUFFER, ring_size=2)
+    batch = Scheduler(CFG, M.DECODE, 2).next_step().batch
+    low.run(batch).result(T)
+    dev.close()
+    with pytest.raises(Exception) as info:
+        low.run(batch)  # slot 1: the device is closed under it
+    frames = [f for f in traceback.extract_tb(info.value.__traceback__) if f.filename.startswith("<step issuer of")]
+    assert [f.filename.endswith("slot 1>") for f in frames] == [True]
+    assert frames[0].line and frames[0].line in low._issuers[1].source

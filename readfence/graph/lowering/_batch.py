@@ -26,6 +26,8 @@ from typing import Any, NamedTuple, NoReturn
 
 from torch import Tensor
 
+from ._codegen import define
+
 BatchGatherer = Callable[[Mapping[str, Tensor]], tuple[Tensor, ...]]
 
 
@@ -70,7 +72,5 @@ def batch_gatherer(owner: str, static: Mapping[str, Tensor], detail: str = "") -
     """
     code = gather_code(owner, static, detail)
     source = "def gather(batch):\n" + "".join(f"    {line}\n" for line in code.lines) + "    return staged\n"
-    scope = dict(code.scope)
-    exec(compile(source, f"<batch gatherer of {owner}>", "exec"), scope)
-    gather: BatchGatherer = scope["gather"]
+    gather: BatchGatherer = define("gather", source, dict(code.scope), f"<batch gatherer of {owner}>")
     return gather

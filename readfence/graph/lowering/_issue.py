@@ -39,6 +39,7 @@ from readfence.effects import ReadEnd
 from ..devices import Event
 from ..devices._copy import copy_all_from_host
 from ._batch import gather_code
+from ._codegen import define
 from ._fence import Fence
 
 
@@ -77,9 +78,10 @@ def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
     copy_all_from_host(static, staged)
 
 
-def step_issuer(low: Any, slot: Any) -> StepIssuer:
+def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
     """The function that issues one step of the ``Lowered`` ``low`` on its ring slot ``slot``
-    (see the module doc; ``_lower`` imports this module, so neither type is named here).
+    (number ``index``; see the module doc; ``_lower`` imports this module, so neither type is
+    named here).
 
     It counts the run on ``low`` and the slot's clock, enqueues the step as one batch of the
     stream, resyncs the slot's fence base if the step stops midway, and returns the
@@ -155,7 +157,6 @@ def step_issuer(low: Any, slot: Any) -> StepIssuer:
         "    return new(StepRun, (step, logits, fence))",
         "",
     ])
-    exec(compile(source, f"<step issuer of {low.label}>", "exec"), scope)
-    issue = scope["issue"]
-    issue.source = source
+    issue = define("issue", source, scope, f"<step issuer of {low.label} slot {index}>")
+    issue.source = source  # type: ignore[attr-defined]
     return issue

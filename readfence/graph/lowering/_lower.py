@@ -149,7 +149,7 @@ class Lowered:
         self._labels = {name: f"{self.label}/{name}" for name in
                         ("prepare_out_graph", "prepare_in_graph", "body", "load_batch", "outputs")}
         self._slots = [self._build_slot(r) for r in range(ring_size)]
-        self._issuers = [step_issuer(self, slot) for slot in self._slots]  # one generated function per slot
+        self._issuers = [step_issuer(self, slot, r) for r, slot in enumerate(self._slots)]  # one generated function per slot
 
     # -- construction -----------------------------------------------------------------------
     def _static_meta(self, example: Any, dev: torch.device) -> dict[str, Tensor]:
