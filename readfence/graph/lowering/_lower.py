@@ -285,7 +285,18 @@ class Lowered:
         stream); ``after`` are events the step must wait for (e.g. the scheduler's writes).
         In check mode, ``poison`` are the buffers this replay's release points poison (default:
         every buffer it releases), ``first``/``last`` whether it starts/ends the step (a
-        multi-phase step replays several graphs).
+        multi-phase step replays several graphs). A batch with a missing key (``KeyError``) or
+        a tensor of another shape than the graph was captured for (``ValueError``) is refused
+        before anything is enqueued. The step is issued by its ring slot's generated function
+        (``graph.lowering._issue``).
+
+        >>> from readfence.backends import paged
+        >>> from readfence.graph import CpuDevice, Scheduler
+        >>> with CpuDevice() as dev:
+        ...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+        ...     run = low.run(Scheduler(low.cfg, ForwardMode.DECODE, 2).next_step().batch)
+        ...     tuple(run.result(timeout=10).shape), run.fence.released("req_to_token")
+        ((2, 64), True)
         """
         return self._issuers[self._runs % self.ring_size](batch, step, after, poison, first, last)
 
