@@ -20,9 +20,10 @@ class RingWrapError(DeviceError):
 class Bound(tuple):
     """One event generation: the record a wait must bind to.
 
-    An immutable tuple ``(event, generation, handle)``: ``Lowered.run`` makes one per fence
-    point per step on the host's hot path. ``handle`` is the CpuDevice ``Generation`` (for
-    timestamps), ``None`` elsewhere; equality and hash are over ``(event, generation)``.
+    An immutable tuple ``(event, generation, handle)``: a :class:`Fence` builds one when asked
+    about an event (``per_buffer``, ``done``, a host wait), not per step. ``handle`` is the
+    CpuDevice ``Generation`` (for timestamps), ``None`` elsewhere; equality and hash are over
+    ``(event, generation)``.
 
     >>> class Ev:
     ...     name, generation = "e", 3
