@@ -124,4 +124,19 @@ def test_a_failure_inside_the_issuer_shows_the_generated_line_in_its_traceback()
         low.run(batch)  # slot 1: the device is closed under it
     frames = [f for f in traceback.extract_tb(info.value.__traceback__) if f.filename.startswith("<step issuer of")]
     assert [f.filename.endswith("slot 1>") for f in frames] == [True]
-    assert frames[0].line and frames[0].line in low._issuers[1].source
+    assert frames[0].line and frames[0].line in low.step_source(1)
+
+
+def test_step_source_is_each_slots_own_code_and_refuses_a_slot_out_of_range():
+    with CpuDevice(timeout=T) as dev:
+        state = make_state(CFG, dev)
+        low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+                    policy=Policy.PER_BUFFER, ring_size=2, state=state, check=CheckState(state["shared"], CFG))
+        first, second = low.step_source(0), low.step_source(1)
+        assert first == second  # the same code; the globals bound to it are the slot's own
+        assert low._issuers[0].__globals__["done"] is low._slots[0].done
+        assert low._issuers[1].__globals__["done"] is low._slots[1].done
+        assert "check.restorer()" in first and "low._check_start(" in first
+        for bad in (2, -1, "0"):
+            with pytest.raises(ValueError, match=r"slot must be an int in range\(2\)"):
+                low.step_source(bad)

@@ -11,14 +11,14 @@ events, labels and actions bound as globals of the function: on the CPU device t
 (with ``Fence`` as a slots object; most of the rest is the batch's shape check).
 
 The function issues exactly the calls the step needs, in stream order, and its source says
-which (``issuer.source``):
+which (``Lowered.step_source``):
 
 >>> from readfence.backends import paged
 >>> from readfence.core import ForwardMode
 >>> from readfence.graph import CpuDevice, Policy, lower
 >>> with CpuDevice() as dev:
 ...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
-...     source = low._issuers[0].source
+...     source = low.step_source(0)
 >>> [line.strip() for line in source.splitlines() if line.strip().startswith(("s.", "graph."))]
 ... # doctest: +NORMALIZE_WHITESPACE
 ['s.wait(event)', 's.launch(load_batch, static_batch, staged, label=l_load, step=step)',
@@ -28,8 +28,8 @@ which (``issuer.source``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -67,9 +67,14 @@ class StepRun(NamedTuple):
         return self.logits
 
 
-#: ``issuer(batch, step, after, poison, first, last)``: the arguments of ``Lowered.run``.
-StepIssuer = Callable[[Mapping[str, Tensor], "int | None", Sequence[Event], "Iterable[str] | None", bool, bool],
-                      StepRun]
+class StepIssuer(Protocol):
+    """``issuer(batch, step, after, poison, first, last)``: the arguments of ``Lowered.run``;
+    ``source`` is its generated code."""
+
+    source: str
+
+    def __call__(self, batch: Mapping[str, Tensor], step: int | None, after: Sequence[Event],
+                 poison: Iterable[str] | None, first: bool, last: bool) -> StepRun: ...
 
 
 def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
@@ -157,6 +162,6 @@ def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
         "    return new(StepRun, (step, logits, fence))",
         "",
     ])
-    issue = define("issue", source, scope, f"<step issuer of {low.label} slot {index}>")
-    issue.source = source  # type: ignore[attr-defined]
+    issue = cast(StepIssuer, define("issue", source, scope, f"<step issuer of {low.label} slot {index}>"))
+    issue.source = source
     return issue

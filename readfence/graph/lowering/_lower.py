@@ -300,6 +300,21 @@ class Lowered:
         """
         return self._issuers[self._runs % self.ring_size](batch, step, after, poison, first, last)
 
+    def step_source(self, slot: int = 0) -> str:
+        """The generated code that issues a step on event-ring slot ``slot`` (what :meth:`run`
+        calls on that slot's turn; see ``graph.lowering._issue``).
+
+        >>> from readfence.backends import paged
+        >>> from readfence.graph import CpuDevice
+        >>> with CpuDevice() as dev:
+        ...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+        ...     "graph.replay(s, step=step)" in low.step_source()
+        True
+        """
+        if not isinstance(slot, int) or not 0 <= slot < self.ring_size:
+            raise ValueError(f"{self.label}: slot must be an int in range({self.ring_size}), got {slot!r}")
+        return self._issuers[slot].source
+
     def _check_start(self, slot: _Slot, step: int, poison: frozenset[str], first: bool) -> None:
         # before anything of the step reads: pick the poison, arm this replay's release points,
         # and poison what the plan says is never read (its release point is the start)
