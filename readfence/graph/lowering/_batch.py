@@ -4,10 +4,11 @@ A captured graph reads its inputs from static buffers, so every step copies the 
 tensors in. ``copy_`` broadcasts: a batch of the wrong size would be copied in silently
 (a ``(1,)`` tensor fills every row), so each tensor's shape must equal its buffer's before
 anything is enqueued. This runs on the host for every step (a lowered step issues in about
-17 us there): :func:`batch_gatherer` emits one straight-line function for the graph's keys,
-one item lookup and one shape comparison per input, like ``_fx_compile`` does for a stage
-(for the demo's four inputs 0.39 us, against 0.51 us for a tuple of their shapes compared
-with the static ones; each ``shape`` is a new ``torch.Size``, most of either).
+17 us there): :func:`gather_code` emits straight-line code for the graph's keys, one item
+lookup and one shape comparison per input, like ``_fx_compile`` does for a stage (for the
+demo's four inputs 0.39 us, against 0.51 us for a tuple of their shapes compared with the
+static ones; each ``shape`` is a new ``torch.Size``, most of either). The step issuer
+(``_issue``) inlines it; :func:`batch_gatherer` is the same code as a function of its own.
 
 >>> import torch
 >>> gather = batch_gatherer("b0", {"ids": torch.zeros(4), "pos": torch.zeros(4)})

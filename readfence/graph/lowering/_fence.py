@@ -183,7 +183,7 @@ class Fence:
             None if all(h is None for h in handles[:-1]) else handles, {} if probes is None else probes,
             done.handle,
         )
-        self._head, self._step, self._done_handle, self._ticket = built._head, step, done.handle, 0
+        self._head, self._step, self._done_handle, self._ticket = built._head, built._step, built._done_handle, built._ticket
 
     @classmethod
     def from_generations(cls, owner: str, step: int, points: Mapping[str, int | None],

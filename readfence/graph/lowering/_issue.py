@@ -97,7 +97,7 @@ def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
         "load_batch": load_batch, "static_batch": low._static_batch, "out_fn": slot.out_fn,
         "out_ops": slot.out_ops, "graph": slot.graph, "empty_like": torch.empty_like,
         "static_logits": low._logits, "done": slot.done, "fence_events": slot.fence_events,
-        "new": tuple.__new__, "new_object": object.__new__, "StepRun": StepRun, "Fence": Fence, "frozenset": frozenset,
+        "new": tuple.__new__, "new_object": object.__new__, "StepRun": StepRun, "Fence": Fence,
         "check": low.check, "poisons": low.poisons,
     }
     scope.update({f"l_{short}": low._labels[name] for short, name in
