@@ -76,7 +76,7 @@ def placements(backend: Any, mode: ForwardMode, caps: Capabilities, *, trace_dev
     from readfence.core import trace
 
     program = trace(backend, mode, batch_size=batch_size, device=trace_device)
-    declared, observed = backend.read_effect(mode), program.observed()
+    declared, observed = backend.read_effect(mode), program.traced()
     early = {b: (declared[b].name, observed[b].name) for b in SHARED_BUFFERS if declared[b] < observed[b]}
     out: dict[str, dict[str, Any]] = {}
     for policy in Policy:
@@ -137,7 +137,7 @@ def shape_plan_report(shape: Any, *, device: str, caps: Capabilities, batch_size
 
     trace_device = torch_device(device)
     phases = shape.phases
-    observed = [trace(ph.backend, ph.mode, batch_size=batch_size, device=trace_device).observed() for ph in phases]
+    observed = [trace(ph.backend, ph.mode, batch_size=batch_size, device=trace_device).traced() for ph in phases]
     graph_plans: dict[Any, dict[str, dict[str, Any]]] = {}  # one plan per lowered graph (runner, mode)
     for ph in phases:
         if ph.graph_key not in graph_plans:

@@ -23,9 +23,10 @@ from readfence.effects import ReadEffect, ReadEnd
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
 from ._observe import Disagreement, cross_check, observe
-from ._program import ESCAPE, ESCAPE_ENDS, OUT_OF_GRAPH, Program
+from ._program import ESCAPE, Program
 from ._protocol import BackendLike
 from ._state import ModelConfig
+from ._step import PREPARE_IN_GRAPH, stage_named
 from ._trace import StageWriteError, bind, trace
 
 EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"
@@ -222,11 +223,11 @@ class Unsound:
         parts = []
         if self.observed is ReadEnd.UNKNOWN and node.opaque:
             # a reference escaping, an op the tracer cannot see through, a captured tensor
-            stage, name, why = next((o for o in node.opaque if o[0] != OUT_OF_GRAPH), node.opaque[0])
+            stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
             parts.append(f"stage {stage}, node {name!r}: {why}")
         else:
             # an escape gives every buffer its stage's escape end: name the one that reaches it
-            escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and ESCAPE_ENDS[o[0]] is self.observed),
+            escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and stage_named(o[0]).escape_end is self.observed),
                           None)
             if self.reader and (escape is None or self.reader != escape[:2]):
                 parts.append(f"last read by node {self.reader[1]!r} in stage {self.reader[0]}")
@@ -252,10 +253,11 @@ def escape_note(stage: str) -> str:
     'the stage runs as Python in the step: every buffer is read until POST_REPLAY; a CUDA graph
      cannot capture it (lower refuses it on CUDA: UncapturableStage)'
     """
-    if stage == OUT_OF_GRAPH:
-        return f"the stage runs as Python before the replay: every buffer is read until {ESCAPE_ENDS[stage].name}"
-    returns = " (what it returns may be a view of any)" if stage == "prepare_in_graph" else ""
-    return (f"the stage runs as Python in the step: every buffer is read until {ESCAPE_ENDS[stage].name}{returns}; "
+    end = stage_named(stage).escape_end
+    if not stage_named(stage).in_graph:
+        return f"the stage runs as Python before the replay: every buffer is read until {end.name}"
+    returns = " (what it returns may be a view of any)" if stage == PREPARE_IN_GRAPH.name else ""
+    return (f"the stage runs as Python in the step: every buffer is read until {end.name}{returns}; "
             f"a CUDA graph cannot capture it (lower refuses it on CUDA: UncapturableStage)")
 
 
@@ -282,7 +284,7 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
         except StageWriteError as e:
             raise e.at(path) from None
         program = program if state is None else bind(program, state)
-        effect = program.observed()
+        effect = program.traced()
         if observe_steps:
             seen = observe(backend, mode, batch_size=n, steps=observe_steps, cfg=kw["cfg"])
             disagreements += cross_check(program, seen)

@@ -8,6 +8,7 @@ nothing else, so the reads of a step are exactly its backend's. Everything is tr
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +16,9 @@ from torch import Tensor
 
 from ._modes import ForwardMode
 from ._parallel import all_reduce
-from ._protocol import BackendLike, cross_into_graph
+from ._protocol import BackendLike
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
+from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, eval_step
 
 _EPS = 1e-6
 
@@ -85,24 +87,56 @@ def forward(
     return rms_norm(x, params["final_norm"]) @ params["lm_head"]
 
 
-def prepare(backend: BackendLike, mode: ForwardMode, shared: Mapping[str, Tensor],
-            batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Both prepare stages in order: ``out = prepare_out_graph``; ``{**out, **prepare_in_graph}``.
+def step_functions(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig) -> StepFunctions:
+    """``backend``'s step in ``mode`` on the tiny model: its two prepare stages, and the body
+    :func:`forward` calling its ``attend`` in every layer (what :func:`~readfence.core.eval_step`
+    runs).
 
-    ``out`` crosses into the graph as a copy (:func:`~readfence.core.cross_into_graph`), as it
-    does when lowered, so eager and lowered steps read the same memory.
+    >>> from readfence.backends import paged
+    >>> cfg = ModelConfig()
+    >>> step = example_step(cfg, ForwardMode.DECODE, 2)
+    >>> fns = step_functions(paged(), ForwardMode.DECODE, cfg)
+    >>> eval_step(EAGER, fns, step.groups()).shape
+    torch.Size([2, 64])
+    """
+
+    def body(shared: Mapping[str, Tensor], batch: Mapping[str, Tensor], pools: dict[str, Tensor],
+             params: Mapping[str, Tensor], meta: Mapping[str, Tensor]) -> Tensor:
+        return forward(cfg, params, pools, shared, batch, meta, backend, mode)
+
+    return StepFunctions(
+        prepare_out_graph=lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
+        prepare_in_graph=lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
+        body=body,
+        backend=backend.name,
+    )
+
+
+class _Prepared(Eager):
+    """Runs the prepare stages; the body's call returns the metadata it would receive."""
+
+    def call(self, call: StageCall) -> Any:
+        return dict(call.kwargs["meta"]) if call.stage is BODY else call()
+
+
+def prepare(backend: BackendLike, mode: ForwardMode, shared: Mapping[str, Tensor],
+            batch: Mapping[str, Tensor]) -> dict[str, Any]:
+    """The metadata ``attend`` receives: the step's prepare stages, run as :func:`eval_step`
+    runs them (``prepare_out_graph``'s outputs copied into the graph, ``prepare_in_graph``'s
+    merged over them).
 
     >>> from readfence.backends import paged
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> sorted(prepare(paged(), ForwardMode.DECODE, step.shared, step.batch))
     ['kv_indices', 'kv_lens']
     """
-    meta = cross_into_graph(backend.prepare_out_graph(mode, shared, batch))
-    return {**meta, **backend.prepare_in_graph(mode, shared, batch, meta)}
+    fns = step_functions(backend, mode, ModelConfig())  # the body is never run
+    return cast(dict[str, Any], eval_step(_Prepared(), fns, {"shared": shared, "batch": batch}))
 
 
 def run_step(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, step: StepInputs) -> Tensor:
-    """The serial eager reference: prepare stages, then :func:`forward`. Writes ``step.pools``.
+    """The serial eager reference: :func:`~readfence.core.eval_step` run as written. Writes
+    ``step.pools``.
 
     >>> from readfence.backends import paged
     >>> cfg = ModelConfig()
@@ -111,6 +145,4 @@ def run_step(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, step: St
     torch.Size([6, 64])
     """
     mode = check_mode(mode)
-    meta = prepare(backend, mode, step.shared, step.batch)
-    return forward(cfg, step.params, step.pools, step.shared, step.batch, meta, backend, mode)
-
+    return cast(Tensor, eval_step(EAGER, step_functions(backend, mode, cfg), step.groups()))

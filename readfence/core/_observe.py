@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -34,12 +34,13 @@ from readfence.effects import ReadEffect, ReadEnd
 from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
 from ._memory import BufferMap, tensors_in
-from ._model import forward
+from ._model import step_functions
 from ._modes import ForwardMode
-from ._program import OUT_OF_GRAPH, Program
-from ._protocol import STAGE_ENDS, BackendLike, cross_into_graph
+from ._program import Program, StageGraph, run_program
+from ._protocol import BackendLike
 from ._schema import bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
+from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
 
 Kind = Literal["read", "write", "escape"]
@@ -381,33 +382,29 @@ class Observation:
         return "\n".join(lines)
 
 
-def _observe_step(
-    backend: str,
-    inputs: Mapping[str, Any],
-    prepare_out_graph: Callable[..., Any],
-    prepare_in_graph: Callable[..., Any],
-    body: Callable[..., Any],
-    step: int,
-) -> list[Access]:
-    shared = inputs.get("shared", {})
-    batch = inputs.get("batch", {})
-    observer = ReadObserver(shared, step=step)
+class Watched:
+    """The interpreter that runs each stage as written under a :class:`ReadObserver`, labelled
+    with its stage and its thread watched (the observer follows the stage's own thread: work
+    handed to another is refused); the body's output is read by the step's caller."""
 
-    @contextlib.contextmanager
-    def stage(name: str) -> Iterator[None]:
-        # the observer follows this thread only: work the stage hands to another is refused
-        with observer.stage(name), watch_threads(backend, name, "the read observer"):
-            yield
+    def __init__(self, observer: ReadObserver) -> None:
+        self.observer = observer
 
+    def call(self, call: StageCall) -> Any:
+        with self.observer.stage(call.stage.name), watch_threads(call.backend, call.stage.name, "the read observer"):
+            out = call()
+            if call.stage is BODY:
+                self.observer.consume(out, "output")  # the step's caller reads the logits
+        return out
+
+
+def observe_step(fns: StepFunctions, inputs: Mapping[str, Any], *, step: int = 0) -> list[Access]:
+    """The accesses of one step of ``fns`` on ``inputs`` (groups, ``shared`` first), run
+    eagerly by :func:`~readfence.core.eval_step` under a :class:`ReadObserver` of
+    ``inputs["shared"]``, each labelled with ``step``."""
+    observer = ReadObserver(inputs.get("shared", {}), step=step)
     with observer:
-        with stage("prepare_out_graph"):
-            # the copy into the graph's static inputs reads here (cross_into_graph)
-            meta = cross_into_graph(prepare_out_graph(shared=shared, batch=batch))
-        with stage("prepare_in_graph"):
-            meta = {**meta, **prepare_in_graph(shared=shared, batch=batch, meta=meta)}
-        with stage("body"):
-            out = body(**inputs, meta=meta)
-            observer.consume(out, "output")  # the step's caller reads the logits
+        eval_step(Watched(observer), fns, inputs)
     return observer.accesses
 
 
@@ -437,7 +434,7 @@ def observe_functions(
     (ReadEffect({'seq_lens': IN_REPLAY}, default=NONE), ('prepare_in_graph', 'aten.add.Tensor'))
     """
     mode = check_mode(mode)
-    accesses = _observe_step(backend, inputs, prepare_out_graph, prepare_in_graph, body, 0)
+    accesses = observe_step(StepFunctions(prepare_out_graph, prepare_in_graph, body, backend), inputs)
     buffers = tuple(inputs.get("shared", {}).keys())
     return Observation(backend, mode, buffers, tuple(accesses), 1, ())
 
@@ -490,22 +487,13 @@ def observe(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
 
-    def body(shared: Any, batch: Any, pools: Any, params: Any, meta: Any) -> torch.Tensor:
-        return forward(cfg, params, pools, shared, batch, meta, backend, mode)
-
+    fns = step_functions(backend, mode, cfg)
     accesses: list[Access] = []
     buffers: tuple[str, ...] = ()
     for k, (size, i) in enumerate(itertools.product(sizes, range(steps))):
         step = example_step(cfg, mode, size, seed=seed + i)
         buffers = tuple(step.shared)
-        accesses += _observe_step(
-            backend.name,
-            {"shared": step.shared, "batch": step.batch, "pools": step.pools, "params": step.params},
-            lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
-            lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
-            body,
-            k,
-        )
+        accesses += observe_step(fns, step.groups(), step=k)
     return Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
 
 
@@ -526,16 +514,15 @@ class _NodeLabels(torch.fx.Interpreter):
             return super().run_node(n)
 
 
-def observe_program(program: Program, env: MutableMapping[str, torch.Tensor],
+def observe_program(program: Program, env: dict[str, torch.Tensor],
                     buffers: BufferMap | Mapping[str, torch.Tensor]) -> dict[str, dict[str, frozenset[str]]]:
     """Run ``program`` on ``env`` under a ``ReadObserver``: per stage, per node, the shared
     buffers it really read (``{stage: {node: buffers}}``).
 
     A faithful stage runs node by node (so a read hidden inside a custom op's kernel is
     attributed to that node); an unfaithful one runs its Python function, its reads
-    attributed to the stage's first node. What ``prepare_out_graph`` returns crosses into the
-    graph as a copy (``cross_into_graph``), read by that stage's output node. ``env`` is
-    updated with every output, as ``Program.run`` does.
+    attributed to the stage's first node. ``env`` is updated with every output
+    (:func:`~readfence.core.run_program`).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import example_step, flatten_inputs, trace
@@ -547,20 +534,16 @@ def observe_program(program: Program, env: MutableMapping[str, torch.Tensor],
     """
     observer = ReadObserver(buffers)
     out: dict[str, dict[str, frozenset[str]]] = {}
+
+    def run(s: StageGraph, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if s.faithful:  # node by node, each node labelled
+            return s.run(env, call=_NodeLabels(s.gm, observer, s.name).run)
+        first = next(n.name for n in s.gm.graph.nodes)
+        with observer.stage(f"{s.name}:{first}"), watch_threads(program.backend, s.name, "the read observer"):
+            return s.run(env)
+
     with observer:
-        for s in program.stages:
-            first = next(n.name for n in s.gm.graph.nodes)
-            if s.faithful:
-                results = _NodeLabels(s.gm, observer, s.name).run(*[env[n] for n in s.inputs])
-                outputs = dict(zip(s.outputs, results, strict=True))
-            else:
-                with observer.stage(f"{s.name}:{first}"), watch_threads(program.backend, s.name, "the read observer"):
-                    outputs = s.run(env)
-            if s.name == OUT_OF_GRAPH:
-                last = next(reversed(s.gm.graph.nodes)).name
-                with observer.stage(f"{s.name}:{last}"):
-                    outputs = cross_into_graph(outputs)
-            env.update(outputs)
+        run_program(program, env, run)
     for a in observer.accesses:
         stage, _, node = a.stage.partition(":")
         if a.kind != "write":
@@ -639,7 +622,7 @@ def cross_check(program: Program, observation: Observation) -> tuple[Disagreemen
                          f"with an observation of {observation.backend!r} in {observation.mode.name}")
     if program.aborted is not None:
         return ()
-    traced = program.observed()
+    traced = program.traced()
     faithful = {s.name for s in program if s.faithful}
     found: dict[tuple[str, str, str, str], Disagreement] = {}
     for a in observation.accesses:

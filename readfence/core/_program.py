@@ -2,17 +2,20 @@
 
 Calling convention (what the lowering relies on)
 ------------------------------------------------
-Every value that crosses a stage boundary has a *dotted name*: ``<group>.<key path>`` with
-group one of ``shared``, ``batch``, ``pools``, ``params``, ``meta`` (nested keys are joined
-with dots, list indices included: ``params.layers.0.wq``), and ``logits`` for the body's
-output. A stage's ``GraphModule`` takes its tensors *positionally*, in the order of
+Every value that crosses a stage boundary has a *name* (``core.flatten_group``):
+``<group>.<key path>`` with group one of ``shared``, ``batch``, ``pools``, ``params``, ``meta``
+(``prepare_out_graph``'s outputs, as copied into the graph), ``meta_in`` (``prepare_in_graph``'s)
+and ``logits`` for the body's output (nested keys are joined with dots, list indices
+included: ``params.layers.0.wq``). The body's ``meta`` argument mixes the two groups, key by key,
+as ``core.eval_step`` merges them. A stage's ``GraphModule`` takes its tensors *positionally*, in the order of
 ``StageGraph.inputs`` (the placeholder nodes carry the same order; each placeholder is named
 after its dotted name with non-identifier characters replaced by ``_`` and keeps the dotted
 name in ``node.meta["readfence_input"]``), and returns a tuple of tensors in the order of
 ``StageGraph.outputs``. Non-tensor leaves (ints, ``None``) are baked into the graph.
 
 ``StageGraph.run(env)`` and ``Program.run_stage(stage, env)`` do the lookup for you:
-``env`` maps dotted names to tensors, the result maps the stage's output names to tensors.
+``env`` maps names to tensors, the result maps the stage's output names to tensors;
+``Program.run(env)`` runs every stage in order, each reading what the ones before it wrote.
 Writes the stage makes to ``pools`` happen in place on the tensors passed in, exactly as
 in eager mode (the graphs are not functionalized: they execute the traced ops as they are).
 
@@ -84,26 +87,15 @@ from torch import fx
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._modes import ForwardMode
-from ._protocol import STAGE_ENDS
+from ._step import BODY, STAGES, OutputGuard, Stage, flatten_group, stage_named
+
+__all__ = ["Captured", "Program", "StageGraph", "flatten_group", "flatten_inputs", "run_program"]
 
 READS_KEY = "readfence_reads"
 OPAQUE_KEY = "readfence_opaque"
 INPUT_KEY = "readfence_input"
 SOURCE_KEY = "readfence_source"
 ESCAPE = "escape: "  # how an escape node's OPAQUE_KEY reason starts
-
-#: The stage that runs eagerly, before the replay (its outputs cross into the graph as copies).
-OUT_OF_GRAPH = "prepare_out_graph"
-
-#: Per stage, the end of every shared buffer when the stage escapes the tracer and runs its
-#: Python function: the end of the last point that can read through what it touched (see the
-#: module docstring).
-ESCAPE_ENDS: dict[str, ReadEnd] = {
-    OUT_OF_GRAPH: ReadEnd.PRE_REPLAY,
-    "prepare_in_graph": ReadEnd.POST_REPLAY,
-    "body": ReadEnd.POST_REPLAY,
-}
-
 
 @attrs.frozen
 class Captured:
@@ -179,6 +171,8 @@ class StageGraph:
     opaque: Mapping[str, str]
     faithful: bool
     eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    # what the graphs after it bake of its outputs (checked when it runs its Python)
+    guard: OutputGuard | None = None
     captured: tuple[Captured, ...] = ()
     memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
@@ -199,22 +193,28 @@ class StageGraph:
         return [e for e in self.escapes() if e[1].startswith(ESCAPE)]
 
     @property
+    def stage(self) -> Stage:
+        """The :class:`~readfence.core.Stage` this graph is of."""
+        return stage_named(self.name)
+
+    @property
     def end(self) -> ReadEnd:
-        """The read end of a read in this stage (``STAGE_ENDS``)."""
-        return STAGE_ENDS[self.name]
+        """The read end of a read in this stage (``Stage.end``)."""
+        return self.stage.end
 
     @property
     def escape_end(self) -> ReadEnd:
-        """The end of every shared buffer if this stage runs its Python function (``ESCAPE_ENDS``):
-        ``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it.
+        """The end of every shared buffer if this stage runs its Python function
+        (``Stage.escape_end``): ``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it.
 
         >>> import torch
         >>> from torch import fx
-        >>> StageGraph("prepare_in_graph", fx.symbolic_trace(torch.nn.Identity()), (), (), {},
+        >>> from readfence.core import PREPARE_IN_GRAPH
+        >>> StageGraph(PREPARE_IN_GRAPH.name, fx.symbolic_trace(torch.nn.Identity()), (), (), {},
         ...            frozenset(), {}, faithful=False).escape_end
         <ReadEnd.POST_REPLAY: 3>
         """
-        return ESCAPE_ENDS[self.name]
+        return self.stage.escape_end
 
     def buffers_read(self) -> frozenset[str]:
         """Every shared buffer some node of this stage reads."""
@@ -231,14 +231,16 @@ class StageGraph:
                 last = name
         return last
 
-    def run(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Execute the stage on ``env`` (dotted name -> tensor); outputs by dotted name."""
+    def run(self, env: Mapping[str, torch.Tensor], *,
+            call: Callable[..., Any] | None = None) -> dict[str, torch.Tensor]:
+        """Execute the stage on ``env`` (name -> tensor); outputs by name. ``call(*tensors)``,
+        when given, runs the graph instead of the module (an ``fx.Interpreter``'s ``run``)."""
         if not self.faithful and self.eager is not None:
             return self.eager(env)
         missing = [n for n in self.inputs if n not in env]
         if missing:
             raise KeyError(f"stage {self.name}: missing inputs {missing}")
-        outs = self.gm(*[env[n] for n in self.inputs])
+        outs = (self.gm if call is None else call)(*[env[n] for n in self.inputs])
         return dict(zip(self.outputs, outs, strict=True))
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -265,7 +267,7 @@ class Program:
     ...     prepare_out_graph=lambda shared, batch: {},
     ...     prepare_in_graph=lambda shared, batch, meta: {"n": shared["seq_lens"] + 1},
     ...     body=lambda shared, batch, meta: meta["n"] * 2)
-    >>> prog.observed()
+    >>> prog.traced()
     ReadEffect({'seq_lens': IN_REPLAY}, default=NONE)
     >>> prog.last_reader("seq_lens")
     ('prepare_in_graph', 'add')
@@ -300,8 +302,8 @@ class Program:
         return dict(self.stage(stage).reads)
 
     # -- effects -----------------------------------------------------------------------------
-    def observed(self) -> ReadEffect:
-        """The effect the code really has: per buffer, the end of the stage of its last read.
+    def traced(self) -> ReadEffect:
+        """The effect the traced code has: per buffer, the end of the stage of its last read.
 
         A buffer touched by an opaque node is ``UNKNOWN``; a buffer never read is ``NONE``. A
         stage that cannot be traced faithfully reads every buffer until its ``escape_end``
@@ -339,7 +341,7 @@ class Program:
         if self.aborted is None:
             return None
         traced = {s.name for s in self.stages}
-        return next((name for name in STAGE_ENDS if name not in traced), None)
+        return next((s.name for s in STAGES if s.name not in traced), None)
 
     def unfaithful(self) -> list[tuple[str, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""
@@ -375,40 +377,34 @@ class Program:
         return self.stage(stage).run(env)
 
     def run(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run all stages in order, threading ``meta``; returns the env with every output.
-
-        What ``prepare_out_graph`` returns crosses into the graph as a copy, as it does when
-        lowered (``core.cross_into_graph``)."""
-        env = dict(env)
-        for s in self.stages:
-            out = s.run(env)
-            env.update({k: v.clone() for k, v in out.items()} if s.name == OUT_OF_GRAPH else out)
-        return env
+        """Run all stages in order (:func:`run_program`); returns the env with every output."""
+        out = dict(env)
+        run_program(self, out)
+        return out
 
 
-def flatten_group(prefix: str, tree: Any) -> list[tuple[str, Any]]:
-    """``[(dotted name, leaf)]`` for a pytree (dicts, lists, tuples) under ``prefix``.
+def run_program(program: Program, env: dict[str, torch.Tensor],
+                run: Callable[[StageGraph, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                ) -> torch.Tensor:
+    """Run ``program``'s stages in order on ``env`` (name -> tensor), each writing its outputs
+    into it; returns the body's output. ``run(stage, env)``, when given, runs each stage in
+    place of ``stage.run(env)`` (an observer labelling its nodes, a watch).
 
-    >>> flatten_group("params", {"layers": [{"wq": 1}], "emb": 2})
-    [('params.layers.0.wq', 1), ('params.emb', 2)]
+    The traced step's data flow is in its names (``core.eval_step`` gave them), so this is all
+    there is to running it: the copies into the graph are nodes of the out-of-graph stage, and
+    the body reads each metadata key from the stage that produced it.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ModelConfig, example_step, run_step, trace
+    >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
+    >>> env = flatten_inputs(**step.clone().groups())
+    >>> torch.equal(run_program(trace(paged(), ForwardMode.DECODE), env), run_step(paged(), ForwardMode.DECODE,
+    ...             ModelConfig(), step))
+    True
     """
-    from torch.utils import _pytree as pytree
-
-    pairs, _ = pytree.tree_flatten_with_path(tree)
-    out = []
-    for path, leaf in pairs:
-        parts = [prefix]
-        for k in path:
-            if isinstance(k, pytree.MappingKey):
-                parts.append(str(k.key))
-            elif isinstance(k, pytree.SequenceKey):
-                parts.append(str(k.idx))
-            elif isinstance(k, pytree.GetAttrKey):
-                parts.append(k.name)
-            else:  # pragma: no cover - other key kinds
-                parts.append(str(k))
-        out.append((".".join(parts), leaf))
-    return out
+    for s in program.stages:
+        env.update(s.run(env) if run is None else run(s, env))
+    return env[BODY.outputs]
 
 
 def flatten_inputs(**groups: Any) -> dict[str, Any]:

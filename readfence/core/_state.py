@@ -162,6 +162,10 @@ class StepInputs:
     def num_tokens(self) -> int:
         return int(self.batch["input_ids"].shape[0])
 
+    def groups(self) -> dict[str, dict[str, Tensor]]:
+        """The step's input groups by name, as stages receive them (``core.eval_step``)."""
+        return {"shared": self.shared, "batch": self.batch, "pools": self.pools, "params": self.params}
+
     @property
     def batch_size(self) -> int:
         return int(self.batch["req_pool_indices"].shape[0])

@@ -22,7 +22,7 @@ import contextlib
 import copy
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -38,18 +38,10 @@ from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
 from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
-from ._program import (
-    INPUT_KEY,
-    OUT_OF_GRAPH,
-    SOURCE_KEY,
-    Captured,
-    Program,
-    StageGraph,
-    flatten_group,
-    flatten_inputs,
-)
-from ._protocol import BackendLike, cross_into_graph
+from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
+from ._protocol import BackendLike
 from ._schema import op_aliasing
+from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
 
 
@@ -368,7 +360,7 @@ def _analyse_stage(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], ca
                    memory: Mapping[str, frozenset[str]], stage: str, last: bool) -> Analysis:
     initial = {**initial, **{c.node: c.buffers for c in captured}}
     return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=_is_value_escape,
-                   output_reads=last or stage == OUT_OF_GRAPH, observed=memory)
+                   output_reads=last, observed=memory)
 
 
 def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str, frozenset[str]],
@@ -394,7 +386,7 @@ def _handed_over(before: Iterable[StageGraph], inputs: Iterable[str], placeholde
                  buffers: Iterable[str]) -> dict[str, frozenset[str]]:
     """Placeholder -> every buffer, for each input an in-graph stage of ``before`` that runs its
     Python function returns (its outputs are not copied; see ``_program``)."""
-    python = {o for s in before if not s.faithful and s.name != OUT_OF_GRAPH for o in s.outputs}
+    python = {o for s in before if not s.faithful and s.stage.in_graph for o in s.outputs}
     every = frozenset(buffers)
     return {node: every for node, dotted in zip(placeholders, inputs, strict=True) if dotted in python}
 
@@ -410,56 +402,33 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
                               "declares no write", sources[node.name])
 
 
-def _trace_stage(
-    backend: str,
-    stage: str,
-    fn: Callable[..., Any],
-    groups: dict[str, Any],
-    shared: Mapping[str, Any],
-    owned: BufferMap,
-    out_prefix: str,
-    fake_mode: Any,
-    last: bool,
-    before: Iterable[StageGraph] = (),
-) -> tuple[StageGraph, Any]:
-    names: list[str] = []
-    leaves: list[Any] = []
-    specs: dict[str, tuple[pytree.TreeSpec, int, int]] = {}
-    for g, tree in groups.items():
-        pairs = flatten_group(g, tree)
-        _, spec = pytree.tree_flatten(tree)
-        specs[g] = (spec, len(leaves), len(leaves) + len(pairs))
-        for n, leaf in pairs:
-            names.append(n)
-            leaves.append(leaf)
+def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any,
+                 before: Iterable[StageGraph] = ()) -> tuple[StageGraph, Any]:
+    backend, stage = call.backend, call.stage
+    names, leaves, spec = call.named_leaves()
+    # one placeholder per distinct name: a tensor the stage receives twice is one input
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    input_names = tuple(names[i] for i in tensor_pos)
+    input_names = tuple(dict.fromkeys(names[i] for i in tensor_pos))
+    slot = {n: k for k, n in enumerate(input_names)}
     stash: dict[str, Any] = {}
 
-    def rebuild(flat: list[Any]) -> dict[str, Any]:
-        return {g: pytree.tree_unflatten(flat[a:b], spec) for g, (spec, a, b) in specs.items()}
-
     def outputs_of(out: Any) -> list[tuple[str, Any]]:
-        return [(n, v) for n, v in flatten_group(out_prefix, out) if isinstance(v, torch.Tensor)]
+        return [(n, v) for n, v in call.output_names(out) if isinstance(v, torch.Tensor)]
+
+    def with_inputs(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        flat = list(leaves)
+        for i in tensor_pos:
+            flat[i] = tensors[slot[names[i]]]
+        return call.rebuild(flat, spec)
 
     def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        flat = list(leaves)
-        for i, t in zip(tensor_pos, tensors, strict=True):
-            flat[i] = t
-        with _TraceMode(fake=fake_mode is not None), watch_threads(backend, stage, "the trace"):
-            out = fn(**rebuild(flat))
+        with _TraceMode(fake=fake_mode is not None), watch_threads(backend, stage.name, "the trace"):
+            out = call.fn(**with_inputs(tensors))
         pairs = outputs_of(out)
         stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
         return tuple(v for _, v in pairs)
 
-    def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        flat = list(leaves)
-        for i, n in zip(tensor_pos, input_names, strict=True):
-            flat[i] = env[n]
-        with watch_threads(backend, stage):
-            return dict(outputs_of(fn(**rebuild(flat))))
-
-    args = [leaves[i] for i in tensor_pos]
+    args = [leaves[tensor_pos[[names[i] for i in tensor_pos].index(n)]] for n in input_names]
     if fake_mode is not None:
         ctx: Any = fake_mode
     else:
@@ -471,6 +440,14 @@ def _trace_stage(
         ctx = tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
     with ctx, _through_compiled_functions():
         gm = make_fx(flat_fn, tracing_mode="real")(*args)
+    guard = OutputGuard.of(stage, stash["out"], backend=backend)
+
+    def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        kwargs = with_inputs([env[n] for n in input_names])
+        with watch_threads(backend, stage.name):
+            out = call.fn(**kwargs)
+        guard.check(out, call.fn, kwargs)  # the graphs after it were traced on the traced step's outputs
+        return dict(outputs_of(out))
 
     buffers = BufferMap.of(shared)
     initial: dict[str, frozenset[str]] = {}
@@ -481,7 +458,7 @@ def _trace_stage(
         node.meta[INPUT_KEY] = dotted
         initial[node.name] = buffers.touched(t)
     gm.recompile()
-    captured = _captured(stage, gm, buffers, owned)
+    captured = _captured(stage.name, gm, buffers, owned)
 
     memory: dict[str, frozenset[str]] = {}
     changed: list[tuple[fx.Node, str]] = []
@@ -489,10 +466,11 @@ def _trace_stage(
         probe = _MemoryProbe(gm, shared)
         probe.run(*args)
         memory, changed = probe.touched, probe.changed
+    last = stage is BODY
     widen = _handed_over(before, input_names, initial, shared)
-    result = _analysed(backend, stage, gm, initial, captured, memory, last, changed, widen)
+    result = _analysed(backend, stage.name, gm, initial, captured, memory, last, changed, widen)
     graph = StageGraph(
-        name=stage,
+        name=stage.name,
         gm=gm,
         inputs=input_names,
         outputs=stash["names"],
@@ -501,6 +479,7 @@ def _trace_stage(
         opaque=result.opaque,
         faithful=not result.escapes,
         eager=eager,
+        guard=guard,
         captured=tuple(captured),
         memory=memory,
         initial=initial,
@@ -533,18 +512,28 @@ def _bind_captured(c: Captured, value: torch.Tensor, live: Mapping[str, torch.Te
     return attrs.evolve(c, matches=matches, state="live")
 
 
-def _mark_persistent(stages: list[StageGraph], plan: list[tuple[str, Callable[..., Any], dict[str, Any], str]],
-                     groups: Mapping[str, Any]) -> list[StageGraph]:
+class _Tracer:
+    """The interpreter that traces each stage into a :class:`StageGraph` (``make_fx``) and
+    hands on its real outputs, as the step computed them."""
+
+    def __init__(self, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any) -> None:
+        self.shared, self.owned, self.fake_mode = shared, owned, fake_mode
+        self.stages: list[StageGraph] = []
+        self.current: Stage | None = None  # the stage being traced
+
+    def call(self, call: StageCall) -> Any:
+        self.current = call.stage
+        graph, out = _trace_stage(call, self.shared, self.owned, self.fake_mode, before=self.stages)
+        self.stages.append(graph)
+        return out
+
+
+def _mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mapping[str, Any]) -> list[StageGraph]:
     # Run the step once more, eagerly: a captured tensor whose memory it reads again is a
     # constant the backend keeps; one it does not read again was computed for that one call.
     consumed = _Consumed()
-    meta: Any = None
     with consumed:
-        for i, (name, fn, grp, prefix) in enumerate(plan):
-            out = fn(**(grp if i == 0 else {**grp, "meta": meta}))
-            if name == OUT_OF_GRAPH:
-                out = cross_into_graph(out)
-            meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
+        eval_step(EAGER, fns, groups)
     marked = []
     for s in stages:
         captured = []
@@ -604,11 +593,10 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
         captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), state["shared"],
                                                                     shared, owned)
                          for c in s.captured)
-        last = s.name == program.stages[-1].name
         widen = _handed_over(stages, s.inputs, initial, program.buffers)
-        result = _analysed(program.backend, s.name, gm, initial, captured, s.memory, last, (), widen)
-        if s.name != OUT_OF_GRAPH:  # out-of-graph outputs cross into the graph as copies
-            carried.update(zip(s.outputs, result.output_aliases, strict=True))
+        result = _analysed(program.backend, s.name, gm, initial, captured, s.memory, s.stage is BODY, (), widen)
+        # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
+        carried.update(zip(s.outputs, result.output_aliases, strict=True))
         stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
                                    captured=captured, initial=initial))
     return attrs.evolve(program, stages=tuple(stages))
@@ -650,8 +638,18 @@ def trace_functions(
     ...     prepare_out_graph=lambda shared, batch: {"pt": shared["req_to_token"][:, :4]},
     ...     prepare_in_graph=lambda shared, batch, meta: {"lens": shared["seq_lens"][:1]},
     ...     body=lambda shared, batch, meta: meta["pt"].float().sum() + meta["lens"].sum())
-    >>> prog.observed()  # out-of-graph outputs cross as copies; in-graph views are read in the body
+    >>> prog.traced()  # out-of-graph outputs cross as copies; in-graph views are read in the body
     ReadEffect({'req_to_token': PRE_REPLAY, 'seq_lens': POST_REPLAY}, default=NONE)
+    """
+    fns = StepFunctions(prepare_out_graph, prepare_in_graph, body, backend)
+    return trace_step(fns, mode, inputs, device=device)
+
+
+def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any], *, device: str = "cpu") -> Program:
+    """Trace one step of ``fns`` on ``inputs`` (groups: ``shared`` required, then ``batch``,
+    ``pools``, ``params``...) into a ``Program``: :func:`~readfence.core.eval_step` run by the
+    tracing interpreter, each stage traced with ``make_fx`` as the step hands it its
+    arguments. On a device other than CPU the inputs become fake tensors.
     """
     device = str(device)
     fake_mode = None
@@ -662,37 +660,21 @@ def trace_functions(
         fake_mode = FakeTensorMode()
         groups = {g: _fake_tree(t, fake_mode, device) for g, t in groups.items()}
     shared = groups.get("shared", {})
-    buffers = tuple(shared.keys())
     owned = BufferMap.of(flatten_inputs(**{g: t for g, t in groups.items() if g != "shared"}))
-    plan: list[tuple[str, Callable[..., Any], dict[str, Any], str]] = [
-        ("prepare_out_graph", prepare_out_graph, {"shared": shared, "batch": groups.get("batch", {})}, "meta"),
-        ("prepare_in_graph", prepare_in_graph, {"shared": shared, "batch": groups.get("batch", {})}, "meta"),
-        ("body", body, dict(groups), "logits"),
-    ]
-    stages: list[StageGraph] = []
-    meta: Any = None
+    tracer = _Tracer(shared, owned, fake_mode)
     aborted = None
-    for i, (name, fn, grp, prefix) in enumerate(plan):
-        if i > 0:
-            grp = {**grp, "meta": meta}
-        try:
-            graph, out = _trace_stage(
-                backend, name, fn, grp, shared, owned, prefix, fake_mode, last=(i == len(plan) - 1), before=stages
-            )
-        except _Aborted as e:
-            aborted = f"stage {name}: {e.why}"
-            break
-        stages.append(graph)
-        if name == OUT_OF_GRAPH:
-            out = cross_into_graph(out)  # what the graph sees of it: copies (core._protocol)
-        # the body sees {**out_graph_meta, **in_graph_meta} (core._model.prepare)
-        meta = {**(meta or {}), **dict(out)} if prefix == "meta" else out
+    try:
+        eval_step(tracer, fns, groups)
+    except _Aborted as e:
+        aborted = f"stage {tracer.current}: {e.why}"
+    stages = tracer.stages
     rerun = fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured)
     if rerun:
-        stages = _mark_persistent(stages, plan, groups)
+        stages = _mark_persistent(stages, fns, groups)
     stages = _fresh_literals_dropped(stages, rerun)
     return Program(
-        backend=backend, mode=mode, device=device, buffers=buffers, stages=tuple(stages), aborted=aborted
+        backend=fns.backend, mode=mode, device=device, buffers=tuple(shared.keys()), stages=tuple(stages),
+        aborted=aborted,
     )
 
 
@@ -752,21 +734,11 @@ def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size:
 
 
 def _trace_uncached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
-    from ._model import forward
+    from ._model import step_functions
     from ._state import example_step
 
     step = example_step(cfg, mode, batch_size, seed=seed, device="cpu")
-    return trace_functions(
-        backend.name,
-        mode,
-        inputs={"shared": step.shared, "batch": step.batch, "pools": step.pools, "params": step.params},
-        prepare_out_graph=lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
-        prepare_in_graph=lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
-        body=lambda shared, batch, pools, params, meta: forward(
-            cfg, params, pools, shared, batch, meta, backend, mode
-        ),
-        device=device,
-    )
+    return trace_step(step_functions(backend, mode, cfg), mode, step.groups(), device=device)
 
 
 def trace(
@@ -788,7 +760,7 @@ def trace(
 
     >>> from readfence.backends import paged
     >>> prog = trace(paged(), ForwardMode.DECODE)
-    >>> prog.observed() <= paged().read_effect(ForwardMode.DECODE)
+    >>> prog.traced() <= paged().read_effect(ForwardMode.DECODE)
     True
     """
     check_backend(backend)

@@ -284,11 +284,11 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     lowering = ""
     declared = node.read_effect(mode)
     failed = [r for r in runs if r.program is None]
-    refused = [r for r in runs if r.program is not None and not r.program.observed() <= declared]
+    refused = [r for r in runs if r.program is not None and not r.program.traced() <= declared]
     if failed:
         lowering = f"readfence cannot lower it with any policy: {failed[0].escapes['body'][0][0]}"
     elif refused:
-        effect = refused[0].program.observed()  # type: ignore[union-attr]
+        effect = refused[0].program.traced()  # type: ignore[union-attr]
         worst = max(effect.buffers, key=lambda b: effect[b].rank)
         lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
                     f"{effect[worst].name}, later than declared ({declared[worst].name})")

@@ -13,12 +13,10 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import attrs
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, forward
+from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, observe_step, step_functions
 from readfence.core._checks import check_forward_mode, positive_int
-from readfence.core._observe import observe_functions
 from readfence.graph import Scheduler
 
 from ._adapter import EngineBackend
@@ -57,9 +55,7 @@ def observe_engine(engine: EngineBackend, mode: ForwardMode, *, batch_sizes: Seq
     if not sizes:
         raise ValueError("batch_sizes must name at least one batch size")
 
-    def body(shared: Any, batch: Any, pools: Any, params: Any, meta: Any) -> Tensor:
-        return forward(cfg, params, pools, shared, batch, meta, engine, mode)
-
+    fns = step_functions(engine, mode, cfg)
     accesses: list[Any] = []
     step = 0
     with preserved(state):
@@ -69,12 +65,8 @@ def observe_engine(engine: EngineBackend, mode: ForwardMode, *, batch_sizes: Seq
                 nxt = scheduler.next_step()
                 for b in SHARED_BUFFERS:
                     state["shared"][b].copy_(nxt.shared[b])
-                seen = observe_functions(
-                    engine.name, mode, inputs={"shared": state["shared"], "batch": nxt.batch,
-                                               "pools": state["pools"], "params": state["params"]},
-                    prepare_out_graph=lambda shared, batch: engine.prepare_out_graph(mode, shared, batch),
-                    prepare_in_graph=lambda shared, batch, meta: engine.prepare_in_graph(mode, shared, batch, meta),
-                    body=body)
-                accesses += [attrs.evolve(a, step=step) for a in seen.accesses]
+                inputs = {"shared": state["shared"], "batch": nxt.batch, "pools": state["pools"],
+                          "params": state["params"]}
+                accesses += observe_step(fns, inputs, step=step)
                 step += 1
     return Observation(engine.name, mode, SHARED_BUFFERS, tuple(accesses), steps, sizes)

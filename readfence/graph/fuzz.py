@@ -56,16 +56,15 @@ from readfence.core import (
     ForwardMode,
     ModelConfig,
     Observation,
-    ReadObserver,
     StageThreadError,
     StageWriteError,
     audit,
     bind,
     cross_check,
-    cross_into_graph,
     example_step,
-    forward,
     observe,
+    observe_step,
+    step_functions,
     trace,
 )
 
@@ -244,16 +243,8 @@ def observe_live(backend: Any, mode: ForwardMode, *, cfg: ModelConfig, state: St
             step = example_step(cfg, mode, batch_size, seed=seed + i, device=next(iter(shared.values())).device)
             for k, v in step.shared.items():
                 shared[k].copy_(v)
-            observer = ReadObserver(shared, step=i)
-            with observer:
-                with observer.stage("prepare_out_graph"):
-                    meta = cross_into_graph(backend.prepare_out_graph(mode, shared, step.batch))
-                with observer.stage("prepare_in_graph"):
-                    meta = {**meta, **backend.prepare_in_graph(mode, shared, step.batch, meta)}
-                with observer.stage("body"):
-                    out = forward(cfg, step.params, step.pools, shared, step.batch, meta, backend, mode)
-                    observer.consume(out, "output")
-            accesses += observer.accesses
+            accesses += observe_step(step_functions(backend, mode, cfg),
+                                     {**step.groups(), "shared": shared}, step=i)
     finally:
         for k, v in saved.items():
             shared[k].copy_(v)

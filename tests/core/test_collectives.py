@@ -69,7 +69,7 @@ def test_a_collective_reads_its_input_until_its_wait(solo_group):
     stage, node = program.last_reader("seq_lens")
     target = {n.name: n.target for n in program.stage(stage).gm.graph.nodes}[node]
     assert stage == "body" and _collectives.is_wait(target), (stage, node, target)
-    assert program.observed()["seq_lens"] is ReadEnd.POST_REPLAY
+    assert program.traced()["seq_lens"] is ReadEnd.POST_REPLAY
 
 
 def test_without_the_rule_the_last_read_would_be_the_starting_node(solo_group, monkeypatch):
@@ -96,7 +96,7 @@ def test_a_collective_not_waited_in_its_stage_reads_for_as_long_as_anyone_knows(
         prepare_in_graph=lambda shared, batch, meta: {
             "lens": OPS.all_gather_into_tensor.default(shared["seq_lens"], 1, solo_group)},
         body=lambda shared, meta: OPS.wait_tensor.default(meta["lens"]).sum())
-    assert program.observed()["seq_lens"] is ReadEnd.UNKNOWN
+    assert program.traced()["seq_lens"] is ReadEnd.UNKNOWN
 
 
 def test_an_in_place_collective_on_a_shared_buffer_is_a_write(solo_group):
@@ -118,5 +118,5 @@ def test_the_model_all_reduces_read_no_shared_buffer(solo_group, device):
     collectives = [n for n in body if _collectives.starts_collective(n.target) or _collectives.is_wait(n.target)]
     assert len(collectives) == 2 * 2 * cfg.layers  # an all-reduce and its wait, after attention and after the MLP
     assert not any(n.name in sharded.reads("body") for n in collectives)
-    assert sharded.observed() == whole.observed() and not sharded.opaque()
+    assert sharded.traced() == whole.traced() and not sharded.opaque()
     assert sharded.last_reader("req_to_token") == whole.last_reader("req_to_token")

@@ -412,7 +412,7 @@ def test_reference_leaves_agree_with_their_trace(name, mode) -> None:
     backend = REFERENCE_LEAVES[name]()
     program, obs = trace(backend, mode, cfg=CFG), observe(backend, mode, cfg=CFG, steps=1)
     assert cross_check(program, obs) == ()
-    assert obs.observed() == program.observed()  # not vacuous: the same reads, seen twice
+    assert obs.observed() == program.traced()  # not vacuous: the same reads, seen twice
     for buffer in program.buffers:
         assert (obs.last_reader(buffer) or ("",))[0] == (program.last_reader(buffer) or ("",))[0], buffer
 
@@ -503,7 +503,7 @@ def test_the_run_kernel_of_a_plan_is_invisible_to_the_static_analysis() -> None:
     backend = CASES["plan_run"].backend
     program = trace(backend, M.DECODE, cfg=ONE_LAYER)
     found = cross_check(program, observe(backend, M.DECODE, cfg=ONE_LAYER, steps=1))
-    if program.observed()["req_to_token"] is not UNKNOWN:
+    if program.traced()["req_to_token"] is not UNKNOWN:
         assert [(d.buffer, d.stage, d.op) for d in found] == [
             ("req_to_token", "body", f"{RUN}/aten.index_select.default")]
         assert isinstance(found[0], Disagreement)

@@ -67,7 +67,7 @@ def test_reads_are_attributed_to_the_stage_of_the_consumer_of_a_view(device) -> 
         return pools["k"].sum() + meta["lens"].sum()
 
     prog = _toy(inn=inn, body=body, device=device)
-    assert prog.observed() == ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
+    assert prog.traced() == ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
     # the view node itself reads nothing; the index in the body does
     in_reads = prog.reads("prepare_in_graph")
     assert list(in_reads.values()) == [frozenset({"seq_lens"})]
@@ -77,23 +77,26 @@ def test_reads_are_attributed_to_the_stage_of_the_consumer_of_a_view(device) -> 
     by_name = {n.name: n for n in gm.graph.nodes}
     assert by_name[node].meta["readfence_reads"] == frozenset({"req_to_token"})
     assert by_name[node].target is torch.ops.aten.index.Tensor
-    assert prog.last_reader("swa_map") is None and prog.observed()["swa_map"] is ReadEnd.NONE
+    assert prog.last_reader("swa_map") is None and prog.traced()["swa_map"] is ReadEnd.NONE
 
 
 def test_a_view_returned_by_the_eager_stage_is_read_by_the_copy_into_the_graph() -> None:
     # what prepare_out_graph returns crosses into the graph as a copy made when it returns
-    # (core.cross_into_graph): the copy is the last read, even of an identity output
+    # (core.cross_into_graph), a node of that stage: the copy is the last read, even of an
+    # identity output
     prog = _toy(out=lambda shared, batch: {"pt": shared["req_to_token"].narrow(1, 0, 4), "r": shared["swa_map"]},
                 inn=lambda shared, batch, meta: {"x": meta["pt"].sum()},
                 body=lambda shared, batch, pools, meta: pools["k"].sum() + meta["x"] + meta["r"].sum())
-    assert prog.observed() == ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "swa_map": ReadEnd.PRE_REPLAY})
-    assert prog.last_reader("req_to_token") == ("prepare_out_graph", "output")
+    assert prog.traced() == ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "swa_map": ReadEnd.PRE_REPLAY})
+    stage, node = prog.last_reader("req_to_token")
+    nodes = {n.name: n for n in prog.stage(stage).gm.graph.nodes}
+    assert stage == "prepare_out_graph" and nodes[node].target is torch.ops.aten.clone.default
     assert prog.stage("body").buffers_read() == frozenset()
 
 
 def test_an_identity_output_of_the_last_stage_is_read_after_the_forward() -> None:
     prog = _toy(body=lambda shared, batch, pools, meta: shared["seq_lens"])
-    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
+    assert prog.traced() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
     assert prog.last_reader("seq_lens") == ("body", "output")
 
 
@@ -104,7 +107,7 @@ def test_a_closure_captured_shared_tensor_is_seen_by_storage() -> None:
         "toy", M.DECODE, inputs=inputs, prepare_out_graph=_nothing,
         prepare_in_graph=lambda shared, batch, meta: {"y": captured * 2},
         body=lambda shared, batch, pools, meta: pools["k"].sum())
-    assert prog.observed() == ReadEffect.of({"swa_map": ReadEnd.IN_REPLAY})
+    assert prog.traced() == ReadEffect.of({"swa_map": ReadEnd.IN_REPLAY})
 
 
 @torch.library.custom_op("readfence_test::lens_plus", mutates_args=())
@@ -129,7 +132,7 @@ def test_custom_ops_are_visible_and_their_schema_says_reads_and_writes(device) -
         return _lens_plus(shared["seq_lens"], pools["k"]).sum()
 
     prog = _toy(body=body, device=device)
-    assert prog.observed() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
+    assert prog.traced() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
     assert prog.last_reader("seq_lens") == ("body", "lens_plus")
 
     with pytest.raises(StageWriteError, match="writes shared buffer 'seq_lens' in stage prepare_out_graph "
@@ -180,7 +183,7 @@ def test_an_escape_out_of_the_graph_reads_every_buffer_before_the_replay(escape)
     prog = _toy(out=lambda shared, batch: {"total": torch.tensor(_escape(escape, shared["seq_lens"]))},
                 body=lambda shared, batch, pools, meta: meta["total"] * 2)
     lens_end = ReadEnd.UNKNOWN if escape in ("numpy", "data_ptr") else ReadEnd.PRE_REPLAY
-    assert prog.observed() == ReadEffect.of(
+    assert prog.traced() == ReadEffect.of(
         {"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": lens_end, "swa_map": ReadEnd.PRE_REPLAY})
     ((stage, node, why, source),) = prog.unfaithful()
     assert (stage, why) == ("prepare_out_graph", f"escape: {escape}()")
@@ -207,7 +210,7 @@ def test_escapes_in_the_graph_read_every_buffer_until_post_replay_and_the_stage_
     # the body a view of anything (its outputs are not copied), so every buffer is read until the
     # replay's end; a reference escaping (numpy, data_ptr) may be read through later: UNKNOWN
     lens_end = ReadEnd.UNKNOWN if escape in ("numpy", "data_ptr") else ReadEnd.POST_REPLAY
-    assert prog.observed() == ReadEffect.of(
+    assert prog.traced() == ReadEffect.of(
         {"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": lens_end, "swa_map": ReadEnd.POST_REPLAY})
     # what the stage hands over may be a view of any buffer: the body's consumer reads them all
     (consumer,) = prog.reads("body")
@@ -222,13 +225,13 @@ def test_escapes_in_the_graph_read_every_buffer_until_post_replay_and_the_stage_
     assert prog.run(env)["logits"].item() == 8
     # under fake tensors the trace cannot continue past the escape: everything UNKNOWN
     fake = _toy(inn=inn, body=lambda shared, batch, pools, meta: meta["total"] * 2, device="cuda")
-    assert fake.observed() == ReadEffect.unknown() and fake.aborted
+    assert fake.traced() == ReadEffect.unknown() and fake.aborted
 
 
 def test_an_escaping_fresh_value_out_of_the_graph_is_a_read_before_the_replay() -> None:
     # the sum is a visible read; only a fresh scalar escapes to the host, there and then
     prog = _toy(out=lambda shared, batch: {"n": torch.tensor(int(shared["seq_lens"].sum().item()))})
-    assert prog.observed() == ReadEffect.uniform(("req_to_token", "seq_lens", "swa_map"), ReadEnd.PRE_REPLAY)
+    assert prog.traced() == ReadEffect.uniform(("req_to_token", "seq_lens", "swa_map"), ReadEnd.PRE_REPLAY)
     assert list(prog.opaque()["prepare_out_graph"].values()) == ["escape: item()"]
     assert not prog.stage("prepare_out_graph").faithful  # the value is baked: run eagerly
 
@@ -243,7 +246,7 @@ def test_fake_cuda_trace_observes_the_same_effect_as_cpu(backend) -> None:
     for mode in ForwardMode:
         cpu = trace(backend, mode, cfg=CFG)
         cuda = trace(backend, mode, cfg=CFG, device="cuda")
-        assert cuda.observed() == cpu.observed(), mode
+        assert cuda.traced() == cpu.traced(), mode
         for buffer in cpu.buffers:
             assert cuda.last_reader(buffer) == cpu.last_reader(buffer), (mode, buffer)
         body = cuda.stage("body").gm
@@ -257,9 +260,10 @@ def test_calling_convention_and_annotations() -> None:
     assert prog.buffers == ("req_to_token", "seq_lens", "swa_map", "state_slots")
     inn = prog.stage("prepare_in_graph")
     assert inn.inputs[:4] == ("shared.req_to_token", "shared.seq_lens", "shared.swa_map", "shared.state_slots")
-    assert inn.outputs == ("meta.kv_indices", "meta.kv_lens")
+    assert inn.outputs == ("meta_in.kv_indices", "meta_in.kv_lens")  # named by the stage that made them
     body = prog.stage("body")
-    assert "params.layers.0.wqkv" in body.inputs and "pools.k_cache" in body.inputs
+    assert "params.['layers.0.wqkv']" in body.inputs and "pools.k_cache" in body.inputs
+    assert {"meta_in.kv_indices", "meta_in.kv_lens"} <= set(body.inputs)
     assert body.outputs == ("logits",)
     placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
     assert [n.meta["readfence_input"] for n in placeholders] == list(body.inputs)
@@ -269,7 +273,7 @@ def test_calling_convention_and_annotations() -> None:
         assert all("readfence_reads" in n.meta for n in stage.gm.graph.nodes)
     assert body.buffers_read() == frozenset()
     assert prog.last_reader("seq_lens")[0] == "prepare_in_graph"
-    assert prog.observed() == paged().read_effect(M.DECODE)
+    assert prog.traced() == paged().read_effect(M.DECODE)
     # positional call == env call
     step = example_step(CFG, M.DECODE, 2)
     env = flatten_inputs(shared=step.shared, batch=step.batch)

@@ -68,7 +68,7 @@ def test_random_phase_sequences_overlap_like_serial(phases, seed):
     from readfence.core import trace
     ph = []
     for i, (mode, e) in enumerate(phases):
-        sound = e | trace(paged(), mode).observed()
+        sound = e | trace(paged(), mode).traced()
         ph.append(Phase(f"p{i}", redeclare(paged(), lambda m, s=sound: s), mode, f"r{i}"))
     shape = StepShape("random", tuple(ph), "random")
     ref = run_serial(shape, steps=12, batch_size=2, seed=seed)

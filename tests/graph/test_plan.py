@@ -140,7 +140,7 @@ def test_lowered_placements_follow_the_policy(dev, name, mode):
     declared = backend.read_effect(mode)
     plans = {p: lower(backend, mode, batch_size=2, device=dev, policy=p).plan for p in Policy}
     program = lower(backend, mode, batch_size=2, device=dev, policy=Policy.EXACT).program
-    observed = program.observed()
+    observed = program.traced()
     assert observed <= declared  # the reference backends are sound
     for b in SHARED_BUFFERS:
         assert plans[Policy.COARSE].placements[b] == Placement(UNKNOWN)

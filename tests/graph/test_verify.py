@@ -64,7 +64,7 @@ def test_every_reference_target_verifies_clean_under_every_policy(name, dev) -> 
 def _early(make, mode: M) -> list[tuple[str, object]]:
     """Each buffer the leaf reads, redeclared one lattice step before its traced end."""
     backend = make()
-    observed = trace(backend, mode, cfg=CFG, batch_size=BATCH).observed()
+    observed = trace(backend, mode, cfg=CFG, batch_size=BATCH).traced()
     out = []
     for buffer in ("req_to_token", "seq_lens", "swa_map", "state_slots"):
         end = observed[buffer]

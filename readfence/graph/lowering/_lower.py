@@ -347,7 +347,7 @@ class Lowered:
 
     def describe(self) -> list[dict[str, str]]:
         """Per buffer: declared, observed, placement of its event."""
-        declared, observed = self.backend.read_effect(self.mode), self.program.observed()
+        declared, observed = self.backend.read_effect(self.mode), self.program.traced()
         return [
             {**row, "declared": declared[row["buffer"]].name, "observed": observed[row["buffer"]].name}
             for row in self.plan.describe()
@@ -477,7 +477,7 @@ def lower(
     graphed = mode.uses_graph and device.caps.graphs
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     declared = backend.read_effect(mode)
-    observed = program.observed()
+    observed = program.traced()
     if policy is not Policy.COARSE and not observed <= declared and not UNSAFE_skip_soundness_check:
         failure = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], state=state).failure()
         error = UnsoundLowering(

@@ -119,7 +119,7 @@ class PhasedStep:
         self.tokens = shape.tokens
         # Traced as each phase's graph will be lowered (``lower`` hits the same trace cache):
         # under EXACT the traced reads, not the declarations, decide which phase publishes.
-        observed = [trace(ph.backend, ph.mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)).observed()
+        observed = [trace(ph.backend, ph.mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)).traced()
                     for ph in shape.phases]
         positions = shape.positions_under(policy, observed)
         self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}

@@ -1,0 +1,448 @@
+"""The step: its stages as values, and the one function that runs a step through an interpreter.
+
+Every part of readfence runs the same step: the serial reference, the tracer, the runtime
+read observer, the rehearsal before a capture, the fuzzer, the engine adapter. Each is an
+*interpreter* of :func:`eval_step`, as every JAX transformation is an interpreter of
+``eval_jaxpr``: it is handed one :class:`StageCall` per stage and decides what running it
+means (call it, trace it, watch it). The protocol is written here and nowhere else:
+
+1. ``prepare_out_graph(shared=, batch=)`` runs before the replay; what it returns is checked
+   (:func:`check_stage_output`) and crosses into the graph as copies (:func:`cross_into_graph`),
+   made inside the stage, so a view of a shared buffer it returns is read by that copy;
+2. ``prepare_in_graph(shared=, batch=, meta=)`` runs first in the graph, ``meta`` being this
+   step's copies;
+3. ``body(shared=, batch=, pools=, params=, meta=)`` runs the model, ``meta`` being the copies
+   with ``prepare_in_graph``'s outputs merged over them by top-level key (its own, not copied).
+
+Every value that crosses a stage boundary has a *name* (:func:`flatten_group`): ``meta.<key>``
+for a copy, ``meta_in.<key>`` for an in-graph output, ``logits`` for the body's output, and
+``shared.``, ``batch.``, ``pools.``, ``params.`` for the step's inputs. A traced program runs
+on an environment of those names (``Program.run``), so a same-key output of
+``prepare_in_graph`` never takes the place of the next step's copy.
+
+>>> import torch
+>>> fns = StepFunctions(
+...     prepare_out_graph=lambda shared, batch: {"n": shared["seq_lens"] + 0},
+...     prepare_in_graph=lambda shared, batch, meta: {"n": meta["n"].clamp(min=2)},
+...     body=lambda shared, batch, meta: meta["n"] * 10)
+>>> eval_step(EAGER, fns, {"shared": {"seq_lens": torch.tensor([1, 3])}, "batch": {}})
+tensor([20, 30])
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from readfence.effects import ReadEnd
+
+
+@attrs.frozen
+class Stage:
+    """One stage of a step: its name, whether it runs inside the graph, and read ends.
+
+    ``end`` is the read end of a read made in it; ``escape_end`` the end of every shared
+    buffer when it runs Python the trace could not see (a host read, a branch on data): the
+    end of the last point that can read through what it touched. ``outputs`` is the group
+    its outputs are named under.
+
+    >>> PREPARE_IN_GRAPH.end, PREPARE_IN_GRAPH.escape_end, PREPARE_IN_GRAPH.in_graph
+    (<ReadEnd.IN_REPLAY: 2>, <ReadEnd.POST_REPLAY: 3>, True)
+    """
+
+    name: str
+    in_graph: bool
+    end: ReadEnd
+    escape_end: ReadEnd
+    outputs: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+#: Before the replay, host-launched; its outputs cross into the graph as copies, so nothing it
+#: touched is read later: an escape holds every buffer until PRE_REPLAY.
+PREPARE_OUT_GRAPH = Stage("prepare_out_graph", in_graph=False, end=ReadEnd.PRE_REPLAY,
+                          escape_end=ReadEnd.PRE_REPLAY, outputs="meta")
+#: The graph's first nodes; its outputs are not copied: on a path the trace did not take they
+#: may be views of any buffer, read wherever the body consumes them (POST_REPLAY).
+PREPARE_IN_GRAPH = Stage("prepare_in_graph", in_graph=True, end=ReadEnd.IN_REPLAY,
+                         escape_end=ReadEnd.POST_REPLAY, outputs="meta_in")
+#: The model body, ``attend`` in every layer; its reads end with the replay.
+BODY = Stage("body", in_graph=True, end=ReadEnd.POST_REPLAY, escape_end=ReadEnd.POST_REPLAY, outputs="logits")
+
+#: The stages of one step, in execution order.
+STAGES: tuple[Stage, ...] = (PREPARE_OUT_GRAPH, PREPARE_IN_GRAPH, BODY)
+_BY_NAME = {s.name: s for s in STAGES}
+
+#: Per stage name, the read end of a read in it.
+STAGE_ENDS: dict[str, ReadEnd] = {s.name: s.end for s in STAGES}
+
+
+def stage_named(name: str) -> Stage:
+    """The :class:`Stage` called ``name``.
+
+    >>> stage_named("body") is BODY
+    True
+    """
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no stage {name!r}; stages: {list(_BY_NAME)}") from None
+
+
+# -- names -----------------------------------------------------------------------------------
+_PLAIN = re.compile(r"[A-Za-z_][^.\[\]]*")
+
+
+def _segment(key: Any) -> str:
+    if isinstance(key, pytree.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, pytree.MappingKey):
+        k = key.key
+        if isinstance(k, str) and _PLAIN.fullmatch(k):
+            return k
+        return f"[{k!r}]"
+    if isinstance(key, pytree.GetAttrKey):
+        return key.name
+    return f"[{key!r}]"  # pragma: no cover - other key kinds
+
+
+def flatten_group(prefix: str, tree: Any) -> list[tuple[str, Any]]:
+    """``[(name, leaf)]`` for a pytree (dicts, lists, tuples) under ``prefix``.
+
+    A name joins the key path with dots: a string key that starts with a letter or ``_`` and
+    holds no ``.``, ``[`` or ``]`` as it is, a sequence index as digits, any other key as
+    ``[repr(key)]``. So keys ``"a.b"`` and ``"a"`` / ``"b"`` nested, or ``1`` and ``"1"``, never
+    share a name; two distinct keys whose reprs agree do, and are refused.
+
+    >>> flatten_group("params", {"layers": [{"wq": 1}], "emb": 2})
+    [('params.layers.0.wq', 1), ('params.emb', 2)]
+    >>> [n for n, _ in flatten_group("meta", {"a.b": 1, "a": {"b": 2}, 1: 3, "1": 4})]
+    ["meta.['a.b']", 'meta.a.b', 'meta.[1]', "meta.['1']"]
+    """
+    pairs, _ = pytree.tree_flatten_with_path(tree)
+    out = [(".".join([prefix, *map(_segment, path)]), leaf) for path, leaf in pairs]
+    _check_distinct(prefix, [n for n, _ in out], [p for p, _ in pairs])
+    return out
+
+
+def _check_distinct(prefix: str, names: Sequence[str], paths: Sequence[Any]) -> None:
+    if len(set(names)) == len(names):
+        return
+    seen: dict[str, Any] = {}
+    for name, path in zip(names, paths):
+        if name in seen:
+            raise StageOutputError(f"the keys {pytree.keystr(seen[name])} and {pytree.keystr(path)} of {prefix} "
+                                   f"both flatten to {name!r} (distinct keys whose reprs agree): rename one")
+        seen[name] = path
+
+
+# -- what a stage may return -----------------------------------------------------------------
+#: Python values a stage may return besides tensors: constants of the traced graph.
+PYTHON_VALUES = (bool, int, float, str, type(None))
+
+_OWN = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class StageOutputError(ValueError):
+    """A stage returned what a step cannot carry, or what the traced graph cannot reproduce.
+
+    A stage returns a dict (``prepare_*``) or a tensor (``body``); a dict holds tensors, Python
+    scalars (``bool``, ``int``, ``float``, ``str``), ``None``, and dicts, lists and tuples of
+    them, under keys of any hashable type. A traced graph bakes the Python values and tensor
+    shapes of the one step it traced, so one that changes from step to step is refused too.
+    The message names the backend, the stage, the key and the line that returned it.
+    """
+
+
+def _holds(tree: Any, value: Any) -> bool:
+    return tree is value or (isinstance(tree, (dict, list, tuple)) and any(v is value for v in pytree.tree_leaves(tree)))
+
+
+def returned_at(fn: Callable[..., Any], kwargs: Mapping[str, Any], value: Any) -> str:
+    """``file:line in function`` of the innermost frame outside torch and readfence that returns
+    ``value`` (or a dict, list or tuple holding it) when ``fn(**kwargs)`` runs again; ``"?"``
+    if none does. Only to name a line in an error: a stage is pure, so running it again is
+    harmless, and its error, if it raises, is not this one's.
+
+    >>> def stage():
+    ...     return {"n": marker}
+    >>> marker = object()
+    >>> returned_at(stage, {}, marker).endswith("in stage")
+    True
+    """
+    found: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "return" and not found and not frame.f_code.co_filename.startswith(_OWN) and _holds(arg, value):
+            found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn(**kwargs)
+    except Exception:  # only looking for a line: the stage's own error is not this one's
+        pass
+    finally:
+        sys.setprofile(old)
+    return found[0] if found else "?"
+
+
+def check_stage_output(stage: Stage, out: Any, *, backend: str = "?", fn: Callable[..., Any] | None = None,
+                       kwargs: Mapping[str, Any] | None = None) -> Any:
+    """``out`` if ``stage`` may return it (see :class:`StageOutputError`), else the error naming
+    ``backend``, the stage, the key and (when ``fn`` and its ``kwargs`` are given) the line.
+
+    >>> check_stage_output(PREPARE_IN_GRAPH, {"n": 3, "rows": [torch.ones(1), None]})["n"]
+    3
+    >>> check_stage_output(PREPARE_IN_GRAPH, {"n": {1, 2}}, backend="mine")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    readfence.core._step.StageOutputError: backend 'mine' stage prepare_in_graph returned set {1, 2} at key ['n'] (at ?): ...
+    """
+    if stage is BODY:
+        if isinstance(out, Tensor):
+            return out
+        bad, where = out, "as its output"
+    elif not isinstance(out, Mapping):
+        bad, where = out, "instead of a dict"
+    else:
+        pairs, _ = pytree.tree_flatten_with_path(dict(out))
+        wrong = next(((p, v) for p, v in pairs if not isinstance(v, (Tensor, *PYTHON_VALUES))), None)
+        if wrong is None:
+            return out
+        bad, where = wrong[1], f"at key {pytree.keystr(wrong[0])}"
+    line = "?" if fn is None else returned_at(fn, kwargs or {}, bad)
+    what = "a tensor (the logits)" if stage is BODY else (
+        "tensors, Python scalars (bool, int, float, str), None, and dicts, lists and tuples of them")
+    raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {type(bad).__name__} {_short(bad)} "
+                           f"{where} (at {line}): a stage returns {what}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def cross_into_graph(meta: Any) -> Any:
+    """What the graph sees of ``prepare_out_graph``'s outputs: copies made when it returns.
+
+    A captured graph reads static input buffers, so the out-of-graph stage's outputs are
+    copied into them before the replay, at the end of that stage: a view of a shared buffer
+    returned from ``prepare_out_graph`` is read by that copy (its read ends at
+    ``PRE_REPLAY``), and reading it inside the graph reads the copy, never the shared buffer.
+    ``prepare_in_graph`` runs inside the graph and its outputs are not copied: a view it
+    returns is read wherever the body consumes it (``POST_REPLAY``). :func:`eval_step` makes
+    the copies, inside the stage, for every interpreter.
+
+    >>> lens = torch.arange(4)
+    >>> meta = cross_into_graph({"lens": lens[:2], "rows": [lens[2:]], "n": 2})
+    >>> meta["lens"].untyped_storage().data_ptr() != lens.untyped_storage().data_ptr(), meta["n"]
+    (True, 2)
+    """
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, meta)
+
+
+@attrs.frozen(eq=False)
+class OutputGuard:
+    """What a traced graph bakes of a stage's outputs: their structure, their Python values and
+    their tensors' shapes and dtypes, as the traced step returned them.
+
+    A stage that runs its Python in the step (it escapes the tracer) may return other values
+    on another step; the graphs after it were traced on these. :meth:`check` refuses a change
+    (``StageOutputError`` naming backend, stage and key), before anything reads it.
+
+    >>> guard = OutputGuard.of(PREPARE_OUT_GRAPH, {"n": 3, "lens": torch.zeros(2)}, backend="mine")
+    >>> guard.check({"n": 3, "lens": torch.ones(2)})
+    >>> guard.check({"n": 4, "lens": torch.ones(2)})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    readfence.core._step.StageOutputError: backend 'mine' stage prepare_out_graph returned 4 at key ['n'] where the traced step returned 3 (at ?): ...
+    """
+
+    stage: Stage
+    backend: str
+    spec: pytree.TreeSpec
+    paths: tuple[Any, ...]
+    baked: tuple[tuple[Any, ...], ...]  # per leaf: ("tensor", shape, dtype) or ("value", type, value)
+
+    @staticmethod
+    def _baked(leaf: Any) -> tuple[Any, ...]:
+        if isinstance(leaf, Tensor):
+            return ("tensor", tuple(leaf.shape), leaf.dtype)
+        return ("value", type(leaf), leaf)
+
+    @classmethod
+    def of(cls, stage: Stage, out: Any, *, backend: str = "?") -> OutputGuard:
+        """The guard of ``stage``'s output ``out`` as traced."""
+        pairs, spec = pytree.tree_flatten_with_path(out)
+        return cls(stage, backend, spec, tuple(p for p, _ in pairs), tuple(cls._baked(v) for _, v in pairs))
+
+    def check(self, out: Any, fn: Callable[..., Any] | None = None, kwargs: Mapping[str, Any] | None = None) -> None:
+        """Refuse ``out`` unless it has the structure, values, shapes and dtypes traced (``fn``
+        and ``kwargs``, the stage's call, only to name the line in the error)."""
+        pairs, spec = pytree.tree_flatten_with_path(out)
+        if spec == self.spec and all(self._baked(v) == b for (_, v), b in zip(pairs, self.baked)):
+            return
+
+        def fail(what: str, value: Any, why: str) -> StageOutputError:
+            line = "?" if fn is None else returned_at(fn, kwargs or {}, value)
+            return StageOutputError(f"backend {self.backend!r} stage {self.stage.name} returned {what} (at {line}): {why}")
+
+        if spec != self.spec:
+            raise fail(f"keys {sorted(pytree.keystr(p) for p, _ in pairs)} where the traced step returned "
+                       f"{sorted(pytree.keystr(p) for p in self.paths)}", out,
+                       "the graphs after it read the outputs of the step they were traced on; return the same keys every step")
+        path, value, baked = next((p, v, b) for (p, v), b in zip(pairs, self.baked) if self._baked(v) != b)
+        key = pytree.keystr(path)
+        if baked[0] == "tensor" and isinstance(value, Tensor):
+            raise fail(f"a tensor of shape {tuple(value.shape)} ({value.dtype}) at key {key} where the traced step "
+                       f"returned shape {baked[1]} ({baked[2]})", value,
+                       "a graph reads metadata of one shape per batch size; pad it to a fixed shape, as engines' "
+                       "graph runners do")
+        was = _short(baked[2]) if baked[0] == "value" else f"a tensor of shape {baked[1]}"
+        raise fail(f"{_short(value)} at key {key} where the traced step returned {was}", value,
+                   "the graphs after it bake the Python values of the step they were traced on; return it as a "
+                   "tensor, or compute it from shapes only")
+
+
+# -- one stage's call ------------------------------------------------------------------------
+Origin = str | Mapping[Any, str]
+
+
+@attrs.frozen
+class StageCall:
+    """One stage of one step, as the protocol hands it to an interpreter.
+
+    ``fn(**kwargs)`` runs it (the user's function, its output checked, and for
+    ``prepare_out_graph`` copied into the graph). ``origins`` names the leaves of each
+    argument: a group name, or per top-level key the group of the stage that produced it
+    (the body's ``meta`` mixes copies, ``meta``, and in-graph outputs, ``meta_in``).
+    """
+
+    stage: Stage
+    fn: Callable[..., Any]
+    kwargs: Mapping[str, Any]
+    origins: Mapping[str, Origin] = attrs.Factory(dict)
+    backend: str = "?"
+
+    def __call__(self) -> Any:
+        """Run the stage as written."""
+        return self.fn(**self.kwargs)
+
+    def named_leaves(self) -> tuple[list[str], list[Any], pytree.TreeSpec]:
+        """The names and leaves of the arguments, in flattening order, and the spec that
+        :meth:`rebuild` uses.
+
+        >>> call = StageCall(BODY, lambda **kw: None, {"meta": {"a": 1, "b": 2}},
+        ...                  {"meta": {"a": "meta", "b": "meta_in"}})
+        >>> call.named_leaves()[0]
+        ['meta.a', 'meta_in.b']
+        """
+        pairs, spec = pytree.tree_flatten_with_path(dict(self.kwargs))
+        names = []
+        for path, _ in pairs:
+            arg = path[0].key
+            origin = self.origins.get(arg, arg)
+            group = origin if isinstance(origin, str) else origin[path[1].key]
+            names.append(".".join([group, *map(_segment, path[1:])]))
+        _check_distinct(f"stage {self.stage.name}'s arguments", names, [p for p, _ in pairs])
+        return names, [leaf for _, leaf in pairs], spec
+
+    def rebuild(self, leaves: Sequence[Any], spec: pytree.TreeSpec) -> dict[str, Any]:
+        """The arguments with their leaves replaced by ``leaves`` (same order and spec)."""
+        return dict(pytree.tree_unflatten(list(leaves), spec))
+
+    def output_names(self, out: Any) -> list[tuple[str, Any]]:
+        """``[(name, leaf)]`` of what the stage returned, under its ``outputs`` group."""
+        return flatten_group(self.stage.outputs, out)
+
+
+class Interpreter(Protocol):
+    """What runs a step's stages: handed each :class:`StageCall` in order, it returns what the
+    stage returned (on real tensors, as the step would)."""
+
+    def call(self, call: StageCall) -> Any:
+        """Run one stage."""
+        ...
+
+
+class Eager:
+    """The interpreter that runs each stage as written: the serial reference.
+
+    >>> EAGER.call(StageCall(BODY, lambda x: x + 1, {"x": 1}))
+    2
+    """
+
+    def call(self, call: StageCall) -> Any:
+        return call()
+
+
+EAGER = Eager()
+
+
+# -- the step --------------------------------------------------------------------------------
+@attrs.frozen
+class StepFunctions:
+    """A step's three stage functions over keyword groups (what :func:`eval_step` calls).
+
+    ``prepare_out_graph(shared, batch) -> dict``, ``prepare_in_graph(shared, batch, meta) ->
+    dict`` and ``body(**inputs, meta) -> logits``, ``inputs`` being the step's groups
+    (``shared``, ``batch``, then e.g. ``pools``, ``params``). ``backend`` names them in errors.
+    ``readfence.core.step_functions`` makes them for a backend and the tiny model.
+    """
+
+    prepare_out_graph: Callable[..., Any]
+    prepare_in_graph: Callable[..., Any]
+    body: Callable[..., Any]
+    backend: str = "?"
+
+
+def _checked(stage: Stage, fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    def run(**kwargs: Any) -> Any:
+        return check_stage_output(stage, fn(**kwargs), backend=backend, fn=fn, kwargs=kwargs)
+
+    return run
+
+
+def _crossing(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    checked = _checked(PREPARE_OUT_GRAPH, fn, backend)
+
+    def run(**kwargs: Any) -> Any:
+        return cross_into_graph(checked(**kwargs))
+
+    return run
+
+
+def eval_step(interp: Interpreter, fns: StepFunctions, inputs: Mapping[str, Any]) -> Any:
+    """Run one step of ``fns`` on ``inputs`` (groups: ``shared``, ``batch``, ...) through
+    ``interp``; returns what the body returned. The step's protocol, written once (see the
+    module docstring): every interpretation of a step is a call of this function.
+
+    >>> fns = StepFunctions(lambda shared, batch: {"k": shared["x"][:1]},
+    ...                     lambda shared, batch, meta: {}, lambda shared, batch, meta: meta["k"])
+    >>> x = torch.ones(2)
+    >>> eval_step(EAGER, fns, {"shared": {"x": x}, "batch": {}}).data_ptr() != x.data_ptr()  # a copy
+    True
+    """
+    shared, batch = inputs["shared"], inputs.get("batch", {})
+    name = fns.backend
+    meta = interp.call(StageCall(PREPARE_OUT_GRAPH, _crossing(fns.prepare_out_graph, name),
+                                 {"shared": shared, "batch": batch}, backend=name))
+    own = interp.call(StageCall(PREPARE_IN_GRAPH, _checked(PREPARE_IN_GRAPH, fns.prepare_in_graph, name),
+                                {"shared": shared, "batch": batch, "meta": meta},
+                                {"meta": PREPARE_OUT_GRAPH.outputs}, backend=name))
+    merged = {**meta, **own}
+    origins = {k: PREPARE_IN_GRAPH.outputs if k in own else PREPARE_OUT_GRAPH.outputs for k in merged}
+    return interp.call(StageCall(BODY, _checked(BODY, fns.body, name), {**inputs, "meta": merged},
+                                 {"meta": origins}, backend=name))
