@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, _checks
+from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, _checks
 from readfence.core._checks import check_mode
 from readfence.effects import ReadEffect, ReadEnd
 
@@ -486,7 +486,7 @@ def leaf(
     """
     if not callable(attend):
         raise TypeError(f"attend of leaf {name!r} must be callable, got {attend!r}")
-    for stage, fn in (("prepare_out_graph", prepare_out_graph), ("prepare_in_graph", prepare_in_graph)):
+    for stage, fn in ((PREPARE_OUT_GRAPH.name, prepare_out_graph), (PREPARE_IN_GRAPH.name, prepare_in_graph)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{stage} of leaf {name!r} must be callable or None, got {fn!r}")
     return Leaf(name, Functions(attend, prepare_out_graph, prepare_in_graph),

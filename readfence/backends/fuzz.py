@@ -55,7 +55,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
+from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._attention import page_meta, softmax_attention, store_kv
@@ -65,7 +65,7 @@ from ._combinators import hybrid_linear, join, select, tbo
 Tensors = Mapping[str, Tensor]
 State = Mapping[str, Mapping[str, Tensor]]
 M = ForwardMode
-OUT, IN, ATTEND = "prepare_out_graph", "prepare_in_graph", "attend"
+OUT, IN, ATTEND = PREPARE_OUT_GRAPH.name, PREPARE_IN_GRAPH.name, "attend"
 
 #: The stages a pattern can be placed in, in execution order.
 STAGES: tuple[str, ...] = (OUT, IN, ATTEND)

@@ -12,14 +12,15 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH
 from readfence.graph import Span, Timeline
 
 from ._trace import stage_tracks
 
 _COLORS = {
-    "prepare_out_graph": "#4c72b0",
-    "prepare_in_graph": "#55a868",
-    "body": "#8172b2",
+    PREPARE_OUT_GRAPH.name: "#4c72b0",
+    PREPARE_IN_GRAPH.name: "#55a868",
+    BODY.name: "#8172b2",
     "write": "#dd8452",
     "host": "#937860",
     "wait": "#dddddd",
@@ -41,7 +42,7 @@ def step_ends(timeline: Timeline, phases: int = 1) -> list[float]:
     """
     ends: dict[int, float] = {}
     for track in stage_tracks(timeline):
-        bodies = sorted(s.end for s in timeline.spans if s.track == track and s.name == "body")
+        bodies = sorted(s.end for s in timeline.spans if s.track == track and s.name == BODY.name)
         for i, end in enumerate(bodies):
             ends[i // phases] = max(ends.get(i // phases, end), end)
     for s in timeline.spans:

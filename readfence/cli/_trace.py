@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from readfence.core import BODY, PREPARE_IN_GRAPH
 from readfence.graph import DeviceObserver, Timeline
 
 
@@ -164,9 +165,9 @@ def add_replays(timeline: Timeline, *, graphed: Sequence[bool] = (True,), phases
                         key=lambda s: s.start)
         pairs, start = 0, None
         for s in stages:
-            if s.name == "prepare_in_graph":
+            if s.name == PREPARE_IN_GRAPH.name:
                 start = s.start
-            elif s.name == "body" and start is not None:
+            elif s.name == BODY.name and start is not None:
                 k = pairs % len(graphed)
                 args: dict[str, Any] = {"step": pairs // len(graphed)}
                 if k < len(phases):

@@ -40,8 +40,9 @@ _ADVICE = {
               "included): do the work in the stage itself",
     "refused": "no fence makes this step correct (see the detail): keep no trace-time state in the "
                "graph, and no host read inside it",
-    "differs": "the outputs differ from the serial run with nothing poisoned: the step is not a "
-               "deterministic function of what the scheduler wrote; `readfence demo` shows the "
+    "differs": "the lowered step differs from the serial step with nothing poisoned: not a race; the "
+               "step is not a deterministic function of what the scheduler wrote, or it keeps state "
+               "the traced graph baked in (a Python value on self); `readfence demo` shows the "
                "sanitizer's view",
     "unsound declaration": "fix the declaration (see the detail)",
 }

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from readfence.core import ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
+from readfence.core import BODY, ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
 from readfence.core._audit import BufferAudit, escape_note
 from readfence.core._checks import check_forward_mode, positive_int
 from readfence.effects import ReadEffect, ReadEnd
@@ -286,7 +286,7 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     failed = [r for r in runs if r.program is None]
     refused = [r for r in runs if r.program is not None and not r.program.traced() <= declared]
     if failed:
-        lowering = f"readfence cannot lower it with any policy: {failed[0].escapes['body'][0][0]}"
+        lowering = f"readfence cannot lower it with any policy: {failed[0].escapes[BODY.name][0][0]}"
     elif refused:
         effect = refused[0].program.traced()  # type: ignore[union-attr]
         worst = max(effect.buffers, key=lambda b: effect[b].rank)

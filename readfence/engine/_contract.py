@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from readfence.core import ForwardMode
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode
 from readfence.effects import ReadEnd
 
 #: The names a declaration may have (the engine's enum members are matched by name).
@@ -32,9 +32,9 @@ END_NAMES: tuple[str, ...] = ("PRE_REPLAY", "IN_REPLAY", "POST_REPLAY", "UNKNOWN
 
 #: Which contract method runs each stage of a step.
 STAGE_METHODS: dict[str, str] = {
-    "prepare_out_graph": "init_forward_metadata_out_graph",
-    "prepare_in_graph": "init_forward_metadata_in_graph",
-    "body": "forward",
+    PREPARE_OUT_GRAPH.name: "init_forward_metadata_out_graph",
+    PREPARE_IN_GRAPH.name: "init_forward_metadata_in_graph",
+    BODY.name: "forward",
 }
 
 PREFILL = "resolve_prefill_shared_read_ends"

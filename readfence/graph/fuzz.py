@@ -52,6 +52,7 @@ from torch import Tensor
 
 from readfence.backends.fuzz import FuzzProgram, FuzzTree
 from readfence.core import (
+    BODY,
     Disagreement,
     ForwardMode,
     ModelConfig,
@@ -260,7 +261,7 @@ def _live_disagreements(program: FuzzProgram, backend: Any, traced: Any, cfg: Mo
     live = observe_live(backend, mode=program.mode, cfg=cfg, state=state, batch_size=batch_size, steps=steps,
                         seed=seed)
     # a plan/run kernel's read of the buffer it keeps is invisible to the trace by design
-    invisible = {(p.buffer, "body" if p.stage == "attend" else p.stage)
+    invisible = {(p.buffer, BODY.name if p.stage == "attend" else p.stage)
                  for leaf in program.active_leaves() for p in leaf.placements if p.pattern.invisible}
     return tuple(d for d in cross_check(bound, live) if (d.buffer, d.stage) not in invisible)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..devices import DeviceError, Stream
 
@@ -96,17 +96,36 @@ def covering_all(events: Sequence[Any]) -> range:
     return range(len(events) - 1)[-1:]
 
 
+class SlotHead(NamedTuple):
+    """What the fences of every run of one ring slot share (:func:`slot_head` makes it).
+
+    A run's :class:`Fence` is this head, its step, its done handle and its ticket, so
+    ``Lowered.run`` builds one small object per step over a head made once per slot (again
+    only when a stopped step resyncs the slot).
+    """
+
+    owner: str  # the label of the lowered graph (or composite step)
+    points: Mapping[str, int | None]  # buffer -> index of its event in ``events`` (None: no wait)
+    events: Sequence[Any]  # the slot's events in plan order, then ``done``
+    base: tuple[int, ...]  # per event, its generation before the slot's first run
+    handles: Sequence[Any] | None  # per event, its CpuDevice record (explicit generations only)
+    probes: Mapping[str, Bound]  # per buffer, the probe after its last read (measured runs)
+    covering: Sequence[int]  # the events a wait for every buffer binds
+    waits: tuple[tuple[Any, int], ...]  # (event, base generation) of ``covering``, for ``Fence.wait``
+
+
 def slot_head(owner: str, points: Mapping[str, int | None], events: Sequence[Any], base: tuple[int, ...],
               handles: Sequence[Any] | None = None, probes: Mapping[str, Bound] = NO_PROBES,
-              covering: Sequence[int] | None = None) -> tuple[Any, ...]:
-    """What the fences of every run of one ring slot share; a run's :class:`Fence` is
-    ``(head, step, done_handle, ticket)``, so ``Lowered.run`` builds one small tuple per step
-    over a head made once per slot (again only when a stopped step resyncs the slot).
-    ``covering``: the events a wait for every buffer binds (default: the latest, see
-    :func:`covering_all`)."""
+              covering: Sequence[int] | None = None) -> SlotHead:
+    """The :class:`SlotHead` of a ring slot. ``covering``: the events a wait for every buffer
+    binds (default: the latest, see :func:`covering_all`).
+
+    >>> head = slot_head("demo", {"seq_lens": 0}, ("pre", "done"), (4, 4))
+    >>> head.covering, head.waits
+    (range(0, 1), (('pre', 4),))
+    """
     covering = covering_all(events) if covering is None else covering
-    # ... and the (event, base generation) pairs of ``covering``, for ``Fence.wait`` on the hot path
-    return (owner, points, events, base, handles, probes, covering, tuple((events[i], base[i]) for i in covering))
+    return SlotHead(owner, points, events, base, handles, probes, covering, tuple((events[i], base[i]) for i in covering))
 
 
 class RunClock:
@@ -158,7 +177,7 @@ class Fence:
     """
 
     __slots__ = ("_head", "_step", "_done_handle", "_ticket")
-    _head: tuple[Any, ...]
+    _head: SlotHead
     _step: int
     _done_handle: Any
     _ticket: int
@@ -216,15 +235,16 @@ class Fence:
     @property
     def owner(self) -> str:
         """The label of the lowered graph (or composite step) that publishes this fence."""
-        return self._head[0]
+        return self._head.owner
 
     @property
     def probes(self) -> Mapping[str, Bound]:
         """Per buffer, the probe recorded right after its last read (``measure=True`` only)."""
-        return self._head[5]
+        return self._head.probes
 
     def _bound(self, i: int) -> Bound:
-        _, _, events, generations, handles = self._head[:5]
+        head = self._head
+        events, generations, handles = head.events, head.base, head.handles
         if handles is not None:
             handle = handles[i]
         else:
@@ -234,17 +254,17 @@ class Fence:
     @property
     def done(self) -> Bound:
         """The generation of the whole forward's end (outputs included)."""
-        return self._bound(len(self._head[2]) - 1)
+        return self._bound(len(self._head.events) - 1)
 
     @property
     def distinct(self) -> tuple[Bound, ...]:
         """The distinct bounds (one per event), in execution order."""
-        return tuple(self._bound(i) for i in range(len(self._head[2]) - 1))
+        return tuple(self._bound(i) for i in range(len(self._head.events) - 1))
 
     @property
     def per_buffer(self) -> dict[str, Bound | None]:
         """Per published buffer, its bound generation (``None``: not read, no wait)."""
-        return {b: None if i is None else self._bound(i) for b, i in self._head[1].items()}
+        return {b: None if i is None else self._bound(i) for b, i in self._head.points.items()}
 
     def __repr__(self) -> str:
         return f"Fence(owner={self.owner!r}, step={self.step}, per_buffer={self.per_buffer!r})"
@@ -262,8 +282,8 @@ class Fence:
     def _indices(self, buffers: Iterable[str] | None) -> Sequence[int]:
         """Indices of the distinct events guarding ``buffers`` (default: every buffer), in order."""
         if buffers is None:
-            return range(len(self._head[2]) - 1)
-        index = self._head[1]
+            return range(len(self._head.events) - 1)
+        index = self._head.points
         names = list(buffers)
         unknown = [b for b in names if b not in index]
         if unknown:
@@ -278,7 +298,7 @@ class Fence:
         stream in index order, so the latest covers the others (one wake-up of a waiting
         CpuDevice stream, not one per event); a fence built from bounds needs each of them."""
         if buffers is None:
-            return self._head[6]
+            return self._head.covering
         indices = self._indices(buffers)
         return indices[-1:] if self._ticket else indices
 
@@ -286,7 +306,7 @@ class Fence:
         """Device-side: later work on ``stream`` waits until ``buffers`` (default: all) are free."""
         ticket = self._ticket
         if buffers is None:
-            for event, base in self._head[7]:
+            for event, base in self._head.waits:
                 if event.generation != base + ticket:
                     Bound(event, base + ticket).check(f"fence of {self.owner} step {self.step}")  # RingWrapError
                 stream.wait(event)
@@ -327,7 +347,7 @@ class Fence:
         return _timestamp(bound)
 
 
-def fence_of(head: tuple[Any, ...], step: int, done_handle: Any, ticket: int) -> Fence:
+def fence_of(head: SlotHead, step: int, done_handle: Any, ticket: int) -> Fence:
     """The fence of run ``ticket`` of the ring slot whose :func:`slot_head` is ``head``."""
     fence = object.__new__(Fence)
     fence._head = head

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import Tensor
 
+from readfence.core import BODY, PREPARE_OUT_GRAPH
 from readfence.effects import ReadEnd
 
 from ..devices import Event
@@ -101,7 +102,7 @@ def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
         "check": low.check, "poisons": low.poisons,
     }
     scope.update({f"l_{short}": low._labels[name] for short, name in
-                  (("load", "load_batch"), ("out", "prepare_out_graph"), ("outputs", "outputs"))})
+                  (("load", "load_batch"), ("out", PREPARE_OUT_GRAPH.name), ("outputs", "outputs"))})
     gather = gather_code(low.label, low._batch, f" (batch_size={low.batch_size})")
     scope.update(gather.scope)
     body: list[str] = []
@@ -125,9 +126,9 @@ def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
     if low.check is not None:
         emit("low._check_start(slot, step, poisons if poison is None else frozenset(poison), first)")
     emit("s.launch(out_fn, label=l_out, ops=out_ops, step=step)")
-    release(ReadEnd.PRE_REPLAY)
+    release(PREPARE_OUT_GRAPH.end)
     emit("graph.replay(s, step=step)" if low.graphed else "low._in_graph_work(slot, step)")
-    release(ReadEnd.POST_REPLAY)
+    release(BODY.end)  # the graph's last stage: its points follow the replay
     emit("logits = empty_like(static_logits)  # allocated on the host's stream, written on s",
          "s.launch(logits.copy_, static_logits, label=l_outputs, step=step)",
          "s.keep(logits)")
@@ -141,7 +142,7 @@ def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
     if low.measure:  # the CpuDevice generations kept: their timestamps give the slack
         fence = ["fence = low._measured_fence(slot, step, ticket)"]
     else:  # ``fence_of``, inline; a CUDA event keeps no per-record handle
-        fence = ["fence = new_object(Fence)", "fence._head = slot.fence_head", "fence._step = step",
+        fence = ["fence = new_object(Fence)", "fence._head = slot.head", "fence._step = step",
                  f"fence._done_handle = {'done.latest' if hasattr(slot.done, 'latest') else 'None'}",
                  "fence._ticket = ticket"]
     source = "\n".join([

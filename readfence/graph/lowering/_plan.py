@@ -11,12 +11,13 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from readfence.core import STAGE_ENDS
+from readfence.core import STAGE_ENDS, STAGES
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 
 from ._policy import Policy
 
-IN_GRAPH_STAGES = frozenset({"prepare_in_graph", "body"})
+#: The names of the stages that run inside the graph.
+IN_GRAPH_STAGES = frozenset(s.name for s in STAGES if s.in_graph)
 
 _END_TEXT = {
     ReadEnd.NONE: "never (not read: no wait)",

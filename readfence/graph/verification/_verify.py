@@ -361,7 +361,8 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
     name = _name(target)
     if not poisoned:
         return LateRead(name, mode, policy, "differs", "output", None, differs,
-                        detail="outputs differ from the serial run with nothing poisoned")
+                        detail="the lowered step differs from the serial step with nothing poisoned: not a race, "
+                               "the lowered program computes something else")
     for buffer in poisoned:
         _reset(state, snapshot)
         logits = _run(target, mode, policy, device, state, None, lowering, unsafe=unsafe, only=[buffer], **common)[0]

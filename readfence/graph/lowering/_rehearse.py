@@ -1,0 +1,106 @@
+"""Lowering pass: rehearse the traced step once, eagerly, before anything is captured.
+
+The rehearsal runs the bound program on a throwaway example (:func:`readfence.core.run_program`
+under the runtime read observer) on the lowered stream. It gives:
+
+* the shapes of the out-of-graph stage's outputs, for the graph's static metadata buffers;
+* what each node really read (the example's buffers, or the live ones a stage keeps a
+  reference to): the sanitizer is told that, joined with the trace;
+* a first run of every kernel before any capture, as ``torch.cuda.graph`` asks (lazy library
+  and allocator set-up must not happen inside a capture);
+* a second step's outputs for the stages that run their Python: the example differs from the
+  traced one (another seed), so a Python value or a metadata shape computed from the step's
+  data is refused here, naming stage and key (``StageOutputError``), not found at run time.
+
+The live state is not touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch import Tensor
+
+from readfence.core import (
+    PREPARE_OUT_GRAPH,
+    ForwardMode,
+    ModelConfig,
+    Program,
+    StageOutputError,
+    StageThreadError,
+    example_step,
+    flatten_inputs,
+    observe_program,
+)
+from readfence.core._memory import BufferMap
+
+from ..devices import DeviceError, Stream
+
+#: The seed of the rehearsal's example: not the trace's (0), so that values computed from the
+#: step's data differ between the two.
+REHEARSAL_SEED = 1
+
+
+@attrs.frozen
+class Rehearsal:
+    """What the rehearsal found: per stage, per node, the shared buffers each node was seen to
+    read (``observed``), and zeroed static buffers shaped like the out-of-graph stage's outputs
+    (``meta``, by name), on the live state's device."""
+
+    observed: Mapping[str, Mapping[str, frozenset[str]]]
+    meta: dict[str, Tensor]
+
+
+def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_size: int, stream: Stream,
+             live: Mapping[str, Tensor], label: str) -> Rehearsal:
+    """Run ``program`` once on an example step of ``batch_size`` on ``stream`` (see the module
+    docstring); ``live`` are the live shared buffers (what a stage that keeps references reads).
+
+    A stage's own error (a thread it starts, an output it cannot return) is raised as it is,
+    not as the device's.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import trace
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     r = rehearse(trace(paged(), ForwardMode.DECODE), cfg=ModelConfig(), mode=ForwardMode.DECODE,
+    ...                  batch_size=2, stream=dev.stream("forward"), live={}, label="demo")
+    >>> sorted(r.meta), sorted(r.observed["prepare_in_graph"])
+    ([], ['index_select', 'index_select_1'])
+    """
+    device = next(iter(live.values())).device if live else torch.device("cpu")
+    example = example_step(cfg, mode, batch_size, seed=REHEARSAL_SEED, device=device)
+    env = flatten_inputs(**example.groups())
+    buffers = BufferMap.of(example.shared).union([BufferMap.of(live)])
+    observed: dict[str, dict[str, frozenset[str]]] = {}
+
+    def run() -> None:
+        observed.update(observe_program(program, env, buffers))
+
+    stream.launch(run, label=f"{label}/rehearse")
+    try:
+        stream.synchronize()
+    except DeviceError as e:  # the backend's own error, not the device's: name it as such
+        if isinstance(e.__cause__, (StageThreadError, StageOutputError)):
+            raise e.__cause__ from None
+        raise
+    _check_shapes(program, env)
+    meta = {k: torch.zeros_like(env[k], device=device) for k in program.stage(PREPARE_OUT_GRAPH.name).outputs}
+    return Rehearsal(observed, meta)
+
+
+def _check_shapes(program: Program, env: Mapping[str, Tensor]) -> None:
+    # the graphs after a stage were traced on its outputs' shapes: an op whose output shape
+    # depends on the data (a boolean mask, ``nonzero``) gives another on another step
+    for s in program.stages:
+        output = next(n for n in reversed(s.gm.graph.nodes) if n.op == "output")
+        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        for name, node in zip(s.outputs, values):
+            traced = getattr(node, "meta", {}).get("val")
+            if isinstance(traced, Tensor) and tuple(traced.shape) != tuple(env[name].shape):
+                raise StageOutputError(
+                    f"backend {program.backend!r} stage {s.name} returned {name!r} of shape {tuple(traced.shape)} "
+                    f"on the traced step and {tuple(env[name].shape)} on another (at {s.source(node.name)}): a graph "
+                    f"reads metadata of one shape per batch size; pad it to a fixed shape, as engines' graph runners do")

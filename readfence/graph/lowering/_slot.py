@@ -1,0 +1,290 @@
+"""Lowering passes per event-ring slot: insert records, compile, capture.
+
+A lowered step owns one :class:`Slot` per event-ring slot: its events, its stage graphs with
+those events' records inserted after their nodes (``insert_records``) and compiled
+(``compile_graph``), and, on a device with graphs, the captured graph of its in-graph stages.
+:func:`build_slot` is the pass; :class:`StepLauncher` is how a step's stages are launched on
+the lowered stream, in a capture or eagerly, in the order of ``core.STAGES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
+
+import attrs
+from torch import Tensor
+
+from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
+from readfence.effects import ReadEnd
+
+from ..devices import Device, Event, Graph, Op, Stream, Timeline
+from ._fence import RunClock, SlotHead, slot_head
+from ._fx_compile import CompiledGraph, compile_graph
+from ._fx_records import insert_records, stage_ops
+from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
+from ._poison import CheckState, Watcher, poison_points
+
+Action = Callable[[], None]
+
+
+class StageRunner(Protocol):
+    """What runs one stage of a lowered step on the step's environment."""
+
+    def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]: ...
+
+
+class CompiledStage:
+    """A faithful stage's graph, compiled (``graph._fx_compile``), run like ``StageGraph.run``."""
+
+    __slots__ = ("stage", "graph", "_fn", "_inputs", "_outputs")
+
+    def __init__(self, stage: StageGraph, graph: CompiledGraph) -> None:
+        self.stage, self.graph = stage, graph
+        self._fn, self._inputs, self._outputs = graph.fn, stage.inputs, stage.outputs
+
+    def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Execute the stage on ``env`` (name -> tensor); outputs by name."""
+        return dict(zip(self._outputs, self._fn(*map(env.__getitem__, self._inputs)), strict=True))
+
+
+class LaunchedStage(NamedTuple):
+    """One stage as a slot launches it: what runs it, and the ops the device is told."""
+
+    runner: StageRunner
+    ops: tuple[Op, ...]
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One event-ring slot of a lowered step: its events, its stages, its captured graph.
+
+    ``at_end[end.rank]`` are the stage-level events released at ``end`` (plan order) and
+    ``act_at_end[end.rank]`` check mode's poison of what they release; ``fence_events`` are the
+    events in plan order, then ``done``; ``buffer_points`` maps each published buffer to the
+    index of its event there (``None``: never read, no wait). ``out_fn`` launches the
+    out-of-graph stage (watched and timed as lowered); ``clock`` counts the slot's runs and
+    ``head`` is what their fences share.
+    """
+
+    index: int
+    events: dict[Placement, Event]
+    probes: dict[str, Event]
+    done: Event
+    stages: dict[str, LaunchedStage]
+    at_end: tuple[tuple[Event, ...], ...]
+    act_at_end: tuple[Action | None, ...]
+    fence_events: tuple[Event, ...]
+    buffer_points: Mapping[str, int | None]
+    out_fn: Action
+    out_ops: tuple[Op, ...]
+    clock: RunClock
+    head: SlotHead
+    graph: Graph | None = None
+
+    def rebase(self, owner: str, base: tuple[int, ...]) -> None:
+        """Start the slot's fences from event generations ``base`` (after a capture, or when a
+        step stopped midway recorded some events)."""
+        self.clock.base = base
+        self.head = slot_head(owner, self.buffer_points, self.fence_events, base)
+
+
+@attrs.define(eq=False)
+class StepLauncher:
+    """How a lowered step's stages are launched on its stream: each stage's runner over the
+    step's environment ``env`` (its static batch, the live state, the static metadata copies
+    ``meta``), the in-graph stages' outputs into ``env``, the body's into ``logits``; each
+    watched in check mode and timed when there is a timeline."""
+
+    stream: Stream
+    env: dict[str, Tensor]
+    meta: dict[str, Tensor]
+    logits: Tensor
+    label: str
+    labels: Mapping[str, str]
+    timeline: Timeline | None = None
+    watcher: Watcher | None = None
+
+    def copy_meta(self, out: Mapping[str, Tensor]) -> None:
+        """The out-of-graph stage's outputs into the graph's static buffers (of the traced
+        shapes: a copy would broadcast a smaller tensor without a word)."""
+        meta = self.meta
+        for k, v in out.items():
+            static = meta[k]
+            if static.shape != v.shape:
+                raise StageOutputError(
+                    f"{self.label}: stage {PREPARE_OUT_GRAPH.name} returned {k!r} of shape {tuple(v.shape)}, "
+                    f"the graph was lowered for shape {tuple(static.shape)}: a graph reads metadata of one "
+                    f"shape per batch size; pad it to a fixed shape, as engines' graph runners do")
+            static.copy_(v)
+
+    def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], Any]) -> None:
+        runner, ops = slot.stages[stage.name]
+        env, watcher = self.env, self.watcher
+
+        def run_stage() -> None:
+            if watcher is None:
+                sink(runner.run(env))
+                return
+            with watcher.stage(stage.name):
+                sink(runner.run(env))
+
+        fn = run_stage if self.timeline is None else self.timeline.timed(self.stream.name, stage.name, run_stage, "stage")
+        self.stream.launch(fn, label=self.labels[stage.name], ops=ops, step=step)
+
+    def record_points(self, slot: Slot, end: ReadEnd) -> None:
+        """The records of the stage-level points at ``end``, then check mode's poison (as the
+        step issuer emits them for the points outside the graph)."""
+        for event in slot.at_end[end.rank]:
+            self.stream.record(event)
+        act = slot.act_at_end[end.rank]
+        if act is not None:
+            self.stream.launch(act, label=f"{self.label}/poison@{end.name}")
+
+    def in_graph_work(self, slot: Slot, step: int | None = None) -> None:
+        """The in-graph stages in order, each followed by its stage-level points (the last
+        stage's are the issuer's, after the replay): captured once per slot, or launched
+        eagerly every step."""
+        stages = [s for s in STAGES if s.in_graph]
+        for stage in stages[:-1]:
+            self.launch_stage(slot, stage, step, self.env.update)
+            self.record_points(slot, stage.end)
+        logits = self.logits
+        self.launch_stage(slot, stages[-1], step, lambda out: logits.copy_(out[BODY.outputs]))
+
+
+def last_reads(program: Program) -> dict[str, LastRead]:
+    """Per shared buffer read by ``program``, the node after which its last read is done.
+
+    Only nodes an event can follow: a stage that runs its Python function instead of its
+    graph (unfaithful) has no nodes to follow, and a read by a stage's output node ends with
+    the stage; those buffers get the stage-level point. EXACT places its events from these
+    (``plan_fences(last_reads=...)``).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> last = last_reads(trace(paged(), ForwardMode.DECODE))["req_to_token"]
+    >>> last.stage, last.node
+    ('prepare_in_graph', 'index_select')
+    """
+    out = {}
+    for b in program.buffers:
+        last = program.last_reader(b)
+        if last is None:
+            continue
+        stage, node = last
+        graph = program.stage(stage)
+        names = [n.name for n in graph.gm.graph.nodes]
+        if not graph.faithful or node == names[-1]:
+            continue
+        out[b] = LastRead(stage, node, names.index(node))
+    return out
+
+
+def _node_reads(stage: StageGraph, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> dict[str, frozenset[str]]:
+    # per node, the traced reads and what the rehearsal observed it really read
+    seen = observed.get(stage.name, {})
+    return {n: stage.reads.get(n, frozenset()) | seen.get(n, frozenset()) for n in {*stage.reads, *seen}}
+
+
+def compile_stage(stage: StageGraph, after: Mapping[str, list[Event]], actions: Mapping[str, list[Action]],
+                  device: Device, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> LaunchedStage:
+    """``stage`` with ``after[node]`` records and ``actions[node]`` inserted after its nodes,
+    compiled; a stage that runs its Python (unfaithful) runs as it is, with no node-level records."""
+    reads = _node_reads(stage, observed)
+    if not stage.faithful:
+        return LaunchedStage(stage, tuple(stage_ops(stage.gm, reads, stage.name)))
+    gm = insert_records(stage.gm, after, device, actions) if after or actions else stage.gm
+    return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, stage.name))
+
+
+@attrs.frozen
+class SlotSpec:
+    """What every slot of one lowered step is built from."""
+
+    label: str
+    program: Program
+    plan: FencePlan
+    device: Device
+    observed: Mapping[str, Mapping[str, frozenset[str]]]
+    graphed: bool
+    measure: bool
+    new_event: Callable[[str], Event]
+    check: CheckState | None = None
+    timeline: Timeline | None = None
+
+
+def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
+    """Event-ring slot ``r``: its events, its stages with their records and check actions
+    inserted and compiled, and, when ``spec.graphed``, its in-graph stages captured on the
+    launcher's stream."""
+    label, program, plan, dev = spec.label, spec.program, spec.plan, spec.device
+    events = {p: spec.new_event(f"{label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
+              for p in plan.points()}
+    reads = last_reads(program)
+    probes = {}
+    if spec.measure:
+        # Probes are in-launch records: skip those a captured graph could not record
+        # (no in-graph events), instead of failing the capture of a measured run.
+        can_probe = not spec.graphed or dev.caps.in_graph_events
+        probes = {b: dev.event(f"{label}/lastread:{b}#{r}") for b, last in reads.items()
+                  if b in plan.placements and (can_probe or last.stage not in IN_GRAPH_STAGES)}
+    after: dict[str, dict[str, list[Event]]] = {s.name: {} for s in program.stages}
+    for b, last in reads.items():  # probes first: read, then release
+        if b in probes:
+            after[last.stage].setdefault(last.node, []).append(probes[b])
+    for point, event in events.items():
+        if point.after is not None:
+            after[point.after.stage].setdefault(point.after.node, []).append(event)
+    actions: dict[str, dict[str, list[Action]]] = {s.name: {} for s in program.stages}
+    at_end: list[Action | None] = [None] * len(ReadEnd)
+    if spec.check is not None:
+        for point, buffers in poison_points(plan.placements).items():
+            act = spec.check.poisoner(buffers)
+            if point.after is not None:
+                actions[point.after.stage].setdefault(point.after.node, []).append(act)
+            else:
+                at_end[point.end.rank] = act
+    stages = {s.name: compile_stage(s, after[s.name], actions[s.name], dev, spec.observed) for s in program.stages}
+    index = {p: i for i, p in enumerate(events)}
+    done = spec.new_event(f"{label}/done#{r}")
+    fence_events = (*events.values(), done)
+    slot = Slot(
+        index=r, events=events, probes=probes, done=done, stages=stages,
+        at_end=tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd),
+        act_at_end=tuple(at_end), fence_events=fence_events,
+        buffer_points=MappingProxyType({b: index.get(p) for b, p in plan.placements.items()}),
+        out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH.name].runner),
+        out_ops=stages[PREPARE_OUT_GRAPH.name].ops, clock=RunClock(()), head=slot_head(label, {}, (), ()),
+    )
+    if spec.graphed:
+        with dev.capture(launcher.stream, label=f"{label}/graph#{r}") as graph:
+            launcher.in_graph_work(slot)
+        slot.graph = graph
+    slot.rebase(label, tuple(e.generation for e in fence_events))
+    return slot
+
+
+def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner) -> Action:
+    # the out-of-graph stage and its copies into the graph's static buffers, one launch
+    env, copy_meta = launcher.env, launcher.copy_meta
+
+    def plain() -> None:
+        copy_meta(runner.run(env))
+
+    fn = plain
+    watcher = launcher.watcher
+    if watcher is not None:
+        def watched() -> None:
+            with watcher.stage(PREPARE_OUT_GRAPH.name):  # the copy into the graph is this stage's read
+                plain()
+
+        fn = watched
+    if spec.timeline is not None:
+        fn = spec.timeline.timed(launcher.stream.name, PREPARE_OUT_GRAPH.name, fn, "stage")
+    return fn
+
+
+__all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
+           "last_reads"]

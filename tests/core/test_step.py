@@ -1,0 +1,199 @@
+"""The step protocol, written once: its stages, its names, what a stage may return."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import readfence
+from readfence.backends import leaf, page_meta, paged, softmax_attention, store_kv
+from readfence.core import (
+    BODY,
+    EAGER,
+    PREPARE_IN_GRAPH,
+    PREPARE_OUT_GRAPH,
+    STAGES,
+    ForwardMode,
+    ModelConfig,
+    OutputGuard,
+    StageCall,
+    StageOutputError,
+    StepFunctions,
+    eval_step,
+    example_step,
+    flatten_group,
+    flatten_inputs,
+    observe_step,
+    prepare,
+    run_program,
+    run_step,
+    step_functions,
+    trace,
+    trace_step,
+)
+
+PACKAGE = pathlib.Path(readfence.__file__).parent
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+
+
+def _string_literals(tree: ast.AST) -> list[ast.Constant]:
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docstrings]
+
+
+def _package_trees() -> list[tuple[pathlib.Path, ast.AST]]:
+    return [(f, ast.parse(f.read_text())) for f in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_each_stage_name_is_a_string_literal_once_in_the_package() -> None:
+    trees = _package_trees()
+    assert len(trees) > 50  # the whole package was read
+    for stage in STAGES:
+        places = [f"{f.relative_to(PACKAGE)}:{n.lineno}" for f, tree in trees for n in _string_literals(tree)
+                  if n.value == stage.name]
+        assert len(places) == 1 and places[0].startswith("core/_step.py:"), (stage, places)
+
+
+def test_the_copy_into_the_graph_has_one_caller_in_the_package() -> None:
+    calls = [f"{f.relative_to(PACKAGE)}:{n.lineno}" for f, tree in _package_trees() for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "cross_into_graph"]
+    assert len(calls) == 1 and calls[0].startswith("core/_step.py"), calls
+
+
+# -- names -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [
+    {"a.b": 1, "a": {"b": 2}},  # a dotted key and a nested one
+    {1: 1, "1": 2, (1,): 3},  # an int, a str and a tuple key
+    {"x": [1, (2, 3)], "x.0": 4, "[1]": 5},
+    {ForwardMode.DECODE: 1, "DECODE": 2, None: 3},
+])
+def test_flattened_names_never_collide(tree: dict) -> None:
+    names = [n for n, _ in flatten_group("meta", tree)]
+    assert len(set(names)) == len(names) == len(torch.utils._pytree.tree_leaves(tree))
+
+
+def test_two_keys_whose_reprs_agree_are_refused_by_name() -> None:
+    class Key:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def __repr__(self) -> str:
+            return "Key"
+
+    with pytest.raises(StageOutputError, match=r"both flatten to 'meta.\[Key\]'"):
+        flatten_group("meta", {Key(1): 1, Key(2): 2})
+
+
+def test_the_body_reads_each_metadata_key_from_the_stage_that_made_it() -> None:
+    call = StageCall(BODY, lambda **kw: None, {"shared": {"s": 1}, "meta": {"a": 1, "b": {"c": 2}}},
+                     {"meta": {"a": "meta", "b": "meta_in"}})
+    assert call.named_leaves()[0] == ["shared.s", "meta.a", "meta_in.b.c"]
+
+
+# -- the protocol ----------------------------------------------------------------------------
+def _fns(out, inn, body) -> StepFunctions:
+    return StepFunctions(out, inn, body, backend="toy")
+
+
+def test_each_step_sees_its_own_out_of_graph_values_and_the_body_the_refinement() -> None:
+    seen = []
+    fns = _fns(lambda shared, batch: {"n": shared["x"] * 1},
+               lambda shared, batch, meta: seen.append(meta["n"].clone()) or {"n": meta["n"].clamp(min=2)},
+               lambda shared, batch, meta: meta["n"] * 10)
+    for values in ([1, 3], [0, 5]):
+        out = eval_step(EAGER, fns, {"shared": {"x": torch.tensor(values)}, "batch": {}})
+        assert out.tolist() == [max(v, 2) * 10 for v in values]
+    assert [s.tolist() for s in seen] == [[1, 3], [0, 5]]  # never the previous step's refinement
+
+
+def test_what_crosses_into_the_graph_is_a_copy_inside_the_out_of_graph_stage() -> None:
+    x = torch.arange(4)
+    stages = []
+
+    class Recorder:
+        def call(self, call: StageCall):
+            out = call()
+            stages.append((call.stage, out))
+            return out
+
+    eval_step(Recorder(), _fns(lambda shared, batch: {"v": shared["x"][:2], "rows": [shared["x"][2:]]},
+                               lambda shared, batch, meta: {}, lambda shared, batch, meta: meta["v"]),
+              {"shared": {"x": x}, "batch": {}})
+    out = stages[0][1]
+    assert stages[0][0] is PREPARE_OUT_GRAPH
+    assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for t in (out["v"], out["rows"][0]))
+
+
+def test_prepare_is_the_protocol_stopped_before_the_body() -> None:
+    backend = paged()
+    step = example_step(CFG, ForwardMode.DECODE, 2)
+    meta = prepare(backend, ForwardMode.DECODE, step.shared, step.batch)
+    direct = backend.prepare_in_graph(ForwardMode.DECODE, step.shared, step.batch, {})
+    assert sorted(meta) == sorted(direct) and all(torch.equal(meta[k], direct[k]) for k in meta)
+
+
+def test_serial_traced_and_observed_interpretations_compute_the_same_step() -> None:
+    backend = paged()
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        step = example_step(CFG, mode, 2, seed=3)
+        serial = run_step(backend, mode, CFG, step.clone())
+        program = trace_step(step_functions(backend, mode, CFG), mode, step.clone().groups())
+        env = flatten_inputs(**step.clone().groups())
+        assert torch.equal(run_program(program, env), serial)
+        accesses = observe_step(step_functions(backend, mode, CFG), step.clone().groups())
+        assert {a.buffer for a in accesses} == {"req_to_token", "seq_lens"}
+
+
+# -- what a stage may return ----------------------------------------------------------------
+def _leaf_returning(inn):
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+
+    return leaf("returns", attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch),
+                prepare_in_graph=inn)
+
+
+@pytest.mark.parametrize(("value", "what"), [
+    ({1, 2}, "set"),
+    (torch.float32, "dtype"),
+    (object(), "object"),
+])
+def test_a_value_a_step_cannot_carry_is_refused_naming_stage_key_and_line(value, what) -> None:
+    def inn(mode, shared, batch, meta):
+        return {"odd": {"inner": [value]}}  # the line the error names
+
+    with pytest.raises(StageOutputError) as e:
+        trace(_leaf_returning(inn), ForwardMode.DECODE, cfg=CFG)
+    text = str(e.value)
+    assert "stage prepare_in_graph" in text and "['odd']['inner'][0]" in text and what in text, text
+    assert f"{__file__}:{inn.__code__.co_firstlineno + 1} in inn" in text, text
+
+
+def test_a_stage_must_return_a_dict_and_the_body_a_tensor() -> None:
+    with pytest.raises(StageOutputError, match="stage prepare_in_graph returned list .* instead of a dict"):
+        eval_step(EAGER, _fns(lambda shared, batch: {}, lambda shared, batch, meta: [1], lambda **kw: 0),
+                  {"shared": {}, "batch": {}})
+    with pytest.raises(StageOutputError, match="stage body returned int 0 as its output"):
+        eval_step(EAGER, _fns(lambda shared, batch: {}, lambda shared, batch, meta: {}, lambda **kw: 0),
+                  {"shared": {}, "batch": {}})
+
+
+def test_the_output_guard_refuses_new_keys_values_and_shapes() -> None:
+    traced = {"n": 3, "lens": torch.zeros(2), "rows": [torch.zeros(1)]}
+    guard = OutputGuard.of(PREPARE_IN_GRAPH, traced, backend="mine")
+    guard.check({"n": 3, "lens": torch.ones(2), "rows": [torch.ones(1)]})  # new values of the same shapes: fine
+    for changed, expected in (({"n": 4, "lens": torch.ones(2), "rows": [torch.ones(1)]}, r"returned 4 at key \['n'\]"),
+                              ({"n": 3, "lens": torch.ones(3), "rows": [torch.ones(1)]}, r"shape \(3,\).*pad it"),
+                              ({"n": 3, "lens": torch.ones(2)}, r"returned keys")):
+        with pytest.raises(StageOutputError, match=expected):
+            guard.check(changed)

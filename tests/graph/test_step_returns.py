@@ -1,0 +1,152 @@
+"""What a stage may return, lowered: bit-identical to the serial step under every policy, or refused.
+
+Each backend below is written as a user would, with one of the return shapes the step
+carries (a same-key refinement, nested dicts, lists and tuples, keys of other types, Python
+scalars and ``None``, a copy passed through under another key). Every policy must compute
+exactly what the serial run computes, step after step, with the forward stream's ops delayed
+at random; what a traced graph cannot reproduce (a Python value or a shape computed from the
+step's data) is refused by ``lower``, naming stage, key and line.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+from readfence.core import ForwardMode, ModelConfig, StageOutputError
+from readfence.effects import ReadEffect, ReadEnd
+from readfence.graph import CpuDevice, FaultInjector, Policy, lower, run_overlapped, run_serial, verify
+
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+M = ForwardMode.DECODE
+PRE = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
+
+
+def _backend(name, out, inn, indices_lens):
+    """A leaf whose stages return ``out(shared, batch)`` and ``inn(meta)``, its attention
+    reading ``indices_lens(meta)``."""
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        indices, lens = indices_lens(meta)
+        return softmax_attention(mode, q, pools, layer, indices, lens)
+
+    return leaf(name, attend, prepare_out_graph=lambda mode, shared, batch: out(shared, batch),
+                prepare_in_graph=lambda mode, shared, batch, meta: inn(meta), declare={M: PRE})
+
+
+def _page(shared, batch):
+    return page_meta(shared, batch)
+
+
+SHAPES = {
+    # the refinement of an out-of-graph tensor under its own key
+    "same_key": _backend("same_key", _page, lambda meta: {"kv_lens": meta["kv_lens"].clamp(min=1)},
+                         lambda meta: (meta["kv_indices"], meta["kv_lens"])),
+    # a nested dict: the in-graph output replaces the whole top-level key
+    "nested": _backend(
+        "nested", lambda s, b: {"pages": {"idx": page_meta(s, b)["kv_indices"], "lens": page_meta(s, b)["kv_lens"]}},
+        lambda meta: {"pages": {"idx": meta["pages"]["idx"], "lens": meta["pages"]["lens"].clamp(min=1)}},
+        lambda meta: (meta["pages"]["idx"], meta["pages"]["lens"])),
+    # lists and tuples
+    "sequences": _backend(
+        "sequences", lambda s, b: {"pair": [page_meta(s, b)["kv_indices"], (page_meta(s, b)["kv_lens"],)]},
+        lambda meta: {"again": (meta["pair"][1][0] * 1, [meta["pair"][0]])},
+        lambda meta: (meta["again"][1][0], meta["again"][0])),
+    # keys of other types, and keys that a dotted name would confuse
+    "odd_keys": _backend(
+        "odd_keys", lambda s, b: {0: page_meta(s, b)["kv_indices"], ("lens", 1): page_meta(s, b)["kv_lens"],
+                                  "a.b": page_meta(s, b)["kv_lens"] * 0, "a": {"b": page_meta(s, b)["kv_lens"] * 0}},
+        lambda meta: {M: meta[("lens", 1)] + meta["a.b"] + meta["a"]["b"], "a.b": meta["a.b"] + 1},
+        lambda meta: (meta[0], meta[M] + meta["a.b"] - 1)),
+    # Python scalars and None, constants of the code
+    "python_values": _backend(
+        "python_values", lambda s, b: {**page_meta(s, b), "scale": 2, "none": None, "name": "p", "flag": True},
+        lambda meta: {"shift": -1.0 if meta["flag"] else 0.0, "empty": None},
+        lambda meta: (meta["kv_indices"], (meta["kv_lens"] * meta["scale"] + int(meta["shift"]) * meta["kv_lens"]))),
+    # a copy handed on under another key
+    "passthrough": _backend("passthrough", _page, lambda meta: {"lens2": meta["kv_lens"]},
+                            lambda meta: (meta["kv_indices"], meta["lens2"])),
+}
+
+
+def _faults(seed: int) -> FaultInjector:
+    return FaultInjector(seed, max_delay_s=0.002, streams=["forward"], probability=0.3)
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_a_same_key_refinement_matches_serial_under_every_policy(policy: Policy) -> None:
+    backend = SHAPES["same_key"]
+    serial = run_serial(backend, M, steps=5, batch_size=2, cfg=CFG)
+    with CpuDevice(timeout=20.0, faults=_faults(1)) as dev:
+        run = run_overlapped(backend, M, steps=5, policy=policy, device=dev, batch_size=2, cfg=CFG)
+    assert run.matches(serial) and run.violations == ()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("shape", "policy"), list(itertools.product(sorted(SHAPES), list(Policy))))
+def test_every_return_shape_matches_serial_under_every_policy(shape: str, policy: Policy) -> None:
+    backend = SHAPES[shape]
+    serial = run_serial(backend, M, steps=4, batch_size=3, cfg=CFG)
+    with CpuDevice(timeout=20.0, faults=_faults(len(shape))) as dev:
+        run = run_overlapped(backend, M, steps=4, policy=policy, device=dev, batch_size=3, cfg=CFG)
+    assert run.matches(serial) and run.violations == ()
+
+
+def test_every_step_of_the_return_shapes_computes_something_new() -> None:
+    # not vacuous: the metadata changes from step to step, so a lowered step that read any
+    # earlier step's metadata (the refinement kept where the next copy should go) would differ
+    for name, backend in SHAPES.items():
+        logits = run_serial(backend, M, steps=3, batch_size=3, cfg=CFG).logits
+        assert not torch.equal(logits[1], logits[2]), name
+
+
+@pytest.mark.parametrize("shape", ["same_key", "odd_keys"])
+def test_verify_is_clean_on_the_return_shapes(shape: str) -> None:
+    with CpuDevice(timeout=20.0) as dev:
+        report = verify(SHAPES[shape], M, steps=3, batch_size=2, cfg=CFG, device=dev)
+    assert report.unwrap().checks and len(report.unwrap().checks) == len(Policy)
+
+
+def test_a_python_value_computed_from_the_data_out_of_graph_is_refused_by_lower() -> None:
+    def out(shared, batch):
+        meta = page_meta(shared, batch)
+        return {**meta, "longest": int(meta["kv_lens"].max())}  # a host read: the stage runs as Python
+
+    backend = _backend("longest", out, lambda meta: {"kv_lens": meta["kv_lens"].clamp(max=meta["longest"] - 1)},
+                       lambda meta: (meta["kv_indices"], meta["kv_lens"]))
+    with CpuDevice(timeout=20.0) as dev, pytest.raises(StageOutputError) as e:
+        lower(backend, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG)
+    text = str(e.value)
+    assert "stage prepare_out_graph" in text and "['longest']" in text and "return it as a tensor" in text, text
+    assert f"{__file__}:" in text and "in out" in text, text
+
+
+def test_metadata_whose_shape_follows_the_data_is_refused_by_lower_naming_stage_and_key() -> None:
+    def out(shared, batch):
+        lens = page_meta(shared, batch)["kv_lens"]
+        return {"long": lens[lens > 4], **page_meta(shared, batch)}  # a shape that follows the values
+
+    backend = _backend("masked", out, lambda meta: {"n": meta["long"].sum()},
+                       lambda meta: (meta["kv_indices"], meta["kv_lens"] + meta["n"] * 0))
+    for policy in (Policy.COARSE, Policy.EXACT):
+        with CpuDevice(timeout=20.0) as dev, pytest.raises(StageOutputError) as e:
+            lower(backend, M, batch_size=2, device=dev, policy=policy, cfg=CFG)
+        text = str(e.value)
+        assert "stage prepare_out_graph" in text and "'meta.long'" in text and "pad it" in text, text
+
+
+def test_a_lowered_step_that_computes_something_else_is_named_so_by_verify() -> None:
+    calls = itertools.count()
+
+    def inn(meta):  # Python state the traced graph bakes in: every step of it uses the trace's value
+        return {"kv_lens": (meta["kv_lens"] - next(calls) % 2).clamp(min=1)}
+
+    backend = _backend("counter", _page, inn, lambda meta: (meta["kv_indices"], meta["kv_lens"]))
+    with CpuDevice(timeout=20.0) as dev:
+        finding = verify(backend, M, steps=4, batch_size=2, cfg=CFG, device=dev, policy=Policy.COARSE).failure()
+    assert (finding.kind, finding.evidence) == ("differs", "output")
+    assert "lowered step differs from the serial step" in finding.detail and "not a race" in finding.detail
