@@ -39,13 +39,26 @@ def _check_backends(where: str, backends: Sequence[object]) -> tuple[Backend, ..
     return tuple(checked)
 
 
-def _namespaced(label: str, meta: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {f"{label}/{key}": value for key, value in meta.items()}
+def _namespaced(label: str, meta: Mapping[Any, Any]) -> dict[Any, Any]:
+    # a string key becomes ``label/key``; any other key (a stage may use any hashable) ``(label, key)``
+    return {f"{label}/{key}" if isinstance(key, str) else (label, key): value for key, value in meta.items()}
 
 
-def _own(label: str, meta: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def _own(label: str, meta: Mapping[Any, Any]) -> dict[Any, Any]:
+    """The metadata of child ``label``, as it returned it (the inverse of :func:`_namespaced`).
+
+    >>> _own("primary", _namespaced("primary", {"lens": 1, ("k", 2): 3}) | _namespaced("micro", {"lens": 4}))
+    {'lens': 1, ('k', 2): 3}
+    """
     prefix = label + "/"
-    return {key[len(prefix):]: value for key, value in meta.items() if key.startswith(prefix)}
+    out: dict[Any, Any] = {}
+    for key, value in meta.items():
+        if isinstance(key, str):
+            if key.startswith(prefix):
+                out[key[len(prefix):]] = value
+        elif isinstance(key, tuple) and len(key) == 2 and key[0] == label:
+            out[key[1]] = value
+    return out
 
 
 def _relabel(arms: tuple[tuple[str, Backend], ...], children: Sequence[Backend]

@@ -86,6 +86,13 @@ FUZZ_MODES: tuple[ForwardMode, ...] = (M.DECODE, M.TARGET_VERIFY)
 
 #: The combinators trees are built with.
 COMBINATORS: tuple[str, ...] = ("join", "tbo", "hybrid_linear", "select")
+
+#: How a leaf's prepare stages return their metadata (what the step carries, see
+#: ``readfence.core.check_stage_output``): a flat dict; nested in a dict per stage; as a list
+#: of (key, value) tuples; under tuple and int keys; with Python scalars and ``None`` beside
+#: the tensors; and, from ``prepare_in_graph``, a refinement of an out-of-graph tensor under
+#: its own key.
+RETURN_SHAPES: tuple[str, ...] = ("flat", "nested", "sequences", "odd_keys", "python_values", "same_key")
 _LAYER_SPLITTING = frozenset({"join", "hybrid_linear"})  # children attend different layers
 
 
@@ -451,12 +458,19 @@ class FuzzLeaf:
     placements: tuple[Placement, ...]
     declared: tuple[tuple[str, ReadEnd], ...]
     meta_stage: str | None = IN
+    returns: str = "flat"  # how its prepare stages return their metadata (see RETURN_SHAPES)
+
+    def __attrs_post_init__(self) -> None:
+        if self.returns not in RETURN_SHAPES:
+            raise ValueError(f"unknown return shape {self.returns!r}; one of {list(RETURN_SHAPES)}")
 
     def effect(self) -> ReadEffect:
         return ReadEffect.of(dict(self.declared))
 
     def __repr__(self) -> str:
         meta = f"metadata in {self.meta_stage}" if self.meta_stage else "metadata from the batch"
+        if self.returns != "flat":
+            meta += f", returned {self.returns}"
         ends = ", ".join(f"{b}={e.name}" for b, e in self.declared if e is not ReadEnd.NONE) or "nothing"
         lines = [f"{self.name}: {meta}; declares {ends}"]
         lines += [f"  {p!r}" for p in self.placements]
@@ -662,6 +676,7 @@ class _Code:
     placements: tuple[Placement, ...]
     meta_stage: str | None
     refs: _Refs | None
+    returns: str = "flat"
 
     def source(self, i: int, shared: Tensors) -> Tensor:
         p = self.placements[i]
@@ -674,13 +689,46 @@ class _Code:
         handle = self.refs.handles.get(i, -1) if self.refs is not None else -1
         return p.pattern.op(self.source(i, shared), Site(p.buffer, p.stage, mode, batch, layer, handle))
 
-    def prepared(self, stage: str, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+    def prepared(self, stage: str, mode: ForwardMode, shared: Tensors, batch: Tensors,
+                 meta: Mapping[Any, Any] | None = None) -> dict[Any, Any]:
         out = page_meta(shared, batch) if self.meta_stage == stage else {}
         for i, p in enumerate(self.placements):
             if p.stage == stage:
                 x = self.value(i, mode, shared, batch, None)
                 out[f"p{i}"] = x if p.carry else fingerprint(x).reshape(1)
-        return out
+        return _packed(self.returns, stage, out, meta)
+
+    def unpacked(self, meta: Mapping[Any, Any]) -> dict[str, Tensor]:
+        return _unpacked(self.returns, meta)
+
+
+def _packed(shape: str, stage: str, out: dict[str, Tensor], meta: Mapping[Any, Any] | None) -> dict[Any, Any]:
+    """``out`` (flat, string keys) as a leaf of return shape ``shape`` returns it from ``stage``."""
+    if shape == "nested":
+        return {stage: out} if out else {}
+    if shape == "sequences":
+        return {stage: [(k, (v,)) for k, v in out.items()]} if out else {}
+    if shape == "odd_keys":
+        return {(stage, int(k[1:])) if k.startswith("p") else k: v for k, v in out.items()}
+    if shape == "python_values":
+        return {**out, f"{stage}.scale": 1, f"{stage}.none": None, f"{stage}.on": True, f"{stage}.tag": "t"}
+    if shape == "same_key" and stage == IN and meta is not None and "kv_lens" in meta and "kv_lens" not in out:
+        return {**out, "kv_lens": meta["kv_lens"].clamp(min=1)}  # refines the copy under its own key
+    return out
+
+
+def _unpacked(shape: str, meta: Mapping[Any, Any]) -> dict[str, Tensor]:
+    """The flat metadata the attention reads, from what both prepare stages returned."""
+    if shape == "nested":
+        return {k: v for stage in (OUT, IN) for k, v in meta.get(stage, {}).items()}
+    if shape == "sequences":
+        return {k: v[0] for stage in (OUT, IN) for k, v in meta.get(stage, [])}
+    if shape == "odd_keys":
+        return {f"p{k[1]}" if isinstance(k, tuple) else k: v for k, v in meta.items()}
+    if shape == "python_values":
+        scale = sum(v for k, v in meta.items() if isinstance(k, str) and k.endswith(".scale"))
+        return {k: v * scale if k.startswith("p") else v for k, v in meta.items() if isinstance(v, Tensor)}
+    return dict(meta)
 
 
 @attrs.frozen
@@ -703,7 +751,7 @@ class _In:
     code: _Code
 
     def __call__(self, mode: ForwardMode, shared: Tensors, batch: Tensors, meta: Tensors) -> dict[str, Tensor]:
-        return self.code.prepared(IN, mode, shared, batch)
+        return self.code.prepared(IN, mode, shared, batch, meta)
 
 
 def _batch_meta(mode: ForwardMode, batch: Tensors) -> tuple[Tensor, Tensor]:
@@ -721,6 +769,7 @@ class _Attend:
     def __call__(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor, pools: dict[str, Tensor],
                  shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
         code = self.code
+        meta = code.unpacked(meta)
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
         if code.meta_stage is None:
             indices, lens = _batch_meta(mode, batch)
@@ -741,7 +790,7 @@ class _Attend:
 
 def _build_leaf(spec: FuzzLeaf, live: Tensors | None) -> Backend:
     holds = any(p.via != "argument" or p.pattern.invisible for p in spec.placements)
-    code = _Code(spec.placements, spec.meta_stage, _Refs(spec, live) if holds else None)
+    code = _Code(spec.placements, spec.meta_stage, _Refs(spec, live) if holds else None, spec.returns)
     effect = spec.effect()
     return leaf(spec.name, _Attend(code), prepare_out_graph=_Out(code), prepare_in_graph=_In(code),
                 declare=lambda mode: effect)
@@ -803,6 +852,7 @@ class _Generator:
         self.flip = _Choice((False, True))
         self.count = _Choice((1, 1, 2, 2, 0, 3))  # one or two placements mostly
         self.meta = _Choice((IN, OUT, ATTEND, None))
+        self.returns = _Choice(RETURN_SHAPES)
         self.end = _Choice(_ENDS)
         self.uniform = _Choice((False, False, True))  # one end for every buffer a third of the time
         self.is_tree = _Choice((False, False, False, True, True))  # trees 40% of the time
@@ -832,7 +882,7 @@ class _Generator:
     def leaf(self, pick: Pick, max_placements: int) -> FuzzLeaf:
         n = min(pick(self.count), max_placements)
         placed = tuple(self.placement(pick) for _ in range(n))
-        return FuzzLeaf("leaf", placed, self.declared(pick), pick(self.meta))
+        return FuzzLeaf("leaf", placed, self.declared(pick), pick(self.meta), pick(self.returns))
 
     def tree(self, pick: Pick, budget: int, split_ok: bool, max_placements: int) -> Node:
         if budget < 2 or not pick(self.is_tree):
@@ -935,7 +985,7 @@ def random_programs(n: int, seed: int = 0, vocabulary: Mapping[str, Pattern] | N
     the same programs for the same seed, every option of every choice equally often.
 
     >>> [str(p).splitlines()[0] for p in random_programs(2, seed=1)]
-    ['join(f0, f1) in DECODE', 'tbo[0](f0, f1) in TARGET_VERIFY']
+    ['join(f0, f1) in DECODE', 'f0 in DECODE']
     """
     gen, modes_ = _generator(vocabulary), _check_sizes(max_leaves, max_placements, modes)
     rng = random.Random(seed)
@@ -961,6 +1011,7 @@ __all__ = [
     "CLASS_WEIGHTS",
     "COMBINATORS",
     "FUZZ_MODES",
+    "RETURN_SHAPES",
     "STAGES",
     "STAGE_END",
     "VIAS",
