@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -58,22 +58,31 @@ POISONS: tuple[str, ...] = ("reversed", "highest", "reversed, ties swapped", "lo
 
 
 
-def _reversed(flat: Tensor, index: Tensor, lo: int, span: int, *, swap: bool) -> Tensor:
-    """The order-reversing poison of ``flat`` (int64, 1-d; ``index`` is ``arange`` of its size):
-    the value ranks of ``flat``, ties by position (ascending, or descending when ``swap``),
-    reversed and spread over ``[lo, lo + span)``."""
-    n = flat.numel()
-    key = flat * n + ((n - 1 - index) if swap else index)  # a total order: by value, then position
-    rank = torch.empty_like(index).scatter_(0, torch.argsort(key), index)
-    return lo + (n - 1 - rank) * span // n  # strictly decreasing in the key when span >= n
+class _Reversal(NamedTuple):
+    """What the reversed poisons of one buffer need, made once: the position of each element
+    counted both ways (to order ties) and, per value rank, the value it becomes."""
+
+    ties: tuple[Tensor, Tensor]  # int64 positions 0..n-1, and n-1..0 (ties swapped)
+    spread: Tensor  # for rank k (0: the least key) the value lo + (n-1-k) * span // n, buffer's dtype
+
+    @staticmethod
+    def of(buffer: Tensor, lo: int, span: int) -> _Reversal:
+        n = buffer.numel()
+        up = torch.arange(n, device=buffer.device)
+        # strictly decreasing in the rank when span >= n: distinct values; else non-increasing
+        spread = (lo + (n - 1 - up) * span // n).to(buffer.dtype)
+        return _Reversal((up, n - 1 - up), spread)
 
 
-def _poison_into(out: Tensor, values: Tensor, index: Tensor, lo: int, span: int, which: int) -> None:
-    """Write poison ``POISONS[which]`` of ``values`` into ``out`` (same shape and dtype)."""
+def _poison_into(out: Tensor, values: Tensor, reversal: _Reversal, lo: int, span: int, which: int) -> None:
+    """Write poison ``POISONS[which]`` of ``values`` into ``out`` (contiguous, same shape and dtype)."""
     if which in (1, 3):  # highest, lowest
         out.fill_(lo + span - 1 if which == 1 else lo)
-    else:
-        out.copy_(_reversed(values.reshape(-1).long(), index, lo, span, swap=which == 2).view(out.shape))
+        return
+    # a total order, by value then position (one way or the other): each element's rank in it
+    # picks its value in ``spread``, the largest key getting the lowest value
+    key = torch.add(reversal.ties[which == 2], values.reshape(-1), alpha=values.numel())  # computed in int64
+    out.view(-1).scatter_(0, torch.sort(key).indices, reversal.spread)  # keys are distinct: any sort
 
 
 def poison_family(values: Tensor, lo: int, hi: int) -> list[Tensor]:
@@ -101,11 +110,11 @@ def poison_family(values: Tensor, lo: int, hi: int) -> list[Tensor]:
     """
     if not lo < hi:
         raise ValueError(f"poison_family needs a range lo < hi, got [{lo}, {hi})")
-    index = torch.arange(values.numel(), device=values.device)
+    reversal = _Reversal.of(values, lo, hi - lo)
     out = []
     for which in range(len(POISONS)):
-        out.append(torch.empty_like(values))
-        _poison_into(out[-1], values, index, lo, hi - lo, which)
+        out.append(torch.empty_like(values, memory_format=torch.contiguous_format))
+        _poison_into(out[-1], values, reversal, lo, hi - lo, which)
     return out
 
 
@@ -176,7 +185,7 @@ class CheckState:
         dev = next(iter(live.values())).device
         self.expected = {b: live[b].clone() for b in self.names}
         self.poison = {b: live[b].clone() for b in self.names}  # what the step's release points write
-        self.positions = {b: torch.arange(live[b].numel(), device=dev) for b in self.names}
+        self.reversal = {b: _Reversal.of(live[b], self.lo[b], self.span[b]) for b in self.names}
         n = len(self.names)
         self.armed = torch.zeros(n, dtype=torch.bool, device=dev)
         self.hit = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -202,7 +211,7 @@ class CheckState:
         which = step % len(POISONS)
         with _quiet():
             for b in self.poisoned:
-                _poison_into(self.poison[b], self.expected[b], self.positions[b], self.lo[b], self.span[b], which)
+                _poison_into(self.poison[b], self.expected[b], self.reversal[b], self.lo[b], self.span[b], which)
         self.hit.zero_()
         self.moved.zero_()
         if self.watcher is not None:
