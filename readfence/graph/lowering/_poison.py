@@ -57,7 +57,6 @@ from readfence.effects import ReadEnd
 POISONS: tuple[str, ...] = ("reversed", "highest", "reversed, ties swapped", "lowest")
 
 
-
 class _Reversal(NamedTuple):
     """What the reversed poisons of one buffer need, made once: the position of each element
     counted both ways (to order ties) and, per value rank, the value it becomes."""
@@ -97,12 +96,13 @@ def poison_family(values: Tensor, lo: int, hi: int) -> list[Tensor]:
       ``p_i < p_j``;
     * ``lowest``: every element ``lo``.
 
-    What a reader that reads values ``x`` late then sees, and why it cannot miss all four:
-    every comparison between two elements (``==``, ``<``, ``<=``) is false under one poison and
-    true under another, and any function of the values that is monotone in each of them (a sum,
-    a maximum, a minimum, a count above a threshold) takes its least value under ``lowest`` and
-    its greatest under ``highest``. The values of a ``torch.unique``, an ``argsort``, the first
-    element equal to a given one are functions of those comparisons.
+    Why a reader of ``x`` cannot compute the same on all four: every comparison between two
+    elements (``<``, ``<=``; ``==`` too when the reversed values are distinct) is false under one
+    poison and true under another, and any function of values in ``[lo, hi)`` that is monotone
+    in each of them (a sum, a maximum, a minimum, a count above a threshold) takes its least
+    value under ``lowest`` and its greatest under ``highest``: unless it is the same for both, one
+    of them changes it. A ``torch.unique``, an ``argsort``, the first element equal to a given
+    one are functions of those comparisons.
 
     >>> lens = torch.tensor([3, 1, 3, 8], dtype=torch.int32)
     >>> [p.tolist() for p in poison_family(lens, 1, 9)]

@@ -118,17 +118,21 @@ class VerifyReport:
     phases: str = ""  # a step shape's phases, "name:MODE -> ...": they bring their own modes
     checks_run: tuple[str, ...] = ("poison", "guard")  # names from CHECKS (the observer: see ``observer``)
 
+    def ran(self) -> list[str]:
+        """The checks that ran, in the order of :data:`CHECKS`."""
+        return [c for c in CHECKS if c in self.checks_run or (c == "observer" and self.observer)]
+
     def rows(self) -> list[dict[str, Any]]:
         mode = {"mode": "phases", "phases": self.phases} if self.phases else {"mode": self.mode.name}
         return [{"spec": self.target, **mode, "policy": c.policy.name, "verdict": "clean",
                  "buffer": None, "step": None, "stage": None, "op": None, "poisoned": list(c.poisoned),
                  "observed_accesses": c.observed_ops, "seconds": round(c.seconds, 3),
-                 "checks": [k for k in CHECKS if k in self.checks_run or (k == "observer" and self.observer)]}
+                 "checks": self.ran()}
                 for c in self.checks]
 
     def __str__(self) -> str:
         names = {"poison": "poison", "guard": "guard", "observer": "the runtime read observer"}
-        ran = [names[c] for c in CHECKS if c in self.checks_run or (c == "observer" and self.observer)]
+        ran = [names[c] for c in self.ran()]
         watch = ran[0] if len(ran) == 1 else ", ".join(ran[:-1]) + " and " + ran[-1]
         if not self.observer and self.device != "cpu":
             watch += " (no op-by-op observer on this device: a replayed graph runs no Python)"
@@ -319,7 +323,7 @@ def verify(
     chosen = _checks(checks)
     if observer is not None and checks is not None and bool(observer) != ("observer" in chosen):
         raise ValueError(f"observer={observer!r} contradicts checks={sorted(chosen)!r}: give one of them")
-    if observer and where != "cpu" or checks is not None and "observer" in chosen and where != "cpu":
+    if where != "cpu" and (observer or (checks is not None and "observer" in chosen)):
         raise ValueError(f"the runtime read observer cannot watch {device.name}: a replayed graph runs no Python")
     if checks is not None:
         observe = "observer" in chosen
