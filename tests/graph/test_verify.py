@@ -7,24 +7,35 @@ trust the analysis that placed the fences.
   the same on every repetition (no fault injection, no timing);
 * every adversarial backend that hides a read or a write is caught, including the ones no
   static analysis can see (a custom op reading or writing a buffer it keeps by reference);
-* poison alone, without the observer, still catches and names the buffer.
+* poison alone, without the observer, still catches and names the buffer;
+* each check (poison, guard, observer) catches its own case with the other two off, and
+  ``checks`` names what it runs and refuses what it cannot;
+* a late read no check but poison sees is blamed on its own buffer, in every run and seed,
+  while every other buffer is held; outputs that differ with nothing poisoned are not blamed
+  on any buffer.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from readfence.backends import (
     REFERENCE_LEAVES,
     deepseek_v4,
     hybrid_linear,
+    leaf,
     linear,
+    page_meta,
     paged,
     redeclare,
     reference_compositions,
+    softmax_attention,
     sparse,
+    store_kv,
     trtllm_mha,
 )
+from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, eagle, make_state, multi_eagle, ngram, verify
@@ -176,3 +187,146 @@ def test_the_check_mode_benchmark_runs_and_reports_its_ratios() -> None:
     result = module.main(steps=2, reps=1)
     assert (result["steps"], result["repetitions"]) == (2, 1)
     assert result["poison_vs_plain"] > 0 and result["observer_vs_plain"] > 0 and result["plain_steps_per_s"] > 0
+
+
+# -- each check on its own -------------------------------------------------------------------
+EARLY_PAGED = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
+                                                          "seq_lens": ReadEnd.IN_REPLAY}))
+
+
+def _writes_late():
+    from tests.graph.test_escapes import _writes_through_data
+
+    return body_reader("writes_late", lambda s, b, m, layer, q: m["kv_lens"], prep=_writes_through_data,
+                       declare=_every(ReadEnd.UNKNOWN))
+
+
+@pytest.mark.parametrize("alone", ["poison", "observer"])
+def test_a_late_read_is_caught_by_poison_alone_and_by_the_observer_alone(alone, dev) -> None:
+    bad = verify(EARLY_PAGED, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
+                 checks={alone}, UNSAFE_skip_soundness_check=True).failure()
+    assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("late read", alone, "req_to_token", 0), str(bad)
+    assert (bad.stage is None) == (alone == "poison")
+
+
+def test_a_write_is_caught_by_the_guard_alone_and_by_no_other_check(dev) -> None:
+    common = dict(steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
+    bad = verify(_writes_late(), M.DECODE, checks={"guard"}, **common).failure()
+    assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("write", "guard", "seq_lens", 0), str(bad)
+    # every buffer is released only after the whole forward (declared UNKNOWN): nothing is
+    # poisoned or read late, and the scheduler rewrites the buffer before the next step: the
+    # other two checks verify it clean, only the guard sees the write
+    clean = verify(_writes_late(), M.DECODE, checks={"poison", "observer"}, **common).unwrap()
+    assert clean.checks[0].poisoned == () and clean.checks[0].observed_ops > 0
+
+
+def test_checks_says_what_ran_and_refuses_what_it_cannot(dev) -> None:
+    common = dict(steps=2, batch_size=2, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
+    report = verify(paged(), **common, checks=["guard", "poison"]).unwrap()
+    assert report.checks_run == ("poison", "guard") and not report.observer
+    assert "checks: poison and guard\n" in str(report) + "\n" and report.rows()[0]["checks"] == ["poison", "guard"]
+    guard_only = verify(paged(), **common, checks={"guard"}).unwrap()
+    assert "checks: guard\n" in str(guard_only) + "\n" and guard_only.checks[0].poisoned == ()
+    assert verify(paged(), **common).unwrap().checks_run == ("poison", "guard", "observer")
+    with pytest.raises(ValueError, match="at least one of"):
+        verify(paged(), **common, checks={"poisson"})
+    with pytest.raises(ValueError, match="at least one of"):
+        verify(paged(), **common, checks=())
+    with pytest.raises(TypeError, match="collection of names"):
+        verify(paged(), **common, checks="poison")
+    with pytest.raises(ValueError, match="contradicts"):
+        verify(paged(), **common, checks={"poison"}, observer=True)
+
+
+# -- which buffer: poison one at a time, every other buffer held -----------------------------
+def _plan_run_reader(state, late: tuple[str, ...]):
+    """A paged leaf whose body runs a plan/run kernel over each buffer of ``late``: the kernel
+    reads the live buffer the leaf planned (kept by reference), after its fence (the leaf
+    declares only its metadata reads, IN_REPLAY), and the rows it reads reach the output."""
+    handles = {b: keep(state["shared"][b]) for b in late}
+
+    def prep(mode, shared, batch, meta):
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        indices, lens = meta["kv_indices"], meta["kv_lens"]
+        mark = torch.zeros_like(lens, dtype=q.dtype)
+        for b, handle in handles.items():
+            rows = batch["out_cache_loc"] if b == "swa_map" else batch["req_pool_indices"]
+            got = planned_gather(rows, handle)
+            if b == "req_to_token":
+                indices = got
+            elif b == "seq_lens":
+                lens = got
+            else:
+                mark = mark + got.to(q.dtype)
+        out = softmax_attention(mode, q, pools, layer, indices, lens)
+        return out + 1e-3 * mark.view(-1, 1, 1)
+
+    effect = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
+    return leaf("plan_run_" + "_".join(late), attend, prepare_in_graph=prep,
+                declare={M.DECODE: effect, M.TARGET_VERIFY: effect})
+
+
+def _poison_only(backend_of, *, seed: int, policy: Policy, dev):
+    state = make_state(CFG)
+    return verify(backend_of(state), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, state=state,
+                  seed=seed, policy=policy, checks={"poison"})
+
+
+@pytest.mark.parametrize("buffer", ["req_to_token", "seq_lens", "state_slots", "swa_map"])
+def test_a_late_read_is_blamed_on_its_own_buffer_in_every_run(buffer, dev) -> None:
+    findings = set()
+    for seed, policy in [(0, Policy.PER_BUFFER), (1, Policy.PER_BUFFER), (2, Policy.EXACT), (0, Policy.EXACT)]:
+        bad = _poison_only(lambda state: _plan_run_reader(state, (buffer,)), seed=seed, policy=policy, dev=dev).failure()
+        assert (bad.kind, bad.evidence, bad.buffer) == ("late read", "poison", buffer), str(bad)
+        assert "also" not in bad.detail, bad.detail
+        findings.add((seed, policy, str(bad)))
+    again = _poison_only(lambda state: _plan_run_reader(state, (buffer,)), seed=0, policy=Policy.PER_BUFFER, dev=dev)
+    assert str(again.failure()) in {text for seed, policy, text in findings if (seed, policy) == (0, Policy.PER_BUFFER)}
+
+
+def test_two_buffers_read_late_are_both_named(dev) -> None:
+    bad = _poison_only(lambda state: _plan_run_reader(state, ("seq_lens", "state_slots")), seed=0,
+                       policy=Policy.PER_BUFFER, dev=dev).failure()
+    assert (bad.kind, bad.evidence) == ("late read", "poison") and bad.buffer in ("seq_lens", "state_slots")
+    other = ({"seq_lens", "state_slots"} - {bad.buffer}).pop()
+    assert f"poisoned alone, {other} also change the outputs" in bad.detail, bad.detail
+
+
+_PLANS: dict[int, torch.Tensor] = {}
+
+
+@torch.library.custom_op("readfence_test_verify::previous_plan", mutates_args=())
+def previous_plan(lens: torch.Tensor, handle: int) -> torch.Tensor:
+    """A plan/run kernel that runs on the plan of its previous call (the wrapper keeps one plan
+    and plans after running): its result depends on what ran before, not on any buffer."""
+    previous = _PLANS.get(handle, lens)
+    _PLANS[handle] = lens.clone()
+    return previous.clone()
+
+
+@previous_plan.register_fake
+def _(lens: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.empty_like(lens)
+
+
+def test_outputs_that_differ_with_every_buffer_held_are_not_blamed_on_a_buffer(dev) -> None:
+    # The lowering rehearses the step before running it, so the first lowered step runs on the
+    # rehearsal's plan: its outputs differ from the serial run's whatever is poisoned. Poisoning
+    # one buffer at a time would blame the first buffer tried (req_to_token); a run with every
+    # buffer held and nothing poisoned differs too, so no buffer is blamed.
+    handle = keep(torch.zeros(1))
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], previous_plan(meta["kv_lens"], handle))
+
+    effect = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
+    stale = leaf("stale_plan", attend, prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch),
+                 declare={M.DECODE: effect, M.TARGET_VERIFY: effect})
+    for seed in (0, 1):
+        bad = _poison_only(lambda state: stale, seed=seed, policy=Policy.PER_BUFFER, dev=dev).failure()
+        assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("differs", "output", None, 0), str(bad)
+        assert "every buffer held" in bad.detail

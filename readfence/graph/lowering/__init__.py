@@ -8,10 +8,11 @@ event rings), the poison-on-release check mode, and ``lower`` itself.
 from ._fence import Bound, Fence, RingWrapError
 from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
 from ._plan import FencePlan, Placement, plan_fences
-from ._poison import CheckState
+from ._poison import POISONS, CheckState, poison_family
 from ._policy import Policy
 
 __all__ = [
+    "POISONS",
     "Bound",
     "CheckState",
     "Fence",
@@ -27,5 +28,6 @@ __all__ = [
     "lower",
     "make_state",
     "plan_fences",
+    "poison_family",
     "torch_device",
 ]

@@ -5,6 +5,6 @@ observer) against the serial run; ``readfence.graph.fuzz`` holds the static anal
 checks on generated programs.
 """
 
-from ._verify import LateRead, LateReadWatch, PolicyCheck, VerifyReport, phase_modes, verify
+from ._verify import CHECKS, LateRead, LateReadWatch, PolicyCheck, VerifyReport, phase_modes, verify
 
-__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]
+__all__ = ["CHECKS", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]

@@ -5,7 +5,10 @@ serial reference:
 
 * **poison on release**: every release point overwrites what it releases with in-range
   poison, so any read after it, through any code, changes the outputs deterministically;
-  two poisons alternate step by step. The outputs must be bit-identical to the serial run.
+  four poisons take turns step by step (``graph.lowering._poison.POISONS``: two constant, two
+  distinct-valued and order-reversing), so a reader that uses the values only through
+  equalities, order, a sum or a maximum is changed too. The outputs must be bit-identical to
+  the serial run.
 * **guard**: at its release point every buffer must still hold what the scheduler wrote
   (a forward that writes shared state is caught).
 * **runtime read observer** (CpuDevice): a ``ReadObserver`` watches every op the forward
@@ -16,7 +19,12 @@ serial reference:
 
 A finding is a :class:`LateRead` naming the policy, the buffer, the first step that differed
 and, when the observer saw it, the stage and op. When poison changes the outputs but the
-observer saw nothing, the buffer is found by poisoning one buffer at a time.
+observer saw nothing, the buffer is found by poisoning one buffer at a time while every other
+one is held until the step's end (after a run that poisons none: outputs that differ even then
+are not a late read of any buffer).
+
+``checks`` selects the checks (:data:`CHECKS`), so each can be shown to catch its own case
+with the others off.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ from ..steps import StepShape
 from ..steps._target import Target, check_run
 
 State = Mapping[str, dict[str, Tensor]]
+
+#: The checks :func:`verify` can run (``checks=``); the observer only where Python runs the step.
+CHECKS: tuple[str, ...] = ("poison", "guard", "observer")
 
 
 @attrs.frozen
@@ -105,16 +116,26 @@ class VerifyReport:
     checks: tuple[PolicyCheck, ...]
     observer: bool  # whether the runtime read observer watched (CpuDevice)
     phases: str = ""  # a step shape's phases, "name:MODE -> ...": they bring their own modes
+    checks_run: tuple[str, ...] = ("poison", "guard")  # names from CHECKS (the observer: see ``observer``)
+
+    def ran(self) -> list[str]:
+        """The checks that ran, in the order of :data:`CHECKS`."""
+        return [c for c in CHECKS if c in self.checks_run or (c == "observer" and self.observer)]
 
     def rows(self) -> list[dict[str, Any]]:
         mode = {"mode": "phases", "phases": self.phases} if self.phases else {"mode": self.mode.name}
         return [{"spec": self.target, **mode, "policy": c.policy.name, "verdict": "clean",
                  "buffer": None, "step": None, "stage": None, "op": None, "poisoned": list(c.poisoned),
-                 "observed_accesses": c.observed_ops, "seconds": round(c.seconds, 3)} for c in self.checks]
+                 "observed_accesses": c.observed_ops, "seconds": round(c.seconds, 3),
+                 "checks": self.ran()}
+                for c in self.checks]
 
     def __str__(self) -> str:
-        watch = ("poison, guard and the runtime read observer" if self.observer else
-                 "poison and guard (no op-by-op observer on this device: a replayed graph runs no Python)")
+        names = {"poison": "poison", "guard": "guard", "observer": "the runtime read observer"}
+        ran = [names[c] for c in self.ran()]
+        watch = ran[0] if len(ran) == 1 else ", ".join(ran[:-1]) + " and " + ran[-1]
+        if not self.observer and self.device != "cpu":
+            watch += " (no op-by-op observer on this device: a replayed graph runs no Python)"
         where = f"in phases {self.phases}" if self.phases else f"in {self.mode.name}"
         lines = [f"verified {self.target} {where} on {self.device}: {self.steps} steps, batch size "
                  f"{self.batch_size}, checks: {watch}"]
@@ -254,6 +275,7 @@ def verify(
     finish_prob: float = 0.3,
     state: State | None = None,
     observer: bool | None = None,
+    checks: Iterable[str] | None = None,
     UNSAFE_skip_soundness_check: bool = False,
     **lowering: Any,
 ) -> Result[VerifyReport, LateRead]:
@@ -268,7 +290,10 @@ def verify(
     it, the stage and op. A declaration ``lower`` refuses is a finding too, unless
     ``UNSAFE_skip_soundness_check=True`` lowers it anyway (to show it failing). ``state``
     is the live state to run on (fresh by default): pass the one a backend holds references
-    to; it is reset between runs. Other keywords go to the lowering.
+    to; it is reset between runs. ``checks`` (names from :data:`CHECKS`; default: all, the
+    observer where it can watch) runs only those: ``checks={"poison"}`` shows what poison alone
+    catches; ``observer=False`` is the same as leaving ``"observer"`` out. Other keywords go to
+    the lowering.
 
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect, ReadEnd
@@ -295,22 +320,30 @@ def verify(
     snapshot = _snapshot(live)
     name = _name(target)
     common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
-    if observer and where != "cpu":
+    chosen = _checks(checks)
+    if observer is not None and checks is not None and bool(observer) != ("observer" in chosen):
+        raise ValueError(f"observer={observer!r} contradicts checks={sorted(chosen)!r}: give one of them")
+    if where != "cpu" and (observer or (checks is not None and "observer" in chosen)):
         raise ValueError(f"the runtime read observer cannot watch {device.name}: a replayed graph runs no Python")
-    observe = where == "cpu" if observer is None else bool(observer)
+    if checks is not None:
+        observe = "observer" in chosen
+    else:
+        observe = where == "cpu" if observer is None else bool(observer)
+    poison, guard = "poison" in chosen, "guard" in chosen
+    ran = tuple(c for c in CHECKS if c in chosen and (c != "observer" or observe))
 
     if where == "cpu":
         reference = run_serial(target, mode, state=live, **common).logits
     else:  # float results differ between devices: the reference is COARSE on this device
         reference = _run(target, mode, Policy.COARSE, device, live, None, lowering, **common)[0]
-    checks = []
+    done = []
     for pol in policies:
         _reset(live, snapshot)
         t0 = time.perf_counter()
         watch = LateReadWatch(live["shared"]) if observe else None
         try:
             logits, check, loop = _run(target, mode, pol, device, live, watch, lowering,
-                                       unsafe=UNSAFE_skip_soundness_check, **common)
+                                       unsafe=UNSAFE_skip_soundness_check, poison=poison, guard=guard, **common)
         except UnsoundLowering as e:
             return Failure(_refused(name, mode, pol, e))
         except StageWriteError as e:
@@ -335,18 +368,33 @@ def verify(
                                     "read after the release point of its fence"))
         differs = _first_difference(logits, reference)
         if differs is not None:
+            candidates = _poisoned(loop) if poison else ()
             return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, lowering,
-                                      UNSAFE_skip_soundness_check, _poisoned(loop), **common))
-        checks.append(PolicyCheck(pol, _poisoned(loop), seconds, 0 if watch is None else watch.accesses))
+                                      UNSAFE_skip_soundness_check, candidates, **common))
+        done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
+                                0 if watch is None else watch.accesses))
     _reset(live, snapshot)
-    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(checks), observe,
-                                phase_modes(target)))
+    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(done), observe,
+                                phase_modes(target), ran))
+
+
+def _checks(checks: Iterable[str] | None) -> frozenset[str]:
+    if checks is None:
+        return frozenset(CHECKS)
+    if isinstance(checks, str):
+        raise TypeError(f"checks must be a collection of names from {list(CHECKS)}, got the string {checks!r}")
+    chosen = frozenset(checks)
+    bad = sorted(str(c) for c in chosen - set(CHECKS))
+    if bad or not chosen:
+        raise ValueError(f"checks must name at least one of {list(CHECKS)}, got {sorted(map(str, chosen))!r}")
+    return chosen
 
 
 def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
          lowering: Mapping[str, Any], *, steps: int, batch_size: int, cfg: ModelConfig, seed: int,
-         finish_prob: float, unsafe: bool = False, only: Iterable[str] | None = None) -> tuple[list[Any], Any, Any]:
-    check = CheckState(state["shared"], cfg, watcher=watch, only=only)
+         finish_prob: float, unsafe: bool = False, only: Iterable[str] | None = None, poison: bool = True,
+         guard: bool = True) -> tuple[list[Any], Any, Any]:
+    check = CheckState(state["shared"], cfg, watcher=watch, only=only, poison=poison, guard=guard)
     loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
                        finish_prob=finish_prob, state=state, check=check, UNSAFE_skip_soundness_check=unsafe,
                        **lowering)
@@ -354,22 +402,42 @@ def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, stat
     return [r.logits for r in runs], loop.check, loop
 
 
+#: What a difference no poison explains means: the lowered program is not the serial step.
+NOTHING_POISONED = ("the lowered step differs from the serial step with nothing poisoned: not a race, the lowered "
+                    "program computes something else (a backend that is not deterministic, or keeps Python state "
+                    "that the traced graph baked in)")
+
+
 def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
                reference: Sequence[Any], differs: int, lowering: Mapping[str, Any], unsafe: bool,
                poisoned: tuple[str, ...], **common: Any) -> LateRead:
-    # poison changed the outputs and the observer named nothing: poison one buffer at a time
+    # The outputs differ and the observer named nothing. A run that poisons nothing holds every
+    # buffer until the step's end: if it differs too, no late read explains it. Else each buffer
+    # is poisoned alone while every other one is held: a run that differs then read that buffer
+    # late (whatever the others are read as), and each buffer is blamed only on its own run.
     name = _name(target)
     if not poisoned:
         return LateRead(name, mode, policy, "differs", "output", None, differs,
-                        detail="the lowered step differs from the serial step with nothing poisoned: not a race, "
-                               "the lowered program computes something else")
-    for buffer in poisoned:
+                        detail=NOTHING_POISONED)
+
+    def first_difference(only: Sequence[str]) -> int | None:
         _reset(state, snapshot)
-        logits = _run(target, mode, policy, device, state, None, lowering, unsafe=unsafe, only=[buffer], **common)[0]
-        step = _first_difference(logits, reference)
-        if step is not None:
-            return LateRead(name, mode, policy, "late read", "poison", buffer, step,
-                            detail="outputs differ from the serial run when this buffer is poisoned on release")
+        logits = _run(target, mode, policy, device, state, None, lowering, unsafe=unsafe, only=only, guard=False,
+                      **common)[0]
+        return _first_difference(logits, reference)
+
+    held = first_difference(())
+    if held is not None:
+        return LateRead(name, mode, policy, "differs", "output", None, held,
+                        detail=f"{NOTHING_POISONED}, even with every buffer held until the step's end")
+    late = {b: step for b in poisoned if (step := first_difference((b,))) is not None}
+    if late:
+        buffer = min(late, key=lambda b: (late[b], poisoned.index(b)))
+        also = [b for b in poisoned if b in late and b != buffer]
+        more = f"; poisoned alone, {', '.join(also)} also change the outputs" if also else ""
+        return LateRead(name, mode, policy, "late read", "poison", buffer, late[buffer],
+                        detail="outputs differ from the serial run when this buffer alone is poisoned on release "
+                               f"and every other one is held{more}")
     return LateRead(name, mode, policy, "late read", "poison", None, differs,
                     detail=f"outputs differ when {', '.join(poisoned)} are poisoned together, not one at a time")
 
@@ -382,4 +450,4 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
 
 
-__all__ = ["LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]
+__all__ = ["CHECKS", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]
