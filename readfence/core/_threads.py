@@ -16,10 +16,11 @@ library calls later) is not seen: the output comparison with the serial run is t
 for it.
 
 The watch wraps ``Thread.start``, ``_thread.start_new_thread`` and ``ThreadPoolExecutor.submit``
-once, the first time a stage is watched (``threading`` keeps its own reference to the primitive,
-so a ``Thread`` is seen once; a reference to it taken before the watch is installed is not
-seen); the wrappers only look up whether the calling thread is running a watched stage, so
-the rest of the process is unaffected.
+while some stage is watched, and puts them back when the last watch ends (``threading`` keeps
+its own reference to the primitive, so a ``Thread`` is seen once; a reference to a primitive
+taken outside a watch is not seen); the wrappers only look up whether the calling thread is
+running a watched stage, so the rest of the process is unaffected, and once no stage is
+watched the process runs torch's and Python's own functions.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import Any
 
 _watching = threading.local()  # .started: the work started by this thread's watched stage; .watcher: what watches
 _install_lock = threading.Lock()
-_installed = False
 _OWN_FILES = (os.path.dirname(__file__), threading.__file__, os.path.dirname(concurrent.futures.__file__))
 
 
@@ -71,58 +71,87 @@ def _describe(fn: Any, kind: str, name: str | None = None) -> str:
     return f"{kind} {name!r} running {qual}" if name else f"{kind} running {qual}"
 
 
-def _install() -> None:
-    global _installed
-    if _installed:  # every watched stage run asks: no lock once installed
-        return
-    with _install_lock:
-        if _installed:
-            return
-        start, submit = threading.Thread.start, concurrent.futures.ThreadPoolExecutor.submit
+def _wrappers() -> tuple[tuple[Any, str, Any], ...]:
+    """``(owner, attribute, wrapper)`` of each primitive the watch wraps, around the originals."""
+    start, submit = threading.Thread.start, concurrent.futures.ThreadPoolExecutor.submit
+    start_new = _thread.start_new_thread
 
-        def watched_start(self: threading.Thread) -> None:
-            started = getattr(_watching, "started", None)
-            if started is not None:
-                target = getattr(self, "_target", None) or getattr(self, "function", None) or self.run  # Timer: function
-                started.append((self.is_alive, _describe(target, "a thread", self.name), _user_line()))
-            start(self)
+    def watched_start(self: threading.Thread) -> None:
+        started = getattr(_watching, "started", None)
+        if started is not None:
+            target = getattr(self, "_target", None) or getattr(self, "function", None) or self.run  # Timer: function
+            started.append((self.is_alive, _describe(target, "a thread", self.name), _user_line()))
+        start(self)
 
-        def watched_submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-            started = getattr(_watching, "started", None)
-            if started is None:
-                return submit(self, fn, *args, **kwargs)
-            line = _user_line()
-            _watching.started = None  # the pool's own worker threads are the job's, not the stage's
+    def watched_submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        started = getattr(_watching, "started", None)
+        if started is None:
+            return submit(self, fn, *args, **kwargs)
+        line = _user_line()
+        _watching.started = None  # the pool's own worker threads are the job's, not the stage's
+        try:
+            future = submit(self, fn, *args, **kwargs)
+        finally:
+            _watching.started = started
+        started.append((lambda: not future.done(), _describe(fn, "a thread-pool job"), line))
+        return future
+
+    def watched_start_new_thread(function: Any, args: tuple[Any, ...], kwargs: Any = None, /) -> int:
+        started = getattr(_watching, "started", None)
+        if started is None:
+            return start_new(function, args, {} if kwargs is None else kwargs)
+        done = threading.Event()
+
+        def run(*a: Any, **k: Any) -> Any:
             try:
-                future = submit(self, fn, *args, **kwargs)
+                return function(*a, **k)
             finally:
-                _watching.started = started
-            started.append((lambda: not future.done(), _describe(fn, "a thread-pool job"), line))
-            return future
+                done.set()
 
-        start_new = _thread.start_new_thread
+        started.append((lambda: not done.is_set(), _describe(function, "a thread"), _user_line()))
+        return start_new(run, args, {} if kwargs is None else kwargs)
 
-        def watched_start_new_thread(function: Any, args: tuple[Any, ...], kwargs: Any = None, /) -> int:
-            started = getattr(_watching, "started", None)
-            if started is None:
-                return start_new(function, args, {} if kwargs is None else kwargs)
-            done = threading.Event()
+    return ((threading.Thread, "start", watched_start),
+            (concurrent.futures.ThreadPoolExecutor, "submit", watched_submit),
+            (_thread, "start_new_thread", watched_start_new_thread),
+            (_thread, "start_new", watched_start_new_thread))
 
-            def run(*a: Any, **k: Any) -> Any:
-                try:
-                    return function(*a, **k)
-                finally:
-                    done.set()
 
-            started.append((lambda: not done.is_set(), _describe(function, "a thread"), _user_line()))
-            return start_new(run, args, {} if kwargs is None else kwargs)
+_active = 0  # watches running now, on any thread
+_saved: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, wrapper) while installed
 
-        for owner, name, wrapper in ((threading.Thread, "start", watched_start),
-                                     (concurrent.futures.ThreadPoolExecutor, "submit", watched_submit),
-                                     (_thread, "start_new_thread", watched_start_new_thread),
-                                     (_thread, "start_new", watched_start_new_thread)):
-            setattr(owner, name, wrapper)
-        _installed = True
+
+def _enter() -> None:
+    global _active
+    with _install_lock:
+        if _active == 0:
+            for owner, name, wrapper in _wrappers():
+                _saved.append((owner, name, getattr(owner, name), wrapper))
+                setattr(owner, name, wrapper)
+        _active += 1
+
+
+def _exit() -> None:
+    global _active
+    with _install_lock:
+        _active -= 1
+        if _active == 0:
+            for owner, name, original, wrapper in reversed(_saved):
+                if getattr(owner, name) is wrapper:  # not if someone wrapped it again meanwhile
+                    setattr(owner, name, original)
+            _saved.clear()
+
+
+def installed() -> bool:
+    """Whether the thread primitives are wrapped now: only while some stage is watched.
+
+    >>> installed()
+    False
+    >>> with watch_threads("toy", "body"):
+    ...     installed()
+    True
+    """
+    return _active > 0
 
 
 @contextlib.contextmanager
@@ -146,7 +175,7 @@ def watch_threads(backend: str, stage: str, watcher: str | None = None) -> Itera
     ...     print(e.what)
     a thread 'helper' running <lambda>
     """
-    _install()
+    _enter()
     outer, outer_watcher = getattr(_watching, "started", None), getattr(_watching, "watcher", None)
     started: list[tuple[Any, str, str]] = []
     _watching.started, _watching.watcher = started, watcher or outer_watcher
@@ -154,6 +183,7 @@ def watch_threads(backend: str, stage: str, watcher: str | None = None) -> Itera
         yield
     finally:
         _watching.started, _watching.watcher = outer, outer_watcher
+        _exit()
         if outer is not None:
             outer.extend(started)
     if outer_watcher is not None:

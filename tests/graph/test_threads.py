@@ -221,3 +221,30 @@ def test_a_watch_inside_an_unwatched_one_still_refuses_work_left_running() -> No
     finally:
         release.set()
     assert (info.value.stage, info.value.watcher) == ("body", None)
+
+
+def test_the_thread_primitives_are_wrapped_only_while_a_stage_is_watched() -> None:
+    from readfence.core._threads import installed, watch_threads
+
+    originals = (threading.Thread.start, concurrent.futures.ThreadPoolExecutor.submit, _thread.start_new_thread)
+    assert not installed()
+    with watch_threads("toy", "body"):
+        assert installed() and threading.Thread.start is not originals[0]
+        inner_done = threading.Event()
+
+        def watched_elsewhere() -> None:  # a second watch, on another thread, ending first
+            with watch_threads("toy", "body"):
+                pass
+            inner_done.set()
+
+        t = threading.Thread(target=watched_elsewhere)
+        t.start()
+        t.join()
+        assert inner_done.is_set() and installed()  # still wrapped: this watch has not ended
+    assert not installed()
+    assert (threading.Thread.start, concurrent.futures.ThreadPoolExecutor.submit, _thread.start_new_thread) == originals
+    with CpuDevice(timeout=10.0) as dev:  # a whole audit and lowered run leave nothing behind
+        from readfence.backends import paged
+
+        run_overlapped(paged(), M.DECODE, steps=2, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG)
+    assert not installed() and threading.Thread.start is originals[0]
