@@ -219,3 +219,34 @@ def test_graph_reexports_exactly_its_subpackages_public_names() -> None:
 def test_every_exported_name_exists(package: str) -> None:
     module = importlib.import_module(package)
     assert [n for n in module.__all__ if not hasattr(module, n)] == []
+
+
+def private_reaches(root: Path) -> list[str]:
+    """One line per import of another layer's private module (a ``_name`` module): what a
+    layer shares with the later ones is its public ``__init__`` or its ``internal`` module."""
+    found = []
+    for module, path in modules(root):
+        own = layer_of(module)
+        for line, target in imported(module, path):
+            if not target.startswith("readfence.") or layer_of(target) == own:
+                continue
+            parts = target.split(".")
+            private = [p for p in parts[1:] if p.startswith("_") and not p.startswith("__")]
+            if private:
+                found.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {target}, a private module "
+                             f"of {LAYERS[layer_of(target) or 0]}; import it from that layer's internal module")
+    return found
+
+
+def test_no_layer_reaches_into_another_layers_private_modules() -> None:
+    assert private_reaches(PACKAGE) == []
+
+
+def test_the_private_import_check_sees_a_private_reach(tmp_path: Path) -> None:
+    root = tmp_path / "readfence"
+    shutil.copytree(PACKAGE / "core", root / "core")
+    (root / "__init__.py").write_text("")
+    (root / "backends").mkdir()
+    (root / "backends" / "__init__.py").write_text("from readfence.core._checks import positive_int\n")
+    found = private_reaches(root)
+    assert len(found) == 1 and "readfence.core._checks.positive_int" in found[0], found

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import ForwardMode
-from readfence.core._state import tokens_per_request
+from readfence.core.internal import tokens_per_request
 
 Tensors = Mapping[str, Tensor]
 

@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, _checks
-from readfence.core._checks import check_mode
+from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, internal
+from readfence.core.internal import check_mode
 from readfence.effects import ReadEffect, ReadEnd
 
 #: The modes, in the order of every effect table.
@@ -112,7 +112,7 @@ def table_of(effects: Table) -> Table:
 
 def check_buffers(buffers: Iterable[str], where: str) -> tuple[str, ...]:
     """``buffers`` if each is one of :data:`~readfence.core.SHARED_BUFFERS` (see
-    :func:`readfence.core._checks.check_buffers`).
+    :func:`readfence.core.internal.check_buffers`).
 
     >>> check_buffers(["req_to_tokn"], "declaration of mine for DECODE")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
@@ -120,7 +120,7 @@ def check_buffers(buffers: Iterable[str], where: str) -> tuple[str, ...]:
     ValueError: declaration of mine for DECODE names unknown buffer 'req_to_tokn'; shared buffers are
     req_to_token, seq_lens, swa_map, state_slots; did you mean 'req_to_token'?
     """
-    return _checks.check_buffers(buffers, SHARED_BUFFERS, where)
+    return internal.check_buffers(buffers, SHARED_BUFFERS, where)
 
 
 def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import ForwardMode
-from readfence.core._state import check_mode, request_ranges, split_batch, tokens_per_request
+from readfence.core.internal import check_mode, request_ranges, split_batch, tokens_per_request
 
 from ._backend import MODES, Backend, Table, join2
 from ._backend import table_of as _table_of

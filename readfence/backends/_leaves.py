@@ -26,7 +26,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import ForwardMode
-from readfence.core._checks import positive_int
+from readfence.core.internal import positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._attention import (

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch_sizes
-from readfence.core._audit import format_table
+from readfence.core.internal import format_table
 from readfence.graph import StepShape
 
 from ._engine_cmd import Engine, audit_engines

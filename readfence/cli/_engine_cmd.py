@@ -27,7 +27,7 @@ class Engine(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, list):
             return value
-        from readfence.engine._load import load_engines
+        from readfence.engine.internal import load_engines
 
         try:
             return load_engines(str(value))

@@ -296,9 +296,9 @@ class DeviceName(click.ParamType):
             if not torch.cuda.is_available():
                 raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
                                           "is False); allowed: auto, cpu")
-            from readfence.graph.devices import _cuda
+            from readfence.graph.devices.internal import self_check_error
 
-            error = _cuda.self_check_error()
+            error = self_check_error()
             if error is not None:
                 raise _fail(param, value, f"{error}; allowed: auto (falls back to cpu), cpu")
         return key

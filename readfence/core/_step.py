@@ -36,7 +36,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -352,9 +352,9 @@ class StageCall:
         pairs, spec = pytree.tree_flatten_with_path(dict(self.kwargs))
         names = []
         for path, _ in pairs:
-            arg = path[0].key
+            arg = cast(pytree.MappingKey, path[0]).key  # the arguments are a dict, so is a mapped one
             origin = self.origins.get(arg, arg)
-            group = origin if isinstance(origin, str) else origin[path[1].key]
+            group = origin if isinstance(origin, str) else origin[cast(pytree.MappingKey, path[1]).key]
             names.append(".".join([group, *map(_segment, path[1:])]))
         _check_distinct(f"stage {self.stage.name}'s arguments", names, [p for p, _ in pairs])
         return names, [leaf for _, leaf in pairs], spec

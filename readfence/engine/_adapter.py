@@ -30,7 +30,7 @@ from torch import Tensor
 
 from readfence.backends import MODES, Backend
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core._checks import check_buffers, check_mode
+from readfence.core.internal import check_buffers, check_mode
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 

@@ -25,8 +25,7 @@ from typing import Any
 import attrs
 
 from readfence.core import BODY, ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
-from readfence.core._audit import BufferAudit, escape_note
-from readfence.core._checks import check_forward_mode, positive_int
+from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._adapter import EAGER, EngineBackend

@@ -16,7 +16,7 @@ import attrs
 from returns.pipeline import is_successful
 
 from readfence.core import CapturedStateError, ForwardMode, StageThreadError, StageWriteError
-from readfence.core._checks import check_forward_mode, positive_int
+from readfence.core.internal import check_forward_mode, positive_int
 from readfence.graph import (
     Device,
     LateRead,

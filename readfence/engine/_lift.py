@@ -30,7 +30,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core._memory import Span, span_of
+from readfence.core.internal import Span, span_of
 
 from ._contract import EngineError
 from ._view import AttentionLayer, ForwardBatch, ModelConfigView, ReqToTokenPool, StatePool, TokenToKVPool, _Pools

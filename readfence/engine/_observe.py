@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, observe_step, step_functions
-from readfence.core._checks import check_forward_mode, positive_int
+from readfence.core.internal import check_forward_mode, positive_int
 from readfence.graph import Scheduler
 
 from ._adapter import EngineBackend

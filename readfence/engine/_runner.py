@@ -32,7 +32,7 @@ from torch import Tensor
 
 from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig, example_step
-from readfence.core._checks import check_mode
+from readfence.core.internal import check_mode
 from readfence.effects import ReadEnd
 from readfence.graph import Bound, Fence, Policy, StepRun, lower
 

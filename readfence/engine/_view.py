@@ -33,7 +33,7 @@ from typing import Any
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ModelConfig, tokens_per_request
-from readfence.core._checks import did_you_mean
+from readfence.core.internal import did_you_mean
 
 from ._contract import ContractError, EngineMode
 
@@ -288,7 +288,7 @@ class ForwardBatch(_Pools):
 
     def split(self, parts: int) -> list[ForwardBatch]:
         """``parts`` micro-batches of consecutive requests (sizes as ``torch.tensor_split``)."""
-        from readfence.core._state import request_ranges
+        from readfence.core.internal import request_ranges
 
         return [self.narrow(lo, hi) for lo, hi in request_ranges(self.batch_size, parts)]
 

@@ -352,7 +352,7 @@ def launch(
     >>> def heads(rank: Rank) -> int:   # (a job must be importable by its ranks: define it in a module)
     ...     return rank.cfg.local_heads
     """
-    from readfence.core._checks import positive_int, positive_seconds
+    from readfence.core.internal import positive_int, positive_seconds
 
     positive_int("tp", tp)
     cfg = ModelConfig() if cfg is None else cfg

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Self
 
 import attrs
 
-from readfence.core._checks import positive_seconds
+from readfence.core.internal import positive_seconds
 from readfence.effects import Capabilities
 
 from ._context import _current_context, _label_of

@@ -58,7 +58,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from readfence.core._schema import bind, op_aliasing
+from readfence.core.internal import bind_arguments, op_aliasing
 
 from ._fx_records import RECORD_KEY
 
@@ -113,7 +113,7 @@ class _Memory:
             # a Python callable: it may write whatever it can reach, closures included
             self.opaque = True
             return self.of((node.args, node.kwargs)) | {node}
-        values = bind(node.target, node.args, node.kwargs)
+        values = bind_arguments(node.target, node.args, node.kwargs)
         for i in aliasing.writes:
             self.written |= self.of(values[i])
         out: set[fx.Node] = set()
@@ -212,7 +212,7 @@ def binding_for(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     >>> binding_for(torch.ops.aten.mul.Tensor, (x, x), {}, candidates=[torch.add]) is None
     True
     """
-    expected = bind(op, args, kwargs, defaults=True)
+    expected = bind_arguments(op, args, kwargs, defaults=True)
     for fn in _candidates(op) if candidates is None else candidates:
         seen = _Dispatched()
         try:
@@ -224,7 +224,7 @@ def binding_for(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             continue
         func, got_args, got_kwargs = seen.calls[0]
         if func is op and all(_same_argument(a, b) for a, b in
-                              zip(bind(op, got_args, got_kwargs, defaults=True), expected, strict=True)):
+                              zip(bind_arguments(op, got_args, got_kwargs, defaults=True), expected, strict=True)):
             return fn
     return None
 

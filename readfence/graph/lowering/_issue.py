@@ -38,7 +38,7 @@ from readfence.core import BODY, PREPARE_OUT_GRAPH
 from readfence.effects import ReadEnd
 
 from ..devices import Event
-from ..devices._copy import copy_all_from_host
+from ..devices.internal import copy_all_from_host
 from ._batch import gather_code
 from ._codegen import define
 from ._fence import Fence

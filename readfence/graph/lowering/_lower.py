@@ -45,11 +45,11 @@ from readfence.core import (
 )
 from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
-from readfence.core._checks import check_backend, check_buffers, check_forward_mode, positive_int
+from readfence.core.internal import check_backend, check_buffers, check_forward_mode, positive_int
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Stream, Timeline
-from ..devices._open import check_device
+from ..devices.internal import check_device
 from ._fence import Bound, Fence
 from ._issue import StepRun, step_issuer
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
@@ -187,7 +187,8 @@ class Lowered:
         return f"<Lowered {self.label}: {len(self.plan.points())} fence point(s), ring {self.ring_size}>"
 
 
-def _device_of(shared: Mapping[str, Tensor]) -> torch.device:
+def device_of(shared: Mapping[str, Tensor]) -> torch.device:
+    """The torch device of the live shared buffers."""
     return next(iter(shared.values())).device
 
 
@@ -297,7 +298,7 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
               rehearsal: Rehearsal, stream: Stream, label: str, timeline: Timeline | None,
               check: CheckState | None) -> tuple[StepLauncher, dict[str, Tensor]]:
     # the step's static buffers: its batch, the metadata copies, the logits; over the live state
-    dev = _device_of(state["shared"])
+    dev = device_of(state["shared"])
     example = example_step(cfg, mode, batch_size, device=dev)
     batch = {k: torch.zeros_like(v, device=dev) for k, v in example.batch.items()}
     env: dict[str, Tensor] = flatten_inputs(shared=state["shared"], batch=batch, pools=state["pools"],

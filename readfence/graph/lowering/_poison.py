@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from readfence.core import SHARED_BUFFERS
-from readfence.core._state import ModelConfig, buffer_ranges
+from readfence.core import SHARED_BUFFERS, ModelConfig
+from readfence.core.internal import buffer_ranges
 from readfence.effects import ReadEnd
 
 #: The poisons, in the order the steps take them: step ``s`` is poisoned with

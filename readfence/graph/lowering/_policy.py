@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from readfence.effects._names import parse_member
+from readfence.effects.internal import parse_member
 
 
 class Policy(enum.Enum):

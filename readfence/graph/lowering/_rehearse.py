@@ -34,7 +34,7 @@ from readfence.core import (
     flatten_inputs,
     observe_program,
 )
-from readfence.core._memory import BufferMap
+from readfence.core.internal import BufferMap
 
 from ..devices import DeviceError, Stream
 

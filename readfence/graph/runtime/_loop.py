@@ -21,14 +21,13 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core._checks import positive_int
+from readfence.core.internal import positive_int
 
 from ..devices import Device, Event, Stream, Timeline, Write
-from ..devices._copy import copy_all_from_host
-from ..devices._open import check_device
+from ..devices.internal import check_device, copy_all_from_host
 from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
-from ..lowering._lower import _device_of
-from ..steps._target import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
+from ..lowering.internal import device_of
+from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepState
 
@@ -61,7 +60,7 @@ class LoopResult:
         """Bit-identical logits, step by step (phases and streams included); the reference
         must be on the same device (``ValueError`` otherwise)."""
         ref = reference.logits if isinstance(reference, LoopResult) else list(reference)
-        return len(ref) == len(self.logits) and all(_same(a, b) for a, b in zip(self.logits, ref))
+        return len(ref) == len(self.logits) and all(same_logits(a, b) for a, b in zip(self.logits, ref))
 
     @property
     def mean_slack(self) -> float | None:
@@ -69,7 +68,8 @@ class LoopResult:
         return statistics.fmean(self.slack.values()) if self.slack else None
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_logits(a: Any, b: Any) -> bool:
+    """Bit-identical logits (tensors, or tuples of them for composite steps), on one device."""
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.device != b.device:
             raise ValueError(
@@ -79,7 +79,7 @@ def _same(a: Any, b: Any) -> bool:
         return torch.equal(a, b)
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return False
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(same_logits(x, y) for x, y in zip(a, b))
 
 
 def _carries_work(buffers: Sequence[str]) -> bool:
@@ -145,12 +145,12 @@ def run_serial(
                          f"got {device!r}")
     cfg = ModelConfig() if cfg is None else cfg
     if device is None:
-        where = "cpu" if state is None else _device_of(state["shared"]).type
+        where = "cpu" if state is None else device_of(state["shared"]).type
     else:
         where = torch_device(device)
     state = make_state(cfg, where) if state is None else state
-    if _device_of(state["shared"]).type != where:
-        raise ValueError(f"run_serial on {where!r} was given a state on {_device_of(state['shared'])}")
+    if device_of(state["shared"]).type != where:
+        raise ValueError(f"run_serial on {where!r} was given a state on {device_of(state['shared'])}")
     sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     work = synthetic_work(where, write_cost=write_cost, write_wait_s=write_wait_s)
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
-from readfence.core._checks import positive_int
+from readfence.core.internal import positive_int
 
 
 @attrs.define

@@ -18,7 +18,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request, trace
-from readfence.core._state import request_ranges
+from readfence.core.internal import request_ranges
 
 from ..devices import Device, Event, Stream
 from ..lowering import Fence, Lowered, Placement, Policy, StepRun, lower, torch_device

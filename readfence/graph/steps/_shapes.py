@@ -17,11 +17,11 @@ from returns.result import Result
 
 from readfence.backends import Backend, CallForm, SpecError, parse_call
 from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, tokens_per_request
-from readfence.core._checks import check_backend, positive_int
+from readfence.core.internal import check_backend, positive_int
 from readfence.effects import Position, ReadEffect, publish_positions
 
 from ..lowering import Policy
-from ..lowering._plan import placing_effect
+from ..lowering.internal import placing_effect
 
 
 @attrs.frozen

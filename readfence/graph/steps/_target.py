@@ -13,10 +13,10 @@ from torch import Tensor
 
 from readfence.backends import PerStream
 from readfence.core import BackendLike, ForwardMode, ModelConfig, StepInputs, run_step
-from readfence.core._checks import check_backend, check_forward_mode
+from readfence.core.internal import check_backend, check_forward_mode
 
 from ..devices import Device
-from ..devices._open import check_device
+from ..devices.internal import check_device
 from ..lowering import Lowered, Policy, lower
 from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
 from ._shapes import STEP_SHAPES, StepShape

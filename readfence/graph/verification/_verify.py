@@ -40,17 +40,16 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageThreadError, StageWriteError
-from readfence.core._checks import positive_int
-from readfence.core._memory import BufferMap
+from readfence.core.internal import BufferMap, positive_int
 
 from ..devices import Device, DeviceError
-from ..devices._open import check_device
+from ..devices.internal import check_device
 from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, make_state, torch_device
-from ..lowering._poison import poison_points
+from ..lowering.internal import poison_points
 from ..runtime import decode_loop, run_serial
-from ..runtime._loop import _same
+from ..runtime.internal import same_logits
 from ..steps import StepShape
-from ..steps._target import Target, check_run
+from ..steps.internal import Target, check_run
 
 State = Mapping[str, dict[str, Tensor]]
 
@@ -250,7 +249,7 @@ def _policies(policy: Policy | Iterable[Policy] | None) -> tuple[Policy, ...]:
 
 
 def _first_difference(logits: Sequence[Any], reference: Sequence[Any]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(logits, reference)) if not _same(a, b)), None)
+    return next((i for i, (a, b) in enumerate(zip(logits, reference)) if not same_logits(a, b)), None)
 
 
 def _poisoned(loop: Any) -> tuple[str, ...]:

@@ -1,0 +1,32 @@
+"""readfence's internal API of ``core``: what the other layers of the package share with it.
+
+Not part of the public API (its names may change without notice); the layers above ``core``
+(``backends``, ``graph``, ``engine``, ``parallel``, ``cli``) import these names from here rather
+than reaching into ``core``'s private modules, so what they depend on is listed in one place.
+"""
+
+from ._audit import BufferAudit as BufferAudit
+from ._audit import escape_note as escape_note
+from ._audit import format_table as format_table
+from ._checks import check_backend as check_backend
+from ._checks import check_buffers as check_buffers
+from ._checks import check_forward_mode as check_forward_mode
+from ._checks import check_mode as check_mode
+from ._checks import did_you_mean as did_you_mean
+from ._checks import positive_int as positive_int
+from ._checks import positive_seconds as positive_seconds
+from ._memory import BufferMap as BufferMap
+from ._memory import Span as Span
+from ._memory import span_of as span_of
+from ._schema import bind as bind_arguments
+from ._schema import op_aliasing as op_aliasing
+from ._state import buffer_ranges as buffer_ranges
+from ._state import request_ranges as request_ranges
+from ._state import split_batch as split_batch
+from ._state import tokens_per_request as tokens_per_request
+
+__all__ = [
+    "BufferAudit", "BufferMap", "Span", "bind_arguments", "buffer_ranges", "check_backend", "check_buffers",
+    "check_forward_mode", "check_mode", "did_you_mean", "escape_note", "format_table", "op_aliasing",
+    "positive_int", "positive_seconds", "request_ranges", "span_of", "split_batch", "tokens_per_request",
+]

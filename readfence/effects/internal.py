@@ -1,0 +1,6 @@
+"""readfence's internal API of ``effects``: what the other layers of the package share with it
+(not public: its names may change without notice)."""
+
+from ._names import parse_member as parse_member
+
+__all__ = ["parse_member"]

@@ -1,0 +1,6 @@
+"""readfence's internal API of ``lowering``: what the later parts of the package share with it
+(not public: its names may change without notice)."""
+
+from ._lower import device_of as device_of
+from ._plan import placing_effect as placing_effect
+from ._poison import poison_points as poison_points
