@@ -5,6 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from readfence.core import ModelConfig
+
+#: The model configs the tests share (``trace`` caches per config, so modules using the same
+#: one share their traces): most run the small one.
+SMALL = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+ONE_LAYER = ModelConfig(layers=1, max_reqs=8, max_ctx=16)  # user backends' steps: half the ops
+TWO_LAYERS = ModelConfig(layers=2)  # the default sizes, two layers: every combinator mixes its children
+SINGLE_LAYER = ModelConfig(layers=1)
+DEFAULT = ModelConfig()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -29,3 +39,17 @@ def solo_group():
         yield dist.group.WORLD.group_name
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def dev():
+    """A CpuDevice whose waits time out after 30 s (a test that hangs fails instead), with
+    one intra-op thread while it lives: its streams are the parallelism (on two cores torch's
+    default pool makes small ops slower)."""
+    from readfence.graph import CpuDevice
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with CpuDevice(timeout=30.0) as d:
+        yield d
+    torch.set_num_threads(before)

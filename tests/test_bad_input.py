@@ -12,7 +12,7 @@ import math
 import pytest
 
 from readfence.backends import leaf, paged, redeclare
-from readfence.core import ForwardMode, ModelConfig, audit, example_step, trace
+from readfence.core import ForwardMode, audit, example_step, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
@@ -25,9 +25,9 @@ from readfence.graph import (
     run_serial,
     verify,
 )
+from tests.conftest import DEFAULT as CFG
 
 M = ForwardMode
-CFG = ModelConfig()
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,12 @@ from readfence.backends import (
     tbo,
     trtllm_mha,
 )
-from readfence.core import ForwardMode, ModelConfig, example_step, prepare, run_step, split_batch
+from readfence.core import ForwardMode, example_step, prepare, run_step, split_batch
 from readfence.core._state import request_ranges, tokens_per_request
 from readfence.effects import ReadEffect, ReadEnd
+from tests.conftest import DEFAULT as CFG
 
 M = ForwardMode
-CFG = ModelConfig()
 WORK_MODES = [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND, M.EXTEND]
 PRE, IN, POST, UNK = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
 

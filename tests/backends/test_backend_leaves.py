@@ -18,11 +18,11 @@ from readfence.backends import (
     sparse,
     trtllm_mha,
 )
-from readfence.core import ForwardMode, ModelConfig, example_step, prepare
+from readfence.core import ForwardMode, example_step, prepare
+from tests.conftest import DEFAULT as CFG
 
 from .backend_refs import ATOL, RTOL, linear_reference, softmax_reference
 
-CFG = ModelConfig()
 WORK_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND]
 
 

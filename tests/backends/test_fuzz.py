@@ -40,20 +40,11 @@ from readfence.backends.fuzz import (
 )
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, example_step, run_step
 from readfence.core._state import buffer_ranges
-from readfence.graph import POISONS, CpuDevice, poison_family
+from readfence.graph import POISONS, poison_family
 from readfence.graph.fuzz import Tally, check_program
 
 M = ForwardMode
 EXAMPLES = 100  # programs the property tests check, half each: 60 to 90 s on two cores
-
-
-@pytest.fixture(scope="module")
-def dev():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the device's streams are the parallelism
-    with CpuDevice(timeout=30.0) as d:
-        yield d
-    torch.set_num_threads(before)
 
 
 def _leaf(pattern: str, stage: str, buffer: str = "seq_lens", *, via: str = "argument", carry: bool = False,

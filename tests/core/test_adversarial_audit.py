@@ -11,11 +11,11 @@ from collections import Counter
 import pytest
 from returns.result import Failure, Success
 
-from readfence.core import ModelConfig, StageWriteError, audit
+from readfence.core import StageWriteError, audit
 from readfence.graph import make_state
 from tests.adversarial import CASES, Case
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 STATE = make_state(CFG)
 
 

@@ -31,15 +31,14 @@ from readfence.core import (
     SHARED_BUFFERS,
     AuditReport,
     ForwardMode,
-    ModelConfig,
     StageWriteError,
     Unsound,
     audit,
     audit_report,
 )
 from readfence.effects import ReadEffect, ReadEnd
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 M = ForwardMode
 
 LEAVES = [paged(), trtllm_mha(), deepseek_v4(), deepseek_v4(dspark=True), linear(), sparse(), dense()]

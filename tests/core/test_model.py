@@ -18,9 +18,9 @@ from readfence.core import (
     run_step,
     tokens_per_request,
 )
+from tests.conftest import DEFAULT as CFG
 
 M = ForwardMode
-CFG = ModelConfig()
 
 
 @pytest.mark.parametrize("mode", [m for m in M if m is not M.IDLE], ids=str)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from readfence.core import ForwardMode, ModelConfig, TensorParallel, example_step, init_params, make_pools
-
-CFG = ModelConfig()
+from tests.conftest import DEFAULT as CFG
 
 
 def _ranks(cfg: ModelConfig = CFG, size: int = 2) -> list[ModelConfig]:

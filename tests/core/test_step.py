@@ -17,7 +17,6 @@ from readfence.core import (
     PREPARE_OUT_GRAPH,
     STAGES,
     ForwardMode,
-    ModelConfig,
     OutputGuard,
     StageCall,
     StageOutputError,
@@ -34,9 +33,9 @@ from readfence.core import (
     trace,
     trace_step,
 )
+from tests.conftest import SMALL as CFG
 
 PACKAGE = pathlib.Path(readfence.__file__).parent
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 
 
 def _string_literals(tree: ast.AST) -> list[ast.Constant]:

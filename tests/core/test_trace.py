@@ -10,7 +10,6 @@ import torch
 from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, reference_compositions, sparse, tbo, trtllm_mha
 from readfence.core import (
     ForwardMode,
-    ModelConfig,
     Program,
     StageWriteError,
     example_step,
@@ -20,8 +19,8 @@ from readfence.core import (
 )
 from readfence.core._trace import _getitem, _setitem, trace_functions
 from readfence.effects import ReadEffect, ReadEnd
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 M = ForwardMode
 LEAVES = [paged(), trtllm_mha(), deepseek_v4(), deepseek_v4(dspark=True), linear(), sparse(), dense()]
 

@@ -2,10 +2,13 @@
 
 import operator
 
+import pytest
+from hypothesis import find, settings
 from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
 
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, laws
-from readfence.effects.strategies import capabilities
+from readfence.effects.strategies import BUFFERS
 
 laws.check_join_semilattice(
     st.from_type(ReadEnd), join=ReadEnd.join, leq=operator.le,
@@ -33,6 +36,21 @@ def test_registered_tests_exist():
     }
 
 
+def _draws_the_registered_effects(strategy) -> bool:
+    # readfence's strategy draws effects over its four buffer names with any default: a
+    # strategy that hypothesis built from ReadEffect's constructor would not name them
+    found = find(strategy, lambda e: set(e.buffers) == set(BUFFERS) and e.default is not ReadEnd.NONE,
+                 settings=settings(database=None, derandomize=True, max_examples=2000))
+    return isinstance(found, ReadEffect)
+
+
 def test_from_type_uses_registered_strategies():
-    assert isinstance(st.from_type(ReadEffect).example(), ReadEffect)
-    assert isinstance(capabilities().example(), Capabilities)
+    assert _draws_the_registered_effects(st.from_type(ReadEffect))
+    assert {find(st.from_type(Capabilities), lambda c, v=v: c == v, settings=settings(database=None))
+            for v in (Capabilities(in_graph_events=a, graphs=b) for a in (False, True) for b in (False, True))} \
+        == {Capabilities(in_graph_events=a, graphs=b) for a in (False, True) for b in (False, True)}
+
+
+def test_the_registration_check_fails_on_another_strategy():
+    with pytest.raises(NoSuchExample):
+        _draws_the_registered_effects(st.builds(ReadEffect.none))

@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-from readfence.graph import CpuDevice
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_intra_op_thread():
@@ -13,10 +11,3 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def dev():
-    """A CpuDevice whose waits time out after 10 s (a test that hangs fails instead)."""
-    with CpuDevice(timeout=10.0) as d:
-        yield d

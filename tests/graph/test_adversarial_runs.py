@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import CapturedStateError, ModelConfig, StageWriteError
+from readfence.core import CapturedStateError, StageWriteError
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
@@ -22,8 +22,8 @@ from readfence.graph import (
     run_serial,
 )
 from tests.adversarial import CASES
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 STEPS, BATCH = 5, 4  # batch 4 takes the batch-size-dependent branches
 
 

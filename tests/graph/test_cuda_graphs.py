@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from readfence.backends import paged
-from readfence.core import ForwardMode, ModelConfig
+from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
 from readfence.graph import (
     CaptureError,
@@ -37,6 +37,7 @@ from readfence.graph import (
     run_serial,
     torch_device,
 )
+from tests.conftest import TWO_LAYERS as CFG
 
 T = 10.0  # every host wait that should succeed
 SHORT = 0.1  # s: a spin before the first in-graph record (the host enqueues its waits meanwhile)
@@ -297,7 +298,6 @@ def test_every_host_wait_times_out_on_a_held_stream_instead_of_hanging(device, k
     assert time.perf_counter() - t0 > HOLD / 2, "the stream was not held: the test proves nothing"
 
 
-CFG = ModelConfig(layers=2)
 BATCH = 2
 
 

@@ -15,22 +15,16 @@ import pytest
 import torch
 
 from readfence.backends import page_meta
-from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache
+from readfence.core import ForwardMode, audit, clear_trace_cache
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, UncapturableStage, lower, make_state, run_overlapped, run_serial, verify
 from tests.adversarial import CASES, _every, _host_read, body_reader
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 M = ForwardMode
 STEPS, BATCH = 5, 4
 POST = ReadEnd.POST_REPLAY
 EVERY = ("req_to_token", "seq_lens", "state_slots", "swa_map")
-
-
-@pytest.fixture(scope="module")
-def dev():
-    with CpuDevice(timeout=30.0) as d:
-        yield d
 
 
 def _placements(backend, policy, dev) -> dict[str, str]:

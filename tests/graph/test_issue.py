@@ -12,13 +12,12 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ForwardMode as M
-from readfence.core import ModelConfig
 from readfence.effects import ReadEnd
 from readfence.graph import CheckState, CpuDevice, Policy, Scheduler, lower, make_state
 from readfence.graph.devices import DeviceObserver
+from tests.conftest import DEFAULT as CFG
 
 T = 30.0
-CFG = ModelConfig()
 
 
 class _Calls(DeviceObserver):

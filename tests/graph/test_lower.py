@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from readfence.backends import dense, hybrid_linear, linear, minimax, paged, redeclare, sparse, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, StepInputs, example_step, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, example_step, run_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
@@ -20,9 +20,9 @@ from readfence.graph import (
     make_state,
 )
 from readfence.graph.lowering._plan import IN_GRAPH_STAGES
+from tests.conftest import DEFAULT as CFG
 
 M = ForwardMode
-CFG = ModelConfig()
 T = 10.0
 
 

@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, paged, redeclare, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
@@ -28,8 +28,8 @@ from readfence.graph import (
     run_overlapped,
     run_serial,
 )
+from tests.conftest import SINGLE_LAYER as CFG
 
-CFG = ModelConfig(layers=1)
 STEPS, BATCH = 3, 2
 BACKENDS = [*(make() for make in REFERENCE_LEAVES.values()), hybrid_linear(trtllm_mha(), linear())]
 

@@ -122,12 +122,6 @@ BACKENDS = {
 
 
 @pytest.fixture(scope="module")
-def dev():
-    with CpuDevice() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
 def dev_no_in_graph():
     with CpuDevice(in_graph_events=False) as d:
         yield d

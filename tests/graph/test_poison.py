@@ -31,10 +31,10 @@ from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, make_shared_state
 from readfence.core._state import buffer_ranges
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import POISONS, CheckState, CpuDevice, Policy, make_state, poison_family, verify
+from readfence.graph import POISONS, CheckState, Policy, make_state, poison_family, verify
+from tests.conftest import ONE_LAYER as CFG
 
 M = ForwardMode
-CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=16)
 STEPS, BATCH = 4, 4
 REVERSED, HIGHEST, SWAPPED, LOWEST = range(4)
 
@@ -292,12 +292,6 @@ def _verify(name: str, via: str, dev, seed: int = 0):
 
 
 CASES = list(itertools.product(READERS, VIAS))
-
-
-@pytest.fixture(scope="module")
-def dev():
-    with CpuDevice(timeout=30.0) as d:
-        yield d
 
 
 @pytest.mark.parametrize(("name", "via"), CASES, ids=[f"{n}-{v}" for n, v in CASES])

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import ForwardMode, ModelConfig, StageOutputError
+from readfence.core import ForwardMode, StageOutputError
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, FaultInjector, Policy, lower, run_overlapped, run_serial, verify
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 M = ForwardMode.DECODE
 PRE = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
 

@@ -20,12 +20,12 @@ import time
 import pytest
 import torch
 
-from readfence.core import ForwardMode, ModelConfig, StageThreadError, audit, observe
+from readfence.core import ForwardMode, StageThreadError, audit, observe
 from readfence.effects import ReadEnd
 from readfence.graph import CpuDevice, DeviceError, Policy, decode_loop, lower, run_overlapped, run_serial, verify
 from tests.adversarial import _every, _gather, body_reader
+from tests.conftest import SMALL as CFG
 
-CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 M = ForwardMode
 STEPS, BATCH = 6, 4
 SEEN: dict[str, torch.Tensor] = {}  # what the late readers copied

@@ -38,10 +38,10 @@ from readfence.backends import (
 from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, Policy, eagle, make_state, multi_eagle, ngram, verify
+from readfence.graph import Policy, eagle, make_state, multi_eagle, ngram, verify
 from tests.adversarial import CASES, _every, body_reader
+from tests.conftest import ONE_LAYER as CFG
 
-CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=16)
 CFG2 = ModelConfig(layers=2, max_reqs=8, max_ctx=16)  # the adversarial layer branch needs two layers
 M = ForwardMode
 STEPS, BATCH = 4, 4
@@ -54,12 +54,6 @@ TARGETS = {
     "multi_eagle": (lambda: multi_eagle(trtllm_mha(), paged(), paged()), M.DECODE),
     "ngram": (lambda: ngram(deepseek_v4()), M.DECODE),
 }
-
-
-@pytest.fixture(scope="module")
-def dev():
-    with CpuDevice(timeout=30.0) as d:
-        yield d
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
