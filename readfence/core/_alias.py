@@ -65,6 +65,7 @@ def analyse(
     escape_reads: Callable[[fx.Node], bool] = lambda node: False,
     output_reads: bool = False,
     observed: Mapping[str, Aliases] | None = None,
+    copies: frozenset[str] | None = None,
 ) -> Analysis:
     """Annotate ``graph``'s nodes with ``READS_KEY`` (and ``OPAQUE_KEY``) in place.
 
@@ -75,6 +76,12 @@ def analyse(
     the output node reads what the outputs alias (they are consumed after the stage: copied
     into the graph, or read as the step's logits). ``observed`` maps node names to the
     buffers their real value touched in memory; it is joined into the aliases.
+
+    A view claim is a claim: ``copies`` names the nodes whose schema claims a view but whose
+    real output shares no memory with the inputs it claims (the memory probe's finding): they
+    copied, so they read what they were given and alias nothing. Without memory (``copies``
+    ``None``: fake tensors), a claim no annotation makes (``Tensor[] -> Tensor[]``: the oracle's
+    worst case) counts both ways: the op may alias its inputs and may read them.
     """
     alias: dict[fx.Node, Aliases] = {}
     seen = observed or {}
@@ -167,10 +174,15 @@ def analyse(
             schema = target._schema
             names = tuple(schema.arguments[i].name for i in write_args if arg_aliases[i])
             writes.append(Write(node.name, str(target), frozenset(written), str(schema), names))
-        read = _EMPTY if aliasing.is_view else everything
+        view = aliasing.is_view
+        if view and ((copies is not None and node.name in copies) or (copies is None and not aliasing.annotated)):
+            view = False  # not a view after all, or maybe not: it reads its inputs
+            if copies is not None:  # a copy: its output aliases only what it really touched
+                alias[node] = seen.get(node.name, _EMPTY)
+        read = _EMPTY if view else everything
         if starts_collective(target):
             pending[node] = everything
-        elif aliasing.is_view or is_wait(target):  # a view of a pending output stays pending
+        elif view or is_wait(target):  # a view of a pending output stays pending
             carried = pending_of((node.args, node.kwargs))
             if is_wait(target):
                 read |= carried

@@ -11,7 +11,7 @@ their storage object instead (identity is all there is to compare under fake ten
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -75,6 +75,27 @@ def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
                 yield from tensors_in([getattr(leaf, n) for n in names])
             else:
                 yield leaf
+
+
+def view_claim_holds(outputs: Sequence[Any], sources: Sequence[Sequence[Any]]) -> bool:
+    """Whether each output really shares memory with the inputs its schema says it aliases:
+    ``outputs[i]`` (a tensor or a list of them) with some tensor of ``sources[i]``.
+
+    An op whose schema claims a view but returns fresh memory (a functional ``_foreach_*`` op,
+    a list-returning custom op: ``Tensor[] -> Tensor[]`` lets the alias oracle assume the
+    worst) copied: it read what it was given. An empty output has no memory to share.
+
+    >>> x = torch.arange(6)
+    >>> view_claim_holds([list(x.split(2))], [[x]]), view_claim_holds([torch._foreach_add([x], 0)], [[[x]]])
+    (True, False)
+    """
+    for out, srcs in zip(outputs, sources):
+        spans = [s for t in tensors_in(srcs) if (s := span_of(t)) is not None]
+        for t in tensors_in(out):
+            mine = span_of(t)
+            if mine is None or not any(mine.overlaps(s) for s in spans):
+                return False
+    return True
 
 
 @attrs.frozen

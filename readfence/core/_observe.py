@@ -33,12 +33,12 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
-from ._memory import BufferMap, tensors_in
+from ._memory import BufferMap, tensors_in, view_claim_holds
 from ._model import step_functions
 from ._modes import ForwardMode
 from ._program import Program, StageGraph, run_program
 from ._protocol import BackendLike
-from ._schema import bind, op_aliasing
+from ._schema import OpAliasing, bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
@@ -132,7 +132,9 @@ class ReadObserver(TorchDispatchMode):
     Enter it (``with observer:``) around eager code; label the stage with
     ``observer.stage(name)``. For every op it runs, each tensor argument (lists of them
     flattened: the ``split`` pieces ``cat`` receives) is matched against ``buffers`` by
-    address range. A pure view (``op_aliasing(op).is_view``) reads nothing: its consumers do.
+    address range. A pure view (``op_aliasing(op).is_view``) reads nothing: its consumers do;
+    the claim is checked on the op's output, and one whose output shares no memory with what
+    it claims to alias (a copy: a functional ``_foreach_*`` op) read it.
     Any other op reads every buffer an argument touches, and also writes those of the
     arguments its schema marks written. An op without a schema, or with an argument type
     the schema cannot describe, counts as a read of what it touches, with a ``note`` saying
@@ -229,15 +231,35 @@ class ReadObserver(TorchDispatchMode):
             # binding, which a host-read mode on the stack would send back here.
             with self._pushed(host=False), torch._C.DisableTorchFunction():
                 return func.decompose(*args, **kwargs)
+        claimed = None
         if self.buffers:
             self._busy = True
             try:
-                self._record_op(func, args, kwargs)
+                claimed = self._record_op(func, args, kwargs)
             finally:
                 self._busy = False
         if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES:
-            return self._run_kernel_observed(func, args, kwargs)
-        return func(*args, **kwargs)
+            out = self._run_kernel_observed(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if claimed is not None:
+            self._check_view_claim(func, claimed, args, kwargs, out)
+        return out
+
+    def _check_view_claim(self, func: Any, aliasing: OpAliasing, args: Sequence[Any], kwargs: Mapping[str, Any],
+                          out: Any) -> None:
+        # a view claim is checked on memory: an op whose output shares no memory with what its
+        # schema says it aliases copied it (a functional foreach op, a list-returning custom op)
+        values = bind(func, args, kwargs)
+        outs = out if len(aliasing.outputs) > 1 else (out,)
+        if view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs]):
+            return
+        self._busy = True
+        try:
+            for b in sorted(self.buffers.touched_by(values)):
+                self._add(b, self._qualified(str(func)), "read", "its schema claims a view, its output is a copy")
+        finally:
+            self._busy = False
 
     @contextlib.contextmanager
     def _pushed(self, *, host: bool) -> Iterator[None]:
@@ -252,18 +274,20 @@ class ReadObserver(TorchDispatchMode):
             stack.callback(TorchDispatchMode.__exit__, self, None, None, None)
             yield
 
-    def _record_op(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    def _record_op(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> OpAliasing | None:
+        """Record what ``func`` reads and writes; a view claim is returned, to be checked on the
+        op's output once it ran."""
         aliasing = op_aliasing(func)
         if aliasing is None:
             for b in sorted(self.buffers.touched_by((args, kwargs))):
                 self._add(b, self._qualified(str(func)), "read", "no schema: counted as a read")
-            return
+            return None
         if aliasing.is_view:
-            return
+            return aliasing if self.buffers.touched_by((args, kwargs)) else None
         values = bind(func, args, kwargs)
         read = self.buffers.touched_by(values)
         if not read:
-            return
+            return None
         name = self._qualified(str(func))
         note = "opaque argument type: counted as a read" if aliasing.opaque else ""
         for b in sorted(read):
@@ -271,6 +295,7 @@ class ReadObserver(TorchDispatchMode):
         for i in aliasing.writes:
             for b in sorted(self.buffers.touched_by(values[i])):
                 self._add(b, name, "write", note)
+        return None
 
     def _run_kernel_observed(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         # Inside __torch_dispatch__ the mode is popped, so the kernel's inner ops would go

@@ -175,6 +175,8 @@ class StageGraph:
     guard: OutputGuard | None = None
     captured: tuple[Captured, ...] = ()
     memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
+    # the nodes whose view claim their real memory refutes (copies); None: no memory (fake tensors)
+    copies: frozenset[str] | None = None
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
 
     def source(self, node: str) -> str:

@@ -50,6 +50,9 @@ class OpAliasing:
     (0,)
     >>> op_aliasing(torch.ops.aten.index_select.default).is_view
     False
+    >>> a = op_aliasing(torch.ops.aten._foreach_add.Scalar)  # the oracle's worst case, not a claim
+    >>> a.is_view, a.annotated
+    (True, False)
     """
 
     name: str
@@ -57,6 +60,9 @@ class OpAliasing:
     outputs: tuple[tuple[int, ...], ...]
     opaque: bool
     opaque_args: tuple[int, ...] = ()
+    # every return carries an alias annotation (``Tensor(a)``): the claim is the op's own, not
+    # the oracle's worst case for an unannotated list (``Tensor[] -> Tensor[]``)
+    annotated: bool = True
 
     @property
     def is_view(self) -> bool:
@@ -80,8 +86,9 @@ def _aliasing(op: Any) -> OpAliasing:
         for i in range(n_rets)
     )
     opaque_args = tuple(j for j, a in enumerate(schema.arguments) if _is_opaque_type(a.type))
+    annotated = all(r.alias_info is not None for r in schema.returns)
     return OpAliasing(f"{schema.name}.{schema.overload_name}".rstrip("."), writes, outputs, bool(opaque_args),
-                      opaque_args)
+                      opaque_args, annotated)
 
 
 def op_aliasing(op: Any) -> OpAliasing | None:

@@ -36,10 +36,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
-from ._memory import BufferMap, span_of, tensors_in
+from ._memory import BufferMap, span_of, tensors_in, view_claim_holds
 from ._modes import ForwardMode
 from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
 from ._protocol import BackendLike
+from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
 from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
@@ -292,17 +293,23 @@ class _MemoryProbe(fx.Interpreter):
         self.buffers = BufferMap.of(shared)
         self.touched: dict[str, frozenset[str]] = {}
         self.changed: list[tuple[fx.Node, str]] = []
+        self.copies: set[str] = set()  # view claims the memory refutes (see ``view_claim_holds``)
 
     def run_node(self, n: fx.Node) -> Any:
         watch: frozenset[str] = frozenset()
         before: dict[str, torch.Tensor] = {}
+        aliasing = op_aliasing(n.target) if n.op == "call_function" else None
         if n.op == "call_function":
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             watch = self.buffers.touched_by((args, kwargs))
-            aliasing = op_aliasing(n.target)
             if watch and not (aliasing is not None and aliasing.is_view):
                 before = {b: self.shared[b].clone() for b in watch}
         out = super().run_node(n)
+        if aliasing is not None and aliasing.is_view:
+            values = bind_arguments(n.target, args, kwargs)
+            outs = out if len(aliasing.outputs) > 1 else (out,)
+            if not view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs]):
+                self.copies.add(n.name)
         touched = self.buffers.touched_by(out)
         if touched:
             self.touched[n.name] = touched
@@ -357,15 +364,15 @@ def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> tuple[s
 
 
 def _analyse_stage(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], captured: Iterable[Captured],
-                   memory: Mapping[str, frozenset[str]], stage: str, last: bool) -> Analysis:
+                   memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None, last: bool) -> Analysis:
     initial = {**initial, **{c.node: c.buffers for c in captured}}
     return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=_is_value_escape,
-                   output_reads=last, observed=memory)
+                   output_reads=last, observed=memory, copies=copies)
 
 
 def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str, frozenset[str]],
-              captured: Iterable[Captured], memory: Mapping[str, frozenset[str]], last: bool,
-              changed: Iterable[tuple[fx.Node, str]], widen: Mapping[str, frozenset[str]]) -> Analysis:
+              captured: Iterable[Captured], memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None,
+              last: bool, changed: Iterable[tuple[fx.Node, str]], widen: Mapping[str, frozenset[str]]) -> Analysis:
     """The stage's analysis, its writes to shared buffers refused (``StageWriteError``).
 
     ``widen`` maps the placeholders an earlier in-graph stage running its Python hands over to
@@ -375,10 +382,10 @@ def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str
     such a view there is for the write guard to see.
     """
     captured = tuple(captured)
-    result = _analyse_stage(gm, initial, captured, memory, stage, last)
+    result = _analyse_stage(gm, initial, captured, memory, copies, last)
     _check_writes(backend, stage, gm, result, changed)
     if widen:
-        result = _analyse_stage(gm, {**initial, **widen}, captured, memory, stage, last)
+        result = _analyse_stage(gm, {**initial, **widen}, captured, memory, copies, last)
     return result
 
 
@@ -403,7 +410,8 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
 
 
 def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any,
-                 before: Iterable[StageGraph] = ()) -> tuple[StageGraph, Any]:
+                 before: Iterable[StageGraph] = (), carried: dict[str, frozenset[str]] | None = None,
+                 ) -> tuple[StageGraph, Any]:
     backend, stage = call.backend, call.stage
     names, leaves, spec = call.named_leaves()
     # one placeholder per distinct name: a tensor the stage receives twice is one input
@@ -456,19 +464,24 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         node._rename(_identifier(dotted))
         node.target = node.name
         node.meta[INPUT_KEY] = dotted
-        initial[node.name] = buffers.touched(t)
+        # what its memory touches, and what an earlier stage's analysis says it may alias (all
+        # there is under fake tensors, whose memory is only their storage's identity)
+        initial[node.name] = buffers.touched(t) | (carried or {}).get(dotted, frozenset())
     gm.recompile()
     captured = _captured(stage.name, gm, buffers, owned)
 
     memory: dict[str, frozenset[str]] = {}
     changed: list[tuple[fx.Node, str]] = []
+    copies: frozenset[str] | None = None  # no memory under fake tensors
     if fake_mode is None:
         probe = _MemoryProbe(gm, shared)
         probe.run(*args)
-        memory, changed = probe.touched, probe.changed
+        memory, changed, copies = probe.touched, probe.changed, frozenset(probe.copies)
     last = stage is BODY
     widen = _handed_over(before, input_names, initial, shared)
-    result = _analysed(backend, stage.name, gm, initial, captured, memory, last, changed, widen)
+    result = _analysed(backend, stage.name, gm, initial, captured, memory, copies, last, changed, widen)
+    if carried is not None:
+        carried.update(zip(stash["names"], result.output_aliases, strict=True))
     graph = StageGraph(
         name=stage.name,
         gm=gm,
@@ -482,6 +495,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         guard=guard,
         captured=tuple(captured),
         memory=memory,
+        copies=copies,
         initial=initial,
     )
     return graph, stash["out"]
@@ -520,10 +534,12 @@ class _Tracer:
         self.shared, self.owned, self.fake_mode = shared, owned, fake_mode
         self.stages: list[StageGraph] = []
         self.current: Stage | None = None  # the stage being traced
+        self.carried: dict[str, frozenset[str]] = {}  # what each stage's outputs may alias, by name
 
     def call(self, call: StageCall) -> Any:
         self.current = call.stage
-        graph, out = _trace_stage(call, self.shared, self.owned, self.fake_mode, before=self.stages)
+        graph, out = _trace_stage(call, self.shared, self.owned, self.fake_mode, before=self.stages,
+                                  carried=self.carried)
         self.stages.append(graph)
         return out
 
@@ -594,7 +610,8 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
                                                                     shared, owned)
                          for c in s.captured)
         widen = _handed_over(stages, s.inputs, initial, program.buffers)
-        result = _analysed(program.backend, s.name, gm, initial, captured, s.memory, s.stage is BODY, (), widen)
+        result = _analysed(program.backend, s.name, gm, initial, captured, s.memory, s.copies, s.stage is BODY, (),
+                           widen)
         # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
         carried.update(zip(s.outputs, result.output_aliases, strict=True))
         stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,

@@ -36,6 +36,7 @@ from readfence.core import (
     ForwardMode,
     ModelConfig,
     Program,
+    Unsound,
     bind,
     example_step,
     flatten_inputs,
@@ -271,8 +272,11 @@ def lower(
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     declared = backend.read_effect(mode)
     traced = program.traced()
-    if policy is not Policy.COARSE and not traced <= declared and not UNSAFE_skip_soundness_check:
-        failure = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], state=state).failure()
+    if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
+        failure = _verdict(backend, mode, cfg, batch_size, device, state)
+    else:
+        failure = None
+    if failure is not None:
         error = UnsoundLowering(
             f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
             f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
@@ -292,6 +296,15 @@ def lower(
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
         check=check,
     )
+
+
+def _verdict(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
+             state: Mapping[str, dict[str, Tensor]]) -> Unsound | None:
+    # the audit's own verdict, at the batch size lowered, on the live state: whatever it
+    # refuses (a declaration below the trace, or below a read the observer saw that the trace
+    # missed) no fence placed from the declaration may accept
+    return audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=torch_device(device),
+                         state=state).swap().value_or(None)
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
