@@ -120,7 +120,7 @@ _VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
 
 
 def _is_value_escape(node: fx.Node) -> bool:
-    return len(node.args) > 1 and node.args[1] in _VALUE_WHATS
+    return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(_HOST_READ))
 
 
 _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__file__))
@@ -154,6 +154,37 @@ class _Aborted(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
+
+
+#: What a dispatch-level escape's marker says: an op whose result is a Python value computed from
+#: tensor data (``torch.Tag.data_dependent_output``), read on the host there and then.
+_HOST_READ = "host read by "
+
+
+class _HostReads(TorchDispatchMode):
+    """Marks, at the dispatcher, every op whose result is a Python value computed from tensor
+    data (``torch.Tag.data_dependent_output``: ``equal``, ``allclose``, ``item``, and the
+    ``_local_scalar_dense`` under ``bool(t)``, ``x in t``, ``is_nonzero`` and a 0-d tensor used
+    as a slice bound), whatever Python spelling reached it, as a value escape, and computes it
+    on the real tensors: the graph cannot hold it, so the stage runs as Python. The op tag, not a
+    list of spellings, decides. Under fake tensors there is no value to compute: the trace stops.
+    """
+
+    def __init__(self, *, fake: bool) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.data_dependent_output not in getattr(func, "tags", ()) or get_proxy_mode() is None:
+            return func(*args, **kwargs)
+        what = f"{_HOST_READ}{func}"
+        for t in tensors_in((args, kwargs)):
+            OPAQUE_OP(t, what)
+        if self.fake:
+            raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
+        with disable_proxy_modes_tracing():
+            return func(*args, **kwargs)
 
 
 class _TraceMode(TorchFunctionMode):
@@ -242,6 +273,10 @@ def _basic_index(t: torch.Tensor, idx: Any) -> tuple[torch.Tensor, list[Any]]:
         elif isinstance(item, (int, torch.SymInt)) and not isinstance(item, bool):
             out = torch.ops.aten.select.int(out, dim, item)
         elif isinstance(item, slice):
+            if any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
+                # a tensor as a slice bound is read on the host: no value under fake tensors
+                raise _Aborted(f"{_HOST_READ}a tensor used as a slice bound escapes under fake tensors "
+                               f"(at {_user_line()})")
             start = 0 if item.start is None else item.start
             stop = out.shape[dim] if item.stop is None else item.stop
             out = torch.ops.aten.slice.Tensor(out, dim, start, stop, 1 if item.step is None else item.step)
@@ -430,7 +465,8 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         return call.rebuild(flat, spec)
 
     def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _TraceMode(fake=fake_mode is not None), watch_threads(backend, stage.name, "the trace"):
+        fake = fake_mode is not None
+        with _TraceMode(fake=fake), _HostReads(fake=fake), watch_threads(backend, stage.name, "the trace"):
             out = call.fn(**with_inputs(tensors))
         pairs = outputs_of(out)
         stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
