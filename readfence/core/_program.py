@@ -117,6 +117,8 @@ class Captured:
     # the stage reads the same memory again on the next call: a constant it keeps (an
     # indexer's weights), not a value it computed once while being traced
     persistent: bool = False
+    # the step writes its memory too: a buffer the backend keeps and fills (its own snapshot)
+    filled: bool = False
     # consumed only by the copy torch makes of a tensor literal (``lift_fresh_copy``): a
     # literal made while tracing is a fresh constant, but one built over memory the stage
     # keeps (``torch.tensor`` of a numpy mirror of a buffer) is copied from it on every run
@@ -177,6 +179,9 @@ class StageGraph:
     memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
     # the nodes whose view claim their real memory refutes (copies); None: no memory (fake tensors)
     copies: frozenset[str] | None = None
+    # the example tensors the stage was traced on, kept (real tensors only) when it captured
+    # tensors: ``bind`` runs it again on them to see what its nodes touch of the live state
+    example: tuple[torch.Tensor, ...] | None = None
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
 
     def source(self, node: str) -> str:

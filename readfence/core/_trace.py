@@ -533,32 +533,42 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         memory=memory,
         copies=copies,
         initial=initial,
+        example=tuple(args) if captured and fake_mode is None else None,
     )
     return graph, stash["out"]
 
 
 class _Consumed(TorchDispatchMode):
     """Records the memory every op's tensor arguments span (to tell kept constants from
-    values a stage computed once)."""
+    values a stage computed once), and the memory of the arguments it writes (a buffer the
+    step fills itself: the backend's own)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.spans: list[Any] = []
+        self.written: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        for t in tensors_in((args, kwargs or {})):
+        kwargs = kwargs or {}
+        for t in tensors_in((args, kwargs)):
             span = span_of(t)
             if span is not None:
                 self.spans.append(span)
-        return func(*args, **(kwargs or {}))
+        aliasing = op_aliasing(func)
+        if aliasing is not None and aliasing.writes:
+            values = bind_arguments(func, args, kwargs)
+            self.written += [sp for i in aliasing.writes for t in tensors_in(values[i]) if (sp := span_of(t)) is not None]
+        return func(*args, **kwargs)
 
 
 def _bind_captured(c: Captured, value: torch.Tensor, live: Mapping[str, torch.Tensor], shared: BufferMap,
                    owned: BufferMap) -> Captured:
     matches = _match(value, shared, owned)
     if matches[0] == "none" and c.persistent and c.matches[0] == "none":
+        # a tensor shaped like a live buffer may be that buffer of another state; one the step
+        # itself fills (a snapshot the backend keeps) is its own
         twin = [b for b, t in live.items() if t.shape == value.shape and t.dtype == value.dtype]
-        matches = ("lookalike", (twin[0],)) if twin else ("constant", ())
+        matches = ("lookalike", (twin[0],)) if twin and not c.filled else ("constant", ())
     return attrs.evolve(c, matches=matches, state="live")
 
 
@@ -592,7 +602,8 @@ def _mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mappi
         for c in s.captured:
             span = span_of(getattr(s.gm, c.target))
             again = span is not None and any(span.overlaps(other) for other in consumed.spans)
-            captured.append(attrs.evolve(c, persistent=again) if c.matches[0] == "none" else c)
+            filled = span is not None and any(span.overlaps(other) for other in consumed.written)
+            captured.append(attrs.evolve(c, persistent=again, filled=filled) if c.matches[0] == "none" else c)
         marked.append(attrs.evolve(s, captured=tuple(captured)))
     return marked
 
@@ -645,14 +656,37 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
         captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), state["shared"],
                                                                     shared, owned)
                          for c in s.captured)
+        memory, changed = _live_memory(s, gm, state)
         widen = _handed_over(stages, s.inputs, initial, program.buffers)
-        result = _analysed(program.backend, s.name, gm, initial, captured, s.memory, s.copies, s.stage is BODY, (),
-                           widen)
+        result = _analysed(program.backend, s.name, gm, initial, captured, memory, s.copies, s.stage is BODY,
+                           changed, widen)
         # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
         carried.update(zip(s.outputs, result.output_aliases, strict=True))
         stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
                                    captured=captured, initial=initial))
     return attrs.evolve(program, stages=tuple(stages))
+
+
+def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[str, torch.Tensor]],
+                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]]]:
+    """What ``s``'s nodes touch of the live shared buffers, joined with what they touched of the
+    example's, and the live buffers a node changed: the stage (its captured tensors being live
+    memory) run once more on its example inputs. A handle made on a captured buffer
+    (``torch.empty(0).set_(table)``) aliases the live buffer though no schema says so; only
+    the memory does. Everything in ``state`` holds its values again afterwards."""
+    if s.example is None or not s.faithful:
+        return dict(s.memory), []
+    saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
+    probe = _MemoryProbe(gm, state["shared"])
+    try:
+        probe.run(*s.example)
+    finally:
+        for t, old in saved:
+            t.copy_(old)
+    memory = dict(s.memory)
+    for node, touched in probe.touched.items():
+        memory[node] = memory.get(node, frozenset()) | touched
+    return memory, probe.changed
 
 
 def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:

@@ -1,0 +1,127 @@
+"""Tensors a stage captured, worked out against the live state the program is bound to.
+
+A backend that keeps the live page table (the README's "pass the live state" case) may make a
+handle on it, ``torch.empty(0).set_(table)``: no schema says the handle aliases the table, and
+the example the trace ran on does not hold the live memory. ``bind`` runs such a stage once
+more with its captured tensors live, so the handle's reads and writes are seen statically.
+And a buffer the backend keeps and fills itself, shaped like a shared buffer, is its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from readfence.backends import kv_indices, kv_lens, leaf, softmax_attention, store_kv
+from readfence.core import CapturedStateError, ForwardMode, StageWriteError, audit, bind, trace
+from readfence.effects import ReadEffect, ReadEnd
+from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, make_state, run_overlapped, run_serial
+from tests.conftest import SMALL as CFG
+
+M = ForwardMode.DECODE
+
+
+def _handle(table: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=table.dtype).set_(table)
+
+
+def _handle_in_graph(state, end: ReadEnd, *, write: bool = False):
+    table = state["shared"]["req_to_token"]
+
+    def inn(mode, shared, batch, meta):
+        handle = _handle(table)
+        if write:
+            handle.mul_(1)  # a write through the handle (the same bytes: only aliasing can tell)
+        return {"kv_lens": kv_lens(shared, batch), "table": handle}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        rows = meta["table"].index_select(0, batch["req_pool_indices"]).long()
+        return softmax_attention(mode, q, pools, layer, rows, meta["kv_lens"])
+
+    effect = ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY, "req_to_token": end})
+    return leaf("handle_in_graph", attend, prepare_in_graph=inn, declare={M: effect})
+
+
+def _handle_in_body(state, end: ReadEnd):
+    table = state["shared"]["req_to_token"]
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        rows = _handle(table).index_select(0, batch["req_pool_indices"]).long()
+        return softmax_attention(mode, q, pools, layer, rows, meta["kv_lens"])
+
+    effect = ReadEffect.of({"seq_lens": ReadEnd.IN_REPLAY, "req_to_token": end})
+    return leaf("handle_in_body", attend, prepare_in_graph=lambda mode, s, b, meta: {"kv_lens": kv_lens(s, b)},
+                declare={M: effect})
+
+
+@pytest.mark.parametrize("make", [_handle_in_graph, _handle_in_body])
+def test_reads_through_a_handle_on_a_captured_live_buffer_are_seen(make) -> None:
+    state = make_state(CFG)
+    early = make(state, ReadEnd.IN_REPLAY)
+    program = bind(trace(early, M, cfg=CFG), state)
+    assert program.traced()["req_to_token"] is ReadEnd.POST_REPLAY
+    assert program.last_reader("req_to_token")[0] == "body"
+    assert audit(early, M, cfg=CFG, state=state).failure().buffer == "req_to_token"
+    with CpuDevice() as dev, pytest.raises(UnsoundLowering, match="req_to_token"):
+        lower(early, M, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, state=state)
+
+
+def test_a_write_through_a_handle_on_a_captured_live_buffer_is_refused() -> None:
+    state = make_state(CFG)
+    before = state["shared"]["req_to_token"].clone()
+    writer = _handle_in_graph(state, ReadEnd.POST_REPLAY, write=True)
+    with pytest.raises(StageWriteError) as e:
+        bind(trace(writer, M, cfg=CFG), state)
+    assert (e.value.stage, e.value.buffer) == ("prepare_in_graph", "req_to_token")
+    assert torch.equal(state["shared"]["req_to_token"], before)  # binding left the live state as it was
+
+
+@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT])
+def test_declared_right_the_handle_runs_bit_identical_to_serial(policy: Policy) -> None:
+    state = make_state(CFG)
+    backend = _handle_in_graph(state, ReadEnd.POST_REPLAY)
+    serial = run_serial(backend, M, steps=5, batch_size=3, cfg=CFG, state=state)
+    with CpuDevice(timeout=30.0, faults=FaultInjector(5, 0.002, streams=["forward"], probability=0.3)) as dev:
+        run = run_overlapped(backend, M, steps=5, policy=policy, device=dev, batch_size=3, cfg=CFG, state=state)
+    assert run.matches(serial) and run.violations == ()
+
+
+def test_a_snapshot_buffer_the_backend_keeps_and_fills_is_its_own() -> None:
+    # shaped like seq_lens, it is no other state's seq_lens: the step writes it itself
+    state = make_state(CFG)
+    snap = torch.zeros_like(state["shared"]["seq_lens"])
+
+    def out(mode, shared, batch):
+        snap.copy_(shared["seq_lens"])
+        return {"kv_indices": kv_indices(shared, batch)}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = snap.index_select(0, batch["req_pool_indices"]).long()
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+
+    pre = ReadEffect.of({"seq_lens": ReadEnd.PRE_REPLAY, "req_to_token": ReadEnd.PRE_REPLAY})
+    snapper = leaf("snapper", attend, prepare_out_graph=out, declare={M: pre})
+    assert audit(snapper, M, cfg=CFG, state=state).map(lambda r: r.sound).value_or(False)
+    serial = run_serial(snapper, M, steps=5, batch_size=3, cfg=CFG, state=state)
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):
+        with CpuDevice(timeout=30.0) as dev:
+            run = run_overlapped(snapper, M, steps=5, policy=policy, device=dev, batch_size=3, cfg=CFG, state=state)
+        assert run.matches(serial) and run.violations == ()
+
+
+def test_a_buffer_of_another_state_is_still_refused() -> None:
+    # the lookalike rule stands for a tensor the step only reads: another state's page table
+    other, state = make_state(CFG), make_state(CFG)
+    foreign = other["shared"]["seq_lens"]
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = foreign.index_select(0, batch["req_pool_indices"]).long()
+        return softmax_attention(mode, q, pools, layer, kv_indices(shared, batch), lens)
+
+    stranger = leaf("stranger", attend)
+    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="the shape and dtype of .seq_lens."):
+        lower(stranger, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
