@@ -171,6 +171,8 @@ class ReadObserver(TorchDispatchMode):
     [('seq_lens', 'body', 'aten.sum.default')]
     """
 
+    supports_higher_order_operators = True  # a higher-order op reads its operands (see below)
+
     def __init__(self, buffers: BufferMap | Mapping[str, torch.Tensor], *, step: int = 0) -> None:
         super().__init__()
         self.buffers = buffers if isinstance(buffers, BufferMap) else BufferMap.of(buffers)
@@ -240,11 +242,19 @@ class ReadObserver(TorchDispatchMode):
                 self._busy = False
         if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES:
             out = self._run_kernel_observed(func, args, kwargs)
+        elif isinstance(func, torch._ops.HigherOrderOperator):
+            out = self._run_higher_order_observed(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if claimed is not None:
             self._check_view_claim(func, claimed, args, kwargs, out)
         return out
+
+    def _run_higher_order_observed(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        # ``torch.cond`` and the like: counted as reading what it is given (``_record_op``: no
+        # schema), then run as usual; the ops of the branch it runs are not seen one by one
+        # (under make_fx a branch's captured tensors become the op's operands, so they count)
+        return func(*args, **kwargs)
 
     def _check_view_claim(self, func: Any, aliasing: OpAliasing, args: Sequence[Any], kwargs: Mapping[str, Any],
                           out: Any) -> None:

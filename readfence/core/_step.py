@@ -165,13 +165,26 @@ class StageOutputError(ValueError):
     """
 
 
+def _like(leaf: Any, value: Any) -> bool:
+    # the same object, or, the stage having run again, one like it: an equal Python value, or
+    # a value of the same unusual type (a set, a tensor subclass)
+    if leaf is value:
+        return True
+    if type(leaf) is not type(value):
+        return False
+    if isinstance(value, PYTHON_VALUES):
+        return bool(leaf == value)
+    return type(value) is not Tensor
+
+
 def _holds(tree: Any, value: Any) -> bool:
-    return tree is value or (isinstance(tree, (dict, list, tuple)) and any(v is value for v in pytree.tree_leaves(tree)))
+    return _like(tree, value) or (isinstance(tree, (dict, list, tuple)) and any(_like(v, value) for v in pytree.tree_leaves(tree)))
 
 
 def returned_at(fn: Callable[..., Any], kwargs: Mapping[str, Any], value: Any) -> str:
-    """``file:line in function`` of the innermost frame outside torch and readfence that returns
-    ``value`` (or a dict, list or tuple holding it) when ``fn(**kwargs)`` runs again; ``"?"``
+    """``file:line in function`` of the innermost frame outside torch and readfence that returns a
+    dict, list or tuple holding ``value`` (else the outermost returning ``value``) when
+    ``fn(**kwargs)`` runs again; ``"?"``
     if none does. Only to name a line in an error: a stage is pure, so running it again is
     harmless, and its error, if it raises, is not this one's.
 
@@ -181,11 +194,12 @@ def returned_at(fn: Callable[..., Any], kwargs: Mapping[str, Any], value: Any) -
     >>> returned_at(stage, {}, marker).endswith("in stage")
     True
     """
-    found: list[str] = []
+    found: list[tuple[bool, str]] = []  # (returned a container holding it, where)
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "return" and not found and not frame.f_code.co_filename.startswith(_OWN) and _holds(arg, value):
-            found.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        if event == "return" and not frame.f_code.co_filename.startswith(_OWN) and _holds(arg, value):
+            found.append((isinstance(arg, (dict, list, tuple)),
+                          f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"))
 
     old = sys.getprofile()
     sys.setprofile(profile)
@@ -195,7 +209,18 @@ def returned_at(fn: Callable[..., Any], kwargs: Mapping[str, Any], value: Any) -
         pass
     finally:
         sys.setprofile(old)
-    return found[0] if found else "?"
+    # the innermost frame that put it in what the stage returns; else the outermost returning it
+    return next((where for held, where in found if held), found[-1][1] if found else "?")
+
+
+def foreign_subclass(t: Tensor) -> bool:
+    """A tensor subclass that is not torch's own (fake tensors, functional collectives'
+    wrappers): one readfence does not trace through.
+
+    >>> foreign_subclass(torch.zeros(1)), foreign_subclass(torch.nn.Parameter(torch.zeros(1)))
+    (False, False)
+    """
+    return type(t) is not Tensor and not type(t).__module__.startswith("torch")
 
 
 def check_stage_output(stage: Stage, out: Any, *, backend: str = "?", fn: Callable[..., Any] | None = None,
@@ -211,26 +236,33 @@ def check_stage_output(stage: Stage, out: Any, *, backend: str = "?", fn: Callab
     readfence.core._step.StageOutputError: backend 'mine' stage prepare_in_graph returned set {1, 2} at key ['n'] (at ?): ...
     """
     if stage is BODY:
-        if isinstance(out, Tensor):
+        if isinstance(out, Tensor) and not foreign_subclass(out):
             return out
         bad, where = out, "as its output"
     elif not isinstance(out, Mapping):
         bad, where = out, "instead of a dict"
     else:
         pairs, _ = pytree.tree_flatten_with_path(dict(out))
-        wrong = next(((p, v) for p, v in pairs if not isinstance(v, (Tensor, *PYTHON_VALUES))), None)
+        wrong = next(((p, v) for p, v in pairs
+                      if not isinstance(v, (Tensor, *PYTHON_VALUES)) or (isinstance(v, Tensor) and foreign_subclass(v))),
+                     None)
         if wrong is None:
             return out
         bad, where = wrong[1], f"at key {pytree.keystr(wrong[0])}"
     line = "?" if fn is None else returned_at(fn, kwargs or {}, bad)
     what = "a tensor (the logits)" if stage is BODY else (
         "tensors, Python scalars (bool, int, float, str), None, and dicts, lists and tuples of them")
+    if isinstance(bad, Tensor):
+        what += " (plain tensors: unwrap a tensor subclass inside the stage)"
     raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {type(bad).__name__} {_short(bad)} "
                            f"{where} (at {line}): a stage returns {what}")
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a tensor subclass whose repr fails: its type names it
+        return f"<{type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

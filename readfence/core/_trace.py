@@ -42,7 +42,7 @@ from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flat
 from ._protocol import BackendLike
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
-from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StepFunctions, eval_step
+from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._threads import watch_threads
 
 
@@ -169,6 +169,8 @@ class _HostReads(TorchDispatchMode):
     on the real tensors: the graph cannot hold it, so the stage runs as Python. The op tag, not a
     list of spellings, decides. Under fake tensors there is no value to compute: the trace stops.
     """
+
+    supports_higher_order_operators = True  # ``torch.cond`` and the like go on to make_fx's own rules
 
     def __init__(self, *, fake: bool) -> None:
         super().__init__()
@@ -354,7 +356,7 @@ class _MemoryProbe(fx.Interpreter):
         return out
 
 
-def _captured(stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
+def _captured(backend: str, stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
     out = []
     for node in gm.graph.nodes:
         if node.op != "get_attr":
@@ -362,6 +364,12 @@ def _captured(stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferM
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor) or not node.users:
             continue
+        if foreign_subclass(value):
+            source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
+            raise StageOutputError(
+                f"backend {backend!r} stage {stage} uses a {type(value).__name__} (a tensor subclass) at {source}: "
+                f"make_fx does not trace through it, so the trace would hold a constant made while tracing; "
+                f"unwrap it to a plain tensor inside the stage, or keep the subclass out of the step")
         # a literal (``torch.tensor(...)`` in the stage) is copied by its users on every run:
         # from fresh memory, or from memory the stage keeps (see ``_fresh_literals_dropped``)
         literal = all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users)
@@ -504,7 +512,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         # there is under fake tensors, whose memory is only their storage's identity)
         initial[node.name] = buffers.touched(t) | (carried or {}).get(dotted, frozenset())
     gm.recompile()
-    captured = _captured(stage.name, gm, buffers, owned)
+    captured = _captured(backend, stage.name, gm, buffers, owned)
 
     memory: dict[str, frozenset[str]] = {}
     changed: list[tuple[fx.Node, str]] = []
@@ -543,6 +551,8 @@ class _Consumed(TorchDispatchMode):
     values a stage computed once), and the memory of the arguments it writes (a buffer the
     step fills itself: the backend's own)."""
 
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.spans: list[Any] = []
@@ -554,6 +564,8 @@ class _Consumed(TorchDispatchMode):
             span = span_of(t)
             if span is not None:
                 self.spans.append(span)
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         aliasing = op_aliasing(func)
         if aliasing is not None and aliasing.writes:
             values = bind_arguments(func, args, kwargs)
