@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -43,6 +43,9 @@ from ._protocol import BackendLike
 from ._schema import op_aliasing
 from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
+
+if TYPE_CHECKING:
+    from ._state import ModelConfig
 
 
 class StageWriteError(Exception):
@@ -617,9 +620,9 @@ def trace_functions(
     mode: ForwardMode,
     *,
     inputs: Mapping[str, Any],
-    prepare_out_graph: Callable[..., Any],
-    prepare_in_graph: Callable[..., Any],
-    body: Callable[..., Any],
+    prepare_out_graph: Callable[..., object],
+    prepare_in_graph: Callable[..., object],
+    body: Callable[..., object],
     device: str = "cpu",
 ) -> Program:
     """Trace three stage functions over named input groups into a ``Program``.
@@ -679,7 +682,7 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
 
 
 # -- the public entry point ------------------------------------------------------------------
-def _default_cfg() -> Any:
+def _default_cfg() -> ModelConfig:
     from ._state import ModelConfig
 
     return ModelConfig()
@@ -745,7 +748,7 @@ def trace(
     backend: BackendLike,
     mode: ForwardMode,
     *,
-    cfg: Any = None,
+    cfg: ModelConfig | None = None,
     batch_size: int = 2,
     device: str = "cpu",
     seed: int = 0,
