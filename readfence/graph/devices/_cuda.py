@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import TypeVarTuple, cast
 
 import torch
 
@@ -35,6 +35,8 @@ from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorde
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
 from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
+
+_Ts = TypeVarTuple("_Ts")
 
 
 def _in_graph_events_supported() -> bool:
@@ -160,12 +162,12 @@ class CudaGraph(GraphBase):
         with self.device._lock:
             self._announce_locked(target, ops)
             if target._error is not None:
-                for ev in records_in(ops):
+                for ev in cast("tuple[CudaEvent, ...]", records_in(ops)):
                     ev._enqueued(target.name)
                 return
             with torch.cuda.stream(target.torch):
                 self.torch.replay()
-            for ev in records_in(ops):
+            for ev in cast("tuple[CudaEvent, ...]", records_in(ops)):
                 ev._enqueued(target.name)
 
 
@@ -189,8 +191,8 @@ class CudaStream:
 
     def launch(
         self,
-        fn: Callable[..., Any],
-        *args: Any,
+        fn: Callable[[*_Ts], object],
+        *args: *_Ts,
         label: str = "",
         ops: Sequence[Op] = (),
         step: int | None = None,
@@ -202,7 +204,7 @@ class CudaStream:
         """
         dev = self.device
         label, ops, _ = dev._launch_ops(fn, label, ops, step)
-        records = records_in(ops)
+        records = cast("tuple[CudaEvent, ...]", records_in(ops))
         pending = [(ev, None) for ev in records]
         with dev._lock:
             dev._check_open()

@@ -17,9 +17,12 @@ Read(buffer='req_to_token', node='attend_0', step=7)
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from ._protocol import Event
 
 
 @attrs.frozen
@@ -52,7 +55,7 @@ class Write:
 class Record:
     """The launched function records ``event`` at this point (``device.record_here(event)``)."""
 
-    event: Any
+    event: Event
 
     def at(self, step: int) -> Record:
         return self
@@ -72,6 +75,6 @@ def bind_step(ops: Iterable[Op], step: int | None) -> tuple[Op, ...]:
     return tuple(op.at(step) for op in items)
 
 
-def records_in(ops: Iterable[Op]) -> tuple[Any, ...]:
+def records_in(ops: Iterable[Op]) -> tuple[Event, ...]:
     """The events of the ``Record`` items, in order."""
     return tuple(op.event for op in ops if isinstance(op, Record))
