@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TypeVarTuple, cast
+from typing import TypeVarTuple
 
 import torch
 
@@ -162,12 +162,12 @@ class CudaGraph(GraphBase):
         with self.device._lock:
             self._announce_locked(target, ops)
             if target._error is not None:
-                for ev in cast("tuple[CudaEvent, ...]", records_in(ops)):
+                for ev in records_in(ops):
                     ev._enqueued(target.name)
                 return
             with torch.cuda.stream(target.torch):
                 self.torch.replay()
-            for ev in cast("tuple[CudaEvent, ...]", records_in(ops)):
+            for ev in records_in(ops):
                 ev._enqueued(target.name)
 
 
@@ -204,7 +204,7 @@ class CudaStream:
         """
         dev = self.device
         label, ops, _ = dev._launch_ops(fn, label, ops, step)
-        records = cast("tuple[CudaEvent, ...]", records_in(ops))
+        records = records_in(ops)
         pending = [(ev, None) for ev in records]
         with dev._lock:
             dev._check_open()

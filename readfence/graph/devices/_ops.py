@@ -17,12 +17,9 @@ Read(buffer='req_to_token', node='attend_0', step=7)
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
-
-if TYPE_CHECKING:
-    from ._protocol import Event
 
 
 @attrs.frozen
@@ -55,7 +52,7 @@ class Write:
 class Record:
     """The launched function records ``event`` at this point (``device.record_here(event)``)."""
 
-    event: Event
+    event: Any
 
     def at(self, step: int) -> Record:
         return self
@@ -75,6 +72,6 @@ def bind_step(ops: Iterable[Op], step: int | None) -> tuple[Op, ...]:
     return tuple(op.at(step) for op in items)
 
 
-def records_in(ops: Iterable[Op]) -> tuple[Event, ...]:
+def records_in(ops: Iterable[Op]) -> tuple[Any, ...]:
     """The events of the ``Record`` items, in order."""
     return tuple(op.event for op in ops if isinstance(op, Record))
