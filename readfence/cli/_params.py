@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import pathlib
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -31,8 +32,6 @@ from readfence.graph import DEVICE_KINDS, Policy, StepShape, open_device, parse_
 from ._errors import InputError, param_name
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from readfence.effects import Capabilities
 
 
