@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from torch import Tensor
@@ -356,6 +356,18 @@ def _check_name(name: object) -> str:
     return name
 
 
+class _Kernel(Protocol):
+    """What a leaf runs: the three stage functions, called with the step's mode."""
+
+    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]: ...
+
+    def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors,
+                         meta: Tensors) -> dict[str, Tensor]: ...
+
+    def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor: ...
+
+
 @attrs.frozen(eq=False, repr=False)
 class Leaf(Backend):
     """A leaf backend: a kernel (the three stage functions) and a declared effect table.
@@ -365,9 +377,9 @@ class Leaf(Backend):
     """
 
     leaf_name: str = attrs.field(converter=_check_name)
-    kernel: Any
+    kernel: _Kernel
     declaration: Table
-    options: tuple[tuple[str, Any], ...] = ()
+    options: tuple[tuple[str, bool | int | float | str], ...] = ()
     _table: Table = attrs.field(init=False, default=None)
     _hash: int = attrs.field(init=False, default=0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -16,8 +16,13 @@ from ._engine_cmd import Engine, audit_engines
 from ._errors import InputError, OneLineCommand
 from ._params import BATCH_SIZE, Mode, Spec, echo_json
 
+if TYPE_CHECKING:
+    from readfence.backends import Backend
+    from readfence.core import AuditReport, BackendLike
+    from readfence.engine import EngineBackend
 
-def reference_backends() -> list[Any]:
+
+def reference_backends() -> list[Backend]:
     """Every reference leaf (default options), then every reference composition.
 
     >>> [str(b) for b in reference_backends()][:3]
@@ -28,8 +33,8 @@ def reference_backends() -> list[Any]:
     return [make() for make in REFERENCE_LEAVES.values()] + list(reference_compositions().values())
 
 
-def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress: bool = False,
-              batch_sizes: Sequence[int] | None = None) -> list[Any]:
+def audit_all(backends: Iterable[BackendLike], modes: Sequence[ForwardMode], *, progress: bool = False,
+              batch_sizes: Sequence[int] | None = None) -> list[AuditReport]:
     """One :class:`~readfence.core.AuditReport` per (backend, mode), in that order.
 
     ``progress`` shows a bar on stderr when it is a terminal (tracing takes a while);
@@ -43,7 +48,7 @@ def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress
 
 
 def audit_phases(shape: StepShape, modes: Sequence[ForwardMode] = (), *, progress: bool = False,
-                 batch_sizes: Sequence[int] | None = None) -> list[Any]:
+                 batch_sizes: Sequence[int] | None = None) -> list[AuditReport]:
     """One report per distinct (backend, mode) of a step shape's phases (a phase fixes its own
     mode); ``modes``, when given, keeps only the phases in those modes.
 
@@ -68,7 +73,7 @@ def _audit_pairs(pairs: Sequence[tuple[Any, ForwardMode]], progress: bool,
     return [audit_report(b, m, batch_sizes=batch_sizes) for b, m in bar]
 
 
-def totals(reports: Iterable[Any]) -> dict[str, int]:
+def totals(reports: Iterable[AuditReport]) -> dict[str, int]:
     """Sum of every report's ``counts()``."""
     out: dict[str, int] = {}
     for r in reports:
@@ -86,8 +91,8 @@ def totals(reports: Iterable[Any]) -> dict[str, int]:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
 @click.option("--engine", "engines", type=Engine(), default=None,
               help="Audit an engine's own backend object instead of SPEC: MODULE:FACTORY (see readfence.engine).")
-def audit(spec: Any, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool,
-          engines: Any = None) -> None:
+def audit(spec: Backend | StepShape | None, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool,
+          engines: list[tuple[str, EngineBackend]] | None = None) -> None:
     """Trace SPEC (default: every reference backend) and check its declared read ends.
 
     \b

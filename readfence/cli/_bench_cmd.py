@@ -17,7 +17,7 @@ import pathlib
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import click
@@ -43,7 +43,7 @@ def benchmarks_dir() -> pathlib.Path | None:
     return candidate if candidate.is_dir() else None
 
 
-def format_ratios(result: Any, prefix: str = "") -> list[str]:
+def format_ratios(result: object, prefix: str = "") -> list[str]:
     """Lines ``name: value`` for a (nested) mapping of numbers; other values as text.
 
     >>> format_ratios({"per_buffer_vs_coarse": 1.234, "n": {"steps": 100}})
@@ -66,7 +66,7 @@ def _show(value: Any) -> str:
     return f"{value:.2f}"
 
 
-def load_main(path: pathlib.Path) -> Any:
+def load_main(path: pathlib.Path) -> Callable[..., Mapping[str, object]]:
     """The ``main`` of the benchmark module at ``path``; ``TypeError`` if it has none that
     takes ``quick``. The module is imported under its own name (``bench_tp``), so a benchmark
     that starts processes can hand them its functions by reference (see :func:`run_benchmark`)."""
@@ -94,7 +94,7 @@ def _importable_from(folder: pathlib.Path) -> Iterator[None]:
         sys.path.remove(entry)
 
 
-def run_benchmark(path: pathlib.Path, quick: bool, device: str = "cpu") -> Mapping[str, Any]:
+def run_benchmark(path: pathlib.Path, quick: bool, device: str = "cpu") -> Mapping[str, object]:
     """Run one benchmark's ``main``; returns its figures."""
     with _importable_from(path.parent):
         main = load_main(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,6 +29,9 @@ from ._params import (
 )
 from ._table import table
 from ._trace import chrome_trace
+
+if TYPE_CHECKING:
+    from readfence.backends import Backend
 
 MAX_WRITE_COST = 4096  # an N x N matmul per write: past this, seconds per write on a CPU
 MAX_WRITE_WAIT_MS = 1000.0  # per write: longer stalls only slow the run down
@@ -188,7 +191,7 @@ class _Progress:
               help="Tensor parallelism: run on N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), each with its "
                    "own scheduler, shared buffers and lowered step of its shard of the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
-def demo(spec: Any, steps: int, policies: tuple[Policy, ...], device: str, seed: int, batch_size: int,
+def demo(spec: Backend | StepShape, steps: int, policies: tuple[Policy, ...], device: str, seed: int, batch_size: int,
          write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None,
          tp: int | None, as_json: bool) -> None:
     """Run the tiny model's overlapped decode loop under each fence policy.

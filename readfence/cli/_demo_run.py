@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -30,6 +30,10 @@ from readfence.graph import (
 
 from ._trace import WaitRecorder, add_replays, add_waits
 
+if TYPE_CHECKING:
+    from readfence.effects import Capabilities
+    from readfence.graph import Target
+
 #: A composition whose buffers end at different stages: trtllm_mha snapshots its page-table
 #: metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph (IN_REPLAY).
 DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
@@ -41,7 +45,7 @@ class DemoResult:
     and the steps/s of the serial reference (no overlap: the baseline the loop must beat)."""
 
     device: str
-    caps: Any
+    caps: Capabilities | None
     mode: ForwardMode
     rows: list[dict[str, Any]]
     timelines: dict[str, Timeline]
@@ -102,7 +106,7 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 @_one_intra_op_thread()
 def run_demo(
-    backend: Any,
+    backend: Target,
     *,
     policies: Sequence[Policy],
     device: str = "auto",

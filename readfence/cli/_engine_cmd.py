@@ -9,7 +9,7 @@ reference engine is ``readfence.engine.reference:NAME`` (``:ENGINES`` for all of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,13 +18,16 @@ from readfence.graph import Policy, open_device
 
 from ._params import InputError, echo_json
 
+if TYPE_CHECKING:
+    from readfence.engine import EngineBackend
+
 
 class Engine(click.ParamType):
     """``MODULE:FACTORY``: imported and built when the option is read (bad input is one line)."""
 
     name = "MODULE:FACTORY"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> list[tuple[str, EngineBackend]]:
         if isinstance(value, list):
             return value
         from readfence.engine.internal import load_engines
@@ -44,7 +47,7 @@ def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int])
                                  f"config's max_reqs); use 1..{limit}")
 
 
-def audit_engines(engines: Sequence[tuple[str, Any]], modes: Sequence[ForwardMode], batch_sizes: Sequence[int],
+def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[ForwardMode], batch_sizes: Sequence[int],
                   as_json: bool) -> int:
     """Audit each engine backend; print the tables (or JSON rows); the exit status (1: unsound)."""
     from readfence.engine import ENGINE_MODES, audit_engine
@@ -62,7 +65,7 @@ def audit_engines(engines: Sequence[tuple[str, Any]], modes: Sequence[ForwardMod
     return 1 if any(not report.sound for _, report in reports) else 0
 
 
-def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, policies: Sequence[Policy],
+def verify_engines(engines: Sequence[tuple[str, EngineBackend]], mode: ForwardMode, *, policies: Sequence[Policy],
                    device: str, steps: int, batch_size: int, seed: int, as_json: bool) -> int:
     """Verify each engine backend under ``policies`` and its engine's runner model; print the
     report (or JSON rows); the exit status (1: any finding)."""

@@ -111,7 +111,7 @@ class OneLineErrors:
             ctx = e.ctx or click.Context(self, info_name=info_name, parent=parent)  # type: ignore[arg-type]
             raise one_line(e, ctx) from None
 
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
         try:
             return super().resolve_command(ctx, args)  # type: ignore[misc]
         except click.UsageError as e:

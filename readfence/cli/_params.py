@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 import pathlib
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import click
 from returns.pipeline import is_successful
@@ -29,6 +30,9 @@ from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import DEVICE_KINDS, Policy, StepShape, open_device, parse_target
 
 from ._errors import InputError, param_name
+
+if TYPE_CHECKING:
+    from readfence.effects import Capabilities
 
 
 def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
@@ -66,7 +70,7 @@ class Spec(click.ParamType):
     expects = ("a backend spec such as 'tbo(deepseek_v4, paged)', or a step shape such as "
                "'eagle(paged, trtllm_mha)'")
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Backend | StepShape:
         if isinstance(value, (Backend, StepShape)):
             return value
         try:
@@ -120,7 +124,7 @@ class Policies(click.ParamType):
         return tuple(p for p in Policy if p in chosen)
 
 
-def merge_policies(ctx: click.Context, param: click.Parameter, value: Any) -> tuple[Policy, ...]:
+def merge_policies(ctx: click.Context, param: click.Parameter, value: Iterable[Iterable[Policy]]) -> tuple[Policy, ...]:
     """The policies of every use of a repeated ``--policy``, in a fixed order (a click callback).
 
     >>> merge_policies(None, None, ((Policy.EXACT,), (Policy.COARSE, Policy.EXACT)))
@@ -150,7 +154,7 @@ class Positive(click.ParamType):
         self.at_most, self.bound = at_most, bound
         self.expects = "a positive integer" + ("" if at_most is None else f" up to {at_most}")
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
         text = str(value).strip()
         if not (isinstance(value, int) and not isinstance(value, bool)) and not re.fullmatch(r"\+?[0-9]+", text):
             raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
@@ -180,7 +184,7 @@ class Integer(click.ParamType):
     name = "INTEGER"
     expects = "an integer"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         text = str(value).strip()
@@ -205,7 +209,7 @@ class Amount(click.ParamType):
         self.name = "N" if integer else "X"
         self.expects = f"{'an integer' if integer else 'a number'} from 0 to {at_most:g}{unit}"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | int:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float | int:
         text = str(value).strip()
         try:
             number: float | int = int(text) if self.integer and re.fullmatch(r"[+-]?[0-9]+", text) else float(text)
@@ -271,7 +275,7 @@ class OneOf(click.ParamType):
         self.choices, self.what = choices, what
         self.expects = f"a {what}: {', '.join(choices)}"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
         key = str(value).strip().lower()
         if key not in self.choices:
             raise _fail(param, value, f"unknown {self.what}; allowed: {', '.join(self.choices)}")
@@ -286,7 +290,7 @@ class DeviceName(click.ParamType):
     choices = DEVICE_KINDS
     expects = "auto, cpu or cuda"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
         key = str(value).strip().lower()
         if key not in self.choices:
             raise _fail(param, value, f"unknown device; allowed: {', '.join(self.choices)}")
@@ -304,7 +308,7 @@ class DeviceName(click.ParamType):
         return key
 
 
-def device_caps(name: str) -> Any:
+def device_caps(name: str) -> tuple[str, Capabilities]:
     """``(device name, Capabilities)`` of the device ``name`` would open, closing it again."""
     dev = open_device(name)
     try:
@@ -316,7 +320,7 @@ def device_caps(name: str) -> Any:
 JSON_SCHEMA_VERSION = 1  # bumped when a --json key changes meaning or goes away (new keys do not)
 
 
-def echo_json(doc: Any) -> None:
+def echo_json(doc: object) -> None:
     """Print a ``--json`` document: every object in it (one, or a list of them) carries
     ``schema_version``.
 

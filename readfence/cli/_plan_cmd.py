@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,6 +13,9 @@ from ._errors import OneLineCommand
 from ._params import DeviceName, Mode, Spec, device_caps, echo_json
 from ._plan_data import plan_report, shape_plan_report
 from ._table import table
+
+if TYPE_CHECKING:
+    from readfence.backends import Backend
 
 
 def _ends(effect: dict[str, str]) -> str:
@@ -105,7 +108,7 @@ def render_shape(report: dict[str, Any]) -> str:
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda: whose capabilities resolve the ends.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(spec: Any, mode: ForwardMode, device: str, as_json: bool) -> None:
+def plan(spec: Backend | StepShape, mode: ForwardMode, device: str, as_json: bool) -> None:
     """Show how SPEC's read effect in MODE is derived and where each policy fences it.
 
     \b

@@ -11,13 +11,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, publish_positions, resolve
 from readfence.graph import Policy, last_reads, plan_fences, torch_device
+
+if TYPE_CHECKING:
+    from readfence.backends import Backend
+    from readfence.core import BackendLike
+    from readfence.graph import StepShape
 
 
 def effect_names(effect: ReadEffect) -> dict[str, str]:
@@ -30,7 +35,7 @@ def effect_names(effect: ReadEffect) -> dict[str, str]:
     return {b: effect[b].name for b in names if effect[b] is not ReadEnd.NONE}
 
 
-def derivation(backend: Any, mode: ForwardMode) -> list[dict[str, Any]]:
+def derivation(backend: Backend, mode: ForwardMode) -> list[dict[str, Any]]:
     """Every node, pre-order: ``path``, ``depth``, ``label``, ``name``, ``leaf``, ``active``
     (whether it contributes to the root's effect in ``mode``) and ``effect``."""
     out: list[dict[str, Any]] = []
@@ -46,7 +51,7 @@ def derivation(backend: Any, mode: ForwardMode) -> list[dict[str, Any]]:
     return out
 
 
-def forced_by(backend: Any, mode: ForwardMode) -> dict[str, list[str]]:
+def forced_by(backend: Backend, mode: ForwardMode) -> dict[str, list[str]]:
     """Per buffer the root reads, the active leaves whose declared end equals the root's."""
     root = backend.read_effect(mode)
     nodes = [n for n in derivation(backend, mode) if n["leaf"] and n["active"]]
@@ -65,7 +70,7 @@ def phase_caps(caps: Capabilities, mode: ForwardMode) -> Capabilities:
     return caps if mode.uses_graph and caps.graphs else attrs.evolve(caps, graphs=False)
 
 
-def placements(backend: Any, mode: ForwardMode, caps: Capabilities, *, trace_device: str = "cpu",
+def placements(backend: BackendLike, mode: ForwardMode, caps: Capabilities, *, trace_device: str = "cpu",
                batch_size: int = 2) -> dict[str, dict[str, Any]]:
     """Per policy: ``{"events": n, "placements": [{buffer, end, placement}]}``, or
     ``{"refused": why}`` when the declaration is earlier than the traced reads.
@@ -90,7 +95,7 @@ def placements(backend: Any, mode: ForwardMode, caps: Capabilities, *, trace_dev
     return out
 
 
-def plan_report(backend: Any, mode: ForwardMode, *, device: str, caps: Capabilities) -> dict[str, Any]:
+def plan_report(backend: Backend, mode: ForwardMode, *, device: str, caps: Capabilities) -> dict[str, Any]:
     """Everything ``readfence plan`` prints, as plain data (its ``--json`` output).
 
     >>> from readfence.backends import paged
@@ -117,7 +122,7 @@ def plan_report(backend: Any, mode: ForwardMode, *, device: str, caps: Capabilit
     }
 
 
-def shape_plan_report(shape: Any, *, device: str, caps: Capabilities, batch_size: int = 2) -> dict[str, Any]:
+def shape_plan_report(shape: StepShape, *, device: str, caps: Capabilities, batch_size: int = 2) -> dict[str, Any]:
     """``readfence plan`` for a multi-phase step shape: per policy, the phase that publishes each
     buffer and where that phase's graph records its event, as ``lower_step`` places them.
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH
 from readfence.graph import Span, Timeline
 
 from ._trace import stage_tracks
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _COLORS = {
     PREPARE_OUT_GRAPH.name: "#4c72b0",
@@ -77,7 +80,7 @@ def _track_order(track: str) -> tuple[int, str]:
     return ({"host": 0, "schedule": 1}.get(track, 3 if track == "fences" else 2), track)
 
 
-def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases: int = 1, title: str = "") -> Any:
+def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases: int = 1, title: str = "") -> Figure:
     """The matplotlib figure :func:`plot_timelines` saves: one panel per timeline, one shared
     time axis long enough for every run's first ``steps`` steps (``phases`` bodies each).
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 
-def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Mapping[str, str]) -> str:
+def table(rows: Sequence[Mapping[str, object]], columns: Sequence[str] | Mapping[str, str]) -> str:
     """Render ``rows`` as left-aligned columns; ``columns`` are keys (or ``{key: header}``).
 
     >>> print(table([{"policy": "COARSE", "x": 1.5}, {"policy": "EXACT", "x": 12}],

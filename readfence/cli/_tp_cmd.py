@@ -10,13 +10,19 @@ run with the same sharding. Under torchrun each process prints its own rank's re
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVarTuple
 
 import click
 
 from readfence.core import ModelConfig
 
 from ._params import echo_json
+
+if TYPE_CHECKING:
+    from readfence.parallel import Rank
+
+_Ts = TypeVarTuple("_Ts")
 
 
 def shard_line(cfg: ModelConfig, size: int, backend: str, device: str) -> str:
@@ -61,7 +67,7 @@ def _report(results: dict[int, Any], *, tp: int, device: str, as_json: bool, wha
         sys.exit(1)
 
 
-def run_on_ranks(job: Any, *args: Any, tp: int, device: str, as_json: bool, what: str) -> None:
+def run_on_ranks(job: Callable[[Rank, *_Ts], Mapping[str, Any]], *args: *_Ts, tp: int, device: str, as_json: bool, what: str) -> None:
     """Run ``job(rank, *args)`` on ``tp`` ranks and print each rank's report; ``job`` returns
     ``{"ok", "text", "rows"}``, ``what`` is the last line when every rank is ok."""
     results, kind = _launch(job, *args, tp=tp, device=device)

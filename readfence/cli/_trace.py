@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from readfence.core import BODY, PREPARE_IN_GRAPH
-from readfence.graph import DeviceObserver, Timeline
+from readfence.graph import DeviceObserver, Event, Op, Timeline
 
 
 def short_event_name(name: str) -> str:
@@ -68,11 +68,11 @@ class WaitRecorder(DeviceObserver):
         self.launches: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
-    def on_launch(self, stream: str, label: str, ops: Any) -> None:
+    def on_launch(self, stream: str, label: str, ops: Sequence[Op]) -> None:
         with self._lock:
             self.launches.setdefault(stream, []).append(span_name(label))
 
-    def on_wait(self, stream: str, event: Any) -> None:
+    def on_wait(self, stream: str, event: Event) -> None:
         with self._lock:
             position = len(self.launches.get(stream, ()))
             self.waits.append(Wait(stream, getattr(event, "name", repr(event)), time.perf_counter(), position))
@@ -179,7 +179,7 @@ def add_replays(timeline: Timeline, *, graphed: Sequence[bool] = (True,), phases
     return count
 
 
-def chrome_trace(timelines: Mapping[str, Timeline], **meta: Any) -> dict[str, Any]:
+def chrome_trace(timelines: Mapping[str, Timeline], **meta: object) -> dict[str, Any]:
     """One Chrome trace-event document: a process per key (e.g. policy), tracks per stream.
 
     >>> tl = Timeline(); tl.span("host", "schedule next step", tl.origin, tl.origin + 1e-3, "host")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import click
@@ -31,6 +31,12 @@ from readfence.graph import (
 from ._engine_cmd import Engine, verify_engines
 from ._errors import InputError, OneLineCommand
 from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
+
+if TYPE_CHECKING:
+    from readfence.backends import Backend
+    from readfence.core import BackendLike
+    from readfence.engine import EngineBackend
+    from readfence.graph import Target
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -80,7 +86,7 @@ class AuditFinding:
                         self.message)
 
 
-def audit_targets(spec: Any, mode: ForwardMode) -> list[tuple[Any, ForwardMode]]:
+def audit_targets(spec: Target, mode: ForwardMode) -> list[tuple[BackendLike, ForwardMode]]:
     """The (backend, mode) pairs to audit: one per distinct phase of a step shape.
 
     >>> from readfence.cli._params import parse_spec
@@ -92,7 +98,7 @@ def audit_targets(spec: Any, mode: ForwardMode) -> list[tuple[Any, ForwardMode]]
     return [(spec, mode)]
 
 
-def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
+def audit_spec(spec: Target, mode: ForwardMode, batch_sizes: Sequence[int], *,
                unsafe: bool = False, cfg: ModelConfig | None = None) -> AuditFinding | None:
     """The first declaration the audit refuses at any of ``batch_sizes``, else ``None``.
 
@@ -221,7 +227,7 @@ def render(result: Verified) -> str:
     return "\n".join(lines)
 
 
-def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], device: str, steps: int,
+def run_verify(spec: Target, mode: ForwardMode, *, policies: Sequence[Policy], device: str, steps: int,
                batch_size: int, seed: int, unsafe: bool = False, progress: bool = False,
                cfg: ModelConfig | None = None, device_options: Mapping[str, Any] | None = None) -> Verified:
     """Audit ``spec`` (1, 2, the model's maximum and ``batch_size``), then verify each policy.
@@ -302,8 +308,9 @@ def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict
 @click.option("--engine", "engines", type=Engine(), default=None,
               help="Verify an engine's own backend object instead of SPEC, under each policy and its engine's "
                    "runner model: MODULE:FACTORY (see readfence.engine).")
-def verify_cmd(spec: Any, mode: ForwardMode, policies: tuple[Policy, ...], steps: int, batch_size: int,
-               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool, engines: Any = None) -> None:
+def verify_cmd(spec: Backend | StepShape | None, mode: ForwardMode, policies: tuple[Policy, ...], steps: int, batch_size: int,
+               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool,
+               engines: list[tuple[str, EngineBackend]] | None = None) -> None:
     """Audit SPEC, then check each policy's fences at run time, against the serial run.
 
     \b

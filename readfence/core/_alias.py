@@ -61,7 +61,7 @@ def analyse(
     graph: fx.Graph,
     initial: Mapping[str, Aliases],
     *,
-    escape_op: Any = None,
+    escape_op: Callable[..., object] | None = None,
     escape_reads: Callable[[fx.Node], bool] = lambda node: False,
     output_reads: bool = False,
     observed: Mapping[str, Aliases] | None = None,

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 from returns.result import Failure, Result, Success
+from torch import Tensor
 
 from readfence.effects import ReadEffect, ReadEnd
 
@@ -332,10 +333,10 @@ def audit_report(
     backend: BackendLike,
     mode: ForwardMode,
     *,
-    cfg: Any = None,
+    cfg: ModelConfig | None = None,
     batch_sizes: Iterable[int] | None = None,
     device: str = "cpu",
-    state: Mapping[str, Any] | None = None,
+    state: Mapping[str, Mapping[str, Tensor]] | None = None,
     observe_steps: int = 1,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
@@ -370,10 +371,10 @@ def audit(
     backend: BackendLike,
     mode: ForwardMode,
     *,
-    cfg: Any = None,
+    cfg: ModelConfig | None = None,
     batch_sizes: Iterable[int] | None = None,
     device: str = "cpu",
-    state: Mapping[str, Any] | None = None,
+    state: Mapping[str, Mapping[str, Tensor]] | None = None,
     observe_steps: int = 1,
 ) -> Result[AuditReport, Unsound]:
     """Trace ``backend`` (and, for a combinator, every node below it) and compare effects.

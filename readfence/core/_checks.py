@@ -22,10 +22,12 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from ._modes import ForwardMode
 from ._protocol import BackendLike
+
+_T = TypeVar("_T")
 
 
 def _shown(value: object) -> str:
@@ -131,10 +133,10 @@ def check_backend(
     value: Any,
     name: str = "backend",
     *,
-    accept: tuple[type, ...] = (),
+    accept: tuple[type[_T], ...] = (),
     allowed: str = "a backend (e.g. readfence.backends.paged())",
     parse_hint: Callable[[str], str] | None = None,
-) -> Any:
+) -> BackendLike | _T:
     """``value`` if it is a backend (:class:`BackendLike`) or one of ``accept``; else a
     ``TypeError`` naming ``name`` and ``allowed``. A spec string gets the call that parses it
     (``parse_hint(text)``, by default ``readfence.backends.parse``).

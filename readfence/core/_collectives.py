@@ -41,17 +41,17 @@ def _namespace(op: Any) -> str | None:
     return getattr(op, "namespace", None)
 
 
-def is_wait(op: Any) -> bool:
+def is_wait(op: object) -> bool:
     """Whether ``op`` is the wait that completes a functional collective."""
     return _namespace(op) in COLLECTIVE_NAMESPACES and getattr(op, "__name__", "").startswith("wait_tensor")
 
 
-def starts_collective(op: Any) -> bool:
+def starts_collective(op: object) -> bool:
     """Whether ``op`` starts a collective whose reads of its inputs last until a wait."""
     return _namespace(op) in COLLECTIVE_NAMESPACES and not is_wait(op)
 
 
-def inert(value: Any) -> bool:
+def inert(value: object) -> bool:
     """Whether an argument value cannot carry a tensor into an op (a name, a number, None).
 
     >>> inert("0"), inert(3), inert(object())
@@ -65,7 +65,7 @@ def inert(value: Any) -> bool:
 HIDDEN_WRITES: dict[str, tuple[int, ...]] = {"_c10d_functional::irecv": (0,)}
 
 
-def hidden_writes(op: Any) -> tuple[int, ...]:
+def hidden_writes(op: object) -> tuple[int, ...]:
     """Argument positions ``op`` writes that its schema does not declare.
 
     >>> import torch

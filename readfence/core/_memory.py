@@ -65,7 +65,7 @@ def span_of(t: torch.Tensor) -> Span | None:
     return Span((t.device.type, t.device.index), base + offset * size, base + (last + 1) * size)
 
 
-def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
+def tensors_in(tree: object) -> Iterator[torch.Tensor]:
     """Every tensor in a pytree (lists of pieces, dicts, tuples), in order; a wrapper subclass
     (an ``AsyncCollectiveTensor``, a ``DTensor``) as the tensors it wraps, which hold its memory."""
     for leaf in pytree.tree_leaves(tree):
@@ -111,7 +111,7 @@ class BufferMap:
     spans: tuple[tuple[str, Span], ...]
 
     @classmethod
-    def of(cls, named: Mapping[str, Any]) -> BufferMap:
+    def of(cls, named: Mapping[str, object]) -> BufferMap:
         """From ``{name: tensor}`` (non-tensors and empty tensors are skipped)."""
         spans = []
         for name, t in named.items():
@@ -135,7 +135,7 @@ class BufferMap:
             return frozenset()
         return frozenset(n for n, span in self.spans if span.overlaps(s))
 
-    def touched_by(self, tree: Any) -> frozenset[str]:
+    def touched_by(self, tree: object) -> frozenset[str]:
         """The names touched by any tensor of a pytree."""
         out: frozenset[str] = frozenset()
         for t in tensors_in(tree):

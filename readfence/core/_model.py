@@ -120,7 +120,7 @@ class _Prepared(Eager):
 
 
 def prepare(backend: BackendLike, mode: ForwardMode, shared: Mapping[str, Tensor],
-            batch: Mapping[str, Tensor]) -> dict[str, Any]:
+            batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The metadata ``attend`` receives: the step's prepare stages, run as :func:`eval_step`
     runs them (``prepare_out_graph``'s outputs copied into the graph, ``prepare_in_graph``'s
     merged over them).
@@ -131,7 +131,7 @@ def prepare(backend: BackendLike, mode: ForwardMode, shared: Mapping[str, Tensor
     ['kv_indices', 'kv_lens']
     """
     fns = step_functions(backend, mode, ModelConfig())  # the body is never run
-    return cast(dict[str, Any], eval_step(_Prepared(), fns, {"shared": shared, "batch": batch}))
+    return cast(dict[str, Tensor], eval_step(_Prepared(), fns, {"shared": shared, "batch": batch}))
 
 
 def run_step(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, step: StepInputs) -> Tensor:

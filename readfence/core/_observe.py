@@ -196,7 +196,7 @@ class ReadObserver(TorchDispatchMode):
         finally:
             self.current_stage = before
 
-    def consume(self, tree: Any, what: str) -> None:
+    def consume(self, tree: object, what: str) -> None:
         """Record a read of every buffer the tensors of ``tree`` touch, by ``what``.
 
         For consumers outside the observed code, e.g. the step's caller reading the body's
@@ -215,7 +215,7 @@ class ReadObserver(TorchDispatchMode):
             self._host.__exit__(None, None, None)
             raise
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             super().__exit__(*exc)
         finally:
@@ -448,9 +448,9 @@ def observe_functions(
     mode: ForwardMode,
     *,
     inputs: Mapping[str, Any],
-    prepare_out_graph: Callable[..., Any],
-    prepare_in_graph: Callable[..., Any],
-    body: Callable[..., Any],
+    prepare_out_graph: Callable[..., object],
+    prepare_in_graph: Callable[..., object],
+    body: Callable[..., object],
 ) -> Observation:
     """One observed step of three stage functions, run eagerly under a ``ReadObserver``.
 

@@ -77,7 +77,7 @@ the example may be any live buffer: every buffer is ``UNKNOWN``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -239,7 +239,7 @@ class StageGraph:
         return last
 
     def run(self, env: Mapping[str, torch.Tensor], *,
-            call: Callable[..., Any] | None = None) -> dict[str, torch.Tensor]:
+            call: Callable[..., Iterable[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
         """Execute the stage on ``env`` (name -> tensor); outputs by name. ``call(*tensors)``,
         when given, runs the graph instead of the module (an ``fx.Interpreter``'s ``run``)."""
         if not self.faithful and self.eager is not None:
@@ -414,7 +414,7 @@ def run_program(program: Program, env: dict[str, torch.Tensor],
     return env[BODY.outputs]
 
 
-def flatten_inputs(**groups: Any) -> dict[str, Any]:
+def flatten_inputs(**groups: object) -> dict[str, Any]:
     """Flatten named groups into one env of dotted names (the Program calling convention).
 
     >>> import torch

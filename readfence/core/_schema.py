@@ -91,14 +91,14 @@ def _aliasing(op: Any) -> OpAliasing:
                       opaque_args, annotated)
 
 
-def op_aliasing(op: Any) -> OpAliasing | None:
+def op_aliasing(op: object) -> OpAliasing | None:
     """The aliasing of an op overload (``torch.ops.ns.op.overload``); ``None`` without a schema."""
     if getattr(op, "_schema", None) is None:
         return None
     return _aliasing(op)
 
 
-def bind(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, defaults: bool = False) -> list[Any]:
+def bind(op: Any, args: Sequence[object], kwargs: Mapping[str, object], *, defaults: bool = False) -> list[Any]:
     """The value passed for each schema argument, in schema order (``None`` when omitted, or
     with ``defaults`` the schema's default where it has one: two calls that differ only in
     spelling a default out then bind alike).

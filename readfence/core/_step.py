@@ -36,7 +36,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import attrs
 import torch
@@ -44,6 +44,8 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from readfence.effects import ReadEnd
+
+_T = TypeVar("_T")
 
 
 @attrs.frozen
@@ -117,7 +119,7 @@ def _segment(key: Any) -> str:
     return f"[{key!r}]"  # pragma: no cover - other key kinds
 
 
-def flatten_group(prefix: str, tree: Any) -> list[tuple[str, Any]]:
+def flatten_group(prefix: str, tree: object) -> list[tuple[str, Any]]:
     """``[(name, leaf)]`` for a pytree (dicts, lists, tuples) under ``prefix``.
 
     A name joins the key path with dots: a string key that starts with a letter or ``_`` and
@@ -165,7 +167,7 @@ class StageOutputError(ValueError):
     """
 
 
-def _like(leaf: Any, value: Any) -> bool:
+def _like(leaf: object, value: object) -> bool:
     # the same object, or, the stage having run again, one like it: an equal Python value, or
     # a value of the same unusual type (a set, a tensor subclass)
     if leaf is value:
@@ -177,11 +179,11 @@ def _like(leaf: Any, value: Any) -> bool:
     return type(value) is not Tensor
 
 
-def _holds(tree: Any, value: Any) -> bool:
+def _holds(tree: object, value: object) -> bool:
     return _like(tree, value) or (isinstance(tree, (dict, list, tuple)) and any(_like(v, value) for v in pytree.tree_leaves(tree)))
 
 
-def returned_at(fn: Callable[..., Any], kwargs: Mapping[str, Any], value: Any) -> str:
+def returned_at(fn: Callable[..., object], kwargs: Mapping[str, Any], value: object) -> str:
     """``file:line in function`` of the innermost frame outside torch and readfence that returns a
     dict, list or tuple holding ``value`` (else the outermost returning ``value``) when
     ``fn(**kwargs)`` runs again; ``"?"``
@@ -223,8 +225,8 @@ def foreign_subclass(t: Tensor) -> bool:
     return type(t) is not Tensor and not type(t).__module__.startswith("torch")
 
 
-def check_stage_output(stage: Stage, out: Any, *, backend: str = "?", fn: Callable[..., Any] | None = None,
-                       kwargs: Mapping[str, Any] | None = None) -> Any:
+def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callable[..., object] | None = None,
+                       kwargs: Mapping[str, Any] | None = None) -> _T:
     """``out`` if ``stage`` may return it (see :class:`StageOutputError`), else the error naming
     ``backend``, the stage, the key and (when ``fn`` and its ``kwargs`` are given) the line.
 
@@ -235,6 +237,7 @@ def check_stage_output(stage: Stage, out: Any, *, backend: str = "?", fn: Callab
     ...
     readfence.core._step.StageOutputError: backend 'mine' stage prepare_in_graph returned set {1, 2} at key ['n'] (at ?): ...
     """
+    bad: object
     if stage is BODY:
         if isinstance(out, Tensor) and not foreign_subclass(out):
             return out
@@ -258,7 +261,7 @@ def check_stage_output(stage: Stage, out: Any, *, backend: str = "?", fn: Callab
                            f"{where} (at {line}): a stage returns {what}")
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     try:
         text = repr(value)
     except Exception:  # a tensor subclass whose repr fails: its type names it
@@ -266,7 +269,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def cross_into_graph(meta: Any) -> Any:
+def cross_into_graph(meta: _T) -> _T:
     """What the graph sees of ``prepare_out_graph``'s outputs: copies made when it returns.
 
     A captured graph reads static input buffers, so the out-of-graph stage's outputs are
@@ -305,29 +308,29 @@ class OutputGuard:
     stage: Stage
     backend: str
     spec: pytree.TreeSpec
-    paths: tuple[Any, ...]
-    baked: tuple[tuple[Any, ...], ...]  # per leaf: ("tensor", shape, dtype) or ("value", type, value)
+    paths: tuple[pytree.KeyPath, ...]
+    baked: tuple[tuple[str, object, object], ...]  # per leaf: ("tensor", shape, dtype) or ("value", type, value)
 
     @staticmethod
-    def _baked(leaf: Any) -> tuple[Any, ...]:
+    def _baked(leaf: object) -> tuple[str, object, object]:
         if isinstance(leaf, Tensor):
             return ("tensor", tuple(leaf.shape), leaf.dtype)
         return ("value", type(leaf), leaf)
 
     @classmethod
-    def of(cls, stage: Stage, out: Any, *, backend: str = "?") -> OutputGuard:
+    def of(cls, stage: Stage, out: object, *, backend: str = "?") -> OutputGuard:
         """The guard of ``stage``'s output ``out`` as traced."""
         pairs, spec = pytree.tree_flatten_with_path(out)
         return cls(stage, backend, spec, tuple(p for p, _ in pairs), tuple(cls._baked(v) for _, v in pairs))
 
-    def check(self, out: Any, fn: Callable[..., Any] | None = None, kwargs: Mapping[str, Any] | None = None) -> None:
+    def check(self, out: object, fn: Callable[..., object] | None = None, kwargs: Mapping[str, Any] | None = None) -> None:
         """Refuse ``out`` unless it has the structure, values, shapes and dtypes traced (``fn``
         and ``kwargs``, the stage's call, only to name the line in the error)."""
         pairs, spec = pytree.tree_flatten_with_path(out)
         if spec == self.spec and all(self._baked(v) == b for (_, v), b in zip(pairs, self.baked)):
             return
 
-        def fail(what: str, value: Any, why: str) -> StageOutputError:
+        def fail(what: str, value: object, why: str) -> StageOutputError:
             line = "?" if fn is None else returned_at(fn, kwargs or {}, value)
             return StageOutputError(f"backend {self.backend!r} stage {self.stage.name} returned {what} (at {line}): {why}")
 
@@ -391,11 +394,11 @@ class StageCall:
         _check_distinct(f"stage {self.stage.name}'s arguments", names, [p for p, _ in pairs])
         return names, [leaf for _, leaf in pairs], spec
 
-    def rebuild(self, leaves: Sequence[Any], spec: pytree.TreeSpec) -> dict[str, Any]:
+    def rebuild(self, leaves: Sequence[object], spec: pytree.TreeSpec) -> dict[str, Any]:
         """The arguments with their leaves replaced by ``leaves`` (same order and spec)."""
         return dict(pytree.tree_unflatten(list(leaves), spec))
 
-    def output_names(self, out: Any) -> list[tuple[str, Any]]:
+    def output_names(self, out: object) -> list[tuple[str, Any]]:
         """``[(name, leaf)]`` of what the stage returned, under its ``outputs`` group."""
         return flatten_group(self.stage.outputs, out)
 
@@ -434,9 +437,9 @@ class StepFunctions:
     ``readfence.core.step_functions`` makes them for a backend and the tiny model.
     """
 
-    prepare_out_graph: Callable[..., Any]
-    prepare_in_graph: Callable[..., Any]
-    body: Callable[..., Any]
+    prepare_out_graph: Callable[..., object]
+    prepare_in_graph: Callable[..., object]
+    body: Callable[..., object]
     backend: str = "?"
 
 
@@ -456,7 +459,7 @@ def _crossing(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
     return run
 
 
-def eval_step(interp: Interpreter, fns: StepFunctions, inputs: Mapping[str, Any]) -> Any:
+def eval_step(interp: Interpreter, fns: StepFunctions, inputs: Mapping[str, object]) -> Any:
     """Run one step of ``fns`` on ``inputs`` (groups: ``shared``, ``batch``, ...) through
     ``interp``; returns what the body returned. The step's protocol, written once (see the
     module docstring): every interpretation of a step is a call of this function.

@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -44,6 +44,9 @@ from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
 from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._threads import watch_threads
+
+if TYPE_CHECKING:
+    from ._state import ModelConfig
 
 
 class StageWriteError(Exception):
@@ -716,9 +719,9 @@ def trace_functions(
     mode: ForwardMode,
     *,
     inputs: Mapping[str, Any],
-    prepare_out_graph: Callable[..., Any],
-    prepare_in_graph: Callable[..., Any],
-    body: Callable[..., Any],
+    prepare_out_graph: Callable[..., object],
+    prepare_in_graph: Callable[..., object],
+    body: Callable[..., object],
     device: str = "cpu",
 ) -> Program:
     """Trace three stage functions over named input groups into a ``Program``.
@@ -778,7 +781,7 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
 
 
 # -- the public entry point ------------------------------------------------------------------
-def _default_cfg() -> Any:
+def _default_cfg() -> ModelConfig:
     from ._state import ModelConfig
 
     return ModelConfig()
@@ -844,7 +847,7 @@ def trace(
     backend: BackendLike,
     mode: ForwardMode,
     *,
-    cfg: Any = None,
+    cfg: ModelConfig | None = None,
     batch_size: int = 2,
     device: str = "cpu",
     seed: int = 0,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from hypothesis import Phase, given
@@ -35,6 +35,9 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 Eq = Callable[[Any, Any], bool]
+
+_T = TypeVar("_T")
+_U = TypeVar("_U")
 
 _VARS = "abc"
 
@@ -46,7 +49,7 @@ _PHASES = tuple(p for p in Phase if p is not Phase.explain)
 class LawViolation(AssertionError):
     """A law failed: carries the law's name, its equation and the inputs."""
 
-    def __init__(self, suite: str, law: Law, args: tuple[Any, ...], detail: str) -> None:
+    def __init__(self, suite: str, law: Law, args: tuple[object, ...], detail: str) -> None:
         shown = ", ".join(f"{v}={a!r}" for v, a in zip(_VARS, args))
         super().__init__(
             f"law {suite}.{law.name} failed: {law.equation}\n  with {shown}\n  {detail}"
@@ -79,8 +82,8 @@ class Law:
 
 
 def ordered_pairs(
-    strategy: st.SearchStrategy[Any], join: Callable[[Any, Any], Any]
-) -> st.SearchStrategy[tuple[Any, Any]]:
+    strategy: st.SearchStrategy[_T], join: Callable[[_T, _T], _T]
+) -> st.SearchStrategy[tuple[_T, _T]]:
     """Pairs ``(a, b)`` with ``b = join(a, c)``: ``a <= b`` always, strictly unless ``c <= a``.
 
     >>> from hypothesis import find
@@ -171,13 +174,13 @@ class LawSuite:
 
 
 def join_semilattice_laws(
-    strategy: st.SearchStrategy[Any],
+    strategy: st.SearchStrategy[_T],
     *,
-    join: Callable[[Any, Any], Any],
-    leq: Callable[[Any, Any], bool],
-    bottom: Any = None,
-    top: Any = None,
-    eq: Eq = operator.eq,
+    join: Callable[[_T, _T], _T],
+    leq: Callable[[_T, _T], bool],
+    bottom: _T | None = None,
+    top: _T | None = None,
+    eq: Callable[[_T, _T], bool] = operator.eq,
     name: str = "join_semilattice",
     max_examples: int = 200,
 ) -> LawSuite:
@@ -232,12 +235,12 @@ def join_semilattice_laws(
 
 
 def closure_laws(
-    strategy: st.SearchStrategy[Any],
-    f: Callable[[Any], Any],
+    strategy: st.SearchStrategy[_T],
+    f: Callable[[_T], _T],
     *,
-    join: Callable[[Any, Any], Any],
-    leq: Callable[[Any, Any], bool],
-    eq: Eq = operator.eq,
+    join: Callable[[_T, _T], _T],
+    leq: Callable[[_T, _T], bool],
+    eq: Callable[[_T, _T], bool] = operator.eq,
     name: str = "closure",
     max_examples: int = 200,
 ) -> LawSuite:
@@ -268,12 +271,12 @@ def closure_laws(
 
 
 def monotone_laws(
-    strategy: st.SearchStrategy[Any],
-    f: Callable[[Any], Any],
+    strategy: st.SearchStrategy[_T],
+    f: Callable[[_T], _U],
     *,
-    join: Callable[[Any, Any], Any],
-    leq_in: Callable[[Any, Any], bool],
-    leq_out: Callable[[Any, Any], bool],
+    join: Callable[[_T, _T], _T],
+    leq_in: Callable[[_T, _T], bool],
+    leq_out: Callable[[_U, _U], bool],
     name: str = "monotone",
     max_examples: int = 200,
 ) -> LawSuite:
@@ -293,16 +296,16 @@ def _caller_globals() -> dict[str, Any]:
     return sys._getframe(2).f_globals
 
 
-def check_join_semilattice(strategy: st.SearchStrategy[Any], **kwargs: Any) -> LawSuite:
+def check_join_semilattice(strategy: st.SearchStrategy[object], **kwargs: Any) -> LawSuite:
     """Register one pytest test per join-semilattice law in the calling module."""
     return join_semilattice_laws(strategy, **kwargs).register(_caller_globals())
 
 
-def check_closure(strategy: st.SearchStrategy[Any], f: Callable[[Any], Any], **kwargs: Any) -> LawSuite:
+def check_closure(strategy: st.SearchStrategy[_T], f: Callable[[_T], _T], **kwargs: Any) -> LawSuite:
     """Register one pytest test per closure-operator law in the calling module."""
     return closure_laws(strategy, f, **kwargs).register(_caller_globals())
 
 
-def check_monotone(strategy: st.SearchStrategy[Any], f: Callable[[Any], Any], **kwargs: Any) -> LawSuite:
+def check_monotone(strategy: st.SearchStrategy[_T], f: Callable[[_T], object], **kwargs: Any) -> LawSuite:
     """Register a pytest test that ``f`` is monotone in the calling module."""
     return monotone_laws(strategy, f, **kwargs).register(_caller_globals())

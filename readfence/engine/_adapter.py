@@ -58,7 +58,7 @@ class Binding:
     layout: dict[str, str]
     cfg: ModelConfig
     state: State
-    server_args: dict[str, Any]
+    server_args: dict[str, object]
     runner: ModelRunnerView
     root: Any
     name: str | None = None  # the root's label when adapt was given one
@@ -99,7 +99,7 @@ def adapt(
     state: State | None = None,
     name: str | None = None,
     reads: Iterable[str] | None = None,
-    server_args: Mapping[str, Any] | None = None,
+    server_args: Mapping[str, object] | None = None,
 ) -> EngineBackend:
     """Lift the engine backend ``factory(runner)`` builds into a readfence backend.
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 import enum
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode
 from readfence.effects import ReadEnd
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 #: The names a declaration may have (the engine's enum members are matched by name).
 END_NAMES: tuple[str, ...] = ("PRE_REPLAY", "IN_REPLAY", "POST_REPLAY", "UNKNOWN")
@@ -201,8 +204,8 @@ def forward_method(obj: object, mode: EngineMode) -> tuple[str, Callable[..., An
     return name, getattr(obj, name)
 
 
-def call(obj: object, who: str, method: str, mode: EngineMode, fn: Callable[..., Any], *args: Any,
-         **kwargs: Any) -> Any:
+def call(obj: object, who: str, method: str, mode: EngineMode, fn: Callable[_P, _R], *args: _P.args,
+         **kwargs: _P.kwargs) -> _R:
     """``fn(*args, **kwargs)``, an engine method; an exception of the engine's own code becomes an
     :class:`EngineError` naming ``who.method`` and the mode (readfence's own errors pass)."""
     try:

@@ -77,7 +77,7 @@ def _children(node: Any) -> Iterator[tuple[Step, Any]]:
                     yield ("attr", slot), getattr(node, slot)
 
 
-def leaves(obj: Any) -> Iterator[tuple[Path, Any]]:
+def leaves(obj: object) -> Iterator[tuple[Path, Tensor | ForwardBatch]]:
     """Every tensor and forward batch reachable from ``obj``'s attributes, by every path.
 
     Follows attributes, dicts, lists and tuples (depth 8, no cycles), not into tensors, the
@@ -151,7 +151,7 @@ class Lifter:
         self.outputs: dict[str, Tensor] = {}
 
     @contextlib.contextmanager
-    def around(self, obj: Any) -> Iterator[None]:
+    def around(self, obj: object) -> Iterator[None]:
         with _quiet():
             before = dict(leaves(obj))
         yield
@@ -203,7 +203,7 @@ class Lifter:
                     outs.append((key, value, span_of(value)))
 
 
-def restore(obj: Any, records: list[Record], meta: Mapping[str, Tensor], bases: Mapping[str, Mapping[str, Tensor]],
+def restore(obj: object, records: list[Record], meta: Mapping[str, Tensor], bases: Mapping[str, Mapping[str, Tensor]],
             batch: ForwardBatch, who: str) -> None:
     """Put ``records`` back on ``obj``: outputs from ``meta``, views over ``bases`` (this call's
     shared buffers and pools), forward batches as ``batch``."""

@@ -24,7 +24,7 @@ asked on the host while earlier steps may still run: they must not change the ob
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,9 +34,9 @@ from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig, example_step
 from readfence.core.internal import check_mode
 from readfence.effects import ReadEnd
-from readfence.graph import Bound, Fence, Policy, StepRun, lower
+from readfence.graph import Bound, Device, Event, Fence, Lowered, Policy, StepRun, lower
 
-from ._adapter import EngineBackend
+from ._adapter import EngineBackend, Tensors
 
 Switch = bool | Callable[[int], bool]
 
@@ -80,12 +80,12 @@ class Mailbox:
 
     def __init__(self, *, clear_on_take: bool = True) -> None:
         self.clear_on_take = clear_on_take
-        self._slot: tuple[int, Any] | None = None
+        self._slot: tuple[int, Bound] | None = None
 
-    def put(self, step: int, event: Any) -> None:
+    def put(self, step: int, event: Bound) -> None:
         self._slot = (step, event)
 
-    def take(self) -> tuple[int, Any] | None:
+    def take(self) -> tuple[int, Bound] | None:
         slot = self._slot
         if self.clear_on_take:
             self._slot = None
@@ -97,7 +97,7 @@ class EngineRunner:
     ``lower_step`` returns): a :class:`~readfence.graph.Lowered` placing one event at the
     runner's end, and, per step, the mailbox deciding what the scheduler waits on."""
 
-    def __init__(self, engine: EngineBackend, mode: ForwardMode, model: RunnerModel, inner: Any, point: ReadEnd,
+    def __init__(self, engine: EngineBackend, mode: ForwardMode, model: RunnerModel, inner: Lowered, point: ReadEnd,
                  marker: bool, graphed: bool) -> None:
         self.engine, self.mode, self.model, self.inner, self.point = engine, mode, model, inner, point
         self.marker, self.graphed = marker, graphed
@@ -117,8 +117,8 @@ class EngineRunner:
         return resolve_end(self.engine, self.mode, batch, marker=self.marker, graphed=self.graphed,
                            prefill=self.model.prefill_enabled(step))
 
-    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Any = (),
-            poison: Any = None, first: bool = True, last: bool = True) -> StepRun:
+    def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Event] = (),
+            poison: Iterable[str] | None = None, first: bool = True, last: bool = True) -> StepRun:
         step = self._steps if step is None else step
         self._steps += 1
         end = self.resolve(step, batch)
@@ -179,18 +179,18 @@ class RunnerTarget(Backend):
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return f"runner[{self.engine.name}]", ()
 
-    def prepare_out_graph(self, mode: ForwardMode, shared: Any, batch: Any) -> dict[str, Tensor]:
+    def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         return self.engine.prepare_out_graph(mode, shared, batch)
 
-    def prepare_in_graph(self, mode: ForwardMode, shared: Any, batch: Any, meta: Any) -> dict[str, Tensor]:
+    def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors, meta: Tensors) -> dict[str, Tensor]:
         return self.engine.prepare_in_graph(mode, shared, batch, meta)
 
     def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor, pools: dict[str, Tensor],
-               shared: Any, batch: Any, meta: Any) -> Tensor:
+               shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
         return self.engine.attend(mode, layer, q, k, v, pools, shared, batch, meta)
 
-    def lower_step(self, mode: ForwardMode, *, device: Any, policy: Policy, batch_size: int, cfg: ModelConfig,
-                   state: Any, **kwargs: Any) -> EngineRunner:
+    def lower_step(self, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int, cfg: ModelConfig,
+                   state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> EngineRunner:
         """Lower for the runner model: ``Policy.JOINED`` is the runner as configured,
         ``Policy.COARSE`` the runner with its kill switch on."""
         mode = check_mode(mode)

@@ -215,7 +215,7 @@ class ModelRunnerView(_Pools):
     """
 
     def __init__(self, cfg: ModelConfig, state: Mapping[str, Mapping[str, Tensor]], layout: Mapping[str, str],
-                 server_args: Mapping[str, Any] | None = None) -> None:
+                 server_args: Mapping[str, object] | None = None) -> None:
         super().__init__(cfg, state["shared"], state["pools"], layout)
         self.cfg = cfg
         self.model_config = ModelConfigView(cfg)

@@ -53,6 +53,7 @@ from torch import Tensor
 from readfence.backends.fuzz import FuzzProgram, FuzzTree
 from readfence.core import (
     BODY,
+    BackendLike,
     Disagreement,
     ForwardMode,
     ModelConfig,
@@ -217,7 +218,7 @@ def _refusal(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
 
 
-def observe_live(backend: Any, mode: ForwardMode, *, cfg: ModelConfig, state: State, batch_size: int,
+def observe_live(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, state: State, batch_size: int,
                  steps: int, seed: int = 0) -> Observation:
     """What ``backend``'s steps read of the *live* shared buffers in ``state``, run eagerly
     under a ``ReadObserver``: ``core.observe`` on the live memory rather than the example's.

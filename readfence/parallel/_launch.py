@@ -30,7 +30,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import attrs
 
@@ -43,6 +43,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: Default timeout of every collective (s): generous, since ranks that trace and lower their
 #: steps drift apart by seconds on a loaded machine before their first collective meets.
 COLLECTIVE_TIMEOUT_S = 60.0
+
+_Ts = TypeVarTuple("_Ts")
+_R = TypeVar("_R")
 
 
 @attrs.frozen
@@ -66,10 +69,10 @@ class Rank:
         """The process group's backend: ``gloo`` on CPU, ``nccl`` on CUDA."""
         return "nccl" if self.device == "cuda" else "gloo"
 
-    def device_options(self) -> dict[str, Any]:
+    def device_options(self) -> dict[str, float]:
         """Keywords for ``readfence.graph.open_device(self.device, ...)``: this rank's GPU and
         its wait timeout."""
-        options: dict[str, Any] = {"timeout": self.device_timeout_s}
+        options: dict[str, float] = {"timeout": self.device_timeout_s}
         if self.device == "cuda":
             options["index"] = self.local_rank
         return options
@@ -319,8 +322,8 @@ def _reap(context: Any, hung: Iterable[int] = (), ending_s: float = 5.0) -> None
 
 
 def launch(
-    job: Callable[..., Any],
-    *args: Any,
+    job: Callable[[Rank, *_Ts], _R],
+    *args: *_Ts,
     tp: int,
     device: str = "cpu",
     cfg: ModelConfig | None = None,
@@ -329,7 +332,7 @@ def launch(
     grace_s: float | None = None,
     deadline_s: float | None = None,
     start_method: str = "forkserver",
-) -> dict[int, Any]:
+) -> dict[int, _R]:
     """Run ``job(rank, *args)`` on each of ``tp`` tensor-parallel ranks; their results by rank.
 
     ``job`` is a module-level function (it is pickled into each rank) that gets a :class:`Rank`

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .._contract import EngineMode
+    from .._view import AttentionLayer, ForwardBatch
 
 
 class SharedReadEnds(enum.Enum):
@@ -48,18 +52,18 @@ class AttentionBackend:
     attn_backend_list: list[Any] | None = None
     forward_metadata: ForwardMetadata | None = None
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         """Eager metadata work before the replay (host reads allowed). Default: nothing."""
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """The first work inside the graph (static shapes). Default: nothing."""
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         if mode.is_decode() or mode.is_target_verify():
             return SharedReadEnds.IN_REPLAY
         return SharedReadEnds.UNKNOWN
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> Tensor:
         if forward_batch.forward_mode.is_idle():
             return q.new_zeros(q.shape)
@@ -67,10 +71,10 @@ class AttentionBackend:
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
 
-    def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no forward_decode")
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no forward_extend")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,16 +20,19 @@ from torch import Tensor
 from readfence.backends import softmax_attention
 from readfence.core import ForwardMode, tokens_per_request
 
+if TYPE_CHECKING:
+    from .._view import AttentionLayer, ForwardBatch
+
 #: ``select(scores, mask) -> mask``: a kernel's own key selection (``readfence.backends.top_pages``).
 Selector = Callable[[Tensor, Tensor], Tensor]
 
 
-def page_rows(req_to_token: Tensor, forward_batch: Any) -> Tensor:
+def page_rows(req_to_token: Tensor, forward_batch: ForwardBatch) -> Tensor:
     """The page-table rows of the batch's requests ``[B, max_ctx]`` int64 (a read of the table)."""
     return req_to_token.index_select(0, forward_batch.req_pool_indices).long()
 
 
-def save_kv(forward_batch: Any, layer: Any, k: Tensor, v: Tensor, *, swa_loc: Tensor | None = None) -> None:
+def save_kv(forward_batch: ForwardBatch, layer: AttentionLayer, k: Tensor, v: Tensor, *, swa_loc: Tensor | None = None) -> None:
     """Write this step's keys and values of ``layer`` (the sliding window's at ``swa_loc``)."""
     pool = forward_batch.token_to_kv_pool
     if swa_loc is None:
@@ -38,7 +41,7 @@ def save_kv(forward_batch: Any, layer: Any, k: Tensor, v: Tensor, *, swa_loc: Te
         pool.set_swa_kv_buffer(layer.layer_id, swa_loc, k, v)
 
 
-def paged_attention(forward_batch: Any, layer: Any, q: Tensor, indices: Tensor, lens: Tensor, *,
+def paged_attention(forward_batch: ForwardBatch, layer: AttentionLayer, q: Tensor, indices: Tensor, lens: Tensor, *,
                     swa: bool = False, window: int | None = None, select: Selector | None = None) -> Tensor:
     """Attention of ``q`` ``[T, H, D]`` over the KV slots ``indices`` ``[B, C]`` of the batch."""
     pool = forward_batch.token_to_kv_pool
@@ -77,7 +80,7 @@ class PagedWrapper:
         else:
             self.kv_indices.narrow(0, 0, b).copy_(req_to_token.index_select(0, rows))
 
-    def run(self, forward_batch: Any, layer: Any, q: Tensor) -> Tensor:
+    def run(self, forward_batch: ForwardBatch, layer: AttentionLayer, q: Tensor) -> Tensor:
         pool = forward_batch.token_to_kv_pool
         return paged_run(q, pool.k_buffer, pool.v_buffer, layer.layer_id, forward_batch.forward_mode.value,
                          self.handle)

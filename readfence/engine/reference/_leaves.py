@@ -21,7 +21,7 @@ DeepSeekV4Backend     TARGET_VERIFY re-reads the table every layer (not dspark);
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -30,18 +30,22 @@ from readfence.backends import linear_attention, remap, top_pages
 from ._base import AttentionBackend, ForwardMetadata, SharedReadEnds
 from ._kernels import PagedWrapper, page_rows, paged_attention, save_kv
 
+if TYPE_CHECKING:
+    from .._contract import EngineMode
+    from .._view import AttentionLayer, ForwardBatch
+
 PRE, IN, POST, UNKNOWN = (SharedReadEnds.PRE_REPLAY, SharedReadEnds.IN_REPLAY, SharedReadEnds.POST_REPLAY,
                           SharedReadEnds.UNKNOWN)
 
 
-def _every_mode(end: SharedReadEnds, mode: Any) -> SharedReadEnds:
+def _every_mode(end: SharedReadEnds, mode: EngineMode) -> SharedReadEnds:
     return UNKNOWN if mode.is_idle() else end
 
 
 class _Paged(AttentionBackend):
     """Attention over ``forward_metadata.kv_indices`` / ``kv_lens`` (what the stages computed)."""
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         md = self.forward_metadata
         assert md is not None and md.kv_indices is not None and md.kv_lens is not None
@@ -61,16 +65,16 @@ class TrtllmMhaBackend(AttentionBackend):
         self.swa_map = runner.token_to_kv_pool.full_to_swa_index_mapping
         self.window = window
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         indices = page_rows(self.req_to_token, forward_batch)
         self.forward_metadata = ForwardMetadata(
             kv_indices=indices, kv_lens=forward_batch.seq_lens.long(), swa_indices=remap(self.swa_map, indices),
             swa_loc=remap(self.swa_map, forward_batch.out_cache_loc))
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         return _every_mode(PRE, mode)
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         md = self.forward_metadata
         assert md is not None and md.kv_lens is not None
@@ -92,7 +96,7 @@ class TritonBackend(_Paged):
     def __init__(self, runner: Any) -> None:
         self.req_to_token_pool = runner.req_to_token_pool
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.forward_metadata = ForwardMetadata(kv_indices=page_rows(self.req_to_token_pool.req_to_token, forward_batch),
                                                 kv_lens=forward_batch.seq_lens.long())
 
@@ -108,13 +112,13 @@ class FlashInferBackend(AttentionBackend):
         self.wrapper = PagedWrapper(runner.req_to_token_pool.size, runner.model_config.context_len, runner.device,
                                     keep_reference=self.keep_reference)
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         self.wrapper.plan(self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens)
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         return _every_mode(PRE, mode)
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         if save_kv_cache:
             save_kv(forward_batch, layer, k, v)
@@ -139,10 +143,10 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, runner: Any) -> None:
         self.req_to_token = runner.req_to_token_pool.req_to_token
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         return POST if mode.is_decode() or mode.is_target_verify() else UNKNOWN
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         import torch
 
@@ -175,10 +179,10 @@ class MiniMaxSparseBackend(AttentionBackend):
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.select = top_pages(top_k, page_size)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.forward_metadata = ForwardMetadata(kv_lens=forward_batch.seq_lens.long())
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         md = self.forward_metadata
         assert md is not None and md.kv_lens is not None
@@ -198,10 +202,10 @@ class LinearAttnBackend(AttentionBackend):
         self.state_slots = runner.req_to_token_pool.state_slots
         self.decay = decay
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.forward_metadata = ForwardMetadata(state_indices=remap(self.state_slots, forward_batch.req_pool_indices))
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         md = self.forward_metadata
         assert md is not None and md.state_indices is not None
@@ -228,15 +232,15 @@ class DeepSeekV4Backend(_Paged):
         self.snapshot_tokens = snapshot_tokens
         self.prefill_snapshot: ForwardMetadata | None = None
 
-    def _rereads(self, mode: Any) -> bool:
+    def _rereads(self, mode: EngineMode) -> bool:
         return mode.is_target_verify() and not self.dspark
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         if mode.is_target_verify():
             return IN if self.dspark else POST
         return super().shared_read_ends(mode)
 
-    def resolve_prefill_shared_read_ends(self, forward_batch: Any, *, num_qo_tokens: int,
+    def resolve_prefill_shared_read_ends(self, forward_batch: ForwardBatch, *, num_qo_tokens: int,
                                          build_snapshot: bool = True) -> SharedReadEnds:
         if forward_batch.forward_mode.name != "EXTEND":
             return UNKNOWN
@@ -246,7 +250,7 @@ class DeepSeekV4Backend(_Paged):
                                                     kv_lens=forward_batch.seq_lens.long()) if can else None
         return PRE if can else UNKNOWN
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if mode.name == "EXTEND":
             self.forward_metadata = self.prefill_snapshot  # None: the forward reads the live table
@@ -256,7 +260,7 @@ class DeepSeekV4Backend(_Paged):
             self.forward_metadata = ForwardMetadata(kv_indices=page_rows(self.req_to_token, forward_batch),
                                                     kv_lens=forward_batch.seq_lens.long())
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> Tensor:
         md = self.forward_metadata
         if md is None:  # prefill without a snapshot: the live table and lengths, now

@@ -20,12 +20,16 @@ DotsHybridAttnBackend  UNKNOWN for non-speculative EXTEND (its eager padding pat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from ._base import AttentionBackend, SharedReadEnds
+
+if TYPE_CHECKING:
+    from .._contract import EngineMode
+    from .._view import AttentionLayer, ForwardBatch
 
 _PREFILL = "resolve_prefill_shared_read_ends"
 
@@ -36,15 +40,15 @@ class _Wrapper(AttentionBackend):
     def __init__(self, *children: Any) -> None:
         self.attn_backend_list = list(children)
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         for child in self.attn_backend_list or ():
             child.init_forward_metadata_out_graph(forward_batch, in_capture)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         for child in self.attn_backend_list or ():
             child.init_forward_metadata_in_graph(forward_batch)
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         return SharedReadEnds.max_of(child.shared_read_ends(mode) for child in self.attn_backend_list or ())
 
 
@@ -54,7 +58,7 @@ class _ByLayer(_Wrapper):
     def route(self, layer_id: int) -> int:
         raise NotImplementedError
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> Tensor:
         child = (self.attn_backend_list or [])[self.route(layer.layer_id)]
         return child.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
@@ -68,19 +72,19 @@ class HybridAttnBackend(AttentionBackend):
         self.prefill_backend, self.decode_backend = prefill_backend, decode_backend
         self.attn_backend_list = [prefill_backend, decode_backend]
 
-    def _select(self, mode: Any) -> Any:
+    def _select(self, mode: EngineMode) -> Any:
         return self.prefill_backend if mode.name == "EXTEND" else self.decode_backend
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         self._select(forward_batch.forward_mode).init_forward_metadata_out_graph(forward_batch, in_capture)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self._select(forward_batch.forward_mode).init_forward_metadata_in_graph(forward_batch)
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         return self._select(mode).shared_read_ends(mode)
 
-    def resolve_prefill_shared_read_ends(self, forward_batch: Any, *, num_qo_tokens: int,
+    def resolve_prefill_shared_read_ends(self, forward_batch: ForwardBatch, *, num_qo_tokens: int,
                                          build_snapshot: bool = True) -> SharedReadEnds:
         chosen = self._select(forward_batch.forward_mode)
         if hasattr(chosen, _PREFILL):
@@ -88,7 +92,7 @@ class HybridAttnBackend(AttentionBackend):
                                                            build_snapshot=build_snapshot)
         return chosen.shared_read_ends(forward_batch.forward_mode)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> Tensor:
         chosen = self._select(forward_batch.forward_mode)
         return chosen.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
@@ -103,17 +107,17 @@ class TboAttnBackend(_Wrapper):
         super().__init__(primary, *children)
         self.primary, self.children = primary, list(children)
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
         self.primary.init_forward_metadata_out_graph(forward_batch, in_capture)
         for child, part in zip(self.children, forward_batch.split(len(self.children))):
             child.init_forward_metadata_out_graph(part, in_capture)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         self.primary.init_forward_metadata_in_graph(forward_batch)
         for child, part in zip(self.children, forward_batch.split(len(self.children))):
             child.init_forward_metadata_in_graph(part)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> Tensor:
         outs, start = [], 0
         for child, part in zip(self.children, forward_batch.split(len(self.children))):
@@ -158,13 +162,13 @@ class DotsHybridAttnBackend(_ByLayer):
     def route(self, layer_id: int) -> int:
         return layer_id % 2
 
-    def _pads(self, mode: Any) -> bool:
+    def _pads(self, mode: EngineMode) -> bool:
         return mode.name == "EXTEND" and not self.speculative
 
-    def shared_read_ends(self, mode: Any) -> SharedReadEnds:
+    def shared_read_ends(self, mode: EngineMode) -> SharedReadEnds:
         return SharedReadEnds.UNKNOWN if self._pads(mode) else super().shared_read_ends(mode)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> Tensor:
         if self._pads(forward_batch.forward_mode):
             child = (self.attn_backend_list or [])[self.route(layer.layer_id)]

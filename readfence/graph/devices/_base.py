@@ -17,7 +17,7 @@ from ._context import _current_context, _label_of
 from ._errors import CaptureError, DeviceClosed, DeviceError
 from ._faults import FaultInjector
 from ._ops import Op, bind_step, records_in
-from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver
+from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver, Event, Graph, Stream
 
 
 def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:
@@ -61,7 +61,7 @@ class DeviceBase:
         self._closed = False
 
     # -- construction
-    def stream(self, name: str) -> Any:
+    def stream(self, name: str) -> Stream:
         """The stream called ``name``, created on first use."""
         with self._lock:
             self._check_open()
@@ -71,12 +71,12 @@ class DeviceBase:
             return s
 
     @property
-    def streams(self) -> tuple[Any, ...]:
+    def streams(self) -> tuple[Stream, ...]:
         """Every stream created so far."""
         with self._lock:
             return tuple(self._streams.values())
 
-    def event(self, name: str) -> Any:
+    def event(self, name: str) -> Event:
         """A new event; ``name`` is used in messages (each call returns a distinct event)."""
         return self._event_type(self, name)
 
@@ -96,28 +96,28 @@ class DeviceBase:
         return nullcontext()
 
     @contextmanager
-    def capture(self, stream: Any, *, label: str = "graph") -> Iterator[Any]:
+    def capture(self, stream: Stream, *, label: str = "graph") -> Iterator[Graph]:
         """Capture launches and records issued on ``stream`` inside the ``with`` into a graph."""
-        stream = self._own_stream(stream)
+        own = self._own_stream(stream)
         if not self.caps.graphs:
             raise CaptureError(
                 f"device {self.name!r} cannot capture graphs (Capabilities.graphs=False): launch eagerly"
             )
         with self._lock:
             self._check_open()
-            if stream._capture is not None:
-                raise CaptureError(f"stream {stream.name!r} is already capturing graph {stream._capture.label!r}")
-            graph = self._graph_type(self, stream, label)
-            stream._capture = graph
+            if own._capture is not None:
+                raise CaptureError(f"stream {own.name!r} is already capturing graph {own._capture.label!r}")
+            graph = self._graph_type(self, own, label)
+            own._capture = graph
         try:
-            with self._capture_context(graph, stream):
+            with self._capture_context(graph, own):
                 yield graph
         except BaseException as exc:
             graph._broken = exc
             raise
         finally:
             with self._lock:
-                stream._capture = None
+                own._capture = None
                 graph._sealed = True
 
     def delay_point(self, label: str) -> None:
@@ -204,7 +204,7 @@ class DeviceBase:
 class GraphBase:
     """What CpuGraph and CudaGraph share: their capture state and the replay preconditions."""
 
-    def __init__(self, device: Any, stream: Any, label: str) -> None:
+    def __init__(self, device: DeviceBase, stream: Stream, label: str) -> None:
         self.device = device
         self.stream = stream
         self.label = label
@@ -216,7 +216,7 @@ class GraphBase:
         raise NotImplementedError
 
     @property
-    def records(self) -> tuple[Any, ...]:
+    def records(self) -> tuple[Event, ...]:
         """The events the graph records on each replay, in order."""
         return records_in(self.ops)
 

@@ -38,7 +38,7 @@ import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVarTuple
 
 import attrs
 
@@ -50,6 +50,11 @@ from ._errors import CaptureError, DeviceClosed, DeviceTimeout, EventNeverRecord
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
 from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+_Ts = TypeVarTuple("_Ts")
 
 
 class Generation:
@@ -488,8 +493,8 @@ class CpuStream:
 
     def launch(
         self,
-        fn: Callable[..., Any],
-        *args: Any,
+        fn: Callable[[*_Ts], object],
+        *args: *_Ts,
         label: str = "",
         ops: Sequence[Op] = (),
         step: int | None = None,
@@ -576,7 +581,7 @@ class CpuStream:
             raise marker.error
         dev._notify("on_stream_synchronize", self.name)
 
-    def keep(self, tensor: Any) -> None:
+    def keep(self, tensor: Tensor) -> None:
         """Nothing to do: host memory is not handed out per stream (see ``Stream.keep``)."""
 
     def __repr__(self) -> str:

@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import TypeVarTuple
 
 import torch
 
@@ -35,6 +35,8 @@ from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorde
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
 from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
+
+_Ts = TypeVarTuple("_Ts")
 
 
 def _in_graph_events_supported() -> bool:
@@ -189,8 +191,8 @@ class CudaStream:
 
     def launch(
         self,
-        fn: Callable[..., Any],
-        *args: Any,
+        fn: Callable[[*_Ts], object],
+        *args: *_Ts,
         label: str = "",
         ops: Sequence[Op] = (),
         step: int | None = None,

@@ -21,7 +21,7 @@ DEVICE_KINDS = ("auto", "cpu", "cuda")
 """What ``open_device`` (and ``--device``) accepts."""
 
 
-def check_device(device: Any, name: str = "device") -> Any:
+def check_device(device: Any, name: str = "device") -> Device:
     """``device`` if it is a readfence device (streams, events, ``caps``); else a ``TypeError``
     naming ``name`` that says how to make one.
 

@@ -41,13 +41,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Protocol, Self, TypeVarTuple, runtime_checkable
 
 from torch import Tensor
 
 from readfence.effects import Capabilities
 
 from ._ops import Op
+
+_Ts = TypeVarTuple("_Ts")
 
 DEFAULT_TIMEOUT_S = 30.0
 """Default timeout of every host wait (and of device-side waits on ``CpuDevice``)."""
@@ -96,8 +98,8 @@ class Stream(Protocol):
 
     def launch(
         self,
-        fn: Callable[..., Any],
-        *args: Any,
+        fn: Callable[[*_Ts], object],
+        *args: *_Ts,
         label: str = "",
         ops: Sequence[Op] = (),
         step: int | None = None,
@@ -181,13 +183,13 @@ class DeviceObserver:
     def on_launch(self, stream: str, label: str, ops: Sequence[Op]) -> None:
         """A launch or a graph replay was enqueued on ``stream``."""
 
-    def on_record(self, stream: str, event: Any) -> None:
+    def on_record(self, stream: str, event: Event) -> None:
         """``stream.record(event)`` was enqueued."""
 
-    def on_wait(self, stream: str, event: Any) -> None:
+    def on_wait(self, stream: str, event: Event) -> None:
         """``stream.wait(event)`` was enqueued (bound to the latest record)."""
 
-    def on_event_synchronize(self, event: Any) -> None:
+    def on_event_synchronize(self, event: Event) -> None:
         """The host returned from ``event.synchronize()``."""
 
     def on_stream_synchronize(self, stream: str) -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @attrs.frozen
@@ -25,7 +28,7 @@ class Span:
     start: float
     end: float
     category: str
-    args: dict[str, Any] = attrs.field(factory=dict)
+    args: dict[str, object] = attrs.field(factory=dict)
 
 
 class Timeline:
@@ -43,17 +46,17 @@ class Timeline:
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
 
-    def span(self, track: str, name: str, start: float, end: float, category: str = "op", **args: Any) -> None:
+    def span(self, track: str, name: str, start: float, end: float, category: str = "op", **args: object) -> None:
         with self._lock:
             self.spans.append(Span(track, name, start, end, category, args))
 
-    def instant(self, track: str, name: str, at: float, category: str = "event", **args: Any) -> None:
+    def instant(self, track: str, name: str, at: float, category: str = "event", **args: object) -> None:
         self.span(track, name, at, at, category, **args)
 
-    def timed(self, track: str, name: str, fn: Callable[..., Any], category: str = "op", **args: Any) -> Callable[..., Any]:
+    def timed(self, track: str, name: str, fn: Callable[_P, _R], category: str = "op", **args: object) -> Callable[_P, _R]:
         """``fn`` wrapped to record a span on ``track`` each time it runs."""
 
-        def run(*a: Any, **kw: Any) -> Any:
+        def run(*a: _P.args, **kw: _P.kwargs) -> _R:
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)

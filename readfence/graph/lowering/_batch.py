@@ -38,7 +38,7 @@ class GatherCode(NamedTuple):
     issuer (``_issue``) inlines them."""
 
     lines: tuple[str, ...]
-    scope: dict[str, Any]
+    scope: dict[str, object]
 
 
 def gather_code(owner: str, static: Mapping[str, Tensor], detail: str = "") -> GatherCode:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from ..devices import DeviceError, Stream
+from ..devices import DeviceError, Event, Generation, Stream
 
-NO_PROBES: Mapping[str, Any] = MappingProxyType({})
+NO_PROBES: Mapping[str, Bound] = MappingProxyType({})
 
 
 class RingWrapError(DeviceError):
@@ -35,7 +35,7 @@ class Bound(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, event: Any, generation: int, handle: Any = None) -> Bound:
+    def __new__(cls, event: Event, generation: int, handle: Generation | None = None) -> Bound:
         return tuple.__new__(cls, (event, generation, handle))
 
     event = property(operator.itemgetter(0))
@@ -43,7 +43,7 @@ class Bound(tuple):
     handle = property(operator.itemgetter(2))
 
     @classmethod
-    def latest(cls, event: Any) -> Bound:
+    def latest(cls, event: Event) -> Bound:
         """The event's latest enqueued record (what a wait called now would bind to)."""
         return tuple.__new__(cls, (event, event.generation, getattr(event, "latest", None)))
 
@@ -79,7 +79,7 @@ class Bound(tuple):
             self.check(what)
         event.synchronize(timeout)
 
-    def check(self, what: str) -> Any:
+    def check(self, what: str) -> Event:
         current = self.event.generation
         if current != self.generation:
             raise RingWrapError(
@@ -91,7 +91,7 @@ class Bound(tuple):
         return self.event
 
 
-def covering_all(events: Sequence[Any]) -> range:
+def covering_all(events: Sequence[Event]) -> range:
     """The index of the latest of a lowered step's events before ``done`` (none if it has none)."""
     return range(len(events) - 1)[-1:]
 
@@ -106,16 +106,16 @@ class SlotHead(NamedTuple):
 
     owner: str  # the label of the lowered graph (or composite step)
     points: Mapping[str, int | None]  # buffer -> index of its event in ``events`` (None: no wait)
-    events: Sequence[Any]  # the slot's events in plan order, then ``done``
+    events: Sequence[Event]  # the slot's events in plan order, then ``done``
     base: tuple[int, ...]  # per event, its generation before the slot's first run
-    handles: Sequence[Any] | None  # per event, its CpuDevice record (explicit generations only)
+    handles: Sequence[Generation | None] | None  # per event, its CpuDevice record (explicit generations only)
     probes: Mapping[str, Bound]  # per buffer, the probe after its last read (measured runs)
     covering: Sequence[int]  # the events a wait for every buffer binds
-    waits: tuple[tuple[Any, int], ...]  # (event, base generation) of ``covering``, for ``Fence.wait``
+    waits: tuple[tuple[Event, int], ...]  # (event, base generation) of ``covering``, for ``Fence.wait``
 
 
-def slot_head(owner: str, points: Mapping[str, int | None], events: Sequence[Any], base: tuple[int, ...],
-              handles: Sequence[Any] | None = None, probes: Mapping[str, Bound] = NO_PROBES,
+def slot_head(owner: str, points: Mapping[str, int | None], events: Sequence[Event], base: tuple[int, ...],
+              handles: Sequence[Generation | None] | None = None, probes: Mapping[str, Bound] = NO_PROBES,
               covering: Sequence[int] | None = None) -> SlotHead:
     """The :class:`SlotHead` of a ring slot. ``covering``: the events a wait for every buffer
     binds (default: the latest, see :func:`covering_all`).
@@ -179,7 +179,7 @@ class Fence:
     __slots__ = ("_head", "_step", "_done_handle", "_ticket")
     _head: SlotHead
     _step: int
-    _done_handle: Any
+    _done_handle: Generation | None
     _ticket: int
 
     def __init__(self, owner: str, step: int, per_buffer: Mapping[str, Bound | None], done: Bound,
@@ -206,8 +206,8 @@ class Fence:
 
     @classmethod
     def from_generations(cls, owner: str, step: int, points: Mapping[str, int | None],
-                         events: Sequence[Any], generations: Sequence[int], handles: Sequence[Any] | None,
-                         probes: Mapping[str, Bound], done_handle: Any = None) -> Fence:
+                         events: Sequence[Event], generations: Sequence[int], handles: Sequence[Generation | None] | None,
+                         probes: Mapping[str, Bound], done_handle: Generation | None = None) -> Fence:
         """Buffer ``b`` is released by ``events[points[b]]`` at ``generations[points[b]]``.
 
         ``points[b]`` None: not read. The last event is the whole forward's (``done``). ``points`` and
@@ -219,9 +219,9 @@ class Fence:
         return fence_of(head, step, done_handle, 0)
 
     @classmethod
-    def from_ticket(cls, owner: str, step: int, points: Mapping[str, int | None], events: Sequence[Any],
-                    clock: RunClock, ticket: int, handles: Sequence[Any] | None = None,
-                    probes: Mapping[str, Bound] = NO_PROBES, done_handle: Any = None) -> Fence:
+    def from_ticket(cls, owner: str, step: int, points: Mapping[str, int | None], events: Sequence[Event],
+                    clock: RunClock, ticket: int, handles: Sequence[Generation | None] | None = None,
+                    probes: Mapping[str, Bound] = NO_PROBES, done_handle: Generation | None = None) -> Fence:
         """Like :meth:`from_generations`, for run ``ticket`` of the slot whose runs ``clock`` counts.
 
         The events are recorded on one stream in this order, so a wait for every buffer binds the
@@ -347,7 +347,7 @@ class Fence:
         return _timestamp(bound)
 
 
-def fence_of(head: SlotHead, step: int, done_handle: Any, ticket: int) -> Fence:
+def fence_of(head: SlotHead, step: int, done_handle: Generation | None, ticket: int) -> Fence:
     """The fence of run ``ticket`` of the ring slot whose :func:`slot_head` is ``head``."""
     fence = object.__new__(Fence)
     fence._head = head

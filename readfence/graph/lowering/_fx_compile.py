@@ -201,8 +201,8 @@ def _candidates(op: Any) -> list[Callable[..., Any]]:
     return [f for f in found if f is not None]
 
 
-def binding_for(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                candidates: Iterable[Callable[..., Any]] | None = None) -> Callable[..., Any] | None:
+def binding_for(op: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object],
+                candidates: Iterable[Callable[..., object]] | None = None) -> Callable[..., object] | None:
     """A binding that, called with ``args``/``kwargs`` (meta tensors standing for the values),
     dispatches exactly ``op`` once with the same arguments; ``None`` if no candidate does.
 
@@ -285,7 +285,7 @@ class CompiledGraph:
     def __init__(self, fn: Callable[..., Any], source: str, stats: dict[str, int]) -> None:
         self.fn, self.source, self.stats = fn, source, stats
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> Any:
         return self.fn(*args)
 
     def __repr__(self) -> str:

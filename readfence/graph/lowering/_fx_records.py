@@ -8,12 +8,12 @@ and records in node order) that the device and its sanitizer see at enqueue time
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import fx
 
-from ..devices import Op, Read, Record
+from ..devices import Device, Event, Op, Read, Record
 
 RECORD_KEY = "readfence_record"
 
@@ -30,8 +30,8 @@ class _RecordHere:
 
 
 def insert_records(
-    gm: fx.GraphModule, after: Mapping[str, Sequence[Any]], device: Any,
-    actions: Mapping[str, Sequence[Any]] | None = None,
+    gm: fx.GraphModule, after: Mapping[str, Sequence[Event]], device: Device,
+    actions: Mapping[str, Sequence[Callable[[], object]]] | None = None,
 ) -> fx.GraphModule:
     """A copy of ``gm`` recording ``after[node]`` events (in order) right after each node,
     then calling ``actions[node]`` (plain callables, e.g. a check's poison) after them.

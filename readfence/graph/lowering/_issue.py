@@ -29,7 +29,7 @@ which (``Lowered.step_source``):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -42,6 +42,9 @@ from ..devices.internal import copy_all_from_host
 from ._batch import gather_code
 from ._codegen import define
 from ._fence import Fence
+
+if TYPE_CHECKING:
+    from ._slot import Slot
 
 
 class StepRun(NamedTuple):
@@ -84,10 +87,10 @@ def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
     copy_all_from_host(static, staged)
 
 
-def step_issuer(low: Any, slot: Any, index: int) -> StepIssuer:
+def step_issuer(low: Any, slot: Slot, index: int) -> StepIssuer:
     """The function that issues one step of the ``Lowered`` ``low`` on its ring slot ``slot``
-    (number ``index``; see the module doc; ``_lower`` imports this module, so neither type is
-    named here).
+    (number ``index``; see the module doc; ``_lower`` imports this module, so ``Lowered`` is
+    not named here).
 
     It counts the run on ``low`` and the slot's clock, enqueues the step as one batch of the
     stream, resyncs the slot's fence base if the step stops midway, and returns the

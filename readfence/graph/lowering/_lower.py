@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -59,6 +59,9 @@ from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
 from ._slot import Slot, SlotSpec, StepLauncher, build_slot, last_reads
 
+if TYPE_CHECKING:
+    from readfence.core import Unsound
+
 _COUNTER = itertools.count()
 
 
@@ -67,7 +70,7 @@ class UnsoundLowering(ValueError):
 
     ``failure`` is the audit's :class:`~readfence.core.Unsound` (buffer, ends, reader)."""
 
-    failure: Any = None
+    failure: Unsound | None = None
 
 
 class UncapturableStage(ValueError):

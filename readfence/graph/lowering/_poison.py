@@ -52,6 +52,8 @@ from readfence.core import SHARED_BUFFERS, ModelConfig
 from readfence.core.internal import buffer_ranges
 from readfence.effects import ReadEnd
 
+from ._plan import Placement
+
 #: The poisons, in the order the steps take them: step ``s`` is poisoned with
 #: ``POISONS[s % len(POISONS)]`` (see :func:`poison_family`).
 POISONS: tuple[str, ...] = ("reversed", "highest", "reversed, ties swapped", "lowest")
@@ -126,7 +128,7 @@ class Watcher(Protocol):
     runs no Python).
     """
 
-    def stage(self, name: str) -> AbstractContextManager[Any]:
+    def stage(self, name: str) -> AbstractContextManager[object]:
         """Around the execution of stage ``name`` (the observer watches inside)."""
         ...
 
@@ -289,12 +291,12 @@ class CheckState:
         return out
 
 
-def poison_points(placements: Mapping[str, Any]) -> dict[Any, tuple[str, ...]]:
+def poison_points(placements: Mapping[str, Placement]) -> dict[Placement, tuple[str, ...]]:
     """Per placement (fence point), the buffers it releases inside the step.
 
     ``UNKNOWN`` (after the whole forward) releases nothing the step could still read.
     """
-    out: dict[Any, list[str]] = {}
+    out: dict[Placement, list[str]] = {}
     for b, p in placements.items():
         if p.end is not ReadEnd.UNKNOWN:
             out.setdefault(p, []).append(b)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import attrs
 from torch import Tensor
@@ -119,7 +119,7 @@ class StepLauncher:
                     f"shape per batch size; pad it to a fixed shape, as engines' graph runners do")
             static.copy_(v)
 
-    def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], Any]) -> None:
+    def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], object]) -> None:
         runner, ops = slot.stages[stage.name]
         env, watcher = self.env, self.watcher
 

@@ -37,7 +37,7 @@ class LoopResult:
     """Outputs and measurements of one run of the decode loop."""
 
     policy: Policy | None
-    logits: list[Tensor]
+    logits: list[Tensor | tuple[Tensor, ...]]  # a tuple per step for a composite step
     seconds: float
     violations: tuple[Violation, ...] = ()
     slack: dict[str, float] = attrs.Factory(dict)
@@ -56,7 +56,7 @@ class LoopResult:
             return 1.0 / median if median > 0 else float("inf")
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
 
-    def matches(self, reference: LoopResult | Sequence[Any]) -> bool:
+    def matches(self, reference: LoopResult | Sequence[Tensor | tuple[Tensor, ...]]) -> bool:
         """Bit-identical logits, step by step (phases and streams included); the reference
         must be on the same device (``ValueError`` otherwise)."""
         ref = reference.logits if isinstance(reference, LoopResult) else list(reference)
@@ -68,7 +68,7 @@ class LoopResult:
         return statistics.fmean(self.slack.values()) if self.slack else None
 
 
-def same_logits(a: Any, b: Any) -> bool:
+def same_logits(a: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...]) -> bool:
     """Bit-identical logits (tensors, or tuples of them for composite steps), on one device."""
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.device != b.device:
@@ -182,7 +182,7 @@ class DecodeLoop:
     device: Device
     schedule_stream: Stream
     written: Event
-    write_work: Callable[[], Any] | None  # run on the schedule stream before the page-table write
+    write_work: Callable[[], object] | None  # run on the schedule stream before the page-table write
     timeline: Timeline | None
     write_order: tuple[str, ...]
     check: CheckState | None = None  # check mode: poison on release (graph.lowering._poison)
@@ -321,7 +321,7 @@ class DecodeLoop:
         return 1.0 / max(self.time_forward(steps, timeout), self.time_scheduler(steps, timeout))
 
 
-def synthetic_work(device: Device | str, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], Any] | None:
+def synthetic_work(device: Device | str, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], object] | None:
     """The scheduler's synthetic page-table work for ``decode_loop``: a GIL-free
     ``write_cost x write_cost`` matmul on ``device``, or a ``write_wait_s`` stall of the
     schedule stream that uses no compute (a copy engine); ``None`` for neither.

@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from ..devices import DeviceObserver, Op, Read, Record, Write
+from ..devices import DeviceObserver, Event, Op, Read, Record, Write
 
 HOST = "<host>"
 """The host agent's name in vector clocks and violations."""
@@ -174,12 +174,12 @@ class Sanitizer(DeviceObserver):
                 else:
                     raise TypeError(f"unknown op {op!r} in launch {label!r} on {stream!r}")
 
-    def on_record(self, stream: str, event: Any) -> None:
+    def on_record(self, stream: str, event: Event) -> None:
         with self._lock:
             clock = self._enter(stream)
             self._events[event] = dict(clock)
 
-    def on_wait(self, stream: str, event: Any) -> None:
+    def on_wait(self, stream: str, event: Event) -> None:
         with self._lock:
             snap = self._events.get(event)
             if snap is None:
@@ -187,7 +187,7 @@ class Sanitizer(DeviceObserver):
                 raise ValueError(f"sanitizer: stream {stream!r} waits on event {name!r}, which was never recorded")
             _merge(self._enter(stream), snap)
 
-    def on_event_synchronize(self, event: Any) -> None:
+    def on_event_synchronize(self, event: Event) -> None:
         with self._lock:
             snap = self._events.get(event)
             if snap is not None:

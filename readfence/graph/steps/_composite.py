@@ -188,7 +188,7 @@ def split_requests(batch: Mapping[str, Tensor], tokens: int, parts: int) -> list
              for k, t in batch.items()} for lo, hi in ranges]
 
 
-def eager_streams(members: Sequence[Any], mode: ForwardMode, cfg: ModelConfig, shared: dict[str, Tensor],
+def eager_streams(members: Sequence[BackendLike], mode: ForwardMode, cfg: ModelConfig, shared: dict[str, Tensor],
                   pools: dict[str, Tensor], params: dict[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
     """The serial reference of a ``per_stream`` step: each member on its share, one after another."""
     parts = split_requests(batch, tokens_per_request(mode), len(members))

@@ -69,7 +69,7 @@ def scheduling_mode(target: Target, mode: ForwardMode) -> ForwardMode:
 
 
 def eager_step(target: Target, mode: ForwardMode, cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]],
-               batch: dict[str, Tensor]) -> Any:
+               batch: dict[str, Tensor]) -> Tensor | tuple[Tensor, ...]:
     """The serial reference of one step of ``target``: its logits (a tuple for a composite step)."""
     shared, pools, params = state["shared"], state["pools"], state["params"]
     if isinstance(target, StepShape):
