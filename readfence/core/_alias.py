@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 from torch import fx
+from torch._ops import HigherOrderOperator
 
 from ._collectives import hidden_writes, inert, is_wait, starts_collective
 from ._program import ESCAPE, OPAQUE_KEY, READS_KEY
@@ -66,6 +67,7 @@ def analyse(
     output_reads: bool = False,
     observed: Mapping[str, Aliases] | None = None,
     copies: frozenset[str] | None = None,
+    hidden: Mapping[str, Aliases] | None = None,
 ) -> Analysis:
     """Annotate ``graph``'s nodes with ``READS_KEY`` (and ``OPAQUE_KEY``) in place.
 
@@ -82,6 +84,9 @@ def analyse(
     copied, so they read what they were given and alias nothing. Without memory (``copies``
     ``None``: fake tensors), a claim no annotation makes (``Tensor[] -> Tensor[]``: the oracle's
     worst case) counts both ways: the op may alias its inputs and may read them.
+
+    ``hidden`` maps a node to the buffers it reaches other than through its arguments (the
+    tensors a higher-order op's branch graphs captured): they count as its arguments.
     """
     alias: dict[fx.Node, Aliases] = {}
     seen = observed or {}
@@ -131,7 +136,7 @@ def analyse(
                 unknown.update(leaked)
             continue
         target = node.target
-        everything = al((node.args, node.kwargs))
+        everything = al((node.args, node.kwargs)) | (hidden or {}).get(node.name, _EMPTY)
         if node.op == "call_function" and target is operator.getitem:
             # a piece of a list or tuple output: it may alias whatever the container holds
             alias[node] = al(node.args[0]) | seen.get(node.name, _EMPTY)
@@ -157,7 +162,8 @@ def analyse(
                 # a higher-order op, a call_module/call_method, a Python callable, or an op
                 # taking a Python object: the analysis cannot tell what it does with them
                 why = f"opaque argument type in {aliasing.name}" if aliasing else (
-                    f"no schema: {getattr(target, '__name__', target)}")
+                    f"higher-order op {target.name()}: the analysis does not look into its branches"
+                    if isinstance(target, HigherOrderOperator) else f"no schema: {getattr(target, '__name__', target)}")
                 mark_opaque(node, why)
                 unknown.update(everything)
             continue

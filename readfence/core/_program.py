@@ -179,6 +179,8 @@ class StageGraph:
     memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
     # the nodes whose view claim their real memory refutes (copies); None: no memory (fake tensors)
     copies: frozenset[str] | None = None
+    # per higher-order op node, the buffers its branch graphs' captured tensors touch
+    hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
     # the example tensors the stage was traced on, kept (real tensors only) when it captured
     # tensors: ``bind`` runs it again on them to see what its nodes touch of the live state
     example: tuple[torch.Tensor, ...] | None = None

@@ -153,6 +153,15 @@ def _through_compiled_functions() -> Any:
     return dynamo.config.patch(error_on_nested_fx_trace=False)
 
 
+def _forget_nested_dynamo(stages: Iterable[StageGraph]) -> None:
+    """After tracing a higher-order op (``torch.cond``), whose eager entry is a dynamo-compiled
+    wrapper that the trace ran as plain Python (see ``_through_compiled_functions``): drop what
+    dynamo cached meanwhile, or the next eager call of the op fails inside dynamo."""
+    hop = torch._ops.HigherOrderOperator
+    if any(isinstance(n.target, hop) for s in stages for n in s.gm.graph.nodes) and "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
 class _Aborted(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
@@ -410,15 +419,39 @@ def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> tuple[s
 
 
 def _analyse_stage(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], captured: Iterable[Captured],
-                   memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None, last: bool) -> Analysis:
+                   memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None, last: bool,
+                   hidden: Mapping[str, frozenset[str]]) -> Analysis:
     initial = {**initial, **{c.node: c.buffers for c in captured}}
     return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=_is_value_escape,
-                   output_reads=last, observed=memory, copies=copies)
+                   output_reads=last, observed=memory, copies=copies, hidden=hidden)
+
+
+def _in_branches(gm: fx.GraphModule, buffers: BufferMap) -> dict[str, frozenset[str]]:
+    """Per higher-order op node (``torch.cond``), the shared buffers the tensors its branch
+    graphs captured touch: make_fx keeps a tensor a branch closes over as a constant of the
+    branch's own graph, which no argument of the op shows."""
+    out: dict[str, frozenset[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        held = [getattr(gm, str(a.target)) for a in _node_refs(node.args) if a.op == "get_attr"]
+        tensors = [t for m in held if isinstance(m, torch.nn.Module) for t in [*m.parameters(), *m.buffers(),
+                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]]
+        if tensors:
+            out[node.name] = buffers.touched_by(tensors)
+    return out
+
+
+def _node_refs(value: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, out.append)
+    return out
 
 
 def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str, frozenset[str]],
               captured: Iterable[Captured], memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None,
-              last: bool, changed: Iterable[tuple[fx.Node, str]], widen: Mapping[str, frozenset[str]]) -> Analysis:
+              last: bool, changed: Iterable[tuple[fx.Node, str]], widen: Mapping[str, frozenset[str]],
+              hidden: Mapping[str, frozenset[str]]) -> Analysis:
     """The stage's analysis, its writes to shared buffers refused (``StageWriteError``).
 
     ``widen`` maps the placeholders an earlier in-graph stage running its Python hands over to
@@ -428,10 +461,10 @@ def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str
     such a view there is for the write guard to see.
     """
     captured = tuple(captured)
-    result = _analyse_stage(gm, initial, captured, memory, copies, last)
+    result = _analyse_stage(gm, initial, captured, memory, copies, last, hidden)
     _check_writes(backend, stage, gm, result, changed)
     if widen:
-        result = _analyse_stage(gm, {**initial, **widen}, captured, memory, copies, last)
+        result = _analyse_stage(gm, {**initial, **widen}, captured, memory, copies, last, hidden)
     return result
 
 
@@ -526,7 +559,8 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         memory, changed, copies = probe.touched, probe.changed, frozenset(probe.copies)
     last = stage is BODY
     widen = _handed_over(before, input_names, initial, shared)
-    result = _analysed(backend, stage.name, gm, initial, captured, memory, copies, last, changed, widen)
+    hidden = _in_branches(gm, buffers)
+    result = _analysed(backend, stage.name, gm, initial, captured, memory, copies, last, changed, widen, hidden)
     if carried is not None:
         carried.update(zip(stash["names"], result.output_aliases, strict=True))
     graph = StageGraph(
@@ -543,6 +577,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         captured=tuple(captured),
         memory=memory,
         copies=copies,
+        hidden=hidden,
         initial=initial,
         example=tuple(args) if captured and fake_mode is None else None,
     )
@@ -673,8 +708,10 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
                          for c in s.captured)
         memory, changed = _live_memory(s, gm, state)
         widen = _handed_over(stages, s.inputs, initial, program.buffers)
+        live = _in_branches(gm, shared)
+        hidden = {n: s.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*s.hidden, *live}}
         result = _analysed(program.backend, s.name, gm, initial, captured, memory, s.copies, s.stage is BODY,
-                           changed, widen)
+                           changed, widen, hidden)
         # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
         carried.update(zip(s.outputs, result.output_aliases, strict=True))
         stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
@@ -770,6 +807,7 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
     except _Aborted as e:
         aborted = f"stage {tracer.current}: {e.why}"
     stages = tracer.stages
+    _forget_nested_dynamo(stages)
     rerun = fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured)
     if rerun:
         stages = _mark_persistent(stages, fns, groups)
