@@ -206,7 +206,7 @@ def test_a_child_refused_under_a_join_whose_sibling_covers_it_is_a_false_alarm(d
 def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     # Break the analysis on purpose, as tests/core/test_adversarial_audit.py does: the schema
     # oracle forgets that split pieces alias their source, the memory probe sees nothing and
-    # the audit does not run its own observer. The body's read of the pieces, put back
+    # the audit (and so lower) does not run its own observer. The body's read of the pieces, put back
     # together by cat, is then invisible to the trace: an in-graph declaration is accepted,
     # and verify (P1) and the cross-check of the trace against the observer (P2) catch it.
     import readfence.core._alias as alias
@@ -220,6 +220,10 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     monkeypatch.setattr(alias, "op_aliasing", lambda op: Blind() if "split" in str(op) else real(op))
     monkeypatch.setattr(tracing._MemoryProbe, "run", lambda self, *args: None)
     monkeypatch.setattr(fuzz_check, "audit", functools.partial(audit, observe_steps=0))
+    # and lower's verdict, which is the audit's: with its observer, lower itself would refuse
+    import readfence.graph.lowering._lower as lowering
+
+    monkeypatch.setattr(lowering, "audit_backend", functools.partial(audit, observe_steps=0))
     tracing.clear_trace_cache()
     try:
         early = _leaf("split", "attend", IN_REPLAY=["seq_lens"])
