@@ -8,31 +8,76 @@ reference engine is ``readfence.engine.reference:NAME`` (``:ENGINES`` for all of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from readfence.core import ForwardMode
-from readfence.graph import Policy, open_device
-
 from ._params import InputError, echo_json
+
+if TYPE_CHECKING:
+    from readfence.core import ForwardMode
+    from readfence.graph import Policy
+
+
+@contextlib.contextmanager
+def _importable_here() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while an engine's module is imported, as
+    ``python -m`` puts it there (a console script's own folder is there instead)."""
+    here = os.getcwd()
+    if here in sys.path or "" in sys.path:
+        yield
+        return
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(here)
 
 
 class Engine(click.ParamType):
-    """``MODULE:FACTORY``: imported and built when the option is read (bad input is one line)."""
+    """``MODULE:FACTORY``: imported (from the current folder too, as ``python -m`` would) and
+    built once every option has passed (bad input is one line).
+
+    >>> Engine().convert("no-colon", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got 'no-colon'
+    """
 
     name = "MODULE:FACTORY"
+    expects = "MODULE:FACTORY, e.g. readfence.engine.reference:triton"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, list):
+        if not isinstance(value, str):
+            return value
+        module, sep, attribute = value.partition(":")
+        if not sep or not module.strip() or not attribute.strip():  # the loader says the same (it imports torch)
+            raise InputError(f"--engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got {value!r}")
+        return value
+
+    def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """``[(name, adapted backend)]``: at least one."""
+        if not isinstance(value, str):
             return value
         from readfence.engine._load import load_engines
 
         try:
-            return load_engines(str(value))
+            with _importable_here():
+                engines = load_engines(value)
         except ValueError as e:
-            raise InputError(str(e)) from None
+            message = str(e)
+            if message.startswith("cannot import module") and "No module named" in message:
+                message += f" (looked in the current folder, {os.getcwd()}, and on sys.path)"
+            raise InputError(message) from None
+        if not engines:
+            raise InputError(f"--engine {value}: the factory gave no backend (an empty list or mapping); "
+                             "return at least one adapted backend")
+        return engines
 
 
 def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int]) -> None:
@@ -47,6 +92,7 @@ def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int])
 def audit_engines(engines: Sequence[tuple[str, Any]], modes: Sequence[ForwardMode], batch_sizes: Sequence[int],
                   as_json: bool) -> int:
     """Audit each engine backend; print the tables (or JSON rows); the exit status (1: unsound)."""
+    from readfence.core import ForwardMode
     from readfence.engine import ENGINE_MODES, audit_engine
 
     if ForwardMode.IDLE in modes:
@@ -68,6 +114,7 @@ def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, pol
     report (or JSON rows); the exit status (1: any finding)."""
     from readfence.core import tokens_per_request
     from readfence.engine import verify_engine
+    from readfence.graph import open_device
 
     if tokens_per_request(mode) == 0:
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing to verify")

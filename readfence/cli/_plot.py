@@ -14,7 +14,7 @@ from typing import Any
 
 from readfence.graph import Span, Timeline
 
-from ._trace import stage_tracks
+from ._trace import stage_tracks, track_order
 
 _COLORS = {
     "prepare_out_graph": "#4c72b0",
@@ -72,10 +72,6 @@ def _color(span: Span) -> str:
     return _COLORS.get(span.name) or _COLORS.get(span.category) or "#999999"
 
 
-def _track_order(track: str) -> tuple[int, str]:
-    return ({"host": 0, "schedule": 1}.get(track, 3 if track == "fences" else 2), track)
-
-
 def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases: int = 1, title: str = "") -> Any:
     """The matplotlib figure :func:`plot_timelines` saves: one panel per timeline, one shared
     time axis long enough for every run's first ``steps`` steps (``phases`` bodies each).
@@ -99,7 +95,7 @@ def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases
     fig, axes = plt.subplots(max(1, len(items)), 1, figsize=(12, height), squeeze=False, sharex=True)
     for ax, (label, tl), (t0, _) in zip(axes[:, 0], items, windows):
         t1 = t0 + width
-        tracks = sorted({s.track for s in tl.spans}, key=_track_order)
+        tracks = sorted({s.track for s in tl.spans}, key=track_order)
         row = {t: i for i, t in enumerate(tracks)}
         for s in (s for s in tl.spans if s.start <= t1 and s.end >= t0):
             y, x, w = row[s.track], (s.start - t0) * 1e3, (s.end - s.start) * 1e3
