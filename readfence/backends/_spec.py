@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
-from returns.result import Failure, Result, Success
+from returns.result import Result, Success
 
 from readfence.core import ForwardMode
 from readfence.core._checks import did_you_mean
+from readfence.effects import Failure  # unwrap() says why
 
 from ._backend import Backend
 from ._combinators import hybrid, hybrid_linear, join, minimax, per_stream, select, tbo

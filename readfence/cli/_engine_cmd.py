@@ -125,8 +125,11 @@ def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, pol
             results.append((name, verify_engine(engine, mode, device=dev, policies=policies, steps=steps,
                                                 batch_size=batch_size, seed=seed)))
     if as_json:
+        # ``policy`` as in spec verify's objects (the engine runner's is "ENGINE RUNNER"); ``fence`` is
+        # the same name, kept for schema version 1
         echo_json([{"engine": name, "mode": r.mode.name, "device": r.device, "steps": r.steps,
-                    "batch_size": r.batch_size, "seed": seed, **row.as_json()} for name, r in results for row in r.rows])
+                    "batch_size": r.batch_size, "seed": seed, "policy": row.name, **row.as_json()}
+                   for name, r in results for row in r.rows])
     else:
         blocks = []
         for name, r in results:

@@ -28,12 +28,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Failure, Result, Success
+from returns.result import Result, Success
 from torch import Tensor
 
 from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageThreadError, StageWriteError
 from readfence.core._checks import positive_int
 from readfence.core._memory import BufferMap
+from readfence.effects import Failure  # unwrap() says why
 
 from ..devices import Device, DeviceError
 from ..devices._open import check_device
