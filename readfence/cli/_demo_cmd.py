@@ -225,7 +225,7 @@ class _Progress:
               help="How long each page-table write takes, without using the CPU (a stand-in for the "
                    "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free (0..1000).")
 @click.option("--trace", "trace_path", type=OutputFile(".json"),
-              help="Write a Chrome trace-event JSON of every run (open it in https://ui.perfetto.dev).")
+              help="Write a Chrome trace-event JSON of every run's first 200 steps (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=OutputFile(".png"),
               help="Draw the first steps of each run's timeline as a PNG (needs matplotlib).")
 @click.option("--tp", type=Positive(), default=None,
@@ -265,10 +265,10 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
     finally:
         progress.close()
     if trace_path is not None:
-        from ._trace import write_chrome_trace
+        from ._trace import TRACE_STEPS, write_chrome_trace
 
         write_chrome_trace(trace_path, result.timelines, spec=str(spec), device=result.device, steps=steps,
-                           batch_size=batch_size, seed=seed)
+                           batch_size=batch_size, seed=seed, traced_steps=min(steps, TRACE_STEPS))
     if plot_path is not None:
         from ._plot import plot_timelines
 
@@ -281,8 +281,12 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
     else:
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
                           write_wait_ms=write_wait_ms))
-        for what, path in (("trace", trace_path), ("plot", plot_path)):
-            if path is not None:
-                click.echo(f"{what} written to {path}")
+        from ._trace import TRACE_STEPS
+
+        kept = f" (the first {TRACE_STEPS} steps of each run)" if steps > TRACE_STEPS else ""
+        if trace_path is not None:
+            click.echo(f"trace written to {trace_path}{kept}")
+        if plot_path is not None:
+            click.echo(f"plot written to {plot_path}")
     if not result.ok:
         sys.exit(1)

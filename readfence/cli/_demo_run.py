@@ -28,8 +28,9 @@ from readfence.graph import (
     torch_device,
 )
 
+from . import _trace
 from ._demo_cmd import DEFAULT_SPEC
-from ._trace import TRACE_STEPS, CappedTimeline, WaitRecorder, add_replays, add_waits
+from ._trace import CappedTimeline, WaitRecorder, add_replays, add_waits
 
 __all__ = ["DEFAULT_SPEC", "DemoResult", "run_demo", "with_baseline"]
 
@@ -61,15 +62,21 @@ def with_baseline(policies: Sequence[Policy]) -> tuple[Policy, ...]:
     return (Policy.COARSE,) + tuple(p for p in dict.fromkeys(policies) if p is not Policy.COARSE)
 
 
+#: Steps the host may issue ahead of the streams running them (a trace stops recording that
+#: much after its last kept step, then trims to it).
+IN_FLIGHT = 4
+
+
 def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, trace: bool,
              progress: Callable[[int], None] | None, device_options: Mapping[str, Any],
              **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
-    timeline = CappedTimeline(TRACE_STEPS) if trace else None
+    keep = _trace.TRACE_STEPS
+    timeline = CappedTimeline(keep) if trace else None
     recorder = WaitRecorder(timeline)
 
     def step_done(i: int) -> None:
-        if timeline is not None and i + 1 >= TRACE_STEPS:
-            timeline.stop()  # the trace keeps the first steps
+        if timeline is not None and i + 1 >= keep + IN_FLIGHT:
+            timeline.stop()  # the trace keeps the first steps (trimmed to them once the run is over)
         if progress is not None:
             progress(i)
 
@@ -83,6 +90,7 @@ def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, tr
             if trace:
                 dev.remove_observer(recorder)
         if timeline is not None:
+            timeline.trim()
             add_waits(timeline, recorder)
             graphs = dev.caps.graphs
             if isinstance(backend, StepShape):

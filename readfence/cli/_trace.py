@@ -32,14 +32,19 @@ TRACE_STEPS = 200
 
 class CappedTimeline(Timeline):
     """A :class:`~readfence.graph.Timeline` that keeps the first ``max_steps`` steps: a span
-    whose ``step`` is past them is dropped, and so is every span recorded after :meth:`stop`.
+    whose ``step`` is past them is dropped, and so is an untagged one (a stage, the host's
+    scheduling) recorded after :meth:`stop`; :meth:`trim` then drops the untagged spans that
+    start after the last kept step's end. (The host issues steps ahead of the streams that run
+    them, so the caller stops a few steps late and trims to the exact cut.)
 
     >>> tl = CappedTimeline(max_steps=2)
     >>> for step in range(4):
     ...     tl.span("schedule", "write seq_lens", step, step + 0.5, "write", step=step)
+    ...     tl.span("forward", "body", step + 0.5, step + 0.9, "stage")
     >>> tl.stop(); tl.span("forward", "body", 9, 10, "stage")
-    >>> [s.args["step"] for s in tl.spans], tl.dropped
-    ([0, 1], 3)
+    >>> tl.trim()
+    >>> [(s.name, s.start) for s in tl.spans], tl.dropped
+    ([('write seq_lens', 0), ('body', 0.5), ('write seq_lens', 1), ('body', 1.5)], 5)
     """
 
     def __init__(self, max_steps: int = TRACE_STEPS) -> None:
@@ -49,15 +54,29 @@ class CappedTimeline(Timeline):
         self.dropped = 0
 
     def stop(self) -> None:
-        """Record nothing from now on."""
+        """Record no untagged span from now on."""
         self.stopped = True
 
     def span(self, track: str, name: str, start: float, end: float, category: str = "op", **args: Any) -> None:
         step = args.get("step")
-        if self.stopped or (isinstance(step, int) and step >= self.max_steps):
+        if (step is None and self.stopped) or (isinstance(step, int) and step >= self.max_steps):
             self.dropped += 1
             return
         super().span(track, name, start, end, category, **args)
+
+    def trim(self) -> None:
+        """Drop the untagged spans that start after the end of the last kept step (its tagged
+        spans' latest end), once the run is over; a run no longer than the cap is kept whole."""
+        if not self.dropped:
+            return
+        with self._lock:
+            last = [s.end for s in self.spans if s.args.get("step") == self.max_steps - 1]
+            if not last:
+                return
+            cut = max(last)
+            kept = [s for s in self.spans if "step" in s.args or s.start <= cut]
+            self.dropped += len(self.spans) - len(kept)
+            self.spans[:] = kept
 
 
 def short_event_name(name: str) -> str:
