@@ -105,7 +105,54 @@ def audit_engines(engines: Sequence[tuple[str, Any]], modes: Sequence[ForwardMod
         echo_json([{"engine": name, **row.as_json()} for name, report in reports for row in report.rows()])
     else:
         click.echo("\n\n".join(f"engine: {name}\n{report.table()}" for name, report in reports))
+        if len(reports) > 1:
+            click.echo("\n" + summary(reports))
     return 1 if any(not report.sound for _, report in reports) else 0
+
+
+#: How the summary names the shared buffers.
+SHORT = {"req_to_token": "r2t", "seq_lens": "lens", "swa_map": "swa", "state_slots": "state_slots"}
+
+
+def _truth(rows: Sequence[Any]) -> str:
+    """Each buffer's truth, grouped by end: ``r2t, lens PRE; state_slots IN`` (``*``: observed)."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for r in rows:
+        if r.truth.name != "NONE":
+            key = (r.truth.name.removesuffix("_REPLAY"), r.source == "observed")
+            groups.setdefault(key, []).append(SHORT.get(r.buffer, r.buffer))
+    return "; ".join(f"{', '.join(dict.fromkeys(names))} {end}{'*' if seen else ''}"
+                     for (end, seen), names in groups.items()) or "reads no shared buffer"
+
+
+def _verdict(report: Any, root: Any) -> str:
+    bad = [r for r in report.unsound() if r.mode == root.mode]
+    if bad:
+        r = bad[0]
+        if r.backend == root.path:
+            return f"unsound: {r.method} reads {SHORT.get(r.buffer, r.buffer)} ({r.op.removesuffix('.default')}, {r.source})"
+        return f"unsound: its child {r.backend.rsplit('/', 1)[-1]}"
+    gain = sum(max(r.steps, 0) for r in root.rows)
+    return f"sound, conservative +{gain}" if gain else "sound, exact"
+
+
+def summary(reports: Sequence[tuple[str, Any]]) -> str:
+    """One line per engine backend and mode: its scalar declaration, each buffer's truth, the
+    verdict; then the total (what ``audit --engine MODULE:ENGINES`` ends with)."""
+    from ._table import table
+
+    rows, unsound = [], 0
+    for _, report in reports:
+        bad = not report.sound
+        unsound += bad
+        for root in (n for n in report.nodes if "/" not in n.path):
+            rows.append({"backend": root.path, "mode": root.mode.name + ("" if not root.prefill else " (per batch)"),
+                         "declares": root.declared.name, "truth": _truth(root.rows), "verdict": _verdict(report, root)})
+    lines = ["summary: each engine backend's one declaration against each buffer's truth (* observed, not traced)",
+             table(rows, ["backend", "mode", "declares", "truth", "verdict"]), "",
+             f"{len(reports)} engine backends: {len(reports) - unsound} sound, {unsound} unsound"
+             + (" (exit status 1)" if unsound else "")]
+    return "\n".join(lines)
 
 
 def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, policies: Sequence[Policy],
@@ -143,8 +190,23 @@ def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, pol
                     advice.setdefault(_advice(row.finding, name), []).append(row.name)
             lines += [f"{', '.join(names)}: {text}" for text, names in advice.items()]
             blocks.append("\n".join(lines))
+        if len(results) > 1:
+            bad = [_short_name(name) for name, r in results if not r.ok]
+            blocks.append(f"{len(results)} engine backends: {len(results) - len(bad)} clean, {len(bad)} with findings"
+                          + (f" (exit status 1): {', '.join(bad)}" if bad else ""))
         click.echo("\n\n".join(blocks))
     return 0 if all(r.ok for _, r in results) else 1
+
+
+def _short_name(name: str) -> str:
+    """``MODULE:FACTORY['key']`` -> ``key`` (a member of a list or mapping), else ``name``.
+
+    >>> _short_name("readfence.engine.reference:ENGINES['triton']"), _short_name("m:f")
+    ('triton', 'm:f')
+    """
+    if name.endswith("]") and "[" in name:
+        return name[name.rindex("[") + 1:-1].strip("'\"")
+    return name
 
 
 def _advice(finding: Any, name: str) -> str:
