@@ -227,7 +227,7 @@ class _Progress:
 @click.option("--trace", "trace_path", type=OutputFile(".json"),
               help="Write a Chrome trace-event JSON of every run's first 200 steps (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=OutputFile(".png"),
-              help="Draw the first steps of each run's timeline as a PNG (needs matplotlib).")
+              help="Draw each run's first steps after its warm-up step as a PNG (needs matplotlib).")
 @click.option("--tp", type=Positive(), default=None,
               help="Tensor parallelism: run on N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), each with its "
                    "own scheduler, shared buffers and lowered step of its shard of the model.")

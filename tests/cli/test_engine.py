@@ -111,3 +111,19 @@ def test_verify_header_names_the_observer_that_produced_a_rows_evidence(cli):
     header = next(x for x in result.output.splitlines() if x.startswith("verified "))
     assert header.endswith("checks: poison, guard and the runtime read observer")
     assert "(evidence: observer)" in result.output
+
+
+def test_several_engines_end_with_a_summary_and_a_total(cli):
+    audited = cli("audit", "--engine", f"{SMALL}:PAIR", "--mode", "decode", "--batch-size", "2")
+    assert audited.exit_code == 0, audited.output
+    lines = audited.output.splitlines()
+    start = lines.index("summary: each engine backend's one declaration against each buffer's truth (* observed, "
+                        "not traced)")
+    assert lines[start + 1].split() == ["backend", "mode", "declares", "truth", "verdict"]
+    rows = {x.split()[0]: x for x in lines[start + 2:start + 4]}
+    assert "r2t, lens IN" in rows["TritonBackend"] and "sound, conservative +" in rows["TritonBackend"]
+    assert "POST*" in rows["HostBounds"]  # observed, not traced
+    assert lines[-1] == "2 engine backends: 2 sound, 0 unsound"
+    verified = cli("verify", "--engine", f"{SMALL}:PAIR", "--steps", "2", "--batch-size", "2", "--policy", "exact")
+    assert verified.exit_code == 0, verified.output
+    assert verified.output.splitlines()[-1] == "2 engine backends: 2 clean, 0 with findings"
