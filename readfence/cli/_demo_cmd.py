@@ -15,6 +15,7 @@ import click
 from ._errors import InputError, OneLineCommand
 from ._params import (
     BATCH_SIZE,
+    DEFAULT_SPEC,
     MAX_BATCH,
     MAX_STEPS,
     Amount,
@@ -32,9 +33,6 @@ from ._table import table
 if TYPE_CHECKING:
     from ._demo_run import DemoResult
 
-#: A composition whose buffers end at different stages: trtllm_mha snapshots its page-table
-#: metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph (IN_REPLAY).
-DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
 
 MAX_WRITE_COST = 4096  # an N x N matmul per write: past this, seconds per write on a CPU
 MAX_WRITE_WAIT_MS = 1000.0  # per write: longer stalls only slow the run down

@@ -29,7 +29,7 @@ from readfence.graph import (
 )
 
 from . import _trace
-from ._demo_cmd import DEFAULT_SPEC
+from ._params import DEFAULT_SPEC
 from ._trace import CappedTimeline, WaitRecorder, add_replays, add_waits
 
 __all__ = ["DEFAULT_SPEC", "DemoResult", "run_demo", "with_baseline"]

@@ -39,6 +39,11 @@ MAX_BATCH = 16  # ModelConfig().max_reqs: the requests the tiny model serves
 TINY_HEADS, TINY_MLP = 2, 64  # ModelConfig().heads, .mlp: what a tensor-parallel size must divide
 TP_SIZES = tuple(d for d in range(1, TINY_HEADS + 1) if TINY_HEADS % d == 0 and TINY_MLP % d == 0)
 
+#: The demo's backend: a composition whose buffers end at different stages: trtllm_mha snapshots
+#: its page-table metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph
+#: (IN_REPLAY).
+DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
+
 #: Longest value an error message repeats in full; past it, its start and its length.
 SHOWN_CHARS = 80
 
@@ -401,3 +406,13 @@ def echo_json(doc: Any) -> None:
         return {"schema_version": JSON_SCHEMA_VERSION, **obj} if isinstance(obj, dict) else obj
 
     click.echo(json.dumps([versioned(o) for o in doc] if isinstance(doc, list) else versioned(doc), indent=2))
+
+
+def refuse_mode_for_shape(spec: Any) -> None:
+    """A ``--mode`` given with a step shape is refused: the shape's phases fix their own modes."""
+    from readfence.graph import StepShape, phase_modes
+
+    ctx = click.get_current_context()
+    if isinstance(spec, StepShape) and ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT:
+        raise InputError(f"--mode does not apply to the step shape {str(spec)!r}: its phases fix their own modes "
+                         f"({phase_modes(spec)}); leave --mode out")

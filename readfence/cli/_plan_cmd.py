@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ._errors import OneLineCommand
-from ._params import DeviceName, Mode, Spec, device_caps, echo_json
+from ._params import DeviceName, Mode, Spec, device_caps, echo_json, refuse_mode_for_shape
 from ._table import table
 
 
@@ -117,8 +117,6 @@ def plan(spec: Any, mode: Any, device: str, as_json: bool) -> None:
     from readfence.graph import StepShape
 
     from ._plan_data import plan_report, shape_plan_report
-    from ._verify_cmd import refuse_mode_for_shape
-
     refuse_mode_for_shape(spec)
     name, caps = device_caps(device)
     if isinstance(spec, StepShape):  # the phases fix the modes

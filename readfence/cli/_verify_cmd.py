@@ -12,7 +12,20 @@ import click
 
 from ._engine_cmd import Engine
 from ._errors import InputError, OneLineCommand
-from ._params import BATCH_SIZE, MAX_BATCH, MAX_STEPS, DeviceName, Integer, Mode, Policies, Positive, Spec, echo_json, merge_policies
+from ._params import (
+    BATCH_SIZE,
+    MAX_BATCH,
+    MAX_STEPS,
+    DeviceName,
+    Integer,
+    Mode,
+    Policies,
+    Positive,
+    Spec,
+    echo_json,
+    merge_policies,
+    refuse_mode_for_shape,
+)
 
 #: Modes ``verify`` cannot take, and why (the errors list the others as allowed).
 NO_TOKENS = {"idle": "its steps carry no tokens, there is nothing to verify"}
@@ -49,16 +62,6 @@ def _precheck(params: dict[str, Any]) -> None:
     check_world(tp)
     if tp is not None:
         check_tp(tp)
-
-
-def refuse_mode_for_shape(spec: Any) -> None:
-    """A ``--mode`` given with a step shape is refused: the shape's phases fix their own modes."""
-    from readfence.graph import StepShape, phase_modes
-
-    ctx = click.get_current_context()
-    if isinstance(spec, StepShape) and ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT:
-        raise InputError(f"--mode does not apply to the step shape {str(spec)!r}: its phases fix their own modes "
-                         f"({phase_modes(spec)}); leave --mode out")
 
 
 @click.command("verify", cls=OneLineCommand, precheck=_precheck)
