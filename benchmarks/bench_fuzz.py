@@ -32,12 +32,16 @@ from readfence.backends.fuzz import random_programs
 from readfence.graph import CpuDevice
 from readfence.graph.fuzz import Outcome, Tally, check_program
 
+#: Fewest refused-but-runnable programs a false-alarm rate is reported from (``None`` below it).
+MIN_FOR_RATE = 20
+
 
 def main(programs_n: int = 200, seed: int = 0, *, quick: bool = False, max_leaves: int = 3,
          log: TextIO | None = None, progress: TextIO | None = None) -> dict[str, Any]:
     """Check ``programs_n`` generated programs (2 with ``quick``: a smoke run); returns the tally as a dict
     plus ``programs_per_s``, ``errors`` (programs whose check raised) and ``interrupted``
-    (stopped early by Ctrl-C or SIGTERM: the figures cover the programs that ran)."""
+    (stopped early by Ctrl-C or SIGTERM: the figures cover the programs that ran).
+    ``false_alarm_rate`` is ``None`` when fewer than :data:`MIN_FOR_RATE` programs could give one."""
     torch.set_num_threads(1)  # the device's streams are the parallelism (benchmarks/README.md)
     n = 2 if quick else programs_n
     drawn = list(random_programs(n, seed, max_leaves=max_leaves))
@@ -68,6 +72,8 @@ def main(programs_n: int = 200, seed: int = 0, *, quick: bool = False, max_leave
                       flush=True)
     seconds = time.perf_counter() - start
     result = tally.as_dict()
+    if result["refused_runnable"] < MIN_FOR_RATE:  # a rate of 1 of 1 is not a rate
+        result["false_alarm_rate"] = None
     ran = tally.programs + errors
     result.update(programs_per_s=round(ran / seconds, 3), wall_s=round(seconds, 1), errors=errors,
                   seed=seed, max_leaves=max_leaves, interrupted=interrupted)
@@ -89,7 +95,8 @@ def _print(r: dict[str, Any]) -> None:
           f"{r['invisible_missed']}")
     print(f"read on another thread: {r['threads']} programs; refused as such {r['thread_refused']}, caught by "
           f"verify {r['thread_caught']}, missed {r['thread_missed']}")
-    print(f"false alarms (P3): {r['false_alarms']} / {r['refused_runnable']} = {r['false_alarm_rate']:.3f}")
+    rate = "no rate from so few" if r["false_alarm_rate"] is None else f"{r['false_alarm_rate']:.3f}"
+    print(f"false alarms (P3): {r['false_alarms']} / {r['refused_runnable']} = {rate}")
     print("false alarms by refusal: " + ", ".join(f"{k} {v}" for k, v in sorted(r["false_alarm_kinds"].items())))
     print(f"errors: {r['errors']}")
     print("refusals: " + ", ".join(f"{k} {v}" for k, v in sorted(r["refusals"].items())))

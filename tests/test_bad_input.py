@@ -243,3 +243,84 @@ def test_the_loops_refuse_idle_with_the_same_check(closed) -> None:
         decode_loop(paged(), M.IDLE, policy=Policy.EXACT, device=closed)
     with pytest.raises(ValueError, match=IDLE_ERROR.format("verify")):
         verify(paged(), M.IDLE, device=closed)
+
+
+# -- arguments of the wrong type are named, not found 24 frames deep ------------------------
+
+@pytest.mark.parametrize("pattern", [111, 1.5, b"01", [True, False]])
+def test_hybrid_linear_names_a_pattern_of_the_wrong_type(pattern) -> None:
+    from readfence.backends import hybrid_linear, linear, trtllm_mha
+
+    with pytest.raises(TypeError, match=r"^hybrid_linear: pattern must be a string of child indices like \"0111\" "
+                                        r"or a sequence of ints .*, got "):
+        hybrid_linear(trtllm_mha(), linear(), pattern=pattern)
+
+
+@pytest.mark.parametrize(("state", "error", "says"), [
+    ("x", TypeError, r"^state must be None or a mapping \{'shared': \.\.\., 'pools': \.\.\., 'params': \.\.\.\} .*"
+                     r"got 'x' \(str\)"),
+    ({}, ValueError, r"^state has no 'shared'"),
+    ({"shared": {}, "pool": {}}, ValueError, r"^state has unknown key\(s\) 'pool'"),
+    ({"shared": 3}, TypeError, r"^state\['shared'\] must be a mapping of name -> tensor, got 3 \(int\)"),
+])
+def test_audit_names_a_state_that_is_not_the_live_tensors(state, error, says) -> None:
+    with pytest.raises(error, match=says):
+        audit(paged(), M.DECODE, state=state)
+
+
+@pytest.mark.parametrize(("stage", "fn", "takes"), [
+    ("attend", lambda: None, r"\(\): too many positional arguments"),
+    ("attend", lambda mode, layer, q: q, r"\(mode, layer, q\): too many positional arguments"),
+    ("prepare_out_graph", lambda mode, shared, batch, meta: {}, r"missing a required argument: 'meta'"),
+    ("prepare_in_graph", lambda mode, shared, batch: {}, r"too many positional arguments"),
+])
+def test_leaf_checks_each_stage_can_be_called_as_the_step_calls_it(stage, fn, takes) -> None:
+    kw = {} if stage == "attend" else {stage: fn}
+    attend = fn if stage == "attend" else _attend
+    with pytest.raises(TypeError, match=rf"^{stage} of leaf 'mine' is called as {stage}\(mode, .*\), but it takes .*{takes}"):
+        leaf("mine", attend, **kw)
+
+
+def test_leaf_accepts_stages_that_take_more_or_star_arguments() -> None:
+    def attend(*args, **kwargs):
+        return args[2]
+
+    def prep(mode, shared, batch, extra=None):
+        return {}
+
+    assert leaf("mine", attend, prepare_out_graph=prep).name == "mine"
+    assert leaf("mine", print).name == "mine"  # a builtin's signature is not read: let through
+    with pytest.raises(TypeError, match=r"^name of a leaf must be a non-empty str"):
+        leaf(3, attend)
+
+
+# -- unwrap() of a failure says why ----------------------------------------------------------
+
+def test_unwrap_of_a_failed_parse_audit_and_verify_carries_the_reason(closed) -> None:
+    from returns.primitives.exceptions import UnwrapFailedError
+
+    from readfence.backends import parse
+
+    with pytest.raises(UnwrapFailedError, match=r"position 4: expected a backend name, found end of spec"):
+        parse("tbo(").unwrap()
+    early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
+                                                        "seq_lens": ReadEnd.IN_REPLAY}))
+    with pytest.raises(UnwrapFailedError, match=r"unsound declaration: paged in mode DECODE declares buffer "
+                                                r"'req_to_token' ends at PRE_REPLAY"):
+        audit(early, M.DECODE, batch_sizes=[2]).unwrap()
+    with CpuDevice() as dev:
+        result = verify(early, steps=2, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    with pytest.raises(UnwrapFailedError, match=r"unsound declaration of 'req_to_token'.*under PER_BUFFER") as info:
+        result.unwrap()
+    assert info.value.halted_container is result  # the failure is still there, as returns keeps it
+
+
+def test_a_failure_still_equals_returns_own() -> None:
+    from returns.result import Failure
+
+    from readfence.backends import parse
+
+    failed = parse("tbo(")
+    assert failed == Failure(failed.failure()) and Failure(failed.failure()) == failed
+    assert hash(failed) == hash(Failure(failed.failure()))
+    assert repr(failed).startswith("<Failure: position 4")

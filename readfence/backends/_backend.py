@@ -10,6 +10,7 @@ as well.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -449,6 +450,36 @@ def declaration_table(name: str, declare: Declaration, reads: Iterable[str] | No
     return make_table(lambda m: declare[m] if m in declare else default_declaration(m, reads), name)
 
 
+#: What each stage of a leaf is called with, positionally (``readfence.core.BackendLike``).
+STAGE_ARGUMENTS = {
+    "attend": ("mode", "layer", "q", "k", "v", "pools", "shared", "batch", "meta"),
+    PREPARE_OUT_GRAPH.name: ("mode", "shared", "batch"),
+    PREPARE_IN_GRAPH.name: ("mode", "shared", "batch", "meta"),
+}
+
+
+def _check_stage(name: str, stage: str, fn: Callable[..., Any]) -> None:
+    """Refuse a stage function that cannot be called the way the step calls it (a function
+    whose signature Python cannot read, a builtin, is let through).
+
+    >>> _check_stage("mine", "prepare_out_graph", lambda mode, shared: {})  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    TypeError: prepare_out_graph of leaf 'mine' is called as prepare_out_graph(mode, shared, batch), but
+    it takes (mode, shared): too many positional arguments
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    names = STAGE_ARGUMENTS[stage]
+    try:
+        sig.bind(*names)
+    except TypeError as e:
+        raise TypeError(f"{stage} of leaf {name!r} is called as {stage}({', '.join(names)}), but it takes "
+                        f"{str(sig).split(' ->')[0]}: {e}") from None
+
+
 def leaf(
     name: str,
     attend: Callable[..., Tensor],
@@ -496,11 +527,17 @@ def leaf(
     >>> mine.read_end(ForwardMode.EXTEND)
     <ReadEnd.UNKNOWN: 4>
     """
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"name of a leaf must be a non-empty str (specs and messages use it), got {name!r} "
+                        f"({type(name).__name__})")
     if not callable(attend):
         raise TypeError(f"attend of leaf {name!r} must be callable, got {attend!r}")
+    _check_stage(name, "attend", attend)
     for stage, fn in ((PREPARE_OUT_GRAPH.name, prepare_out_graph), (PREPARE_IN_GRAPH.name, prepare_in_graph)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{stage} of leaf {name!r} must be callable or None, got {fn!r}")
+        if fn is not None:
+            _check_stage(name, stage, fn)
     return Leaf(name, Functions(attend, prepare_out_graph, prepare_in_graph),
                 declaration_table(name, declare, reads))
 

@@ -305,7 +305,11 @@ def _pattern(pattern: str | Sequence[int] | None, count: int) -> tuple[int, ...]
             raise ValueError(f"pattern must be a non-empty string of child indices like \"0111\", "
                              f"got {pattern!r}")
         return tuple(int(c) for c in pattern)
-    return tuple(pattern)
+    entries: object = pattern  # a caller's value: checked, whatever its annotation says
+    if not isinstance(entries, Sequence) or isinstance(entries, bytes) or any(isinstance(p, bool) for p in entries):
+        raise TypeError(f"hybrid_linear: pattern must be a string of child indices like \"0111\" or a sequence of "
+                        f"ints such as [0, 1, 1, 1], got {pattern!r} ({type(pattern).__name__})")
+    return tuple(entries)
 
 
 def hybrid_linear(*backends: Backend, pattern: str | Sequence[int] | None = None) -> Join:

@@ -22,13 +22,15 @@ position and what was expected (or which names / keywords exist).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
-from returns.result import Failure, Result, Success
+from returns.result import Result, Success
 
 from readfence.core import ForwardMode
+from readfence.core.internal import did_you_mean
+from readfence.effects import Failure  # unwrap() says why
 
 from ._backend import Backend
 from ._combinators import hybrid, hybrid_linear, join, minimax, per_stream, select, tbo
@@ -232,6 +234,12 @@ class _Frame:
     key_pos: int = 0
 
 
+def _close(name: str, names: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``names``, else ``""``."""
+    hint = did_you_mean(name, names)
+    return f" ({hint.removeprefix('; ')})" if hint else ""
+
+
 class _Parser:
     """One parse of ``spec``: the backend forms (combinators and ``leaves``), and the ``outer``
     forms the outermost call may be (a ``what``, e.g. a step shape), or a backend as well when
@@ -263,10 +271,12 @@ class _Parser:
         outer = ", ".join(self.outer)
         if depth == 0 and not self.or_backend:
             if form is None:
-                raise _Fail(tok.pos, f"unknown {self.what} {name!r}; {self.what}s: {outer}")
+                raise _Fail(tok.pos, f"unknown {self.what} {name!r}{_close(name, self.outer)}; "
+                                     f"{self.what}s: {outer}")
             raise _Fail(tok.pos, f"expected a {self.what} ({outer}), found the backend {name!r}")
         shapes = f"; {self.what}s: {outer}" if self.outer and depth == 0 else ""
-        raise _Fail(tok.pos, f"unknown backend {name!r}; known leaves: {', '.join(self.leaf_names)}; "
+        close = _close(name, [*self.leaf_names, *_COMBINATORS, *(self.outer if depth == 0 else ())])
+        raise _Fail(tok.pos, f"unknown backend {name!r}{close}; known leaves: {', '.join(self.leaf_names)}; "
                              f"combinators: {', '.join(sorted(_COMBINATORS))}{shapes}")
 
     def build(self, frame: _Frame) -> Any:

@@ -1,88 +1,24 @@
-"""``readfence audit``: declared vs traced read ends, for every mode and every node."""
+"""``readfence audit``: declared vs traced read ends, for every mode and every node (``_audit_run``,
+imported once the options have passed: this module imports no torch)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from readfence.core import ForwardMode, ModelConfig, audit_report, default_batch_sizes
-from readfence.core.internal import format_table
-from readfence.graph import StepShape
-
-from ._engine_cmd import Engine, audit_engines
+from ._engine_cmd import Engine
 from ._errors import InputError, OneLineCommand
 from ._params import BATCH_SIZE, Mode, Spec, echo_json
 
-if TYPE_CHECKING:
-    from readfence.backends import Backend
-    from readfence.core import AuditReport, BackendLike
-    from readfence.engine import EngineBackend
+
+def _precheck(params: dict[str, Any]) -> None:
+    if params.get("engines") is not None and params.get("spec") is not None:
+        raise InputError(f"give SPEC or --engine MODULE:FACTORY, not both (got SPEC {params['spec']!r})")
 
 
-def reference_backends() -> list[Backend]:
-    """Every reference leaf (default options), then every reference composition.
-
-    >>> [str(b) for b in reference_backends()][:3]
-    ['paged', 'trtllm_mha', 'deepseek_v4']
-    """
-    from readfence.backends import REFERENCE_LEAVES, reference_compositions
-
-    return [make() for make in REFERENCE_LEAVES.values()] + list(reference_compositions().values())
-
-
-def audit_all(backends: Iterable[BackendLike], modes: Sequence[ForwardMode], *, progress: bool = False,
-              batch_sizes: Sequence[int] | None = None) -> list[AuditReport]:
-    """One :class:`~readfence.core.AuditReport` per (backend, mode), in that order.
-
-    ``progress`` shows a bar on stderr when it is a terminal (tracing takes a while);
-    ``batch_sizes`` are traced for each (default: 1, 2 and the model's maximum).
-
-    >>> from readfence.backends import paged
-    >>> [r.sound for r in audit_all([paged()], [ForwardMode.DECODE])]
-    [True]
-    """
-    return _audit_pairs([(b, m) for b in backends for m in modes], progress, batch_sizes)
-
-
-def audit_phases(shape: StepShape, modes: Sequence[ForwardMode] = (), *, progress: bool = False,
-                 batch_sizes: Sequence[int] | None = None) -> list[AuditReport]:
-    """One report per distinct (backend, mode) of a step shape's phases (a phase fixes its own
-    mode); ``modes``, when given, keeps only the phases in those modes.
-
-    >>> from readfence.graph import parse_step
-    >>> [(r.path, r.mode.name) for r in audit_phases(parse_step("ngram(paged)").unwrap(), batch_sizes=[2])]
-    [('paged', 'TARGET_VERIFY')]
-    """
-    pairs = [(b, m) for b, m in dict.fromkeys((p.backend, p.mode) for p in shape.phases) if not modes or m in modes]
-    if not pairs:
-        have = sorted({p.mode.name.lower() for p in shape.phases})
-        raise InputError(f"{shape} has no phase in mode {', '.join(m.name.lower() for m in modes)}; "
-                         f"its phases run in: {', '.join(have)}")
-    return _audit_pairs(pairs, progress, batch_sizes)
-
-
-def _audit_pairs(pairs: Sequence[tuple[Any, ForwardMode]], progress: bool,
-                 batch_sizes: Sequence[int] | None) -> list[Any]:
-    from tqdm import tqdm
-
-    bar = tqdm(pairs, file=sys.stderr, unit="audit", leave=False,
-               disable=not (progress and sys.stderr.isatty()))
-    return [audit_report(b, m, batch_sizes=batch_sizes) for b, m in bar]
-
-
-def totals(reports: Iterable[AuditReport]) -> dict[str, int]:
-    """Sum of every report's ``counts()``."""
-    out: dict[str, int] = {}
-    for r in reports:
-        for k, v in r.counts().items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
-@click.command(cls=OneLineCommand)
+@click.command(cls=OneLineCommand, precheck=_precheck)
 @click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", "modes", type=Mode(), multiple=True,
               help="Audit only this mode (repeatable); default: every mode.")
@@ -91,8 +27,8 @@ def totals(reports: Iterable[AuditReport]) -> dict[str, int]:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
 @click.option("--engine", "engines", type=Engine(), default=None,
               help="Audit an engine's own backend object instead of SPEC: MODULE:FACTORY (see readfence.engine).")
-def audit(spec: Backend | StepShape | None, modes: tuple[ForwardMode, ...], batch_sizes: tuple[int, ...], as_json: bool,
-          engines: list[tuple[str, EngineBackend]] | None = None) -> None:
+def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_json: bool,
+          engines: Any = None) -> None:
     """Trace SPEC (default: every reference backend) and check its declared read ends.
 
     \b
@@ -115,16 +51,22 @@ def audit(spec: Backend | StepShape | None, modes: tuple[ForwardMode, ...], batc
     e.g. readfence.engine.reference:minimax_hybrid, or :ENGINES for the reference engine.
     """
     if engines is not None:
-        if spec is not None:
-            raise InputError(f"give SPEC or --engine MODULE:FACTORY, not both (got SPEC {str(spec)!r})")
+        from ._engine_cmd import audit_engines
+
         sys.exit(audit_engines(engines, modes, batch_sizes, as_json))
+    from readfence.core import ForwardMode, ModelConfig, default_batch_sizes
+    from readfence.core.internal import format_table
+    from readfence.graph import StepShape
+
+    from . import _audit_run
+
     sizes = tuple(batch_sizes) or default_batch_sizes(ModelConfig())
     if isinstance(spec, StepShape):
-        reports = audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json)
+        reports = _audit_run.audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json)
     else:
-        backends = [spec] if spec is not None else reference_backends()
-        reports = audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
-    counts = totals(reports)
+        backends = [spec] if spec is not None else _audit_run.reference_backends()
+        reports = _audit_run.audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
+    counts = _audit_run.totals(reports)
     if as_json:
         echo_json([row for r in reports for row in r.rows(detail=True)])
     else:

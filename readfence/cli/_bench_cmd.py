@@ -46,8 +46,8 @@ def benchmarks_dir() -> pathlib.Path | None:
 def format_ratios(result: object, prefix: str = "") -> list[str]:
     """Lines ``name: value`` for a (nested) mapping of numbers; other values as text.
 
-    >>> format_ratios({"per_buffer_vs_coarse": 1.234, "n": {"steps": 100}})
-    ['per_buffer_vs_coarse: 1.23', 'n.steps: 100']
+    >>> format_ratios({"per_buffer_vs_coarse": 1.234, "n": {"steps": 100}, "rate": None})
+    ['per_buffer_vs_coarse: 1.23', 'n.steps: 100', 'rate: n/a (too few samples)']
     """
     if isinstance(result, Mapping):
         lines = []
@@ -59,6 +59,8 @@ def format_ratios(result: object, prefix: str = "") -> list[str]:
 
 
 def _show(value: Any) -> str:
+    if value is None:
+        return "n/a (too few samples)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return str(value)
     if isinstance(value, numbers.Integral):
@@ -128,6 +130,8 @@ def bench(names: Sequence[str], quick: bool, device: str) -> None:
         raise click.ClickException(f"no benchmark file for {', '.join(missing)} in {where} "
                                    f"(looked for {', '.join(f'bench_{n}.py' for n in missing)})")
     failed = []
+    if quick:
+        click.echo("quick: each benchmark's smoke run; its figures show that it runs, they measure nothing")
     for name in chosen:
         click.echo(f"== {name}{' (quick)' if quick else ''}")
         sys.stdout.flush()

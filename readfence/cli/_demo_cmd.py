@@ -1,20 +1,21 @@
-"""``readfence demo``: the overlapped decode loop per fence policy, checked against serial."""
+"""``readfence demo``: the overlapped decode loop per fence policy, checked against serial.
+
+The command and its report import no torch: the options are checked, and ``--help``
+answered, before the run (``_demo_run``) is imported.
+"""
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from readfence.graph import Policy, StepShape, phase_modes
-
-from ._demo_run import DEFAULT_SPEC, DemoResult, run_demo
 from ._errors import InputError, OneLineCommand
 from ._params import (
     BATCH_SIZE,
+    DEFAULT_SPEC,
     MAX_BATCH,
     MAX_STEPS,
     Amount,
@@ -28,10 +29,13 @@ from ._params import (
     merge_policies,
 )
 from ._table import table
-from ._trace import chrome_trace
 
 if TYPE_CHECKING:
-    from readfence.backends import Backend
+    from ._demo_run import DemoResult
+
+
+if TYPE_CHECKING:
+    pass
 
 MAX_WRITE_COST = 4096  # an N x N matmul per write: past this, seconds per write on a CPU
 MAX_WRITE_WAIT_MS = 1000.0  # per write: longer stalls only slow the run down
@@ -74,6 +78,7 @@ def render(result: DemoResult, *, spec: str, steps: int, batch_size: int, seed: 
     """The demo's text report: the device, one table, then any problems in full.
 
     >>> from readfence.core import ForwardMode
+    >>> from readfence.cli._demo_run import DemoResult
     >>> row = {"policy": "COARSE", "steps_per_s": 50.0, "speedup_vs_coarse": 1.0, "speedup_vs_serial": 0.8,
     ...        "mean_slack_ms": 2.5, "matches_serial": True, "violations": 0, "findings": [], "error": None}
     >>> print(render(DemoResult("cpu", None, ForwardMode.DECODE, [row], {}, 62.5),
@@ -123,16 +128,39 @@ def _serial_row(result: DemoResult) -> list[dict[str, Any]]:
              "speedup_vs_serial": 1.0}]
 
 
+def json_rows(result: DemoResult, *, spec: str, phases: str | None, steps: int, batch_size: int, seed: int,
+              write_cost: int, write_wait_ms: float) -> list[dict[str, Any]]:
+    """The ``--json`` objects: one per policy, each with what the run was (with and without ``--tp``).
+
+    >>> from readfence.core import ForwardMode
+    >>> from readfence.cli._demo_run import DemoResult
+    >>> rows = json_rows(DemoResult("cpu", None, ForwardMode.DECODE, [{"policy": "COARSE"}], {}, 62.5), spec="paged",
+    ...                  phases=None, steps=10, batch_size=2, seed=0, write_cost=0, write_wait_ms=5.0)
+    >>> sorted(rows[0])  # doctest: +NORMALIZE_WHITESPACE
+    ['batch_size', 'device', 'mode', 'policy', 'seed', 'spec', 'steps', 'write_cost', 'write_wait_ms']
+    """
+    mode = {"mode": "phases", "phases": phases} if phases else {"mode": result.mode.name}
+    return [{**r, "spec": spec, "device": result.device, **mode, "steps": steps, "batch_size": batch_size,
+             "seed": seed, "write_cost": write_cost, "write_wait_ms": write_wait_ms} for r in result.rows]
+
+
 def _tp_rank(rank: Any, spec: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """The demo on one tensor-parallel rank (``readfence.parallel.Rank``): its report and rows."""
+    from readfence.graph import Policy, phase_modes
+
+    from ._demo_run import run_demo
     from ._params import parse_spec
 
     backend = parse_spec(spec)
     result = run_demo(backend, policies=[Policy[p] for p in policies], device=rank.device, cfg=rank.cfg,
                       device_options=rank.device_options(), **options)
+    phases = phase_modes(backend) or None
+    wait_ms = options["write_wait_s"] * 1e3
     text = render(result, spec=spec, steps=options["steps"], batch_size=options["batch_size"], seed=options["seed"],
-                  phases=phase_modes(backend) or None, write_wait_ms=options["write_wait_s"] * 1e3)
-    return {"ok": result.ok, "text": text, "rows": result.rows}
+                  phases=phases, write_wait_ms=wait_ms)
+    rows = json_rows(result, spec=spec, phases=phases, steps=options["steps"], batch_size=options["batch_size"],
+                     seed=options["seed"], write_cost=options["write_cost"], write_wait_ms=wait_ms)
+    return {"ok": result.ok, "text": text, "rows": rows}
 
 
 def _need_matplotlib() -> None:
@@ -141,6 +169,20 @@ def _need_matplotlib() -> None:
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed; "
                          "install it with: pip install 'readfence[plot]'") from None
+
+
+def _precheck(params: dict[str, Any]) -> None:
+    """What ``demo`` refuses before it imports anything heavy: option combinations."""
+    from ._tp_cmd import check_tp, check_world
+
+    tp = params.get("tp")
+    check_world(tp)
+    if tp is not None:
+        check_tp(tp)
+        if params.get("trace_path") is not None or params.get("plot_path") is not None:
+            raise InputError("--trace and --plot draw one process's streams: run them without --tp")
+    if params.get("plot_path") is not None:
+        _need_matplotlib()
 
 
 class _Progress:
@@ -166,7 +208,7 @@ class _Progress:
             self.bar.close()
 
 
-@click.command(cls=OneLineCommand)
+@click.command(cls=OneLineCommand, precheck=_precheck)
 @click.option("--spec", type=Spec(), default=DEFAULT_SPEC, show_default=True,
               help="Backend to run, e.g. 'tbo(deepseek_v4, paged)', or a speculative step shape: "
                    "'eagle(TARGET, DRAFT)', 'multi_eagle(TARGET, D1, D2)', 'ngram(TARGET)'.")
@@ -184,14 +226,14 @@ class _Progress:
               help="How long each page-table write takes, without using the CPU (a stand-in for the "
                    "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free (0..1000).")
 @click.option("--trace", "trace_path", type=OutputFile(".json"),
-              help="Write a Chrome trace-event JSON of every run (open it in https://ui.perfetto.dev).")
+              help="Write a Chrome trace-event JSON of every run's first 200 steps (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=OutputFile(".png"),
-              help="Draw the first steps of each run's timeline as a PNG (needs matplotlib).")
+              help="Draw each run's first steps after its warm-up step as a PNG (needs matplotlib).")
 @click.option("--tp", type=Positive(), default=None,
               help="Tensor parallelism: run on N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), each with its "
                    "own scheduler, shared buffers and lowered step of its shard of the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
-def demo(spec: Backend | StepShape, steps: int, policies: tuple[Policy, ...], device: str, seed: int, batch_size: int,
+def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: int, batch_size: int,
          write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None,
          tp: int | None, as_json: bool) -> None:
     """Run the tiny model's overlapped decode loop under each fence policy.
@@ -201,31 +243,33 @@ def demo(spec: Backend | StepShape, steps: int, policies: tuple[Policy, ...], de
     overlap, the same write work), and the mean fence slack (time from a buffer's last read to
     its release). Exit status 1 if any run is wrong.
     """
-    if tp is not None:
-        from ._tp_cmd import check_tp, run_on_ranks
+    from readfence.graph import Policy, StepShape, phase_modes
 
-        check_tp(tp)
-        if trace_path is not None or plot_path is not None:
-            raise InputError("--trace and --plot draw one process's streams: run them without --tp")
+    if tp is not None:
+        from ._tp_cmd import run_on_ranks
+
         options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=write_cost,
                        write_wait_s=write_wait_ms / 1e3)
         run_on_ranks(_tp_rank, str(spec), [p.name for p in policies], options, tp=tp, device=device, as_json=as_json,
                      what="every policy matched the serial run with the same sharding bit for bit; the sanitizer "
                           "found no race")
         return
-    if plot_path is not None:
-        _need_matplotlib()
-    progress = _Progress(steps * (len(set(policies) | {Policy.COARSE})), enabled=not as_json)
+    from ._demo_run import run_demo
+
+    # the serial reference counts as one run of the bar
+    progress = _Progress(steps * (1 + len(set(policies) | {Policy.COARSE})), enabled=not as_json)
     try:
         result = run_demo(spec, policies=policies, device=device, steps=steps, batch_size=batch_size,
-                          seed=seed, write_cost=write_cost, write_wait_s=write_wait_ms / 1e3, trace=trace_path is not None or plot_path is not None,
+                          seed=seed, write_cost=write_cost, write_wait_s=write_wait_ms / 1e3,
+                          trace=trace_path is not None or plot_path is not None,
                           progress=progress.step, on_policy=progress.phase)
     finally:
         progress.close()
     if trace_path is not None:
-        doc = chrome_trace(result.timelines, spec=str(spec), device=result.device, steps=steps,
-                           batch_size=batch_size, seed=seed)
-        trace_path.write_text(json.dumps(doc))
+        from ._trace import TRACE_STEPS, write_chrome_trace
+
+        write_chrome_trace(trace_path, result.timelines, spec=str(spec), device=result.device, steps=steps,
+                           batch_size=batch_size, seed=seed, traced_steps=min(steps, TRACE_STEPS))
     if plot_path is not None:
         from ._plot import plot_timelines
 
@@ -233,16 +277,17 @@ def demo(spec: Backend | StepShape, steps: int, policies: tuple[Policy, ...], de
                        phases=len(spec.phases) if isinstance(spec, StepShape) else 1)
     phases = phase_modes(spec) or None
     if as_json:
-        mode = {"mode": "phases", "phases": phases} if phases else {"mode": result.mode.name}
-        out = [{**r, "spec": str(spec), "device": result.device, **mode, "steps": steps,
-                "batch_size": batch_size, "seed": seed, "write_cost": write_cost,
-                "write_wait_ms": write_wait_ms} for r in result.rows]
-        echo_json(out)
+        echo_json(json_rows(result, spec=str(spec), phases=phases, steps=steps, batch_size=batch_size, seed=seed,
+                            write_cost=write_cost, write_wait_ms=write_wait_ms))
     else:
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
                           write_wait_ms=write_wait_ms))
-        for what, path in (("trace", trace_path), ("plot", plot_path)):
-            if path is not None:
-                click.echo(f"{what} written to {path}")
+        from ._trace import TRACE_STEPS
+
+        kept = f" (the first {TRACE_STEPS} steps of each run)" if steps > TRACE_STEPS else ""
+        if trace_path is not None:
+            click.echo(f"trace written to {trace_path}{kept}")
+        if plot_path is not None:
+            click.echo(f"plot written to {plot_path}")
     if not result.ok:
         sys.exit(1)

@@ -28,15 +28,15 @@ from readfence.graph import (
     torch_device,
 )
 
-from ._trace import WaitRecorder, add_replays, add_waits
+from . import _trace
+from ._params import DEFAULT_SPEC
+from ._trace import CappedTimeline, WaitRecorder, add_replays, add_waits
 
 if TYPE_CHECKING:
     from readfence.effects import Capabilities
     from readfence.graph import Target
 
-#: A composition whose buffers end at different stages: trtllm_mha snapshots its page-table
-#: metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph (IN_REPLAY).
-DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
+__all__ = ["DEFAULT_SPEC", "DemoResult", "run_demo", "with_baseline"]
 
 
 @attrs.frozen
@@ -66,21 +66,35 @@ def with_baseline(policies: Sequence[Policy]) -> tuple[Policy, ...]:
     return (Policy.COARSE,) + tuple(p for p in dict.fromkeys(policies) if p is not Policy.COARSE)
 
 
+#: Steps the host may issue ahead of the streams running them (a trace stops recording that
+#: much after its last kept step, then trims to it).
+IN_FLIGHT = 4
+
+
 def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, trace: bool,
              progress: Callable[[int], None] | None, device_options: Mapping[str, Any],
              **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
-    timeline = Timeline() if trace else None
-    recorder = WaitRecorder()
+    keep = _trace.TRACE_STEPS
+    timeline = CappedTimeline(keep) if trace else None
+    recorder = WaitRecorder(timeline)
+
+    def step_done(i: int) -> None:
+        if timeline is not None and i + 1 >= keep + IN_FLIGHT:
+            timeline.stop()  # the trace keeps the first steps (trimmed to them once the run is over)
+        if progress is not None:
+            progress(i)
+
     with open_device(device, **device_options) as dev:
         if trace:
             dev.add_observer(recorder)
         try:
             res = run_overlapped(backend, mode, policy=policy, device=dev, sanitize=True,
-                                 progress=progress, timeline=timeline, **kw)
+                                 progress=step_done, timeline=timeline, **kw)
         finally:
             if trace:
                 dev.remove_observer(recorder)
         if timeline is not None:
+            timeline.trim()
             add_waits(timeline, recorder)
             graphs = dev.caps.graphs
             if isinstance(backend, StepShape):
@@ -142,7 +156,8 @@ def run_demo(
     kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed, "cfg": cfg}
     with open_device(device, **options) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
-    reference = run_serial(backend, mode, device=device, write_cost=write_cost, write_wait_s=write_wait_s, **kw)
+    reference = run_serial(backend, mode, device=device, write_cost=write_cost, write_wait_s=write_wait_s,
+                           progress=progress, **kw)
     serial = reference.steps_per_s
     rows, timelines = [], {}
     dev_name, caps = device, None

@@ -8,34 +8,77 @@ reference engine is ``readfence.engine.reference:NAME`` (``:ENGINES`` for all of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from readfence.core import ForwardMode
-from readfence.graph import Policy, open_device
-
 from ._params import InputError, echo_json
 
 if TYPE_CHECKING:
+    from readfence.core import ForwardMode
     from readfence.engine import EngineBackend
+    from readfence.graph import Policy
+
+
+@contextlib.contextmanager
+def _importable_here() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while an engine's module is imported, as
+    ``python -m`` puts it there (a console script's own folder is there instead)."""
+    here = os.getcwd()
+    if here in sys.path or "" in sys.path:
+        yield
+        return
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(here)
 
 
 class Engine(click.ParamType):
-    """``MODULE:FACTORY``: imported and built when the option is read (bad input is one line)."""
+    """``MODULE:FACTORY``: imported (from the current folder too, as ``python -m`` would) and
+    built once every option has passed (bad input is one line).
+
+    >>> Engine().convert("no-colon", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got 'no-colon'
+    """
 
     name = "MODULE:FACTORY"
+    expects = "MODULE:FACTORY, e.g. readfence.engine.reference:triton"
 
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> list[tuple[str, EngineBackend]]:
-        if isinstance(value, list):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        module, sep, attribute = value.partition(":")
+        if not sep or not module.strip() or not attribute.strip():  # the loader says the same (it imports torch)
+            raise InputError(f"--engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got {value!r}")
+        return value
+
+    def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """``[(name, adapted backend)]``: at least one."""
+        if not isinstance(value, str):
             return value
         from readfence.engine.internal import load_engines
 
         try:
-            return load_engines(str(value))
+            with _importable_here():
+                engines = load_engines(value)
         except ValueError as e:
-            raise InputError(str(e)) from None
+            message = str(e)
+            if message.startswith("cannot import module") and "No module named" in message:
+                message += f" (looked in the current folder, {os.getcwd()}, and on sys.path)"
+            raise InputError(message) from None
+        if not engines:
+            raise InputError(f"--engine {value}: the factory gave no backend (an empty list or mapping); "
+                             "return at least one adapted backend")
+        return engines
 
 
 def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int]) -> None:
@@ -50,6 +93,7 @@ def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int])
 def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[ForwardMode], batch_sizes: Sequence[int],
                   as_json: bool) -> int:
     """Audit each engine backend; print the tables (or JSON rows); the exit status (1: unsound)."""
+    from readfence.core import ForwardMode
     from readfence.engine import ENGINE_MODES, audit_engine
 
     if ForwardMode.IDLE in modes:
@@ -62,15 +106,63 @@ def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[
         echo_json([{"engine": name, **row.as_json()} for name, report in reports for row in report.rows()])
     else:
         click.echo("\n\n".join(f"engine: {name}\n{report.table()}" for name, report in reports))
+        if len(reports) > 1:
+            click.echo("\n" + summary(reports))
     return 1 if any(not report.sound for _, report in reports) else 0
 
 
-def verify_engines(engines: Sequence[tuple[str, EngineBackend]], mode: ForwardMode, *, policies: Sequence[Policy],
+#: How the summary names the shared buffers.
+SHORT = {"req_to_token": "r2t", "seq_lens": "lens", "swa_map": "swa", "state_slots": "state_slots"}
+
+
+def _truth(rows: Sequence[Any]) -> str:
+    """Each buffer's truth, grouped by end: ``r2t, lens PRE; state_slots IN`` (``*``: observed)."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for r in rows:
+        if r.truth.name != "NONE":
+            key = (r.truth.name.removesuffix("_REPLAY"), r.source == "observed")
+            groups.setdefault(key, []).append(SHORT.get(r.buffer, r.buffer))
+    return "; ".join(f"{', '.join(dict.fromkeys(names))} {end}{'*' if seen else ''}"
+                     for (end, seen), names in groups.items()) or "reads no shared buffer"
+
+
+def _verdict(report: Any, root: Any) -> str:
+    bad = [r for r in report.unsound() if r.mode == root.mode]
+    if bad:
+        r = bad[0]
+        if r.backend == root.path:
+            return f"unsound: {r.method} reads {SHORT.get(r.buffer, r.buffer)} ({r.op.removesuffix('.default')}, {r.source})"
+        return f"unsound: its child {r.backend.rsplit('/', 1)[-1]}"
+    gain = sum(max(r.steps, 0) for r in root.rows)
+    return f"sound, conservative +{gain}" if gain else "sound, exact"
+
+
+def summary(reports: Sequence[tuple[str, Any]]) -> str:
+    """One line per engine backend and mode: its scalar declaration, each buffer's truth, the
+    verdict; then the total (what ``audit --engine MODULE:ENGINES`` ends with)."""
+    from ._table import table
+
+    rows, unsound = [], 0
+    for _, report in reports:
+        bad = not report.sound
+        unsound += bad
+        for root in (n for n in report.nodes if "/" not in n.path):
+            rows.append({"backend": root.path, "mode": root.mode.name + ("" if not root.prefill else " (per batch)"),
+                         "declares": root.declared.name, "truth": _truth(root.rows), "verdict": _verdict(report, root)})
+    lines = ["summary: each engine backend's one declaration against each buffer's truth (* observed, not traced)",
+             table(rows, ["backend", "mode", "declares", "truth", "verdict"]), "",
+             f"{len(reports)} engine backends: {len(reports) - unsound} sound, {unsound} unsound"
+             + (" (exit status 1)" if unsound else "")]
+    return "\n".join(lines)
+
+
+def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, policies: Sequence[Policy],
                    device: str, steps: int, batch_size: int, seed: int, as_json: bool) -> int:
     """Verify each engine backend under ``policies`` and its engine's runner model; print the
     report (or JSON rows); the exit status (1: any finding)."""
     from readfence.core import tokens_per_request
     from readfence.engine import verify_engine
+    from readfence.graph import open_device
 
     if tokens_per_request(mode) == 0:
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing to verify")
@@ -81,8 +173,11 @@ def verify_engines(engines: Sequence[tuple[str, EngineBackend]], mode: ForwardMo
             results.append((name, verify_engine(engine, mode, device=dev, policies=policies, steps=steps,
                                                 batch_size=batch_size, seed=seed)))
     if as_json:
+        # ``policy`` as in spec verify's objects (the engine runner's is "ENGINE RUNNER"); ``fence`` is
+        # the same name, kept for schema version 1
         echo_json([{"engine": name, "mode": r.mode.name, "device": r.device, "steps": r.steps,
-                    "batch_size": r.batch_size, "seed": seed, **row.as_json()} for name, r in results for row in r.rows])
+                    "batch_size": r.batch_size, "seed": seed, "policy": row.name, **row.as_json()}
+                   for name, r in results for row in r.rows])
     else:
         blocks = []
         for name, r in results:
@@ -96,8 +191,23 @@ def verify_engines(engines: Sequence[tuple[str, EngineBackend]], mode: ForwardMo
                     advice.setdefault(_advice(row.finding, name), []).append(row.name)
             lines += [f"{', '.join(names)}: {text}" for text, names in advice.items()]
             blocks.append("\n".join(lines))
+        if len(results) > 1:
+            bad = [_short_name(name) for name, r in results if not r.ok]
+            blocks.append(f"{len(results)} engine backends: {len(results) - len(bad)} clean, {len(bad)} with findings"
+                          + (f" (exit status 1): {', '.join(bad)}" if bad else ""))
         click.echo("\n\n".join(blocks))
     return 0 if all(r.ok for _, r in results) else 1
+
+
+def _short_name(name: str) -> str:
+    """``MODULE:FACTORY['key']`` -> ``key`` (a member of a list or mapping), else ``name``.
+
+    >>> _short_name("readfence.engine.reference:ENGINES['triton']"), _short_name("m:f")
+    ('triton', 'm:f')
+    """
+    if name.endswith("]") and "[" in name:
+        return name[name.rindex("[") + 1:-1].strip("'\"")
+    return name
 
 
 def _advice(finding: Any, name: str) -> str:

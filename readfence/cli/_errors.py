@@ -10,18 +10,29 @@ command module (the group uses it too).
 ... @click.option("--steps", type=int)
 ... def cmd(steps):
 ...     pass
->>> for args in (["--steps"], ["--stpes", "3"], ["extra"]):
+>>> for args in (["--steps"], ["--stpes", "3"], ["--count", "3"], ["extra"], ["--steps", "1", "--steps", "2"]):
 ...     try:
 ...         cmd.main(args, prog_name="demo", standalone_mode=False)
 ...     except InputError as e:
 ...         print(e.message)
 --steps needs a value: an integer
 unknown option --stpes (did you mean --steps?); see `demo --help`
+unknown option --count; demo takes --steps; see `demo --help`
 unexpected extra argument 'extra'; see `demo --help`
+--steps given twice ('1', then '2'): give it once
+
+A command can check its options in two phases, so that bad input is found before anything heavy
+is imported: the parameter types convert what they can check cheaply, and a type with a
+``resolve(value, param, ctx)`` method finishes the conversion after every option has passed
+(a spec is parsed, a module imported, a mode looked up); ``precheck(params)``, given as
+``@click.command(cls=OneLineCommand, precheck=...)``, checks combinations of options in between.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -33,7 +44,8 @@ class InputError(click.ClickException):
     exit_code = 2
 
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))  # one line, whatever the message held
+        # one line, whatever the message held (runs of spaces inside a shown value are kept)
+        super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", message).strip())
 
 
 def expects(param: click.Parameter | None) -> str:
@@ -72,8 +84,13 @@ def one_line(error: click.UsageError, ctx: click.Context | None = None) -> Input
     where = ctx.command_path if ctx is not None else "readfence"
     see = f"; see `{where} --help`"
     if isinstance(error, click.NoSuchOption):
-        hint = f" (did you mean {', '.join(error.possibilities)}?)" if error.possibilities else ""
-        return InputError(f"unknown option {error.option_name}{hint}{see}")
+        # --help is close to anything short: it is no suggestion (the hint already points there)
+        close = [p for p in error.possibilities or () if p not in ("--help", "-h")]
+        if close:
+            return InputError(f"unknown option {error.option_name} (did you mean {', '.join(close)}?){see}")
+        options = _options(ctx)
+        takes = f"; {ctx.info_name if ctx is not None else 'it'} takes {', '.join(options)}" if options else ""
+        return InputError(f"unknown option {error.option_name}{takes}{see}")
     if isinstance(error, click.BadOptionUsage):
         param = _find(ctx, error.option_name)
         if "requires" in error.message and "argument" in error.message:
@@ -93,33 +110,105 @@ def one_line(error: click.UsageError, ctx: click.Context | None = None) -> Input
     if command:
         group = ctx.command if ctx is not None else None
         known = ", ".join(group.list_commands(ctx)) if isinstance(group, click.Group) and ctx is not None else ""
-        names = getattr(error, "possibilities", None)
-        hint = f" (did you mean {', '.join(names)}?)" if names else ""
+        names = difflib.get_close_matches(command, known.split(", "), n=2)
+        hint = f" (did you mean {' or '.join(names)}?)" if names else ""
         return InputError(f"unknown command {command!r}{hint}; commands: {known}")
     return InputError(f"{message[:1].lower()}{message[1:]}{see}")
 
 
+def _options(ctx: click.Context | None) -> list[str]:
+    """The options a command takes, as the user writes them (``--help`` left out)."""
+    params = ctx.command.params if ctx is not None else []
+    return [max(p.opts, key=len) for p in params if isinstance(p, click.Option) and p.name != "help"]
+
+
+class MissingCommand(InputError):
+    """A group run without a command: its usage on stdout, then one ``Error:`` line."""
+
+    def __init__(self, ctx: click.Context) -> None:
+        group = ctx.command
+        names = group.list_commands(ctx) if isinstance(group, click.Group) else []
+        super().__init__(f"missing command; commands: {', '.join(names)} (`{ctx.command_path} COMMAND --help` "
+                         "says what each takes)")
+        self.ctx = ctx
+
+    def show(self, file: Any = None) -> None:
+        click.echo(self.ctx.get_help())
+        super().show(file)
+
+
+def _shown_twice(param: click.Parameter, values: list[str]) -> str:
+    name = param_name(param)
+    shown = ", then ".join(repr(v) for v in values[:3]) + (", ..." if len(values) > 3 else "")
+    return f"{name} given {'twice' if len(values) == 2 else f'{len(values)} times'} ({shown}): give it once"
+
+
 class OneLineErrors:
     """Mixin for click commands and groups: click's usage errors become one-line
-    :class:`InputError` (parse errors of the command itself, and unknown sub-commands)."""
+    :class:`InputError` (parse errors of the command itself, and unknown sub-commands); an
+    option that takes one value and is given several times is refused, not silently the last."""
+
+    def __init__(self, *args: Any, precheck: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.precheck = precheck
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
         try:
             return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[misc]
+        except click.exceptions.NoArgsIsHelpError as e:
+            raise MissingCommand(e.ctx) from None
         except click.UsageError as e:  # the parser's errors carry no context: make one to name the command
             ctx = e.ctx or click.Context(self, info_name=info_name, parent=parent)  # type: ignore[arg-type]
             raise one_line(e, ctx) from None
 
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        given: dict[str, list[click.Parameter]] = {}
+        argv = list(args)  # the parser consumes its list
+        if not isinstance(self, click.Group):
+            try:  # a dry run of the parser, for the order the options came in (repeats included)
+                _, _, order = self.make_parser(ctx).parse_args(args=list(argv))  # type: ignore[attr-defined]
+            except click.UsageError:
+                order = []  # the real parse below reports it
+            for param in order:
+                if isinstance(param, click.Option) and not (param.multiple or param.is_flag or param.count):
+                    given.setdefault(param.name or "", []).append(param)
+        rest: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
+        for uses in given.values():
+            if len(uses) > 1:
+                raise InputError(_shown_twice(uses[0], _values(uses[0], argv)))
+        return rest
+
+    def invoke(self, ctx: click.Context) -> Any:
+        if self.precheck is not None:
+            self.precheck(ctx.params)
+        for param in ctx.command.params:
+            resolve = getattr(param.type, "resolve", None)
+            if resolve is not None and param.name in ctx.params and ctx.params[param.name] is not None:
+                ctx.params[param.name] = resolve(ctx.params[param.name], param, ctx)
+        return super().invoke(ctx)  # type: ignore[misc]
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
         try:
             return super().resolve_command(ctx, args)  # type: ignore[misc]
         except click.UsageError as e:
             raise one_line(e, ctx) from None
 
 
+def _values(param: click.Parameter, args: list[str]) -> list[str]:
+    """What ``args`` gives ``param`` each time it is used (``--x v`` and ``--x=v``)."""
+    out, opts = [], set(getattr(param, "opts", ()))
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if arg in opts and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif eq and name in opts:
+            out.append(value)
+    return out
+
+
 class OneLineCommand(OneLineErrors, click.Command):
     """A click command whose every bad option is one ``Error:`` line (use with ``cls=``)."""
 
 
-__all__ = ["InputError", "OneLineCommand", "OneLineErrors", "expects", "one_line", "param_name"]
+__all__ = ["InputError", "MissingCommand", "OneLineCommand", "OneLineErrors", "expects", "one_line", "param_name"]

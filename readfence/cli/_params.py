@@ -5,6 +5,11 @@ exits with status 2, without a usage banner or a traceback. The message names th
 the value, what was wrong and what is allowed. Each type's ``expects`` says what it takes
 (the message for an option given no value).
 
+This module imports no torch, and neither does any type's ``convert``: every option is checked
+(and ``--help`` printed) at once. What needs the library (parsing a spec, importing an engine's
+module, asking CUDA) is the type's ``resolve``, run after every option has passed (see
+:class:`~readfence.cli._errors.OneLineCommand`).
+
 >>> Positive().convert("12", None, None), Positive().convert("007", None, None)
 (12, 7)
 >>> try:
@@ -19,27 +24,50 @@ from __future__ import annotations
 import math
 import pathlib
 import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import click
-from returns.pipeline import is_successful
-
-from readfence.backends import Backend
-from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import DEVICE_KINDS, Policy, StepShape, open_device, parse_target
 
 from ._errors import InputError, param_name
 
 if TYPE_CHECKING:
     from readfence.effects import Capabilities
 
+# What the options are checked against before torch is imported; a test keeps each equal to
+# the library's own (``ForwardMode``, ``Policy``, ``DEVICE_KINDS``, ``ModelConfig()``, ``tp_sizes``).
+MODE_NAMES = ("decode", "target_verify", "draft_extend", "extend", "idle")
+POLICY_NAMES = ("coarse", "joined", "per_buffer", "exact")
+DEVICE_KINDS = ("auto", "cpu", "cuda")
+MAX_BATCH = 16  # ModelConfig().max_reqs: the requests the tiny model serves
+TINY_HEADS, TINY_MLP = 2, 64  # ModelConfig().heads, .mlp: what a tensor-parallel size must divide
+TP_SIZES = tuple(d for d in range(1, TINY_HEADS + 1) if TINY_HEADS % d == 0 and TINY_MLP % d == 0)
+
+#: The demo's backend: a composition whose buffers end at different stages: trtllm_mha snapshots
+#: its page-table metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph
+#: (IN_REPLAY).
+DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
+
+#: Longest value an error message repeats in full; past it, its start and its length.
+SHOWN_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message shows it: its ``repr``, cut short when long.
+
+    >>> shown("   "), shown("x" * 1000)
+    ("'   '", "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1000 characters)")
+    """
+    text = repr(value)
+    if isinstance(value, str) and len(text) > SHOWN_CHARS:
+        return f"{value[:60]!r}... ({len(value)} characters)"
+    return text
+
 
 def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
-    return InputError(f"invalid {param_name(param)} {value!r}: {why}")
+    return InputError(f"invalid {param_name(param)} {shown(value)}: {why}")
 
 
-def parse_spec(text: str) -> Backend | StepShape:
+def parse_spec(text: str) -> Any:
     """The backend (or speculative step shape) a spec names; ``ValueError`` says what is wrong
     and where: ``position N: ...``, on one line, for every command that takes a spec.
 
@@ -56,6 +84,10 @@ def parse_spec(text: str) -> Backend | StepShape:
     ...
     ValueError: position 4: expected a backend name, found end of spec
     """
+    from returns.pipeline import is_successful
+
+    from readfence.graph import parse_target
+
     result = parse_target(text)
     if not is_successful(result):
         error = result.failure()
@@ -70,8 +102,12 @@ class Spec(click.ParamType):
     expects = ("a backend spec such as 'tbo(deepseek_v4, paged)', or a step shape such as "
                "'eagle(paged, trtllm_mha)'")
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Backend | StepShape:
-        if isinstance(value, (Backend, StepShape)):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value  # parsed by ``resolve``: the grammar lives with the backends
+
+    def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The backend or step shape ``value`` names (``parse_spec``)."""
+        if not isinstance(value, str):
             return value
         try:
             return parse_spec(value)
@@ -80,58 +116,86 @@ class Spec(click.ParamType):
 
 
 class Mode(click.ParamType):
-    """A forward mode name (case-insensitive)."""
+    """A forward mode name (case-insensitive), checked against :data:`MODE_NAMES`; ``resolve``
+    gives the ``ForwardMode``. ``refused`` maps modes a command cannot take to the reason: they
+    are left out of what the errors list as allowed.
+
+    >>> Mode(refused={"idle": "its steps carry no tokens"}).convert("IDLE", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value 'IDLE': its steps carry no tokens; allowed: decode, target_verify, draft_extend, extend
+    """
 
     name = "mode"
-    expects = "a forward mode: " + ", ".join(m.name.lower() for m in ForwardMode)
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> ForwardMode:
-        if isinstance(value, ForwardMode):
+    def __init__(self, refused: dict[str, str] | None = None) -> None:
+        self.refused = dict(refused or {})
+        self.allowed = tuple(m for m in MODE_NAMES if m not in self.refused)
+        self.expects = "a forward mode: " + ", ".join(self.allowed)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
             return value
-        try:
-            return ForwardMode.parse(value)
-        except ValueError:
-            allowed = ", ".join(m.name.lower() for m in ForwardMode)
-            raise _fail(param, value, f"unknown forward mode; allowed: {allowed}") from None
+        key = value.strip().lower()
+        allowed = ", ".join(self.allowed)
+        if key in self.refused:
+            raise _fail(param, value, f"{self.refused[key]}; allowed: {allowed}")
+        if key not in MODE_NAMES:
+            raise _fail(param, value, f"unknown forward mode; allowed: {allowed}")
+        return key
+
+    def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The ``ForwardMode`` (a tuple of them for a repeated option)."""
+        from readfence.core import ForwardMode
+
+        if isinstance(value, tuple):
+            return tuple(ForwardMode.parse(v) if isinstance(v, str) else v for v in value)
+        return ForwardMode.parse(value) if isinstance(value, str) else value
 
 
 class Policies(click.ParamType):
     """Fence policies as a comma list (``per_buffer,exact``) or ``all``; converts to a tuple of
-    policies in a fixed order. The option is repeatable: :func:`merge_policies` joins the uses.
+    policy names in a fixed order, which ``resolve`` turns into ``Policy`` values. The option is
+    repeatable: :func:`merge_policies` joins the uses.
 
     >>> Policies().convert("exact, coarse", None, None)
-    (<Policy.COARSE: 'coarse'>, <Policy.EXACT: 'exact'>)
+    ('coarse', 'exact')
     """
 
     name = "policy"
     expects = "coarse, joined, per_buffer, exact or all (a comma list, or the option repeated)"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Policy, ...]:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Any, ...]:
         if isinstance(value, tuple):
             return value
-        chosen: set[Policy] = set()
+        chosen: set[str] = set()
         for part in value.split(","):
             name = part.strip().lower()
             if name == "all":
-                chosen.update(Policy)
-                continue
-            try:
-                chosen.add(Policy.parse(name))
-            except ValueError:
-                allowed = ", ".join([p.value for p in Policy] + ["all"])
+                chosen.update(POLICY_NAMES)
+            elif name in POLICY_NAMES:
+                chosen.add(name)
+            else:
+                allowed = ", ".join(POLICY_NAMES + ("all",))
                 raise _fail(param, value, f"unknown policy {part.strip()!r}; allowed: {allowed} "
-                                          f"(a comma list, or the option repeated)") from None
-        return tuple(p for p in Policy if p in chosen)
+                                          f"(a comma list, or the option repeated)")
+        return tuple(p for p in POLICY_NAMES if p in chosen)
+
+    def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Any, ...]:
+        """The ``Policy`` values, in the fixed order."""
+        from readfence.graph import Policy
+
+        return tuple(Policy.parse(p) if isinstance(p, str) else p for p in value)
 
 
-def merge_policies(ctx: click.Context, param: click.Parameter, value: Iterable[Iterable[Policy]]) -> tuple[Policy, ...]:
+def merge_policies(ctx: click.Context | None, param: click.Parameter | None, value: Any) -> tuple[Any, ...]:
     """The policies of every use of a repeated ``--policy``, in a fixed order (a click callback).
 
-    >>> merge_policies(None, None, ((Policy.EXACT,), (Policy.COARSE, Policy.EXACT)))
-    (<Policy.COARSE: 'coarse'>, <Policy.EXACT: 'exact'>)
+    >>> merge_policies(None, None, (("exact",), ("coarse", "exact")))
+    ('coarse', 'exact')
     """
     chosen = {p for group in value for p in group}
-    return tuple(p for p in Policy if p in chosen)
+    return tuple(p for p in POLICY_NAMES if p in chosen)
 
 
 class Positive(click.ParamType):
@@ -167,7 +231,6 @@ class Positive(click.ParamType):
 
 
 MAX_STEPS = 100_000  # steps per run of a command: minutes on a CPU device, more shows nothing new
-MAX_BATCH = ModelConfig().max_reqs
 
 
 #: The type of ``--batch-size``: requests per step, at most what the tiny model serves.
@@ -240,19 +303,21 @@ class OutputFile(click.ParamType):
         self.expects = f"a file name ending in {suffix}"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> pathlib.Path:
+        if isinstance(value, pathlib.Path):
+            return value
         path = pathlib.Path(value)
-        if path.suffix.lower() != self.suffix:
-            raise _fail(param, str(path), f"the file name must end in {self.suffix}")
+        if path.suffix.lower() != self.suffix or not path.stem:
+            raise _fail(param, value, f"the file name must end in {self.suffix}")
         if not path.resolve().parent.is_dir():
-            raise _fail(param, str(path), f"directory {str(path.parent)!r} does not exist")
+            raise _fail(param, value, f"directory {str(path.parent)!r} does not exist")
         if path.exists() and not path.is_file():
-            raise _fail(param, str(path), "not a regular file")
+            raise _fail(param, value, "not a regular file")
         existed = path.exists()
         try:
             with open(path, "ab"):
                 pass
         except OSError as e:
-            raise _fail(param, str(path), f"cannot write there ({e.strerror})") from None
+            raise _fail(param, value, f"cannot write there ({e.strerror})") from None
         if not existed:
             path.unlink()  # only checking: a run that fails leaves nothing behind
         return path
@@ -294,22 +359,29 @@ class DeviceName(click.ParamType):
         key = str(value).strip().lower()
         if key not in self.choices:
             raise _fail(param, value, f"unknown device; allowed: {', '.join(self.choices)}")
+        return key
+
+    def resolve(self, key: str, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        """``key``, once CUDA, when asked for, is there and passes its self-check."""
         if key == "cuda":
             import torch
 
             if not torch.cuda.is_available():
-                raise _fail(param, value, "CUDA is not available here (torch.cuda.is_available() "
-                                          "is False); allowed: auto, cpu")
+                raise _fail(param, key, "CUDA is not available here (torch.cuda.is_available() "
+                                        "is False); allowed: auto, cpu")
+
             from readfence.graph.devices.internal import self_check_error
 
             error = self_check_error()
             if error is not None:
-                raise _fail(param, value, f"{error}; allowed: auto (falls back to cpu), cpu")
+                raise _fail(param, key, f"{error}; allowed: auto (falls back to cpu), cpu")
         return key
 
 
 def device_caps(name: str) -> tuple[str, Capabilities]:
     """``(device name, Capabilities)`` of the device ``name`` would open, closing it again."""
+    from readfence.graph import open_device
+
     dev = open_device(name)
     try:
         return dev.name, dev.caps
@@ -338,3 +410,13 @@ def echo_json(doc: object) -> None:
         return {"schema_version": JSON_SCHEMA_VERSION, **obj} if isinstance(obj, dict) else obj
 
     click.echo(json.dumps([versioned(o) for o in doc] if isinstance(doc, list) else versioned(doc), indent=2))
+
+
+def refuse_mode_for_shape(spec: Any) -> None:
+    """A ``--mode`` given with a step shape is refused: the shape's phases fix their own modes."""
+    from readfence.graph import StepShape, phase_modes
+
+    ctx = click.get_current_context()
+    if isinstance(spec, StepShape) and ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT:
+        raise InputError(f"--mode does not apply to the step shape {str(spec)!r}: its phases fix their own modes "
+                         f"({phase_modes(spec)}); leave --mode out")

@@ -1,4 +1,6 @@
-"""``readfence plan``: how a backend's read effect is derived, resolved and fenced."""
+"""``readfence plan``: how a backend's read effect is derived, resolved and fenced (the report
+is computed by ``_plan_data``, imported once the options have passed: this module imports no
+torch)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from readfence.core import ForwardMode
-from readfence.graph import StepShape
-
 from ._errors import OneLineCommand
-from ._params import DeviceName, Mode, Spec, device_caps, echo_json
-from ._plan_data import plan_report, shape_plan_report
+from ._params import DeviceName, Mode, Spec, device_caps, echo_json, refuse_mode_for_shape
 from ._table import table
 
 if TYPE_CHECKING:
-    from readfence.backends import Backend
+    pass
 
 
 def _ends(effect: dict[str, str]) -> str:
@@ -26,6 +24,7 @@ def render(report: dict[str, Any]) -> str:
     """The text form of :func:`~readfence.cli._plan_data.plan_report`.
 
     >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode
     >>> from readfence.effects import Capabilities
     >>> from readfence.cli._plan_data import plan_report
     >>> text = render(plan_report(paged(), ForwardMode.DECODE, device="cpu", caps=Capabilities()))
@@ -104,11 +103,12 @@ def render_shape(report: dict[str, Any]) -> str:
 @click.command(cls=OneLineCommand)
 @click.argument("spec", type=Spec())
 @click.option("--mode", type=Mode(), default="decode", show_default=True,
-              help="decode, target_verify, draft_extend, extend or idle.")
+              help="decode, target_verify, draft_extend, extend or idle (not for a step shape: its phases fix "
+                   "their own modes).")
 @click.option("--device", type=DeviceName(), default="auto", show_default=True,
               help="auto, cpu or cuda: whose capabilities resolve the ends.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(spec: Backend | StepShape, mode: ForwardMode, device: str, as_json: bool) -> None:
+def plan(spec: Any, mode: Any, device: str, as_json: bool) -> None:
     """Show how SPEC's read effect in MODE is derived and where each policy fences it.
 
     \b
@@ -117,6 +117,10 @@ def plan(spec: Backend | StepShape, mode: ForwardMode, device: str, as_json: boo
     For a speculative step shape (eagle, multi_eagle, ngram) it shows which phase publishes
     each buffer (MODE is then given by the phases).
     """
+    from readfence.graph import StepShape
+
+    from ._plan_data import plan_report, shape_plan_report
+    refuse_mode_for_shape(spec)
     name, caps = device_caps(device)
     if isinstance(spec, StepShape):  # the phases fix the modes
         report = shape_plan_report(spec, device=name, caps=caps)

@@ -1,24 +1,29 @@
 """A PNG of the first few steps of each run's timeline (matplotlib, the ``plot`` extra).
 
-One panel per policy, all on one time axis (the same milliseconds from each run's start), one
-row per track (host, schedule stream, each forward stream, fences): stage, write, host and
-wait spans as bars, graph replays as boxes, buffer releases as red ticks and last reads as
-black ticks on the fences row, each step's end as a dotted line.
+One panel per policy, all on one time axis (the same milliseconds from the end of each run's
+warm-up step), one row per track (host, schedule stream, each forward stream, fences): stage,
+write, host and wait spans as bars, graph replays as boxes, buffer releases as red ticks and
+last reads as black ticks on the fences row, each step's end as a dotted line under its number.
+
+Step 0 is left out: the first replay of a run pays one-time costs (the first run of a process
+took 400-500 ms where later steps take a few), which would size the axis and make that policy
+look ten times slower per step. Each panel says how long its step 0 took.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH
 from readfence.graph import Span, Timeline
 
-from ._trace import stage_tracks
+from ._trace import stage_tracks, track_order
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    pass
 
 _COLORS = {
     PREPARE_OUT_GRAPH.name: "#4c72b0",
@@ -29,6 +34,8 @@ _COLORS = {
     "wait": "#dddddd",
 }
 _RELEASE, _READ = "red", "black"
+#: Least gap between two step labels, as a share of the axis (closer labels would overlap).
+LABEL_GAP = 0.025
 
 
 def step_ends(timeline: Timeline, phases: int = 1) -> list[float]:
@@ -55,40 +62,64 @@ def step_ends(timeline: Timeline, phases: int = 1) -> list[float]:
     return [ends[k] for k in sorted(ends)]
 
 
-def window(timeline: Timeline, steps: int, phases: int = 1) -> tuple[float, float]:
-    """From the first span to the end of the ``steps``-th step (seconds); see :func:`step_ends`.
+#: Steps at a run's start the plot leaves out (they pay one-time costs: see the module docstring).
+WARM_UP = 1
+
+
+def window(timeline: Timeline, steps: int, phases: int = 1, skip: int = WARM_UP) -> tuple[float, float]:
+    """From the end of step ``skip - 1`` (the first span when ``skip`` is 0, or when the run has
+    no more steps than that) to the end of the ``steps``-th step after it (seconds); see
+    :func:`step_ends`.
 
     >>> tl = Timeline()
     >>> for i in range(6):
     ...     tl.span("forward", "body", i, i + 0.5, "stage")
-    >>> window(tl, 2), window(tl, 2, phases=3)
-    ((0, 1.5), (0, 5.5))
+    >>> window(tl, 2, skip=0), window(tl, 2, phases=3, skip=0), window(tl, 2), window(tl, 9)
+    ((0, 1.5), (0, 5.5), (0.5, 2.5), (0.5, 5.5))
     """
     if not timeline.spans:
         return (timeline.origin, timeline.origin)
-    start = min(s.start for s in timeline.spans)
     ends = step_ends(timeline, phases)
-    end = ends[min(steps, len(ends)) - 1] if ends else max(s.end for s in timeline.spans)
-    return start, end
+    if not ends:
+        return min(s.start for s in timeline.spans), max(s.end for s in timeline.spans)
+    if skip and len(ends) > skip:
+        start, ends = ends[skip - 1], ends[skip:]
+    else:
+        start = min(s.start for s in timeline.spans)
+    return start, ends[min(steps, len(ends)) - 1]
+
+
+def _labelled(xs: list[float], min_gap: float) -> list[bool]:
+    """Which of the sorted positions ``xs`` get a label: each at least ``min_gap`` from the last
+    labelled one (labels closer than that run into each other).
+
+    >>> _labelled([0.0, 1.0, 1.5, 2.0, 2.2, 5.0], 1.0)
+    [True, True, False, True, False, True]
+    """
+    out, last = [], -math.inf
+    for x in xs:
+        keep = x - last >= min_gap
+        out.append(keep)
+        last = x if keep else last
+    return out
 
 
 def _color(span: Span) -> str:
     return _COLORS.get(span.name) or _COLORS.get(span.category) or "#999999"
 
 
-def _track_order(track: str) -> tuple[int, str]:
-    return ({"host": 0, "schedule": 1}.get(track, 3 if track == "fences" else 2), track)
-
-
-def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases: int = 1, title: str = "") -> Figure:
+def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases: int = 1, title: str = "") -> Any:
     """The matplotlib figure :func:`plot_timelines` saves: one panel per timeline, one shared
-    time axis long enough for every run's first ``steps`` steps (``phases`` bodies each).
+    time axis long enough for every run's first ``steps`` steps after its warm-up (``phases``
+    bodies each).
 
     >>> slow, fast = Timeline(), Timeline()
-    >>> slow.span("forward", "body", 0.0, 0.004, "stage"); fast.span("forward", "body", 0.0, 0.002, "stage")
+    >>> for i in range(4):  # a long warm-up step, then 4 ms (slow) and 2 ms (fast) steps
+    ...     slow.span("forward", "body", 0.0 if i == 0 else 0.5 + 0.004 * i, 0.5 + 0.004 * (i + 1), "stage")
+    ...     fast.span("forward", "body", 0.0 if i == 0 else 0.5 + 0.002 * i, 0.5 + 0.002 * (i + 1), "stage")
     >>> fig = timeline_figure({"COARSE": slow, "EXACT": fast})
     >>> [tuple(round(float(x), 3) for x in ax.get_xlim()) for ax in fig.axes]
-    [(0.0, 4.0), (0.0, 4.0)]
+    [(0.0, 12.0), (0.0, 12.0)]
     """
     import matplotlib
 
@@ -103,7 +134,8 @@ def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases
     fig, axes = plt.subplots(max(1, len(items)), 1, figsize=(12, height), squeeze=False, sharex=True)
     for ax, (label, tl), (t0, _) in zip(axes[:, 0], items, windows):
         t1 = t0 + width
-        tracks = sorted({s.track for s in tl.spans}, key=_track_order)
+        ends = step_ends(tl, phases)
+        tracks = sorted({s.track for s in tl.spans}, key=track_order)
         row = {t: i for i, t in enumerate(tracks)}
         for s in (s for s in tl.spans if s.start <= t1 and s.end >= t0):
             y, x, w = row[s.track], (s.start - t0) * 1e3, (s.end - s.start) * 1e3
@@ -116,17 +148,21 @@ def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases
             elif s.end > s.start:
                 ax.broken_barh([(x, w)], (y - 0.35, 0.7), facecolors=_color(s),
                                edgecolor="black" if s.category == "wait" else "none", linewidth=0.3)
-        for k, end in enumerate(step_ends(tl, phases)):
-            if end <= t1:
-                x = (end - t0) * 1e3
-                ax.axvline(x, color="#777777", linestyle=":", linewidth=0.8)
-                ax.text(x, -0.55, f"step {k} ends ", fontsize=7, color="#555555", va="bottom", ha="right")
+        shown = [(k, (end - t0) * 1e3) for k, end in enumerate(ends) if t0 < end <= t1]
+        for (k, x), label_it in zip(shown, _labelled([x for _, x in shown], width * 1e3 * LABEL_GAP)):
+            ax.axvline(x, color="#777777", linestyle=":", linewidth=0.8)
+            if label_it:
+                ax.text(x, -0.55, f"{k}", fontsize=7, color="#555555", va="bottom", ha="center")
+        if WARM_UP and len(ends) > WARM_UP:
+            warm = (ends[WARM_UP - 1] - min(s.start for s in tl.spans)) * 1e3
+            ax.set_title(f"step 0 (warm-up, {warm:.0f} ms) left out", loc="right", fontsize=8, color="#555555")
         ax.set_yticks(range(len(tracks)), tracks)
         ax.set_ylim(-0.6, len(tracks) - 0.4)
         ax.invert_yaxis()
         ax.set_title(label, loc="left", fontsize=10)
     axes[0, 0].set_xlim(0, width * 1e3)
-    axes[-1, 0].set_xlabel("ms since the run's first span")
+    axes[-1, 0].set_xlabel("ms since the end of the run's step 0 (its warm-up); the numbers above the dotted "
+                           "lines are the steps ending there")
     legend = [Patch(color=c, label=n) for n, c in _COLORS.items()]
     legend += [Patch(facecolor="none", edgecolor="black", label="graph replay"),
                Patch(color=_RELEASE, label="buffer released (fence)"),
@@ -140,8 +176,8 @@ def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases
 
 def plot_timelines(timelines: Mapping[str, Timeline], path: str | pathlib.Path, *, steps: int = 3,
                    phases: int = 1, title: str = "") -> pathlib.Path:
-    """Draw the first ``steps`` steps of each timeline into one PNG at ``path`` (``phases``:
-    forward bodies per step, more than one for a speculative step).
+    """Draw the first ``steps`` steps after the warm-up of each timeline into one PNG at ``path``
+    (``phases``: forward bodies per step, more than one for a speculative step).
 
     >>> import tempfile, os
     >>> tl = Timeline()

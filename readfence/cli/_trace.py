@@ -4,11 +4,18 @@ The runtime's :class:`~readfence.graph.Timeline` records stage spans, scheduler 
 scheduling and fence instants. :class:`WaitRecorder` (a device observer) adds the stream
 waits, and :func:`add_replays` turns each ``prepare_in_graph`` + ``body`` pair into a
 ``graph replay`` span. :func:`chrome_trace` merges one timeline per policy into one file:
-one process per policy, one thread track per stream plus the host.
+one process per policy, one thread track per stream plus the host, every run on one clock.
+
+A trace is for looking at steps, not for timing a long run: :class:`CappedTimeline` keeps the
+first :data:`TRACE_STEPS` steps of a run and drops the rest (a trace of every step of a
+2,000-step demo was 23 MB, and merging its waits took longer than the run).
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import pathlib
 import re
 import threading
 import time
@@ -18,7 +25,59 @@ from typing import Any
 import attrs
 
 from readfence.core import BODY, PREPARE_IN_GRAPH
-from readfence.graph import DeviceObserver, Event, Op, Timeline
+from readfence.graph import DeviceObserver, Timeline
+
+#: Steps of each run a trace (and a plot) keeps.
+TRACE_STEPS = 200
+
+
+class CappedTimeline(Timeline):
+    """A :class:`~readfence.graph.Timeline` that keeps the first ``max_steps`` steps: a span
+    whose ``step`` is past them is dropped, and so is an untagged one (a stage, the host's
+    scheduling) recorded after :meth:`stop`; :meth:`trim` then drops the untagged spans that
+    start after the last kept step's end. (The host issues steps ahead of the streams that run
+    them, so the caller stops a few steps late and trims to the exact cut.)
+
+    >>> tl = CappedTimeline(max_steps=2)
+    >>> for step in range(4):
+    ...     tl.span("schedule", "write seq_lens", step, step + 0.5, "write", step=step)
+    ...     tl.span("forward", "body", step + 0.5, step + 0.9, "stage")
+    >>> tl.stop(); tl.span("forward", "body", 9, 10, "stage")
+    >>> tl.trim()
+    >>> [(s.name, s.start) for s in tl.spans], tl.dropped
+    ([('write seq_lens', 0), ('body', 0.5), ('write seq_lens', 1), ('body', 1.5)], 5)
+    """
+
+    def __init__(self, max_steps: int = TRACE_STEPS) -> None:
+        super().__init__()
+        self.max_steps = max_steps
+        self.stopped = False
+        self.dropped = 0
+
+    def stop(self) -> None:
+        """Record no untagged span from now on."""
+        self.stopped = True
+
+    def span(self, track: str, name: str, start: float, end: float, category: str = "op", **args: Any) -> None:
+        step = args.get("step")
+        if (step is None and self.stopped) or (isinstance(step, int) and step >= self.max_steps):
+            self.dropped += 1
+            return
+        super().span(track, name, start, end, category, **args)
+
+    def trim(self) -> None:
+        """Drop the untagged spans that start after the end of the last kept step (its tagged
+        spans' latest end), once the run is over; a run no longer than the cap is kept whole."""
+        if not self.dropped:
+            return
+        with self._lock:
+            last = [s.end for s in self.spans if s.args.get("step") == self.max_steps - 1]
+            if not last:
+                return
+            cut = max(last)
+            kept = [s for s in self.spans if "step" in s.args or s.start <= cut]
+            self.dropped += len(self.spans) - len(kept)
+            self.spans[:] = kept
 
 
 def short_event_name(name: str) -> str:
@@ -63,16 +122,21 @@ class WaitRecorder(DeviceObserver):
     ([('schedule', 'scheduler/written', 0)], {'schedule': ['write seq_lens']})
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: CappedTimeline | None = None) -> None:
         self.waits: list[Wait] = []
         self.launches: dict[str, list[str]] = {}
         self._lock = threading.Lock()
+        self._timeline = timeline  # records nothing once it is stopped
 
-    def on_launch(self, stream: str, label: str, ops: Sequence[Op]) -> None:
+    def on_launch(self, stream: str, label: str, ops: Any) -> None:
+        if self._timeline is not None and self._timeline.stopped:
+            return
         with self._lock:
             self.launches.setdefault(stream, []).append(span_name(label))
 
-    def on_wait(self, stream: str, event: Event) -> None:
+    def on_wait(self, stream: str, event: Any) -> None:
+        if self._timeline is not None and self._timeline.stopped:
+            return
         with self._lock:
             position = len(self.launches.get(stream, ()))
             self.waits.append(Wait(stream, getattr(event, "name", repr(event)), time.perf_counter(), position))
@@ -107,6 +171,14 @@ def add_waits(timeline: Timeline, recorder: WaitRecorder, *, min_s: float = 1e-5
             by_track.setdefault(s.track, []).append(s)
     for spans in [*by_name.values(), *by_track.values()]:
         spans.sort(key=lambda s: s.start)
+    by_end = {t: sorted(sp.end for sp in spans) for t, spans in by_track.items()}  # to find the last end before a span
+    ordinals: dict[str, list[int]] = {}  # per stream, how many earlier launches share each one's name
+    for stream, launches in recorder.launches.items():
+        seen: dict[str, int] = {}
+        ordinals[stream] = []
+        for name in launches:
+            ordinals[stream].append(seen.get(name, 0))
+            seen[name] = seen.get(name, 0) + 1
     held: dict[int, tuple[float, Any, list[str]]] = {}
     for w in recorder.waits:
         launches = recorder.launches.get(w.stream, [])
@@ -114,13 +186,14 @@ def add_waits(timeline: Timeline, recorder: WaitRecorder, *, min_s: float = 1e-5
         for j in range(w.position, len(launches)):
             named = by_name.get((w.stream, launches[j]))
             if named:
-                ordinal = launches[:j].count(launches[j])
+                ordinal = ordinals[w.stream][j]
                 target = named[ordinal] if ordinal < len(named) else None
                 break
         if target is None:
             continue
-        before = [s.end for s in by_track[w.stream] if s.end <= target.start]
-        idle = max([w.enqueued] + before)
+        done = by_end[w.stream]
+        k = bisect.bisect_right(done, target.start)  # spans that ended by the time the target started
+        idle = max(w.enqueued, done[k - 1]) if k else w.enqueued
         if target.start - idle < min_s:
             continue
         start, _, names = held.get(id(target), (idle, target, []))
@@ -179,18 +252,52 @@ def add_replays(timeline: Timeline, *, graphed: Sequence[bool] = (True,), phases
     return count
 
 
-def chrome_trace(timelines: Mapping[str, Timeline], **meta: object) -> dict[str, Any]:
-    """One Chrome trace-event document: a process per key (e.g. policy), tracks per stream.
+def track_order(track: str) -> tuple[int, str]:
+    """Where a track goes, top to bottom: the host, the schedule stream, the forward streams,
+    then the fences (the order a step's work flows in).
 
-    >>> tl = Timeline(); tl.span("host", "schedule next step", tl.origin, tl.origin + 1e-3, "host")
-    >>> doc = chrome_trace({"EXACT": tl}, spec="paged")
-    >>> [e["name"] for e in doc["traceEvents"]], doc["otherData"]
-    (['process_name', 'process_sort_index', 'thread_name', 'schedule next step'], {'spec': 'paged'})
+    >>> sorted(["fences", "forward[1]", "host", "forward[0]", "schedule"], key=track_order)
+    ['host', 'schedule', 'forward[0]', 'forward[1]', 'fences']
+    """
+    return ({"host": 0, "schedule": 1}.get(track, 3 if track == "fences" else 2), track)
+
+
+def chrome_trace(timelines: Mapping[str, Timeline], **meta: Any) -> dict[str, Any]:
+    """One Chrome trace-event document: a process per key (e.g. policy, in the mapping's order),
+    its tracks in :func:`track_order`, and every run on one clock (microseconds since the first
+    span of any run), so runs that went one after another appear so.
+
+    >>> first, second = Timeline(), Timeline()
+    >>> first.span("host", "schedule next step", first.origin, first.origin + 1e-3, "host")
+    >>> second.span("forward", "body", first.origin + 2.0, first.origin + 2.5, "stage")
+    >>> doc = chrome_trace({"COARSE": first, "EXACT": second}, spec="paged")
+    >>> [(e["args"]["name"], e["pid"]) for e in doc["traceEvents"] if e["name"] == "process_name"]
+    [('COARSE', 0), ('EXACT', 1)]
+    >>> [(e["name"], round(e["ts"])) for e in doc["traceEvents"] if e["ph"] == "X"], doc["otherData"]
+    ([('schedule next step', 0), ('body', 2000000)], {'spec': 'paged'})
     """
     events: list[dict[str, Any]] = []
+    starts = [s.start for tl in timelines.values() for s in tl.spans]
+    origin = min(starts) if starts else min((tl.origin for tl in timelines.values()), default=0.0)
     for pid, (label, timeline) in enumerate(timelines.items()):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-        for e in timeline.to_chrome_trace()["traceEvents"]:
-            events.append({**e, "pid": pid})
+        tracks = sorted({s.track for s in timeline.spans}, key=track_order)
+        tid = {t: i for i, t in enumerate(tracks)}
+        for t in tracks:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[t], "args": {"name": t}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid[t],
+                           "args": {"sort_index": tid[t]}})
+        for s in sorted(timeline.spans, key=lambda s: s.start):
+            base = {"name": s.name, "cat": s.category, "pid": pid, "tid": tid[s.track],
+                    "ts": (s.start - origin) * 1e6, "args": s.args}
+            if s.end > s.start:
+                events.append({**base, "ph": "X", "dur": (s.end - s.start) * 1e6})
+            else:
+                events.append({**base, "ph": "i", "s": "t"})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(meta)}
+
+
+def write_chrome_trace(path: pathlib.Path, timelines: Mapping[str, Timeline], **meta: Any) -> None:
+    """Write :func:`chrome_trace` of ``timelines`` to ``path`` (compact JSON)."""
+    path.write_text(json.dumps(chrome_trace(timelines, **meta), separators=(",", ":")))

@@ -16,10 +16,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
-from returns.result import Failure, Result, Success
+from returns.result import Result, Success
 from torch import Tensor
 
-from readfence.effects import ReadEffect, ReadEnd
+from readfence.effects import (
+    Failure,  # unwrap() says why
+    ReadEffect,
+    ReadEnd,
+)
 
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
@@ -329,6 +333,36 @@ def _batch_sizes(cfg: ModelConfig, batch_sizes: Iterable[int] | None) -> tuple[i
     return tuple(sorted(set(sizes)))
 
 
+_STATE_PARTS = ("shared", "pools", "params")
+
+
+def _check_state(state: object) -> None:
+    """``state`` is ``None`` or the live tensors: a mapping with ``shared`` (and optionally
+    ``pools`` and ``params``), each a mapping of name -> tensor; else an error naming it.
+
+    >>> _check_state("x")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    TypeError: state must be None or a mapping {'shared': ..., 'pools': ..., 'params': ...} of the live
+    tensors (readfence.graph.make_state(cfg) makes one), got 'x' (str)
+    """
+    if state is None:
+        return
+    how = ("a mapping {'shared': ..., 'pools': ..., 'params': ...} of the live tensors "
+           "(readfence.graph.make_state(cfg) makes one)")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be None or {how}, got {state!r} ({type(state).__name__})")
+    unknown = [k for k in state if k not in _STATE_PARTS]
+    if unknown or "shared" not in state:
+        what = f"has unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "has no 'shared'"
+        raise ValueError(f"state {what}: it must be {how}")
+    for part in _STATE_PARTS:
+        if part in state and not isinstance(state[part], Mapping):
+            value = state[part]
+            raise TypeError(f"state[{part!r}] must be a mapping of name -> tensor, got {value!r} "
+                            f"({type(value).__name__})")
+
+
 def audit_report(
     backend: BackendLike,
     mode: ForwardMode,
@@ -342,6 +376,7 @@ def audit_report(
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
     check_backend(backend)
     check_mode(mode)
+    _check_state(state)
     if observe_steps != 0 or isinstance(observe_steps, bool):
         positive_int("observe_steps (0 turns the observer off)", observe_steps)
     cfg = ModelConfig() if cfg is None else cfg

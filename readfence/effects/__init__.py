@@ -5,9 +5,11 @@
 ReadEffect({'req_to_token': POST_REPLAY}, default=NONE)
 """
 
+from ._failure import Failure, UnwrapError
 from ._platform import Capabilities, degrade, resolve
 from ._position import Position, publish_positions
 from ._read_effect import ReadEffect
 from ._read_end import ReadEnd
 
-__all__ = ["Capabilities", "Position", "ReadEffect", "ReadEnd", "degrade", "publish_positions", "resolve"]
+__all__ = ["Capabilities", "Failure", "Position", "ReadEffect", "ReadEnd", "UnwrapError", "degrade", "publish_positions",
+           "resolve"]

@@ -15,6 +15,13 @@ Inside a test, ``suite.check()`` runs every law and raises :class:`LawViolation`
 law, its equation and the (shrunk) inputs. Each ``check_*`` has a ``*_laws`` twin that only
 builds the :class:`LawSuite`.
 
+The laws run under the active hypothesis profile (``settings.load_profile``): its example
+database, its ``max_examples``, its deadline, its phases. Where the profile keeps hypothesis'
+own default the kit uses its own: 200 examples, no deadline (a law over backends may take
+longer than 200 ms per example), and no explain phase (it would point at this module's lines
+and make a failing check about 25 times slower). ``max_examples=`` given to a suite wins over
+the profile, as a test's own ``@settings`` does.
+
 A law whose premise is an order relation (``a <= b implies ...``) says nothing about pairs
 that fail the premise, and two values drawn independently from a rich lattice are rarely
 comparable. Such laws draw their pairs as ``(a, join(a, c))`` (see :func:`ordered_pairs`),
@@ -44,6 +51,30 @@ _VARS = "abc"
 # The explain phase would point at lines of this module, not of the code under test, and
 # makes each failing check about 25 times slower.
 _PHASES = tuple(p for p in Phase if p is not Phase.explain)
+
+#: The kit's own settings, used where the active profile keeps hypothesis' default.
+KIT_DEFAULTS: dict[str, Any] = {"max_examples": 200, "deadline": None, "phases": _PHASES}
+
+
+def law_settings(max_examples: int | None = None) -> hsettings:
+    """The settings a law runs under: the active profile's, with :data:`KIT_DEFAULTS` where
+    the profile keeps hypothesis' default, and ``max_examples`` when given.
+
+    >>> was = hsettings.get_current_profile_name()
+    >>> hsettings.load_profile("default")
+    >>> law_settings().max_examples, law_settings(7).max_examples
+    (200, 7)
+    >>> hsettings.register_profile("more", max_examples=1000)
+    >>> hsettings.load_profile("more")
+    >>> law_settings().max_examples, law_settings(7).max_examples
+    (1000, 7)
+    >>> hsettings.load_profile(was)
+    """
+    active, stock = hsettings.default, hsettings.get_profile("default")
+    chosen = {k: v for k, v in KIT_DEFAULTS.items() if getattr(active, k) == getattr(stock, k)}
+    if max_examples is not None:
+        chosen["max_examples"] = max_examples
+    return hsettings(active, **chosen)
 
 
 class LawViolation(AssertionError):
@@ -125,7 +156,7 @@ class LawSuite:
     name: str
     strategy: st.SearchStrategy[Any]
     laws: tuple[Law, ...]
-    max_examples: int = 200
+    max_examples: int | None = None  # None: the active profile's (see the module docstring)
 
     def law(self, name: str) -> Law:
         for law in self.laws:
@@ -136,11 +167,12 @@ class LawSuite:
     def check_law(self, name: str, *, seed: int | None = None) -> None:
         """Run one law with hypothesis; raise :class:`LawViolation` on a counterexample.
 
-        ``seed`` fixes hypothesis' random choices (to reproduce or vary a run).
+        ``seed`` fixes hypothesis' random choices (to reproduce or vary a run). The settings
+        are the active profile's when the law runs (:func:`law_settings`).
         """
         law = self.law(name)
 
-        @hsettings(max_examples=self.max_examples, deadline=None, database=None, phases=_PHASES)
+        @law_settings(self.max_examples)
         @given(law.arguments(self.strategy))
         def run(args: tuple[Any, ...]) -> None:
             detail = law.check(*args)
@@ -182,7 +214,7 @@ def join_semilattice_laws(
     top: _T | None = None,
     eq: Callable[[_T, _T], bool] = operator.eq,
     name: str = "join_semilattice",
-    max_examples: int = 200,
+    max_examples: int | None = None,
 ) -> LawSuite:
     """The laws of a join-semilattice (bounded if ``bottom``/``top`` are given).
 
@@ -242,7 +274,7 @@ def closure_laws(
     leq: Callable[[_T, _T], bool],
     eq: Callable[[_T, _T], bool] = operator.eq,
     name: str = "closure",
-    max_examples: int = 200,
+    max_examples: int | None = None,
 ) -> LawSuite:
     """The laws of a closure operator: extensive, monotone, idempotent.
 
@@ -278,7 +310,7 @@ def monotone_laws(
     leq_in: Callable[[_T, _T], bool],
     leq_out: Callable[[_U, _U], bool],
     name: str = "monotone",
-    max_examples: int = 200,
+    max_examples: int | None = None,
 ) -> LawSuite:
     """The law that ``f`` preserves order: ``a <= b`` implies ``f(a) <= f(b)``.
 

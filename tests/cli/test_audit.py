@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from readfence.backends import paged, redeclare
-from readfence.cli import _audit_cmd, _params
+from readfence.cli import _audit_run, _params
 from readfence.effects import ReadEffect, ReadEnd
 
 
@@ -37,14 +37,14 @@ def test_every_mode_by_default(cli):
 
 def test_reference_backends_by_default(cli, monkeypatch):
     seen = []
-    real = _audit_cmd.audit_all
+    real = _audit_run.audit_all
 
     def spy(backends, modes, **kw):
         backends = list(backends)
         seen.extend(str(b) for b in backends)
         return real(backends[:1], modes[:1], **kw)  # keep the test fast: audit only the first
 
-    monkeypatch.setattr(_audit_cmd, "audit_all", spy)
+    monkeypatch.setattr(_audit_run, "audit_all", spy)
     result = cli("audit")
     assert result.exit_code == 0, result.output
     assert {"paged", "trtllm_mha", "deepseek_v4", "linear", "sparse", "dense",

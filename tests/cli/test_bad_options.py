@@ -102,3 +102,95 @@ def test_a_bad_option_is_one_error_line_naming_it(command, argv, named):
     assert lines[0].startswith("Error: ") and named in lines[0], lines[0]
     assert "Usage:" not in result.output and "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+# -- the group, repeats, suggestions and how values are shown --------------------------------
+
+def test_a_bare_readfence_prints_its_usage_and_one_error_line(script):
+    run = script()
+    assert run.returncode == 2
+    assert run.stdout.startswith("Usage: readfence [OPTIONS] COMMAND [ARGS]...")
+    assert "Commands:" in run.stdout and "demo" in run.stdout
+    assert run.stderr.strip().splitlines() == [
+        "Error: missing command; commands: demo, plan, audit, verify, bench (`readfence COMMAND --help` says what "
+        "each takes)"]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["dmeo"], "Error: unknown command 'dmeo' (did you mean demo?); commands: demo, plan, audit, verify, bench"),
+    (["bench", "--steps", "3"], "Error: unknown option --steps; bench takes --quick, --device; see `readfence bench --help`"),
+    (["demo", "--stpes", "3"], "Error: unknown option --stpes (did you mean --steps"),
+    (["demo", "--spec", "paged", "--spec", "linear"], "Error: --spec given twice ('paged', then 'linear'): give it once"),
+    (["demo", "--steps=3", "--steps", "4"], "Error: --steps given twice ('3', then '4'): give it once"),
+    (["demo", "--spec", "   "], "Error: invalid --spec '   ': position 3: empty spec"),
+    (["demo", "--trace", ""], "Error: invalid --trace '': the file name must end in .json"),
+    (["demo", "--plot", ".png"], "Error: invalid --plot '.png': the file name must end in .png"),
+    (["plan", "pagd"], "Error: invalid SPEC 'pagd': position 0: unknown backend 'pagd' (did you mean 'paged'?)"),
+    (["demo", "--spec", "eagel(paged, paged)"], "Error: invalid --spec 'eagel(paged, paged)': position 0: unknown "
+                                                "backend 'eagel' (did you mean 'eagle'?)"),
+    (["verify", "paged", "--mode", "foo"], "Error: invalid --mode 'foo': unknown forward mode; allowed: decode, "
+                                           "target_verify, draft_extend, extend"),
+    (["verify", "eagle(paged, trtllm_mha)", "--mode", "decode"],
+     "Error: --mode does not apply to the step shape 'eagle(paged, trtllm_mha, draft_steps=2)': its phases fix their "
+     "own modes (draft_decode[0]:DECODE"),
+    (["plan", "ngram(paged)", "--mode", "extend"], "Error: --mode does not apply to the step shape 'ngram(paged)'"),
+])
+def test_errors_say_what_was_given_and_what_was_meant(cli, argv, says):
+    result = click.testing.CliRunner().invoke(main, argv, prog_name="readfence")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), lines
+
+
+def test_verify_mode_lists_only_modes_it_takes_and_idle_is_refused_with_the_reason(cli):
+    listed = click.testing.CliRunner().invoke(main, ["verify", "paged", "--mode", "foo"]).output
+    assert "idle" not in listed
+    refused = click.testing.CliRunner().invoke(main, ["verify", "paged", "--mode", "idle"]).output.strip()
+    assert refused == ("Error: invalid --mode 'idle': its steps carry no tokens, there is nothing to verify; allowed: "
+                       "decode, target_verify, draft_extend, extend")
+
+
+def test_a_long_value_is_shown_cut_short_with_its_length():
+    spec = "paged," * 2000
+    result = click.testing.CliRunner().invoke(main, ["demo", "--spec", spec])
+    assert result.exit_code == 2
+    line = result.output.strip()
+    assert len(line) < 300 and "... (12000 characters): position 5:" in line, line
+
+
+def test_the_names_checked_before_torch_are_the_librarys():
+    from readfence.core import ForwardMode, ModelConfig
+    from readfence.graph import DEVICE_KINDS, Policy
+    from readfence.parallel import tp_sizes
+
+    cfg = ModelConfig()
+    assert _params.MODE_NAMES == tuple(m.value for m in ForwardMode)
+    assert _params.POLICY_NAMES == tuple(p.value for p in Policy)
+    assert _params.DEVICE_KINDS == DEVICE_KINDS
+    assert (_params.MAX_BATCH, _params.TINY_HEADS, _params.TINY_MLP) == (cfg.max_reqs, cfg.heads, cfg.mlp)
+    assert list(_params.TP_SIZES) == tp_sizes(cfg)
+
+
+# every command's --help, and a bad option of each kind, answered without importing torch
+NO_TORCH = [[name, "--help"] for name in COMMANDS] + [
+    ["demo", "--steps", "0"], ["demo", "--batch-size", "99"], ["demo", "--policy", "fast"], ["demo", "--tp", "3"],
+    ["demo", "--device", "tpu"], ["demo", "--write-wait-ms", "-1"], ["demo", "--trace", "x.txt"],
+    ["demo", "--spec", "a", "--spec", "b"], ["demo", "--tp", "2", "--plot", "x.png"],
+    ["verify", "paged", "--mode", "idle"], ["verify"], ["verify", "paged", "--engine", "m:f"],
+    ["audit", "--batch-size", "0"], ["audit", "--engine", "no-colon"], ["plan"], ["plan", "x", "--mode", "sideways"],
+    ["bench", "nosuch"], ["bench", "--steps", "3"], ["dmeo"], [],
+]
+
+
+@pytest.mark.parametrize("argv", NO_TORCH, ids=[" ".join(a) or "(none)" for a in NO_TORCH])
+def test_help_and_bad_options_import_no_torch(argv):
+    import subprocess
+    import sys
+
+    probe = ("import sys; from click.testing import CliRunner; from readfence.cli import main; "
+             f"r = CliRunner().invoke(main, {argv!r}); "
+             "print(r.exit_code, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    code, imported = run.stdout.split()
+    assert code == ("0" if "--help" in argv else "2") and imported == "False", (argv, run.stdout)

@@ -214,3 +214,13 @@ def test_a_pipe_is_not_an_output_file_and_a_checked_path_leaves_nothing_behind(c
 def test_what_cannot_be_useful_is_bounded(cli, args, expected):
     result = cli("demo", *args)
     assert result.exit_code == 2 and expected in result.output, result.output
+
+
+def test_progress_counts_the_serial_reference_too():
+    from readfence.graph import Policy
+
+    calls: list[tuple[str, int]] = []
+    phase = ["-"]
+    _demo_run.run_demo(paged(), policies=(Policy.EXACT,), device="cpu", steps=3, batch_size=2,
+                       progress=lambda i: calls.append((phase[0], i)), on_policy=lambda name: phase.__setitem__(0, name))
+    assert calls == [(name, i) for name in ("serial reference", "COARSE", "EXACT") for i in range(3)]

@@ -74,3 +74,56 @@ def test_bad_engine_input_exits_2_with_one_line(cli, args, message):
     assert result.exit_code == 2, result.output
     assert result.output.strip().startswith(message), result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("factory", ["nothing", "EMPTY"])
+@pytest.mark.parametrize("command", ["audit", "verify"])
+def test_a_factory_that_gives_no_backend_is_bad_input(cli, command, factory):
+    result = cli(command, "--engine", f"{SMALL}:{factory}")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (f"Error: --engine {SMALL}:{factory}: the factory gave no backend (an empty list "
+                                     "or mapping); return at least one adapted backend")
+
+
+def test_an_engine_module_in_the_current_folder_is_found_as_python_m_finds_it(script, tmp_path):
+    (tmp_path / "mymodule.py").write_text(
+        "from tests.engine.cli_engines import triton\n\ndef factory():\n    return triton()\n")
+    (tmp_path / "tests").symlink_to(__import__("pathlib").Path(__file__).resolve().parents[1])
+    run = script("audit", "--engine", "mymodule:factory", "--mode", "decode", "--batch-size", "2", cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("engine: mymodule:factory")
+    missing = script("audit", "--engine", "not_here:factory", cwd=str(tmp_path))
+    assert missing.returncode == 2
+    assert missing.stderr.strip().endswith(f"(looked in the current folder, {tmp_path}, and on sys.path)")
+
+
+def test_verify_json_names_each_row_policy_as_spec_verify_does(cli):
+    rows = json.loads(cli("verify", "--engine", f"{SMALL}:triton", "--steps", "2", "--batch-size", "2", "--policy",
+                          "exact", "--json").output)
+    assert [r["policy"] for r in rows] == ["EXACT", "ENGINE RUNNER"]
+    assert all(r["policy"] == r["fence"] for r in rows)  # the schema-1 name, kept
+
+
+def test_verify_header_names_the_observer_that_produced_a_rows_evidence(cli):
+    result = cli("verify", "--engine", f"{SMALL}:minimax_hybrid", "--steps", "2", "--batch-size", "2", "--policy",
+                 "exact")
+    assert result.exit_code == 1
+    header = next(x for x in result.output.splitlines() if x.startswith("verified "))
+    assert header.endswith("checks: poison, guard and the runtime read observer")
+    assert "(evidence: observer)" in result.output
+
+
+def test_several_engines_end_with_a_summary_and_a_total(cli):
+    audited = cli("audit", "--engine", f"{SMALL}:PAIR", "--mode", "decode", "--batch-size", "2")
+    assert audited.exit_code == 0, audited.output
+    lines = audited.output.splitlines()
+    start = lines.index("summary: each engine backend's one declaration against each buffer's truth (* observed, "
+                        "not traced)")
+    assert lines[start + 1].split() == ["backend", "mode", "declares", "truth", "verdict"]
+    rows = {x.split()[0]: x for x in lines[start + 2:start + 4]}
+    assert "r2t, lens IN" in rows["TritonBackend"] and "sound, conservative +" in rows["TritonBackend"]
+    assert "POST*" in rows["HostBounds"]  # observed, not traced
+    assert lines[-1] == "2 engine backends: 2 sound, 0 unsound"
+    verified = cli("verify", "--engine", f"{SMALL}:PAIR", "--steps", "2", "--batch-size", "2", "--policy", "exact")
+    assert verified.exit_code == 0, verified.output
+    assert verified.output.splitlines()[-1] == "2 engine backends: 2 clean, 0 with findings"

@@ -1,4 +1,5 @@
-"""``readfence demo --plot``: every panel on one time axis, each showing its run's first steps."""
+"""``readfence demo --plot``: every panel on one time axis, each showing its run's first steps after
+its warm-up step (step 0, left out and its duration named), with step labels that do not overlap."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from readfence.cli import _plot
 
-STEPS = 3  # what the demo's plot draws
+STEPS = 3  # what the demo's plot draws, after step 0 (the warm-up)
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def drawn(cli, monkeypatch, tmp_path):
     monkeypatch.setattr(Figure, "savefig", save_spy)
 
     def run(*args: str):
-        result = cli("demo", "--steps", "4", "--batch-size", "2", "--write-wait-ms", "2", *args,
+        result = cli("demo", "--steps", "5", "--batch-size", "2", "--write-wait-ms", "2", *args,
                      "--plot", str(tmp_path / "run.png"))
         assert result.exit_code == 0, result.output
         return seen["timelines"], seen["figure"]
@@ -54,11 +55,12 @@ def _check_panels(timelines, fig, bodies_per_step: int) -> None:
     (lo, hi), = limits
     assert lo == 0
     for ax, (policy, tl) in zip(fig.axes, timelines.items()):
-        t0 = min(s.start for s in tl.spans)
+        t0 = _plot.step_ends(tl, bodies_per_step)[0]  # the warm-up step's end
+        assert ax.get_title(loc="right").startswith("step 0 (warm-up, ")
         releases = [s for s in tl.spans if s.category == "fence"]
-        # every release of the first steps is inside the axis and drawn as a red tick there
-        first = [s for s in releases if s.args["step"] < STEPS]
-        assert {s.args["step"] for s in first} == set(range(STEPS)), policy
+        # every release of the first steps after the warm-up is inside the axis, drawn as a red tick there
+        first = [s for s in releases if 1 <= s.args["step"] <= STEPS]
+        assert {s.args["step"] for s in first} == set(range(1, STEPS + 1)), policy
         drawn = _ticks(ax, "red")
         for s in first:
             x = (s.start - t0) * 1e3
@@ -67,11 +69,11 @@ def _check_panels(timelines, fig, bodies_per_step: int) -> None:
         for track in {s.track for s in tl.spans if s.category == "replay"}:
             replays = sorted((s for s in tl.spans if s.track == track and s.category == "replay"),
                              key=lambda s: s.start)
-            assert len(replays) >= STEPS * bodies_per_step
-            assert (replays[STEPS * bodies_per_step - 1].end - t0) * 1e3 <= hi + 1e-6, (policy, track)
-    # the axis is no longer than the slowest run's first steps need
-    ends = [max(s.end for s in tl.spans if s.category == "fence" and s.args["step"] == STEPS - 1)
-            - min(s.start for s in tl.spans) for tl in timelines.values()]
+            assert len(replays) >= (STEPS + 1) * bodies_per_step
+            assert (replays[(STEPS + 1) * bodies_per_step - 1].end - t0) * 1e3 <= hi + 1e-6, (policy, track)
+    # the axis is no longer than the slowest run's steps after the warm-up need: the warm-up sizes nothing
+    ends = [max(s.end for s in tl.spans if s.category == "fence" and s.args["step"] == STEPS)
+            - _plot.step_ends(tl, bodies_per_step)[0] for tl in timelines.values()]
     assert hi <= max(ends) * 1e3 * 1.5
 
 
@@ -87,7 +89,7 @@ def test_speculative_step_shows_its_fences_and_steps(drawn):
     phases = ["draft_decode[0]", "draft_decode[1]", "target_verify", "draft_extend"]
     for tl in timelines.values():
         replays = sorted((s for s in tl.spans if s.category == "replay"), key=lambda s: s.start)
-        assert collections.Counter(s.args["step"] for s in replays) == {k: 4 for k in range(4)}
+        assert collections.Counter(s.args["step"] for s in replays) == {k: 4 for k in range(5)}
         assert [s.args["phase"] for s in replays[:4]] == phases
 
 
@@ -96,3 +98,27 @@ def test_per_stream_panels_draw_every_forward_stream(drawn):
     _check_panels(timelines, fig, bodies_per_step=1)
     for ax in fig.axes:
         assert {"forward[0]", "forward[1]", "fences"} <= {t.get_text() for t in ax.get_yticklabels()}
+
+
+def test_a_slow_warm_up_sizes_nothing_and_labels_do_not_overlap():
+    from readfence.graph import Timeline
+
+    slow_start, steady = Timeline(), Timeline()
+    for tl, first in ((slow_start, 0.45), (steady, 0.004)):  # a 450 ms first replay, then 4 ms steps
+        t = 0.0
+        for step in range(40):
+            end = t + (first if step == 0 else 0.004)
+            tl.span("forward", "body", t, end, "stage")
+            tl.instant("fences", "release seq_lens", end, "fence", step=step)
+            t = end
+    fig = _plot.timeline_figure({"COARSE": slow_start, "EXACT": steady}, steps=30)
+    (lo, hi), = {ax.get_xlim() for ax in fig.axes}
+    assert hi == pytest.approx(30 * 4.0)  # 30 steady steps, not 450 ms of warm-up
+    assert fig.axes[0].get_title(loc="right") == "step 0 (warm-up, 450 ms) left out"
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        labels = sorted((t for t in ax.texts), key=lambda t: t.get_position()[0])
+        assert labels, "no step label drawn"
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), "step labels overlap"

@@ -93,3 +93,60 @@ def test_under_torchrun_only_this_rank_runs(torchrun_env):
     assert not dist.is_initialized()  # destroyed whatever the job did
     with pytest.raises(TensorParallelError, match=r"started in a group of 1 ranks \(WORLD_SIZE\), but --tp is 2"):
         launch(jobs.nothing, tp=2)
+
+
+def _as_torchrun_rank(rank: int, world: int) -> dict[str, str]:
+    import os
+
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(("world", "args", "says"), [
+    (1, ("--tp", "2"), "Error: invalid --tp 2: torchrun started this process in a group of 1 rank (WORLD_SIZE=1); "
+                       "give --tp 1, or start torchrun with --nproc-per-node 2"),
+    (2, ("--tp", "1"), "Error: invalid --tp 1: torchrun started this process in a group of 2 ranks (WORLD_SIZE=2); "
+                       "give --tp 2, or start torchrun with --nproc-per-node 1"),
+    (2, (), "Error: torchrun started 2 ranks (WORLD_SIZE=2), but --tp is not given: each rank would run its own "
+            "unsharded model; add --tp 2, or run without torchrun"),
+])
+@pytest.mark.parametrize("command", [("demo",), ("verify", "paged")])
+def test_a_torchrun_group_that_does_not_match_tp_is_bad_input(command, world, args, says):
+    import subprocess
+
+    from .conftest import readfence_script
+
+    run = subprocess.run([readfence_script(), *command, *args], capture_output=True, text=True, timeout=120,
+                         env=_as_torchrun_rank(0, world))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [says] and run.stdout == ""
+    if world > 1:
+        other = subprocess.run([readfence_script(), *command, *args], capture_output=True, text=True, timeout=120,
+                               env=_as_torchrun_rank(1, world))
+        assert other.returncode == 2 and other.stderr == ""  # rank 0 alone says why
+
+
+def test_under_real_torchrun_the_mismatch_is_our_one_line(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(__import__("pathlib").Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this interpreter")
+    run = subprocess.run([torchrun, "--nproc-per-node", "1", "--no-python", "readfence", "demo", "--tp", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ours = [line for line in run.stderr.splitlines() if line.startswith("Error: ")]
+    assert ours == ["Error: invalid --tp 2: torchrun started this process in a group of 1 rank (WORLD_SIZE=1); "
+                    "give --tp 1, or start torchrun with --nproc-per-node 2"], run.stderr
+    assert "exitcode  : 2" in run.stderr  # torchrun reports the rank's status 2 (and exits 1 itself)
+
+
+def test_demo_tp_json_rows_carry_what_the_plain_demo_rows_do(cli):
+    plain = json.loads(cli("demo", "--policy", "exact", *SMALL, "--json").output)
+    sharded = json.loads(cli("demo", "--tp", "2", "--policy", "exact", *SMALL, "--json").output)
+    assert set(plain[0]) | {"rank", "tp"} == set(sharded[0])
+    for row in sharded:
+        assert (row["spec"], row["device"], row["mode"], row["steps"], row["batch_size"], row["seed"],
+                row["write_cost"], row["write_wait_ms"]) == ("hybrid_linear(trtllm_mha, linear)", "cpu", "DECODE", 3,
+                                                             2, 0, 0, 5.0)

@@ -36,3 +36,10 @@ def two_arguments(runner, extra):
 
 def factory_raising(runner):
     raise KeyError("kv pool")
+
+
+def nothing():
+    return []
+
+
+EMPTY: dict = {}

@@ -116,6 +116,7 @@ def run_serial(
     device: Device | str | None = None,
     write_cost: int = 0,
     write_wait_s: float = 0.0,
+    progress: Callable[[int], None] | None = None,
 ) -> LoopResult:
     """The reference: eager ``run_step``, one step after another; writes always precede reads.
 
@@ -130,7 +131,8 @@ def run_serial(
     reference is also the baseline *without overlap* of a loop given the same work: its
     ``steps_per_s`` is 1 / the median time between two steps' ends, as for the loop.
 
-    ``steps`` is a positive int, as for every loop entry point.
+    ``steps`` is a positive int, as for every loop entry point; ``progress(i)`` is called after
+    step ``i``, as by ``run_overlapped``.
 
     >>> from readfence.backends import paged
     >>> run_serial(paged(), steps=3, batch_size=2).steps
@@ -155,7 +157,7 @@ def run_serial(
     work = synthetic_work(where, write_cost=write_cost, write_wait_s=write_wait_s)
     t0 = time.perf_counter()
     logits, ends = [], []
-    for _ in range(steps):
+    for i in range(steps):
         nxt = sched.next_step()
         if work is not None:
             work()
@@ -164,6 +166,8 @@ def run_serial(
         batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
         logits.append(eager_step(backend, mode, cfg, state, batch))
         ends.append(time.perf_counter())
+        if progress is not None:
+            progress(i)
     if where == "cuda":  # eager CUDA work is asynchronous: the steps ended when the device is done
         torch.cuda.synchronize()
     intervals = tuple(b - a for a, b in zip(ends, ends[1:])) if where == "cpu" else ()

@@ -36,11 +36,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Failure, Result, Success
+from returns.result import Result, Success
 from torch import Tensor
 
 from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageThreadError, StageWriteError
 from readfence.core.internal import BufferMap, positive_int
+from readfence.effects import Failure  # unwrap() says why
 
 from ..devices import Device, DeviceError
 from ..devices.internal import check_device
