@@ -118,6 +118,19 @@ def gather_rows_unknown(buf: Tensor, rows: Tensor) -> Tensor:
     return buf.index_select(0, rows).long()
 
 
+@torch.library.custom_op("readfence_fuzz::copy_pieces", mutates_args=())
+def copy_pieces(buf: Tensor) -> list[Tensor]:
+    """A list-returning kernel registered as the README recommends (``mutates_args=()``): its
+    schema, ``Tensor[]`` with no alias annotation, lets torch's alias oracle take it for a
+    view, while it copies (custom ops may not return views of their inputs)."""
+    return [buf.clone(), buf.clone()]
+
+
+@copy_pieces.register_fake
+def _(buf: Tensor) -> list[Tensor]:
+    return [torch.empty_like(buf), torch.empty_like(buf)]
+
+
 _KEPT: dict[int, Tensor] = {}
 _HANDLES = itertools.count()
 
@@ -239,6 +252,39 @@ def _as_index(t: Tensor, s: Site) -> Tensor:
     # the values index a table: in range whatever the buffer holds
     table = torch.arange(7, dtype=torch.long, device=t.device).mul(3)
     return table.index_select(0, _gather(t, s).reshape(-1).long().remainder(7))
+
+
+def _equalities(t: Tensor, s: Site) -> Tensor:
+    # only whether values are equal: the first row with the same value as each row
+    g = _gather(t, s).reshape(-1)
+    return (g.unsqueeze(0) == g.unsqueeze(1)).to(torch.long).argmax(1)
+
+
+def _order(t: Tensor, s: Site) -> Tensor:
+    # only the order of the values
+    return torch.argsort(_gather(t, s).reshape(-1), stable=True)
+
+
+def _reduction(t: Tensor, s: Site) -> Tensor:
+    # only a sum
+    return _gather(t, s).reshape(-1).to(torch.long).sum().reshape(1)
+
+
+def _maximum(t: Tensor, s: Site) -> Tensor:
+    # only the largest value
+    return _gather(t, s).reshape(-1).max().to(torch.long).reshape(1)
+
+
+def _set_handle(t: Tensor, s: Site) -> Tensor:
+    # a handle on the buffer's memory that no schema says aliases it
+    return _gather(torch.empty(0, dtype=t.dtype, device=t.device).set_(t), s)  # type: ignore[call-overload]
+
+
+def _slice_bound(t: Tensor, s: Site) -> Tensor:
+    # a 0-d tensor as a slice bound: the bound is read on the host
+    flat = _gather(t, s).reshape(-1)
+    start = flat[0].remainder(flat.numel())
+    return _host_scalar(int(flat[start:].to(torch.long).sum()), t)
 
 
 def _write_view(t: Tensor, s: Site) -> Tensor:
@@ -366,6 +412,25 @@ def _vocabulary() -> dict[str, Pattern]:
         p("if_batch_1", "conditional", _when(lambda s: s.batch_size == 1)),
         p("if_content", "conditional", _branch_on_content),
         p("if_value", "conditional", _branch_on_value),
+        # copies a schema claims are views: the read is the copy (checked on memory)
+        p("foreach_add", "view_claim", lambda t, s: torch._foreach_add([_gather(t, s)], 0)[0]),
+        p("foreach_pair", "view_claim", lambda t, s: torch._foreach_mul([_gather(t, s), _gather(t, s)], 1)[1]),
+        p("list_custom_op", "view_claim", lambda t, s: copy_pieces(_gather(t, s))[0]),
+        # a handle no schema names, on the buffer's memory
+        p("set_handle", "handle", _set_handle),
+        # readers that use a value only through one relation: poison must break each
+        p("equalities", "relation", _equalities),
+        p("order", "relation", _order),
+        p("sum_only", "relation", _reduction),
+        p("max_only", "relation", _maximum),
+        # host reads torch makes inside C++ (ops tagged data_dependent_output)
+        p("equal", "host", lambda t, s: _host_scalar(int(torch.equal(_gather(t, s), _gather(t, s).flip(0))), t)),
+        p("allclose", "host", lambda t, s: _host_scalar(
+            int(torch.allclose(_gather(t, s).float(), _gather(t, s).float().flip(0))), t)),
+        p("contains", "host", lambda t, s: _host_scalar(int(_gather(t, s).reshape(-1)[0] in _gather(t, s).reshape(-1)[1:]), t)),
+        p("is_nonzero", "host", lambda t, s: _host_scalar(
+            int((_gather(t, s).reshape(-1)[0] - _gather(t, s).reshape(-1)[-1]).is_nonzero()), t)),
+        p("slice_bound", "host", _slice_bound),
         # custom ops
         p("custom_op", "custom_op", lambda t, s: gather_rows(t, s.rows)),
         p("plan_run", "custom_op", lambda t, s: planned_gather(s.rows, s.handle), invisible=True),
@@ -804,7 +869,8 @@ def _build_leaf(spec: FuzzLeaf, live: Tensors | None) -> Backend:
 #: How often each class of pattern is drawn, relative to the others (a class not listed: 1).
 #: Writes and threads are refused while tracing, whatever else the leaf does: drawn often,
 #: they would hide the rest of the program from the checks.
-CLASS_WEIGHTS: dict[str, int] = {"view": 6, "list_view": 6, "copy": 4, "conditional": 4, "custom_op": 3, "host": 2}
+CLASS_WEIGHTS: dict[str, int] = {"view": 6, "list_view": 6, "copy": 4, "conditional": 4, "custom_op": 3, "host": 2,
+                                  "relation": 2, "view_claim": 2}
 
 
 T = TypeVar("T")
@@ -1024,6 +1090,7 @@ __all__ = [
     "Site",
     "declarations",
     "declared",
+    "copy_pieces",
     "fingerprint",
     "gather_rows",
     "gather_rows_unknown",

@@ -58,7 +58,8 @@ def _leaf(pattern: str, stage: str, buffer: str = "seq_lens", *, via: str = "arg
 def test_the_vocabulary_has_at_least_30_patterns_in_every_class() -> None:
     classes = Counter(p.klass for p in VOCABULARY.values())
     assert len(VOCABULARY) >= 30
-    assert {"view", "list_view", "copy", "escape", "host", "conditional", "custom_op", "write", "thread"} == set(classes)
+    assert {"view", "list_view", "copy", "escape", "host", "conditional", "custom_op", "write", "thread",
+            "view_claim", "handle", "relation"} == set(classes)
     assert classes["view"] >= 10 and classes["list_view"] >= 6 and classes["write"] >= 5
     assert [p.name for p in VOCABULARY.values() if p.invisible] == ["plan_run"]
     assert [p.name for p in VOCABULARY.values() if p.threaded] == ["thread_joined", "thread_left_running", "pool_job"]
