@@ -301,13 +301,32 @@ def lower(
     )
 
 
+#: Verdicts already given, by what they depend on (at most 256: the oldest is forgotten first).
+_VERDICTS: dict[tuple[object, ...], Unsound | None] = {}
+
+
 def _verdict(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
              state: Mapping[str, dict[str, Tensor]]) -> Unsound | None:
     # the audit's own verdict, at the batch size lowered, on the live state: whatever it
     # refuses (a declaration below the trace, or below a read the observer saw that the trace
-    # missed) no fence placed from the declaration may accept
-    return audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=torch_device(device),
-                         state=state).swap().value_or(None)
+    # missed) no fence placed from the declaration may accept. It depends on the backend, the
+    # step and where the live tensors are (bind matches memory ranges), not on their values:
+    # lowering the same step under several policies asks it once.
+    where = tuple((g, k, t.data_ptr(), tuple(t.shape), t.dtype) for g, d in state.items() for k, t in d.items())
+    key = (backend, mode, cfg, batch_size, torch_device(device), where)
+    try:
+        return _VERDICTS[key]
+    except (KeyError, TypeError):  # TypeError: a backend that is not hashable is asked every time
+        pass
+    verdict = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=torch_device(device),
+                            state=state).swap().value_or(None)
+    try:
+        if len(_VERDICTS) >= 256:
+            _VERDICTS.pop(next(iter(_VERDICTS)))
+        _VERDICTS[key] = verdict
+    except TypeError:
+        pass
+    return verdict
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
