@@ -135,3 +135,12 @@ def test_lower_refuses_what_audit_refuses_through_the_same_verdict() -> None:
             lower(backend, M, batch_size=2, device=dev, policy=Policy.EXACT, cfg=ONE_LAYER)
         assert (refused.value.failure.buffer, refused.value.failure.observed) == (failure.buffer, failure.observed)
         lower(backend, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=ONE_LAYER)  # COARSE places no fence from it
+
+
+@pytest.mark.parametrize("name", ["foreach_add", "list_custom_op"])
+def test_the_trace_alone_refuses_the_early_declaration(name: str) -> None:
+    # the observer off: the memory probe's own check of the claim is what refuses it
+    early = _backend(name, COPIES[name], ReadEnd.PRE_REPLAY)
+    failure = audit(early, M, cfg=CFG, observe_steps=0).failure()
+    assert failure is not None and not failure.report.disagreements
+    assert (failure.buffer, failure.observed, failure.reader[0]) == ("seq_lens", ReadEnd.IN_REPLAY, "prepare_in_graph")
