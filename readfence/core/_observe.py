@@ -42,6 +42,7 @@ from ._schema import OpAliasing, bind, op_aliasing
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
+from ._trace import cache_with_traces, code_key
 
 Kind = Literal["read", "write", "escape"]
 
@@ -522,6 +523,13 @@ def observe(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
 
+    key: tuple[Any, ...] | None = (code_key(backend), backend.name, mode, sizes, steps, cfg, seed)
+    try:
+        hit = _OBSERVED.get(key)
+    except TypeError:  # a backend that is not hashable: observed every time
+        key, hit = None, None
+    if hit is not None:
+        return hit
     fns = step_functions(backend, mode, cfg)
     accesses: list[Access] = []
     buffers: tuple[str, ...] = ()
@@ -529,7 +537,17 @@ def observe(
         step = example_step(cfg, mode, size, seed=seed + i)
         buffers = tuple(step.shared)
         accesses += observe_step(fns, step.groups(), step=k)
-    return Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
+    observation = Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
+    if key is not None:
+        if len(_OBSERVED) >= 256:
+            _OBSERVED.pop(next(iter(_OBSERVED)))
+        _OBSERVED[key] = observation
+    return observation
+
+
+#: Observations already made, by the backend's code and the steps observed (like traces: the
+#: same code on the same fresh examples touches the same memory); forgotten with the traces.
+_OBSERVED: dict[Any, Observation] = cache_with_traces({})
 
 
 # ------------------------------------------------------------------------------------------

@@ -874,9 +874,26 @@ _CACHE: dict[Any, Program] = {}
 _CACHE_LIMIT = 1024
 
 
+#: Other caches of what a backend's code does (``observe``'s): forgotten with the traces.
+_DEPENDENT_CACHES: list[dict[Any, Any]] = []
+
+
+def code_key(backend: BackendLike) -> Any:
+    """What a trace or an observation of ``backend`` depends on: its code, not its declaration
+    (see ``_code_key``)."""
+    return _code_key(backend)
+
+
+def cache_with_traces(cache: dict[Any, Any]) -> dict[Any, Any]:
+    """Register ``cache`` to be forgotten with the traces (``clear_trace_cache``)."""
+    _DEPENDENT_CACHES.append(cache)
+    return cache
+
+
 def clear_trace_cache() -> None:
-    """Forget every cached trace (``trace`` caches one program per backend code, mode, model
-    config, batch size, device and seed; the next call traces again).
+    """Forget every cached trace and observation (``trace`` caches one program per backend code,
+    mode, model config, batch size, device and seed, ``observe`` one observation per backend
+    code and its arguments; the next call traces or observes again).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
@@ -884,6 +901,8 @@ def clear_trace_cache() -> None:
     1
     """
     _CACHE.clear()
+    for cache in _DEPENDENT_CACHES:
+        cache.clear()
 
 
 def trace_cache_size() -> int:
