@@ -13,11 +13,10 @@ from __future__ import annotations
 import pathlib
 import re
 import shlex
-import subprocess
 
 import pytest
 
-from tests.cli.conftest import readfence_script
+from tests.cli.conftest import run_readfence
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 SAMPLES = re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| ([a-z ,]+))? -->\n+```text\n(.*?)```",
@@ -70,8 +69,8 @@ def test_a_readme_sample_is_what_the_command_prints(command, flags, text, tmp_pa
     if "shrink" in flags:
         argv = [*argv, "--steps", "4"] if "--steps" not in argv else argv
         argv[argv.index("--steps") + 1] = "4"
-    run = subprocess.run([readfence_script(), *argv], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    out = run.stdout + (run.stderr if "stderr" in flags else "")
+    _, stdout, stderr = run_readfence(argv, str(tmp_path))
+    out = stdout + (stderr if "stderr" in flags else "")
     numbers = "numbers" in flags or "shrink" in flags
     expected = [normal(x, numbers) for x in text.strip("\n").splitlines()]
     actual = [normal(x, numbers) for x in out.strip("\n").splitlines()]

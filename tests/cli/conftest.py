@@ -32,6 +32,23 @@ def readfence_script() -> str:
     return found
 
 
+def run_readfence(argv: list[str], cwd: str) -> tuple[int, str, str]:
+    """``readfence argv`` run in ``cwd``: (exit status, stdout, stderr). In-process (the traces
+    the suite already made are reused), except a ``--tp`` run, which launches worker processes
+    and runs as the installed script, as a user runs it."""
+    if "--tp" in argv:
+        run = subprocess.run([readfence_script(), *argv], capture_output=True, text=True, cwd=cwd,
+                             timeout=600, check=False)
+        return run.returncode, run.stdout, run.stderr
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(main, argv, catch_exceptions=False)
+    finally:
+        os.chdir(here)
+    return result.exit_code, result.stdout, result.stderr
+
+
 @pytest.fixture
 def script():
     """``script(*args)`` runs the installed ``readfence`` script in a subprocess."""
