@@ -16,6 +16,22 @@ SINGLE_LAYER = ModelConfig(layers=1)
 DEFAULT = ModelConfig()
 
 
+def first_of_each(values: list, group) -> list:
+    """``values`` as pytest params: the first of each ``group(value)`` in the quick tier
+    (``-m "not slow"``), the others marked ``slow`` (the full suite runs them all).
+
+    >>> [p.marks for p in first_of_each(["a1", "a2", "b1"], lambda v: v[0])][1][0].name
+    'slow'
+    """
+    seen: set = set()
+    out = []
+    for value in values:
+        key = group(value)
+        out.append(pytest.param(value, marks=[pytest.mark.slow] if key in seen else []))
+        seen.add(key)
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

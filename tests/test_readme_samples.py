@@ -18,6 +18,8 @@ import pytest
 
 from tests.cli.conftest import run_readfence
 
+pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 SAMPLES = re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| ([a-z ,]+))? -->\n+```text\n(.*?)```",
                      README.read_text(), flags=re.S)

@@ -122,6 +122,7 @@ def test_the_same_seed_draws_the_same_programs() -> None:
     assert [str(p) for p in random_programs(30, seed=3)] != [str(p) for p in random_programs(30, seed=4)]
 
 
+@pytest.mark.slow
 def test_every_pattern_read_changes_the_logits_in_every_stage_and_stays_in_range() -> None:
     # A race can only be seen in the outputs if what each pattern reads reaches them: overwrite
     # the buffer it reads with each poison verify uses (in range) and the logits must change
@@ -364,6 +365,7 @@ def _not_vacuous(tally: Tally) -> None:
     assert tally.accepted >= n // 5 and tally.refused >= n // 5 and tally.combinators, tally.as_dict()
 
 
+@pytest.mark.slow
 def test_hypothesis_programs_accepted_verify_and_traces_cover_what_runs(dev) -> None:
     # hypothesis' draws shrink a failing program to a small one
     tally = Tally()
@@ -378,6 +380,7 @@ def test_hypothesis_programs_accepted_verify_and_traces_cover_what_runs(dev) -> 
     _not_vacuous(tally)
 
 
+@pytest.mark.slow
 def test_uniform_programs_accepted_verify_and_traces_cover_what_runs(dev) -> None:
     # hypothesis favours the first option of every choice; uniform draws cover the vocabulary
     tally = Tally()

@@ -115,6 +115,7 @@ FIGURES = {
 }
 
 
+@pytest.mark.slow  # runs the benchmarks: the full suite
 @pytest.mark.parametrize("name", _bench_cmd.BENCHMARKS)
 def test_each_repository_benchmark_runs_quick(cli, name):
     result = cli("bench", name, "--quick")
@@ -133,6 +134,7 @@ def test_each_repository_benchmark_runs_quick(cli, name):
         assert int(figures["refused_runnable"]) < 20 and figures["false_alarm_rate"] == "n/a (too few samples)"
 
 
+@pytest.mark.slow  # runs the benchmarks: the full suite
 def test_the_script_runs_a_benchmark(script):
     run = script("bench", "effects", "--quick", timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -16,6 +16,8 @@ import pytest
 
 from tests.cli.conftest import run_readfence
 
+pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
+
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 TEXT = README.read_text()
 BASH = re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from readfence import __version__
 
 
@@ -48,6 +50,7 @@ def test_demo_json(script):
     assert run.stderr == ""  # no progress bar when stderr is not a terminal
 
 
+@pytest.mark.slow
 def test_plan_and_audit(script):
     plan = script("plan", "tbo(deepseek_v4, paged)", "--mode", "decode", "--json")
     assert plan.returncode == 0, plan.stderr

@@ -14,6 +14,8 @@ from readfence.parallel import RankFailure, TensorParallelError, launch
 
 from ..parallel import jobs
 
+pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
+
 SMALL = ("--steps", "3", "--batch-size", "2")
 
 

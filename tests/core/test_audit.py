@@ -38,6 +38,7 @@ from readfence.core import (
 )
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
+from tests.conftest import first_of_each
 
 M = ForwardMode
 
@@ -234,6 +235,7 @@ tbo/children[1]/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UN
 """
 
 
+@pytest.mark.slow
 def test_full_audit_table_of_every_reference_backend_in_every_mode() -> None:
     lines = []
     for backend in BACKENDS:
@@ -244,6 +246,7 @@ def test_full_audit_table_of_every_reference_backend_in_every_mode() -> None:
     assert lines == EXPECTED_LINES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", LEAVES, ids=str)
 def test_reference_leaves_read_the_same_at_every_batch_size(backend) -> None:
     # the table above is traced at batch size 2; the combinators only join their leaves
@@ -276,7 +279,7 @@ def _below(end: ReadEnd) -> ReadEnd:
     return ReadEnd(end.value - 1)
 
 
-@pytest.mark.parametrize("backend", LEAVES, ids=lambda b: str(b))
+@pytest.mark.parametrize("backend", first_of_each(LEAVES, lambda b: "leaf"), ids=lambda b: str(b))
 def test_mutants_declared_one_step_earlier_are_unsound_exactly_when_below_the_trace(backend) -> None:
     caught = kept = 0
     for mode in ForwardMode:
@@ -306,7 +309,7 @@ def test_mutants_declared_one_step_earlier_are_unsound_exactly_when_below_the_tr
     assert caught > 0  # the test exercises real catches for every leaf
 
 
-@pytest.mark.parametrize("backend", LEAVES, ids=lambda b: str(b))
+@pytest.mark.parametrize("backend", first_of_each(LEAVES, lambda b: "leaf"), ids=lambda b: str(b))
 def test_declaring_any_read_buffer_one_step_before_its_observed_end_is_caught(backend) -> None:
     count = 0
     for mode in ForwardMode:

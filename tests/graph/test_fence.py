@@ -328,7 +328,7 @@ def test_a_batch_of_the_wrong_shape_or_keys_is_refused_before_anything_is_enqueu
 
 
 @pytest.mark.parametrize("mode", [M.DECODE, M.EXTEND, M.TARGET_VERIFY], ids=["decode", "extend", "verify"])
-@pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT])
+@pytest.mark.parametrize("policy", [pytest.param(Policy.PER_BUFFER, marks=pytest.mark.slow), Policy.EXACT])
 def test_a_steps_events_fire_on_its_stream_in_index_order(dev, policy, mode):
     # what lets one wait on the latest event stand for a wait on each: the records' own
     # streams and timestamps (CpuDevice handles), not the plan's order

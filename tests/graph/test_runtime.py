@@ -116,7 +116,9 @@ CUDA_EVENT_CASES = [
     ("trtllm_mha", M.DECODE, Policy.JOINED),
 ]
 LOOP_CASES = [
-    *(pytest.param(n, m, p, False, id=f"{n}-{m.name}-{p}") for n, m in CASES for p in Policy),
+    # the quick tier runs EXACT (the earliest fences); the full suite every policy
+    *(pytest.param(n, m, p, False, id=f"{n}-{m.name}-{p}", marks=[] if p is Policy.EXACT else [pytest.mark.slow])
+      for n, m in CASES for p in Policy),
     *(pytest.param(n, m, p, True, id=f"{n}-{m.name}-{p}-cuda-events") for n, m, p in CUDA_EVENT_CASES),
 ]
 

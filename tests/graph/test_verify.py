@@ -41,6 +41,7 @@ from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, eagle, make_state, multi_eagle, ngram, verify
 from tests.adversarial import CASES, _every, body_reader
 from tests.conftest import ONE_LAYER as CFG
+from tests.conftest import first_of_each
 
 CFG2 = ModelConfig(layers=2, max_reqs=8, max_ctx=16)  # the adversarial layer branch needs two layers
 M = ForwardMode
@@ -135,7 +136,7 @@ def test_poison_alone_names_the_buffer_by_poisoning_one_at_a_time(dev) -> None:
 HIDDEN = [n for n, c in CASES.items() if c.verdict in ("refused", "invisible")]
 
 
-@pytest.mark.parametrize("name", HIDDEN)
+@pytest.mark.parametrize("name", first_of_each(HIDDEN, lambda n: CASES[n].klass))
 def test_every_adversarial_backend_is_caught_by_verify_under_the_unsafe_flag(name, dev) -> None:
     case = CASES[name]
     state = make_state(CFG2)

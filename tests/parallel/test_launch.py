@@ -19,6 +19,8 @@ from readfence.parallel import TensorParallelError, launch
 
 from . import jobs
 
+pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
+
 
 @pytest.fixture(scope="module")
 def healthy():
