@@ -313,6 +313,10 @@ class ServeLoop:
                     self.prefill[size] = self._lower(prefill_target(self.target), ForwardMode.EXTEND, size)
         return dict(kinds)
 
+    def lowered_steps(self) -> list[LoweredStep]:
+        """Every lowered step of the loop: the decode graphs by size, then the prefill steps."""
+        return [*self.decode.values(), *self.prefill.values()]
+
     # -- fences ----------------------------------------------------------------------------
     def check_binding(self, run: StepRun, low: LoweredStep) -> None:
         """Refuse (:class:`~readfence.graph.ForeignEventError`) to bind the next step's writes to
