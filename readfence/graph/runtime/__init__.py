@@ -22,6 +22,7 @@ from ._serve import (
     run_serve,
     run_serve_serial,
     serve_loop,
+    serve_scheduler,
 )
 from ._serve_scheduler import ServeScheduler, ServeStep
 
@@ -49,5 +50,6 @@ __all__ = [
     "run_serve",
     "run_serve_serial",
     "serve_loop",
+    "serve_scheduler",
     "synthetic_work",
 ]

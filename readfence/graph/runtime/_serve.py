@@ -377,6 +377,20 @@ def _scheduler(target: Target, mode: ForwardMode, cfg: ModelConfig, traffic: Tra
                           max_batch=min(max(sizes), cfg.max_reqs - 1), max_prefill=max_prefill)
 
 
+def serve_scheduler(target: Target, traffic: Traffic, capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
+                    cfg: ModelConfig | None = None, max_prefill: int | None = None) -> ServeScheduler:
+    """The scheduler the serving loop of ``target`` runs ``traffic`` with (and its reference):
+    ``ValueError`` when the capture sizes or the requests do not fit the model or the target.
+
+    >>> from readfence.backends import paged
+    >>> serve_scheduler(paged(), Traffic(), [1, 2, 4]).max_batch
+    4
+    """
+    cfg = ModelConfig() if cfg is None else cfg
+    check_run(target, ForwardMode.DECODE)
+    return _scheduler(target, ForwardMode.DECODE, cfg, traffic, capture_list(capture_sizes, cfg, target), max_prefill)
+
+
 def serve_loop(
     target: Target,
     *,
