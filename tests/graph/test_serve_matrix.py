@@ -49,7 +49,7 @@ TARGETS = {
     "select(DECODE:trtllm_mha,default=paged)": lambda: select({M.DECODE: trtllm_mha()}, default=paged()),
     "per_stream(paged,trtllm_mha)": lambda: per_stream(paged(), trtllm_mha()),
     "eagle(paged,trtllm_mha)": lambda: eagle(paged(), trtllm_mha()),
-    "multi_eagle(deepseek_v4,trtllm_mha,paged)": lambda: multi_eagle(deepseek_v4(), trtllm_mha(), paged()),
+    "multi_eagle(deepseek_v4,trtllm_mha)": lambda: multi_eagle(deepseek_v4(), trtllm_mha()),
     "ngram(deepseek_v4)": lambda: ngram(deepseek_v4()),
 }
 

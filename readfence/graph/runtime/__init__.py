@@ -14,6 +14,7 @@ from ._sanitizer import Sanitizer, SanitizerError, Violation
 from ._scheduler import Scheduler, StepState
 from ._serve import (
     DEFAULT_CAPTURE_SIZES,
+    SerialServe,
     ServeLoop,
     ServeResult,
     StepRecord,
@@ -34,6 +35,7 @@ __all__ = [
     "SanitizerError",
     "Request",
     "Scheduler",
+    "SerialServe",
     "ServeLoop",
     "ServeResult",
     "ServeScheduler",

@@ -502,6 +502,56 @@ def run_serve(
                        () if None in ends else tuple(e for e in ends if e is not None), tuple(host))
 
 
+class SerialServe:
+    """The serving loop's reference, step by step: the same schedule, eager, each step at its
+    exact batch size. :meth:`run` goes on from where the last call stopped (a long run can be
+    compared chunk by chunk, keeping no more than a chunk of outputs). See :func:`run_serve_serial`.
+    """
+
+    def __init__(self, target: Target, *, traffic: Traffic | None = None,
+                 capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES, cfg: ModelConfig | None = None,
+                 state: Mapping[str, dict[str, Tensor]] | None = None, max_prefill: int | None = None,
+                 device: str | None = None, write_wait_s: float = 0.0) -> None:
+        check_run(target, ForwardMode.DECODE)
+        self.target, self.cfg = target, ModelConfig() if cfg is None else cfg
+        traffic = Traffic() if traffic is None else traffic
+        self.sizes = capture_list(capture_sizes, self.cfg, target)
+        where = device if device is not None else ("cpu" if state is None else device_of(state["shared"]).type)
+        self.where = torch_device(where)
+        self.state = make_state(self.cfg, self.where) if state is None else state
+        self.scheduler = _scheduler(target, ForwardMode.DECODE, self.cfg, traffic, self.sizes, max_prefill)
+        self.members, self.prefill = _members(target), prefill_target(target)
+        self.write_wait_s = write_wait_s
+
+    def run(self, steps: int, progress: Callable[[int], None] | None = None) -> ServeResult:
+        """The next ``steps`` steps."""
+        positive_int("steps", steps)
+        cfg, state, where, mode = self.cfg, self.state, self.where, ForwardMode.DECODE
+        records, outputs, ends = [], [], []
+        t0 = time.perf_counter()
+        for i in range(steps):
+            nxt = self.scheduler.next_step()
+            if self.write_wait_s:
+                time.sleep(self.write_wait_s)
+            for b in SHARED_BUFFERS:
+                state["shared"][b].copy_(nxt.shared[b])
+            batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
+            padded = _padded(nxt.kind, nxt.batch_size, self.sizes, self.members)
+            if nxt.kind == DECODE:
+                outputs.append(eager_step(self.target, mode, cfg, state, batch, padded))
+            else:
+                outputs.append(eager_step(self.prefill, ForwardMode.EXTEND, cfg, state, batch, padded))
+            records.append(StepRecord(nxt.step, nxt.kind, nxt.requests, padded, f"{nxt.kind} b{padded}", False,
+                                      nxt.tokens))
+            ends.append(time.perf_counter())
+            if progress is not None:
+                progress(i)
+        if where == "cuda":
+            torch.cuda.synchronize()
+        return ServeResult(None, tuple(records), outputs, time.perf_counter() - t0,
+                           ends=tuple(ends) if where == "cpu" else ())
+
+
 def run_serve_serial(
     target: Target,
     *,
@@ -527,39 +577,7 @@ def run_serve_serial(
     >>> [r.kind for r in ref.records]
     ['prefill', 'prefill', 'decode', 'prefill', 'decode', 'prefill']
     """
-    mode = ForwardMode.DECODE
-    check_run(target, mode)
     positive_int("steps", steps)
-    cfg = ModelConfig() if cfg is None else cfg
-    traffic = Traffic() if traffic is None else traffic
-    sizes = capture_list(capture_sizes, cfg, target)
-    where = device if device is not None else ("cpu" if state is None else device_of(state["shared"]).type)
-    where = torch_device(where)
-    state = make_state(cfg, where) if state is None else state
-    sched = _scheduler(target, mode, cfg, traffic, sizes, max_prefill)
-    members = _members(target)
-    prefill = prefill_target(target)
-    records, outputs, ends = [], [], []
-    t0 = time.perf_counter()
-    for i in range(steps):
-        nxt = sched.next_step()
-        if write_wait_s:
-            time.sleep(write_wait_s)
-        for b in SHARED_BUFFERS:
-            state["shared"][b].copy_(nxt.shared[b])
-        batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
-        padded = _padded(nxt.kind, nxt.batch_size, sizes, members)
-        if nxt.kind == DECODE:
-            outputs.append(eager_step(target, mode, cfg, state, batch, padded))
-            name = f"decode b{padded}"
-        else:
-            outputs.append(eager_step(prefill, ForwardMode.EXTEND, cfg, state, batch, padded))
-            name = f"prefill b{padded}"
-        records.append(StepRecord(nxt.step, nxt.kind, nxt.requests, padded, name, False, nxt.tokens))
-        ends.append(time.perf_counter())
-        if progress is not None:
-            progress(i)
-    if where == "cuda":
-        torch.cuda.synchronize()
-    return ServeResult(None, tuple(records), outputs, time.perf_counter() - t0,
-                       ends=tuple(ends) if where == "cpu" else ())
+    serial = SerialServe(target, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg, state=state,
+                         max_prefill=max_prefill, device=device, write_wait_s=write_wait_s)
+    return serial.run(steps, progress)
