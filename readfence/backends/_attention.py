@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import ForwardMode
-from readfence.core.internal import tokens_per_request
+from readfence.core.internal import pad_rows, tokens_per_request
 
 Tensors = Mapping[str, Tensor]
 
@@ -114,7 +114,12 @@ def softmax_attention(
     keys = gather(pools[prefix + "k_cache"], layer, indices)  # [B, C, H, D]
     values = gather(pools[prefix + "v_cache"], layer, indices)
     qb = q.reshape(batch_size, n, heads, dim)
-    scores = torch.einsum("bnhd,bchd->bhnc", qb, keys) * dim**-0.5
+    # a multiple of ROW_BLOCK requests per batched matmul: a request's scores must not depend on
+    # how many requests share the call (readfence.core._invariant)
+    scores = torch.einsum("bnhd,bchd->bhnc", pad_rows(qb), pad_rows(keys))
+    if scores.shape[0] != batch_size:
+        scores = scores.narrow(0, 0, batch_size)
+    scores = scores * dim**-0.5
     mask = causal_mask(lens, n, ctx, window=window).unsqueeze(1).expand(batch_size, heads, n, ctx)
     if select is not None:
         mask = select(scores, mask)

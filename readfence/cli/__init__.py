@@ -1,4 +1,4 @@
-"""The ``readfence`` command: ``demo``, ``plan``, ``audit``, ``verify`` and ``bench``.
+"""The ``readfence`` command: ``demo``, ``plan``, ``audit``, ``verify``, ``serve`` and ``bench``.
 
 Each command's module (and torch with it) is imported only when that command runs, so
 ``readfence --help`` and ``--version`` answer at once.
@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "Trace SPEC (default: every reference backend) and check its declared read ends."),
     "verify": ("._verify_cmd", "verify_cmd",
                "Audit SPEC, then check each policy's fences at run time, against the serial run."),
+    "serve": ("._serve_cmd", "serve", "Run SPEC's serving loop: arrivals, changing batches, prefill between decodes."),
     "bench": ("._bench_cmd", "bench", "Run the benchmarks (from the source checkout) and print their ratios."),
 }
 
@@ -60,7 +61,8 @@ def main() -> None:
     \b
     Start with `readfence demo`; `readfence plan SPEC` shows where fences go and why,
     `readfence audit` checks declarations against traced code, `readfence verify SPEC`
-    checks the fences at run time (poison on release, a write guard, a read observer).
+    checks the fences at run time (poison on release, a write guard, a read observer),
+    `readfence serve SPEC` runs them as an engine does (arrivals, a graph per batch size).
     """
 
 

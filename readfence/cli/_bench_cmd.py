@@ -27,7 +27,7 @@ from ._params import DeviceName, OneOf
 
 #: Every benchmark under ``benchmarks/`` (``bench_<name>.py``), in the order ``readfence bench``
 #: runs them: the cheap ones first. A test checks that no benchmark file is left out.
-BENCHMARKS = ("effects", "audit", "check", "overhead", "overlap", "fuzz", "tp")
+BENCHMARKS = ("effects", "audit", "check", "overhead", "overlap", "serve", "fuzz", "tp")
 
 
 def benchmarks_dir() -> pathlib.Path | None:
@@ -116,7 +116,7 @@ def bench(names: Sequence[str], quick: bool, device: str) -> None:
     """Run the benchmarks (from the source checkout) and print their ratios.
 
     \b
-    NAMES picks some (effects, audit, check, overhead, overlap, fuzz, tp); default: all of them,
+    NAMES picks some (effects, audit, check, overhead, overlap, serve, fuzz, tp); default: all of them,
     in that order. Exit status 1 if one fails (the others still run).
     """
     where = benchmarks_dir()

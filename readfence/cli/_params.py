@@ -285,6 +285,62 @@ class Amount(click.ParamType):
         return number
 
 
+class Rate(click.ParamType):
+    """A positive finite number up to ``at_most`` (requests per step of a serving loop).
+
+    >>> Rate(16.0).convert("0.5", None, None)
+    0.5
+    >>> Rate(16.0).convert("0", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value '0': must be a number above 0 and at most 16 (requests per step)
+    """
+
+    name = "R"
+
+    def __init__(self, at_most: float) -> None:
+        self.at_most = at_most
+        self.expects = f"a number above 0 and at most {at_most:g} (requests per step)"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            number = float(str(value).strip())
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and 0 < number <= self.at_most):
+            raise _fail(param, value, f"must be {self.expects}")
+        return number
+
+
+class Sizes(click.ParamType):
+    """A comma list of batch sizes, each in ``1..MAX_BATCH``; converts to a sorted tuple.
+
+    >>> Sizes().convert("8, 1,2,4", None, None)
+    (1, 2, 4, 8)
+    >>> Sizes().convert("1,x", None, None)
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: invalid value '1,x': 'x' is not a batch size: give a comma list of integers from 1 to 16, e.g. 1,2,4,8,16
+    """
+
+    name = "SIZES"
+    expects = f"a comma list of batch sizes from 1 to {MAX_BATCH}, e.g. 1,2,4,8,16"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        sizes = set()
+        for part in str(value).split(","):
+            text = part.strip()
+            if not re.fullmatch(r"\+?[0-9]+", text) or not 1 <= int(text) <= MAX_BATCH:
+                raise _fail(param, value, f"{text!r} is not a batch size: give a comma list of integers from 1 to "
+                                          f"{MAX_BATCH}, e.g. 1,2,4,8,16")
+            sizes.add(int(text))
+        return tuple(sorted(sizes))
+
+
 class OutputFile(click.ParamType):
     """A file to write, with ``suffix``: refused before anything runs when it cannot be written
     (a wrong suffix, a missing folder, something that is not a regular file, a place the user

@@ -51,7 +51,11 @@ def step_ends(timeline: Timeline, phases: int = 1) -> list[float]:
     [1.5, 3.75]
     """
     ends: dict[int, float] = {}
-    for track in stage_tracks(timeline):
+    steps_named = [s for s in timeline.spans if s.category == "replay" and "graph" in s.args]
+    for s in steps_named:  # a serving loop's steps say which graph they ran: each is one step
+        k = int(s.args["step"])  # type: ignore[call-overload]
+        ends[k] = max(ends.get(k, s.end), s.end)
+    for track in [] if steps_named else stage_tracks(timeline):
         bodies = sorted(s.end for s in timeline.spans if s.track == track and s.name == BODY.name)
         for i, end in enumerate(bodies):
             ends[i // phases] = max(ends.get(i // phases, end), end)
@@ -141,6 +145,9 @@ def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases
             y, x, w = row[s.track], (s.start - t0) * 1e3, (s.end - s.start) * 1e3
             if s.category == "replay":
                 ax.broken_barh([(x, w)], (y - 0.45, 0.9), facecolors="none", edgecolor="black", linewidth=0.8)
+                if "graph" in s.args:  # which graph the step ran (a serving loop's steps change graphs)
+                    ax.text(x + w / 2, y - 0.5, str(s.args["graph"]), fontsize=6, ha="center", va="bottom",
+                            clip_on=True)
             elif s.category == "fence":
                 ax.plot([x, x], [y - 0.45, y + 0.45], color=_RELEASE, linewidth=1)
             elif s.category == "read":

@@ -252,6 +252,49 @@ def add_replays(timeline: Timeline, *, graphed: Sequence[bool] = (True,), phases
     return count
 
 
+def add_step_replays(timeline: Timeline, records: Sequence[Any]) -> int:
+    """Add one span per step and forward stream around the stage runs the step made there,
+    named after the graph it ran (``decode b8 (graph replay)``, ``prefill b3 (eager)``), with
+    its ``step``, ``graph`` and ``kind``; ``records`` are the run's step records (each with
+    ``step``, ``kind``, ``graph``, ``graphed`` and ``tracks``: per stream, its stage runs).
+    Returns how many were added (a capped timeline holds only its first steps).
+
+    >>> from types import SimpleNamespace as R
+    >>> tl = Timeline()
+    >>> for name, a, b in [("prepare_out_graph", 0, 1), ("prepare_in_graph", 1, 2), ("body", 2, 5),
+    ...                    ("prepare_out_graph", 6, 7), ("prepare_in_graph", 7, 8), ("body", 8, 9)]:
+    ...     tl.span("forward", name, a, b, "stage")
+    >>> records = [R(step=0, kind="decode", graph="decode b4", graphed=True, tracks=(("forward", 1),)),
+    ...            R(step=1, kind="prefill", graph="prefill b3", graphed=False, tracks=(("forward", 1),))]
+    >>> add_step_replays(tl, records)
+    2
+    >>> [(s.name, s.start, s.end, s.args["step"]) for s in tl.spans if s.category == "replay"]
+    [('decode b4 (graph replay)', 0, 5, 0), ('prefill b3 (eager)', 6, 9, 1)]
+    """
+    per_track: dict[str, list[tuple[Any, int]]] = {}
+    for r in records:
+        for track, runs in r.tracks:
+            per_track.setdefault(track, []).append((r, runs))
+    count = 0
+    for track, items in per_track.items():
+        stages = sorted((s for s in timeline.spans if s.track == track and s.category == "stage"),
+                        key=lambda s: s.start)
+        i = 0
+        for r, runs in items:
+            start, bodies = None, 0
+            while i < len(stages) and bodies < runs:
+                s = stages[i]
+                start = s.start if start is None else start
+                bodies += s.name == BODY.name
+                i += 1
+            if bodies < runs or start is None:
+                break  # the timeline stopped recording here
+            timeline.span(track, f"{r.graph} ({'graph replay' if r.graphed else 'eager'})", start, stages[i - 1].end,
+                          "replay", step=r.step, graph=r.graph, kind=r.kind)
+            count += 1
+    return count
+
+
 def track_order(track: str) -> tuple[int, str]:
     """Where a track goes, top to bottom: the host, the schedule stream, the forward streams,
     then the fences (the order a step's work flows in).

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._invariant import matmul_rows
 from ._modes import ForwardMode
 from ._parallel import all_reduce
 from ._protocol import BackendLike
@@ -78,13 +79,13 @@ def forward(
     for layer in range(cfg.layers):
         pre = f"layers.{layer}."
         h = rms_norm(x, params[pre + "attn_norm"])
-        q, k, v = (h @ params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
+        q, k, v = matmul_rows(h, params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
         q, k = rotary(q, positions), rotary(k, positions)
         o = backend.attend(mode, layer, q, k, v, pools, shared, batch, meta)
-        x = x + all_reduce(o.reshape(tokens, heads * dim) @ params[pre + "wo"], cfg.tp)
+        x = x + all_reduce(matmul_rows(o.reshape(tokens, heads * dim), params[pre + "wo"]), cfg.tp)
         h = rms_norm(x, params[pre + "mlp_norm"])
-        x = x + all_reduce(F.silu(h @ params[pre + "w_up"]) @ params[pre + "w_down"], cfg.tp)
-    return rms_norm(x, params["final_norm"]) @ params["lm_head"]
+        x = x + all_reduce(matmul_rows(F.silu(matmul_rows(h, params[pre + "w_up"])), params[pre + "w_down"]), cfg.tp)
+    return matmul_rows(rms_norm(x, params["final_norm"]), params["lm_head"])
 
 
 def step_functions(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig) -> StepFunctions:

@@ -15,6 +15,9 @@ from ._checks import check_mode as check_mode
 from ._checks import did_you_mean as did_you_mean
 from ._checks import positive_int as positive_int
 from ._checks import positive_seconds as positive_seconds
+from ._invariant import ROW_BLOCK as ROW_BLOCK
+from ._invariant import matmul_rows as matmul_rows
+from ._invariant import pad_rows as pad_rows
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
 from ._memory import span_of as span_of
@@ -26,7 +29,7 @@ from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
 
 __all__ = [
-    "BufferAudit", "BufferMap", "Span", "bind_arguments", "buffer_ranges", "check_backend", "check_buffers",
-    "check_forward_mode", "check_mode", "did_you_mean", "escape_note", "format_table", "op_aliasing",
+    "ROW_BLOCK", "BufferAudit", "BufferMap", "Span", "bind_arguments", "buffer_ranges", "check_backend", "check_buffers",
+    "check_forward_mode", "check_mode", "did_you_mean", "escape_note", "format_table", "matmul_rows", "op_aliasing", "pad_rows",
     "positive_int", "positive_seconds", "request_ranges", "span_of", "split_batch", "tokens_per_request",
 ]

@@ -12,7 +12,7 @@ import pytest
 from readfence.cli import COMMANDS, _engine_cmd, _params, main
 
 # a valid SPEC for commands that require one, so that only the option under test is wrong
-NEEDS_SPEC = {"plan": ["paged"], "verify": ["paged"]}
+NEEDS_SPEC = {"plan": ["paged"], "verify": ["paged"], "serve": ["paged"]}
 
 
 def _command(name: str) -> click.Command:
@@ -30,6 +30,10 @@ def _bad_values(param: click.Parameter) -> list[str]:
         return ["x", "1.5", ""]
     if isinstance(kind, _params.Amount):
         return ["x", "-1", str(kind.at_most * 2), "nan", "inf"] + (["2.5"] if kind.integer else [])
+    if isinstance(kind, _params.Rate):
+        return ["x", "0", "-1", str(kind.at_most * 2), "nan", "inf", ""]
+    if isinstance(kind, _params.Sizes):
+        return ["x", "0", "1,,2", "1,17", "-2", ""]
     if isinstance(kind, _params.Policies):
         return ["fastest", "exact,fast", ""]
     if isinstance(kind, _params.Mode):
@@ -112,12 +116,12 @@ def test_a_bare_readfence_prints_its_usage_and_one_error_line(script):
     assert run.stdout.startswith("Usage: readfence [OPTIONS] COMMAND [ARGS]...")
     assert "Commands:" in run.stdout and "demo" in run.stdout
     assert run.stderr.strip().splitlines() == [
-        "Error: missing command; commands: demo, plan, audit, verify, bench (`readfence COMMAND --help` says what "
+        "Error: missing command; commands: demo, plan, audit, verify, serve, bench (`readfence COMMAND --help` says what "
         "each takes)"]
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["dmeo"], "Error: unknown command 'dmeo' (did you mean demo?); commands: demo, plan, audit, verify, bench"),
+    (["dmeo"], "Error: unknown command 'dmeo' (did you mean demo?); commands: demo, plan, audit, verify, serve, bench"),
     (["bench", "--steps", "3"], "Error: unknown option --steps; bench takes --quick, --device; see `readfence bench --help`"),
     (["demo", "--stpes", "3"], "Error: unknown option --stpes (did you mean --steps"),
     (["demo", "--spec", "paged", "--spec", "linear"], "Error: --spec given twice ('paged', then 'linear'): give it once"),

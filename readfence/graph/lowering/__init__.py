@@ -5,7 +5,7 @@ inserts event records after chosen nodes, the fences a step publishes (event gen
 event rings), the poison-on-release check mode, and ``lower`` itself.
 """
 
-from ._fence import Bound, Fence, RingWrapError
+from ._fence import Bound, Fence, ForeignEventError, RingWrapError
 from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
 from ._plan import FencePlan, Placement, plan_fences
 from ._poison import POISONS, CheckState, poison_family
@@ -16,6 +16,7 @@ __all__ = [
     "Bound",
     "CheckState",
     "Fence",
+    "ForeignEventError",
     "FencePlan",
     "Lowered",
     "Placement",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
@@ -15,6 +16,63 @@ NO_PROBES: Mapping[str, Bound] = MappingProxyType({})
 class RingWrapError(DeviceError):
     """A fence's event was recorded again before this wait was bound: by a later step (the
     event ring is too small for the steps in flight), or by anyone but its graph's runs."""
+
+
+class ForeignEventError(DeviceError):
+    """A wait was to be bound to an event of a graph other than the one the step replayed (or
+    to an event two graphs record): refused, naming both graphs."""
+
+
+#: Per event, the lowered graphs (labels) that record it: each should have exactly one.
+_OWNERS: weakref.WeakKeyDictionary[Event, list[str]] = weakref.WeakKeyDictionary()
+
+
+def claim_events(owner: str, events: Iterable[Event]) -> None:
+    """Note that the lowered graph ``owner`` records ``events`` (lowering calls this for every
+    event a ring slot is given). An event claimed twice is shared: :func:`check_owned` refuses
+    a wait bound to it.
+
+    >>> class Ev:
+    ...     name = "e"
+    >>> e = Ev()
+    >>> claim_events("graph A", [e]); claim_events("graph B", [e])
+    >>> event_owners(e)
+    ('graph A', 'graph B')
+    """
+    for event in events:
+        _OWNERS.setdefault(event, []).append(owner)
+
+
+def event_owners(event: Event) -> tuple[str, ...]:
+    """The lowered graphs that claimed ``event`` (:func:`claim_events`), in claim order."""
+    return tuple(_OWNERS.get(event, ()))
+
+
+def check_owned(fence: Fence, graphs: Iterable[str], what: str) -> None:
+    """Refuse (:class:`ForeignEventError`) a wait on ``fence`` unless each of its events is
+    recorded by exactly one lowered graph, one of ``graphs`` (the graphs the step replayed).
+
+    The error names the graph the step replayed and the other graph: an event shared by two
+    graphs (one reusable event for every batch size), or a fence kept from another step.
+    """
+    mine = tuple(graphs)
+    for event in fence.events:
+        owners = event_owners(event)
+        name = getattr(event, "name", repr(event))
+        others = [o for o in owners if o not in mine]
+        if others:
+            raise ForeignEventError(
+                f"{what}: the step replayed graph {mine[0]!r}, but its wait would bind event {name!r}, which graph "
+                f"{others[0]!r} records; each captured graph keeps its own event ring: lower every graph with events "
+                f"of its own")
+        if len(owners) > 1:
+            raise ForeignEventError(
+                f"{what}: event {name!r} of graph {owners[0]!r} is recorded at {len(owners)} points of it; each point "
+                f"and ring slot needs an event of its own")
+        if not owners:
+            raise ForeignEventError(
+                f"{what}: the step replayed graph {mine[0]!r}, but its wait would bind event {name!r}, which no "
+                f"lowered graph records")
 
 
 class Bound(tuple):
@@ -236,6 +294,11 @@ class Fence:
     def owner(self) -> str:
         """The label of the lowered graph (or composite step) that publishes this fence."""
         return self._head.owner
+
+    @property
+    def events(self) -> Sequence[Event]:
+        """The events this fence's waits bind: one per release point, then ``done``."""
+        return self._head.events
 
     @property
     def probes(self) -> Mapping[str, Bound]:

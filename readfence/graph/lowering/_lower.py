@@ -259,6 +259,7 @@ def lower(
     ring_size = steps_in_flight if ring_size is None else positive_int("ring_size", ring_size)
     if ring_size < steps_in_flight:
         raise ValueError(
+            f"{backend.name} in {mode.name} at batch size {batch_size}: "
             f"event ring of size {ring_size} is too small for {steps_in_flight} steps in flight: "
             f"the record of step i+{ring_size} would reuse an event that a wait of step i has not "
             f"bound yet; use ring_size >= {steps_in_flight}"

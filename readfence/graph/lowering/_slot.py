@@ -20,7 +20,7 @@ from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, Stag
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Stream, Timeline
-from ._fence import RunClock, SlotHead, slot_head
+from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_compile import CompiledGraph, compile_graph
 from ._fx_records import insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
@@ -250,6 +250,7 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
     index = {p: i for i, p in enumerate(events)}
     done = spec.new_event(f"{label}/done#{r}")
     fence_events = (*events.values(), done)
+    claim_events(label, [*events.values(), *probes.values(), done])
     slot = Slot(
         index=r, events=events, probes=probes, done=done, stages=stages,
         at_end=tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd),

@@ -1,6 +1,9 @@
 """readfence's internal API of ``lowering``: what the later parts of the package share with it
 (not public: its names may change without notice)."""
 
+from ._fence import check_owned as check_owned
+from ._fence import claim_events as claim_events
+from ._fence import event_owners as event_owners
 from ._lower import device_of as device_of
 from ._plan import placing_effect as placing_effect
 from ._poison import poison_points as poison_points

@@ -1,23 +1,57 @@
-"""The runtime: the overlapped decode loop, its scheduler, and the race sanitizer watching it.
+"""The runtime: the overlapped decode loop, the serving loop, their schedulers, and the race
+sanitizer watching them.
 
 The scheduler writes step i+1's shared state behind step i's fence while the forward stream
-replays step i; ``run_serial`` is the reference it is compared with, bit for bit.
+replays step i; ``run_serial`` is the reference it is compared with, bit for bit. The serving
+loop (``run_serve``) does the same as an engine does it: seeded arrivals, changing batches, a
+graph per captured batch size, prefill steps between decode steps; ``run_serve_serial`` is its
+reference.
 """
 
+from ._arrivals import Request, Traffic
 from ._loop import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial, synthetic_work
 from ._sanitizer import Sanitizer, SanitizerError, Violation
 from ._scheduler import Scheduler, StepState
+from ._serve import (
+    DEFAULT_CAPTURE_SIZES,
+    SerialServe,
+    ServeLoop,
+    ServeResult,
+    StepRecord,
+    capture_list,
+    prefill_target,
+    run_serve,
+    run_serve_serial,
+    serve_loop,
+    serve_scheduler,
+)
+from ._serve_scheduler import ServeScheduler, ServeStep
 
 __all__ = [
+    "DEFAULT_CAPTURE_SIZES",
     "DecodeLoop",
     "LoopResult",
     "Sanitizer",
     "SanitizerError",
+    "Request",
     "Scheduler",
+    "SerialServe",
+    "ServeLoop",
+    "ServeResult",
+    "ServeScheduler",
+    "ServeStep",
+    "StepRecord",
     "StepState",
+    "Traffic",
     "Violation",
+    "capture_list",
     "decode_loop",
+    "prefill_target",
     "run_overlapped",
     "run_serial",
+    "run_serve",
+    "run_serve_serial",
+    "serve_loop",
+    "serve_scheduler",
     "synthetic_work",
 ]

@@ -29,7 +29,7 @@ from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
 from ..lowering.internal import device_of
 from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
-from ._scheduler import Scheduler, StepState
+from ._scheduler import Scheduler, StepSource, StepState
 
 
 @attrs.frozen
@@ -182,7 +182,7 @@ class DecodeLoop:
     """
 
     lowered: LoweredStep
-    scheduler: Scheduler
+    scheduler: StepSource
     device: Device
     schedule_stream: Stream
     written: Event

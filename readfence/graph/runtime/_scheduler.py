@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from typing import Protocol
 
 import attrs
 import torch
@@ -45,6 +46,14 @@ class StepState:
     batch: dict[str, Tensor]
     admitted: int
     finished: int
+
+
+class StepSource(Protocol):
+    """What a loop takes its steps from: a :class:`Scheduler`, or the serving loop's scheduler."""
+
+    def next_step(self) -> StepState:
+        """The next step's shared state and batch."""
+        ...
 
 
 class Scheduler:

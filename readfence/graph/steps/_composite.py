@@ -82,6 +82,14 @@ class JoinedFence:
         read, release = self.last_read_time(buffer), self.release_time(buffer)
         return None if read is None or release is None else release - read
 
+    @property
+    def fences(self) -> tuple[Fence, ...]:
+        """The part fences, each once (those that release a buffer, then those that end the step)."""
+        seen: dict[int, Fence] = {}
+        for part in (*(f for fs in self.parts.values() for f in fs), *self.done_parts):
+            seen.setdefault(id(part), part)
+        return tuple(seen.values())
+
 
 def _latest_of(times: Sequence[float | None]) -> float | None:
     """The latest of ``times``; ``None`` when there are none or one is unknown."""
@@ -181,26 +189,51 @@ def eager_phases(shape: StepShape, cfg: ModelConfig, shared: dict[str, Tensor], 
     return tuple(out)
 
 
-def split_requests(batch: Mapping[str, Tensor], tokens: int, parts: int) -> list[dict[str, Tensor]]:
-    """Consecutive request ranges of a request-major batch, one per stream."""
-    ranges = request_ranges(int(batch["req_pool_indices"].shape[0]), parts)
+def split_requests(batch: Mapping[str, Tensor], tokens: int, parts: int,
+                   padded: int | None = None) -> list[dict[str, Tensor]]:
+    """Consecutive request ranges of a request-major batch, one per stream: the shares of a
+    batch of ``padded`` requests (default: the batch's own size), cut to the batch's requests
+    (a padded graph's member serves the real requests of its share; the rest are padding).
+
+    >>> import torch
+    >>> b = {"input_ids": torch.arange(3), "req_pool_indices": torch.arange(3)}
+    >>> [p["input_ids"].tolist() for p in split_requests(b, 1, 2)], [p["input_ids"].tolist() for p in split_requests(b, 1, 2, 8)]
+    ([[0, 1], [2]], [[0, 1, 2], []])
+    """
+    size = int(batch["req_pool_indices"].shape[0])
+    ranges = [(min(lo, size), min(hi, size)) for lo, hi in request_ranges(size if padded is None else padded, parts)]
     return [{k: (t[lo:hi] if k == "req_pool_indices" else t[lo * tokens:hi * tokens]).contiguous()
              for k, t in batch.items()} for lo, hi in ranges]
 
 
 def eager_streams(members: Sequence[BackendLike], mode: ForwardMode, cfg: ModelConfig, shared: dict[str, Tensor],
-                  pools: dict[str, Tensor], params: dict[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
-    """The serial reference of a ``per_stream`` step: each member on its share, one after another."""
-    parts = split_requests(batch, tokens_per_request(mode), len(members))
+                  pools: dict[str, Tensor], params: dict[str, Tensor], batch: Mapping[str, Tensor],
+                  padded: int | None = None) -> tuple[Tensor, ...]:
+    """The serial reference of a ``per_stream`` step: each member on its share, one after another
+    (the shares of a batch padded to ``padded`` requests: see :func:`split_requests`; a member
+    with no real request gives no logits)."""
+    parts = split_requests(batch, tokens_per_request(mode), len(members), padded)
+    vocab = params["lm_head"].shape[-1]
     return tuple(run_step(m, mode, cfg, StepInputs(shared, p, pools, params)).clone()
+                 if p["req_pool_indices"].shape[0] else params["lm_head"].new_zeros(0, vocab)
                  for m, p in zip(members, parts))
+
+
+class StreamOrder:
+    """The latest step fence of each forward stream, shared by the ``per_stream`` groups of one
+    loop (a serving loop runs a group per batch size on the same streams): the members share the
+    KV and state pools, so each stream's step waits for every other stream's latest step."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Fence] = {}
 
 
 class StreamGroup:
     """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]``."""
 
     def __init__(self, members: Sequence[BackendLike], mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
-                 cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> None:
+                 cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], order: StreamOrder | None = None,
+                 **kwargs: Any) -> None:
         if batch_size < len(members):
             raise ValueError(f"per_stream with {len(members)} members needs batch_size >= {len(members)}, "
                              f"got {batch_size}")
@@ -214,7 +247,8 @@ class StreamGroup:
             for s, (m, n) in enumerate(zip(members, sizes))
         ]
         self.label = f"per_stream/{policy.name}"
-        self._previous: list[Fence] = []
+        self.batch_size = batch_size
+        self.order = StreamOrder() if order is None else order
         # check mode: the members run one after another, each poisoning at its own release
         # points and restoring at its end (a member reading after its own release is late,
         # whatever the others do)
@@ -228,16 +262,18 @@ class StreamGroup:
         # The members share the KV and state pools, and the scheduler may hand a slot freed by
         # one stream's request to another stream's request at once: each stream's step waits
         # for the other streams' previous step (bound before any member of this step runs).
-        for s, low in enumerate(self.lowered):
-            for t, prev in enumerate(self._previous):
-                if t != s:
+        latest = self.order.latest
+        for low in self.lowered:
+            for name, prev in latest.items():
+                if name != low.stream.name:
                     low.stream.wait(prev.done.check(f"{self.label} step {step}"))
         runs: list[StepRun] = []
         for low, p in zip(self.lowered, parts):
             if self.checked and runs:
                 runs[-1].fence.wait_end(low.stream)
             runs.append(low.run(p, step=step, after=after))
-        self._previous = [r.fence for r in runs]
+        for low, r in zip(self.lowered, runs):
+            latest[low.stream.name] = r.fence
         fence = JoinedFence(self.label, step, {b: tuple(r.fence for r in runs) for b in SHARED_BUFFERS},
                             tuple(r.fence for r in runs))
         return StepRun(step, tuple(r.logits for r in runs), fence)

@@ -69,13 +69,16 @@ def scheduling_mode(target: Target, mode: ForwardMode) -> ForwardMode:
 
 
 def eager_step(target: Target, mode: ForwardMode, cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]],
-               batch: dict[str, Tensor]) -> Tensor | tuple[Tensor, ...]:
-    """The serial reference of one step of ``target``: its logits (a tuple for a composite step)."""
+               batch: dict[str, Tensor], padded: int | None = None) -> Tensor | tuple[Tensor, ...]:
+    """The serial reference of one step of ``target``: its logits (a tuple for a composite step).
+
+    ``padded``: the batch size of the graph the lowered step runs ``batch`` in (padded); a
+    ``per_stream`` group's members then serve the requests of their shares of that size."""
     shared, pools, params = state["shared"], state["pools"], state["params"]
     if isinstance(target, StepShape):
         return eager_phases(target, cfg, shared, pools, params, batch)
     if isinstance(target, PerStream):
-        return eager_streams(target.members, mode, cfg, shared, pools, params, batch)
+        return eager_streams(target.members, mode, cfg, shared, pools, params, batch, padded)
     return run_step(target, mode, cfg, StepInputs(shared=shared, batch=batch, pools=pools, params=params)).clone()
 
 

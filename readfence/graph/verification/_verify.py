@@ -47,7 +47,7 @@ from ..devices import Device, DeviceError
 from ..devices.internal import check_device
 from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, make_state, torch_device
 from ..lowering.internal import poison_points
-from ..runtime import decode_loop, run_serial
+from ..runtime import DEFAULT_CAPTURE_SIZES, Traffic, decode_loop, run_serial, run_serve_serial, serve_loop
 from ..runtime.internal import same_logits
 from ..steps import StepShape
 from ..steps.internal import Target, check_run
@@ -117,6 +117,7 @@ class VerifyReport:
     observer: bool  # whether the runtime read observer watched (CpuDevice)
     phases: str = ""  # a step shape's phases, "name:MODE -> ...": they bring their own modes
     checks_run: tuple[str, ...] = ("poison", "guard")  # names from CHECKS (the observer: see ``observer``)
+    serving: str = ""  # the serving loop's traffic and capture sizes, when it was the loop checked
 
     def ran(self) -> list[str]:
         """The checks that ran, in the order of :data:`CHECKS`."""
@@ -137,8 +138,8 @@ class VerifyReport:
         if not self.observer and self.device != "cpu":
             watch += " (no op-by-op observer on this device: a replayed graph runs no Python)"
         where = f"in phases {self.phases}" if self.phases else f"in {self.mode.name}"
-        lines = [f"verified {self.target} {where} on {self.device}: {self.steps} steps, batch size "
-                 f"{self.batch_size}, checks: {watch}"]
+        size = f"serving {self.serving}" if self.serving else f"batch size {self.batch_size}"
+        lines = [f"verified {self.target} {where} on {self.device}: {self.steps} steps, {size}, checks: {watch}"]
         for c in self.checks:
             poisoned = ", ".join(c.poisoned) or "nothing (released after the whole forward)"
             lines.append(f"  {c.policy.name:<10} clean; poisoned on release: {poisoned}")
@@ -253,8 +254,13 @@ def _first_difference(logits: Sequence[Any], reference: Sequence[Any]) -> int | 
     return next((i for i, (a, b) in enumerate(zip(logits, reference)) if not same_logits(a, b)), None)
 
 
+def _graphs(step: Any) -> list[Any]:
+    return getattr(step, "lowered", None) or list(getattr(step, "graphs", {}).values()) or [step]
+
+
 def _poisoned(loop: Any) -> tuple[str, ...]:
-    parts = getattr(loop.lowered, "lowered", None) or list(getattr(loop.lowered, "graphs", {}).values()) or [loop.lowered]
+    steps = loop.lowered_steps() if hasattr(loop, "lowered_steps") else [loop.lowered]
+    parts = [g for step in steps for g in _graphs(step)]
     names: set[str] = set()
     for low in parts:
         for bs in poison_points(low.plan.placements).values():
@@ -276,6 +282,8 @@ def verify(
     state: State | None = None,
     observer: bool | None = None,
     checks: Iterable[str] | None = None,
+    traffic: Traffic | None = None,
+    capture_sizes: Iterable[int] | None = None,
     UNSAFE_skip_soundness_check: bool = False,
     **lowering: Any,
 ) -> Result[VerifyReport, LateRead]:
@@ -290,7 +298,10 @@ def verify(
     it, the stage and op. A declaration ``lower`` refuses is a finding too, unless
     ``UNSAFE_skip_soundness_check=True`` lowers it anyway (to show it failing). ``state``
     is the live state to run on (fresh by default): pass the one a backend holds references
-    to; it is reset between runs. ``checks`` (names from :data:`CHECKS`; default: all, the
+    to; it is reset between runs. ``traffic`` checks the serving loop instead of the decode loop
+    (``readfence.graph.serve_loop``: that traffic, a graph per batch size of ``capture_sizes``,
+    prefill steps between decode steps; ``mode``, ``batch_size``, ``seed`` and ``finish_prob``
+    then do not apply). ``checks`` (names from :data:`CHECKS`; default: all, the
     observer where it can watch) runs only those: ``checks={"poison"}`` shows what poison alone
     catches; ``observer=False`` is the same as leaving ``"observer"`` out. Other keywords go to
     the lowering.
@@ -320,6 +331,14 @@ def verify(
     snapshot = _snapshot(live)
     name = _name(target)
     common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
+    if capture_sizes is not None and traffic is None:
+        raise ValueError("capture_sizes applies to the serving loop: give traffic= too")
+    if traffic is not None:
+        if not isinstance(traffic, Traffic):
+            raise TypeError(f"traffic must be a readfence.graph.Traffic, got {traffic!r}")
+        mode = ForwardMode.DECODE
+        sizes = tuple(DEFAULT_CAPTURE_SIZES if capture_sizes is None else capture_sizes)
+        common = dict(steps=steps, cfg=cfg, traffic=traffic, capture_sizes=sizes)
     chosen = _checks(checks)
     if observer is not None and checks is not None and bool(observer) != ("observer" in chosen):
         raise ValueError(f"observer={observer!r} contradicts checks={sorted(chosen)!r}: give one of them")
@@ -332,7 +351,9 @@ def verify(
     poison, guard = "poison" in chosen, "guard" in chosen
     ran = tuple(c for c in CHECKS if c in chosen and (c != "observer" or observe))
 
-    if where == "cpu":
+    if where == "cpu" and traffic is not None:
+        reference = run_serve_serial(target, state=live, **common).logits
+    elif where == "cpu":
         reference = run_serial(target, mode, state=live, **common).logits
     else:  # float results differ between devices: the reference is COARSE on this device
         reference = _run(target, mode, Policy.COARSE, device, live, None, lowering, **common)[0]
@@ -374,8 +395,14 @@ def verify(
         done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
                                 0 if watch is None else watch.accesses))
     _reset(live, snapshot)
+    serving = "" if traffic is None else _serving(traffic, common["capture_sizes"])
     return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(done), observe,
-                                phase_modes(target), ran))
+                                phase_modes(target), ran, serving))
+
+
+def _serving(traffic: Traffic, sizes: Sequence[int]) -> str:
+    return (f"{traffic.rate:g} requests/step, prompts {traffic.prompt[0]}..{traffic.prompt[1]}, outputs "
+            f"{traffic.output[0]}..{traffic.output[1]}, seed {traffic.seed}, capture sizes {','.join(map(str, sizes))}")
 
 
 def _checks(checks: Iterable[str] | None) -> frozenset[str]:
@@ -391,10 +418,16 @@ def _checks(checks: Iterable[str] | None) -> frozenset[str]:
 
 
 def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
-         lowering: Mapping[str, Any], *, steps: int, batch_size: int, cfg: ModelConfig, seed: int,
-         finish_prob: float, unsafe: bool = False, only: Iterable[str] | None = None, poison: bool = True,
+         lowering: Mapping[str, Any], *, steps: int, cfg: ModelConfig, batch_size: int = 0, seed: int = 0,
+         finish_prob: float = 0.0, traffic: Traffic | None = None, capture_sizes: Sequence[int] = (),
+         unsafe: bool = False, only: Iterable[str] | None = None, poison: bool = True,
          guard: bool = True) -> tuple[list[Any], Any, Any]:
     check = CheckState(state["shared"], cfg, watcher=watch, only=only, poison=poison, guard=guard)
+    if traffic is not None:
+        serve = serve_loop(target, policy=policy, device=device, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg,
+                           state=state, check=check, UNSAFE_skip_soundness_check=unsafe, **lowering)
+        outputs = serve.run(steps, timeout=device.timeout)[2]
+        return outputs, serve.check, serve
     loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
                        finish_prob=finish_prob, state=state, check=check, UNSAFE_skip_soundness_check=unsafe,
                        **lowering)

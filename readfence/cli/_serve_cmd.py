@@ -1,0 +1,199 @@
+"""``readfence serve``: the serving loop per fence policy, checked against its serial reference.
+
+The command imports no torch: the options are checked, and ``--help`` answered, before the run
+(``_serve_run``) is imported.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ._demo_cmd import SERIAL, _need_matplotlib, _Progress
+from ._errors import InputError, OneLineCommand
+from ._params import MAX_BATCH, MAX_STEPS, Amount, DeviceName, Integer, OutputFile, Policies, Positive, Rate, Sizes, Spec, echo_json, merge_policies
+from ._table import table
+
+if TYPE_CHECKING:
+    from ._serve_run import ServeReport
+
+MAX_RATE = float(MAX_BATCH)  # requests per step: past the most the model serves, the queue only grows
+MAX_WRITE_WAIT_MS = 1000.0
+
+COLUMNS = {
+    "policy": "policy",
+    "tokens_per_s": "tokens/s",
+    "speedup_vs_coarse": "speedup vs COARSE",
+    "speedup_vs_serial": "vs serial",
+    "mean_slack_ms": "mean fence slack (ms)",
+    "host_ms_per_step": "host ms/step",
+    "matches_serial": "matches serial",
+    "violations": "sanitizer findings",
+}
+
+
+def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
+    if row.get("error") is not None and key != "policy":
+        return "refused" if key == "tokens_per_s" else "-"
+    if value is None:
+        return "-"
+    if key == "tokens_per_s":
+        return f"{value:.0f}"
+    if key in ("speedup_vs_coarse", "speedup_vs_serial"):
+        return f"{value:.2f}x"
+    if key in ("mean_slack_ms", "host_ms_per_step"):
+        return f"{value:.3f}"
+    if key == "matches_serial":
+        return "yes" if value else "no"
+    if key == "violations":
+        return "none" if value == 0 else f"{value} race(s)"
+    return str(value)
+
+
+def _sizes(counts: dict[str, int] | None) -> str:
+    return ", ".join(f"b{k}: {v}" for k, v in (counts or {}).items()) or "none"
+
+
+def render(report: ServeReport, *, spec: str, steps: int, rate: float, seed: int, capture_sizes: tuple[int, ...]) -> str:
+    """The text report: the run, one table, the steps' mix, then any problems in full.
+
+    >>> from readfence.cli._serve_run import ServeReport
+    >>> row = {"policy": "COARSE", "tokens_per_s": 900.0, "speedup_vs_coarse": 1.0, "speedup_vs_serial": 0.9,
+    ...        "mean_slack_ms": 2.5, "host_ms_per_step": 0.4, "matches_serial": True, "violations": 0,
+    ...        "findings": [], "error": None, "prefill_steps": 4, "decode_steps": 6, "batch_sizes": {"2": 1, "4": 5},
+    ...        "prefill_batch_sizes": {"1": 4}, "first_difference": None}
+    >>> print(render(ServeReport("cpu", [row], {}, {"tokens_per_s": 1000.0}), spec="paged", steps=10, rate=0.5,
+    ...              seed=0, capture_sizes=(1, 2, 4)))  # doctest: +NORMALIZE_WHITESPACE
+    device: cpu
+    spec: paged  steps: 10  rate: 0.5 requests/step  seed: 0  capture sizes: 1,2,4
+    steps run: 4 prefill (eager; by batch size b1: 4), 6 decode (by captured graph b2: 1, b4: 5)
+    <BLANKLINE>
+    policy               tokens/s  speedup vs COARSE  vs serial  mean fence slack (ms)  host ms/step  matches serial  sanitizer findings
+    serial (no overlap)  1000      1.11x              1.00x      -                      -             -               -
+    COARSE               900       1.00x              0.90x      2.500                  0.400         yes             none
+    <BLANKLINE>
+    every policy matched the serial run bit for bit, request by request; the sanitizer found no race
+    """
+    rows = report.rows
+    lines = [f"device: {report.device}",
+             f"spec: {spec}  steps: {steps}  rate: {rate:g} requests/step  seed: {seed}  "
+             f"capture sizes: {','.join(map(str, capture_sizes))}"]
+    done = next((r for r in rows if r.get("prefill_steps") is not None), None)
+    if done is not None:
+        lines.append(f"steps run: {done['prefill_steps']} prefill (eager; by batch size "
+                     f"{_sizes(done['prefill_batch_sizes'])}), {done['decode_steps']} decode (by captured graph "
+                     f"{_sizes(done['batch_sizes'])})")
+    serial = report.serial.get("tokens_per_s")
+    coarse = next((r["tokens_per_s"] for r in rows if r["policy"] == "COARSE" and r["tokens_per_s"]), None)
+    base = [{"policy": SERIAL, "tokens_per_s": serial, "speedup_vs_coarse": serial / coarse if coarse and serial else None,
+             "speedup_vs_serial": 1.0}] if serial else []
+    cells = [{k: _cell(k, r.get(k), r) for k in COLUMNS} for r in base + rows]
+    lines += ["", table(cells, COLUMNS), ""]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"{r['policy']}: {r['error']}")
+        elif not r["matches_serial"]:
+            where = r.get("first_difference") or {}
+            lines.append(f"{r['policy']}: outputs differ from the serial run at step {where.get('step')}, "
+                         f"request {where.get('request')}")
+        for finding in r["findings"][:3]:
+            lines.append(f"{r['policy']}: {finding}")
+        if len(r["findings"]) > 3:
+            lines.append(f"{r['policy']}: ... and {len(r['findings']) - 3} more")
+    if report.verified is not None:
+        lines.append(report.verified if report.verify_ok else f"verify found: {report.verified}")
+    if report.ok:
+        lines.append("every policy matched the serial run bit for bit, request by request; the sanitizer found no race")
+    return "\n".join(lines)
+
+
+def json_rows(report: ServeReport, *, spec: str, rate: float, seed: int, capture_sizes: tuple[int, ...],
+              write_wait_ms: float) -> list[dict[str, Any]]:
+    """The ``--json`` objects: one per policy, each with what the run was."""
+    return [{"spec": spec, **r, "device": report.device, "rate": rate, "seed": seed,
+             "capture_sizes": list(capture_sizes), "write_wait_ms": write_wait_ms} for r in report.rows]
+
+
+def _precheck(params: dict[str, Any]) -> None:
+    if params.get("plot_path") is not None:
+        _need_matplotlib()
+
+
+@click.command("serve", cls=OneLineCommand, precheck=_precheck)
+@click.argument("spec", type=Spec())
+@click.option("--steps", type=Positive(at_most=MAX_STEPS), default=200, show_default=True,
+              help="Steps per policy (prefill and decode; ticks with nothing to run do not count).")
+@click.option("--policy", "policies", type=Policies(), default=("all",), multiple=True, callback=merge_policies,
+              show_default=True,
+              help="coarse, joined, per_buffer, exact or all; a comma list or repeated (COARSE always runs: it is the baseline).")
+@click.option("--rate", type=Rate(MAX_RATE), default=0.5, show_default=True,
+              help="Mean requests arriving per step (a seeded Poisson process).")
+@click.option("--capture-sizes", type=Sizes(), default="1,2,4,8,16", show_default=True,
+              help="Batch sizes with a captured decode graph; a decode step runs in the smallest that fits, padded.")
+@click.option("--seed", type=Integer(), default=0, show_default=True,
+              help="Traffic seed (arrivals, prompt and output lengths).")
+@click.option("--device", type=DeviceName(), default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--write-wait-ms", type=Amount(MAX_WRITE_WAIT_MS, unit=" ms"), default=2.0, show_default=True,
+              help="How long each page-table write takes without using the CPU (a copy engine's stand-in): the work a "
+                   "fence lets overlap the forward; the serial baseline waits as long per step (0..1000).")
+@click.option("--verify", "check", is_flag=True,
+              help="Also run verify on the serving loop: poison on release, the write guard and the read observer.")
+@click.option("--trace", "trace_path", type=OutputFile(".json"),
+              help="Write a Chrome trace-event JSON of every run's first 200 steps, each step named after its graph.")
+@click.option("--plot", "plot_path", type=OutputFile(".png"),
+              help="Draw each run's first steps after its warm-up as a PNG, each step named after its graph (needs "
+                   "matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
+def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture_sizes: tuple[int, ...], seed: int,
+          device: str, write_wait_ms: float, check: bool, trace_path: pathlib.Path | None,
+          plot_path: pathlib.Path | None, as_json: bool) -> None:
+    """Run SPEC's serving loop: arrivals, changing batches, prefill between decodes.
+
+    \b
+    Requests arrive at --rate per step (seeded Poisson; prompts of 4..24 tokens, prefilled eagerly
+    in chunks of 4; outputs of 1..12 decode steps) and are admitted up to the model's limits; each
+    decode step replays the graph captured for the smallest of --capture-sizes that fits, padded.
+    Every policy is checked request by request against the serial run of the same schedule and
+    watched by the sanitizer (--verify adds poison, the guard and the read observer).
+    Exit status 1 if any run is wrong, 2 for bad input.
+    """
+    from readfence.graph import Policy, Traffic
+
+    from ._serve_run import check_serving, run_serve_policies
+
+    traffic = Traffic(rate=rate, seed=seed)
+    try:
+        check_serving(spec, traffic, capture_sizes)
+    except ValueError as e:  # the traffic or the capture sizes do not fit the model or the spec
+        raise InputError(str(e)) from None
+    progress = _Progress(steps * (2 + len(set(policies) - {Policy.COARSE})), enabled=not as_json)
+    try:
+        report = run_serve_policies(spec, policies=policies, device=device, steps=steps, traffic=traffic,
+                                    capture_sizes=capture_sizes, write_wait_s=write_wait_ms / 1e3,
+                                    trace=trace_path is not None or plot_path is not None, check=check,
+                                    progress=progress.step, on_policy=progress.phase)
+    finally:
+        progress.close()
+    if trace_path is not None:
+        from ._trace import write_chrome_trace
+
+        write_chrome_trace(trace_path, report.timelines, spec=str(spec), device=report.device, steps=steps,
+                           rate=rate, seed=seed, capture_sizes=list(capture_sizes))
+    if plot_path is not None:
+        from ._plot import plot_timelines
+
+        plot_timelines(report.timelines, plot_path, steps=8, title=f"{spec} serving on {report.device}")
+    if as_json:
+        echo_json(json_rows(report, spec=str(spec), rate=rate, seed=seed, capture_sizes=capture_sizes,
+                            write_wait_ms=write_wait_ms))
+    else:
+        click.echo(render(report, spec=str(spec), steps=steps, rate=rate, seed=seed, capture_sizes=capture_sizes))
+        if trace_path is not None:
+            click.echo(f"trace written to {trace_path}")
+        if plot_path is not None:
+            click.echo(f"plot written to {plot_path}")
+    if not report.ok:
+        sys.exit(1)
