@@ -174,7 +174,7 @@ class RunnerTarget(Backend):
         return f"{self.engine.name} (engine runner)"
 
     def _shallow(self) -> tuple[Any, ...]:
-        return ("runner", self.engine._hash, id(self.engine), self.model)
+        return ("runner", self.engine._hash, self.engine.binding.serial, self.engine.path, self.model)
 
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return f"runner[{self.engine.name}]", ()
