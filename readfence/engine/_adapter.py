@@ -30,7 +30,7 @@ and ``cfg=engine.cfg``), or ``engine.bind(other)`` to build it again over anothe
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -110,10 +110,15 @@ class Binding:
                                           f"{e}") from e
         return self.layers[layer_id]
 
+    @property
+    def graphs(self) -> bool:
+        """Whether the engine graph-replays this tree at all (not if any backend in it is one the
+        engine turns graphs off for)."""
+        return all(self.profile.replayed(obj) for obj in _objects(self.root))
+
     def replayed(self, path: Path, mode: ForwardMode) -> bool:
-        """Whether the engine replays this node's step in ``mode`` from a captured graph."""
-        return (mode.uses_graph and mode not in self.profile.eager
-                and self.profile.replayed(self.root) and self.profile.replayed(self.object_at(path)))
+        """Whether the engine replays a step in ``mode`` from a captured graph."""
+        return mode.uses_graph and mode not in self.profile.eager and self.graphs
 
 
 def _check_tree(root: Any, name: str) -> None:
@@ -123,6 +128,14 @@ def _check_tree(root: Any, name: str) -> None:
         check_contract(obj, who)
         for step, child in children(obj):
             stack.append((child, f"{who}.{step_text(step)} ({type(child).__name__})"))
+
+
+def _objects(root: Any) -> Iterator[Any]:
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        yield obj
+        stack.extend(child for _, child in children(obj))
 
 
 def _capture_state(root: Any, who: str, cfg: ModelConfig) -> None:
@@ -209,19 +222,20 @@ def adapt(
         _check_tree(root, label)
         modes = profile.modes_for(root)
         binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, profile, modes, name)
-        if profile.replayed(root):
+        if binding.graphs:
             _capture_state(root, label, cfg)
         return _node(binding, (), label, covered)
 
 
 def _declaration(binding: Binding, obj: Any, who: str, reads: tuple[str, ...]) -> tuple[ReadEffect, ...]:
-    # a buffer the engine does not have is copied by its graph runner before the replay
-    copied = ReadEffect.uniform(absent(binding.layout), ReadEnd.PRE_REPLAY)
+    # a buffer the engine does not have is copied by its graph runner before the replay and released
+    # with the rest: the engine's one event covers it too
+    covered = reads + absent(binding.layout)
     table = []
     for mode in MODES:
         em = binding.modes.engine(mode)
         value = call(obj, who, "shared_read_ends", em, obj.shared_read_ends, em)
-        table.append(ReadEffect.uniform(reads, read_end_of(value, f"{who}.shared_read_ends({mode.name})")) | copied)
+        table.append(ReadEffect.uniform(covered, read_end_of(value, f"{who}.shared_read_ends({mode.name})")))
     return tuple(table)
 
 
@@ -299,8 +313,7 @@ class EngineBackend(Backend):
     def redeclared(self, mode: ForwardMode, end: ReadEnd) -> EngineBackend:
         """A copy (without children) whose declaration in ``mode`` is ``end`` for every buffer it covers."""
         table = list(self.declaration)
-        copied = ReadEffect.uniform(absent(self.binding.layout), ReadEnd.PRE_REPLAY)
-        table[MODES.index(check_mode(mode))] = ReadEffect.uniform(self.reads, end) | copied
+        table[MODES.index(check_mode(mode))] = ReadEffect.uniform(self.reads + absent(self.binding.layout), end)
         return attrs.evolve(self, declaration=tuple(table), kids=())
 
     def who(self) -> str:

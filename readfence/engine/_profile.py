@@ -102,6 +102,13 @@ def find_modes(obj: object) -> type[enum.Enum] | None:
     return None
 
 
+def _buffers(value: Mapping[str, str | None]) -> dict[str, str | None]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"EngineProfile.buffers must be a mapping {{shared buffer: dotted path or None}}, got "
+                        f"{value!r} ({type(value).__name__})")
+    return dict(value)
+
+
 def _nothing(runner: Any) -> AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
@@ -119,7 +126,7 @@ class EngineProfile:
     modes: type[enum.Enum] | None = None
     layer: Callable[[Any, int], Any] | None = None
     context: Callable[[Any], AbstractContextManager[Any]] = _nothing
-    buffers: Mapping[str, str | None] = attrs.field(factory=dict, converter=dict)
+    buffers: Mapping[str, str | None] = attrs.field(factory=dict, converter=_buffers)
     replays: Callable[[Any], bool] | None = None
     eager: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND})
 
