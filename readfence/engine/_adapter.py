@@ -123,19 +123,20 @@ class Binding:
 
 def _check_tree(root: Any, name: str) -> None:
     stack: list[tuple[Any, str]] = [(root, name)]
+    seen: set[int] = set()
     while stack:
         obj, who = stack.pop()
         check_contract(obj, who)
-        for step, child in children(obj):
+        for step, child in children(obj, seen):
             stack.append((child, f"{who}.{step_text(step)} ({type(child).__name__})"))
 
 
 def _objects(root: Any) -> Iterator[Any]:
-    stack = [root]
+    stack, seen = [root], set[int]()
     while stack:
         obj = stack.pop()
         yield obj
-        stack.extend(child for _, child in children(obj))
+        stack.extend(child for _, child in children(obj, seen))
 
 
 def _capture_state(root: Any, who: str, cfg: ModelConfig) -> None:
@@ -224,7 +225,7 @@ def adapt(
         binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, profile, modes, name)
         if binding.graphs:
             _capture_state(root, label, cfg)
-        return _node(binding, (), label, covered)
+        return _node(binding, (), label, covered, set())
 
 
 def _declaration(binding: Binding, obj: Any, who: str, reads: tuple[str, ...]) -> tuple[ReadEffect, ...]:
@@ -239,10 +240,11 @@ def _declaration(binding: Binding, obj: Any, who: str, reads: tuple[str, ...]) -
     return tuple(table)
 
 
-def _node(binding: Binding, path: Path, label: str, reads: tuple[str, ...]) -> EngineBackend:
+def _node(binding: Binding, path: Path, label: str, reads: tuple[str, ...], seen: set[int]) -> EngineBackend:
     obj = binding.object_at(path)
-    kids = tuple((step_text(step), _node(binding, (*path, step), type(child).__name__, reads))
-                 for step, child in children(obj))
+    found = children(obj, seen)  # breadth first: a child is named by the nearest wrapper that keeps it
+    kids = tuple((step_text(step), _node(binding, (*path, step), type(child).__name__, reads, seen))
+                 for step, child in found)
     return EngineBackend(binding, path, label, reads, _declaration(binding, obj, label, reads), kids)
 
 

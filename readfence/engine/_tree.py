@@ -40,8 +40,9 @@ def step_text(step: Step) -> str:
     return name if index is None else f"{name}[{index}]"
 
 
-def children(obj: object) -> list[tuple[Step, Any]]:
-    """``[(step, child)]``: the backend objects ``obj`` keeps (see the module docstring).
+def children(obj: object, seen: set[int] | None = None) -> list[tuple[Step, Any]]:
+    """``[(step, child)]``: the backend objects ``obj`` keeps (see the module docstring), but those
+    in ``seen`` (ids; updated), so that walking a tree with one ``seen`` lists each object once.
 
     >>> class Leaf:
     ...     def shared_read_ends(self, mode): ...
@@ -54,7 +55,8 @@ def children(obj: object) -> list[tuple[Step, Any]]:
     ['primary', 'children[0]', 'children[1]']
     """
     found: list[tuple[Step, Any]] = []
-    seen = {id(obj)}
+    seen = set() if seen is None else seen  # shared across a tree: a child kept by two nodes is listed once
+    seen.add(id(obj))
     names = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
     listed = getattr(obj, "attn_backend_list", None)
     if "attn_backend_list" not in names and isinstance(listed, (list, tuple)):

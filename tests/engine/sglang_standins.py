@@ -98,10 +98,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 @contextlib.contextmanager
 def _standins() -> Iterator[None]:
-    import torch._dynamo  # noqa: F401  (each looks for triton when first imported)
-    import torch._inductor.compile_fx  # noqa: F401
+    for name in ("torch._dynamo", "torch._inductor.compile_fx", "torch.utils.flop_counter"):
+        importlib.import_module(name)  # each looks for triton when first imported
     import torch.utils._triton as probe
-    import torch.utils.flop_counter  # noqa: F401
 
     probe.has_triton_package()  # cached: torch knows triton is absent
     finder = _Finder()
