@@ -292,7 +292,10 @@ def _stage_of(method: str) -> str:
 
 
 def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: Sequence[_Run], per_batch: bool) -> EngineRow:
-    declared = (runs[0].resolved if per_batch else runs[0].declared) or ReadEnd.UNKNOWN
+    if buffer in node.reads:
+        declared = (runs[0].resolved if per_batch else runs[0].declared) or ReadEnd.UNKNOWN
+    else:  # outside what the declaration covers: a read of it is undeclared
+        declared = node.read_effect(mode)[buffer]
     truth = ReadEnd.join_all(r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer] for r in runs)
     run = next((r for r in runs if (r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer]) is truth), runs[0])
     traced = run.traced.get(buffer, ReadEnd.NONE)
@@ -368,7 +371,7 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
                     f"{why} at {source}")
     elif refused:
         effect = refused[0].program.traced()  # type: ignore[union-attr]
-        worst = max(effect.buffers, key=lambda b: effect[b].rank)
+        worst = max((b for b in effect.buffers if not effect[b] <= declared[b]), key=lambda b: effect[b].rank)
         lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
                     f"{effect[worst].name}, later than declared ({declared[worst].name})")
         if untraceable:

@@ -124,3 +124,33 @@ def test_the_engines_own_exception_while_tracing_is_raised_not_observed():
     with pytest.raises(EngineError, match=r"BrokenNative.forward raised KeyError in DECODE: 'decode_plan'") as caught:
         _audit(sg.broken())
     assert caught.value.method == "forward" and "sglang_engines.py" in caught.value.where
+
+
+NATIVE = "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend"
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from readfence.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def test_the_cli_audits_and_verifies_sglangs_class_by_name_with_sglangs_profile():
+    result = _cli("audit", "--engine", NATIVE, "--mode", "decode", "--batch-size", "2")
+    assert result.exit_code == 0, result.output  # unsound, but a declaration SGLang never uses
+    assert "UNSOUND, UNUSED: TorchNativeAttnBackend in DECODE: req_to_token declared IN_REPLAY" in result.output
+    assert "UNUSED: TorchNativeAttnBackend in DECODE: the engine never graph-replays this backend" in result.output
+    result = _cli("verify", "--engine", NATIVE, "--mode", "decode", "--batch-size", "2", "--steps", "2",
+                  "--policy", "coarse")
+    assert result.exit_code == 0, result.output
+    assert "ENGINE RUNNER  clean" in result.output
+
+
+def test_the_cli_says_an_engines_own_exception_in_one_line():
+    result = _cli("audit", "--engine", "tests.engine.sglang_engines:broken", "--mode", "decode", "--batch-size", "2")
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("Error: BrokenNative.forward raised KeyError in DECODE: 'decode_plan' (at ")
+    assert "sglang_engines.py" in line and "Traceback" not in result.output
