@@ -149,6 +149,9 @@ def _verdict(report: Any, root: Any) -> str:
         if r.backend == root.path:
             return f"unsound: {r.method} reads {SHORT.get(r.buffer, r.buffer)} ({r.op.removesuffix('.default')}, {r.source})"
         return f"unsound: its child {r.backend.rsplit('/', 1)[-1]}"
+    unused = [r for r in report.unused() if r.mode == root.mode and r.backend == root.path]
+    if unused:
+        return f"unsound, declaration unused ({SHORT.get(unused[0].buffer, unused[0].buffer)} read later)"
     gain = sum(max(r.steps, 0) for r in root.rows)
     return f"sound, conservative +{gain}" if gain else "sound, exact"
 

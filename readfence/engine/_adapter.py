@@ -344,7 +344,7 @@ class EngineBackend(Backend):
         em = b.modes.engine(mode)
         lens = None if meta is None or "seq_lens" not in absent(b.layout) else meta.get(RUNNER_LENS)
         fb = ForwardBatch(b.cfg, mode, shared, batch, b.state["pools"] if pools is None else pools, b.layout, em,
-                          lens)
+                          lens, b.profile.spec_for(mode))
         return self.object, em, fb
 
     def _capture(self, mode: ForwardMode, batch_size: int) -> None:
@@ -358,7 +358,8 @@ class EngineBackend(Backend):
         example = example_step(b.cfg, mode, batch_size).batch
         shared = b.state["shared"]
         lens = shared["seq_lens"].index_select(0, example["req_pool_indices"]) if "seq_lens" in absent(b.layout) else None
-        fb = ForwardBatch(b.cfg, mode, shared, example, b.state["pools"], b.layout, b.modes.engine(mode), lens)
+        fb = ForwardBatch(b.cfg, mode, shared, example, b.state["pools"], b.layout, b.modes.engine(mode), lens,
+                          b.profile.spec_for(mode))
         obj = self.object
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,

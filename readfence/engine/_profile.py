@@ -16,7 +16,9 @@ engine's enum, ``fm.is_extend_without_speculative()`` is the engine's predicate.
 * ``buffers``: where each shared buffer is, ``None`` for one the engine does not have;
 * ``replays(obj)``: whether the engine graph-replays this backend at all (a backend it never
   replays runs every mode eagerly: its declaration for a replayed mode is never used);
-* ``eager``: the modes the engine runs eagerly, through ``init_forward_metadata``.
+* ``eager``: the modes the engine runs eagerly, through ``init_forward_metadata``;
+* ``spec_info(forward_batch)``: the speculative input of a TARGET_VERIFY batch (SGLang's
+  ``EagleVerifyInput``), made when the object first asks for ``forward_batch.spec_info``.
 
 >>> EngineProfile().eager
 frozenset({<ForwardMode.EXTEND: 'extend'>})
@@ -129,9 +131,10 @@ class EngineProfile:
     buffers: Mapping[str, str | None] = attrs.field(factory=dict, converter=_buffers)
     replays: Callable[[Any], bool] | None = None
     eager: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND})
+    spec_info: Callable[[Any], Any] | None = None
 
     def __attrs_post_init__(self) -> None:
-        for name in ("layer", "replays"):
+        for name in ("layer", "replays", "spec_info"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"EngineProfile.{name} must be callable or None, got {value!r} "
@@ -146,6 +149,10 @@ class EngineProfile:
         """The engine's modes for the object tree rooted at ``obj``."""
         cls = self.modes if self.modes is not None else find_modes(obj)
         return Modes.of_enum(EngineMode if cls is None else cls)
+
+    def spec_for(self, mode: ForwardMode) -> Callable[[Any], Any] | None:
+        """What makes a forward batch's ``spec_info`` in ``mode`` (only TARGET_VERIFY has one)."""
+        return self.spec_info if mode is ForwardMode.TARGET_VERIFY else None
 
     def replayed(self, obj: object) -> bool:
         """Whether the engine graph-replays ``obj`` (every backend, unless ``replays`` says not)."""

@@ -12,6 +12,8 @@
   own tensor, copied by the graph runner before the replay (``seq_lens`` is absent, as are
   ``swa_map`` and ``state_slots`` unless the pools are SWA or hybrid ones: name them in
   ``buffers`` to give them);
+* the speculative input: a TARGET_VERIFY batch's ``spec_info`` is an ``EagleVerifyInput`` (a chain
+  of draft tokens per request), which TBO splits between its children;
 * what it replays: SGLang turns CUDA graphs off (decode and prefill) when the attention backend
   is torch-native (``handle_attention_backend_compatibility``), so no backend of such a tree is
   ever graph-replayed: each mode runs eagerly, through ``init_forward_metadata``.
@@ -44,6 +46,17 @@ def _layer(runner: Any, layer_id: int) -> Any:
 
     cfg = runner.cfg
     return RadixAttention(cfg.heads, cfg.head_dim, cfg.head_dim ** -0.5, cfg.heads, layer_id)
+
+
+def _verify_input(forward_batch: Any) -> Any:
+    """SGLang's ``EagleVerifyInput`` of a TARGET_VERIFY batch: a chain of ``tokens_per_request``
+    draft tokens per request (topk 1, no tree mask), its lengths read on the host."""
+    verify = importlib.import_module("sglang.srt.speculative.eagle_info").EagleVerifyInput
+    n, lens = forward_batch.tokens_per_request, forward_batch.seq_lens_cpu
+    return verify(draft_token=forward_batch.input_ids, custom_mask=None, positions=forward_batch.positions,
+                  retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
+                  spec_steps=max(n - 1, 1), topk=1, draft_token_num=n, capture_hidden_mode=None,
+                  seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens)
 
 
 def _replays(obj: object) -> bool:
@@ -105,7 +118,7 @@ def sglang_profile(*, model_path: str | None = None, buffers: Mapping[str, str |
     layout: dict[str, str | None] = {"seq_lens": None, "swa_map": None, "state_slots": None}
     layout.update(buffers or {})
     return EngineProfile(layer=_layer, context=_context_for(model_path, server_args), buffers=layout,
-                         replays=_replays)
+                         replays=_replays, spec_info=_verify_input)
 
 
 __all__ = ["EAGER_ONLY", "sglang_profile"]

@@ -31,7 +31,7 @@ read of its argument).
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -326,19 +326,20 @@ class ForwardBatch(_Pools):
     share ``seq_lens``; ``seq_lens_cpu`` and ``seq_lens_sum`` read them on the host. In the modes
     with several tokens per request, ``extend_seq_lens`` (``_cpu``: on the host) is the new tokens
     of each request and ``extend_prefix_lens`` the tokens already cached. No encoder
-    (``encoder_lens`` is ``None``), no two-batch-overlap split (``tbo_children``), no speculative
-    input (``spec_info``). The pools (``req_to_token_pool``...) are over this call's tensors.
+    (``encoder_lens`` is ``None``), no two-batch-overlap split (``tbo_children``); ``spec_info`` is
+    what the profile's ``spec_info(forward_batch)`` makes in TARGET_VERIFY (``None`` otherwise).
+    The pools (``req_to_token_pool``...) are over this call's tensors.
     ``split(parts)`` gives micro-batches of consecutive requests (two-batch overlap).
     """
 
     def __init__(self, cfg: ModelConfig, mode: ForwardMode, shared: Mapping[str, Tensor], batch: Mapping[str, Tensor],
                  pools: Mapping[str, Tensor], layout: Mapping[str, str | None], engine_mode: Any = None,
-                 seq_lens: Tensor | None = None) -> None:
+                 seq_lens: Tensor | None = None, spec: Callable[[ForwardBatch], Any] | None = None) -> None:
         super().__init__(cfg, shared, pools, layout)
         self.cfg, self.mode, self._shared, self._layout = cfg, mode, shared, layout
         self.forward_mode: Any = mode if engine_mode is None else engine_mode
         self.logical_forward_mode: Any = self.forward_mode
-        self._seq_lens = seq_lens
+        self._seq_lens, self._spec, self._spec_info = seq_lens, spec, None
         self.input_ids = batch["input_ids"]
         self.positions = batch["positions"]
         self.req_pool_indices = batch["req_pool_indices"]
@@ -346,7 +347,6 @@ class ForwardBatch(_Pools):
         self.batch_size = self._original_batch_size = int(self.req_pool_indices.shape[0])
         self.num_tokens = self.extend_num_tokens = int(self.input_ids.shape[0])
         self.tokens_per_request = tokens_per_request(mode)
-        self.spec_info = None
         self.encoder_lens = self.encoder_lens_cpu = self.encoder_out_cache_loc = None
         self.max_seq_len_override = None
         self.tbo_children = None
@@ -363,6 +363,14 @@ class ForwardBatch(_Pools):
         if self._seq_lens is not None:
             return self._seq_lens
         return self._shared["seq_lens"].index_select(0, self.req_pool_indices)
+
+    @property
+    def spec_info(self) -> Any:
+        """The speculative input (``None`` unless the profile makes one for TARGET_VERIFY), made when
+        first asked: it may read the batch's lengths on the host, so only the stages that use it do."""
+        if self._spec is not None and self._spec_info is None:
+            self._spec_info = self._spec(self)
+        return self._spec_info
 
     @property
     def seq_lens_cpu(self) -> Tensor:
@@ -393,7 +401,7 @@ class ForwardBatch(_Pools):
                  "out_cache_loc": self.out_cache_loc.narrow(0, lo * n, (hi - lo) * n)}
         lens = None if self._seq_lens is None else self._seq_lens.narrow(0, lo, hi - lo)
         return ForwardBatch(self.cfg, self.mode, self._shared, batch, self.token_to_kv_pool._pools, self._layout,
-                            self.forward_mode, lens)
+                            self.forward_mode, lens, self._spec)
 
     def split(self, parts: int) -> list[ForwardBatch]:
         """``parts`` micro-batches of consecutive requests (sizes as ``torch.tensor_split``)."""

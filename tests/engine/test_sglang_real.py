@@ -12,7 +12,7 @@ import pytest
 
 from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
-from readfence.engine import RUNNER, EngineError, audit_engine, verify_engine
+from readfence.engine import RUNNER, EngineError, audit_engine, sglang_profile, verify_engine
 from readfence.graph import Policy
 
 from . import sglang_engines as sg
@@ -154,3 +154,14 @@ def test_the_cli_says_an_engines_own_exception_in_one_line():
     (line,) = result.output.strip().splitlines()
     assert line.startswith("Error: BrokenNative.forward raised KeyError in DECODE: 'decode_plan' (at ")
     assert "sglang_engines.py" in line and "Traceback" not in result.output
+
+
+def test_tbo_splits_a_real_verify_input_between_its_children_in_target_verify():
+    # TBO's replay path reads spec_info.draft_token_num and splits the verify input per child: without
+    # SGLang's EagleVerifyInput on the batch its own code raises before anything is read
+    engine = sg.forgetful_tbo()
+    report = _audit(engine, M.TARGET_VERIFY)
+    (row,) = report.unsound()
+    assert (row.backend, row.mode, row.declared, row.truth, row.op) == (
+        "forgetful_tbo", M.TARGET_VERIFY, IN, POST, "aten.index.Tensor")
+    assert sglang_profile().spec_for(M.TARGET_VERIFY) is not None and sglang_profile().spec_for(M.DECODE) is None
