@@ -81,6 +81,21 @@ class Engine(click.ParamType):
         return engines
 
 
+@contextlib.contextmanager
+def _engine_errors() -> Iterator[None]:
+    """The engine's own code raising (or breaking its contract) is one ``Error:`` line, exit status 2,
+    naming the class, method, mode and the engine's source line; not a traceback."""
+    from readfence.engine import ContractError, EngineError
+
+    try:
+        yield
+    except EngineError as e:
+        at = f" (at {e.where})" if e.where else ""
+        raise InputError(f"{e}{at}") from None
+    except ContractError as e:
+        raise InputError(str(e)) from None
+
+
 def _check_sizes(engines: Sequence[tuple[str, Any]], batch_sizes: Sequence[int]) -> None:
     for name, engine in engines:
         limit = engine.cfg.max_reqs
@@ -100,8 +115,9 @@ def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[
         raise InputError("invalid --mode 'idle': its steps carry no tokens, there is nothing to audit; allowed: "
                          + ", ".join(m.name.lower() for m in ENGINE_MODES))
     _check_sizes(engines, batch_sizes)
-    reports = [(name, audit_engine(engine, modes or None, batch_sizes=batch_sizes or None))
-               for name, engine in engines]
+    with _engine_errors():
+        reports = [(name, audit_engine(engine, modes or None, batch_sizes=batch_sizes or None))
+                   for name, engine in engines]
     if as_json:
         echo_json([{"engine": name, **row.as_json()} for name, report in reports for row in report.rows()])
     else:
@@ -133,6 +149,9 @@ def _verdict(report: Any, root: Any) -> str:
         if r.backend == root.path:
             return f"unsound: {r.method} reads {SHORT.get(r.buffer, r.buffer)} ({r.op.removesuffix('.default')}, {r.source})"
         return f"unsound: its child {r.backend.rsplit('/', 1)[-1]}"
+    unused = [r for r in report.unused() if r.mode == root.mode and r.backend == root.path]
+    if unused:
+        return f"unsound, declaration unused ({SHORT.get(unused[0].buffer, unused[0].buffer)} read later)"
     gain = sum(max(r.steps, 0) for r in root.rows)
     return f"sound, conservative +{gain}" if gain else "sound, exact"
 
@@ -168,7 +187,7 @@ def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, pol
         raise InputError(f"invalid --mode {mode.name.lower()!r}: its steps carry no tokens, there is nothing to verify")
     _check_sizes(engines, [batch_size])
     results = []
-    with open_device(device) as dev:
+    with open_device(device) as dev, _engine_errors():
         for name, engine in engines:
             results.append((name, verify_engine(engine, mode, device=dev, policies=policies, steps=steps,
                                                 batch_size=batch_size, seed=seed)))

@@ -31,7 +31,9 @@ from ._audit import ENGINE_MODES, EngineAudit, EngineRow, NodeAudit, audit_engin
 from ._check import RUNNER, CompareRow, Comparison, EngineVerification, VerifyRow, compare, verify_engine
 from ._contract import END_NAMES, ContractError, EngineError, EngineMode
 from ._observe import observe_engine
+from ._profile import EngineProfile
 from ._runner import EngineRunner, Mailbox, RunnerModel, RunnerTarget, runner_model
+from ._sglang import sglang_profile
 from ._view import DEFAULT_LAYOUT, AttentionLayer, ForwardBatch, ModelRunnerView, ReqToTokenPool, StatePool, TokenToKVPool
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "EngineBackend",
     "EngineError",
     "EngineMode",
+    "EngineProfile",
     "EngineRow",
     "EngineRunner",
     "EngineVerification",
@@ -65,5 +68,6 @@ __all__ = [
     "compare",
     "observe_engine",
     "runner_model",
+    "sglang_profile",
     "verify_engine",
 ]

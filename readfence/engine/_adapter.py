@@ -5,14 +5,22 @@ being :class:`~readfence.engine.ModelRunnerView`) and returns an :class:`EngineB
 :class:`~readfence.backends.Backend` whose three stages call the object's contract methods,
 
 * ``prepare_out_graph``: ``init_forward_metadata_out_graph(forward_batch, in_capture=False)``
-  (in EXTEND also ``resolve_prefill_shared_read_ends(..., build_snapshot=True)`` when the
-  object has it: the prefill snapshot is built before the forward, out of the graph);
-* ``prepare_in_graph``: ``init_forward_metadata_in_graph(forward_batch)``;
+  in a mode the engine replays, the eager entry point ``init_forward_metadata(forward_batch)``
+  in one it runs eagerly (EXTEND, and every mode of a backend the engine never replays), when
+  the object has it (in EXTEND also ``resolve_prefill_shared_read_ends(..., build_snapshot=True)``
+  when the object has it: the prefill snapshot is built before the forward, out of the graph);
+* ``prepare_in_graph``: ``init_forward_metadata_in_graph(forward_batch)`` (nothing after the
+  eager entry point, which did both);
 * ``attend`` (each layer of the body): ``forward(q, k, v, layer, forward_batch)``,
 
 with the metadata the object keeps on ``self`` lifted between them (``_lift``), and whose
 declaration is the object's scalar ``shared_read_ends(mode)`` made per buffer: the same end
-for every shared buffer it may read. A wrapper's ``attn_backend_list`` are its children.
+for every shared buffer it may read. The capture-time calls run once, on the bound state and
+outside any trace, as the engine's graph runner makes them: ``init_cuda_graph_state(max_bs,
+max_num_tokens)`` after construction, and ``init_forward_metadata_out_graph(forward_batch,
+in_capture=True)`` before the first step of each replayed mode and batch size. A wrapper's
+children are found wherever it keeps them (``_tree``). An :class:`~readfence.engine.EngineProfile`
+says what the engine's values are: its mode enum, layers, runtime context, buffers.
 
 The object keeps references to the state it was built over, so an :class:`EngineBackend` is
 *bound* to that state (``.state``): audit it, lower it and run it there (pass ``state=engine.state``
@@ -21,28 +29,37 @@ and ``cfg=engine.cfg``), or ``engine.bind(other)`` to build it again over anothe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.backends import MODES, Backend
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, example_step
 from readfence.core.internal import check_buffers, check_mode
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 
-from ._contract import PREFILL, ContractError, EngineError, EngineMode, call, check_contract, forward_method, read_end_of
+from ._contract import PREFILL, ContractError, EngineError, call, check_contract, forward_method, read_end_of
 from ._lift import Lifter, Record, restore
-from ._view import AttentionLayer, ForwardBatch, ModelRunnerView, check_layout, check_state
+from ._profile import EngineProfile, Modes
+from ._tree import Path, children, follow, step_text
+from ._view import AttentionLayer, ForwardBatch, ModelRunnerView, absent, check_layout, check_state
 
 Factory = Callable[[ModelRunnerView], Any]
 
 #: Why the out-of-graph stage of an engine backend runs as Python (what the trace records).
 EAGER = "eager: init_forward_metadata_out_graph runs its Python before every replay"
+#: The engine's eager entry point (out of graph and in graph in one call).
+EAGER_ENTRY = "init_forward_metadata"
+#: The stage output holding the runner's copy of the batch's lengths (an engine without shared ``seq_lens``).
+RUNNER_LENS = "runner/seq_lens"
 State = dict[str, dict[str, Tensor]]
+_SERIALS = itertools.count()
 Tensors = Mapping[str, Tensor]
 
 
@@ -55,51 +72,98 @@ class Binding:
     """One engine object tree built over one state, and what the adapter notes while it runs."""
 
     factory: Factory
-    layout: dict[str, str]
+    layout: dict[str, str | None]
     cfg: ModelConfig
     state: State
     server_args: dict[str, object]
     runner: ModelRunnerView
     root: Any
+    profile: EngineProfile
+    modes: Modes
     name: str | None = None  # the root's label when adapt was given one
     # the per-step metadata lifted from each (node, stage, mode, batch size)
-    records: dict[tuple[tuple[int, ...], str, ForwardMode, int], list[Record]] = attrs.Factory(dict)
+    records: dict[tuple[Path, str, ForwardMode, int], list[Record]] = attrs.Factory(dict)
     # what resolve_prefill_shared_read_ends returned while building the snapshot, per (node, batch size)
-    prefill: dict[tuple[tuple[int, ...], int], ReadEnd] = attrs.Factory(dict)
-    layers: dict[int, AttentionLayer] = attrs.Factory(dict)
+    prefill: dict[tuple[Path, int], ReadEnd] = attrs.Factory(dict)
+    layers: dict[int, Any] = attrs.Factory(dict)
     # the shapes of each lifted output on its first call (they cross into static buffers)
-    shapes: dict[tuple[tuple[int, ...], str, ForwardMode, int], dict[str, tuple[int, ...]]] = attrs.Factory(dict)
+    shapes: dict[tuple[Path, str, ForwardMode, int], dict[str, tuple[int, ...]]] = attrs.Factory(dict)
+    # the (node, mode, batch size) whose capture-time call has run
+    captured: set[tuple[Path, ForwardMode, int]] = attrs.Factory(set)
+    # names this binding in the caches of traces and verdicts (an id() is reused once it is collected)
+    serial: int = attrs.Factory(lambda: next(_SERIALS))
 
-    def object_at(self, path: tuple[int, ...]) -> Any:
-        obj = self.root
-        for i in path:
-            obj = obj.attn_backend_list[i]
-        return obj
+    def object_at(self, path: Path) -> Any:
+        return follow(self.root, path)
 
-    def layer(self, layer_id: int) -> AttentionLayer:
+    def layer(self, layer_id: int) -> Any:
         if layer_id not in self.layers:
-            self.layers[layer_id] = AttentionLayer(self.cfg, layer_id)
+            make = self.profile.layer
+            if make is None:
+                self.layers[layer_id] = AttentionLayer(self.cfg, layer_id)
+            else:
+                with self.profile.context(self.runner):
+                    try:
+                        self.layers[layer_id] = make(self.runner, layer_id)
+                    except Exception as e:
+                        raise EngineError(f"the profile's layer(runner, {layer_id}) raised {type(e).__name__}: "
+                                          f"{e}") from e
         return self.layers[layer_id]
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the engine graph-replays this tree at all (not if any backend in it is one the
+        engine turns graphs off for)."""
+        return all(self.profile.replayed(obj) for obj in _objects(self.root))
+
+    def replayed(self, path: Path, mode: ForwardMode) -> bool:
+        """Whether the engine replays a step in ``mode`` from a captured graph."""
+        return mode.uses_graph and mode not in self.profile.eager and self.graphs
 
 
 def _check_tree(root: Any, name: str) -> None:
     stack: list[tuple[Any, str]] = [(root, name)]
+    seen: set[int] = set()
     while stack:
         obj, who = stack.pop()
         check_contract(obj, who)
-        for i, child in enumerate(getattr(obj, "attn_backend_list", None) or ()):
-            stack.append((child, f"{who}.attn_backend_list[{i}] ({type(child).__name__})"))
+        for step, child in children(obj, seen):
+            stack.append((child, f"{who}.{step_text(step)} ({type(child).__name__})"))
+
+
+def _objects(root: Any) -> Iterator[Any]:
+    stack, seen = [root], set[int]()
+    while stack:
+        obj = stack.pop()
+        yield obj
+        stack.extend(child for _, child in children(obj, seen))
+
+
+def _capture_state(root: Any, who: str, cfg: ModelConfig) -> None:
+    """The graph runner's ``init_cuda_graph_state(max_bs, max_num_tokens)``, where the class has one
+    (the base class's raises ``NotImplementedError``: a backend that keeps no graph state)."""
+    fn = getattr(root, "init_cuda_graph_state", None)
+    if not callable(fn):
+        return
+    try:
+        fn(max_bs=cfg.max_reqs, max_num_tokens=cfg.max_reqs * cfg.max_ctx)
+    except NotImplementedError:
+        return
+    except Exception as e:
+        raise EngineError(f"{who}.init_cuda_graph_state raised {type(e).__name__}: {e}",
+                          method="init_cuda_graph_state") from e
 
 
 def adapt(
     factory: Factory,
     *,
-    buffers: Mapping[str, str] | None = None,
+    buffers: Mapping[str, str | None] | None = None,
     cfg: ModelConfig | None = None,
     state: State | None = None,
     name: str | None = None,
     reads: Iterable[str] | None = None,
     server_args: Mapping[str, object] | None = None,
+    profile: EngineProfile | None = None,
 ) -> EngineBackend:
     """Lift the engine backend ``factory(runner)`` builds into a readfence backend.
 
@@ -111,8 +175,11 @@ def adapt(
     on every forward batch; defaults in :data:`~readfence.engine.DEFAULT_LAYOUT`). ``state`` is the
     state to build it over (fresh by default, for ``cfg``); ``reads`` the shared buffers its
     scalar declaration covers (every one by default); ``server_args`` become
-    ``runner.server_args``. A factory that raises, an object missing a contract method and a
-    declaration that is not one of the four names fail here, naming what was wrong.
+    ``runner.server_args``; ``profile`` what the engine's contract looks like
+    (:class:`~readfence.engine.EngineProfile`: its mode enum, layers, runtime context, the buffers
+    it does not have; its ``buffers`` come before ``buffers``). A factory that raises, an object
+    missing a contract method and a declaration that is not one of the four names fail here,
+    naming what was wrong.
 
     >>> from readfence.engine.reference import TritonBackend
     >>> engine = adapt(TritonBackend)
@@ -125,43 +192,60 @@ def adapt(
     cfg = ModelConfig() if cfg is None else cfg
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a readfence.core.ModelConfig, got {cfg!r} ({type(cfg).__name__})")
-    layout = check_layout(buffers)
-    covered = SHARED_BUFFERS if reads is None else check_buffers(reads, SHARED_BUFFERS, "reads")
+    profile = EngineProfile() if profile is None else profile
+    if not isinstance(profile, EngineProfile):
+        raise TypeError(f"profile must be a readfence.engine.EngineProfile, got {profile!r} "
+                        f"({type(profile).__name__})")
+    if buffers is not None and not isinstance(buffers, Mapping):
+        raise TypeError(f"buffers must be a mapping {{shared buffer: dotted path}}, got {buffers!r} "
+                        f"({type(buffers).__name__})")
+    layout = check_layout({**profile.buffers, **(buffers or {})})
     if isinstance(reads, str):
         raise TypeError(f"reads must be a list of buffer names, got {reads!r} (str); write [{reads!r}]")
+    lacks = absent(layout)
+    covered = tuple(b for b in (SHARED_BUFFERS if reads is None else check_buffers(reads, SHARED_BUFFERS, "reads"))
+                    if b not in lacks)
     fname = _factory_name(factory)
     state = make_state(cfg) if state is None else state
     check_state(cfg, state, f"adapt({fname})")
     runner = ModelRunnerView(cfg, state, layout, server_args)
-    try:
-        root = factory(runner)
-    except Exception as e:
-        raise EngineError(f"the factory {fname}(runner) raised {type(e).__name__}: {e}") from e
-    if root is None or isinstance(root, (bool, int, float, str, Tensor)):
-        raise ContractError(f"the factory {fname}(runner) returned {root!r} ({type(root).__name__}), "
-                            f"not an engine backend object")
-    label = type(root).__name__ if name is None else name
-    if not isinstance(label, str) or not label:
-        raise TypeError(f"name must be a non-empty str, got {name!r}")
-    _check_tree(root, label)
-    binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, name)
-    return _node(binding, (), label, tuple(covered))
+    with profile.context(runner):
+        try:
+            root = factory(runner)
+        except Exception as e:
+            raise EngineError(f"the factory {fname}(runner) raised {type(e).__name__}: {e}") from e
+        if root is None or isinstance(root, (bool, int, float, str, Tensor)):
+            raise ContractError(f"the factory {fname}(runner) returned {root!r} ({type(root).__name__}), "
+                                f"not an engine backend object")
+        label = type(root).__name__ if name is None else name
+        if not isinstance(label, str) or not label:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        _check_tree(root, label)
+        modes = profile.modes_for(root)
+        binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, profile, modes, name)
+        if binding.graphs:
+            _capture_state(root, label, cfg)
+        return _node(binding, (), label, covered, set())
 
 
-def _declaration(obj: Any, who: str, reads: tuple[str, ...]) -> tuple[ReadEffect, ...]:
+def _declaration(binding: Binding, obj: Any, who: str, reads: tuple[str, ...]) -> tuple[ReadEffect, ...]:
+    # a buffer the engine does not have is copied by its graph runner before the replay and released
+    # with the rest: the engine's one event covers it too
+    covered = reads + absent(binding.layout)
     table = []
     for mode in MODES:
-        em = EngineMode.of(mode)
+        em = binding.modes.engine(mode)
         value = call(obj, who, "shared_read_ends", em, obj.shared_read_ends, em)
-        table.append(ReadEffect.uniform(reads, read_end_of(value, f"{who}.shared_read_ends({mode.name})")))
+        table.append(ReadEffect.uniform(covered, read_end_of(value, f"{who}.shared_read_ends({mode.name})")))
     return tuple(table)
 
 
-def _node(binding: Binding, path: tuple[int, ...], label: str, reads: tuple[str, ...]) -> EngineBackend:
+def _node(binding: Binding, path: Path, label: str, reads: tuple[str, ...], seen: set[int]) -> EngineBackend:
     obj = binding.object_at(path)
-    kids = tuple((f"attn_backend_list[{i}]", _node(binding, (*path, i), type(child).__name__, reads))
-                 for i, child in enumerate(getattr(obj, "attn_backend_list", None) or ()))
-    return EngineBackend(binding, path, label, reads, _declaration(obj, label, reads), kids)
+    found = children(obj, seen)  # breadth first: a child is named by the nearest wrapper that keeps it
+    kids = tuple((step_text(step), _node(binding, (*path, step), type(child).__name__, reads, seen))
+                 for step, child in found)
+    return EngineBackend(binding, path, label, reads, _declaration(binding, obj, label, reads), kids)
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -174,7 +258,7 @@ class EngineBackend(Backend):
     """
 
     binding: Binding
-    path: tuple[int, ...]
+    path: Path
     label: str
     reads: tuple[str, ...]
     declaration: tuple[ReadEffect, ...]
@@ -194,7 +278,7 @@ class EngineBackend(Backend):
         return self.kids
 
     def _shallow(self) -> tuple[Any, ...]:
-        return (id(self.binding), self.path, self.label, self.declaration)
+        return (self.binding.serial, self.path, self.label, self.declaration)
 
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return self.label, ()
@@ -222,39 +306,75 @@ class EngineBackend(Backend):
         """The same node, its object tree built again by the factory over ``state`` (fresh by default)."""
         b = self.binding
         root = adapt(b.factory, buffers=b.layout, cfg=b.cfg, state=state, name=b.name, reads=self.reads,
-                     server_args=b.server_args)
+                     server_args=b.server_args, profile=b.profile)
         node = root
-        for i in self.path:
-            node = node.kids[i][1]
+        for step in self.path:
+            node = dict(node.kids)[step_text(step)]
         return node
 
     def redeclared(self, mode: ForwardMode, end: ReadEnd) -> EngineBackend:
         """A copy (without children) whose declaration in ``mode`` is ``end`` for every buffer it covers."""
         table = list(self.declaration)
-        table[MODES.index(check_mode(mode))] = ReadEffect.uniform(self.reads, end)
+        table[MODES.index(check_mode(mode))] = ReadEffect.uniform(self.reads + absent(self.binding.layout), end)
         return attrs.evolve(self, declaration=tuple(table), kids=())
 
     def who(self) -> str:
         """The object's place in the wrapper tree, for messages."""
         return self.label if not self.path else f"{type(self.binding.root).__name__}" + "".join(
-            f".attn_backend_list[{i}]" for i in self.path) + f" ({self.label})"
+            f".{step_text(step)}" for step in self.path) + f" ({self.label})"
+
+    def replayed(self, mode: ForwardMode) -> bool:
+        """Whether the engine replays this node's step in ``mode`` from a captured graph (else it
+        runs it eagerly, and publishes no read end from its declaration but the prefill's)."""
+        return self.binding.replayed(self.path, check_mode(mode))
+
+    def _invoke(self, method: str, em: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self.binding.profile.context(self.binding.runner):
+            return call(self.object, self.who(), method, em, fn, *args, **kwargs)
 
     # -- the stages -------------------------------------------------------------------------
-    def _call(self, mode: ForwardMode, shared: Tensors, batch: Tensors,
-              pools: Mapping[str, Tensor] | None) -> tuple[Any, EngineMode, ForwardBatch]:
+    def _call(self, mode: ForwardMode, shared: Tensors, batch: Tensors, pools: Mapping[str, Tensor] | None,
+              meta: Tensors | None = None) -> tuple[Any, Any, ForwardBatch]:
         b = self.binding
         table = shared["req_to_token"]
         if tuple(table.shape) != (b.cfg.max_reqs, b.cfg.max_ctx):
             raise ContractError(f"{self.who()} was adapted for max_reqs={b.cfg.max_reqs}, max_ctx={b.cfg.max_ctx}, "
                                 f"but runs on a page table of {tuple(table.shape)}: pass cfg=engine.cfg "
                                 f"and state=engine.state")
-        em = EngineMode.of(mode)
-        fb = ForwardBatch(b.cfg, em, shared, batch, b.state["pools"] if pools is None else pools, b.layout)
+        em = b.modes.engine(mode)
+        lens = None if meta is None or "seq_lens" not in absent(b.layout) else meta.get(RUNNER_LENS)
+        fb = ForwardBatch(b.cfg, mode, shared, batch, b.state["pools"] if pools is None else pools, b.layout, em,
+                          lens, b.profile.spec_for(mode))
         return self.object, em, fb
+
+    def _capture(self, mode: ForwardMode, batch_size: int) -> None:
+        """The graph runner's capture-time ``init_forward_metadata_out_graph(forward_batch,
+        in_capture=True)``, once per mode and batch size, on the bound state and outside any trace."""
+        b = self.binding
+        key = (self.path, mode, batch_size)
+        if key in b.captured or not b.replayed(self.path, mode):
+            return
+        b.captured.add(key)
+        example = example_step(b.cfg, mode, batch_size).batch
+        shared = b.state["shared"]
+        lens = shared["seq_lens"].index_select(0, example["req_pool_indices"]) if "seq_lens" in absent(b.layout) else None
+        fb = ForwardBatch(b.cfg, mode, shared, example, b.state["pools"], b.layout, b.modes.engine(mode), lens,
+                          b.profile.spec_for(mode))
+        obj = self.object
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
+                         in_capture=True)
 
     def _bases(self, shared: Tensors, pools: Mapping[str, Tensor] | None) -> dict[str, list[Tensors]]:
         bound = self.binding.state
         return {"shared": [shared, bound["shared"]], "pool": [p for p in (pools, bound["pools"]) if p is not None]}
+
+    def _runner_copy(self, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
+        """What the engine's graph runner copies out of the shared buffers it does not share with the
+        backend (the batch's ``seq_lens``), before the replay."""
+        if "seq_lens" not in absent(self.binding.layout):
+            return {}
+        return {RUNNER_LENS: shared["seq_lens"].index_select(0, batch["req_pool_indices"])}
 
     def _restore(self, obj: Any, tags: tuple[str, ...], mode: ForwardMode, fb: ForwardBatch, shared: Tensors,
                  pools: Mapping[str, Tensor] | None, meta: Tensors) -> None:
@@ -280,40 +400,56 @@ class EngineBackend(Backend):
     def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         if check_mode(mode) is ForwardMode.IDLE:
             return {}
-        obj, em, fb = self._call(mode, shared, batch, None)
+        copied = self._runner_copy(shared, batch)
+        obj, em, fb = self._call(mode, shared, batch, None, copied)
         # the engine runs this method's Python before every replay (host work, pointer swaps,
         # plans kept on self): marked so, the lowering runs it rather than its traced graph
         torch.ops.readfence.opaque.default(torch.empty(0, device=fb.input_ids.device), EAGER)
         lifter = Lifter("out", self._bases(shared, None))
         who = self.who()
+        method = self._eager_method(mode)
         with lifter.around(obj):
-            call(obj, who, "init_forward_metadata_out_graph", em, obj.init_forward_metadata_out_graph, fb,
-                 in_capture=False)
+            # inside the lift: what the capture-time call leaves on the object is classified as the
+            # replay-time call's would be (a kept view of the page table stays a view of the live one)
+            self._capture(mode, fb.batch_size)
+            if method == EAGER_ENTRY:
+                self._invoke(method, em, obj.init_forward_metadata, fb)
+            else:
+                self._invoke(method, em, obj.init_forward_metadata_out_graph, fb, in_capture=False)
             if mode is ForwardMode.EXTEND and callable(getattr(obj, PREFILL, None)):
-                end = call(obj, who, PREFILL, em, getattr(obj, PREFILL), fb, num_qo_tokens=fb.num_tokens,
-                           build_snapshot=True)
+                end = self._invoke(PREFILL, em, getattr(obj, PREFILL), fb, num_qo_tokens=fb.num_tokens,
+                                   build_snapshot=True)
                 self.binding.prefill[(self.path, fb.batch_size)] = read_end_of(end, f"{who}.{PREFILL}")
-        return self._lifted("out", mode, fb, lifter, "init_forward_metadata_out_graph")
+        return {**self._lifted("out", mode, fb, lifter, method), **copied}
+
+    def _eager_method(self, mode: ForwardMode) -> str:
+        """``init_forward_metadata`` where the engine runs ``mode`` eagerly and the object has it,
+        else ``init_forward_metadata_out_graph``."""
+        if not self.replayed(mode) and callable(getattr(self.object, EAGER_ENTRY, None)):
+            return EAGER_ENTRY
+        return "init_forward_metadata_out_graph"
 
     def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors, meta: Tensors) -> dict[str, Tensor]:
         if check_mode(mode) is ForwardMode.IDLE:
             return {}
-        obj, em, fb = self._call(mode, shared, batch, None)
+        obj, em, fb = self._call(mode, shared, batch, None, meta)
         self._restore(obj, ("out",), mode, fb, shared, None, meta)
         lifter = Lifter("in", self._bases(shared, None), meta)
+        if self._eager_method(mode) == EAGER_ENTRY:  # the eager entry point did this stage's work too
+            return {}
         with lifter.around(obj):
-            call(obj, self.who(), "init_forward_metadata_in_graph", em, obj.init_forward_metadata_in_graph, fb)
+            self._invoke("init_forward_metadata_in_graph", em, obj.init_forward_metadata_in_graph, fb)
         return self._lifted("in", mode, fb, lifter, "init_forward_metadata_in_graph")
 
     def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor, pools: dict[str, Tensor],
                shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
         if check_mode(mode) is ForwardMode.IDLE:
             return q.new_zeros(q.shape)
-        obj, em, fb = self._call(mode, shared, batch, pools)
+        obj, em, fb = self._call(mode, shared, batch, pools, meta)
         self._restore(obj, ("out", "in"), mode, fb, shared, pools, meta)
-        method, fn = forward_method(obj, em)
+        method, fn = forward_method(obj, mode is ForwardMode.DECODE)
         who = self.who()
-        out = call(obj, who, method, em, fn, q, k, v, self.binding.layer(layer), fb, save_kv_cache=True)
+        out = self._invoke(method, em, fn, q, k, v, self.binding.layer(layer), fb, save_kv_cache=True)
         if not isinstance(out, Tensor) or out.numel() != q.numel():
             shown = tuple(out.shape) if isinstance(out, Tensor) else f"{out!r} ({type(out).__name__})"
             raise EngineError(f"{who}.{method} returned {shown} in {em.name}; expected a tensor of "
@@ -331,16 +467,18 @@ class EngineBackend(Backend):
         fn = getattr(obj, PREFILL, None)
         if not callable(fn):
             return None
-        fb = ForwardBatch(self.cfg, EngineMode.EXTEND, self.state["shared"], batch, self.state["pools"],
-                          self.binding.layout)
-        end = call(obj, self.who(), PREFILL, EngineMode.EXTEND, fn, fb, num_qo_tokens=fb.num_tokens,
-                   build_snapshot=False)
+        b = self.binding
+        em = b.modes.engine(ForwardMode.EXTEND)
+        lens = self._runner_copy(self.state["shared"], batch).get(RUNNER_LENS)
+        fb = ForwardBatch(self.cfg, ForwardMode.EXTEND, self.state["shared"], batch, self.state["pools"], b.layout,
+                          em, lens)
+        end = self._invoke(PREFILL, em, fn, fb, num_qo_tokens=fb.num_tokens, build_snapshot=False)
         return read_end_of(end, f"{self.who()}.{PREFILL}")
 
     def declared_end(self, mode: ForwardMode) -> ReadEnd:
         """The object's scalar declaration in ``mode``, asked now (``shared_read_ends``)."""
-        obj, em = self.object, EngineMode.of(check_mode(mode))
-        value = call(obj, self.who(), "shared_read_ends", em, obj.shared_read_ends, em)
+        obj, em = self.object, self.binding.modes.engine(check_mode(mode))
+        value = self._invoke("shared_read_ends", em, obj.shared_read_ends, em)
         return read_end_of(value, f"{self.who()}.shared_read_ends({em.name})")
 
     def __repr__(self) -> str:

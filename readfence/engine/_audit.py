@@ -24,13 +24,25 @@ from typing import Any
 
 import attrs
 
-from readfence.core import BODY, ForwardMode, Program, StageWriteError, bind, default_batch_sizes, example_step, trace
+from readfence.core import (
+    BODY,
+    PREPARE_OUT_GRAPH,
+    SHARED_BUFFERS,
+    ForwardMode,
+    Program,
+    StageWriteError,
+    bind,
+    default_batch_sizes,
+    example_step,
+    trace,
+)
 from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._adapter import EAGER, EngineBackend
-from ._contract import PREFILL, STAGE_METHODS, EngineError
+from ._contract import PREFILL, STAGE_METHODS, EngineError, traced_failure
 from ._observe import observe_engine
+from ._view import absent
 
 #: The modes an engine runs (IDLE reads nothing).
 ENGINE_MODES: tuple[ForwardMode, ...] = tuple(m for m in ForwardMode if m is not ForwardMode.IDLE)
@@ -58,6 +70,7 @@ class EngineRow:
     batch_size: int | None = None
     per_batch: bool = False  # the declaration is resolve_prefill_shared_read_ends's for this batch size
     why: str = ""  # why the truth is observed rather than traced
+    used: bool = True  # whether the engine ever publishes a fence from this declaration
 
     @property
     def audit(self) -> BufferAudit:
@@ -78,14 +91,16 @@ class EngineRow:
         if self.verdict == "conservative":
             return f"conservative +{self.steps}"
         if self.verdict == "unsound":
-            return f"unsound: {self.method} reads it ({self.op})" if self.method else "unsound"
+            text = f"unsound: {self.method} reads it ({self.op})" if self.method else "unsound"
+            return text if self.used else f"{text}; declaration unused"
         return self.verdict
 
     def as_json(self) -> dict[str, Any]:
         return {"backend": self.backend, "mode": self.mode.name, "buffer": self.buffer,
                 "declared": self.declared.name, "truth": self.truth.name, "source": self.source,
                 "verdict": self.verdict, "steps": self.steps, "method": self.method, "op": self.op,
-                "where": self.where, "batch_size": self.batch_size, "per_batch": self.per_batch, "why": self.why}
+                "where": self.where, "batch_size": self.batch_size, "per_batch": self.per_batch, "why": self.why,
+                "used": self.used}
 
 
 @attrs.frozen
@@ -99,6 +114,8 @@ class NodeAudit:
     untraceable: tuple[tuple[str, str, str], ...]  # (stage, why, source line)
     lowering: str  # "" when readfence's policies lower it, else why only COARSE does
     prefill: tuple[tuple[int, ReadEnd], ...] = ()  # per batch size, the resolved prefill end
+    unused: str = ""  # why the engine never publishes a fence from this declaration ("": it does)
+    delegation: str = ""  # a wrapper's declaration against its children's ("": a leaf)
 
     @property
     def truth(self) -> ReadEffect:
@@ -122,8 +139,12 @@ class EngineAudit:
         return not self.unsound()
 
     def unsound(self) -> list[EngineRow]:
-        """The unsound rows, deepest nodes first."""
-        return sorted((r for r in self.rows() if r.verdict == "unsound"), key=lambda r: -r.backend.count("/"))
+        """The unsound rows whose declaration the engine uses, deepest nodes first."""
+        return sorted((r for r in self.rows() if r.verdict == "unsound" and r.used), key=lambda r: -r.backend.count("/"))
+
+    def unused(self) -> list[EngineRow]:
+        """The unsound rows of declarations the engine never uses (a backend it never graph-replays)."""
+        return [r for r in self.rows() if r.verdict == "unsound" and not r.used]
 
     def find(self, path: str, mode: ForwardMode) -> NodeAudit:
         for n in self.nodes:
@@ -157,7 +178,15 @@ class EngineAudit:
             lines.append(f"UNSOUND: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but read "
                          f"until {r.truth.name} by {r.method}: {r.op}{at} ({r.source}"
                          f"{': ' + r.why if r.why else ''}; batch size {r.batch_size})")
+        for r in self.unused():
+            lines.append(f"UNSOUND, UNUSED: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but "
+                         f"read until {r.truth.name} by {r.method}: {r.op}; the engine never publishes a fence from "
+                         f"this declaration")
         for n in self.nodes:
+            if n.unused:
+                lines.append(f"UNUSED: {n.path} in {n.mode.name}: {n.unused}")
+            if n.delegation:
+                lines.append(f"DELEGATION: {n.path} in {n.mode.name}: {n.delegation}")
             for stage, why, source in n.untraceable:
                 lines.append(f"UNTRACEABLE: {n.path} in {n.mode.name}: {STAGE_METHODS.get(stage, stage)} "
                              f"({stage}) escapes the tracer ({why} at {source}): its reads are observed; "
@@ -234,10 +263,15 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         program = bind(trace(node, mode, cfg=cfg, batch_size=size), node.state)
     except StageWriteError as e:
         raise e.at(path) from None
-    except EngineError as e:  # data-dependent control flow make_fx refuses: observation is all there is
+    except EngineError as e:
+        if not traced_failure(e):  # the engine's own code raised: a bug to report, not a tracer limit
+            raise
+        # torch refused to trace the engine's code (control flow on a value it cannot know): that
+        # stage's reads are observed, and nothing of the step can be lowered
         program = None
-        why = str(e.__cause__ or e).splitlines()[0][:200]
-        escapes = {stage: [(f"make_fx cannot trace it: {why}", "?")] for stage in STAGE_METHODS}
+        why = " ".join(str(e.__cause__).split())
+        escapes = {_stage_of(e.method): [(f"make_fx cannot trace it: {type(e.__cause__).__name__}: {why}",
+                                          e.where or "?")]}
     if program is not None:
         escapes = _escapes(program)
         traced, readers = _traced(program, escapes)
@@ -249,15 +283,27 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
                 node.read_effect(mode).end, resolved)
 
 
+def _stage_of(method: str) -> str:
+    """The stage a contract method runs in (the eager entry point runs before the replay)."""
+    for stage, name in STAGE_METHODS.items():
+        if method == name or (stage == BODY.name and method.startswith("forward")):
+            return stage
+    return PREPARE_OUT_GRAPH.name
+
+
 def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: Sequence[_Run], per_batch: bool) -> EngineRow:
-    declared = (runs[0].resolved if per_batch else runs[0].declared) or ReadEnd.UNKNOWN
+    if buffer in node.reads:
+        declared = (runs[0].resolved if per_batch else runs[0].declared) or ReadEnd.UNKNOWN
+    else:  # outside what the declaration covers: a read of it is undeclared
+        declared = node.read_effect(mode)[buffer]
     truth = ReadEnd.join_all(r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer] for r in runs)
     run = next((r for r in runs if (r.traced.get(buffer, ReadEnd.NONE) | r.observed[buffer]) is truth), runs[0])
     traced = run.traced.get(buffer, ReadEnd.NONE)
     if run.program is not None and traced is truth and (truth is not ReadEnd.NONE or not run.escapes):
         reader = run.readers.get(buffer)
         method, op, where = _node_op(run.program, *reader) if reader else ("", "", "")
-        return EngineRow(path, mode, buffer, declared, truth, TRACED, method, op, where, run.size, per_batch)
+        return EngineRow(path, mode, buffer, declared, truth, TRACED, method, op, where, run.size, per_batch,
+                         used=_used(node, mode) == "")
     last = run.observation.last_reader(buffer)
     method = op = why = ""
     if last is not None:
@@ -265,7 +311,37 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
         method = STAGE_METHODS.get(stage, stage)
         why = (f"{STAGE_METHODS.get(stage, stage)} escapes the tracer" if stage in run.escapes else
                "a kernel reads what an earlier stage kept: no static analysis sees it")
-    return EngineRow(path, mode, buffer, declared, truth, OBSERVED, method, op, "", run.size, per_batch, why)
+    return EngineRow(path, mode, buffer, declared, truth, OBSERVED, method, op, "", run.size, per_batch, why,
+                     used=_used(node, mode) == "")
+
+
+def _used(node: EngineBackend, mode: ForwardMode) -> str:
+    """Why the engine never publishes a fence from ``node``'s declaration in ``mode`` ("" if it does)."""
+    if mode is ForwardMode.EXTEND or node.replayed(mode):
+        return ""
+    return (f"the engine never graph-replays this backend: its {mode.name} steps run eagerly and the scheduler "
+            f"waits for the whole forward (the coarse barrier), so its declaration ({node.declared_end(mode).name}) "
+            f"is never used")
+
+
+def _delegation(node: EngineBackend, mode: ForwardMode) -> str:
+    """A wrapper's declaration in ``mode`` against its children's ("" for a leaf)."""
+    if not node.kids:
+        return ""
+    own = node.read_effect(mode).end
+    ends = {name: kid.read_effect(mode).end for name, kid in node.kids}
+    latest = ReadEnd.join_all(ends.values())
+    forcing = ", ".join(f"{name} ({kid.name})" for name, kid in node.kids if ends[name] is latest)
+    if own is latest:
+        return f"delegates: declares {own.name}, the latest of its children (forced by {forcing})"
+    chosen = [name for name, end in ends.items() if end is own]
+    if own < latest and chosen:
+        return (f"selects {', '.join(chosen)}: declares {own.name} as that child does (the latest child, "
+                f"{forcing}, declares {latest.name}: sound only if no other child runs in this mode)")
+    if own > latest:
+        return f"declares {own.name}, later than every child (the latest, {forcing}, declares {latest.name})"
+    return (f"does not delegate: declares {own.name}, earlier than its children (the latest, {forcing}, "
+            f"declares {latest.name})")
 
 
 def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[int, ...], steps: int,
@@ -273,7 +349,12 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     runs = [_run(node, mode, n, steps, seed, path) for n in sizes]
     per_batch = runs[0].resolved is not None
     rows = []
-    for b in node.reads + tuple(b for b in runs[0].observed.buffers if b not in node.reads):
+    lacks = absent(node.binding.layout)
+    # a buffer outside the declaration's reads is a row only where it is read: an undeclared read
+    others = tuple(b for b in SHARED_BUFFERS if b not in node.reads and b not in lacks
+                   and any(r.traced.get(b, ReadEnd.NONE) is not ReadEnd.NONE or r.observed[b] is not ReadEnd.NONE
+                           for r in runs))
+    for b in node.reads + others:
         if per_batch:
             rows += [_row(node, path, mode, b, [r], True) for r in runs]
         else:
@@ -285,17 +366,20 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     failed = [r for r in runs if r.program is None]
     refused = [r for r in runs if r.program is not None and not r.program.traced() <= declared]
     if failed:
-        lowering = f"readfence cannot lower it with any policy: {failed[0].escapes[BODY.name][0][0]}"
+        (stage, [(why, source), *_]), *_ = failed[0].escapes.items()
+        lowering = (f"readfence cannot lower it with any policy: {STAGE_METHODS.get(stage, stage)} ({stage}): "
+                    f"{why} at {source}")
     elif refused:
         effect = refused[0].program.traced()  # type: ignore[union-attr]
-        worst = max(effect.buffers, key=lambda b: effect[b].rank)
+        worst = max((b for b in effect.buffers if not effect[b] <= declared[b]), key=lambda b: effect[b].rank)
         lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
                     f"{effect[worst].name}, later than declared ({declared[worst].name})")
         if untraceable:
             lowering += (" (a stage the tracer cannot follow reads every buffer: until PRE_REPLAY before the "
                          "replay, POST_REPLAY in it)")
     prefill = tuple((r.size, r.resolved) for r in runs if r.resolved is not None)
-    return NodeAudit(path, mode, runs[0].declared, tuple(rows), untraceable, lowering, prefill)
+    return NodeAudit(path, mode, runs[0].declared, tuple(rows), untraceable, lowering, prefill, _used(node, mode),
+                     _delegation(node, mode))
 
 
 def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMode] | None = None, *,

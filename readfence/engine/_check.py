@@ -75,6 +75,8 @@ class VerifyRow:
         if self.finding is None:
             return f"clean; poisoned on release: {', '.join(self.poisoned) or 'nothing (released after the whole forward)'}"
         f = self.finding
+        if f.kind == "refused":  # nothing ran: say why, not only that the audit refused it
+            return f"refused (evidence: {f.evidence}): {f.detail}"
         what = f"{f.kind}" + (f" of {f.buffer!r}" if f.buffer else "") + (f" at step {f.step}" if f.step is not None else "")
         by = f" by {f.stage}: {f.op}" if f.op else ""
         return f"{what}{by} (evidence: {f.evidence})"

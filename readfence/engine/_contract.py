@@ -49,7 +49,43 @@ class ContractError(TypeError):
 
 class EngineError(RuntimeError):
     """An engine backend's own code (its factory or a contract method) raised; the message
-    names the class, the method and the mode, and the original exception is chained."""
+    names the class, the method and the mode, and the original exception is chained.
+
+    ``method`` is the contract method that raised (``""`` for a factory) and ``where`` the
+    innermost source line of the engine's own code in the traceback (``file:line in function``).
+    """
+
+    def __init__(self, message: str, *, method: str = "", where: str = "") -> None:
+        super().__init__(message)
+        self.method, self.where = method, where
+
+
+def engine_line(error: BaseException) -> str:
+    """The innermost frame of ``error``'s traceback outside torch and readfence, as
+    ``file:line in function`` (``""`` when every frame is theirs).
+
+    >>> try:
+    ...     {}["missing"]
+    ... except KeyError as e:
+    ...     engine_line(e).endswith("in <module>")
+    True
+    """
+    found = ""
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        name = code.co_filename.replace("\\", "/")
+        if "/torch/" not in name and "/readfence/" not in name:
+            found = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return found
+
+
+def traced_failure(error: EngineError) -> bool:
+    """Whether ``error`` is the tracer refusing the engine's code (an exception raised by torch
+    while tracing: data-dependent control flow, a shape it cannot know), not the engine's own."""
+    cause = error.__cause__
+    return cause is not None and type(cause).__module__.split(".")[0] == "torch"
 
 
 class EngineMode(enum.Enum):
@@ -195,16 +231,16 @@ def check_contract(obj: object, who: str) -> None:
                             f"got {children!r} ({type(children).__name__})")
 
 
-def forward_method(obj: object, mode: EngineMode) -> tuple[str, Callable[..., Any]]:
+def forward_method(obj: object, decode: bool) -> tuple[str, Callable[..., Any]]:
     """``(name, method)`` the adapter calls for one layer: ``forward``, or the one SGLang's base
     class would dispatch to (``forward_decode`` in DECODE, ``forward_extend`` otherwise)."""
     if callable(getattr(obj, "forward", None)):
         return "forward", obj.forward  # type: ignore[attr-defined]
-    name = "forward_decode" if mode.is_decode() else "forward_extend"
+    name = "forward_decode" if decode else "forward_extend"
     return name, getattr(obj, name)
 
 
-def call(obj: object, who: str, method: str, mode: EngineMode, fn: Callable[_P, _R], *args: _P.args,
+def call(obj: object, who: str, method: str, mode: Any, fn: Callable[_P, _R], *args: _P.args,
          **kwargs: _P.kwargs) -> _R:
     """``fn(*args, **kwargs)``, an engine method; an exception of the engine's own code becomes an
     :class:`EngineError` naming ``who.method`` and the mode (readfence's own errors pass)."""
@@ -213,8 +249,9 @@ def call(obj: object, who: str, method: str, mode: EngineMode, fn: Callable[_P, 
     except Exception as e:
         if type(e).__module__.startswith("readfence.") or isinstance(e, EngineError):
             raise
-        raise EngineError(f"{who}.{method} raised {type(e).__name__} in {mode.name}: {e}") from e
+        raise EngineError(f"{who}.{method} raised {type(e).__name__} in {mode.name}: {e}", method=method,
+                          where=engine_line(e)) from e
 
 
 __all__ = ["END_NAMES", "STAGE_METHODS", "ContractError", "EngineError", "EngineMode", "check_contract",
-           "read_end_of"]
+           "engine_line", "read_end_of", "traced_failure"]

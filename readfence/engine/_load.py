@@ -5,7 +5,8 @@
 * an adapted backend (:func:`~readfence.engine.adapt`'s result);
 * a callable with no required argument returning one (``def engine(cfg=None): return adapt(...)``);
 * an engine backend factory ``factory(runner) -> backend object`` (a backend class taking the
-  model runner, or a function of it): adapted with the default layout;
+  model runner, or a function of it): adapted with the default layout and the profile of the
+  engine its module belongs to (:data:`PROFILES`: SGLang's for ``sglang.*``), else the default;
 * a list or mapping of any of these (every one is loaded).
 """
 
@@ -13,11 +14,27 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._adapter import EngineBackend, adapt
-from ._contract import EngineError
+from ._contract import ContractError, EngineError
+from ._profile import EngineProfile
+from ._sglang import sglang_profile
+
+#: The profile of each engine, by the top-level package its backend classes live in.
+PROFILES: dict[str, Callable[[], EngineProfile]] = {"sglang": sglang_profile}
+
+
+def profile_for(factory: object) -> EngineProfile:
+    """The profile of the engine ``factory``'s module belongs to (the default one for any other).
+
+    >>> profile_for(print) == EngineProfile()
+    True
+    """
+    package = (getattr(factory, "__module__", None) or "").split(".")[0]
+    make = PROFILES.get(package)
+    return EngineProfile() if make is None else make()
 
 
 def _required(fn: Any) -> int | None:
@@ -53,8 +70,8 @@ def _resolve(value: Any, where: str) -> list[tuple[str, EngineBackend]]:
         return _resolve(made, where)
     if required == 1:
         try:
-            return [(where, adapt(value))]
-        except (EngineError, TypeError, ValueError) as e:
+            return [(where, adapt(value, profile=profile_for(value)))]
+        except (EngineError, ContractError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from e
     raise ValueError(f"{where} takes {required} required arguments: a factory takes none (and returns an adapted "
                      f"backend) or the model runner alone")

@@ -144,7 +144,11 @@ def resolve_end(engine: EngineBackend, mode: ForwardMode, batch: Mapping[str, Te
                 prefill: bool = True) -> ReadEnd:
     """The end the runner resolves for a step of ``batch``: the object's declaration asked now (in
     EXTEND its per-batch prefill resolution, when it has one; ``UNKNOWN`` when prefill read-done
-    is off), ``IN_REPLAY`` moved to ``POST_REPLAY`` in a replayed graph without a marker."""
+    is off), ``IN_REPLAY`` moved to ``POST_REPLAY`` in a replayed graph without a marker; ``UNKNOWN``
+    (nothing published: the scheduler waits for the whole forward) in a mode the engine graph-replays
+    for other backends but runs eagerly for this one (:meth:`EngineBackend.replayed`)."""
+    if mode is not ForwardMode.EXTEND and not engine.replayed(mode):
+        return ReadEnd.UNKNOWN  # an eager step of a mode the engine replays elsewhere: the coarse barrier
     if mode is ForwardMode.EXTEND:
         if not prefill:
             return ReadEnd.UNKNOWN
@@ -174,7 +178,7 @@ class RunnerTarget(Backend):
         return f"{self.engine.name} (engine runner)"
 
     def _shallow(self) -> tuple[Any, ...]:
-        return ("runner", self.engine._hash, id(self.engine), self.model)
+        return ("runner", self.engine._hash, self.engine.binding.serial, self.engine.path, self.model)
 
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return f"runner[{self.engine.name}]", ()

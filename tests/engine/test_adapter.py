@@ -126,3 +126,30 @@ def test_readfence_lowering_and_the_runner_see_the_very_tensors_the_object_reads
     caught = verify(early, M.DECODE, policy=Policy.PER_BUFFER, steps=2, batch_size=2, device=dev, cfg=CFG,
                     state=engine.state, observer=False, UNSAFE_skip_soundness_check=True)
     assert not is_successful(caught) and caught.failure().evidence == "poison"
+
+
+def test_a_buffer_outside_reads_is_a_row_only_where_it_is_read_and_then_undeclared():
+    from readfence.engine.reference import TritonBackend
+
+    engine = adapt(TritonBackend, cfg=CFG, reads=["req_to_token"])
+    rows = {r.buffer: r for r in audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).rows()}
+    assert set(rows) == {"req_to_token", "seq_lens"}  # swa_map and state_slots: neither declared nor read
+    assert rows["req_to_token"].verdict == "exact"
+    lens = rows["seq_lens"]  # the class reads it, the declaration does not cover it
+    assert (lens.declared, lens.truth, lens.verdict, lens.method) == (ReadEnd.NONE, IN, "unsound",
+                                                                     "init_forward_metadata_in_graph")
+
+
+def test_a_buffer_the_engine_lacks_is_the_runners_copy_and_no_row(dev):
+    from readfence.engine.reference import TritonBackend
+
+    engine = adapt(TritonBackend, cfg=CFG, buffers={"seq_lens": None, "swa_map": None})
+    assert not hasattr(engine.runner.req_to_token_pool, "seq_lens")
+    # the runner copies the batch's lengths before the replay; they are released with the rest
+    assert engine.read_effect(M.DECODE)["seq_lens"] is IN
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    assert {r.buffer for r in report.rows()} == {"req_to_token", "state_slots"} and report.sound
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+    assert result.ok, str(result)
+    with pytest.raises(ValueError, match="req_to_token'\\] cannot be None"):
+        adapt(TritonBackend, cfg=CFG, buffers={"req_to_token": None})

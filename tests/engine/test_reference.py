@@ -88,7 +88,7 @@ def test_deepseek_re_reads_the_page_table_in_target_verify_unless_dspark(dev):
 
 def test_tbo_joins_its_primarys_target_verify_declaration_though_the_primary_only_prepares(dev):
     report = _check(tbo(CFG), M.TARGET_VERIFY, {"req_to_token": ("conservative", "traced", IN)}, [], SOUND, dev)
-    primary = "TboAttnBackend/attn_backend_list[0]/DeepSeekV4Backend"
+    primary = "TboAttnBackend/primary/DeepSeekV4Backend"
     assert {r.buffer: r.verdict for r in report.rows() if r.backend == primary}["req_to_token"] == "exact"
 
 
