@@ -251,3 +251,13 @@ def test_traffic_that_cannot_fit_the_model_is_refused():
         ServeScheduler(CFG, 1, TRAFFIC, max_batch=8)  # one of the 8 rows is the padding request's
     with pytest.raises(ValueError, match="Traffic.prompt"):
         Traffic(prompt=(5, 2))
+
+
+def test_per_stream_steps_wait_for_the_other_streams_whatever_graph_ran_before():
+    # the members share the pools, and consecutive steps run in the graphs of different batch
+    # sizes: each stream's step must wait for the other stream's latest step, whichever graph it
+    # was (with an order per graph, the delayed stream's step 9 read a slot already reused)
+    target = per_stream(paged(), trtllm_mha())
+    ref = _serial(target, steps=40)
+    res = _serve(target, Policy.EXACT, steps=40, faults=FaultInjector(seed=0, max_delay_s=0.002, streams=["forward[0]"]))
+    assert res.first_difference(ref) is None and res.violations == ()
