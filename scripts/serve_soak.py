@@ -62,6 +62,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with CpuDevice(timeout=60, faults=faults, observers=[san]) as dev:
         loop = serve_loop(target, policy=policy, device=dev, traffic=traffic)
+        loop.prepare(args.steps)  # every prefill size of the run lowered before it starts: part of the warm-up
         while steps_done < args.steps:
             n = min(args.chunk, args.steps - steps_done)
             _, records, outputs, _, _ = loop.run(n)
@@ -90,6 +91,8 @@ def main() -> None:
           f"sanitizer reads tracked at the end: {san.tracked_reads}; delays injected per stream: {dict(delays)}")
     print(f"resident memory: {memory[0][1]:.1f} MiB after {memory[0][0]} steps, {warm:.1f} MiB after warm-up "
           f"({args.steps // 10} steps), {memory[-1][1]:.1f} MiB at the end; max {max(m for _, m in memory):.1f} MiB")
+    every = max(1, len(memory) // 10)
+    print("resident memory (MiB) by step: " + ", ".join(f"{s}: {m:.1f}" for s, m in memory[::every]))
 
 
 if __name__ == "__main__":

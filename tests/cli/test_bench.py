@@ -110,6 +110,8 @@ FIGURES = {
     "overhead": ["per_buffer_lowered_vs_hand", "exact_lowered_vs_hand"],
     "overlap": [f"{run}.{p}_vs_coarse" for run in ("mixed_matmul", "mixed_wait", "late_join_wait", "mid_join_wait")
                 for p in ("joined", "per_buffer", "exact")],
+    "serve": ["deepseek_v4.serial_tokens_per_s", "deepseek_v4.exact_tokens_per_s", "deepseek_v4.exact_vs_coarse",
+              "deepseek_v4.exact_mean_slack_ms", "deepseek_v4.exact_host_ms_per_step", "deepseek_v4.mix.prefill_steps"],
     "fuzz": ["programs", "p1_violations", "p2_violations"],
     "tp": [f"rank{r}.{p}_vs_{base}" for r in (0, 1) for p in ("joined", "per_buffer", "exact") for base in ("coarse", "limit")],
 }
@@ -126,6 +128,8 @@ def test_each_repository_benchmark_runs_quick(cli, name):
     for key in FIGURES[name]:
         value = figures[key]
         assert re.fullmatch(r"-?\d+(\.\d+)?", value), (key, value)
+    if name == "serve":
+        assert figures["deepseek_v4.matches_serial"] == "True"
     if name == "audit":
         assert figures["cpu.unsound"] == "0" and int(figures["cpu.traces"]) > 0
     if name == "fuzz":

@@ -28,6 +28,7 @@ from readfence.graph import (
     FaultInjector,
     ForeignEventError,
     Policy,
+    RingWrapError,
     ServeResult,
     ServeScheduler,
     Traffic,
@@ -104,8 +105,8 @@ def test_padding_rows_never_reach_a_request():
 
 def test_per_stream_and_step_shapes_serve_bit_identical():
     for target in (per_stream(paged(), trtllm_mha()), eagle(paged(), trtllm_mha())):
-        ref = _serial(target, steps=40)
-        res = _serve(target, Policy.PER_BUFFER, steps=40, faults=FaultInjector(seed=2, max_delay_s=0.0005))
+        ref = _serial(target, steps=30)
+        res = _serve(target, Policy.PER_BUFFER, steps=30, faults=FaultInjector(seed=2, max_delay_s=0.0005))
         assert res.violations == () and res.matches(ref), (str(target), res.first_difference(ref))
         assert res.prefill_steps >= 3 and len(res.batch_sizes) >= 2
 
@@ -144,6 +145,12 @@ def test_a_wait_bound_to_another_graphs_fence_is_refused():
         loop.check_binding(runs[i], replayed)  # the fence of the graph it replayed: bound
         with pytest.raises(ForeignEventError) as err:
             loop.check_binding(runs[i - 1], replayed)  # a fence of the step before, another graph
+        # a fence kept until its graph replayed again (a ring of one slot wrapped): refused too
+        j, k = next((a, b) for a in range(len(records)) for b in range(a + 1, len(records))
+                    if records[a].graph == records[b].graph)
+        with pytest.raises(RingWrapError, match="recorded again"):
+            runs[j].fence.wait(dev.stream("schedule"))
+        runs[k].fence.wait(dev.stream("schedule"))  # the latest replay's fence binds
     msg = str(err.value)
     assert replayed.label in msg and previous.label in msg, msg
 
@@ -184,6 +191,16 @@ def _early_seq_lens():
         return ReadEffect.of({**e.as_dict(), "seq_lens": ReadEnd.PRE_REPLAY}, default=e.default) \
             if mode is ForwardMode.DECODE else e
     return redeclare(paged(), declare)
+
+
+@pytest.mark.parametrize("seed", [4, 21, 99])
+def test_one_step_early_declaration_is_caught_by_verify_in_every_run(seed):
+    traffic = Traffic(rate=0.5, prompt=(4, 12), output=(2, 6), seed=seed)
+    with CpuDevice(timeout=30) as dev:
+        found = verify(_early_seq_lens(), steps=20, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=traffic,
+                       capture_sizes=SIZES, UNSAFE_skip_soundness_check=True).failure()
+    assert (found.kind, found.buffer, found.evidence, found.stage) == ("late read", "seq_lens", "observer",
+                                                                       "prepare_in_graph")
 
 
 def test_one_step_early_declaration_is_caught_by_the_sanitizer_and_by_verify():
@@ -234,3 +251,13 @@ def test_traffic_that_cannot_fit_the_model_is_refused():
         ServeScheduler(CFG, 1, TRAFFIC, max_batch=8)  # one of the 8 rows is the padding request's
     with pytest.raises(ValueError, match="Traffic.prompt"):
         Traffic(prompt=(5, 2))
+
+
+def test_per_stream_steps_wait_for_the_other_streams_whatever_graph_ran_before():
+    # the members share the pools, and consecutive steps run in the graphs of different batch
+    # sizes: each stream's step must wait for the other stream's latest step, whichever graph it
+    # was (with an order per graph, the delayed stream's step 9 read a slot already reused)
+    target = per_stream(paged(), trtllm_mha())
+    ref = _serial(target, steps=40)
+    res = _serve(target, Policy.EXACT, steps=40, faults=FaultInjector(seed=0, max_delay_s=0.002, streams=["forward[0]"]))
+    assert res.first_difference(ref) is None and res.violations == ()
