@@ -17,7 +17,7 @@ from readfence.graph import Policy
 
 from . import sglang_engines as sg
 
-pytestmark = [pytest.mark.skipif(not sg.MODULES, reason=sg.REASON or "SGLang is not installed"), pytest.mark.slow]
+pytestmark = pytest.mark.skipif(not sg.MODULES, reason=sg.REASON or "SGLang is not installed")
 
 M = ForwardMode
 PRE, IN, POST, UNKNOWN = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
