@@ -89,13 +89,15 @@ def traced_failure(error: EngineError) -> bool:
 
 
 class EngineMode(enum.Enum):
-    """The forward mode as an engine backend sees it: readfence's modes, with SGLang's predicates.
+    """The forward mode as an engine backend sees it, when the engine has no enum of its own
+    (:class:`~readfence.engine.EngineProfile`): readfence's modes, with SGLang 0.5.23's predicates
+    (``is_extend()`` is EXTEND and TARGET_VERIFY; DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2).
 
     ``shared_read_ends(mode)`` and ``forward_batch.forward_mode`` receive one of these; compare
     with ``mode.is_decode()`` and friends, or by ``mode.name``.
 
-    >>> EngineMode.TARGET_VERIFY.is_extend(), EngineMode.DECODE.is_cuda_graph()
-    (True, True)
+    >>> EngineMode.TARGET_VERIFY.is_extend(), EngineMode.DRAFT_EXTEND.is_extend(), EngineMode.DECODE.is_cuda_graph()
+    (True, False, True)
     >>> EngineMode.of(ForwardMode.EXTEND).readfence
     <ForwardMode.EXTEND: 'extend'>
     """
@@ -123,21 +125,46 @@ class EngineMode(enum.Enum):
     def is_draft_extend(self) -> bool:
         return self is EngineMode.DRAFT_EXTEND
 
+    is_draft_extend_v2 = is_draft_extend
+
     def is_idle(self) -> bool:
         return self is EngineMode.IDLE
 
-    def is_extend(self) -> bool:
-        """SGLang's sense: every mode that runs ``forward_extend`` (several tokens per request)."""
-        return self in (EngineMode.EXTEND, EngineMode.DRAFT_EXTEND, EngineMode.TARGET_VERIFY)
+    def is_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        """SGLang's sense: EXTEND and TARGET_VERIFY (DRAFT_EXTEND only when asked)."""
+        return self in (EngineMode.EXTEND, EngineMode.TARGET_VERIFY) or (
+            include_draft_extend_v2 and self is EngineMode.DRAFT_EXTEND)
+
+    is_prefill = is_extend
+
+    def is_context_parallel_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        return self is EngineMode.EXTEND or (include_draft_extend_v2 and self is EngineMode.DRAFT_EXTEND)
+
+    is_extend_or_draft_extend_or_mixed = is_context_parallel_extend
+
+    def is_extend_without_speculative(self) -> bool:
+        return self is EngineMode.EXTEND
 
     def is_decode_or_idle(self) -> bool:
         return self in (EngineMode.DECODE, EngineMode.IDLE)
 
     def is_cuda_graph(self) -> bool:
-        """Replayed from a captured graph (every mode but EXTEND)."""
-        return self is not EngineMode.EXTEND
+        """SGLang's sense: DECODE, TARGET_VERIFY and IDLE."""
+        return self in (EngineMode.DECODE, EngineMode.TARGET_VERIFY, EngineMode.IDLE)
+
+    def is_cpu_graph(self) -> bool:
+        return self is EngineMode.DECODE
 
     def is_mixed(self) -> bool:
+        return False
+
+    def is_split_prefill(self) -> bool:
+        return False
+
+    def is_dllm_extend(self) -> bool:
+        return False
+
+    def is_prebuilt(self) -> bool:
         return False
 
     def __str__(self) -> str:

@@ -15,7 +15,7 @@
 * the speculative input: a TARGET_VERIFY batch's ``spec_info`` is an ``EagleVerifyInput`` (a chain
   of draft tokens per request), which TBO splits between its children;
 * what it replays: SGLang turns CUDA graphs off (decode and prefill) when the attention backend
-  is torch-native (``handle_attention_backend_compatibility``), so no backend of such a tree is
+  is torch-native or flex attention (``handle_attention_backend_compatibility``), so no backend of such a tree is
   ever graph-replayed: each mode runs eagerly, through ``init_forward_metadata``.
 
 SGLang is imported only when a profile's hook runs.
@@ -38,7 +38,7 @@ from typing import Any
 from ._profile import EngineProfile
 
 #: SGLang's backends for which it disables CUDA graphs (its server args' compatibility rules).
-EAGER_ONLY: frozenset[str] = frozenset({"TorchNativeAttnBackend"})
+EAGER_ONLY: frozenset[str] = frozenset({"TorchNativeAttnBackend", "TorchFlexAttnBackend"})
 
 
 def _layer(runner: Any, layer_id: int) -> Any:

@@ -170,3 +170,47 @@ class ForgetfulWrapper:
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         child = self.attn_backend_list[layer.layer_id % 2]
         return child.forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+class CaptureAllocated(_Forward):
+    """Allocates its metadata buffers in ``init_cuda_graph_state`` and binds them at capture
+    (``in_capture=True``), as graph-captured backends do; the replay-time call only fills them
+    (copies of the page table's rows, PRE_REPLAY). Without the capture-time calls it fails.
+    EXTEND runs its eager entry point, ``init_forward_metadata``, which snapshots on its own."""
+
+    def __init__(self, runner):
+        self.table = runner.req_to_token_pool.req_to_token
+        self.lengths = runner.req_to_token_pool.seq_lens
+        self.calls: list[str] = []
+        self.buffers: dict[str, torch.Tensor] | None = None
+        self.bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        self.calls.append("init_cuda_graph_state")
+        self.buffers = {"indices": torch.zeros(max_bs, self.table.shape[1], dtype=torch.long),
+                        "lens": torch.zeros(max_bs, dtype=torch.long)}
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        b = forward_batch.batch_size
+        if in_capture:
+            assert self.buffers is not None, "capture before init_cuda_graph_state"
+            self.calls.append(f"capture {forward_batch.forward_mode.name} b={b}")
+            self.bound[b] = (self.buffers["indices"][:b], self.buffers["lens"][:b])
+            return
+        indices, lens = self.bound[b]  # a KeyError without the capture-time call
+        rows = forward_batch.req_pool_indices
+        indices.copy_(self.table.index_select(0, rows))
+        lens.copy_(self.lengths.index_select(0, rows))
+        self.indices, self.lens = indices, lens
+
+    def init_forward_metadata(self, forward_batch):
+        self.calls.append(f"eager {forward_batch.forward_mode.name}")
+        rows = forward_batch.req_pool_indices
+        self.indices = self.table.index_select(0, rows).long()
+        self.lens = self.lengths.index_select(0, rows).long()
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        pass
+
+    def shared_read_ends(self, mode):
+        return Ends.UNKNOWN if mode.is_idle() else Ends.PRE_REPLAY

@@ -153,3 +153,42 @@ def test_a_buffer_the_engine_lacks_is_the_runners_copy_and_no_row(dev):
     assert result.ok, str(result)
     with pytest.raises(ValueError, match="req_to_token'\\] cannot be None"):
         adapt(TritonBackend, cfg=CFG, buffers={"req_to_token": None})
+
+
+def _tracing() -> bool:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
+def test_the_engines_own_exception_only_under_tracing_is_raised_not_observed():
+    from readfence.engine import EngineError
+
+    class TraceOnlyBug(KeptCopies):
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            if _tracing():
+                raise KeyError("plan")  # a contract bug that shows only when traced
+            return super().forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    with pytest.raises(EngineError, match=r"TraceOnlyBug.forward raised KeyError in DECODE: 'plan'") as caught:
+        audit_engine(adapt(TraceOnlyBug, cfg=CFG), M.DECODE, batch_sizes=[2], steps=1)
+    assert caught.value.method == "forward" and "test_adapter.py" in caught.value.where
+
+
+def test_torch_refusing_to_trace_names_the_stage_and_line_with_its_whole_message():
+    from torch.fx.proxy import TraceError
+
+    message = "this kernel cannot be traced: " + "x" * 300 + " (end of message)"
+
+    class Refused(KeptCopies):
+        def init_forward_metadata_in_graph(self, forward_batch):
+            if _tracing():
+                raise TraceError(message)
+            super().init_forward_metadata_in_graph(forward_batch)
+
+    report = audit_engine(adapt(Refused, cfg=CFG), M.DECODE, batch_sizes=[2], steps=1)
+    node = report.find("Refused", M.DECODE)
+    ((stage, why, source),) = node.untraceable
+    assert stage == "prepare_in_graph" and why.endswith("(end of message)") and "test_adapter.py" in source
+    assert node.lowering.startswith("readfence cannot lower it with any policy: init_forward_metadata_in_graph")
+    assert {r.source for r in node.rows} == {"observed"}

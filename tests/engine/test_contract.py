@@ -181,6 +181,9 @@ def test_forward_returning_the_wrong_shape_is_named():
 
 
 def test_the_engine_mode_has_sglangs_predicates():
-    assert [m.name for m in EngineMode if m.is_extend()] == ["TARGET_VERIFY", "DRAFT_EXTEND", "EXTEND"]
-    assert [m.name for m in EngineMode if not m.is_cuda_graph()] == ["EXTEND"]
+    # SGLang 0.5.23's: DRAFT_EXTEND_V2 is neither an extend (unless asked) nor a CUDA-graph mode
+    assert [m.name for m in EngineMode if m.is_extend()] == ["TARGET_VERIFY", "EXTEND"]
+    assert [m.name for m in EngineMode if m.is_extend(include_draft_extend_v2=True)] == [
+        "TARGET_VERIFY", "DRAFT_EXTEND", "EXTEND"]
+    assert [m.name for m in EngineMode if not m.is_cuda_graph()] == ["DRAFT_EXTEND", "EXTEND"]
     assert EngineMode.of(ForwardMode.DECODE).readfence is ForwardMode.DECODE

@@ -116,3 +116,22 @@ def test_an_enum_lacking_a_mode_and_a_bad_profile_are_refused_by_name():
         EngineProfile(layer=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="EngineProfile.buffers must be a mapping"):
         EngineProfile(buffers=["seq_lens"])  # type: ignore[arg-type]
+
+
+def test_capture_time_calls_run_once_before_the_replays_and_extend_takes_the_eager_entry(dev):
+    from readfence.engine import verify_engine
+    from readfence.graph import Policy
+
+    from .classes import CaptureAllocated
+
+    engine = adapt(CaptureAllocated, cfg=CFG)
+    assert engine.object.calls == ["init_cuda_graph_state"]
+    report = audit_engine(engine, [RF.DECODE, RF.EXTEND], batch_sizes=[2], steps=1)
+    assert report.sound, report.table()
+    calls = engine.object.calls
+    assert calls.count("capture DECODE b=2") == 1 and "eager EXTEND" in calls and "capture EXTEND b=2" not in calls
+    rows = {(r.mode, r.buffer): r.truth for r in report.rows()}
+    assert rows[(RF.DECODE, "req_to_token")] is ReadEnd.PRE_REPLAY and rows[(RF.EXTEND, "req_to_token")] is ReadEnd.PRE_REPLAY
+    for mode in (RF.DECODE, RF.EXTEND):
+        result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+        assert result.ok, str(result)

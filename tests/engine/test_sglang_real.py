@@ -17,7 +17,7 @@ from readfence.graph import Policy
 
 from . import sglang_engines as sg
 
-pytestmark = [pytest.mark.skipif(not sg.MODULES, reason=sg.REASON or "SGLang is not installed"), pytest.mark.slow]
+pytestmark = pytest.mark.skipif(not sg.MODULES, reason=sg.REASON or "SGLang is not installed")
 
 M = ForwardMode
 PRE, IN, POST, UNKNOWN = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
@@ -165,3 +165,16 @@ def test_tbo_splits_a_real_verify_input_between_its_children_in_target_verify():
     assert (row.backend, row.mode, row.declared, row.truth, row.op) == (
         "forgetful_tbo", M.TARGET_VERIFY, IN, POST, "aten.index.Tensor")
     assert sglang_profile().spec_for(M.TARGET_VERIFY) is not None and sglang_profile().spec_for(M.DECODE) is None
+
+
+def test_readfences_own_mode_values_answer_every_predicate_as_sglangs_do():
+    from readfence.engine import EngineMode
+
+    sglang_modes = sg.MODULES["base_attn_backend"].ForwardMode
+    names = [n for n in vars(sglang_modes) if n.startswith("is_")]
+    assert len(names) >= 15
+    for mode in M:
+        ours = EngineMode.of(mode)
+        theirs = sglang_modes["DRAFT_EXTEND_V2" if mode is M.DRAFT_EXTEND else mode.name]
+        for name in names:
+            assert getattr(ours, name)() == getattr(theirs, name)(), (mode, name)
