@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -32,7 +34,22 @@ def first_of_each(values: list, group) -> list:
     return out
 
 
+#: Tests a timed run measured slow (``scripts/slow_tests.py`` writes it): marked ``slow`` here.
+SLOW_LIST = pathlib.Path(__file__).with_name("slow.txt")
+
+
+def measured_slow() -> frozenset[str]:
+    """The node ids listed in :data:`SLOW_LIST` (comment lines left out)."""
+    lines = SLOW_LIST.read_text().splitlines() if SLOW_LIST.is_file() else []
+    return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = measured_slow()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
