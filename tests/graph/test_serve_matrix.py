@@ -36,8 +36,8 @@ M = ForwardMode
 CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=32)
 SIZES = (1, 2, 4, 8)
 TRAFFIC = Traffic(rate=0.5, prompt=(4, 12), output=(2, 6), seed=11)
-STEPS = 200
-VERIFY_STEPS = 30
+STEPS = 150  # over a hundred steps each: several captured sizes and prefills (asserted)
+VERIFY_STEPS = 20
 
 TARGETS = {
     **{name: make for name, make in REFERENCE_LEAVES.items()},
