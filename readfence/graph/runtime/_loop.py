@@ -14,7 +14,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -30,6 +30,8 @@ from ..lowering.internal import device_of
 from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepSource, StepState
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -432,30 +434,39 @@ def run_overlapped(
     positive_int("steps", steps)
     check_device(device)
     loop = decode_loop(backend, mode, policy=policy, device=device, **kwargs)
+    (runs, seconds), violations = sanitized(device, sanitize, lambda: loop.run(steps, progress=progress))
+    slack, ends = fence_summary(runs, loop.timeline)
+    done = [e for e in ends if e is not None]
+    intervals = () if len(done) < len(ends) else tuple(b - a for a, b in zip(done, done[1:]))
+    return LoopResult(policy, [r.logits for r in runs], seconds, violations, slack, intervals)
+
+
+def sanitized(device: Device, sanitize: bool, run: Callable[[], T]) -> tuple[T, tuple[Violation, ...]]:
+    """``run()``, watched by a :class:`Sanitizer` on ``device`` when ``sanitize``: its result
+    and the sanitizer's findings (none when not watched)."""
     sanitizer = Sanitizer() if sanitize else None
     if sanitizer is not None:
         device.add_observer(sanitizer)
     try:
-        runs, seconds = loop.run(steps, progress=progress)
+        result = run()
     finally:
         if sanitizer is not None:
             device.remove_observer(sanitizer)
+    return result, tuple(sanitizer.violations) if sanitizer is not None else ()
+
+
+def fence_summary(runs: Sequence[StepRun], timeline: Timeline | None) -> tuple[dict[str, float], list[float | None]]:
+    """The mean fence slack per buffer over ``runs`` and each run's fence time (marking the
+    releases and last reads on ``timeline`` when there is one)."""
     slack: dict[str, list[float]] = {}
     for run in runs:
         for b in SHARED_BUFFERS:
             s = run.fence.slack(b)
             if s is not None:
                 slack.setdefault(b, []).append(s)
-    if loop.timeline is not None:
-        _fence_instants(loop.timeline, "fences", runs)
-    ends = [r.fence.done_time() for r in runs]
-    intervals = () if None in ends else tuple(b - a for a, b in zip(ends, ends[1:]))
-    return LoopResult(
-        policy, [r.logits for r in runs], seconds,
-        tuple(sanitizer.violations) if sanitizer is not None else (),
-        {b: statistics.fmean(v) for b, v in slack.items()},
-        intervals,
-    )
+    if timeline is not None:
+        _fence_instants(timeline, "fences", runs)
+    return {b: statistics.fmean(v) for b, v in slack.items()}, [r.fence.done_time() for r in runs]
 
 
 def _fence_instants(timeline: Timeline, stream: str, runs: Sequence[StepRun]) -> None:

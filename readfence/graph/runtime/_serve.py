@@ -44,8 +44,8 @@ from ..lowering.internal import check_owned, device_of
 from ..steps import PhasedStep, StepShape, StreamGroup
 from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._arrivals import Traffic
-from ._loop import DecodeLoop, _fence_instants, same_logits, synthetic_work
-from ._sanitizer import Sanitizer, Violation
+from ._loop import DecodeLoop, fence_summary, same_logits, sanitized, synthetic_work
+from ._sanitizer import Violation
 from ._serve_scheduler import DECODE, PREFILL, ServeScheduler, ServeStep
 
 #: The batch sizes captured by default, in the engines' style (a graph per size; a batch runs
@@ -479,26 +479,10 @@ def run_serve(
     positive_int("steps", steps)
     check_device(device)
     loop = serve_loop(target, policy=policy, device=device, **kwargs)
-    sanitizer = Sanitizer() if sanitize else None
-    if sanitizer is not None:
-        device.add_observer(sanitizer)
-    try:
-        runs, records, outputs, host, seconds = loop.run(steps, progress=progress)
-    finally:
-        if sanitizer is not None:
-            device.remove_observer(sanitizer)
-    slack: dict[str, list[float]] = {}
-    for run in runs:
-        for b in SHARED_BUFFERS:
-            s = run.fence.slack(b)
-            if s is not None:
-                slack.setdefault(b, []).append(s)
-    if loop.timeline is not None:
-        _fence_instants(loop.timeline, "fences", runs)
-    ends = [r.fence.done_time() for r in runs]
-    return ServeResult(policy, tuple(records), outputs, seconds,
-                       tuple(sanitizer.violations) if sanitizer is not None else (),
-                       {b: statistics.fmean(v) for b, v in slack.items()},
+    (runs, records, outputs, host, seconds), violations = sanitized(
+        device, sanitize, lambda: loop.run(steps, progress=progress))
+    slack, ends = fence_summary(runs, loop.timeline)
+    return ServeResult(policy, tuple(records), outputs, seconds, violations, slack,
                        () if None in ends else tuple(e for e in ends if e is not None), tuple(host))
 
 
