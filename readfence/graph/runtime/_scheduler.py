@@ -140,20 +140,8 @@ class Scheduler:
                 ids.append(self.rng.randrange(cfg.vocab))
                 req.slots.append(slot)
             self.seq_lens[req.row] = req.length
-        shared = {
-            "req_to_token": _tensor(self.req_to_token).view(cfg.max_reqs, cfg.max_ctx),
-            "seq_lens": _tensor(self.seq_lens),
-            "swa_map": _tensor(self.swa_map),
-            "state_slots": _tensor(self.state_slots),
-        }
-        assert tuple(shared) == SHARED_BUFFERS
-        i64 = torch.int64
-        batch = {
-            "input_ids": torch.tensor(ids, dtype=i64),
-            "positions": torch.tensor(positions, dtype=i64),
-            "req_pool_indices": torch.tensor(rows, dtype=i64),
-            "out_cache_loc": torch.tensor(locs, dtype=i64),
-        }
+        shared, batch = step_tensors(cfg, (self.req_to_token, self.seq_lens, self.swa_map, self.state_slots),
+                                     ids=ids, positions=positions, rows=rows, locs=locs)
         return StepState(self.step, shared, batch, admitted, finished)
 
 
@@ -162,6 +150,28 @@ def _int32s(n: int) -> array:
     out = array("i", bytes(4 * n))
     assert out.itemsize == 4, "array('i') is not 32-bit on this platform"
     return out
+
+
+def step_tensors(cfg: ModelConfig, pools: tuple[array, array, array, array], *, ids: list[int],
+                 positions: list[int], rows: list[int], locs: list[int]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A step's shared state (fresh copies of the host pools ``req_to_token``, ``seq_lens``,
+    ``swa_map``, ``state_slots``, in that order) and its per-batch tensors."""
+    req_to_token, seq_lens, swa_map, state_slots = pools
+    shared = {
+        "req_to_token": _tensor(req_to_token).view(cfg.max_reqs, cfg.max_ctx),
+        "seq_lens": _tensor(seq_lens),
+        "swa_map": _tensor(swa_map),
+        "state_slots": _tensor(state_slots),
+    }
+    assert tuple(shared) == SHARED_BUFFERS
+    i64 = torch.int64
+    batch = {
+        "input_ids": torch.tensor(ids, dtype=i64),
+        "positions": torch.tensor(positions, dtype=i64),
+        "req_pool_indices": torch.tensor(rows, dtype=i64),
+        "out_cache_loc": torch.tensor(locs, dtype=i64),
+    }
+    return shared, batch
 
 
 def _tensor(values: array) -> Tensor:

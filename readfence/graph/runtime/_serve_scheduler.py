@@ -29,11 +29,11 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
+from readfence.core import ForwardMode, ModelConfig, tokens_per_request
 from readfence.core.internal import positive_int
 
 from ._arrivals import Request, Traffic
-from ._scheduler import StepState, _int32s, _tensor
+from ._scheduler import StepState, _int32s, step_tensors
 
 PREFILL, DECODE = "prefill", "decode"
 #: Tokens per request of a prefill step (one chunk of a prompt).
@@ -227,20 +227,8 @@ class ServeScheduler:
                 positions.append(i)
                 locs.append(live.slots[i])
                 ids.append(self.rng.randrange(cfg.vocab))
-        shared = {
-            "req_to_token": _tensor(self.req_to_token).view(cfg.max_reqs, cfg.max_ctx),
-            "seq_lens": _tensor(self.seq_lens),
-            "swa_map": _tensor(self.swa_map),
-            "state_slots": _tensor(self.state_slots),
-        }
-        assert tuple(shared) == SHARED_BUFFERS
-        i64 = torch.int64
-        batch = {
-            "input_ids": torch.tensor(ids, dtype=i64),
-            "positions": torch.tensor(positions, dtype=i64),
-            "req_pool_indices": torch.tensor(rows, dtype=i64),
-            "out_cache_loc": torch.tensor(locs, dtype=i64),
-        }
+        shared, batch = step_tensors(cfg, (self.req_to_token, self.seq_lens, self.swa_map, self.state_slots),
+                                     ids=ids, positions=positions, rows=rows, locs=locs)
         return ServeStep(self.step, shared, batch, admitted, finished, kind, tuple(r.request.id for r in reqs), n, idle)
 
     def pad(self, step: ServeStep, size: int) -> dict[str, Tensor]:
