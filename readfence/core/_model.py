@@ -18,6 +18,7 @@ from ._invariant import matmul_rows
 from ._modes import ForwardMode
 from ._parallel import all_reduce
 from ._protocol import BackendLike
+from ._scan import LayerScan, run_scan
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
 from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, eval_step
 
@@ -48,6 +49,45 @@ def rotary(x: Tensor, positions: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> LayerScan:
+    """The tiny decoder's body as a :class:`~readfence.core._scan.LayerScan`: embedding, then per
+    layer norm, QKV, rotary, ``backend.attend``, output projection and MLP, then the head.
+
+    Under tensor parallelism (``cfg.tp``) the step is one rank's: attention runs on its heads,
+    the MLP on its columns, and the partial outputs of both are all-reduced over the ranks.
+
+    >>> from readfence.backends import paged
+    >>> decoder_scan(ModelConfig(layers=3), paged(), ForwardMode.DECODE).own(2)
+    "params.['layers.2."
+    """
+    mode = check_mode(mode)
+    heads, dim = cfg.local_heads, cfg.head_dim
+
+    def pre(inputs: Mapping[str, Any]) -> Tensor:
+        return F.embedding(inputs["batch"]["input_ids"], inputs["params"]["embed"])
+
+    def layer(index: int, x: Tensor, inputs: Mapping[str, Any]) -> Tensor:
+        params, batch, pre = inputs["params"], inputs["batch"], f"layers.{index}."
+        tokens = x.shape[0]
+        h = rms_norm(x, params[pre + "attn_norm"])
+        q, k, v = matmul_rows(h, params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
+        q, k = rotary(q, batch["positions"]), rotary(k, batch["positions"])
+        o = backend.attend(mode, index, q, k, v, inputs["pools"], inputs["shared"], batch, inputs["meta"])
+        x = x + all_reduce(matmul_rows(o.reshape(tokens, heads * dim), params[pre + "wo"]), cfg.tp)
+        h = rms_norm(x, params[pre + "mlp_norm"])
+        return x + all_reduce(matmul_rows(F.silu(matmul_rows(h, params[pre + "w_up"])), params[pre + "w_down"]), cfg.tp)
+
+    def post(x: Tensor, inputs: Mapping[str, Any]) -> Tensor:
+        params = inputs["params"]
+        return matmul_rows(rms_norm(x, params["final_norm"]), params["lm_head"])
+
+    def own(index: int) -> str:
+        # the weights' keys hold dots, so their flattened names quote them: params.['layers.3.wo']
+        return "params.[" + repr(f"layers.{index}.")[:-1]
+
+    return LayerScan(cfg.layers, pre, layer, post, own=own)
+
+
 def forward(
     cfg: ModelConfig,
     params: Mapping[str, Tensor],
@@ -58,10 +98,8 @@ def forward(
     backend: BackendLike,
     mode: ForwardMode,
 ) -> Tensor:
-    """Logits ``[T, vocab]`` of one step; attention is ``backend.attend`` in every layer.
-
-    Under tensor parallelism (``cfg.tp``) the step is one rank's: attention runs on its heads,
-    the MLP on its columns, and the partial outputs of both are all-reduced over the ranks.
+    """Logits ``[T, vocab]`` of one step; attention is ``backend.attend`` in every layer (the
+    fold of :func:`decoder_scan`).
 
     >>> from readfence.backends import paged
     >>> cfg = ModelConfig()
@@ -71,21 +109,8 @@ def forward(
     ...         ForwardMode.DECODE).shape
     torch.Size([2, 64])
     """
-    mode = check_mode(mode)
-    heads, dim = cfg.local_heads, cfg.head_dim
-    positions = batch["positions"]
-    x = F.embedding(batch["input_ids"], params["embed"])
-    tokens = x.shape[0]
-    for layer in range(cfg.layers):
-        pre = f"layers.{layer}."
-        h = rms_norm(x, params[pre + "attn_norm"])
-        q, k, v = matmul_rows(h, params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
-        q, k = rotary(q, positions), rotary(k, positions)
-        o = backend.attend(mode, layer, q, k, v, pools, shared, batch, meta)
-        x = x + all_reduce(matmul_rows(o.reshape(tokens, heads * dim), params[pre + "wo"]), cfg.tp)
-        h = rms_norm(x, params[pre + "mlp_norm"])
-        x = x + all_reduce(matmul_rows(F.silu(matmul_rows(h, params[pre + "w_up"])), params[pre + "w_down"]), cfg.tp)
-    return matmul_rows(rms_norm(x, params["final_norm"]), params["lm_head"])
+    inputs = {"shared": shared, "batch": batch, "pools": pools, "params": params, "meta": meta}
+    return run_scan(decoder_scan(cfg, backend, mode), inputs)
 
 
 def step_functions(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig) -> StepFunctions:
@@ -101,15 +126,18 @@ def step_functions(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig) ->
     torch.Size([2, 64])
     """
 
+    scan = decoder_scan(cfg, backend, mode)
+
     def body(shared: Mapping[str, Tensor], batch: Mapping[str, Tensor], pools: dict[str, Tensor],
              params: Mapping[str, Tensor], meta: Mapping[str, Tensor]) -> Tensor:
-        return forward(cfg, params, pools, shared, batch, meta, backend, mode)
+        return run_scan(scan, {"shared": shared, "batch": batch, "pools": pools, "params": params, "meta": meta})
 
     return StepFunctions(
         prepare_out_graph=lambda shared, batch: backend.prepare_out_graph(mode, shared, batch),
         prepare_in_graph=lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
         body=body,
         backend=backend.name,
+        layers=scan,
     )
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -42,8 +43,20 @@ from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flat
 from ._protocol import BackendLike
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
-from ._step import BODY, EAGER, OutputGuard, Stage, StageCall, StageOutputError, StepFunctions, eval_step, foreign_subclass
+from ._step import (
+    BODY,
+    EAGER,
+    OutputGuard,
+    Stage,
+    StageCall,
+    StageOutputError,
+    StepFunctions,
+    check_stage_output,
+    eval_step,
+    foreign_subclass,
+)
 from ._threads import watch_threads
+from ._trace_layers import trace_scan
 
 if TYPE_CHECKING:
     from ._state import ModelConfig
@@ -514,6 +527,40 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
                               "declares no write", sources[node.name])
 
 
+def _trace_scan_of(call: StageCall, with_inputs: Callable[[Sequence[torch.Tensor]], dict[str, Any]],
+                   args: Sequence[torch.Tensor], input_names: Sequence[str], fake_mode: Any,
+                   tracing: Callable[[], Any], outputs_of: Callable[[Any], list[tuple[str, Any]]],
+                   stash: dict[str, Any]) -> fx.GraphModule | None:
+    """The body's graph built from one trace per class of its layers (``_trace_layers``), or
+    ``None`` to trace it whole. Fills ``stash`` as the whole body's trace does."""
+    assert call.scan is not None
+    backend, stage = call.backend, call.stage
+    fake = fake_mode is not None
+
+    @contextlib.contextmanager
+    def traced() -> Iterator[None]:
+        with contextlib.ExitStack() as ctx:
+            ctx.enter_context(_TraceMode(fake=fake))
+            ctx.enter_context(_HostReads(fake=fake))
+            ctx.enter_context(watch_threads(backend, stage.name, "the trace"))
+            yield
+
+    def groups(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        return dict(with_inputs(tensors))
+
+    def outputs(out: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(v for _, v in outputs_of(check_stage_output(stage, out, backend=backend)))
+
+    found = trace_scan(call.scan, groups, args, input_names, traced=traced, tracing=tracing, escape_op=OPAQUE_OP,
+                       outputs=outputs, eager=(lambda: fake_mode) if fake else contextlib.nullcontext)
+    if found is None:
+        return None
+    out = check_stage_output(stage, found.out, backend=backend)
+    pairs = outputs_of(out)
+    stash["out"], stash["names"], stash["layer_traces"] = out, tuple(n for n, _ in pairs), found.classes
+    return found.gm
+
+
 def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any,
                  before: Iterable[StageGraph] = (), carried: dict[str, frozenset[str]] | None = None,
                  ) -> tuple[StageGraph, Any]:
@@ -543,19 +590,33 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         return tuple(v for _, v in pairs)
 
     args = [leaves[tensor_pos[[names[i] for i in tensor_pos].index(n)]] for n in input_names]
-    if fake_mode is not None:
-        ctx: Any = fake_mode
-    else:
-        # make_fx records a fake "val" per node; without a fake mode in the tracing context it
-        # builds a new FakeTensorMode for every node (most of the tracing time). Share one.
-        from torch._guards import TracingContext, tracing
-        from torch._subclasses.fake_tensor import FakeTensorMode
 
-        ctx = contextlib.ExitStack()
-        ctx.enter_context(tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))))
-        ctx.enter_context(_meta_values())
-    with ctx, _through_compiled_functions():
-        gm = make_fx(flat_fn, tracing_mode="real")(*args)
+    @contextlib.contextmanager
+    def tracing() -> Iterator[None]:
+        with contextlib.ExitStack() as ctx:
+            if fake_mode is not None:
+                ctx.enter_context(fake_mode)
+            else:
+                # make_fx records a fake "val" per node; without a fake mode in the tracing
+                # context it builds a new FakeTensorMode for every node (most of the tracing
+                # time). Share one.
+                from torch._guards import TracingContext, tracing
+                from torch._subclasses.fake_tensor import FakeTensorMode
+
+                ctx.enter_context(tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))))
+                ctx.enter_context(_meta_values())
+            ctx.enter_context(_through_compiled_functions())
+            # the graph's Python code is made when something calls it, not at every recompile
+            ctx.enter_context(_use_lazy_graph_module(True))
+            yield
+
+    layered = None if call.scan is None else _trace_scan_of(call, with_inputs, args, input_names, fake_mode, tracing,
+                                                            outputs_of, stash)
+    if layered is not None:
+        gm = layered
+    else:
+        with tracing():
+            gm = make_fx(flat_fn, tracing_mode="real")(*args)
     guard = OutputGuard.of(stage, stash["out"], backend=backend)
 
     def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -608,6 +669,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         hidden=hidden,
         initial=initial,
         example=tuple(args) if captured and fake_mode is None else None,
+        layer_traces=stash.get("layer_traces"),
     )
     return graph, stash["out"]
 
