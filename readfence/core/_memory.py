@@ -39,6 +39,8 @@ class Span:
 
 
 def _addressless(t: torch.Tensor) -> bool:
+    if type(t) is torch.Tensor:  # the common case, without looking the fake class up
+        return t.is_meta
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor) or t.device.type == "meta"
@@ -65,10 +67,45 @@ def span_of(t: torch.Tensor) -> Span | None:
     return Span((t.device.type, t.device.index), base + offset * size, base + (last + 1) * size)
 
 
+def leaves(tree: object) -> list[Any]:
+    """The leaves of a pytree, in ``pytree.tree_leaves`` order: lists, tuples and dicts walked
+    here (the arguments of every op are only these), other registered containers by pytree.
+
+    The hot path of every per-op check (the memory probe, the observer, the layer recorder):
+    pytree's generic walk costs ~10 us a leaf, this ~0.3 us.
+
+    >>> leaves(([1, (2, None)], {"a": 3}))
+    [1, 2, None, 3]
+    """
+    out: list[Any] = []
+    _walk(tree, out)
+    return out
+
+
+def _walk(tree: object, out: list[Any]) -> None:
+    kind = type(tree)
+    if kind is list or kind is tuple:
+        for x in tree:  # type: ignore[attr-defined]
+            if type(x) in _SCALARS or isinstance(x, torch.Tensor):
+                out.append(x)
+            else:
+                _walk(x, out)
+    elif kind is dict:
+        for x in tree.values():  # type: ignore[attr-defined]
+            _walk(x, out)
+    elif kind in _SCALARS or isinstance(tree, torch.Tensor):
+        out.append(tree)
+    else:  # subclasses (namedtuples, torch.Size) and other containers as pytree sees them
+        out.extend(pytree.tree_leaves(tree))
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
 def tensors_in(tree: object) -> Iterator[torch.Tensor]:
     """Every tensor in a pytree (lists of pieces, dicts, tuples), in order; a wrapper subclass
     (an ``AsyncCollectiveTensor``, a ``DTensor``) as the tensors it wraps, which hold its memory."""
-    for leaf in pytree.tree_leaves(tree):
+    for leaf in leaves(tree):
         if isinstance(leaf, torch.Tensor):
             if type(leaf) is not torch.Tensor and is_traceable_wrapper_subclass(leaf):
                 names, _ = leaf.__tensor_flatten__()

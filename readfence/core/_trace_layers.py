@@ -22,6 +22,7 @@ observer, poison, the serial comparison) never see the records: they stay indepe
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,10 +34,26 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._memory import leaves
 from ._scan import LayerScan
 
 #: Python values an op argument may hold that a record compares by value.
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by op: a finite set per process
+def _recordable(func: Any) -> bool:
+    # a higher-order op runs graphs the record does not hold; a data-dependent op is a host read
+    return not isinstance(func, torch._ops.HigherOrderOperator) and \
+        torch.Tag.data_dependent_output not in getattr(func, "tags", ())
+
+
+def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """How an op's arguments nest (the leaves aside): an op's schema fixes the rest."""
+    shape = tuple(len(a) if type(a) in (list, tuple) else -1 for a in args)
+    if any(type(x) in (list, tuple, dict) for a in args if type(a) in (list, tuple) for x in a):
+        return pytree.tree_structure((args, kwargs))  # deeper than a schema's lists: the full spec
+    return shape, tuple(kwargs)
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -113,12 +130,10 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.layer < 0:
             return func(*args, **kwargs)
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            raise _Unrecordable("a higher-order op")
-        if func is self.escape_op or torch.Tag.data_dependent_output in getattr(func, "tags", ()):
-            raise _Unrecordable("an escape")
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        encoded = tuple(self._leaf(v) for v in leaves)
+        if not _recordable(func) or func is self.escape_op:
+            raise _Unrecordable(f"{func} escapes or holds a graph")
+        encoded = tuple(self._leaf(v) for v in leaves((args, kwargs)))
+        spec = _structure(args, kwargs)
         tail = self.graph._root.prev if self.graph is not None else None
         out = func(*args, **kwargs)
         if self.graph is not None:
@@ -331,11 +346,11 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 where = patch.get(node)
-                if where:
-                    leaves, spec = pytree.tree_flatten((new.args, new.kwargs))
+                if where:  # (pytree's order is ``leaves``' order)
+                    flat, spec = pytree.tree_flatten((new.args, new.kwargs))
                     for k in where:
-                        leaves[k] = value
-                    new.args, new.kwargs = pytree.tree_unflatten(leaves, spec)
+                        flat[k] = value
+                    new.args, new.kwargs = pytree.tree_unflatten(flat, spec)
             env[node] = new
         raise AssertionError("a traced graph without an output")  # pragma: no cover
 
@@ -363,8 +378,8 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
             made = [n for n in nodes[j] if n.op == "call_function"]
             if len(made) != 1 or made[0].target is not c.rep.ops[j][0]:
                 return None
-            leaves = pytree.tree_leaves((made[0].args, made[0].kwargs))
-            if len(leaves) != len(c.rep.ops[j][2]) or leaves[k] != rep or type(leaves[k]) is not int:
+            held = leaves((made[0].args, made[0].kwargs))
+            if len(held) != len(c.rep.ops[j][2]) or held[k] != rep or type(held[k]) is not int:
                 return None
             patch.setdefault(made[0], []).append(k)
         carry = copy_in(gm, env, patch, i)
