@@ -41,8 +41,8 @@ from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device
 from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
 from ..lowering.internal import check_owned, device_of
-from ..steps import PhasedStep, StepShape, StreamGroup
-from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, scheduling_mode
+from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
+from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, members, scheduling_mode
 from ._arrivals import Traffic
 from ._loop import DecodeLoop, fence_summary, same_logits, sanitized, synthetic_work
 from ._sanitizer import Violation
@@ -65,30 +65,6 @@ def prefill_target(target: Target) -> BackendLike:
     if isinstance(target, StepShape):
         return next((p.backend for p in target.phases if p.mode is ForwardMode.TARGET_VERIFY), target.phases[0].backend)
     return target
-
-
-def _members(target: Target) -> int:
-    return len(target.members) if isinstance(target, PerStream) else 1
-
-
-def capture_list(sizes: Iterable[int], cfg: ModelConfig, target: Target | None = None) -> tuple[int, ...]:
-    """The batch sizes to capture, sorted: each in ``1..cfg.max_reqs``; for a ``per_stream``
-    group of ``m`` members only sizes ``>= m`` (every member serves a share).
-
-    >>> from readfence.backends import paged, per_stream
-    >>> capture_list([8, 1, 4, 2], ModelConfig()), capture_list([1, 2, 4], ModelConfig(), per_stream(paged(), paged()))
-    ((1, 2, 4, 8), (2, 4))
-    """
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-        raise TypeError(f"capture_sizes must be a collection of batch sizes, got {sizes!r}")
-    chosen = sorted({positive_int("capture size", s, at_most=cfg.max_reqs, limit="cfg.max_reqs") for s in sizes})
-    if not chosen:
-        raise ValueError("capture_sizes must name at least one batch size")
-    m = 1 if target is None else _members(target)
-    kept = tuple(s for s in chosen if s >= m)
-    if not kept:
-        raise ValueError(f"a per_stream group of {m} members needs a capture size >= {m}, got {chosen}")
-    return kept
 
 
 def _padded(kind: str, size: int, sizes: Sequence[int], members: int) -> int:
@@ -275,18 +251,32 @@ class ServeLoop:
     members: int = 1
 
     # -- graphs ----------------------------------------------------------------------------
-    def _lower(self, target: BackendLike | Target, mode: ForwardMode, size: int) -> LoweredStep:
+    def _lowering(self, target: BackendLike | Target) -> dict[str, Any]:
         kw = dict(self.lowering)
         if isinstance(target, PerStream):
             kw["order"] = kw.pop("stream_order")
         else:
             kw.pop("stream_order")
-        low = lower_step(target, mode, device=self.device, policy=self.policy, batch_size=size, cfg=self.cfg,
-                         state=self.state, **kw)
+        return kw
+
+    def _wired(self, low: LoweredStep) -> LoweredStep:
+        # the scheduler's writes behind this graph's fence, in the order its fence releases them
         order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
         self.writers[id(low)] = DecodeLoop(low, self.scheduler, self.device, self.device.stream("schedule"),
                                            self.written, self.write_work, self.timeline, order, self.check)
         return low
+
+    def _lower(self, target: BackendLike | Target, mode: ForwardMode, size: int) -> LoweredStep:
+        low = lower_step(target, mode, device=self.device, policy=self.policy, batch_size=size, cfg=self.cfg,
+                         state=self.state, **self._lowering(target))
+        return self._wired(low)
+
+    def _lower_all(self, target: Target, mode: ForwardMode, sizes: Sequence[int]) -> CaptureList:
+        graphs = lower_capture_list(target, mode, sizes, device=self.device, policy=self.policy, cfg=self.cfg,
+                                    state=self.state, **self._lowering(target))
+        for low in graphs.graphs.values():
+            self._wired(low)
+        return graphs
 
     def graph_for(self, step: ServeStep) -> tuple[LoweredStep, int, str]:
         """The lowered step ``step`` runs in, its batch size and its name (``"decode b4"``)."""
@@ -447,9 +437,9 @@ def serve_loop(
     loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, lowering, {},
                      device.event("scheduler/written"), synthetic_work(device, write_cost=write_cost,
                                                                         write_wait_s=write_wait_s),
-                     timeline, checker, _members(target))
-    for size in sizes:
-        loop.decode[size] = loop._lower(target, mode, size)
+                     timeline, checker, members(target))
+    for size, low in loop._lower_all(target, mode, sizes).graphs.items():
+        loop.decode[size] = low
     return loop
 
 
@@ -504,7 +494,7 @@ class SerialServe:
         self.where = torch_device(where)
         self.state = make_state(self.cfg, self.where) if state is None else state
         self.scheduler = _scheduler(target, ForwardMode.DECODE, self.cfg, traffic, self.sizes, max_prefill)
-        self.members, self.prefill = _members(target), prefill_target(target)
+        self.members, self.prefill = members(target), prefill_target(target)
         self.write_wait_s = write_wait_s
 
     def run(self, steps: int, progress: Callable[[int], None] | None = None) -> ServeResult:

@@ -1,6 +1,7 @@
 """readfence's internal API of ``steps``: what the later parts of the package share with it
 (not public: its names may change without notice)."""
 
+from ._capture import members as members
 from ._composite import StreamOrder as StreamOrder
 from ._target import LoweredStep as LoweredStep
 from ._target import Target as Target
