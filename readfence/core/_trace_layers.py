@@ -323,10 +323,10 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
     position = {n: k for k, n in enumerate(input_names)}
     pre_ph = [n for n in parts.pre.graph.nodes if n.op == "placeholder"]
     inputs = []
-    for node, name in zip(pre_ph, input_names, strict=True):
-        ph = graph.placeholder(node.name)
-        ph.meta = dict(node.meta)
-        inputs.append(ph)
+    for node, _ in zip(pre_ph, input_names, strict=True):
+        placeholder = graph.placeholder(node.name)
+        placeholder.meta = dict(node.meta)
+        inputs.append(placeholder)
     attrs_made: dict[tuple[int, str], str] = {}
 
     def copy_in(gm: fx.GraphModule, env: dict[fx.Node, Any], patch: Mapping[fx.Node, Sequence[int]] = {},
@@ -354,8 +354,7 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
             env[node] = new
         raise AssertionError("a traced graph without an output")  # pragma: no cover
 
-    env = dict(zip(pre_ph, inputs))
-    carry = copy_in(parts.pre, env)
+    carry = copy_in(parts.pre, dict(zip(pre_ph, inputs)))
     owner = {i: c for c in found for i in c.members}
     for i in range(scan.count):
         c = owner[i]
@@ -363,7 +362,7 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
         gm, nodes = parts.layers[rep]
         ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
         mine, theirs = scan.own(i), scan.own(rep)
-        env = {}
+        env: dict[fx.Node, Any] = {}
         for node, name in zip(ph, input_names):
             if name.startswith(theirs):
                 k = position.get(mine + name[len(theirs):])
@@ -384,8 +383,7 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
             patch.setdefault(made[0], []).append(k)
         carry = copy_in(gm, env, patch, i)
     ph = [n for n in parts.post.graph.nodes if n.op == "placeholder"]
-    env = {**dict(zip(ph, inputs)), ph[-1]: carry}
-    graph.output(copy_in(parts.post, env))
+    graph.output(copy_in(parts.post, {**dict(zip(ph, inputs)), ph[-1]: carry}))
     return _LazyGraphModule(root, graph)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from readfence.backends import (
+    REFERENCE_LEAVES,
     hybrid_linear,
     leaf,
     linear,
@@ -27,7 +28,6 @@ from readfence.backends import (
     store_kv,
     trtllm_mha,
 )
-from readfence.backends import REFERENCE_LEAVES
 from readfence.core import ForwardMode, ModelConfig, audit, step_functions
 from readfence.core._state import example_step
 from readfence.core._trace import trace_step

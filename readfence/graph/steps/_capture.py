@@ -18,12 +18,11 @@ from typing import Any
 import attrs
 from torch import Tensor
 
+from readfence.backends import PerStream
 from readfence.core import ForwardMode, ModelConfig
+from readfence.core.internal import positive_int
 from readfence.graph.devices import Device
 from readfence.graph.lowering import Policy, make_state
-
-from readfence.backends import PerStream
-from readfence.core.internal import positive_int
 
 from ._target import LoweredStep, Target, lower_step
 
