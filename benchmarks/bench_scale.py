@@ -1,0 +1,171 @@
+"""What tracing, auditing and lowering cost as the model deepens and the capture list grows.
+
+The layers of a model call the same backend with the same shapes, so these costs should not
+grow with depth: the body is traced once per class of layers that do the same (the others are
+copies, see ``readfence.core._trace_layers``). Measured side by side in one run, on
+``hybrid_linear(trtllm_mha, linear)`` in DECODE (two classes of layers), trace cache cleared
+before each measurement, median of ``--runs``:
+
+* ``trace``: one step's trace at batch size 2, per depth (4, 16, 64 layers), and the same
+  step traced whole (every layer through make_fx) beside it: ``trace_whole_s``;
+* ``audit``: ``audit`` at its default batch sizes (1, 2, max), with the observer;
+* ``lower``: ``lower`` at batch size 2 under EXACT on the CPU device (its audit included);
+* ratios 64 / 4 layers of each, and layered / whole at 64 layers;
+* ``capture``: ``lower_capture_list`` over batch sizes 1..16 (4 layers): the first size, the
+  median extra size and their ratio;
+* ``audit_all``: every reference backend in every mode (4 layers);
+* ``fuzz``: programs per second of the differential fuzzer (one process).
+
+    python benchmarks/bench_scale.py [--runs 3] [--json]
+    python benchmarks/bench_scale.py --quick      # smoke run of seconds: its figures measure nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
+from readfence.backends.fuzz import random_programs
+from readfence.core import (
+    ForwardMode,
+    ModelConfig,
+    audit,
+    clear_trace_cache,
+    example_step,
+    step_functions,
+    trace,
+    trace_step,
+)
+from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
+from readfence.graph.fuzz import check_program
+
+M = ForwardMode
+
+
+def target() -> Any:
+    return hybrid_linear(trtllm_mha(), linear())
+
+
+def _median(fn: Callable[[], float], runs: int) -> float:
+    return statistics.median(fn() for _ in range(runs))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    clear_trace_cache()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _whole(cfg: ModelConfig) -> object:
+    fns = attrs.evolve(step_functions(target(), M.DECODE, cfg), layers=None)
+    return trace_step(fns, M.DECODE, example_step(cfg, M.DECODE, 2).groups())
+
+
+def at_depth(cfg: ModelConfig, runs: int, dev: CpuDevice, sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """Seconds to trace (layered and whole), audit (at ``sizes``: default 1, 2, max) and lower at
+    ``cfg``'s depth; classes traced."""
+    def traced() -> object:
+        return trace(target(), M.DECODE, cfg=cfg, batch_size=2)
+
+    def audited() -> object:
+        return audit(target(), M.DECODE, cfg=cfg, batch_sizes=sizes)
+
+    def lowered() -> object:
+        return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
+
+    figures: dict[str, Any] = {"layer_traces": trace(target(), M.DECODE, cfg=cfg, batch_size=2).stages[-1].layer_traces}
+    for name, fn in (("trace_s", traced), ("trace_whole_s", lambda: _whole(cfg)), ("audit_s", audited),
+                     ("lower_s", lowered)):
+        figures[name] = _median(lambda: _timed(fn), runs)  # noqa: B023 (called in the loop)
+    return figures
+
+
+def depth(layers: Sequence[int], runs: int, dev: CpuDevice, sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """:func:`at_depth` per number of layers."""
+    return {n: at_depth(ModelConfig(layers=n), runs, dev, sizes) for n in layers}
+
+
+def capture(sizes: Sequence[int], runs: int, dev: CpuDevice) -> dict[str, Any]:
+    """Seconds to lower a capture list: the first size and the median of the others."""
+    firsts, extras = [], []
+    for _ in range(runs):
+        clear_trace_cache()
+        graphs = lower_capture_list(target(), M.DECODE, sizes, device=dev, policy=Policy.EXACT)
+        seconds = [graphs.seconds[s] for s in graphs.sizes]
+        firsts.append(seconds[0])
+        extras.append(statistics.median(seconds[1:]))
+    first, extra = statistics.median(firsts), statistics.median(extras)
+    return {"sizes": f"{sizes[0]}..{sizes[-1]}", "first_s": first, "per_extra_size_s": extra,
+            "extra_over_first": extra / first}
+
+
+def audit_all(runs: int, quick: bool = False) -> float:
+    """Seconds to audit every reference backend in every mode (cache cleared first; ``quick``:
+    one backend in one mode)."""
+    targets = [make() for make in REFERENCE_LEAVES.values()] + list(reference_compositions().values())
+    modes = (M.DECODE,) if quick else tuple(M)
+
+    def once() -> None:
+        for backend in targets[:1] if quick else targets:
+            for mode in modes:
+                audit(backend, mode)
+
+    return _median(lambda: _timed(once), runs)
+
+
+def fuzz(programs: int, dev: CpuDevice) -> float:
+    """Programs per second of the differential fuzzer, one process."""
+    drawn = list(random_programs(programs, 2026))
+    start = time.perf_counter()
+    for p in drawn:
+        check_program(p, device=dev)
+    return programs / (time.perf_counter() - start)
+
+
+def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
+    """The figures above (``quick``, a smoke run: 1 and 2 layers audited at batch size 2,
+    capture sizes 1..2, one backend audited in one mode, one program; one run)."""
+    torch.set_num_threads(1)  # the device's streams are the parallelism (benchmarks/README.md)
+    runs = runs or (1 if quick else 3)
+    layers = (1, 2) if quick else (4, 16, 64)
+    with CpuDevice(timeout=120.0) as dev:
+        trace(target(), M.DECODE, cfg=ModelConfig(layers=2))  # warm the tracer up
+        by_depth = depth(layers, runs, dev, [2] if quick else None)
+        deep, shallow = by_depth[layers[-1]], by_depth[layers[0]]
+        ratios = {f"{k.removesuffix('_s')}_{layers[-1]}_over_{layers[0]}": deep[k] / shallow[k]
+                  for k in ("trace_s", "audit_s", "lower_s")}
+        ratios[f"trace_layered_over_whole_at_{layers[-1]}"] = deep["trace_s"] / deep["trace_whole_s"]
+        out: dict[str, Any] = {"layers": by_depth, "ratios": ratios,
+                               "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
+                               "audit_all_s": audit_all(1, quick),
+                               "fuzz_programs_per_s": fuzz(1 if quick else 20, dev)}
+    return out
+
+
+def _print(figures: dict[str, Any], prefix: str = "") -> None:
+    for k, v in figures.items():
+        if isinstance(v, dict):
+            _print(v, f"{prefix}{k}.")
+        else:
+            print(f"{prefix}{k}: {v:.3f}" if isinstance(v, float) else f"{prefix}{k}: {v}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    result = main(a.quick, runs=a.runs)
+    print(json.dumps(result, indent=2, default=str) if a.json else "", end="")
+    if not a.json:
+        _print(result)
