@@ -36,6 +36,8 @@ from ._program import StageGraph as StageGraph
 from ._program import flatten_inputs as flatten_inputs
 from ._program import run_program as run_program
 from ._protocol import BackendLike as BackendLike
+from ._scan import LayerScan as LayerScan
+from ._scan import run_scan as run_scan
 from ._state import SHARED_BUFFERS as SHARED_BUFFERS
 from ._state import ModelConfig as ModelConfig
 from ._state import StepInputs as StepInputs
@@ -74,12 +76,12 @@ from ._trace import trace_step as trace_step
 __all__ = [
     "BODY", "EAGER", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "STAGE_ENDS",
     "AuditReport", "BackendLike", "BufferAudit", "CapturedStateError", "Disagreement", "ForwardMode",
-    "Interpreter", "ModelConfig", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
+    "Interpreter", "LayerScan", "ModelConfig", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
     "StageGraph", "StageOutputError", "StageThreadError", "StageWriteError", "StepFunctions", "StepInputs",
     "TensorParallel", "Unsound", "Watched",
     "all_reduce", "audit", "audit_report", "bind", "check_stage_output", "clear_trace_cache", "cross_check",
     "cross_into_graph", "default_batch_sizes", "eval_step", "example_step", "flatten_group", "flatten_inputs",
     "forward", "init_params", "make_pools", "make_shared_state", "observe", "observe_program", "observe_step",
-    "prepare", "rms_norm", "rotary", "run_program", "run_step", "split_batch", "stage_named", "step_functions",
+    "prepare", "rms_norm", "rotary", "run_program", "run_scan", "run_step", "split_batch", "stage_named", "step_functions",
     "tokens_per_request", "trace", "trace_cache_size", "trace_step",
 ]
