@@ -116,7 +116,7 @@ def bench(names: Sequence[str], quick: bool, device: str) -> None:
     """Run the benchmarks (from the source checkout) and print their ratios.
 
     \b
-    NAMES picks some (effects, audit, check, overhead, overlap, serve, fuzz, tp); default: all of them,
+    NAMES picks some (effects, audit, scale, check, overhead, overlap, serve, fuzz, tp); default: all of them,
     in that order. Exit status 1 if one fails (the others still run).
     """
     where = benchmarks_dir()
