@@ -258,7 +258,7 @@ def trace_scan(
     try:
         parts = _traced_parts(scan, inputs, args, carries, carry, found, input_names, traced, tracing, escape_op,
                               outputs)
-    except _Unrecordable:
+    except Exception:  # as above: a failing part is the whole body's trace's to report
         return None
     if parts is None:
         return None
