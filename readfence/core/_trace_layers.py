@@ -56,6 +56,18 @@ def _structure(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     return shape, tuple(kwargs)
 
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default  # what ``torch.tensor(...)`` dispatches
+
+
+def _small_literal(t: object) -> bool:
+    return type(t) is torch.Tensor and t.device.type == "cpu" and not t.is_meta and t.numel() <= 256
+
+
+def _literal(t: torch.Tensor) -> tuple[Any, ...]:
+    with torch._C.DisableTorchFunction():  # its values, not a host read of the traced code
+        return ("literal", _meta(t), tuple(t.flatten().tolist()))
+
+
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
@@ -132,7 +144,10 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if not _recordable(func) or func is self.escape_op:
             raise _Unrecordable(f"{func} escapes or holds a graph")
-        encoded = tuple(self._leaf(v) for v in leaves((args, kwargs)))
+        if func is _LIFT_FRESH and _small_literal(args[0]):
+            encoded: tuple[Any, ...] = (_literal(args[0]),)  # a literal by its value: a new tensor every call
+        else:
+            encoded = tuple(self._leaf(v) for v in leaves((args, kwargs)))
         spec = _structure(args, kwargs)
         tail = self.graph._root.prev if self.graph is not None else None
         out = func(*args, **kwargs)

@@ -154,10 +154,16 @@ def test_per_layer_values_are_not_merged() -> None:
     _same(layered, whole)
 
 
-def test_a_literal_of_the_index_is_not_merged() -> None:
+def test_literals_are_compared_by_value() -> None:
+    # a literal of the index differs in every layer; one of a constant is the same literal
     late = _reader("literal", lambda layer, s, b, q: q + torch.tensor(float(layer)))
     layered, whole = _programs(late, M.DECODE, layers=5)
     _same(layered, whole)
+    assert layered.stages[-1].layer_traces is None
+    same = _reader("constant", lambda layer, s, b, q: q * torch.tensor([0.5, 2.0]).sum())
+    layered, whole = _programs(same, M.DECODE, layers=5)
+    _same(layered, whole)
+    assert layered.stages[-1].layer_traces == 1
 
 
 class _Stash:
