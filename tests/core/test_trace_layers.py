@@ -79,20 +79,20 @@ def _targets() -> list[tuple[str, Any]]:
 
 @pytest.mark.parametrize(("name", "backend"), _targets(), ids=[n for n, _ in _targets()])
 def test_layered_trace_is_the_whole_trace(name: str, backend: Any) -> None:
-    layered, whole = _programs(backend, M.DECODE, layers=6)
+    layered, whole = _programs(backend, M.DECODE, layers=4)
     _same(layered, whole)
     body = layered.stages[-1]
     assert whole.stages[-1].layer_traces is None
-    assert body.layer_traces is not None and body.layer_traces < 6, name  # the point: layers were reused
+    assert body.layer_traces is not None and body.layer_traces < 4, name  # the point: layers were reused
 
 
 @pytest.mark.parametrize("mode", [M.TARGET_VERIFY, M.EXTEND])
 def test_layered_trace_in_other_modes(mode: ForwardMode) -> None:
-    _same(*_programs(hybrid_linear(trtllm_mha(), linear()), mode, layers=5))
+    _same(*_programs(hybrid_linear(trtllm_mha(), linear()), mode, layers=4))
 
 
 def test_layered_trace_under_fake_tensors() -> None:
-    layered, whole = _programs(hybrid_linear(trtllm_mha(), linear()), M.DECODE, layers=6, device="cuda")
+    layered, whole = _programs(hybrid_linear(trtllm_mha(), linear()), M.DECODE, layers=4, device="cuda")
     _same(layered, whole)
     assert layered.stages[-1].layer_traces == 2
 
@@ -119,21 +119,21 @@ def _lens_scale(shared, batch, q):
 
 
 def test_a_read_at_one_layer_is_traced_there() -> None:
-    late = _reader("at_seven", lambda layer, s, b, q: _lens_scale(s, b, q) if layer == 7 else q)
-    layered, whole = _programs(late, M.DECODE, layers=10)
+    late = _reader("at_four", lambda layer, s, b, q: _lens_scale(s, b, q) if layer == 4 else q)
+    layered, whole = _programs(late, M.DECODE, layers=6)
     _same(layered, whole)
-    assert layered.stages[-1].layer_traces == 2  # layer 7, and every other layer
+    assert layered.stages[-1].layer_traces == 2  # layer 4, and every other layer
     assert layered.traced()["seq_lens"] is ReadEnd.POST_REPLAY
-    assert audit(late, M.DECODE, cfg=ModelConfig(layers=10), batch_sizes=[2]).failure().buffer == "seq_lens"
+    assert audit(late, M.DECODE, cfg=ModelConfig(layers=6), batch_sizes=[2]).failure().buffer == "seq_lens"
 
 
 def test_every_fourth_layer_is_its_own_class() -> None:
     late = _reader("fourth", lambda layer, s, b, q: _lens_scale(s, b, q) if layer % 4 == 3 else q)
-    layered, whole = _programs(late, M.DECODE, layers=12)
+    layered, whole = _programs(late, M.DECODE, layers=8)
     _same(layered, whole)
     assert layered.stages[-1].layer_traces == 2
     pattern = hybrid_linear(paged(), linear(), pattern="0001")
-    layered, whole = _programs(pattern, M.DECODE, layers=8)
+    layered, whole = _programs(pattern, M.DECODE, layers=5)
     _same(layered, whole)
     assert layered.stages[-1].layer_traces == 2
 
@@ -141,27 +141,27 @@ def test_every_fourth_layer_is_its_own_class() -> None:
 def test_per_layer_values_are_not_merged() -> None:
     # a scale computed from the index, and an index one off: no two layers' records agree
     scale = _reader("scaled", lambda layer, s, b, q: q * (1.0 / (layer + 1)))
-    layered, whole = _programs(scale, M.DECODE, layers=5)
+    layered, whole = _programs(scale, M.DECODE, layers=3)
     _same(layered, whole)
     assert layered.stages[-1].layer_traces is None  # nothing repeats: traced whole
 
     def neighbour(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
-        return softmax_attention(mode, q, pools, (layer + 1) % 5, meta["kv_indices"], meta["kv_lens"])
+        return softmax_attention(mode, q, pools, (layer + 1) % 3, meta["kv_indices"], meta["kv_lens"])
 
     other = leaf("neighbour", neighbour, prepare_in_graph=_prep)
-    layered, whole = _programs(other, M.DECODE, layers=5)
+    layered, whole = _programs(other, M.DECODE, layers=3)
     _same(layered, whole)
 
 
 def test_literals_are_compared_by_value() -> None:
     # a literal of the index differs in every layer; one of a constant is the same literal
     late = _reader("literal", lambda layer, s, b, q: q + torch.tensor(float(layer)))
-    layered, whole = _programs(late, M.DECODE, layers=5)
+    layered, whole = _programs(late, M.DECODE, layers=3)
     _same(layered, whole)
     assert layered.stages[-1].layer_traces is None
     same = _reader("constant", lambda layer, s, b, q: q * torch.tensor([0.5, 2.0]).sum())
-    layered, whole = _programs(same, M.DECODE, layers=5)
+    layered, whole = _programs(same, M.DECODE, layers=3)
     _same(layered, whole)
     assert layered.stages[-1].layer_traces == 1
 
@@ -181,7 +181,7 @@ def test_a_tensor_handed_between_layers_is_traced_whole() -> None:
         stash.kept = _lens_scale(s, b, q)
         return out
 
-    layered, whole = _programs(_reader("handed", late), M.DECODE, layers=5)
+    layered, whole = _programs(_reader("handed", late), M.DECODE, layers=3)
     assert layered.stages[-1].layer_traces is None
     _same(layered, whole)
     # what a layer kept from an earlier run is trace-time state: every buffer UNKNOWN
@@ -194,7 +194,7 @@ def test_a_host_read_at_one_layer_is_traced_whole() -> None:
             return q * 2
         return q
 
-    layered, whole = _programs(_reader("host", late), M.DECODE, layers=6)
+    layered, whole = _programs(_reader("host", late), M.DECODE, layers=4)
     assert layered.stages[-1].layer_traces is None
     _same(layered, whole)
     assert not layered.stages[-1].faithful
