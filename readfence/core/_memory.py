@@ -39,11 +39,15 @@ class Span:
 
 
 def _addressless(t: torch.Tensor) -> bool:
-    if type(t) is torch.Tensor:  # the common case, without looking the fake class up
+    if type(t) is torch.Tensor:  # the common case, decided without the import below
         return t.is_meta
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+#: The address space of every CPU tensor (``t.device`` builds a new object per call).
+_CPU = ("cpu", None)
 
 
 def span_of(t: torch.Tensor) -> Span | None:
@@ -55,16 +59,25 @@ def span_of(t: torch.Tensor) -> Span | None:
     >>> span_of(torch.from_dlpack(torch.to_dlpack(t))) == span_of(t)
     True
     """
-    if t.numel() == 0:
+    # Called for every tensor argument of every op the tracer and the read observer see: the
+    # fast paths (contiguous, CPU, plain tensors) took it from 8.8 to about 3 us a call.
+    numel = t.numel()
+    if numel == 0:
         return None
     size = t.element_size()
     offset = int(t.storage_offset())  # a plain int: readfence traces with static shapes
-    last = offset + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    if t.is_contiguous():
+        last = offset + numel - 1
+    else:
+        last = offset
+        for n, stride in zip(t.shape, t.stride()):
+            last += (n - 1) * abs(stride)
     storage = t.untyped_storage()
     if _addressless(t):
         return Span(StorageWeakRef(storage), offset * size, (last + 1) * size)
     base = storage.data_ptr()
-    return Span((t.device.type, t.device.index), base + offset * size, base + (last + 1) * size)
+    space = _CPU if t.is_cpu else (t.device.type, t.device.index)
+    return Span(space, base + offset * size, base + (last + 1) * size)
 
 
 def leaves(tree: object) -> list[Any]:
@@ -99,7 +112,8 @@ def _walk(tree: object, out: list[Any]) -> None:
         out.extend(pytree.tree_leaves(tree))
 
 
-_SCALARS = frozenset({int, float, bool, str, type(None)})
+#: Leaves that hold no tensor, skipped without asking the pytree registry.
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
 
 
 def tensors_in(tree: object) -> Iterator[torch.Tensor]:
@@ -167,6 +181,8 @@ class BufferMap:
 
     def touched(self, t: torch.Tensor) -> frozenset[str]:
         """The names whose memory ``t`` may touch."""
+        if not self.spans:
+            return frozenset()
         s = span_of(t)
         if s is None:
             return frozenset()
@@ -175,6 +191,8 @@ class BufferMap:
     def touched_by(self, tree: object) -> frozenset[str]:
         """The names touched by any tensor of a pytree."""
         out: frozenset[str] = frozenset()
+        if not self.spans:
+            return out
         for t in tensors_in(tree):
             out |= self.touched(t)
         return out

@@ -27,9 +27,10 @@ from ._state import buffer_ranges as buffer_ranges
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
+from ._trace import cache_with_traces as cache_with_traces
 
 __all__ = [
-    "ROW_BLOCK", "BufferAudit", "BufferMap", "Span", "bind_arguments", "buffer_ranges", "check_backend", "check_buffers",
+    "ROW_BLOCK", "BufferAudit", "BufferMap", "Span", "bind_arguments", "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers",
     "check_forward_mode", "check_mode", "did_you_mean", "escape_note", "format_table", "matmul_rows", "op_aliasing", "pad_rows",
     "positive_int", "positive_seconds", "request_ranges", "span_of", "split_batch", "tokens_per_request",
 ]

@@ -221,11 +221,10 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
 
     monkeypatch.setattr(alias, "op_aliasing", lambda op: Blind() if "split" in str(op) else real(op))
     monkeypatch.setattr(tracing._MemoryProbe, "run", lambda self, *args: None)
-    monkeypatch.setattr(fuzz_check, "audit", functools.partial(audit, observe_steps=0))
-    # and lower's verdict, which is the audit's: with its observer, lower itself would refuse
-    import readfence.graph.lowering._lower as lowering
+    # the audit's verdict, which lower asks too: with its observer, the audit would refuse
+    import readfence.graph.lowering._verdict as verdict
 
-    monkeypatch.setattr(lowering, "audit_backend", functools.partial(audit, observe_steps=0))
+    monkeypatch.setattr(verdict, "audit_backend", functools.partial(audit, observe_steps=0))
     tracing.clear_trace_cache()
     try:
         early = _leaf("split", "attend", IN_REPLAY=["seq_lens"])

@@ -14,6 +14,7 @@ from readfence.core import (
     ForwardMode,
     Observation,
     ReadObserver,
+    clear_trace_cache,
     cross_check,
     example_step,
     observe,
@@ -528,3 +529,26 @@ def test_the_static_analysis_covers_what_the_observer_sees(case) -> None:
 def test_observation_is_exported_with_its_fields() -> None:
     fields = {f.name for f in attrs.fields(Observation)}
     assert fields >= {"backend", "mode", "buffers", "accesses", "steps", "batch_sizes", "coverage"}
+
+
+def test_a_step_already_observed_is_not_run_again_and_its_accesses_are_relabelled(monkeypatch) -> None:
+    # An audit observes one step, the fuzzer three from the same seed: the first is shared. The
+    # composed observation must be the one observing every step afresh gives.
+    import readfence.core._observe as observing
+
+    real, ran = observing.observe_step, []
+
+    def counted(fns, inputs, *, step=0):
+        ran.append(step)
+        return real(fns, inputs, step=step)
+
+    clear_trace_cache()
+    monkeypatch.setattr(observing, "observe_step", counted)
+    one = observe(paged(), M.DECODE, cfg=ONE_LAYER, batch_size=2, steps=1)
+    three = observe(paged(), M.DECODE, cfg=ONE_LAYER, batch_size=2, steps=3)
+    assert len(ran) == 3  # one step, then the two not seen yet
+    clear_trace_cache()
+    fresh = observe(paged(), M.DECODE, cfg=ONE_LAYER, batch_size=2, steps=3)
+    assert len(ran) == 6
+    assert three.accesses == fresh.accesses and {a.step for a in three.accesses} == {0, 1, 2}
+    assert one.accesses == tuple(a for a in fresh.accesses if a.step == 0)

@@ -37,14 +37,12 @@ from readfence.core import (
     ModelConfig,
     Program,
     Unsound,
-    bind,
     example_step,
     flatten_inputs,
     init_params,
     make_pools,
     make_shared_state,
 )
-from readfence.core import audit as audit_backend
 from readfence.core import trace as trace_step
 from readfence.core.internal import check_backend, check_buffers, check_forward_mode, positive_int
 from readfence.effects import ReadEnd
@@ -58,6 +56,7 @@ from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
 from ._slot import Slot, SlotSpec, StepLauncher, build_slot, last_reads
+from ._verdict import audit_verdict, bound
 
 if TYPE_CHECKING:
     from readfence.core import Unsound
@@ -277,7 +276,11 @@ def lower(
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
-        failure = _verdict(backend, mode, cfg, batch_size, device, state)
+        # the audit's own verdict, at the batch size lowered, on the live state: whatever it
+        # refuses (a declaration below the trace, or below a read the observer saw that the
+        # trace missed) no fence placed from the declaration may accept
+        failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
+                                state=state)
     else:
         failure = None
     if failure is not None:
@@ -302,34 +305,6 @@ def lower(
     )
 
 
-#: Verdicts already given, by what they depend on (at most 256: the oldest is forgotten first).
-_VERDICTS: dict[tuple[object, ...], Unsound | None] = {}
-
-
-def _verdict(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
-             state: Mapping[str, dict[str, Tensor]]) -> Unsound | None:
-    # the audit's own verdict, at the batch size lowered, on the live state: whatever it
-    # refuses (a declaration below the trace, or below a read the observer saw that the trace
-    # missed) no fence placed from the declaration may accept. It depends on the backend, the
-    # step and where the live tensors are (bind matches memory ranges), not on their values:
-    # lowering the same step under several policies asks it once.
-    where = tuple((g, k, t.data_ptr(), tuple(t.shape), t.dtype) for g, d in state.items() for k, t in d.items())
-    key = (backend, mode, cfg, batch_size, torch_device(device), where)
-    try:
-        return _VERDICTS[key]
-    except (KeyError, TypeError):  # TypeError: a backend that is not hashable is asked every time
-        pass
-    verdict = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=torch_device(device),
-                            state=state).swap().value_or(None)
-    try:
-        if len(_VERDICTS) >= 256:
-            _VERDICTS.pop(next(iter(_VERDICTS)))
-        _VERDICTS[key] = verdict
-    except TypeError:
-        pass
-    return verdict
-
-
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
               rehearsal: Rehearsal, stream: Stream, label: str, timeline: Timeline | None,
               check: CheckState | None) -> tuple[StepLauncher, dict[str, Tensor]]:
@@ -351,7 +326,7 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     """The traced step bound to the live ``state``; refuses what no fence can make correct:
     captured trace-time state (stale whatever the policy) and, on a device whose graphs
     capture kernels rather than Python, an in-graph stage that escapes the tracer."""
-    program = bind(trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)), state)
+    program = bound(trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)), state)
     unusable = [c for c in program.captured() if not c.usable]
     if unusable:
         raise CapturedStateError(backend.name, mode, unusable)
