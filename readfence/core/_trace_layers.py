@@ -250,6 +250,8 @@ def trace_scan(
     tensors the body's graph returns of what it returned; ``eager()`` the context of the
     recording run (the fake mode, under fake tensors).
     """
+    if scan.count < 2:
+        return None  # one layer: nothing to reuse, and the recording would cost a run
     names = {id(t): n for t, n in zip(args, input_names)}
     recorder = _Recorder(names, escape_op)
     groups = inputs(args)
