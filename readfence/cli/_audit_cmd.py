@@ -47,7 +47,8 @@ def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_js
 
     \b
     --jobs N audits the modes in N worker processes, each mode's nodes in one (they share
-    its traces); the reports print in the same order as from one process.
+    its traces); the reports print in the same order as from one process. (--engine audits
+    in this process.)
 
     \b
     --engine MODULE:FACTORY audits an engine's stateful backend object (SGLang's contract:
