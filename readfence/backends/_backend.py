@@ -177,6 +177,18 @@ class Backend:
             raise ValueError(f"{self.name} is a leaf: it has no children to replace")
         return self
 
+    def runs_as(self, mode: ForwardMode) -> Backend:
+        """The backend whose stage functions this one's step in ``mode`` runs, unchanged: itself,
+        or the child a wrapper hands the whole step to. Backends with the same ``runs_as`` have the
+        same trace and observation in ``mode`` (``core.audit`` makes each once).
+
+        >>> from readfence.backends import hybrid, paged, dense
+        >>> str(hybrid(decode=paged(), prefill=dense()).runs_as(ForwardMode.EXTEND))
+        'dense'
+        """
+        check_mode(mode)
+        return self
+
     def read_effect(self, mode: ForwardMode) -> ReadEffect:
         """Per shared buffer, when this backend's last read of it ends in a step of ``mode``."""
         return self._table[_INDEX[check_mode(mode, "read_effect(mode)")]]
@@ -399,6 +411,11 @@ class Leaf(Backend):
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return self.leaf_name, tuple(self.options)
 
+    def runs_as(self, mode: ForwardMode) -> Backend:
+        """Itself, but in ``IDLE``, where no stage calls the kernel: one empty leaf's step, the
+        same for every leaf."""
+        return _empty_leaf() if check_mode(mode) is ForwardMode.IDLE else self
+
     def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         if check_mode(mode) is ForwardMode.IDLE:
             return {}
@@ -540,6 +557,16 @@ def leaf(
             _check_stage(name, stage, fn)
     return Leaf(name, Functions(attend, prepare_out_graph, prepare_in_graph),
                 declaration_table(name, declare, reads))
+
+
+def _zeros_like_q(mode: ForwardMode, layer: int, q: Tensor, *rest: object) -> Tensor:
+    return q.new_zeros(q.shape)
+
+
+@functools.cache  # one value, so that every leaf's IDLE step is one trace
+def _empty_leaf() -> Leaf:
+    """The leaf whose step every leaf runs in ``IDLE`` (:meth:`Leaf.runs_as`)."""
+    return leaf("empty", _zeros_like_q, reads=())
 
 
 def redeclare(backend: Backend, read_effect: Callable[[ForwardMode], ReadEffect]) -> Leaf:

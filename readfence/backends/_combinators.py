@@ -106,6 +106,10 @@ class Select(Backend):
         """The child that runs ``mode``."""
         return self.arms[self.route[MODES.index(check_mode(mode))]][1]
 
+    def runs_as(self, mode: ForwardMode) -> Backend:
+        """What the selected child runs as: a select only forwards each stage to it."""
+        return self.selected(mode).runs_as(mode)
+
     def _shallow(self) -> tuple[Any, ...]:
         return (self.head, self.route)
 
@@ -402,6 +406,10 @@ class PerStream(_JoinBase):
     @property
     def members(self) -> tuple[Backend, ...]:
         return self.backends
+
+    def runs_as(self, mode: ForwardMode) -> Backend:
+        """What stream 0's member runs as: run directly, the step forwards each stage to it."""
+        return self.members[0].runs_as(mode)
 
     def prepare_out_graph(self, mode: M, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         return self.members[0].prepare_out_graph(mode, shared, batch)

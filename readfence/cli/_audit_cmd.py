@@ -10,7 +10,7 @@ import click
 
 from ._engine_cmd import Engine
 from ._errors import InputError, OneLineCommand
-from ._params import BATCH_SIZE, Mode, Spec, echo_json
+from ._params import BATCH_SIZE, Mode, Positive, Spec, echo_json
 
 
 def _precheck(params: dict[str, Any]) -> None:
@@ -27,8 +27,11 @@ def _precheck(params: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
 @click.option("--engine", "engines", type=Engine(), default=None,
               help="Audit an engine's own backend object instead of SPEC: MODULE:FACTORY (see readfence.engine).")
+@click.option("--jobs", "jobs", type=Positive(), default=None,
+              help="Audit the modes in N worker processes (default: one per CPU this process may use; "
+                   "1: in this process). The output is the same.")
 def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_json: bool,
-          engines: Any = None) -> None:
+          engines: Any = None, jobs: int | None = None) -> None:
     """Trace SPEC (default: every reference backend) and check its declared read ends.
 
     \b
@@ -41,6 +44,11 @@ def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_js
     line and counts too), and the verdict (exact, conservative, unsound). Then how many
     declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
     Exit status 1 if any declaration is unsound (earlier than a traced read).
+
+    \b
+    --jobs N audits the modes in N worker processes, each mode's nodes in one (they share
+    its traces); the reports print in the same order as from one process. (--engine audits
+    in this process.)
 
     \b
     --engine MODULE:FACTORY audits an engine's stateful backend object (SGLang's contract:
@@ -59,13 +67,16 @@ def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_js
     from readfence.graph import StepShape
 
     from . import _audit_run
+    from ._audit_pool import available_cpus
 
     sizes = tuple(batch_sizes) or default_batch_sizes(ModelConfig())
+    jobs = available_cpus() if jobs is None else jobs
     if isinstance(spec, StepShape):
-        reports = _audit_run.audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json)
+        reports = _audit_run.audit_phases(spec, modes, batch_sizes=sizes, progress=not as_json, jobs=jobs)
     else:
         backends = [spec] if spec is not None else _audit_run.reference_backends()
-        reports = _audit_run.audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes)
+        reports = _audit_run.audit_all(backends, modes or tuple(ForwardMode), progress=not as_json, batch_sizes=sizes,
+                                       jobs=jobs)
     counts = _audit_run.totals(reports)
     if as_json:
         echo_json([row for r in reports for row in r.rows(detail=True)])

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from readfence.core import ForwardMode, audit_report
+from readfence.core.internal import positive_int
 from readfence.graph import StepShape
 
 from ._errors import InputError
@@ -24,23 +25,25 @@ def reference_backends() -> list[Any]:
 
 
 def audit_all(backends: Iterable[Any], modes: Sequence[ForwardMode], *, progress: bool = False,
-              batch_sizes: Sequence[int] | None = None) -> list[Any]:
+              batch_sizes: Sequence[int] | None = None, jobs: int = 1) -> list[Any]:
     """One :class:`~readfence.core.AuditReport` per (backend, mode), in that order.
 
     ``progress`` shows a bar on stderr when it is a terminal (tracing takes a while);
-    ``batch_sizes`` are traced for each (default: 1, 2 and the model's maximum).
+    ``batch_sizes`` are traced for each (default: 1, 2 and the model's maximum); ``jobs`` > 1
+    audits the modes in that many worker processes (the same reports, in the same order).
 
     >>> from readfence.backends import paged
     >>> [r.sound for r in audit_all([paged()], [ForwardMode.DECODE])]
     [True]
     """
-    return _audit_pairs([(b, m) for b in backends for m in modes], progress, batch_sizes)
+    return _audit_pairs([(b, m) for b in backends for m in modes], progress, batch_sizes, jobs)
 
 
 def audit_phases(shape: StepShape, modes: Sequence[ForwardMode] = (), *, progress: bool = False,
-                 batch_sizes: Sequence[int] | None = None) -> list[Any]:
+                 batch_sizes: Sequence[int] | None = None, jobs: int = 1) -> list[Any]:
     """One report per distinct (backend, mode) of a step shape's phases (a phase fixes its own
-    mode); ``modes``, when given, keeps only the phases in those modes.
+    mode); ``modes``, when given, keeps only the phases in those modes; ``jobs`` as for
+    :func:`audit_all`.
 
     >>> from readfence.graph import parse_step
     >>> [(r.path, r.mode.name) for r in audit_phases(parse_step("ngram(paged)").unwrap(), batch_sizes=[2])]
@@ -51,16 +54,28 @@ def audit_phases(shape: StepShape, modes: Sequence[ForwardMode] = (), *, progres
         have = sorted({p.mode.name.lower() for p in shape.phases})
         raise InputError(f"{shape} has no phase in mode {', '.join(m.name.lower() for m in modes)}; "
                          f"its phases run in: {', '.join(have)}")
-    return _audit_pairs(pairs, progress, batch_sizes)
+    return _audit_pairs(pairs, progress, batch_sizes, jobs)
 
 
 def _audit_pairs(pairs: Sequence[tuple[Any, ForwardMode]], progress: bool,
-                 batch_sizes: Sequence[int] | None) -> list[Any]:
+                 batch_sizes: Sequence[int] | None, jobs: int) -> list[Any]:
     from tqdm import tqdm
 
-    bar = tqdm(pairs, file=sys.stderr, unit="audit", leave=False,
-               disable=not (progress and sys.stderr.isatty()))
-    return [audit_report(b, m, batch_sizes=batch_sizes) for b, m in bar]
+    from ._audit_pool import audit_in_workers, one_thread
+
+    positive_int("jobs", jobs)
+    with one_thread(), tqdm(total=len(pairs), file=sys.stderr, unit="audit", leave=False,
+                            disable=not (progress and sys.stderr.isatty())) as bar:
+        if jobs > 1 and len({m for _, m in pairs}) > 1:
+            reports = audit_in_workers(pairs, jobs=jobs, batch_sizes=batch_sizes, done=bar.update)
+            if reports is not None:
+                return reports
+            bar.reset()
+        out = []
+        for b, m in pairs:
+            out.append(audit_report(b, m, batch_sizes=batch_sizes))
+            bar.update()
+        return out
 
 
 def totals(reports: Iterable[Any]) -> dict[str, int]:

@@ -13,7 +13,7 @@ end is the latest over them, and the report names the batch size that reads it l
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from returns.result import Result, Success
@@ -27,14 +27,16 @@ from readfence.effects import (
 
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
-from ._observe import Disagreement, cross_check, observe
+from ._observe import Disagreement, Observation, cross_check, observe
 from ._program import ESCAPE, Program
-from ._protocol import BackendLike
+from ._protocol import BackendLike, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
 from ._trace import StageWriteError, bind, trace
 
 EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"
+
+_R = TypeVar("_R", Program, Observation)
 
 #: Notes on declarations that are sound but leave work to do.
 NOTES: dict[ReadEnd, str] = {
@@ -278,20 +280,27 @@ def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
+def _named(result: _R, name: str) -> _R:
+    """A trace or an observation of the backend another runs as, under that other's name."""
+    return result if result.backend == name else attrs.evolve(result, backend=name)
+
+
 def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any],
                 batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None, observe_steps: int) -> AuditReport:
-    # per batch size: the traced program and, independently, what running it really reads
+    # per batch size: the traced program and, independently, what running it really reads;
+    # both of the backend the step runs as (a wrapper's is its child's: traced and observed once)
+    runner = runs_as(backend, mode)
     runs: list[tuple[int, Any, ReadEffect]] = []
     disagreements: list[Disagreement] = []
     for n in batch_sizes:
         try:
-            program = trace(backend, mode, batch_size=n, **kw)
+            program = _named(trace(runner, mode, batch_size=n, **kw), backend.name)
         except StageWriteError as e:
             raise e.at(path) from None
         program = program if state is None else bind(program, state)
         effect = program.traced()
         if observe_steps:
-            seen = observe(backend, mode, batch_size=n, steps=observe_steps, cfg=kw["cfg"])
+            seen = _named(observe(runner, mode, batch_size=n, steps=observe_steps, cfg=kw["cfg"]), backend.name)
             disagreements += cross_check(program, seen)
             effect = effect | seen.observed()  # a read the trace missed still counts
         runs.append((n, program, effect))

@@ -40,6 +40,9 @@ class BackendLike(Protocol):
     buffer, in place, through a view or with ``out=`` (``StageWriteError``): the scheduler owns
     them. A read of a shared buffer ends at the stage that makes it, which is what
     :meth:`read_effect` must declare (``readfence.core.audit`` checks it against the traced code).
+
+    Optionally, ``runs_as(mode)`` names the backend whose stage functions the step in ``mode``
+    runs unchanged (a wrapper handing the whole step to one child); see :func:`runs_as`.
     """
 
     @property
@@ -110,3 +113,23 @@ class BackendLike(Protocol):
         outputs. Returns the attention output shaped like ``q``. It must not write ``shared``.
         """
         ...
+
+
+def runs_as(backend: BackendLike, mode: ForwardMode) -> BackendLike:
+    """The backend whose stage functions ``backend``'s step in ``mode`` runs: what its optional
+    ``runs_as(mode)`` method says (a wrapper that hands the whole step to one child names it),
+    else ``backend`` itself. Two backends that run as the same one trace and observe alike, so
+    ``audit`` traces and observes that one once and reports it under each name.
+
+    >>> from readfence.backends import per_stream, paged, trtllm_mha
+    >>> runs_as(per_stream(paged(), trtllm_mha()), ForwardMode.DECODE) == paged()
+    True
+    """
+    method = getattr(backend, "runs_as", None)
+    if method is None:
+        return backend
+    runner = method(mode)
+    if not isinstance(runner, BackendLike):
+        raise TypeError(f"{backend.name}.runs_as({mode}) must return a backend, got {runner!r} "
+                        f"({type(runner).__name__})")
+    return runner

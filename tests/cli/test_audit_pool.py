@@ -1,0 +1,65 @@
+"""``readfence audit --jobs N``: worker processes give the reports one process gives, in its order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from readfence.backends import paged, per_stream, redeclare, tbo, trtllm_mha
+from readfence.cli import _audit_pool, _audit_run
+from readfence.core import ForwardMode, clear_trace_cache
+from readfence.effects import ReadEffect
+from tests.core.test_runs_as import findings
+
+M = ForwardMode
+BACKENDS = [tbo(trtllm_mha(), paged()), per_stream(paged(), trtllm_mha())]
+MODES = [M.IDLE, M.DECODE]
+
+
+def test_workers_give_the_reports_of_one_process_in_its_order():
+    clear_trace_cache()  # the workers fork from here: let them trace for themselves
+    pairs = [(b, m) for b in BACKENDS for m in MODES]
+    ready: list[int] = []
+    parallel = _audit_pool.audit_in_workers(pairs, jobs=2, batch_sizes=[2], done=ready.append)
+    assert parallel is not None and sorted(ready) == [2, 2]
+    alone = _audit_run.audit_all(BACKENDS, MODES, batch_sizes=[2], jobs=1)
+    assert [(r.path, r.mode) for r in parallel] == [(str(b).split("(")[0], m) for b, m in pairs]
+    assert [findings(r) for r in parallel] == [findings(r) for r in alone]
+
+
+@pytest.mark.slow
+def test_the_command_prints_the_same_with_and_without_workers(cli):
+    args = ["audit", "tbo(trtllm_mha, paged)", "--mode", "idle", "--mode", "decode", "--batch-size", "2"]
+    assert cli(*args, "--jobs", "2").output == cli(*args, "--jobs", "1").output
+
+
+def test_a_backend_its_spec_does_not_give_back_is_audited_here(cli):
+    early = redeclare(paged(), lambda m: ReadEffect.unknown())
+    assert not _audit_pool.sendable([paged(), early])
+    assert _audit_pool.audit_in_workers([(early, M.DECODE), (early, M.IDLE)], jobs=2, batch_sizes=[1]) is None
+    reports = _audit_run.audit_all([early], [M.DECODE, M.IDLE], batch_sizes=[1], jobs=2)  # here instead
+    assert [r.declared for r in reports] == [ReadEffect.unknown()] * 2
+
+
+def _fails(specs, mode, batch_sizes):
+    raise RuntimeError("a worker failed")
+
+
+def test_a_failed_worker_leaves_the_audit_to_this_process(monkeypatch):
+    monkeypatch.setattr(_audit_pool, "_audit_mode", _fails)  # the forked workers run it too
+    pairs = [(paged(), M.DECODE), (paged(), M.IDLE)]
+    assert _audit_pool.audit_in_workers(pairs, jobs=2, batch_sizes=[1]) is None
+    assert [r.sound for r in _audit_run.audit_all([paged()], [M.DECODE, M.IDLE], batch_sizes=[1], jobs=2)] == [True] * 2
+
+
+def test_one_thread_is_undone():
+    before = torch.get_num_threads()
+    with _audit_pool.one_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_jobs_must_be_a_positive_integer(cli):
+    result = cli("audit", "paged", "--jobs", "0")
+    assert result.exit_code == 2
+    assert result.output.strip() == "Error: invalid --jobs '0': must be a positive integer (1, 2, 3, ...)"
