@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -85,27 +86,46 @@ def audit_in_workers(pairs: Sequence[tuple[Any, ForwardMode]], *, jobs: int, bat
         by_mode.setdefault(mode, []).append(i)
     sizes = None if batch_sizes is None else tuple(batch_sizes)
     reports: list[AuditReport | None] = [None] * len(pairs)
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(by_mode)), mp_context=_context(),
-                                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(by_mode)), mp_context=_context(),
+                                                  initializer=torch.set_num_threads, initargs=(1,))
+    try:
         tasks = {pool.submit(_audit_mode, tuple(str(pairs[i][0]) for i in index), mode.name, sizes): index
                  for mode, index in by_mode.items()}
-        for task in concurrent.futures.as_completed(tasks):
+        for task in concurrent.futures.as_completed(tasks, timeout=WORKER_TIMEOUT_S):
             if task.exception() is not None:
-                for other in tasks:
-                    other.cancel()
                 return None
             for i, report in zip(tasks[task], task.result(), strict=True):
                 reports[i] = report
             done(len(tasks[task]))
+    except concurrent.futures.TimeoutError:
+        return None  # a worker that never answers: audit here instead, never hang
+    finally:
+        _stop(pool)
     return [r for r in reports if r is not None]
+
+
+#: The longest the workers may take over all modes before the audit runs in this process.
+WORKER_TIMEOUT_S = 600.0
+
+
+def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    # a worker still running (a failure elsewhere, a timeout) is killed rather than waited for
+    for process in list(getattr(pool, "_processes", {}).values()):
+        if process.is_alive():
+            process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _context() -> Any:
     # forked, as torch's DataLoader starts its workers: they inherit this process's imports
     # (torch and readfence: 3 s a spawned worker would spend) and set torch to one thread
-    # before any op, so no intra-op thread pool is used across the fork
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method)
+    # before any op, so no intra-op thread pool is used across the fork. Only a process with
+    # no other thread is forked: a lock another thread holds at the fork stays held in the
+    # child forever (a caller running devices, a test runner); those get a fork server.
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
 def _audit_mode(specs: tuple[str, ...], mode: str, batch_sizes: tuple[int, ...] | None) -> list[AuditReport]:
