@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -792,7 +792,7 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
         if not s.captured and initial == s.initial:
             stages.append(s)
             continue
-        gm = fx.GraphModule(s.gm, copy.deepcopy(s.gm.graph))
+        gm = _LazyGraphModule(s.gm, copy.deepcopy(s.gm.graph))  # its code made when it is called
         captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), state["shared"],
                                                                     shared, owned)
                          for c in s.captured)
