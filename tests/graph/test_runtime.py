@@ -55,7 +55,7 @@ from readfence.graph import (
 from tests.conftest import TWO_LAYERS as CFG
 
 M = ForwardMode
-STEPS = 200  # long enough for the event rings to wrap many times and for delays to reorder work
+STEPS = 120  # long enough for the event rings to wrap many times and for delays to reorder work
 BATCH = 2
 
 
