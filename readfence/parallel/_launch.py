@@ -180,11 +180,17 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
+#: What gloo's transport says when a peer's connection goes (a rank killed mid-collective): a
+#: plain RuntimeError that names neither gloo nor a DistError.
+_TRANSPORT_ERRORS = ("pair closure", "connection closed by peer", "connection reset by peer")
+
+
 def _is_collective_error(e: BaseException) -> bool:
     import torch.distributed as dist
 
-    text = str(e)
-    return isinstance(e, dist.DistError) or "gloo" in text.lower() or "nccl" in text.lower()
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or "gloo" in text or "nccl" in text or any(
+        t in text for t in _TRANSPORT_ERRORS)
 
 
 def _kind(exc: BaseException) -> str:
