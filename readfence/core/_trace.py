@@ -529,30 +529,18 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
 
 def _trace_scan_of(call: StageCall, with_inputs: Callable[[Sequence[torch.Tensor]], dict[str, Any]],
                    args: Sequence[torch.Tensor], input_names: Sequence[str], fake_mode: Any,
-                   tracing: Callable[[], Any], outputs_of: Callable[[Any], list[tuple[str, Any]]],
-                   stash: dict[str, Any]) -> fx.GraphModule | None:
+                   traced: Callable[[], Any], tracing: Callable[[], Any],
+                   outputs_of: Callable[[Any], list[tuple[str, Any]]], stash: dict[str, Any]) -> fx.GraphModule | None:
     """The body's graph built from one trace per class of its layers (``_trace_layers``), or
     ``None`` to trace it whole. Fills ``stash`` as the whole body's trace does."""
     assert call.scan is not None
     backend, stage = call.backend, call.stage
-    fake = fake_mode is not None
-
-    @contextlib.contextmanager
-    def traced() -> Iterator[None]:
-        with contextlib.ExitStack() as ctx:
-            ctx.enter_context(_TraceMode(fake=fake))
-            ctx.enter_context(_HostReads(fake=fake))
-            ctx.enter_context(watch_threads(backend, stage.name, "the trace"))
-            yield
-
-    def groups(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-        return dict(with_inputs(tensors))
 
     def outputs(out: Any) -> tuple[torch.Tensor, ...]:
         return tuple(v for _, v in outputs_of(check_stage_output(stage, out, backend=backend)))
 
-    found = trace_scan(call.scan, groups, args, input_names, traced=traced, tracing=tracing, escape_op=OPAQUE_OP,
-                       outputs=outputs, eager=(lambda: fake_mode) if fake else contextlib.nullcontext)
+    found = trace_scan(call.scan, with_inputs, args, input_names, traced=traced, tracing=tracing, escape_op=OPAQUE_OP,
+                       outputs=outputs, eager=contextlib.nullcontext if fake_mode is None else (lambda: fake_mode))
     if found is None:
         return None
     out = check_stage_output(stage, found.out, backend=backend)
@@ -581,9 +569,16 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             flat[i] = tensors[slot[names[i]]]
         return call.rebuild(flat, spec)
 
-    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @contextlib.contextmanager
+    def traced() -> Iterator[None]:
+        # what every run of the stage's code under the tracer is in (the whole stage's trace,
+        # a layer's, the layers' recording run)
         fake = fake_mode is not None
         with _TraceMode(fake=fake), _HostReads(fake=fake), watch_threads(backend, stage.name, "the trace"):
+            yield
+
+    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with traced():
             out = call.fn(**with_inputs(tensors))
         pairs = outputs_of(out)
         stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
@@ -610,8 +605,8 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             ctx.enter_context(_use_lazy_graph_module(True))
             yield
 
-    layered = None if call.scan is None else _trace_scan_of(call, with_inputs, args, input_names, fake_mode, tracing,
-                                                            outputs_of, stash)
+    layered = None if call.scan is None else _trace_scan_of(call, with_inputs, args, input_names, fake_mode, traced,
+                                                            tracing, outputs_of, stash)
     if layered is not None:
         gm = layered
     else:
