@@ -114,7 +114,10 @@ class _Recorder(TorchDispatchMode):
         self.origin[id(carry)] = (index, ("carry", _meta(carry)), weakref.ref(carry))
 
     def end(self, out: object) -> LayerRecord:
-        return LayerRecord(self.layer, tuple(self.ops), self._leaf(out))
+        """The layer's record; ops after it (between layers) are not recorded."""
+        record = LayerRecord(self.layer, tuple(self.ops), self._leaf(out))
+        self.layer = -1
+        return record
 
     def _tensor(self, t: torch.Tensor) -> tuple[Any, ...]:
         hit = self.origin.get(id(t))
@@ -265,7 +268,6 @@ def trace_scan(
                     recorder.begin(i, scan.own(i), carry)
                     carry = scan.layer(i, carry, groups)
                     records.append(recorder.end(carry))
-                    recorder.layer = -1
             out = scan.post(carry, groups)
     except Exception:  # the whole body's trace says what went wrong, as it always has
         return None
@@ -318,7 +320,6 @@ def _traced_parts(scan: LayerScan, inputs: Callable[[Sequence[torch.Tensor]], di
                     rec.begin(index, scan.own(index), t[-1])
                     out = scan.layer(index, t[-1], inputs(t[:-1]))
                     seen["record"], seen["nodes"] = rec.end(out), rec.nodes
-                    rec.layer = -1
                 return out
 
             gm = make_fx(layer, tracing_mode="real")(*args, carries[index])
@@ -402,8 +403,3 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
     ph = [n for n in parts.post.graph.nodes if n.op == "placeholder"]
     graph.output(copy_in(parts.post, {**dict(zip(ph, inputs)), ph[-1]: carry}))
     return _LazyGraphModule(root, graph)
-
-
-def no_context() -> contextlib.AbstractContextManager[None]:
-    """A context that does nothing (for ``trace_scan``'s ``traced``/``tracing`` in tests)."""
-    return contextlib.nullcontext()
