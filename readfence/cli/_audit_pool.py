@@ -12,11 +12,10 @@ thread; it forgets a mode's traces once the mode is done, as no later task can u
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import multiprocessing
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,25 +34,6 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Torch on one intra-op thread for the block, then as it was.
-
-    The tiny model's ops are too small to split over threads: on a two-core machine shared with
-    other work, one thread traced and observed the reference audit in 76 s where two took 172 s.
-
-    >>> with one_thread():
-    ...     torch.get_num_threads()
-    1
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def sendable(backends: Sequence[Any]) -> bool:

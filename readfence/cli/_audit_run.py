@@ -61,10 +61,11 @@ def _audit_pairs(pairs: Sequence[tuple[Any, ForwardMode]], progress: bool,
                  batch_sizes: Sequence[int] | None, jobs: int) -> list[Any]:
     from tqdm import tqdm
 
-    from ._audit_pool import audit_in_workers, one_thread
+    from ._audit_pool import audit_in_workers
+    from ._torch_threads import one_intra_op_thread
 
     positive_int("jobs", jobs)
-    with one_thread(), tqdm(total=len(pairs), file=sys.stderr, unit="audit", leave=False,
+    with one_intra_op_thread(), tqdm(total=len(pairs), file=sys.stderr, unit="audit", leave=False,
                             disable=not (progress and sys.stderr.isatty())) as bar:
         if jobs > 1 and len({m for _, m in pairs}) > 1:
             reports = audit_in_workers(pairs, jobs=jobs, batch_sizes=batch_sizes, done=bar.update)

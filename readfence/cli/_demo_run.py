@@ -9,12 +9,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import (
@@ -30,6 +28,7 @@ from readfence.graph import (
 
 from . import _trace
 from ._params import DEFAULT_SPEC
+from ._torch_threads import one_intra_op_thread
 from ._trace import CappedTimeline, WaitRecorder, add_replays, add_waits
 
 if TYPE_CHECKING:
@@ -105,20 +104,7 @@ def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, tr
         return res, timeline, dev.name, dev.caps
 
 
-@contextlib.contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    # One intra-op thread, as in the benchmarks: a CPU device's streams are its parallelism, and
-    # torch's default pool (one thread per core) made the tiny model's eager steps 6x slower on
-    # a loaded 2-core VM (97 against 630 steps/s), the serial reference's more than the loop's.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@_one_intra_op_thread()
+@one_intra_op_thread()
 def run_demo(
     backend: Target,
     *,

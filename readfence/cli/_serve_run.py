@@ -10,12 +10,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import torch
 
 from readfence.core import ModelConfig
 from readfence.graph import (
@@ -31,6 +29,7 @@ from readfence.graph import (
 )
 
 from ._demo_run import with_baseline
+from ._torch_threads import one_intra_op_thread
 from ._trace import TRACE_STEPS, CappedTimeline, WaitRecorder, add_step_replays, add_waits
 
 __all__ = ["ServeReport", "check_serving", "run_serve_policies"]
@@ -71,23 +70,11 @@ def check_serving(target: Any, traffic: Traffic, capture_sizes: Sequence[int], c
     serve_scheduler(target, traffic, capture_sizes, cfg)
 
 
-@contextlib.contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    # as the demo: a CPU device's streams are its parallelism; one intra-op thread also keeps the
-    # reference and the loop on the same matmul kernels (readfence.core._invariant)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _counts(sizes: dict[int, int]) -> dict[str, int]:
     return {str(k): v for k, v in sizes.items()}
 
 
-@_one_intra_op_thread()
+@one_intra_op_thread()
 def run_serve_policies(
     target: Any,
     *,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from readfence.backends import paged, per_stream, redeclare, tbo, trtllm_mha
-from readfence.cli import _audit_pool, _audit_run
+from readfence.cli import _audit_pool, _audit_run, _torch_threads
 from readfence.core import ForwardMode, clear_trace_cache
 from readfence.effects import ReadEffect
 from tests.core.test_runs_as import findings
@@ -54,7 +54,7 @@ def test_a_failed_worker_leaves_the_audit_to_this_process(monkeypatch):
 
 def test_one_thread_is_undone():
     before = torch.get_num_threads()
-    with _audit_pool.one_thread():
+    with _torch_threads.one_intra_op_thread():
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
 
