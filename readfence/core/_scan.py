@@ -27,6 +27,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
+from ._checks import positive_int
+
 
 @attrs.frozen
 class LayerScan:
@@ -37,9 +39,14 @@ class LayerScan:
     tensor (the residual stream). ``own(index)`` is the prefix of the dotted input names that
     belong to layer ``index`` alone (``"params.layers.3."``): a layer that reads its own
     weights, and otherwise what every layer reads, does what the layers beside it do.
+
+    >>> LayerScan(0, lambda i: i, lambda i, c, inputs: c, lambda c, inputs: c, str)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: LayerScan count (layers) must be a positive int, got 0 (int)
     """
 
-    count: int
+    count: int = attrs.field(validator=lambda _, __, n: positive_int("LayerScan count (layers)", n))
     pre: Callable[[Mapping[str, Any]], Tensor]
     layer: Callable[[int, Tensor, Mapping[str, Any]], Tensor]
     post: Callable[[Tensor, Mapping[str, Any]], Tensor]
