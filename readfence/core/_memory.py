@@ -112,6 +112,8 @@ def _walk(tree: object, out: list[Any]) -> None:
         out.extend(pytree.tree_leaves(tree))
 
 
+_NONE: frozenset[str] = frozenset()
+
 #: Leaves that hold no tensor, skipped without asking the pytree registry.
 _SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
 
@@ -160,6 +162,12 @@ class BufferMap:
     """
 
     spans: tuple[tuple[str, Span], ...]
+    # the CPU spans as ``(name, start, stop)``: what a plain CPU tensor is matched against
+    _cpu: tuple[tuple[str, int, int], ...] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        cpu = tuple((n, s.start, s.stop) for n, s in self.spans if type(s.space) is tuple and s.space == _CPU)
+        object.__setattr__(self, "_cpu", cpu)
 
     @classmethod
     def of(cls, named: Mapping[str, object]) -> BufferMap:
@@ -182,7 +190,19 @@ class BufferMap:
     def touched(self, t: torch.Tensor) -> frozenset[str]:
         """The names whose memory ``t`` may touch."""
         if not self.spans:
-            return frozenset()
+            return _NONE
+        if type(t) is torch.Tensor and t.is_cpu and not t.is_meta:
+            # the hot path (every tensor argument of every op the probe and the observer see):
+            # ``span_of``'s interval from one data pointer, without its storage or a Span
+            numel = t.numel()
+            if numel == 0:
+                return _NONE
+            start = t.data_ptr()
+            if t.is_contiguous():
+                stop = start + numel * t.element_size()
+            else:
+                stop = start + (sum((n - 1) * abs(d) for n, d in zip(t.shape, t.stride())) + 1) * t.element_size()
+            return frozenset(n for n, lo, hi in self._cpu if lo < stop and start < hi)
         s = span_of(t)
         if s is None:
             return frozenset()

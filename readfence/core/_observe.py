@@ -288,13 +288,16 @@ class ReadObserver(TorchDispatchMode):
     def _record_op(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> OpAliasing | None:
         """Record what ``func`` reads and writes; a view claim is returned, to be checked on the
         op's output once it ran."""
+        touched = self.buffers.touched_by((args, kwargs))
+        if not touched:  # most ops: what follows looks only at these arguments
+            return None
         aliasing = op_aliasing(func)
         if aliasing is None:
-            for b in sorted(self.buffers.touched_by((args, kwargs))):
+            for b in sorted(touched):
                 self._add(b, self._qualified(str(func)), "read", "no schema: counted as a read")
             return None
         if aliasing.is_view:
-            return aliasing if self.buffers.touched_by((args, kwargs)) else None
+            return aliasing
         values = bind(func, args, kwargs)
         read = self.buffers.touched_by(values)
         if not read:

@@ -37,8 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
-from ._memory import BufferMap, span_of, tensors_in, view_claim_holds
+from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
+from ._probe import MemoryProbe as _MemoryProbe
+from ._probe import ProbeResult
 from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
 from ._protocol import BackendLike
 from ._schema import bind as bind_arguments
@@ -240,6 +242,20 @@ class _HostReads(TorchDispatchMode):
             return func(*args, **kwargs)
 
 
+class _Escapes(TorchFunctionMode):
+    """The part of :class:`_TraceMode` an eager run of real tensors needs: every escape marked
+    (a ``readfence::opaque`` op on what it hands over, which the layer recorder refuses). No
+    graph is being made, so there are no nodes to give a source line."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        what = _ESCAPES.get(func)
+        if what is not None and args and isinstance(args[0], torch.Tensor):
+            for t in args:
+                if isinstance(t, torch.Tensor):
+                    OPAQUE_OP(t, what)
+        return func(*args, **(kwargs or {}))
+
+
 class _TraceMode(TorchFunctionMode):
     """Records escapes and the user's source line of every node; under fake tensors on a
     device this build lacks, indexes via aten."""
@@ -368,45 +384,6 @@ def _identifier(dotted: str) -> str:
 _LITERAL_USERS = frozenset({torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default})
 
 
-class _MemoryProbe(fx.Interpreter):
-    """Runs a traced stage on real tensors, recording what each node's value touches in memory.
-
-    Independent of the schemas: a node whose output overlaps a shared buffer aliases it,
-    whatever its schema says, and a node that changes a shared buffer's bytes writes it.
-    """
-
-    def __init__(self, gm: fx.GraphModule, shared: Mapping[str, torch.Tensor]) -> None:
-        super().__init__(gm)
-        self.shared = shared
-        self.buffers = BufferMap.of(shared)
-        self.touched: dict[str, frozenset[str]] = {}
-        self.changed: list[tuple[fx.Node, str]] = []
-        self.copies: set[str] = set()  # view claims the memory refutes (see ``view_claim_holds``)
-
-    def run_node(self, n: fx.Node) -> Any:
-        watch: frozenset[str] = frozenset()
-        before: dict[str, torch.Tensor] = {}
-        aliasing = op_aliasing(n.target) if n.op == "call_function" else None
-        if n.op == "call_function":
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            watch = self.buffers.touched_by((args, kwargs))
-            if watch and not (aliasing is not None and aliasing.is_view):
-                before = {b: self.shared[b].clone() for b in watch}
-        out = super().run_node(n)
-        if aliasing is not None and aliasing.is_view:
-            values = bind_arguments(n.target, args, kwargs)
-            outs = out if len(aliasing.outputs) > 1 else (out,)
-            if not view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs]):
-                self.copies.add(n.name)
-        touched = self.buffers.touched_by(out)
-        if touched:
-            self.touched[n.name] = touched
-        for b, old in before.items():
-            if not torch.equal(old, self.shared[b]):
-                self.changed.append((n, b))
-        return out
-
-
 def _captured(backend: str, stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
     out = []
     for node in gm.graph.nodes:
@@ -528,8 +505,8 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
 
 
 def _trace_scan_of(call: StageCall, with_inputs: Callable[[Sequence[torch.Tensor]], dict[str, Any]],
-                   args: Sequence[torch.Tensor], input_names: Sequence[str], fake_mode: Any,
-                   traced: Callable[[], Any], tracing: Callable[[], Any],
+                   args: Sequence[torch.Tensor], input_names: Sequence[str], shared: Mapping[str, Any], fake_mode: Any,
+                   traced: Callable[[], Any], recording: Callable[[], Any], tracing: Callable[[], Any],
                    outputs_of: Callable[[Any], list[tuple[str, Any]]], stash: dict[str, Any]) -> fx.GraphModule | None:
     """The body's graph built from one trace per class of its layers (``_trace_layers``), or
     ``None`` to trace it whole. Fills ``stash`` as the whole body's trace does."""
@@ -539,13 +516,17 @@ def _trace_scan_of(call: StageCall, with_inputs: Callable[[Sequence[torch.Tensor
     def outputs(out: Any) -> tuple[torch.Tensor, ...]:
         return tuple(v for _, v in outputs_of(check_stage_output(stage, out, backend=backend)))
 
-    found = trace_scan(call.scan, with_inputs, args, input_names, traced=traced, tracing=tracing, escape_op=OPAQUE_OP,
-                       outputs=outputs, eager=contextlib.nullcontext if fake_mode is None else (lambda: fake_mode))
+    found = trace_scan(call.scan, with_inputs, args, input_names, traced=traced, recording=recording, tracing=tracing,
+                       escape_op=OPAQUE_OP, outputs=outputs,
+                       eager=contextlib.nullcontext if fake_mode is None else (lambda: fake_mode),
+                       shared=shared if fake_mode is None else None)
     if found is None:
         return None
     out = check_stage_output(stage, found.out, backend=backend)
     pairs = outputs_of(out)
     stash["out"], stash["names"], stash["layer_traces"] = out, tuple(n for n, _ in pairs), found.classes
+    if found.probe is not None:
+        stash["probe"] = found.probe
     return found.gm
 
 
@@ -577,6 +558,18 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         with _TraceMode(fake=fake), _HostReads(fake=fake), watch_threads(backend, stage.name, "the trace"):
             yield
 
+    @contextlib.contextmanager
+    def recording() -> Iterator[None]:
+        # the layers' eager run on real tensors, recorded op by op: no graph is made, so of the
+        # tracer's modes only the escapes matter (``_HostReads`` acts only under make_fx); on
+        # fake tensors the tracer's own rules (it indexes a device this build lacks via aten)
+        if fake_mode is not None:
+            with traced():
+                yield
+        else:
+            with _Escapes(), watch_threads(backend, stage.name, "the trace"):
+                yield
+
     def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with traced():
             out = call.fn(**with_inputs(tensors))
@@ -605,8 +598,8 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             ctx.enter_context(_use_lazy_graph_module(True))
             yield
 
-    layered = None if call.scan is None else _trace_scan_of(call, with_inputs, args, input_names, fake_mode, traced,
-                                                            tracing, outputs_of, stash)
+    layered = None if call.scan is None else _trace_scan_of(call, with_inputs, args, input_names, shared, fake_mode,
+                                                            traced, recording, tracing, outputs_of, stash)
     if layered is not None:
         gm = layered
     else:
@@ -638,9 +631,16 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     changed: list[tuple[fx.Node, str]] = []
     copies: frozenset[str] | None = None  # no memory under fake tensors
     if fake_mode is None:
-        probe = _MemoryProbe(gm, shared)
-        probe.run(*args)
-        memory, changed, copies = probe.touched, probe.changed, frozenset(probe.copies)
+        found: ProbeResult | None = stash.get("probe")
+        if found is None:
+            probe = _MemoryProbe(gm, shared)
+            probe.run(*args)
+            found = probe.result
+        else:  # a body traced per class of layers was probed as it ran; its inputs touch what they hold
+            for node, t in zip(placeholders, args):
+                if buffers.touched_by(t):
+                    found.touched[node.name] = buffers.touched_by(t)
+        memory, changed, copies = found.touched, found.changed, frozenset(found.copies)
     last = stage is BODY
     widen = _handed_over(before, input_names, initial, shared)
     hidden = _in_branches(gm, buffers)
@@ -821,9 +821,9 @@ def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[
         for t, old in saved:
             t.copy_(old)
     memory = dict(s.memory)
-    for node, touched in probe.touched.items():
+    for node, touched in probe.result.touched.items():
         memory[node] = memory.get(node, frozenset()) | touched
-    return memory, probe.changed
+    return memory, probe.result.changed
 
 
 def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:

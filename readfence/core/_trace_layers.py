@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,8 +35,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._memory import leaves
+from . import _probe
+from ._memory import BufferMap, leaves
+from ._probe import NO_FACTS, MemoryProbe, OpFacts, ProbeResult
 from ._scan import LayerScan
+
+_NOTHING: frozenset[str] = frozenset()
 
 #: Python values an op argument may hold that a record compares by value.
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -79,11 +84,13 @@ class _Unrecordable(Exception):
 @attrs.frozen
 class LayerRecord:
     """What one layer dispatched: per op ``(op, argument spec, encoded arguments)``, and what
-    it returned."""
+    it returned; ``facts``, when the run was probed, what each op showed of the shared buffers
+    (not part of what the layer does: two layers alike may touch other parts of a buffer)."""
 
     index: int
     ops: tuple[tuple[Any, Any, tuple[Any, ...]], ...]
     returned: Any
+    facts: tuple[OpFacts, ...] = attrs.field(default=(), eq=False)
 
 
 class _Recorder(TorchDispatchMode):
@@ -95,14 +102,22 @@ class _Recorder(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
-    def __init__(self, names: Mapping[int, str], escape_op: Any, graph: fx.Graph | None = None) -> None:
+    def __init__(self, names: Mapping[int, str], escape_op: Any, graph: fx.Graph | None = None,
+                 shared: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.names = names  # id of an input tensor -> its dotted name
         self.escape_op = escape_op
         self.graph = graph
-        # id -> (layer, ref, the tensor): weakly, since a strong reference to an op's output
-        # makes torch detach it on return (a node the plain trace does not have)
-        self.origin: dict[int, tuple[int, tuple[Any, ...], weakref.ref[torch.Tensor]]] = {}
+        # the shared buffers, when every recorded op is to be probed (``probe_op``)
+        self.probe = None if shared is None else (BufferMap.of(shared), shared)
+        self.facts: list[OpFacts] = []
+        # id -> (layer, ref, the tensor, the shared buffers its memory touches): the tensor
+        # weakly, since a strong reference to an op's output makes torch detach it on return (a
+        # node the plain trace does not have); what it touches, when probing, as the op that
+        # made it showed (an op that moves a tensor's memory, ``set_``, returns it: made anew)
+        self.origin: dict[int, tuple[int, tuple[Any, ...], weakref.ref[torch.Tensor], frozenset[str]]] = {}
+        self.touches: dict[int, frozenset[str]] = {}  # id of an input -> what it touches (inputs stay alive)
+        self.watch: frozenset[str] = _NOTHING  # what the current op's arguments touch
         self.constants: list[torch.Tensor] = []  # a constant is named by its id: it stays alive
         self.layer = -1
         self.own = ""
@@ -110,12 +125,13 @@ class _Recorder(TorchDispatchMode):
         self.nodes: list[list[fx.Node]] = []
 
     def begin(self, index: int, own: str, carry: torch.Tensor) -> None:
-        self.layer, self.own, self.ops, self.nodes = index, own, [], []
-        self.origin[id(carry)] = (index, ("carry", _meta(carry)), weakref.ref(carry))
+        self.layer, self.own, self.ops, self.nodes, self.facts = index, own, [], [], []
+        touched = _NOTHING if self.probe is None else self._touched(carry)
+        self.origin[id(carry)] = (index, ("carry", _meta(carry)), weakref.ref(carry), touched)
 
     def end(self, out: object) -> LayerRecord:
         """The layer's record; ops after it (between layers) are not recorded."""
-        record = LayerRecord(self.layer, tuple(self.ops), self._leaf(out))
+        record = LayerRecord(self.layer, tuple(self.ops), self._leaf(out), tuple(self.facts))
         self.layer = -1
         return record
 
@@ -124,13 +140,26 @@ class _Recorder(TorchDispatchMode):
         if hit is not None and hit[2]() is t:
             if hit[0] != self.layer:
                 raise _Unrecordable("a layer reads a tensor another layer computed")
+            self.watch |= hit[3]
             return hit[1]
         name = self.names.get(id(t))
         meta = _meta(t)
+        if self.probe is not None:
+            touched = self.touches.get(id(t))
+            if touched is None:
+                touched = self._touched(t)
+                if name is not None:
+                    self.touches[id(t)] = touched
+            self.watch |= touched
         if name is not None:
             return ("own", name[len(self.own):], meta) if name.startswith(self.own) else ("input", name, meta)
         self.constants.append(t)
         return ("constant", id(t), meta)
+
+    def _touched(self, t: torch.Tensor) -> frozenset[str]:
+        assert self.probe is not None
+        with torch._C.DisableTorchFunction():  # looking at its memory is no escape of the stage's
+            return self.probe[0].touched(t)
 
     def _leaf(self, v: object) -> Any:
         if isinstance(v, torch.Tensor):
@@ -147,13 +176,22 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if not _recordable(func) or func is self.escape_op:
             raise _Unrecordable(f"{func} escapes or holds a graph")
+        self.watch = _NOTHING
         if func is _LIFT_FRESH and _small_literal(args[0]):
             encoded: tuple[Any, ...] = (_literal(args[0]),)  # a literal by its value: a new tensor every call
         else:
             encoded = tuple(self._leaf(v) for v in leaves((args, kwargs)))
         spec = _structure(args, kwargs)
         tail = self.graph._root.prev if self.graph is not None else None
-        out = func(*args, **kwargs)
+        facts = NO_FACTS
+        if self.probe is None:
+            out = func(*args, **kwargs)
+        else:
+            # what the arguments touch is known from where each came from; the probe's own
+            # calls are no part of the stage (hidden from the tracer's modes)
+            out, facts = _probe.probe_op(func, args, kwargs, *self.probe, lambda: func(*args, **kwargs),
+                                  torch._C.DisableTorchFunction, watch=self.watch)
+            self.facts.append(facts)
         if self.graph is not None:
             made, node = [], tail.next if tail is not None else self.graph._root.next
             while node is not self.graph._root:
@@ -162,9 +200,13 @@ class _Recorder(TorchDispatchMode):
             self.nodes.append(made)
         j = len(self.ops)
         self.ops.append((func, spec, encoded))
-        for k, t in enumerate(pytree.tree_leaves(out)):
-            if isinstance(t, torch.Tensor):
-                self.origin[id(t)] = (self.layer, ("op", j, k), weakref.ref(t))
+        if isinstance(out, torch.Tensor):
+            self.origin[id(out)] = (self.layer, ("op", j, 0), weakref.ref(out), facts.touched)
+        else:
+            for k, t in enumerate(leaves(out)):
+                if isinstance(t, torch.Tensor):
+                    touched = facts.pieces[k] if k < len(facts.pieces) else _NOTHING
+                    self.origin[id(t)] = (self.layer, ("op", j, k), weakref.ref(t), touched)
         return out
 
 
@@ -225,11 +267,13 @@ def classes(records: Sequence[LayerRecord]) -> list[LayerClass]:
 
 @attrs.frozen
 class ScanTrace:
-    """What tracing a scan's parts gives: the body's graph module and its eager output."""
+    """What tracing a scan's parts gives: the body's graph module and its eager output, and,
+    when the run was probed, what each node of the graph touches in memory."""
 
     gm: fx.GraphModule
     out: Any
     classes: int  # how many layers were traced with make_fx
+    probe: ProbeResult | None = None
 
 
 def trace_scan(
@@ -239,28 +283,34 @@ def trace_scan(
     input_names: Sequence[str],
     *,
     traced: Callable[[], Any],
+    recording: Callable[[], Any],
     tracing: Callable[[], Any],
     escape_op: Any,
     outputs: Callable[[Any], tuple[torch.Tensor, ...]],
     eager: Callable[[], Any] = contextlib.nullcontext,
+    shared: Mapping[str, torch.Tensor] | None = None,
 ) -> ScanTrace | None:
     """The body's graph, from one ``make_fx`` trace per class of layers; ``None`` when the
     layers cannot be shown to repeat (then trace the body whole).
 
     ``inputs(tensors)`` rebuilds the body's keyword groups from its tensor inputs ``args``
-    (named ``input_names``); ``traced()`` is the context every run of user code is in (the
-    tracer's function modes), ``tracing()`` the one around ``make_fx``; ``outputs(out)`` the
+    (named ``input_names``); ``traced()`` is the context every run of user code under
+    ``make_fx`` is in (the tracer's modes), ``recording()`` the one of the eager recording run,
+    ``tracing()`` the one around ``make_fx``; ``outputs(out)`` the
     tensors the body's graph returns of what it returned; ``eager()`` the context of the
-    recording run (the fake mode, under fake tensors).
+    recording run (the fake mode, under fake tensors). With ``shared`` (the step's shared
+    buffers, real tensors) every op the layers run is probed as it is recorded
+    (:func:`~readfence.core._probe.probe_op`), so the graph's memory facts need no second run
+    of the layers.
     """
     if scan.count < 2:
         return None  # one layer: nothing to reuse, and the recording would cost a run
     names = {id(t): n for t, n in zip(args, input_names)}
-    recorder = _Recorder(names, escape_op)
+    recorder = _Recorder(names, escape_op, shared=shared)
     groups = inputs(args)
     records, carries = [], []
     try:
-        with eager(), traced():
+        with eager(), recording():
             carry = scan.pre(groups)
             with recorder:
                 for i in range(scan.count):
@@ -281,15 +331,30 @@ def trace_scan(
         return None
     if parts is None:
         return None
-    gm = _stitch(scan, parts, found, input_names)
-    return None if gm is None else ScanTrace(gm, out, len(found))
+    stitched = _stitch(scan, parts, found, input_names)
+    if stitched is None:
+        return None
+    gm, copies = stitched
+    probe = None if shared is None else _probed(copies, records, args, carry, shared)
+    return ScanTrace(gm, out, len(found), probe)
+
+
+@attrs.frozen
+class _Part:
+    """One traced part of the body: its graph, the positions (among the body's inputs) of the
+    inputs its placeholders stand for, before the carry a layer or the head takes last, and,
+    for a layer, the graph nodes each recorded op made."""
+
+    gm: fx.GraphModule
+    positions: tuple[int, ...]
+    nodes: tuple[tuple[fx.Node, ...], ...] = ()
 
 
 @attrs.frozen
 class _Parts:
-    pre: fx.GraphModule
-    layers: dict[int, tuple[fx.GraphModule, list[list[fx.Node]]]]  # rep index -> graph, nodes per op
-    post: fx.GraphModule
+    pre: _Part
+    layers: dict[int, _Part]  # by the index of the class's first layer
+    post: _Part
 
 
 def _traced_parts(scan: LayerScan, inputs: Callable[[Sequence[torch.Tensor]], dict[str, Any]],
@@ -297,60 +362,97 @@ def _traced_parts(scan: LayerScan, inputs: Callable[[Sequence[torch.Tensor]], di
                   found: list[LayerClass], input_names: Sequence[str], traced: Callable[[], Any],
                   tracing: Callable[[], Any], escape_op: Any, outputs: Callable[[Any], tuple[torch.Tensor, ...]],
                   ) -> _Parts | None:
+    # Each part takes as placeholders only the inputs it may use: a layer its own weights and
+    # what belongs to no layer, the embedding and the head what belongs to no layer. So a
+    # part's trace does not grow with the model's depth; a part that used another input
+    # anyway would hold it as a constant, and is refused below.
+    owns = tuple(scan.own(i) for i in range(scan.count))
+    common = tuple(k for k, n in enumerate(input_names) if not n.startswith(owns))
+
+    def positions_of(index: int) -> tuple[int, ...]:
+        mine = scan.own(index)
+        return tuple(sorted({*common, *(k for k, n in enumerate(input_names) if n.startswith(mine))}))
+
+    def widened(positions: tuple[int, ...], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        flat = list(args)
+        for k, t in zip(positions, tensors, strict=True):
+            flat[k] = t
+        return flat
+
     def pre(*t: torch.Tensor) -> torch.Tensor:
         with traced():
-            return scan.pre(inputs(t))
+            return scan.pre(inputs(widened(common, t)))
 
     def post(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with traced():
-            return outputs(scan.post(t[-1], inputs(t[:-1])))
+            return outputs(scan.post(t[-1], inputs(widened(common, t[:-1]))))
 
     layers = {}
     with tracing():
-        pre_gm = make_fx(pre, tracing_mode="real")(*args)
+        pre_gm = make_fx(pre, tracing_mode="real")(*[args[k] for k in common])
         for c in found:
             index = c.rep.index
+            positions = positions_of(index)
             seen: dict[str, Any] = {}
 
-            def layer(*t: torch.Tensor, index: int = index, seen: dict[str, Any] = seen) -> torch.Tensor:
+            def layer(*t: torch.Tensor, index: int = index, positions: tuple[int, ...] = positions,
+                      seen: dict[str, Any] = seen) -> torch.Tensor:
                 proxy = get_proxy_mode()
-                rec = _Recorder({id(x): n for x, n in zip(t[:-1], input_names)}, escape_op,
+                flat = widened(positions, t[:-1])
+                rec = _Recorder({id(x): n for x, n in zip(flat, input_names)}, escape_op,
                                 graph=proxy.tracer.graph if proxy is not None else None)
                 with traced(), rec:
                     rec.begin(index, scan.own(index), t[-1])
-                    out = scan.layer(index, t[-1], inputs(t[:-1]))
+                    out = scan.layer(index, t[-1], inputs(flat))
                     seen["record"], seen["nodes"] = rec.end(out), rec.nodes
                 return out
 
-            gm = make_fx(layer, tracing_mode="real")(*args, carries[index])
+            gm = make_fx(layer, tracing_mode="real")(*[args[k] for k in positions], carries[index])
             # the traced run must be the recorded one: same ops, same arguments
             if seen["record"] != c.rep:
                 return None
-            layers[index] = (gm, seen["nodes"])
-        post_gm = make_fx(post, tracing_mode="real")(*args, last)
-    return _Parts(pre_gm, layers, post_gm)
+            layers[index] = _Part(gm, positions, tuple(map(tuple, seen["nodes"])))
+        post_gm = make_fx(post, tracing_mode="real")(*[args[k] for k in common], last)
+    parts = _Parts(_Part(pre_gm, common), layers, _Part(post_gm, common))
+    held = {id(t) for t in args}
+    for part in (parts.pre, *parts.layers.values(), parts.post):
+        for node in part.gm.graph.nodes:
+            if node.op == "get_attr" and id(getattr(part.gm, str(node.target))) in held:
+                return None  # an input it was not given: trace the body whole
+    return parts
 
 
-def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names: Sequence[str]) -> fx.GraphModule | None:
+@attrs.frozen
+class _Copy:
+    """A part as it was copied into the stitched graph: per node of its graph, the new node."""
+
+    part: _Part
+    env: dict[fx.Node, fx.Node]
+    record: LayerRecord | None = None  # a layer's: what its run showed
+
+
+def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names: Sequence[str],
+            ) -> tuple[fx.GraphModule, list[_Copy]] | None:
     """One graph: the inputs, ``pre``, every layer (a copy of its class's graph, its own weights
-    and index put in) and ``post``; ``None`` if a copy's index is not where the record says."""
+    and index put in) and ``post``, and where each part's nodes went; ``None`` if a copy's
+    index is not where the record says."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     graph = fx.Graph()
     root = torch.nn.Module()
     position = {n: k for k, n in enumerate(input_names)}
-    pre_ph = [n for n in parts.pre.graph.nodes if n.op == "placeholder"]
-    inputs = []
-    for node, _ in zip(pre_ph, input_names, strict=True):
-        placeholder = graph.placeholder(node.name)
-        placeholder.meta = dict(node.meta)
-        inputs.append(placeholder)
+    # make_fx names the whole body's placeholders by position (the tracer renames them after
+    # their dotted names); each takes the record of the first part that holds it
+    inputs = [graph.placeholder(f"arg{k}_1") for k in range(len(input_names))]
     attrs_made: dict[tuple[int, str], str] = {}
+    copies: list[_Copy] = []
 
     def copy_in(gm: fx.GraphModule, env: dict[fx.Node, Any], patch: Mapping[fx.Node, Sequence[int]] = {},
                 value: int = 0) -> Any:
         for node in gm.graph.nodes:
             if node.op == "placeholder":
+                if not env[node].meta:
+                    env[node].meta = dict(node.meta)
                 continue
             if node.op == "output":
                 return fx.node.map_arg(node.args[0], lambda n: env[n])
@@ -362,7 +464,7 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
                 new = graph.get_attr(attrs_made[key])
                 new.meta = dict(node.meta)
             else:
-                new = graph.node_copy(node, lambda n: env[n])
+                new = _node_copy(graph, node, env)
                 where = patch.get(node)
                 if where:  # (pytree's order is ``leaves``' order)
                     flat, spec = pytree.tree_flatten((new.args, new.kwargs))
@@ -372,34 +474,106 @@ def _stitch(scan: LayerScan, parts: _Parts, found: list[LayerClass], input_names
             env[node] = new
         raise AssertionError("a traced graph without an output")  # pragma: no cover
 
-    carry = copy_in(parts.pre, dict(zip(pre_ph, inputs)))
+    pre_env = dict(_inputs_of(parts.pre, inputs))
+    carry = copy_in(parts.pre.gm, pre_env)
+    copies.append(_Copy(parts.pre, pre_env))
     owner = {i: c for c in found for i in c.members}
     for i in range(scan.count):
         c = owner[i]
         rep = c.rep.index
-        gm, nodes = parts.layers[rep]
-        ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        part = parts.layers[rep]
         mine, theirs = scan.own(i), scan.own(rep)
         env: dict[fx.Node, Any] = {}
-        for node, name in zip(ph, input_names):
+        ph = [n for n in part.gm.graph.nodes if n.op == "placeholder"]
+        for node, k in zip(ph, part.positions):
+            name = input_names[k]
             if name.startswith(theirs):
-                k = position.get(mine + name[len(theirs):])
-                if k is None:
+                at = position.get(mine + name[len(theirs):])
+                if at is None:
                     return None
-                env[node] = inputs[k]
+                env[node] = inputs[at]
             else:
-                env[node] = inputs[position[name]]
+                env[node] = inputs[k]
         env[ph[-1]] = carry
         patch: dict[fx.Node, list[int]] = {}
         for j, k in c.members[i]:
-            made = [n for n in nodes[j] if n.op == "call_function"]
+            made = [n for n in part.nodes[j] if n.op == "call_function"]
             if len(made) != 1 or made[0].target is not c.rep.ops[j][0]:
                 return None
             held = leaves((made[0].args, made[0].kwargs))
             if len(held) != len(c.rep.ops[j][2]) or held[k] != rep or type(held[k]) is not int:
                 return None
             patch.setdefault(made[0], []).append(k)
-        carry = copy_in(gm, env, patch, i)
-    ph = [n for n in parts.post.graph.nodes if n.op == "placeholder"]
-    graph.output(copy_in(parts.post, {**dict(zip(ph, inputs)), ph[-1]: carry}))
-    return _LazyGraphModule(root, graph)
+        carry = copy_in(part.gm, env, patch, i)
+        copies.append(_Copy(part, env))
+    post_env = dict(_inputs_of(parts.post, inputs))
+    post_env[[n for n in parts.post.gm.graph.nodes if n.op == "placeholder"][-1]] = carry
+    graph.output(copy_in(parts.post.gm, post_env))
+    copies.append(_Copy(parts.post, post_env))
+    return _LazyGraphModule(root, graph), copies
+
+
+def _node_copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
+    """``graph.node_copy(node, env.__getitem__)``, without its walk of every argument for a
+    symbolic value (a trace of real tensors holds none): that walk was two thirds of a copy."""
+    new = graph.create_node(node.op, node.target, None, None, node.name, node.type)
+    new.args = fx.node.map_arg(node.args, env.__getitem__)
+    new.kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+    new.meta = dict(node.meta)
+    return new
+
+
+def _inputs_of(part: _Part, inputs: Sequence[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """The part's placeholders that stand for body inputs (a layer's or the head's carry, the
+    last, aside), each with the stitched graph's input it is."""
+    ph = [n for n in part.gm.graph.nodes if n.op == "placeholder"]
+    return [(node, inputs[k]) for node, k in zip(ph, part.positions)]
+
+
+def _probed(copies: Sequence[_Copy], records: Sequence[LayerRecord], args: Sequence[torch.Tensor], last: torch.Tensor,
+            shared: Mapping[str, torch.Tensor]) -> ProbeResult | None:
+    """What each node of the stitched graph (its inputs aside) touches in memory: the
+    embedding's and the head's by running their graphs, every layer's from what its recorded
+    ops showed (the layer's graph nodes are those ops, one call each); ``None`` if a layer's
+    graph holds a call that no recorded op made one of (then probe the whole graph)."""
+    buffers = BufferMap.of(shared)
+    result = ProbeResult()
+    pre, *layers, post = copies
+
+    def run(copy: _Copy, values: Sequence[torch.Tensor]) -> None:
+        probe = MemoryProbe(copy.part.gm, shared)
+        probe.run(*values)
+        new = {n.name: copy.env[n] for n in copy.part.gm.graph.nodes if n.op not in ("placeholder", "output")}
+        for name, touched in probe.result.touched.items():
+            if name in new:
+                result.touched[new[name].name] = touched
+        result.changed += [(copy.env[n], b) for n, b in probe.result.changed]
+        result.copies |= {new[n].name for n in probe.result.copies}
+
+    run(pre, [args[k] for k in pre.part.positions])
+    for copy, record in zip(layers, records, strict=True):
+        part, env = copy.part, copy.env
+        if len(part.nodes) != len(record.facts):
+            return None
+        made = set()
+        for (op, _, _), nodes, facts in zip(record.ops, part.nodes, record.facts):
+            calls = [n for n in nodes if n.op == "call_function"]
+            main = [n for n in calls if n.target is not operator.getitem]
+            if len(main) != 1 or main[0].target is not op:
+                return None
+            result.add(env[main[0]], facts)
+            for n in calls[1:]:  # the elements of a list it returned (``unbind``, ``split``)
+                if n.target is not operator.getitem or n.args[0] is not main[0] or type(n.args[1]) is not int:
+                    return None
+                if n.args[1] < len(facts.pieces) and facts.pieces[n.args[1]]:
+                    result.touched[env[n].name] = facts.pieces[n.args[1]]
+            made.update(calls)
+        for node in part.gm.graph.nodes:
+            if node.op == "call_function" and node not in made:
+                return None
+            if node.op == "get_attr":
+                touched = buffers.touched_by(getattr(part.gm, str(node.target)))
+                if touched:
+                    result.touched[env[node].name] = touched
+    run(post, [*[args[k] for k in post.part.positions], last])
+    return result

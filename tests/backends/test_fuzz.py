@@ -42,6 +42,7 @@ from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, exam
 from readfence.core._state import buffer_ranges
 from readfence.graph import POISONS, poison_family
 from readfence.graph.fuzz import Tally, check_program
+from tests.adversarial import blinded
 
 M = ForwardMode
 EXAMPLES = 100  # programs the property tests check, half each: 60 to 90 s on two cores
@@ -220,7 +221,7 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
         name, writes, outputs, opaque, is_view = "split", (), ((),), False, True
 
     monkeypatch.setattr(alias, "op_aliasing", lambda op: Blind() if "split" in str(op) else real(op))
-    monkeypatch.setattr(tracing._MemoryProbe, "run", lambda self, *args: None)
+    blinded(monkeypatch)  # the memory probe sees nothing
     # the audit's verdict, which lower asks too: with its observer, the audit would refuse
     import readfence.graph.lowering._verdict as verdict
 

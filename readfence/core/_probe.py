@@ -1,0 +1,126 @@
+"""What an op's real run shows of the shared buffers, whatever its schema claims.
+
+The static analysis joins two sources: op schemas (``_alias``) and memory. The memory side is
+one question asked of every op a traced stage runs on real tensors: which shared buffers its
+output's memory touches, whose bytes it changed, and whether a view it claims is one (an op
+whose output shares no memory with what it claims to alias copied it). :func:`probe_op`
+answers it for one call; :class:`MemoryProbe` asks it of every node of a graph as
+``fx.Interpreter`` runs it, and the layer recorder (``_trace_layers``) of every op a layer
+dispatches as the body runs eagerly, so the layers it copies need no second run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import fx
+
+from ._memory import BufferMap, leaves, view_claim_holds
+from ._schema import bind as bind_arguments
+from ._schema import op_aliasing
+
+
+@attrs.frozen
+class OpFacts:
+    """What one op's run showed: the buffers its output touches, those whose bytes it changed,
+    and whether its schema's view claim is refuted by its memory (it copied)."""
+
+    touched: frozenset[str]
+    changed: tuple[str, ...]
+    copied: bool
+    pieces: tuple[frozenset[str], ...] = ()  # of an output that is a list or tuple: per leaf
+
+
+NO_FACTS = OpFacts(frozenset(), (), False)
+
+
+def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers: BufferMap,
+             shared: Mapping[str, torch.Tensor], run: Callable[[], Any],
+             quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+             watch: frozenset[str] | None = None) -> tuple[Any, OpFacts]:
+    """``run()`` (the call of ``op`` on ``args`` and ``kwargs``) and what it showed of ``shared``
+    (named by ``buffers``, their memory map); the probe's own work runs in ``quiet()`` (a
+    context that hides it from the modes watching the stage). ``watch``, when the caller
+    knows it, is what the arguments touch (else their memory is looked at).
+
+    A view claim is checked where it matters, on an op given memory of a shared buffer: one
+    given none aliases none whether it copied or not.
+
+    >>> table = torch.arange(6)
+    >>> shared = {"table": table}
+    >>> out, facts = probe_op(torch.ops.aten.narrow.default, (table, 0, 0, 2), {}, BufferMap.of(shared), shared,
+    ...                       lambda: table.narrow(0, 0, 2))
+    >>> facts
+    OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=())
+    """
+    aliasing = op_aliasing(op)
+    view = aliasing is not None and aliasing.is_view
+    with quiet():
+        if watch is None:
+            watch = buffers.touched_by((args, kwargs))
+        before = {b: shared[b].clone() for b in watch} if watch and not view else {}
+    out = run()
+    with quiet():
+        copied = False
+        if view and watch:
+            assert aliasing is not None
+            values = bind_arguments(op, args, kwargs)
+            outs = out if len(aliasing.outputs) > 1 else (out,)
+            copied = not view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs])
+        touched = buffers.touched_by(out)
+        changed = tuple(b for b, old in before.items() if not torch.equal(old, shared[b]))
+        pieces = tuple(buffers.touched_by(x) for x in leaves(out)) if touched and isinstance(out, (list, tuple)) else ()
+    if not touched and not changed and not copied:
+        return out, NO_FACTS
+    return out, OpFacts(touched, changed, copied, pieces)
+
+
+@attrs.define
+class ProbeResult:
+    """What running a graph showed, by node: ``touched`` (node name -> the buffers its value
+    touches), ``changed`` (``(node, buffer)`` of every write the bytes showed) and ``copies``
+    (the nodes whose view claim the memory refutes)."""
+
+    touched: dict[str, frozenset[str]] = attrs.Factory(dict)
+    changed: list[tuple[fx.Node, str]] = attrs.Factory(list)
+    copies: set[str] = attrs.Factory(set)
+
+    def add(self, node: fx.Node, facts: OpFacts) -> None:
+        """Record ``facts`` as ``node``'s."""
+        if facts.touched:
+            self.touched[node.name] = facts.touched
+        self.changed += [(node, b) for b in facts.changed]
+        if facts.copied:
+            self.copies.add(node.name)
+
+
+class MemoryProbe(fx.Interpreter):
+    """Runs a traced stage on real tensors, recording what each node's value touches in memory
+    (:func:`probe_op` for every call), in ``result``.
+
+    Independent of the schemas: a node whose output overlaps a shared buffer aliases it,
+    whatever its schema says, and a node that changes a shared buffer's bytes writes it.
+    """
+
+    def __init__(self, gm: fx.GraphModule, shared: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(gm)
+        self.shared = shared
+        self.buffers = BufferMap.of(shared)
+        self.result = ProbeResult()
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            out = super().run_node(n)
+            touched = self.buffers.touched_by(out)
+            if touched:
+                self.result.touched[n.name] = touched
+            return out
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        out, facts = probe_op(n.target, args, kwargs, self.buffers, self.shared, lambda: super(MemoryProbe, self).run_node(n))
+        self.result.add(n, facts)
+        return out
+
