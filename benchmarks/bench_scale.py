@@ -1,16 +1,15 @@
 """What tracing, auditing and lowering cost as the model deepens and the capture list grows.
 
-The layers of a model call the same backend with the same shapes, so these costs should not
-grow with depth: the body is traced once per class of layers that do the same (the others are
-copies, see ``readfence.core._trace_layers``). Measured side by side in one run, on
-``hybrid_linear(trtllm_mha, linear)`` in DECODE (two classes of layers), trace cache cleared
-before each measurement, median of ``--runs``:
+The tracer records each stage as it runs (``readfence.core._record``: the node make_fx would
+make for each op, at tens of microseconds an op rather than a millisecond). Measured side by
+side in one run, on ``hybrid_linear(trtllm_mha, linear)`` in DECODE, trace cache cleared before
+each measurement, median of ``--runs``:
 
 * ``trace``: one step's trace at batch size 2, per depth (4, 16, 64 layers), and the same
-  step traced whole (every layer through make_fx) beside it: ``trace_whole_s``;
+  step traced with make_fx beside it: ``trace_make_fx_s``;
 * ``audit``: ``audit`` at its default batch sizes (1, 2, max), with the observer;
 * ``lower``: ``lower`` at batch size 2 under EXACT on the CPU device (its audit included);
-* ratios 64 / 4 layers of each, and layered / whole at 64 layers;
+* ratios 64 / 4 layers of each, and recorded / make_fx at 64 layers;
 * ``capture``: ``lower_capture_list`` over batch sizes 1..16 (4 layers): the first size, the
   median extra size and their ratio;
 * ``audit_all``: every reference backend in every mode (4 layers);
@@ -29,7 +28,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
@@ -65,9 +63,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _whole(cfg: ModelConfig) -> object:
-    fns = attrs.evolve(step_functions(target(), M.DECODE, cfg), layers=None)
-    return trace_step(fns, M.DECODE, example_step(cfg, M.DECODE, 2).groups())
+def _with_make_fx(cfg: ModelConfig) -> object:
+    fns = step_functions(target(), M.DECODE, cfg)
+    return trace_step(fns, M.DECODE, example_step(cfg, M.DECODE, 2).groups(), recorded=False)
 
 
 def at_depth(cfg: ModelConfig, runs: int, dev: CpuDevice, sizes: Sequence[int] | None = None) -> dict[str, Any]:
@@ -82,8 +80,8 @@ def at_depth(cfg: ModelConfig, runs: int, dev: CpuDevice, sizes: Sequence[int] |
     def lowered() -> object:
         return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
 
-    figures: dict[str, Any] = {"layer_traces": trace(target(), M.DECODE, cfg=cfg, batch_size=2).stages[-1].layer_traces}
-    for name, fn in (("trace_s", traced), ("trace_whole_s", lambda: _whole(cfg)), ("audit_s", audited),
+    figures: dict[str, Any] = {"recorded": all(s.recorded for s in trace(target(), M.DECODE, cfg=cfg, batch_size=2))}
+    for name, fn in (("trace_s", traced), ("trace_make_fx_s", lambda: _with_make_fx(cfg)), ("audit_s", audited),
                      ("lower_s", lowered)):
         figures[name] = _median(lambda: _timed(fn), runs)  # noqa: B023 (called in the loop)
     return figures
@@ -143,7 +141,7 @@ def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
         deep, shallow = by_depth[layers[-1]], by_depth[layers[0]]
         ratios = {f"{k.removesuffix('_s')}_{layers[-1]}_over_{layers[0]}": deep[k] / shallow[k]
                   for k in ("trace_s", "audit_s", "lower_s")}
-        ratios[f"trace_layered_over_whole_at_{layers[-1]}"] = deep["trace_s"] / deep["trace_whole_s"]
+        ratios[f"trace_recorded_over_make_fx_at_{layers[-1]}"] = deep["trace_s"] / deep["trace_make_fx_s"]
         out: dict[str, Any] = {"layers": by_depth, "ratios": ratios,
                                "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
                                "audit_all_s": audit_all(1, quick),

@@ -213,6 +213,8 @@ class BufferMap:
         out: frozenset[str] = frozenset()
         if not self.spans:
             return out
+        if type(tree) is torch.Tensor:
+            return self.touched(tree)
         for t in tensors_in(tree):
             out |= self.touched(t)
         return out

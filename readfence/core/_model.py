@@ -57,8 +57,8 @@ def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> L
     the MLP on its columns, and the partial outputs of both are all-reduced over the ranks.
 
     >>> from readfence.backends import paged
-    >>> decoder_scan(ModelConfig(layers=3), paged(), ForwardMode.DECODE).own(2)
-    "params.['layers.2."
+    >>> decoder_scan(ModelConfig(layers=3), paged(), ForwardMode.DECODE).count
+    3
     """
     mode = check_mode(mode)
     heads, dim = cfg.local_heads, cfg.head_dim
@@ -81,11 +81,7 @@ def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> L
         params = inputs["params"]
         return matmul_rows(rms_norm(x, params["final_norm"]), params["lm_head"])
 
-    def own(index: int) -> str:
-        # the weights' keys hold dots, so their flattened names quote them: params.['layers.3.wo']
-        return "params.[" + repr(f"layers.{index}.")[:-1]
-
-    return LayerScan(cfg.layers, pre, layer, post, own=own)
+    return LayerScan(cfg.layers, pre, layer, post)
 
 
 def forward(
@@ -137,7 +133,6 @@ def step_functions(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig) ->
         prepare_in_graph=lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
         body=body,
         backend=backend.name,
-        layers=scan,
     )
 
 

@@ -57,6 +57,14 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     >>> facts
     OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=())
     """
+    if watch is not None and not watch:  # given no memory of a buffer: only its output can show one
+        out = run()
+        with quiet():
+            touched = buffers.touched_by(out)
+            if not touched:
+                return out, NO_FACTS
+            pieces = tuple(buffers.touched_by(x) for x in leaves(out)) if isinstance(out, (list, tuple)) else ()
+        return out, OpFacts(touched, (), False, pieces)
     aliasing = op_aliasing(op)
     view = aliasing is not None and aliasing.is_view
     with quiet():

@@ -185,9 +185,8 @@ class StageGraph:
     # tensors: ``bind`` runs it again on them to see what its nodes touch of the live state
     example: tuple[torch.Tensor, ...] | None = None
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
-    # a body written as a scan: how many of its layers make_fx traced (one per class of layers
-    # that do the same, the others copied from them); None when it was traced whole
-    layer_traces: int | None = None
+    # the graph was recorded as the stage ran (``core._record``), not traced with make_fx
+    recorded: bool = False
 
     def source(self, node: str) -> str:
         """The user's source line that made ``node`` (``"?"`` when unknown)."""

@@ -1,19 +1,16 @@
-"""A model body as a scan over its layers: what lets a trace reuse one layer for the others.
+"""A model body as a scan over its layers.
 
 A decoder's body is ``pre`` (embedding), then ``layer(i, carry)`` for every layer ``i``, then
 ``post`` (the head), each over the step's input groups (``shared``, ``batch``, ``pools``,
-``params``, ``meta``). Written as a :class:`LayerScan`, the structure is a value the tracer can
-see, as a ``lax.scan`` body is for JAX: layers that run the same ops on the same kind of
-inputs are traced once (see ``_trace_layers``). Running it is :func:`run_scan`, a plain fold,
-so the serial step and every interpreter compute exactly what the body written as one loop
-would.
+``params``, ``meta``). Written as a :class:`LayerScan`, the structure is a value, as a
+``lax.scan`` body is for JAX; running it is :func:`run_scan`, a plain fold, so the serial step
+and every interpreter compute exactly what the body written as one loop would.
 
 >>> import torch
 >>> scan = LayerScan(count=3,
 ...                  pre=lambda inputs: inputs["batch"]["x"],
 ...                  layer=lambda i, carry, inputs: carry + inputs["params"][f"layers.{i}.w"],
-...                  post=lambda carry, inputs: carry * 2,
-...                  own=lambda i: f"params.layers.{i}.")
+...                  post=lambda carry, inputs: carry * 2)
 >>> params = {f"layers.{i}.w": torch.tensor(float(i)) for i in range(3)}
 >>> run_scan(scan, {"batch": {"x": torch.tensor(1.0)}, "params": params})
 tensor(8.)
@@ -36,11 +33,9 @@ class LayerScan:
 
     ``pre(inputs) -> carry``, ``layer(index, carry, inputs) -> carry`` and ``post(carry, inputs)
     -> logits`` take the body's keyword groups as one mapping ``inputs``; ``carry`` is one
-    tensor (the residual stream). ``own(index)`` is the prefix of the dotted input names that
-    belong to layer ``index`` alone (``"params.layers.3."``): a layer that reads its own
-    weights, and otherwise what every layer reads, does what the layers beside it do.
+    tensor (the residual stream).
 
-    >>> LayerScan(0, lambda i: i, lambda i, c, inputs: c, lambda c, inputs: c, str)  # doctest: +ELLIPSIS
+    >>> LayerScan(0, lambda i: i, lambda i, c, inputs: c, lambda c, inputs: c)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ValueError: LayerScan count (layers) must be a positive int, got 0 (int)
@@ -50,15 +45,13 @@ class LayerScan:
     pre: Callable[[Mapping[str, Any]], Tensor]
     layer: Callable[[int, Tensor, Mapping[str, Any]], Tensor]
     post: Callable[[Tensor, Mapping[str, Any]], Tensor]
-    own: Callable[[int], str]
 
 
 def run_scan(scan: LayerScan, inputs: Mapping[str, Any]) -> Tensor:
     """The body ``scan`` describes, run on ``inputs`` (the fold, as written).
 
     >>> import torch
-    >>> scan = LayerScan(2, lambda inputs: inputs["x"], lambda i, c, inputs: c + i,
-    ...                  lambda c, inputs: c, lambda i: f"params.layers.{i}.")
+    >>> scan = LayerScan(2, lambda inputs: inputs["x"], lambda i, c, inputs: c + i, lambda c, inputs: c)
     >>> run_scan(scan, {"x": torch.tensor(0)})
     tensor(1)
     """

@@ -45,8 +45,6 @@ from torch.utils import _pytree as pytree
 
 from readfence.effects import ReadEnd
 
-from ._scan import LayerScan
-
 _T = TypeVar("_T")
 
 
@@ -372,7 +370,6 @@ class StageCall:
     kwargs: Mapping[str, Any]
     origins: Mapping[str, Origin] = attrs.Factory(dict)
     backend: str = "?"
-    scan: LayerScan | None = None  # the body's layers, when it is written as a scan
 
     def __call__(self) -> Any:
         """Run the stage as written."""
@@ -437,17 +434,13 @@ class StepFunctions:
     ``prepare_out_graph(shared, batch) -> dict``, ``prepare_in_graph(shared, batch, meta) ->
     dict`` and ``body(**inputs, meta) -> logits``, ``inputs`` being the step's groups
     (``shared``, ``batch``, then e.g. ``pools``, ``params``). ``backend`` names them in errors.
-    ``layers``, when given, is ``body`` written as a scan over the model's layers (``body``
-    computes ``run_scan(layers, inputs)``): a tracer may then trace a layer once for the
-    layers that do the same. ``readfence.core.step_functions`` makes them for a backend and
-    the tiny model.
+    ``readfence.core.step_functions`` makes them for a backend and the tiny model.
     """
 
     prepare_out_graph: Callable[..., object]
     prepare_in_graph: Callable[..., object]
     body: Callable[..., object]
     backend: str = "?"
-    layers: LayerScan | None = None
 
 
 def _checked(stage: Stage, fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
@@ -487,4 +480,4 @@ def eval_step(interp: Interpreter, fns: StepFunctions, inputs: Mapping[str, obje
     merged = {**meta, **own}
     origins = {k: PREPARE_IN_GRAPH.outputs if k in own else PREPARE_OUT_GRAPH.outputs for k in merged}
     return interp.call(StageCall(BODY, _checked(BODY, fns.body, name), {**inputs, "meta": merged},
-                                 {"meta": origins}, backend=name, scan=fns.layers))
+                                 {"meta": origins}, backend=name))

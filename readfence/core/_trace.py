@@ -37,12 +37,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
+from ._collect import collection_paused
 from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
 from ._probe import MemoryProbe as _MemoryProbe
 from ._probe import ProbeResult
 from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
 from ._protocol import BackendLike
+from ._record import Unrecordable, record
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
 from ._step import (
@@ -53,12 +55,10 @@ from ._step import (
     StageCall,
     StageOutputError,
     StepFunctions,
-    check_stage_output,
     eval_step,
     foreign_subclass,
 )
 from ._threads import watch_threads
-from ._trace_layers import trace_scan
 
 if TYPE_CHECKING:
     from ._state import ModelConfig
@@ -242,32 +242,21 @@ class _HostReads(TorchDispatchMode):
             return func(*args, **kwargs)
 
 
-class _Escapes(TorchFunctionMode):
-    """The part of :class:`_TraceMode` an eager run of real tensors needs: every escape marked
-    (a ``readfence::opaque`` op on what it hands over, which the layer recorder refuses). No
-    graph is being made, so there are no nodes to give a source line."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        what = _ESCAPES.get(func)
-        if what is not None and args and isinstance(args[0], torch.Tensor):
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    OPAQUE_OP(t, what)
-        return func(*args, **(kwargs or {}))
-
-
 class _TraceMode(TorchFunctionMode):
     """Records escapes and the user's source line of every node; under fake tensors on a
     device this build lacks, indexes via aten."""
 
-    def __init__(self, *, fake: bool) -> None:
+    def __init__(self, *, fake: bool, graph: fx.Graph | None = None) -> None:
         super().__init__()
         self.fake = fake
+        self.graph = graph  # the graph being recorded (``_record``); else make_fx's, if any
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        proxy = get_proxy_mode()
-        graph = proxy.tracer.graph if proxy is not None else None
+        graph = self.graph
+        if graph is None:
+            proxy = get_proxy_mode()
+            graph = proxy.tracer.graph if proxy is not None else None
         tail = graph._root.prev if graph is not None else None
         try:
             return self._call(func, args, kwargs)
@@ -504,35 +493,9 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
                               "declares no write", sources[node.name])
 
 
-def _trace_scan_of(call: StageCall, with_inputs: Callable[[Sequence[torch.Tensor]], dict[str, Any]],
-                   args: Sequence[torch.Tensor], input_names: Sequence[str], shared: Mapping[str, Any], fake_mode: Any,
-                   traced: Callable[[], Any], recording: Callable[[], Any], tracing: Callable[[], Any],
-                   outputs_of: Callable[[Any], list[tuple[str, Any]]], stash: dict[str, Any]) -> fx.GraphModule | None:
-    """The body's graph built from one trace per class of its layers (``_trace_layers``), or
-    ``None`` to trace it whole. Fills ``stash`` as the whole body's trace does."""
-    assert call.scan is not None
-    backend, stage = call.backend, call.stage
-
-    def outputs(out: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(v for _, v in outputs_of(check_stage_output(stage, out, backend=backend)))
-
-    found = trace_scan(call.scan, with_inputs, args, input_names, traced=traced, recording=recording, tracing=tracing,
-                       escape_op=OPAQUE_OP, outputs=outputs,
-                       eager=contextlib.nullcontext if fake_mode is None else (lambda: fake_mode),
-                       shared=shared if fake_mode is None else None)
-    if found is None:
-        return None
-    out = check_stage_output(stage, found.out, backend=backend)
-    pairs = outputs_of(out)
-    stash["out"], stash["names"], stash["layer_traces"] = out, tuple(n for n, _ in pairs), found.classes
-    if found.probe is not None:
-        stash["probe"] = found.probe
-    return found.gm
-
-
 def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any,
                  before: Iterable[StageGraph] = (), carried: dict[str, frozenset[str]] | None = None,
-                 ) -> tuple[StageGraph, Any]:
+                 recorded: bool = True) -> tuple[StageGraph, Any]:
     backend, stage = call.backend, call.stage
     names, leaves, spec = call.named_leaves()
     # one placeholder per distinct name: a tensor the stage receives twice is one input
@@ -550,28 +513,9 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             flat[i] = tensors[slot[names[i]]]
         return call.rebuild(flat, spec)
 
-    @contextlib.contextmanager
-    def traced() -> Iterator[None]:
-        # what every run of the stage's code under the tracer is in (the whole stage's trace,
-        # a layer's, the layers' recording run)
+    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         fake = fake_mode is not None
         with _TraceMode(fake=fake), _HostReads(fake=fake), watch_threads(backend, stage.name, "the trace"):
-            yield
-
-    @contextlib.contextmanager
-    def recording() -> Iterator[None]:
-        # the layers' eager run on real tensors, recorded op by op: no graph is made, so of the
-        # tracer's modes only the escapes matter (``_HostReads`` acts only under make_fx); on
-        # fake tensors the tracer's own rules (it indexes a device this build lacks via aten)
-        if fake_mode is not None:
-            with traced():
-                yield
-        else:
-            with _Escapes(), watch_threads(backend, stage.name, "the trace"):
-                yield
-
-    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with traced():
             out = call.fn(**with_inputs(tensors))
         pairs = outputs_of(out)
         stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
@@ -598,11 +542,25 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             ctx.enter_context(_use_lazy_graph_module(True))
             yield
 
-    layered = None if call.scan is None else _trace_scan_of(call, with_inputs, args, input_names, shared, fake_mode,
-                                                            traced, recording, tracing, outputs_of, stash)
-    if layered is not None:
-        gm = layered
-    else:
+    @contextlib.contextmanager
+    def recorded_in(graph: fx.Graph) -> Iterator[None]:
+        # the stage run eagerly, its ops written into ``graph``: the tracer's escapes and source
+        # lines (a host read stops the record, so ``_HostReads`` has nothing to mark)
+        with contextlib.ExitStack() as ctx:
+            if fake_mode is not None:
+                ctx.enter_context(fake_mode)
+            ctx.enter_context(_TraceMode(fake=fake_mode is not None, graph=graph))
+            ctx.enter_context(watch_threads(backend, stage.name, "the trace"))
+            yield
+
+    try:
+        if not recorded:
+            raise Unrecordable("make_fx asked for")
+        gm, out, probe = record(lambda *t: call.fn(**with_inputs(t)), args, input_names,
+                                outputs=lambda out: [v for _, v in outputs_of(out)], context=recorded_in,
+                                escape_op=OPAQUE_OP, shared=shared if fake_mode is None else None)
+        stash.update(out=out, names=tuple(n for n, _ in outputs_of(out)), probe=probe, recorded=True)
+    except Exception:  # what the record cannot hold, or the stage's own error: make_fx's trace, as always
         with tracing():
             gm = make_fx(flat_fn, tracing_mode="real")(*args)
     guard = OutputGuard.of(stage, stash["out"], backend=backend)
@@ -633,10 +591,10 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     if fake_mode is None:
         found: ProbeResult | None = stash.get("probe")
         if found is None:
-            probe = _MemoryProbe(gm, shared)
-            probe.run(*args)
-            found = probe.result
-        else:  # a body traced per class of layers was probed as it ran; its inputs touch what they hold
+            memory_probe = _MemoryProbe(gm, shared)
+            memory_probe.run(*args)
+            found = memory_probe.result
+        else:  # a recorded stage was probed as it ran; its inputs touch what they hold
             for node, t in zip(placeholders, args):
                 if buffers.touched_by(t):
                     found.touched[node.name] = buffers.touched_by(t)
@@ -664,7 +622,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         hidden=hidden,
         initial=initial,
         example=tuple(args) if captured and fake_mode is None else None,
-        layer_traces=stash.get("layer_traces"),
+        recorded=stash.get("recorded", False),
     )
     return graph, stash["out"]
 
@@ -711,8 +669,8 @@ class _Tracer:
     """The interpreter that traces each stage into a :class:`StageGraph` (``make_fx``) and
     hands on its real outputs, as the step computed them."""
 
-    def __init__(self, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any) -> None:
-        self.shared, self.owned, self.fake_mode = shared, owned, fake_mode
+    def __init__(self, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any, recorded: bool = True) -> None:
+        self.shared, self.owned, self.fake_mode, self.recorded = shared, owned, fake_mode, recorded
         self.stages: list[StageGraph] = []
         self.current: Stage | None = None  # the stage being traced
         self.carried: dict[str, frozenset[str]] = {}  # what each stage's outputs may alias, by name
@@ -720,7 +678,7 @@ class _Tracer:
     def call(self, call: StageCall) -> Any:
         self.current = call.stage
         graph, out = _trace_stage(call, self.shared, self.owned, self.fake_mode, before=self.stages,
-                                  carried=self.carried)
+                                  carried=self.carried, recorded=self.recorded)
         self.stages.append(graph)
         return out
 
@@ -869,11 +827,13 @@ def trace_functions(
     return trace_step(fns, mode, inputs, device=device)
 
 
-def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any], *, device: str = "cpu") -> Program:
+def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any], *, device: str = "cpu",
+               recorded: bool = True) -> Program:
     """Trace one step of ``fns`` on ``inputs`` (groups: ``shared`` required, then ``batch``,
     ``pools``, ``params``...) into a ``Program``: :func:`~readfence.core.eval_step` run by the
-    tracing interpreter, each stage traced with ``make_fx`` as the step hands it its
-    arguments. On a device other than CPU the inputs become fake tensors.
+    tracing interpreter, each stage as the step hands it its arguments, recorded as it runs
+    (``core._record``) or, where a record cannot hold it (or ``recorded`` is False), traced
+    with ``make_fx``: the same graph. On a device other than CPU the inputs become fake tensors.
     """
     device = str(device)
     fake_mode = None
@@ -885,10 +845,11 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
         groups = {g: _fake_tree(t, fake_mode, device) for g, t in groups.items()}
     shared = groups.get("shared", {})
     owned = BufferMap.of(flatten_inputs(**{g: t for g, t in groups.items() if g != "shared"}))
-    tracer = _Tracer(shared, owned, fake_mode)
+    tracer = _Tracer(shared, owned, fake_mode, recorded)
     aborted = None
     try:
-        eval_step(tracer, fns, groups)
+        with collection_paused():
+            eval_step(tracer, fns, groups)
     except _Aborted as e:
         aborted = f"stage {tracer.current}: {e.why}"
     stages = tracer.stages

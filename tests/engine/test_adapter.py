@@ -156,9 +156,13 @@ def test_a_buffer_the_engine_lacks_is_the_runners_copy_and_no_row(dev):
 
 
 def _tracing() -> bool:
+    """Whether readfence's tracer is running the code: recording it op by op, or make_fx."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return get_proxy_mode() is not None
+    from readfence.core._record import GraphRecorder
+
+    return get_proxy_mode() is not None or any(isinstance(m, GraphRecorder) for m in _get_current_dispatch_mode_stack())
 
 
 def test_the_engines_own_exception_only_under_tracing_is_raised_not_observed():

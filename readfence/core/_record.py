@@ -1,0 +1,294 @@
+"""Trace a stage by running it once and writing down, as an FX graph, every op it dispatches.
+
+``make_fx`` builds a stage's graph by running it on tensors it follows, an op at a time, at about
+a millisecond per op (a proxy, a fake value and metadata per node): a deep model's body costs
+seconds, and every backend's step traces the same model around its ``attend``. This module runs
+the stage eagerly under :class:`GraphRecorder`, a dispatch mode that makes, for each op, the
+node make_fx would make (named alike; ``lift_fresh`` as ``lift_fresh_copy``; a tensor that is
+neither an input nor an op's output a ``get_attr`` constant, one per use; every element of a
+returned list or tuple a ``getitem``; a composite op that reaches it decomposed, as make_fx
+decomposes it), at tens of microseconds per op. With the step's shared buffers given, every op
+is probed as it runs (:func:`~readfence.core._probe.probe_op`): what its arguments touch is known
+from where each came from, so a graph's memory facts need no second run.
+
+What a record cannot hold stops it (:class:`Unrecordable`), and the stage is traced with
+make_fx as before: an escape (``item()``, ``data_ptr()``: the tracer's ``readfence::opaque``
+marker), a host read (an op tagged ``data_dependent_output``), a higher-order op, a tensor
+subclass other than torch's own, an argument of a type the graph cannot hold, an error in the
+stage's code (make_fx's trace reports it). ``tests/core/test_record.py`` holds the recorded
+graphs to make_fx's, node for node; the runtime checks (the observer, poison, the serial
+comparison) never see the record: they stay independent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _probe
+from ._memory import BufferMap
+from ._probe import NO_FACTS, OpFacts, ProbeResult
+
+_NOTHING: frozenset[str] = frozenset()
+
+#: Python values an op argument may hold (make_fx keeps them in the node as they are).
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN_TYPES = frozenset(_PLAIN)
+#: Ops make_fx never decomposes, whatever autograd would do.
+_KEPT = frozenset({torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.storage_offset.default})
+_LIFT_FRESH, _LIFT_FRESH_COPY = torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default
+_DEVICE = torch.ops.prim.device.default
+
+
+class Unrecordable(Exception):
+    """The stage did something a record cannot hold: trace it with make_fx."""
+
+
+@functools.lru_cache(maxsize=4096)  # by op: a finite set per process
+def _recordable(func: Any) -> bool:
+    # an op overload of the dispatcher (a higher-order op runs graphs a node does not hold),
+    # whose result is no Python value computed from tensor data (a host read)
+    return isinstance(func, torch._ops.OpOverload) and torch.Tag.data_dependent_output not in func.tags
+
+
+@functools.lru_cache(maxsize=4096)  # by name: a finite set per process
+def _node_name(name: str) -> str:
+    # what make_fx names an op's node (``Graph._target_to_str`` of the op's name)
+    return fx.Graph()._target_to_str(name)
+
+
+def _decomposed(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether make_fx tries ``func``'s composite decomposition rather than the op: it has no
+    kernel for the device of its first tensor argument (``autograd_would_have_decomposed``,
+    asked once per op and device)."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return _no_kernel(func, None if first is None else first.device.type)
+
+
+@functools.lru_cache(maxsize=4096)  # by op and device type: a finite set per process
+def _no_kernel(func: Any, device: str | None) -> bool:
+    # torch's ``autograd_would_have_decomposed`` (what make_fx asks), for one device type
+    if func in _KEPT:
+        return False
+    if device is None:
+        return True
+    key = torch._C._parse_dispatch_key(torch._C._dispatch_key_for_device(device))
+    return key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+
+
+def _val(out: Any) -> Any:
+    """What make_fx keeps of a value in ``node.meta["val"]``: a tensor's shape, strides and
+    dtype (a meta tensor; a fake tensor detached, as make_fx snapshots it: a reference to the
+    op's output itself would make torch detach it on return, a node make_fx does not have),
+    lists and tuples of them, Python values."""
+    if type(out) is torch.Tensor:
+        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (list, tuple)):
+        return type(out)([_val(x) for x in out])
+    return out
+
+
+class GraphRecorder(TorchDispatchMode):
+    """A dispatch mode that builds ``graph``: one node per op dispatched while it is entered
+    (see the module docstring). Give it the inputs with :meth:`placeholder` first, and the
+    outputs with :meth:`output` last.
+
+    ``escape_op`` is the tracer's escape marker (it stops the record); ``shared``, when given
+    (real tensors), the shared buffers: every op is probed, its facts in ``probe``.
+    """
+
+    supports_higher_order_operators = True  # to refuse them, rather than be passed over
+
+    def __init__(self, escape_op: Any, shared: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self.root = torch.nn.Module()
+        self.escape_op = escape_op
+        self.buffers = None if shared is None else BufferMap.of(shared)
+        self.shared = shared
+        self.probe = ProbeResult()
+        # id -> (the tensor, weakly: a strong reference to an op's output makes torch detach
+        # it on return; its node; the shared buffers its memory touches, as the op showed)
+        self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], fx.Node, frozenset[str]]] = {}
+        self.constants: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor, its attribute)
+        self.watch: frozenset[str] = _NOTHING  # what the current op's arguments touch
+
+    # -- the graph's ends --------------------------------------------------------------------
+    def placeholder(self, name: str, t: torch.Tensor) -> fx.Node:
+        """The input ``t``, as make_fx names it (the tracer renames it after its dotted name)."""
+        node = self.graph.placeholder(name)
+        node.meta["val"] = _val(t)
+        self._track(t, node, self._touched(t))
+        return node
+
+    def output(self, tensors: Sequence[torch.Tensor]) -> fx.GraphModule:
+        """The graph module returning ``tensors``."""
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        with torch._C.DisableTorchFunction():
+            self.graph.output(tuple(self._arg(t) for t in tensors))
+        return _LazyGraphModule(self.root, self.graph)
+
+    # -- the record ----------------------------------------------------------------------------
+    def _touched(self, t: torch.Tensor) -> frozenset[str]:
+        if self.buffers is None:
+            return _NOTHING
+        with torch._C.DisableTorchFunction():  # looking at its memory is no escape of the stage's
+            return self.buffers.touched(t)
+
+    def _track(self, t: torch.Tensor, node: fx.Node, touched: frozenset[str]) -> None:
+        self.tracked[id(t)] = (weakref.ref(t), node, touched)
+
+    def _arg(self, v: Any) -> Any:
+        """``v`` as a node argument: a tensor as the node that made it, containers mapped."""
+        kind = type(v)
+        if kind is torch.Tensor or isinstance(v, torch.Tensor):
+            if kind is not torch.Tensor and not kind.__module__.startswith("torch"):
+                raise Unrecordable(f"a tensor subclass ({kind.__name__})")
+            hit = self.tracked.get(id(v))
+            if hit is not None and hit[0]() is v:
+                self.watch |= hit[2]
+                return hit[1]
+            return self._constant(v)
+        if kind in _PLAIN_TYPES or isinstance(v, _PLAIN):
+            return v
+        if kind is list or kind is tuple:
+            return kind(self._arg(x) for x in v)
+        raise Unrecordable(f"an argument of type {kind.__name__}")
+
+    def _constant(self, t: torch.Tensor) -> fx.Node:
+        # as make_fx's tracer does: a parameter anew each time, another tensor once as an
+        # attribute, a get_attr node for each use
+        self.watch |= self._touched(t)
+        if isinstance(t, torch.nn.Parameter):
+            name = f"_param_constant{sum(1 for n in vars(self.root) if n.startswith('_param_constant'))}"
+            setattr(self.root, name, t)
+        else:
+            known = self.constants.get(id(t))
+            if known is None or known[0] is not t:
+                known = self.constants[id(t)] = (t, f"_tensor_constant{len(self.constants)}")
+                setattr(self.root, known[1], t)
+            name = known[1]
+        node = self.graph.get_attr(name)
+        node.meta["val"] = _val(t)
+        touched = self._touched(t)
+        if touched:
+            self.probe.touched[node.name] = touched
+        return node
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _DEVICE:
+            return func(*args, **kwargs)
+        if not _recordable(func) or func is self.escape_op:
+            raise Unrecordable(f"{func} escapes, holds a graph or reads data on the host")
+        if _decomposed(func, args, kwargs):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        # the record's own look at the tensors (their nodes, memory) is no part of the stage:
+        # the tracer's function modes do not see it
+        with torch._C.DisableTorchFunction():
+            self.watch = _NOTHING
+            node_args = tuple(self._arg(a) for a in args)
+            node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
+            target = _LIFT_FRESH_COPY if func is _LIFT_FRESH else func
+            node = self._node(target, node_args, node_kwargs, _node_name(target.overloadpacket.__name__))
+            watch = self.watch
+        if self.buffers is None:
+            out, facts = func(*args, **kwargs), NO_FACTS
+        else:  # what the arguments touch is known from where each came from
+            assert self.shared is not None
+            out, facts = _probe.probe_op(func, args, kwargs, self.buffers, self.shared,
+                                         lambda: func(*args, **kwargs), torch._C.DisableTorchFunction, watch=watch)
+            self.probe.add(node, facts)
+        with torch._C.DisableTorchFunction():
+            self._outputs(out, node, facts)
+        return out
+
+    def _node(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> fx.Node:
+        # ``graph.create_node`` without its walk of the arguments for a symbolic value (a record
+        # of real or fake tensors holds none), which cost more than the rest of a node
+        node = self.graph.create_node("call_function", target, None, None, name)
+        object.__setattr__(node, "args", args)  # (the property's setter, not Node.__setattr__'s re-indexing)
+        object.__setattr__(node, "kwargs", kwargs)
+        return node
+
+    def _outputs(self, out: Any, node: fx.Node, facts: OpFacts) -> None:
+        node.meta["val"] = _val(out)
+        if isinstance(out, torch.Tensor):
+            self._track(out, node, facts.touched)
+            return
+        if not isinstance(out, (list, tuple)):
+            return
+        pieces = iter(facts.pieces)  # what each leaf touches, in ``leaves`` order
+
+        def each(value: Any, parent: fx.Node) -> None:
+            for index, element in enumerate(value):
+                item = self._node(operator.getitem, (parent, index), {}, "getitem")
+                if isinstance(element, (list, tuple)):
+                    item.meta["val"] = _val(element)
+                    each(element, item)
+                    continue
+                touched = next(pieces, _NOTHING)
+                if isinstance(element, torch.Tensor):
+                    item.meta["val"] = _val(element)
+                    if touched:
+                        self.probe.touched[item.name] = touched
+                    self._track(element, item, touched)
+
+        each(out, node)
+
+
+def _dynamo_off() -> Any:
+    # a ``torch.compile``d function the stage calls runs as the Python it compiles: compiled
+    # code calls kernels the dispatcher never sees (make_fx's trace does the same)
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+@contextlib.contextmanager
+def recording(recorder: GraphRecorder) -> Iterator[GraphRecorder]:
+    """``recorder`` entered, with the cycle collector held off and compiled functions run as
+    Python."""
+    from ._collect import collection_paused
+
+    with collection_paused(), _dynamo_off(), recorder:
+        yield recorder
+
+
+def record(fn: Callable[..., Any], args: Sequence[torch.Tensor], names: Sequence[str], *,
+           outputs: Callable[[Any], Sequence[torch.Tensor]], context: Callable[[fx.Graph], Any],
+           escape_op: Any, shared: Mapping[str, torch.Tensor] | None = None,
+           ) -> tuple[fx.GraphModule, Any, ProbeResult | None]:
+    """The graph of ``fn(*args)`` (its placeholders ``arg0_1``... for ``args``, ``names`` only
+    to keep their count), what it returned, and what its nodes touch of ``shared`` (when given);
+    ``outputs(out)`` are the tensors the graph returns. ``context(graph)`` is what the stage's
+    code runs in (the tracer's function modes, writing source lines into ``graph``). Raises
+    :class:`Unrecordable` (or what the stage raised) where the stage cannot be recorded.
+
+    >>> gm, out, _ = record(lambda x: (x * 2).sum(), [torch.ones(3)], ["x"], outputs=lambda o: (o,),
+    ...                     context=lambda graph: contextlib.nullcontext(), escape_op=None)
+    >>> [n.op for n in gm.graph.nodes], out.item()
+    (['placeholder', 'call_function', 'call_function', 'output'], 6.0)
+    """
+    recorder = GraphRecorder(escape_op, shared)
+    for k, t in enumerate(args[:len(names)]):
+        recorder.placeholder(f"arg{k}_1", t)
+    with context(recorder.graph), recording(recorder):
+        out = fn(*args)
+    gm = recorder.output(outputs(out))
+    return gm, out, None if shared is None else recorder.probe
