@@ -67,18 +67,23 @@ def _node_name(name: str) -> str:
 
 
 def _decomposed(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether make_fx tries ``func``'s composite decomposition rather than the op: it has no
-    kernel for the device of its first tensor argument (``autograd_would_have_decomposed``,
-    asked once per op and device)."""
+    """Whether make_fx runs ``func``'s composite decomposition rather than the op: it has one,
+    and no kernel for the device of its first tensor argument (torch's
+    ``autograd_would_have_decomposed``, asked once per op and device)."""
+    if not _composite(func):
+        return False  # (most ops: ``decompose`` would give NotImplemented)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     return _no_kernel(func, None if first is None else first.device.type)
 
 
+@functools.lru_cache(maxsize=4096)  # by op: a finite set per process
+def _composite(func: Any) -> bool:
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return func not in _KEPT and (key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
+
+
 @functools.lru_cache(maxsize=4096)  # by op and device type: a finite set per process
 def _no_kernel(func: Any, device: str | None) -> bool:
-    # torch's ``autograd_would_have_decomposed`` (what make_fx asks), for one device type
-    if func in _KEPT:
-        return False
     if device is None:
         return True
     key = torch._C._parse_dispatch_key(torch._C._dispatch_key_for_device(device))
