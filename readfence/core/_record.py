@@ -35,6 +35,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _probe
+from ._fx import add_node
 from ._memory import BufferMap
 from ._probe import NO_FACTS, OpFacts, ProbeResult
 
@@ -224,12 +225,7 @@ class GraphRecorder(TorchDispatchMode):
         return out
 
     def _node(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> fx.Node:
-        # ``graph.create_node`` without its walk of the arguments for a symbolic value (a record
-        # of real or fake tensors holds none), which cost more than the rest of a node
-        node = self.graph.create_node("call_function", target, None, None, name)
-        object.__setattr__(node, "args", args)  # (the property's setter, not Node.__setattr__'s re-indexing)
-        object.__setattr__(node, "kwargs", kwargs)
-        return node
+        return add_node(self.graph, "call_function", target, args, kwargs, name)
 
     def _outputs(self, out: Any, node: fx.Node, facts: OpFacts) -> None:
         node.meta["val"] = _val(out)

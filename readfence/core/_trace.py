@@ -19,7 +19,6 @@ the tracer cannot see read it at any later time, so its buffers are ``UNKNOWN``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
 from ._collect import collection_paused
+from ._fx import copy_graph
 from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
 from ._probe import MemoryProbe as _MemoryProbe
@@ -745,7 +745,7 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
         if not s.captured and initial == s.initial:
             stages.append(s)
             continue
-        gm = _LazyGraphModule(s.gm, copy.deepcopy(s.gm.graph))  # its code made when it is called
+        gm = copy_graph(s.gm)
         captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), state["shared"],
                                                                     shared, owned)
                          for c in s.captured)

@@ -7,11 +7,12 @@ and records in node order) that the device and its sanitizer see at enqueue time
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import fx
+
+from readfence.core.internal import copy_graph
 
 from ..devices import Device, Event, Op, Read, Record
 
@@ -46,7 +47,8 @@ def insert_records(
     >>> out(torch.ones(1)).item(), Dev.fired
     (4.0, ['e'])
     """
-    graph = copy.deepcopy(gm.graph)
+    out = copy_graph(gm)
+    graph = out.graph
     nodes = {n.name: n for n in graph.nodes}
     actions = actions or {}
     missing = [name for name in (*after, *actions) if name not in nodes]
@@ -61,7 +63,7 @@ def insert_records(
         for action in actions.get(name, ()):
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(action, ())
-    return fx.GraphModule(gm, graph)
+    return out
 
 
 def stage_ops(gm: fx.GraphModule, reads: Mapping[str, frozenset[str]], stage: str) -> tuple[Op, ...]:
