@@ -11,11 +11,17 @@ decomposes it), at tens of microseconds per op. With the step's shared buffers g
 is probed as it runs (:func:`~readfence.core._probe.probe_op`): what its arguments touch is known
 from where each came from, so a graph's memory facts need no second run.
 
-What a record cannot hold stops it (:class:`Unrecordable`), and the stage is traced with
-make_fx as before: an escape (``item()``, ``data_ptr()``: the tracer's ``readfence::opaque``
-marker), a host read (an op tagged ``data_dependent_output``), a higher-order op, a tensor
-subclass other than torch's own, an argument of a type the graph cannot hold, an error in the
-stage's code (make_fx's trace reports it). ``tests/core/test_record.py`` holds the recorded
+An escape is recorded as make_fx's trace records it: the tracer's ``readfence::opaque``
+marker on what escapes (``item()``, ``data_ptr()``, and a host read, an op tagged
+``data_dependent_output``, whatever Python reached it), its value computed on the real tensors
+with the record paused (:meth:`GraphRecorder.paused`); the stage is then unfaithful, and runs
+its Python in the step. What a record cannot hold stops it (:class:`Unrecordable`), and the
+stage is traced with make_fx as before: a higher-order op, a tensor subclass other than
+torch's own, an argument of a type the graph cannot hold, a host read of fake tensors (no value
+to go on with), an error in the stage's code (make_fx's trace reports it). Such a stage runs
+twice while traced (its record stopped partway, then make_fx's trace); a stage is pure, and
+the escapes that make an engine's stage Python are recorded, so the engines' stages that keep
+state (a capture-time call made once) run once. ``tests/core/test_record.py`` holds the recorded
 graphs to make_fx's, node for node; the runtime checks (the observer, poison, the serial
 comparison) never see the record: they stay independent.
 """
@@ -36,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _probe
 from ._fx import add_node
-from ._memory import BufferMap
+from ._memory import BufferMap, leaves
 from ._probe import NO_FACTS, OpFacts, ProbeResult
 
 _NOTHING: frozenset[str] = frozenset()
@@ -54,11 +60,20 @@ class Unrecordable(Exception):
     """The stage did something a record cannot hold: trace it with make_fx."""
 
 
+#: What a host read's escape marker says (the tracer tells a value escape by it).
+HOST_READ = "host read by "
+
+
 @functools.lru_cache(maxsize=4096)  # by op: a finite set per process
 def _recordable(func: Any) -> bool:
-    # an op overload of the dispatcher (a higher-order op runs graphs a node does not hold),
-    # whose result is no Python value computed from tensor data (a host read)
-    return isinstance(func, torch._ops.OpOverload) and torch.Tag.data_dependent_output not in func.tags
+    # an op overload of the dispatcher: a higher-order op runs graphs a node does not hold
+    return isinstance(func, torch._ops.OpOverload)
+
+
+@functools.lru_cache(maxsize=4096)  # by op: a finite set per process
+def _host_read(func: Any) -> bool:
+    # its result is a Python value computed from tensor data: the host reads it there and then
+    return torch.Tag.data_dependent_output in func.tags
 
 
 @functools.lru_cache(maxsize=4096)  # by name: a finite set per process
@@ -116,8 +131,10 @@ class GraphRecorder(TorchDispatchMode):
 
     supports_higher_order_operators = True  # to refuse them, rather than be passed over
 
-    def __init__(self, escape_op: Any, shared: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, escape_op: Any, shared: Mapping[str, torch.Tensor] | None = None, *, fake: bool = False) -> None:
         super().__init__()
+        self.fake = fake
+        self.pauses = 0  # while positive, ops run unrecorded (an escape's value, computed for the host)
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self.escape_op = escape_op
@@ -127,7 +144,7 @@ class GraphRecorder(TorchDispatchMode):
         # id -> (the tensor, weakly: a strong reference to an op's output makes torch detach
         # it on return; its node; the shared buffers its memory touches, as the op showed)
         self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], fx.Node, frozenset[str]]] = {}
-        self.constants: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor, its attribute)
+        self.constants: dict[int, tuple[Any, str]] = {}  # id -> (the object, its attribute)
         self.watch: frozenset[str] = _NOTHING  # what the current op's arguments touch
 
     # -- the graph's ends --------------------------------------------------------------------
@@ -145,6 +162,16 @@ class GraphRecorder(TorchDispatchMode):
         with torch._C.DisableTorchFunction():
             self.graph.output(tuple(self._arg(t) for t in tensors))
         return _LazyGraphModule(self.root, self.graph)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run in the block are not recorded: the value an escape hands the host, computed on
+        the real tensors (what make_fx's ``disable_proxy_modes_tracing`` is to its trace)."""
+        self.pauses += 1
+        try:
+            yield
+        finally:
+            self.pauses -= 1
 
     # -- the record ----------------------------------------------------------------------------
     def _touched(self, t: torch.Tensor) -> frozenset[str]:
@@ -171,22 +198,24 @@ class GraphRecorder(TorchDispatchMode):
             return v
         if kind is list or kind is tuple:
             return kind(self._arg(x) for x in v)
+        if kind is torch.Generator:  # an opaque object, held as make_fx holds one
+            return self._attribute(v, "_opaque_obj")
         raise Unrecordable(f"an argument of type {kind.__name__}")
 
+    def _attribute(self, value: Any, prefix: str) -> fx.Node:
+        # one attribute per object (numbered per prefix, as make_fx's tracer does), a get_attr
+        # node for each use
+        known = self.constants.get(id(value))
+        if known is None or known[0] is not value:
+            count = sum(1 for v, n in self.constants.values() if n.startswith(prefix))
+            known = self.constants[id(value)] = (value, f"{prefix}{count}")
+            setattr(self.root, known[1], value)
+        return self.graph.get_attr(known[1])
+
     def _constant(self, t: torch.Tensor) -> fx.Node:
-        # as make_fx's tracer does: a parameter anew each time, another tensor once as an
-        # attribute, a get_attr node for each use
+        # as make_fx's tracer does: once as an attribute, a get_attr node for each use
         self.watch |= self._touched(t)
-        if isinstance(t, torch.nn.Parameter):
-            name = f"_param_constant{sum(1 for n in vars(self.root) if n.startswith('_param_constant'))}"
-            setattr(self.root, name, t)
-        else:
-            known = self.constants.get(id(t))
-            if known is None or known[0] is not t:
-                known = self.constants[id(t)] = (t, f"_tensor_constant{len(self.constants)}")
-                setattr(self.root, known[1], t)
-            name = known[1]
-        node = self.graph.get_attr(name)
+        node = self._attribute(t, "_param_constant" if isinstance(t, torch.nn.Parameter) else "_tensor_constant")
         node.meta["val"] = _val(t)
         touched = self._touched(t)
         if touched:
@@ -195,10 +224,24 @@ class GraphRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is _DEVICE:
+        if func is _DEVICE or self.pauses:
             return func(*args, **kwargs)
-        if not _recordable(func) or func is self.escape_op:
-            raise Unrecordable(f"{func} escapes, holds a graph or reads data on the host")
+        if not _recordable(func):
+            raise Unrecordable(f"{func} holds a graph")
+        if _host_read(func):
+            # as the tracer's host-read mode marks it under make_fx: what it reads escapes here,
+            # and its value is computed on the real tensors
+            if self.fake:
+                raise Unrecordable(f"{func} reads fake tensors on the host")
+            with torch._C.DisableTorchFunction():
+                for t in leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        self._record(self.escape_op, (t, f"{HOST_READ}{func}"), {})
+            return func(*args, **kwargs)
+        return self._record(func, args, kwargs)
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` and write its node (what ``__torch_dispatch__`` does for an op)."""
         if _decomposed(func, args, kwargs):
             with self:
                 out = func.decompose(*args, **kwargs)
@@ -272,24 +315,25 @@ def recording(recorder: GraphRecorder) -> Iterator[GraphRecorder]:
 
 
 def record(fn: Callable[..., Any], args: Sequence[torch.Tensor], names: Sequence[str], *,
-           outputs: Callable[[Any], Sequence[torch.Tensor]], context: Callable[[fx.Graph], Any],
-           escape_op: Any, shared: Mapping[str, torch.Tensor] | None = None,
+           outputs: Callable[[Any], Sequence[torch.Tensor]], context: Callable[[GraphRecorder], Any],
+           escape_op: Any, shared: Mapping[str, torch.Tensor] | None = None, fake: bool = False,
            ) -> tuple[fx.GraphModule, Any, ProbeResult | None]:
     """The graph of ``fn(*args)`` (its placeholders ``arg0_1``... for ``args``, ``names`` only
     to keep their count), what it returned, and what its nodes touch of ``shared`` (when given);
-    ``outputs(out)`` are the tensors the graph returns. ``context(graph)`` is what the stage's
-    code runs in (the tracer's function modes, writing source lines into ``graph``). Raises
+    ``outputs(out)`` are the tensors the graph returns. ``context(recorder)`` is what the stage's
+    code runs in (the tracer's function modes, writing source lines into ``recorder.graph`` and
+    computing escapes' values ``recorder.paused()``); ``fake``: the tensors are fake. Raises
     :class:`Unrecordable` (or what the stage raised) where the stage cannot be recorded.
 
     >>> gm, out, _ = record(lambda x: (x * 2).sum(), [torch.ones(3)], ["x"], outputs=lambda o: (o,),
-    ...                     context=lambda graph: contextlib.nullcontext(), escape_op=None)
+    ...                     context=lambda recorder: contextlib.nullcontext(), escape_op=None)
     >>> [n.op for n in gm.graph.nodes], out.item()
     (['placeholder', 'call_function', 'call_function', 'output'], 6.0)
     """
-    recorder = GraphRecorder(escape_op, shared)
+    recorder = GraphRecorder(escape_op, shared, fake=fake)
     for k, t in enumerate(args[:len(names)]):
         recorder.placeholder(f"arg{k}_1", t)
-    with context(recorder.graph), recording(recorder):
+    with context(recorder), recording(recorder):
         out = fn(*args)
     gm = recorder.output(outputs(out))
     return gm, out, None if shared is None else recorder.probe

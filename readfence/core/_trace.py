@@ -44,7 +44,7 @@ from ._probe import MemoryProbe as _MemoryProbe
 from ._probe import ProbeResult
 from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
 from ._protocol import BackendLike
-from ._record import Unrecordable, record
+from ._record import HOST_READ, GraphRecorder, Unrecordable, record
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
 from ._step import (
@@ -211,7 +211,7 @@ class _Aborted(Exception):
 
 #: What a dispatch-level escape's marker says: an op whose result is a Python value computed from
 #: tensor data (``torch.Tag.data_dependent_output``), read on the host there and then.
-_HOST_READ = "host read by "
+_HOST_READ = HOST_READ
 
 
 class _HostReads(TorchDispatchMode):
@@ -246,10 +246,13 @@ class _TraceMode(TorchFunctionMode):
     """Records escapes and the user's source line of every node; under fake tensors on a
     device this build lacks, indexes via aten."""
 
-    def __init__(self, *, fake: bool, graph: fx.Graph | None = None) -> None:
+    def __init__(self, *, fake: bool, recorder: GraphRecorder | None = None) -> None:
         super().__init__()
         self.fake = fake
-        self.graph = graph  # the graph being recorded (``_record``); else make_fx's, if any
+        # the graph being recorded (``_record``), else make_fx's, if any; and how the value an
+        # escape hands the host is computed outside it
+        self.graph = None if recorder is None else recorder.graph
+        self.outside: Callable[[], Any] = disable_proxy_modes_tracing if recorder is None else recorder.paused
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -277,7 +280,7 @@ class _TraceMode(TorchFunctionMode):
             if self.fake:
                 raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
             # the value leaves the graph: compute it on the real tensor, outside the tracer
-            with disable_proxy_modes_tracing():
+            with self.outside():
                 return func(*args, **kwargs)
         if self.fake and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
             if func is torch.Tensor.__getitem__:
@@ -543,13 +546,13 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             yield
 
     @contextlib.contextmanager
-    def recorded_in(graph: fx.Graph) -> Iterator[None]:
-        # the stage run eagerly, its ops written into ``graph``: the tracer's escapes and source
-        # lines (a host read stops the record, so ``_HostReads`` has nothing to mark)
+    def recorded_in(recorder: GraphRecorder) -> Iterator[None]:
+        # the stage run eagerly, its ops written down by ``recorder``: the tracer's escapes and
+        # source lines (host reads at the dispatcher the recorder marks itself)
         with contextlib.ExitStack() as ctx:
             if fake_mode is not None:
                 ctx.enter_context(fake_mode)
-            ctx.enter_context(_TraceMode(fake=fake_mode is not None, graph=graph))
+            ctx.enter_context(_TraceMode(fake=fake_mode is not None, recorder=recorder))
             ctx.enter_context(watch_threads(backend, stage.name, "the trace"))
             yield
 
@@ -558,7 +561,8 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             raise Unrecordable("make_fx asked for")
         gm, out, probe = record(lambda *t: call.fn(**with_inputs(t)), args, input_names,
                                 outputs=lambda out: [v for _, v in outputs_of(out)], context=recorded_in,
-                                escape_op=OPAQUE_OP, shared=shared if fake_mode is None else None)
+                                escape_op=OPAQUE_OP, shared=shared if fake_mode is None else None,
+                                fake=fake_mode is not None)
         stash.update(out=out, names=tuple(n for n, _ in outputs_of(out)), probe=probe, recorded=True)
     except Exception:  # what the record cannot hold, or the stage's own error: make_fx's trace, as always
         with tracing():

@@ -202,6 +202,17 @@ def test_a_list_returning_op_and_a_captured_constant() -> None:
     _same(*_programs(lambda: _reader("pieces", late), M.DECODE, layers=3))
 
 
+def test_a_generator_and_a_captured_parameter_are_held_as_make_fx_holds_them() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def late(layer, s, b, q):
+        noise = torch.randint(0, 2, q.shape, generator=generator).to(q.dtype)
+        return q * scale + noise * 0
+
+    _same(*_programs(lambda: _reader("drawn", late), M.DECODE, layers=2))
+
+
 def test_a_composite_op_under_inference_mode_is_decomposed_as_make_fx_does() -> None:
     def late(layer, s, b, q):
         with torch.inference_mode(False):
@@ -221,8 +232,8 @@ def test_a_compiled_function_is_recorded_as_its_python() -> None:
     assert recorded.stages[-1].recorded and recorded.traced()["seq_lens"] is ReadEnd.POST_REPLAY
 
 
-# -- what a record cannot hold ---------------------------------------------------------------------
-def test_a_host_read_is_traced_with_make_fx() -> None:
+# -- escapes: recorded as make_fx records them ----------------------------------------------------
+def test_a_host_read_is_recorded_as_an_escape() -> None:
     def late(layer, s, b, q):
         if layer == 3 and int(s["seq_lens"].max()) > 10 ** 6:
             return q * 2
@@ -231,20 +242,41 @@ def test_a_host_read_is_traced_with_make_fx() -> None:
     recorded, traced = _programs(lambda: _reader("host", late), M.DECODE, layers=4)
     _same(recorded, traced)
     body = recorded.stages[-1]
-    assert not body.recorded and not body.faithful
-    assert [s.recorded for s in recorded.stages[:2]] == [True, True]  # the other stages still are
+    assert body.recorded and not body.faithful
+    assert any(why.startswith("escape: ") for _, why, _ in body.escapes())
 
 
-def test_an_escape_is_traced_with_make_fx() -> None:
+@pytest.mark.parametrize("escape", ["data_ptr", "tolist", "contains", "bool", "equal"])
+def test_every_way_to_escape_is_recorded_as_make_fx_traces_it(escape: str) -> None:
     def late(layer, s, b, q):
+        lens = s["seq_lens"]
+        hidden = {"data_ptr": lambda: lens.data_ptr(), "tolist": lambda: lens.tolist(),
+                  "contains": lambda: 3 in lens, "bool": lambda: bool(lens.sum() > 0),
+                  "equal": lambda: torch.equal(lens, lens)}[escape]()
+        return q if hidden is not None else q * 2
+
+    recorded, traced = _programs(lambda: _reader(escape, late), M.DECODE, layers=2)
+    _same(recorded, traced)
+    assert recorded.stages[-1].recorded and not recorded.stages[-1].faithful
+
+
+def test_a_stage_that_escapes_runs_once_while_traced() -> None:
+    # a recorded escape does not send the stage through make_fx after it: an engine's stage
+    # that counts its calls (or keeps state) sees the trace call it once, as make_fx did
+    calls = []
+
+    def late(layer, s, b, q):
+        calls.append(layer)
         s["seq_lens"].data_ptr()
         return q
 
-    recorded, traced = _programs(lambda: _reader("escape", late), M.DECODE, layers=2)
-    _same(recorded, traced)
-    assert not recorded.stages[-1].recorded and recorded.traced()["seq_lens"] is ReadEnd.UNKNOWN
+    cfg = ModelConfig(layers=2)
+    fns = step_functions(_reader("counted", late), M.DECODE, cfg)
+    trace_step(fns, M.DECODE, example_step(cfg, M.DECODE, 2).groups())
+    assert calls == [0, 1]
 
 
+# -- what a record cannot hold ---------------------------------------------------------------------
 def test_a_higher_order_op_is_traced_with_make_fx() -> None:
     def late(layer, s, b, q):
         return torch.cond(q.sum() > 0, lambda x: x * 2, lambda x: x * 3, (q,))
