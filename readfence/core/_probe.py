@@ -57,24 +57,20 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     >>> facts
     OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=())
     """
-    if watch is not None and not watch:  # given no memory of a buffer: only its output can show one
-        out = run()
+    if watch is None:
         with quiet():
-            touched = buffers.touched_by(out)
-            if not touched:
-                return out, NO_FACTS
-            pieces = tuple(buffers.touched_by(x) for x in leaves(out)) if isinstance(out, (list, tuple)) else ()
-        return out, OpFacts(touched, (), False, pieces)
-    aliasing = op_aliasing(op)
-    view = aliasing is not None and aliasing.is_view
-    with quiet():
-        if watch is None:
             watch = buffers.touched_by((args, kwargs))
-        before = {b: shared[b].clone() for b in watch} if watch and not view else {}
+    # an op given no memory of a buffer (most ops): only its output can show one
+    aliasing = op_aliasing(op) if watch else None
+    view = aliasing is not None and aliasing.is_view
+    before: dict[str, torch.Tensor] = {}
+    if watch and not view:
+        with quiet():
+            before = {b: shared[b].clone() for b in watch}
     out = run()
     with quiet():
         copied = False
-        if view and watch:
+        if view:
             assert aliasing is not None
             values = bind_arguments(op, args, kwargs)
             outs = out if len(aliasing.outputs) > 1 else (out,)

@@ -125,8 +125,9 @@ class GraphRecorder(TorchDispatchMode):
     (see the module docstring). Give it the inputs with :meth:`placeholder` first, and the
     outputs with :meth:`output` last.
 
-    ``escape_op`` is the tracer's escape marker (it stops the record); ``shared``, when given
-    (real tensors), the shared buffers: every op is probed, its facts in ``probe``.
+    ``escape_op`` is the tracer's escape marker (written on what a host read reads); ``shared``,
+    when given (real tensors), the shared buffers: every op is probed, its facts in ``probe``;
+    ``fake``: the tensors are fake (a host read has no value: it stops the record).
     """
 
     supports_higher_order_operators = True  # to refuse them, rather than be passed over
