@@ -1,12 +1,14 @@
 """Trace a backend's step into a ``Program``: one FX graph per stage, reads on every node.
 
-Each stage is traced with ``make_fx`` (real tensors on CPU; fake tensors for any other
-device, so ``device="cuda"`` traces on a machine without a GPU). The graphs are *not*
-functionalized: they keep the ops as written (views, in-place writes to ``pools``) so they
-can be executed as they are; reads through views are found by alias analysis over op
-schemas instead (see ``_alias``), joined with the memory each node's real value touches when
-the graph is run once more on the example (real tensors only; under fake tensors the schemas
-are all there is). Tensors are matched to shared buffers by memory range (``_memory``).
+Each stage is recorded as it runs once (``_record``: the graph ``make_fx`` would make, written
+op by op as the dispatcher runs them), or, where a record cannot hold it, traced with
+``make_fx`` (real tensors on CPU; fake tensors for any other device, so ``device="cuda"``
+traces on a machine without a GPU). The graphs are *not* functionalized: they keep the ops as
+written (views, in-place writes to ``pools``) so they can be executed as they are; reads
+through views are found by alias analysis over op schemas instead (see ``_alias``), joined
+with the memory each node's real value touches (``_probe``: as the record runs, or when the
+graph is run once more on the example; real tensors only, under fake tensors the schemas are
+all there is). Tensors are matched to shared buffers by memory range (``_memory``).
 
 Escapes the tracer cannot see through are recorded in the graph as a ``readfence::opaque``
 node on the escaping tensor, at the user's source line: a *value* escape (``item()``,
