@@ -34,6 +34,32 @@ def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
     return x * x.pow(2).mean(-1, keepdim=True).add(_EPS).rsqrt() * weight
 
 
+def rotary_tables(positions: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` ``[T, 1, dim // 2]`` of the rotary embedding at integer ``positions`` ``[T]``:
+    the same for every layer and head, so a step computes them once.
+
+    >>> cos, sin = rotary_tables(torch.zeros(3, dtype=torch.long), 4)
+    >>> cos.shape, bool((cos == 1).all() and (sin == 0).all())
+    (torch.Size([3, 1, 2]), True)
+    """
+    half = dim // 2
+    freq = 10000.0 ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angle = positions.to(torch.float32).unsqueeze(-1) * freq.unsqueeze(0)  # [T, half]
+    return angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x`` ``[T, H, D]`` rotated by the tables of :func:`rotary_tables`.
+
+    >>> x = torch.randn(3, 2, 4)
+    >>> torch.equal(apply_rotary(x, *rotary_tables(torch.arange(3), 4)), rotary(x, torch.arange(3)))
+    True
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x.narrow(-1, 0, half), x.narrow(-1, half, half)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
 def rotary(x: Tensor, positions: Tensor) -> Tensor:
     """Rotary position embedding of ``x`` ``[T, H, D]`` at integer ``positions`` ``[T]``.
 
@@ -41,12 +67,7 @@ def rotary(x: Tensor, positions: Tensor) -> Tensor:
     >>> torch.allclose(rotary(x, torch.zeros(3, dtype=torch.long)), x)
     True
     """
-    half = x.shape[-1] // 2
-    freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angle = positions.to(torch.float32).unsqueeze(-1) * freq.unsqueeze(0)  # [T, half]
-    cos, sin = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)  # [T, 1, half]
-    x1, x2 = x.narrow(-1, 0, half), x.narrow(-1, half, half)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return apply_rotary(x, *rotary_tables(positions, x.shape[-1]))
 
 
 def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> LayerScan:
@@ -63,23 +84,27 @@ def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> L
     mode = check_mode(mode)
     heads, dim = cfg.local_heads, cfg.head_dim
 
-    def pre(inputs: Mapping[str, Any]) -> Tensor:
-        return F.embedding(inputs["batch"]["input_ids"], inputs["params"]["embed"])
+    # the carry: the residual stream and the step's rotary tables (one pair for every layer)
+    Carry = tuple[Tensor, tuple[Tensor, Tensor]]
 
-    def layer(index: int, x: Tensor, inputs: Mapping[str, Any]) -> Tensor:
-        params, batch, pre = inputs["params"], inputs["batch"], f"layers.{index}."
+    def pre(inputs: Mapping[str, Any]) -> Carry:
+        batch = inputs["batch"]
+        return F.embedding(batch["input_ids"], inputs["params"]["embed"]), rotary_tables(batch["positions"], dim)
+
+    def layer(index: int, carry: Carry, inputs: Mapping[str, Any]) -> Carry:
+        (x, rope), params, batch, pre = carry, inputs["params"], inputs["batch"], f"layers.{index}."
         tokens = x.shape[0]
         h = rms_norm(x, params[pre + "attn_norm"])
         q, k, v = matmul_rows(h, params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
-        q, k = rotary(q, batch["positions"]), rotary(k, batch["positions"])
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = backend.attend(mode, index, q, k, v, inputs["pools"], inputs["shared"], batch, inputs["meta"])
         x = x + all_reduce(matmul_rows(o.reshape(tokens, heads * dim), params[pre + "wo"]), cfg.tp)
         h = rms_norm(x, params[pre + "mlp_norm"])
-        return x + all_reduce(matmul_rows(F.silu(matmul_rows(h, params[pre + "w_up"])), params[pre + "w_down"]), cfg.tp)
+        x = x + all_reduce(matmul_rows(F.silu(matmul_rows(h, params[pre + "w_up"])), params[pre + "w_down"]), cfg.tp)
+        return x, rope
 
-    def post(x: Tensor, inputs: Mapping[str, Any]) -> Tensor:
-        params = inputs["params"]
-        return matmul_rows(rms_norm(x, params["final_norm"]), params["lm_head"])
+    def post(carry: Carry, inputs: Mapping[str, Any]) -> Tensor:
+        return matmul_rows(rms_norm(carry[0], inputs["params"]["final_norm"]), inputs["params"]["lm_head"])
 
     return LayerScan(cfg.layers, pre, layer, post)
 

@@ -32,8 +32,8 @@ class LayerScan:
     """A body as ``post(layer(count - 1, ... layer(0, pre(inputs)) ...))``.
 
     ``pre(inputs) -> carry``, ``layer(index, carry, inputs) -> carry`` and ``post(carry, inputs)
-    -> logits`` take the body's keyword groups as one mapping ``inputs``; ``carry`` is one
-    tensor (the residual stream).
+    -> logits`` take the body's keyword groups as one mapping ``inputs``; ``carry`` is what a
+    layer hands the next (the tiny decoder's: the residual stream and the step's rotary tables).
 
     >>> LayerScan(0, lambda i: i, lambda i, c, inputs: c, lambda c, inputs: c)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -42,9 +42,9 @@ class LayerScan:
     """
 
     count: int = attrs.field(validator=lambda _, __, n: positive_int("LayerScan count (layers)", n))
-    pre: Callable[[Mapping[str, Any]], Tensor]
-    layer: Callable[[int, Tensor, Mapping[str, Any]], Tensor]
-    post: Callable[[Tensor, Mapping[str, Any]], Tensor]
+    pre: Callable[[Mapping[str, Any]], Any]
+    layer: Callable[[int, Any, Mapping[str, Any]], Any]
+    post: Callable[[Any, Mapping[str, Any]], Tensor]
 
 
 def run_scan(scan: LayerScan, inputs: Mapping[str, Any]) -> Tensor:
