@@ -19,6 +19,7 @@ from ._modes import ForwardMode
 from ._parallel import all_reduce
 from ._protocol import BackendLike
 from ._scan import LayerScan, run_scan
+from ._segment import Segment
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
 from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, eval_step
 
@@ -91,17 +92,25 @@ def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> L
         batch = inputs["batch"]
         return F.embedding(batch["input_ids"], inputs["params"]["embed"]), rotary_tables(batch["positions"], dim)
 
+    def attention_in(x: Tensor, cos: Tensor, sin: Tensor, norm: Tensor, wqkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = matmul_rows(rms_norm(x, norm), wqkv).view(x.shape[0], 3, heads, dim).unbind(1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attention_out(x: Tensor, o: Tensor, wo: Tensor, norm: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+        x = x + all_reduce(matmul_rows(o.reshape(x.shape[0], heads * dim), wo), cfg.tp)
+        h = rms_norm(x, norm)
+        return x + all_reduce(matmul_rows(F.silu(matmul_rows(h, w_up)), w_down), cfg.tp)
+
+    # the model's own pieces around ``attend``: recorded once per shape, not in every layer
+    # of every backend's trace (``_segment``)
+    qkv = Segment("attention_in", attention_in, key=(heads, dim))
+    out = Segment("attention_out", attention_out, key=(heads, dim, cfg.tp))
+
     def layer(index: int, carry: Carry, inputs: Mapping[str, Any]) -> Carry:
-        (x, rope), params, batch, pre = carry, inputs["params"], inputs["batch"], f"layers.{index}."
-        tokens = x.shape[0]
-        h = rms_norm(x, params[pre + "attn_norm"])
-        q, k, v = matmul_rows(h, params[pre + "wqkv"]).view(tokens, 3, heads, dim).unbind(1)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = backend.attend(mode, index, q, k, v, inputs["pools"], inputs["shared"], batch, inputs["meta"])
-        x = x + all_reduce(matmul_rows(o.reshape(tokens, heads * dim), params[pre + "wo"]), cfg.tp)
-        h = rms_norm(x, params[pre + "mlp_norm"])
-        x = x + all_reduce(matmul_rows(F.silu(matmul_rows(h, params[pre + "w_up"])), params[pre + "w_down"]), cfg.tp)
-        return x, rope
+        (x, rope), params, pre = carry, inputs["params"], f"layers.{index}."
+        q, k, v = qkv(x, *rope, params[pre + "attn_norm"], params[pre + "wqkv"])
+        o = backend.attend(mode, index, q, k, v, inputs["pools"], inputs["shared"], inputs["batch"], inputs["meta"])
+        return out(x, o, params[pre + "wo"], params[pre + "mlp_norm"], params[pre + "w_up"], params[pre + "w_down"]), rope
 
     def post(carry: Carry, inputs: Mapping[str, Any]) -> Tensor:
         return matmul_rows(rms_norm(carry[0], inputs["params"]["final_norm"]), inputs["params"]["lm_head"])

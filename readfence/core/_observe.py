@@ -183,6 +183,7 @@ class ReadObserver(TorchDispatchMode):
         self._seq = 0
         self._within: list[str] = []  # the custom ops whose kernels are running under the mode
         self._busy = False
+        self._skipping = False  # a model segment that can touch no buffer is running
         self._host: _HostReads | None = None
 
     # -- use -------------------------------------------------------------------------------
@@ -196,6 +197,27 @@ class ReadObserver(TorchDispatchMode):
             yield self
         finally:
             self.current_stage = before
+
+    def run_segment(self, fn: Callable[..., Any], tensors: Sequence[Any]) -> Any:
+        """``fn(*tensors)``, a piece of the model (``core._segment``: a function of its tensor
+        arguments alone), unobserved where none of them is memory of a shared buffer (looked
+        at here, not taken from any trace): its ops can then touch none. Anything else runs
+        observed."""
+        if self._skipping or any(type(t) is not torch.Tensor for t in tensors):
+            return fn(*tensors)
+        self._busy = True  # (the observer's own look at their memory is no host read)
+        try:
+            touched = self.buffers.touched_by(tensors)
+        finally:
+            self._busy = False
+        if touched:
+            return fn(*tensors)
+        self._skipping = True
+        try:
+            with torch._C.DisableTorchFunction():
+                return fn(*tensors)
+        finally:
+            self._skipping = False
 
     def consume(self, tree: object, what: str) -> None:
         """Record a read of every buffer the tensors of ``tree`` touch, by ``what``.
@@ -227,6 +249,8 @@ class ReadObserver(TorchDispatchMode):
     # -- the dispatcher's side -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if self._skipping:
+            return func(*args, **kwargs)
         self._seq += 1
         if _decomposes(func):
             # It may alias or copy and its schema cannot say which: its decomposition says it

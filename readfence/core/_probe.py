@@ -5,8 +5,8 @@ one question asked of every op a traced stage runs on real tensors: which shared
 output's memory touches, whose bytes it changed, and whether a view it claims is one (an op
 whose output shares no memory with what it claims to alias copied it). :func:`probe_op`
 answers it for one call; :class:`MemoryProbe` asks it of every node of a graph as
-``fx.Interpreter`` runs it, and the layer recorder (``_trace_layers``) of every op a layer
-dispatches as the body runs eagerly, so the layers it copies need no second run.
+``fx.Interpreter`` runs it, and the recorder (``_record``) of every op a stage dispatches as it
+runs, so a recorded graph needs no second run.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from ._fx import add_node
 from ._memory import BufferMap, leaves
 from ._probe import NO_FACTS, OpFacts, ProbeResult
 
-_NOTHING: frozenset[str] = frozenset()
+NOTHING: frozenset[str] = frozenset()
 
 #: Python values an op argument may hold (make_fx keeps them in the node as they are).
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -77,7 +77,7 @@ def _host_read(func: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)  # by name: a finite set per process
-def _node_name(name: str) -> str:
+def node_name(name: str) -> str:
     # what make_fx names an op's node (``Graph._target_to_str`` of the op's name)
     return fx.Graph()._target_to_str(name)
 
@@ -146,14 +146,14 @@ class GraphRecorder(TorchDispatchMode):
         # it on return; its node; the shared buffers its memory touches, as the op showed)
         self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], fx.Node, frozenset[str]]] = {}
         self.constants: dict[int, tuple[Any, str]] = {}  # id -> (the object, its attribute)
-        self.watch: frozenset[str] = _NOTHING  # what the current op's arguments touch
+        self.watch: frozenset[str] = NOTHING  # what the current op's arguments touch
 
     # -- the graph's ends --------------------------------------------------------------------
     def placeholder(self, name: str, t: torch.Tensor) -> fx.Node:
         """The input ``t``, as make_fx names it (the tracer renames it after its dotted name)."""
         node = self.graph.placeholder(name)
         node.meta["val"] = _val(t)
-        self._track(t, node, self._touched(t))
+        self.track(t, node, self.touched(t))
         return node
 
     def output(self, tensors: Sequence[torch.Tensor]) -> fx.GraphModule:
@@ -175,13 +175,15 @@ class GraphRecorder(TorchDispatchMode):
             self.pauses -= 1
 
     # -- the record ----------------------------------------------------------------------------
-    def _touched(self, t: torch.Tensor) -> frozenset[str]:
+    def touched(self, t: torch.Tensor) -> frozenset[str]:
+        """The shared buffers ``t``'s memory touches (none when the record is given none)."""
         if self.buffers is None:
-            return _NOTHING
+            return NOTHING
         with torch._C.DisableTorchFunction():  # looking at its memory is no escape of the stage's
             return self.buffers.touched(t)
 
-    def _track(self, t: torch.Tensor, node: fx.Node, touched: frozenset[str]) -> None:
+    def track(self, t: torch.Tensor, node: fx.Node, touched: frozenset[str]) -> None:
+        """Follow ``t`` as ``node``'s value, touching ``touched``."""
         self.tracked[id(t)] = (weakref.ref(t), node, touched)
 
     def _arg(self, v: Any) -> Any:
@@ -215,10 +217,10 @@ class GraphRecorder(TorchDispatchMode):
 
     def _constant(self, t: torch.Tensor) -> fx.Node:
         # as make_fx's tracer does: once as an attribute, a get_attr node for each use
-        self.watch |= self._touched(t)
+        self.watch |= self.touched(t)
         node = self._attribute(t, "_param_constant" if isinstance(t, torch.nn.Parameter) else "_tensor_constant")
         node.meta["val"] = _val(t)
-        touched = self._touched(t)
+        touched = self.touched(t)
         if touched:
             self.probe.touched[node.name] = touched
         return node
@@ -251,11 +253,11 @@ class GraphRecorder(TorchDispatchMode):
         # the record's own look at the tensors (their nodes, memory) is no part of the stage:
         # the tracer's function modes do not see it
         with torch._C.DisableTorchFunction():
-            self.watch = _NOTHING
+            self.watch = NOTHING
             node_args = tuple(self._arg(a) for a in args)
             node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
             target = _LIFT_FRESH_COPY if func is _LIFT_FRESH else func
-            node = self._node(target, node_args, node_kwargs, _node_name(target.overloadpacket.__name__))
+            node = self._node(target, node_args, node_kwargs, node_name(target.overloadpacket.__name__))
             watch = self.watch
         if self.buffers is None:
             out, facts = func(*args, **kwargs), NO_FACTS
@@ -274,7 +276,7 @@ class GraphRecorder(TorchDispatchMode):
     def _outputs(self, out: Any, node: fx.Node, facts: OpFacts) -> None:
         node.meta["val"] = _val(out)
         if isinstance(out, torch.Tensor):
-            self._track(out, node, facts.touched)
+            self.track(out, node, facts.touched)
             return
         if not isinstance(out, (list, tuple)):
             return
@@ -287,12 +289,12 @@ class GraphRecorder(TorchDispatchMode):
                     item.meta["val"] = _val(element)
                     each(element, item)
                     continue
-                touched = next(pieces, _NOTHING)
+                touched = next(pieces, NOTHING)
                 if isinstance(element, torch.Tensor):
                     item.meta["val"] = _val(element)
                     if touched:
                         self.probe.touched[item.name] = touched
-                    self._track(element, item, touched)
+                    self.track(element, item, touched)
 
         each(out, node)
 

@@ -1,0 +1,213 @@
+"""A pure piece of the model, recorded once per input signature and spliced after that.
+
+Every backend's step runs the same model around its ``attend``: norms, projections, rotary,
+the MLP; in every layer, at every batch size the audit asks, for every backend it audits. The
+recorder (``_record``) writes each of those ops down as it runs, tens of microseconds an op, and
+they are most of a step's ops. :class:`Segment` marks such a piece: a function of its tensor
+arguments alone (no closure over tensors, no global state, no escape), whose ops and their
+order depend only on each argument's shape, strides, dtype, device and grad flags, and on the
+segment's ``key`` (the Python values it closes over). Like a ``jax.jit`` function, its record is
+kept per signature (a :class:`Template`: the nodes, their arguments as references to the
+segment's inputs or to earlier nodes, their metadata) and a later call under a recorder runs
+the function eagerly, unrecorded, and writes the template's nodes over the call's input nodes:
+the graph is the one the record would have made, node for node and name for name.
+
+A template is only made and only used where it cannot hide a read: every input a plain
+``torch.Tensor`` whose memory touches no shared buffer (an output the backend returns that is a
+view of one, a tensor subclass, a fake tensor: the piece is recorded op by op), and a record
+that made nothing but operator nodes over its inputs and their results, none touching a buffer.
+Only the recorder splices. The read observer runs a segment unobserved where, by its own look at
+their memory, none of its inputs is a shared buffer's (``ReadObserver.run_segment``); the
+poison and the serial comparison run the function as it is.
+
+>>> import torch
+>>> double = Segment("double", lambda x: x * 2)
+>>> double(torch.ones(2))     # no recorder: the function itself
+tensor([2., 2.])
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import fx
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ._fx import add_node
+from ._record import NOTHING, GraphRecorder, node_name
+
+
+@attrs.frozen
+class _In:
+    """A template's reference to the segment's input ``index``."""
+
+    index: int
+
+
+@attrs.frozen
+class _Ref:
+    """A template's reference to its node ``index``."""
+
+    index: int
+
+
+@attrs.frozen
+class Template:
+    """A segment's record: per node ``(target, args, kwargs, name, meta)``, args and kwargs
+    holding :class:`_In` and :class:`_Ref`; ``outputs`` the references the segment returns."""
+
+    nodes: tuple[tuple[Any, tuple[Any, ...], dict[str, Any], str, dict[str, Any]], ...]
+    outputs: tuple[_In | _Ref, ...]
+
+
+#: Templates by (segment name, key, input signature, grad mode): a model's few pieces, a
+#: handful of shapes each.
+_TEMPLATES: dict[Hashable, Template] = {}
+_LIMIT = 4096
+
+
+def clear_templates() -> None:
+    """Forget every segment's record (the next call under a recorder records it again)."""
+    _TEMPLATES.clear()
+
+
+@attrs.frozen
+class Segment:
+    """``fn`` as a piece of the model whose record is reused (see the module docstring);
+    ``key``: what else its ops depend on (closed-over Python values). Call it with tensors; it
+    returns what ``fn`` returns (a tensor or a tuple of tensors).
+
+    >>> import torch
+    >>> Segment("norm", lambda x: x / x.norm(), key=()).name
+    'norm'
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    key: Hashable = ()
+
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        stack = _get_current_dispatch_mode_stack()
+        mode: Any = stack[-1] if stack else None
+        if isinstance(mode, GraphRecorder):
+            return _record_segment(mode, self, tensors)
+        if hasattr(mode, "run_segment"):  # the read observer: unobserved where it can touch no buffer
+            return mode.run_segment(self.fn, tensors)
+        return self.fn(*tensors)
+
+
+def _signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Hashable:
+    return (segment.name, segment.key, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
+
+
+def _input_nodes(recorder: GraphRecorder, tensors: Sequence[torch.Tensor]) -> list[fx.Node] | None:
+    """The node of each input, or None where one is not a plain tensor the record follows whose
+    memory touches no shared buffer."""
+    if recorder.fake or recorder.pauses:
+        return None
+    nodes = []
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return None
+        hit = recorder.tracked.get(id(t))
+        if hit is None or hit[0]() is not t or hit[2] or recorder.touched(t):
+            return None
+        nodes.append(hit[1])
+    return nodes
+
+
+def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence[torch.Tensor]) -> Any:
+    inputs = _input_nodes(recorder, tensors)
+    if inputs is None:
+        return segment.fn(*tensors)
+    signature = _signature(segment, tensors)
+    template = _TEMPLATES.get(signature)
+    if template is None:
+        tail, constants = recorder.graph._root.prev, len(recorder.constants)
+        out = segment.fn(*tensors)
+        made = _template(recorder, tail, inputs, out) if len(recorder.constants) == constants else None
+        if made is not None and len(_TEMPLATES) < _LIMIT:
+            _TEMPLATES[signature] = made
+        return out
+    with recorder.paused(), torch._C.DisableTorchFunction():
+        out = segment.fn(*tensors)
+    _splice(recorder, template, inputs, out)
+    return out
+
+
+def _mapped(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` (a node's argument) with each node or reference in it replaced by ``fn`` of it;
+    lists stay lists (an ``immutable_list`` a plain one, as the record makes it)."""
+    if isinstance(value, (fx.Node, _In, _Ref)):
+        return fn(value)
+    if isinstance(value, list):
+        return [_mapped(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_mapped(v, fn) for v in value)
+    return value
+
+
+def _outputs(out: Any) -> tuple[torch.Tensor, ...] | None:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out):
+        return out
+    return None
+
+
+def _template(recorder: GraphRecorder, tail: fx.Node, inputs: Sequence[fx.Node], out: Any) -> Template | None:
+    """The record the segment just made after ``tail``, or None where it cannot be reused."""
+    refs: dict[fx.Node, _In | _Ref] = {}
+    for index, node in enumerate(inputs):
+        refs.setdefault(node, _In(index))
+    probe = recorder.probe
+    changed = {node for node, _ in probe.changed}
+    nodes = []
+    node = tail.next
+    while node is not recorder.graph._root:
+        if (node.op != "call_function" or node.target is recorder.escape_op or node.name in probe.touched
+                or node in changed or node.name in probe.copies):
+            return None
+        try:
+            args = _mapped(node.args, refs.__getitem__)
+            kwargs = {k: _mapped(v, refs.__getitem__) for k, v in node.kwargs.items()}
+        except KeyError:  # a node of the graph before the segment that is none of its inputs
+            return None
+        target: Any = node.target
+        name = "getitem" if target is operator.getitem else node_name(target.overloadpacket.__name__)
+        nodes.append((node.target, args, kwargs, name, dict(node.meta)))
+        refs[node] = _Ref(len(nodes) - 1)
+        node = node.next
+    tensors = _outputs(out)
+    if tensors is None:
+        return None
+    outputs = []
+    for t in tensors:
+        hit = recorder.tracked.get(id(t))
+        if hit is None or hit[0]() is not t or hit[1] not in refs:
+            return None
+        outputs.append(refs[hit[1]])
+    return Template(tuple(nodes), tuple(outputs))
+
+
+def _splice(recorder: GraphRecorder, template: Template, inputs: Sequence[fx.Node], out: Any) -> None:
+    made: list[fx.Node] = []
+
+    def node_of(ref: _In | _Ref) -> fx.Node:
+        return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
+
+    for target, args, kwargs, name, meta in template.nodes:
+        node = add_node(recorder.graph, "call_function", target, _mapped(args, node_of),
+                        {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
+        node.meta.update(meta)
+        made.append(node)
+    tensors = _outputs(out)
+    assert tensors is not None and len(tensors) == len(template.outputs)
+    for t, ref in zip(tensors, template.outputs, strict=True):
+        recorder.track(t, node_of(ref), NOTHING)
+

@@ -1,0 +1,142 @@
+"""The model's pieces around ``attend`` are recorded once per shape and spliced after that.
+
+A spliced step must be the step recorded op by op and the step traced with make_fx, node for
+node (names, values, source lines, reads, memory facts); the splice must really happen (fewer
+ops reach the recorder); and a piece whose input is memory of a shared buffer (an ``attend``
+that returns a view of one) must be recorded and observed op by op, its read found by the
+trace, by the observer and by the audit alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from readfence.backends import hybrid_linear, leaf, linear, page_meta, paged, softmax_attention, store_kv, tbo, trtllm_mha
+from readfence.core import ForwardMode, ModelConfig, _record, _segment, audit, observe, step_functions
+from readfence.core._program import SOURCE_KEY
+from readfence.core._state import example_step
+from readfence.core._trace import trace_step
+from readfence.effects import ReadEffect, ReadEnd
+from tests.core.test_record import _same
+
+M = ForwardMode
+
+
+def _plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments run as the plain functions they wrap (no splice, nothing unobserved)."""
+    monkeypatch.setattr(_segment.Segment, "__call__", lambda self, *tensors: self.fn(*tensors))
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many ops reach the recorder, counted as they are recorded."""
+    count = [0]
+    record = _record.GraphRecorder._record
+
+    def counting(self: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        count[0] += 1
+        return record(self, func, args, kwargs)
+
+    monkeypatch.setattr(_record.GraphRecorder, "_record", counting)
+    return count
+
+
+def _step(make: Any, mode: ForwardMode, layers: int, batch_size: int, *, recorded: bool = True) -> Any:
+    cfg = ModelConfig(layers=layers)
+    fns = step_functions(make(), mode, cfg)
+    return trace_step(fns, mode, example_step(cfg, mode, batch_size).groups(), recorded=recorded)
+
+
+def _sources(program: Any) -> list[list[str]]:
+    """Every node's source line, stage by stage."""
+    return [[str(n.meta.get(SOURCE_KEY)) for n in s.gm.graph.nodes if n.op == "call_function"] for s in program.stages]
+
+
+_TARGETS = [(lambda: hybrid_linear(trtllm_mha(), linear()), M.DECODE), (lambda: tbo(paged(), trtllm_mha()), M.TARGET_VERIFY),
+            (paged, M.EXTEND)]
+
+
+@pytest.mark.parametrize(("make", "mode", "batch_size"), [(*_TARGETS[0], 1), (*_TARGETS[0], 3), (*_TARGETS[1], 3), (*_TARGETS[2], 1)],
+                         ids=["hybrid_linear-1", "hybrid_linear-3", "tbo-3", "paged-extend-1"])
+def test_a_spliced_step_is_the_recorded_step_and_the_traced_step(make: Any, mode: ForwardMode, batch_size: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _segment.clear_templates()
+    count = _counted(monkeypatch)
+    first = _step(make, mode, 2, batch_size)  # layer 0 records the templates, layer 1 splices
+    spliced = _step(make, mode, 2, batch_size)  # every layer splices
+    spliced_ops = count[0]
+    traced = _step(make, mode, 2, batch_size, recorded=False)
+    for program in (first, spliced):
+        _same(program, traced)
+    count[0] = 0
+    with monkeypatch.context() as patch:
+        _plain(patch)
+        whole = _step(make, mode, 2, batch_size)
+    _same(whole, traced)
+    assert _sources(first) == _sources(spliced) == _sources(whole) == _sources(traced)
+    # the splice happened: the second step sent fewer ops to the recorder than a whole record
+    assert 0 < spliced_ops - count[0] < count[0] and len(_segment._TEMPLATES) >= 2
+
+
+def _view_of_a_buffer(mode, layer, q, k, v, pools, shared, batch, meta):
+    """Attends, then returns as its output a float view of ``req_to_token``'s memory: the model's
+    next piece reads the buffer in the body, through memory the backend handed it."""
+    store_kv(pools, layer, batch["out_cache_loc"], k, v)
+    out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+    view = shared["req_to_token"].view(torch.float32).flatten().narrow(0, 0, out.numel()).view(out.shape)
+    return view if layer == 1 else out
+
+
+def _viewer() -> Any:
+    effect = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
+    return leaf("viewer", _view_of_a_buffer, prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch),
+                declare={M.DECODE: effect})
+
+
+def test_a_piece_given_a_buffers_memory_is_recorded_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    _step(_viewer, M.DECODE, 3, 2)  # templates of every piece made
+    spliced, traced = _step(_viewer, M.DECODE, 3, 2), _step(_viewer, M.DECODE, 3, 2, recorded=False)
+    _same(spliced, traced)
+    # the body reads req_to_token after attend (layer 1's output projection): POST_REPLAY, and
+    # its last reader is a node of the model's piece
+    assert spliced.traced()["req_to_token"] is ReadEnd.POST_REPLAY
+    stage, node = spliced.last_reader("req_to_token")
+    assert stage == "body" and "/readfence/core/_" in spliced.stages[-1].source(node)
+    # the observer, which reads memory itself, sees the read in the body whether or not the
+    # pieces run unobserved where they can touch nothing
+    seen = observe(_viewer(), M.DECODE, steps=1)
+    assert seen.observed()["req_to_token"] is ReadEnd.POST_REPLAY
+    assert seen.last_reader("req_to_token")[0] == "body"
+    failure = audit(_viewer(), M.DECODE, cfg=ModelConfig(layers=3), batch_sizes=[2]).failure()
+    assert failure.buffer == "req_to_token"
+
+
+def _accesses(obs: Any) -> list[tuple[Any, ...]]:
+    return [(a.buffer, a.stage, a.op, a.kind, a.note, a.step) for a in obs.accesses]
+
+
+@pytest.mark.parametrize(("make", "mode"), [*_TARGETS, (_viewer, M.DECODE)],
+                         ids=["hybrid_linear", "tbo", "paged-extend", "viewer"])
+def test_the_observer_sees_the_same_accesses_with_pieces_unobserved(make: Any, mode: ForwardMode,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig(layers=2)
+    skipped = observe(make(), mode, cfg=cfg, steps=1, batch_size=[1, 3])
+    with monkeypatch.context() as patch:
+        _plain(patch)
+        whole = observe(make(), mode, cfg=cfg, steps=1, batch_size=[1, 3])
+    assert _accesses(skipped) == _accesses(whole) and skipped.accesses
+    assert skipped.observed() == whole.observed()
+
+
+def test_the_observer_runs_a_piece_unobserved_only_where_no_input_is_a_buffer() -> None:
+    from readfence.core import ReadObserver
+
+    table = torch.arange(8, dtype=torch.int32)
+    obs = ReadObserver({"table": table})
+    piece = _segment.Segment("sum", lambda x: x.sum())
+    with obs, obs.stage("body"):
+        piece(torch.ones(3))  # touches no buffer: unobserved
+        piece(table.narrow(0, 0, 4))  # a view of the buffer: observed, and read
+    assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
