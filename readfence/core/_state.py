@@ -33,12 +33,15 @@ Everything here builds tensors with factory functions on ``device`` and never in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import collections
+from collections.abc import Callable, Hashable, Mapping
 
 import attrs
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._checks import check_mode, positive_int
 from ._modes import ForwardMode
@@ -194,6 +197,27 @@ def _randn(*shape: int, generator: torch.Generator, device: str | torch.device) 
     return _on(device, torch.randn(*shape, generator=generator))
 
 
+#: Seeded draws already made on the CPU, by what they were drawn for; a caller gets a copy.
+_DRAWN: collections.OrderedDict[Hashable, dict[str, Tensor]] = collections.OrderedDict()
+_DRAWN_LIMIT = 4  # (a 64-layer model's caches are tens of MB)
+
+
+def _drawn_once(key: Hashable, device: str | torch.device, draw: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+    """``draw()``, made once per ``key`` on a plain CPU (no mode active: under a fake mode there
+    is nothing to keep) and copied for each caller: a seeded draw is the same every time, and
+    copying is cheaper than drawing (every audit, trace and check builds example steps)."""
+    if torch.device(device).type != "cpu" or _get_current_dispatch_mode_stack() or _get_current_function_mode_stack():
+        return draw()
+    kept = _DRAWN.get(key)
+    if kept is None:
+        kept = _DRAWN[key] = draw()
+        if len(_DRAWN) > _DRAWN_LIMIT:
+            _DRAWN.popitem(last=False)
+    else:
+        _DRAWN.move_to_end(key)
+    return {k: v.clone() for k, v in kept.items()}
+
+
 def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """Seeded random weights of the tiny decoder (``cfg.seed``; no downloads); under tensor
     parallelism, this rank's shard of the same full weights (``cfg.tp``).
@@ -204,6 +228,10 @@ def init_params(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> dict
     >>> torch.equal(p["lm_head"], init_params(ModelConfig())["lm_head"])
     True
     """
+    return _drawn_once(("params", cfg), device, lambda: _init_params(cfg, device))
+
+
+def _init_params(cfg: ModelConfig, device: str | torch.device) -> dict[str, Tensor]:
     g = _generator(cfg.seed)
     qkv = 3 * cfg.heads * cfg.head_dim
 
@@ -237,6 +265,10 @@ def make_pools(
     >>> tuple(pools["k_cache"].shape), tuple(pools["state"].shape)
     ((4, 1024, 2, 16), (4, 17, 2, 16, 16))
     """
+    return _drawn_once(("pools", cfg, seed), device, lambda: _make_pools(cfg, device, seed))
+
+
+def _make_pools(cfg: ModelConfig, device: str | torch.device, seed: int | None) -> dict[str, Tensor]:
     kv = (cfg.layers, cfg.num_slots, cfg.heads, cfg.head_dim)
     state = (cfg.layers, cfg.num_state_slots, cfg.heads, cfg.head_dim, cfg.head_dim)
     if seed is None:

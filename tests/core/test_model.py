@@ -149,3 +149,23 @@ def test_state_for_another_device_is_drawn_on_the_cpu_generator_then_moved(mode)
     with _GeneratorDeviceRule():
         step = example_step(CFG, mode, 2, device="meta")
     assert {t.device.type for d in (step.shared, step.batch, step.pools, step.params) for t in d.values()} == {"meta"}
+
+
+def test_example_steps_are_fresh_copies_of_the_seeded_draws():
+    from readfence.core import _state
+
+    cfg = ModelConfig(layers=2)
+    first = example_step(cfg, M.DECODE, 2, seed=5)
+    for group in (first.pools, first.params):
+        for t in group.values():
+            t.fill_(7.0)  # a step writes its pools; a careless caller its params
+    again = example_step(cfg, M.DECODE, 2, seed=5)
+    drawn = {**_state._make_pools(cfg, "cpu", 5), **_state._init_params(cfg, "cpu")}  # not kept: drawn anew
+    assert set(drawn) == {*again.pools, *again.params}
+    assert all(torch.equal(drawn[k], v) for k, v in {**again.pools, **again.params}.items())
+    assert not any(v.eq(7.0).all() for v in again.pools.values())
+    # another seed, another draw; under a fake mode nothing is kept (fake tensors come back)
+    assert not torch.equal(example_step(cfg, M.DECODE, 2, seed=6).pools["k_cache"], again.pools["k_cache"])
+    with FakeTensorMode():
+        fake = example_step(cfg, M.DECODE, 2, seed=5)
+    assert all(type(t) is not torch.Tensor for t in fake.pools.values())
