@@ -153,6 +153,12 @@ def analyse(
             if not escape_reads(node):
                 unknown.update(escaping)
             continue
+        if not everything and not pending and node.name not in seen:
+            # given nothing that may alias a buffer (most nodes): it reads, writes and aliases
+            # none, whatever its schema says (what follows would find exactly that)
+            alias[node] = _EMPTY
+            mark(node, _EMPTY)
+            continue
         aliasing = op_aliasing(target) if node.op == "call_function" else None
         values = bind(target, node.args, node.kwargs) if aliasing is not None else []
         if aliasing is None or (aliasing.opaque and not all(inert(values[i]) for i in aliasing.opaque_args)):
