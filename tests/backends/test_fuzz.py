@@ -46,17 +46,9 @@ from tests.adversarial import blinded
 
 M = ForwardMode
 EXAMPLES = 100  # programs the property tests check, half each: 60 to 90 s on two cores
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """The tiny model's ops are too small to split over threads (as in tests/graph/conftest.py and
-    the ``dev`` fixture): on a loaded two-core machine torch's default pool made the eager runs
-    of the pattern-by-pattern test ten times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# the pattern-by-pattern test runs a thousand eager steps: on torch's default pool, 98 s
+# instead of 8 on a loaded two-core machine
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _leaf(pattern: str, stage: str, buffer: str = "seq_lens", *, via: str = "argument", carry: bool = False,
