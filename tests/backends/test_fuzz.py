@@ -46,6 +46,9 @@ from tests.adversarial import blinded
 
 M = ForwardMode
 EXAMPLES = 100  # programs the property tests check, half each: 60 to 90 s on two cores
+# the pattern-by-pattern test runs a thousand eager steps: on torch's default pool, 98 s
+# instead of 8 on a loaded two-core machine
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _leaf(pattern: str, stage: str, buffer: str = "seq_lens", *, via: str = "argument", carry: bool = False,

@@ -1,4 +1,4 @@
-"""Every ``readfence ...`` command in the README's bash blocks runs (with fewer demo steps).
+"""Every ``readfence ...`` command in the README's bash blocks runs (with fewer demo and serve steps).
 
 A command whose printed output the README shows as a sample is run, and its output compared,
 by ``tests/test_readme_samples.py``; the others run here (in-process but for the ``--tp`` runs:
@@ -26,11 +26,19 @@ SAMPLED = set(re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| [a-z ,]+)? -->
 
 
 def shrink(argv: list[str]) -> list[str]:
-    """A demo with 4 steps of 2 requests: the README's flags otherwise unchanged.
+    """A demo with 4 steps of 2 requests, a serving run of 8 steps (its traffic's first
+    prefills and its first decode steps in captured graphs): the README's flags otherwise
+    unchanged.
 
     >>> shrink(["readfence", "demo", "--steps", "20"])
     ['readfence', 'demo', '--steps', '4', '--batch-size', '2']
+    >>> shrink(["readfence", "serve", "paged", "--steps", "30", "--verify"])
+    ['readfence', 'serve', 'paged', '--steps', '8', '--verify']
     """
+    if argv[1:2] == ["serve"] and "--steps" in argv:
+        out = list(argv)
+        out[out.index("--steps") + 1] = "8"
+        return out
     if argv[1:2] != ["demo"]:
         return argv
     out = list(argv)

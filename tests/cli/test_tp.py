@@ -19,8 +19,20 @@ pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker pro
 SMALL = ("--steps", "3", "--batch-size", "2")
 
 
-def test_demo_runs_every_rank_against_its_serial_run(cli):
-    result = cli("demo", "--tp", "2", "--policy", "exact", *SMALL, "--json")
+@pytest.fixture(scope="module")
+def demo_tp_json():
+    """``readfence demo --tp 2 --policy exact ... --json``, run once (two rank processes) for the
+    tests that read its rows."""
+    from click.testing import CliRunner
+
+    from readfence.cli import main
+
+    return CliRunner().invoke(main, ["demo", "--tp", "2", "--policy", "exact", *SMALL, "--json"],
+                              catch_exceptions=False)
+
+
+def test_demo_runs_every_rank_against_its_serial_run(demo_tp_json):
+    result = demo_tp_json
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert [(r["rank"], r["policy"]) for r in rows] == [(0, "COARSE"), (0, "EXACT"), (1, "COARSE"), (1, "EXACT")]
@@ -144,9 +156,9 @@ def test_under_real_torchrun_the_mismatch_is_our_one_line(tmp_path):
     assert "exitcode  : 2" in run.stderr  # torchrun reports the rank's status 2 (and exits 1 itself)
 
 
-def test_demo_tp_json_rows_carry_what_the_plain_demo_rows_do(cli):
+def test_demo_tp_json_rows_carry_what_the_plain_demo_rows_do(cli, demo_tp_json):
     plain = json.loads(cli("demo", "--policy", "exact", *SMALL, "--json").output)
-    sharded = json.loads(cli("demo", "--tp", "2", "--policy", "exact", *SMALL, "--json").output)
+    sharded = json.loads(demo_tp_json.output)
     assert set(plain[0]) | {"rank", "tp"} == set(sharded[0])
     for row in sharded:
         assert (row["spec"], row["device"], row["mode"], row["steps"], row["batch_size"], row["seed"],
