@@ -64,8 +64,7 @@ class Template:
     outputs: tuple[_In | _Ref, ...]
 
 
-#: Templates by (segment name, key, input signature, grad mode): a model's few pieces, a
-#: handful of shapes each.
+#: Templates by signature (:func:`_signature`): a model's few pieces, a handful of shapes each.
 _TEMPLATES: dict[Hashable, Template] = {}
 _LIMIT = 4096
 
@@ -101,7 +100,10 @@ class Segment:
 
 
 def _signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Hashable:
-    return (segment.name, segment.key, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+    # what the ops and their order may depend on: the code, what it closes over (the key),
+    # torch's modes and default dtype, and each input's layout
+    return (segment.name, getattr(segment.fn, "__code__", segment.fn), segment.key, torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), torch.get_default_dtype(),
             tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
 
 

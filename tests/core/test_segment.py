@@ -143,3 +143,29 @@ def test_the_observer_runs_a_piece_unobserved_only_where_no_input_is_a_buffer() 
         piece(torch.ones(3))  # touches no buffer: unobserved
         piece(table.narrow(0, 0, 4))  # a view of the buffer: observed, and read
     assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
+
+
+def test_a_template_is_kept_per_signature_key_and_code() -> None:
+    import contextlib
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tests.core.test_record import _signature
+
+    def scaled(k: float) -> Any:
+        return _segment.Segment("scaled", lambda x: (x * k).sum(-1), key=k)
+
+    other = _segment.Segment("scaled", lambda x: (x - 1.0).sum(-1), key=2.0)  # same name and key, other code
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wide, narrow = x * 1.0, x.narrow(0, 0, 2).contiguous()
+        return scaled(2.0)(wide), scaled(3.0)(wide), scaled(2.0)(narrow), other(wide), scaled(2.0)(wide)
+
+    _segment.clear_templates()
+    x = torch.arange(12.0).view(3, 4)
+    graphs = [_record.record(fn, [x], ["x"], outputs=lambda out: out, context=lambda r: contextlib.nullcontext(),
+                             escape_op=None)[0] for _ in range(2)]
+    assert len(_segment._TEMPLATES) == 4  # (2.0, wide), (3.0, wide), (2.0, narrow), other's code
+    traced = make_fx(lambda *args: fn(*args))(x)  # (placeholders named as the record names them)
+    assert _signature(graphs[0]) == _signature(graphs[1]) == _signature(traced)
+    assert all(torch.equal(a, b) for a, b in zip(graphs[1](x), fn(x), strict=True))
