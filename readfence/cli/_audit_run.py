@@ -64,9 +64,15 @@ def _audit_pairs(pairs: Sequence[tuple[Any, ForwardMode]], progress: bool,
     from ._audit_pool import audit_in_workers
     from ._torch_threads import one_intra_op_thread
 
+    class Bar(tqdm):
+        # no monitor thread (tqdm starts one with its first bar, shown or not): with a thread
+        # alive the pool cannot fork its workers (``_audit_pool._context``), and a fork-server
+        # worker imports torch and readfence again, 3 s each
+        monitor_interval = 0
+
     positive_int("jobs", jobs)
-    with one_intra_op_thread(), tqdm(total=len(pairs), file=sys.stderr, unit="audit", leave=False,
-                            disable=not (progress and sys.stderr.isatty())) as bar:
+    with one_intra_op_thread(), Bar(total=len(pairs), file=sys.stderr, unit="audit", leave=False,
+                                    disable=not (progress and sys.stderr.isatty())) as bar:
         if jobs > 1 and len({m for _, m in pairs}) > 1:
             reports = audit_in_workers(pairs, jobs=jobs, batch_sizes=batch_sizes, done=bar.update)
             if reports is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -63,3 +65,18 @@ def test_jobs_must_be_a_positive_integer(cli):
     result = cli("audit", "paged", "--jobs", "0")
     assert result.exit_code == 2
     assert result.output.strip() == "Error: invalid --jobs '0': must be a positive integer (1, 2, 3, ...)"
+
+
+def test_the_progress_bar_leaves_the_workers_forked(monkeypatch):
+    # tqdm starts a monitor thread with its first bar, shown or not; with it alive the pool
+    # would start its workers from a fork server, each importing torch and readfence again
+    alive: list[list[str]] = []
+
+    def workers(pairs, **kwargs):
+        alive.append([t.name for t in threading.enumerate()])
+        return []
+
+    monkeypatch.setattr(_audit_pool, "audit_in_workers", workers)
+    before = {t.name for t in threading.enumerate()}
+    assert _audit_run.audit_all(BACKENDS, MODES, progress=True, jobs=2) == []
+    assert alive and set(alive[0]) <= before, alive
