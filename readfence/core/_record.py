@@ -136,6 +136,7 @@ class GraphRecorder(TorchDispatchMode):
         super().__init__()
         self.fake = fake
         self.pauses = 0  # while positive, ops run unrecorded (an escape's value, computed for the host)
+        self.unrecorded: list[Any] | None = None  # when a list, the ops run unrecorded go in it
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self.escape_op = escape_op
@@ -228,6 +229,8 @@ class GraphRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func is _DEVICE or self.pauses:
+            if self.unrecorded is not None and func is not _DEVICE:
+                self.unrecorded.append(func)
             return func(*args, **kwargs)
         if not _recordable(func):
             raise Unrecordable(f"{func} holds a graph")

@@ -10,7 +10,9 @@ segment's ``key`` (the Python values it closes over). Like a ``jax.jit`` functio
 kept per signature (a :class:`Template`: the nodes, their arguments as references to the
 segment's inputs or to earlier nodes, their metadata) and a later call under a recorder runs
 the function eagerly, unrecorded, and writes the template's nodes over the call's input nodes:
-the graph is the one the record would have made, node for node and name for name.
+the graph is the one the record would have made, node for node and name for name. The ops
+that eager run dispatches must be the template's, in order; where they are not (a function the
+piece calls was replaced since), the call is recorded op by op and its record kept instead.
 
 A template is only made and only used where it cannot hide a read: every input a plain
 ``torch.Tensor`` whose memory touches no shared buffer (an output the backend returns that is a
@@ -63,9 +65,16 @@ class Template:
     nodes: tuple[tuple[Any, tuple[Any, ...], dict[str, Any], str, dict[str, Any]], ...]
     outputs: tuple[_In | _Ref, ...]
 
+    @property
+    def ops(self) -> tuple[Any, ...]:
+        """The ops the record saw dispatched, in order (its nodes but the pieces of a list)."""
+        return tuple(_LIFTED.get(t, t) for t, *_ in self.nodes if t is not operator.getitem)
+
 
 #: Templates by signature (:func:`_signature`): a model's few pieces, a handful of shapes each.
 _TEMPLATES: dict[Hashable, Template] = {}
+#: The op a node stands for where the record names it otherwise (as make_fx does).
+_LIFTED = {torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.lift_fresh.default}
 _LIMIT = 4096
 
 
@@ -136,8 +145,18 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         if made is not None and len(_TEMPLATES) < _LIMIT:
             _TEMPLATES[signature] = made
         return out
-    with recorder.paused(), torch._C.DisableTorchFunction():
-        out = segment.fn(*tensors)
+    recorder.unrecorded = []
+    try:
+        with recorder.paused(), torch._C.DisableTorchFunction():
+            out = segment.fn(*tensors)
+        ran = tuple(recorder.unrecorded)
+    finally:
+        recorder.unrecorded = None
+    if ran != template.ops:
+        # it dispatched other ops than its record holds (a function it calls was replaced, a
+        # composite reached the dispatcher whole): record this call op by op, and keep that
+        del _TEMPLATES[signature]
+        return _record_segment(recorder, segment, tensors)
     _splice(recorder, template, inputs, out)
     return out
 

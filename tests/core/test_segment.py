@@ -169,3 +169,18 @@ def test_a_template_is_kept_per_signature_key_and_code() -> None:
     traced = make_fx(lambda *args: fn(*args))(x)  # (placeholders named as the record names them)
     assert _signature(graphs[0]) == _signature(graphs[1]) == _signature(traced)
     assert all(torch.equal(a, b) for a, b in zip(graphs[1](x), fn(x), strict=True))
+
+
+def test_a_piece_whose_ops_changed_since_its_record_is_recorded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the template of the MLP piece holds ``silu``; once ``F.silu`` is replaced, the piece
+    # dispatches other ops: a splice would write a graph of ops that no longer run
+    import torch.nn.functional as F
+
+    make = lambda: hybrid_linear(trtllm_mha(), linear())  # noqa: E731
+    _step(make, M.DECODE, 2, 2)  # templates made with the real silu
+    monkeypatch.setattr(F, "silu", lambda x, inplace=False: torch.sigmoid(x) * x)
+    recorded, traced = _step(make, M.DECODE, 2, 2), _step(make, M.DECODE, 2, 2, recorded=False)
+    _same(recorded, traced)
+    body = recorded.stages[-1].gm.graph
+    assert not any(n.target is torch.ops.aten.silu.default for n in body.nodes)
+    assert sum(n.target is torch.ops.aten.sigmoid.default for n in body.nodes) == 2  # one per layer
