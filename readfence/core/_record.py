@@ -76,6 +76,11 @@ def _host_read(func: Any) -> bool:
     return torch.Tag.data_dependent_output in func.tags
 
 
+def node_target(func: Any) -> Any:
+    """The op a node of ``func``'s call holds (make_fx writes ``lift_fresh`` as its copy)."""
+    return _LIFT_FRESH_COPY if func is _LIFT_FRESH else func
+
+
 @functools.lru_cache(maxsize=4096)  # by name: a finite set per process
 def node_name(name: str) -> str:
     # what make_fx names an op's node (``Graph._target_to_str`` of the op's name)
@@ -136,7 +141,7 @@ class GraphRecorder(TorchDispatchMode):
         super().__init__()
         self.fake = fake
         self.pauses = 0  # while positive, ops run unrecorded (an escape's value, computed for the host)
-        self.unrecorded: list[Any] | None = None  # when a list, the ops run unrecorded go in it
+        self.unrecorded: list[Any] | None = None  # when a list, the ops run unrecorded (as node targets) go in it
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self.escape_op = escape_op
@@ -230,7 +235,7 @@ class GraphRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _DEVICE or self.pauses:
             if self.unrecorded is not None and func is not _DEVICE:
-                self.unrecorded.append(func)
+                self.unrecorded.append(node_target(func))
             return func(*args, **kwargs)
         if not _recordable(func):
             raise Unrecordable(f"{func} holds a graph")
@@ -259,7 +264,7 @@ class GraphRecorder(TorchDispatchMode):
             self.watch = NOTHING
             node_args = tuple(self._arg(a) for a in args)
             node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
-            target = _LIFT_FRESH_COPY if func is _LIFT_FRESH else func
+            target = node_target(func)
             node = self._node(target, node_args, node_kwargs, node_name(target.overloadpacket.__name__))
             watch = self.watch
         if self.buffers is None:

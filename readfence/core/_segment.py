@@ -64,17 +64,17 @@ class Template:
 
     nodes: tuple[tuple[Any, tuple[Any, ...], dict[str, Any], str, dict[str, Any]], ...]
     outputs: tuple[_In | _Ref, ...]
+    #: the ops the record saw dispatched, in order, as node targets (its nodes but the pieces
+    #: of a list)
+    ops: tuple[Any, ...] = attrs.field()
 
-    @property
-    def ops(self) -> tuple[Any, ...]:
-        """The ops the record saw dispatched, in order (its nodes but the pieces of a list)."""
-        return tuple(_LIFTED.get(t, t) for t, *_ in self.nodes if t is not operator.getitem)
+    @ops.default
+    def _ops(self) -> tuple[Any, ...]:
+        return tuple(t for t, *_ in self.nodes if t is not operator.getitem)
 
 
 #: Templates by signature (:func:`_signature`): a model's few pieces, a handful of shapes each.
 _TEMPLATES: dict[Hashable, Template] = {}
-#: The op a node stands for where the record names it otherwise (as make_fx does).
-_LIFTED = {torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.lift_fresh.default}
 _LIMIT = 4096
 
 

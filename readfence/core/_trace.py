@@ -140,7 +140,7 @@ _VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
 
 
 def _is_value_escape(node: fx.Node) -> bool:
-    return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(_HOST_READ))
+    return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(HOST_READ))
 
 
 _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__file__))
@@ -211,9 +211,6 @@ class _Aborted(Exception):
         self.why = why
 
 
-#: What a dispatch-level escape's marker says: an op whose result is a Python value computed from
-#: tensor data (``torch.Tag.data_dependent_output``), read on the host there and then.
-_HOST_READ = HOST_READ
 
 
 class _HostReads(TorchDispatchMode):
@@ -235,7 +232,7 @@ class _HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.data_dependent_output not in getattr(func, "tags", ()) or get_proxy_mode() is None:
             return func(*args, **kwargs)
-        what = f"{_HOST_READ}{func}"
+        what = f"{HOST_READ}{func}"
         for t in tensors_in((args, kwargs)):
             OPAQUE_OP(t, what)
         if self.fake:
@@ -338,7 +335,7 @@ def _basic_index(t: torch.Tensor, idx: Any) -> tuple[torch.Tensor, list[Any]]:
         elif isinstance(item, slice):
             if any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
                 # a tensor as a slice bound is read on the host: no value under fake tensors
-                raise _Aborted(f"{_HOST_READ}a tensor used as a slice bound escapes under fake tensors "
+                raise _Aborted(f"{HOST_READ}a tensor used as a slice bound escapes under fake tensors "
                                f"(at {_user_line()})")
             start = 0 if item.start is None else item.start
             stop = out.shape[dim] if item.stop is None else item.stop
