@@ -34,6 +34,7 @@ Everything here builds tensors with factory functions on ``device`` and never in
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Hashable, Mapping
 
 import attrs
@@ -200,6 +201,7 @@ def _randn(*shape: int, generator: torch.Generator, device: str | torch.device) 
 #: Seeded draws already made on the CPU, by what they were drawn for; a caller gets a copy.
 _DRAWN: collections.OrderedDict[Hashable, dict[str, Tensor]] = collections.OrderedDict()
 _DRAWN_LIMIT = 4  # (a 64-layer model's caches are tens of MB)
+_DRAWN_LOCK = threading.Lock()
 
 
 def _drawn_once(key: Hashable, device: str | torch.device, draw: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -208,13 +210,14 @@ def _drawn_once(key: Hashable, device: str | torch.device, draw: Callable[[], di
     copying is cheaper than drawing (every audit, trace and check builds example steps)."""
     if torch.device(device).type != "cpu" or _get_current_dispatch_mode_stack() or _get_current_function_mode_stack():
         return draw()
-    kept = _DRAWN.get(key)
-    if kept is None:
-        kept = _DRAWN[key] = draw()
-        if len(_DRAWN) > _DRAWN_LIMIT:
-            _DRAWN.popitem(last=False)
-    else:
-        _DRAWN.move_to_end(key)
+    with _DRAWN_LOCK:  # (a device's stream threads may build steps too)
+        kept = _DRAWN.get(key)
+        if kept is None:
+            kept = _DRAWN[key] = draw()
+            if len(_DRAWN) > _DRAWN_LIMIT:
+                _DRAWN.popitem(last=False)
+        else:
+            _DRAWN.move_to_end(key)
     return {k: v.clone() for k, v in kept.items()}
 
 
