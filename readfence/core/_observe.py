@@ -33,6 +33,7 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
+from ._dispatch import DispatchMode
 from ._memory import BufferMap, tensors_in, view_claim_holds
 from ._model import step_functions
 from ._modes import ForwardMode
@@ -127,7 +128,7 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class ReadObserver(TorchDispatchMode):
+class ReadObserver(DispatchMode):
     """A dispatch mode that records which shared buffers each executed op touches, by memory.
 
     Enter it (``with observer:``) around eager code; label the stage with

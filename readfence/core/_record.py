@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _probe
+from ._dispatch import DispatchMode
 from ._fx import add_node
 from ._memory import BufferMap, leaves
 from ._probe import NO_FACTS, OpFacts, ProbeResult
@@ -125,7 +125,7 @@ def _val(out: Any) -> Any:
     return out
 
 
-class GraphRecorder(TorchDispatchMode):
+class GraphRecorder(DispatchMode):
     """A dispatch mode that builds ``graph``: one node per op dispatched while it is entered
     (see the module docstring). Give it the inputs with :meth:`placeholder` first, and the
     outputs with :meth:`output` last.

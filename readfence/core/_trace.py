@@ -34,11 +34,11 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
 from ._collect import collection_paused
+from ._dispatch import DispatchMode
 from ._fx import copy_graph
 from ._memory import BufferMap, span_of, tensors_in
 from ._modes import ForwardMode
@@ -213,7 +213,7 @@ class _Aborted(Exception):
 
 
 
-class _HostReads(TorchDispatchMode):
+class _HostReads(DispatchMode):
     """Marks, at the dispatcher, every op whose result is a Python value computed from tensor
     data (``torch.Tag.data_dependent_output``: ``equal``, ``allclose``, ``item``, and the
     ``_local_scalar_dense`` under ``bool(t)``, ``x in t``, ``is_nonzero`` and a 0-d tensor used
@@ -630,7 +630,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     return graph, stash["out"]
 
 
-class _Consumed(TorchDispatchMode):
+class _Consumed(DispatchMode):
     """Records the memory every op's tensor arguments span (to tell kept constants from
     values a stage computed once), and the memory of the arguments it writes (a buffer the
     step fills itself: the backend's own)."""

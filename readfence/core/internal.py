@@ -15,6 +15,7 @@ from ._checks import check_mode as check_mode
 from ._checks import did_you_mean as did_you_mean
 from ._checks import positive_int as positive_int
 from ._checks import positive_seconds as positive_seconds
+from ._dispatch import DispatchMode as DispatchMode
 from ._fx import copy_graph as copy_graph
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
@@ -31,7 +32,8 @@ from ._state import tokens_per_request as tokens_per_request
 from ._trace import cache_with_traces as cache_with_traces
 
 __all__ = [
-    "ROW_BLOCK", "BufferAudit", "BufferMap", "Span", "bind_arguments", "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers",
+    "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span",
+    "bind_arguments", "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers",
     "check_forward_mode", "check_mode", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows", "op_aliasing", "pad_rows",
     "positive_int", "positive_seconds", "request_ranges", "span_of", "split_batch", "tokens_per_request",
 ]

@@ -57,9 +57,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from readfence.core.internal import bind_arguments, op_aliasing
+from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing
 
 from ._fx_records import RECORD_KEY
 
@@ -181,7 +180,7 @@ def _same_argument(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-class _Dispatched(TorchDispatchMode):
+class _Dispatched(DispatchMode):
     """Records every op that reaches the dispatcher (and runs it: on meta tensors, for shapes)."""
 
     def __init__(self) -> None:

@@ -1,0 +1,74 @@
+"""The base of readfence's dispatch modes: torch's, less the import of dynamo at the first op.
+
+torch wraps every ``TorchDispatchMode.__torch_dispatch__`` so that dynamo never compiles the
+handler's frames (``torch._disable_dynamo``): that wrapper imports ``torch._dynamo`` (with sympy
+and the distributed tensor package: 1.7 s on a two-core machine) at the first op a mode sees,
+and costs about 5 us an op after. :class:`DispatchMode` keeps dynamo out the same way, at the
+C level: the handler's frame is one dynamo skips (as ``torch._dynamo.skip_code`` marks it), and
+the frame-evaluation callback that compiled code runs under is cleared for the handler's call and
+restored after it (what the wrapper's ``_fn`` does); nothing is imported. A torch without these
+C entry points keeps its own wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_EVAL_FRAME: Any = torch._C._dynamo.eval_frame
+_set_eval_frame: Callable[[Any], Any] = _EVAL_FRAME.set_eval_frame
+_AVAILABLE = all(hasattr(_EVAL_FRAME, name) for name in ("set_code_exec_strategy", "_FrameExecStrategy", "_FrameAction"))
+
+
+def without_dynamo(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` run with no frame-evaluation callback: code it calls is never compiled into
+    a ``torch.compile``'d region it happens to be called from.
+
+    >>> without_dynamo(lambda x: x + 1)(1)
+    2
+    """
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prior = _set_eval_frame(None)
+        try:
+            return handler(*args, **kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+    # a frame of ``run`` is never compiled, even where dynamo's callback is set (a higher-order
+    # op's branches traced by dynamo under the mode)
+    skip = _EVAL_FRAME._FrameAction.SKIP
+    functools.update_wrapper(run, handler)
+    _EVAL_FRAME.set_code_exec_strategy(run.__code__, _EVAL_FRAME._FrameExecStrategy(skip, _EVAL_FRAME._FrameAction.DEFAULT))
+    return run
+
+
+class DispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose subclasses' ``__torch_dispatch__`` runs
+    :func:`without_dynamo` rather than under torch's lazily importing wrapper.
+
+    >>> class Count(DispatchMode):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.ops = 0
+    ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    ...         self.ops += 1
+    ...         return func(*args, **(kwargs or {}))
+    >>> with Count() as count:
+    ...     _ = torch.ones(2) + 1
+    >>> count.ops
+    2
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not _AVAILABLE  # where ours can be applied (``__init_subclass__``), torch's is not
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if _AVAILABLE and handler is not None and not isinstance(handler, classmethod):
+            cls.__torch_dispatch__ = without_dynamo(handler)  # type: ignore[method-assign]
