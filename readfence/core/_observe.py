@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -40,6 +40,7 @@ from ._modes import ForwardMode
 from ._program import Program, StageGraph, run_program
 from ._protocol import BackendLike
 from ._schema import OpAliasing, bind, op_aliasing
+from ._segment import Segment, segment_signature
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
@@ -52,6 +53,11 @@ Kind = Literal["read", "write", "escape"]
 #: collectives are torch's C++ kernels too (run under the mode, their inner ops would see
 #: tensors without a Python storage).
 _TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"}) | COLLECTIVE_NAMESPACES
+
+#: The ops each model segment dispatched when last observed, by signature (``run_segment``):
+#: the observer's own record, not the recorder's templates.
+_SEGMENT_OPS: dict[Hashable, tuple[Any, ...]] = cache_with_traces({})
+_SEGMENT_OPS_LIMIT = 4096
 
 #: Python-level tensor methods that read the data on the host without an op.
 _HOST_READS: dict[Any, str] = {
@@ -185,6 +191,7 @@ class ReadObserver(DispatchMode):
         self._within: list[str] = []  # the custom ops whose kernels are running under the mode
         self._busy = False
         self._skipping = False  # a model segment that can touch no buffer is running
+        self._listed: list[Any] | None = None  # the ops a segment's run dispatched so far
         self._host: _HostReads | None = None
 
     # -- use -------------------------------------------------------------------------------
@@ -199,12 +206,15 @@ class ReadObserver(DispatchMode):
         finally:
             self.current_stage = before
 
-    def run_segment(self, fn: Callable[..., Any], tensors: Sequence[Any]) -> Any:
-        """``fn(*tensors)``, a piece of the model (``core._segment``: a function of its tensor
-        arguments alone), unobserved where none of them is memory of a shared buffer (looked
-        at here, not taken from any trace): its ops can then touch none. Anything else runs
-        observed."""
-        if self._skipping or any(type(t) is not torch.Tensor for t in tensors):
+    def run_segment(self, segment: Segment, tensors: Sequence[Any]) -> Any:
+        """``segment(*tensors)``, a piece of the model (``core._segment``: a function of its
+        tensor arguments alone), unobserved where none of them is memory of a shared buffer
+        (looked at here, not taken from any trace) and it dispatches the very ops, in order, of
+        an observed run with the same signature: those are the ops whose accesses an observed
+        run would record, and none can touch a buffer. Anything else runs observed (a piece
+        that dispatched other ops, such as a function it calls replaced since, again)."""
+        fn = segment.fn
+        if self._skipping or self._listed is not None or any(type(t) is not torch.Tensor for t in tensors):
             return fn(*tensors)
         self._busy = True  # (the observer's own look at their memory is no host read)
         try:
@@ -213,12 +223,26 @@ class ReadObserver(DispatchMode):
             self._busy = False
         if touched:
             return fn(*tensors)
-        self._skipping = True
+        signature = segment_signature(segment, tensors)
+        expected = _SEGMENT_OPS.get(signature)
+        if expected is not None:
+            ran, out = self._listing(fn, tensors, skipping=True)
+            if ran == expected:
+                return out
+        ran, out = self._listing(fn, tensors, skipping=False)
+        if len(_SEGMENT_OPS) < _SEGMENT_OPS_LIMIT:
+            _SEGMENT_OPS[signature] = ran
+        return out
+
+    def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[tuple[Any, ...], Any]:
+        """``fn(*tensors)``, unobserved or observed, and the ops it dispatched."""
+        self._listed, self._skipping = [], skipping
         try:
-            with torch._C.DisableTorchFunction():
-                return fn(*tensors)
+            with torch._C.DisableTorchFunction() if skipping else contextlib.nullcontext():
+                out = fn(*tensors)
+            return tuple(self._listed), out
         finally:
-            self._skipping = False
+            self._listed, self._skipping = None, False
 
     def consume(self, tree: object, what: str) -> None:
         """Record a read of every buffer the tensors of ``tree`` touch, by ``what``.
@@ -250,6 +274,8 @@ class ReadObserver(DispatchMode):
     # -- the dispatcher's side -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if self._listed is not None:
+            self._listed.append(func)
         if self._skipping:
             return func(*args, **kwargs)
         self._seq += 1

@@ -19,8 +19,9 @@ A template is only made and only used where it cannot hide a read: every input a
 view of one, a tensor subclass, a fake tensor: the piece is recorded op by op), and a record
 that made nothing but operator nodes over its inputs and their results, none touching a buffer.
 Only the recorder splices. The read observer runs a segment unobserved where, by its own look at
-their memory, none of its inputs is a shared buffer's (``ReadObserver.run_segment``); the
-poison and the serial comparison run the function as it is.
+their memory, none of its inputs is a shared buffer's and the ops it dispatches are those of its
+own observed run of that signature (``ReadObserver.run_segment``: it keeps its own lists, not
+the recorder's templates); the poison and the serial comparison run the function as it is.
 
 >>> import torch
 >>> double = Segment("double", lambda x: x * 2)
@@ -73,7 +74,7 @@ class Template:
         return tuple(t for t, *_ in self.nodes if t is not operator.getitem)
 
 
-#: Templates by signature (:func:`_signature`): a model's few pieces, a handful of shapes each.
+#: Templates by signature (:func:`segment_signature`): a model's few pieces, a handful of shapes each.
 _TEMPLATES: dict[Hashable, Template] = {}
 _LIMIT = 4096
 
@@ -104,13 +105,15 @@ class Segment:
         if isinstance(mode, GraphRecorder):
             return _record_segment(mode, self, tensors)
         if hasattr(mode, "run_segment"):  # the read observer: unobserved where it can touch no buffer
-            return mode.run_segment(self.fn, tensors)
+            return mode.run_segment(self, tensors)
         return self.fn(*tensors)
 
 
-def _signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Hashable:
-    # what the ops and their order may depend on: the code, what it closes over (the key),
-    # torch's modes and default dtype, and each input's layout
+def segment_signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Hashable:
+    """What the ops ``segment`` dispatches on ``tensors``, and their order, may depend on: its
+    code, what it closes over (the key), torch's modes and default dtype, and each input's
+    layout (a record or an observation is reused only for the same signature, and only after
+    the ops that ran were checked against it)."""
     return (segment.name, getattr(segment.fn, "__code__", segment.fn), segment.key, torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(), torch.get_default_dtype(),
             tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
@@ -136,7 +139,7 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
     inputs = _input_nodes(recorder, tensors)
     if inputs is None:
         return segment.fn(*tensors)
-    signature = _signature(segment, tensors)
+    signature = segment_signature(segment, tensors)
     template = _TEMPLATES.get(signature)
     if template is None:
         tail, constants = recorder.graph._root.prev, len(recorder.constants)

@@ -145,6 +145,27 @@ def test_the_observer_runs_a_piece_unobserved_only_where_no_input_is_a_buffer() 
     assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
 
 
+def test_the_observer_observes_a_piece_again_once_its_ops_change() -> None:
+    # the piece closes over what it calls; replaced by a function that reads the buffer, it
+    # dispatches other ops than its observed run did, and its run is observed again
+    from readfence.core import ReadObserver
+
+    table = torch.arange(8, dtype=torch.int32)
+    obs = ReadObserver({"table": table})
+    calls = {"act": torch.sigmoid}
+    piece = _segment.Segment("act", lambda x: calls["act"](x))
+    x = torch.ones(3)
+    with obs, obs.stage("body"):
+        piece(x)  # observed: its ops kept
+        seen = obs._seq
+        piece(x)  # the same ops: unobserved
+        assert obs._seq == seen and not obs.accesses
+        calls["act"] = lambda x: torch.sigmoid(x) + 0 * table.sum()
+        out = piece(x)
+    assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
+    assert torch.equal(out, torch.sigmoid(torch.ones(3)))
+
+
 def test_a_template_is_kept_per_signature_key_and_code() -> None:
     import contextlib
 
