@@ -22,7 +22,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -47,6 +47,7 @@ from ._threads import watch_threads
 from ._trace import cache_with_traces, code_key
 
 Kind = Literal["read", "write", "escape"]
+_T = TypeVar("_T")
 
 #: Op namespaces whose kernels are torch's own; any other op may be a Python or extension
 #: kernel whose inner ops the observer runs under itself (see ``ReadObserver``). The functional
@@ -216,12 +217,7 @@ class ReadObserver(DispatchMode):
         fn = segment.fn
         if self._skipping or self._listed is not None or any(type(t) is not torch.Tensor for t in tensors):
             return fn(*tensors)
-        self._busy = True  # (the observer's own look at their memory is no host read)
-        try:
-            touched = self.buffers.touched_by(tensors)
-        finally:
-            self._busy = False
-        if touched:
+        if self._quietly(self.buffers.touched_by, tensors):
             return fn(*tensors)
         signature = segment_signature(segment, tensors)
         expected = _SEGMENT_OPS.get(signature)
@@ -285,13 +281,7 @@ class ReadObserver(DispatchMode):
             # binding, which a host-read mode on the stack would send back here.
             with self._pushed(host=False), torch._C.DisableTorchFunction():
                 return func.decompose(*args, **kwargs)
-        claimed = None
-        if self.buffers:
-            self._busy = True
-            try:
-                claimed = self._record_op(func, args, kwargs)
-            finally:
-                self._busy = False
+        claimed = self._quietly(self._record_op, func, args, kwargs) if self.buffers else None
         if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES:
             out = self._run_kernel_observed(func, args, kwargs)
         elif isinstance(func, torch._ops.HigherOrderOperator):
@@ -316,12 +306,8 @@ class ReadObserver(DispatchMode):
         outs = out if len(aliasing.outputs) > 1 else (out,)
         if view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs]):
             return
-        self._busy = True
-        try:
-            for b in sorted(self.buffers.touched_by(values)):
-                self._add(b, self._qualified(str(func)), "read", "its schema claims a view, its output is a copy")
-        finally:
-            self._busy = False
+        for b in sorted(self._quietly(self.buffers.touched_by, values)):
+            self._add(b, self._qualified(str(func)), "read", "its schema claims a view, its output is a copy")
 
     @contextlib.contextmanager
     def _pushed(self, *, host: bool) -> Iterator[None]:
@@ -386,10 +372,15 @@ class ReadObserver(DispatchMode):
         self.accesses.append(Access(buffer, self.current_stage, op, kind, note, self.step, self._seq))
 
     def _record(self, t: torch.Tensor, what: str, kind: Kind, note: str) -> None:
+        for b in sorted(self._quietly(self.buffers.touched, t)):
+            self._add(b, self._qualified(what), kind, note)
+
+    def _quietly(self, look: Callable[..., _T], *args: Any) -> _T:
+        """``look(*args)``, the observer's own look at memory (``data_ptr()``, storages): no
+        host read or escape of the code it observes."""
         busy, self._busy = self._busy, True
         try:
-            for b in sorted(self.buffers.touched(t)):
-                self._add(b, self._qualified(what), kind, note)
+            return look(*args)
         finally:
             self._busy = busy
 
