@@ -273,7 +273,11 @@ class ReadObserver(DispatchMode):
         if self._listed is not None:
             self._listed.append(func)
         if self._skipping:
-            return func(*args, **kwargs)
+            if self._listed is None or not _decomposes(func):
+                return func(*args, **kwargs)
+            # a composite (below autograd) listed as an observed run lists it: op by op
+            with self._pushed(host=False), torch._C.DisableTorchFunction():
+                return func.decompose(*args, **kwargs)
         self._seq += 1
         if _decomposes(func):
             # It may alias or copy and its schema cannot say which: its decomposition says it

@@ -235,6 +235,11 @@ class GraphRecorder(DispatchMode):
         kwargs = kwargs or {}
         if func is _DEVICE or self.pauses:
             if self.unrecorded is not None and func is not _DEVICE:
+                if _decomposed(func, args, kwargs):  # listed as a record would write it: op by op
+                    with self:
+                        out = func.decompose(*args, **kwargs)
+                    if out is not NotImplemented:
+                        return out
                 self.unrecorded.append(node_target(func))
             return func(*args, **kwargs)
         if not _recordable(func):

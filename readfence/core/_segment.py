@@ -156,8 +156,9 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
     finally:
         recorder.unrecorded = None
     if ran != template.ops:
-        # it dispatched other ops than its record holds (a function it calls was replaced, a
-        # composite reached the dispatcher whole): record this call op by op, and keep that
+        # it dispatched other ops than its record holds (a function it calls was replaced
+        # since; composites are listed decomposed, as recorded): record this call op by op,
+        # and keep that
         del _TEMPLATES[signature]
         return _record_segment(recorder, segment, tensors)
     _splice(recorder, template, inputs, out)

@@ -83,6 +83,28 @@ def test_a_spliced_step_is_the_recorded_step_and_the_traced_step(make: Any, mode
     assert 0 < spliced_ops - count[0] < count[0] and len(_segment._TEMPLATES) >= 2
 
 
+def test_under_inference_mode_a_piece_is_spliced_as_its_composites_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # below autograd, composite ops (``linear``, ``softmax``...) reach the recorder whole and are
+    # recorded decomposed; a splice's eager run must list them decomposed as well, or no
+    # template would ever match its run and every call would be recorded again
+    make, mode = _TARGETS[0]
+    _segment.clear_templates()
+    count = _counted(monkeypatch)
+    with torch.inference_mode():
+        first = _step(make, mode, 2, 2)
+        count[0] = 0
+        spliced = _step(make, mode, 2, 2)
+        spliced_ops, count[0] = count[0], 0
+        traced = _step(make, mode, 2, 2, recorded=False)
+        with monkeypatch.context() as patch:
+            _plain(patch)
+            whole = _step(make, mode, 2, 2)
+    for program in (first, spliced, whole):
+        _same(program, traced)
+    assert _sources(spliced) == _sources(whole) == _sources(traced)
+    assert 0 < spliced_ops < count[0], (spliced_ops, count[0])  # the splice happened
+
+
 def _view_of_a_buffer(mode, layer, q, k, v, pools, shared, batch, meta):
     """Attends, then returns as its output a float view of ``req_to_token``'s memory: the model's
     next piece reads the buffer in the body, through memory the backend handed it."""
@@ -164,6 +186,23 @@ def test_the_observer_observes_a_piece_again_once_its_ops_change() -> None:
         out = piece(x)
     assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
     assert torch.equal(out, torch.sigmoid(torch.ones(3)))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+def test_the_observer_runs_a_piece_of_composite_ops_unobserved_after_its_first_run(inference: bool) -> None:
+    # under inference mode ``linear`` and ``softmax`` reach the observer whole; its unobserved
+    # run lists them as its observed run does (decomposed), so the two runs compare equal
+    from readfence.core import ReadObserver
+
+    obs = ReadObserver({"table": torch.arange(8, dtype=torch.int32)})
+    piece = _segment.Segment("head", lambda x, w: torch.nn.functional.linear(x, w).softmax(-1))
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with torch.inference_mode(inference), obs, obs.stage("body"):
+        first = piece(x, w)
+        seen = obs._seq
+        again = piece(x, w)
+    assert seen > 0 and obs._seq == seen  # the second run: unobserved
+    assert torch.equal(first, again) and torch.equal(again, torch.nn.functional.linear(x, w).softmax(-1))
 
 
 def test_a_template_is_kept_per_signature_key_and_code() -> None:
