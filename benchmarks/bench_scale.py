@@ -13,7 +13,11 @@ each measurement, median of ``--runs``:
 * ``capture``: ``lower_capture_list`` over batch sizes 1..16 (4 layers): the first size, the
   median extra size and their ratio;
 * ``audit_all``: every reference backend in every mode (4 layers);
-* ``fuzz``: programs per second of the differential fuzzer (one process).
+* ``fuzz``: programs per second of the differential fuzzer (one process);
+* ``dispatch``: microseconds an op (``x + 1``) takes with no mode, under a mode that only runs
+  it as torch wraps every mode's handler, and as readfence's ``DispatchMode`` does; and the
+  seconds a fresh process's first audit takes (``paged`` in DECODE: torch's wrapper imported
+  dynamo at the first op under any mode).
 
     python benchmarks/bench_scale.py [--runs 3] [--json]
     python benchmarks/bench_scale.py --quick      # smoke run of seconds: its figures measure nothing
@@ -22,13 +26,17 @@ each measurement, median of ``--runs``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
 from readfence.backends.fuzz import random_programs
@@ -42,6 +50,7 @@ from readfence.core import (
     trace,
     trace_step,
 )
+from readfence.core.internal import DispatchMode
 from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 
@@ -129,9 +138,45 @@ def fuzz(programs: int, dev: CpuDevice) -> float:
     return programs / (time.perf_counter() - start)
 
 
+def dispatch(ops: int, runs: int) -> dict[str, float]:
+    """Microseconds an op under no mode, under a mode with torch's handler wrapper, under one
+    with readfence's; seconds of a fresh process's first audit (median of ``runs``)."""
+    def passing(base: type) -> type:
+        class Passing(base):  # type: ignore[misc, valid-type]
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                return func(*args, **(kwargs or {}))
+        return Passing
+
+    x = torch.ones(4)
+
+    def per_op(mode: Any) -> float:
+        with mode:
+            start = time.perf_counter()
+            for _ in range(ops):
+                x + 1
+            return (time.perf_counter() - start) / ops * 1e6
+
+    modes = {"op_us": contextlib.nullcontext, "torch_mode_op_us": passing(TorchDispatchMode),
+             "readfence_mode_op_us": passing(DispatchMode)}
+    seen: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(max(runs, 7)):  # interleaved: a slow spell of the machine hits each alike
+        for name, make in modes.items():
+            seen[name].append(per_op(make()))
+    out = {name: statistics.median(times) for name, times in seen.items()}
+    code = ("import time, torch\n"
+            "from readfence.backends import paged\n"
+            "from readfence.core import ForwardMode, audit\n"
+            "start = time.perf_counter(); audit(paged(), ForwardMode.DECODE)\n"
+            "print(time.perf_counter() - start)\n")
+    out["first_audit_fresh_process_s"] = statistics.median(
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             timeout=300).stdout) for _ in range(runs))
+    return out
+
+
 def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
     """The figures above (``quick``, a smoke run: 1 and 2 layers audited at batch size 2,
-    capture sizes 1..2, one backend audited in one mode, one program; one run)."""
+    capture sizes 1..2, one backend audited in one mode, one program, 1,000 ops; one run)."""
     torch.set_num_threads(1)  # the device's streams are the parallelism (benchmarks/README.md)
     runs = runs or (1 if quick else 3)
     layers = (1, 2) if quick else (4, 16, 64)
@@ -145,7 +190,8 @@ def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": by_depth, "ratios": ratios,
                                "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
                                "audit_all_s": audit_all(1, quick),
-                               "fuzz_programs_per_s": fuzz(1 if quick else 20, dev)}
+                               "fuzz_programs_per_s": fuzz(1 if quick else 20, dev),
+                               "dispatch": dispatch(1_000 if quick else 20_000, runs)}
     return out
 
 
