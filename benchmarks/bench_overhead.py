@@ -127,6 +127,7 @@ def _interleaved(dev: Any, low: Any, steps: dict[str, Any], batch: dict, n: int)
     for start in range(0, n, chunk):
         release = _hold(dev, low.stream)
         gc.collect()
+        gc.freeze()  # the survivors (torch's own objects) are left out of later collections
         gc.disable()
         try:
             for i in range(start, min(n, start + chunk)):
@@ -195,6 +196,7 @@ def _per_call_us(fn: Any, n: int, runs: int) -> float:
     samples = []
     for _ in range(runs):
         gc.collect()
+        gc.freeze()  # the survivors (torch's own objects) are left out of later collections
         gc.disable()
         try:
             t0 = time.perf_counter()

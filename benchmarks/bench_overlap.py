@@ -194,6 +194,7 @@ def measure(workload: str, *, kind: str = "matmul", quick: bool = False, progres
                 # full collection of torch's ~300,000 objects (130-145 ms, GIL held), whichever
                 # contender it falls on (see benchmarks/README.md)
                 gc.collect()
+                gc.freeze()  # the survivors (torch's own objects) are left out of later collections
                 if p is SERIAL:
                     seconds = run_serial(backend, MODE, steps=steps, batch_size=batch_size, cfg=cfg,
                                          device=dev).seconds
