@@ -3,7 +3,7 @@
 torch wraps every ``TorchDispatchMode.__torch_dispatch__`` so that dynamo never compiles the
 handler's frames (``torch._disable_dynamo``): that wrapper imports ``torch._dynamo`` (with sympy
 and the distributed tensor package: 1.7 s on a two-core machine) at the first op a mode sees,
-and costs about 5 us an op after. :class:`DispatchMode` keeps dynamo out the same way, at the
+and puts a Python wrapper around every op after. :class:`DispatchMode` keeps dynamo out the same way, at the
 C level: the handler's frame is one dynamo skips (as ``torch._dynamo.skip_code`` marks it), and
 the frame-evaluation callback that compiled code runs under is cleared for the handler's call and
 restored after it (what the wrapper's ``_fn`` does); nothing is imported. A torch without these

@@ -211,9 +211,9 @@ class ReadObserver(DispatchMode):
         """``segment(*tensors)``, a piece of the model (``core._segment``: a function of its
         tensor arguments alone), unobserved where none of them is memory of a shared buffer
         (looked at here, not taken from any trace) and it dispatches the very ops, in order, of
-        an observed run with the same signature: those are the ops whose accesses an observed
-        run would record, and none can touch a buffer. Anything else runs observed (a piece
-        that dispatched other ops, such as a function it calls replaced since, again)."""
+        an observed run with the same signature that touched no buffer: the ops whose accesses
+        an observed run would record, and none touched one. Anything else runs observed (a
+        piece that dispatched other ops, such as a function it calls replaced since, again)."""
         fn = segment.fn
         if self._skipping or self._listed is not None or any(type(t) is not torch.Tensor for t in tensors):
             return fn(*tensors)
@@ -225,9 +225,10 @@ class ReadObserver(DispatchMode):
             ran, out = self._listing(fn, tensors, skipping=True)
             if ran == expected:
                 return out
+        seen = len(self.accesses)
         ran, out = self._listing(fn, tensors, skipping=False)
-        if len(_SEGMENT_OPS) < _SEGMENT_OPS_LIMIT:
-            _SEGMENT_OPS[signature] = ran
+        if len(self.accesses) == seen and len(_SEGMENT_OPS) < _SEGMENT_OPS_LIMIT:
+            _SEGMENT_OPS[signature] = ran  # (a run that touched a buffer is never a reference)
         return out
 
     def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[tuple[Any, ...], Any]:

@@ -188,6 +188,21 @@ def test_the_observer_observes_a_piece_again_once_its_ops_change() -> None:
     assert torch.equal(out, torch.sigmoid(torch.ones(3)))
 
 
+def test_the_observer_observes_every_run_of_a_piece_that_reads_a_buffer_it_closes_over() -> None:
+    # replaced before the piece's first run: its observed run touched the buffer, so no run of
+    # it is ever unobserved, and each one's read is recorded
+    from readfence.core import ReadObserver
+
+    table = torch.arange(8, dtype=torch.int32)
+    obs = ReadObserver({"table": table})
+    piece = _segment.Segment("reads", lambda x: torch.sigmoid(x) + 0 * table.sum())
+    x = torch.ones(3)
+    with obs, obs.stage("body"):
+        for _ in range(3):
+            piece(x)
+    assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")] * 3
+
+
 @pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
 def test_the_observer_runs_a_piece_of_composite_ops_unobserved_after_its_first_run(inference: bool) -> None:
     # under inference mode ``linear`` and ``softmax`` reach the observer whole; its unobserved
