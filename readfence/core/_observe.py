@@ -273,17 +273,16 @@ class ReadObserver(DispatchMode):
         kwargs = kwargs or {}
         if self._listed is not None:
             self._listed.append(func)
-        if self._skipping:
-            if self._listed is None or not _decomposes(func):
-                return func(*args, **kwargs)
-            # a composite (below autograd) listed as an observed run lists it: op by op
-            with self._pushed(host=False), torch._C.DisableTorchFunction():
-                return func.decompose(*args, **kwargs)
-        self._seq += 1
-        if _decomposes(func):
+        composite = _decomposes(func)
+        if not self._skipping:
+            self._seq += 1
+        elif self._listed is None or not composite:
+            return func(*args, **kwargs)
+        if composite:
             # It may alias or copy and its schema cannot say which: its decomposition says it
-            # op by op. Torch function off: ``decompose`` goes through the op's Python
-            # binding, which a host-read mode on the stack would send back here.
+            # op by op (and an unobserved run lists its ops as an observed one does). Torch
+            # function off: ``decompose`` goes through the op's Python binding, which a
+            # host-read mode on the stack would send back here.
             with self._pushed(host=False), torch._C.DisableTorchFunction():
                 return func.decompose(*args, **kwargs)
         claimed = self._quietly(self._record_op, func, args, kwargs) if self.buffers else None

@@ -235,11 +235,9 @@ class GraphRecorder(DispatchMode):
         kwargs = kwargs or {}
         if func is _DEVICE or self.pauses:
             if self.unrecorded is not None and func is not _DEVICE:
-                if _decomposed(func, args, kwargs):  # listed as a record would write it: op by op
-                    with self:
-                        out = func.decompose(*args, **kwargs)
-                    if out is not NotImplemented:
-                        return out
+                out = self._decomposition(func, args, kwargs)  # listed as a record writes it
+                if out is not NotImplemented:
+                    return out
                 self.unrecorded.append(node_target(func))
             return func(*args, **kwargs)
         if not _recordable(func):
@@ -258,11 +256,9 @@ class GraphRecorder(DispatchMode):
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``func`` and write its node (what ``__torch_dispatch__`` does for an op)."""
-        if _decomposed(func, args, kwargs):
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+        out = self._decomposition(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
         # the record's own look at the tensors (their nodes, memory) is no part of the stage:
         # the tracer's function modes do not see it
         with torch._C.DisableTorchFunction():
@@ -282,6 +278,14 @@ class GraphRecorder(DispatchMode):
         with torch._C.DisableTorchFunction():
             self._outputs(out, node, facts)
         return out
+
+    def _decomposition(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func``'s composite decomposition, run under the recorder (its ops recorded, or
+        listed, one by one), where make_fx runs it; else ``NotImplemented``."""
+        if not _decomposed(func, args, kwargs):
+            return NotImplemented
+        with self:
+            return func.decompose(*args, **kwargs)
 
     def _node(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> fx.Node:
         return add_node(self.graph, "call_function", target, args, kwargs, name)

@@ -211,8 +211,6 @@ class _Aborted(Exception):
         self.why = why
 
 
-
-
 class _HostReads(DispatchMode):
     """Marks, at the dispatcher, every op whose result is a Python value computed from tensor
     data (``torch.Tag.data_dependent_output``: ``equal``, ``allclose``, ``item``, and the
