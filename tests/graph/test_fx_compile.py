@@ -4,6 +4,8 @@ graph writes; folding and sharing only where nothing can tell the difference."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -178,6 +180,7 @@ _MUL = torch.ops.aten.mul.Tensor
     (lambda a, b: torch.mul(a, 2.0), "another argument"),
     (lambda a, b: None, "no op at all"),
     (lambda a, b: 1 / 0, "an error"),
+    (lambda a, b: torch.mul(a, b).add(0), "the op and then another"),
 ])
 def test_a_binding_must_dispatch_the_nodes_op_with_its_arguments(candidate, why):
     assert binding_for(_MUL, (_X, _Y), {}, candidates=[candidate]) is None, why
@@ -189,6 +192,21 @@ def test_a_binding_may_spell_out_a_default_but_not_change_a_scalars_type():
     assert binding_for(torch.ops.aten.add.Tensor, (_X, _Y), {}, candidates=[spelled]) is spelled
     assert binding_for(_MUL, (_X, 2), {}, candidates=[lambda a, b: torch.mul(a, 2.0)]) is None
     assert binding_for(_MUL, (_X, 2), {}) is torch._C.TensorBase.mul
+
+
+def test_probing_bindings_runs_no_kernel_and_imports_no_dynamo():
+    # torch's Python meta kernels (``mean``'s, ``zeros_like``'s) import dynamo when they run
+    code = ("import sys, torch\n"
+            "from readfence.backends import hybrid_linear, linear, trtllm_mha\n"
+            "from readfence.core import ForwardMode\n"
+            "from readfence.graph import CpuDevice, Policy, lower\n"
+            "with CpuDevice() as dev:\n"
+            "    low = lower(hybrid_linear(trtllm_mha(), linear()), ForwardMode.DECODE, batch_size=2, device=dev,\n"
+            "                policy=Policy.EXACT)\n"
+            "from readfence.graph.lowering._fx_compile import _probed\n"
+            "print(_probed.cache_info().misses > 0, 'torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr
 
 
 def test_without_bindings_every_call_goes_through_its_handle():

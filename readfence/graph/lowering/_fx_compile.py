@@ -28,7 +28,10 @@ very same op: ``TensorBase.view(x, size)`` instead of ``aten.view.default``'s ha
 parses its arguments against the schema at every call (2.3 against 0.9 us for a ``view`` on
 this machine). A binding is used only after a probe: called on meta tensors shaped like the
 node's traced values, it must dispatch exactly one op, the node's own overload, with the same
-arguments (a dispatch mode records what reaches the dispatcher; :func:`binding_for`).
+arguments (a dispatch mode records what reaches the dispatcher; :func:`binding_for`). The probe
+runs no kernel: the mode answers the op with stand-ins for the node's traced outputs and stops
+the candidate at a second op (torch's Python meta kernels import its compiler, about two seconds
+at a process's first lowering).
 Every kernel that runs, runs on the same inputs as in the GraphModule, so outputs are
 bit-identical.
 
@@ -180,17 +183,32 @@ def _same_argument(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-class _Dispatched(DispatchMode):
-    """Records every op that reaches the dispatcher (and runs it: on meta tensors, for shapes)."""
+class _SecondOp(Exception):
+    """A candidate dispatched a second op: not a binding of one op."""
 
-    def __init__(self) -> None:
+
+class _Dispatched(DispatchMode):
+    """Records the op that reaches the dispatcher and answers it with ``result`` (no kernel
+    runs); a second op stops the candidate."""
+
+    def __init__(self, result: Any) -> None:
         super().__init__()
-        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.result = result
+        self.call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
+        if self.call is not None:
+            raise _SecondOp(func)
+        self.call = (func, args, kwargs or {})
+        return _fresh(self.result)
+
+
+def _fresh(value: Any) -> Any:
+    """New meta tensors like ``value``'s (torch detaches a tensor a mode returns that it had
+    before the call, a second op)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return type(value)(_fresh(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _candidates(op: Any) -> list[Callable[..., Any]]:
@@ -202,9 +220,12 @@ def _candidates(op: Any) -> list[Callable[..., Any]]:
 
 
 def binding_for(op: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object],
-                candidates: Iterable[Callable[..., object]] | None = None) -> Callable[..., object] | None:
+                candidates: Iterable[Callable[..., object]] | None = None, *,
+                result: object = None) -> Callable[..., object] | None:
     """A binding that, called with ``args``/``kwargs`` (meta tensors standing for the values),
     dispatches exactly ``op`` once with the same arguments; ``None`` if no candidate does.
+    ``result`` (meta tensors standing for what ``op`` returns; default: ``op`` run on ``args``)
+    is the op's answer to a candidate: no kernel runs while one is probed.
 
     >>> x = torch.empty(2, 3, device="meta")
     >>> binding_for(torch.ops.aten.view.default, (x, [6]), {}) is torch._C.TensorBase.view
@@ -213,16 +234,18 @@ def binding_for(op: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dic
     True
     """
     expected = bind_arguments(op, args, kwargs, defaults=True)
+    if result is None:
+        result = op(*args, **kwargs)
     for fn in _candidates(op) if candidates is None else candidates:
-        seen = _Dispatched()
+        seen = _Dispatched(result)
         try:
             with seen:
                 fn(*args, **kwargs)
-        except Exception:  # not a way to call this op: try the next one
+        except Exception:  # not a way to call this op (or more than one op): try the next one
             continue
-        if len(seen.calls) != 1:
+        if seen.call is None:
             continue
-        func, got_args, got_kwargs = seen.calls[0]
+        func, got_args, got_kwargs = seen.call
         if func is op and all(_same_argument(a, b) for a, b in
                               zip(bind_arguments(op, got_args, got_kwargs, defaults=True), expected, strict=True)):
             return fn
@@ -257,9 +280,18 @@ def _stand_in(spec: Any) -> Any:
     return kind(_stand_in(v) for v in spec[1])
 
 
+def _result_spec(val: Any) -> Any:
+    """:func:`_spec` of what a node returned (its traced value: a tensor or a list of them)."""
+    if isinstance(val, torch.Tensor):
+        return ("tensor", tuple(val.shape), tuple(val.stride()), val.dtype)
+    if isinstance(val, (list, tuple)) and val:
+        return (type(val), tuple(_result_spec(v) for v in val))
+    raise _Unknown("a result that is no tensor")
+
+
 @functools.lru_cache(maxsize=4096)  # keyed by op and argument shapes: a few hundred per model
-def _probed(op: Any, args: Any, kwargs: Any) -> Callable[..., Any] | None:
-    return binding_for(op, _stand_in(args), {k: _stand_in(v) for k, v in kwargs})
+def _probed(op: Any, args: Any, kwargs: Any, result: Any) -> Callable[..., Any] | None:
+    return binding_for(op, _stand_in(args), {k: _stand_in(v) for k, v in kwargs}, result=_stand_in(result))
 
 
 def _binding(node: fx.Node) -> Callable[..., Any] | None:
@@ -270,7 +302,7 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     try:
         args = _spec(tuple(node.args))
         kwargs = tuple((k, _spec(v)) for k, v in node.kwargs.items())
-        return _probed(target, args, kwargs)
+        return _probed(target, args, kwargs, _result_spec(node.meta.get("val")))
     except (_Unknown, TypeError):  # a value without a traced shape, or one that cannot be a key
         return None
 
@@ -381,12 +413,3 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         value = getattr(value, part)
     return value
-
-
-def compiled_stats(graphs: Iterable[CompiledGraph]) -> dict[str, int]:
-    """The summed ``stats`` of ``graphs``."""
-    total: dict[str, int] = {}
-    for g in graphs:
-        for k, v in g.stats.items():
-            total[k] = total.get(k, 0) + v
-    return total
