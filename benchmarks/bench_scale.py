@@ -16,8 +16,9 @@ each measurement, median of ``--runs``:
 * ``fuzz``: programs per second of the differential fuzzer (one process);
 * ``dispatch``: microseconds an op (``x + 1``) takes with no mode, under a mode that only runs
   it as torch wraps every mode's handler, and as readfence's ``DispatchMode`` does; and the
-  seconds a fresh process's first audit takes (``paged`` in DECODE: torch's wrapper imported
-  dynamo at the first op under any mode).
+  seconds a fresh process's first audit and first lowering take (``paged`` in DECODE: torch's
+  wrapper imported dynamo at the first op under any mode, and torch's Python meta kernels at
+  the first probe of an op's binding).
 
     python benchmarks/bench_scale.py [--runs 3] [--json]
     python benchmarks/bench_scale.py --quick      # smoke run of seconds: its figures measure nothing
@@ -140,7 +141,7 @@ def fuzz(programs: int, dev: CpuDevice) -> float:
 
 def dispatch(ops: int, runs: int) -> dict[str, float]:
     """Microseconds an op under no mode, under a mode with torch's handler wrapper, under one
-    with readfence's; seconds of a fresh process's first audit (median of ``runs``)."""
+    with readfence's; seconds of a fresh process's first audit and first lowering (median of ``runs``)."""
     def passing(base: type) -> type:
         class Passing(base):  # type: ignore[misc, valid-type]
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -163,14 +164,18 @@ def dispatch(ops: int, runs: int) -> dict[str, float]:
         for name, make in modes.items():
             seen[name].append(per_op(make()))
     out = {name: statistics.median(times) for name, times in seen.items()}
-    code = ("import time, torch\n"
-            "from readfence.backends import paged\n"
-            "from readfence.core import ForwardMode, audit\n"
-            "start = time.perf_counter(); audit(paged(), ForwardMode.DECODE)\n"
-            "print(time.perf_counter() - start)\n")
-    out["first_audit_fresh_process_s"] = statistics.median(
-        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             timeout=300).stdout) for _ in range(runs))
+    first = {"first_audit_fresh_process_s": "audit(paged(), ForwardMode.DECODE)",
+             "first_lower_fresh_process_s": "lower(paged(), ForwardMode.DECODE, batch_size=2, device=CpuDevice(), policy=Policy.EXACT)"}
+    for name, call in first.items():
+        code = ("import time, torch\n"
+                "from readfence.backends import paged\n"
+                "from readfence.core import ForwardMode, audit\n"
+                "from readfence.graph import CpuDevice, Policy, lower\n"
+                f"start = time.perf_counter(); {call}\n"
+                "print(time.perf_counter() - start)\n")
+        out[name] = statistics.median(
+            float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 timeout=300).stdout) for _ in range(runs))
     return out
 
 
