@@ -181,8 +181,9 @@ class StageGraph:
     copies: frozenset[str] | None = None
     # per higher-order op node, the buffers its branch graphs' captured tensors touch
     hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
-    # the example tensors the stage was traced on, kept (real tensors only) when it captured
-    # tensors: ``bind`` runs it again on them to see what its nodes touch of the live state
+    # the example tensors the stage was traced on, kept (real tensors only) when a faithful
+    # stage captured tensors: ``bind`` runs it again on them to see what its nodes touch of the
+    # live state (nothing else keeps them: a cached program would keep a model's caches alive)
     example: tuple[torch.Tensor, ...] | None = None
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
     # the graph was recorded as the stage ran (``core._record``), not traced with make_fx

@@ -493,6 +493,30 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
                               "declares no write", sources[node.name])
 
 
+def _eager_stage(call: StageCall, names: Sequence[str], leaves: Sequence[Any], spec: pytree.TreeSpec,
+                 guard: OutputGuard) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The stage run as written on an environment of its inputs by name (how a stage that
+    escapes the tracer runs in the lowered step). It keeps the call without its arguments and
+    the shape of those, not the traced example's tensors: a cached program would keep them
+    alive (a deep model's caches, for every program the trace cache and the lowered sizes hold)."""
+    bare = attrs.evolve(call, kwargs={})
+    tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    tensor_names = [names[i] for i in tensor_pos]
+
+    def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flat = list(skeleton)
+        for i, name in zip(tensor_pos, tensor_names, strict=True):
+            flat[i] = env[name]
+        kwargs = bare.rebuild(flat, spec)
+        with watch_threads(bare.backend, bare.stage.name):
+            out = bare.fn(**kwargs)
+        guard.check(out, bare.fn, kwargs)  # the graphs after it were traced on the traced step's outputs
+        return {n: v for n, v in bare.output_names(out) if isinstance(v, torch.Tensor)}
+
+    return eager
+
+
 def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any,
                  before: Iterable[StageGraph] = (), carried: dict[str, frozenset[str]] | None = None,
                  recorded: bool = True) -> tuple[StageGraph, Any]:
@@ -566,12 +590,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
             gm = make_fx(flat_fn, tracing_mode="real")(*args)
     guard = OutputGuard.of(stage, stash["out"], backend=backend)
 
-    def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        kwargs = with_inputs([env[n] for n in input_names])
-        with watch_threads(backend, stage.name):
-            out = call.fn(**kwargs)
-        guard.check(out, call.fn, kwargs)  # the graphs after it were traced on the traced step's outputs
-        return dict(outputs_of(out))
+    eager = _eager_stage(call, names, leaves, spec, guard)
 
     buffers = BufferMap.of(shared)
     initial: dict[str, frozenset[str]] = {}
@@ -622,7 +641,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         copies=copies,
         hidden=hidden,
         initial=initial,
-        example=tuple(args) if captured and fake_mode is None else None,
+        example=tuple(args) if captured and fake_mode is None and not result.escapes else None,
         recorded=stash.get("recorded", False),
     )
     return graph, stash["out"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import gc
+import weakref
 
 import pytest
 import torch
@@ -298,6 +300,26 @@ def test_running_the_program_equals_the_eager_step_bit_for_bit(backend) -> None:
         assert torch.equal(env["logits"], expected), mode
         for name, pool in step.pools.items():  # the graphs wrote the KV caches in place
             assert torch.equal(pool, ref.pools[name]), (mode, name)
+
+
+def test_a_program_keeps_none_of_the_traced_examples_tensors() -> None:
+    # a cached program that held its example's tensors (through the stage it runs eagerly) kept a
+    # deep model's caches alive, once for every program in the trace cache and every lowered size
+    inputs = _inputs()
+    refs = [weakref.ref(t) for t in flatten_inputs(**inputs).values()]
+
+    def inn(shared, batch, meta):  # escapes the tracer: the program runs this stage as written
+        return {"total": torch.tensor(sum(shared["seq_lens"].tolist()))}
+
+    prog = trace_functions("toy", M.DECODE, inputs=inputs, prepare_out_graph=_nothing, prepare_in_graph=inn,
+                           body=lambda shared, batch, pools, meta: meta["total"] * 2 + pools["k"].sum())
+    assert not prog.stage("prepare_in_graph").faithful
+    del inputs
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+    env = flatten_inputs(**_inputs())
+    env["shared.seq_lens"] = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    assert prog.run(env)["logits"].item() == 20
 
 
 def test_traces_are_cached_per_code_not_per_declaration() -> None:
