@@ -910,6 +910,11 @@ def _code_key(backend: BackendLike) -> Any:
 
 _CACHE: dict[Any, Program] = {}
 _CACHE_LIMIT = 1024
+#: ... and at most this many graph nodes in all, the oldest forgotten first: a program of a
+#: 64-layer model is some 20,000 nodes (about 6 MB), and lowering every size of a capture list
+#: traces three programs per size for a combinator of two
+_CACHE_NODES = 1_000_000
+_CACHE_SIZES: dict[Any, int] = {}  # nodes per cached program
 
 
 #: Other caches of what a backend's code does (``observe``'s): forgotten with the traces.
@@ -939,12 +944,14 @@ def clear_trace_cache() -> None:
     1
     """
     _CACHE.clear()
+    _CACHE_SIZES.clear()
     for cache in _DEPENDENT_CACHES:
         cache.clear()
 
 
 def trace_cache_size() -> int:
-    """How many traced programs are cached (at most 1024: the oldest is forgotten first)."""
+    """How many traced programs are cached (at most 1024 programs and a million graph nodes in
+    all: the oldest is forgotten first)."""
     return len(_CACHE)
 
 
@@ -952,9 +959,12 @@ def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size:
     key = (_code_key(backend), mode, cfg, batch_size, device, seed)
     hit = _CACHE.get(key)
     if hit is None:
-        if len(_CACHE) >= _CACHE_LIMIT:
-            _CACHE.pop(next(iter(_CACHE)))
-        hit = _CACHE[key] = _trace_uncached(backend, mode, cfg, batch_size, device, seed)
+        hit = _trace_uncached(backend, mode, cfg, batch_size, device, seed)
+        nodes = sum(len(s.gm.graph.nodes) for s in hit.stages)
+        while _CACHE and (len(_CACHE) >= _CACHE_LIMIT or sum(_CACHE_SIZES.values()) + nodes > _CACHE_NODES):
+            oldest = next(iter(_CACHE))
+            del _CACHE[oldest], _CACHE_SIZES[oldest]
+        _CACHE[key], _CACHE_SIZES[key] = hit, nodes
     return hit
 
 

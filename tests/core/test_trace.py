@@ -14,10 +14,12 @@ from readfence.core import (
     ForwardMode,
     Program,
     StageWriteError,
+    clear_trace_cache,
     example_step,
     flatten_inputs,
     run_step,
     trace,
+    trace_cache_size,
 )
 from readfence.core._trace import _getitem, _setitem, trace_functions
 from readfence.effects import ReadEffect, ReadEnd
@@ -329,6 +331,21 @@ def test_traces_are_cached_per_code_not_per_declaration() -> None:
     assert trace(loose, M.DECODE, cfg=CFG) is a
     assert trace(sparse(), M.DECODE, cfg=CFG, batch_size=3) is not a
     assert trace(sparse(top_k=1), M.DECODE, cfg=CFG) is not a
+
+
+def test_the_trace_cache_is_bounded_by_graph_nodes_too(monkeypatch) -> None:
+    import readfence.core._trace as traced
+
+    clear_trace_cache()
+    a = trace(paged(), M.DECODE, cfg=CFG)
+    nodes = sum(len(s.gm.graph.nodes) for s in a.stages)
+    monkeypatch.setattr(traced, "_CACHE_NODES", nodes + nodes // 2)  # room for one such program
+    b = trace(paged(), M.DECODE, cfg=CFG, batch_size=3)
+    assert trace_cache_size() == 1 and trace(paged(), M.DECODE, cfg=CFG, batch_size=3) is b
+    assert trace(paged(), M.DECODE, cfg=CFG) is not a  # forgotten, traced again
+    monkeypatch.setattr(traced, "_CACHE_NODES", 3 * nodes)
+    trace(paged(), M.DECODE, cfg=CFG, batch_size=3)
+    assert trace_cache_size() == 2
 
 
 # ------------------------------------------------------------------------------------------
