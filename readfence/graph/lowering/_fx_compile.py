@@ -193,22 +193,15 @@ class _Dispatched(DispatchMode):
 
     def __init__(self, result: Any) -> None:
         super().__init__()
-        self.result = result
+        self.result = result  # its spec (``_result_spec``)
         self.call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if self.call is not None:
             raise _SecondOp(func)
         self.call = (func, args, kwargs or {})
-        return _fresh(self.result)
-
-
-def _fresh(value: Any) -> Any:
-    """New meta tensors like ``value``'s (torch detaches a tensor a mode returns that it had
-    before the call, a second op)."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return type(value)(_fresh(v) for v in value) if isinstance(value, (list, tuple)) else value
+        # new tensors at every call (torch detaches one a mode had before the call: a second op)
+        return _stand_in(self.result)
 
 
 def _candidates(op: Any) -> list[Callable[..., Any]]:
@@ -234,10 +227,12 @@ def binding_for(op: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dic
     True
     """
     expected = bind_arguments(op, args, kwargs, defaults=True)
-    if result is None:
-        result = op(*args, **kwargs)
+    try:
+        answer = _result_spec(op(*args, **kwargs) if result is None else result)
+    except _Unknown:  # an op that returns no tensor: not compiled through a binding
+        return None
     for fn in _candidates(op) if candidates is None else candidates:
-        seen = _Dispatched(result)
+        seen = _Dispatched(answer)
         try:
             with seen:
                 fn(*args, **kwargs)
@@ -263,7 +258,7 @@ def _spec(value: Any) -> Any:
         val = value.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise _Unknown(value.name)
-        return ("tensor", tuple(val.shape), tuple(val.stride()), val.dtype)
+        return _result_spec(val)
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_spec(v) for v in value))
     if isinstance(value, dict):
@@ -281,7 +276,7 @@ def _stand_in(spec: Any) -> Any:
 
 
 def _result_spec(val: Any) -> Any:
-    """:func:`_spec` of what a node returned (its traced value: a tensor or a list of them)."""
+    """:func:`_spec` of a value an op returned (a tensor or a list of them)."""
     if isinstance(val, torch.Tensor):
         return ("tensor", tuple(val.shape), tuple(val.stride()), val.dtype)
     if isinstance(val, (list, tuple)) and val:
