@@ -4,8 +4,9 @@ An engine captures a graph for each size of its capture list and replays the sma
 fits a batch, padding the rest. :func:`lower_capture_list` lowers a target for every size on
 one live state (each graph with its own event ring: a fence is never bound to another size's
 event) and says what each size cost: the first pays for warming the tracer up, the others
-for their own trace (shapes differ per size), which a layer traced once per class of layers
-keeps cheap.
+for their own trace, audit and code (each size is traced on its own shapes: a backend's reads
+may depend on the batch size). What a size keeps is its own graphs: no traced program holds its
+example's tensors, and the trace cache forgets its oldest programs past a bound.
 """
 
 from __future__ import annotations
