@@ -12,6 +12,8 @@ each measurement, median of ``--runs``:
 * ratios 64 / 4 layers of each, and recorded / make_fx at 64 layers;
 * ``capture``: ``lower_capture_list`` over batch sizes 1..16 (4 layers): the first size, the
   median extra size and their ratio;
+* ``memory``: in a fresh process, what lowering sizes 1..4 at 64 layers one at a time, keeping
+  every graph, adds to its resident memory: for the first size, and per further size (Linux);
 * ``audit_all``: every reference backend in every mode (4 layers);
 * ``fuzz``: programs per second of the differential fuzzer (one process);
 * ``dispatch``: microseconds an op (``x + 1``) takes with no mode, under a mode that only runs
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -116,6 +119,35 @@ def capture(sizes: Sequence[int], runs: int, dev: CpuDevice) -> dict[str, Any]:
             "extra_over_first": extra / first}
 
 
+def memory(layers: int, sizes: int) -> dict[str, Any]:
+    """Megabytes a fresh process's resident memory grows by as it lowers a capture list of
+    ``sizes`` sizes at ``layers`` layers, one size at a time, keeping every graph: for the first
+    size, and per further size (what each lowered size, and the trace cache, keep). Read from
+    ``/proc/self/statm`` after a collection (a peak from ``getrusage`` is no use here: Linux
+    carries it over ``exec`` from the forking benchmark's own)."""
+    code = ("import gc, os, torch\n"
+            "from readfence.backends import hybrid_linear, linear, trtllm_mha\n"
+            "from readfence.core import ForwardMode, ModelConfig\n"
+            "from readfence.graph import CpuDevice, Policy, lower_capture_list, make_state\n"
+            "def rss():\n"
+            "    gc.collect()\n"
+            "    with open('/proc/self/statm') as f: return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 1e6\n"
+            "torch.set_num_threads(1)\n"
+            f"cfg = ModelConfig(layers={layers}); kept = []\n"
+            "with CpuDevice(timeout=300.0) as dev:\n"
+            "    state = make_state(cfg, dev); seen = [rss()]\n"
+            f"    for size in range(1, {sizes} + 1):\n"
+            "        kept.append(lower_capture_list(hybrid_linear(trtllm_mha(), linear()), ForwardMode.DECODE, [size],\n"
+            "                                       device=dev, policy=Policy.EXACT, cfg=cfg, state=state))\n"
+            "        seen.append(rss())\n"
+            "print(seen[1] - seen[0], (seen[-1] - seen[1]) / (len(seen) - 2))\n")
+    if not os.path.exists("/proc/self/statm"):
+        return {"layers": layers, "sizes": f"1..{sizes}", "skipped": "no /proc/self/statm (Linux only)"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    first, extra = map(float, done.stdout.split())
+    return {"layers": layers, "sizes": f"1..{sizes}", "first_size_mb": first, "per_extra_size_mb": extra}
+
+
 def audit_all(runs: int, quick: bool = False) -> float:
     """Seconds to audit every reference backend in every mode (cache cleared first; ``quick``:
     one backend in one mode)."""
@@ -194,6 +226,7 @@ def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
         ratios[f"trace_recorded_over_make_fx_at_{layers[-1]}"] = deep["trace_s"] / deep["trace_make_fx_s"]
         out: dict[str, Any] = {"layers": by_depth, "ratios": ratios,
                                "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
+                               "memory": memory(*((2, 3) if quick else (64, 4))),
                                "audit_all_s": audit_all(1, quick),
                                "fuzz_programs_per_s": fuzz(1 if quick else 20, dev),
                                "dispatch": dispatch(1_000 if quick else 20_000, runs)}
