@@ -114,7 +114,8 @@ FIGURES = {
               "deepseek_v4.exact_mean_slack_ms", "deepseek_v4.exact_host_ms_per_step", "deepseek_v4.mix.prefill_steps"],
     "fuzz": ["programs", "p1_violations", "p2_violations"],
     "scale": ["ratios.trace_2_over_1", "ratios.audit_2_over_1", "ratios.lower_2_over_1", "capture.per_extra_size_s",
-              "audit_all_s", "fuzz_programs_per_s"],
+              "memory.first_size_mb", "memory.per_extra_size_mb", "audit_all_s", "fuzz_programs_per_s",
+              "dispatch.first_lower_fresh_process_s"],
     "tp": [f"rank{r}.{p}_vs_{base}" for r in (0, 1) for p in ("joined", "per_buffer", "exact") for base in ("coarse", "limit")],
 }
 
