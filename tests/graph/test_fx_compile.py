@@ -194,6 +194,15 @@ def test_a_binding_may_spell_out_a_default_but_not_change_a_scalars_type():
     assert binding_for(_MUL, (_X, 2), {}) is torch._C.TensorBase.mul
 
 
+def test_the_probe_answers_each_call_with_new_tensors():
+    # torch detaches a tensor a mode returns that it held before the call (a second op):
+    # answered with one kept stand-in, zeros_like's binding would be refused (its call as a
+    # trace records it, with the binding's own pin_memory)
+    x = torch.empty(2, 3, device="meta")
+    op, kwargs = torch.ops.aten.zeros_like.default, {"pin_memory": False}
+    assert binding_for(op, (x,), kwargs, result=torch.empty(2, 3, device="meta")) is torch._C._VariableFunctions.zeros_like
+
+
 def test_probing_bindings_runs_no_kernel_and_imports_no_dynamo():
     # torch's Python meta kernels (``mean``'s, ``zeros_like``'s) import dynamo when they run
     code = ("import sys, torch\n"
