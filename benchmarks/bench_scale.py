@@ -14,6 +14,12 @@ each measurement, median of ``--runs``:
   median extra size and their ratio;
 * ``memory``: in a fresh process, what lowering sizes 1..4 at 64 layers one at a time, keeping
   every graph, adds to its resident memory: for the first size, and per further size (Linux);
+* ``floor``: what any audit or lowering that watches every op of every layer pays at least:
+  each step the audit traces and observes (every node of the tree at each audited batch size;
+  ``lower``'s at its one size), run once under a dispatch mode and a function mode that only
+  run each op, the least a per-op watcher in Python costs; per depth, beside the eager step,
+  and the 64 / 4 layer ratios those runs alone set for the audit and ``lower``, everything
+  else free;
 * ``audit_all``: every reference backend in every mode (4 layers);
 * ``fuzz``: programs per second of the differential fuzzer (one process);
 * ``dispatch``: microseconds an op (``x + 1``) takes with no mode, under a mode that only runs
@@ -40,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
@@ -49,12 +56,14 @@ from readfence.core import (
     ModelConfig,
     audit,
     clear_trace_cache,
+    default_batch_sizes,
     example_step,
+    run_step,
     step_functions,
     trace,
     trace_step,
 )
-from readfence.core.internal import DispatchMode
+from readfence.core.internal import DispatchMode, runs_as
 from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 
@@ -103,6 +112,73 @@ def at_depth(cfg: ModelConfig, runs: int, dev: CpuDevice, sizes: Sequence[int] |
 def depth(layers: Sequence[int], runs: int, dev: CpuDevice, sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """:func:`at_depth` per number of layers."""
     return {n: at_depth(ModelConfig(layers=n), runs, dev, sizes) for n in layers}
+
+
+class _RunsOps(DispatchMode):
+    """Runs each op and nothing else: the per-op cost of any dispatch-level watcher."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _RunsCalls(TorchFunctionMode):
+    """Runs each torch call and nothing else (the tracer and the observer watch above the
+    dispatcher too: escapes, host reads, source lines)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _runners(backend: Any) -> list[Any]:
+    """The backends the audit's steps run as: every node of the tree, a wrapper that hands its
+    whole step to a child as that child (traced and observed once)."""
+    found: dict[str, Any] = {}
+    stack = [backend]
+    while stack:
+        node = stack.pop()
+        runner = runs_as(node, M.DECODE)
+        found.setdefault(repr(runner), runner)
+        stack += [child for _, child in node.children()]
+    return list(found.values())
+
+
+def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
+          measured: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Seconds of the steps the audit (at ``audit_sizes``, default 1, 2, max) and ``lower`` (at
+    batch size 2) run watched, each run once eagerly and once under :class:`_RunsOps` and
+    :class:`_RunsCalls`, per depth; times two (the trace and the observer each run every step),
+    over the 4-layer audit and lower ``measured``: the least 64 / 4 ratio those runs allow."""
+    out: dict[str, Any] = {}
+    for n in layers:
+        cfg = ModelConfig(layers=n)
+        sizes = tuple(audit_sizes) if audit_sizes is not None else default_batch_sizes(cfg)
+        eager = watched = lower_watched = 0.0
+        for runner in _runners(target()):
+            for size in sorted({*sizes, 2}):
+                step = example_step(cfg, M.DECODE, size)
+
+                def plain() -> float:
+                    start = time.perf_counter()
+                    run_step(runner, M.DECODE, cfg, step)  # noqa: B023 (called in the loop)
+                    return time.perf_counter() - start
+
+                def under_modes() -> float:
+                    with _RunsCalls(), _RunsOps():
+                        return plain()
+
+                plain(), under_modes()  # warm: the first call of a shape pays its allocations
+                seconds = _median(under_modes, runs)
+                if size in sizes:
+                    eager += _median(plain, runs)
+                    watched += seconds
+                if size == 2:
+                    lower_watched += seconds
+        out[n] = {"eager_steps_s": eager, "watched_steps_s": watched, "audit_floor_s": 2 * watched,
+                  "lower_floor_s": 2 * lower_watched}
+    deep, shallow = layers[-1], layers[0]
+    out[f"audit_{deep}_over_{shallow}_at_least"] = out[deep]["audit_floor_s"] / measured[shallow]["audit_s"]
+    out[f"lower_{deep}_over_{shallow}_at_least"] = out[deep]["lower_floor_s"] / measured[shallow]["lower_s"]
+    return out
 
 
 def capture(sizes: Sequence[int], runs: int, dev: CpuDevice) -> dict[str, Any]:
@@ -225,6 +301,7 @@ def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
                   for k in ("trace_s", "audit_s", "lower_s")}
         ratios[f"trace_recorded_over_make_fx_at_{layers[-1]}"] = deep["trace_s"] / deep["trace_make_fx_s"]
         out: dict[str, Any] = {"layers": by_depth, "ratios": ratios,
+                               "floor": floor(layers, runs, [2] if quick else None, by_depth),
                                "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
                                "memory": memory(*((2, 3) if quick else (64, 4))),
                                "audit_all_s": audit_all(1, quick),

@@ -23,6 +23,7 @@ from ._invariant import pad_rows as pad_rows
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
 from ._memory import span_of as span_of
+from ._protocol import runs_as as runs_as
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing as op_aliasing
 from ._state import buffer_ranges as buffer_ranges
@@ -35,5 +36,5 @@ __all__ = [
     "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span",
     "bind_arguments", "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers",
     "check_forward_mode", "check_mode", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows", "op_aliasing", "pad_rows",
-    "positive_int", "positive_seconds", "request_ranges", "span_of", "split_batch", "tokens_per_request",
+    "positive_int", "positive_seconds", "request_ranges", "runs_as", "span_of", "split_batch", "tokens_per_request",
 ]
