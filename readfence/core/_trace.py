@@ -746,6 +746,12 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
     is False) and the caller refuses it (``CapturedStateError``). Programs without captured
     tensors are returned as they are.
 
+    Computed once per traced program and place in memory (see :func:`state_key`): the audit and
+    every lowering of the step on one live state share the answer. It depends on where the live
+    tensors are, not on the values they hold (the stages that rerun on it are faithful: no
+    value of theirs reaches Python), and nothing downstream changes a bound program (every
+    lowering pass builds new graphs from it).
+
     >>> from readfence.backends import paged
     >>> prog = trace(paged(), ForwardMode.DECODE)
     >>> bind(prog, {"shared": {}, "pools": {}, "params": {}}) is prog
@@ -753,6 +759,28 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
     """
     if not program.captured():
         return program
+    key = (id(program), state_key(state))
+    hit = _BOUND.get(key)
+    if hit is not None:
+        return hit[1]
+    result = _bind(program, state)
+    if len(_BOUND) >= _BOUND_LIMIT:
+        _BOUND.pop(next(iter(_BOUND)))
+    _BOUND[key] = (program, result)  # the program kept: its id is not reused while the entry lives
+    return result
+
+
+def state_key(state: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[tuple[Any, ...], ...]:
+    """Where ``state``'s tensors are: per group and name, the data pointer, shape and dtype.
+
+    >>> state_key({"shared": {"seq_lens": torch.zeros(2, dtype=torch.int32)}})[0][3:]
+    ((2,), torch.int32)
+    """
+    return tuple((g, k, t.data_ptr(), tuple(t.shape), t.dtype) for g, d in state.items() for k, t in d.items())
+
+
+def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
+    """:func:`bind`, computed (``program`` has captured tensors)."""
     shared = BufferMap.of(state["shared"])
     owned = BufferMap.of(flatten_inputs(pools=state.get("pools", {}), params=state.get("params", {})))
     stages = []
@@ -931,6 +959,12 @@ def cache_with_traces(cache: dict[Any, Any]) -> dict[Any, Any]:
     """Register ``cache`` to be forgotten with the traces (``clear_trace_cache``)."""
     _DEPENDENT_CACHES.append(cache)
     return cache
+
+
+#: Bound programs (:func:`bind`), by the traced program's identity and the state's place in
+#: memory, the oldest forgotten first.
+_BOUND: dict[tuple[Any, ...], tuple[Program, Program]] = cache_with_traces({})
+_BOUND_LIMIT = 256
 
 
 def clear_trace_cache() -> None:

@@ -62,6 +62,7 @@ from readfence.core import (
     StageWriteError,
     Unsound,
     audit,
+    bind,
     cross_check,
     example_step,
     observe,
@@ -72,7 +73,7 @@ from readfence.core import (
 
 from .devices import Device
 from .lowering import Policy, make_state
-from .lowering.internal import audit_verdict, bound
+from .lowering.internal import audit_verdict
 from .verification import LateRead, verify
 
 State = Mapping[str, Mapping[str, Tensor]]
@@ -257,7 +258,7 @@ def observe_live(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, s
 def _live_disagreements(program: FuzzProgram, backend: Any, traced: Any, cfg: ModelConfig, state: State,
                         batch_size: int, steps: int, seed: int) -> tuple[Disagreement, ...]:
     try:
-        live_program = bound(traced, state)
+        live_program = bind(traced, state)
     except StageWriteError:  # a write through a kept reference: refused, nothing to cross-check
         return ()
     live = observe_live(backend, mode=program.mode, cfg=cfg, state=state, batch_size=batch_size, steps=steps,

@@ -9,12 +9,13 @@ import pytest
 from readfence.backends import paged, redeclare
 from readfence.backends.fuzz import VOCABULARY, FuzzLeaf, FuzzProgram, Placement, declared
 from readfence.core import ForwardMode, audit, bind, clear_trace_cache, trace
+from readfence.core import _trace as tracing
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, lower
 from readfence.graph.fuzz import FUZZ_CONFIG, check_program
 from readfence.graph.lowering import _verdict as verdicts
 from readfence.graph.lowering import make_state
-from readfence.graph.lowering.internal import audit_verdict, bound
+from readfence.graph.lowering.internal import audit_verdict
 
 M = ForwardMode
 
@@ -68,13 +69,39 @@ def test_a_cached_verdict_is_the_audits_and_depends_on_the_declaration(audits) -
     assert audits == ["paged", "paged", "paged"]
 
 
-def test_a_bound_program_is_bind_once_per_program_and_state() -> None:
-    state = make_state(FUZZ_CONFIG)
-    kept = FuzzLeaf("kept", (Placement(VOCABULARY["clone"], "attend", "seq_lens", via="closure"),),
+def _kept() -> FuzzLeaf:
+    # a leaf whose attend reads the live lengths through a closure: only binding finds the read
+    return FuzzLeaf("kept", (Placement(VOCABULARY["clone"], "attend", "seq_lens", via="closure"),),
                     declared(POST_REPLAY=["req_to_token", "seq_lens"]), meta_stage=None)
-    program = trace(FuzzProgram(kept).build(state), M.DECODE, cfg=FUZZ_CONFIG, batch_size=2)
-    once = bound(program, state)
-    assert once is not program and bound(program, state) is once
-    assert once.traced() == bind(program, state).traced()
-    assert once.traced()["seq_lens"] is ReadEnd.POST_REPLAY
-    assert bound(program, make_state(FUZZ_CONFIG)) is not once  # other memory
+
+
+def test_a_program_is_bound_once_per_program_and_place_in_memory() -> None:
+    state = make_state(FUZZ_CONFIG)
+    program = trace(FuzzProgram(_kept()).build(state), M.DECODE, cfg=FUZZ_CONFIG, batch_size=2)
+    once = bind(program, state)
+    assert once is not program and bind(program, state) is once
+    fresh = tracing._bind(program, state)  # computed again, uncached: the same reads
+    assert fresh is not once and once.traced() == fresh.traced()
+    assert once.traced()["seq_lens"] is ReadEnd.POST_REPLAY and program.traced()["seq_lens"] is ReadEnd.UNKNOWN
+    assert bind(program, make_state(FUZZ_CONFIG)) is not once  # other memory
+    clear_trace_cache()  # forgotten with the traces
+    assert bind(program, state) is not once
+
+
+def test_the_audit_and_lowering_on_one_state_bind_the_program_once(dev, monkeypatch) -> None:
+    binds: list[str] = []
+
+    def counted(program, state):
+        binds.append(program.backend)
+        return computed(program, state)
+
+    computed = tracing._bind
+    monkeypatch.setattr(tracing, "_bind", counted)
+    clear_trace_cache()
+    state = make_state(FUZZ_CONFIG)
+    backend = FuzzProgram(_kept()).build(state)
+    audit(backend, M.DECODE, cfg=FUZZ_CONFIG, batch_sizes=[2], state=state).unwrap()
+    assert binds == ["kept"]
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):
+        lower(backend, M.DECODE, batch_size=2, device=dev, policy=policy, cfg=FUZZ_CONFIG, state=state)
+    assert binds == ["kept"]  # lowering asked the audit's bound program, not a second run

@@ -37,6 +37,7 @@ from readfence.core import (
     ModelConfig,
     Program,
     Unsound,
+    bind,
     example_step,
     flatten_inputs,
     init_params,
@@ -56,7 +57,7 @@ from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
 from ._slot import Slot, SlotSpec, StepLauncher, build_slot, last_reads
-from ._verdict import audit_verdict, bound
+from ._verdict import audit_verdict
 
 if TYPE_CHECKING:
     from readfence.core import Unsound
@@ -326,7 +327,7 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     """The traced step bound to the live ``state``; refuses what no fence can make correct:
     captured trace-time state (stale whatever the policy) and, on a device whose graphs
     capture kernels rather than Python, an in-graph stage that escapes the tracer."""
-    program = bound(trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)), state)
+    program = bind(trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)), state)
     unusable = [c for c in program.captured() if not c.usable]
     if unusable:
         raise CapturedStateError(backend.name, mode, unusable)

@@ -1,13 +1,12 @@
 """What the analysis concludes about a step on a live state, asked once per place in memory.
 
 Lowering one step under several policies, and a checker that audits the step before lowering
-it, ask the same two questions of the same traced program and live state: the audit's verdict
-at the batch size lowered (``core.audit`` with ``state=``), and the program bound to that state
-(``core.bind``). Both depend on the backend's code and declaration, the step, and *where* the
-live tensors are (``bind`` matches captured tensors to the state by memory range), not on the
-values the tensors hold; so each is computed once per such key and shared. A cached answer is
-the very value a fresh call would give: nothing downstream mutates a bound program (every
-lowering pass builds new graphs from it), and an ``Unsound`` is immutable.
+it, ask the same question of the same traced program and live state: the audit's verdict at
+the batch size lowered (``core.audit`` with ``state=``). It depends on the backend's code and
+declaration, the step, and *where* the live tensors are (the program bound to the state,
+``core.bind``, itself computed once per program and place in memory), not on the values the
+tensors hold; so it is computed once per such key and shared. A cached answer is the very
+value a fresh call would give: an ``Unsound`` is immutable.
 """
 
 from __future__ import annotations
@@ -17,32 +16,18 @@ from typing import Any
 
 from torch import Tensor
 
-from readfence.core import BackendLike, ForwardMode, ModelConfig, Program, Unsound, bind
+from readfence.core import BackendLike, ForwardMode, ModelConfig, Unsound
 from readfence.core import audit as audit_backend
-from readfence.core.internal import cache_with_traces
+from readfence.core.internal import cache_with_traces, state_key
 
 State = Mapping[str, Mapping[str, Tensor]]
 
-#: How many answers each cache keeps (the oldest is forgotten first). Both caches are
-#: forgotten with the traces (``core.clear_trace_cache``).
+#: How many answers the cache keeps (the oldest is forgotten first); it is forgotten with the
+#: traces (``core.clear_trace_cache``).
 _LIMIT = 256
 
 #: The audit's verdicts (``None``: sound), by what they depend on.
 _VERDICTS: dict[tuple[object, ...], Unsound | None] = cache_with_traces({})
-
-#: Bound programs, by the traced program's identity and the state's place in memory. The
-#: value holds the traced program, so its id is not reused while the entry lives.
-_BOUND: dict[tuple[object, ...], tuple[Program, Program]] = cache_with_traces({})
-
-
-def state_key(state: State) -> tuple[tuple[Any, ...], ...]:
-    """Where ``state``'s tensors are: per group and name, the data pointer, shape and dtype.
-
-    >>> import torch
-    >>> state_key({"shared": {"seq_lens": torch.zeros(2, dtype=torch.int32)}})[0][3:]
-    ((2,), torch.int32)
-    """
-    return tuple((g, k, t.data_ptr(), tuple(t.shape), t.dtype) for g, d in state.items() for k, t in d.items())
 
 
 def _remember(cache: dict[tuple[object, ...], Any], key: tuple[object, ...], value: Any) -> None:
@@ -79,22 +64,4 @@ def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, 
     return verdict
 
 
-def bound(program: Program, state: State) -> Program:
-    """``core.bind(program, state)``, computed once per traced program and place in memory.
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import trace
-    >>> prog = trace(paged(), ForwardMode.DECODE)
-    >>> bound(prog, {"shared": {}, "pools": {}, "params": {}}) is prog
-    True
-    """
-    key = (id(program), state_key(state))
-    hit = _BOUND.get(key)
-    if hit is not None:
-        return hit[1]
-    result = bind(program, state)
-    _remember(_BOUND, key, (program, result))
-    return result
-
-
-__all__ = ["audit_verdict", "bound", "state_key"]
+__all__ = ["audit_verdict"]

@@ -8,4 +8,3 @@ from ._lower import device_of as device_of
 from ._plan import placing_effect as placing_effect
 from ._poison import poison_points as poison_points
 from ._verdict import audit_verdict as audit_verdict
-from ._verdict import bound as bound
