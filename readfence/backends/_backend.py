@@ -36,10 +36,7 @@ _CACHE_LIMIT = 4096
 
 
 def _put(cache: dict[Any, Any], key: Any, value: Any) -> Any:
-    if len(cache) >= _CACHE_LIMIT:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
+    return internal.remember(cache, key, value, _CACHE_LIMIT)
 
 
 @functools.lru_cache(maxsize=_CACHE_LIMIT)

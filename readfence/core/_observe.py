@@ -44,7 +44,7 @@ from ._segment import Segment, segment_signature
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
-from ._trace import cache_with_traces, code_key
+from ._trace import cache_with_traces, code_key, remember
 
 Kind = Literal["read", "write", "escape"]
 _T = TypeVar("_T")
@@ -593,19 +593,13 @@ def observe(
             step = example_step(cfg, mode, size, seed=seed + i)
             seen = (tuple(step.shared), tuple(observe_step(fns, step.groups(), step=0)))
             if step_key is not None:
-                _remember(_OBSERVED_STEPS, step_key, seen, 1024)
+                remember(_OBSERVED_STEPS, step_key, seen, 1024)
         buffers = seen[0]
         accesses += seen[1] if k == 0 else [attrs.evolve(a, step=k) for a in seen[1]]
     observation = Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
     if key is not None:
-        _remember(_OBSERVED, key, observation, 256)
+        remember(_OBSERVED, key, observation, 256)
     return observation
-
-
-def _remember(cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
-    if len(cache) >= limit:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
 
 
 #: Observations already made, by the backend's code and the steps observed (like traces: the

@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
@@ -763,11 +763,8 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
     hit = _BOUND.get(key)
     if hit is not None:
         return hit[1]
-    result = _bind(program, state)
-    if len(_BOUND) >= _BOUND_LIMIT:
-        _BOUND.pop(next(iter(_BOUND)))
-    _BOUND[key] = (program, result)  # the program kept: its id is not reused while the entry lives
-    return result
+    # the program kept beside its binding: its id is not reused while the entry lives
+    return remember(_BOUND, key, (program, _bind(program, state)), _BOUND_LIMIT)[1]
 
 
 def state_key(state: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[tuple[Any, ...], ...]:
@@ -959,6 +956,24 @@ def cache_with_traces(cache: dict[Any, Any]) -> dict[Any, Any]:
     """Register ``cache`` to be forgotten with the traces (``clear_trace_cache``)."""
     _DEPENDENT_CACHES.append(cache)
     return cache
+
+
+_V = TypeVar("_V")
+
+
+def remember(cache: dict[Any, Any], key: Any, value: _V, limit: int) -> _V:
+    """Put ``value`` in ``cache`` under ``key``, forgetting the oldest entry first when the
+    cache holds ``limit``; returns ``value``. The one rule of readfence's bounded caches: a
+    forgotten entry only costs computing it again.
+
+    >>> cache = {}
+    >>> [remember(cache, k, k * 10, 2) for k in (1, 2, 3)], cache
+    ([10, 20, 30], {2: 20, 3: 30})
+    """
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
 
 
 #: Bound programs (:func:`bind`), by the traced program's identity and the state's place in

@@ -31,11 +31,12 @@ from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
 from ._trace import cache_with_traces as cache_with_traces
+from ._trace import remember as remember
 from ._trace import state_key as state_key
 
 __all__ = [
     "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span",
     "bind_arguments", "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers",
     "check_forward_mode", "check_mode", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows", "op_aliasing", "pad_rows",
-    "positive_int", "positive_seconds", "request_ranges", "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
+    "positive_int", "positive_seconds", "remember", "request_ranges", "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
 ]

@@ -12,13 +12,12 @@ value a fresh call would give: an ``Unsound`` is immutable.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from torch import Tensor
 
 from readfence.core import BackendLike, ForwardMode, ModelConfig, Unsound
 from readfence.core import audit as audit_backend
-from readfence.core.internal import cache_with_traces, state_key
+from readfence.core.internal import cache_with_traces, remember, state_key
 
 State = Mapping[str, Mapping[str, Tensor]]
 
@@ -28,12 +27,6 @@ _LIMIT = 256
 
 #: The audit's verdicts (``None``: sound), by what they depend on.
 _VERDICTS: dict[tuple[object, ...], Unsound | None] = cache_with_traces({})
-
-
-def _remember(cache: dict[tuple[object, ...], Any], key: tuple[object, ...], value: Any) -> None:
-    if len(cache) >= _LIMIT:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
 
 
 def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, batch_size: int, device: str,
@@ -58,7 +51,7 @@ def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, 
     verdict = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=device,
                             state=state).swap().value_or(None)
     try:
-        _remember(_VERDICTS, key, verdict)
+        remember(_VERDICTS, key, verdict, _LIMIT)
     except TypeError:
         pass
     return verdict
