@@ -72,16 +72,18 @@ from ._trace import clear_trace_cache as clear_trace_cache
 from ._trace import trace as trace
 from ._trace import trace_cache_size as trace_cache_size
 from ._trace import trace_step as trace_step
+from ._validate import NotGraphSafe as NotGraphSafe
+from ._validate import validate_replay as validate_replay
 
 __all__ = [
     "BODY", "EAGER", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "STAGE_ENDS",
     "AuditReport", "BackendLike", "BufferAudit", "CapturedStateError", "Disagreement", "ForwardMode",
-    "Interpreter", "LayerScan", "ModelConfig", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
+    "Interpreter", "LayerScan", "ModelConfig", "NotGraphSafe", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
     "StageGraph", "StageOutputError", "StageThreadError", "StageWriteError", "StepFunctions", "StepInputs",
     "TensorParallel", "Unsound", "Watched",
     "all_reduce", "audit", "audit_report", "bind", "check_stage_output", "clear_trace_cache", "cross_check",
     "cross_into_graph", "default_batch_sizes", "eval_step", "example_step", "flatten_group", "flatten_inputs",
     "forward", "init_params", "make_pools", "make_shared_state", "observe", "observe_program", "observe_step",
     "prepare", "rms_norm", "rotary", "run_program", "run_scan", "run_step", "split_batch", "stage_named", "step_functions",
-    "tokens_per_request", "trace", "trace_cache_size", "trace_step",
+    "tokens_per_request", "trace", "trace_cache_size", "trace_step", "validate_replay",
 ]

@@ -45,6 +45,7 @@ from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
 from ._trace import cache_with_traces, code_key, remember
+from ._triton import is_launch_op
 
 Kind = Literal["read", "write", "escape"]
 _T = TypeVar("_T")
@@ -286,7 +287,7 @@ class ReadObserver(DispatchMode):
             with self._pushed(host=False), torch._C.DisableTorchFunction():
                 return func.decompose(*args, **kwargs)
         claimed = self._quietly(self._record_op, func, args, kwargs) if self.buffers else None
-        if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES:
+        if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES and not is_launch_op(func):
             out = self._run_kernel_observed(func, args, kwargs)
         elif isinstance(func, torch._ops.HigherOrderOperator):
             out = self._run_higher_order_observed(func, args, kwargs)
@@ -650,7 +651,7 @@ def observe_program(program: Program, env: dict[str, torch.Tensor],
     out: dict[str, dict[str, frozenset[str]]] = {}
 
     def run(s: StageGraph, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if s.faithful:  # node by node, each node labelled
+        if not s.runs_python:  # node by node, each node labelled
             return s.run(env, call=_NodeLabels(s.gm, observer, s.name).run)
         first = next(n.name for n in s.gm.graph.nodes)
         with observer.stage(f"{s.name}:{first}"), watch_threads(program.backend, s.name, "the read observer"):

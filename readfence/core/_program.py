@@ -243,11 +243,28 @@ class StageGraph:
                 last = name
         return last
 
+    @property
+    def runs_python(self) -> bool:
+        """Whether a step runs this stage's Python function rather than its graph: an
+        out-of-graph stage always does, as engines run their out-of-graph hooks every step
+        (its host reads and side effects happen each step); an in-graph stage only when it
+        escapes the tracer (on the CPU device; CUDA refuses to capture it).
+
+        >>> from torch import fx
+        >>> from readfence.core import PREPARE_OUT_GRAPH
+        >>> StageGraph(PREPARE_OUT_GRAPH.name, fx.symbolic_trace(torch.nn.Identity()), (), (), {},
+        ...            frozenset(), {}, faithful=True, eager=lambda env: {}).runs_python
+        True
+        """
+        return self.eager is not None and (not self.faithful or not self.stage.in_graph)
+
     def run(self, env: Mapping[str, torch.Tensor], *,
             call: Callable[..., Iterable[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-        """Execute the stage on ``env`` (name -> tensor); outputs by name. ``call(*tensors)``,
-        when given, runs the graph instead of the module (an ``fx.Interpreter``'s ``run``)."""
-        if not self.faithful and self.eager is not None:
+        """Execute the stage on ``env`` (name -> tensor); outputs by name: its Python function
+        when it :attr:`runs_python`, else its graph (``call(*tensors)``, when given, runs the
+        graph instead of the module: an ``fx.Interpreter``'s ``run``)."""
+        if self.runs_python:
+            assert self.eager is not None
             return self.eager(env)
         missing = [n for n in self.inputs if n not in env]
         if missing:
@@ -257,7 +274,8 @@ class StageGraph:
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Positional call in ``inputs`` order, returning outputs in ``outputs`` order."""
-        if not self.faithful and self.eager is not None:
+        if self.runs_python:
+            assert self.eager is not None
             out = self.eager(dict(zip(self.inputs, tensors, strict=True)))
             return tuple(out[n] for n in self.outputs)
         return tuple(self.gm(*tensors))

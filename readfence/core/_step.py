@@ -168,15 +168,17 @@ class StageOutputError(ValueError):
 
 
 def _like(leaf: object, value: object) -> bool:
-    # the same object, or, the stage having run again, one like it: an equal Python value, or
-    # a value of the same unusual type (a set, a tensor subclass)
+    # the same object, or, the stage having run again, one like it: an equal Python value, a
+    # tensor of the same shape and dtype, or a value of the same unusual type (a set, a subclass)
     if leaf is value:
         return True
     if type(leaf) is not type(value):
         return False
     if isinstance(value, PYTHON_VALUES):
         return bool(leaf == value)
-    return type(value) is not Tensor
+    if type(value) is Tensor:
+        return bool(leaf.shape == value.shape and leaf.dtype == value.dtype)  # type: ignore[attr-defined]
+    return True
 
 
 def _holds(tree: object, value: object) -> bool:

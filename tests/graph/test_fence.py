@@ -355,8 +355,7 @@ class _Waits(DeviceObserver):
 def test_one_wait_on_the_latest_event_covers_a_lowered_fence_and_each_event_of_a_built_one():
     seen = _Waits()
     with CpuDevice(timeout=T, observers=[seen]) as dev:
-        low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
-                    policy=Policy.EXACT)
+        low = lower(hybrid_linear(paged(), linear()), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
         run = low.run(_batch(low), step=0)
         distinct = run.fence.distinct
         assert len(distinct) >= 3

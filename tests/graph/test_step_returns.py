@@ -136,17 +136,32 @@ def test_metadata_whose_shape_follows_the_data_is_refused_by_lower_naming_stage_
         with CpuDevice(timeout=20.0) as dev, pytest.raises(StageOutputError) as e:
             lower(backend, M, batch_size=2, device=dev, policy=policy, cfg=CFG)
         text = str(e.value)
-        assert "stage prepare_out_graph" in text and "'meta.long'" in text and "pad it" in text, text
+        assert "stage prepare_out_graph" in text and "['long']" in text and "pad it" in text, text
+        assert f"{__file__}:" in text and "in out" in text, text
 
 
-def test_a_lowered_step_that_computes_something_else_is_named_so_by_verify() -> None:
+def test_python_state_a_capture_bakes_is_refused_by_verify_as_not_graph_safe() -> None:
     calls = itertools.count()
 
-    def inn(meta):  # Python state the traced graph bakes in: every step of it uses the trace's value
+    def inn(meta):  # Python state the traced graph bakes in: every replay would use the trace's value
         return {"kv_lens": (meta["kv_lens"] - next(calls) % 2).clamp(min=1)}
 
     backend = _backend("counter", _page, inn, lambda meta: (meta["kv_indices"], meta["kv_lens"]))
     with CpuDevice(timeout=20.0) as dev:
         finding = verify(backend, M, steps=4, batch_size=2, cfg=CFG, device=dev, policy=Policy.COARSE).failure()
-    assert (finding.kind, finding.evidence) == ("differs", "output")
+    assert (finding.kind, finding.evidence, finding.stage, finding.op) == (
+        "refused", "replay", "prepare_in_graph", "meta_in.kv_lens"), finding
+    assert "not graph-safe" in finding.detail and "CUDA graph" in finding.detail
+
+
+def test_a_lowered_step_that_computes_something_else_is_named_so_by_verify() -> None:
+    def inn(meta):  # a value read by printing (unseen), equal on every example state, not in the run:
+        lens = meta["kv_lens"]  # the examples' requests are all 4 tokens long or more, the loop's start shorter
+        fresh = int(str(lens.min())[7:-1]) < 4
+        return {"kv_lens": (lens - int(fresh)).clamp(min=1)}
+
+    backend = _backend("late_counter", _page, inn, lambda meta: (meta["kv_indices"], meta["kv_lens"]))
+    with CpuDevice(timeout=20.0) as dev:
+        finding = verify(backend, M, steps=4, batch_size=2, cfg=CFG, device=dev, policy=Policy.COARSE).failure()
+    assert (finding.kind, finding.evidence) == ("differs", "output"), finding
     assert "lowered step differs from the serial step" in finding.detail and "not a race" in finding.detail

@@ -5,13 +5,17 @@
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
    makes correct (trace-time state, a stage a CUDA graph cannot capture) and, unless the
    policy is COARSE, an unsound declaration;
-2. plan the fences (``plan_fences``: where each buffer's release is published);
+2. validate the capture against the code (``core.validate_replay``): a replayed stage must
+   compute what its Python computes on fresh states, whatever the policy;
 3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
-4. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
+4. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
+   the bound trace joined with the rehearsal's observed reads);
+5. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
 
-* the out-of-graph stage, launched eagerly before every replay (PRE_REPLAY reads);
+* the out-of-graph stage, its Python run before every replay as engines run it (PRE_REPLAY
+  reads; its host reads and side effects happen every step);
 * one captured graph per event-ring slot holding ``prepare_in_graph`` and the model body,
   with event records inside it (IN_REPLAY, and EXACT records after the last-reading node);
 * a post-forward launch that copies the logits out (the COARSE fence follows it).
@@ -43,6 +47,8 @@ from readfence.core import (
     init_params,
     make_pools,
     make_shared_state,
+    step_functions,
+    validate_replay,
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import check_backend, check_buffers, check_forward_mode, positive_int
@@ -56,7 +62,7 @@ from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
-from ._slot import Slot, SlotSpec, StepLauncher, build_slot, last_reads
+from ._slot import Slot, SlotSpec, StepLauncher, build_slot, last_reads, seen_effect
 from ._verdict import audit_verdict
 
 if TYPE_CHECKING:
@@ -274,6 +280,7 @@ def lower(
     # the passes: trace and bind to the live state; refuse what no fence makes correct; plan
     # the fences; rehearse; then per ring slot insert records, compile and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
+    _validated(program, backend, mode, cfg, batch_size, state)
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
@@ -291,10 +298,12 @@ def lower(
         )
         error.failure = failure
         raise error
-    plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
-                       last_reads=last_reads(program), observed=traced, graphed=graphed)
+    # EXACT places from the bound trace joined with every read the rehearsal saw, never below one
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
                          label=label)
+    plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
+                       last_reads=last_reads(program, rehearsal.observed),
+                       observed=traced | seen_effect(program, rehearsal.observed), graphed=graphed)
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check)
     spec = SlotSpec(label, program, plan, device, rehearsal.observed, graphed, measure,
                     device.event if new_event is None else new_event, check, timeline)
@@ -320,6 +329,23 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     labels = {name: f"{label}/{name}" for name in (*(s.name for s in STAGES), "load_batch", "outputs")}
     watcher = None if check is None else check.watcher
     return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher), batch
+
+
+def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
+               state: Mapping[str, dict[str, Tensor]]) -> None:
+    """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
+    example states (``core.validate_replay``), whatever the policy: a graph that bakes a value
+    of the traced step is wrong with any fence. The Python may write live memory it keeps a
+    reference to (a pool it closes over): the state holds its values again afterwards."""
+    where = device_of(state["shared"])
+    saved = ([(t, t.clone()) for group in state.values() for t in group.values()]
+             if program.captured() else [])
+    try:
+        validate_replay(program, step_functions(backend, mode, cfg),
+                        lambda seed: example_step(cfg, mode, batch_size, seed=seed, device=where).groups())
+    finally:
+        for t, old in saved:
+            t.copy_(old)
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,

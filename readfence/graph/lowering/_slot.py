@@ -17,7 +17,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
-from readfence.effects import ReadEnd
+from readfence.effects import ReadEffect, ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
@@ -154,32 +154,59 @@ class StepLauncher:
         self.launch_stage(slot, stages[-1], step, lambda out: logits.copy_(out[BODY.outputs]))
 
 
-def last_reads(program: Program) -> dict[str, LastRead]:
-    """Per shared buffer read by ``program``, the node after which its last read is done.
+def last_reads(program: Program, observed: Mapping[str, Mapping[str, frozenset[str]]] | None = None,
+               ) -> dict[str, LastRead]:
+    """Per shared buffer read by ``program``, the node after which its last read is done: the
+    latest of the trace's last reader and every node ``observed`` (per stage, per node, the
+    buffers a run was seen to read: the rehearsal's) saw reading it.
 
     Only nodes an event can follow: a stage that runs its Python function instead of its
-    graph (unfaithful) has no nodes to follow, and a read by a stage's output node ends with
-    the stage; those buffers get the stage-level point. EXACT places its events from these
+    graph has no nodes to follow, and a read by a stage's output node ends with the stage;
+    those buffers get the stage-level point. EXACT places its events from these
     (``plan_fences(last_reads=...)``).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
-    >>> last = last_reads(trace(paged(), ForwardMode.DECODE))["req_to_token"]
+    >>> program = trace(paged(), ForwardMode.DECODE)
+    >>> last = last_reads(program)["req_to_token"]
     >>> last.stage, last.node
     ('prepare_in_graph', 'index_select')
+    >>> last_reads(program, {"body": {"mul": frozenset({"req_to_token"})}})["req_to_token"].stage
+    'body'
     """
+    order = {s.name: i for i, s in enumerate(program.stages)}
+    names = {s.name: {n.name: i for i, n in enumerate(s.gm.graph.nodes)} for s in program.stages}
     out = {}
     for b in program.buffers:
-        last = program.last_reader(b)
-        if last is None:
+        readers = [r for r in [program.last_reader(b)] if r is not None]
+        readers += [(stage, node) for stage, nodes in (observed or {}).items() for node, bufs in nodes.items()
+                    if b in bufs and stage in order]
+        if not readers:
             continue
-        stage, node = last
-        graph = program.stage(stage)
-        names = [n.name for n in graph.gm.graph.nodes]
-        if not graph.faithful or node == names[-1]:
+        # a node the graph does not hold (seen in a stage's Python) counts as the stage's end
+        stage, node = max(readers, key=lambda r: (order[r[0]], names[r[0]].get(r[1], len(names[r[0]]))))
+        graph, index = program.stage(stage), names[stage].get(node)
+        if graph.runs_python or index is None or index == len(names[stage]) - 1:
             continue
-        out[b] = LastRead(stage, node, names.index(node))
+        out[b] = LastRead(stage, node, index)
     return out
+
+
+def seen_effect(program: Program, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> ReadEffect:
+    """The effect of the reads ``observed`` (per stage, per node, buffers): each buffer until
+    the end of the last stage a run saw reading it.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> seen_effect(trace(paged(), ForwardMode.DECODE), {"body": {"mul": frozenset({"seq_lens"})}})
+    ReadEffect({'seq_lens': POST_REPLAY}, default=NONE)
+    """
+    ends: dict[str, ReadEnd] = {}
+    for s in program.stages:
+        for bufs in observed.get(s.name, {}).values():
+            for b in bufs:
+                ends[b] = ends.get(b, ReadEnd.NONE) | s.end
+    return ReadEffect.of(ends)
 
 
 def _node_reads(stage: StageGraph, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> dict[str, frozenset[str]]:
@@ -193,7 +220,7 @@ def compile_stage(stage: StageGraph, after: Mapping[str, list[Event]], actions: 
     """``stage`` with ``after[node]`` records and ``actions[node]`` inserted after its nodes,
     compiled; a stage that runs its Python (unfaithful) runs as it is, with no node-level records."""
     reads = _node_reads(stage, observed)
-    if not stage.faithful:
+    if stage.runs_python:
         return LaunchedStage(stage, tuple(stage_ops(stage.gm, reads, stage.name)))
     gm = insert_records(stage.gm, after, device, actions) if after or actions else stage.gm
     return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, stage.name))
@@ -222,7 +249,7 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
     label, program, plan, dev = spec.label, spec.program, spec.plan, spec.device
     events = {p: spec.new_event(f"{label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
               for p in plan.points()}
-    reads = last_reads(program)
+    reads = last_reads(program, spec.observed)
     probes = {}
     if spec.measure:
         # Probes are in-launch records: skip those a captured graph could not record
@@ -288,4 +315,4 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner) -> 
 
 
 __all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
-           "last_reads"]
+           "last_reads", "seen_effect"]

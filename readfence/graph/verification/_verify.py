@@ -39,7 +39,15 @@ import attrs
 from returns.result import Result, Success
 from torch import Tensor
 
-from readfence.core import CapturedStateError, ForwardMode, ModelConfig, ReadObserver, StageThreadError, StageWriteError
+from readfence.core import (
+    CapturedStateError,
+    ForwardMode,
+    ModelConfig,
+    NotGraphSafe,
+    ReadObserver,
+    StageThreadError,
+    StageWriteError,
+)
 from readfence.core.internal import BufferMap, positive_int
 from readfence.effects import Failure  # unwrap() says why
 
@@ -65,8 +73,11 @@ class LateRead:
 
     ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"``,
     ``"thread"`` (a stage hands work to another thread: ``op`` names it) or ``"refused"``
-    (captured trace-time state, a stage no graph can capture); ``evidence``: ``"observer"``,
-    ``"poison"``, ``"guard"``, ``"output"``, ``"audit"`` or ``"run"`` (found while the step ran).
+    (captured trace-time state, a stage no graph can capture, a captured stage that computes
+    other than its Python); ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``,
+    ``"output"``, ``"audit"``, ``"replay"`` (the capture replayed on fresh states differs from
+    the stage's Python: ``stage`` and ``op``, the output, name it) or ``"run"`` (found while the
+    step ran).
     """
 
     target: str
@@ -377,6 +388,8 @@ def verify(
             return Failure(LateRead(name, mode, pol, "thread", evidence, None, None, t.stage, t.what, str(t)))
         except (CapturedStateError, UncapturableStage) as e:  # no fence makes these correct
             return Failure(LateRead(name, mode, pol, "refused", "audit", detail=str(e)))
+        except NotGraphSafe as e:  # the capture computes other than the code: not a fence question
+            return Failure(LateRead(name, mode, pol, "refused", "replay", stage=e.stage, op=e.output, detail=str(e)))
         seconds = time.perf_counter() - t0
         moved = check.moved_buffers()
         if moved:

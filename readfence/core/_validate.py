@@ -1,0 +1,258 @@
+"""Translation validation of a capture: the replayed graph must compute what its Python computes.
+
+A lowered step replays the traced graph of each in-graph stage (on CUDA a CUDA graph, on the CPU
+device its model of one); an engine runs the same stage's Python. The trace holds the one path
+its example took, with every Python value computed on the way baked in as a constant: a host
+read the tracer did not notice (``str(t)``, which prints with the dispatcher's modes off; a
+``tolist()`` inside TorchScript; a count taken from a data-dependent shape), a value an earlier
+stage kept on ``self``. Rather than trust that no such value was missed, :func:`validate_replay`
+checks the graph against the code, as a compiler's translation validation does: it runs the
+step's Python on fresh example states whose values differ from the traced one (other lengths,
+other page tables, the same shapes) and replays each captured stage on copies of the very
+inputs the Python stage received, then compares every output and every byte of memory the
+stage could write. A difference is :class:`NotGraphSafe`, naming the stage, the first output
+that differs and, where a trace on the differing state shows it, the line that computed the
+baked value.
+
+What it can miss: a value that happens to be equal on every state it tries (a maximum that is
+always the context length), and code that reads the host's clock or other state outside the
+step. The runtime checks (poison, the comparison with the serial run) remain the ground truth.
+
+>>> import torch
+>>> from readfence.core import ForwardMode, StepFunctions, trace_step
+>>> def body(shared, batch, meta):          # the longest length, read by printing it
+...     return shared["seq_lens"] * float(str(shared["seq_lens"].max())[7:-1])
+>>> fns = StepFunctions(lambda shared, batch: {}, lambda shared, batch, meta: {}, body, "printed")
+>>> example = lambda seed: {"shared": {"seq_lens": torch.arange(4) + seed}, "batch": {}}
+>>> program = trace_step(fns, ForwardMode.DECODE, example(0))
+>>> program.unfaithful()                     # the tracer noticed nothing
+[]
+>>> validate_replay(program, fns, example, seeds=(1,))  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+readfence.core._validate.NotGraphSafe: backend 'printed' in DECODE: stage body is not graph-safe: ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+
+from ._program import SOURCE_KEY, Program, StageGraph
+from ._step import StageCall, StepFunctions, eval_step
+from ._trace import cache_with_traces, remember, trace_step
+
+#: The seeds of the fresh example states a capture is validated on (the trace's example is
+#: seed 0, so that every value computed from the step's data differs from the traced one).
+REPLAY_SEEDS: tuple[int, ...] = (1, 2)
+
+
+class NotGraphSafe(ValueError):
+    """A captured stage computes something other than its Python on another step's data.
+
+    The graph replayed in its place bakes a value its Python computes from the step (a host
+    read the tracer did not see, a Python value kept between stages, a data-dependent shape);
+    on a GPU a CUDA graph freezes it just the same, so this is a bug of the engine's backend
+    there too. ``stage``, ``output`` (the first output that differs, or the argument the
+    replay left different) and ``line`` (``"?"`` when unknown) say where.
+    """
+
+    def __init__(self, backend: str, mode: str, stage: str, output: str, what: str, line: str) -> None:
+        self.backend, self.mode, self.stage, self.output, self.line = backend, mode, stage, output, line
+        where = f" (the graph bakes what {line} computed on the traced step)" if line != "?" else ""
+        super().__init__(
+            f"backend {backend!r} in {mode}: stage {stage} is not graph-safe: replayed on another step's state, "
+            f"its graph gives {output} = {what}{where}. A captured graph "
+            f"replays the traced step's Python values and kernels, not the code (a CUDA graph freezes them too: on a "
+            f"GPU this stage computes the wrong thing); compute the value with tensor ops or move it to "
+            f"prepare_out_graph, which runs as Python every step, and keep no state between calls")
+
+
+def same_values(a: Tensor, b: Tensor) -> bool:
+    """Bit for bit the same tensor: shape, dtype and every element (NaN equal to NaN).
+
+    >>> same_values(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, float("nan")]))
+    True
+    >>> same_values(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]))
+    False
+    """
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape {tuple(got.shape)} ({got.dtype}) where its Python gives {tuple(want.shape)} ({want.dtype})"
+    differs = (got != want) & ~(got.isnan() & want.isnan()) if got.is_floating_point() else got != want
+    index = tuple(int(i) for i in differs.nonzero()[0]) if differs.any() else ()
+    return f"{got[index].item()!r} where its Python gives {want[index].item()!r} (element {list(index)})"
+
+
+def _storage_key(t: Tensor) -> tuple[int, int] | None:
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return None
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.nbytes())
+
+
+def _bytes(storage: torch.UntypedStorage) -> Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _Copies:
+    """Copies of a stage's tensor arguments that alias each other as the originals do: one copy
+    per storage, each argument rebuilt over it with its offset, shape and strides."""
+
+    def __init__(self, names: Sequence[str], leaves: Sequence[object]) -> None:
+        self.storages: dict[tuple[int, int], tuple[torch.UntypedStorage, torch.UntypedStorage, str]] = {}
+        self.env: dict[str, Tensor] = {}
+        for name, leaf in zip(names, leaves):
+            if not isinstance(leaf, Tensor):
+                continue
+            key = _storage_key(leaf)
+            if key is None:  # no storage to share (sparse): a plain copy
+                self.env[name] = leaf.clone()
+                continue
+            if key not in self.storages:
+                st = leaf.untyped_storage()
+                self.storages[key] = (st, st.clone(), name)
+            copy = self.storages[key][1]
+            self.env[name] = torch.empty(0, dtype=leaf.dtype, device=leaf.device).set_(
+                copy, leaf.storage_offset(), leaf.shape, leaf.stride())
+
+    def changed(self) -> str | None:
+        """The first argument whose memory the replay left other than the Python run did."""
+        for original, copy, name in self.storages.values():
+            if not torch.equal(_bytes(original), _bytes(copy)):
+                return name
+        return None
+
+
+@contextlib.contextmanager
+def _same_randomness() -> Iterator[Callable[[], None]]:
+    # both runs draw the same random numbers: a stage that samples is not a baked value
+    state = torch.random.get_rng_state()
+    yield lambda: torch.random.set_rng_state(state)
+
+
+class _Comparing:
+    """The interpreter that runs each stage's Python, as the engine does, and replays each
+    captured stage's graph on copies of the same arguments, comparing the two."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.mismatch: tuple[StageGraph, str, str] | None = None  # (stage, output, what)
+
+    def call(self, call: StageCall) -> Any:
+        graph = self.program.stage(call.stage.name)
+        if graph.runs_python or self.mismatch is not None:
+            out = call()
+            if graph.runs_python and graph.guard is not None:  # what the lowered step checks of it
+                graph.guard.check(out, call.fn, call.kwargs)
+            return out
+        names, leaves, _ = call.named_leaves()
+        copies = _Copies(names, leaves)
+        with _same_randomness() as rewind:
+            out = call()
+            rewind()
+            replayed = graph.run(copies.env)
+        want = {n: v for n, v in call.output_names(out) if isinstance(v, Tensor)}
+        for name in graph.outputs:
+            got, expected = replayed[name], want.get(name)
+            if expected is None or not same_values(got, expected):
+                what = "an output" if expected is None else _first_difference(name, got, expected)
+                self.mismatch = (graph, name, what)
+                return out
+        changed = copies.changed()
+        if changed is not None:
+            self.mismatch = (graph, changed, "other bytes than its Python writes there")
+        return out
+
+
+def _node_key(node: fx.Node, index: Mapping[fx.Node, int]) -> tuple[Any, ...]:
+    def arg(v: Any) -> Any:
+        if isinstance(v, fx.Node):
+            return ("node", index.get(v))
+        if isinstance(v, (list, tuple)):
+            return tuple(arg(x) for x in v)
+        if isinstance(v, dict):
+            return tuple((k, arg(x)) for k, x in v.items())
+        if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):
+            return v
+        return type(v).__name__
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, Tensor) else None
+    target = node.target if node.op != "get_attr" else None
+    return (node.op, str(target), arg(node.args), arg(node.kwargs), shape)
+
+
+def baked_at(traced: fx.GraphModule, again: fx.GraphModule) -> fx.Node | None:
+    """The first node of ``again`` that differs from its place in ``traced`` (op, Python
+    arguments or output shape), two traces of one stage on two states: where a value computed
+    from the data was baked. ``None`` when the two graphs are alike.
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> f = lambda x: x * float(str(x.sum())[7:-1])
+    >>> baked_at(make_fx(f)(torch.ones(2)), make_fx(f)(torch.zeros(2))).args[1]
+    0.0
+    """
+    a, b = list(traced.graph.nodes), list(again.graph.nodes)
+    ia, ib = {n: i for i, n in enumerate(a)}, {n: i for i, n in enumerate(b)}
+    return next((nb for na, nb in zip(a, b) if _node_key(na, ia) != _node_key(nb, ib)), None)
+
+
+def _locate(program: Program, fns: StepFunctions, example: Mapping[str, Any], stage: str) -> str:
+    # the stage traced once more on the state where it differs: the first node that changed
+    try:
+        again = trace_step(fns, program.mode, example, device=program.device)
+        node = baked_at(program.stage(stage).gm, again.stage(stage).gm)
+        return "?" if node is None else str(node.meta.get(SOURCE_KEY, "?"))
+    except Exception:  # only looking for a line: the refusal stands without one
+        return "?"
+
+
+def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], *,
+                    seeds: Iterable[int] = REPLAY_SEEDS) -> None:
+    """Check that every stage ``program`` replays as a graph computes what ``fns`` computes:
+    for each seed, run the step's Python on ``example(seed)`` (fresh input groups: ``shared``,
+    ``batch``, ...) and replay the captured stages on copies of the same arguments; raise
+    :class:`NotGraphSafe` at the first difference (see the module docstring). ``program`` is
+    the program a lowering replays (bound to the live state it runs on).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ModelConfig, ForwardMode, example_step, step_functions, trace
+    >>> cfg = ModelConfig()
+    >>> validate_replay(trace(paged(), ForwardMode.DECODE, cfg=cfg), step_functions(paged(), ForwardMode.DECODE, cfg),
+    ...                 lambda seed: example_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
+    """
+    seeds = tuple(seeds)
+    if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds) in _VALIDATED:
+        return
+    for seed in seeds:
+        comparing = _Comparing(program)
+        with torch.no_grad():
+            eval_step(comparing, fns, example(seed))
+        if comparing.mismatch is not None:
+            stage, output, what = comparing.mismatch
+            line = _locate(program, fns, example(seed), stage.name)
+            raise NotGraphSafe(program.backend, program.mode.name, stage.name, output, what, line)
+    remember(_VALIDATED, (program, seeds), True, _VALIDATED_LIMIT)
+
+
+#: Programs validated, with the seeds (the program is kept with its key: its id is not reused).
+_VALIDATED: dict[tuple[Program, tuple[int, ...]], bool] = cache_with_traces({})
+_VALIDATED_LIMIT = 256
+
+
+__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "same_values", "validate_replay"]
