@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._triton import see_launches
+
 _EVAL_FRAME: Any = torch._C._dynamo.eval_frame
 _set_eval_frame: Callable[[Any], Any] = _EVAL_FRAME.set_eval_frame
 _AVAILABLE = all(hasattr(_EVAL_FRAME, name) for name in ("set_code_exec_strategy", "_FrameExecStrategy", "_FrameAction"))
@@ -62,6 +64,10 @@ class DispatchMode(TorchDispatchMode):
     >>> count.ops
     2
     """
+
+    def __enter__(self) -> Any:
+        see_launches()  # a triton launch made while readfence watches is an op (``_triton``)
+        return super().__enter__()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

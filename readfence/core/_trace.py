@@ -61,6 +61,7 @@ from ._step import (
     foreign_subclass,
 )
 from ._threads import watch_threads
+from ._triton import is_launch_op, launch_of, launch_write_reason
 
 if TYPE_CHECKING:
     from ._state import ModelConfig
@@ -89,7 +90,9 @@ class StageWriteError(Exception):
         return StageWriteError(path, self.stage, self.buffer, self.node, self.op, self.why, self.source)
 
 
-def _write_reason(w: Write) -> str:
+def _write_reason(w: Write, node: fx.Node | None = None) -> str:
+    if node is not None and is_launch_op(node.target):
+        return launch_write_reason(launch_of(node.args))
     args = ", ".join(w.arguments)
     why = f"its schema `{w.schema}` marks argument(s) {args} as written"
     if not w.op.startswith(("aten.", "prims.")):
@@ -143,15 +146,23 @@ def _is_value_escape(node: fx.Node) -> bool:
     return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(HOST_READ))
 
 
-_SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__file__))
+_SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__file__),
+         os.path.abspath(os.path.join(os.path.dirname(__file__), "_triton.py")))
+
+
+def _skipped() -> tuple[str, ...]:
+    triton = sys.modules.get("triton")
+    where = getattr(triton, "__file__", None)
+    return _SKIP if where is None else (*_SKIP, os.path.dirname(os.path.abspath(where)))
 
 
 def _user_line() -> str:
-    """``file:line in function`` of the innermost caller outside torch and the tracer."""
+    """``file:line in function`` of the innermost caller outside torch, triton and the tracer."""
+    skip = _skipped()
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_SKIP):
+        if not name.startswith(skip):
             return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
@@ -485,8 +496,10 @@ def _handed_over(before: Iterable[StageGraph], inputs: Iterable[str], placeholde
 def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis,
                   changed: Iterable[tuple[fx.Node, str]]) -> None:
     sources = {n.name: str(n.meta.get(SOURCE_KEY, "?")) for n in gm.graph.nodes}
+    nodes = {n.name: n for n in gm.graph.nodes}
     for w in result.writes:
-        raise StageWriteError(backend, stage, sorted(w.buffers)[0], w.node, w.op, _write_reason(w), sources[w.node])
+        raise StageWriteError(backend, stage, sorted(w.buffers)[0], w.node, w.op, _write_reason(w, nodes.get(w.node)),
+                              sources[w.node])
     for node, buf in changed:
         raise StageWriteError(backend, stage, buf, node.name, str(node.target),
                               "the buffer's bytes changed when the node ran, though its schema "

@@ -29,6 +29,7 @@ and ``cfg=engine.cfg``), or ``engine.bind(other)`` to build it again over anothe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -81,6 +82,8 @@ class Binding:
     profile: EngineProfile
     modes: Modes
     name: str | None = None  # the root's label when adapt was given one
+    # the engine's own forward-batch fields readfence's step does not set, and their defaults
+    fields: Mapping[str, Callable[[], Any]] = attrs.Factory(dict)
     # the per-step metadata lifted from each (node, stage, mode, batch size)
     records: dict[tuple[Path, str, ForwardMode, int], list[Record]] = attrs.Factory(dict)
     # what resolve_prefill_shared_read_ends returned while building the snapshot, per (node, batch size)
@@ -95,6 +98,22 @@ class Binding:
 
     def object_at(self, path: Path) -> Any:
         return follow(self.root, path)
+
+    def forward_batch(self, mode: ForwardMode, shared: Tensors, batch: Tensors, pools: Mapping[str, Tensor],
+                      lens: Tensor | None, *, spec: bool = True) -> ForwardBatch:
+        """A forward batch of one call, completed by the profile (``bind_batch``) as the engine
+        completes its own (SGLang binds its KV write plan)."""
+        fb = ForwardBatch(self.cfg, mode, shared, batch, pools, self.layout, self.modes.engine(mode), lens,
+                          self.profile.spec_for(mode) if spec else None, self.fields)
+        hook = self.profile.bind_batch
+        if hook is not None:
+            with self.profile.context(self.runner):
+                try:
+                    hook(fb, self.runner)
+                except Exception as e:
+                    raise EngineError(f"the profile's bind_batch hook raised {type(e).__name__} in {mode.name}: "
+                                      f"{e}") from e
+        return fb
 
     def layer(self, layer_id: int) -> Any:
         if layer_id not in self.layers:
@@ -210,6 +229,7 @@ def adapt(
     check_state(cfg, state, f"adapt({fname})")
     runner = ModelRunnerView(cfg, state, layout, server_args)
     with profile.context(runner):
+        fields = _engine_values(profile, runner)
         try:
             root = factory(runner)
         except Exception as e:
@@ -222,10 +242,27 @@ def adapt(
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         _check_tree(root, label)
         modes = profile.modes_for(root)
-        binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, profile, modes, name)
+        binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, profile, modes, name,
+                          fields)
         if binding.graphs:
             _capture_state(root, label, cfg)
         return _node(binding, (), label, covered, set())
+
+
+def _engine_values(profile: EngineProfile, runner: ModelRunnerView) -> Mapping[str, Callable[[], Any]]:
+    """The profile's completion of the runner view, run; the engine's forward-batch fields."""
+    for hook in ("runner", "batch_fields"):
+        fn = getattr(profile, hook)
+        if fn is None:
+            continue
+        try:
+            if hook == "runner":
+                fn(runner)
+            else:
+                return dict(fn())
+        except Exception as e:
+            raise EngineError(f"the profile's {hook} hook raised {type(e).__name__}: {e}") from e
+    return {}
 
 
 def _declaration(binding: Binding, obj: Any, who: str, reads: tuple[str, ...]) -> tuple[ReadEffect, ...]:
@@ -328,8 +365,12 @@ class EngineBackend(Backend):
         runs it eagerly, and publishes no read end from its declaration but the prefill's)."""
         return self.binding.replayed(self.path, check_mode(mode))
 
-    def _invoke(self, method: str, em: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with self.binding.profile.context(self.binding.runner):
+    def _invoke(self, method: str, em: Any, fn: Callable[..., Any], *args: Any, captured: bool = False,
+                **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a contract method, in the engine's runtime context; ``captured``: a
+        call the engine makes while it captures a graph (the graph's code runs once, then, in the engine)."""
+        b = self.binding
+        with b.profile.context(b.runner), b.profile.capture(b.runner) if captured else contextlib.nullcontext():
             return call(self.object, self.who(), method, em, fn, *args, **kwargs)
 
     # -- the stages -------------------------------------------------------------------------
@@ -343,8 +384,7 @@ class EngineBackend(Backend):
                                 f"and state=engine.state")
         em = b.modes.engine(mode)
         lens = None if meta is None or "seq_lens" not in absent(b.layout) else meta.get(RUNNER_LENS)
-        fb = ForwardBatch(b.cfg, mode, shared, batch, b.state["pools"] if pools is None else pools, b.layout, em,
-                          lens, b.profile.spec_for(mode))
+        fb = b.forward_batch(mode, shared, batch, b.state["pools"] if pools is None else pools, lens)
         return self.object, em, fb
 
     def _capture(self, mode: ForwardMode, batch_size: int) -> None:
@@ -358,11 +398,12 @@ class EngineBackend(Backend):
         example = example_step(b.cfg, mode, batch_size).batch
         shared = b.state["shared"]
         lens = shared["seq_lens"].index_select(0, example["req_pool_indices"]) if "seq_lens" in absent(b.layout) else None
-        fb = ForwardBatch(b.cfg, mode, shared, example, b.state["pools"], b.layout, b.modes.engine(mode), lens,
-                          b.profile.spec_for(mode))
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            fb = b.forward_batch(mode, shared, example, b.state["pools"], lens)
         obj = self.object
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
+                         captured=True,
                          in_capture=True)
 
     def _bases(self, shared: Tensors, pools: Mapping[str, Tensor] | None) -> dict[str, list[Tensors]]:
@@ -438,7 +479,8 @@ class EngineBackend(Backend):
         if self._eager_method(mode) == EAGER_ENTRY:  # the eager entry point did this stage's work too
             return {}
         with lifter.around(obj):
-            self._invoke("init_forward_metadata_in_graph", em, obj.init_forward_metadata_in_graph, fb)
+            self._invoke("init_forward_metadata_in_graph", em, obj.init_forward_metadata_in_graph, fb,
+                         captured=self.replayed(mode))
         return self._lifted("in", mode, fb, lifter, "init_forward_metadata_in_graph")
 
     def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor, pools: dict[str, Tensor],
@@ -449,7 +491,8 @@ class EngineBackend(Backend):
         self._restore(obj, ("out", "in"), mode, fb, shared, pools, meta)
         method, fn = forward_method(obj, mode is ForwardMode.DECODE)
         who = self.who()
-        out = self._invoke(method, em, fn, q, k, v, self.binding.layer(layer), fb, save_kv_cache=True)
+        out = self._invoke(method, em, fn, q, k, v, self.binding.layer(layer), fb, save_kv_cache=True,
+                           captured=self.replayed(mode))
         if not isinstance(out, Tensor) or out.numel() != q.numel():
             shown = tuple(out.shape) if isinstance(out, Tensor) else f"{out!r} ({type(out).__name__})"
             raise EngineError(f"{who}.{method} returned {shown} in {em.name}; expected a tensor of "
@@ -470,8 +513,7 @@ class EngineBackend(Backend):
         b = self.binding
         em = b.modes.engine(ForwardMode.EXTEND)
         lens = self._runner_copy(self.state["shared"], batch).get(RUNNER_LENS)
-        fb = ForwardBatch(self.cfg, ForwardMode.EXTEND, self.state["shared"], batch, self.state["pools"], b.layout,
-                          em, lens)
+        fb = b.forward_batch(ForwardMode.EXTEND, self.state["shared"], batch, self.state["pools"], lens, spec=False)
         end = self._invoke(PREFILL, em, fn, fb, num_qo_tokens=fb.num_tokens, build_snapshot=False)
         return read_end_of(end, f"{self.who()}.{PREFILL}")
 

@@ -18,7 +18,19 @@ engine's enum, ``fm.is_extend_without_speculative()`` is the engine's predicate.
   replays runs every mode eagerly: its declaration for a replayed mode is never used);
 * ``eager``: the modes the engine runs eagerly, through ``init_forward_metadata``;
 * ``spec_info(forward_batch)``: the speculative input of a TARGET_VERIFY batch (SGLang's
-  ``EagleVerifyInput``), made when the object first asks for ``forward_batch.spec_info``.
+  ``EagleVerifyInput``), made when the object first asks for ``forward_batch.spec_info``;
+* ``runner(runner)``: completes readfence's runner view with the engine's own model-runner values
+  (SGLang's ``ModelConfig`` of the model, its speculative algorithm), before the factory runs, in
+  the runtime context;
+* ``batch_fields()``: the engine's own forward-batch fields readfence's step does not set, each
+  with a function making its default (SGLang's ``kv_loc_cols`` is ``None``...);
+* ``capture(runner)``: the engine's capture mode, a context manager entered around the calls whose
+  code runs inside a replayed graph (``init_forward_metadata_in_graph``, ``forward``, and the
+  capture-time ``init_forward_metadata_out_graph``): in the engine that code runs once, while the
+  graph is captured (SGLang's ``model_capture_mode``), and what it decides there is what replays;
+* ``bind_batch(forward_batch, runner)``: completes each forward batch as the engine does when it
+  makes one (SGLang binds the batch's KV write plan, ``kv_loc_plan``, from the runner's index
+  translator).
 
 >>> EngineProfile().eager
 frozenset({<ForwardMode.EXTEND: 'extend'>})
@@ -132,16 +144,21 @@ class EngineProfile:
     replays: Callable[[Any], bool] | None = None
     eager: frozenset[ForwardMode] = frozenset({ForwardMode.EXTEND})
     spec_info: Callable[[Any], Any] | None = None
+    runner: Callable[[Any], None] | None = None
+    batch_fields: Callable[[], Mapping[str, Callable[[], Any]]] | None = None
+    bind_batch: Callable[[Any, Any], None] | None = None
+    capture: Callable[[Any], AbstractContextManager[Any]] = _nothing
 
     def __attrs_post_init__(self) -> None:
-        for name in ("layer", "replays", "spec_info"):
+        for name in ("layer", "replays", "spec_info", "runner", "batch_fields", "bind_batch"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"EngineProfile.{name} must be callable or None, got {value!r} "
                                 f"({type(value).__name__})")
-        if not callable(self.context):
-            raise TypeError(f"EngineProfile.context must be callable (runner) -> context manager, got "
-                            f"{self.context!r} ({type(self.context).__name__})")
+        for name in ("context", "capture"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"EngineProfile.{name} must be callable (runner) -> context manager, got "
+                                f"{getattr(self, name)!r} ({type(getattr(self, name)).__name__})")
         if not all(isinstance(m, ForwardMode) for m in self.eager):
             raise TypeError(f"EngineProfile.eager must be readfence ForwardMode values, got {set(self.eager)!r}")
 

@@ -28,6 +28,8 @@ SGLang is imported only when a profile's hook runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -56,7 +58,7 @@ def _verify_input(forward_batch: Any) -> Any:
     return verify(draft_token=forward_batch.input_ids, custom_mask=None, positions=forward_batch.positions,
                   retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
                   spec_steps=max(n - 1, 1), topk=1, draft_token_num=n, capture_hidden_mode=None,
-                  seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens)
+                  seq_lens_sum=forward_batch.seq_lens_sum, seq_lens_cpu=lens)
 
 
 def _replays(obj: object) -> bool:
@@ -82,20 +84,82 @@ def model_dir(cfg: Any) -> str:
 _MODEL_DIRS: dict[tuple[int, ...], str] = {}
 
 
+def _server_args(runner: Any, model_path: str | None, extra: Mapping[str, Any]) -> Any:
+    """SGLang's ``ServerArgs`` of ``runner`` (made once per runner)."""
+    made = getattr(runner, "_sglang_server_args", None)
+    if made is None:
+        ServerArgs = importlib.import_module("sglang.srt.server_args").ServerArgs
+
+        path = model_dir(runner.cfg) if model_path is None else model_path
+        args = {"model_path": path, "device": runner.device.type, **extra, **vars(runner.server_args)}
+        made = runner._sglang_server_args = ServerArgs(**args)
+    return made
+
+
 def _context_for(model_path: str | None, extra: Mapping[str, Any]) -> Any:
     def context(runner: Any) -> contextlib.AbstractContextManager[Any]:
         made = getattr(runner, "_sglang_context", None)
         if made is None:
             runtime_context = importlib.import_module("sglang.srt.runtime_context")
-            ServerArgs = importlib.import_module("sglang.srt.server_args").ServerArgs
-
-            path = model_dir(runner.cfg) if model_path is None else model_path
-            args = {"model_path": path, "device": runner.device.type, **extra, **vars(runner.server_args)}
-            made = runtime_context.create_context(ServerArgs(**args), role="scheduler")
+            made = runtime_context.create_context(_server_args(runner, model_path, extra), role="scheduler")
             runner._sglang_context = made
         return _entered(made)
 
     return context
+
+
+def _runner_for(model_path: str | None, extra: Mapping[str, Any]) -> Any:
+    def complete(runner: Any) -> None:
+        # what SGLang's ModelRunner holds that a backend's constructor reads: the model's config as
+        # SGLang resolves it from the server args, the speculative algorithm, tokens per request
+        args = _server_args(runner, model_path, extra)
+        ModelConfig = importlib.import_module("sglang.srt.configs.model_config").ModelConfig
+        algorithm = importlib.import_module("sglang.srt.speculative.spec_info").SpeculativeAlgorithm
+        runner.model_config = ModelConfig.from_server_args(args)
+        runner.spec_algorithm = algorithm.from_string(args.speculative_algorithm)
+        steps = args.speculative_num_draft_tokens if runner.spec_algorithm.is_speculative() else None
+        runner.decode_num_tokens_per_req = lambda: steps or 1
+        # the one object that turns the page table's entries into the ids a kernel reads
+        translator = importlib.import_module("sglang.srt.mem_cache.kv_index_translator").KVIndexTranslator
+        runner.kv_index_translator = translator(
+            req_to_token=runner.req_to_token_pool.req_to_token, token_to_kv_pool_allocator=None,
+            token_to_kv_pool=runner.token_to_kv_pool, page_size=runner.page_size, device=runner.device,
+            is_draft_worker=runner.is_draft_worker)
+
+    return complete
+
+
+def _capture(runner: Any) -> contextlib.AbstractContextManager[Any]:
+    return importlib.import_module("sglang.srt.model_executor.runner_utils.capture_mode").model_capture_mode()
+
+
+def _bind_batch(forward_batch: Any, runner: Any) -> None:
+    """What ``ForwardBatch.init_new`` does last: the batch's own KV plan (its write window is its
+    ``out_cache_loc``), bound by the runner's translator."""
+    translator = runner.kv_index_translator
+    translator.own_plan(forward_batch).bind(forward_batch, translator)
+
+
+def _batch_fields() -> dict[str, Any]:
+    """Every field of SGLang's ``ForwardBatch`` that has a default: its dataclass fields and the
+    plain values its mixins declare."""
+    forward_batch = importlib.import_module("sglang.srt.model_executor.forward_batch_info").ForwardBatch
+    out: dict[str, Any] = {}
+    for cls in reversed(forward_batch.__mro__[:-1]):
+        for name, value in vars(cls).items():
+            if not name.startswith("__") and not callable(value) and not isinstance(
+                    value, (property, staticmethod, classmethod, functools.cached_property)):
+                out[name] = functools.partial(_same, value)
+    for f in dataclasses.fields(forward_batch):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = functools.partial(_same, f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory
+    return out
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 @contextlib.contextmanager
@@ -118,7 +182,8 @@ def sglang_profile(*, model_path: str | None = None, buffers: Mapping[str, str |
     layout: dict[str, str | None] = {"seq_lens": None, "swa_map": None, "state_slots": None}
     layout.update(buffers or {})
     return EngineProfile(layer=_layer, context=_context_for(model_path, server_args), buffers=layout,
-                         replays=_replays, spec_info=_verify_input)
+                         replays=_replays, spec_info=_verify_input, runner=_runner_for(model_path, server_args),
+                         batch_fields=_batch_fields, bind_batch=_bind_batch, capture=_capture)
 
 
 __all__ = ["EAGER_ONLY", "sglang_profile"]

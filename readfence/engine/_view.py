@@ -30,12 +30,14 @@ read of its argument).
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
 from readfence.core.internal import did_you_mean
@@ -145,8 +147,10 @@ class TokenToKVPool:
         self.size = cfg.num_slots
         self.swa_size = cfg.num_swa_slots
         self.head_num = cfg.heads
-        self.head_dim = cfg.head_dim
+        self.head_dim = self.v_head_dim = cfg.head_dim
         self.layer_num = cfg.layers
+        self.start_layer = 0  # the first layer this pool holds (a pipeline stage's; here every layer)
+        self.page_size = 1
         self._pools = pools
 
     @property
@@ -166,6 +170,13 @@ class TokenToKVPool:
     @property
     def swa_v_buffer(self) -> Tensor:
         return self._pools["swa_v_cache"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._pools["k_cache"].dtype
+
+    def get_v_head_dim(self) -> int:
+        return self.v_head_dim
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         return self._pools["k_cache"].select(0, layer_id)
@@ -284,6 +295,12 @@ class ModelRunnerView(_Pools):
         self.dtype = self.kv_cache_dtype = state["pools"]["k_cache"].dtype
         self.kv_index_translator = None  # SGLang's unified-pool translator: readfence's pools are not unified
         self.server_args = types.SimpleNamespace(**dict(server_args or {}))
+        # a one-GPU, full-attention, one-token-per-slot runner of a target model
+        self.sliding_window_size: int | None = None
+        self.page_size = 1
+        self.gpu_id = 0
+        self.is_draft_worker = False
+        self.token_to_kv_pool_allocator = None  # slots are the batch's out_cache_loc: nothing allocates here
 
 
 class AttentionLayer:
@@ -328,15 +345,19 @@ class ForwardBatch(_Pools):
     of each request and ``extend_prefix_lens`` the tokens already cached. No encoder
     (``encoder_lens`` is ``None``), no two-batch-overlap split (``tbo_children``); ``spec_info`` is
     what the profile's ``spec_info(forward_batch)`` makes in TARGET_VERIFY (``None`` otherwise).
+    Any other field of the engine's own batch (``fields``: name -> its default, from the profile) is
+    that default (SGLang's ``kv_loc_plan`` is ``None``, ``out_cache_loc_is_physical`` ``False``...).
     The pools (``req_to_token_pool``...) are over this call's tensors.
     ``split(parts)`` gives micro-batches of consecutive requests (two-batch overlap).
     """
 
     def __init__(self, cfg: ModelConfig, mode: ForwardMode, shared: Mapping[str, Tensor], batch: Mapping[str, Tensor],
                  pools: Mapping[str, Tensor], layout: Mapping[str, str | None], engine_mode: Any = None,
-                 seq_lens: Tensor | None = None, spec: Callable[[ForwardBatch], Any] | None = None) -> None:
+                 seq_lens: Tensor | None = None, spec: Callable[[ForwardBatch], Any] | None = None,
+                 fields: Mapping[str, Callable[[], Any]] | None = None) -> None:
         super().__init__(cfg, shared, pools, layout)
         self.cfg, self.mode, self._shared, self._layout = cfg, mode, shared, layout
+        self._fields = fields or {}
         self.forward_mode: Any = mode if engine_mode is None else engine_mode
         self.logical_forward_mode: Any = self.forward_mode
         self._seq_lens, self._spec, self._spec_info = seq_lens, spec, None
@@ -356,6 +377,15 @@ class ForwardBatch(_Pools):
         self.extend_start_loc = torch.arange(0, self.num_tokens, max(self.tokens_per_request, 1), dtype=torch.int32,
                                              device=self.req_pool_indices.device)
 
+    def __getattr__(self, name: str) -> Any:
+        # a field of the engine's own batch that readfence's step does not set: the engine's default
+        make = self.__dict__.get("_fields", {}).get(name)
+        if make is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = make()
+        setattr(self, name, value)
+        return value
+
     @property
     def seq_lens(self) -> Tensor:
         """``[batch_size]`` int32: this batch's lengths (new tokens included), read from the shared
@@ -374,13 +404,29 @@ class ForwardBatch(_Pools):
 
     @property
     def seq_lens_cpu(self) -> Tensor:
-        """The lengths, for host reads (``.tolist()``, ``int(...)``: reads on the host)."""
-        return self.seq_lens.cpu()
+        """The lengths on the host (see :meth:`host_lens`)."""
+        host = self.host_lens()
+        if host is None:
+            return self.seq_lens.cpu()
+        with _quiet():
+            return torch.tensor(host, dtype=torch.int32)
 
     @property
     def seq_lens_sum(self) -> int:
-        """The total length of the batch, read on the host."""
-        return int(self.seq_lens.sum())
+        """The total length of the batch, on the host (see :meth:`host_lens`)."""
+        host = self.host_lens()
+        return int(self.seq_lens.sum()) if host is None else sum(host)
+
+    def host_lens(self) -> list[int] | None:
+        """The lengths as the scheduler knows them on the host, where the engine does not share
+        ``seq_lens``: the runner's copy, taken out of the shared buffer before the replay (that
+        read is the step's), holds what the scheduler wrote, so the host has it without a read of
+        anything the step shares (SGLang's ``seq_lens_cpu``, ``seq_lens_sum``). ``None`` where the
+        engine shares ``seq_lens``: then a host value is a read of the shared buffer, there and then."""
+        if self._seq_lens is None:
+            return None
+        with _quiet():
+            return [int(n) for n in self._seq_lens.tolist()]
 
     @property
     def extend_prefix_lens(self) -> Tensor:
@@ -389,8 +435,11 @@ class ForwardBatch(_Pools):
 
     @property
     def extend_prefix_lens_cpu(self) -> list[int]:
-        """The cached tokens per request, read on the host."""
-        return [int(n) for n in self.extend_prefix_lens.tolist()]
+        """The cached tokens per request, on the host (see :meth:`host_lens`)."""
+        host = self.host_lens()
+        if host is None:
+            return [int(n) for n in self.extend_prefix_lens.tolist()]
+        return [n - new for n, new in zip(host, self.extend_seq_lens_cpu, strict=True)]
 
     def narrow(self, lo: int, hi: int) -> ForwardBatch:
         """The micro-batch of requests ``lo..hi`` (the same pools and shared buffers)."""
@@ -401,13 +450,20 @@ class ForwardBatch(_Pools):
                  "out_cache_loc": self.out_cache_loc.narrow(0, lo * n, (hi - lo) * n)}
         lens = None if self._seq_lens is None else self._seq_lens.narrow(0, lo, hi - lo)
         return ForwardBatch(self.cfg, self.mode, self._shared, batch, self.token_to_kv_pool._pools, self._layout,
-                            self.forward_mode, lens, self._spec)
+                            self.forward_mode, lens, self._spec, self._fields)
 
     def split(self, parts: int) -> list[ForwardBatch]:
         """``parts`` micro-batches of consecutive requests (sizes as ``torch.tensor_split``)."""
         from readfence.core.internal import request_ranges
 
         return [self.narrow(lo, hi) for lo, hi in request_ranges(self.batch_size, parts)]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # what the host knows without a read of the step's tensors: no op the tracer or observer sees
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
 
 
 def check_state(cfg: ModelConfig, state: Mapping[str, Mapping[str, Tensor]], who: str) -> None:

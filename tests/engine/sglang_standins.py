@@ -20,10 +20,14 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import os
 import sys
 import types
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 #: The top-level modules replaced, and why (for the skip reason and the README).
 STANDINS = {
@@ -80,9 +84,23 @@ class _Module(types.ModuleType):
         return _attribute(name)
 
 
+def real_triton() -> bool:
+    """Whether the real ``triton`` is installed: then it is imported as it is (on a machine without
+    a GPU its kernels run in triton's interpreter, ``TRITON_INTERPRET=1``), and only the other
+    modules get stand-ins."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _replaced() -> frozenset[str]:
+    return frozenset(STANDINS) - ({"triton"} if real_triton() else set())
+
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self) -> None:
+        self.replaced = _replaced()
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name.split(".")[0] in STANDINS:
+        if name.split(".")[0] in self.replaced:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -110,7 +128,7 @@ def _standins() -> Iterator[None]:
     finally:
         sys.meta_path.remove(finder)
         # SGLang's modules keep the stand-ins they imported; nothing imported later finds them
-        for name in [n for n in sys.modules if n.split(".")[0] in STANDINS]:
+        for name in [n for n in sys.modules if n.split(".")[0] in finder.replaced]:
             del sys.modules[name]
 
 
@@ -124,6 +142,8 @@ def import_sglang() -> tuple[dict[str, types.ModuleType], str]:
     when SGLang (or a package its modules import) is not installed."""
     import warnings
 
+    if real_triton() and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before SGLang's modules
     try:
         with _standins(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -1,0 +1,330 @@
+"""What a triton kernel may store to, decided from its source: the arguments a store or an atomic can target.
+
+A triton kernel receives tensors as pointers and reads and writes them through ``tl.load`` and
+``tl.store`` (and the atomics, and the ``store`` methods of block pointers and tensor descriptors):
+no dispatcher sees it. :func:`kernel_access` reads the kernel's Python source, as triton's own
+front end does, and follows, for every value, which pointer arguments it may be derived from (its
+*provenance*): an assignment joins its value's provenance into its targets (a name assigned on two
+paths may hold either, whatever branch ran), pointer arithmetic joins its operands', ``tl.where``
+and any other builtin join their arguments', and a load (the value it returns is data, not an
+address) gives none. The arguments whose provenance reaches the pointer of a store or an atomic are
+what the kernel may write. It is conservative where it cannot follow:
+
+* a call to another ``@triton.jit`` function is followed into that function (its written parameters
+  map back to the arguments given for them);
+* a call it cannot resolve to a triton builtin, a Python builtin or a jit function (a local alias
+  of ``tl.store``, ``tl.inline_asm_elementwise``) may write whatever its arguments point to;
+* a pointer made from an integer (``tl.pointer_type``: a cast of an address loaded from memory or
+  passed as an int) may point anywhere: the kernel's memory is not bounded by its arguments
+  (``unbounded`` says where), and readfence refuses to launch it while it watches;
+* a kernel whose source cannot be read writes every argument.
+
+Every tensor argument counts as read, loaded or not.
+
+>>> def copy(src, dst, n, BLOCK):
+...     i = tl.arange(0, BLOCK)
+...     tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+>>> tl = _tl_standin()
+>>> sorted(kernel_access(copy).writes)  # (an integer in an address counts too; a launch maps tensors only)
+['BLOCK', 'dst']
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import inspect
+import textwrap
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+
+#: Triton builtins whose first argument (``pointer``) is a memory location they write.
+STORES = frozenset({"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
+                    "atomic_store", "atomic_xchg", "atomic_xor"})
+#: Triton builtins that return data read from memory: the value has no pointer provenance.
+LOADS = frozenset({"load", "atomic_load", "atomic_poll", *STORES - {"store"}})
+#: Names whose use makes a pointer out of an integer.
+_POINTER_FROM_INT = frozenset({"pointer_type", "int_to_ptr"})
+#: Triton builtins that may run code the analysis cannot read (inline assembly).
+_OPAQUE_BUILTINS = frozenset({"inline_asm_elementwise"})
+_WILD = "<an address made from an integer>"
+
+
+@attrs.frozen
+class KernelAccess:
+    """What one triton kernel may touch, by parameter name.
+
+    ``writes``: the parameters a store's or an atomic's address may be computed from (an
+    integer offset too: a launch looks only at the tensors among them); ``sites``: for each, where
+    (``(parameter, "file:line: what")``, the first site found); ``unbounded``: why the kernel's
+    memory is not bounded by its arguments (``""`` when it is).
+
+    >>> KernelAccess("k", ("a", "b"), frozenset({"b"})).written(("a", "b"))
+    (False, True)
+    """
+
+    kernel: str
+    params: tuple[str, ...]
+    writes: frozenset[str] = frozenset()
+    sites: tuple[tuple[str, str], ...] = ()
+    unbounded: str = ""
+
+    def written(self, names: tuple[str, ...]) -> tuple[bool, ...]:
+        """Per parameter name in ``names``, whether the kernel may write it."""
+        return tuple(n in self.writes for n in names)
+
+    def site(self, param: str) -> str:
+        """Where the kernel may write ``param`` (``"file:line: tl.store"``), or ``""``."""
+        return next((where for p, where in self.sites if p == param), "")
+
+
+def python_function(kernel: Any) -> Callable[..., Any] | None:
+    """The Python function a triton kernel object was made from (through ``autotune`` and
+    ``heuristics`` wrappers: each keeps the next in ``fn``), or ``None``.
+
+    >>> def k(x): pass
+    >>> python_function(types.SimpleNamespace(fn=types.SimpleNamespace(fn=k))) is k
+    True
+    """
+    seen = 0
+    while kernel is not None and seen < 16:
+        if isinstance(kernel, types.FunctionType):
+            return kernel
+        kernel = getattr(kernel, "fn", None)
+        seen += 1
+    return None
+
+
+def _is_triton(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", "")
+    return isinstance(module, str) and module.split(".")[0] == "triton"
+
+
+def _is_jit(obj: Any) -> bool:
+    # a @triton.jit function (compiled or interpreted), or a wrapper of one
+    return _is_triton(obj) and hasattr(obj, "fn") and python_function(obj) is not None
+
+
+class _Function:
+    """One kernel function's source, names and provenance."""
+
+    def __init__(self, fn: Callable[..., Any], given: Mapping[str, Any]) -> None:
+        self.fn, self.given = fn, given
+        lines, self.first = inspect.getsourcelines(fn)
+        self.file = inspect.getsourcefile(fn) or "?"
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        node = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        self.node = node
+        args = node.args
+        self.params = tuple(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
+        self.positional = tuple(a.arg for a in (*args.posonlyargs, *args.args))
+        self.globals: Mapping[str, Any] = getattr(fn, "__globals__", {})
+        closure = inspect.getclosurevars(fn)
+        self.nonlocals: Mapping[str, Any] = closure.nonlocals
+        self.locals = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        self.locals |= set(self.params)
+        self.provenance: dict[str, frozenset[str]] = {p: frozenset({p}) for p in self.params}
+
+    def where(self, node: ast.AST) -> str:
+        return f"{self.file}:{self.first + getattr(node, 'lineno', 1) - 1}"
+
+    # -- resolving names -------------------------------------------------------------------
+    def resolve(self, expr: ast.expr) -> tuple[str, Any]:
+        """``("object", value)`` for a callee the function's globals name, ``("method", base)``
+        for a method of a local value, ``("unknown", None)`` otherwise."""
+        chain: list[str] = []
+        node = expr
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name):
+            return ("method", node) if chain else ("unknown", None)
+        if node.id in self.given and not chain:  # a kernel or None handed to a parameter at the launch
+            return ("object", self.given[node.id])
+        if node.id in self.locals:
+            return ("method", node) if chain else ("unknown", None)
+        if node.id in self.nonlocals:
+            value = self.nonlocals[node.id]
+        elif node.id in self.globals:
+            value = self.globals[node.id]
+        elif hasattr(builtins, node.id):
+            value = getattr(builtins, node.id)
+        else:
+            return ("unknown", None)
+        for attr in reversed(chain):
+            try:
+                value = getattr(value, attr)
+            except Exception:
+                return ("unknown", None)
+        return ("object", value)
+
+    # -- provenance ------------------------------------------------------------------------
+    def of(self, expr: ast.AST | None) -> frozenset[str]:
+        """The parameters ``expr``'s value may point into (``_WILD``: anywhere)."""
+        if expr is None:
+            return frozenset()
+        if isinstance(expr, ast.Name):
+            if expr.id in _POINTER_FROM_INT:
+                return frozenset({_WILD})
+            return self.provenance.get(expr.id, frozenset())
+        if isinstance(expr, ast.Attribute):
+            if expr.attr in _POINTER_FROM_INT:
+                return frozenset({_WILD})
+            return self.of(expr.value)
+        if isinstance(expr, ast.Call):
+            kind, value = self.resolve(expr.func)
+            name = getattr(value, "__name__", "") if kind == "object" else (
+                expr.func.attr if isinstance(expr.func, ast.Attribute) else "")
+            if (kind == "object" and _is_triton(value) and name in LOADS) or (kind == "method" and name in LOADS):
+                return frozenset()  # data read from memory (a load, an atomic's old value): no address
+            parts = self.of(expr.func) if kind == "method" else frozenset()
+            for a in [*expr.args, *(k.value for k in expr.keywords)]:
+                parts |= self.of(a)
+            return parts
+        out: frozenset[str] = frozenset()
+        for child in ast.iter_child_nodes(expr):
+            out |= self.of(child)
+        return out
+
+    def _assignments(self) -> Iterator[tuple[list[ast.expr], ast.AST | None]]:
+        for node in ast.walk(self.node):
+            if isinstance(node, ast.Assign):
+                yield node.targets, node.value
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                yield [node.target], node.value
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                yield [node.target], node.iter
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    if item.optional_vars is not None:
+                        yield [item.optional_vars], item.context_expr
+            elif isinstance(node, ast.NamedExpr):
+                yield [node.target], node.value
+
+    def settle(self) -> None:
+        """Join every assignment's provenance into its targets until nothing changes."""
+        assignments = list(self._assignments())
+        changed = True
+        while changed:
+            changed = False
+            for targets, value in assignments:
+                source = self.of(value)
+                if not source:
+                    continue
+                for target in targets:
+                    for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                        old = self.provenance.get(name, frozenset())
+                        if not source <= old:
+                            self.provenance[name] = old | source
+                            changed = True
+
+
+def kernel_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None) -> KernelAccess:
+    """What the triton kernel ``fn`` (a ``@triton.jit`` object, a wrapper of one, or its Python
+    function) may write, by parameter; see the module docstring. ``given``: the values a launch
+    passes, of which the parameters holding a jit function or ``None`` (a ``constexpr`` callee such
+    as a score modifier) are followed: a call of ``None`` is a branch that does not run.
+
+    >>> def k(x, out, MOD):
+    ...     if MOD is not None:
+    ...         MOD(out)
+    >>> sorted(kernel_access(k).writes), sorted(kernel_access(k, {"MOD": None}).writes)
+    (['out'], [])
+    """
+    py = python_function(fn) if not isinstance(fn, types.FunctionType) else fn
+    if py is None:
+        raise TypeError(f"{fn!r} ({type(fn).__name__}) is not a triton kernel or a Python function")
+    callees = tuple(sorted((k, v) for k, v in (given or {}).items() if v is None or _is_jit(v)))
+    return _cached(py, callees)
+
+
+@functools.lru_cache(maxsize=1024)  # by function and callees: a kernel's source does not change in a process
+def _cached(py: Callable[..., Any], callees: tuple[tuple[str, Any], ...]) -> KernelAccess:
+    return _access(py, (), dict(callees))
+
+
+def _access(py: Callable[..., Any], stack: tuple[Any, ...], given: Mapping[str, Any]) -> KernelAccess:
+    name = getattr(py, "__name__", "?")
+    try:
+        f = _Function(py, given)
+    except (OSError, TypeError, SyntaxError, StopIteration) as e:
+        params = tuple(inspect.signature(py).parameters)
+        why = f"its source cannot be read ({type(e).__name__}): every argument counts as written"
+        return KernelAccess(name, params, frozenset(params), tuple((p, why) for p in params))
+    f.settle()
+    writes: dict[str, str] = {}
+    unbounded = ""
+
+    def written(params: frozenset[str], site: str) -> None:
+        nonlocal unbounded
+        for p in sorted(params):
+            if p == _WILD:
+                unbounded = unbounded or site
+            else:
+                writes.setdefault(p, site)
+
+    for node in ast.walk(f.node):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            ident = node.id if isinstance(node, ast.Name) else node.attr
+            if ident in _POINTER_FROM_INT and not unbounded:
+                unbounded = f"{f.where(node)}: {ident}"
+        if not isinstance(node, ast.Call):
+            continue
+        kind, value = f.resolve(node.func)
+        shown = ast.unparse(node.func)
+        site = f"{f.where(node)}: {shown}"
+        if kind == "method":
+            if isinstance(node.func, ast.Attribute) and node.func.attr in STORES:
+                written(f.of(node.func.value), site)  # a block pointer's or a descriptor's store
+            continue
+        if kind == "object" and _is_jit(value):
+            callee = python_function(value)
+            if callee is None or callee in stack or callee is py:
+                written(frozenset().union(*(f.of(a) for a in [*node.args, *(k.value for k in node.keywords)])),
+                        f"{site} (a recursive call)")
+                continue
+            inner = _access(callee, (*stack, py), {})
+            if inner.unbounded:
+                unbounded = unbounded or f"{site} -> {inner.unbounded}"
+            positional = inner.params[:len(node.args)]
+            for param, arg in zip(positional, node.args):
+                if param in inner.writes:
+                    written(f.of(arg), f"{site} -> {inner.site(param)}")
+            for k in node.keywords:
+                if k.arg is None or k.arg in inner.writes:
+                    written(f.of(k.value), f"{site} -> {inner.site(k.arg) if k.arg else 'its **kwargs'}")
+            continue
+        if kind == "object" and value is None:
+            continue  # a parameter given None at the launch: the call is on a branch that does not run
+        called = getattr(value, "__name__", "") if kind == "object" else ""
+        if kind == "object" and _is_triton(value) and called in STORES:
+            pointer = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
+            targets = f.of(pointer) if pointer is not None else frozenset().union(
+                *(f.of(a) for a in [*node.args, *(k.value for k in node.keywords)]))
+            written(targets, site)
+            continue
+        pure = kind == "object" and called not in _OPAQUE_BUILTINS and (
+            _is_triton(value) or getattr(value, "__module__", None) == "builtins" or isinstance(value, type))
+        if not pure:  # a call the analysis cannot follow may write what its arguments point to
+            written(frozenset().union(*(f.of(a) for a in [*node.args, *(k.value for k in node.keywords)])),
+                    f"{site} (a call the analysis cannot follow)")
+    sites = tuple((p, writes[p]) for p in f.params if p in writes)
+    return KernelAccess(name, f.params, frozenset(p for p in writes if p in f.params), sites, unbounded)
+
+
+def _tl_standin() -> Any:
+    """A namespace standing in for ``triton.language`` in this module's doctest (triton is optional)."""
+    ns = types.SimpleNamespace()
+    for n in ("arange", "load", "store"):
+        fn = types.FunctionType((lambda *a, **k: None).__code__, {}, n)
+        fn.__module__ = "triton.language.core"
+        setattr(ns, n, fn)
+    ns.__module__ = "triton.language"
+    return ns
+
+
+__all__ = ["LOADS", "STORES", "KernelAccess", "kernel_access", "python_function"]

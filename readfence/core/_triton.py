@@ -1,0 +1,304 @@
+"""A triton launch as one operation the dispatcher sees, named after its kernel.
+
+``kernel[grid](*args)`` hands its tensors' raw pointers to compiled code (on a GPU) or to triton's
+interpreter (``TRITON_INTERPRET=1``, on the CPU: it copies each argument's storage to the host and
+back): no op of the dispatcher stands for what the kernel loads and stores, so a tracer sees a
+pointer escape at best and a read observer sees nothing, or the interpreter's copy-back as a write
+of every argument. While readfence watches (any dispatch mode is entered: the tracer, the read
+observer, fake tensors), each launch runs as **one op**, ``triton_kernel::<kernel name>(launch,
+reads, writes)``: its tensor arguments are passed in ``reads`` or in ``writes`` (``Tensor(a!)[]``),
+by what the kernel's source says it may store to (:func:`~readfence.core._kernel_access.kernel_access`:
+a possible write is a write), and ``launch`` names the rest of the call (the kernel, its grid, its
+other arguments) in a table the op's kernel looks up. So the tracer records one node that reads
+its arguments and writes its stores' targets (a write of a shared buffer is refused naming the
+kernel), the observer one access per buffer named after the kernel, and a traced graph replays the
+launch itself. A read by a launch ends with the stage that queued it: the stage's work is ordered
+on its stream, and the fence after the stage is recorded after it.
+
+With nothing watching, a launch is the kernel, as triton runs it. The grid is evaluated at the launch
+and kept as numbers (a graph freezes it, as a CUDA graph does); so are the non-tensor arguments.
+A kernel whose addresses are made from integers (``tl.pointer_type``) may touch any memory: its
+launch is refused while readfence watches (:class:`UnboundedKernelError`). A launch readfence does
+not make into an op (a compiled kernel called some other way) is still an escape where its
+arguments' pointers are taken: ``UNKNOWN``, never a read that was not there.
+
+Triton is never imported here: the launch methods are wrapped when a watch begins and triton is
+already imported (:func:`see_launches`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ._kernel_access import KernelAccess, kernel_access, python_function
+
+#: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
+NAMESPACE = "triton_kernel"
+
+_lock = threading.RLock()
+_inside = threading.local()  # .depth: a launch op's kernel is running on this thread
+_originals: dict[type, Callable[..., Any]] = {}  # the launch classes' own ``run``, while wrapped
+_ops: dict[Any, Any] = {}  # Python function of a kernel -> its op overload
+_names: dict[str, Any] = {}  # op name -> Python function
+_launches: list[Launch] = []
+_launch_ids: dict[Any, int] = {}
+
+
+class UnboundedKernelError(ValueError):
+    """A triton kernel makes addresses from integers: the memory it touches is not bounded by its
+    arguments, so no analysis or observation of its arguments covers what it reads or writes."""
+
+    def __init__(self, kernel: str, where: str) -> None:
+        self.kernel, self.where = kernel, where
+        super().__init__(
+            f"triton kernel {kernel!r} makes an address from an integer ({where}): the memory it touches "
+            f"is not bounded by its arguments, so readfence cannot tell what it reads or writes; pass the "
+            f"tensors it touches as arguments instead of their addresses")
+
+
+class UnsupportedLaunchError(TypeError):
+    """A triton launch argument readfence cannot hand to an op (a container holding tensors other
+    than a tuple or a list)."""
+
+
+@attrs.frozen(eq=False)
+class Launch:
+    """One launch's call, its tensors taken out: ``args``/``kwargs`` hold ``("read", i)`` or
+    ``("write", i)`` slots where the tensors were; ``grid`` as numbers; ``params`` the kernel
+    parameter each slot was given to, in ``reads`` then ``writes`` order."""
+
+    kernel: Any
+    access: KernelAccess
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    grid: tuple[int, ...]
+    read_params: tuple[str, ...]
+    write_params: tuple[str, ...]
+
+    def call(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The launch's arguments with ``reads`` and ``writes`` in their slots."""
+        def fill(v: Any) -> Any:
+            if isinstance(v, _Slot):
+                return (reads if v.kind == "read" else writes)[v.index]
+            if isinstance(v, (tuple, list)):
+                return type(v)(fill(x) for x in v)
+            return v
+
+        return tuple(fill(a) for a in self.args), {k: fill(v) for k, v in self.kwargs.items()}
+
+
+@attrs.frozen
+class _Slot:
+    kind: str
+    index: int
+
+
+def kernel_name(kernel: Any) -> str:
+    """The name a kernel's launches are recorded under (its Python function's name)."""
+    fn = python_function(kernel)
+    return getattr(fn, "__name__", type(kernel).__name__)
+
+
+def launch_of(node_args: Sequence[Any]) -> Launch:
+    """The launch a ``triton_kernel`` node's arguments name (``(launch, reads, writes)``)."""
+    return _launches[int(node_args[0])]
+
+
+def is_launch_op(op: object) -> bool:
+    """Whether ``op`` is a triton launch's op (``triton_kernel::...``).
+
+    >>> is_launch_op(torch.ops.aten.add.Tensor)
+    False
+    """
+    return getattr(op, "namespace", None) == NAMESPACE
+
+
+def launch_write_reason(launch: Launch) -> str:
+    """Why a launch writes what it is given in ``writes``: the kernel's parameters and where it
+    stores through each (as :func:`~readfence.core._kernel_access.kernel_access` found them)."""
+    access = launch.access
+    params = list(dict.fromkeys(launch.write_params))
+    shown = [f"{p} ({access.site(p) or 'a store'})" for p in params[:3]]
+    more = f" and {len(params) - 3} more" if len(params) > 3 else ""
+    return (f"triton kernel {access.kernel!r} may store through its argument(s) {', '.join(shown)}{more} "
+            f"(a possible store counts as a write)")
+
+
+# -- the ops ---------------------------------------------------------------------------------
+def _op_for(kernel: Any) -> Any:
+    fn = python_function(kernel)
+    with _lock:
+        found = _ops.get(fn)
+        if found is not None:
+            return found
+        base = kernel_name(kernel)
+        name, k = base, 1
+        while name in _names:
+            k += 1
+            name = f"{base}_{k}"
+
+        def impl(launch: int, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
+            _run_launch(launch, reads, writes)
+
+        impl.__name__ = name
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=("writes",))
+        op.register_fake(_fake)
+        overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        _ops[fn], _names[name] = overload, fn
+        return overload
+
+
+def _fake(launch: int, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
+    return None
+
+
+def _run_launch(index: int, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    launch = _launches[index]
+    args, kwargs = launch.call(reads, writes)
+    run = _originals.get(type(launch.kernel)) or type(launch.kernel).run
+    depth = getattr(_inside, "depth", 0)
+    _inside.depth = depth + 1
+    try:
+        # the kernel's own work (the interpreter's copies, pointers taken) is no op of the stage's
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            run(launch.kernel, *args, grid=launch.grid, warmup=False, **kwargs)
+    finally:
+        _inside.depth = depth
+
+
+# -- the launch ------------------------------------------------------------------------------
+def _watched() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0 and not getattr(_inside, "depth", 0)
+
+
+def _frozen(v: Any) -> Any:
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_frozen(x) for x in v))
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return (type(v).__name__, v)
+
+
+def _grid(grid: Any, bound: Mapping[str, Any]) -> tuple[int, ...]:
+    value = grid(dict(bound)) if callable(grid) else grid
+    if isinstance(value, int):
+        value = (value,)
+    return tuple(int(g) for g in value)
+
+
+def launch(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` as its op (see the module docstring)."""
+    fn = python_function(kernel)
+    assert fn is not None
+    signature = inspect.signature(fn)
+    own = {k: v for k, v in kwargs.items() if k in signature.parameters}
+    bound = signature.bind(*args, **own)
+    bound.apply_defaults()
+    access = kernel_access(kernel, bound.arguments)
+    if access.unbounded:
+        raise UnboundedKernelError(kernel_name(kernel), access.unbounded)
+    reads: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
+    read_params: list[str] = []
+    write_params: list[str] = []
+
+    def take(v: Any, param: str) -> Any:
+        if isinstance(v, torch.Tensor):
+            written = param in access.writes
+            out, names = (writes, write_params) if written else (reads, read_params)
+            out.append(v)
+            names.append(param)
+            return _Slot("write" if written else "read", len(out) - 1)
+        if isinstance(v, (tuple, list)):
+            return type(v)(take(x, param) for x in v)
+        if hasattr(v, "base") and isinstance(getattr(v, "base", None), torch.Tensor):
+            raise UnsupportedLaunchError(
+                f"triton kernel {kernel_name(kernel)!r}: argument {param!r} is a {type(v).__name__} holding a "
+                f"tensor; readfence sees tensors passed as arguments (or in tuples of them)")
+        return v
+
+    names = list(signature.parameters)
+    slotted_args = tuple(take(a, names[i] if i < len(names) else f"#{i}") for i, a in enumerate(args))
+    slotted_kwargs = {k: take(v, k) for k, v in kwargs.items()}
+    if not reads and not writes:  # nothing of memory: nothing to see
+        run = _originals.get(type(kernel)) or type(kernel).run
+        run(kernel, *args, grid=grid, warmup=False, **kwargs)
+        return
+    numbers = _grid(grid, bound.arguments)
+    key = (id(kernel), numbers, _frozen(slotted_args), _frozen(tuple(sorted(slotted_kwargs.items()))))
+    with _lock:
+        index = _launch_ids.get(key)
+        if index is None:
+            index = len(_launches)
+            _launches.append(Launch(kernel, access, slotted_args, slotted_kwargs, numbers, tuple(read_params),
+                                    tuple(write_params)))
+            _launch_ids[key] = index
+    _op_for(kernel)(index, reads, writes)
+
+
+def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+    def run(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
+        if warmup or not _watched():
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return launch(self, args, kwargs, grid)
+
+    run.__wrapped__ = original  # type: ignore[attr-defined]
+    run.__readfence_launch__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def see_launches() -> bool:
+    """Make triton's launches ops while readfence watches (see the module docstring): wraps the
+    ``run`` of triton's jit and interpreted functions once, when triton is imported; returns whether
+    it is. Called as each readfence dispatch mode is entered; cheap after the first time.
+
+    >>> see_launches() == ("triton" in sys.modules)
+    True
+    """
+    if "triton" not in sys.modules:
+        return False
+    if _originals:
+        return True
+    with _lock:
+        if _originals:
+            return True
+        classes = []
+        for module, name in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
+            try:
+                cls = getattr(__import__(module, fromlist=[name]), name)
+            except (ImportError, AttributeError):
+                continue
+            classes.append(cls)
+        for cls in classes:
+            run = cls.__dict__.get("run")
+            if run is None or getattr(run, "__readfence_launch__", False):
+                continue
+            _originals[cls] = run
+            cls.run = _wrapped(run)
+        return bool(_originals)
+
+
+@contextlib.contextmanager
+def launches_unseen() -> Iterator[None]:
+    """Launches run as triton runs them in the block, watched or not (what a launch readfence did not
+    wrap looks like: its pointers escape)."""
+    depth = getattr(_inside, "depth", 0)
+    _inside.depth = depth + 1
+    try:
+        yield
+    finally:
+        _inside.depth = depth
+
+
+__all__ = ["NAMESPACE", "Launch", "UnboundedKernelError", "UnsupportedLaunchError", "is_launch_op", "kernel_name",
+           "launch", "launch_of", "launch_write_reason", "launches_unseen", "see_launches"]
