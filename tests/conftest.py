@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import pathlib
 
 import pytest
 import torch
 
 from readfence.core import ModelConfig
+
+#: Whether the real triton is installed (the ``triton`` extra); without a GPU its kernels run in its
+#: interpreter, which reads ``TRITON_INTERPRET`` when a kernel is decorated: set before any test imports it.
+TRITON = importlib.util.find_spec("triton") is not None
+NO_TRITON = ("triton is not installed (pip install -e '.[triton]'): its kernels run in triton's interpreter on a "
+             "machine without a GPU")
+if TRITON and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: The model configs the tests share (``trace`` caches per config, so modules using the same
 #: one share their traces): most run the small one.

@@ -29,6 +29,7 @@ import _thread
 import concurrent.futures
 import contextlib
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Iterator
@@ -71,6 +72,40 @@ def _describe(fn: Any, kind: str, name: str | None = None) -> str:
     return f"{kind} {name!r} running {qual}" if name else f"{kind} running {qual}"
 
 
+def _carrying(kernels: list[str], fn: Any) -> Any:
+    """``fn``, run on another thread, noting there the kernels it launches (:func:`note_kernel`)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _watching.kernels = kernels
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _watching.kernels = None
+
+    return run
+
+
+def note_kernel(name: str) -> None:
+    """A kernel named ``name`` is launched on this thread: if a watched stage started the thread,
+    its refusal names the kernel (a launch on a thread of its own is on a clock of its own)."""
+    kernels = getattr(_watching, "kernels", None)
+    if kernels is not None:
+        kernels.append(name)
+
+
+def _current_stream() -> Any:
+    # the CUDA stream current on this thread, where CUDA is in use (never initialised here)
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_stream()
+
+
+def stage_stream() -> Any:
+    """The CUDA stream current when the watched stage running on this thread began (``None`` where
+    no stage is watched or CUDA is not in use)."""
+    return getattr(_watching, "stream", None) if getattr(_watching, "started", None) is not None else None
+
+
 def _wrappers() -> tuple[tuple[Any, str, Any], ...]:
     """``(owner, attribute, wrapper)`` of each primitive the watch wraps, around the originals."""
     start, submit = threading.Thread.start, concurrent.futures.ThreadPoolExecutor.submit
@@ -80,7 +115,9 @@ def _wrappers() -> tuple[tuple[Any, str, Any], ...]:
         started = getattr(_watching, "started", None)
         if started is not None:
             target = getattr(self, "_target", None) or getattr(self, "function", None) or self.run  # Timer: function
-            started.append((self.is_alive, _describe(target, "a thread", self.name), _user_line()))
+            kernels: list[str] = []
+            self.run = _carrying(kernels, self.run)  # type: ignore[method-assign]
+            started.append((self.is_alive, _describe(target, "a thread", self.name), _user_line(), kernels))
         start(self)
 
     def watched_submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -88,12 +125,13 @@ def _wrappers() -> tuple[tuple[Any, str, Any], ...]:
         if started is None:
             return submit(self, fn, *args, **kwargs)
         line = _user_line()
+        kernels: list[str] = []
         _watching.started = None  # the pool's own worker threads are the job's, not the stage's
         try:
-            future = submit(self, fn, *args, **kwargs)
+            future = submit(self, _carrying(kernels, fn), *args, **kwargs)
         finally:
             _watching.started = started
-        started.append((lambda: not future.done(), _describe(fn, "a thread-pool job"), line))
+        started.append((lambda: not future.done(), _describe(fn, "a thread-pool job"), line, kernels))
         return future
 
     def watched_start_new_thread(function: Any, args: tuple[Any, ...], kwargs: Any = None, /) -> int:
@@ -101,14 +139,16 @@ def _wrappers() -> tuple[tuple[Any, str, Any], ...]:
         if started is None:
             return start_new(function, args, {} if kwargs is None else kwargs)
         done = threading.Event()
+        kernels: list[str] = []
+        carried = _carrying(kernels, function)
 
         def run(*a: Any, **k: Any) -> Any:
             try:
-                return function(*a, **k)
+                return carried(*a, **k)
             finally:
                 done.set()
 
-        started.append((lambda: not done.is_set(), _describe(function, "a thread"), _user_line()))
+        started.append((lambda: not done.is_set(), _describe(function, "a thread"), _user_line(), kernels))
         return start_new(run, args, {} if kwargs is None else kwargs)
 
     return ((threading.Thread, "start", watched_start),
@@ -177,17 +217,20 @@ def watch_threads(backend: str, stage: str, watcher: str | None = None) -> Itera
     """
     _enter()
     outer, outer_watcher = getattr(_watching, "started", None), getattr(_watching, "watcher", None)
-    started: list[tuple[Any, str, str]] = []
+    outer_stream = getattr(_watching, "stream", None)
+    started: list[tuple[Any, str, str, list[str]]] = []
     _watching.started, _watching.watcher = started, watcher or outer_watcher
+    _watching.stream = outer_stream if outer is not None else _current_stream()
     try:
         yield
     finally:
-        _watching.started, _watching.watcher = outer, outer_watcher
+        _watching.started, _watching.watcher, _watching.stream = outer, outer_watcher, outer_stream
         _exit()
         if outer is not None:
             outer.extend(started)
     if outer_watcher is not None:
         return
-    for running, what, source in started:
+    for running, what, source, kernels in started:
         if watcher is not None or running():
-            raise StageThreadError(backend, stage, what, source, watcher)
+            launching = f" launching triton kernel {', '.join(repr(k) for k in dict.fromkeys(kernels))}" if kernels else ""
+            raise StageThreadError(backend, stage, what + launching, source, watcher)

@@ -39,6 +39,7 @@ import attrs
 import torch
 
 from ._kernel_access import KernelAccess, kernel_access, python_function
+from ._threads import note_kernel, stage_stream
 
 #: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
 NAMESPACE = "triton_kernel"
@@ -246,10 +247,31 @@ def launch(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any
     _op_for(kernel)(index, reads, writes)
 
 
+class LaunchStreamError(ValueError):
+    """A triton kernel is launched, while readfence watches a stage, on a stream other than the one
+    the stage began on: its reads run on a clock of their own, after the fence recorded on the stage's."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        super().__init__(
+            f"triton kernel {kernel!r} is launched on a stream other than the stage's: what it reads is ordered "
+            f"after no fence readfence records (COARSE included); launch it on the stage's own stream")
+
+
+def _check_stream(kernel: Any) -> None:
+    began = stage_stream()
+    if began is not None and torch.cuda.current_stream() != began:
+        raise LaunchStreamError(kernel_name(kernel))
+
+
 def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
-        if warmup or not _watched():
+        if warmup:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        note_kernel(kernel_name(self))  # on a thread a watched stage started: its refusal names the kernel
+        if not _watched():
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        _check_stream(self)
         return launch(self, args, kwargs, grid)
 
     run.__wrapped__ = original  # type: ignore[attr-defined]
@@ -300,5 +322,5 @@ def launches_unseen() -> Iterator[None]:
         _inside.depth = depth
 
 
-__all__ = ["NAMESPACE", "Launch", "UnboundedKernelError", "UnsupportedLaunchError", "is_launch_op", "kernel_name",
+__all__ = ["NAMESPACE", "Launch", "LaunchStreamError", "UnboundedKernelError", "UnsupportedLaunchError", "is_launch_op", "kernel_name",
            "launch", "launch_of", "launch_write_reason", "launches_unseen", "see_launches"]

@@ -41,12 +41,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.backends import MODES, Backend
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, example_step
-from readfence.core.internal import check_buffers, check_mode
+from readfence.core.internal import check_buffers, check_mode, span_of
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 
 from ._contract import PREFILL, ContractError, EngineError, call, check_contract, forward_method, read_end_of
-from ._lift import Lifter, Record, restore
+from ._lift import Lifter, Record, leaves, path_text, restore
 from ._profile import EngineProfile, Modes
 from ._tree import Path, children, follow, step_text
 from ._view import AttentionLayer, ForwardBatch, ModelRunnerView, absent, check_layout, check_state
@@ -246,7 +246,29 @@ def adapt(
                           fields)
         if binding.graphs:
             _capture_state(root, label, cfg)
+        _own_buffers(root, state)
         return _node(binding, (), label, covered, set())
+
+
+#: The prefix of the pool entries that are an engine object's own persistent buffers.
+OWN = "engine/"
+
+
+def _own_buffers(root: Any, state: State) -> None:
+    """The tensors the object tree holds once built (with its graph state: SGLang's ``kv_indptr``,
+    ``cuda_graph_kv_indices``...), added to the state's pools as ``engine/<path>``: they are the
+    backend's own state, kept from step to step like the KV cache, not constants a trace made. A
+    view of a shared buffer, a pool or a parameter is that, and is not added."""
+    known = [span_of(t) for group in ("shared", "pools", "params") for t in state[group].values()]
+    seen: list[Any] = []
+    for path, value in leaves(root):
+        if not isinstance(value, Tensor) or value.device.type == "meta":
+            continue
+        span = span_of(value)
+        if span is None or any(k is not None and k.overlaps(span) for k in known + seen):
+            continue
+        seen.append(span)
+        state["pools"][OWN + path_text(path).replace(".", "/")] = value
 
 
 def _engine_values(profile: EngineProfile, runner: ModelRunnerView) -> Mapping[str, Callable[[], Any]]:
@@ -408,7 +430,10 @@ class EngineBackend(Backend):
 
     def _bases(self, shared: Tensors, pools: Mapping[str, Tensor] | None) -> dict[str, list[Tensors]]:
         bound = self.binding.state
-        return {"shared": [shared, bound["shared"]], "pool": [p for p in (pools, bound["pools"]) if p is not None]}
+        # (the object's own buffers are held by it: a view of one is put back as that view of it)
+        pool: list[Tensors] = [{k: t for k, t in p.items() if not k.startswith(OWN)}
+                               for p in (pools, bound["pools"]) if p is not None]
+        return {"shared": [shared, bound["shared"]], "pool": pool}
 
     def _runner_copy(self, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         """What the engine's graph runner copies out of the shared buffers it does not share with the

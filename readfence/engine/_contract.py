@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import enum
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -51,13 +53,15 @@ class EngineError(RuntimeError):
     """An engine backend's own code (its factory or a contract method) raised; the message
     names the class, the method and the mode, and the original exception is chained.
 
-    ``method`` is the contract method that raised (``""`` for a factory) and ``where`` the
-    innermost source line of the engine's own code in the traceback (``file:line in function``).
+    ``method`` is the contract method that raised (``""`` for a factory), ``where`` the
+    innermost source line of the engine's own code in the traceback (``file:line in function``) and
+    ``origin`` whose code raised it (:func:`origin_of`: ``engine``, ``torch``, ``triton`` or
+    ``readfence``).
     """
 
-    def __init__(self, message: str, *, method: str = "", where: str = "") -> None:
+    def __init__(self, message: str, *, method: str = "", where: str = "", origin: str = "engine") -> None:
         super().__init__(message)
-        self.method, self.where = method, where
+        self.method, self.where, self.origin = method, where, origin
 
 
 def engine_line(error: BaseException) -> str:
@@ -81,11 +85,39 @@ def engine_line(error: BaseException) -> str:
     return found
 
 
+#: Where an exception can be raised, besides the engine's own code.
+ORIGINS = ("torch", "triton", "readfence")
+
+
+def origin_of(error: BaseException) -> str:
+    """Where ``error`` was raised: ``"torch"`` or ``"triton"`` (an exception type of theirs, or their
+    code the innermost frame), ``"readfence"``, else ``"engine"`` (the engine's own code).
+
+    >>> try:
+    ...     {}["missing"]
+    ... except KeyError as e:
+    ...     origin_of(e)
+    'engine'
+    """
+    kind = type(error).__module__.split(".")[0]
+    if kind in ORIGINS:
+        return kind
+    tb, last = error.__traceback__, ""
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    for name in ORIGINS:
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None)
+        if where is not None and os.path.abspath(last).startswith(os.path.dirname(os.path.abspath(where)) + os.sep):
+            return name
+    return "engine"
+
+
 def traced_failure(error: EngineError) -> bool:
-    """Whether ``error`` is the tracer refusing the engine's code (an exception raised by torch
-    while tracing: data-dependent control flow, a shape it cannot know), not the engine's own."""
-    cause = error.__cause__
-    return cause is not None and type(cause).__module__.split(".")[0] == "torch"
+    """Whether ``error`` is the tracer refusing the engine's code (raised by torch while tracing:
+    data-dependent control flow, a shape it cannot know, an op it cannot record), not the engine's own."""
+    return error.origin == "torch"
 
 
 class EngineMode(enum.Enum):
@@ -276,9 +308,11 @@ def call(obj: object, who: str, method: str, mode: Any, fn: Callable[_P, _R], *a
     except Exception as e:
         if type(e).__module__.startswith("readfence.") or isinstance(e, EngineError):
             raise
-        raise EngineError(f"{who}.{method} raised {type(e).__name__} in {mode.name}: {e}", method=method,
-                          where=engine_line(e)) from e
+        origin = origin_of(e)
+        inside = "" if origin == "engine" else f" inside {origin}"
+        raise EngineError(f"{who}.{method} raised {type(e).__name__}{inside} in {mode.name}: {e}", method=method,
+                          where=engine_line(e), origin=origin) from e
 
 
 __all__ = ["END_NAMES", "STAGE_METHODS", "ContractError", "EngineError", "EngineMode", "check_contract",
-           "engine_line", "read_end_of", "traced_failure"]
+           "engine_line", "origin_of", "read_end_of", "traced_failure"]

@@ -404,12 +404,9 @@ class ForwardBatch(_Pools):
 
     @property
     def seq_lens_cpu(self) -> Tensor:
-        """The lengths on the host (see :meth:`host_lens`)."""
-        host = self.host_lens()
-        if host is None:
-            return self.seq_lens.cpu()
-        with _quiet():
-            return torch.tensor(host, dtype=torch.int32)
+        """The lengths, for host reads: where the engine does not share ``seq_lens``, the runner's copy
+        (a read of it on the host reads nothing the step shares), else the shared buffer's rows."""
+        return self.seq_lens.cpu()
 
     @property
     def seq_lens_sum(self) -> int:
