@@ -91,8 +91,8 @@ def _print(r: dict[str, Any]) -> None:
     print(f"accepted {r['accepted']}, refused {r['refused']} ({r['refused_runnable']} could run under the unsafe flag)")
     print(f"P1 violations: {r['p1_violations']}")
     print(f"P2 violations: {r['p2_violations']}")
-    print(f"invisible to static analysis, caught by verify: {r['invisible_caught']}; missed by verify: "
-          f"{r['invisible_missed']}")
+    print(f"invisible to static analysis, caught by verify: {r['invisible_caught']}; covered by the fences (verify "
+          f"clean): {r['invisible_clean']}; missed by verify: {r['invisible_missed']}")
     print(f"read on another thread: {r['threads']} programs; refused as such {r['thread_refused']}, caught by "
           f"verify {r['thread_caught']}, missed {r['thread_missed']}")
     rate = "no rate from so few" if r["false_alarm_rate"] is None else f"{r['false_alarm_rate']:.3f}"

@@ -47,6 +47,7 @@ from ._state import make_pools as make_pools
 from ._state import make_shared_state as make_shared_state
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
+from ._state import varied_step as varied_step
 from ._step import BODY as BODY
 from ._step import EAGER as EAGER
 from ._step import PREPARE_IN_GRAPH as PREPARE_IN_GRAPH
@@ -85,5 +86,5 @@ __all__ = [
     "cross_into_graph", "default_batch_sizes", "eval_step", "example_step", "flatten_group", "flatten_inputs",
     "forward", "init_params", "make_pools", "make_shared_state", "observe", "observe_program", "observe_step",
     "prepare", "rms_norm", "rotary", "run_program", "run_scan", "run_step", "split_batch", "stage_named", "step_functions",
-    "tokens_per_request", "trace", "trace_cache_size", "trace_step", "validate_replay",
+    "tokens_per_request", "trace", "trace_cache_size", "trace_step", "validate_replay", "varied_step",
 ]

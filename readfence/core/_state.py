@@ -398,8 +398,62 @@ def example_step(
     """
     mode = check_mode(mode)
     reqs, prefix = example_batch_layout(cfg, mode, batch_size, seed=seed)
-    n = tokens_per_request(mode)
+    return _step_of(cfg, mode, reqs, prefix, make_shared_state(cfg, device=device), seed=seed, device=device)
+
+
+def varied_step(
+    cfg: ModelConfig,
+    mode: ForwardMode,
+    batch_size: int,
+    *,
+    seed: int,
+    device: str | torch.device = "cpu",
+) -> StepInputs:
+    """A consistent step with :func:`example_step`'s shapes and other values everywhere: what a
+    replayed capture is checked on (``core.validate_replay``). Seed 1 is the youngest batch
+    (every request at its first tokens, in consecutive rows from 0, as a decode loop starts),
+    seed 2 the oldest (every request at the longest context, rows from the top down), any other
+    seed a random layout; from seed 2 on the page table, sliding-window map and state-slot map
+    are permuted too (bijections drawn from the seed), and every seed draws its own batch and
+    caches.
+
+    >>> young, old = (varied_step(ModelConfig(), ForwardMode.DECODE, 3, seed=s) for s in (1, 2))
+    >>> young.batch["req_pool_indices"].tolist(), young.shared["seq_lens"][:3].tolist()
+    ([0, 1, 2], [1, 1, 1])
+    >>> old.shared["seq_lens"][old.batch["req_pool_indices"]].tolist()
+    [64, 64, 64]
+    >>> bool((old.shared["req_to_token"] != example_step(ModelConfig(), ForwardMode.DECODE, 3).shared["req_to_token"]).any())
+    True
+    """
+    mode = check_mode(mode)
+    if mode is ForwardMode.IDLE:
+        return example_step(cfg, mode, batch_size, seed=seed, device=device)
+    positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
+    span = cfg.max_ctx - tokens_per_request(mode) + 1
+    g = _generator(7919 + seed)
+    if seed == 1:
+        reqs, prefix = list(range(batch_size)), [0] * batch_size
+    elif seed == 2:
+        reqs, prefix = list(range(cfg.max_reqs - 1, cfg.max_reqs - 1 - batch_size, -1)), [span - 1] * batch_size
+    else:
+        reqs = torch.randperm(cfg.max_reqs, generator=g)[:batch_size].tolist()
+        prefix = torch.randint(0, span, (batch_size,), generator=g).tolist()
     shared = make_shared_state(cfg, device=device)
+    slots = None
+    if seed != 1:  # other bijections: a slot, a window slot, a state slot of another layout
+        for name, n in (("req_to_token", cfg.num_slots), ("swa_map", cfg.num_swa_slots),
+                        ("state_slots", cfg.num_state_slots)):
+            perm = _on(device, torch.randperm(n, generator=g))
+            shared[name] = perm[shared[name].long()].to(torch.int32)
+            slots = perm if name == "req_to_token" else slots
+    return _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots)
+
+
+def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,
+             seed: int, device: str | torch.device, slots: Tensor | None = None) -> StepInputs:
+    # the step of requests ``reqs`` with ``prefix`` tokens each over ``shared`` (rows allocated;
+    # its page table the example's, its slots permuted by ``slots`` when given)
+    n = tokens_per_request(mode)
     i64 = torch.int64
     req_t = torch.tensor(reqs, dtype=i64, device=device)
     prefix_t = torch.tensor(prefix, dtype=i64, device=device)
@@ -408,11 +462,12 @@ def example_step(
     req_per_token = req_t.repeat_interleave(n)
     shared["seq_lens"].index_copy_(0, req_t, (prefix_t + n).to(torch.int32))
     g = _generator(seed + 2)
+    loc = _example_slot(cfg, req_per_token, positions)
     batch = {
         "input_ids": _on(device, torch.randint(0, cfg.vocab, (len(reqs) * n,), generator=g, dtype=i64)),
         "positions": positions,
         "req_pool_indices": req_t,
-        "out_cache_loc": _example_slot(cfg, req_per_token, positions),
+        "out_cache_loc": loc if slots is None else slots[loc],
     }
     return StepInputs(
         shared=shared,

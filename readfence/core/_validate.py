@@ -46,9 +46,10 @@ from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import StageCall, StepFunctions, eval_step
 from ._trace import cache_with_traces, remember, trace_step
 
-#: The seeds of the fresh example states a capture is validated on (the trace's example is
-#: seed 0, so that every value computed from the step's data differs from the traced one).
-REPLAY_SEEDS: tuple[int, ...] = (1, 2)
+#: The seeds of the fresh states a capture is validated on (``core.varied_step``: the youngest
+#: batch, the oldest, a random one; the trace's example is another, so that the values computed
+#: from the step's data differ from the traced ones).
+REPLAY_SEEDS: tuple[int, ...] = (1, 2, 3)
 
 
 class NotGraphSafe(ValueError):
@@ -178,7 +179,7 @@ class _Comparing:
         return out
 
 
-def _node_key(node: fx.Node, index: Mapping[fx.Node, int]) -> tuple[Any, ...]:
+def _node_key(node: fx.Node, index: Mapping[fx.Node, int], gm: fx.GraphModule, state: frozenset[str]) -> tuple[Any, ...]:
     def arg(v: Any) -> Any:
         if isinstance(v, fx.Node):
             return ("node", index.get(v))
@@ -192,14 +193,19 @@ def _node_key(node: fx.Node, index: Mapping[fx.Node, int]) -> tuple[Any, ...]:
         return type(v).__name__
     val = node.meta.get("val")
     shape = tuple(val.shape) if isinstance(val, Tensor) else None
-    target = node.target if node.op != "get_attr" else None
-    return (node.op, str(target), arg(node.args), arg(node.kwargs), shape)
+    if node.op == "get_attr":  # a constant: its values, unless it is state (another on each trace)
+        value = getattr(gm, str(node.target), None)
+        held = (tuple(value.flatten().tolist()) if isinstance(value, Tensor) and value.numel() <= 4096
+                and node.target not in state and value.device.type != "meta" else None)
+        return (node.op, held, shape)
+    return (node.op, str(node.target), arg(node.args), arg(node.kwargs), shape)
 
 
-def baked_at(traced: fx.GraphModule, again: fx.GraphModule) -> fx.Node | None:
+def baked_at(traced: fx.GraphModule, again: fx.GraphModule, state: Iterable[str] = ()) -> fx.Node | None:
     """The first node of ``again`` that differs from its place in ``traced`` (op, Python
-    arguments or output shape), two traces of one stage on two states: where a value computed
-    from the data was baked. ``None`` when the two graphs are alike.
+    arguments, output shape, a constant's values), two traces of one stage on two states: where a
+    value computed from the data was baked. ``state`` names the constants that are state (tensors
+    the stage captured), whose values are not compared. ``None`` when the two graphs are alike.
 
     >>> import torch
     >>> from torch.fx.experimental.proxy_tensor import make_fx
@@ -207,16 +213,21 @@ def baked_at(traced: fx.GraphModule, again: fx.GraphModule) -> fx.Node | None:
     >>> baked_at(make_fx(f)(torch.ones(2)), make_fx(f)(torch.zeros(2))).args[1]
     0.0
     """
+    held = frozenset(state)
     a, b = list(traced.graph.nodes), list(again.graph.nodes)
     ia, ib = {n: i for i, n in enumerate(a)}, {n: i for i, n in enumerate(b)}
-    return next((nb for na, nb in zip(a, b) if _node_key(na, ia) != _node_key(nb, ib)), None)
+    return next((nb for na, nb in zip(a, b) if _node_key(na, ia, traced, held) != _node_key(nb, ib, again, held)),
+                None)
 
 
 def _locate(program: Program, fns: StepFunctions, example: Mapping[str, Any], stage: str) -> str:
     # the stage traced once more on the state where it differs: the first node that changed
     try:
         again = trace_step(fns, program.mode, example, device=program.device)
-        node = baked_at(program.stage(stage).gm, again.stage(stage).gm)
+        state = {c.target for s in (program.stage(stage), again.stage(stage)) for c in s.captured}
+        node = baked_at(program.stage(stage).gm, again.stage(stage).gm, state)
+        if node is not None and node.op == "get_attr":  # a constant: where its first use is
+            node = next(iter(node.users), node)
         return "?" if node is None else str(node.meta.get(SOURCE_KEY, "?"))
     except Exception:  # only looking for a line: the refusal stands without one
         return "?"
@@ -231,10 +242,10 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     the program a lowering replays (bound to the live state it runs on).
 
     >>> from readfence.backends import paged
-    >>> from readfence.core import ModelConfig, ForwardMode, example_step, step_functions, trace
+    >>> from readfence.core import ModelConfig, ForwardMode, step_functions, trace, varied_step
     >>> cfg = ModelConfig()
     >>> validate_replay(trace(paged(), ForwardMode.DECODE, cfg=cfg), step_functions(paged(), ForwardMode.DECODE, cfg),
-    ...                 lambda seed: example_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
+    ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
     """
     seeds = tuple(seeds)
     if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds) in _VALIDATED:

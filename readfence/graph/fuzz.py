@@ -131,6 +131,12 @@ class Outcome:
         return self.accepted and self.explained_by_invisible
 
     @property
+    def invisible_clean(self) -> bool:
+        """Accepted with an invisible read, and ``verify`` clean under every policy: the fences
+        covered it (EXACT places from what the lowering's rehearsal saw it read)."""
+        return self.accepted and self.finding is None and bool(self.invisible)
+
+    @property
     def invisible_missed(self) -> bool:
         """An invisible read after the declared end that ``verify`` let through (must not be)."""
         return self.accepted and self.finding is None and bool(self.invisible_late)
@@ -379,6 +385,7 @@ class Tally:
     p1_violations: int = 0
     p2_violations: int = 0
     invisible_caught: int = 0
+    invisible_clean: int = 0
     invisible_missed: int = 0
     threads: int = 0  # programs whose running leaves read on a thread a stage starts
     thread_refused: int = 0
@@ -405,6 +412,7 @@ class Tally:
         self.p1_violations += outcome.p1_violation
         self.p2_violations += outcome.p2_violation
         self.invisible_caught += outcome.invisible_caught
+        self.invisible_clean += outcome.invisible_clean
         self.invisible_missed += outcome.invisible_missed
         if outcome.threads:
             self.threads += 1
@@ -444,7 +452,7 @@ class Tally:
             "refused_runnable": self.refused_runnable, "false_alarms": self.false_alarms,
             "false_alarm_rate": round(self.false_alarm_rate, 4), "p1_violations": self.p1_violations,
             "p2_violations": self.p2_violations, "invisible_caught": self.invisible_caught,
-            "invisible_missed": self.invisible_missed, "threads": self.threads,
+            "invisible_clean": self.invisible_clean, "invisible_missed": self.invisible_missed, "threads": self.threads,
             "thread_refused": self.thread_refused, "thread_caught": self.thread_caught,
             "thread_missed": self.thread_missed, "seconds": round(self.seconds, 2),
             "refusals": dict(self.refusals), "false_alarm_kinds": dict(self.false_alarm_kinds),

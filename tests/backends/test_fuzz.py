@@ -391,7 +391,8 @@ def test_uniform_programs_accepted_verify_and_traces_cover_what_runs(dev) -> Non
     for program in random_programs(EXAMPLES // 2, seed=1, max_leaves=2):
         _hold(check_program(program, device=dev, false_alarms=False), tally)
     _not_vacuous(tally)
-    assert tally.invisible_caught >= 1, tally.as_dict()  # reads no static analysis sees, caught by verify
+    # reads no static analysis sees: caught by verify where declared too early, covered where not
+    assert tally.invisible_caught + tally.invisible_clean >= 1, tally.as_dict()
     assert tally.thread_refused >= 1, tally.as_dict()  # reads on another thread, refused as such
     assert len(tally.patterns) >= len(VOCABULARY) * 3 // 4, sorted(set(VOCABULARY) - set(tally.patterns))
 

@@ -49,6 +49,7 @@ from readfence.core import (
     make_shared_state,
     step_functions,
     validate_replay,
+    varied_step,
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import check_backend, check_buffers, check_forward_mode, positive_int
@@ -342,7 +343,7 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
              if program.captured() else [])
     try:
         validate_replay(program, step_functions(backend, mode, cfg),
-                        lambda seed: example_step(cfg, mode, batch_size, seed=seed, device=where).groups())
+                        lambda seed: varied_step(cfg, mode, batch_size, seed=seed, device=where).groups())
     finally:
         for t, old in saved:
             t.copy_(old)

@@ -19,7 +19,7 @@ from torch import Tensor
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
 from readfence.effects import ReadEffect, ReadEnd
 
-from ..devices import Device, Event, Graph, Op, Stream, Timeline
+from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_compile import CompiledGraph, compile_graph
 from ._fx_records import insert_records, stage_ops
@@ -174,22 +174,43 @@ def last_reads(program: Program, observed: Mapping[str, Mapping[str, frozenset[s
     >>> last_reads(program, {"body": {"mul": frozenset({"req_to_token"})}})["req_to_token"].stage
     'body'
     """
-    order = {s.name: i for i, s in enumerate(program.stages)}
-    names = {s.name: {n.name: i for i, n in enumerate(s.gm.graph.nodes)} for s in program.stages}
     out = {}
     for b in program.buffers:
-        readers = [r for r in [program.last_reader(b)] if r is not None]
-        readers += [(stage, node) for stage, nodes in (observed or {}).items() for node, bufs in nodes.items()
-                    if b in bufs and stage in order]
-        if not readers:
+        last = last_reader(program, b, observed)
+        if last is None:
             continue
-        # a node the graph does not hold (seen in a stage's Python) counts as the stage's end
-        stage, node = max(readers, key=lambda r: (order[r[0]], names[r[0]].get(r[1], len(names[r[0]]))))
-        graph, index = program.stage(stage), names[stage].get(node)
-        if graph.runs_python or index is None or index == len(names[stage]) - 1:
+        stage, node = last
+        graph = program.stage(stage)
+        names = [n.name for n in graph.gm.graph.nodes]
+        if graph.runs_python or node not in names or node == names[-1]:
             continue
-        out[b] = LastRead(stage, node, index)
+        out[b] = LastRead(stage, node, names.index(node))
     return out
+
+
+def last_reader(program: Program, buffer: str, observed: Mapping[str, Mapping[str, frozenset[str]]] | None = None,
+                ) -> tuple[str, str] | None:
+    """``(stage, node)`` of the last read of ``buffer``: the latest of the trace's last reader
+    (``Program.last_reader``) and the nodes ``observed`` saw reading it; a node the stage's
+    graph does not hold (a read seen in a stage's Python) counts as the stage's end.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> last_reader(trace(paged(), ForwardMode.DECODE), "seq_lens", {"body": {"mul": frozenset({"seq_lens"})}})
+    ('body', 'mul')
+    """
+    order = {s.name: i for i, s in enumerate(program.stages)}
+    readers = [r for r in [program.last_reader(buffer)] if r is not None]
+    readers += [(stage, node) for stage, nodes in (observed or {}).items() for node, bufs in nodes.items()
+                if buffer in bufs and stage in order]
+    if not readers:
+        return None
+
+    def position(reader: tuple[str, str]) -> tuple[int, int]:
+        nodes = [n.name for n in program.stage(reader[0]).gm.graph.nodes]
+        return order[reader[0]], nodes.index(reader[1]) if reader[1] in nodes else len(nodes)
+
+    return max(readers, key=position)
 
 
 def seen_effect(program: Program, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> ReadEffect:
@@ -257,6 +278,10 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
         can_probe = not spec.graphed or dev.caps.in_graph_events
         probes = {b: dev.event(f"{label}/lastread:{b}#{r}") for b, last in reads.items()
                   if b in plan.placements and (can_probe or last.stage not in IN_GRAPH_STAGES)}
+    # a last read in the out-of-graph stage's Python: probed as that stage returns
+    out_probes = {b: dev.event(f"{label}/lastread:{b}#{r}") for b in plan.placements
+                  if spec.measure and b not in probes and b in program.buffers
+                  and (last_reader(program, b, spec.observed) or ("",))[0] == PREPARE_OUT_GRAPH.name}
     after: dict[str, dict[str, list[Event]]] = {s.name: {} for s in program.stages}
     for b, last in reads.items():  # probes first: read, then release
         if b in probes:
@@ -277,14 +302,15 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
     index = {p: i for i, p in enumerate(events)}
     done = spec.new_event(f"{label}/done#{r}")
     fence_events = (*events.values(), done)
-    claim_events(label, [*events.values(), *probes.values(), done])
+    claim_events(label, [*events.values(), *probes.values(), *out_probes.values(), done])
     slot = Slot(
-        index=r, events=events, probes=probes, done=done, stages=stages,
+        index=r, events=events, probes={**probes, **out_probes}, done=done, stages=stages,
         at_end=tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd),
         act_at_end=tuple(at_end), fence_events=fence_events,
         buffer_points=MappingProxyType({b: index.get(p) for b, p in plan.placements.items()}),
-        out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH.name].runner),
-        out_ops=stages[PREPARE_OUT_GRAPH.name].ops, clock=RunClock(()), head=slot_head(label, {}, (), ()),
+        out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH.name].runner, tuple(out_probes.values())),
+        out_ops=(*stages[PREPARE_OUT_GRAPH.name].ops, *(Record(e) for e in out_probes.values())),
+        clock=RunClock(()), head=slot_head(label, {}, (), ()),
     )
     if spec.graphed:
         with dev.capture(launcher.stream, label=f"{label}/graph#{r}") as graph:
@@ -294,12 +320,15 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
     return slot
 
 
-def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner) -> Action:
-    # the out-of-graph stage and its copies into the graph's static buffers, one launch
-    env, copy_meta = launcher.env, launcher.copy_meta
+def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, probes: tuple[Event, ...] = ()) -> Action:
+    # the out-of-graph stage and its copies into the graph's static buffers, one launch; then
+    # the probes of the last reads made in its Python
+    env, copy_meta, dev = launcher.env, launcher.copy_meta, spec.device
 
     def plain() -> None:
         copy_meta(runner.run(env))
+        for probe in probes:
+            dev.record_here(probe)
 
     fn = plain
     watcher = launcher.watcher
@@ -315,4 +344,4 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner) -> 
 
 
 __all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
-           "last_reads", "seen_effect"]
+           "last_reader", "last_reads", "seen_effect"]
