@@ -743,11 +743,44 @@ class CapturedStateError(ValueError):
 
     def __init__(self, backend: str, mode: ForwardMode, captured: Iterable[Captured]) -> None:
         self.backend, self.mode, self.captured = backend, mode, tuple(captured)
-        reasons = "; ".join(dict.fromkeys(f"stage {c.stage}: {c.why()}" for c in self.captured))
+        reasons = "; ".join(grouped_reasons(self.captured))
         super().__init__(
             f"cannot lower {backend} for {mode.name}: {reasons}. Pass live state to the stage "
             f"through its arguments (shared, pools), or compute the tensor inside the stage"
         )
+
+
+def _made_in(source: str) -> str:
+    """Whose code a source line (``file:line in function``) is in: triton's interpreter, torch, or the file."""
+    path = source.split(":")[0]
+    for name, who in (("triton", "triton's interpreter"), ("torch", "torch")):
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None)
+        if where is not None and os.path.abspath(path).startswith(os.path.dirname(os.path.abspath(where)) + os.sep):
+            return who
+    return os.path.basename(path) or "?"
+
+
+def grouped_reasons(captured: Iterable[Captured]) -> list[str]:
+    """One clause per cause: the captured tensors refused for the same reason in the same stage and
+    made in the same code, counted, with one of them as the example.
+
+    >>> c = Captured("body", "_tensor_constant0", "_tensor_constant0", ("add",), "/x/model.py:3 in f", ("none", ()))
+    >>> grouped_reasons([c, attrs.evolve(c, target="_tensor_constant1", node="_tensor_constant1")])[0][:58]
+    'stage body: 2 captured tensors made in model.py (_tensor_c'
+    """
+    groups: dict[tuple[str, str, str, str], list[Captured]] = {}
+    for c in captured:
+        groups.setdefault((c.stage, c.matches[0], c.state, _made_in(c.source)), []).append(c)
+    out = []
+    for (stage, _, _, made), cs in groups.items():
+        names = list(dict.fromkeys(c.target for c in cs))
+        if len(names) == 1:
+            out.append(f"stage {stage}: {cs[0].why()}")
+            continue
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        out.append(f"stage {stage}: {len(names)} captured tensors made in {made} ({shown}), e.g. {cs[0].why()}")
+    return out
 
 
 def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:

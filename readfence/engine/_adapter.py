@@ -93,6 +93,8 @@ class Binding:
     shapes: dict[tuple[Path, str, ForwardMode, int], dict[str, tuple[int, ...]]] = attrs.Factory(dict)
     # the (node, mode, batch size) whose capture-time call has run
     captured: set[tuple[Path, ForwardMode, int]] = attrs.Factory(set)
+    # what each capture-time call left on the objects of the tree: (object, attribute, value)
+    frozen: dict[tuple[Path, ForwardMode, int], list[tuple[Any, str, Any]]] = attrs.Factory(dict)
     # names this binding in the caches of traces and verdicts (an id() is reused once it is collected)
     serial: int = attrs.Factory(lambda: next(_SERIALS))
 
@@ -249,6 +251,8 @@ def adapt(
         _own_buffers(root, state)
         return _node(binding, (), label, covered, set())
 
+
+_NOTHING = object()
 
 #: The prefix of the pool entries that are an engine object's own persistent buffers.
 OWN = "engine/"
@@ -423,10 +427,20 @@ class EngineBackend(Backend):
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             fb = b.forward_batch(mode, shared, example, b.state["pools"], lens)
         obj = self.object
+        before = {id(o): dict(vars(o)) for o in _objects(obj) if hasattr(o, "__dict__")}
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
                          captured=True,
                          in_capture=True)
+        b.frozen[key] = [(o, name, value) for o in _objects(obj) if hasattr(o, "__dict__")
+                         for name, value in vars(o).items() if before.get(id(o), {}).get(name, _NOTHING) is not value]
+
+    def _recall(self, mode: ForwardMode, batch_size: int) -> None:
+        """What the capture-time call of ``mode`` and ``batch_size`` left on the objects, put back: the
+        code a graph replays read it while the graph was captured (``self.forward_metadata`` over the
+        graph's buffers), whatever another mode's capture or step left there since."""
+        for o, name, value in self.binding.frozen.get((self.path, mode, batch_size), ()):
+            object.__setattr__(o, name, value)
 
     def _bases(self, shared: Tensors, pools: Mapping[str, Tensor] | None) -> dict[str, list[Tensors]]:
         bound = self.binding.state
@@ -471,6 +485,7 @@ class EngineBackend(Backend):
         # the engine runs this method's Python before every replay (host work, pointer swaps,
         # plans kept on self): marked so, the lowering runs it rather than its traced graph
         torch.ops.readfence.opaque.default(torch.empty(0, device=fb.input_ids.device), EAGER)
+        self._recall(mode, fb.batch_size)
         lifter = Lifter("out", self._bases(shared, None))
         who = self.who()
         method = self._eager_method(mode)
@@ -499,6 +514,7 @@ class EngineBackend(Backend):
         if check_mode(mode) is ForwardMode.IDLE:
             return {}
         obj, em, fb = self._call(mode, shared, batch, None, meta)
+        self._recall(mode, fb.batch_size)
         self._restore(obj, ("out",), mode, fb, shared, None, meta)
         lifter = Lifter("in", self._bases(shared, None), meta)
         if self._eager_method(mode) == EAGER_ENTRY:  # the eager entry point did this stage's work too
@@ -513,6 +529,7 @@ class EngineBackend(Backend):
         if check_mode(mode) is ForwardMode.IDLE:
             return q.new_zeros(q.shape)
         obj, em, fb = self._call(mode, shared, batch, pools, meta)
+        self._recall(mode, fb.batch_size)
         self._restore(obj, ("out", "in"), mode, fb, shared, pools, meta)
         method, fn = forward_method(obj, mode is ForwardMode.DECODE)
         who = self.who()

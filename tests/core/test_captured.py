@@ -125,3 +125,26 @@ def test_a_buffer_of_another_state_is_still_refused() -> None:
     stranger = leaf("stranger", attend)
     with CpuDevice() as dev, pytest.raises(CapturedStateError, match="the shape and dtype of .seq_lens."):
         lower(stranger, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
+
+
+def test_a_refusal_says_each_cause_once_counting_its_tensors() -> None:
+    # four tensors kept from the trace, made by one line: one clause, counted, with one example
+    stash: dict[int, torch.Tensor] = {}
+
+    def out(mode, shared, batch):
+        for i in range(4):
+            stash[i] = shared["seq_lens"].clone() + i  # kept in a closure, not returned
+        return {}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = sum(stash[i] for i in range(4)).index_select(0, batch["req_pool_indices"]).long() % 8 + 1
+        return softmax_attention(mode, q, pools, layer, kv_indices(shared, batch), lens)
+
+    hoarder = leaf("hoarder", attend, prepare_out_graph=out)
+    state = make_state(CFG)
+    with CpuDevice() as dev, pytest.raises(CapturedStateError) as caught:
+        lower(hoarder, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
+    message = str(caught.value)
+    assert message.count("trace-time state baked into the graph") == 1, message
+    assert "stage body: 4 captured tensors made in test_captured.py (_tensor_constant" in message, message
