@@ -159,7 +159,7 @@ def shape_plan_report(shape: StepShape, *, device: str, caps: Capabilities, batc
         if refused:  # lower_step lowers every phase's graph: one refusal refuses the step
             policies[policy.name] = {"refused": refused[0]}
             continue
-        rows, points = [], set()
+        rows = []
         for buffer, pos in shape.positions_under(policy, observed).items():
             if pos.phase < 0:
                 rows.append({"buffer": buffer, "phase": "-", "end": "NONE",
@@ -168,9 +168,9 @@ def shape_plan_report(shape: StepShape, *, device: str, caps: Capabilities, batc
             ph = phases[pos.phase]
             row = next(r for r in graph_plans[ph.graph_key][policy.name]["placements"] if r["buffer"] == buffer)
             rows.append({"buffer": buffer, "phase": ph.name, "end": row["end"], "placement": row["placement"]})
-            if row["end"] != "NONE":
-                points.add((ph.graph_key, row["end"], row["placement"]))
-        policies[policy.name] = {"events": len(points), "placements": rows}
+        # every phase's graph records the events of its own plan; the owner's are waited on
+        events = sum(graph_plans[key][policy.name]["events"] for key in dict.fromkeys(ph.graph_key for ph in phases))
+        policies[policy.name] = {"events": events, "placements": rows}
     by_phase: dict[str, dict[str, Any]] = {}
     for name, plan in policies.items():
         if "refused" in plan:

@@ -53,7 +53,7 @@ from readfence.core import (
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import check_backend, check_buffers, check_forward_mode, positive_int
-from readfence.effects import ReadEnd
+from readfence.effects import ReadEffect, ReadEnd
 
 from ..devices import Device, Event, Stream, Timeline
 from ..devices.internal import check_device
@@ -94,15 +94,18 @@ class Lowered:
 
     Build with :func:`lower`, which runs the lowering's passes and hands their results here.
     ``shared``, ``pools`` and ``params`` are the live tensors the step reads (share them with
-    the scheduler and other lowered graphs); :meth:`run` enqueues one step and returns its
-    logits and :class:`Fence`.
+    the scheduler and other lowered graphs); ``observed`` is the effect EXACT placed from (the
+    bound trace joined with every read the rehearsal saw); :meth:`run` enqueues one step and
+    returns its logits and :class:`Fence`.
     """
 
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
-                 slots: Sequence[Slot], check: CheckState | None = None) -> None:
+                 slots: Sequence[Slot], check: CheckState | None = None, observed: ReadEffect | None = None) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
+        # what EXACT placed from: the bound trace joined with the reads the rehearsal saw
+        self.observed = program.traced() if observed is None else observed
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
         self.launcher, self.stream, self.label = launcher, launcher.stream, launcher.label
@@ -114,6 +117,18 @@ class Lowered:
         self._env, self._meta, self._logits, self._labels = launcher.env, launcher.meta, launcher.logits, launcher.labels
         self._slots, self.ring_size = list(slots), len(slots)
         self._issuers = [step_issuer(self, slot, r) for r, slot in enumerate(self._slots)]  # one generated function per slot
+        self._start_poison: tuple[str, ...] = ()  # check mode: released before anything of a step runs
+        self._start_poisoner: Callable[[], None] | None = None
+
+    def poison_at_start(self, buffers: Iterable[str]) -> None:
+        """Check mode: poison ``buffers`` as each step that this graph starts (``first=True``)
+        begins, whatever its own plan says: buffers a multi-phase step releases before any of
+        its phases (no phase reads them, or the phase publishing them waits for none of their
+        reads) are released there, so that is where a late read must meet the poison."""
+        if self.check is None:
+            raise ValueError(f"{self.label}: poison_at_start needs a lowering in check mode (check=...)")
+        self._start_poison = tuple(dict.fromkeys(buffers))
+        self._start_poisoner = self.check.poisoner(self._start_poison) if self._start_poison else None
 
     # -- what the step issuer calls -----------------------------------------------------------
     def _in_graph_work(self, slot: Slot, step: int | None = None) -> None:
@@ -168,6 +183,9 @@ class Lowered:
         assert check is not None
         if first:
             s.launch(check.start, step, label=f"{self.label}/check", step=step)
+            if self._start_poisoner is not None:
+                s.launch(check.arm, self._start_poison, label=f"{self.label}/arm", step=step)
+                s.launch(self._start_poisoner, label=f"{self.label}/poison@start", step=step)
         s.launch(check.arm, poison, label=f"{self.label}/arm", step=step)
         never = slot.act_at_end[ReadEnd.NONE.rank]
         if never is not None:
@@ -188,7 +206,7 @@ class Lowered:
 
     def describe(self) -> list[dict[str, str]]:
         """Per buffer: declared, observed, placement of its event."""
-        declared, traced = self.backend.read_effect(self.mode), self.program.traced()
+        declared, traced = self.backend.read_effect(self.mode), self.observed
         return [
             {**row, "declared": declared[row["buffer"]].name, "observed": traced[row["buffer"]].name}
             for row in self.plan.describe()
@@ -302,9 +320,9 @@ def lower(
     # EXACT places from the bound trace joined with every read the rehearsal saw, never below one
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
                          label=label)
+    observed = traced | seen_effect(program, rehearsal.observed)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
-                       last_reads=last_reads(program, rehearsal.observed),
-                       observed=traced | seen_effect(program, rehearsal.observed), graphed=graphed)
+                       last_reads=last_reads(program, rehearsal.observed), observed=observed, graphed=graphed)
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check)
     spec = SlotSpec(label, program, plan, device, rehearsal.observed, graphed, measure,
                     device.event if new_event is None else new_event, check, timeline)
@@ -312,7 +330,7 @@ def lower(
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check,
+        check=check, observed=observed,
     )
 
 

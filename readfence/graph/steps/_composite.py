@@ -2,8 +2,8 @@
 
 * :class:`PhasedStep`: the phases of a :class:`StepShape` run in order on one forward
   stream; each buffer's fence comes from the phase holding its last read, ranked by what
-  the policy places events from (the declarations; the trace under EXACT; under COARSE
-  the last phase publishes every buffer).
+  the policy places events from (the declarations; under EXACT the bound trace joined with the
+  reads the lowering's rehearsal saw; under COARSE the last phase publishes every buffer).
 * :class:`StreamGroup`: a ``per_stream`` backend; member ``s`` is lowered on its own forward
   stream and serves its share of the requests; each stream's fence comes from its own
   member's graph, and the scheduler waits on every stream that reads a buffer.
@@ -17,11 +17,11 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request, trace
+from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request
 from readfence.core.internal import request_ranges
 
 from ..devices import Device, Event, Stream
-from ..lowering import Fence, Lowered, Placement, Policy, StepRun, lower, torch_device
+from ..lowering import Fence, Lowered, Placement, Policy, StepRun, lower
 from ._shapes import StepShape
 
 
@@ -125,30 +125,32 @@ class PhasedStep:
         self.shape, self.cfg = shape, cfg
         self.shared = state["shared"]
         self.tokens = shape.tokens
-        # Traced as each phase's graph will be lowered (``lower`` hits the same trace cache):
-        # under EXACT the traced reads, not the declarations, decide which phase publishes.
-        observed = [trace(ph.backend, ph.mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)).traced()
-                    for ph in shape.phases]
-        positions = shape.positions_under(policy, observed)
-        self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
-        self.checked = kwargs.get("check") is not None
-        # check mode: a buffer no phase reads is released (poisoned) as the step starts
-        self.never_read = tuple(b for b in SHARED_BUFFERS if b not in self.owner)
         replays: dict[Any, int] = {}
         for ph in shape.phases:
             replays[ph.graph_key] = replays.get(ph.graph_key, 0) + 1
         stream = device.stream("forward")
         self.graphs: dict[Any, Lowered] = {}
-        for i, ph in enumerate(shape.phases):
+        for ph in shape.phases:
             if ph.graph_key in self.graphs:
                 continue
-            publish = [b for b, k in self.owner.items() if shape.phases[k].graph_key == ph.graph_key]
-            if self.checked and i == 0:
-                publish += self.never_read
             # Every replay of a runner's graph in one step is a step in flight for its events.
             self.graphs[ph.graph_key] = lower(
                 ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                stream=stream, state=state, steps_in_flight=replays[ph.graph_key], publish=publish, **kwargs)
+                stream=stream, state=state, steps_in_flight=replays[ph.graph_key], **kwargs)
+        # Ranked by what each phase's graph places its events from (under EXACT its bound trace
+        # joined with what its rehearsal saw): the phase chosen is one whose plan really covers
+        # the buffer's last read, and check mode poisons the buffer at that very point.
+        observed = [self.graphs[ph.graph_key].observed for ph in shape.phases]
+        positions = shape.positions_under(policy, observed)
+        self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
+        self.checked = kwargs.get("check") is not None
+        # a buffer no phase reads, or whose publishing phase waits for none of its reads, is
+        # released as the step starts: check mode poisons it there, before any phase runs
+        self.never_read = tuple(b for b in SHARED_BUFFERS if b not in self.owner)
+        self.at_start = (*self.never_read, *(b for b, k in self.owner.items()
+                                             if not self.graphs[shape.phases[k].graph_key].plan.placements[b].waits))
+        if self.checked:
+            self.graphs[shape.phases[0].graph_key].poison_at_start(self.at_start)
         self.stream = stream
         self.label = f"{shape.name}/{policy.name}"
 
@@ -166,8 +168,8 @@ class PhasedStep:
             part = narrow_tokens(batch, self.tokens, tokens_per_request(ph.mode))
             kw: dict[str, Any] = {}
             if self.checked:  # only the owner phase's replay of a shared graph poisons a buffer
-                owned = [b for b, k in self.owner.items() if k == i]
-                kw = {"poison": owned + list(self.never_read if i == 0 else ()), "first": i == 0, "last": i == last}
+                owned = [b for b, k in self.owner.items() if k == i and b not in self.at_start]
+                kw = {"poison": owned, "first": i == 0, "last": i == last}
             runs.append(self.graphs[ph.graph_key].run(part, step=step, after=after if i == 0 else (), **kw))
         parts: dict[str, tuple[Fence, ...]] = {b: (runs[k].fence,) for b, k in self.owner.items()}
         parts.update({b: () for b in SHARED_BUFFERS if b not in parts})
