@@ -436,9 +436,11 @@ class EngineBackend(Backend):
                          for name, value in vars(o).items() if before.get(id(o), {}).get(name, _NOTHING) is not value]
 
     def _recall(self, mode: ForwardMode, batch_size: int) -> None:
-        """What the capture-time call of ``mode`` and ``batch_size`` left on the objects, put back: the
-        code a graph replays read it while the graph was captured (``self.forward_metadata`` over the
-        graph's buffers), whatever another mode's capture or step left there since."""
+        """What the capture-time call of ``mode`` and ``batch_size`` left on the objects, put back as a
+        step begins and as its in-graph part begins: the code a graph replays read it while the graph
+        was captured (``self.forward_metadata`` over the graph's buffers), whatever another mode's
+        capture or step left there since (each layer's ``forward`` then sees what this step's
+        ``init_forward_metadata_in_graph`` left, as in the capture)."""
         for o, name, value in self.binding.frozen.get((self.path, mode, batch_size), ()):
             object.__setattr__(o, name, value)
 
@@ -529,7 +531,6 @@ class EngineBackend(Backend):
         if check_mode(mode) is ForwardMode.IDLE:
             return q.new_zeros(q.shape)
         obj, em, fb = self._call(mode, shared, batch, pools, meta)
-        self._recall(mode, fb.batch_size)
         self._restore(obj, ("out", "in"), mode, fb, shared, pools, meta)
         method, fn = forward_method(obj, mode is ForwardMode.DECODE)
         who = self.who()

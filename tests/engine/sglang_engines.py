@@ -7,7 +7,9 @@ Every factory here is ``MODULE:FACTORY`` for ``readfence audit --engine`` too.
 The wrappers are built over children CPU can run: SGLang's torch-native backend, or ``LateNative``,
 a subclass whose one change is the honest declaration of what torch-native's ``forward`` does
 (it slices the live page table in every layer: POST_REPLAY) under a name SGLang does not turn
-CUDA graphs off for, so that its declaration is one the engine uses.
+CUDA graphs off for, so that its declaration is one the engine uses. Where the real triton is
+installed, SGLang's ``TritonAttnBackend`` runs as shipped, its kernels in triton's interpreter
+(``TRITON_REASON`` says why not where it is not), alone and as the children of TBO and HybridLinear.
 """
 
 from __future__ import annotations
@@ -61,6 +63,45 @@ def _classes() -> dict[str, Any]:
 
 
 CLASSES = _classes()
+
+#: Why SGLang's Triton backend is not here ("" where it is).
+TRITON_REASON = REASON or ("" if "triton_backend" in MODULES else
+                           "triton is not installed (pip install -e '.[triton]'): SGLang's TritonAttnBackend runs "
+                           "its kernels in triton's interpreter on a machine without a GPU")
+
+
+def _triton_classes() -> dict[str, Any]:
+    if TRITON_REASON:
+        return {}
+    base = MODULES["base_attn_backend"]
+    triton = MODULES["triton_backend"].TritonAttnBackend
+    ends, fm = base.SharedReadEnds, base.ForwardMode
+    from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
+
+    class HonestTriton(triton):  # type: ignore[misc, valid-type]
+        """SGLang's Triton backend declaring what its code does: its page table is read by a triton
+        kernel in init_forward_metadata_out_graph, before the replay."""
+
+        def shared_read_ends(self, mode: Any) -> Any:
+            return ends.PRE_REPLAY if mode in (fm.DECODE, fm.TARGET_VERIFY) else super().shared_read_ends(mode)
+
+    class LateTriton(HonestTriton):
+        """Declares PRE_REPLAY, while its forward_decode gathers the batch's page-table rows again from the
+        live table, with SGLang's own kernel, into its metadata: a read in every layer."""
+
+        def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+            meta = self.forward_metadata
+            bs = forward_batch.batch_size
+            create_flashinfer_kv_indices_triton[(bs,)](
+                self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, meta.kv_indptr, None,
+                meta.kv_indices, self.req_to_token.stride(0))
+            return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
+
+    return {"TritonAttnBackend": triton, "HonestTriton": HonestTriton, "LateTriton": LateTriton}
+
+
+TRITON_CLASSES = _triton_classes()
 
 
 def _adapt(factory: Any, name: str, **server_args: Any) -> EngineBackend:
@@ -122,3 +163,34 @@ def dots() -> EngineBackend:
     """SGLang's DotsHybridAttnBackend (dsa, swa) over LateNative."""
     late = CLASSES["LateNative"]
     return _adapt(lambda r: MODULES["dots_hybrid_backend"].DotsHybridAttnBackend(late(r), late(r)), "dots")
+
+
+def triton_attn() -> EngineBackend:
+    """SGLang's TritonAttnBackend as shipped: its kernels run in triton's interpreter."""
+    return _adapt(TRITON_CLASSES["TritonAttnBackend"], "TritonAttnBackend")
+
+
+def honest_triton() -> EngineBackend:
+    return _adapt(TRITON_CLASSES["HonestTriton"], "HonestTriton")
+
+
+def late_triton() -> EngineBackend:
+    return _adapt(TRITON_CLASSES["LateTriton"], "LateTriton")
+
+
+def tbo_triton() -> EngineBackend:
+    """SGLang's TboAttnBackend over three of SGLang's Triton backends."""
+    triton = TRITON_CLASSES["TritonAttnBackend"]
+    return _adapt(lambda r: MODULES["tbo_backend"].TboAttnBackend.init_new(lambda: triton(r)), "tbo_triton")
+
+
+def hybrid_linear_triton() -> EngineBackend:
+    """SGLang's HybridLinearAttnBackend over two of SGLang's Triton backends, every layer full."""
+    triton = TRITON_CLASSES["TritonAttnBackend"]
+    wrapper = MODULES["hybrid_linear_attn_backend"].HybridLinearAttnBackend
+    return _adapt(lambda r: wrapper(triton(r), triton(r), list(range(CFG.layers))), "hybrid_linear_triton")
+
+
+#: SGLang's Triton backends, for ``readfence audit --engine tests.engine.sglang_engines:TRITON``.
+TRITON = {"triton": triton_attn, "tbo_triton": tbo_triton, "hybrid_linear_triton": hybrid_linear_triton} \
+    if not TRITON_REASON else {}

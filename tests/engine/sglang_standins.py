@@ -8,8 +8,13 @@ class: a decorator returns the function it decorates, a call returns a stand-in.
 that a test would really call does nothing useful, so a test that reaches a GPU kernel fails on
 its output, not silently.
 
+Where the real ``triton`` is installed (the ``triton`` extra) it is used as it is: on a machine
+without a GPU its kernels run in triton's interpreter (``TRITON_INTERPRET=1``, set here before
+SGLang's kernels are decorated), and SGLang's ``TritonAttnBackend`` is imported too; only
+``sgl_kernel`` and ``torchvision`` get stand-ins then.
+
 torch itself looks for ``triton`` when some of its modules are first imported: those are
-imported first, with ``triton`` absent, so torch never takes the stand-in for a real compiler.
+imported first, so torch never takes the stand-in for a real compiler.
 The stand-ins are on ``sys.meta_path`` (and in ``sys.modules``) only while :func:`import_sglang`
 imports SGLang's modules.
 """
@@ -148,6 +153,8 @@ def import_sglang() -> tuple[dict[str, types.ModuleType], str]:
         with _standins(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             found = {name: importlib.import_module(f"sglang.srt.layers.attention.{name}") for name in MODULES}
+            if real_triton():  # its constructor launches nothing, but builds triton's launch parameters
+                found["triton_backend"] = importlib.import_module("sglang.srt.layers.attention.triton_backend")
             importlib.import_module("sglang.srt.server_args")
             importlib.import_module("sglang.srt.runtime_context")
             importlib.import_module("sglang.srt.layers.radix_attention")

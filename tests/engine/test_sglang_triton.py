@@ -1,0 +1,119 @@
+"""SGLang 0.5.23's TritonAttnBackend, as shipped, with its real kernels: audited and verified on CPU.
+
+Its kernels run in triton's interpreter (``TRITON_INTERPRET=1``): its page table is read by the
+triton kernel ``create_flashinfer_kv_indices_triton`` in ``init_forward_metadata_out_graph``, which
+only a launch made an op shows. No shim but the torchvision (and sgl_kernel) import stand-ins:
+SGLang's own mode enum, layers, runtime context, ``ModelConfig``, KV index translator, forward-batch
+fields and capture mode. Skipped, with the reason, where SGLang or triton is not installed. An
+interpreted decode step of the two-layer model takes about half a second: the verify runs are few
+and the later variants ``slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from readfence.core import ForwardMode
+from readfence.core._triton import launches_unseen
+from readfence.effects import ReadEnd
+from readfence.engine import RUNNER, audit_engine, verify_engine
+from readfence.graph import Policy
+
+from . import sglang_engines as sg
+
+pytestmark = pytest.mark.skipif(bool(sg.TRITON_REASON), reason=sg.TRITON_REASON or "-")
+
+M = ForwardMode
+PRE, IN, POST, UNKNOWN = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
+KERNEL = "triton_kernel.create_flashinfer_kv_indices_triton.default"
+
+
+def _audit(engine, mode=M.DECODE):
+    return audit_engine(engine, mode, batch_sizes=[2], steps=1)
+
+
+def _rows(report):
+    return [(r.backend, r.mode, r.buffer, r.declared, r.truth, r.source, r.method, r.op) for r in report.rows()]
+
+
+@pytest.mark.parametrize(("mode", "declared"), [(M.DECODE, IN), (M.TARGET_VERIFY, IN), (M.EXTEND, UNKNOWN)])
+def test_the_shipped_backend_reads_its_page_table_in_a_kernel_before_the_replay(mode, declared):
+    report = _audit(sg.triton_attn(), mode)
+    assert _rows(report) == [("TritonAttnBackend", mode, "req_to_token", declared, PRE, "traced",
+                              "init_forward_metadata_out_graph", KERNEL)], report.table()
+    assert report.sound and "UNTRACEABLE" not in report.table(), report.table()
+
+
+@pytest.mark.slow
+def test_the_shipped_backend_verifies_clean_under_every_policy_and_the_engines_runner(dev):
+    result = verify_engine(sg.triton_attn(), device=dev, policies=list(Policy), steps=2, batch_size=2)
+    assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
+    assert result.ok, str(result)
+
+
+def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel_and_caught(dev):
+    (row,) = _audit(sg.honest_triton()).rows()
+    assert (row.declared, row.truth, row.verdict) == (PRE, PRE, "exact")
+    late = sg.late_triton()
+    report = _audit(late)
+    (row,) = report.unsound()
+    assert (row.declared, row.truth, row.method, row.op) == (PRE, POST, "forward", KERNEL)
+    assert "sglang_engines.py" in row.where and "in forward_decode" in row.where
+    # readfence's fences refuse the declaration; the engine's runner trusts it and reads late
+    exact, runner = verify_engine(late, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).rows
+    assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
+    assert (runner.finding.kind, runner.finding.buffer, runner.finding.stage) == ("late read", "req_to_token", "body")
+    assert "create_flashinfer_kv_indices_triton" in runner.finding.op, str(runner.finding)
+
+
+@pytest.mark.slow
+def test_the_verdicts_do_not_depend_on_what_was_audited_before_on_the_same_object(dev):
+    engine = sg.triton_attn()
+    before = [_rows(_audit(engine, mode)) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
+    fresh = [_rows(_audit(sg.triton_attn(), mode)) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
+    assert before == fresh
+    # the replayed forward reads what its own mode's capture left on the object, not the last mode's
+    result = verify_engine(engine, device=dev, policies=[Policy.JOINED, Policy.EXACT], steps=2, batch_size=2)
+    assert result.ok, str(result)
+
+
+@pytest.mark.slow
+def test_target_verify_verifies_clean(dev):
+    result = verify_engine(sg.triton_attn(), M.TARGET_VERIFY, device=dev, policies=[Policy.PER_BUFFER, Policy.EXACT],
+                           steps=2, batch_size=2)
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize(("make", "children"), [
+    pytest.param(sg.tbo_triton, ["primary", "children[0]", "children[1]"], marks=pytest.mark.slow),
+    pytest.param(sg.hybrid_linear_triton, ["full_attn_backend", "linear_attn_backend"], marks=pytest.mark.slow),
+])
+def test_the_wrappers_over_triton_children_delegate_and_verify_clean(make, children, dev):
+    engine = make()
+    assert [name for name, _ in engine.kids] == children
+    report = _audit(engine)
+    assert report.sound, report.table()
+    assert report.find(engine.name, M.DECODE).delegation.startswith("delegates"), report.table()
+    assert {r.truth for r in report.rows()} == {PRE}
+    result = verify_engine(engine, device=dev, policies=[Policy.PER_BUFFER, Policy.EXACT], steps=2, batch_size=2)
+    assert result.ok, str(result)
+
+
+def test_a_launch_readfence_does_not_see_makes_the_page_table_unknown_and_is_classified_as_torchs_refusal():
+    with launches_unseen():  # the interpreter's own storage copies reach the tracer
+        report = _audit(sg.triton_attn())
+    (row,) = report.rows()
+    assert (row.truth, row.source, row.verdict) == (UNKNOWN, "observed", "unsound")
+    assert "make_fx cannot trace it: NotImplementedError" in report.table()
+
+
+@pytest.mark.slow
+def test_the_cli_audits_sglangs_triton_backend_by_name():
+    from click.testing import CliRunner
+
+    from readfence.cli import main
+
+    result = CliRunner().invoke(main, ["audit", "--engine", "sglang.srt.layers.attention.triton_backend:TritonAttnBackend",
+                                       "--mode", "decode", "--batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "TritonAttnBackend  DECODE  req_to_token  IN_REPLAY  PRE_REPLAY" in result.output, result.output
