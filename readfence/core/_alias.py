@@ -24,7 +24,7 @@ from torch import fx
 from torch._ops import HigherOrderOperator
 
 from ._collectives import hidden_writes, inert, is_wait, starts_collective
-from ._program import ESCAPE, OPAQUE_KEY, READS_KEY
+from ._program import ALIASES_KEY, ESCAPE, OPAQUE_KEY, READS_KEY
 from ._schema import bind, op_aliasing
 
 Aliases = frozenset[str]
@@ -69,7 +69,7 @@ def analyse(
     copies: frozenset[str] | None = None,
     hidden: Mapping[str, Aliases] | None = None,
 ) -> Analysis:
-    """Annotate ``graph``'s nodes with ``READS_KEY`` (and ``OPAQUE_KEY``) in place.
+    """Annotate ``graph``'s nodes with ``READS_KEY``, ``ALIASES_KEY`` (and ``OPAQUE_KEY``) in place.
 
     ``initial`` maps placeholder / get_attr node names to the shared buffers they alias.
     ``escape_op`` marks an escape of its first argument; ``escape_reads(node)`` says whether
@@ -201,4 +201,6 @@ def analyse(
             elif carried:
                 pending[node] = carried
         mark(node, read)
+    for node, aliases in alias.items():  # what the replay's alias check holds each value to
+        node.meta[ALIASES_KEY] = aliases
     return Analysis(reads, opaque, frozenset(unknown), tuple(writes), output_aliases, escapes)

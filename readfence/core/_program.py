@@ -92,6 +92,7 @@ from ._step import BODY, STAGES, OutputGuard, Stage, flatten_group, stage_named
 __all__ = ["Captured", "Program", "StageGraph", "flatten_group", "flatten_inputs", "run_program"]
 
 READS_KEY = "readfence_reads"
+ALIASES_KEY = "readfence_aliases"  # the shared buffers a node's value may alias, as the analysis found
 OPAQUE_KEY = "readfence_opaque"
 INPUT_KEY = "readfence_input"
 SOURCE_KEY = "readfence_source"

@@ -61,6 +61,7 @@ from .lowering import FencePlan as FencePlan
 from .lowering import Lowered as Lowered
 from .lowering import Placement as Placement
 from .lowering import Policy as Policy
+from .lowering import ReplayAliasError as ReplayAliasError
 from .lowering import RingWrapError as RingWrapError
 from .lowering import StepRun as StepRun
 from .lowering import UncapturableStage as UncapturableStage

@@ -1,11 +1,12 @@
 """Lowering: a traced step becomes device work with its fences placed from the joined effect.
 
-Fence policies and plans (where each buffer's release is published), the FX pass that
-inserts event records after chosen nodes, the fences a step publishes (event generations,
+Fence policies and plans (where each buffer's release is published), the FX passes that
+insert event records after chosen nodes and alias checks after opaque ops, the fences a step publishes (event generations,
 event rings), the poison-on-release check mode, and ``lower`` itself.
 """
 
 from ._fence import Bound, Fence, ForeignEventError, RingWrapError
+from ._fx_aliases import ReplayAliasError
 from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
 from ._plan import FencePlan, Placement, plan_fences
 from ._poison import POISONS, CheckState, poison_family
@@ -21,6 +22,7 @@ __all__ = [
     "Lowered",
     "Placement",
     "Policy",
+    "ReplayAliasError",
     "RingWrapError",
     "StepRun",
     "UncapturableStage",

@@ -63,6 +63,7 @@ from torch import fx
 
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing
 
+from ._fx_aliases import ALIAS_CHECK_KEY
 from ._fx_records import RECORD_KEY
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
@@ -109,7 +110,7 @@ class _Memory:
             return self.of(node.args)
         if node.target is operator.getitem:
             return self.of(node.args[0])
-        if RECORD_KEY in node.meta:  # fires an event: reads and writes no tensor
+        if RECORD_KEY in node.meta or ALIAS_CHECK_KEY in node.meta:  # an event, a check: reads and writes no tensor
             return frozenset()
         aliasing = op_aliasing(node.target) if node.op == "call_function" else None
         if aliasing is None or aliasing.opaque:

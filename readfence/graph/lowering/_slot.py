@@ -17,11 +17,13 @@ import attrs
 from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
+from readfence.core.internal import BufferMap
 from readfence.effects import ReadEffect, ReadEnd
 
-from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
+from ..devices import CudaDevice, Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_compile import CompiledGraph, compile_graph
+from ._fx_aliases import insert_alias_checks
 from ._fx_records import insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
 from ._poison import CheckState, Watcher, poison_points
@@ -237,13 +239,18 @@ def _node_reads(stage: StageGraph, observed: Mapping[str, Mapping[str, frozenset
 
 
 def compile_stage(stage: StageGraph, after: Mapping[str, list[Event]], actions: Mapping[str, list[Action]],
-                  device: Device, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> LaunchedStage:
+                  device: Device, observed: Mapping[str, Mapping[str, frozenset[str]]], *,
+                  live: BufferMap | None = None, backend: str = "?") -> LaunchedStage:
     """``stage`` with ``after[node]`` records and ``actions[node]`` inserted after its nodes,
-    compiled; a stage that runs its Python (unfaithful) runs as it is, with no node-level records."""
+    and, given the ``live`` shared buffers, an alias check after each opaque op
+    (``insert_alias_checks``), compiled; a stage that runs its Python runs as it is, with no
+    node-level records."""
     reads = _node_reads(stage, observed)
     if stage.runs_python:
         return LaunchedStage(stage, tuple(stage_ops(stage.gm, reads, stage.name)))
     gm = insert_records(stage.gm, after, device, actions) if after or actions else stage.gm
+    if live is not None:
+        gm = insert_alias_checks(gm, live, backend=backend, stage=stage.name)
     return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, stage.name))
 
 
@@ -298,7 +305,11 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
                 actions[point.after.stage].setdefault(point.after.node, []).append(act)
             else:
                 at_end[point.end.rank] = act
-    stages = {s.name: compile_stage(s, after[s.name], actions[s.name], dev, spec.observed) for s in program.stages}
+    # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
+    live = None if isinstance(dev, CudaDevice) else BufferMap.of(
+        {n.removeprefix("shared."): t for n, t in launcher.env.items() if n.startswith("shared.")})
+    stages = {s.name: compile_stage(s, after[s.name], actions[s.name], dev, spec.observed, live=live,
+                                    backend=program.backend) for s in program.stages}
     index = {p: i for i, p in enumerate(events)}
     done = spec.new_event(f"{label}/done#{r}")
     fence_events = (*events.values(), done)

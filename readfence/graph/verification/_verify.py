@@ -53,7 +53,7 @@ from readfence.effects import Failure  # unwrap() says why
 
 from ..devices import Device, DeviceError
 from ..devices.internal import check_device
-from ..lowering import CheckState, Policy, UncapturableStage, UnsoundLowering, make_state, torch_device
+from ..lowering import CheckState, Policy, ReplayAliasError, UncapturableStage, UnsoundLowering, make_state, torch_device
 from ..lowering.internal import poison_points
 from ..runtime import DEFAULT_CAPTURE_SIZES, Traffic, decode_loop, run_serial, run_serve_serial, serve_loop
 from ..runtime.internal import same_logits
@@ -74,7 +74,8 @@ class LateRead:
     ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"``,
     ``"thread"`` (a stage hands work to another thread: ``op`` names it) or ``"refused"``
     (captured trace-time state, a stage no graph can capture, a captured stage that computes
-    other than its Python); ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``,
+    other than its Python, an opaque op whose output aliased a shared buffer at a replay where
+    no example showed it: ``op`` names it); ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``,
     ``"output"``, ``"audit"``, ``"replay"`` (the capture replayed on fresh states differs from
     the stage's Python: ``stage`` and ``op``, the output, name it) or ``"run"`` (found while the
     step ran).
@@ -382,6 +383,8 @@ def verify(
             return Failure(LateRead(name, mode, pol, "write", "audit", e.buffer, None, e.stage, e.op, str(e)))
         except (StageThreadError, DeviceError) as e:  # a stage hands work to another thread
             t = e if isinstance(e, StageThreadError) else e.__cause__
+            if isinstance(t, ReplayAliasError):  # an opaque op returned a view no example showed
+                return Failure(LateRead(name, mode, pol, "refused", "run", min(t.buffers), None, t.stage, t.op, str(t)))
             if not isinstance(t, StageThreadError):
                 raise
             evidence = {"the trace": "audit", "the read observer": "observer"}.get(t.watcher or "", "run")
