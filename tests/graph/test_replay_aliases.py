@@ -91,10 +91,10 @@ def test_without_the_check_the_run_is_caught_by_the_comparison_with_serial(monke
 
 
 def test_the_copy_path_alone_runs_clean_and_bit_identical() -> None:
-    # the same op on rows that are never consecutive: no alias at any replay, nothing refused
+    # the same op on rows that are never all even: no alias at any replay, nothing refused
     def prep(mode, shared, batch, meta):
-        rows = batch["req_pool_indices"].flip(0)
-        lens = torch.ops.rf_replay_alias.rows_of(shared["seq_lens"], rows).flip(0)
+        rows = (batch["req_pool_indices"] + 1) % shared["seq_lens"].shape[0]  # odd rows: the copy path
+        lens = torch.ops.rf_replay_alias.rows_of(shared["seq_lens"], rows)
         return {**page_meta(shared, batch), "lens": lens}
 
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):
