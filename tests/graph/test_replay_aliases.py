@@ -42,7 +42,7 @@ def _fast_path(name: str = "fast_path") -> object:
 
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
-        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["lens"].long())
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["lens"].long().clamp(min=1))
 
     declared = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
     return leaf(name, attend, prepare_in_graph=prep, declare={M: declared})
@@ -78,16 +78,18 @@ def test_verify_reports_it_as_a_refused_step() -> None:
         "refused", "run", "seq_lens", "rf_replay_alias.rows_of.default"), str(finding)
 
 
-def test_without_the_check_the_run_is_caught_by_the_comparison_with_serial(monkeypatch) -> None:
-    # broken on purpose: no alias check at the replays. The lowered step runs, and what it
-    # computes through the view is not the serial step's: the ground truth catches it
+def test_without_the_check_the_late_read_is_caught_by_poison_and_by_the_observer(monkeypatch) -> None:
+    # broken on purpose: no alias check at the replays. The body reads the live lengths through
+    # the view after their IN_REPLAY release: poison on release and the read observer, each on
+    # its own, catch it
     import readfence.graph.lowering._slot as slot
 
     monkeypatch.setattr(slot, "insert_alias_checks", lambda gm, live, **kw: gm)
     with CpuDevice(timeout=30.0) as dev:
-        finding = verify(_fast_path("unchecked"), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
-                         policy=Policy.PER_BUFFER, checks={"poison"}).failure()
-    assert finding.kind in ("late read", "differs") and finding.evidence in ("poison", "output"), str(finding)
+        for check in ("poison", "observer"):
+            finding = verify(_fast_path("unchecked"), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
+                             policy=Policy.PER_BUFFER, checks={check}).failure()
+            assert (finding.kind, finding.buffer, finding.evidence) == ("late read", "seq_lens", check), str(finding)
 
 
 def test_the_copy_path_alone_runs_clean_and_bit_identical() -> None:
@@ -99,7 +101,7 @@ def test_the_copy_path_alone_runs_clean_and_bit_identical() -> None:
 
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
-        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["lens"].long())
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["lens"].long().clamp(min=1))
 
     declared = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
     backend = leaf("copy_path", attend, prepare_in_graph=prep, declare={M: declared})
