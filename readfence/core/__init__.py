@@ -14,6 +14,8 @@ from ._audit import Unsound as Unsound
 from ._audit import audit as audit
 from ._audit import audit_report as audit_report
 from ._audit import default_batch_sizes as default_batch_sizes
+from ._kernel_access import KernelAccess as KernelAccess
+from ._kernel_access import kernel_access as kernel_access
 from ._model import forward as forward
 from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
@@ -73,6 +75,9 @@ from ._trace import clear_trace_cache as clear_trace_cache
 from ._trace import trace as trace
 from ._trace import trace_cache_size as trace_cache_size
 from ._trace import trace_step as trace_step
+from ._triton import LaunchStreamError as LaunchStreamError
+from ._triton import UnboundedKernelError as UnboundedKernelError
+from ._triton import launches_unseen as launches_unseen
 from ._validate import NotGraphSafe as NotGraphSafe
 from ._validate import validate_replay as validate_replay
 
@@ -81,10 +86,10 @@ __all__ = [
     "AuditReport", "BackendLike", "BufferAudit", "CapturedStateError", "Disagreement", "ForwardMode",
     "Interpreter", "LayerScan", "ModelConfig", "NotGraphSafe", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
     "StageGraph", "StageOutputError", "StageThreadError", "StageWriteError", "StepFunctions", "StepInputs",
-    "TensorParallel", "Unsound", "Watched",
+    "KernelAccess", "LaunchStreamError", "TensorParallel", "UnboundedKernelError", "Unsound", "Watched",
     "all_reduce", "audit", "audit_report", "bind", "check_stage_output", "clear_trace_cache", "cross_check",
     "cross_into_graph", "default_batch_sizes", "eval_step", "example_step", "flatten_group", "flatten_inputs",
-    "forward", "init_params", "make_pools", "make_shared_state", "observe", "observe_program", "observe_step",
+    "forward", "init_params", "kernel_access", "launches_unseen", "make_pools", "make_shared_state", "observe", "observe_program", "observe_step",
     "prepare", "rms_norm", "rotary", "run_program", "run_scan", "run_step", "split_batch", "stage_named", "step_functions",
     "tokens_per_request", "trace", "trace_cache_size", "trace_step", "validate_replay", "varied_step",
 ]

@@ -312,8 +312,14 @@ def see_launches() -> bool:
 
 @contextlib.contextmanager
 def launches_unseen() -> Iterator[None]:
-    """Launches run as triton runs them in the block, watched or not (what a launch readfence did not
-    wrap looks like: its pointers escape)."""
+    """Launches run as triton runs them in the block, watched or not: what a launch readfence did not
+    make an op looks like (its pointers are taken in Python, an escape: ``UNKNOWN``). For tests of
+    what readfence reports of kernels it cannot see.
+
+    >>> with launches_unseen():
+    ...     _watched()
+    False
+    """
     depth = getattr(_inside, "depth", 0)
     _inside.depth = depth + 1
     try:

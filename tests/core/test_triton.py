@@ -15,8 +15,16 @@ import pytest
 import torch
 
 from readfence.backends import kv_lens, leaf, softmax_attention, store_kv
-from readfence.core import ForwardMode, ReadObserver, StageThreadError, StageWriteError, audit, trace
-from readfence.core._triton import UnboundedKernelError, launches_unseen
+from readfence.core import (
+    ForwardMode,
+    ReadObserver,
+    StageThreadError,
+    StageWriteError,
+    UnboundedKernelError,
+    audit,
+    launches_unseen,
+    trace,
+)
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, verify
 from tests.conftest import NO_TRITON, TRITON
@@ -132,6 +140,16 @@ def test_the_honest_declarations_run_bit_identical_to_the_serial_run(dev):
     assert _verify(_backend("late_declared", late=True, declare=POST), dev).unwrap()
 
 
+def test_a_plan_for_cuda_traces_the_launch_under_fake_tensors_as_one_node():
+    # no GPU, no kernel run: the op's fake kernel stands for the launch
+    for late, end in ((False, IN), (True, POST)):
+        program = trace(_backend("fake_" + str(late).lower(), late=late), M.DECODE, cfg=CFG, device="cuda")
+        assert program.traced()["req_to_token"] is end
+        nodes = [n for s in program.stages for n in s.gm.graph.nodes if n.op == "call_function"
+                 and str(n.target) == "triton_kernel.gather_rows.default"]
+        assert len(nodes) == (CFG.layers if late else 1)
+
+
 # -- the write --------------------------------------------------------------------------------
 def test_a_kernel_writing_a_shared_buffer_is_refused_as_a_write_naming_it():
     marks = _backend("marks", rows=lambda s, b: _rows(gather_and_mark, s, b))
@@ -177,13 +195,13 @@ def test_a_kernel_launched_on_a_thread_of_its_own_is_refused_naming_it():
 
 def test_a_launch_on_another_cuda_stream_is_refused(monkeypatch):
     # (no GPU here: the stage's stream and the launch's are told apart by identity, as CUDA's are)
-    from readfence.core import _threads, _triton
+    from readfence.core import LaunchStreamError, _threads
 
     streams = iter(["the stage's", "a side stream"])
     monkeypatch.setattr(_threads, "_current_stream", lambda: next(streams))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "a side stream")
     table = torch.arange(16, dtype=torch.int32).reshape(1, 16)
-    with pytest.raises(_triton.LaunchStreamError, match="'gather_rows' is launched on a stream other"):
+    with pytest.raises(LaunchStreamError, match="'gather_rows' is launched on a stream other"):
         with _threads.watch_threads("toy", "body"), ReadObserver({"req_to_token": table}):
             page_rows({"req_to_token": table}, {"req_pool_indices": torch.zeros(1, dtype=torch.int64)})
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import ForwardMode
-from readfence.core._triton import launches_unseen
+from readfence.core import ForwardMode, launches_unseen
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
 from readfence.graph import Policy
