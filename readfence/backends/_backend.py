@@ -138,6 +138,15 @@ def make_table(declare: Callable[[ForwardMode], ReadEffect], who: str) -> Table:
     return tuple(table)
 
 
+def _hash_or_id(value: object) -> int:
+    # a part of a backend that cannot be hashed (a callable dataclass instance as ``attend``): its
+    # identity; ``__eq__`` compares hashes first, so equal backends still hash alike
+    try:
+        return hash(value)
+    except TypeError:
+        return id(value)
+
+
 class Backend:
     """An attention backend: pure stage functions plus an effect table (immutable).
 
@@ -242,7 +251,8 @@ class Backend:
     def _finish(self, table: Table) -> None:
         object.__setattr__(self, "_table", table)
         child_hashes = tuple((label, c._hash) for label, c in self.children())
-        object.__setattr__(self, "_hash", hash((type(self).__name__, self._shallow(), child_hashes)))
+        shallow = tuple(_hash_or_id(part) for part in self._shallow())
+        object.__setattr__(self, "_hash", hash((type(self).__name__, shallow, child_hashes)))
 
     def __hash__(self) -> int:
         return self._hash

@@ -163,8 +163,13 @@ class StageOutputError(ValueError):
     scalars (``bool``, ``int``, ``float``, ``str``), ``None``, and dicts, lists and tuples of
     them, under keys of any hashable type. A traced graph bakes the Python values and tensor
     shapes of the one step it traced, so one that changes from step to step is refused too.
-    The message names the backend, the stage, the key and the line that returned it.
+    The message names the backend, the stage, the key and the line that returned it; ``stage``
+    is the stage's name (``None`` where no one stage is at fault).
     """
+
+    def __init__(self, message: str, *, stage: str | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
 
 
 def _like(leaf: object, value: object) -> bool:
@@ -260,7 +265,7 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     if isinstance(bad, Tensor):
         what += " (plain tensors: unwrap a tensor subclass inside the stage)"
     raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {type(bad).__name__} {_short(bad)} "
-                           f"{where} (at {line}): a stage returns {what}")
+                           f"{where} (at {line}): a stage returns {what}", stage=stage.name)
 
 
 def _short(value: object) -> str:
@@ -334,7 +339,8 @@ class OutputGuard:
 
         def fail(what: str, value: object, why: str) -> StageOutputError:
             line = "?" if fn is None else returned_at(fn, kwargs or {}, value)
-            return StageOutputError(f"backend {self.backend!r} stage {self.stage.name} returned {what} (at {line}): {why}")
+            return StageOutputError(f"backend {self.backend!r} stage {self.stage.name} returned {what} (at {line}): {why}",
+                                    stage=self.stage.name)
 
         if spec != self.spec:
             raise fail(f"keys {sorted(pytree.keystr(p) for p, _ in pairs)} where the traced step returned "

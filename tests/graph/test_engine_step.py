@@ -304,3 +304,82 @@ def test_a_deterministic_backend_is_validated_on_every_seed_without_a_false_alar
         backend = make()
         with CpuDevice(timeout=30.0) as dev:
             lower(backend, M, batch_size=BATCH, device=dev, policy=Policy.EXACT, cfg=CFG)
+
+
+# -- what used to crash: clear errors, or it works ---------------------------------------------
+def _sparse_case(over_lengths: bool) -> Any:
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        m = page_meta(shared, batch)
+        if over_lengths:  # a sparse tensor whose values are the live lengths themselves (no copy)
+            lens = shared["seq_lens"]
+            sparse = torch.sparse_coo_tensor(torch.arange(lens.shape[0]).unsqueeze(0), lens, (lens.shape[0],))
+            m["kv_lens"] = sparse.to_dense().index_select(0, batch["req_pool_indices"]).long()
+        weight = torch.sparse.mm(torch.eye(q.shape[-1]).to_sparse(), torch.ones(q.shape[-1], 1)).sum() / q.shape[-1]
+        return softmax_attention(mode, q, pools, layer, m["kv_indices"], m["kv_lens"]) * weight
+
+    return leaf(f"sparse_{'lens' if over_lengths else 'own'}", attend, declare=_declared(ReadEnd.POST_REPLAY))
+
+
+def test_a_sparse_tensor_that_touches_no_shared_buffer_is_simply_not_one() -> None:
+    backend = _sparse_case(False)
+    report = audit(backend, M, cfg=CFG).unwrap()
+    assert report.observed["state_slots"] is ReadEnd.NONE
+    serial = run_serial(backend, M, steps=STEPS, batch_size=BATCH, cfg=CFG)
+    with CpuDevice(timeout=30.0) as dev:
+        run = run_overlapped(backend, M, steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG)
+    assert run.matches(serial) and run.violations == ()
+
+
+def test_a_sparse_tensor_over_a_shared_buffer_reads_it() -> None:
+    # its values are the live lengths: reading it is reading them, until the body's end
+    early = leaf("sparse_early", _sparse_case(True).kernel.attend,
+                 declare={M: ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})})
+    failure = audit(early, M, cfg=CFG).failure()
+    assert (failure.buffer, failure.observed) == ("seq_lens", ReadEnd.POST_REPLAY), failure
+
+
+def test_a_callable_dataclass_instance_is_an_attend_like_any_function() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Attend:
+        scale: float = 0.5
+
+        def __call__(self, mode, layer, q, k, v, pools, shared, batch, meta):
+            store_kv(pools, layer, batch["out_cache_loc"], k, v)
+            return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) * self.scale
+
+    backend = leaf("scaled", Attend(), prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch),
+                   reads=["req_to_token", "seq_lens"])
+    assert backend == backend and hash(backend) == hash(backend)
+    assert audit(backend, M, cfg=CFG).map(lambda r: r.sound).value_or(None)
+    serial = run_serial(backend, M, steps=STEPS, batch_size=BATCH, cfg=CFG)
+    with CpuDevice(timeout=30.0) as dev:
+        run = run_overlapped(backend, M, steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG)
+    assert run.matches(serial) and run.violations == ()
+
+
+def _changes_its_python_value() -> Any:
+    def out(mode, shared, batch):
+        return {**page_meta(shared, batch), "long": int(shared["seq_lens"].max() > 5)}  # a host read: Python
+
+    return leaf("changes_value", _attend(lambda meta: meta["kv_lens"] + meta["long"]), prepare_out_graph=out,
+                declare=_declared(ReadEnd.PRE_REPLAY))
+
+
+def test_verify_returns_the_finding_of_a_python_value_a_later_step_changes(monkeypatch) -> None:
+    # the lowering's check meets it on its varied states: refused before any step runs
+    with CpuDevice(timeout=30.0) as dev:
+        refused = verify(_changes_its_python_value(), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
+                         policy=Policy.EXACT).failure()
+    assert (refused.kind, refused.evidence, refused.stage) == ("refused", "audit", "prepare_out_graph"), refused
+    # with that check off, a step meets it in the run: its finding, not the stream's error
+    import readfence.graph.lowering._lower as lowering
+
+    monkeypatch.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)
+    with CpuDevice(timeout=30.0) as dev:
+        found = verify(_changes_its_python_value(), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
+                       policy=Policy.EXACT).failure()
+    assert (found.kind, found.evidence, found.stage) == ("refused", "run", "prepare_out_graph"), found
+    assert "['long']" in found.detail and "return it as a tensor" in found.detail

@@ -103,4 +103,5 @@ def _check_shapes(program: Program, env: Mapping[str, Tensor]) -> None:
                 raise StageOutputError(
                     f"backend {program.backend!r} stage {s.name} returned {name!r} of shape {tuple(traced.shape)} "
                     f"on the traced step and {tuple(env[name].shape)} on another (at {s.source(node.name)}): a graph "
-                    f"reads metadata of one shape per batch size; pad it to a fixed shape, as engines' graph runners do")
+                    f"reads metadata of one shape per batch size; pad it to a fixed shape, as engines' graph runners do",
+                    stage=s.name)

@@ -22,8 +22,8 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ..devices import CudaDevice, Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
-from ._fx_compile import CompiledGraph, compile_graph
 from ._fx_aliases import insert_alias_checks
+from ._fx_compile import CompiledGraph, compile_graph
 from ._fx_records import insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
 from ._poison import CheckState, Watcher, poison_points
@@ -118,7 +118,8 @@ class StepLauncher:
                 raise StageOutputError(
                     f"{self.label}: stage {PREPARE_OUT_GRAPH.name} returned {k!r} of shape {tuple(v.shape)}, "
                     f"the graph was lowered for shape {tuple(static.shape)}: a graph reads metadata of one "
-                    f"shape per batch size; pad it to a fixed shape, as engines' graph runners do")
+                    f"shape per batch size; pad it to a fixed shape, as engines' graph runners do",
+                    stage=PREPARE_OUT_GRAPH.name)
             static.copy_(v)
 
     def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], object]) -> None:

@@ -45,6 +45,7 @@ from readfence.core import (
     ModelConfig,
     NotGraphSafe,
     ReadObserver,
+    StageOutputError,
     StageThreadError,
     StageWriteError,
 )
@@ -381,10 +382,14 @@ def verify(
             return Failure(_refused(name, mode, pol, e))
         except StageWriteError as e:
             return Failure(LateRead(name, mode, pol, "write", "audit", e.buffer, None, e.stage, e.op, str(e)))
+        except StageOutputError as e:  # refused by the lowering: a value the graphs cannot carry
+            return Failure(LateRead(name, mode, pol, "refused", "audit", stage=e.stage, detail=str(e)))
         except (StageThreadError, DeviceError) as e:  # a stage hands work to another thread
             t = e if isinstance(e, StageThreadError) else e.__cause__
             if isinstance(t, ReplayAliasError):  # an opaque op returned a view no example showed
                 return Failure(LateRead(name, mode, pol, "refused", "run", min(t.buffers), None, t.stage, t.op, str(t)))
+            if isinstance(t, StageOutputError):  # a step returned what the graphs after it were not traced on
+                return Failure(LateRead(name, mode, pol, "refused", "run", stage=t.stage, detail=str(t)))
             if not isinstance(t, StageThreadError):
                 raise
             evidence = {"the trace": "audit", "the read observer": "observer"}.get(t.watcher or "", "run")
