@@ -52,6 +52,7 @@ _POINTER_FROM_INT = frozenset({"pointer_type", "int_to_ptr"})
 #: Triton builtins that may run code the analysis cannot read (inline assembly).
 _OPAQUE_BUILTINS = frozenset({"inline_asm_elementwise"})
 _WILD = "<an address made from an integer>"
+_POINTER = "<a pointer type>"  # what a launch handed a parameter, in the cache key (pointer types do not hash)
 
 
 @attrs.frozen
@@ -102,6 +103,11 @@ def python_function(kernel: Any) -> Callable[..., Any] | None:
 def _is_triton(obj: Any) -> bool:
     module = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", "")
     return isinstance(module, str) and module.split(".")[0] == "triton"
+
+
+def _is_pointer_type(obj: Any) -> bool:
+    # a triton pointer type (``tl.pointer_type(tl.float32)``), held in a global or handed to a parameter
+    return type(obj).__name__ == "pointer_type" and _is_triton(obj)
 
 
 def _is_jit(obj: Any) -> bool:
@@ -167,13 +173,11 @@ class _Function:
         """The parameters ``expr``'s value may point into (``_WILD``: anywhere)."""
         if expr is None:
             return frozenset()
+        if isinstance(expr, (ast.Name, ast.Attribute)) and self.makes_pointers(expr):
+            return frozenset({_WILD})
         if isinstance(expr, ast.Name):
-            if expr.id in _POINTER_FROM_INT:
-                return frozenset({_WILD})
             return self.provenance.get(expr.id, frozenset())
         if isinstance(expr, ast.Attribute):
-            if expr.attr in _POINTER_FROM_INT:
-                return frozenset({_WILD})
             return self.of(expr.value)
         if isinstance(expr, ast.Call):
             kind, value = self.resolve(expr.func)
@@ -189,6 +193,15 @@ class _Function:
         for child in ast.iter_child_nodes(expr):
             out |= self.of(child)
         return out
+
+    def makes_pointers(self, node: ast.Name | ast.Attribute) -> bool:
+        """Whether ``node`` names a way to make a pointer out of an integer (``tl.pointer_type``, or a
+        pointer type a global or a launch's argument holds)."""
+        ident = node.id if isinstance(node, ast.Name) else node.attr
+        if ident in _POINTER_FROM_INT:
+            return True
+        kind, value = self.resolve(node)
+        return kind == "object" and (value is _POINTER or _is_pointer_type(value))
 
     def _assignments(self) -> Iterator[tuple[list[ast.expr], ast.AST | None]]:
         for node in ast.walk(self.node):
@@ -227,7 +240,8 @@ def kernel_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None
     """What the triton kernel ``fn`` (a ``@triton.jit`` object, a wrapper of one, or its Python
     function) may write, by parameter; see the module docstring. ``given``: the values a launch
     passes, of which the parameters holding a jit function or ``None`` (a ``constexpr`` callee such
-    as a score modifier) are followed: a call of ``None`` is a branch that does not run.
+    as a score modifier) are followed (a call of ``None`` is a branch that does not run), and a
+    pointer type handed to a parameter makes the kernel unbounded.
 
     >>> def k(x, out, MOD):
     ...     if MOD is not None:
@@ -238,7 +252,8 @@ def kernel_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None
     py = python_function(fn) if not isinstance(fn, types.FunctionType) else fn
     if py is None:
         raise TypeError(f"{fn!r} ({type(fn).__name__}) is not a triton kernel or a Python function")
-    callees = tuple(sorted((k, v) for k, v in (given or {}).items() if v is None or _is_jit(v)))
+    callees = tuple(sorted((k, _POINTER if _is_pointer_type(v) else v) for k, v in (given or {}).items()
+                           if v is None or _is_jit(v) or _is_pointer_type(v)))
     return _cached(py, callees)
 
 
@@ -268,10 +283,8 @@ def _access(py: Callable[..., Any], stack: tuple[Any, ...], given: Mapping[str, 
                 writes.setdefault(p, site)
 
     for node in ast.walk(f.node):
-        if isinstance(node, (ast.Name, ast.Attribute)):
-            ident = node.id if isinstance(node, ast.Name) else node.attr
-            if ident in _POINTER_FROM_INT and not unbounded:
-                unbounded = f"{f.where(node)}: {ident}"
+        if isinstance(node, (ast.Name, ast.Attribute)) and not unbounded and f.makes_pointers(node):
+            unbounded = f"{f.where(node)}: {ast.unparse(node)}"
         if not isinstance(node, ast.Call):
             continue
         kind, value = f.resolve(node.func)

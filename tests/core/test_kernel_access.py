@@ -160,3 +160,22 @@ def test_sglangs_page_table_kernel_writes_only_its_output():
     tensors = ("req_to_token_ptr", "req_pool_indices_ptr", "page_kernel_lens_ptr", "kv_indptr", "kv_start_idx",
                "kv_indices_ptr", "token_mapping")
     assert _tensors(k, *tensors) == ["kv_indices_ptr"]
+
+
+_POINTERS = tl.pointer_type(tl.int32)
+
+
+@triton.jit
+def _through_global(addresses, out):
+    tl.store(out, tl.load(tl.load(addresses).to(_POINTERS)))
+
+
+@triton.jit
+def _through_parameter(addresses, out, PTR: tl.constexpr):
+    tl.store(out, tl.load(tl.load(addresses).to(PTR)))
+
+
+def test_a_pointer_type_held_by_a_global_or_handed_to_a_parameter_is_unbounded():
+    assert "_POINTERS" in kernel_access(_through_global).unbounded
+    assert kernel_access(_through_parameter).unbounded == ""  # not known until the launch gives it
+    assert "PTR" in kernel_access(_through_parameter, {"PTR": tl.pointer_type(tl.int32)}).unbounded
