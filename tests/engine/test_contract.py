@@ -187,3 +187,40 @@ def test_the_engine_mode_has_sglangs_predicates():
         "TARGET_VERIFY", "DRAFT_EXTEND", "EXTEND"]
     assert [m.name for m in EngineMode if not m.is_cuda_graph()] == ["DRAFT_EXTEND", "EXTEND"]
     assert EngineMode.of(ForwardMode.DECODE).readfence is ForwardMode.DECODE
+
+
+def test_an_exception_is_said_to_be_raised_by_whose_code_raised_it():
+    from readfence.engine import audit_engine
+    from readfence.engine._contract import origin_of
+    from tests.conftest import NO_TRITON, TRITON
+
+    class Broken(KeptCopies):
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+            super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            self.meta["lens"].reshape(3, 5)  # torch refuses the shape
+
+    with pytest.raises(EngineError, match=r"Broken.init_forward_metadata_out_graph raised RuntimeError in DECODE"):
+        _step(adapt(Broken, cfg=CFG))  # raised by a torch op the engine's own line called: the engine's error
+    try:
+        {}["missing"]
+    except KeyError as e:
+        assert origin_of(e) == "engine"
+    if not TRITON:
+        pytest.skip(NO_TRITON)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ragged(src, out):
+        i = tl.arange(0, 3)  # not a power of two: triton refuses it
+        tl.store(out + i, tl.load(src + i))
+
+    class KernelBug(KeptCopies):
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+            super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            lens = self.meta["lens"]
+            ragged[(1,)](lens, lens.clone())
+
+    with pytest.raises(EngineError, match=r"KernelBug.init_forward_metadata_out_graph raised \w+ inside triton") as caught:
+        audit_engine(adapt(KernelBug, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert caught.value.origin == "triton"
