@@ -64,9 +64,31 @@ class EngineError(RuntimeError):
         self.method, self.where, self.origin = method, where, origin
 
 
+def _package_dir(name: str) -> str | None:
+    """The folder of the imported package ``name`` (resolved, ending in a separator), or ``None``."""
+    where = getattr(sys.modules.get(name), "__file__", None)
+    return None if where is None else os.path.dirname(os.path.realpath(where)) + os.sep
+
+
+def library_file(filename: str, packages: tuple[str, ...] = ("torch", "readfence")) -> bool:
+    """Whether ``filename`` (a code object's ``co_filename``) is a module of one of ``packages``:
+    a file under the folder that package was imported from. Decided by where the package really
+    is, never by the path's spelling: a user's own code in a folder that happens to be named
+    ``readfence`` or ``torch`` (the folder ``git clone`` makes, a venv inside it) is not theirs.
+
+    >>> import readfence.engine._contract as here
+    >>> library_file(here.__file__), library_file("/home/me/readfence/my_engine.py")
+    (True, False)
+    """
+    if filename.startswith("<"):  # generated code (FX's, a doctest's): no module file
+        return False
+    path = os.path.realpath(filename)
+    return any(folder is not None and path.startswith(folder) for folder in map(_package_dir, packages))
+
+
 def engine_line(error: BaseException) -> str:
-    """The innermost frame of ``error``'s traceback outside torch and readfence, as
-    ``file:line in function`` (``""`` when every frame is theirs).
+    """The innermost frame of ``error``'s traceback outside torch and readfence (by module: see
+    :func:`library_file`), as ``file:line in function`` (``""`` when every frame is theirs).
 
     >>> try:
     ...     {}["missing"]
@@ -78,8 +100,7 @@ def engine_line(error: BaseException) -> str:
     tb = error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        name = code.co_filename.replace("\\", "/")
-        if "/torch/" not in name and "/readfence/" not in name:
+        if not library_file(code.co_filename):
             found = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
         tb = tb.tb_next
     return found
@@ -107,9 +128,7 @@ def origin_of(error: BaseException) -> str:
         last = tb.tb_frame.f_code.co_filename
         tb = tb.tb_next
     for name in ORIGINS:
-        module = sys.modules.get(name)
-        where = getattr(module, "__file__", None)
-        if where is not None and os.path.abspath(last).startswith(os.path.dirname(os.path.abspath(where)) + os.sep):
+        if last and library_file(last, (name,)):
             return name
     return "engine"
 
@@ -315,4 +334,4 @@ def call(obj: object, who: str, method: str, mode: Any, fn: Callable[_P, _R], *a
 
 
 __all__ = ["END_NAMES", "STAGE_METHODS", "ContractError", "EngineError", "EngineMode", "check_contract",
-           "engine_line", "origin_of", "read_end_of", "traced_failure"]
+           "engine_line", "library_file", "origin_of", "read_end_of", "traced_failure"]
