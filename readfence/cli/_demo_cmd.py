@@ -27,6 +27,7 @@ from ._params import (
     Spec,
     echo_json,
     merge_policies,
+    spec_text,
 )
 from ._table import table
 
@@ -156,9 +157,9 @@ def _tp_rank(rank: Any, spec: str, policies: list[str], options: dict[str, Any])
                       device_options=rank.device_options(), **options)
     phases = phase_modes(backend) or None
     wait_ms = options["write_wait_s"] * 1e3
-    text = render(result, spec=spec, steps=options["steps"], batch_size=options["batch_size"], seed=options["seed"],
-                  phases=phases, write_wait_ms=wait_ms)
-    rows = json_rows(result, spec=spec, phases=phases, steps=options["steps"], batch_size=options["batch_size"],
+    text = render(result, spec=str(backend), steps=options["steps"], batch_size=options["batch_size"],
+                  seed=options["seed"], phases=phases, write_wait_ms=wait_ms)
+    rows = json_rows(result, spec=str(backend), phases=phases, steps=options["steps"], batch_size=options["batch_size"],
                      seed=options["seed"], write_cost=options["write_cost"], write_wait_ms=wait_ms)
     return {"ok": result.ok, "text": text, "rows": rows}
 
@@ -250,7 +251,7 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
 
         options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=write_cost,
                        write_wait_s=write_wait_ms / 1e3)
-        run_on_ranks(_tp_rank, str(spec), [p.name for p in policies], options, tp=tp, device=device, as_json=as_json,
+        run_on_ranks(_tp_rank, spec_text(spec), [p.name for p in policies], options, tp=tp, device=device, as_json=as_json,
                      what="every policy matched the serial run with the same sharding bit for bit; the sanitizer "
                           "found no race")
         return
@@ -266,12 +267,13 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
     finally:
         progress.close()
     if trace_path is not None:
-        from ._trace import TRACE_STEPS, write_chrome_trace
+        from readfence.graph import write_trace
+        from readfence.graph.runtime import internal
 
-        write_chrome_trace(trace_path, result.timelines, spec=str(spec), device=result.device, steps=steps,
-                           batch_size=batch_size, seed=seed, traced_steps=min(steps, TRACE_STEPS))
+        write_trace(trace_path, result.timelines, spec=str(spec), device=result.device, steps=steps,
+                    batch_size=batch_size, seed=seed, traced_steps=min(steps, internal.TRACE_STEPS))
     if plot_path is not None:
-        from ._plot import plot_timelines
+        from readfence.graph import plot_timelines
 
         plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}",
                        phases=len(spec.phases) if isinstance(spec, StepShape) else 1)
@@ -282,7 +284,7 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
     else:
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
                           write_wait_ms=write_wait_ms))
-        from ._trace import TRACE_STEPS
+        from readfence.graph.runtime.internal import TRACE_STEPS
 
         kept = f" (the first {TRACE_STEPS} steps of each run)" if steps > TRACE_STEPS else ""
         if trace_path is not None:

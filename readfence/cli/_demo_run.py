@@ -17,19 +17,18 @@ import attrs
 from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import (
     Policy,
-    StepShape,
     Timeline,
     UnsoundLowering,
     open_device,
     run_overlapped,
     run_serial,
+    run_traced,
     torch_device,
 )
+from readfence.graph.runtime import internal as runtime_internal
 
-from . import _trace
 from ._params import DEFAULT_SPEC
 from ._torch_threads import one_intra_op_thread
-from ._trace import CappedTimeline, WaitRecorder, add_replays, add_waits
 
 if TYPE_CHECKING:
     from readfence.effects import Capabilities
@@ -65,43 +64,16 @@ def with_baseline(policies: Sequence[Policy]) -> tuple[Policy, ...]:
     return (Policy.COARSE,) + tuple(p for p in dict.fromkeys(policies) if p is not Policy.COARSE)
 
 
-#: Steps the host may issue ahead of the streams running them (a trace stops recording that
-#: much after its last kept step, then trims to it).
-IN_FLIGHT = 4
-
-
 def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, trace: bool,
              progress: Callable[[int], None] | None, device_options: Mapping[str, Any],
              **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
-    keep = _trace.TRACE_STEPS
-    timeline = CappedTimeline(keep) if trace else None
-    recorder = WaitRecorder(timeline)
-
-    def step_done(i: int) -> None:
-        if timeline is not None and i + 1 >= keep + IN_FLIGHT:
-            timeline.stop()  # the trace keeps the first steps (trimmed to them once the run is over)
-        if progress is not None:
-            progress(i)
-
     with open_device(device, **device_options) as dev:
         if trace:
-            dev.add_observer(recorder)
-        try:
-            res = run_overlapped(backend, mode, policy=policy, device=dev, sanitize=True,
-                                 progress=step_done, timeline=timeline, **kw)
-        finally:
-            if trace:
-                dev.remove_observer(recorder)
-        if timeline is not None:
-            timeline.trim()
-            add_waits(timeline, recorder)
-            graphs = dev.caps.graphs
-            if isinstance(backend, StepShape):
-                add_replays(timeline, graphed=[ph.mode.uses_graph and graphs for ph in backend.phases],
-                            phases=[ph.name for ph in backend.phases])
-            else:
-                add_replays(timeline, graphed=[mode.uses_graph and graphs])
-        return res, timeline, dev.name, dev.caps
+            traced = run_traced(backend, mode, policy=policy, device=dev, sanitize=True, progress=progress,
+                                max_steps=runtime_internal.TRACE_STEPS, **kw)
+            return traced.result, traced.timeline, dev.name, dev.caps
+        res = run_overlapped(backend, mode, policy=policy, device=dev, sanitize=True, progress=progress, **kw)
+        return res, None, dev.name, dev.caps
 
 
 @one_intra_op_thread()

@@ -10,34 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._params import InputError, echo_json
+from ._params import InputError, echo_json, importable_here
 
 if TYPE_CHECKING:
     from readfence.core import ForwardMode
     from readfence.engine import EngineBackend
     from readfence.graph import Policy
-
-
-@contextlib.contextmanager
-def _importable_here() -> Iterator[None]:
-    """The current folder first on ``sys.path`` while an engine's module is imported, as
-    ``python -m`` puts it there (a console script's own folder is there instead)."""
-    here = os.getcwd()
-    if here in sys.path or "" in sys.path:
-        yield
-        return
-    sys.path.insert(0, here)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(here)
 
 
 class Engine(click.ParamType):
@@ -68,7 +51,7 @@ class Engine(click.ParamType):
         from readfence.engine.internal import load_engines
 
         try:
-            with _importable_here():
+            with importable_here():
                 engines = load_engines(value)
         except ValueError as e:
             message = str(e)

@@ -21,9 +21,13 @@ invalid value '0': must be a positive integer (1, 2, 3, ...) | exit status 2
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import pathlib
 import re
+import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -67,13 +71,90 @@ def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
     return InputError(f"invalid {param_name(param)} {shown(value)}: {why}")
 
 
+@contextlib.contextmanager
+def importable_here() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while a user's module is imported, as
+    ``python -m`` puts it there (a console script's own folder is there instead)."""
+    here = os.getcwd()
+    if here in sys.path or "" in sys.path:
+        yield
+        return
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(here)
+
+
+def is_reference(text: str) -> bool:
+    """Whether ``text`` names a Python value (``MODULE:ATTR``) rather than spelling a spec: a
+    colon before any parenthesis (the grammar has none outside its quoted values).
+
+    >>> is_reference("mypkg.backends:mine"), is_reference('hybrid_linear(paged, linear, pattern=":")')
+    (True, False)
+    """
+    head = text.partition("(")[0]
+    return ":" in head and not head.rstrip().endswith(":")
+
+
+def load_spec(text: str, *, option: str = "SPEC") -> Any:
+    """The backend or step shape ``MODULE:ATTR`` names: a backend value (``leaf(...)``, a
+    composition), a step shape, or a function with no required argument returning one (called
+    here). The module is imported from the current folder too, as ``python -m`` would.
+    ``ValueError`` says what is wrong.
+
+    >>> str(load_spec("readfence.backends:paged"))
+    'paged'
+    >>> load_spec("readfence.backends:MODES")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: readfence.backends:MODES is a tuple, not a backend: name a backend value (leaf(...), a
+    composition), a step shape, or a function with no required argument returning one
+    """
+    import inspect
+
+    from readfence.backends import Backend
+    from readfence.engine import EngineBackend
+    from readfence.engine.internal import load_attribute
+    from readfence.graph import StepShape
+
+    with importable_here():
+        value, name = load_attribute(text, option=option, takes="MODULE:ATTR", example="mypkg.backends:mine")
+    if not isinstance(value, (Backend, StepShape)) and callable(value) and not isinstance(value, type):
+        try:
+            required = [p for p in inspect.signature(value).parameters.values()
+                        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            required = []
+        if required:
+            raise ValueError(f"{name} takes {len(required)} required argument(s) "
+                             f"({', '.join(p.name for p in required)}): name a backend, or a function with no required "
+                             f"argument returning one")
+        try:
+            value = value()
+        except Exception as e:
+            raise ValueError(f"{name}() raised {type(e).__name__}: {e}") from e
+        name += "()"
+    if isinstance(value, EngineBackend):
+        raise ValueError(f"{name} is an adapted engine backend (bound to the state it was built over): audit or "
+                         f"verify it with --engine {text}")
+    if not isinstance(value, (Backend, StepShape)):
+        kind = type(value).__name__
+        raise ValueError(f"{name} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, not a backend: name a backend "
+                         f"value (leaf(...), a composition), a step shape, or a function with no required argument "
+                         f"returning one")
+    return value
+
+
 def parse_spec(text: str) -> Any:
     """The backend (or speculative step shape) a spec names; ``ValueError`` says what is wrong
     and where: ``position N: ...``, on one line, for every command that takes a spec.
 
     Step shapes (``eagle(TARGET, DRAFT)``, ``multi_eagle(TARGET, D1, D2...)``,
     ``ngram(TARGET)``) run several phases per step; anything else is a backend spec. Both are
-    the one spec grammar (``readfence.graph.parse_target``).
+    the one spec grammar (``readfence.graph.parse_target``). ``MODULE:ATTR`` names a backend
+    of your own instead (:func:`load_spec`).
 
     >>> str(parse_spec("tbo( deepseek_v4 , paged )"))
     'tbo(deepseek_v4, paged)'
@@ -88,6 +169,8 @@ def parse_spec(text: str) -> Any:
 
     from readfence.graph import parse_target
 
+    if is_reference(text):
+        return load_spec(text)
     result = parse_target(text)
     if not is_successful(result):
         error = result.failure()
@@ -95,12 +178,30 @@ def parse_spec(text: str) -> Any:
     return result.unwrap()
 
 
+#: Where :class:`Spec` keeps the text a ``MODULE:ATTR`` spec was given as (a rank parses it again).
+_GIVEN = "readfence.spec_reference"
+
+
+def spec_text(spec: Any) -> str:
+    """Text that :func:`parse_spec` turns back into ``spec`` in another process (a tensor-parallel
+    rank): the ``MODULE:ATTR`` it was given as, else its spec.
+
+    >>> from readfence.backends import paged
+    >>> spec_text(paged())
+    'paged'
+    """
+    ctx = click.get_current_context(silent=True)
+    given = None if ctx is None else ctx.meta.get(_GIVEN)
+    return given if given is not None else str(spec)
+
+
 class Spec(click.ParamType):
-    """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``, or a step shape."""
+    """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``, a step shape, or
+    ``MODULE:ATTR`` naming a backend of your own (:func:`load_spec`)."""
 
     name = "spec"
-    expects = ("a backend spec such as 'tbo(deepseek_v4, paged)', or a step shape such as "
-               "'eagle(paged, trtllm_mha)'")
+    expects = ("a backend spec such as 'tbo(deepseek_v4, paged)', a step shape such as "
+               "'eagle(paged, trtllm_mha)', or MODULE:ATTR naming a backend of your own")
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         return value  # parsed by ``resolve``: the grammar lives with the backends
@@ -110,6 +211,11 @@ class Spec(click.ParamType):
         if not isinstance(value, str):
             return value
         try:
+            if is_reference(value):
+                spec = load_spec(value, option=param_name(param) if param is not None else "SPEC")
+                if ctx is not None:
+                    ctx.meta[_GIVEN] = value
+                return spec
             return parse_spec(value)
         except ValueError as e:
             raise _fail(param, value, str(e)) from None

@@ -178,12 +178,12 @@ def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture
     finally:
         progress.close()
     if trace_path is not None:
-        from ._trace import write_chrome_trace
+        from readfence.graph import write_trace
 
-        write_chrome_trace(trace_path, report.timelines, spec=str(spec), device=report.device, steps=steps,
-                           rate=rate, seed=seed, capture_sizes=list(capture_sizes))
+        write_trace(trace_path, report.timelines, spec=str(spec), device=report.device, steps=steps,
+                    rate=rate, seed=seed, capture_sizes=list(capture_sizes))
     if plot_path is not None:
-        from ._plot import plot_timelines
+        from readfence.graph import plot_timelines
 
         plot_timelines(report.timelines, plot_path, steps=8, title=f"{spec} serving on {report.device}")
     if as_json:

@@ -27,10 +27,11 @@ from readfence.graph import (
     torch_device,
     verify,
 )
+from readfence.graph.runtime import internal as runtime_internal
+from readfence.graph.runtime.internal import CappedTimeline, WaitRecorder, add_step_replays, add_waits
 
 from ._demo_run import with_baseline
 from ._torch_threads import one_intra_op_thread
-from ._trace import TRACE_STEPS, CappedTimeline, WaitRecorder, add_step_replays, add_waits
 
 __all__ = ["ServeReport", "check_serving", "run_serve_policies"]
 
@@ -113,7 +114,7 @@ def run_serve_policies(
                                "speedup_vs_coarse": None, "mean_slack_ms": None, "host_ms_per_step": None,
                                "matches_serial": False, "first_difference": None, "violations": 0, "findings": [],
                                "error": None}
-        timeline = CappedTimeline(TRACE_STEPS) if trace else None
+        timeline = CappedTimeline(runtime_internal.TRACE_STEPS) if trace else None
         recorder = WaitRecorder(timeline)
         try:
             with open_device(kind) as dev:

@@ -25,6 +25,7 @@ from ._params import (
     echo_json,
     merge_policies,
     refuse_mode_for_shape,
+    spec_text,
 )
 
 #: Modes ``verify`` cannot take, and why (the errors list the others as allowed).
@@ -116,7 +117,7 @@ def verify_cmd(spec: Any, mode: Any, policies: tuple[Any, ...], steps: int, batc
         from ._tp_cmd import run_on_ranks
 
         options = dict(steps=steps, batch_size=batch_size, seed=seed, unsafe=unsafe)
-        run_on_ranks(_tp_rank, str(spec), mode.name, [p.name for p in policies], options, tp=tp, device=device,
+        run_on_ranks(_tp_rank, spec_text(spec), mode.name, [p.name for p in policies], options, tp=tp, device=device,
                      as_json=as_json, what="clean under every policy: outputs bit-identical to the serial run with "
                                            "the same sharding, nothing read a buffer after its release, and nothing "
                                            "wrote one")

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -77,24 +79,55 @@ def _resolve(value: Any, where: str) -> list[tuple[str, EngineBackend]]:
                      f"backend) or the model runner alone")
 
 
-def load_engines(text: str) -> list[tuple[str, EngineBackend]]:
-    """``[(name, adapted backend)]`` that ``MODULE:FACTORY`` points at; ``ValueError`` says what is wrong.
+#: ``MODULE:ATTR``, ``ATTR`` dotted, then any ``[KEY]`` subscripts (Python literals): what the loaders take.
+_REFERENCE = re.compile(r"(?P<module>[^:\s]+):(?P<attr>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?P<keys>(?:\[[^\[\]]+\])*)")
 
-    >>> [name for name, _ in load_engines("readfence.engine.reference:minimax_hybrid")]
-    ['readfence.engine.reference:minimax_hybrid']
-    >>> load_engines("readfence.engine.reference")
+
+def _file_path_hint(module_name: str) -> str:
+    """What to write instead of a file path given as ``MODULE`` (``""`` when it is no path).
+
+    >>> _file_path_hint("engines/mine.py")
+    "; MODULE is a dotted module name as `import` takes it, not a file: write 'engines.mine' (run from the folder that holds 'engines')"
+    """
+    if "/" not in module_name and "\\" not in module_name and not module_name.endswith(".py"):
+        return ""
+    path = module_name.replace("\\", "/").removesuffix(".py").lstrip("./")
+    parts = [p for p in path.split("/") if p and p != "."]
+    dotted = ".".join(parts)
+    where = f" (run from the folder that holds {parts[0]!r})" if len(parts) > 1 else " (run from its folder)"
+    return f"; MODULE is a dotted module name as `import` takes it, not a file: write {dotted!r}{where}"
+
+
+def load_attribute(text: str, *, option: str, takes: str, example: str) -> tuple[Any, str]:
+    """``(value, name)``: the attribute ``MODULE:ATTR`` names (``ATTR`` dotted, then any
+    ``[KEY]`` subscripts with Python literal keys: ``ENGINES['triton']``, ``BACKENDS[0]``), imported
+    as ``import`` would, and its name as given. ``ValueError`` says what is wrong, naming
+    ``option`` (what it was given to), ``takes`` (its form) and an ``example``.
+
+    >>> value, name = load_attribute("readfence.engine.reference:ENGINES['triton']", option="--engine",
+    ...                              takes="MODULE:FACTORY", example="readfence.engine.reference:triton")
+    >>> name, value.__name__
+    ("readfence.engine.reference:ENGINES['triton']", 'triton')
+    >>> load_attribute("engines/mine.py:mine", option="SPEC", takes="MODULE:ATTR",
+    ...                example="mypkg.backends:mine")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got 'readfence.engine.reference'
+    ValueError: SPEC takes MODULE:ATTR (e.g. mypkg.backends:mine), got 'engines/mine.py:mine'; MODULE is a
+    dotted module name as `import` takes it, not a file: write 'engines.mine' (run from the folder that holds 'engines')
     """
-    module_name, sep, attribute = text.partition(":")
-    if not sep or not module_name.strip() or not attribute.strip():
-        raise ValueError(f"--engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got {text!r}")
-    module_name, attribute = module_name.strip(), attribute.strip()
+    form = f"{option} takes {takes} (e.g. {example}), got {text!r}"
+    match = _REFERENCE.fullmatch(text.strip())
+    if match is None:
+        module_name = text.partition(":")[0].strip()
+        raise ValueError(form + _file_path_hint(module_name))
+    module_name, attribute, keys = match["module"], match["attr"], match["keys"]
+    hint = _file_path_hint(module_name)
+    if hint:
+        raise ValueError(form + hint)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ValueError(f"cannot import module {module_name!r} (from --engine {text!r}): {type(e).__name__}: {e}") from e
+        raise ValueError(f"cannot import module {module_name!r} (from {option} {text!r}): {type(e).__name__}: {e}") from e
     value: Any = module
     for part in attribute.split("."):
         if not hasattr(value, part):
@@ -102,7 +135,42 @@ def load_engines(text: str) -> list[tuple[str, EngineBackend]]:
                            [n for n in dir(module) if not n.startswith("_")
                             and getattr(getattr(module, n), "__module__", "").startswith(module_name)])
             shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-            raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (from --engine {text!r}); "
+            raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (from {option} {text!r}); "
                              f"it has: {shown or 'nothing public'}")
         value = getattr(value, part)
-    return _resolve(value, f"{module_name}:{attribute}")
+    name = f"{module_name}:{attribute}"
+    for key_text in re.findall(r"\[([^\[\]]+)\]", keys):
+        try:
+            key = ast.literal_eval(key_text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{option} {text!r}: [{key_text}] is not a key (a quoted string or an integer, as in "
+                             f"{name}['name'] or {name}[0])") from None
+        if callable(value) and not hasattr(value, "__getitem__") and _required(value) == 0:
+            value = value()  # FACTORY['key']: that key of what the factory returns
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            available = (", ".join(repr(k) for k in list(value)[:12]) if isinstance(value, Mapping)
+                         else f"0..{len(value) - 1}" if isinstance(value, (list, tuple)) and value
+                         else f"nothing: it is {type(value).__name__}")
+            raise ValueError(f"{name} has no [{key!r}] (from {option} {text!r}); its keys: {available}") from None
+        name += f"[{key!r}]"
+    return value, name
+
+
+def load_engines(text: str) -> list[tuple[str, EngineBackend]]:
+    """``[(name, adapted backend)]`` that ``MODULE:FACTORY`` points at; ``ValueError`` says what is wrong.
+    Each name is itself a ``MODULE:FACTORY`` that loads that one backend (``ENGINES['triton']``).
+
+    >>> [name for name, _ in load_engines("readfence.engine.reference:minimax_hybrid")]
+    ['readfence.engine.reference:minimax_hybrid']
+    >>> [name for name, _ in load_engines("readfence.engine.reference:ENGINES['minimax_hybrid']")]
+    ["readfence.engine.reference:ENGINES['minimax_hybrid']"]
+    >>> load_engines("readfence.engine.reference")
+    Traceback (most recent call last):
+    ...
+    ValueError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got 'readfence.engine.reference'
+    """
+    value, name = load_attribute(text, option="--engine", takes="MODULE:FACTORY",
+                                 example="readfence.engine.reference:triton")
+    return _resolve(value, name)

@@ -114,6 +114,10 @@ from .runtime import run_serve_serial as run_serve_serial
 from .runtime import serve_loop as serve_loop
 from .runtime import serve_scheduler as serve_scheduler
 from .runtime import synthetic_work as synthetic_work
+from .runtime import TracedRun as TracedRun
+from .runtime import plot_timelines as plot_timelines
+from .runtime import run_traced as run_traced
+from .runtime import write_trace as write_trace
 from .verification import CHECKS as CHECKS
 from .verification import LateRead as LateRead
 from .verification import LateReadWatch as LateReadWatch

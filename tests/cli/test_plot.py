@@ -7,7 +7,8 @@ import collections
 
 import pytest
 
-from readfence.cli import _plot
+import readfence.graph as _plot
+from readfence.graph.runtime import internal
 
 STEPS = 3  # what the demo's plot draws, after step 0 (the warm-up)
 
@@ -55,7 +56,7 @@ def _check_panels(timelines, fig, bodies_per_step: int) -> None:
     (lo, hi), = limits
     assert lo == 0
     for ax, (policy, tl) in zip(fig.axes, timelines.items()):
-        t0 = _plot.step_ends(tl, bodies_per_step)[0]  # the warm-up step's end
+        t0 = internal.step_ends(tl, bodies_per_step)[0]  # the warm-up step's end
         assert ax.get_title(loc="right").startswith("step 0 (warm-up, ")
         releases = [s for s in tl.spans if s.category == "fence"]
         # every release of the first steps after the warm-up is inside the axis, drawn as a red tick there
@@ -73,7 +74,7 @@ def _check_panels(timelines, fig, bodies_per_step: int) -> None:
             assert (replays[(STEPS + 1) * bodies_per_step - 1].end - t0) * 1e3 <= hi + 1e-6, (policy, track)
     # the axis is no longer than the slowest run's steps after the warm-up need: the warm-up sizes nothing
     ends = [max(s.end for s in tl.spans if s.category == "fence" and s.args["step"] == STEPS)
-            - _plot.step_ends(tl, bodies_per_step)[0] for tl in timelines.values()]
+            - internal.step_ends(tl, bodies_per_step)[0] for tl in timelines.values()]
     assert hi <= max(ends) * 1e3 * 1.5
 
 
@@ -111,7 +112,7 @@ def test_a_slow_warm_up_sizes_nothing_and_labels_do_not_overlap():
             tl.span("forward", "body", t, end, "stage")
             tl.instant("fences", "release seq_lens", end, "fence", step=step)
             t = end
-    fig = _plot.timeline_figure({"COARSE": slow_start, "EXACT": steady}, steps=30)
+    fig = internal.timeline_figure({"COARSE": slow_start, "EXACT": steady}, steps=30)
     (lo, hi), = {ax.get_xlim() for ax in fig.axes}
     assert hi == pytest.approx(30 * 4.0)  # 30 steady steps, not 450 ms of warm-up
     assert fig.axes[0].get_title(loc="right") == "step 0 (warm-up, 450 ms) left out"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from readfence.cli import _trace
+from readfence.graph.runtime import internal as _trace
 
 FAST = ["--steps", "6", "--batch-size", "2"]
 

@@ -10,6 +10,7 @@ reference.
 
 from ._arrivals import Request, Traffic
 from ._loop import DecodeLoop, LoopResult, decode_loop, run_overlapped, run_serial, synthetic_work
+from ._plot import plot_timelines
 from ._sanitizer import Sanitizer, SanitizerError, Violation
 from ._scheduler import Scheduler, StepState
 from ._serve import (
@@ -25,6 +26,7 @@ from ._serve import (
     serve_scheduler,
 )
 from ._serve_scheduler import ServeScheduler, ServeStep
+from ._traces import TracedRun, run_traced, write_trace
 
 __all__ = [
     "DEFAULT_CAPTURE_SIZES",
@@ -41,6 +43,7 @@ __all__ = [
     "ServeStep",
     "StepRecord",
     "StepState",
+    "TracedRun",
     "Traffic",
     "Violation",
     "decode_loop",
@@ -52,4 +55,7 @@ __all__ = [
     "serve_loop",
     "serve_scheduler",
     "synthetic_work",
+    "plot_timelines",
+    "run_traced",
+    "write_trace",
 ]

@@ -2,3 +2,14 @@
 (not public: its names may change without notice)."""
 
 from ._loop import same_logits as same_logits
+from ._plot import LABEL_GAP as LABEL_GAP
+from ._plot import step_ends as step_ends
+from ._plot import timeline_figure as timeline_figure
+from ._traces import IN_FLIGHT as IN_FLIGHT
+from ._traces import TRACE_STEPS as TRACE_STEPS
+from ._traces import CappedTimeline as CappedTimeline
+from ._traces import WaitRecorder as WaitRecorder
+from ._traces import add_replays as add_replays
+from ._traces import add_step_replays as add_step_replays
+from ._traces import add_waits as add_waits
+from ._traces import write_chrome_trace as write_chrome_trace

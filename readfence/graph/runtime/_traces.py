@@ -1,4 +1,4 @@
-"""Traces of a demo run: waits and graph replays added to a ``Timeline``; Chrome trace JSON.
+"""Traces of a run: waits and graph replays added to a ``Timeline``; Chrome trace JSON.
 
 The runtime's :class:`~readfence.graph.Timeline` records stage spans, scheduler writes, host
 scheduling and fence instants. :class:`WaitRecorder` (a device observer) adds the stream
@@ -19,13 +19,18 @@ import pathlib
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from readfence.core import BODY, PREPARE_IN_GRAPH
-from readfence.graph import DeviceObserver, Timeline
+from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode
+
+from ..devices import Device, DeviceObserver, Timeline
+from ..lowering import Policy
+from ..steps import StepShape
+from ..steps.internal import Target
+from ._loop import LoopResult, run_overlapped
 
 #: Steps of each run a trace (and a plot) keeps.
 TRACE_STEPS = 200
@@ -344,3 +349,93 @@ def chrome_trace(timelines: Mapping[str, Timeline], **meta: Any) -> dict[str, An
 def write_chrome_trace(path: pathlib.Path, timelines: Mapping[str, Timeline], **meta: Any) -> None:
     """Write :func:`chrome_trace` of ``timelines`` to ``path`` (compact JSON)."""
     path.write_text(json.dumps(chrome_trace(timelines, **meta), separators=(",", ":")))
+
+
+def _labelled_timelines(timelines: Mapping[str, Timeline | TracedRun] | Timeline | TracedRun) -> dict[str, Timeline]:
+    if isinstance(timelines, TracedRun):
+        return {timelines.label: timelines.timeline}
+    if isinstance(timelines, Timeline):
+        return {"run": timelines}
+    return {label: t.timeline if isinstance(t, TracedRun) else t for label, t in timelines.items()}
+
+
+def write_trace(path: str | pathlib.Path, timelines: Mapping[str, Timeline | TracedRun] | Timeline | TracedRun,
+                **meta: Any) -> pathlib.Path:
+    """Write a Chrome trace-event file (open it in https://ui.perfetto.dev or ``chrome://tracing``)
+    of one run or several: a :class:`TracedRun`, a ``Timeline``, or a mapping from a label (a
+    policy's name) to either, one process each in the mapping's order, all on one clock.
+    ``meta`` lands in the file's ``otherData``. Returns the path written (what ``readfence demo
+    --trace`` writes).
+
+    >>> import os, tempfile
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice, Policy
+    >>> with CpuDevice() as dev:
+    ...     runs = {p.name: run_traced(paged(), steps=3, policy=p, device=dev, batch_size=2)
+    ...             for p in (Policy.COARSE, Policy.EXACT)}
+    >>> out = write_trace(os.path.join(tempfile.mkdtemp(), "run.json"), runs, spec="paged")
+    >>> doc = json.loads(out.read_text())
+    >>> [e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"]
+    ['COARSE', 'EXACT']
+    """
+    out = pathlib.Path(path)
+    write_chrome_trace(out, _labelled_timelines(timelines), **meta)
+    return out
+
+
+@attrs.frozen
+class TracedRun:
+    """One run of the overlapped decode loop with its timeline: ``result`` is what
+    :func:`~readfence.graph.run_overlapped` returns, ``timeline`` the first ``max_steps`` steps
+    of the host, the schedule stream, the forward streams (stages, graph replays, waits) and
+    the fences (releases and last reads), ``label`` the policy's name."""
+
+    result: LoopResult
+    timeline: Timeline
+    label: str
+
+
+def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps: int, policy: Policy, device: Device,
+               max_steps: int | None = None, progress: Callable[[int], None] | None = None, **kwargs: Any) -> TracedRun:
+    """:func:`~readfence.graph.run_overlapped` that also records a timeline of the run (its first
+    ``max_steps`` steps, :data:`TRACE_STEPS` by default: recording costs the run nothing
+    measurable, but a trace of thousands of steps is tens of megabytes), for :func:`write_trace`
+    and :func:`~readfence.graph.plot_timelines`; ``kwargs`` are ``run_overlapped``'s.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice, Policy
+    >>> with CpuDevice() as dev:
+    ...     run = run_traced(paged(), steps=4, policy=Policy.EXACT, device=dev, batch_size=2)
+    >>> run.result.steps, run.label, sorted({s.track for s in run.timeline.spans})
+    (4, 'EXACT', ['fences', 'forward', 'host', 'schedule'])
+    """
+    keep = TRACE_STEPS if max_steps is None else max_steps
+    timeline = CappedTimeline(keep)
+    recorder = WaitRecorder(timeline)
+
+    def step_done(i: int) -> None:
+        if i + 1 >= keep + IN_FLIGHT:
+            timeline.stop()  # the trace keeps the first steps (trimmed to them once the run is over)
+        if progress is not None:
+            progress(i)
+
+    device.add_observer(recorder)
+    try:
+        result = run_overlapped(backend, mode, steps=steps, policy=policy, device=device, progress=step_done,
+                                timeline=timeline, **kwargs)
+    finally:
+        device.remove_observer(recorder)
+    timeline.trim()
+    add_waits(timeline, recorder)
+    graphs = device.caps.graphs
+    if isinstance(backend, StepShape):
+        add_replays(timeline, graphed=[ph.mode.uses_graph and graphs for ph in backend.phases],
+                    phases=[ph.name for ph in backend.phases])
+    else:
+        add_replays(timeline, graphed=[mode.uses_graph and graphs])
+    return TracedRun(result, timeline, policy.name)
+
+
+#: Steps the host may issue ahead of the streams running them (a trace stops recording that
+#: much after its last kept step, then trims to it).
+IN_FLIGHT = 4

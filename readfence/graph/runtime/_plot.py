@@ -15,15 +15,12 @@ from __future__ import annotations
 import math
 import pathlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH
-from readfence.graph import Span, Timeline
 
-from ._trace import stage_tracks, track_order
-
-if TYPE_CHECKING:
-    pass
+from ..devices import Span, Timeline
+from ._traces import TracedRun, _labelled_timelines, stage_tracks, track_order
 
 _COLORS = {
     PREPARE_OUT_GRAPH.name: "#4c72b0",
@@ -181,10 +178,13 @@ def timeline_figure(timelines: Mapping[str, Timeline], *, steps: int = 3, phases
     return fig
 
 
-def plot_timelines(timelines: Mapping[str, Timeline], path: str | pathlib.Path, *, steps: int = 3,
-                   phases: int = 1, title: str = "") -> pathlib.Path:
-    """Draw the first ``steps`` steps after the warm-up of each timeline into one PNG at ``path``
-    (``phases``: forward bodies per step, more than one for a speculative step).
+def plot_timelines(timelines: Mapping[str, Timeline | TracedRun] | Timeline | TracedRun, path: str | pathlib.Path, *,
+                   steps: int = 3, phases: int = 1, title: str = "") -> pathlib.Path:
+    """Draw the first ``steps`` steps after the warm-up of each run into one PNG at ``path``
+    (what ``readfence demo --plot`` draws; needs matplotlib, the ``plot`` extra): a
+    :class:`~readfence.graph.TracedRun` (:func:`~readfence.graph.run_traced`), a ``Timeline``,
+    or a mapping from a label (a policy's name) to either, one panel each. ``phases``: forward
+    bodies per step, more than one for a speculative step.
 
     >>> import tempfile, os
     >>> tl = Timeline()
@@ -195,7 +195,7 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str | pathlib.Path, 
     True
     """
     path = pathlib.Path(path)
-    fig = timeline_figure(timelines, steps=steps, phases=phases, title=title)
+    fig = timeline_figure(_labelled_timelines(timelines), steps=steps, phases=phases, title=title)
     import matplotlib.pyplot as plt
 
     fig.savefig(path, dpi=100)
