@@ -9,6 +9,10 @@ each measurement, median of ``--runs``:
   step traced with make_fx beside it: ``trace_make_fx_s``;
 * ``audit``: ``audit`` at its default batch sizes (1, 2, max), with the observer;
 * ``lower``: ``lower`` at batch size 2 under EXACT on the CPU device (its audit included);
+* ``replay_check``: per depth, ``lower`` with and without its translation validation of the
+  captured stages (``core.validate_replay``: the step's Python on three varied states, each
+  captured stage replayed beside it), timed alternately: the check's seconds, ``lower`` over
+  ``lower`` without it, and the check over the audit;
 * ratios 64 / 4 layers of each, and recorded / make_fx at 64 layers;
 * ``capture``: ``lower_capture_list`` over batch sizes 1..16 (4 layers): the first size, the
   median extra size and their ratio;
@@ -107,6 +111,41 @@ def at_depth(cfg: ModelConfig, runs: int, dev: CpuDevice, sizes: Sequence[int] |
                      ("lower_s", lowered)):
         figures[name] = _median(lambda: _timed(fn), runs)  # noqa: B023 (called in the loop)
     return figures
+
+
+@contextlib.contextmanager
+def _replay_unchecked() -> Any:
+    # ``lower`` without its translation validation of the captured stages (what it cost before)
+    import readfence.graph.lowering._lower as lowering
+
+    checked = lowering.validate_replay
+    lowering.validate_replay = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        lowering.validate_replay = checked
+
+
+def replay_check(layers: Sequence[int], runs: int, dev: CpuDevice, by_depth: dict[int, Any]) -> dict[str, Any]:
+    """Per depth, ``lower`` with and without its replay check, timed alternately (median of
+    ``runs`` each), the check's own seconds and its share of ``lower`` and of the audit."""
+    out: dict[str, Any] = {}
+    for n in layers:
+        cfg = ModelConfig(layers=n)
+
+        def lowered() -> object:
+            return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)  # noqa: B023
+
+        checked, unchecked = [], []
+        for _ in range(runs):
+            checked.append(_timed(lowered))
+            with _replay_unchecked():
+                unchecked.append(_timed(lowered))
+        with_s, without_s = statistics.median(checked), statistics.median(unchecked)
+        out[n] = {"lower_s": with_s, "lower_unchecked_s": without_s, "check_s": with_s - without_s,
+                  "lower_over_unchecked": with_s / without_s, "check_over_audit": (with_s - without_s) /
+                  by_depth[n]["audit_s"]}
+    return out
 
 
 def depth(layers: Sequence[int], runs: int, dev: CpuDevice, sizes: Sequence[int] | None = None) -> dict[str, Any]:
@@ -301,6 +340,7 @@ def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
                   for k in ("trace_s", "audit_s", "lower_s")}
         ratios[f"trace_recorded_over_make_fx_at_{layers[-1]}"] = deep["trace_s"] / deep["trace_make_fx_s"]
         out: dict[str, Any] = {"layers": by_depth, "ratios": ratios,
+                               "replay_check": replay_check(layers, runs, dev, by_depth),
                                "floor": floor(layers, runs, [2] if quick else None, by_depth),
                                "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
                                "memory": memory(*((2, 3) if quick else (64, 4))),

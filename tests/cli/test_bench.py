@@ -116,7 +116,7 @@ FIGURES = {
     "scale": ["ratios.trace_2_over_1", "ratios.audit_2_over_1", "ratios.lower_2_over_1", "capture.per_extra_size_s",
               "memory.first_size_mb", "memory.per_extra_size_mb", "audit_all_s", "fuzz_programs_per_s",
               "dispatch.first_lower_fresh_process_s", "floor.2.audit_floor_s", "floor.audit_2_over_1_at_least",
-              "floor.lower_2_over_1_at_least"],
+              "floor.lower_2_over_1_at_least", "replay_check.2.lower_over_unchecked", "replay_check.2.check_over_audit"],
     "tp": [f"rank{r}.{p}_vs_{base}" for r in (0, 1) for p in ("joined", "per_buffer", "exact") for base in ("coarse", "limit")],
 }
 
