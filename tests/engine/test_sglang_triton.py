@@ -43,13 +43,6 @@ def test_the_shipped_backend_reads_its_page_table_in_a_kernel_before_the_replay(
     assert report.sound and "UNTRACEABLE" not in report.table(), report.table()
 
 
-@pytest.mark.slow
-def test_the_shipped_backend_verifies_clean_under_every_policy_and_the_engines_runner(dev):
-    result = verify_engine(sg.triton_attn(), device=dev, policies=list(Policy), steps=2, batch_size=2)
-    assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
-    assert result.ok, str(result)
-
-
 def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel_and_caught(dev):
     (row,) = _audit(sg.honest_triton()).rows()
     assert (row.declared, row.truth, row.verdict) == (PRE, PRE, "exact")
@@ -66,20 +59,21 @@ def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel
 
 
 @pytest.mark.slow
-def test_the_verdicts_do_not_depend_on_what_was_audited_before_on_the_same_object(dev):
+def test_after_other_modes_the_shipped_backend_verifies_clean_under_every_policy_and_the_engines_runner(dev):
     engine = sg.triton_attn()
     before = [_rows(_audit(engine, mode)) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
     fresh = [_rows(_audit(sg.triton_attn(), mode)) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
-    assert before == fresh
+    assert before == fresh  # the verdicts do not depend on what was audited before on the same object
     # the replayed forward reads what its own mode's capture left on the object, not the last mode's
-    result = verify_engine(engine, device=dev, policies=[Policy.JOINED, Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=list(Policy), steps=2, batch_size=2)
+    assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
     assert result.ok, str(result)
 
 
 @pytest.mark.slow
 def test_target_verify_verifies_clean(dev):
-    result = verify_engine(sg.triton_attn(), M.TARGET_VERIFY, device=dev, policies=[Policy.PER_BUFFER, Policy.EXACT],
-                           steps=2, batch_size=2)
+    result = verify_engine(sg.triton_attn(), M.TARGET_VERIFY, device=dev, policies=[Policy.EXACT], steps=2,
+                           batch_size=2)
     assert result.ok, str(result)
 
 
@@ -94,7 +88,7 @@ def test_the_wrappers_over_triton_children_delegate_and_verify_clean(make, child
     assert report.sound, report.table()
     assert report.find(engine.name, M.DECODE).delegation.startswith("delegates"), report.table()
     assert {r.truth for r in report.rows()} == {PRE}
-    result = verify_engine(engine, device=dev, policies=[Policy.PER_BUFFER, Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2)
     assert result.ok, str(result)
 
 
