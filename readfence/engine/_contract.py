@@ -87,8 +87,9 @@ def library_file(filename: str, packages: tuple[str, ...] = ("torch", "readfence
 
 
 def engine_line(error: BaseException) -> str:
-    """The innermost frame of ``error``'s traceback outside torch and readfence (by module: see
-    :func:`library_file`), as ``file:line in function`` (``""`` when every frame is theirs).
+    """The innermost frame of ``error``'s traceback outside torch, triton and readfence (by module:
+    see :func:`library_file`; a triton kernel's own body, which triton's interpreter runs as Python,
+    is the engine's), as ``file:line in function`` (``""`` when every frame is theirs).
 
     >>> try:
     ...     {}["missing"]
@@ -100,7 +101,7 @@ def engine_line(error: BaseException) -> str:
     tb = error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if not library_file(code.co_filename):
+        if not library_file(code.co_filename, ("torch", "triton", "readfence")):
             found = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
         tb = tb.tb_next
     return found

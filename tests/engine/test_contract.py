@@ -224,3 +224,4 @@ def test_an_exception_is_said_to_be_raised_by_whose_code_raised_it():
     with pytest.raises(EngineError, match=r"KernelBug.init_forward_metadata_out_graph raised \w+ inside triton") as caught:
         audit_engine(adapt(KernelBug, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
     assert caught.value.origin == "triton"
+    assert "test_contract.py" in caught.value.where, caught.value.where  # the engine's line, not triton's
