@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._params import InputError, echo_json, importable_here
+from ._params import InputError, echo_json, importable_here, shell_word
 
 if TYPE_CHECKING:
     from readfence.core import ForwardMode
@@ -98,16 +98,30 @@ def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[
         raise InputError("invalid --mode 'idle': its steps carry no tokens, there is nothing to audit; allowed: "
                          + ", ".join(m.name.lower() for m in ENGINE_MODES))
     _check_sizes(engines, batch_sizes)
+    # several modes: one whose engine code raises is that mode's error row, the others are still
+    # audited; a lone mode has nothing else to report, and its error is the one Error: line
+    errors = "report" if len(set(modes or ENGINE_MODES)) > 1 else "raise"
     with _engine_errors():
-        reports = [(name, audit_engine(engine, modes or None, batch_sizes=batch_sizes or None))
+        reports = [(name, audit_engine(engine, modes or None, batch_sizes=batch_sizes or None, errors=errors))
                    for name, engine in engines]
     if as_json:
-        echo_json([{"engine": name, **row.as_json()} for name, report in reports for row in report.rows()])
+        echo_json([{"engine": name, **item} for name, report in reports for item in _json_items(report)])
     else:
         click.echo("\n\n".join(f"engine: {name}\n{report.table()}" for name, report in reports))
         if len(reports) > 1:
             click.echo("\n" + summary(reports))
-    return 1 if any(not report.sound for _, report in reports) else 0
+    return 1 if any(not report.sound or report.errors() for _, report in reports) else 0
+
+
+def _json_items(report: Any) -> list[dict[str, Any]]:
+    """A report's rows as JSON objects, with one object per (node, mode) whose code raised, in order."""
+    out: list[dict[str, Any]] = []
+    for n in report.nodes:
+        if n.error:
+            out.append({"backend": n.path, "mode": n.mode.name, "buffer": None, "declared": n.declared.name,
+                        "truth": None, "source": "error", "verdict": "error", "error": n.error})
+        out += [row.as_json() for row in n.rows]
+    return out
 
 
 #: How the summary names the shared buffers.
@@ -126,6 +140,8 @@ def _truth(rows: Sequence[Any]) -> str:
 
 
 def _verdict(report: Any, root: Any) -> str:
+    if root.error:
+        return "error: its code raised (see its ERROR line)"
     bad = [r for r in report.unsound() if r.mode == root.mode]
     if bad:
         r = bad[0]
@@ -144,17 +160,18 @@ def summary(reports: Sequence[tuple[str, Any]]) -> str:
     verdict; then the total (what ``audit --engine MODULE:ENGINES`` ends with)."""
     from ._table import table
 
-    rows, unsound = [], 0
+    rows, unsound, failed = [], 0, 0
     for _, report in reports:
-        bad = not report.sound
-        unsound += bad
+        unsound += not report.sound
+        failed += report.sound and bool(report.errors())
         for root in (n for n in report.nodes if "/" not in n.path):
             rows.append({"backend": root.path, "mode": root.mode.name + ("" if not root.prefill else " (per batch)"),
                          "declares": root.declared.name, "truth": _truth(root.rows), "verdict": _verdict(report, root)})
     lines = ["summary: each engine backend's one declaration against each buffer's truth (* observed, not traced)",
              table(rows, ["backend", "mode", "declares", "truth", "verdict"]), "",
-             f"{len(reports)} engine backends: {len(reports) - unsound} sound, {unsound} unsound"
-             + (" (exit status 1)" if unsound else "")]
+             f"{len(reports)} engine backends: {len(reports) - unsound - failed} sound, {unsound} unsound"
+             + (f", {failed} not audited in every mode (their code raised)" if failed else "")
+             + (" (exit status 1)" if unsound or failed else "")]
     return "\n".join(lines)
 
 
@@ -215,7 +232,7 @@ def _short_name(name: str) -> str:
 def _advice(finding: Any, name: str) -> str:
     if finding.evidence == "audit" and finding.kind == "unsound declaration":
         return (f"the lowering refuses the declaration (the traced code reads {finding.buffer!r} later); "
-                f"`readfence audit --engine {name}` names the method and op")
+                f"`readfence audit --engine {shell_word(name)}` names the method and op")
     if finding.kind == "late read":
         return (f"{finding.buffer!r} is read after the fence that released it: declare the later end, or end the "
                 f"read earlier (snapshot it out of the graph)")

@@ -67,6 +67,22 @@ def shown(value: object) -> str:
     return text
 
 
+def shell_word(text: str) -> str:
+    """``text`` as one word of a shell command line, quoted only where a shell would change it
+    (what a printed command puts around a value, so that it runs as pasted).
+
+    >>> print(shell_word("paged"), shell_word("tbo(deepseek_v4, paged)"), shell_word("m:ENGINES['triton']"))
+    paged 'tbo(deepseek_v4, paged)' "m:ENGINES['triton']"
+    """
+    import shlex
+
+    if re.fullmatch(r"[\w@%+=:,./-]+", text):
+        return text
+    if "'" in text and not re.search(r'["$`\\!]', text):
+        return f'"{text}"'
+    return shlex.quote(text)
+
+
 def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
     return InputError(f"invalid {param_name(param)} {shown(value)}: {why}")
 
@@ -138,7 +154,7 @@ def load_spec(text: str, *, option: str = "SPEC") -> Any:
         name += "()"
     if isinstance(value, EngineBackend):
         raise ValueError(f"{name} is an adapted engine backend (bound to the state it was built over): audit or "
-                         f"verify it with --engine {text}")
+                         f"verify it with --engine {shell_word(text)}")
     if not isinstance(value, (Backend, StepShape)):
         kind = type(value).__name__
         raise ValueError(f"{name} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, not a backend: name a backend "

@@ -116,6 +116,7 @@ class NodeAudit:
     prefill: tuple[tuple[int, ReadEnd], ...] = ()  # per batch size, the resolved prefill end
     unused: str = ""  # why the engine never publishes a fence from this declaration ("": it does)
     delegation: str = ""  # a wrapper's declaration against its children's ("": a leaf)
+    error: str = ""  # the engine's own code raised in this mode: what, and where (nothing audited)
 
     @property
     def truth(self) -> ReadEffect:
@@ -146,6 +147,11 @@ class EngineAudit:
         """The unsound rows of declarations the engine never uses (a backend it never graph-replays)."""
         return [r for r in self.rows() if r.verdict == "unsound" and not r.used]
 
+    def errors(self) -> list[NodeAudit]:
+        """The (node, mode) pairs whose engine code raised (``audit_engine(..., errors="report")``):
+        nothing was audited there."""
+        return [n for n in self.nodes if n.error]
+
     def find(self, path: str, mode: ForwardMode) -> NodeAudit:
         for n in self.nodes:
             if (n.path, n.mode) == (path, mode):
@@ -163,8 +169,13 @@ class EngineAudit:
     def table(self) -> str:
         """The rows as a table, a summary line, then a line per finding and per untraceable stage."""
         head = ["backend", "mode", "buffer", "declared", "truth", "source", "verdict"]
-        cells = [[r.backend, r.mode.name + (f" b={r.batch_size}" if r.per_batch else ""), r.buffer,
-                  r.declared.name, r.truth.name, r.source, r.text()] for r in self.rows()]
+        cells = []
+        for n in self.nodes:
+            if n.error:
+                cells.append([n.path, n.mode.name, "-", n.declared.name, "-", "error", "not audited: its code raised "
+                              "(ERROR below)"])
+            cells += [[r.backend, r.mode.name + (f" b={r.batch_size}" if r.per_batch else ""), r.buffer,
+                       r.declared.name, r.truth.name, r.source, r.text()] for r in n.rows]
         widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
         c = self.counts()
@@ -182,6 +193,8 @@ class EngineAudit:
             lines.append(f"UNSOUND, UNUSED: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but "
                          f"read until {r.truth.name} by {r.method}: {r.op}; the engine never publishes a fence from "
                          f"this declaration")
+        for n in self.errors():
+            lines.append(f"ERROR: {n.path} in {n.mode.name}: {n.error}; nothing was audited in this mode")
         for n in self.nodes:
             if n.unused:
                 lines.append(f"UNUSED: {n.path} in {n.mode.name}: {n.unused}")
@@ -382,8 +395,28 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
                      _delegation(node, mode))
 
 
+def _audit_or_error(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[int, ...], steps: int, seed: int,
+                    errors: str) -> NodeAudit:
+    try:
+        return _audit_node(path, node, mode, sizes, steps, seed)
+    except EngineError as e:
+        if errors == "raise":
+            raise
+        try:
+            declared = node.read_effect(mode).end
+        except EngineError:  # shared_read_ends itself raised
+            declared = ReadEnd.UNKNOWN
+        at = f" (at {e.where})" if e.where else ""
+        return NodeAudit(path, mode, declared, (), (), "", error=f"{e}{at}")
+
+
+#: What ``audit_engine`` does when the engine's own code raises in a mode.
+ON_ERROR = ("raise", "report")
+
+
 def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMode] | None = None, *,
-                 batch_sizes: Iterable[int] | None = None, steps: int = 2, seed: int = 0) -> EngineAudit:
+                 batch_sizes: Iterable[int] | None = None, steps: int = 2, seed: int = 0,
+                 errors: str = "raise") -> EngineAudit:
     """Audit ``engine`` and every node of its wrapper tree in each of ``modes`` (default: every
     mode but IDLE), traced where the tracer follows the stages, observed where it cannot.
 
@@ -391,6 +424,11 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     observed over ``steps`` scheduler steps at each (``seed`` seeds the request churn), on the
     engine's own state (put back afterwards). Nothing is run overlapped: see
     :func:`~readfence.engine.verify_engine` for that.
+
+    The engine's own code raising is an :class:`~readfence.engine.EngineError` (``errors="raise"``);
+    with ``errors="report"`` the other nodes and modes are still audited, and each (node, mode)
+    whose code raised is a :class:`NodeAudit` whose ``error`` says what and where
+    (:meth:`EngineAudit.errors`; its table prints an ``error`` row and an ``ERROR:`` line).
 
     >>> from readfence.engine.reference import minimax_hybrid
     >>> report = audit_engine(minimax_hybrid(), ForwardMode.DECODE, batch_sizes=[2], steps=1)
@@ -404,13 +442,16 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     if modes is None:
         chosen = ENGINE_MODES
     else:
-        chosen = tuple(check_forward_mode(m, "audit") for m in ((modes,) if isinstance(modes, ForwardMode) else modes))
+        one = isinstance(modes, (ForwardMode, str))  # a string is one (wrong) mode, not its letters
+        chosen = tuple(check_forward_mode(m, "audit") for m in ((modes,) if one else modes))  # type: ignore[union-attr]
     positive_int("steps", steps)
+    if errors not in ON_ERROR:
+        raise ValueError(f"errors must be one of {', '.join(map(repr, ON_ERROR))}, got {errors!r}")
     cfg = engine.cfg
     sizes = default_batch_sizes(cfg) if batch_sizes is None else tuple(sorted({
         positive_int("batch_size", n, at_most=cfg.max_reqs, limit="cfg.max_reqs") for n in batch_sizes}))
     if not sizes or not chosen:
         raise ValueError("audit_engine needs at least one mode and one batch size")
-    nodes = [_audit_node(path, node, mode, sizes, steps, seed)  # type: ignore[arg-type]
+    nodes = [_audit_or_error(path, node, mode, sizes, steps, seed, errors)  # type: ignore[arg-type]
              for path, node in engine.walk() for mode in chosen]
     return EngineAudit(engine.name, tuple(nodes), steps, sizes)

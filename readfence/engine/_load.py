@@ -143,8 +143,11 @@ def load_attribute(text: str, *, option: str, takes: str, example: str) -> tuple
         try:
             key = ast.literal_eval(key_text.strip())
         except (ValueError, SyntaxError):
-            raise ValueError(f"{option} {text!r}: [{key_text}] is not a key (a quoted string or an integer, as in "
-                             f"{name}['name'] or {name}[0])") from None
+            if key_text.strip().isidentifier():  # ENGINES[triton]: the quotes a shell took away
+                key = key_text.strip()
+            else:
+                raise ValueError(f"{option} {text!r}: [{key_text}] is not a key (a quoted string or an integer, as "
+                                 f"in {name}['name'] or {name}[0])") from None
         if callable(value) and not hasattr(value, "__getitem__") and _required(value) == 0:
             value = value()  # FACTORY['key']: that key of what the factory returns
         try:
