@@ -169,10 +169,25 @@ def _run_launch(index: int, reads: Sequence[torch.Tensor], writes: Sequence[torc
     _inside.depth = depth + 1
     try:
         # the kernel's own work (the interpreter's copies, pointers taken) is no op of the stage's
-        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), _one_at_a_time(launch.kernel):
             run(launch.kernel, *args, grid=launch.grid, warmup=False, **kwargs)
     finally:
         _inside.depth = depth
+
+
+@contextlib.contextmanager
+def _one_at_a_time(kernel: Any) -> Iterator[None]:
+    """Triton's interpreter keeps the program being run in module state (the grid index, the
+    language's functions patched for the launch): two threads' launches (a stream's replay and the
+    scheduler's Python stage) must not interleave. Compiled launches need no lock."""
+    if type(kernel).__name__ != "InterpretedFunction":
+        yield
+        return
+    with _interpreting:
+        yield
+
+
+_interpreting = threading.RLock()
 
 
 # -- the launch ------------------------------------------------------------------------------
@@ -233,7 +248,8 @@ def launch(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any
     slotted_kwargs = {k: take(v, k) for k, v in kwargs.items()}
     if not reads and not writes:  # nothing of memory: nothing to see
         run = _originals.get(type(kernel)) or type(kernel).run
-        run(kernel, *args, grid=grid, warmup=False, **kwargs)
+        with _one_at_a_time(kernel):
+            run(kernel, *args, grid=grid, warmup=False, **kwargs)
         return
     numbers = _grid(grid, bound.arguments)
     key = (id(kernel), numbers, _frozen(slotted_args), _frozen(tuple(sorted(slotted_kwargs.items()))))
@@ -270,7 +286,8 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         note_kernel(kernel_name(self))  # on a thread a watched stage started: its refusal names the kernel
         if not _watched():
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            with _one_at_a_time(self):
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         _check_stream(self)
         return launch(self, args, kwargs, grid)
 

@@ -256,3 +256,36 @@ def test_the_cost_of_an_interpreted_launch_and_of_making_it_an_op():
     print(f"\ninterpreted launch (grid 2, 16 lanes): {bare * 1e3:.2f} ms unwatched, {watched * 1e3:.2f} ms as an op "
           f"under the read observer")
     assert watched < bare + 0.005, (bare, watched)  # the op costs well under 5 ms a launch over the launch
+
+
+@triton.jit
+def _program_ids(out, W: tl.constexpr):
+    pid = tl.program_id(0)
+    tl.store(out + pid * W + tl.arange(0, W), tl.zeros([W], dtype=tl.int32) + pid)
+
+
+def test_launches_from_two_threads_do_not_interleave_in_the_interpreter():
+    # a stream's replay and the scheduler's Python stage launch at once: the interpreter keeps the
+    # running program in module state (unlocked, one launch breaks the other's)
+    from readfence.core._triton import see_launches
+
+    assert see_launches()
+    failures: list[object] = []
+
+    def launches():
+        for _ in range(20):
+            out = torch.empty(32, 4, dtype=torch.int32)
+            try:
+                _program_ids[(32,)](out, W=4)
+            except Exception as e:  # (a failed launch raises on its own thread)
+                failures.append(e)
+                return
+            if not torch.equal(out[:, 0], torch.arange(32, dtype=torch.int32)):
+                failures.append(out[:, 0])
+
+    threads = [threading.Thread(target=launches) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
