@@ -1,0 +1,64 @@
+"""The ``readfence ...`` commands the README's prose and its console blocks show run as printed
+(``test_readme_commands`` runs its bash blocks, ``test_readme_samples`` its samples): pasted
+from the repository's root, none is bad input (exit status 2) and none ends in a traceback; 1,
+a finding, is what some of them are there to show."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from tests.cli.conftest import run_readfence
+
+pytestmark = pytest.mark.slow  # end to end: the full suite
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TEXT = (ROOT / "README.md").read_text()
+RUN_ELSEWHERE = {line.strip() for block in re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S)
+                 for line in block.splitlines()} | set(re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| [a-z ,]+)? -->",
+                                                                  TEXT))
+
+
+def shown_commands(text: str) -> list[str]:
+    """Commands in backticks in the prose (a line break inside one is a space) and in console blocks.
+
+    >>> shown_commands("run `readfence audit --engine m:f --mode\\ndecode` or\\n```console\\nreadfence plan paged\\n```")
+    ['readfence audit --engine m:f --mode decode', 'readfence plan paged']
+    """
+    inline = [" ".join(c.split()) for c in re.findall(r"`(readfence [^`]+)`", text)]
+    console = [line.strip() for block in re.findall(r"```console\n(.*?)```", text, flags=re.S)
+               for line in block.splitlines() if line.strip().startswith("readfence ")]
+    return list(dict.fromkeys(inline + console))
+
+
+def runnable(command: str) -> bool:
+    """A whole command to paste, not a name in a sentence (``readfence plan``), a form with
+    placeholders (``--batch-size N``), the benchmarks (``test_bench``) or a tensor-parallel run
+    (``test_tp``)."""
+    words = shlex.split(command)
+    return (len(words) > 2 and not any(re.fullmatch(r"[A-Z]+", w) for w in words)
+            and words[1] != "bench" and "--tp" not in words and command not in RUN_ELSEWHERE)
+
+
+COMMANDS = [c for c in shown_commands(TEXT) if runnable(c)]
+
+
+def test_the_prose_shows_commands_to_run():
+    assert len(COMMANDS) >= 3, COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_command_the_readme_shows_runs_as_printed(command):
+    if "sglang" in command and importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (pip install --no-deps -r tests/engine/sglang-requirements.txt)")
+    if "--engine sglang." in command:
+        # SGLang's own module by name: it imports sgl_kernel and torchvision, which load on a GPU machine
+        # only (the README says so); tests.engine.sglang_engines is the way in on CPU, run above
+        pytest.skip("needs SGLang's CUDA imports (sgl_kernel, torchvision)")
+    code, out, err = run_readfence(shlex.split(command)[1:], str(ROOT))
+    assert code in (0, 1), f"{command}\n{out}\n{err}"
+    assert "Traceback" not in err and "Error:" not in err, err
