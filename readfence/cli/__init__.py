@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import click
@@ -19,6 +20,9 @@ import click
 from readfence import __version__
 
 from ._errors import OneLineErrors
+
+#: The exit status of a command interrupted by Ctrl-C (SIGINT): 128 + 2, as Python's own.
+INTERRUPTED = 130
 
 # name -> (module, attribute, the line ``readfence --help`` shows; a test keeps it equal to
 # the command's own docstring)
@@ -47,6 +51,14 @@ class _LazyGroup(OneLineErrors, click.Group):
         module, attribute, _ = COMMANDS[cmd_name]
         command: Any = getattr(importlib.import_module(module, __name__), attribute)
         return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # Ctrl-C: the status of a process SIGINT ended (128 + 2), as Python's own; not 1 (a finding)
+            click.echo("\nInterrupted", err=True)
+            sys.exit(INTERRUPTED)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):
