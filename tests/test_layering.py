@@ -1,6 +1,7 @@
 """The package imports only downwards: each layer imports only the layers before it.
 
     effects <- core <- backends <- graph (devices <- lowering <- steps <- runtime <- verification) <- engine <- parallel <- cli
+    <- __main__ (``python -m readfence``)
 
 Every import statement of every module under ``readfence/`` is read with ``ast``: module-level
 ones, and those inside functions, classes and ``if TYPE_CHECKING`` blocks (a function-level
@@ -39,6 +40,7 @@ LAYERS: tuple[str, ...] = (
     "readfence.engine",
     "readfence.parallel",
     "readfence.cli",
+    "readfence.__main__",
 )
 
 GRAPH_SUBPACKAGES = ("devices", "lowering", "steps", "runtime", "verification")
@@ -47,7 +49,7 @@ GRAPH_SUBPACKAGES = ("devices", "lowering", "steps", "runtime", "verification")
 def layer_of(module: str) -> int | None:
     """The index in :data:`LAYERS` of ``module``, ``-1`` for the root package (its version
     string: anything may import it), ``None`` for a module that no layer names."""
-    if module == "readfence" or module.startswith("readfence.__"):
+    if module == "readfence" or (module.startswith("readfence.__") and module not in LAYERS):
         return -1
     best = None
     for i, prefix in enumerate(LAYERS):
