@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -353,15 +353,29 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
                state: Mapping[str, dict[str, Tensor]]) -> None:
     """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
-    example states (``core.validate_replay``), whatever the policy: a graph that bakes a value
-    of the traced step is wrong with any fence. The Python may write live memory it keeps a
-    reference to (a pool it closes over): the state holds its values again afterwards."""
+    states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
+    traced step is wrong with any fence. A backend that keeps references to the live state (an
+    engine object holding its runner's page table) reads that state, not an example: its
+    varied states are written into the live buffers, which hold their values again afterwards
+    (as they do after the Python writes memory it keeps a reference to)."""
     where = device_of(state["shared"])
-    saved = ([(t, t.clone()) for group in state.values() for t in group.values()]
-             if program.captured() else [])
+    keeps = bool(program.captured())
+    saved = [(t, t.clone()) for group in state.values() for t in group.values()] if keeps else []
+
+    def example(seed: int) -> dict[str, Any]:
+        groups: dict[str, Any] = varied_step(cfg, mode, batch_size, seed=seed, device=where).groups()
+        if not keeps:
+            return groups
+        for name in ("shared", "pools", "params"):
+            live, varied = state.get(name, {}), groups[name]
+            for key, t in live.items():
+                if key in varied and varied[key].shape == t.shape and varied[key].dtype == t.dtype:
+                    t.copy_(varied[key])
+            groups[name] = {**varied, **live}
+        return groups
+
     try:
-        validate_replay(program, step_functions(backend, mode, cfg),
-                        lambda seed: varied_step(cfg, mode, batch_size, seed=seed, device=where).groups())
+        validate_replay(program, step_functions(backend, mode, cfg), example)
     finally:
         for t, old in saved:
             t.copy_(old)
