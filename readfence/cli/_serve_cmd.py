@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 MAX_RATE = float(MAX_BATCH)  # requests per step: past the most the model serves, the queue only grows
 MAX_WRITE_WAIT_MS = 1000.0
+DEFAULT_REPEATS, MAX_REPEATS = 3, 20  # medians of three, as the benchmarks take them
 
 COLUMNS = {
     "policy": "policy",
@@ -75,6 +76,8 @@ def render(report: ServeReport, *, spec: str, steps: int, rate: float, seed: int
     serial (no overlap)  1000      1.11x              1.00x      -                      -             -               -
     COARSE               900       1.00x              0.90x      2.500                  0.400         yes             none
     <BLANKLINE>
+    tokens/s and speedups: one run per policy, which on a shared machine can differ by 2x from one run to the next:
+    noise; --repeat N takes medians over N repetitions
     every policy matched the serial run bit for bit, request by request; the sanitizer found no race
     """
     rows = report.rows
@@ -103,11 +106,35 @@ def render(report: ServeReport, *, spec: str, steps: int, rate: float, seed: int
             lines.append(f"{r['policy']}: {finding}")
         if len(r["findings"]) > 3:
             lines.append(f"{r['policy']}: ... and {len(r['findings']) - 3} more")
+    lines.append(noise_note(report))
     if report.verified is not None:
         lines.append(report.verified if report.verify_ok else f"verify found: {report.verified}")
     if report.ok:
         lines.append("every policy matched the serial run bit for bit, request by request; the sanitizer found no race")
     return "\n".join(lines)
+
+
+def noise_note(report: ServeReport) -> str:
+    """What the throughput figures are worth: with one repetition, noise; with several, medians,
+    and how far each policy's speedup over COARSE ranged across them (a difference inside that
+    range is noise).
+
+    >>> from readfence.cli._serve_run import ServeReport
+    >>> rows = [{"policy": "COARSE", "error": None, "speedup_vs_coarse_runs": [1.0, 1.0, 1.0]},
+    ...         {"policy": "EXACT", "error": None, "speedup_vs_coarse_runs": [0.9, 1.4, 1.1]}]
+    >>> print(noise_note(ServeReport("cpu", rows, {}, {"tokens_per_s_runs": [1.0, 1.0, 1.0]})))  # doctest: +NORMALIZE_WHITESPACE
+    tokens/s and speedups: medians of 3 repetitions, the policies in a rotated order; across them, speedup vs
+    COARSE ranged EXACT 0.90-1.40x: a difference within a range is noise
+    """
+    repeats = len(report.serial.get("tokens_per_s_runs") or ()) or 1
+    if repeats == 1:
+        return ("tokens/s and speedups: one run per policy, which on a shared machine can differ by 2x from one run "
+                "to the next: noise; --repeat N takes medians over N repetitions")
+    ranges = [f"{r['policy']} {min(r['speedup_vs_coarse_runs']):.2f}-{max(r['speedup_vs_coarse_runs']):.2f}x"
+              for r in report.rows if r["policy"] != "COARSE" and r["error"] is None and r["speedup_vs_coarse_runs"]]
+    spread = f"; across them, speedup vs COARSE ranged {', '.join(ranges)}: a difference within a range is noise" \
+        if ranges else ""
+    return f"tokens/s and speedups: medians of {repeats} repetitions, the policies in a rotated order{spread}"
 
 
 def json_rows(report: ServeReport, *, spec: str, rate: float, seed: int, capture_sizes: tuple[int, ...],
@@ -146,10 +173,13 @@ def _precheck(params: dict[str, Any]) -> None:
 @click.option("--plot", "plot_path", type=OutputFile(".png"),
               help="Draw each run's first steps after its warm-up as a PNG, each step named after its graph (needs "
                    "matplotlib).")
+@click.option("--repeat", "repeats", type=Positive(at_most=MAX_REPEATS), default=DEFAULT_REPEATS, show_default=True,
+              help="Run the serial reference and every policy this many times, in a rotated order, and report medians "
+                   "(and the spread of the speedups): one run's throughput is noise on a shared machine.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
 def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture_sizes: tuple[int, ...], seed: int,
           device: str, write_wait_ms: float, check: bool, trace_path: pathlib.Path | None,
-          plot_path: pathlib.Path | None, as_json: bool) -> None:
+          plot_path: pathlib.Path | None, as_json: bool, repeats: int = 1) -> None:
     """Run SPEC's serving loop: arrivals, changing batches, prefill between decodes.
 
     \b
@@ -158,6 +188,7 @@ def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture
     decode step replays the graph captured for the smallest of --capture-sizes that fits, padded.
     Every policy is checked request by request against the serial run of the same schedule and
     watched by the sanitizer (--verify adds poison, the guard and the read observer).
+    Throughput is the median of --repeat runs, the policies in a rotated order, with the spread.
     Exit status 1 if any run is wrong, 2 for bad input.
     """
     from readfence.graph import Policy, Traffic
@@ -169,12 +200,12 @@ def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture
         check_serving(spec, traffic, capture_sizes)
     except ValueError as e:  # the traffic or the capture sizes do not fit the model or the spec
         raise InputError(str(e)) from None
-    progress = _Progress(steps * (2 + len(set(policies) - {Policy.COARSE})), enabled=not as_json)
+    progress = _Progress(steps * repeats * (2 + len(set(policies) - {Policy.COARSE})), enabled=not as_json)
     try:
         report = run_serve_policies(spec, policies=policies, device=device, steps=steps, traffic=traffic,
                                     capture_sizes=capture_sizes, write_wait_s=write_wait_ms / 1e3,
                                     trace=trace_path is not None or plot_path is not None, check=check,
-                                    progress=progress.step, on_policy=progress.phase)
+                                    repeats=repeats, progress=progress.step, on_policy=progress.phase)
     finally:
         progress.close()
     if trace_path is not None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,28 @@ def _counts(sizes: dict[int, int]) -> dict[str, int]:
     return {str(k): v for k, v in sizes.items()}
 
 
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _run_policy(target: Any, policy: Policy, kind: str, *, trace: bool, write_wait_s: float,
+                progress: Callable[[int], None] | None, common: dict[str, Any]) -> tuple[Any, str, Timeline | None]:
+    """One run of the serving loop under ``policy``: its result, the device's name, its timeline."""
+    timeline = CappedTimeline(runtime_internal.TRACE_STEPS) if trace else None
+    recorder = WaitRecorder(timeline)
+    with open_device(kind) as dev:
+        if timeline is not None:
+            dev.add_observer(recorder)
+        res = run_serve(target, policy=policy, device=dev, timeline=timeline, write_wait_s=write_wait_s,
+                        progress=progress, **common)
+        name = dev.name
+    if timeline is not None:
+        timeline.trim()
+        add_waits(timeline, recorder)
+        add_step_replays(timeline, res.records)
+    return res, name, timeline
+
+
 @one_intra_op_thread()
 def run_serve_policies(
     target: Any,
@@ -88,64 +111,83 @@ def run_serve_policies(
     trace: bool = False,
     check: bool = False,
     cfg: ModelConfig | None = None,
+    repeats: int = 1,
     progress: Callable[[int], None] | None = None,
     on_policy: Callable[[str], None] | None = None,
 ) -> ServeReport:
     """Run the serial reference, then the serving loop for COARSE and each of ``policies``
-    (sanitizer on); with ``check``, ``verify`` on the serving loop too (poison, guard,
-    observer). Each row has the ``--json`` keys of ``readfence serve``."""
+    (sanitizer on), ``repeats`` times, the policies in a rotated order each time; with
+    ``check``, ``verify`` on the serving loop too (poison, guard, observer). Each row has the
+    ``--json`` keys of ``readfence serve``: its figures are medians over the repetitions (a
+    ratio: the median of each repetition's ratio, side by side), ``tokens_per_s_runs`` and
+    ``speedup_vs_coarse_runs`` each repetition's; the correctness keys hold for every one. The
+    timelines are the first repetition's."""
     traffic = Traffic() if traffic is None else traffic
     with open_device(device) as dev:
         kind = torch_device(dev)
-    if on_policy:
-        on_policy("serial reference")
     common: dict[str, Any] = dict(steps=steps, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg)
-    reference = run_serve_serial(target, device=kind, write_wait_s=write_wait_s, progress=progress, **common)
-    serial = {"tokens_per_s": reference.tokens_per_s, "steps": reference.steps}
-    rows: list[dict[str, Any]] = []
+    order = with_baseline(policies)
+    rows: dict[str, dict[str, Any]] = {
+        p.name: {"policy": p.name, "steps": steps, "prefill_steps": None, "decode_steps": None, "batch_sizes": None,
+                 "prefill_batch_sizes": None, "tokens": None, "tokens_per_s": None, "serial_tokens_per_s": None,
+                 "speedup_vs_serial": None, "speedup_vs_coarse": None, "mean_slack_ms": None, "host_ms_per_step": None,
+                 "matches_serial": True, "first_difference": None, "violations": 0, "findings": [], "error": None,
+                 "repeats": repeats, "tokens_per_s_runs": [], "speedup_vs_coarse_runs": []} for p in order}
+    runs: dict[str, dict[str, list[float]]] = {p.name: {"serial": [], "slack": [], "host": []} for p in order}
+    serial_runs: list[float] = []
     timelines: dict[str, Timeline] = {}
     name = kind
-    for policy in with_baseline(policies):
+    for rep in range(repeats):
         if on_policy:
-            on_policy(policy.name)
-        row: dict[str, Any] = {"policy": policy.name, "steps": steps, "prefill_steps": None, "decode_steps": None,
-                               "batch_sizes": None, "prefill_batch_sizes": None, "tokens": None, "tokens_per_s": None,
-                               "serial_tokens_per_s": reference.tokens_per_s, "speedup_vs_serial": None,
-                               "speedup_vs_coarse": None, "mean_slack_ms": None, "host_ms_per_step": None,
-                               "matches_serial": False, "first_difference": None, "violations": 0, "findings": [],
-                               "error": None}
-        timeline = CappedTimeline(runtime_internal.TRACE_STEPS) if trace else None
-        recorder = WaitRecorder(timeline)
-        try:
-            with open_device(kind) as dev:
-                name = dev.name
-                if timeline is not None:
-                    dev.add_observer(recorder)
-                res = run_serve(target, policy=policy, device=dev, timeline=timeline, write_wait_s=write_wait_s,
-                                progress=progress, **common)
-        except UnsoundLowering as e:
-            row["error"] = str(e)
-            rows.append(row)
+            on_policy("serial reference" + (f" (repetition {rep + 1} of {repeats})" if repeats > 1 else ""))
+        reference = run_serve_serial(target, device=kind, write_wait_s=write_wait_s, progress=progress, **common)
+        serial_runs.append(reference.tokens_per_s)
+        turn = order[rep % len(order):] + order[:rep % len(order)]  # each policy runs first in turn
+        tps: dict[str, float] = {}
+        for policy in turn:
+            row = rows[policy.name]
+            if row["error"] is not None:
+                continue  # refused once, refused every time
+            if on_policy:
+                on_policy(policy.name)
+            try:
+                res, name, timeline = _run_policy(target, policy, kind, trace=trace and rep == 0,
+                                                  write_wait_s=write_wait_s, progress=progress, common=common)
+            except UnsoundLowering as e:
+                row["error"] = str(e)
+                row["matches_serial"] = False
+                continue
+            if timeline is not None:
+                timelines[policy.name] = timeline
+            diff = res.first_difference(reference)
+            tps[policy.name] = res.tokens_per_s
+            row["tokens_per_s_runs"].append(res.tokens_per_s)
+            runs[policy.name]["serial"].append(res.tokens_per_s / reference.tokens_per_s)
+            if res.mean_slack is not None:
+                runs[policy.name]["slack"].append(res.mean_slack * 1e3)
+            if res.host_per_step is not None:
+                runs[policy.name]["host"].append(res.host_per_step * 1e3)
+            row.update(prefill_steps=res.prefill_steps, decode_steps=res.decode_steps,
+                       batch_sizes=_counts(res.batch_sizes), prefill_batch_sizes=_counts(res.prefill_sizes),
+                       tokens=res.tokens)
+            if diff is not None and row["first_difference"] is None:
+                row["first_difference"] = {"step": diff[0], "request": diff[1]}
+            row["matches_serial"] = row["matches_serial"] and diff is None
+            row["violations"] += len(res.violations)
+            row["findings"] += [str(v) for v in res.violations]
+        for policy_name, value in tps.items():
+            if "COARSE" in tps and tps["COARSE"]:
+                rows[policy_name]["speedup_vs_coarse_runs"].append(value / tps["COARSE"])
+    serial_tps = _median(serial_runs)
+    for policy_name, row in rows.items():
+        if row["error"] is not None:
             continue
-        if timeline is not None:
-            timeline.trim()
-            add_waits(timeline, recorder)
-            add_step_replays(timeline, res.records)
-            timelines[policy.name] = timeline
-        diff = res.first_difference(reference)
-        row.update(prefill_steps=res.prefill_steps, decode_steps=res.decode_steps, batch_sizes=_counts(res.batch_sizes),
-                   prefill_batch_sizes=_counts(res.prefill_sizes), tokens=res.tokens, tokens_per_s=res.tokens_per_s,
-                   speedup_vs_serial=res.tokens_per_s / reference.tokens_per_s,
-                   mean_slack_ms=None if res.mean_slack is None else res.mean_slack * 1e3,
-                   host_ms_per_step=None if res.host_per_step is None else res.host_per_step * 1e3,
-                   matches_serial=diff is None,
-                   first_difference=None if diff is None else {"step": diff[0], "request": diff[1]},
-                   violations=len(res.violations), findings=[str(v) for v in res.violations])
-        rows.append(row)
-    base = rows[0]["tokens_per_s"]
-    for row in rows:
-        if base and row["tokens_per_s"] is not None:
-            row["speedup_vs_coarse"] = row["tokens_per_s"] / base
+        row.update(tokens_per_s=_median(row["tokens_per_s_runs"]), serial_tokens_per_s=serial_tps,
+                   speedup_vs_serial=_median(runs[policy_name]["serial"]),
+                   speedup_vs_coarse=_median(row["speedup_vs_coarse_runs"]),
+                   mean_slack_ms=_median(runs[policy_name]["slack"]), host_ms_per_step=_median(runs[policy_name]["host"]))
+    serial = {"tokens_per_s": serial_tps, "steps": steps, "tokens_per_s_runs": serial_runs}
+    rows_list = list(rows.values())
     verified, verify_ok = None, True
     if check:
         if on_policy:
@@ -157,9 +199,9 @@ def run_serve_policies(
         verified = str(result.unwrap()) if verify_ok else str(result.failure())
         clean = {c.policy.name for c in result.unwrap().checks} if verify_ok else set()
         failed = None if verify_ok else result.failure().policy.name
-        for row in rows:
+        for row in rows_list:
             row["verify"] = "clean" if row["policy"] in clean else verified if row["policy"] == failed else None
-    return ServeReport(name, rows, timelines, serial, verified, verify_ok)
+    return ServeReport(name, rows_list, timelines, serial, verified, verify_ok)
 
 
 def _ok(result: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import click.testing
 
@@ -48,3 +49,36 @@ def test_traffic_that_does_not_fit_is_one_error_line():
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "Error: a per_stream group of 2 members needs a capture size >= 2, got [1]"]
+
+
+SHORT = ["serve", "paged", "--steps", "6", "--capture-sizes", "1,2", "--rate", "0.8", "--device", "cpu",
+         "--write-wait-ms", "0", "--policy", "exact"]
+
+
+def test_throughput_is_the_median_of_three_repetitions_by_default_with_each_run_kept():
+    import statistics
+
+    result = click.testing.CliRunner().invoke(main, [*SHORT, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    for r in rows:
+        assert r["repeats"] == 3 and len(r["tokens_per_s_runs"]) == 3 == len(r["speedup_vs_coarse_runs"])
+        assert r["tokens_per_s"] == statistics.median(r["tokens_per_s_runs"])
+        assert r["speedup_vs_coarse"] == statistics.median(r["speedup_vs_coarse_runs"])
+        assert r["matches_serial"] is True and r["violations"] == 0
+    assert rows[0]["speedup_vs_coarse_runs"] == [1.0, 1.0, 1.0]
+
+
+def test_the_text_says_what_the_throughput_is_worth():
+    result = click.testing.CliRunner().invoke(main, [*SHORT, "--repeat", "2"])
+    assert result.exit_code == 0, result.output
+    (note,) = [line for line in result.output.splitlines() if line.startswith("tokens/s and speedups:")]
+    assert re.fullmatch(r"tokens/s and speedups: medians of 2 repetitions, the policies in a rotated order; across "
+                        r"them, speedup vs COARSE ranged EXACT \d+\.\d\d-\d+\.\d\dx: a difference within a range "
+                        r"is noise", note), note
+    one = click.testing.CliRunner().invoke(main, [*SHORT, "--repeat", "1"])
+    assert one.exit_code == 0, one.output
+    assert ("tokens/s and speedups: one run per policy, which on a shared machine can differ by 2x from one run to "
+            "the next: noise; --repeat N takes medians over N repetitions") in one.output
+    bad = click.testing.CliRunner().invoke(main, [*SHORT, "--repeat", "0"])
+    assert bad.exit_code == 2 and bad.output.startswith("Error: invalid --repeat '0': must be a positive integer")

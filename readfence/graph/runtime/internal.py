@@ -3,6 +3,8 @@
 
 from ._loop import same_logits as same_logits
 from ._plot import LABEL_GAP as LABEL_GAP
+from ._plot import MIN_BAR as MIN_BAR
+from ._plot import OUTLIER as OUTLIER
 from ._plot import step_ends as step_ends
 from ._plot import timeline_figure as timeline_figure
 from ._traces import IN_FLIGHT as IN_FLIGHT
