@@ -8,11 +8,11 @@ read the tracer did not notice (``str(t)``, which prints with the dispatcher's m
 stage kept on ``self``. Rather than trust that no such value was missed, :func:`validate_replay`
 checks the graph against the code, as a compiler's translation validation does: it runs the
 step's Python on fresh example states whose values differ from the traced one (other lengths,
-other page tables, the same shapes) and replays each captured stage on copies of the very
-inputs the Python stage received, then compares every output and every byte of memory the
-stage could write. A difference is :class:`NotGraphSafe`, naming the stage, the first output
-that differs and, where a trace on the differing state shows it, the line that computed the
-baked value.
+other page tables, the same shapes) and replays each captured stage on the very inputs the
+Python stage receives (the memory put back in between), then compares every output and every
+byte of memory the stage could write. A difference is :class:`NotGraphSafe`, naming the stage,
+the first output that differs and, where a trace on the differing state shows it, the line
+that computed the baked value.
 
 What it can miss: a value that happens to be equal on every state it tries (a maximum that is
 always the context length), and code that reads the host's clock or other state outside the
@@ -109,31 +109,30 @@ def _bytes(storage: torch.UntypedStorage) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-class _Copies:
-    """Copies of a stage's tensor arguments that alias each other as the originals do: one copy
-    per storage, each argument rebuilt over it with its offset, shape and strides."""
+class _Memory:
+    """The memory a stage can reach (its tensor arguments' storages and those its graph captured),
+    saved: put back before the second run, compared after it. A graph may write through a
+    captured tensor that is an argument's memory too (an engine object's own reference to the
+    live cache): both runs then run on the very memory the step uses, one after the other."""
 
-    def __init__(self, names: Sequence[str], leaves: Sequence[object]) -> None:
-        self.storages: dict[tuple[int, int], tuple[torch.UntypedStorage, torch.UntypedStorage, str]] = {}
-        self.env: dict[str, Tensor] = {}
-        for name, leaf in zip(names, leaves):
-            if not isinstance(leaf, Tensor):
-                continue
-            key = _storage_key(leaf)
-            if key is None:  # no storage to share (sparse): a plain copy
-                self.env[name] = leaf.clone()
-                continue
-            if key not in self.storages:
-                st = leaf.untyped_storage()
-                self.storages[key] = (st, st.clone(), name)
-            copy = self.storages[key][1]
-            self.env[name] = torch.empty(0, dtype=leaf.dtype, device=leaf.device).set_(
-                copy, leaf.storage_offset(), leaf.shape, leaf.stride())
+    def __init__(self, named: Sequence[tuple[str, object]]) -> None:
+        self.storages: dict[tuple[int, int], tuple[torch.UntypedStorage, str]] = {}
+        for name, leaf in named:
+            key = _storage_key(leaf) if isinstance(leaf, Tensor) else None
+            if key is not None and key not in self.storages:
+                self.storages[key] = (leaf.untyped_storage(), name)  # type: ignore[union-attr]
 
-    def changed(self) -> str | None:
-        """The first argument whose memory the replay left other than the Python run did."""
-        for original, copy, name in self.storages.values():
-            if not torch.equal(_bytes(original), _bytes(copy)):
+    def save(self) -> list[torch.UntypedStorage]:
+        return [st.clone() for st, _ in self.storages.values()]
+
+    def restore(self, saved: Sequence[torch.UntypedStorage]) -> None:
+        for (st, _), old in zip(self.storages.values(), saved):
+            _bytes(st).copy_(_bytes(old))
+
+    def differs_from(self, saved: Sequence[torch.UntypedStorage]) -> str | None:
+        """The first memory whose bytes now are not ``saved``'s (named by an argument)."""
+        for (st, name), old in zip(self.storages.values(), saved):
+            if not torch.equal(_bytes(st), _bytes(old)):
                 return name
         return None
 
@@ -147,7 +146,8 @@ def _same_randomness() -> Iterator[Callable[[], None]]:
 
 class _Comparing:
     """The interpreter that runs each stage's Python, as the engine does, and replays each
-    captured stage's graph on copies of the same arguments, comparing the two."""
+    captured stage's graph first on the same arguments and memory, put back in between,
+    comparing the two."""
 
     def __init__(self, program: Program) -> None:
         self.program = program
@@ -161,11 +161,16 @@ class _Comparing:
                 graph.guard.check(out, call.fn, call.kwargs)
             return out
         names, leaves, _ = call.named_leaves()
-        copies = _Copies(names, leaves)
-        with _same_randomness() as rewind:
-            out = call()
+        env = {n: v for n, v in zip(names, leaves) if isinstance(v, Tensor)}
+        held = [(f"captured {c.target}", getattr(graph.gm, c.target)) for c in graph.captured]
+        memory = _Memory([*env.items(), *held])
+        before = memory.save()
+        with _same_randomness() as rewind:  # the replay, then the Python, on the same memory
+            replayed = {k: v.clone() for k, v in graph.run(env).items()}
+            after_replay = memory.save()
+            memory.restore(before)
             rewind()
-            replayed = graph.run(copies.env)
+            out = call()
         want = {n: v for n, v in call.output_names(out) if isinstance(v, Tensor)}
         for name in graph.outputs:
             got, expected = replayed[name], want.get(name)
@@ -173,7 +178,7 @@ class _Comparing:
                 what = "an output" if expected is None else _first_difference(name, got, expected)
                 self.mismatch = (graph, name, what)
                 return out
-        changed = copies.changed()
+        changed = memory.differs_from(after_replay)
         if changed is not None:
             self.mismatch = (graph, changed, "other bytes than its Python writes there")
         return out
@@ -237,7 +242,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
                     seeds: Iterable[int] = REPLAY_SEEDS) -> None:
     """Check that every stage ``program`` replays as a graph computes what ``fns`` computes:
     for each seed, run the step's Python on ``example(seed)`` (fresh input groups: ``shared``,
-    ``batch``, ...) and replay the captured stages on copies of the same arguments; raise
+    ``batch``, ...) and replay the captured stages on the same arguments beside it; raise
     :class:`NotGraphSafe` at the first difference (see the module docstring). ``program`` is
     the program a lowering replays (bound to the live state it runs on).
 
