@@ -118,9 +118,11 @@ class _Memory:
     def __init__(self, named: Sequence[tuple[str, object]]) -> None:
         self.storages: dict[tuple[int, int], tuple[torch.UntypedStorage, str]] = {}
         for name, leaf in named:
-            key = _storage_key(leaf) if isinstance(leaf, Tensor) else None
+            if not isinstance(leaf, Tensor):
+                continue
+            key = _storage_key(leaf)
             if key is not None and key not in self.storages:
-                self.storages[key] = (leaf.untyped_storage(), name)  # type: ignore[union-attr]
+                self.storages[key] = (leaf.untyped_storage(), name)
 
     def save(self) -> list[torch.UntypedStorage]:
         return [st.clone() for st, _ in self.storages.values()]

@@ -24,6 +24,7 @@ from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
 from ._memory import span_of as span_of
 from ._program import ALIASES_KEY as ALIASES_KEY
+from ._protocol import child_runs as child_runs
 from ._protocol import runs_as as runs_as
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing as op_aliasing
@@ -36,8 +37,9 @@ from ._trace import remember as remember
 from ._trace import state_key as state_key
 
 __all__ = [
-    "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span",
-    "bind_arguments", "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers",
-    "check_forward_mode", "check_mode", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows", "op_aliasing", "pad_rows",
-    "positive_int", "positive_seconds", "remember", "request_ranges", "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
+    "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span", "bind_arguments",
+    "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode",
+    "check_mode", "child_runs", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows",
+    "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges", "runs_as",
+    "span_of", "split_batch", "state_key", "tokens_per_request",
 ]

@@ -16,7 +16,7 @@ import torch
 
 from readfence.core import ForwardMode
 from readfence.engine import adapt
-from readfence.graph import CpuDevice, Policy, run_overlapped, run_serial
+from readfence.graph import Policy, run_overlapped, run_serial
 
 from .classes import Ends, attention
 from .conftest import CFG
