@@ -339,6 +339,12 @@ def to_spec(backend: Backend) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def _as_dict(out: Any) -> Any:
+    # a mapping as a dict; anything else as it is, for the step's check to name (a tensor given
+    # to dict() fails with "dictionary update sequence element", naming nothing)
+    return dict(out) if isinstance(out, Mapping) else out
+
+
 @attrs.frozen(eq=False, repr=False)
 class Functions:
     """A leaf kernel made of three plain functions (what :func:`leaf` builds)."""
@@ -358,12 +364,12 @@ class Functions:
 
     def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         fn = self.prepare_out_graph_fn
-        return {} if fn is None else dict(fn(mode, shared, batch))
+        return {} if fn is None else _as_dict(fn(mode, shared, batch))
 
     def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors,
                          meta: Tensors) -> dict[str, Tensor]:
         fn = self.prepare_in_graph_fn
-        return {} if fn is None else dict(fn(mode, shared, batch, meta))
+        return {} if fn is None else _as_dict(fn(mode, shared, batch, meta))
 
     def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
                pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
@@ -426,19 +432,35 @@ class Leaf(Backend):
     def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         if check_mode(mode) is ForwardMode.IDLE:
             return {}
-        return self.kernel.prepare_out_graph(mode, shared, batch)
+        return self._dict_of(PREPARE_OUT_GRAPH, self.kernel.prepare_out_graph, mode, shared, batch)
 
     def prepare_in_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors,
                          meta: Tensors) -> dict[str, Tensor]:
         if check_mode(mode) is ForwardMode.IDLE:
             return {}
-        return self.kernel.prepare_in_graph(mode, shared, batch, meta)
+        return self._dict_of(PREPARE_IN_GRAPH, self.kernel.prepare_in_graph, mode, shared, batch, meta)
+
+    def _dict_of(self, stage: Any, fn: Callable[..., Any], *args: Any) -> dict[str, Tensor]:
+        """What the kernel's ``stage`` returned, refused here (naming this leaf and the line) when it
+        is no dict: a wrapper merging its children's dicts would fail on it naming nothing."""
+        out = fn(*args)
+        if not isinstance(out, Mapping):
+            from readfence.core import check_stage_output
+
+            check_stage_output(stage, out, backend=self.name, fn=lambda: fn(*args))
+        return out
 
     def attend(self, mode: ForwardMode, layer: int, q: Tensor, k: Tensor, v: Tensor,
                pools: dict[str, Tensor], shared: Tensors, batch: Tensors, meta: Tensors) -> Tensor:
         if check_mode(mode) is ForwardMode.IDLE:
             return q.new_zeros(q.shape)
-        return self.kernel.attend(mode, layer, q, k, v, pools, shared, batch, meta)
+        args = (mode, layer, q, k, v, pools, shared, batch, meta)
+        out = self.kernel.attend(*args)
+        if not (isinstance(out, Tensor) and out.shape == q.shape):  # named here, not by the model's reshape
+            from readfence.core import BODY, check_stage_output
+
+            check_stage_output(BODY, out, backend=self.name, like=q, layer=layer, fn=lambda: self.kernel.attend(*args))
+        return out
 
 
 Declaration = Mapping[ForwardMode, ReadEffect] | Callable[[ForwardMode], ReadEffect] | None

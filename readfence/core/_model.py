@@ -21,7 +21,7 @@ from ._protocol import BackendLike
 from ._scan import LayerScan, run_scan
 from ._segment import Segment
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
-from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, eval_step
+from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, check_stage_output, eval_step
 
 _EPS = 1e-6
 
@@ -109,7 +109,10 @@ def decoder_scan(cfg: ModelConfig, backend: BackendLike, mode: ForwardMode) -> L
     def layer(index: int, carry: Carry, inputs: Mapping[str, Any]) -> Carry:
         (x, rope), params, pre = carry, inputs["params"], f"layers.{index}."
         q, k, v = qkv(x, *rope, params[pre + "attn_norm"], params[pre + "wqkv"])
-        o = backend.attend(mode, index, q, k, v, inputs["pools"], inputs["shared"], inputs["batch"], inputs["meta"])
+        args = (mode, index, q, k, v, inputs["pools"], inputs["shared"], inputs["batch"], inputs["meta"])
+        # a wrong return is named here (backend, layer, the line that returned it), not by a reshape deep in the model
+        o = check_stage_output(BODY, backend.attend(*args), backend=backend.name, like=q, layer=index,
+                               fn=lambda: backend.attend(*args))
         return out(x, o, params[pre + "wo"], params[pre + "mlp_norm"], params[pre + "w_up"], params[pre + "w_down"]), rope
 
     def post(carry: Carry, inputs: Mapping[str, Any]) -> Tensor:

@@ -232,10 +232,17 @@ def foreign_subclass(t: Tensor) -> bool:
     return type(t) is not Tensor and not type(t).__module__.startswith("torch")
 
 
+def _fits(out: Tensor, like: Tensor) -> bool:
+    # q's shape, or its rows flattened ([T, heads * dim]): what the model reshapes it from
+    return out.shape == like.shape or (out.shape[:1] == like.shape[:1] and out.numel() == like.numel())
+
+
 def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callable[..., object] | None = None,
-                       kwargs: Mapping[str, Any] | None = None) -> _T:
+                       kwargs: Mapping[str, Any] | None = None, like: Tensor | None = None,
+                       layer: int | None = None) -> _T:
     """``out`` if ``stage`` may return it (see :class:`StageOutputError`), else the error naming
     ``backend``, the stage, the key and (when ``fn`` and its ``kwargs`` are given) the line.
+    With ``like`` (``q``), ``out`` is what ``attend`` returned in ``layer``: a tensor shaped like ``q``.
 
     >>> check_stage_output(PREPARE_IN_GRAPH, {"n": 3, "rows": [torch.ones(1), None]})["n"]
     3
@@ -243,14 +250,37 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     Traceback (most recent call last):
     ...
     readfence.core._step.StageOutputError: backend 'mine' stage prepare_in_graph returned set {1, 2} at key ['n'] (at ?): ...
+    >>> check_stage_output(PREPARE_OUT_GRAPH, torch.zeros(2), backend="mine")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    readfence.core._step.StageOutputError: backend 'mine' stage prepare_out_graph returned Tensor tensor([0., 0.])
+    instead of a dict (at ?): a prepare stage returns a dict (of tensors, Python scalars, None, and dicts, lists and
+    tuples of them): put the tensor under a key, e.g. {'kv_indices': ...}
+    >>> q = torch.zeros(2, 4, 8)
+    >>> check_stage_output(BODY, q[:, :1], backend="mine", like=q, layer=0)  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    readfence.core._step.StageOutputError: backend 'mine' attend returned a tensor of shape [2, 1, 8] in layer 0 (at ?):
+    attend returns a tensor shaped like q, [2, 4, 8]
     """
     bad: object
+    if stage is BODY and like is not None:
+        if isinstance(out, Tensor) and not foreign_subclass(out) and _fits(out, like):
+            return out
+        got = f"a tensor of shape {list(out.shape)}" if isinstance(out, Tensor) else f"{type(out).__name__} {_short(out)}"
+        line = "?" if fn is None else returned_at(fn, kwargs or {}, out)
+        raise StageOutputError(f"backend {backend!r} attend returned {got} in layer {layer} (at {line}): attend returns "
+                               f"a tensor shaped like q, {list(like.shape)}", stage=stage.name)
     if stage is BODY:
         if isinstance(out, Tensor) and not foreign_subclass(out):
             return out
         bad, where = out, "as its output"
     elif not isinstance(out, Mapping):
-        bad, where = out, "instead of a dict"
+        line = "?" if fn is None else returned_at(fn, kwargs or {}, out)
+        hint = ": put the tensor under a key, e.g. {'kv_indices': ...}" if isinstance(out, Tensor) else ""
+        raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {type(out).__name__} {_short(out)} "
+                               f"instead of a dict (at {line}): a prepare stage returns a dict (of tensors, Python "
+                               f"scalars, None, and dicts, lists and tuples of them){hint}", stage=stage.name)
     else:
         pairs, _ = pytree.tree_flatten_with_path(dict(out))
         wrong = next(((p, v) for p, v in pairs

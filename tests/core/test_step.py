@@ -187,6 +187,67 @@ def test_a_stage_must_return_a_dict_and_the_body_a_tensor() -> None:
                   {"shared": {}, "batch": {}})
 
 
+def _attend(mode, layer, q, k, v, pools, shared, batch, meta):
+    store_kv(pools, layer, batch["out_cache_loc"], k, v)
+    return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+
+
+def _kv_indices_alone(mode, shared, batch):
+    return page_meta(shared, batch)["kv_indices"]  # a tensor, not a dict: the line the error names
+
+
+@pytest.mark.parametrize("wrap", ["leaf", "hybrid_linear", "tbo"])
+def test_a_prepare_stage_returning_a_tensor_is_named_with_its_leaf_and_line_in_every_run(wrap) -> None:
+    from readfence.backends import hybrid_linear, linear, tbo
+    from readfence.core import audit
+    from readfence.graph import run_serial
+
+    mine = leaf("tensor_meta", _attend, prepare_out_graph=_kv_indices_alone)
+    target = {"leaf": mine, "hybrid_linear": hybrid_linear(mine, linear()), "tbo": tbo(paged(), mine)}[wrap]
+    line = f"{__file__}:{_kv_indices_alone.__code__.co_firstlineno + 1} in _kv_indices_alone"
+    for run in (lambda: run_serial(target, steps=1, batch_size=2, cfg=CFG),
+                lambda: audit(target, ForwardMode.DECODE, cfg=CFG, batch_sizes=[2])):
+        with pytest.raises(StageOutputError) as e:
+            run()
+        text = str(e.value)
+        assert text.startswith("backend 'tensor_meta' stage prepare_out_graph returned Tensor tensor("), text
+        assert f"instead of a dict (at {line}): a prepare stage returns a dict" in text, text
+        assert "put the tensor under a key" in text and e.value.stage == "prepare_out_graph"
+
+
+def _attend_none(mode, layer, q, k, v, pools, shared, batch, meta):
+    store_kv(pools, layer, batch["out_cache_loc"], k, v)  # and forgets to return
+
+
+def _attend_one_head(mode, layer, q, k, v, pools, shared, batch, meta):
+    return _attend(mode, layer, q, k, v, pools, shared, batch, meta)[:, :1]
+
+
+@pytest.mark.parametrize("attend,got", [(_attend_none, "NoneType None"), (_attend_one_head, "a tensor of shape [2, 1, ")])
+def test_attend_returning_none_or_a_wrong_shape_is_named_with_its_leaf_layer_and_line(attend, got) -> None:
+    from readfence.backends import hybrid_linear, linear
+    from readfence.graph import run_serial
+
+    mine = leaf("bad_attend", attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch))
+    for target in (mine, hybrid_linear(mine, linear())):
+        with pytest.raises(StageOutputError) as e:
+            run_serial(target, steps=1, batch_size=2, cfg=CFG)
+        text = str(e.value)
+        assert text.startswith(f"backend 'bad_attend' attend returned {got}"), text
+        assert " in layer 0 (at " in text and f"{__file__}:" in text and f"in {attend.__name__})" in text, text
+        assert text.endswith(f"attend returns a tensor shaped like q, [2, {CFG.heads}, {CFG.head_dim}]"), text
+
+
+def test_attend_may_return_qs_rows_flattened() -> None:
+    from readfence.graph import run_serial
+
+    flat = leaf("flat", lambda *args: _attend(*args).flatten(1),
+                prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch))
+    assert run_serial(flat, steps=1, batch_size=2, cfg=CFG).matches(
+        run_serial(leaf("shaped", _attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch)),
+                   steps=1, batch_size=2, cfg=CFG))
+
+
 def test_the_output_guard_refuses_new_keys_values_and_shapes() -> None:
     traced = {"n": 3, "lens": torch.zeros(2), "rows": [torch.zeros(1)]}
     guard = OutputGuard.of(PREPARE_IN_GRAPH, traced, backend="mine")
