@@ -151,8 +151,8 @@ class _Comparing:
     captured stage's graph first on the same arguments and memory, put back in between,
     comparing the two."""
 
-    def __init__(self, program: Program) -> None:
-        self.program = program
+    def __init__(self, program: Program, replay: Replay) -> None:
+        self.program, self.replay = program, replay
         self.mismatch: tuple[StageGraph, str, str] | None = None  # (stage, output, what)
 
     def call(self, call: StageCall) -> Any:
@@ -168,7 +168,7 @@ class _Comparing:
         memory = _Memory([*env.items(), *held])
         before = memory.save()
         with _same_randomness() as rewind:  # the replay, then the Python, on the same memory
-            replayed = {k: v.clone() for k, v in graph.run(env).items()}
+            replayed = {k: v.clone() for k, v in self.replay(graph, env).items()}
             after_replay = memory.save()
             memory.restore(before)
             rewind()
@@ -240,13 +240,23 @@ def _locate(program: Program, fns: StepFunctions, example: Mapping[str, Any], st
         return "?"
 
 
+#: How a captured stage is replayed on an environment of names: ``StageGraph.run`` by default
+#: (its GraphModule); the lowering hands its own compiled code.
+Replay = Callable[[StageGraph, Mapping[str, Tensor]], Mapping[str, Tensor]]
+
+
+def _graph_module(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    return stage.run(env)
+
+
 def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], *,
-                    seeds: Iterable[int] = REPLAY_SEEDS) -> None:
+                    seeds: Iterable[int] = REPLAY_SEEDS, replay: Replay = _graph_module) -> None:
     """Check that every stage ``program`` replays as a graph computes what ``fns`` computes:
     for each seed, run the step's Python on ``example(seed)`` (fresh input groups: ``shared``,
     ``batch``, ...) and replay the captured stages on the same arguments beside it; raise
     :class:`NotGraphSafe` at the first difference (see the module docstring). ``program`` is
-    the program a lowering replays (bound to the live state it runs on).
+    the program a lowering replays (bound to the live state it runs on); ``replay(stage, env)``
+    runs a captured stage's graph (default: its GraphModule).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ModelConfig, ForwardMode, step_functions, trace, varied_step
@@ -258,7 +268,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds) in _VALIDATED:
         return
     for seed in seeds:
-        comparing = _Comparing(program)
+        comparing = _Comparing(program, replay)
         with torch.no_grad():
             eval_step(comparing, fns, example(seed))
         if comparing.mismatch is not None:

@@ -40,6 +40,7 @@ from readfence.core import (
     ForwardMode,
     ModelConfig,
     Program,
+    StageGraph,
     Unsound,
     bind,
     example_step,
@@ -58,12 +59,13 @@ from readfence.effects import ReadEffect, ReadEnd
 from ..devices import Device, Event, Stream, Timeline
 from ..devices.internal import check_device
 from ._fence import Bound, Fence
+from ._fx_compile import compile_graph
 from ._issue import StepRun, step_issuer
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
-from ._slot import Slot, SlotSpec, StepLauncher, build_slot, last_reads, seen_effect
+from ._slot import CompiledStage, Slot, SlotSpec, StepLauncher, build_slot, last_reads, seen_effect
 from ._verdict import audit_verdict
 
 if TYPE_CHECKING:
@@ -374,8 +376,17 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
             groups[name] = {**varied, **live}
         return groups
 
+    compiled: dict[str, CompiledStage] = {}
+
+    def replay(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        # each captured stage as the lowering runs it: straight-line code over the same ops, one
+        # translation for every state tried (a GraphModule would generate its code for one call)
+        if stage.name not in compiled:
+            compiled[stage.name] = CompiledStage(stage, compile_graph(stage.gm, simplify=False, bindings=False))
+        return compiled[stage.name].run(env)
+
     try:
-        validate_replay(program, step_functions(backend, mode, cfg), example)
+        validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
     finally:
         for t, old in saved:
             t.copy_(old)
