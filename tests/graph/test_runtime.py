@@ -360,3 +360,18 @@ def test_unwatched_loop_waits_once_per_write_with_work_and_stays_bit_identical(p
     # the same fences, used at each release point only when a sanitizer must see the race
     assert waits[True] == len(loop.write_groups) >= 2
     assert waits[False] == (1 if write_wait_s == 0.0 else 2)
+
+
+@pytest.mark.parametrize("entry", ["run_overlapped", "run_serve", "run_traced"])
+def test_an_option_no_loop_takes_is_named_with_the_function_called_and_the_unit(entry):
+    import readfence.graph as graph
+
+    run = getattr(graph, entry)
+    with graph.CpuDevice() as dev, pytest.raises(TypeError) as e:
+        run(paged(), steps=1, policy=graph.Policy.EXACT, device=dev, write_wait_ms=5)
+    assert str(e.value) == (f"{entry}() got an unexpected keyword argument 'write_wait_ms'; did you mean "
+                            "'write_wait_s'? (seconds in Python: write_wait_s=0.005 is the command line's "
+                            "--write-wait-ms 5)")
+    with graph.CpuDevice() as dev, pytest.raises(TypeError, match=rf"^{entry}\(\) got an unexpected keyword argument "
+                                                                  r"'cfgg'; did you mean 'cfg'\?$"):
+        run(paged(), steps=1, policy=graph.Policy.EXACT, device=dev, cfgg=None)

@@ -10,6 +10,7 @@ buffers. The next forward waits for those writes. ``run_serial`` is the referenc
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import statistics
 import time
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core.internal import positive_int
+from readfence.core.internal import did_you_mean, positive_int
 
 from ..devices import Device, Event, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
@@ -410,6 +411,29 @@ def decode_loop(
                       work, timeline, order, checker)
 
 
+def check_options(caller: str, options: Mapping[str, object], *takers: Callable[..., object]) -> None:
+    """Refuse a keyword ``caller`` would hand on to ``takers`` (``decode_loop``...) that none of
+    them takes, naming ``caller`` (what the user called), the closest option and, for a ``_ms``
+    one, the unit: in Python durations are seconds, on the command line milliseconds.
+
+    >>> check_options("run_overlapped", {"write_wait_ms": 5}, decode_loop)  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    TypeError: run_overlapped() got an unexpected keyword argument 'write_wait_ms'; did you mean 'write_wait_s'?
+    (seconds in Python: write_wait_s=0.005 is the command line's --write-wait-ms 5)
+    """
+    taken = {name for fn in takers for name in inspect.signature(fn).parameters}
+    for name in options:
+        if name in taken:
+            continue
+        hint = did_you_mean(name, sorted(taken))
+        if name.endswith("_ms") and f"{name[:-3]}_s" in taken:
+            flag = "--" + name.replace("_", "-")
+            hint = (f"; did you mean {name[:-3] + '_s'!r}? (seconds in Python: {name[:-3]}_s=0.005 is the command "
+                    f"line's {flag} 5)")
+        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+
+
 def run_overlapped(
     backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -433,6 +457,7 @@ def run_overlapped(
     check_run(backend, mode)
     positive_int("steps", steps)
     check_device(device)
+    check_options("run_overlapped", kwargs, decode_loop)
     loop = decode_loop(backend, mode, policy=policy, device=device, **kwargs)
     (runs, seconds), violations = sanitized(device, sanitize, lambda: loop.run(steps, progress=progress))
     slack, ends = fence_summary(runs, loop.timeline)

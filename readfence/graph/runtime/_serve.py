@@ -44,7 +44,7 @@ from ..lowering.internal import check_owned, device_of
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
 from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, members, scheduling_mode
 from ._arrivals import Traffic
-from ._loop import DecodeLoop, fence_summary, same_logits, sanitized, synthetic_work
+from ._loop import DecodeLoop, check_options, fence_summary, same_logits, sanitized, synthetic_work
 from ._sanitizer import Violation
 from ._serve_scheduler import DECODE, PREFILL, ServeScheduler, ServeStep
 
@@ -468,6 +468,7 @@ def run_serve(
     """
     positive_int("steps", steps)
     check_device(device)
+    check_options("run_serve", kwargs, serve_loop)
     loop = serve_loop(target, policy=policy, device=device, **kwargs)
     (runs, records, outputs, host, seconds), violations = sanitized(
         device, sanitize, lambda: loop.run(steps, progress=progress))

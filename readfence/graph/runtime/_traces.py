@@ -30,7 +30,7 @@ from ..devices import Device, DeviceObserver, Timeline
 from ..lowering import Policy
 from ..steps import StepShape
 from ..steps.internal import Target
-from ._loop import LoopResult, run_overlapped
+from ._loop import LoopResult, check_options, decode_loop, run_overlapped
 
 #: Steps of each run a trace (and a plot) keeps.
 TRACE_STEPS = 200
@@ -409,6 +409,7 @@ def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps
     >>> run.result.steps, run.label, sorted({s.track for s in run.timeline.spans})
     (4, 'EXACT', ['fences', 'forward', 'host', 'schedule'])
     """
+    check_options("run_traced", kwargs, run_overlapped, decode_loop)
     keep = TRACE_STEPS if max_steps is None else max_steps
     timeline = CappedTimeline(keep)
     recorder = WaitRecorder(timeline)
