@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import attrs
 from torch import Tensor
 
-from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, internal
+from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ChildRun, ForwardMode, internal
 from readfence.core.internal import check_mode
 from readfence.effects import ReadEffect, ReadEnd
 
@@ -176,6 +176,18 @@ class Backend:
         """The children whose effects make up this node's effect in ``mode``; ``()`` for a leaf."""
         check_mode(mode)
         return ()
+
+    def child_runs(self, mode: ForwardMode, batch_size: int) -> tuple[ChildRun, ...]:
+        """The children a step in ``mode`` at ``batch_size`` runs, each at the batch size it is
+        handed: by default every child, at ``batch_size``; ``()`` for a leaf. The audit judges
+        each node only where it runs (``readfence.core.child_runs``).
+
+        >>> from readfence.backends import join, paged, linear
+        >>> [(r.label, r.batch_size) for r in join(paged(), linear()).child_runs(ForwardMode.DECODE, 2)]
+        [('children[0]', 2), ('children[1]', 2)]
+        """
+        check_mode(mode)
+        return tuple(ChildRun(label, child, batch_size) for label, child in self.children())
 
     def with_children(self, children: Sequence[Backend]) -> Backend:
         """The same node over new children (a leaf has none and returns itself)."""

@@ -20,7 +20,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import ForwardMode
+from readfence.core import ChildRun, ForwardMode
 from readfence.core.internal import check_mode, request_ranges, split_batch, tokens_per_request
 
 from ._backend import MODES, Backend, Table, join2
@@ -97,6 +97,11 @@ class Select(Backend):
     def active_children(self, mode: ForwardMode) -> tuple[tuple[str, Backend], ...]:
         """The children whose effects make up this node's effect in ``mode``: the selected one."""
         return (self.arms[self.route[MODES.index(check_mode(mode))]],)
+
+    def child_runs(self, mode: ForwardMode, batch_size: int) -> tuple[ChildRun, ...]:
+        """Only the selected arm runs, at ``batch_size``: the others are not run in ``mode``."""
+        label, child = self.arms[self.route[MODES.index(check_mode(mode))]]
+        return (ChildRun(label, child, batch_size),)
 
     def with_children(self, children: Sequence[Backend]) -> Select:
         """The same select over new children (same labels and routing)."""
@@ -356,6 +361,22 @@ class Tbo(_JoinBase):
     def micro(self) -> tuple[tuple[str, Backend], ...]:
         return self.arms[1:]
 
+    def child_runs(self, mode: ForwardMode, batch_size: int) -> tuple[ChildRun, ...]:
+        """``primary`` at ``batch_size``; each child at the size of its micro-batch (``0``: it is
+        handed no request), as :meth:`attend` splits the batch.
+
+        >>> from readfence.backends import paged, dense
+        >>> [(r.label, r.batch_size) for r in tbo(paged(), dense(), paged()).child_runs(ForwardMode.DECODE, 1)]
+        [('primary', 1), ('children[0]', 1), ('children[1]', 0)]
+        """
+        check_mode(mode)
+        (primary_label, primary), micro = self.arms[0], self.micro
+        runs = [ChildRun(primary_label, primary, batch_size)]
+        if micro:
+            ranges = request_ranges(batch_size, len(micro))
+            runs += [ChildRun(label, child, hi - lo) for (label, child), (lo, hi) in zip(micro, ranges)]
+        return tuple(runs)
+
     def _parts(self, mode: M, batch: Tensors) -> list[dict[str, Tensor]]:
         return split_batch(batch, mode, len(self.micro))
 
@@ -406,6 +427,12 @@ class PerStream(_JoinBase):
     @property
     def members(self) -> tuple[Backend, ...]:
         return self.backends
+
+    def child_runs(self, mode: ForwardMode, batch_size: int) -> tuple[ChildRun, ...]:
+        """Every member, at ``batch_size``, each placing its own stream's fence from its own
+        declaration (the audit refuses a member whose declaration is below its reads)."""
+        check_mode(mode)
+        return tuple(ChildRun(label, child, batch_size, placed=True) for label, child in self.arms)
 
     def runs_as(self, mode: ForwardMode) -> Backend:
         """What stream 0's member runs as: run directly, the step forwards each stage to it."""

@@ -41,9 +41,12 @@ def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_js
     For every mode and every node of the backend tree: per buffer, the declared end, the end
     the traced code really has (the latest over the batch sizes traced: reads can depend on
     the batch size; a read the runtime observer sees that the trace missed is an ANALYSIS BUG
-    line and counts too), and the verdict (exact, conservative, unsound). Then how many
+    line and counts too), and the verdict (exact, conservative, unsound, latent). Then how many
     declarations are POST_REPLAY (no metadata snapshot yet) and UNKNOWN (not audited).
-    Exit status 1 if any declaration is unsound (earlier than a traced read).
+    Exit status 1 if any declaration a fence is placed from is unsound (earlier than a traced
+    read). A node is audited only where the step runs it (a select's selected arm, a tbo child
+    at its micro-batch sizes); a child below its own trace whose wrapper's fence covers it is
+    latent: a LATENT line names what covers it (the JSON row's "latent" key), exit status 0.
 
     \b
     --jobs N audits the modes in N worker processes, each mode's nodes in one (they share
@@ -89,6 +92,8 @@ def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_js
                            f"but read until {b.observed.name}"
                            + (f" by {b.reader[0]}:{b.reader[1]}" if b.reader else "")
                            + (f" at batch size {b.batch_size}" if len(sizes) > 1 else ""))
+            for latent in r.latent():
+                click.echo(f"LATENT: {latent.message.removeprefix('latent: ')}")
             for n in r.walk():
                 for stage, node, why in n.opaque:
                     click.echo(f"OPAQUE: {n.path} in {n.mode.name}: stage {stage}, node {node!r}: {why}")

@@ -38,6 +38,7 @@ from ._program import StageGraph as StageGraph
 from ._program import flatten_inputs as flatten_inputs
 from ._program import run_program as run_program
 from ._protocol import BackendLike as BackendLike
+from ._protocol import ChildRun as ChildRun
 from ._scan import LayerScan as LayerScan
 from ._scan import run_scan as run_scan
 from ._state import SHARED_BUFFERS as SHARED_BUFFERS
@@ -83,7 +84,7 @@ from ._validate import validate_replay as validate_replay
 
 __all__ = [
     "BODY", "EAGER", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "STAGE_ENDS",
-    "AuditReport", "BackendLike", "BufferAudit", "CapturedStateError", "Disagreement", "ForwardMode",
+    "AuditReport", "BackendLike", "BufferAudit", "ChildRun", "CapturedStateError", "Disagreement", "ForwardMode",
     "Interpreter", "LayerScan", "ModelConfig", "NotGraphSafe", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
     "StageGraph", "StageOutputError", "StageThreadError", "StageWriteError", "StepFunctions", "StepInputs",
     "KernelAccess", "LaunchStreamError", "TensorParallel", "UnboundedKernelError", "Unsound", "Watched",

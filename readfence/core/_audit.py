@@ -8,6 +8,14 @@ read: the scheduler could overwrite the buffer while the step still reads it).
 Reads can depend on the batch size (a branch on ``q.shape[0]``), so the step is traced at
 every batch size that will run, by default 1, 2 and the model's maximum; a buffer's observed
 end is the latest over them, and the report names the batch size that reads it latest.
+
+The verdict is where the fences are decided. A fence is placed from the root's declaration (a
+wrapper's is computed from its children's) and from each node that places one of its own (a
+``per_stream`` member); every node is traced alone too, but only where the step runs it (a
+``select``'s selected arm; a ``tbo`` child at the sizes of its micro-batches). A node below its
+own trace is refused when a fence placed from it, or placed above it and below what it reads,
+is early; otherwise it is a *latent* finding (:class:`Latent`): shown with what covers it, not
+refused, since no fence the step publishes depends on its declaration.
 """
 
 from __future__ import annotations
@@ -29,12 +37,15 @@ from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
 from ._observe import Disagreement, Observation, cross_check, observe
 from ._program import ESCAPE, Program
-from ._protocol import BackendLike, runs_as
+from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
 from ._trace import StageWriteError, bind, trace
 
 EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"
+
+#: The verdict of a node's entry below its own trace that no fence depends on (:class:`Latent`).
+LATENT = "latent"
 
 _R = TypeVar("_R", Program, Observation)
 
@@ -81,7 +92,10 @@ class AuditReport:
     """The audit of one backend in one mode; a tree that mirrors a combinator's children.
 
     ``path`` names the node (``tbo/children[0]/deepseek_v4``); ``children`` are the reports
-    of its children, each traced and audited alone in the same mode. Printing gives a table.
+    of the children its step runs, each traced and audited alone in the same mode at the batch
+    sizes it is handed (``not_run`` lists the others); ``placed`` says a fence is placed from
+    this node's own declaration (the root; a ``per_stream`` member). :meth:`unsound` is what the
+    fences refuse, :meth:`latent` what they do not depend on. Printing gives a table.
 
     >>> from readfence.backends import paged
     >>> report = audit(paged(), ForwardMode.DECODE).unwrap()
@@ -99,6 +113,10 @@ class AuditReport:
     batch_sizes: tuple[int, ...] = ()  # the batch sizes traced
     # observed accesses the trace does not cover: bugs in readfence's static analysis
     disagreements: tuple[Disagreement, ...] = ()
+    # a fence is placed from this node's own declaration: the root, or a ``per_stream`` member
+    placed: bool = True
+    # children the step does not run where this node runs: (path, why); not traced nor judged
+    not_run: tuple[tuple[str, str], ...] = ()
 
     # -- queries -----------------------------------------------------------------------------
     def walk(self) -> Iterator[AuditReport]:
@@ -120,15 +138,73 @@ class AuditReport:
             for b in r.buffers:
                 yield r, b
 
+    def fenced(self) -> Iterator[tuple[AuditReport, AuditReport, tuple[AuditReport, ...]]]:
+        """``(node, fence, ancestors)`` for every node, pre-order: ``fence`` is the node whose
+        declaration places the fence covering it (the nearest of itself and its ancestors that
+        is the root or ``placed``), ``ancestors`` the nodes from the root down to its parent."""
+        stack: list[tuple[AuditReport, AuditReport | None, tuple[AuditReport, ...]]] = [(self, None, ())]
+        while stack:
+            node, above, ancestors = stack.pop()
+            fence = node if above is None or node.placed else above
+            yield node, fence, ancestors
+            stack.extend((child, fence, (*ancestors, node)) for child in reversed(node.children))
+
+    def judged(self) -> tuple[list[tuple[str, BufferAudit, str]], list[Latent]]:
+        """What the fences make of every entry below its node's trace: ``(refusals, latent)``.
+
+        A fence is placed from the root's declaration (a wrapper's is the join of its
+        children's, or its selected child's), and from each ``placed`` node's own (a
+        ``per_stream`` member). An entry below its trace is a refusal, ``(path, entry, fence)``,
+        at such a node, or below one whose own entry for the buffer is below its trace, when
+        the node reads past that fence (it is then named as the reader that makes the fence
+        early). Any other is :class:`Latent`: the node's own declaration is below its reads,
+        but no fence is placed from it and the one that covers it is sound.
+        """
+        refusals: list[tuple[str, BufferAudit, str]] = []
+        latent: list[Latent] = []
+        for node, fence, ancestors in self.fenced():
+            for b in node.buffers:
+                if b.verdict != UNSOUND:
+                    continue
+                if fence is node:
+                    refusals.append((node.path, b, node.path))
+                    continue
+                name = b.buffer
+                early = fence.declared[name] < fence.observed[name]
+                if early and b.observed > fence.declared[name]:
+                    refusals.append((node.path, b, fence.path))
+                    continue
+                chain = (*ancestors[ancestors.index(fence):], node)
+                latent.append(Latent(node.path, node.mode, b, fence.path, fence.declared[name], fence.observed[name],
+                                     _cover(chain, name, b.observed), _where(node, b.observed, b.reader, b.batch_size)))
+        return sorted(refusals, key=lambda r: -r[0].count("/")), sorted(latent, key=lambda x: -x.path.count("/"))
+
     @property
     def sound(self) -> bool:
-        """No buffer of any node is declared earlier than observed."""
+        """No fence is placed from a declaration earlier than what it covers reads
+        (:meth:`unsound` is empty; :meth:`latent` findings may remain)."""
         return not self.unsound()
 
     def unsound(self) -> list[tuple[str, BufferAudit]]:
-        """``(path, buffer audit)`` of every unsound entry, deepest nodes first."""
-        found = [(r.path, b) for r, b in self.entries() if b.verdict == UNSOUND]
-        return sorted(found, key=lambda pb: -pb[0].count("/"))
+        """``(path, buffer audit)`` of every entry a fence makes unsound, deepest nodes first: a
+        node whose declaration places a fence (the root, a ``per_stream`` member) below its
+        reads, and each node below it reading past that fence."""
+        return [(path, b) for path, b, _ in self.judged()[0]]
+
+    def latent(self) -> list[Latent]:
+        """Every node whose own declaration is below its trace where no fence depends on it (the
+        fence covering it is sound: a sibling's declaration covers the read, or the tree never
+        reads that late), deepest first: a bug that races wherever that node places a fence.
+
+        >>> from readfence.backends import join, paged, redeclare, sparse
+        >>> from readfence.effects import ReadEffect
+        >>> early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
+        ...                                                      "seq_lens": ReadEnd.IN_REPLAY}))
+        >>> report = audit(join(early, sparse()), ForwardMode.DECODE, batch_sizes=[2]).unwrap()
+        >>> [(x.path, x.buffer, x.covered_by) for x in report.latent()]
+        [('join/children[0]/paged', 'req_to_token', 'join/children[1]/sparse')]
+        """
+        return self.judged()[1]
 
     def post_replay(self) -> list[tuple[str, str]]:
         """``(path, buffer)`` declared ``POST_REPLAY``: no metadata snapshot yet."""
@@ -139,10 +215,13 @@ class AuditReport:
         return [(r.path, b.buffer) for r, b in self.entries() if b.declared is ReadEnd.UNKNOWN]
 
     def counts(self) -> dict[str, int]:
-        """How many entries per verdict, plus ``post_replay`` and ``not_audited``."""
+        """How many entries per verdict (``unsound``: refused; ``latent``: below its node's own
+        trace, covered by a sound fence), plus ``post_replay`` and ``not_audited``."""
         out = {EXACT: 0, CONSERVATIVE: 0, UNSOUND: 0}
         for _, b in self.entries():
             out[b.verdict] += 1
+        out[LATENT] = len(self.latent())
+        out[UNSOUND] -= out[LATENT]
         out["post_replay"] = len(self.post_replay())
         out["not_audited"] = len(self.not_audited())
         return out
@@ -150,22 +229,27 @@ class AuditReport:
     # -- output ------------------------------------------------------------------------------
     def rows(self, *, detail: bool = False) -> list[dict[str, Any]]:
         """One dict per (node, buffer): keys backend, mode, buffer, declared, observed, verdict
-        (names as strings); with ``detail`` also steps, note and reader (``stage:node``)."""
+        (names as strings); with ``detail`` also steps, note, reader (``stage:node``), batch size
+        and ``latent`` (``None``, or the :class:`Latent` finding as a dict). A latent entry's verdict
+        is ``latent``, not ``unsound``: no fence is placed from its node's declaration."""
+        latent = {(x.path, x.buffer): x for x in self.latent()}
         out = []
         for r, b in self.entries():
+            finding = latent.get((r.path, b.buffer))
             row: dict[str, Any] = {
                 "backend": r.path,
                 "mode": r.mode.name,
                 "buffer": b.buffer,
                 "declared": b.declared.name,
                 "observed": b.observed.name,
-                "verdict": b.verdict,
+                "verdict": LATENT if finding is not None else b.verdict,
             }
             if detail:
                 row["steps"] = b.steps
                 row["note"] = b.note
                 row["reader"] = f"{b.reader[0]}:{b.reader[1]}" if b.reader else ""
                 row["batch_size"] = b.batch_size
+                row["latent"] = None if finding is None else finding.as_json()
             out.append(row)
         return out
 
@@ -195,13 +279,17 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
             verdict = f"{verdict} ({row['note']})"
         if verdict.startswith(UNSOUND) and row.get("reader"):
             verdict = f"{verdict}: read by {row['reader']}"
+        if verdict == LATENT and row.get("latent"):
+            cover = row["latent"]["covered_by"]
+            verdict = f"latent ({'covered by ' + cover if cover else 'not read that late here'})"
         cells.append([str(row[c]) for c in cols[:-1]] + [verdict])
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     if counts is not None:
+        latent = f", {counts[LATENT]} latent" if counts.get(LATENT) else ""
         lines.append(
-            f"{counts[EXACT]} exact, {counts[CONSERVATIVE]} conservative, {counts[UNSOUND]} unsound; "
+            f"{counts[EXACT]} exact, {counts[CONSERVATIVE]} conservative, {counts[UNSOUND]} unsound{latent}; "
             f"{counts['post_replay']} POST_REPLAY (no metadata snapshot yet), "
             f"{counts['not_audited']} UNKNOWN (not audited)"
         )
@@ -223,31 +311,123 @@ class Unsound:
     observed: ReadEnd
     reader: tuple[str, str] | None
     batch_size: int | None = None
+    fence: str | None = None  # the node whose declaration places the refused fence (None: ``path``)
 
     @property
     def message(self) -> str:
         node = self.report.find(self.path)
-        parts = []
-        if self.observed is ReadEnd.UNKNOWN and node.opaque:
-            # a reference escaping, an op the tracer cannot see through, a captured tensor
-            stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
-            parts.append(f"stage {stage}, node {name!r}: {why}")
-        else:
-            # an escape gives every buffer its stage's escape end: name the one that reaches it
-            escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and stage_named(o[0]).escape_end is self.observed),
-                          None)
-            if self.reader and (escape is None or self.reader != escape[:2]):
-                parts.append(f"last read by node {self.reader[1]!r} in stage {self.reader[0]}")
-            if escape is not None:
-                parts.append(f"stage {escape[0]}, node {escape[1]!r}: {escape[2]}")
-        where = "; ".join(parts) or "read by an op the tracer cannot see"
-        if self.batch_size is not None and len(node.batch_sizes) > 1:
-            where += f"; at batch size {self.batch_size}"
+        where = _where(node, self.observed, self.reader, self.batch_size)
+        placed = ""
+        if self.fence is not None and self.fence != self.path:
+            placed = (f"; the fence of {self.fence} is placed from its declaration, "
+                      f"{self.report.find(self.fence).declared[self.buffer].name}")
         return (
             f"unsound declaration: {self.path} in mode {self.mode.name} declares buffer "
             f"{self.buffer!r} ends at {self.declared.name} but the traced code reads it until "
-            f"{self.observed.name} ({where})"
+            f"{self.observed.name} ({where}){placed}"
         )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None, batch_size: int | None) -> str:
+    """What reads a buffer of ``node`` until ``observed``, in words: the reading node, the escape
+    or captured tensor that gives its stage every buffer, the batch size."""
+    parts = []
+    if observed is ReadEnd.UNKNOWN and node.opaque:
+        # a reference escaping, an op the tracer cannot see through, a captured tensor
+        stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
+        parts.append(f"stage {stage}, node {name!r}: {why}")
+    else:
+        # an escape gives every buffer its stage's escape end: name the one that reaches it
+        escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and stage_named(o[0]).escape_end is observed),
+                      None)
+        if reader and (escape is None or reader != escape[:2]):
+            parts.append(f"last read by node {reader[1]!r} in stage {reader[0]}")
+        if escape is not None:
+            parts.append(f"stage {escape[0]}, node {escape[1]!r}: {escape[2]}")
+    where = "; ".join(parts) or "read by an op the tracer cannot see"
+    if batch_size is not None and len(node.batch_sizes) > 1:
+        where += f"; at batch size {batch_size}"
+    return where
+
+
+@attrs.frozen
+class Cover:
+    """What covers a latent entry's read in its tree: ``by`` (a sibling whose declaration is at or
+    after the read, or the fence's own node), with ``end``, its declaration; ``by`` ``None``: no
+    declaration covers it, but the tree never reads the buffer that late (its fence is sound)."""
+
+    by: str | None
+    end: ReadEnd | None
+
+
+def _cover(chain: tuple[AuditReport, ...], buffer: str, observed: ReadEnd) -> Cover:
+    """The nearest sibling whose declaration covers ``observed``: up ``chain`` (the fence, ...,
+    the node), at each ancestor a child off the path; else the fence's own declaration."""
+    for i in range(len(chain) - 2, -1, -1):
+        on_path = chain[i + 1]
+        for sibling in chain[i].children:
+            if sibling is not on_path and observed <= sibling.declared[buffer]:
+                return Cover(sibling.path, sibling.declared[buffer])
+    fence = chain[0]
+    if observed <= fence.declared[buffer]:
+        return Cover(fence.path, fence.declared[buffer])
+    return Cover(None, None)
+
+
+@attrs.frozen
+class Latent:
+    """A node whose own declaration is below its trace, where no fence is placed from it and the
+    fence that covers it is sound: a latent bug, shown, not refused.
+
+    ``entry`` is the node's audit of the buffer; ``fence`` the node whose declaration places the
+    covering fence (``fence_declared``, ``fence_observed``: that node's ends for the buffer);
+    ``cover`` what covers the read (a sibling's declaration, or none: the tree never reads it
+    that late, as when a ``tbo`` primary whose own body reads late only prepares there).
+    """
+
+    path: str
+    mode: ForwardMode
+    entry: BufferAudit
+    fence: str
+    fence_declared: ReadEnd
+    fence_observed: ReadEnd
+    cover: Cover
+    where: str = ""  # what reads it that late, in words (the reading node, the batch size)
+
+    @property
+    def buffer(self) -> str:
+        return self.entry.buffer
+
+    @property
+    def covered_by(self) -> str | None:
+        """The sibling (or the fence's node) whose declaration covers the read; ``None``: none."""
+        return self.cover.by
+
+    @property
+    def message(self) -> str:
+        """The finding in words."""
+        e = self.entry
+        head = (f"latent: {self.path} in mode {self.mode.name} declares buffer {self.buffer!r} ends at "
+                f"{e.declared.name} but its own trace reads it until {e.observed.name} ({self.where})")
+        if self.cover.by is None:
+            why = (f"this tree never reads it that late: the fence of {self.fence} ({self.fence_declared.name}) "
+                   f"covers every read here ({self.fence_observed.name})")
+        elif self.cover.by == self.fence:
+            why = f"covered by the declaration of {self.fence} ({self.fence_declared.name}), whose fence is sound"
+        else:
+            why = (f"covered by {self.cover.by}, which declares {self.cover.end.name if self.cover.end else '?'}: "
+                   f"the fence of {self.fence} ({self.fence_declared.name}) is sound")
+        return f"{head}; {why}; wherever its own declaration places a fence, it races"
+
+    def as_json(self) -> dict[str, Any]:
+        """The finding as JSON-ready values."""
+        return {"backend": self.path, "mode": self.mode.name, "buffer": self.buffer,
+                "declared": self.entry.declared.name, "observed": self.entry.observed.name,
+                "fence": self.fence, "fence_declared": self.fence_declared.name, "covered_by": self.cover.by,
+                "covered_end": None if self.cover.end is None else self.cover.end.name, "message": self.message}
 
     def __str__(self) -> str:
         return self.message
@@ -391,24 +571,48 @@ def audit_report(
     cfg = ModelConfig() if cfg is None else cfg
     sizes = _batch_sizes(cfg, batch_sizes)
     kw = {"cfg": cfg, "device": device}
-    # iterative post-order: children's reports are built before their parent's
-    order: list[tuple[str, BackendLike, int]] = []  # (path, node, number of children)
-    stack: list[tuple[str, BackendLike]] = [(backend.name, backend)]
+    # iterative post-order: children's reports are built before their parent's; each node only
+    # where the step runs it (a select's selected arm; a tbo child at its micro-batch sizes)
+    order: list[tuple[str, BackendLike, tuple[int, ...], bool, int, tuple[tuple[str, str], ...]]] = []
+    stack: list[tuple[str, BackendLike, tuple[int, ...], bool]] = [(backend.name, backend, sizes, True)]
     while stack:
-        path, node = stack.pop()
-        kids = node.children()
-        order.append((path, node, len(kids)))
-        for label, child in kids:
-            stack.append((f"{path}/{label}/{child.name}", child))
+        path, node, at, placed = stack.pop()
+        kids, idle = _children_run(path, node, mode, at)
+        order.append((path, node, at, placed, len(kids), idle))
+        stack.extend(kids)
     done: list[AuditReport] = []
-    for path, node, n in reversed(order):
+    for path, node, at, placed, n, idle in reversed(order):
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        report = _audit_node(path, node, mode, kw, sizes, state, observe_steps if device == "cpu" else 0)
-        done.append(attrs.evolve(report, children=kids_reports))
+        report = _audit_node(path, node, mode, kw, at, state, observe_steps if device == "cpu" else 0)
+        done.append(attrs.evolve(report, children=kids_reports, placed=placed, not_run=idle))
     (root,) = done
     return root
+
+
+def _children_run(path: str, node: BackendLike, mode: ForwardMode, sizes: tuple[int, ...]
+                  ) -> tuple[list[tuple[str, BackendLike, tuple[int, ...], bool]], tuple[tuple[str, str], ...]]:
+    """The children ``node``'s step runs at ``sizes``, each with the batch sizes it is handed (and
+    whether a fence is placed from it), in order; and ``(path, why)`` of those it never runs."""
+    runs: dict[str, tuple[BackendLike, set[int], bool]] = {}
+    for n in sizes:
+        for r in child_runs(node, mode, n):
+            child, got, placed = runs.setdefault(r.label, (r.backend, set(), r.placed))
+            if r.batch_size > 0:
+                got.add(r.batch_size)
+    kids, idle = [], []
+    for label, child in node.children():
+        child_path = f"{path}/{label}/{child.name}"
+        if label not in runs:
+            idle.append((child_path, f"not run in {mode.name}"))
+        elif not runs[label][1]:
+            idle.append((child_path, f"handed no request at batch size{'s' if len(sizes) > 1 else ''} "
+                                     f"{', '.join(map(str, sizes))}"))
+        else:
+            run, got, placed = runs[label]
+            kids.append((f"{path}/{label}/{run.name}", run, tuple(sorted(got)), placed))
+    return kids, tuple(idle)
 
 
 def audit(
@@ -447,9 +651,9 @@ def audit(
     """
     report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state,
                           observe_steps=observe_steps)
-    bad = report.unsound()
+    bad = report.judged()[0]
     if not bad:
         return Success(report)
-    path, entry = bad[0]
+    path, entry, fence = bad[0]
     return Failure(Unsound(report, path, mode, entry.buffer, entry.declared, entry.observed, entry.reader,
-                           entry.batch_size))
+                           entry.batch_size, fence))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
+import attrs
 from torch import Tensor
 
 from readfence.effects import ReadEffect, ReadEnd
@@ -42,7 +43,9 @@ class BackendLike(Protocol):
     :meth:`read_effect` must declare (``readfence.core.audit`` checks it against the traced code).
 
     Optionally, ``runs_as(mode)`` names the backend whose stage functions the step in ``mode``
-    runs unchanged (a wrapper handing the whole step to one child); see :func:`runs_as`.
+    runs unchanged (a wrapper handing the whole step to one child); see :func:`runs_as`; and
+    ``child_runs(mode, batch_size)`` says which children a step runs and at which batch size
+    (see :func:`child_runs`).
     """
 
     @property
@@ -133,3 +136,44 @@ def runs_as(backend: BackendLike, mode: ForwardMode) -> BackendLike:
         raise TypeError(f"{backend.name}.runs_as({mode}) must return a backend, got {runner!r} "
                         f"({type(runner).__name__})")
     return runner
+
+
+@attrs.frozen
+class ChildRun:
+    """One child a wrapper's step runs: its ``label`` and ``backend``, the ``batch_size`` it is
+    handed (``0``: a micro-batch with no request), and whether a fence is ``placed`` from its own
+    declaration (a ``per_stream`` member publishes its stream's fence) rather than from the
+    wrapper's joined one.
+
+    >>> from readfence.backends import paged
+    >>> ChildRun("children[0]", paged(), 2).placed
+    False
+    """
+
+    label: str
+    backend: BackendLike
+    batch_size: int
+    placed: bool = False
+
+
+def child_runs(backend: BackendLike, mode: ForwardMode, batch_size: int) -> tuple[ChildRun, ...]:
+    """The children ``backend``'s step in ``mode`` at ``batch_size`` runs, each with the batch
+    size it is handed: what the optional ``child_runs(mode, batch_size)`` method says (a
+    ``select`` runs only its selected arm, a ``tbo`` hands each child its micro-batch), else
+    every child at ``batch_size``. The audit judges each node only where it runs.
+
+    >>> from readfence.backends import select, tbo, paged, dense
+    >>> [(r.label, r.batch_size) for r in child_runs(tbo(paged(), dense(), paged()), ForwardMode.DECODE, 3)]
+    [('primary', 3), ('children[0]', 2), ('children[1]', 1)]
+    >>> [r.label for r in child_runs(select({ForwardMode.DECODE: paged()}, default=dense()), ForwardMode.EXTEND, 2)]
+    ['default']
+    """
+    method = getattr(backend, "child_runs", None)
+    if method is None:
+        return tuple(ChildRun(label, child, batch_size) for label, child in backend.children())
+    runs = tuple(method(mode, batch_size))
+    bad = [r for r in runs if not isinstance(r, ChildRun)]
+    if bad:
+        raise TypeError(f"{backend.name}.child_runs({mode}, {batch_size}) must return ChildRun values, got "
+                        f"{bad[0]!r} ({type(bad[0]).__name__})")
+    return runs

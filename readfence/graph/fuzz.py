@@ -168,10 +168,9 @@ class Outcome:
     @property
     def refusal_kind(self) -> str | None:
         """Why the analysis refused, in a few words: the kind of error, and for an unsound
-        declaration whether a node below the root was refused (a sibling's or a selected
-        child's declaration may still make the root's fence sound) or an escape or captured
-        tensor made every buffer late (an escape: until its stage's end; a captured tensor
-        matching nothing: ``UNKNOWN``)."""
+        declaration whether the refused fence is one placed below the root (a ``per_stream``
+        member's) or an escape or captured tensor made every buffer late (an escape: until its
+        stage's end; a captured tensor matching nothing: ``UNKNOWN``)."""
         why = self.refused_by
         if why is None:
             return None
@@ -180,8 +179,9 @@ class Outcome:
         if kind != "unsound declaration":
             return f"{head}: {kind}"
         path = message.split(" in mode ")[0]
-        if "/" in path:
-            return f"{head}: a node below the root"
+        fence = message.partition("; the fence of ")[2].partition(" is placed from")[0] or path
+        if "/" in fence:
+            return f"{head}: a fence below the root"
         if any(why in message for why in ("escape", "captured tensor", "tracer cannot see")):
             # an escape gives its stage every buffer: until PRE_REPLAY out of the graph,
             # POST_REPLAY in it

@@ -201,12 +201,17 @@ def test_a_write_is_refused_before_anything_runs(dev) -> None:
     assert outcome.refused_by.startswith("audit: StageWriteError") and not outcome.unsafe_ran
 
 
-def test_a_child_refused_under_a_join_whose_sibling_covers_it_is_a_false_alarm(dev) -> None:
-    # the audit holds every node to its own declaration; the joined fence is still sound
-    early = _leaf("index_select", "prepare_in_graph", IN_REPLAY=["req_to_token"])
+def test_a_child_below_its_trace_under_a_join_whose_sibling_covers_it_is_accepted_and_clean(dev) -> None:
+    # the fence is the join's: a child's own early declaration is a latent finding, not a refusal
+    early = _leaf("index_select", "attend", PRE_REPLAY=["req_to_token"])
     late = FuzzLeaf("f1", (), declared(POST_REPLAY=list(SHARED_BUFFERS)))
     outcome = check_program(FuzzProgram(FuzzTree("join", (early, late))), device=dev)
-    assert outcome.false_alarm and "join/children[0]/f0" in outcome.refused_by
+    assert outcome.accepted and outcome.finding is None, outcome.report()
+    # the same child under a sibling that does not cover its read: the join's fence is early
+    short = FuzzLeaf("f1", (), declared(IN_REPLAY=list(SHARED_BUFFERS)))
+    outcome = check_program(FuzzProgram(FuzzTree("join", (early, short))), device=dev)
+    assert outcome.refused_by.startswith("audit: unsound declaration: join/children[0]/f0 in mode DECODE")
+    assert outcome.refusal_kind == "audit: unsound declaration" and outcome.unsafe is not None
 
 
 def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:

@@ -68,7 +68,8 @@ def render(report: AuditReport) -> list[str]:
 
 
 # The full audit table: per node of each backend tree and mode, for every shared buffer,
-# declared/observed and the verdict ("=" exact, "+k" conservative by k steps).
+# declared/observed and the verdict ("=" exact, "+k" conservative by k steps). A select's or
+# hybrid's arms the mode does not select are not run in it, so not audited there.
 EXPECTED = """
 paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
 paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
@@ -122,19 +123,14 @@ tbo/primary/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-
 tbo/children[0]/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
 hybrid DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
 hybrid/decode/trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
-hybrid/prefill/deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
 hybrid TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
 hybrid/decode/trtllm_mha TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=IN/IN= state_slots=-/-=
-hybrid/prefill/deepseek_v4 TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
 hybrid DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
 hybrid/decode/trtllm_mha DRAFT_EXTEND req_to_token=POST/POST= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
-hybrid/prefill/deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
 hybrid EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
-hybrid/decode/trtllm_mha EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/IN+2 state_slots=UNK/-+4
 hybrid/prefill/deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
 hybrid IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
 hybrid/decode/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
-hybrid/prefill/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
 hybrid_linear DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=IN/IN=
 hybrid_linear/children[0]/trtllm_mha DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=PRE/PRE= state_slots=-/-=
 hybrid_linear/children[1]/linear DECODE req_to_token=-/-= seq_lens=-/-= swa_map=-/-= state_slots=IN/IN=
@@ -182,23 +178,13 @@ per_stream/members[0]/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=U
 per_stream/members[1]/trtllm_mha IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
 select DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
 select/decode/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
-select/target_verify/deepseek_v4 DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
-select/default/dense DECODE req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
 select TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
-select/decode/paged TARGET_VERIFY req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
 select/target_verify/deepseek_v4 TARGET_VERIFY req_to_token=POST/POST= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
-select/default/dense TARGET_VERIFY req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
 select DRAFT_EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
-select/decode/paged DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
-select/target_verify/deepseek_v4 DRAFT_EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
 select/default/dense DRAFT_EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
 select EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
-select/decode/paged EXTEND req_to_token=UNK/IN+2 seq_lens=UNK/IN+2 swa_map=UNK/-+4 state_slots=UNK/-+4
-select/target_verify/deepseek_v4 EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
 select/default/dense EXTEND req_to_token=PRE/PRE= seq_lens=PRE/PRE= swa_map=-/-= state_slots=-/-=
 select IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
-select/decode/paged IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
-select/target_verify/deepseek_v4 IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
 select/default/dense IDLE req_to_token=UNK/-+4 seq_lens=UNK/-+4 swa_map=UNK/-+4 state_slots=UNK/-+4
 join DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=IN/IN=
 join/children[0]/paged DECODE req_to_token=IN/IN= seq_lens=IN/IN= swa_map=-/-= state_slots=-/-=
@@ -332,19 +318,29 @@ def test_declaring_any_read_buffer_one_step_before_its_observed_end_is_caught(ba
 def test_unsound_leaf_inside_a_combinator_is_named_by_its_path() -> None:
     early = redeclare(deepseek_v4(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
                                                               "seq_lens": ReadEnd.IN_REPLAY}))
-    bad = audit(tbo(early, paged()), M.TARGET_VERIFY, cfg=CFG).failure()
-    assert bad.path == "tbo/primary/deepseek_v4"
-    assert (bad.buffer, bad.declared, bad.observed) == ("req_to_token", ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY)
-    assert bad.message.startswith(
-        "unsound declaration: tbo/primary/deepseek_v4 in mode TARGET_VERIFY declares buffer "
-        "'req_to_token' ends at IN_REPLAY but the traced code reads it until POST_REPLAY "
-        "(last read by node "
-    )
-    assert bad.reader is not None and bad.reader[0] == "body"
-    # the tree is in the failure: the root itself is sound (tbo's primary only prepares)
-    assert bad.report.path == "tbo" and [r.path for r in bad.report.walk()] == [
-        "tbo", "tbo/primary/deepseek_v4", "tbo/children[0]/paged"]
-    assert [(p, e.buffer) for p, e in bad.report.unsound()] == [("tbo/primary/deepseek_v4", "req_to_token")]
+    # the primary is early for its own body, which tbo never runs (its primary only prepares):
+    # the root's fence is sound, the primary's finding is latent
+    report = audit(tbo(early, paged()), M.TARGET_VERIFY, cfg=CFG).unwrap()
+    assert [r.path for r in report.walk()] == ["tbo", "tbo/primary/deepseek_v4", "tbo/children[0]/paged"]
+    assert report.unsound() == [] and report.sound
+    (latent,) = report.latent()
+    assert (latent.path, latent.buffer, latent.fence, latent.covered_by) == (
+        "tbo/primary/deepseek_v4", "req_to_token", "tbo", None)
+    assert latent.entry.reader is not None and latent.entry.reader[0] == "body"
+    assert latent.message.startswith(
+        "latent: tbo/primary/deepseek_v4 in mode TARGET_VERIFY declares buffer 'req_to_token' ends at IN_REPLAY "
+        "but its own trace reads it until POST_REPLAY (last read by node ")
+    assert "this tree never reads it that late: the fence of tbo (IN_REPLAY)" in latent.message
+    # alone, where its own declaration places the fence, it is refused
+    bad = audit(early, M.TARGET_VERIFY, cfg=CFG).failure()
+    assert (bad.path, bad.buffer, bad.declared, bad.observed) == (
+        "deepseek_v4", "req_to_token", ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY)
+    # as a tbo child it attends: the root reads late, and the child is named as the reader
+    bad = audit(tbo(paged(), early), M.TARGET_VERIFY, cfg=CFG).failure()
+    assert (bad.path, bad.buffer, bad.fence) == ("tbo/children[0]/deepseek_v4", "req_to_token", "tbo")
+    assert bad.message.endswith("; the fence of tbo is placed from its declaration, IN_REPLAY")
+    assert [(p, e.buffer) for p, e in bad.report.unsound()] == [
+        ("tbo/children[0]/deepseek_v4", "req_to_token"), ("tbo", "req_to_token")]
 
     early_linear = redeclare(linear(), lambda m: ReadEffect.of({"state_slots": ReadEnd.PRE_REPLAY}))
     bad = audit(hybrid_linear(trtllm_mha(), early_linear, pattern="01"), M.DECODE, cfg=CFG).failure()
@@ -379,7 +375,7 @@ def test_rows_and_table() -> None:
                          "yet), 0 UNKNOWN (not audited)")
     assert report.post_replay() == [("tbo", "req_to_token"), ("tbo/primary/deepseek_v4", "req_to_token")]
     assert report.not_audited() == []
-    assert report.counts() == {"exact": 11, "conservative": 1, "unsound": 0, "post_replay": 2,
+    assert report.counts() == {"exact": 11, "conservative": 1, "unsound": 0, "latent": 0, "post_replay": 2,
                                "not_audited": 0}
 
 
