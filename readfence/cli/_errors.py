@@ -8,18 +8,21 @@ command module (the group uses it too).
 >>> import click
 >>> @click.command(cls=OneLineCommand)
 ... @click.option("--steps", type=int)
-... def cmd(steps):
+... @click.option("--json", "as_json", is_flag=True)
+... def cmd(steps, as_json):
 ...     pass
->>> for args in (["--steps"], ["--stpes", "3"], ["--count", "3"], ["extra"], ["--steps", "1", "--steps", "2"]):
+>>> for args in (["--steps"], ["--stpes", "3"], ["--device", "3"], ["extra"], ["--steps", "1", "--steps", "2"],
+...              ["--json", "--json"]):
 ...     try:
 ...         cmd.main(args, prog_name="demo", standalone_mode=False)
 ...     except InputError as e:
 ...         print(e.message)
 --steps needs a value: an integer
 unknown option --stpes (did you mean --steps?); see `demo --help`
-unknown option --count; demo takes --steps; see `demo --help`
+unknown option --device; demo takes --steps, --json; see `demo --help`
 unexpected extra argument 'extra'; see `demo --help`
 --steps given twice ('1', then '2'): give it once
+--json given twice: give it once
 
 A command can check its options in two phases, so that bad input is found before anything heavy
 is imported: the parameter types convert what they can check cheaply, and a type with a
@@ -137,10 +140,13 @@ class MissingCommand(InputError):
         super().show(file)
 
 
-def _shown_twice(param: click.Parameter, values: list[str]) -> str:
+def _shown_twice(param: click.Parameter, values: list[str], uses: int) -> str:
     name = param_name(param)
+    times = "twice" if uses == 2 else f"{uses} times"
+    if getattr(param, "is_flag", False):  # a flag carries no value to show
+        return f"{name} given {times}: give it once"
     shown = ", then ".join(repr(v) for v in values[:3]) + (", ..." if len(values) > 3 else "")
-    return f"{name} given {'twice' if len(values) == 2 else f'{len(values)} times'} ({shown}): give it once"
+    return f"{name} given {times} ({shown}): give it once"
 
 
 class OneLineErrors:
@@ -171,12 +177,12 @@ class OneLineErrors:
             except click.UsageError:
                 order = []  # the real parse below reports it
             for param in order:
-                if isinstance(param, click.Option) and not (param.multiple or param.is_flag or param.count):
+                if isinstance(param, click.Option) and not (param.multiple or param.count):
                     given.setdefault(param.name or "", []).append(param)
         rest: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
         for uses in given.values():
             if len(uses) > 1:
-                raise InputError(_shown_twice(uses[0], _values(uses[0], argv)))
+                raise InputError(_shown_twice(uses[0], _values(uses[0], argv), len(uses)))
         return rest
 
     def invoke(self, ctx: click.Context) -> Any:

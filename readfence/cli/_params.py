@@ -486,8 +486,14 @@ class OutputFile(click.ParamType):
         path = pathlib.Path(value)
         if path.suffix.lower() != self.suffix or not path.stem:
             raise _fail(param, value, f"the file name must end in {self.suffix}")
-        if not path.resolve().parent.is_dir():
-            raise _fail(param, value, f"directory {str(path.parent)!r} does not exist")
+        folder = path.parent
+        if not folder.is_dir():
+            # a file where a folder should be is not a missing folder: say which it is
+            if folder.exists():
+                raise _fail(param, value, f"{str(folder)!r} is not a directory (it is a file)")
+            raise _fail(param, value, f"directory {str(folder)!r} does not exist")
+        if path.is_dir():
+            raise _fail(param, value, f"{str(path)!r} is a directory; give a file name ending in {self.suffix}")
         if path.exists() and not path.is_file():
             raise _fail(param, value, "not a regular file")
         existed = path.exists()

@@ -126,6 +126,8 @@ def test_a_bare_readfence_prints_its_usage_and_one_error_line(script):
     (["demo", "--stpes", "3"], "Error: unknown option --stpes (did you mean --steps"),
     (["demo", "--spec", "paged", "--spec", "linear"], "Error: --spec given twice ('paged', then 'linear'): give it once"),
     (["demo", "--steps=3", "--steps", "4"], "Error: --steps given twice ('3', then '4'): give it once"),
+    (["demo", "--json", "--json"], "Error: --json given twice: give it once"),
+    (["serve", "paged", "--verify", "--verify", "--verify"], "Error: --verify given 3 times: give it once"),
     (["demo", "--spec", "   "], "Error: invalid --spec '   ': position 3: empty spec"),
     (["demo", "--trace", ""], "Error: invalid --trace '': the file name must end in .json"),
     (["demo", "--plot", ".png"], "Error: invalid --plot '.png': the file name must end in .png"),

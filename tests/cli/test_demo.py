@@ -196,6 +196,17 @@ def test_output_paths_are_checked_before_anything_runs(cli, args, expected):
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_a_directory_and_a_file_in_the_way_are_named_as_what_they_are(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs.json").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    for args, expected in ((["--trace", "runs.json"], "'runs.json' is a directory; give a file name ending in .json"),
+                           (["--plot", "notes.txt/run.png"], "'notes.txt' is not a directory (it is a file)")):
+        result = cli("demo", *FAST, *args)
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == f"Error: invalid {args[0]} {args[1]!r}: {expected}"
+
+
 def test_a_pipe_is_not_an_output_file_and_a_checked_path_leaves_nothing_behind(cli, tmp_path):
     import os
 
