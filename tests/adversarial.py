@@ -26,7 +26,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.backends import kv_indices, leaf, page_meta, softmax_attention, store_kv
+from readfence.backends import join, kv_indices, leaf, page_meta, per_stream, select, softmax_attention, store_kv, tbo
 from readfence.backends.fuzz import gather_rows as gather_lens
 from readfence.backends.fuzz import gather_rows_unknown as gather_lens_unknown
 from readfence.backends.fuzz import keep, planned_gather
@@ -332,8 +332,60 @@ CROSSINGS = {
 }
 
 
+# -- where the fences are decided: a node judged where the step runs it ---------------------
+def _late_reader(name: str = "late_reader", declare: Mapping | None = None) -> Any:
+    """Reads the live lengths in the body; declared IN_REPLAY: early, wherever it places a fence."""
+    return body_reader(name, lambda s, b, m, layer, q: _gather(s["seq_lens"], b), declare=declare)
+
+
+def _snapshot(name: str = "snapshot", lens: ReadEnd = IN) -> Any:
+    """Reads the lengths only in prepare_in_graph (its snapshot, ``kv_lens``); declares ``lens``."""
+    return body_reader(name, lambda s, b, m, layer, q: m["kv_lens"], declare=_declare(lens=lens))
+
+
+def _prefill_only(mode, layer, q, k, v, pools, shared, batch, meta):
+    # a backend an engine picks only for EXTEND: any other mode is a bug in whoever calls it
+    if mode is not M.EXTEND:
+        raise NotImplementedError(f"prefill_only does not run {mode.name}")
+    return q
+
+
+def _big_batch_reader(s, b, m, layer, q):
+    # reads the live lengths in the body only for a batch of more than 3 requests
+    return _gather(s["seq_lens"], b) if b["req_pool_indices"].shape[0] > 3 else m["kv_lens"]
+
+
+def _verdict_cases() -> list[Case]:
+    refused = "refused"
+    return [
+        # a child's own declaration below its read, under a join whose other child covers it
+        Case("join_covered_child", "verdicts", lambda state: join(_late_reader(), _snapshot("covering", POST)),
+             "accepted"),
+        Case("join_uncovered_child", "verdicts", lambda state: join(_late_reader(), _snapshot()), refused,
+             "seq_lens"),
+        # an arm the mode never selects is neither run nor judged in it (this one raises there)
+        Case("select_unselected_early_arm", "verdicts",
+             lambda state: select({M.DECODE: _snapshot()}, default=_late_reader()), "accepted"),
+        Case("select_unselected_raising_arm", "verdicts",
+             lambda state: select({M.DECODE: _snapshot()}, default=leaf("prefill_only", _prefill_only)),
+             "accepted"),
+        Case("select_selected_early_arm", "verdicts",
+             lambda state: select({M.TARGET_VERIFY: _late_reader()}, default=_snapshot()), refused, "seq_lens",
+             mode=M.TARGET_VERIFY),
+        # a tbo child only ever gets micro-batches: three children, at most 3 requests each
+        Case("tbo_micro_batch_child", "verdicts",
+             lambda state: tbo(_snapshot(), _fixed("big_batch", _big_batch_reader)(state), _snapshot(), _snapshot()),
+             "accepted"),
+        Case("tbo_whole_batch_child", "verdicts",
+             lambda state: tbo(_snapshot(), _fixed("big_batch", _big_batch_reader)(state)), refused, "seq_lens"),
+        # a per_stream member places its stream's own fence: the join over members does not cover it
+        Case("per_stream_early_member", "verdicts",
+             lambda state: per_stream(_late_reader(), _snapshot("covering", POST)), refused, "seq_lens"),
+    ]
+
+
 def _cases() -> list[Case]:
-    cases: list[Case] = []
+    cases: list[Case] = _verdict_cases()
     for name, fn in VIEWS.items():
         cases.append(Case(name, "views", _fixed(name, fn), "refused", "seq_lens"))
     for name, make in (("closure", _closure), ("attribute", _attribute), ("global_ref", _global),
