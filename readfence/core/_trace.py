@@ -150,10 +150,27 @@ _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__fil
          os.path.abspath(os.path.join(os.path.dirname(__file__), "_triton.py")))
 
 
+#: Files of readfence's own machinery that a user's code calls into (an engine adapter's views
+#: of the live state): an op they run is named after the user's line that called them.
+_MACHINERY: set[str] = set()
+
+
+def not_user_code(*files: str) -> None:
+    """Name the caller of ``files``' functions, not them, as the source line of the ops they
+    run (an engine's ``forward_batch.seq_lens``: the engine's line that reads it).
+
+    >>> not_user_code(__file__)  # the tracer's own frames: skipped already
+    >>> os.path.abspath(__file__) in _skipped()
+    True
+    """
+    _MACHINERY.update(os.path.abspath(f) for f in files)
+
+
 def _skipped() -> tuple[str, ...]:
     triton = sys.modules.get("triton")
     where = getattr(triton, "__file__", None)
-    return _SKIP if where is None else (*_SKIP, os.path.dirname(os.path.abspath(where)))
+    skip = (*_SKIP, *sorted(_MACHINERY))
+    return skip if where is None else (*skip, os.path.dirname(os.path.abspath(where)))
 
 
 def _user_line() -> str:

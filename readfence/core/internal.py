@@ -33,6 +33,7 @@ from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
 from ._trace import cache_with_traces as cache_with_traces
+from ._trace import not_user_code as not_user_code
 from ._trace import remember as remember
 from ._trace import state_key as state_key
 
@@ -40,6 +41,6 @@ __all__ = [
     "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span", "bind_arguments",
     "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode",
     "check_mode", "child_runs", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows",
-    "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges", "runs_as",
-    "span_of", "split_batch", "state_key", "tokens_per_request",
+    "not_user_code", "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges",
+    "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
 ]

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
-from readfence.core.internal import did_you_mean
+from readfence.core.internal import did_you_mean, not_user_code
 
 from ._contract import ContractError
 
@@ -477,3 +477,6 @@ def check_state(cfg: ModelConfig, state: Mapping[str, Mapping[str, Tensor]], who
         raise ContractError(f"{who}: the state's page table is {tuple(table.shape)}, but the model config has "
                             f"max_reqs={cfg.max_reqs}, max_ctx={cfg.max_ctx}: pass the state made for this cfg")
 
+
+# the views are readfence's: an op one runs is named after the engine's line that read the view
+not_user_code(__file__)

@@ -14,6 +14,9 @@ import pytest
 
 from readfence.engine._contract import engine_line, library_file, origin_of
 
+from .classes import KeptCopies
+from .conftest import CFG
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 ENGINE_CODE = '''
@@ -65,6 +68,25 @@ def _copy_of_the_tree(dest: pathlib.Path) -> None:
         if source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
+
+
+class LateLens(KeptCopies):
+    """Declares PRE_REPLAY but reads the live lengths through the forward batch in every layer."""
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self.lens = forward_batch.seq_lens.long()  # the engine's own line: the one an UNSOUND row names
+        return super().forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def test_an_unsound_row_names_the_engines_line_not_readfences_view():
+    from readfence.core import ForwardMode
+    from readfence.engine import adapt, audit_engine
+
+    report = audit_engine(adapt(LateLens, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    (row,) = [r for r in report.unsound() if r.buffer == "seq_lens"]
+    line = LateLens.forward.__code__.co_firstlineno + 1
+    assert row.where == f"{__file__}:{line} in forward", row.where
+    assert f"at {__file__}:{line} in forward" in report.table()
 
 
 @pytest.mark.slow
