@@ -384,8 +384,30 @@ def _verdict_cases() -> list[Case]:
     ]
 
 
+# -- buffers that lend only their shape, dtype and strides -----------------------------------
+def _shapes_only(s, b, m, layer, q):
+    # a buffer as the template of a new tensor, or asked its sizes: none of its data is read
+    zero = torch.zeros_like(s["seq_lens"]).index_select(0, _rows(b)).long()
+    scratch = torch.empty_like(s["req_to_token"]).fill_(1)
+    pad = s["seq_lens"].new_zeros(s["seq_lens"].size(0)).sum() + s["req_to_token"].new_full((2,), 3).sum()
+    return m["kv_lens"] + zero + scratch[0, 0].long() - 1 + pad - 6
+
+
+def _template_then_values(s, b, m, layer, q):
+    # the same template, then the values themselves: a read
+    return _gather(torch.zeros_like(s["seq_lens"]).add(s["seq_lens"]), b)
+
+
+def _metadata_cases() -> list[Case]:
+    return [
+        Case("template_only", "metadata", _fixed("template_only", _shapes_only), "accepted"),
+        Case("template_then_values", "metadata", _fixed("template_then_values", _template_then_values), "refused",
+             "seq_lens"),
+    ]
+
+
 def _cases() -> list[Case]:
-    cases: list[Case] = _verdict_cases()
+    cases: list[Case] = _verdict_cases() + _metadata_cases()
     for name, fn in VIEWS.items():
         cases.append(Case(name, "views", _fixed(name, fn), "refused", "seq_lens"))
     for name, make in (("closure", _closure), ("attribute", _attribute), ("global_ref", _global),

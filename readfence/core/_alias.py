@@ -4,8 +4,10 @@ Each node gets the set of shared buffers its value may alias (an over-approximat
 sound): what torch's schema alias oracle says its outputs may contain (``_schema``), joined
 with what its real value was seen to touch in memory when the graph was executed on the
 example (``observed``; the tracer passes it when it traces real tensors). Pure views
-propagate aliases and read nothing; every other op reads the buffers its tensor arguments
-alias, including list arguments (the pieces of ``split``/``chunk``/``unbind``). An argument
+propagate aliases and read nothing; an argument an op uses only for its metadata
+(``zeros_like``'s ``self``: ``OpAliasing.metadata_args``) is not read; every other op reads the
+buffers its tensor arguments alias, including list arguments (the pieces of
+``split``/``chunk``/``unbind``). An argument
 the schema marks as written, and aliasing a shared buffer, is a write: the caller turns it
 into ``StageWriteError``. Ops the analysis cannot reason about (no schema, an argument of an
 opaque type) make the buffers they touch ``UNKNOWN``; escapes (``readfence::opaque`` nodes)
@@ -81,7 +83,8 @@ def analyse(
 
     A view claim is a claim: ``copies`` names the nodes whose schema claims a view but whose
     real output shares no memory with the inputs it claims (the memory probe's finding): they
-    copied, so they read what they were given and alias nothing. Without memory (``copies``
+    copied, so they read what they were given and alias nothing. So is a metadata claim: a node
+    in ``copies`` whose op claims to use an argument for its metadata only reads it. Without memory (``copies``
     ``None``: fake tensors), a claim no annotation makes (``Tensor[] -> Tensor[]``: the oracle's
     worst case) counts both ways: the op may alias its inputs and may read them.
 
@@ -187,11 +190,17 @@ def analyse(
             names = tuple(schema.arguments[i].name for i in write_args if arg_aliases[i])
             writes.append(Write(node.name, str(target), frozenset(written), str(schema), names))
         view = aliasing.is_view
-        if view and ((copies is not None and node.name in copies) or (copies is None and not aliasing.annotated)):
+        refuted = copies is not None and node.name in copies  # its claim to read no data, on memory
+        if view and (refuted or (copies is None and not aliasing.annotated)):
             view = False  # not a view after all, or maybe not: it reads its inputs
             if copies is not None:  # a copy: its output aliases only what it really touched
                 alias[node] = seen.get(node.name, _EMPTY)
         read = _EMPTY if view else everything
+        if aliasing.metadata_args and not view and not refuted:
+            # it uses those arguments' shape, dtype and strides only (``zeros_like``): it reads
+            # what its other arguments alias (and, for a higher-order op, what it reaches)
+            read = frozenset().union(*(arg_aliases[i] for i in aliasing.data_args(len(values))),
+                                     (hidden or {}).get(node.name, _EMPTY))
         if starts_collective(target):
             pending[node] = everything
         elif view or is_wait(target):  # a view of a pending output stays pending

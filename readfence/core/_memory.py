@@ -11,7 +11,7 @@ their storage object instead (identity is all there is to compare under fake ten
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -168,6 +168,75 @@ def view_claim_holds(outputs: Sequence[Any], sources: Sequence[Sequence[Any]]) -
             if mine is None or not any(mine.overlaps(s) for s in spans):
                 return False
     return True
+
+
+def metadata_claim_holds(outputs: Any, templates: Sequence[torch.Tensor],
+                         rerun: Callable[[Sequence[torch.Tensor]], Any]) -> bool:
+    """Whether an op that claims to use ``templates`` only for their metadata (shape, dtype,
+    device, strides) does, on its real run: its ``outputs`` share no memory with them, and its
+    outputs do not change when their bytes do. ``rerun(tensors)`` runs the op again with
+    ``tensors`` in the templates' places; it is run from one random state on the templates
+    twice and on twins (the same metadata, every element changed) once, and the random state
+    is put back. Outputs that differ between the two runs on the templates are not made from
+    the op's inputs (``empty_like``'s uninitialised memory): only their memory is held then.
+
+    >>> lens = torch.arange(4, dtype=torch.int32)
+    >>> metadata_claim_holds(torch.zeros_like(lens), [lens], lambda ts: torch.zeros_like(ts[0]))
+    True
+    >>> metadata_claim_holds(lens.clone(), [lens], lambda ts: ts[0].clone())  # a claim its values refute
+    False
+    """
+    spans = [s for t in templates if (s := span_of(t)) is not None]
+    for t in tensors_in(outputs):
+        mine = span_of(t)
+        if mine is not None and any(mine.overlaps(s) for s in spans):
+            return False
+    devices = sorted({t.device.index or 0 for t in templates if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        state = _random_state(devices)
+        first = rerun(templates)
+        _set_random_state(state, devices)
+        again = rerun(templates)
+        if not _same(first, again):
+            return True
+        _set_random_state(state, devices)
+        other = rerun([_twin(t) for t in templates])
+    return _same(first, other)
+
+
+def _twin(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``t``'s size, strides, storage offset, dtype and device, each element changed."""
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    base = torch.empty(t.storage_offset() + extent, dtype=t.dtype, device=t.device)
+    twin = base.as_strided(t.size(), t.stride(), t.storage_offset())
+    twin.copy_(t)
+    return twin.logical_not_() if t.dtype is torch.bool else twin.add_(1)
+
+
+def _random_state(devices: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_random_state(state: tuple[torch.Tensor, list[torch.Tensor]], devices: Sequence[int]) -> None:
+    torch.set_rng_state(state[0])
+    for d, s in zip(devices, state[1]):
+        torch.cuda.set_rng_state(s, d)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same values, leaf by leaf (tensors by shape, dtype and elements, NaN equal to NaN)."""
+    xs, ys = leaves(a), leaves(b)
+    return len(xs) == len(ys) and all(_same_leaf(x, y) for x, y in zip(xs, ys))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and bool(x == y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.is_floating_point():
+        return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0), y.nan_to_num(0))
+    return torch.equal(x, y)
 
 
 @attrs.frozen

@@ -34,9 +34,10 @@ from readfence.effects import ReadEffect, ReadEnd
 from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
 from ._dispatch import DispatchMode
-from ._memory import BufferMap, tensors_in, view_claim_holds
+from ._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
 from ._model import step_functions
 from ._modes import ForwardMode
+from ._probe import metadata_templates, rerun_with
 from ._program import Program, StageGraph, run_program
 from ._protocol import BackendLike
 from ._schema import OpAliasing, bind, op_aliasing
@@ -144,7 +145,9 @@ class ReadObserver(DispatchMode):
     flattened: the ``split`` pieces ``cat`` receives) is matched against ``buffers`` by
     address range. A pure view (``op_aliasing(op).is_view``) reads nothing: its consumers do;
     the claim is checked on the op's output, and one whose output shares no memory with what
-    it claims to alias (a copy: a functional ``_foreach_*`` op) read it.
+    it claims to alias (a copy: a functional ``_foreach_*`` op) read it. An argument an op uses
+    for its metadata only (``zeros_like``'s ``self``) is not read, unless its run refutes the
+    claim (:func:`~readfence.core._memory.metadata_claim_holds`).
     Any other op reads every buffer an argument touches, and also writes those of the
     arguments its schema marks written. An op without a schema, or with an argument type
     the schema cannot describe, counts as a read of what it touches, with a ``note`` saying
@@ -294,7 +297,7 @@ class ReadObserver(DispatchMode):
         else:
             out = func(*args, **kwargs)
         if claimed is not None:
-            self._check_view_claim(func, claimed, args, kwargs, out)
+            self._quietly(self._check_view_claim, func, claimed, args, kwargs, out)
         return out
 
     def _run_higher_order_observed(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -306,7 +309,16 @@ class ReadObserver(DispatchMode):
     def _check_view_claim(self, func: Any, aliasing: OpAliasing, args: Sequence[Any], kwargs: Mapping[str, Any],
                           out: Any) -> None:
         # a view claim is checked on memory: an op whose output shares no memory with what its
-        # schema says it aliases copied it (a functional foreach op, a list-returning custom op)
+        # schema says it aliases copied it (a functional foreach op, a list-returning custom op);
+        # so is a metadata claim: an output that shares the argument's memory or changes with its
+        # bytes read it
+        if not aliasing.is_view:
+            templates = metadata_templates(func, args, kwargs, aliasing.metadata_args, self.buffers)
+            if metadata_claim_holds(out, templates, lambda ts: rerun_with(func, args, kwargs, templates, ts)):
+                return
+            for b in sorted(self.buffers.touched_by(templates)):
+                self._add(b, self._qualified(str(func)), "read", "uses it for its metadata only, its run says otherwise")
+            return
         values = bind(func, args, kwargs)
         outs = out if len(aliasing.outputs) > 1 else (out,)
         if view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs]):
@@ -341,9 +353,7 @@ class ReadObserver(DispatchMode):
         if aliasing.is_view:
             return aliasing
         values = bind(func, args, kwargs)
-        read = self.buffers.touched_by(values)
-        if not read:
-            return None
+        read = self.buffers.touched_by([values[i] for i in aliasing.data_args(len(values))])
         name = self._qualified(str(func))
         note = "opaque argument type: counted as a read" if aliasing.opaque else ""
         for b in sorted(read):
@@ -351,7 +361,9 @@ class ReadObserver(DispatchMode):
         for i in aliasing.writes:
             for b in sorted(self.buffers.touched_by(values[i])):
                 self._add(b, name, "write", note)
-        return None
+        # arguments it uses for their metadata only (``zeros_like``): not read, if its run says so
+        return aliasing if aliasing.metadata_args and self.buffers.touched_by(
+            [values[i] for i in aliasing.metadata_args]) else None
 
     def _run_kernel_observed(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         # Inside __torch_dispatch__ the mode is popped, so the kernel's inner ops would go

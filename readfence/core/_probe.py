@@ -12,14 +12,14 @@ runs, so a recorded graph needs no second run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import fx
 
-from ._memory import BufferMap, leaves, view_claim_holds
+from ._memory import BufferMap, leaves, metadata_claim_holds, view_claim_holds
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
 
@@ -27,7 +27,9 @@ from ._schema import op_aliasing
 @attrs.frozen
 class OpFacts:
     """What one op's run showed: the buffers its output touches, those whose bytes it changed,
-    and whether its schema's view claim is refuted by its memory (it copied)."""
+    and whether its claim to read no data of a buffer it is given is refuted by its memory
+    (``copied``: a view claim whose output is a copy, or a metadata claim, ``zeros_like``'s, whose
+    output shares the argument's memory or changes with its bytes)."""
 
     touched: frozenset[str]
     changed: tuple[str, ...]
@@ -63,6 +65,10 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     # an op given no memory of a buffer (most ops): only its output can show one
     aliasing = op_aliasing(op) if watch else None
     view = aliasing is not None and aliasing.is_view
+    templates: list[torch.Tensor] = []
+    if aliasing is not None and aliasing.metadata_args:
+        with quiet():
+            templates = metadata_templates(op, args, kwargs, aliasing.metadata_args, buffers)
     before: dict[str, torch.Tensor] = {}
     if watch and not view:
         with quiet():
@@ -75,6 +81,8 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
             values = bind_arguments(op, args, kwargs)
             outs = out if len(aliasing.outputs) > 1 else (out,)
             copied = not view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs])
+        elif templates:
+            copied = not metadata_claim_holds(out, templates, lambda ts: rerun_with(op, args, kwargs, templates, ts))
         touched = buffers.touched_by(out)
         changed = tuple(b for b, old in before.items() if not torch.equal(old, shared[b]))
         pieces = tuple(buffers.touched_by(x) for x in leaves(out)) if touched and isinstance(out, (list, tuple)) else ()
@@ -83,11 +91,26 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     return out, OpFacts(touched, changed, copied, pieces)
 
 
+def metadata_templates(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], positions: Sequence[int],
+                       buffers: BufferMap) -> list[torch.Tensor]:
+    """The tensors at schema ``positions`` (an op's metadata-only arguments) that touch a shared
+    buffer: those whose metadata claim is worth checking on memory."""
+    values = bind_arguments(op, args, kwargs)
+    return [v for i in positions if isinstance(v := values[i], torch.Tensor) and buffers.touched(v)]
+
+
+def rerun_with(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], old: Sequence[torch.Tensor],
+           new: Sequence[torch.Tensor]) -> Any:
+    """``op`` called again with each tensor of ``old`` (by identity) replaced by its ``new``."""
+    swap = {id(o): n for o, n in zip(old, new)}
+    return op(*[swap.get(id(a), a) for a in args], **{k: swap.get(id(v), v) for k, v in kwargs.items()})
+
+
 @attrs.define
 class ProbeResult:
     """What running a graph showed, by node: ``touched`` (node name -> the buffers its value
     touches), ``changed`` (``(node, buffer)`` of every write the bytes showed) and ``copies``
-    (the nodes whose view claim the memory refutes)."""
+    (the nodes whose claim to read no data, a view's or a metadata-only op's, the memory refutes)."""
 
     touched: dict[str, frozenset[str]] = attrs.Factory(dict)
     changed: list[tuple[fx.Node, str]] = attrs.Factory(list)

@@ -6,6 +6,12 @@ an alias of, and is it a pure view (it only makes aliases, reading no data). The
 answered from the schema by torch's own alias oracle (``torch._C._SchemaInfo``), which knows
 containers (``Tensor(a)[]`` pieces of ``split``/``unbind``), wildcards and write annotations,
 rather than from a list of op names (a list is how holes get in).
+
+A fourth question, which arguments an op uses only for their metadata (shape, dtype, device,
+strides: ``zeros_like``'s ``self``), is answered from torch's own classification of its ops:
+the ``*_like`` and ``new_*`` constructors its fake tensors build from metadata alone, and the
+metadata queries they answer without data. Like a view claim, it is a claim that the memory
+checks hold an op's real run to (``_memory.metadata_claim_holds``).
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class OpAliasing:
     # every return carries an alias annotation (``Tensor(a)``): the claim is the op's own, not
     # the oracle's worst case for an unannotated list (``Tensor[] -> Tensor[]``)
     annotated: bool = True
+    # arguments the op uses only for their metadata (shape, dtype, device, strides): it reads
+    # none of their data (``zeros_like``'s ``self``)
+    metadata_args: tuple[int, ...] = ()
 
     @property
     def is_view(self) -> bool:
@@ -70,6 +79,11 @@ class OpAliasing:
 
         A view reads no data; its consumers do."""
         return bool(self.outputs) and all(self.outputs) and not self.writes
+
+    def data_args(self, count: int) -> tuple[int, ...]:
+        """The positions among ``count`` arguments whose data the op may read (all but its
+        :attr:`metadata_args`)."""
+        return tuple(i for i in range(count) if i not in self.metadata_args)
 
     def written_names(self, schema: torch._C.FunctionSchema) -> tuple[str, ...]:
         return tuple(schema.arguments[i].name for i in self.writes)
@@ -87,8 +101,36 @@ def _aliasing(op: Any) -> OpAliasing:
     )
     opaque_args = tuple(j for j, a in enumerate(schema.arguments) if _is_opaque_type(a.type))
     annotated = all(r.alias_info is not None for r in schema.returns)
+    template = (schema.arguments and op in _metadata_ops() and schema.arguments[0].type.kind() == "TensorType"
+                and 0 not in writes and not any(0 in o for o in outputs))
     return OpAliasing(f"{schema.name}.{schema.overload_name}".rstrip("."), writes, outputs, bool(opaque_args),
-                      opaque_args, annotated)
+                      opaque_args, annotated, (0,) if template else ())
+
+
+@functools.cache
+def _metadata_ops() -> frozenset[Any]:
+    """The ops torch itself runs from their first argument's metadata alone: the constructors its
+    fake tensors build from metadata (``zeros_like``, ``empty_like``, ``new_zeros``, ...) and the
+    metadata queries they answer without data (``size``, ``stride``); empty where this torch names
+    neither (every argument then counts as read).
+
+    >>> torch.ops.aten.zeros_like.default in _metadata_ops(), torch.ops.aten.clone.default in _metadata_ops()
+    (True, False)
+    """
+    ops: set[Any] = set()
+    try:
+        from torch._subclasses.fake_impls import _like_tensor_constructors
+
+        ops.update(_like_tensor_constructors)
+    except ImportError:  # pragma: no cover - a torch without the registry
+        pass
+    try:
+        from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS
+
+        ops.update(_DISPATCH_META_HANDLERS)
+    except ImportError:  # pragma: no cover
+        pass
+    return frozenset(ops)
 
 
 def op_aliasing(op: object) -> OpAliasing | None:
