@@ -26,6 +26,7 @@ def test_plan_and_audit_take_a_backend_value(cli):
     assert {r["verdict"] for r in rows} == {"exact"}
 
 
+@pytest.mark.slow
 def test_verify_and_demo_take_a_factory_and_write_a_trace_and_a_plot(cli, tmp_path):
     verify = cli("verify", MODEL, "--steps", "2", "--batch-size", "2", "--policy", "exact")
     assert verify.exit_code == 0, verify.output
