@@ -398,11 +398,30 @@ def _template_then_values(s, b, m, layer, q):
     return _gather(torch.zeros_like(s["seq_lens"]).add(s["seq_lens"]), b)
 
 
+# -- tensors a backend keeps: its own, whatever their shape; another state's, when memory says so
+def _own_constant(state: State | None) -> Any:
+    # FlashInfer's kv_last_page_len: a persistent int32 tensor of max_reqs ones, made once by the
+    # backend; it has seq_lens's shape and dtype and is no state's buffer
+    last_page_len = torch.ones(8, dtype=torch.int32)
+    return body_reader("own_constant", lambda s, b, m, layer, q: m["kv_lens"] + _gather(last_page_len, b) - 1)
+
+
+def _other_states_buffer(state: State | None) -> Any:
+    # the same line over another state's lengths, kept alive by the backend: memory says whose
+    from readfence.core import make_shared_state
+    from tests.conftest import SMALL
+
+    lens = make_shared_state(SMALL)["seq_lens"]
+    return body_reader("other_states_buffer", lambda s, b, m, layer, q: m["kv_lens"] + _gather(lens, b) * 0)
+
+
 def _metadata_cases() -> list[Case]:
     return [
         Case("template_only", "metadata", _fixed("template_only", _shapes_only), "accepted"),
         Case("template_then_values", "metadata", _fixed("template_then_values", _template_then_values), "refused",
              "seq_lens"),
+        Case("own_constant", "owned", _own_constant, "accepted"),
+        Case("other_states_buffer", "owned", _other_states_buffer, "refused", "seq_lens"),
     ]
 
 

@@ -11,6 +11,7 @@ their storage object instead (identity is all there is to compare under fake ten
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -237,6 +238,45 @@ def _same_leaf(x: Any, y: Any) -> bool:
     if x.is_floating_point():
         return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0), y.nan_to_num(0))
     return torch.equal(x, y)
+
+
+# Every state's shared buffers readfence has met (made or given), by memory, held weakly: a
+# tensor a backend keeps is another state's buffer only when its memory is one of these.
+_MET: list[tuple[StorageWeakRef, Span, str]] = []
+_MET_LOCK = threading.Lock()
+
+
+def meet_shared(shared: Mapping[str, object]) -> None:
+    """Remember the memory of a state's shared buffers (``make_shared_state``'s, a live state's),
+    as long as they live: :func:`met_shared` then knows a tensor over it for one.
+
+    >>> lens = torch.zeros(4, dtype=torch.int32)
+    >>> meet_shared({"seq_lens": lens}); met_shared(lens[1:])
+    'seq_lens'
+    """
+    with torch._C.DisableTorchFunction():  # readfence's own look at memory: no escape of a traced stage
+        found = [(StorageWeakRef(t.untyped_storage()), span, name) for name, t in shared.items()
+                 if isinstance(t, torch.Tensor) and not _addressless(t) and (span := span_of(t)) is not None]
+    with _MET_LOCK:
+        _MET[:] = [m for m in _MET if not m[0].expired()]  # forget the states that died (their memory is reused)
+        known = {(m[1], m[2]) for m in _MET}
+        _MET.extend(m for m in found if (m[1], m[2]) not in known)
+
+
+def met_shared(t: torch.Tensor) -> str | None:
+    """The name of a shared buffer of a state readfence has met (and that still lives) whose memory
+    ``t`` touches, else ``None``: a tensor no state's buffer is over is a backend's own.
+
+    >>> met_shared(torch.ones(3, dtype=torch.int32)) is None
+    True
+    """
+    with torch._C.DisableTorchFunction():
+        span = None if _addressless(t) else span_of(t)
+    if span is None:
+        return None
+    with _MET_LOCK:
+        met = list(_MET)
+    return next((name for ref, other, name in met if not ref.expired() and span.overlaps(other)), None)
 
 
 @attrs.frozen

@@ -68,11 +68,15 @@ constant of its graph (a ``get_attr`` node), listed in ``StageGraph.captured``. 
 by memory range against the state the program runs on: the example when traced, the live
 state when lowered (``core.bind``). One that matches a live shared buffer is a read of that
 buffer; a pool or a parameter is fine. Anything else is fine only if it is *persistent*: the
-step, run once more, reads the very same memory again (weights the backend keeps). A tensor
-the stage computed while being traced (a ``.clone()`` kept from the call, a DLPack view of the
-example) is trace-time state baked into the graph, stale on the next step: it is refused.
-Without the live state (``audit`` without ``state=``), a captured tensor that is not part of
-the example may be any live buffer: every buffer is ``UNKNOWN``.
+step, run once more, reads the very same memory again (weights the backend keeps, a metadata
+buffer it allocated once and refills), and then it is the backend's own whatever its shape,
+unless its memory is a shared buffer of another state (one readfence made or was given, still
+alive): that is refused, naming it. A tensor the stage computed while being traced (a
+``.clone()`` kept from the call, a DLPack view of the example) is trace-time state baked into
+the graph, stale on the next step: it is refused. Without the live state (``audit`` without
+``state=``), a captured tensor that is not part of the example, and that the step does not
+read again or whose memory is a known state's buffer, may be any live buffer: every buffer is
+``UNKNOWN``.
 """
 
 from __future__ import annotations
@@ -105,7 +109,10 @@ class Captured:
     ``node`` is its ``get_attr`` node, ``users`` the nodes that consume it, ``source`` the
     user's line that first consumed it. ``matches`` says what the tensor's memory is, in the
     state last matched against: ``("shared", buffers)``, ``("owned", ())`` (a pool or a
-    parameter) or ``("none", ())``; ``state`` names that state (``"example"`` or ``"live"``).
+    parameter), ``("constant", ())`` (memory of no state the step reads again on every call: the
+    backend's own, whatever its shape), ``("foreign", (buffer,))`` (a shared buffer of another
+    state readfence has met) or ``("none", ())``; ``state`` names that state (``"example"`` or
+    ``"live"``).
     """
 
     stage: str
@@ -142,14 +149,14 @@ class Captured:
         kind, names = self.matches
         what = {"shared": f"shared buffer(s) {sorted(self.buffers)}", "owned": "a pool or parameter",
                 "constant": "a constant", "none": "no shared buffer, pool or parameter"}.get(kind) or (
-            f"no shared buffer, but has the shape and dtype of {names[0]!r} (a buffer of another state?)")
+            f"no buffer of the state given, but the memory of shared buffer {names[0]!r} of another state")
+        if kind == "foreign":
+            return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
+                    f"is {what}: pass the state the backend keeps references to")
         if self.state == "example":
             return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
                     f"is {what} of the example state the trace ran on: trace-time state baked into the "
                     f"graph, stale on every later step")
-        if kind == "lookalike":
-            return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
-                    f"matches {what}: pass the state the backend keeps references to")
         return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
                 f"matches {what} of the live state, and the step does not read it again on its next "
                 f"call: trace-time state baked into the graph")

@@ -45,6 +45,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._checks import check_mode, positive_int
+from ._memory import meet_shared
 from ._modes import ForwardMode
 from ._parallel import TensorParallel, shard_heads, shard_params
 
@@ -322,12 +323,14 @@ def make_shared_state(cfg: ModelConfig, *, device: str | torch.device = "cpu") -
     seq_lens = torch.zeros(cfg.max_reqs, device=device, dtype=torch.int32)
     slots = torch.arange(cfg.max_reqs, device=device, dtype=torch.int64)
     state_slots = ((slots * 7 + 2) % cfg.num_state_slots).to(torch.int32)
-    return {
+    shared = {
         "req_to_token": req_to_token,
         "seq_lens": seq_lens,
         "swa_map": _example_swa_map(cfg, device),
         "state_slots": state_slots,
     }
+    meet_shared(shared)  # a backend that keeps one of these, run on another state, is told so
+    return shared
 
 
 def buffer_ranges(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -40,7 +40,7 @@ from ._checks import check_backend, check_mode, positive_int
 from ._collect import collection_paused
 from ._dispatch import DispatchMode
 from ._fx import copy_graph
-from ._memory import BufferMap, span_of, tensors_in
+from ._memory import BufferMap, meet_shared, met_shared, span_of, tensors_in
 from ._modes import ForwardMode
 from ._probe import MemoryProbe as _MemoryProbe
 from ._probe import ProbeResult
@@ -704,15 +704,19 @@ class _Consumed(DispatchMode):
         return func(*args, **kwargs)
 
 
-def _bind_captured(c: Captured, value: torch.Tensor, live: Mapping[str, torch.Tensor], shared: BufferMap,
-                   owned: BufferMap) -> Captured:
+def _bind_captured(c: Captured, value: torch.Tensor, shared: BufferMap, owned: BufferMap) -> Captured:
     matches = _match(value, shared, owned)
-    if matches[0] == "none" and c.persistent and c.matches[0] == "none":
-        # a tensor shaped like a live buffer may be that buffer of another state; one the step
-        # itself fills (a snapshot the backend keeps) is its own
-        twin = [b for b, t in live.items() if t.shape == value.shape and t.dtype == value.dtype]
-        matches = ("lookalike", (twin[0],)) if twin and not c.filled else ("constant", ())
+    if matches[0] == "none" and c.persistent and c.matches[0] in ("none", "constant"):
+        matches = _kept(value)
     return attrs.evolve(c, matches=matches, state="live")
+
+
+def _kept(value: torch.Tensor) -> tuple[str, tuple[str, ...]]:
+    """What a tensor the step reads again on every call, and no part of the state it runs on, is:
+    a shared buffer of another state when its memory is one (:func:`met_shared`), else the
+    backend's own (its constants, its persistent metadata buffers: whatever their shape)."""
+    other = met_shared(value)
+    return ("foreign", (other,)) if other is not None else ("constant", ())
 
 
 class _Tracer:
@@ -746,7 +750,13 @@ def _mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mappi
             span = span_of(getattr(s.gm, c.target))
             again = span is not None and any(span.overlaps(other) for other in consumed.spans)
             filled = span is not None and any(span.overlaps(other) for other in consumed.written)
-            captured.append(attrs.evolve(c, persistent=again, filled=filled) if c.matches[0] == "none" else c)
+            if c.matches[0] != "none":
+                captured.append(c)
+                continue
+            # read again on the next call: the backend's own, unless its memory is a known state's
+            kept = _kept(getattr(s.gm, c.target)) if again else ("none", ())
+            captured.append(attrs.evolve(c, persistent=again, filled=filled,
+                                         matches=kept if kept[0] == "constant" else c.matches))
         marked.append(attrs.evolve(s, captured=tuple(captured)))
     return marked
 
@@ -822,6 +832,7 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
     """
     if not program.captured():
         return program
+    meet_shared(state["shared"])  # a tensor another backend kept of this state is known for one
     key = (id(program), state_key(state))
     hit = _BOUND.get(key)
     if hit is not None:
@@ -854,8 +865,7 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
             stages.append(s)
             continue
         gm = copy_graph(s.gm)
-        captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), state["shared"],
-                                                                    shared, owned)
+        captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), shared, owned)
                          for c in s.captured)
         memory, changed = _live_memory(s, gm, state)
         widen = _handed_over(stages, s.inputs, initial, program.buffers)

@@ -226,7 +226,7 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     real = alias.op_aliasing
 
     class Blind:
-        name, writes, outputs, opaque, is_view = "split", (), ((),), False, True
+        name, writes, outputs, opaque, is_view, metadata_args = "split", (), ((),), False, True, ()
 
     monkeypatch.setattr(alias, "op_aliasing", lambda op: Blind() if "split" in str(op) else real(op))
     blinded(monkeypatch)  # the memory probe sees nothing

@@ -94,7 +94,7 @@ def test_a_hole_in_the_static_analysis_is_caught_by_the_observer_and_reported_as
     real = alias.op_aliasing
 
     class Blind:  # a view whose pieces alias nothing
-        name, writes, outputs, opaque, is_view = "split", (), ((),), False, True
+        name, writes, outputs, opaque, is_view, metadata_args = "split", (), ((),), False, True, ()
 
     def forgetful(op):
         return Blind() if "split" in str(op) else real(op)

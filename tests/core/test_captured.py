@@ -4,7 +4,8 @@ A backend that keeps the live page table (the README's "pass the live state" cas
 handle on it, ``torch.empty(0).set_(table)``: no schema says the handle aliases the table, and
 the example the trace ran on does not hold the live memory. ``bind`` runs such a stage once
 more with its captured tensors live, so the handle's reads and writes are seen statically.
-And a buffer the backend keeps and fills itself, shaped like a shared buffer, is its own.
+And a tensor the backend keeps, made by itself (a constant, a buffer it fills), is its own whatever
+its shape; it is another state's buffer only when its memory is one.
 """
 
 from __future__ import annotations
@@ -112,8 +113,35 @@ def test_a_snapshot_buffer_the_backend_keeps_and_fills_is_its_own() -> None:
         assert run.matches(serial) and run.violations == ()
 
 
+def test_a_persistent_tensor_the_backend_made_is_its_own_whatever_its_shape() -> None:
+    # FlashInfer's kv_last_page_len: torch.ones(max_bs, int32), the shape and dtype of seq_lens
+    last_page_len = torch.ones(CFG.max_reqs, dtype=torch.int32)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = meta["kv_lens"] + last_page_len.index_select(0, batch["req_pool_indices"]).long() - 1
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+
+    def inn(mode, shared, batch, meta):
+        return {"kv_indices": kv_indices(shared, batch), "kv_lens": kv_lens(shared, batch)}
+
+    flashinfer_like = leaf("flashinfer_like", attend, prepare_in_graph=inn)
+    state = make_state(CFG)
+    for given in (None, state):  # without the state and bound to it
+        report = audit(flashinfer_like, M, cfg=CFG, state=given).unwrap()
+        assert report.observed["seq_lens"] is ReadEnd.IN_REPLAY and not report.opaque
+    kept = bind(trace(flashinfer_like, M, cfg=CFG), state).captured()  # one per layer
+    assert kept and all(c.matches == ("constant", ()) and c.usable for c in kept), kept
+    serial = run_serial(flashinfer_like, M, steps=4, batch_size=3, cfg=CFG, state=state)
+    for policy in (Policy.COARSE, Policy.PER_BUFFER, Policy.EXACT):
+        with CpuDevice(timeout=30.0) as dev:
+            run = run_overlapped(flashinfer_like, M, steps=4, policy=policy, device=dev, batch_size=3, cfg=CFG,
+                                 state=state)
+        assert run.matches(serial) and run.violations == (), policy
+
+
 def test_a_buffer_of_another_state_is_still_refused() -> None:
-    # the lookalike rule stands for a tensor the step only reads: another state's page table
+    # its memory is another state's lengths: refused, naming the buffer
     other, state = make_state(CFG), make_state(CFG)
     foreign = other["shared"]["seq_lens"]
 
@@ -123,7 +151,7 @@ def test_a_buffer_of_another_state_is_still_refused() -> None:
         return softmax_attention(mode, q, pools, layer, kv_indices(shared, batch), lens)
 
     stranger = leaf("stranger", attend)
-    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="the shape and dtype of .seq_lens."):
+    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="shared buffer 'seq_lens' of another state: pass the state"):
         lower(stranger, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
 
 
