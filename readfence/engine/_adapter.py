@@ -413,13 +413,16 @@ class EngineBackend(Backend):
         fb = b.forward_batch(mode, shared, batch, b.state["pools"] if pools is None else pools, lens)
         return self.object, em, fb
 
-    def _capture(self, mode: ForwardMode, batch_size: int) -> None:
+    def _capture(self, mode: ForwardMode, batch_size: int) -> bool:
         """The graph runner's capture-time ``init_forward_metadata_out_graph(forward_batch,
-        in_capture=True)``, once per mode and batch size, on the bound state and outside any trace."""
+        in_capture=True)``, once per mode and batch size, on the bound state and outside any trace,
+        then its warm-up: the replay-time calls once (``init_forward_metadata_out_graph`` and
+        ``init_forward_metadata_in_graph``), where a backend allocates its static metadata buffers
+        on first use. Returns whether it ran now."""
         b = self.binding
         key = (self.path, mode, batch_size)
         if key in b.captured or not b.replayed(self.path, mode):
-            return
+            return False
         b.captured.add(key)
         example = example_step(b.cfg, mode, batch_size).batch
         shared = b.state["shared"]
@@ -434,6 +437,13 @@ class EngineBackend(Backend):
                          in_capture=True)
         b.frozen[key] = [(o, name, value) for o in _objects(obj) if hasattr(o, "__dict__")
                          for name, value in vars(o).items() if before.get(id(o), {}).get(name, _NOTHING) is not value]
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
+                         in_capture=False)
+            self._invoke("init_forward_metadata_in_graph", fb.forward_mode, obj.init_forward_metadata_in_graph, fb,
+                         captured=True)
+        self._recall(mode, batch_size)
+        return True
 
     def _recall(self, mode: ForwardMode, batch_size: int) -> None:
         """What the capture-time call of ``mode`` and ``batch_size`` left on the objects, put back as a
@@ -493,8 +503,10 @@ class EngineBackend(Backend):
         method = self._eager_method(mode)
         with lifter.around(obj):
             # inside the lift: what the capture-time call leaves on the object is classified as the
-            # replay-time call's would be (a kept view of the page table stays a view of the live one)
-            self._capture(mode, fb.batch_size)
+            # replay-time call's would be (a kept view of the page table stays a view of the live one);
+            # what it allocated and this call refills in place is the object's own buffer
+            if self._capture(mode, fb.batch_size):
+                lifter.settle(obj)
             if method == EAGER_ENTRY:
                 self._invoke(method, em, obj.init_forward_metadata, fb)
             else:

@@ -13,9 +13,12 @@ What changed is classified by memory, so what crosses means what it means in the
 * a view of a shared buffer stays a view of the live buffer: put back as the same view of the
   next call's buffer, so a kept reference to the page table is read where it is used (late);
 * a view of a pool, of a tensor the object already held (its own persistent buffers), or of a
-  fresh output is put back as that view of it.
+  fresh output is put back as that view of it; a buffer the graph runner's first calls (capture,
+  warm-up) allocated and the step refills in place is the object's own, as on every later step.
 
-A stored forward batch is put back as the current call's.
+Metadata is found wherever the object keeps it: attributes, dicts keyed by anything hashable (the
+engine's mode enum, tuples), lists, tuples and namedtuples, nested. A stored forward batch is put
+back as the current call's.
 """
 
 from __future__ import annotations
@@ -46,22 +49,32 @@ _OPAQUE_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFuncti
 
 
 def path_text(path: Path) -> str:
-    """``forward_metadata.kv_indices``, ``attn_backend_list[0].cache['k']``.
+    """``forward_metadata.kv_indices``, ``attn_backend_list[0].cache['k']``, ``md[Mode.DECODE]``.
 
     >>> path_text((("attr", "md"), ("item", 0), ("attr", "lens")))
     'md[0].lens'
+    >>> path_text((("attr", "by_mode"), ("item", enum.Enum("Mode", "DECODE").DECODE), ("item", ("kv", 0))))
+    "by_mode[Mode.DECODE][('kv', 0)]"
     """
     out = ""
     for kind, key in path:
-        out += (f".{key}" if out else key) if kind == "attr" else f"[{key!r}]"
+        out += (f".{key}" if out else key) if kind == "attr" else f"[{_key_text(key)}]"
     return out
 
 
+def _key_text(key: Any) -> str:
+    """A dict key as code would write it: ``'k'``, ``0``, ``Mode.DECODE``, ``('kv', Mode.DECODE)``."""
+    if isinstance(key, enum.Enum):
+        return f"{type(key).__name__}.{key.name}"
+    if isinstance(key, tuple):
+        return "(" + ", ".join(_key_text(k) for k in key) + ("," if len(key) == 1 else "") + ")"
+    return repr(key)
+
+
 def _children(node: Any) -> Iterator[tuple[Step, Any]]:
-    if isinstance(node, dict):
+    if isinstance(node, dict):  # keyed by anything hashable: names, indices, a mode enum, tuples
         for k, v in node.items():
-            if isinstance(k, (str, int)):
-                yield ("item", k), v
+            yield ("item", k), v
     elif isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple: by field name
         for name in node._fields:
             yield ("attr", name), getattr(node, name)
@@ -149,6 +162,7 @@ class Lifter:
         self.tag, self.bases, self.inputs = tag, bases, dict(inputs or {})
         self.records: list[Record] = []
         self.outputs: dict[str, Tensor] = {}
+        self._settled: dict[Path, Any] | None = None
 
     @contextlib.contextmanager
     def around(self, obj: object) -> Iterator[None]:
@@ -158,12 +172,26 @@ class Lifter:
         with _quiet():
             self._lift(obj, before)
 
+    def settle(self, obj: object) -> None:
+        """Mark what the object holds now, after the graph runner's first calls (capture and warm-up),
+        inside :meth:`around`: a tensor they allocated that the step's own call then refills in place
+        (the same object at the same path afterwards) is the object's own buffer, as on every later
+        step, not a per-step output of this one."""
+        with _quiet():
+            self._settled = dict(leaves(obj))
+
     def _lift(self, obj: Any, before: Mapping[Path, Any]) -> None:
-        changed = [(p, v) for p, v in leaves(obj) if before.get(p) is not v]
-        held = {id(v): v for v in before.values() if isinstance(v, Tensor)}
+        after = list(leaves(obj))
         named: list[tuple[str, Any, Tensor, Span | None]] = [
             (kind, name, t, span_of(t)) for kind in ("shared", "pool")
             for group in self.bases.get(kind, []) for name, t in group.items()]
+        if self._settled is not None:
+            now = dict(after)
+            kept = {p: v for p, v in self._settled.items() if isinstance(v, Tensor) and before.get(p) is not v
+                    and now.get(p) is v and not any(_within(v, span, base) is not None for _, _, base, span in named)}
+            before = {**before, **kept}
+        changed = [(p, v) for p, v in after if before.get(p) is not v]
+        held = {id(v): v for v in before.values() if isinstance(v, Tensor)}
         # an earlier stage's output put back on the object is that output, not a constant
         named += [("meta", key, t, span_of(t)) for key, t in self.inputs.items() if isinstance(t, Tensor)]
         named += [("owned", t, t, span_of(t)) for t in held.values()]

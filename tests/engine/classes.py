@@ -214,3 +214,83 @@ class CaptureAllocated(_Forward):
 
     def shared_read_ends(self, mode):
         return Ends.UNKNOWN if mode.is_idle() else Ends.PRE_REPLAY
+
+
+class StaticBuffers(_Forward):
+    """The graph runner's static-buffer pattern: metadata buffers allocated on first use, for the
+    largest batch, and refilled in place before every replay; ``forward`` reads views of them. The
+    page table is copied into them out of the graph: PRE_REPLAY, sound."""
+
+    def __init__(self, runner):
+        self.table = runner.req_to_token_pool.req_to_token
+        self.max_bs = runner.req_to_token_pool.size
+        self.buffers: dict[str, torch.Tensor] | None = None
+
+    def _fill(self, forward_batch):
+        if self.buffers is None:
+            self.buffers = {"indices": torch.zeros(self.max_bs, self.table.shape[1], dtype=torch.long),
+                            "lens": torch.zeros(self.max_bs, dtype=torch.long)}
+        n = forward_batch.batch_size
+        self.buffers["indices"][:n].copy_(self.table.index_select(0, forward_batch.req_pool_indices))
+        self.buffers["lens"][:n].copy_(forward_batch.seq_lens)
+        self.indices, self.lens = self.buffers["indices"][:n], self.buffers["lens"][:n]
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self._fill(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        pass
+
+    def shared_read_ends(self, mode):
+        return Ends.UNKNOWN if mode.is_idle() else Ends.PRE_REPLAY
+
+
+class StaticBuffersInGraph(StaticBuffers):
+    """The same buffers refilled in the graph's prelude while still declaring PRE_REPLAY: the page
+    table is read until IN_REPLAY, unsound."""
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        pass
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self._fill(forward_batch)
+
+
+class ByMode(_Forward):
+    """Metadata kept in a dict keyed by the engine's own mode enum, nested under a tuple key in a list:
+    copies made before the replay, PRE_REPLAY, sound."""
+
+    def __init__(self, runner):
+        self.table = runner.req_to_token_pool.req_to_token
+        self.per_mode: dict[Any, dict[tuple[str, int], list[torch.Tensor]]] = {}
+
+    def _rows(self, forward_batch):
+        return self.table.index_select(0, forward_batch.req_pool_indices).long()
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self.per_mode[forward_batch.forward_mode] = {("kv", 0): [self._rows(forward_batch),
+                                                                 forward_batch.seq_lens.long()]}
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        pass
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        indices, lens = self.per_mode[forward_batch.forward_mode][("kv", 0)]
+        return attention(forward_batch, layer, q, k, v, indices, lens)
+
+    def shared_read_ends(self, mode):
+        return Ends.UNKNOWN if mode.is_idle() else Ends.PRE_REPLAY
+
+
+class ByModeKeepsAView(ByMode):
+    """The same dict holding a *view* of the live page table, gathered in every layer, while
+    declaring PRE_REPLAY: the read ends POST_REPLAY, unsound."""
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self.per_mode[forward_batch.forward_mode] = {("kv", 0): [self.table.narrow(0, 0, self.table.shape[0]),
+                                                                 forward_batch.seq_lens.long()]}
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        table, lens = self.per_mode[forward_batch.forward_mode][("kv", 0)]
+        indices = table.index_select(0, forward_batch.req_pool_indices).long()
+        return attention(forward_batch, layer, q, k, v, indices, lens)

@@ -12,7 +12,17 @@ from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, adapt, audit_engine, verify_engine
 from readfence.graph import Policy, make_state, run_overlapped, run_serial
 
-from .classes import ForgetfulWrapper, HostBounds, KeepsAView, KeptCopies, RenamedSlots
+from .classes import (
+    ByMode,
+    ByModeKeepsAView,
+    ForgetfulWrapper,
+    HostBounds,
+    KeepsAView,
+    KeptCopies,
+    RenamedSlots,
+    StaticBuffers,
+    StaticBuffersInGraph,
+)
 from .conftest import CFG
 
 M = ForwardMode
@@ -196,3 +206,31 @@ def test_torch_refusing_to_trace_names_the_stage_and_line_with_its_whole_message
     assert stage == "prepare_in_graph" and why.endswith("(end of message)") and "test_adapter.py" in source
     assert node.lowering.startswith("readfence cannot lower it with any policy: init_forward_metadata_in_graph")
     assert {r.source for r in node.rows} == {"observed"}
+
+
+@pytest.mark.parametrize("cls", [StaticBuffers, ByMode], ids=lambda c: c.__name__)
+def test_engine_state_as_engines_keep_it_is_lifted_and_runs_bit_identical_to_serial(dev, cls):
+    # static buffers allocated on first use and refilled in place; metadata under the mode enum
+    engine = adapt(cls, cfg=CFG)
+    assert audit(engine, M.DECODE, cfg=CFG, state=engine.state).map(lambda r: r.sound).unwrap()
+    report = audit_engine(engine, M.DECODE, batch_sizes=[1, 2], steps=2)
+    assert {b: v[:2] for b, v in _verdicts(report).items()} == {
+        "req_to_token": ("exact", "traced"), "seq_lens": ("exact", "traced"), "swa_map": ("conservative", "traced"),
+        "state_slots": ("conservative", "traced")}, report.table()
+    serial = run_serial(engine, steps=4, batch_size=2, cfg=CFG, state=engine.state)
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):
+        run = run_overlapped(engine, steps=4, policy=policy, device=dev, batch_size=2, cfg=CFG, state=engine.state)
+        assert run.matches(serial) and run.violations == (), policy
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize(("cls", "truth"), [(StaticBuffersInGraph, IN), (ByModeKeepsAView, POST)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_the_same_state_read_after_its_declared_end_is_refused(cls, truth):
+    engine = adapt(cls, cfg=CFG)
+    failure = audit(engine, M.DECODE, cfg=CFG, batch_sizes=[2], state=engine.state).failure()
+    assert (failure.path, failure.buffer, failure.declared, failure.observed) == (
+        cls.__name__, "req_to_token", PRE, truth), failure.message
+    rows = {r.buffer: r.truth for r in audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).unsound()}
+    assert rows["req_to_token"] is truth, rows
