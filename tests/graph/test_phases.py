@@ -216,8 +216,8 @@ def test_extend_runs_eagerly_and_publishes_pre_replay_only_with_a_snapshot(backe
 
 # -- a step shape ranks its phases from what each lowered graph places --------------------------
 def _keeping_draft():
-    """A draft model that reads no shared buffer but keeps a weight of its own (a closure): its
-    unbound trace cannot tell that tensor from live state and says every buffer is UNKNOWN."""
+    """A draft model that reads no shared buffer but keeps a weight of its own (a closure), which
+    the step reads again on every call and whose memory is no state's: its own constant."""
     import torch
 
     from readfence.backends import leaf
@@ -235,7 +235,7 @@ def test_a_draft_that_keeps_a_tensor_does_not_take_the_page_table_from_the_targe
 
     shape = eagle(paged(), _keeping_draft())
     draft_extend = shape.phases[-1]
-    assert trace(draft_extend.backend, draft_extend.mode).traced()["req_to_token"] is ReadEnd.UNKNOWN  # unbound
+    assert trace(draft_extend.backend, draft_extend.mode).traced()["req_to_token"] is ReadEnd.NONE  # unbound too
     ref = run_serial(shape, steps=6, batch_size=2)
     with CpuDevice(timeout=10.0, faults=FaultInjector(seed=3, max_delay_s=0.002, streams=["forward"])) as dev:
         loop = decode_loop(shape, policy=Policy.EXACT, device=dev, batch_size=2)
@@ -245,17 +245,19 @@ def test_a_draft_that_keeps_a_tensor_does_not_take_the_page_table_from_the_targe
     assert res.matches(ref) and res.violations == ()
 
 
-def test_ranked_from_unbound_traces_verify_catches_the_early_release(dev, monkeypatch):
-    # broken on purpose: the phases ranked by their unbound traces. The draft takes the page
-    # table and, reading none of it, releases it as the step starts; check mode poisons it there,
-    # where the scheduler may really write it, so verify catches target-verify's read
-    from readfence.core import trace
+def test_ranked_from_a_wrong_effect_verify_catches_the_early_release(dev, monkeypatch):
+    # broken on purpose: the draft phase ranked as if it read every buffer until the forward's
+    # end (what a trace that took its own weight for live state would say). The draft takes the
+    # page table and, reading none of it, releases it as the step starts; check mode poisons it
+    # there, where the scheduler may really write it, so verify catches target-verify's read
+    from readfence.effects import ReadEffect
     from readfence.graph import verify
 
     shape = eagle(paged(), _keeping_draft())
     ranked = StepShape.positions_under
     monkeypatch.setattr(StepShape, "positions_under", lambda self, policy, observed: ranked(
-        self, policy, [trace(ph.backend, ph.mode, batch_size=2).traced() for ph in self.phases]))
+        self, policy, [ReadEffect.unknown() if ph.name == "draft_extend" else o
+                       for ph, o in zip(self.phases, observed)]))
     with CpuDevice(timeout=10.0) as dev:
         loop = decode_loop(shape, policy=Policy.EXACT, device=dev, batch_size=2)
         assert loop.lowered.shape.phases[loop.lowered.owner["req_to_token"]].name == "draft_extend"

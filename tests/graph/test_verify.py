@@ -144,6 +144,8 @@ def test_every_adversarial_backend_is_caught_by_verify_under_the_unsafe_flag(nam
                  policy=[Policy.PER_BUFFER, Policy.EXACT], UNSAFE_skip_soundness_check=True).failure()
     if case.klass == "baked":  # trace-time state: no fence makes it right, lowering refuses it
         assert bad.kind == "refused" and "trace-time state" in bad.detail
+    elif case.klass == "owned":  # another state's buffer: no fence of this state covers it
+        assert bad.kind == "refused" and "of another state" in bad.detail, str(bad)
     elif case.klass == "writes":
         assert bad.kind == "write" and bad.buffer in ("seq_lens", "req_to_token"), str(bad)
     else:
