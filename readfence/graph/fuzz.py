@@ -170,7 +170,8 @@ class Outcome:
         """Why the analysis refused, in a few words: the kind of error, and for an unsound
         declaration whether the refused fence is one placed below the root (a ``per_stream``
         member's) or an escape or captured tensor made every buffer late (an escape: until its
-        stage's end; a captured tensor matching nothing: ``UNKNOWN``)."""
+        stage's end, told apart in the graph, which a CUDA graph cannot capture anyway, and before
+        it; a captured tensor matching nothing: ``UNKNOWN``)."""
         why = self.refused_by
         if why is None:
             return None
@@ -182,10 +183,13 @@ class Outcome:
         fence = message.partition("; the fence of ")[2].partition(" is placed from")[0] or path
         if "/" in fence:
             return f"{head}: a fence below the root"
-        if any(why in message for why in ("escape", "captured tensor", "tracer cannot see")):
-            # an escape gives its stage every buffer: until PRE_REPLAY out of the graph,
-            # POST_REPLAY in it
-            return f"{head}: escape or captured tensor (every buffer)"
+        # an escape gives its stage every buffer: until PRE_REPLAY out of the graph, POST_REPLAY in it
+        if "a CUDA graph cannot capture it" in message:
+            return f"{head}: escape in the graph (every buffer; uncapturable on CUDA)"
+        if "escape" in message:
+            return f"{head}: escape before the replay (every buffer)"
+        if any(why in message for why in ("captured tensor", "tracer cannot see")):
+            return f"{head}: captured tensor or unseen op (every buffer)"
         return f"{head}: unsound declaration"
 
     @property
