@@ -174,7 +174,7 @@ class AuditReport:
                 if early and b.observed > fence.declared[name]:
                     refusals.append((node.path, b, fence.path))
                     continue
-                chain = (*ancestors[ancestors.index(fence):], node)
+                chain = (*ancestors[next(i for i, a in enumerate(ancestors) if a is fence):], node)
                 latent.append(Latent(node.path, node.mode, b, fence.path, fence.declared[name], fence.observed[name],
                                      _cover(chain, name, b.observed), _where(node, b.observed, b.reader, b.batch_size)))
         return sorted(refusals, key=lambda r: -r[0].count("/")), sorted(latent, key=lambda x: -x.path.count("/"))
