@@ -11,6 +11,7 @@ their storage object instead (identity is all there is to compare under fake ten
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -176,10 +177,9 @@ def metadata_claim_holds(outputs: Any, templates: Sequence[torch.Tensor],
     """Whether an op that claims to use ``templates`` only for their metadata (shape, dtype,
     device, strides) does, on its real run: its ``outputs`` share no memory with them, and its
     outputs do not change when their bytes do. ``rerun(tensors)`` runs the op again with
-    ``tensors`` in the templates' places; it is run from one random state on the templates
-    twice and on twins (the same metadata, every element changed) once, and the random state
-    is put back. Outputs that differ between the two runs on the templates are not made from
-    the op's inputs (``empty_like``'s uninitialised memory): only their memory is held then.
+    ``tensors`` in the templates' places: once on the templates and once on twins (the same
+    metadata, every element changed), from one random state (put back afterwards) and with the
+    memory torch allocates uninitialised filled (``empty_like``'s output is then defined).
 
     >>> lens = torch.arange(4, dtype=torch.int32)
     >>> metadata_claim_holds(torch.zeros_like(lens), [lens], lambda ts: torch.zeros_like(ts[0]))
@@ -193,16 +193,32 @@ def metadata_claim_holds(outputs: Any, templates: Sequence[torch.Tensor],
         if mine is not None and any(mine.overlaps(s) for s in spans):
             return False
     devices = sorted({t.device.index or 0 for t in templates if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), _defined_memory():
         state = _random_state(devices)
-        first = rerun(templates)
-        _set_random_state(state, devices)
-        again = rerun(templates)
-        if not _same(first, again):
-            return True
+        same = rerun(templates)
         _set_random_state(state, devices)
         other = rerun([_twin(t) for t in templates])
-    return _same(first, other)
+    return _same(same, other)
+
+
+_FILL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _defined_memory() -> Iterator[None]:
+    """Memory torch allocates uninitialised (``empty_like``, ``new_empty``) filled with a fixed value
+    (NaN, the dtype's largest) while inside: torch does so under deterministic algorithms, which are
+    switched on here, warning rather than failing, and put back as they were."""
+    with _FILL_LOCK:
+        was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=warn_only)
+            torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 def _twin(t: torch.Tensor) -> torch.Tensor:
