@@ -267,10 +267,13 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     if stage is BODY and like is not None:
         if isinstance(out, Tensor) and not foreign_subclass(out) and _fits(out, like):
             return out
-        got = f"a tensor of shape {list(out.shape)}" if isinstance(out, Tensor) else f"{type(out).__name__} {_short(out)}"
+        subclass = isinstance(out, Tensor) and foreign_subclass(out)
+        got = (f"a {type(out).__name__} (a tensor subclass)" if subclass else f"a tensor of shape {list(out.shape)}"
+               if isinstance(out, Tensor) else f"{type(out).__name__} {_short(out)}")
         line = "?" if fn is None else returned_at(fn, kwargs or {}, out)
+        unwrap = " (a plain tensor: unwrap a tensor subclass inside the stage)" if subclass else ""
         raise StageOutputError(f"backend {backend!r} attend returned {got} in layer {layer} (at {line}): attend returns "
-                               f"a tensor shaped like q, {list(like.shape)}", stage=stage.name)
+                               f"a tensor shaped like q, {list(like.shape)}{unwrap}", stage=stage.name)
     if stage is BODY:
         if isinstance(out, Tensor) and not foreign_subclass(out):
             return out
