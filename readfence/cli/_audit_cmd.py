@@ -21,7 +21,9 @@ def _precheck(params: dict[str, Any]) -> None:
 @click.command(cls=OneLineCommand, precheck=_precheck)
 @click.argument("spec", type=Spec(), required=False)
 @click.option("--mode", "modes", type=Mode(), multiple=True,
-              help="Audit only this mode (repeatable); default: every mode.")
+              help="Audit only this mode (repeatable): decode, target_verify, draft_extend, extend or idle "
+                   "(idle: a spec's declarations only, its steps carry no tokens; --engine takes the other "
+                   "four); default: every mode.")
 @click.option("--batch-size", "batch_sizes", type=BATCH_SIZE, multiple=True,
               help="Trace this batch size (repeatable); default: 1, 2 and the model's maximum.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per (node, mode, buffer).")
