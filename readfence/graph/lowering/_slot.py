@@ -178,31 +178,44 @@ def last_reads(program: Program, observed: Mapping[str, Mapping[str, frozenset[s
     'body'
     """
     out = {}
+    positions = node_positions(program)
     for b in program.buffers:
-        last = last_reader(program, b, observed)
+        last = last_reader(program, b, observed, positions)
         if last is None:
             continue
         stage, node = last
-        graph = program.stage(stage)
-        names = [n.name for n in graph.gm.graph.nodes]
-        if graph.runs_python or node not in names or node == names[-1]:
+        index, nodes = positions[stage].get(node), positions[stage]
+        if program.stage(stage).runs_python or index is None or index == len(nodes) - 1:
             continue
-        out[b] = LastRead(stage, node, names.index(node))
+        out[b] = LastRead(stage, node, index)
     return out
 
 
+def node_positions(program: Program) -> dict[str, dict[str, int]]:
+    """Per stage, in execution order, each node's position in its graph.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> list(node_positions(trace(paged(), ForwardMode.DECODE)))
+    ['prepare_out_graph', 'prepare_in_graph', 'body']
+    """
+    return {s.name: {n.name: i for i, n in enumerate(s.gm.graph.nodes)} for s in program.stages}
+
+
 def last_reader(program: Program, buffer: str, observed: Mapping[str, Mapping[str, frozenset[str]]] | None = None,
-                ) -> tuple[str, str] | None:
+                positions: Mapping[str, Mapping[str, int]] | None = None) -> tuple[str, str] | None:
     """``(stage, node)`` of the last read of ``buffer``: the latest of the trace's last reader
     (``Program.last_reader``) and the nodes ``observed`` saw reading it; a node the stage's
     graph does not hold (a read seen in a stage's Python) counts as the stage's end.
+    ``positions`` is :func:`node_positions` of ``program``, when the caller has it.
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
     >>> last_reader(trace(paged(), ForwardMode.DECODE), "seq_lens", {"body": {"mul": frozenset({"seq_lens"})}})
     ('body', 'mul')
     """
-    order = {s.name: i for i, s in enumerate(program.stages)}
+    positions = node_positions(program) if positions is None else positions
+    order = {name: i for i, name in enumerate(positions)}
     readers = [r for r in [program.last_reader(buffer)] if r is not None]
     readers += [(stage, node) for stage, nodes in (observed or {}).items() for node, bufs in nodes.items()
                 if buffer in bufs and stage in order]
@@ -210,8 +223,8 @@ def last_reader(program: Program, buffer: str, observed: Mapping[str, Mapping[st
         return None
 
     def position(reader: tuple[str, str]) -> tuple[int, int]:
-        nodes = [n.name for n in program.stage(reader[0]).gm.graph.nodes]
-        return order[reader[0]], nodes.index(reader[1]) if reader[1] in nodes else len(nodes)
+        nodes = positions[reader[0]]
+        return order[reader[0]], nodes.get(reader[1], len(nodes))
 
     return max(readers, key=position)
 
@@ -287,9 +300,10 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
         probes = {b: dev.event(f"{label}/lastread:{b}#{r}") for b, last in reads.items()
                   if b in plan.placements and (can_probe or last.stage not in IN_GRAPH_STAGES)}
     # a last read in the out-of-graph stage's Python: probed as that stage returns
+    positions = node_positions(program) if spec.measure else {}
     out_probes = {b: dev.event(f"{label}/lastread:{b}#{r}") for b in plan.placements
                   if spec.measure and b not in probes and b in program.buffers
-                  and (last_reader(program, b, spec.observed) or ("",))[0] == PREPARE_OUT_GRAPH.name}
+                  and (last_reader(program, b, spec.observed, positions) or ("",))[0] == PREPARE_OUT_GRAPH.name}
     after: dict[str, dict[str, list[Event]]] = {s.name: {} for s in program.stages}
     for b, last in reads.items():  # probes first: read, then release
         if b in probes:
@@ -356,4 +370,4 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
 
 
 __all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
-           "last_reader", "last_reads", "seen_effect"]
+           "last_reader", "last_reads", "node_positions", "seen_effect"]
