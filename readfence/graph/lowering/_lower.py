@@ -301,7 +301,7 @@ def lower(
     # the passes: trace and bind to the live state; refuse what no fence makes correct; plan
     # the fences; rehearse; then per ring slot insert records, compile and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    _validated(program, backend, mode, cfg, batch_size, state)
+    _validated(program, backend, mode, cfg, batch_size, state, device)
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
@@ -353,15 +353,18 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
 
 
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
-               state: Mapping[str, dict[str, Tensor]]) -> None:
+               state: Mapping[str, dict[str, Tensor]], device: Device) -> None:
     """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
     states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
     traced step is wrong with any fence. A backend that keeps references to the live state (an
     engine object holding its runner's page table) reads that state, not an example: its
-    varied states are written into the live buffers, which hold their values again afterwards
-    (as they do after the Python writes memory it keeps a reference to)."""
+    varied states are written into the live buffers (after the device has run what was enqueued
+    on them), which hold their values again afterwards (as they do after the Python writes memory
+    it keeps a reference to)."""
     where = device_of(state["shared"])
     keeps = bool(program.captured())
+    if keeps:  # nothing enqueued may run on the live buffers while they hold the varied states
+        device.synchronize()
     saved = [(t, t.clone()) for group in state.values() for t in group.values()] if keeps else []
 
     def example(seed: int) -> dict[str, Any]:
