@@ -290,9 +290,10 @@ def _audited(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, sizes: S
 
 def _refused_by_lower(finding: LateRead) -> bool:
     # verify reports what lower refuses (an unsound declaration, a write found while tracing,
-    # trace-time state, an uncapturable stage) as a finding whose evidence is the audit, and a
-    # thread that lowering's rehearsal meets under the read observer as the observer's
-    return finding.evidence == "audit" or (finding.kind == "thread" and finding.evidence == "observer")
+    # trace-time state, an uncapturable stage) as a finding whose evidence is the audit, a capture
+    # its replay check refuses as the replay's, and a thread that lowering's rehearsal meets under
+    # the read observer as the observer's
+    return finding.evidence in ("audit", "replay") or (finding.kind == "thread" and finding.evidence == "observer")
 
 
 def check_program(
