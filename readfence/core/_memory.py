@@ -194,9 +194,9 @@ def metadata_claim_holds(outputs: Any, templates: Sequence[torch.Tensor],
             return False
     devices = sorted({t.device.index or 0 for t in templates if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), _defined_memory():
-        state = _random_state(devices)
+        state = random_state(devices)
         same = rerun(templates)
-        _set_random_state(state, devices)
+        set_random_state(state, devices)
         other = rerun([_twin(t) for t in templates])
     return _same(same, other)
 
@@ -230,11 +230,14 @@ def _twin(t: torch.Tensor) -> torch.Tensor:
     return twin.logical_not_() if t.dtype is torch.bool else twin.add_(1)
 
 
-def _random_state(devices: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def random_state(devices: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The CPU generator's state and those of the CUDA ``devices``: what :func:`set_random_state`
+    puts back, so that a second run draws the numbers the first one drew."""
     return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
 
 
-def _set_random_state(state: tuple[torch.Tensor, list[torch.Tensor]], devices: Sequence[int]) -> None:
+def set_random_state(state: tuple[torch.Tensor, list[torch.Tensor]], devices: Sequence[int] = ()) -> None:
+    """Put back what :func:`random_state` took."""
     torch.set_rng_state(state[0])
     for d, s in zip(devices, state[1]):
         torch.cuda.set_rng_state(s, d)
@@ -249,11 +252,24 @@ def _same(a: Any, b: Any) -> bool:
 def _same_leaf(x: Any, y: Any) -> bool:
     if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
         return not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and bool(x == y)
-    if x.shape != y.shape or x.dtype != y.dtype:
+    return same_values(x, y)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit the same tensor: shape, dtype, device and every element (NaN equal to NaN).
+
+    >>> same_values(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, float("nan")]))
+    True
+    >>> same_values(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]))
+    False
+    """
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    if x.is_floating_point():
-        return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0), y.nan_to_num(0))
-    return torch.equal(x, y)
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
 
 
 # Every state's shared buffers readfence has met (made or given), by memory, held weakly: a

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from ._memory import random_state, same_values, set_random_state
 from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import StageCall, StepFunctions, eval_step
 from ._trace import cache_with_traces, remember, trace_step
@@ -71,23 +72,6 @@ class NotGraphSafe(ValueError):
             f"replays the traced step's Python values and kernels, not the code (a CUDA graph freezes them too: on a "
             f"GPU this stage computes the wrong thing); compute the value with tensor ops or move it to "
             f"prepare_out_graph, which runs as Python every step, and keep no state between calls")
-
-
-def same_values(a: Tensor, b: Tensor) -> bool:
-    """Bit for bit the same tensor: shape, dtype and every element (NaN equal to NaN).
-
-    >>> same_values(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, float("nan")]))
-    True
-    >>> same_values(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]))
-    False
-    """
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not (a.is_floating_point() or a.is_complex()):
-        return False
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
 
 
 def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
@@ -140,10 +124,12 @@ class _Memory:
 
 
 @contextlib.contextmanager
-def _same_randomness() -> Iterator[Callable[[], None]]:
-    # both runs draw the same random numbers: a stage that samples is not a baked value
-    state = torch.random.get_rng_state()
-    yield lambda: torch.random.set_rng_state(state)
+def _same_randomness(tensors: Iterable[Tensor]) -> Iterator[Callable[[], None]]:
+    # both runs draw the same random numbers (on every device the stage's tensors are on): a
+    # stage that samples is not a baked value
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    state = random_state(devices)
+    yield lambda: set_random_state(state, devices)
 
 
 class _Comparing:
@@ -167,7 +153,7 @@ class _Comparing:
         held = [(f"captured {c.target}", getattr(graph.gm, c.target)) for c in graph.captured]
         memory = _Memory([*env.items(), *held])
         before = memory.save()
-        with _same_randomness() as rewind:  # the replay, then the Python, on the same memory
+        with _same_randomness(env.values()) as rewind:  # the replay, then the Python, on the same memory
             replayed = {k: v.clone() for k, v in self.replay(graph, env).items()}
             after_replay = memory.save()
             memory.restore(before)

@@ -53,10 +53,10 @@ from readfence.core import (
     varied_step,
 )
 from readfence.core import trace as trace_step
-from readfence.core.internal import check_backend, check_buffers, check_forward_mode, positive_int
+from readfence.core.internal import BufferMap, check_backend, check_buffers, check_forward_mode, positive_int
 from readfence.effects import ReadEffect, ReadEnd
 
-from ..devices import Device, Event, Stream, Timeline
+from ..devices import CudaDevice, Device, Event, Stream, Timeline
 from ..devices.internal import check_device
 from ._fence import Bound, Fence
 from ._fx_compile import compile_graph
@@ -104,10 +104,9 @@ class Lowered:
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
-                 slots: Sequence[Slot], check: CheckState | None = None, observed: ReadEffect | None = None) -> None:
+                 slots: Sequence[Slot], observed: ReadEffect, check: CheckState | None = None) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
-        # what EXACT placed from: the bound trace joined with the reads the rehearsal saw
-        self.observed = program.traced() if observed is None else observed
+        self.observed = observed  # what EXACT placed from: the bound trace and the reads the rehearsal saw
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
         self.launcher, self.stream, self.label = launcher, launcher.stream, launcher.label
@@ -298,8 +297,9 @@ def lower(
     graphed = mode.uses_graph and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
-    # the passes: trace and bind to the live state; refuse what no fence makes correct; plan
-    # the fences; rehearse; then per ring slot insert records, compile and capture
+    # the passes: trace and bind to the live state; refuse what no fence makes correct; validate
+    # the capture against the code; rehearse; plan the fences; then per ring slot insert
+    # records, compile and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     _validated(program, backend, mode, cfg, batch_size, state, device)
     declared = backend.read_effect(mode)
@@ -323,11 +323,14 @@ def lower(
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
                          label=label)
     observed = traced | seen_effect(program, rehearsal.observed)
-    plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy,
-                       last_reads=last_reads(program, rehearsal.observed), observed=observed, graphed=graphed)
+    reads = last_reads(program, rehearsal.observed)
+    plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
+                       observed=observed, graphed=graphed)
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check)
+    # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
+    live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
     spec = SlotSpec(label, program, plan, device, rehearsal.observed, graphed, measure,
-                    device.event if new_event is None else new_event, check, timeline)
+                    device.event if new_event is None else new_event, check, timeline, reads, live)
     slots = [build_slot(spec, launcher, r) for r in range(ring_size)]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,

@@ -20,7 +20,7 @@ from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, Stag
 from readfence.core.internal import BufferMap
 from readfence.effects import ReadEffect, ReadEnd
 
-from ..devices import CudaDevice, Device, Event, Graph, Op, Record, Stream, Timeline
+from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_aliases import insert_alias_checks
 from ._fx_compile import CompiledGraph, compile_graph
@@ -282,6 +282,11 @@ class SlotSpec:
     new_event: Callable[[str], Event]
     check: CheckState | None = None
     timeline: Timeline | None = None
+    # the last reads the plan was made from (``last_reads(program, observed)``)
+    reads: Mapping[str, LastRead] = attrs.Factory(dict)
+    # the live shared buffers an opaque op's outputs are checked against at every replay, where a
+    # replay runs Python (the CPU device); ``None``: no such check
+    live: BufferMap | None = None
 
 
 def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
@@ -291,7 +296,7 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
     label, program, plan, dev = spec.label, spec.program, spec.plan, spec.device
     events = {p: spec.new_event(f"{label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
               for p in plan.points()}
-    reads = last_reads(program, spec.observed)
+    reads = spec.reads
     probes = {}
     if spec.measure:
         # Probes are in-launch records: skip those a captured graph could not record
@@ -320,10 +325,7 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
                 actions[point.after.stage].setdefault(point.after.node, []).append(act)
             else:
                 at_end[point.end.rank] = act
-    # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
-    live = None if isinstance(dev, CudaDevice) else BufferMap.of(
-        {n.removeprefix("shared."): t for n, t in launcher.env.items() if n.startswith("shared.")})
-    stages = {s.name: compile_stage(s, after[s.name], actions[s.name], dev, spec.observed, live=live,
+    stages = {s.name: compile_stage(s, after[s.name], actions[s.name], dev, spec.observed, live=spec.live,
                                     backend=program.backend) for s in program.stages}
     index = {p: i for i, p in enumerate(events)}
     done = spec.new_event(f"{label}/done#{r}")

@@ -146,9 +146,9 @@ class PhasedStep:
         self.checked = kwargs.get("check") is not None
         # a buffer no phase reads, or whose publishing phase waits for none of its reads, is
         # released as the step starts: check mode poisons it there, before any phase runs
-        self.never_read = tuple(b for b in SHARED_BUFFERS if b not in self.owner)
-        self.at_start = (*self.never_read, *(b for b, k in self.owner.items()
-                                             if not self.graphs[shape.phases[k].graph_key].plan.placements[b].waits))
+        never_read = (b for b in SHARED_BUFFERS if b not in self.owner)
+        self.at_start = (*never_read, *(b for b, k in self.owner.items()
+                                        if not self.graphs[shape.phases[k].graph_key].plan.placements[b].waits))
         if self.checked:
             self.graphs[shape.phases[0].graph_key].poison_at_start(self.at_start)
         self.stream = stream
