@@ -40,8 +40,10 @@ from typing import Any
 
 import click
 
+from readfence.effects import ReadfenceError
 
-class InputError(click.ClickException):
+
+class InputError(ReadfenceError, click.ClickException):
     """Bad input: one ``Error: ...`` line on stderr, exit status 2."""
 
     exit_code = 2

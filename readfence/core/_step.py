@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from readfence.effects import ReadEnd
+from readfence.effects import ReadEnd, ReadfenceError
 
 _T = TypeVar("_T")
 
@@ -156,7 +156,7 @@ PYTHON_VALUES = (bool, int, float, str, type(None))
 _OWN = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class StageOutputError(ValueError):
+class StageOutputError(ReadfenceError, ValueError):
     """A stage returned what a step cannot carry, or what the traced graph cannot reproduce.
 
     A stage returns a dict (``prepare_*``) or a tensor (``body``); a dict holds tensors, Python
@@ -411,6 +411,8 @@ class StageCall:
     kwargs: Mapping[str, Any]
     origins: Mapping[str, Origin] = attrs.Factory(dict)
     backend: str = "?"
+    # the step's in-graph stages are replayed from a capture (``StepFunctions.replayed``)
+    replayed: bool = True
 
     def __call__(self) -> Any:
         """Run the stage as written."""
@@ -475,13 +477,17 @@ class StepFunctions:
     ``prepare_out_graph(shared, batch) -> dict``, ``prepare_in_graph(shared, batch, meta) ->
     dict`` and ``body(**inputs, meta) -> logits``, ``inputs`` being the step's groups
     (``shared``, ``batch``, then e.g. ``pools``, ``params``). ``backend`` names them in errors.
-    ``readfence.core.step_functions`` makes them for a backend and the tiny model.
+    ``replayed`` says whether the step's in-graph stages are replayed from a capture (a mode the
+    engine graph-replays: ``core._protocol.replayed``); a step that is not runs every stage as its
+    Python, as the engine does. ``readfence.core.step_functions`` makes them for a backend and the
+    tiny model.
     """
 
     prepare_out_graph: Callable[..., object]
     prepare_in_graph: Callable[..., object]
     body: Callable[..., object]
     backend: str = "?"
+    replayed: bool = True
 
 
 def _checked(stage: Stage, fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
@@ -512,13 +518,13 @@ def eval_step(interp: Interpreter, fns: StepFunctions, inputs: Mapping[str, obje
     True
     """
     shared, batch = inputs["shared"], inputs.get("batch", {})
-    name = fns.backend
+    name, replayed = fns.backend, fns.replayed
     meta = interp.call(StageCall(PREPARE_OUT_GRAPH, _crossing(fns.prepare_out_graph, name),
-                                 {"shared": shared, "batch": batch}, backend=name))
+                                 {"shared": shared, "batch": batch}, backend=name, replayed=replayed))
     own = interp.call(StageCall(PREPARE_IN_GRAPH, _checked(PREPARE_IN_GRAPH, fns.prepare_in_graph, name),
                                 {"shared": shared, "batch": batch, "meta": meta},
-                                {"meta": PREPARE_OUT_GRAPH.outputs}, backend=name))
+                                {"meta": PREPARE_OUT_GRAPH.outputs}, backend=name, replayed=replayed))
     merged = {**meta, **own}
     origins = {k: PREPARE_IN_GRAPH.outputs if k in own else PREPARE_OUT_GRAPH.outputs for k in merged}
     return interp.call(StageCall(BODY, _checked(BODY, fns.body, name), {**inputs, "meta": merged},
-                                 {"meta": origins}, backend=name))
+                                 {"meta": origins}, backend=name, replayed=replayed))

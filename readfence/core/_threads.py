@@ -35,12 +35,14 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from readfence.effects import ReadfenceError
+
 _watching = threading.local()  # .started: the work started by this thread's watched stage; .watcher: what watches
 _install_lock = threading.Lock()
 _OWN_FILES = (os.path.dirname(__file__), threading.__file__, os.path.dirname(concurrent.futures.__file__))
 
 
-class StageThreadError(ValueError):
+class StageThreadError(ReadfenceError, ValueError):
     """A stage hands work to another thread, which no fence covers.
 
     ``what`` names the thread or job (its name and function), ``source`` the user's line

@@ -35,6 +35,8 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from readfence.effects import ReadfenceError
+
 from ._alias import Analysis, Write, analyse
 from ._checks import check_backend, check_mode, positive_int
 from ._collect import collection_paused
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from ._state import ModelConfig
 
 
-class StageWriteError(Exception):
+class StageWriteError(ReadfenceError):
     """A stage writes a shared buffer (in place, ``out=``, or a mutating custom op).
 
     Stages may only *read* shared state; the scheduler owns it. Writes to ``pools`` are fine.
@@ -761,7 +763,7 @@ def _mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mappi
     return marked
 
 
-class CapturedStateError(ValueError):
+class CapturedStateError(ReadfenceError, ValueError):
     """A stage reads a tensor it did not receive that is not live state of the step.
 
     Such a tensor is a constant of the traced graph: trace-time state (a copy or a DLPack view

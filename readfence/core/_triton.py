@@ -38,6 +38,8 @@ from typing import Any
 import attrs
 import torch
 
+from readfence.effects import ReadfenceError
+
 from ._kernel_access import KernelAccess, kernel_access, python_function
 from ._threads import note_kernel, stage_stream
 
@@ -53,7 +55,7 @@ _launches: list[Launch] = []
 _launch_ids: dict[Any, int] = {}
 
 
-class UnboundedKernelError(ValueError):
+class UnboundedKernelError(ReadfenceError, ValueError):
     """A triton kernel makes addresses from integers: the memory it touches is not bounded by its
     arguments, so no analysis or observation of its arguments covers what it reads or writes."""
 
@@ -65,7 +67,7 @@ class UnboundedKernelError(ValueError):
             f"tensors it touches as arguments instead of their addresses")
 
 
-class UnsupportedLaunchError(TypeError):
+class UnsupportedLaunchError(ReadfenceError, TypeError):
     """A triton launch argument readfence cannot hand to an op (a container holding tensors other
     than a tuple or a list)."""
 
@@ -263,7 +265,7 @@ def launch(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any
     _op_for(kernel)(index, reads, writes)
 
 
-class LaunchStreamError(ValueError):
+class LaunchStreamError(ReadfenceError, ValueError):
     """A triton kernel is launched, while readfence watches a stage, on a stream other than the one
     the stage began on: its reads run on a clock of their own, after the fence recorded on the stage's."""
 

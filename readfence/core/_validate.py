@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from readfence.effects import ReadfenceError
+
 from ._memory import random_state, same_values, set_random_state
 from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import StageCall, StepFunctions, eval_step
@@ -53,7 +55,7 @@ from ._trace import cache_with_traces, remember, trace_step
 REPLAY_SEEDS: tuple[int, ...] = (1, 2, 3)
 
 
-class NotGraphSafe(ValueError):
+class NotGraphSafe(ReadfenceError, ValueError):
     """A captured stage computes something other than its Python on another step's data.
 
     The graph replayed in its place bakes a value its Python computes from the step (a host

@@ -22,8 +22,10 @@ from typing import Any, NoReturn
 from returns.primitives.exceptions import UnwrapFailedError
 from returns.result import Failure as _Failure
 
+from ._errors import ReadfenceError
 
-class UnwrapError(UnwrapFailedError):
+
+class UnwrapError(ReadfenceError, UnwrapFailedError):
     """``unwrap()`` of a failure: its message is the failure value's text (``halted_container``
     is the failure, as for ``returns``' own error)."""
 

@@ -41,6 +41,8 @@ from hypothesis import seed as hseed
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from ._errors import ReadfenceError
+
 Eq = Callable[[Any, Any], bool]
 
 _T = TypeVar("_T")
@@ -77,7 +79,7 @@ def law_settings(max_examples: int | None = None) -> hsettings:
     return hsettings(active, **chosen)
 
 
-class LawViolation(AssertionError):
+class LawViolation(ReadfenceError, AssertionError):
     """A law failed: carries the law's name, its equation and the inputs."""
 
     def __init__(self, suite: str, law: Law, args: tuple[object, ...], detail: str) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode
-from readfence.effects import ReadEnd
+from readfence.effects import ReadEnd, ReadfenceError
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -45,11 +45,11 @@ STAGE_METHODS: dict[str, str] = {
 PREFILL = "resolve_prefill_shared_read_ends"
 
 
-class ContractError(TypeError):
+class ContractError(ReadfenceError, TypeError):
     """An engine backend object does not follow the contract (a method missing or misshapen)."""
 
 
-class EngineError(RuntimeError):
+class EngineError(ReadfenceError, RuntimeError):
     """An engine backend's own code (its factory or a contract method) raised; the message
     names the class, the method and the mode, and the original exception is chained.
 

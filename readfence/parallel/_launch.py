@@ -35,6 +35,7 @@ from typing import Any, TypeVar, TypeVarTuple
 import attrs
 
 from readfence.core import ModelConfig, TensorParallel
+from readfence.effects import ReadfenceError
 from readfence.graph import Device, DeviceTimeout, open_device
 
 #: The environment torchrun gives each rank (``launch`` gives its children the same).
@@ -112,7 +113,7 @@ _KIND_TEXT = {
 }
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(ReadfenceError, RuntimeError):
     """Ranks failed; every rank was stopped and its process group destroyed.
 
     ``failures``: every rank's :class:`RankFailure`, by rank; ``culprits``: the ranks that

@@ -7,8 +7,10 @@ stream 'forward' failed in op 'attend[3]': ValueError: boom
 
 from __future__ import annotations
 
+from readfence.effects import ReadfenceError
 
-class DeviceError(RuntimeError):
+
+class DeviceError(ReadfenceError, RuntimeError):
     """Base class of every error raised by a :class:`~readfence.graph.Device`."""
 
 

@@ -19,12 +19,13 @@ import torch
 from torch import fx
 
 from readfence.core.internal import ALIASES_KEY, BufferMap, copy_graph
+from readfence.effects import ReadfenceError
 
 ALIAS_CHECK_KEY = "readfence_alias_check"
 _OWN_NAMESPACES = frozenset({"aten", "prims", "readfence"})
 
 
-class ReplayAliasError(RuntimeError):
+class ReplayAliasError(ReadfenceError, RuntimeError):
     """An opaque op's output shared memory with a shared buffer at a replay, where the analysis,
     from the op's schema and the examples, took it to alias none of it.
 

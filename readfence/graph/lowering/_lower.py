@@ -54,7 +54,7 @@ from readfence.core import (
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import BufferMap, check_backend, check_buffers, check_forward_mode, positive_int
-from readfence.effects import ReadEffect, ReadEnd
+from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 
 from ..devices import CudaDevice, Device, Event, Stream, Timeline
 from ..devices.internal import check_device
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 _COUNTER = itertools.count()
 
 
-class UnsoundLowering(ValueError):
+class UnsoundLowering(ReadfenceError, ValueError):
     """Lowering refused: a buffer is declared to end earlier than the traced code reads it.
 
     ``failure`` is the audit's :class:`~readfence.core.Unsound` (buffer, ends, reader)."""
@@ -82,7 +82,7 @@ class UnsoundLowering(ValueError):
     failure: Unsound | None = None
 
 
-class UncapturableStage(ValueError):
+class UncapturableStage(ReadfenceError, ValueError):
     """Lowering refused: a stage escapes the tracer where the device cannot run its Python.
 
     On CUDA an in-graph stage that escapes would be replayed on the one path the example took (a

@@ -38,6 +38,8 @@ from typing import Any
 
 import attrs
 
+from readfence.effects import ReadfenceError
+
 from ..devices import DeviceObserver, Event, Op, Read, Record, Write
 
 HOST = "<host>"
@@ -74,7 +76,7 @@ class Violation:
         )
 
 
-class SanitizerError(AssertionError):
+class SanitizerError(ReadfenceError, AssertionError):
     """Raised by :meth:`Sanitizer.assert_clean` (or at once with ``raise_on_violation``)."""
 
 
