@@ -135,7 +135,7 @@ def test_step_source_is_each_slots_own_code_and_refuses_a_slot_out_of_range():
         assert first == second  # the same code; the globals bound to it are the slot's own
         assert low._issuers[0].__globals__["done"] is low._slots[0].done
         assert low._issuers[1].__globals__["done"] is low._slots[1].done
-        assert "check.restorer()" in first and "low._check_start(" in first
+        assert "check.restorer()" in first and "seam.check_start(" in first
         for bad in (2, -1, "0"):
             with pytest.raises(ValueError, match=r"slot must be an int in range\(2\)"):
                 low.step_source(bad)

@@ -28,22 +28,24 @@ which (``Lowered.step_source``):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
+import attrs
 import torch
 from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH
 from readfence.effects import ReadEnd
 
-from ..devices import Event
+from ..devices import Event, Stream
 from ..devices.internal import copy_all_from_host
 from ._batch import gather_code
 from ._codegen import define
 from ._fence import Fence
 
 if TYPE_CHECKING:
+    from ._poison import CheckState
     from ._slot import Slot
 
 
@@ -87,26 +89,52 @@ def load_batch(static: Sequence[Tensor], staged: Sequence[Tensor]) -> None:
     copy_all_from_host(static, staged)
 
 
-def step_issuer(low: Any, slot: Slot, index: int) -> StepIssuer:
-    """The function that issues one step of the ``Lowered`` ``low`` on its ring slot ``slot``
-    (number ``index``; see the module doc; ``_lower`` imports this module, so ``Lowered`` is
-    not named here).
+@attrs.define(eq=False)
+class IssueSeam:
+    """What a step issuer takes from its ``Lowered``, and the one thing it changes there.
 
-    It counts the run on ``low`` and the slot's clock, enqueues the step as one batch of the
+    The static values (stream, the graph's batch and logits buffers, the labels, the check
+    state) are bound into the generated code; the callables are the lowered step's own work
+    that the code calls (the stages without a graph, the check mode's start of a step, a
+    measured fence). ``runs`` counts the steps issued: ``Lowered.run`` picks its ring slot
+    from it.
+    """
+
+    label: str
+    batch_size: int
+    stream: Stream
+    batch: Mapping[str, Tensor]  # the graph's static batch buffers, by key
+    logits: Tensor  # the graph's static logits buffer
+    labels: Mapping[str, str]  # timeline labels of the step's launches, by stage
+    check: CheckState | None
+    poisons: frozenset[str]  # check mode: what this graph's release points poison by default
+    graphed: bool
+    measure: bool
+    in_graph_work: Callable[[Slot, int | None], None]
+    check_start: Callable[[Slot, int, frozenset[str], bool], None]
+    measured_fence: Callable[[Slot, int, int], Fence]
+    runs: int = 0
+
+
+def step_issuer(seam: IssueSeam, slot: Slot, index: int) -> StepIssuer:
+    """The function that issues one step through ``seam`` on its ring slot ``slot`` (number
+    ``index``; see the module doc).
+
+    It counts the run on ``seam`` and the slot's clock, enqueues the step as one batch of the
     stream, resyncs the slot's fence base if the step stops midway, and returns the
     :class:`StepRun`. Its ``source`` attribute is the generated code.
     """
     scope: dict[str, Any] = {
-        "low": low, "slot": slot, "clock": slot.clock, "s": low.stream,
-        "load_batch": load_batch, "static_batch": low._static_batch, "out_fn": slot.out_fn,
+        "seam": seam, "slot": slot, "clock": slot.clock, "s": seam.stream, "label": seam.label,
+        "load_batch": load_batch, "static_batch": tuple(seam.batch.values()), "out_fn": slot.out_fn,
         "out_ops": slot.out_ops, "graph": slot.graph, "empty_like": torch.empty_like,
-        "static_logits": low._logits, "done": slot.done, "fence_events": slot.fence_events,
+        "static_logits": seam.logits, "done": slot.done, "fence_events": slot.fence_events,
         "new": tuple.__new__, "new_object": object.__new__, "StepRun": StepRun, "Fence": Fence,
-        "check": low.check, "poisons": low.poisons,
+        "check": seam.check, "poisons": seam.poisons,
     }
-    scope.update({f"l_{short}": low._labels[name] for short, name in
+    scope.update({f"l_{short}": seam.labels[name] for short, name in
                   (("load", "load_batch"), ("out", PREPARE_OUT_GRAPH.name), ("outputs", "outputs"))})
-    gather = gather_code(low.label, low._batch, f" (batch_size={low.batch_size})")
+    gather = gather_code(seam.label, seam.batch, f" (batch_size={seam.batch_size})")
     scope.update(gather.scope)
     body: list[str] = []
 
@@ -121,29 +149,29 @@ def step_issuer(low: Any, slot: Slot, index: int) -> StepIssuer:
         act = slot.act_at_end[end.rank]
         if act is not None:
             scope[f"poison_{end.name.lower()}"] = act
-            scope[f"l_poison_{end.name.lower()}"] = f"{low.label}/poison@{end.name}"
+            scope[f"l_poison_{end.name.lower()}"] = f"{seam.label}/poison@{end.name}"
             emit(f"s.launch(poison_{end.name.lower()}, label=l_poison_{end.name.lower()})")
 
     emit("for event in after:", "    s.wait(event)",
          "s.launch(load_batch, static_batch, staged, label=l_load, step=step)")
-    if low.check is not None:
-        emit("low._check_start(slot, step, poisons if poison is None else frozenset(poison), first)")
+    if seam.check is not None:
+        emit("seam.check_start(slot, step, poisons if poison is None else frozenset(poison), first)")
     emit("s.launch(out_fn, label=l_out, ops=out_ops, step=step)")
     release(PREPARE_OUT_GRAPH.end)
-    emit("graph.replay(s, step=step)" if low.graphed else "low._in_graph_work(slot, step)")
+    emit("graph.replay(s, step=step)" if seam.graphed else "seam.in_graph_work(slot, step)")
     release(BODY.end)  # the graph's last stage: its points follow the replay
     emit("logits = empty_like(static_logits)  # allocated on the host's stream, written on s",
          "s.launch(logits.copy_, static_logits, label=l_outputs, step=step)",
          "s.keep(logits)")
     release(ReadEnd.UNKNOWN)
-    if low.check is not None:
-        scope["l_restore"], scope["l_check"] = f"{low.label}/restore", f"{low.label}/check"
+    if seam.check is not None:
+        scope["l_restore"], scope["l_check"] = f"{seam.label}/restore", f"{seam.label}/check"
         emit("if last:",
              "    s.launch(check.restorer(), label=l_restore, step=step)",
              "    s.launch(check.finish, step, label=l_check, step=step)")
     emit("s.record(done)")
-    if low.measure:  # the CpuDevice generations kept: their timestamps give the slack
-        fence = ["fence = low._measured_fence(slot, step, ticket)"]
+    if seam.measure:  # the CpuDevice generations kept: their timestamps give the slack
+        fence = ["fence = seam.measured_fence(slot, step, ticket)"]
     else:  # ``fence_of``, inline; a CUDA event keeps no per-record handle
         fence = ["fence = new_object(Fence)", "fence._head = slot.head", "fence._step = step",
                  f"fence._done_handle = {'done.latest' if hasattr(slot.done, 'latest') else 'None'}",
@@ -153,19 +181,19 @@ def step_issuer(low: Any, slot: Slot, index: int) -> StepIssuer:
         "    # the batch's tensors: missing keys and wrong shapes are refused before anything is enqueued",
         *(f"    {line}" for line in gather.lines),
         "    if step is None:",
-        "        step = low._runs",
-        "    low._runs += 1",
+        "        step = seam.runs",
+        "    seam.runs += 1",
         "    clock.runs = ticket = clock.runs + 1",
         "    try:",
         "        with s.batch():  # the step is one work item of the stream (CpuDevice)",
         *(f"            {line}" for line in body),
         "    except BaseException:  # a step stopped midway recorded some events: later runs start from here",
-        "        low._set_base(slot, tuple([e.generation - ticket for e in fence_events]))",
+        "        slot.rebase(label, tuple([e.generation - ticket for e in fence_events]))",
         "        raise",
         *(f"    {line}" for line in fence),
         "    return new(StepRun, (step, logits, fence))",
         "",
     ])
-    issue = cast(StepIssuer, define("issue", source, scope, f"<step issuer of {low.label} slot {index}>"))
+    issue = cast(StepIssuer, define("issue", source, scope, f"<step issuer of {seam.label} slot {index}>"))
     issue.source = source
     return issue

@@ -60,7 +60,7 @@ from ..devices import CudaDevice, Device, Event, Stream, Timeline
 from ..devices.internal import check_device
 from ._fence import Bound, Fence
 from ._fx_compile import compile_graph
-from ._issue import StepRun, step_issuer
+from ._issue import IssueSeam, StepRun, step_issuer
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
@@ -113,11 +113,14 @@ class Lowered:
         # check mode: the buffers this graph's release points poison by default (all it releases)
         self.poisons = frozenset(b for bs in poison_points(plan.placements).values() for b in bs)
         self.shared, self.pools, self.params = state["shared"], state["pools"], state["params"]
-        self._runs = 0
-        self._batch, self._static_batch = batch, tuple(batch.values())
-        self._env, self._meta, self._logits, self._labels = launcher.env, launcher.meta, launcher.logits, launcher.labels
+        self._batch = batch
+        self._env, self._meta, self._logits = launcher.env, launcher.meta, launcher.logits
         self._slots, self.ring_size = list(slots), len(slots)
-        self._issuers = [step_issuer(self, slot, r) for r, slot in enumerate(self._slots)]  # one generated function per slot
+        self._seam = IssueSeam(
+            label=self.label, batch_size=batch_size, stream=self.stream, batch=batch, logits=launcher.logits,
+            labels=launcher.labels, check=check, poisons=self.poisons, graphed=graphed, measure=measure,
+            in_graph_work=launcher.in_graph_work, check_start=self._check_start, measured_fence=self._measured_fence)
+        self._issuers = [step_issuer(self._seam, slot, r) for r, slot in enumerate(self._slots)]  # one per slot
         self._start_poison: tuple[str, ...] = ()  # check mode: released before anything of a step runs
         self._start_poisoner: Callable[[], None] | None = None
 
@@ -130,13 +133,6 @@ class Lowered:
             raise ValueError(f"{self.label}: poison_at_start needs a lowering in check mode (check=...)")
         self._start_poison = tuple(dict.fromkeys(buffers))
         self._start_poisoner = self.check.poisoner(self._start_poison) if self._start_poison else None
-
-    # -- what the step issuer calls -----------------------------------------------------------
-    def _in_graph_work(self, slot: Slot, step: int | None = None) -> None:
-        self.launcher.in_graph_work(slot, step)
-
-    def _set_base(self, slot: Slot, base: tuple[int, ...]) -> None:
-        slot.rebase(self.label, base)
 
     # -- running ----------------------------------------------------------------------------
     def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Event] = (),
@@ -160,7 +156,7 @@ class Lowered:
         ...     tuple(run.result(timeout=10).shape), run.fence.released("req_to_token")
         ((2, 64), True)
         """
-        return self._issuers[self._runs % self.ring_size](batch, step, after, poison, first, last)
+        return self._issuers[self._seam.runs % self.ring_size](batch, step, after, poison, first, last)
 
     def step_source(self, slot: int = 0) -> str:
         """The generated code that issues a step on event-ring slot ``slot`` (what :meth:`run`
@@ -177,6 +173,7 @@ class Lowered:
             raise ValueError(f"{self.label}: slot must be an int in range({self.ring_size}), got {slot!r}")
         return self._issuers[slot].source
 
+    # -- what the step issuer calls (through its seam) ----------------------------------------
     def _check_start(self, slot: Slot, step: int, poison: frozenset[str], first: bool) -> None:
         # before anything of the step reads: pick the poison, arm this replay's release points,
         # and poison what the plan says is never read (its release point is the start)
@@ -294,7 +291,6 @@ def lower(
     cfg = ModelConfig() if cfg is None else cfg
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
-    graphed = mode.uses_graph and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
     # the passes: trace and bind to the live state; refuse what no fence makes correct; validate
@@ -326,7 +322,7 @@ def lower(
     reads = last_reads(program, rehearsal.observed)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
                        observed=observed, graphed=graphed)
-    launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check)
+    launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
     spec = SlotSpec(label, program, plan, device, rehearsal.observed, graphed, measure,
@@ -341,7 +337,6 @@ def lower(
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
               rehearsal: Rehearsal, stream: Stream, label: str, timeline: Timeline | None,
-              check: CheckState | None) -> tuple[StepLauncher, dict[str, Tensor]]:
     # the step's static buffers: its batch, the metadata copies, the logits; over the live state
     dev = device_of(state["shared"])
     example = example_step(cfg, mode, batch_size, device=dev)
@@ -352,7 +347,6 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
     labels = {name: f"{label}/{name}" for name in (*(s.name for s in STAGES), "load_batch", "outputs")}
     watcher = None if check is None else check.watcher
-    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher), batch
 
 
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
