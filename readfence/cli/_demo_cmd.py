@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from readfence.core.internal import table
+
 from ._errors import InputError, OneLineCommand
 from ._params import (
     BATCH_SIZE,
@@ -29,7 +31,6 @@ from ._params import (
     merge_policies,
     spec_text,
 )
-from ._table import table
 
 if TYPE_CHECKING:
     from ._demo_run import DemoResult

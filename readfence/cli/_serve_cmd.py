@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from readfence.core.internal import table
+
 from ._demo_cmd import SERIAL, _need_matplotlib, _Progress
 from ._errors import InputError, OneLineCommand
 from ._params import MAX_BATCH, MAX_STEPS, Amount, DeviceName, Integer, OutputFile, Policies, Positive, Rate, Sizes, Spec, echo_json, merge_policies
-from ._table import table
 
 if TYPE_CHECKING:
     from ._serve_run import ServeReport

@@ -40,6 +40,7 @@ from ._program import ESCAPE, Program
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
+from ._table import table
 from ._trace import StageWriteError, bind, trace
 
 EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"
@@ -283,9 +284,7 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
             cover = row["latent"]["covered_by"]
             verdict = f"latent ({'covered by ' + cover if cover else 'not read that late here'})"
         cells.append([str(row[c]) for c in cols[:-1]] + [verdict])
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = [table(cells, cols)]
     if counts is not None:
         latent = f", {counts[LATENT]} latent" if counts.get(LATENT) else ""
         lines.append(

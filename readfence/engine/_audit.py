@@ -36,7 +36,7 @@ from readfence.core import (
     example_step,
     trace,
 )
-from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int
+from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int, table
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._adapter import EAGER, EngineBackend
@@ -176,8 +176,7 @@ class EngineAudit:
                               "(ERROR below)"])
             cells += [[r.backend, r.mode.name + (f" b={r.batch_size}" if r.per_batch else ""), r.buffer,
                        r.declared.name, r.truth.name, r.source, r.text()] for r in n.rows]
-        widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
+        lines = [table(cells, head)]
         c = self.counts()
         lines.append(f"{c['exact']} exact, {c['conservative']} conservative, {c['unsound']} unsound; a per-buffer "
                      f"fence gains {c['gain']} lattice step(s) over the scalar declarations")

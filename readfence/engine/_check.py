@@ -16,7 +16,7 @@ import attrs
 from returns.pipeline import is_successful
 
 from readfence.core import CapturedStateError, ForwardMode, StageThreadError, StageWriteError
-from readfence.core.internal import check_forward_mode, positive_int
+from readfence.core.internal import check_forward_mode, positive_int, table
 from readfence.graph import (
     Device,
     LateRead,
@@ -209,10 +209,7 @@ class Comparison:
             cells.append([r.name, f"{r.steps_per_s:.1f}", "-" if speed is None else f"{speed:.2f}x",
                           "-" if r.slack_ms is None else f"{r.slack_ms:.3f}", "yes" if r.matches_serial else "NO",
                           str(r.violations) if r.violations else "none"])
-        widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
-        lines = [f"{self.backend} in {self.mode.name}: {self.steps} steps, batch size {self.batch_size}"]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
-        return "\n".join(lines)
+        return f"{self.backend} in {self.mode.name}: {self.steps} steps, batch size {self.batch_size}\n" + table(cells, head)
 
 
 def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
