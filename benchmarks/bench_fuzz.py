@@ -10,6 +10,9 @@ them; so are reads handed to a thread a stage starts, which must be refused
 (``StageThreadError``) or caught by ``verify``, never accepted. P3, the false-alarm rate, is
 measured: refused programs that run clean under
 ``verify(..., UNSAFE_skip_soundness_check=True)``, over the refused programs that could run.
+The oracle models a CUDA engine: a program that reads a device value on the host inside the
+captured graph cannot be captured on CUDA, so it is counted as uncapturable (and how many of those
+ran clean on the CPU device), neither a runnable refusal nor a false alarm.
 Prints programs per second, the violations, the false-alarm rate and the per-pattern counts.
 
     python benchmarks/bench_fuzz.py --programs 200 [--seed 0] [--json] [--log fuzz.log]
@@ -88,7 +91,11 @@ def _print(r: dict[str, Any]) -> None:
     stopped = " (interrupted)" if r["interrupted"] else ""
     print(f"{r['programs']} programs{stopped} (seed {r['seed']}, up to {r['max_leaves']} leaves) in {r['wall_s']} s: "
           f"{r['programs_per_s']} programs/s")
-    print(f"accepted {r['accepted']}, refused {r['refused']} ({r['refused_runnable']} could run under the unsafe flag)")
+    print(f"accepted {r['accepted']}, refused {r['refused']} ({r['refused_runnable']} could run under the unsafe flag "
+          f"and be captured on CUDA)")
+    print(f"uncapturable on CUDA (a captured stage reads a device value on the host): {r['uncapturable']} programs, "
+          f"{r['uncapturable_refused']} refused, {r['uncapturable_clean_on_cpu']} of those clean on the CPU device "
+          f"under the unsafe flag (no false alarm: no CUDA engine runs them)")
     print(f"P1 violations: {r['p1_violations']}")
     print(f"P2 violations: {r['p2_violations']}")
     print(f"invisible to static analysis, caught by verify: {r['invisible_caught']}; covered by the fences (verify "

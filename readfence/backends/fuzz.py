@@ -3,7 +3,8 @@ built from it, and hypothesis strategies that draw them.
 
 A *pattern* is a small named building block that reads (or writes) one shared buffer: a view
 or list view, a real or a no-op copy, a host read, a conditional read, a custom op, a write,
-a read handed to another thread.
+a read handed to another thread; or uses only its metadata (``zeros_like``, ``new_zeros``,
+``size``...), which reads nothing.
 A :class:`Placement` puts a pattern in a stage of a leaf, on a buffer, reaching the buffer
 *via* the stage's argument or a reference the leaf keeps (closure, attribute, global, DLPack,
 a stash made in ``prepare_out_graph``); from a prepare stage its result is either reduced
@@ -203,6 +204,10 @@ class Pattern:
     in; ``invisible`` marks a read no static analysis can see (only the dynamic checks do);
     ``threaded`` a read made on a thread the stage starts, which no fence covers: the tracer
     and the read observer follow the stage's own thread, so they must refuse it.
+    ``host_read`` marks a pattern that brings a device value to the host (``.item()``,
+    ``int()``, ``bool()``, ``.tolist()``, ``torch.equal``...): a device-to-host copy, which
+    CUDA forbids while a stream is captured, so a CUDA graph cannot hold it
+    (:meth:`FuzzProgram.uncapturable`).
     """
 
     name: str
@@ -211,6 +216,7 @@ class Pattern:
     stages: tuple[str, ...] = STAGES
     invisible: bool = False
     threaded: bool = False
+    host_read: bool = False
 
     def __repr__(self) -> str:
         return self.name
@@ -363,6 +369,7 @@ def _in_pool_job(t: Tensor, s: Site) -> Tensor:
 
 def _vocabulary() -> dict[str, Pattern]:
     p = Pattern
+    h = functools.partial(Pattern, host_read=True)  # a device value brought to the host
     patterns = [
         # views: read when consumed
         p("slice", "view", lambda t, s: t[:]),
@@ -399,10 +406,10 @@ def _vocabulary() -> dict[str, Pattern]:
         # a reference escaping through DLPack
         p("dlpack_roundtrip", "escape", lambda t, s: torch.from_dlpack(torch.to_dlpack(t))),
         # host reads
-        p("item", "host", lambda t, s: _host_scalar(_gather(t, s).sum().item(), t)),
-        p("int", "host", lambda t, s: _host_scalar(int(_gather(t, s).sum()), t)),
-        p("tolist", "host", lambda t, s: torch.tensor(t.tolist(), dtype=torch.long)),
-        p("host_iteration", "host", lambda t, s: _host_scalar(sum(int(x) for x in _gather(t, s).reshape(-1)), t)),
+        h("item", "host", lambda t, s: _host_scalar(_gather(t, s).sum().item(), t)),
+        h("int", "host", lambda t, s: _host_scalar(int(_gather(t, s).sum()), t)),
+        h("tolist", "host", lambda t, s: torch.tensor(t.tolist(), dtype=torch.long)),
+        h("host_iteration", "host", lambda t, s: _host_scalar(sum(int(x) for x in _gather(t, s).reshape(-1)), t)),
         # conditional reads
         p("if_layer0", "conditional", _when(lambda s: s.layer == 0), stages=(ATTEND,)),
         p("if_layer1", "conditional", _when(lambda s: s.layer == 1), stages=(ATTEND,)),
@@ -410,8 +417,14 @@ def _vocabulary() -> dict[str, Pattern]:
         p("if_verify", "conditional", _when(lambda s: s.mode is M.TARGET_VERIFY)),
         p("if_batch_gt2", "conditional", _when(lambda s: s.batch_size > 2)),
         p("if_batch_1", "conditional", _when(lambda s: s.batch_size == 1)),
-        p("if_content", "conditional", _branch_on_content),
-        p("if_value", "conditional", _branch_on_value),
+        h("if_content", "conditional", _branch_on_content),
+        h("if_value", "conditional", _branch_on_value),
+        # a buffer lending only its shape, dtype or strides: no read of its values
+        p("zeros_like", "metadata", lambda t, s: torch.zeros_like(t).add(s.rows.shape[0])),
+        p("empty_like", "metadata", lambda t, s: torch.empty_like(t).fill_(3)),
+        p("new_zeros", "metadata", lambda t, s: t.new_zeros((s.rows.shape[0], 2))),
+        p("size", "metadata", lambda t, s: _host_scalar(t.size(0) * 7 + t.size(-1), t)),
+        p("stride", "metadata", lambda t, s: _host_scalar(sum(t.stride()) + t.dim(), t)),
         # copies a schema claims are views: the read is the copy (checked on memory)
         p("foreach_add", "view_claim", lambda t, s: torch._foreach_add([_gather(t, s)], 0)[0]),
         p("foreach_pair", "view_claim", lambda t, s: torch._foreach_mul([_gather(t, s), _gather(t, s)], 1)[1]),
@@ -424,13 +437,13 @@ def _vocabulary() -> dict[str, Pattern]:
         p("sum_only", "relation", _reduction),
         p("max_only", "relation", _maximum),
         # host reads torch makes inside C++ (ops tagged data_dependent_output)
-        p("equal", "host", lambda t, s: _host_scalar(int(torch.equal(_gather(t, s), _gather(t, s).flip(0))), t)),
-        p("allclose", "host", lambda t, s: _host_scalar(
+        h("equal", "host", lambda t, s: _host_scalar(int(torch.equal(_gather(t, s), _gather(t, s).flip(0))), t)),
+        h("allclose", "host", lambda t, s: _host_scalar(
             int(torch.allclose(_gather(t, s).float(), _gather(t, s).float().flip(0))), t)),
-        p("contains", "host", lambda t, s: _host_scalar(int(_gather(t, s).reshape(-1)[0] in _gather(t, s).reshape(-1)[1:]), t)),
-        p("is_nonzero", "host", lambda t, s: _host_scalar(
+        h("contains", "host", lambda t, s: _host_scalar(int(_gather(t, s).reshape(-1)[0] in _gather(t, s).reshape(-1)[1:]), t)),
+        h("is_nonzero", "host", lambda t, s: _host_scalar(
             int((_gather(t, s).reshape(-1)[0] - _gather(t, s).reshape(-1)[-1]).is_nonzero()), t)),
-        p("slice_bound", "host", _slice_bound),
+        h("slice_bound", "host", _slice_bound),
         # custom ops
         p("custom_op", "custom_op", lambda t, s: gather_rows(t, s.rows)),
         p("plan_run", "custom_op", lambda t, s: planned_gather(s.rows, s.handle), invisible=True),
@@ -639,6 +652,15 @@ class FuzzProgram:
         """The buffers read on a thread a stage starts, in the leaves that run: whatever the
         declaration, no fence covers such a read, so the checks must refuse or catch it."""
         return frozenset(p.buffer for node in self.active_leaves() for p in node.placements if p.pattern.threaded)
+
+    def uncapturable(self) -> tuple[Placement, ...]:
+        """The placements, in the leaves that run, that bring a device value to the host inside
+        the captured graph (``prepare_in_graph`` or ``attend``). CUDA forbids a device-to-host
+        copy while a stream is captured (the capture fails), so no CUDA engine runs such a
+        backend: only the CPU device, which runs that stage's Python in the step, does. A host
+        read in ``prepare_out_graph`` runs every step before the replay on CUDA too."""
+        return tuple(p for node in self.active_leaves() for p in node.placements
+                     if p.pattern.host_read and p.stage != OUT)
 
     def needs_state(self) -> bool:
         """Whether building it needs the live state (a pattern keeps a reference to a buffer)."""
@@ -997,7 +1019,7 @@ def placements(vocabulary: Mapping[str, Pattern] | None = None) -> st.SearchStra
 
     >>> from hypothesis import find, settings
     >>> find(placements(), lambda p: p.via == "closure", settings=settings(database=None, derandomize=True))
-    chunk(req_to_token) via closure in prepare_out_graph
+    chunk(req_to_token) via closure in attend
     """
     gen = _generator(vocabulary)
     return st.composite(lambda draw: gen.placement(_drawn(draw)))()

@@ -12,6 +12,14 @@ checking lines of the design against each other:
 * **P3** (precision, measured, never asserted): refused by the analysis but clean under
   ``verify(..., UNSAFE_skip_soundness_check=True)`` is a false alarm.
 
+The oracle of P3 models a CUDA engine, not only the CPU device it runs on: a program that brings
+a device value to the host inside the captured graph (``.item()``, ``bool()``, ``.tolist()``... in
+``prepare_in_graph`` or ``attend``: :meth:`FuzzProgram.uncapturable`) cannot be captured on
+CUDA at all, since CUDA forbids a device-to-host copy while a stream is captured. The CPU device
+runs such a stage's Python in the step, so it may run clean there; it is still no correct
+backend for a CUDA engine. Its refusal is counted as *uncapturable* (with how many ran clean on
+the CPU device), not as a runnable refusal nor a false alarm.
+
 A read no static analysis can see (a plan/run kernel reading a buffer it keeps by reference)
 is accepted by the audit by design; when it reads after the declared end, ``verify`` must
 catch it. Such a program counts as *invisible, caught by verify*, not as a P1 violation, and
@@ -96,7 +104,8 @@ class Outcome:
     (writes and trace-time state are refused before any run); ``disagreements`` are P2's.
     ``invisible`` are the buffers a plan/run kernel reads in the leaves that run,
     ``invisible_late`` those it reads after the declared end; ``threads`` the buffers read on
-    a thread a stage starts, in the leaves that run.
+    a thread a stage starts, in the leaves that run; ``uncapturable`` whether a running leaf
+    brings a device value to the host inside the captured graph (no CUDA graph can hold it).
     """
 
     program: FuzzProgram
@@ -109,6 +118,7 @@ class Outcome:
     invisible_late: frozenset[str]
     threads: frozenset[str]
     seconds: float
+    uncapturable: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -162,8 +172,19 @@ class Outcome:
         return bool(self.disagreements)
 
     @property
+    def runnable(self) -> bool:
+        """Refused, and a CUDA engine could run it: ``verify`` with the unsafe flag ran, and no
+        stage it captures reads a device value on the host."""
+        return not self.accepted and self.unsafe_ran and not self.uncapturable
+
+    @property
     def false_alarm(self) -> bool:
-        return not self.accepted and self.unsafe_ran and self.unsafe is None
+        return self.runnable and self.unsafe is None
+
+    @property
+    def clean_on_cpu_only(self) -> bool:
+        """Refused, clean under the unsafe flag on the CPU device, but uncapturable on CUDA."""
+        return not self.accepted and self.unsafe_ran and self.unsafe is None and self.uncapturable
 
     @property
     def refusal_kind(self) -> str | None:
@@ -217,7 +238,11 @@ class Outcome:
         if self.finding is not None:
             lines.append(f"verify: {self.finding}")
         if not self.accepted and self.unsafe_ran:
-            lines.append(f"verify with the unsafe flag: {self.unsafe or 'clean (a false alarm)'}")
+            clean = "clean on the CPU device (no false alarm: uncapturable on CUDA)" if self.uncapturable else \
+                "clean (a false alarm)"
+            lines.append(f"verify with the unsafe flag: {self.unsafe or clean}")
+        if self.uncapturable:
+            lines.append("a captured stage reads a device value on the host: no CUDA graph can hold it")
         lines += [f"P2: {d}" for d in self.disagreements]
         if self.invisible:
             lines.append(f"invisible reads of {sorted(self.invisible)}, late: {sorted(self.invisible_late)}")
@@ -369,7 +394,7 @@ def check_program(
     declared = backend.read_effect(mode)
     late = frozenset(b for b, end in invisible.items() if declared[b] < end)
     return Outcome(program, refused_by, finding, unsafe, unsafe_ran, disagreements, frozenset(invisible), late,
-                   program.thread_reads(), time.perf_counter() - t0)
+                   program.thread_reads(), time.perf_counter() - t0, bool(program.uncapturable()))
 
 
 @attrs.define
@@ -385,8 +410,11 @@ class Tally:
     programs: int = 0
     accepted: int = 0
     refused: int = 0
-    refused_runnable: int = 0  # refused, yet verify with the unsafe flag could run it
+    refused_runnable: int = 0  # refused, yet verify with the unsafe flag ran it, and CUDA could capture it
     false_alarms: int = 0
+    uncapturable: int = 0  # programs a captured stage of which reads a device value on the host
+    uncapturable_refused: int = 0
+    uncapturable_clean_on_cpu: int = 0  # of those refused, clean under the unsafe flag on the CPU device
     p1_violations: int = 0
     p2_violations: int = 0
     invisible_caught: int = 0
@@ -412,7 +440,10 @@ class Tally:
         self.seconds += outcome.seconds
         self.accepted += outcome.accepted
         self.refused += not outcome.accepted
-        self.refused_runnable += outcome.unsafe_ran
+        self.refused_runnable += outcome.runnable
+        self.uncapturable += outcome.uncapturable
+        self.uncapturable_refused += outcome.uncapturable and not outcome.accepted
+        self.uncapturable_clean_on_cpu += outcome.clean_on_cpu_only
         self.false_alarms += outcome.false_alarm
         self.p1_violations += outcome.p1_violation
         self.p2_violations += outcome.p2_violation
@@ -448,13 +479,15 @@ class Tally:
 
     @property
     def false_alarm_rate(self) -> float:
-        """False alarms over the refused programs that could run under the unsafe flag."""
+        """False alarms over the refused programs a CUDA engine could run under the unsafe flag."""
         return self.false_alarms / self.refused_runnable if self.refused_runnable else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "programs": self.programs, "accepted": self.accepted, "refused": self.refused,
             "refused_runnable": self.refused_runnable, "false_alarms": self.false_alarms,
+            "uncapturable": self.uncapturable, "uncapturable_refused": self.uncapturable_refused,
+            "uncapturable_clean_on_cpu": self.uncapturable_clean_on_cpu,
             "false_alarm_rate": round(self.false_alarm_rate, 4), "p1_violations": self.p1_violations,
             "p2_violations": self.p2_violations, "invisible_caught": self.invisible_caught,
             "invisible_clean": self.invisible_clean, "invisible_missed": self.invisible_missed, "threads": self.threads,

@@ -63,11 +63,13 @@ def test_the_vocabulary_has_at_least_30_patterns_in_every_class() -> None:
     classes = Counter(p.klass for p in VOCABULARY.values())
     assert len(VOCABULARY) >= 30
     assert {"view", "list_view", "copy", "escape", "host", "conditional", "custom_op", "write", "thread",
-            "view_claim", "handle", "relation"} == set(classes)
+            "view_claim", "handle", "relation", "metadata"} == set(classes)
     assert classes["view"] >= 10 and classes["list_view"] >= 6 and classes["write"] >= 5
     assert [p.name for p in VOCABULARY.values() if p.invisible] == ["plan_run"]
     assert [p.name for p in VOCABULARY.values() if p.threaded] == ["thread_joined", "thread_left_running", "pool_job"]
     assert all(p.klass == "thread" for p in VOCABULARY.values() if p.threaded)
+    assert {p.name for p in VOCABULARY.values() if p.klass == "metadata"} == {
+        "zeros_like", "empty_like", "new_zeros", "size", "stride"}
 
 
 def _sample(n: int, seed: int = 0, max_leaves: int = 3) -> list[FuzzProgram]:
@@ -155,7 +157,10 @@ def test_every_pattern_read_changes_the_logits_in_every_stage_and_stays_in_range
                 logits.append(run_step(backend, mode, cfg, step))
             assert torch.isfinite(logits[0]).all(), program
             same = [POISONS[w] for w, poisoned in enumerate(logits[1:]) if torch.equal(logits[0], poisoned)]
-            assert len(same) < len(POISONS), f"what {program} reads does not reach the logits under {same}"
+            if pattern.klass == "metadata":  # reads no value: no poison may reach the logits
+                assert len(same) == len(POISONS), f"{program} reads the values of {buffer}"
+            else:
+                assert len(same) < len(POISONS), f"what {program} reads does not reach the logits under {same}"
             checked += 1
     assert checked == sum(len(p.stages) for p in VOCABULARY.values())
 
@@ -421,3 +426,104 @@ def test_the_benchmark_runs_and_reports_its_figures() -> None:
     assert result["programs"] + result["errors"] == 3 and result["errors"] == 0
     assert {"programs_per_s", "p1_violations", "p2_violations", "false_alarm_rate", "invisible_caught",
             "patterns"} <= set(result)
+
+
+# -- the oracle models CUDA: a host read inside the captured graph -----------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # the DLPack round trip
+def test_the_patterns_marked_host_read_are_those_torch_cannot_run_without_a_device_value() -> None:
+    # torch's own statement, independent of readfence's analysis: on fake tensors (no values) an op
+    # that needs a device value on the host raises DataDependentOutputException; on CUDA that value
+    # is a device-to-host copy, which stream capture forbids
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    needs_value = set()
+    with FakeTensorMode():
+        buf = torch.zeros(8, 16, dtype=torch.int32)
+        batch = {k: torch.arange(4) for k in ("input_ids", "positions", "req_pool_indices", "out_cache_loc")}
+        for name, pattern in VOCABULARY.items():
+            if pattern.klass in ("thread", "write") or pattern.invisible:
+                continue  # refused or invisible whatever they read; a custom op without a fake impl
+            site = fuzz_site(batch)
+            try:
+                pattern.op(buf, site)
+            except DataDependentOutputException:
+                needs_value.add(name)
+    assert needs_value == {name for name, p in VOCABULARY.items() if p.host_read}
+    assert {"item", "tolist", "if_content", "if_value", "equal"} <= needs_value
+
+
+def fuzz_site(batch):
+    from readfence.backends.fuzz import Site
+
+    return Site("seq_lens", "attend", M.DECODE, batch, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(n for n, p in VOCABULARY.items() if p.host_read))
+def test_cuda_cannot_capture_a_host_read_pattern(name) -> None:
+    buf = torch.arange(128, dtype=torch.int32, device="cuda").reshape(8, 16)
+    batch = {k: torch.arange(4, device="cuda") for k in ("input_ids", "positions", "req_pool_indices", "out_cache_loc")}
+    site = fuzz_site(batch)
+    VOCABULARY["clone"].op(buf, site)  # a device op captures: the failure below is the host read's
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError):
+            with torch.cuda.graph(graph, stream=stream):
+                VOCABULARY[name].op(buf, site)
+
+
+@pytest.mark.parametrize("stage", ["prepare_in_graph", "attend"])
+def test_a_host_read_in_the_graph_refused_is_uncapturable_not_a_false_alarm(dev, stage) -> None:
+    # declared until the stage that reads it: the escape makes every buffer late, the CPU device
+    # runs the stage's Python in the step (clean under the unsafe flag), CUDA cannot capture it
+    end = "IN_REPLAY" if stage == "prepare_in_graph" else "POST_REPLAY"
+    program = FuzzProgram(_leaf("item", stage, **{end: ["seq_lens"]}))
+    assert [p.pattern.name for p in program.uncapturable()] == ["item"]
+    outcome = check_program(program, device=dev)
+    assert outcome.refused_by.startswith("audit: unsound declaration"), outcome.report()
+    assert outcome.unsafe_ran and outcome.unsafe is None and outcome.uncapturable
+    assert outcome.clean_on_cpu_only and not outcome.runnable and not outcome.false_alarm
+    tally = Tally()
+    tally.add(outcome)
+    assert (tally.refused_runnable, tally.false_alarms, tally.uncapturable_clean_on_cpu) == (0, 0, 1)
+    assert "uncapturable on CUDA" in outcome.report()
+
+
+def test_a_host_read_before_the_replay_or_in_an_arm_not_run_is_capturable(dev) -> None:
+    # (an escape holds every buffer until its stage's end: the trace follows one path of its Python)
+    before = FuzzProgram(_leaf("item", "prepare_out_graph", PRE_REPLAY=list(SHARED_BUFFERS)))
+    assert before.uncapturable() == ()
+    outcome = check_program(before, device=dev)
+    assert outcome.accepted and outcome.finding is None and not outcome.uncapturable, outcome.report()
+    # the arm select does not run in the mode: its host read is never captured
+    idle = _leaf("item", "attend", POST_REPLAY=["seq_lens"])
+    running = FuzzLeaf("f1", (), declared(IN_REPLAY=["req_to_token", "seq_lens"]))
+    assert FuzzProgram(FuzzTree("select", (idle, running), M.TARGET_VERIFY), M.DECODE).uncapturable() == ()
+
+
+# -- metadata only: a buffer that lends its shape reads nothing --------------------------------
+
+METADATA = sorted(n for n, p in VOCABULARY.items() if p.klass == "metadata")
+
+
+@pytest.mark.parametrize("name", METADATA)
+def test_a_metadata_only_use_declared_none_is_accepted_and_bit_identical_to_serial(dev, name) -> None:
+    # the leaf's attention takes its metadata from the batch: the pattern is its only use of swa_map
+    leaf = FuzzLeaf("f0", (Placement(VOCABULARY[name], "attend", "swa_map"),), declared(), None)
+    outcome = check_program(FuzzProgram(leaf), device=dev)
+    assert outcome.accepted and outcome.finding is None and not outcome.disagreements, outcome.report()
+
+
+@pytest.mark.parametrize("name", METADATA)
+def test_a_metadata_use_beside_a_read_of_the_values_declared_none_is_refused_and_races(dev, name) -> None:
+    racing = FuzzLeaf("f0", (Placement(VOCABULARY[name], "attend", "swa_map"),
+                             Placement(VOCABULARY["index_select"], "attend", "swa_map")), declared(), None)
+    outcome = check_program(FuzzProgram(racing), device=dev)
+    assert outcome.refused_by.startswith("audit: unsound declaration"), outcome.report()
+    assert "'swa_map'" in outcome.refused_by and outcome.unsafe is not None and not outcome.false_alarm
+    assert outcome.unsafe.buffer == "swa_map"
