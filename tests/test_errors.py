@@ -21,7 +21,7 @@ def error_classes() -> dict[str, type[BaseException]]:
     found: dict[str, type[BaseException]] = {}
     for info in pkgutil.walk_packages(readfence.__path__, "readfence."):
         module = importlib.import_module(info.name)
-        for name, obj in vars(module).items():
+        for obj in vars(module).values():
             if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name:
                 found[f"{info.name}.{obj.__qualname__}"] = obj
     return found

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from readfence.core.internal import table
+from readfence.effects.internal import table
 
 from ._errors import InputError, OneLineCommand
 from ._params import (

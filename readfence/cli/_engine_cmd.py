@@ -158,7 +158,7 @@ def _verdict(report: Any, root: Any) -> str:
 def summary(reports: Sequence[tuple[str, Any]]) -> str:
     """One line per engine backend and mode: its scalar declaration, each buffer's truth, the
     verdict; then the total (what ``audit --engine MODULE:ENGINES`` ends with)."""
-    from readfence.core.internal import table
+    from readfence.effects.internal import table
 
     rows, unsound, failed = [], 0, 0
     for _, report in reports:

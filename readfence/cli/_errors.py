@@ -97,8 +97,10 @@ def one_line(error: click.UsageError, ctx: click.Context | None = None) -> Input
         takes = f"; {ctx.info_name if ctx is not None else 'it'} takes {', '.join(options)}" if options else ""
         return InputError(f"unknown option {error.option_name}{takes}{see}")
     if isinstance(error, click.BadOptionUsage):
+        # click's parser raises this for an option that takes a value and has too few tokens
+        # left, and for ``--flag=value``: the option's kind tells which, not the message's words
         param = _find(ctx, error.option_name)
-        if "requires" in error.message and "argument" in error.message:
+        if isinstance(param, click.Option) and not param.is_flag and not param.count:
             return InputError(f"{error.option_name} needs a value: {expects(param)}")
         return InputError(f"invalid {error.option_name}: {error.message[:1].lower()}{error.message[1:].rstrip('.')}")
     if isinstance(error, click.MissingParameter):
@@ -107,10 +109,6 @@ def one_line(error: click.UsageError, ctx: click.Context | None = None) -> Input
         shown = param_name(error.param) if error.param is not None else (error.param_hint or "value")
         return InputError(f"invalid {shown}: {error.message.rstrip('.')}")
     message = error.message.rstrip(".")
-    if message.startswith("Got unexpected extra argument"):
-        extra = message.partition("(")[2].rstrip(")")
-        return InputError(f"unexpected extra argument{'s' if ' ' in extra else ''} "
-                          f"{', '.join(repr(a) for a in extra.split())}{see}")
     command = getattr(error, "command_name", None)  # click >= 8.2 raises NoSuchCommand
     if command:
         group = ctx.command if ctx is not None else None
@@ -181,10 +179,18 @@ class OneLineErrors:
             for param in order:
                 if isinstance(param, click.Option) and not (param.multiple or param.count):
                     given.setdefault(param.name or "", []).append(param)
-        rest: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
+        # extra arguments are let through click's parse and refused here, from the list itself
+        allowed, ctx.allow_extra_args = ctx.allow_extra_args, True
+        try:
+            rest: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
+        finally:
+            ctx.allow_extra_args = allowed
         for uses in given.values():
             if len(uses) > 1:
                 raise InputError(_shown_twice(uses[0], _values(uses[0], argv), len(uses)))
+        if rest and not allowed and not isinstance(self, click.Group) and not ctx.resilient_parsing:
+            raise InputError(f"unexpected extra argument{'s' if len(rest) > 1 else ''} "
+                             f"{', '.join(repr(a) for a in rest)}; see `{ctx.command_path} --help`")
         return rest
 
     def invoke(self, ctx: click.Context) -> Any:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from readfence.core.internal import table
+from readfence.effects.internal import table
 
 from ._errors import OneLineCommand
 from ._params import DeviceName, Mode, Spec, device_caps, echo_json, refuse_mode_for_shape

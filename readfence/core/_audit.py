@@ -32,6 +32,7 @@ from readfence.effects import (
     ReadEffect,
     ReadEnd,
 )
+from readfence.effects.internal import table
 
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
@@ -40,7 +41,6 @@ from ._program import ESCAPE, Program
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
-from ._table import table
 from ._trace import StageWriteError, bind, trace
 
 EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"

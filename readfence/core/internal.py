@@ -32,7 +32,6 @@ from ._state import buffer_ranges as buffer_ranges
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
-from ._table import table as table
 from ._trace import cache_with_traces as cache_with_traces
 from ._trace import not_user_code as not_user_code
 from ._trace import remember as remember
@@ -43,5 +42,5 @@ __all__ = [
     "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode",
     "check_mode", "child_runs", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows",
     "not_user_code", "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges",
-    "runs_as", "span_of", "split_batch", "state_key", "table", "tokens_per_request",
+    "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
 ]

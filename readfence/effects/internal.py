@@ -2,5 +2,6 @@
 (not public: its names may change without notice)."""
 
 from ._names import parse_member as parse_member
+from ._table import table as table
 
-__all__ = ["parse_member"]
+__all__ = ["parse_member", "table"]

@@ -36,8 +36,9 @@ from readfence.core import (
     example_step,
     trace,
 )
-from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int, table
+from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int
 from readfence.effects import ReadEffect, ReadEnd
+from readfence.effects.internal import table
 
 from ._adapter import EAGER, EngineBackend
 from ._contract import PREFILL, STAGE_METHODS, EngineError, traced_failure

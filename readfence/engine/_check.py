@@ -16,7 +16,8 @@ import attrs
 from returns.pipeline import is_successful
 
 from readfence.core import CapturedStateError, ForwardMode, StageThreadError, StageWriteError
-from readfence.core.internal import check_forward_mode, positive_int, table
+from readfence.core.internal import check_forward_mode, positive_int
+from readfence.effects.internal import table
 from readfence.graph import (
     Device,
     LateRead,

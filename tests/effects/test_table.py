@@ -2,7 +2,7 @@
 
 import pytest
 
-from readfence.core.internal import table
+from readfence.effects.internal import table
 
 
 def test_columns_fit_the_widest_cell_and_missing_keys_are_empty() -> None:

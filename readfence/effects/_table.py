@@ -1,4 +1,5 @@
-"""Plain fixed-width tables: the one renderer of every table readfence prints."""
+"""Plain fixed-width tables: the one renderer of every table readfence prints (here, in the layer
+that imports no torch, so that the command line's help and its bad-option errors stay light)."""
 
 from __future__ import annotations
 
