@@ -1,5 +1,6 @@
 """The files a user looks for in a project: its license (and a build that declares it without
-setuptools' deprecation warning), a changelog, a contributing guide, ``python -m readfence``."""
+setuptools' deprecation warning), a changelog, a contributing guide, ``python -m readfence``, a
+short README whose links lead somewhere, and docs whose every page the site lists."""
 
 from __future__ import annotations
 
@@ -59,3 +60,22 @@ def test_python_m_readfence_is_the_command():
     bare = subprocess.run([sys.executable, "-m", "readfence"], capture_output=True, text=True, timeout=120)
     assert bare.returncode == 2 and bare.stdout.startswith("Usage: readfence [OPTIONS] COMMAND")
     assert bare.stderr.strip().startswith("Error: missing command; commands: demo, plan, audit")
+
+
+def test_the_readme_is_short_and_its_links_lead_to_files():
+    assert len((ROOT / "README.md").read_bytes()) <= 12_000
+    for page in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        prose = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", prose):
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}"
+
+
+def test_the_site_lists_every_page_of_the_docs_and_builds_in_ci():
+    config = (ROOT / "mkdocs.yml").read_text()
+    listed = set(re.findall(r"^\s*-\s*(?:[^\n:]+:\s*)?([\w/.-]+\.md)\s*$", config, flags=re.M))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert listed == pages
+    assert "mkdocs build --strict" in (ROOT / ".ci" / "run").read_text()
+    assert {r.split(">")[0].split("[")[0] for r in PYPROJECT["project"]["optional-dependencies"]["docs"]} == {
+        "mkdocs", "mkdocs-material", "mkdocstrings"}
+    assert "site/" in (ROOT / ".gitignore").read_text().split()

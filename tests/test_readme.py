@@ -1,21 +1,19 @@
-"""Every python code block in the README runs, in order, in one namespace per block."""
-
-import pathlib
-import re
+"""Every python code block in the README and in the docs' pages runs, in one namespace per block."""
 
 import pytest
 
+from tests.docs_pages import blocks
+
 pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+BLOCKS = blocks("python")
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2
+    assert sum(page == "README.md" for page, _, _ in BLOCKS) >= 1 and len(BLOCKS) >= 10
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_block_runs(index):
-    namespace = {"__name__": f"readme_block_{index}"}
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), namespace)
+@pytest.mark.parametrize("page,index,block", [pytest.param(*b, id=f"{b[0]}:{b[1]}") for b in BLOCKS])
+def test_readme_block_runs(page, index, block):
+    namespace = {"__name__": f"docs_block_{index}"}
+    exec(compile(block, f"{page}[python block {index}]", "exec"), namespace)

@@ -1,4 +1,4 @@
-"""The README's sample outputs are what the commands print.
+"""The sample outputs the README and the docs' pages show are what the commands print.
 
 A text block preceded by ``<!-- sample: readfence ARGS | FLAGS -->`` is compared with a real run
 of that command, line by line, after squeezing runs of spaces (column widths follow the values).
@@ -10,19 +10,17 @@ lines, and ``...`` inside a line for any text.
 
 from __future__ import annotations
 
-import pathlib
 import re
 import shlex
 
 import pytest
 
 from tests.cli.conftest import run_readfence
+from tests.docs_pages import samples
 
 pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-SAMPLES = re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| ([a-z ,]+))? -->\n+```text\n(.*?)```",
-                     README.read_text(), flags=re.S)
+SAMPLES = samples()
 
 
 def normal(line: str, numbers: bool) -> str:
@@ -59,13 +57,13 @@ def test_the_readme_marks_its_samples():
     assert len(SAMPLES) >= 5
 
 
-def _case(command: str, flags: str, text: str) -> object:
+def _case(page: str, command: str, flags: str, text: str) -> object:
     slow = "slow" in (flags or "")  # a minute or more: run with the slow tests
-    return pytest.param(command, flags, text, id=command, marks=[pytest.mark.slow] if slow else [])
+    return pytest.param(page, command, flags, text, id=command, marks=[pytest.mark.slow] if slow else [])
 
 
-@pytest.mark.parametrize(("command", "flags", "text"), [_case(*s) for s in SAMPLES])
-def test_a_readme_sample_is_what_the_command_prints(command, flags, text, tmp_path):
+@pytest.mark.parametrize(("page", "command", "flags", "text"), [_case(*s) for s in SAMPLES])
+def test_a_readme_sample_is_what_the_command_prints(page, command, flags, text, tmp_path):
     argv = shlex.split(command)[1:]
     flags = {f.strip() for f in (flags or "").split(",")}
     if "shrink" in flags:
@@ -76,4 +74,4 @@ def test_a_readme_sample_is_what_the_command_prints(command, flags, text, tmp_pa
     numbers = "numbers" in flags or "shrink" in flags
     expected = [normal(x, numbers) for x in text.strip("\n").splitlines()]
     actual = [normal(x, numbers) for x in out.strip("\n").splitlines()]
-    assert matches(expected, actual), f"{command}\n--- README\n{text}\n--- printed\n{out}"
+    assert matches(expected, actual), f"{command}\n--- {page}\n{text}\n--- printed\n{out}"

@@ -1,4 +1,5 @@
-"""Every ``readfence ...`` command in the README's bash blocks runs (with fewer demo and serve steps).
+"""Every ``readfence ...`` command in the bash blocks of the README and of the docs' pages runs
+(with fewer demo and serve steps).
 
 A command whose printed output the README shows as a sample is run, and its output compared,
 by ``tests/test_readme_samples.py``; the others run here (in-process but for the ``--tp`` runs:
@@ -8,21 +9,20 @@ the installed script is tested by ``tests/cli/test_script.py``).
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 import shlex
 
 import pytest
 
 from tests.cli.conftest import run_readfence
+from tests.docs_pages import PAGES, blocks, sampled_commands
 
 pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-TEXT = README.read_text()
-BASH = re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S)
-COMMANDS = [line.strip() for block in BASH for line in block.splitlines() if line.startswith("readfence ")]
-SAMPLED = set(re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| [a-z ,]+)? -->", TEXT))
+TEXT = PAGES["README.md"]
+COMMANDS = list(dict.fromkeys(line.strip() for _, _, block in blocks("bash") for line in block.splitlines()
+                              if line.startswith("readfence ")))
+SAMPLED = sampled_commands()
 
 
 def shrink(argv: list[str]) -> list[str]:

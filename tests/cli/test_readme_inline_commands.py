@@ -1,4 +1,5 @@
-"""The ``readfence ...`` commands the README's prose and its console blocks show run as printed
+"""The ``readfence ...`` commands the prose and the console blocks of the README and of the docs'
+pages show run as printed
 (``test_readme_commands`` runs its bash blocks, ``test_readme_samples`` its samples): pasted
 from the repository's root, none is bad input (exit status 2) and none ends in a traceback; 1,
 a finding, is what some of them are there to show."""
@@ -6,21 +7,17 @@ a finding, is what some of them are there to show."""
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 import re
 import shlex
 
 import pytest
 
 from tests.cli.conftest import run_readfence
+from tests.docs_pages import PAGES, ROOT, blocks, sampled_commands
 
 pytestmark = pytest.mark.slow  # end to end: the full suite
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEXT = (ROOT / "README.md").read_text()
-RUN_ELSEWHERE = {line.strip() for block in re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S)
-                 for line in block.splitlines()} | set(re.findall(r"<!-- sample: (readfence [^\n]*?)(?: \| [a-z ,]+)? -->",
-                                                                  TEXT))
+RUN_ELSEWHERE = {line.strip() for _, _, block in blocks("bash") for line in block.splitlines()} | sampled_commands()
 
 
 def shown_commands(text: str) -> list[str]:
@@ -44,7 +41,7 @@ def runnable(command: str) -> bool:
             and words[1] != "bench" and "--tp" not in words and command not in RUN_ELSEWHERE)
 
 
-COMMANDS = [c for c in shown_commands(TEXT) if runnable(c)]
+COMMANDS = list(dict.fromkeys(c for text in PAGES.values() for c in shown_commands(text) if runnable(c)))
 
 
 def test_the_prose_shows_commands_to_run():

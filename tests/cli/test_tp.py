@@ -145,10 +145,14 @@ def test_under_real_torchrun_the_mismatch_is_our_one_line(tmp_path):
     import subprocess
     import sys
 
+    from .conftest import readfence_script
+
     torchrun = shutil.which("torchrun", path=str(__import__("pathlib").Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this interpreter")
-    run = subprocess.run([torchrun, "--nproc-per-node", "1", "--no-python", "readfence", "demo", "--tp", "2"],
+    # the installed script by its path, as every other test runs it: torchrun's --no-python looks a bare
+    # name up on PATH, where it is only when the environment is activated
+    run = subprocess.run([torchrun, "--nproc-per-node", "1", "--no-python", readfence_script(), "demo", "--tp", "2"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     ours = [line for line in run.stderr.splitlines() if line.startswith("Error: ")]
     assert ours == ["Error: invalid --tp 2: torchrun started this process in a group of 1 rank (WORLD_SIZE=1); "
