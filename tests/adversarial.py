@@ -381,6 +381,13 @@ def _verdict_cases() -> list[Case]:
         # a per_stream member places its stream's own fence: the join over members does not cover it
         Case("per_stream_early_member", "verdicts",
              lambda state: per_stream(_late_reader(), _snapshot("covering", POST)), refused, "seq_lens"),
+        # a per_stream member serves its share of the batch: three members, at most 3 requests each
+        # (the first member is the one a direct run of the group runs on the whole batch)
+        Case("per_stream_share_member", "verdicts",
+             lambda state: per_stream(_snapshot(), _fixed("big_batch", _big_batch_reader)(state), _snapshot()),
+             "accepted"),
+        Case("per_stream_half_batch_member", "verdicts",
+             lambda state: per_stream(_snapshot(), _fixed("big_batch", _big_batch_reader)(state)), refused, "seq_lens"),
     ]
 
 

@@ -429,10 +429,18 @@ class PerStream(_JoinBase):
         return self.backends
 
     def child_runs(self, mode: ForwardMode, batch_size: int) -> tuple[ChildRun, ...]:
-        """Every member, at ``batch_size``, each placing its own stream's fence from its own
-        declaration (the audit refuses a member whose declaration is below its reads)."""
+        """Every member at the size of its share of the batch (``0``: a batch smaller than the
+        group hands it no request), as lowering splits a step over the streams; each places its
+        own stream's fence from its own declaration (the audit refuses a member whose
+        declaration is below its reads at a size it runs).
+
+        >>> from readfence.backends import paged, trtllm_mha
+        >>> [(r.label, r.batch_size) for r in per_stream(paged(), trtllm_mha()).child_runs(ForwardMode.DECODE, 3)]
+        [('members[0]', 2), ('members[1]', 1)]
+        """
         check_mode(mode)
-        return tuple(ChildRun(label, child, batch_size, placed=True) for label, child in self.arms)
+        ranges = request_ranges(batch_size, len(self.arms))
+        return tuple(ChildRun(label, child, hi - lo, placed=True) for (label, child), (lo, hi) in zip(self.arms, ranges))
 
     def runs_as(self, mode: ForwardMode) -> Backend:
         """What stream 0's member runs as: run directly, the step forwards each stage to it."""

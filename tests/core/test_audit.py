@@ -533,3 +533,18 @@ def test_writes_to_pools_are_fine() -> None:
 
 
 EXPECTED_LINES = [line for line in EXPECTED.strip().splitlines() if line]
+
+
+def test_a_per_stream_member_is_judged_at_its_share_of_the_batch() -> None:
+    # each member serves its share of a step (lowering splits the batch over the streams): a
+    # member that reads late only on more than 3 requests is fine in a group of three, whose
+    # shares of 8 are 3, 3 and 2, and early in a group of two (shares of 4)
+    from tests.adversarial import CASES
+
+    ok = audit(CASES["per_stream_share_member"].build(None), ForwardMode.DECODE, cfg=CFG).unwrap()
+    member = ok.find("per_stream/members[1]/big_batch")
+    assert member.batch_sizes == (1, 3) and member.placed and ok.sound  # 1: (1, 0, 0) hands it none
+    assert ok.find("per_stream/members[2]/snapshot").batch_sizes == (2,)
+    bad = audit(CASES["per_stream_half_batch_member"].build(None), ForwardMode.DECODE, cfg=CFG).failure()
+    assert (bad.path, bad.buffer, bad.batch_size, bad.fence) == (
+        "per_stream/members[1]/big_batch", "seq_lens", 4, "per_stream/members[1]/big_batch")

@@ -121,3 +121,20 @@ def test_weights_a_backend_keeps_are_a_constant_not_trace_time_state() -> None:
         res = run_overlapped(keeps, ForwardMode.DECODE, steps=STEPS, policy=Policy.EXACT, device=dev,
                              batch_size=BATCH, cfg=CFG)
     assert res.matches(ref) and res.violations == ()
+
+
+def test_a_per_stream_member_judged_at_its_share_runs_bit_identical_and_its_racing_variant_races() -> None:
+    # at the model's largest batch: the member that reads late on more than 3 requests gets 3 of 8
+    # in a group of three (accepted, and every policy's outputs equal the serial run's), 4 in a
+    # group of two (refused; lowered anyway, its late read is caught)
+    from readfence.graph import verify
+
+    with CpuDevice(timeout=30.0) as dev:
+        common = dict(batch_size=CFG.max_reqs, steps=3, cfg=CFG, device=dev, policy=[Policy.PER_BUFFER, Policy.EXACT])
+        fine = verify(CASES["per_stream_share_member"].build(None), **common)
+        assert [c.policy for c in fine.unwrap().checks] == [Policy.PER_BUFFER, Policy.EXACT], fine
+        racing = CASES["per_stream_half_batch_member"].build(None)
+        refused = verify(racing, **common).failure()
+        assert refused.evidence == "audit" and refused.buffer == "seq_lens", refused
+        late = verify(racing, UNSAFE_skip_soundness_check=True, **common).failure()
+        assert late.buffer == "seq_lens" and late.evidence != "audit", late
