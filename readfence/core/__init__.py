@@ -12,6 +12,7 @@ from ._audit import AuditReport as AuditReport
 from ._audit import BufferAudit as BufferAudit
 from ._audit import Latent as Latent
 from ._audit import Unsound as Unsound
+from ._audit import Verdict as Verdict
 from ._audit import audit as audit
 from ._audit import audit_report as audit_report
 from ._audit import default_batch_sizes as default_batch_sizes
@@ -88,7 +89,7 @@ __all__ = [
     "AuditReport", "BackendLike", "BufferAudit", "ChildRun", "CapturedStateError", "Disagreement", "ForwardMode",
     "Interpreter", "LayerScan", "ModelConfig", "NotGraphSafe", "Observation", "OutputGuard", "Program", "ReadObserver", "Stage", "StageCall",
     "StageGraph", "StageOutputError", "StageThreadError", "StageWriteError", "StepFunctions", "StepInputs",
-    "KernelAccess", "Latent", "LaunchStreamError", "TensorParallel", "UnboundedKernelError", "Unsound", "Watched",
+    "KernelAccess", "Latent", "LaunchStreamError", "TensorParallel", "UnboundedKernelError", "Unsound", "Verdict", "Watched",
     "all_reduce", "audit", "audit_report", "bind", "check_stage_output", "clear_trace_cache", "cross_check",
     "cross_into_graph", "default_batch_sizes", "eval_step", "example_step", "flatten_group", "flatten_inputs",
     "forward", "init_params", "kernel_access", "launches_unseen", "make_pools", "make_shared_state", "observe", "observe_program", "observe_step",

@@ -20,6 +20,7 @@ refused, since no fence the step publishes depends on its declaration.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -43,10 +44,31 @@ from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
 from ._trace import StageWriteError, bind, trace
 
-EXACT, CONSERVATIVE, UNSOUND = "exact", "conservative", "unsound"
 
-#: The verdict of a node's entry below its own trace that no fence depends on (:class:`Latent`).
-LATENT = "latent"
+class Verdict(enum.StrEnum):
+    """What the audit says of one declared end against the end the code reads until.
+
+    A ``str`` enum: rows and JSON carry its value (``"exact"``), and it compares equal to it.
+
+    >>> Verdict.of(ReadEnd.POST_REPLAY, ReadEnd.PRE_REPLAY), Verdict.of(ReadEnd.NONE, ReadEnd.IN_REPLAY)
+    (<Verdict.CONSERVATIVE: 'conservative'>, <Verdict.UNSOUND: 'unsound'>)
+    >>> Verdict.EXACT == "exact", str(Verdict.LATENT)
+    (True, 'latent')
+    """
+
+    EXACT = "exact"  # declared at the end the code reads until
+    CONSERVATIVE = "conservative"  # declared later than needed: sound, the fence could be earlier
+    UNSOUND = "unsound"  # declared before a read: a fence placed from it is early (refused)
+    LATENT = "latent"  # below its node's own trace, but no fence is placed from it (:class:`Latent`)
+
+    @classmethod
+    def of(cls, declared: ReadEnd, observed: ReadEnd) -> Verdict:
+        """The verdict of ``declared`` against ``observed``: the one rule every audit applies."""
+        steps = declared.rank - observed.rank
+        return cls.EXACT if steps == 0 else cls.CONSERVATIVE if steps > 0 else cls.UNSOUND
+
+
+EXACT, CONSERVATIVE, UNSOUND, LATENT = Verdict.EXACT, Verdict.CONSERVATIVE, Verdict.UNSOUND, Verdict.LATENT
 
 _R = TypeVar("_R", Program, Observation)
 
@@ -63,7 +85,7 @@ class BufferAudit:
 
     >>> b = BufferAudit("seq_lens", ReadEnd.POST_REPLAY, ReadEnd.PRE_REPLAY, None)
     >>> b.verdict, b.steps, b.note
-    ('conservative', 2, 'no metadata snapshot yet')
+    (<Verdict.CONSERVATIVE: 'conservative'>, 2, 'no metadata snapshot yet')
     """
 
     buffer: str
@@ -78,10 +100,8 @@ class BufferAudit:
         return self.declared.rank - self.observed.rank
 
     @property
-    def verdict(self) -> str:
-        if self.steps == 0:
-            return EXACT
-        return CONSERVATIVE if self.steps > 0 else UNSOUND
+    def verdict(self) -> Verdict:
+        return Verdict.of(self.declared, self.observed)
 
     @property
     def note(self) -> str:
@@ -165,7 +185,7 @@ class AuditReport:
         latent: list[Latent] = []
         for node, fence, ancestors in self.fenced():
             for b in node.buffers:
-                if b.verdict != UNSOUND:
+                if b.verdict is not UNSOUND:
                     continue
                 if fence is node:
                     refusals.append((node.path, b, node.path))
@@ -218,9 +238,9 @@ class AuditReport:
     def counts(self) -> dict[str, int]:
         """How many entries per verdict (``unsound``: refused; ``latent``: below its node's own
         trace, covered by a sound fence), plus ``post_replay`` and ``not_audited``."""
-        out = {EXACT: 0, CONSERVATIVE: 0, UNSOUND: 0}
+        out = {EXACT.value: 0, CONSERVATIVE.value: 0, UNSOUND.value: 0}
         for _, b in self.entries():
-            out[b.verdict] += 1
+            out[b.verdict.value] += 1
         out[LATENT] = len(self.latent())
         out[UNSOUND] -= out[LATENT]
         out["post_replay"] = len(self.post_replay())
@@ -243,7 +263,7 @@ class AuditReport:
                 "buffer": b.buffer,
                 "declared": b.declared.name,
                 "observed": b.observed.name,
-                "verdict": LATENT if finding is not None else b.verdict,
+                "verdict": (LATENT if finding is not None else b.verdict).value,
             }
             if detail:
                 row["steps"] = b.steps

@@ -31,6 +31,7 @@ from readfence.core import (
     ForwardMode,
     Program,
     StageWriteError,
+    Verdict,
     bind,
     default_batch_sizes,
     example_step,
@@ -78,7 +79,7 @@ class EngineRow:
         return BufferAudit(self.buffer, self.declared, self.truth, None, self.batch_size)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         return self.audit.verdict
 
     @property
@@ -89,17 +90,17 @@ class EngineRow:
 
     def text(self) -> str:
         """The verdict in words: ``exact``, ``conservative +2``, ``unsound: forward_decode (aten.index_select...)``."""
-        if self.verdict == "conservative":
+        if self.verdict is Verdict.CONSERVATIVE:
             return f"conservative +{self.steps}"
-        if self.verdict == "unsound":
+        if self.verdict is Verdict.UNSOUND:
             text = f"unsound: {self.method} reads it ({self.op})" if self.method else "unsound"
             return text if self.used else f"{text}; declaration unused"
-        return self.verdict
+        return self.verdict.value
 
     def as_json(self) -> dict[str, Any]:
         return {"backend": self.backend, "mode": self.mode.name, "buffer": self.buffer,
                 "declared": self.declared.name, "truth": self.truth.name, "source": self.source,
-                "verdict": self.verdict, "steps": self.steps, "method": self.method, "op": self.op,
+                "verdict": self.verdict.value, "steps": self.steps, "method": self.method, "op": self.op,
                 "where": self.where, "batch_size": self.batch_size, "per_batch": self.per_batch, "why": self.why,
                 "used": self.used}
 
@@ -142,11 +143,11 @@ class EngineAudit:
 
     def unsound(self) -> list[EngineRow]:
         """The unsound rows whose declaration the engine uses, deepest nodes first."""
-        return sorted((r for r in self.rows() if r.verdict == "unsound" and r.used), key=lambda r: -r.backend.count("/"))
+        return sorted((r for r in self.rows() if r.verdict is Verdict.UNSOUND and r.used), key=lambda r: -r.backend.count("/"))
 
     def unused(self) -> list[EngineRow]:
         """The unsound rows of declarations the engine never uses (a backend it never graph-replays)."""
-        return [r for r in self.rows() if r.verdict == "unsound" and not r.used]
+        return [r for r in self.rows() if r.verdict is Verdict.UNSOUND and not r.used]
 
     def errors(self) -> list[NodeAudit]:
         """The (node, mode) pairs whose engine code raised (``audit_engine(..., errors="report")``):
@@ -162,7 +163,7 @@ class EngineAudit:
     def counts(self) -> dict[str, int]:
         out = {"exact": 0, "conservative": 0, "unsound": 0, "observed": 0, "gain": 0}
         for r in self.rows():
-            out[r.verdict] += 1
+            out[r.verdict.value] += 1
             out["observed"] += r.source == OBSERVED
             out["gain"] += max(r.steps, 0)
         return out
