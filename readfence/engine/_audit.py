@@ -15,11 +15,20 @@ The truth is the later of the two. Next to it, the declaration: the object's one
 ``resolve_prefill_shared_read_ends`` says for that batch, when the object has it); the verdict
 is exact, conservative by k lattice steps (the gain of a per-buffer fence for that buffer),
 or unsound, naming the method, the buffer and the op that reads late.
+
+Each node is audited where the engine runs it: a wrapper's child at the batch sizes the
+wrapper's own code hands it (a two-batch-overlap child gets micro-batches), as recorded while
+the wrapper's step runs. The verdict is ``readfence.core``'s, where the fences are decided
+(``AuditReport.judged``): the engine publishes its fence from the root's declaration, so a
+child whose own declaration is below its truth, under a root whose fence covers it, is a
+*latent* finding (a ``LATENT:`` line, the JSON row's ``latent`` key), not an unsound one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import functools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -28,7 +37,9 @@ from readfence.core import (
     BODY,
     PREPARE_OUT_GRAPH,
     SHARED_BUFFERS,
+    AuditReport,
     ForwardMode,
+    Latent,
     Program,
     StageWriteError,
     Verdict,
@@ -44,7 +55,7 @@ from readfence.effects.internal import table
 from ._adapter import EAGER, EngineBackend
 from ._contract import PREFILL, STAGE_METHODS, EngineError, traced_failure
 from ._observe import observe_engine
-from ._view import absent
+from ._view import ForwardBatch, absent
 
 #: The modes an engine runs (IDLE reads nothing).
 ENGINE_MODES: tuple[ForwardMode, ...] = tuple(m for m in ForwardMode if m is not ForwardMode.IDLE)
@@ -73,6 +84,8 @@ class EngineRow:
     per_batch: bool = False  # the declaration is resolve_prefill_shared_read_ends's for this batch size
     why: str = ""  # why the truth is observed rather than traced
     used: bool = True  # whether the engine ever publishes a fence from this declaration
+    # below its truth, but no fence is placed from this declaration and the one covering it is sound
+    latent: Latent | None = None
 
     @property
     def audit(self) -> BufferAudit:
@@ -80,7 +93,8 @@ class EngineRow:
 
     @property
     def verdict(self) -> Verdict:
-        return self.audit.verdict
+        """Exact, conservative, unsound, or latent: below its truth where no fence depends on it."""
+        return Verdict.LATENT if self.latent is not None else self.audit.verdict
 
     @property
     def steps(self) -> int:
@@ -95,6 +109,9 @@ class EngineRow:
         if self.verdict is Verdict.UNSOUND:
             text = f"unsound: {self.method} reads it ({self.op})" if self.method else "unsound"
             return text if self.used else f"{text}; declaration unused"
+        if self.latent is not None:
+            cover = self.latent.covered_by
+            return f"latent ({'covered by ' + cover if cover else 'not read that late here'})"
         return self.verdict.value
 
     def as_json(self) -> dict[str, Any]:
@@ -102,7 +119,7 @@ class EngineRow:
                 "declared": self.declared.name, "truth": self.truth.name, "source": self.source,
                 "verdict": self.verdict.value, "steps": self.steps, "method": self.method, "op": self.op,
                 "where": self.where, "batch_size": self.batch_size, "per_batch": self.per_batch, "why": self.why,
-                "used": self.used}
+                "used": self.used, "latent": None if self.latent is None else self.latent.as_json()}
 
 
 @attrs.frozen
@@ -119,6 +136,7 @@ class NodeAudit:
     unused: str = ""  # why the engine never publishes a fence from this declaration ("": it does)
     delegation: str = ""  # a wrapper's declaration against its children's ("": a leaf)
     error: str = ""  # the engine's own code raised in this mode: what, and where (nothing audited)
+    batch_sizes: tuple[int, ...] = ()  # the batch sizes it was audited at: those the engine hands it
 
     @property
     def truth(self) -> ReadEffect:
@@ -149,6 +167,13 @@ class EngineAudit:
         """The unsound rows of declarations the engine never uses (a backend it never graph-replays)."""
         return [r for r in self.rows() if r.verdict is Verdict.UNSOUND and not r.used]
 
+    def latent(self) -> list[Latent]:
+        """Every node whose own declaration is below its truth where the engine places no fence
+        from it and the fence covering it is sound (as ``readfence.core.AuditReport.latent``),
+        deepest first: a bug that races wherever that declaration is used alone."""
+        found = [r.latent for r in self.rows() if r.latent is not None]
+        return sorted(found, key=lambda x: -x.path.count("/"))
+
     def errors(self) -> list[NodeAudit]:
         """The (node, mode) pairs whose engine code raised (``audit_engine(..., errors="report")``):
         nothing was audited there."""
@@ -161,7 +186,7 @@ class EngineAudit:
         raise KeyError(f"no node {path!r} in {mode.name}; nodes: {sorted({n.path for n in self.nodes})}")
 
     def counts(self) -> dict[str, int]:
-        out = {"exact": 0, "conservative": 0, "unsound": 0, "observed": 0, "gain": 0}
+        out = {"exact": 0, "conservative": 0, "unsound": 0, "latent": 0, "observed": 0, "gain": 0}
         for r in self.rows():
             out[r.verdict.value] += 1
             out["observed"] += r.source == OBSERVED
@@ -180,8 +205,9 @@ class EngineAudit:
                        r.declared.name, r.truth.name, r.source, r.text()] for r in n.rows]
         lines = [table(cells, head)]
         c = self.counts()
-        lines.append(f"{c['exact']} exact, {c['conservative']} conservative, {c['unsound']} unsound; a per-buffer "
-                     f"fence gains {c['gain']} lattice step(s) over the scalar declarations")
+        latent = f", {c['latent']} latent" if c["latent"] else ""
+        lines.append(f"{c['exact']} exact, {c['conservative']} conservative, {c['unsound']} unsound{latent}; a "
+                     f"per-buffer fence gains {c['gain']} lattice step(s) over the scalar declarations")
         if c["observed"]:
             lines.append(f"observed rows cover only the paths that ran: {self.steps} scheduler step(s) at each "
                          f"batch size in {self.batch_sizes}")
@@ -190,6 +216,8 @@ class EngineAudit:
             lines.append(f"UNSOUND: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but read "
                          f"until {r.truth.name} by {r.method}: {r.op}{at} ({r.source}"
                          f"{': ' + r.why if r.why else ''}; batch size {r.batch_size})")
+        for x in self.latent():
+            lines.append(f"LATENT: {x.message.removeprefix('latent: ')}")
         for r in self.unused():
             lines.append(f"UNSOUND, UNUSED: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but "
                          f"read until {r.truth.name} by {r.method}: {r.op}; the engine never publishes a fence from "
@@ -396,10 +424,43 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
                      _delegation(node, mode))
 
 
+#: The contract methods through which a wrapper hands a child its batch.
+_HANDING = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph", "forward",
+            "forward_decode", "forward_extend")
+
+
+@contextlib.contextmanager
+def _handed(node: EngineBackend) -> Iterator[dict[str, set[int]]]:
+    """Per child label of ``node``, the batch sizes the wrapper's own code hands that child while
+    the block runs (each call's ``forward_batch``; an empty micro-batch is no run): the child's
+    contract methods are wrapped on the instance, and put back after."""
+    got: dict[str, set[int]] = {label: set() for label, _ in node.kids}
+    patched: list[tuple[Any, str]] = []
+
+    def recording(label: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, ForwardBatch) and a.batch_size > 0:
+                got[label].add(a.batch_size)
+        return fn(*args, **kwargs)
+
+    try:
+        for label, kid in node.kids:
+            obj = kid.object
+            for name in _HANDING:
+                fn = getattr(obj, name, None)
+                if callable(fn) and hasattr(obj, "__dict__") and name not in vars(obj):
+                    setattr(obj, name, functools.partial(recording, label, fn))
+                    patched.append((obj, name))
+        yield got
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)
+
+
 def _audit_or_error(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[int, ...], steps: int, seed: int,
                     errors: str) -> NodeAudit:
     try:
-        return _audit_node(path, node, mode, sizes, steps, seed)
+        return attrs.evolve(_audit_node(path, node, mode, sizes, steps, seed), batch_sizes=sizes)
     except EngineError as e:
         if errors == "raise":
             raise
@@ -408,7 +469,44 @@ def _audit_or_error(path: str, node: EngineBackend, mode: ForwardMode, sizes: tu
         except EngineError:  # shared_read_ends itself raised
             declared = ReadEnd.UNKNOWN
         at = f" (at {e.where})" if e.where else ""
-        return NodeAudit(path, mode, declared, (), (), "", error=f"{e}{at}")
+        return NodeAudit(path, mode, declared, (), (), "", error=f"{e}{at}", batch_sizes=sizes)
+
+
+def _audit_tree(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[int, ...], steps: int, seed: int,
+                errors: str) -> Iterator[NodeAudit]:
+    """``node`` at ``sizes``, then each child at the sizes ``node``'s step handed it (a child it
+    never called in this mode, as a hybrid's unselected backend: at ``node``'s sizes), pre-order."""
+    with _handed(node) as got:
+        audited = _audit_or_error(path, node, mode, sizes, steps, seed, errors)
+    yield audited
+    for label, kid in node.kids:
+        at = tuple(sorted(got[label])) or sizes
+        yield from _audit_tree(f"{path}/{label}/{kid.name}", kid, mode, at, steps, seed, errors)
+
+
+def _report(path: str, node: EngineBackend, mode: ForwardMode, audited: dict[tuple[str, ForwardMode], NodeAudit]
+            ) -> AuditReport:
+    """The engine audit of ``node``'s tree in ``mode`` as core's audit tree, for its one verdict
+    function: per buffer, the declaration and the truth (a per-batch prefill row is judged alone,
+    against the end resolved for that batch); the fence is the root's (the engine publishes it)."""
+    n = audited[(path, mode)]
+    rows = [r for r in n.rows if not r.per_batch]
+    kids = tuple(_report(f"{path}/{label}/{kid.name}", kid, mode, audited) for label, kid in node.kids)
+    return AuditReport(path, mode, ReadEffect.of({r.buffer: r.declared for r in rows}),
+                       ReadEffect.of({r.buffer: r.truth for r in rows}), tuple(r.audit for r in rows), kids,
+                       batch_sizes=n.batch_sizes, placed="/" not in path)
+
+
+def _judged(engine: EngineBackend, nodes: Sequence[NodeAudit], modes: Sequence[ForwardMode]) -> list[NodeAudit]:
+    """``nodes`` with each row below its truth that no fence depends on marked latent
+    (``AuditReport.judged``: what ``readfence.core.audit`` refuses, this refuses)."""
+    audited = {(n.path, n.mode): n for n in nodes}
+    latent: dict[tuple[str, ForwardMode, str], Latent] = {}
+    for mode in modes:
+        for x in _report(engine.name, engine, mode, audited).judged()[1]:
+            latent[(x.path, mode, x.buffer)] = x
+    return [attrs.evolve(n, rows=tuple(attrs.evolve(r, latent=latent.get((r.backend, r.mode, r.buffer)))
+                                       if r.used and not r.per_batch else r for r in n.rows)) for n in nodes]
 
 
 #: What ``audit_engine`` does when the engine's own code raises in a mode.
@@ -421,8 +519,9 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     """Audit ``engine`` and every node of its wrapper tree in each of ``modes`` (default: every
     mode but IDLE), traced where the tracer follows the stages, observed where it cannot.
 
-    Each node is traced at each of ``batch_sizes`` (default: 1, 2 and the model's maximum) and
-    observed over ``steps`` scheduler steps at each (``seed`` seeds the request churn), on the
+    The root is traced at each of ``batch_sizes`` (default: 1, 2 and the model's maximum), each
+    child at the sizes its wrapper hands it there (a two-batch-overlap child: its micro-batches),
+    and observed over ``steps`` scheduler steps at each (``seed`` seeds the request churn), on the
     engine's own state (put back afterwards). Nothing is run overlapped: see
     :func:`~readfence.engine.verify_engine` for that.
 
@@ -453,6 +552,7 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
         positive_int("batch_size", n, at_most=cfg.max_reqs, limit="cfg.max_reqs") for n in batch_sizes}))
     if not sizes or not chosen:
         raise ValueError("audit_engine needs at least one mode and one batch size")
-    nodes = [_audit_or_error(path, node, mode, sizes, steps, seed, errors)  # type: ignore[arg-type]
-             for path, node in engine.walk() for mode in chosen]
-    return EngineAudit(engine.name, tuple(nodes), steps, sizes)
+    found = {(n.path, n.mode): n for mode in chosen for n in _audit_tree(engine.name, engine, mode, sizes, steps, seed,
+                                                                          errors)}
+    nodes = [found[(path, mode)] for path, _ in engine.walk() for mode in chosen]
+    return EngineAudit(engine.name, tuple(_judged(engine, nodes, chosen)), steps, sizes)

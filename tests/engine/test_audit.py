@@ -40,3 +40,60 @@ def test_errors_report_audits_the_other_modes_and_names_what_raised():
                                    "'no prefill plan' (at ") and "test_audit.py" in failed.error
     assert report.sound and {r.mode for r in report.rows()} == {ForwardMode.DECODE}
     assert "ERROR: RaisesInExtend in EXTEND: " in report.table()
+
+
+# -- verdicts where the engine places its fence ------------------------------------------------
+
+
+class _CoveringMiniMax:
+    """MiniMax's pair under a wrapper that declares POST_REPLAY: its fence covers the sparse
+    child's late page-table read, which the child itself declares IN_REPLAY."""
+
+    def __new__(cls, runner):
+        from readfence.engine.reference import FlashInferBackend, MiniMaxHybridAttnBackend, MiniMaxSparseBackend
+        from readfence.engine.reference._base import SharedReadEnds
+
+        class CoveringMiniMax(MiniMaxHybridAttnBackend):
+            def shared_read_ends(self, mode):
+                return SharedReadEnds.POST_REPLAY
+
+        return CoveringMiniMax(MiniMaxSparseBackend(runner), FlashInferBackend(runner))
+
+
+def test_a_child_below_its_truth_under_a_root_that_covers_it_is_latent_and_runs_clean():
+    from readfence.engine import verify_engine
+    from readfence.engine.reference import minimax_hybrid
+    from readfence.graph import CpuDevice
+
+    engine = adapt(_CoveringMiniMax, cfg=CFG, name="CoveringMiniMax")
+    report = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert report.sound and report.unsound() == [], report.table()
+    found = report.latent()
+    assert found and {x.path for x in found} == {"CoveringMiniMax/attn_backend_list[0]/MiniMaxSparseBackend"}
+    x = next(x for x in found if x.buffer == "req_to_token")
+    assert (x.fence, x.fence_declared.name, x.entry.declared.name, x.entry.observed.name) == (
+        "CoveringMiniMax", "POST_REPLAY", "IN_REPLAY", "POST_REPLAY")
+    table = report.table()
+    assert f"LATENT: {x.message.removeprefix('latent: ')}" in table and " latent; " in table
+    (row,) = [r for r in report.rows() if r.backend == x.path and r.buffer == "req_to_token"]
+    assert row.verdict == "latent" and row.text().startswith("latent (")
+    assert row.as_json()["latent"]["fence"] == "CoveringMiniMax" and row.as_json()["verdict"] == "latent"
+    with CpuDevice(timeout=30.0) as dev:
+        verified = verify_engine(engine, ForwardMode.DECODE, device=dev, steps=3, batch_size=2)
+    assert verified.ok, str(verified)
+    # the same child under its own wrapper's delegated declaration: the root's fence is early, refused
+    racing = audit_engine(minimax_hybrid(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert not racing.sound and racing.latent() == []
+    assert {r.backend.rsplit("/", 1)[-1] for r in racing.unsound()} == {"MiniMaxSparseBackend", "MiniMaxHybridAttnBackend"}
+
+
+def test_a_two_batch_overlap_child_is_audited_at_its_micro_batch_sizes():
+    from readfence.engine.reference import tbo
+
+    report = audit_engine(tbo(CFG), ForwardMode.DECODE, batch_sizes=[2, CFG.max_reqs], steps=1)
+    half = CFG.max_reqs // 2
+    assert report.find("TboAttnBackend", ForwardMode.DECODE).batch_sizes == (2, CFG.max_reqs)
+    assert report.find("TboAttnBackend/primary/DeepSeekV4Backend", ForwardMode.DECODE).batch_sizes == (2, CFG.max_reqs)
+    for i in (0, 1):
+        child = report.find(f"TboAttnBackend/children[{i}]/TritonBackend", ForwardMode.DECODE)
+        assert child.batch_sizes == (1, half) and {r.batch_size for r in child.rows} <= {1, half}
