@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core.internal import replayed
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, publish_positions, resolve
 from readfence.graph import Policy, last_reads, plan_fences, torch_device
 
@@ -61,13 +62,15 @@ def forced_by(backend: Backend, mode: ForwardMode) -> dict[str, list[str]]:
     return out
 
 
-def phase_caps(caps: Capabilities, mode: ForwardMode) -> Capabilities:
-    """The capabilities a step of ``mode`` runs with: eager modes have no graph.
+def phase_caps(caps: Capabilities, backend: BackendLike, mode: ForwardMode) -> Capabilities:
+    """The capabilities ``backend``'s step in ``mode`` runs with: a step the engine does not replay
+    (``core.internal.replayed``: EXTEND, or a backend it never graph-replays) has no graph.
 
-    >>> phase_caps(Capabilities(), ForwardMode.EXTEND)
+    >>> from readfence.backends import paged
+    >>> phase_caps(Capabilities(), paged(), ForwardMode.EXTEND)
     Capabilities(in_graph_events=True, graphs=False)
     """
-    return caps if mode.uses_graph and caps.graphs else attrs.evolve(caps, graphs=False)
+    return caps if replayed(backend, mode) and caps.graphs else attrs.evolve(caps, graphs=False)
 
 
 def placements(backend: BackendLike, mode: ForwardMode, caps: Capabilities, *, trace_device: str = "cpu",
@@ -90,7 +93,8 @@ def placements(backend: BackendLike, mode: ForwardMode, caps: Capabilities, *, t
             out[policy.name] = {"refused": f"unsound declaration ({why}): lowering refuses it"}
             continue
         plan = plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=caps, policy=policy,
-                           last_reads=last_reads(program), observed=observed, graphed=mode.uses_graph and caps.graphs)
+                           last_reads=last_reads(program), observed=observed,
+                           graphed=phase_caps(caps, backend, mode).graphs)
         out[policy.name] = {"events": len(plan.points()), "placements": plan.describe()}
     return out
 
@@ -104,14 +108,14 @@ def plan_report(backend: Backend, mode: ForwardMode, *, device: str, caps: Capab
     ('IN_REPLAY', 'IN_REPLAY', 1)
     """
     effect = backend.read_effect(mode)
-    run_caps = phase_caps(caps, mode)
+    run_caps = phase_caps(caps, backend, mode)
     degraded = degrade(effect, run_caps)
     return {
         "spec": str(backend),
         "mode": mode.name,
         "device": device,
         "caps": {"in_graph_events": caps.in_graph_events, "graphs": caps.graphs,
-                 "graphed": mode.uses_graph and caps.graphs},
+                 "graphed": run_caps.graphs},
         "effect": effect_names(effect),
         "end": effect.end.name,
         "tree": derivation(backend, mode),

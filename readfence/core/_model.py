@@ -17,7 +17,7 @@ from torch import Tensor
 from ._invariant import matmul_rows
 from ._modes import ForwardMode
 from ._parallel import all_reduce
-from ._protocol import BackendLike
+from ._protocol import BackendLike, replayed
 from ._scan import LayerScan, run_scan
 from ._segment import Segment
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
@@ -170,6 +170,7 @@ def step_functions(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig) ->
         prepare_in_graph=lambda shared, batch, meta: backend.prepare_in_graph(mode, shared, batch, meta),
         body=body,
         backend=backend.name,
+        replayed=replayed(backend, mode),
     )
 
 

@@ -191,11 +191,14 @@ class StageGraph:
     hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
     # the example tensors the stage was traced on, kept (real tensors only) when a faithful
     # stage captured tensors: ``bind`` runs it again on them to see what its nodes touch of the
-    # live state (nothing else keeps them: a cached program would keep a model's caches alive)
+    # live state (nothing else keeps them: a cached program would keep a model's caches alive);
+    # none in a step that is not replayed, whose reads of the live state its Python shows as it runs
     example: tuple[torch.Tensor, ...] | None = None
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
     # the graph was recorded as the stage ran (``core._record``), not traced with make_fx
     recorded: bool = False
+    # the step is replayed from a capture (``StepFunctions.replayed``); else it runs every stage's Python
+    replayed: bool = True
 
     def source(self, node: str) -> str:
         """The user's source line that made ``node`` (``"?"`` when unknown)."""
@@ -255,16 +258,26 @@ class StageGraph:
     def runs_python(self) -> bool:
         """Whether a step runs this stage's Python function rather than its graph: an
         out-of-graph stage always does, as engines run their out-of-graph hooks every step
-        (its host reads and side effects happen each step); an in-graph stage only when it
-        escapes the tracer (on the CPU device; CUDA refuses to capture it).
+        (its host reads and side effects happen each step); every stage of a step that is not
+        :attr:`replayed` does, as engines run such a mode eagerly (EXTEND; every mode of a
+        backend the engine never graph-replays); an in-graph stage of a replayed step only when
+        it escapes the tracer (on the CPU device; CUDA refuses to capture it).
+
+        Its reads are still the trace's, joined with what checks observe; each ends when the work
+        the stage queued ends (the stage's end), or, for a stage that escapes, at its
+        :attr:`escape_end`.
 
         >>> from torch import fx
-        >>> from readfence.core import PREPARE_OUT_GRAPH
-        >>> StageGraph(PREPARE_OUT_GRAPH.name, fx.symbolic_trace(torch.nn.Identity()), (), (), {},
-        ...            frozenset(), {}, faithful=True, eager=lambda env: {}).runs_python
+        >>> from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH
+        >>> def graph(stage, replayed=True):
+        ...     return StageGraph(stage.name, fx.symbolic_trace(torch.nn.Identity()), (), (), {}, frozenset(), {},
+        ...                       faithful=True, eager=lambda env: {}, replayed=replayed)
+        >>> graph(PREPARE_OUT_GRAPH).runs_python, graph(PREPARE_IN_GRAPH).runs_python
+        (True, False)
+        >>> graph(PREPARE_IN_GRAPH, replayed=False).runs_python
         True
         """
-        return self.eager is not None and (not self.faithful or not self.stage.in_graph)
+        return self.eager is not None and (not self.faithful or not self.stage.in_graph or not self.replayed)
 
     def run(self, env: Mapping[str, torch.Tensor], *,
             call: Callable[..., Iterable[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
@@ -329,6 +342,12 @@ class Program:
 
     def __iter__(self) -> Iterator[StageGraph]:
         return iter(self.stages)
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the step is replayed from a capture; one that is not runs every stage's Python
+        (``StageGraph.runs_python``)."""
+        return all(s.replayed for s in self.stages)
 
     @property
     def graphs(self) -> dict[str, fx.GraphModule]:

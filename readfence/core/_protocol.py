@@ -45,7 +45,8 @@ class BackendLike(Protocol):
     Optionally, ``runs_as(mode)`` names the backend whose stage functions the step in ``mode``
     runs unchanged (a wrapper handing the whole step to one child); see :func:`runs_as`; and
     ``child_runs(mode, batch_size)`` says which children a step runs and at which batch size
-    (see :func:`child_runs`).
+    (see :func:`child_runs`); and ``replayed(mode)`` whether the engine replays a step in ``mode``
+    from a captured graph (see :func:`replayed`).
     """
 
     @property
@@ -136,6 +137,28 @@ def runs_as(backend: BackendLike, mode: ForwardMode) -> BackendLike:
         raise TypeError(f"{backend.name}.runs_as({mode}) must return a backend, got {runner!r} "
                         f"({type(runner).__name__})")
     return runner
+
+
+def replayed(backend: BackendLike, mode: ForwardMode) -> bool:
+    """Whether a step of ``backend`` in ``mode`` is replayed from a captured graph: what its optional
+    ``replayed(mode)`` method says (an engine backend: whether its engine graph-replays it), else
+    whether ``mode`` is one engines replay (:attr:`ForwardMode.uses_graph`) and every child is
+    replayed in it (an engine turns graphs off for a step any of whose backends it does not
+    replay). A step that is not replayed runs every stage as its Python, as an engine runs such a
+    mode: nothing of it is captured, so nothing bakes its shapes or Python values.
+
+    >>> from readfence.backends import paged
+    >>> replayed(paged(), ForwardMode.DECODE), replayed(paged(), ForwardMode.EXTEND)
+    (True, False)
+    """
+    method = getattr(backend, "replayed", None)
+    if method is None:
+        return mode.uses_graph and all(replayed(child, mode) for _, child in backend.children())
+    answer = method(mode)
+    if not isinstance(answer, bool):
+        raise TypeError(f"{backend.name}.replayed({mode}) must return a bool, got {answer!r} "
+                        f"({type(answer).__name__})")
+    return answer
 
 
 @attrs.frozen

@@ -335,7 +335,10 @@ class OutputGuard:
 
     A stage that runs its Python in the step (it escapes the tracer) may return other values
     on another step; the graphs after it were traced on these. :meth:`check` refuses a change
-    (``StageOutputError`` naming backend, stage and key), before anything reads it.
+    (``StageOutputError`` naming backend, stage and key), before anything reads it. In a step
+    that is not replayed (``values=False``) no graph bakes a shape or a value: only the structure
+    (the keys, and which leaves are tensors) is held, by which the stages after it take their
+    arguments.
 
     >>> guard = OutputGuard.of(PREPARE_OUT_GRAPH, {"n": 3, "lens": torch.zeros(2)}, backend="mine")
     >>> guard.check({"n": 3, "lens": torch.ones(2)})
@@ -350,18 +353,22 @@ class OutputGuard:
     spec: pytree.TreeSpec
     paths: tuple[pytree.KeyPath, ...]
     baked: tuple[tuple[str, object, object], ...]  # per leaf: ("tensor", shape, dtype) or ("value", type, value)
+    values: bool = True  # tensors' shapes and dtypes and the Python values are baked (a replayed step)
 
-    @staticmethod
-    def _baked(leaf: object) -> tuple[str, object, object]:
+    def _baked(self, leaf: object) -> tuple[str, object, object]:
         if isinstance(leaf, Tensor):
-            return ("tensor", tuple(leaf.shape), leaf.dtype)
-        return ("value", type(leaf), leaf)
+            return ("tensor", tuple(leaf.shape), leaf.dtype) if self.values else ("tensor", None, None)
+        return ("value", type(leaf), leaf) if self.values else ("value", None, None)
 
     @classmethod
-    def of(cls, stage: Stage, out: object, *, backend: str = "?") -> OutputGuard:
-        """The guard of ``stage``'s output ``out`` as traced."""
+    def of(cls, stage: Stage, out: object, *, backend: str = "?", values: bool = True) -> OutputGuard:
+        """The guard of ``stage``'s output ``out`` as traced.
+
+        >>> OutputGuard.of(PREPARE_OUT_GRAPH, {"n": 3, "t": torch.zeros(2)}, values=False).check({"n": 4, "t": torch.zeros(3)})
+        """
         pairs, spec = pytree.tree_flatten_with_path(out)
-        return cls(stage, backend, spec, tuple(p for p, _ in pairs), tuple(cls._baked(v) for _, v in pairs))
+        guard = cls(stage, backend, spec, tuple(p for p, _ in pairs), (), values)
+        return attrs.evolve(guard, baked=tuple(guard._baked(v) for _, v in pairs))
 
     def check(self, out: object, fn: Callable[..., object] | None = None, kwargs: Mapping[str, Any] | None = None) -> None:
         """Refuse ``out`` unless it has the structure, values, shapes and dtypes traced (``fn``
@@ -375,12 +382,18 @@ class OutputGuard:
             return StageOutputError(f"backend {self.backend!r} stage {self.stage.name} returned {what} (at {line}): {why}",
                                     stage=self.stage.name)
 
+        after = ("the graphs after it read the outputs of the step they were traced on" if self.values else
+                 "the stages after it take its outputs by the keys of the step it was traced on")
         if spec != self.spec:
             raise fail(f"keys {sorted(pytree.keystr(p) for p, _ in pairs)} where the traced step returned "
                        f"{sorted(pytree.keystr(p) for p in self.paths)}", out,
-                       "the graphs after it read the outputs of the step they were traced on; return the same keys every step")
+                       f"{after}; return the same keys every step")
         path, value, baked = next((p, v, b) for (p, v), b in zip(pairs, self.baked) if self._baked(v) != b)
         key = pytree.keystr(path)
+        if not self.values:
+            was = "a tensor" if baked[0] == "tensor" else "a Python value"
+            raise fail(f"{_short(value)} at key {key} where the traced step returned {was}", value,
+                       f"{after}; return a tensor or a Python value at a key every step, not one or the other")
         if baked[0] == "tensor" and isinstance(value, Tensor):
             raise fail(f"a tensor of shape {tuple(value.shape)} ({value.dtype}) at key {key} where the traced step "
                        f"returned shape {baked[1]} ({baked[2]})", value,

@@ -528,23 +528,31 @@ def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis
 def _eager_stage(call: StageCall, names: Sequence[str], leaves: Sequence[Any], spec: pytree.TreeSpec,
                  guard: OutputGuard) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """The stage run as written on an environment of its inputs by name (how a stage that
-    escapes the tracer runs in the lowered step). It keeps the call without its arguments and
+    runs its Python runs in the lowered step), its outputs held to ``guard`` (what the stages
+    after it take as traced). In a step that is not replayed (``call.replayed`` False) its Python
+    values cross too: it returns them by name, and takes its own from ``env`` where an earlier
+    stage's Python returned them (a replayed step's graphs bake them). It keeps the call without its arguments and
     the shape of those, not the traced example's tensors: a cached program would keep them
     alive (a deep model's caches, for every program the trace cache and the lowered sizes hold)."""
     bare = attrs.evolve(call, kwargs={})
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     tensor_names = [names[i] for i in tensor_pos]
+    crossing = not call.replayed  # Python values cross between the stages' Python too
+    value_pos = [(i, names[i]) for i, leaf in enumerate(leaves) if crossing and not isinstance(leaf, torch.Tensor)]
 
     def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         flat = list(skeleton)
         for i, name in zip(tensor_pos, tensor_names, strict=True):
             flat[i] = env[name]
+        for i, name in value_pos:
+            if name in env:
+                flat[i] = env[name]
         kwargs = bare.rebuild(flat, spec)
         with watch_threads(bare.backend, bare.stage.name):
             out = bare.fn(**kwargs)
-        guard.check(out, bare.fn, kwargs)  # the graphs after it were traced on the traced step's outputs
-        return {n: v for n, v in bare.output_names(out) if isinstance(v, torch.Tensor)}
+        guard.check(out, bare.fn, kwargs)  # the stages after it were traced on the traced step's outputs
+        return {n: v for n, v in bare.output_names(out) if crossing or isinstance(v, torch.Tensor)}
 
     return eager
 
@@ -620,7 +628,9 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     except Exception:  # what the record cannot hold, or the stage's own error: make_fx's trace, as always
         with tracing():
             gm = make_fx(flat_fn, tracing_mode="real")(*args)
-    guard = OutputGuard.of(stage, stash["out"], backend=backend)
+    # in a step that is not replayed no graph bakes the shapes or the Python values a stage returns:
+    # they may change every step (the stages after it take them by name); its structure may not
+    guard = OutputGuard.of(stage, stash["out"], backend=backend, values=call.replayed)
 
     eager = _eager_stage(call, names, leaves, spec, guard)
 
@@ -673,8 +683,11 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         copies=copies,
         hidden=hidden,
         initial=initial,
-        example=tuple(args) if captured and fake_mode is None and not result.escapes else None,
+        # (not in a step that is not replayed: its graphs never run, and a rerun of one on the
+        # example would pair its inputs with what the backend's own buffers hold now, from another step)
+        example=tuple(args) if captured and fake_mode is None and not result.escapes and call.replayed else None,
         recorded=stash.get("recorded", False),
+        replayed=call.replayed,
     )
     return graph, stash["out"]
 

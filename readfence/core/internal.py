@@ -25,6 +25,7 @@ from ._memory import Span as Span
 from ._memory import span_of as span_of
 from ._program import ALIASES_KEY as ALIASES_KEY
 from ._protocol import child_runs as child_runs
+from ._protocol import replayed as replayed
 from ._protocol import runs_as as runs_as
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing as op_aliasing
@@ -42,5 +43,5 @@ __all__ = [
     "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode",
     "check_mode", "child_runs", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows",
     "not_user_code", "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges",
-    "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
+    "replayed", "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
 ]

@@ -418,17 +418,23 @@ class EngineBackend(Backend):
         in_capture=True)``, once per mode and batch size, on the bound state and outside any trace,
         then its warm-up: the replay-time calls once (``init_forward_metadata_out_graph`` and
         ``init_forward_metadata_in_graph``), where a backend allocates its static metadata buffers
-        on first use. Returns whether it ran now."""
+        on first use. In a mode the engine runs eagerly there is no capture, only the warm-up (the
+        engine's warm-up batch): the eager calls once (:meth:`_warm_up`). Returns whether it ran now."""
         b = self.binding
         key = (self.path, mode, batch_size)
-        if key in b.captured or not b.replayed(self.path, mode):
+        if key in b.captured:
             return False
         b.captured.add(key)
-        example = example_step(b.cfg, mode, batch_size).batch
-        shared = b.state["shared"]
+        step = example_step(b.cfg, mode, batch_size)
+        # a warm-up batch of its own (its lengths agree with its batch); a capture pads over the live state
+        eager = not b.replayed(self.path, mode)
+        example, shared = step.batch, step.shared if eager else b.state["shared"]
         lens = shared["seq_lens"].index_select(0, example["req_pool_indices"]) if "seq_lens" in absent(b.layout) else None
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             fb = b.forward_batch(mode, shared, example, b.state["pools"], lens)
+            if eager:
+                self._warm_up(mode, fb)
+                return True
         obj = self.object
         before = {id(o): dict(vars(o)) for o in _objects(obj) if hasattr(o, "__dict__")}
         with torch._C.DisableTorchFunction(), _disable_current_modes():
@@ -444,6 +450,19 @@ class EngineBackend(Backend):
                          captured=True)
         self._recall(mode, batch_size)
         return True
+
+    def _warm_up(self, mode: ForwardMode, fb: ForwardBatch) -> None:
+        """The metadata calls of a step the engine runs eagerly, once, before its first step (an
+        engine's warm-up batch): a buffer the backend allocates on first use and refills in place
+        on every later step is then the object's own state, as on every later step, not a per-step
+        output of the first one (nor a constant a trace of it baked)."""
+        obj = self.object
+        if self._eager_method(mode) == EAGER_ENTRY:
+            self._invoke(EAGER_ENTRY, fb.forward_mode, obj.init_forward_metadata, fb)
+            return
+        self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
+                     in_capture=False)
+        self._invoke("init_forward_metadata_in_graph", fb.forward_mode, obj.init_forward_metadata_in_graph, fb)
 
     def _recall(self, mode: ForwardMode, batch_size: int) -> None:
         """What the capture-time call of ``mode`` and ``batch_size`` left on the objects, put back as a
@@ -479,7 +498,7 @@ class EngineBackend(Backend):
         key = (self.path, tag, mode, fb.batch_size)
         shapes = {k: tuple(v.shape) for k, v in lifter.outputs.items()}
         first = self.binding.shapes.setdefault(key, shapes)
-        if first != shapes and mode.uses_graph:  # a replayed graph reads static buffers of one shape
+        if first != shapes and self.replayed(mode):  # a replayed graph reads static buffers of one shape
             changed = sorted(set(first) ^ set(shapes)) or [k for k in shapes if shapes[k] != first[k]]
             raise EngineError(
                 f"{self.who()}.{method} keeps per-step metadata {changed[0]!r} of shape "

@@ -137,7 +137,12 @@ def _quiet() -> Iterator[None]:
 
 
 def _within(t: Tensor, span: Span | None, base: Tensor) -> int | None:
-    """Elements from ``base``'s first element to ``t``'s, if ``t`` lies within ``base``."""
+    """Elements from ``base``'s first element to ``t``'s, if ``t`` lies within ``base`` (an empty
+    ``t`` at a place in ``base``'s storage lies there too: ``buffer[:n]`` on a step where ``n`` is 0)."""
+    if t.numel() == 0 and span is not None and t.dtype == base.dtype and t.layout is torch.strided \
+            and t.device == base.device and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr():
+        delta = int(t.storage_offset()) - int(base.storage_offset())
+        return delta if 0 <= delta <= base.numel() else None
     s = span_of(t)
     if s is None or span is None or s.space != span.space or not (span.start <= s.start and s.stop <= span.stop):
         return None

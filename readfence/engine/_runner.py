@@ -183,6 +183,10 @@ class RunnerTarget(Backend):
     def _spec_parts(self) -> tuple[str, tuple[tuple[str | None, Any], ...]]:
         return f"runner[{self.engine.name}]", ()
 
+    def replayed(self, mode: ForwardMode) -> bool:
+        """Whether the engine replays the step in ``mode`` (the adapted backend's answer)."""
+        return self.engine.replayed(mode)
+
     def prepare_out_graph(self, mode: ForwardMode, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         return self.engine.prepare_out_graph(mode, shared, batch)
 
@@ -204,7 +208,7 @@ class RunnerTarget(Backend):
                              f"kill switch), not {policy.name}; PER_BUFFER and EXACT are readfence's, for the "
                              f"adapted backend itself")
         model = self.model if policy is Policy.JOINED else attrs.evolve(self.model, kill_switch=True)
-        graphed = mode.uses_graph and device.caps.graphs
+        graphed = self.engine.replayed(mode) and device.caps.graphs
         marker = device.caps.in_graph_events if model.in_graph_marker is None else model.in_graph_marker
         example = example_step(cfg, mode, batch_size).batch
         point = resolve_end(self.engine, mode, example, marker=marker, graphed=graphed)

@@ -14,7 +14,10 @@ installed, SGLang's ``TritonAttnBackend`` runs as shipped, its kernels in triton
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import torch
 
 from readfence.core import ModelConfig
 from readfence.engine import EngineBackend, adapt, sglang_profile
@@ -80,10 +83,11 @@ def _triton_classes() -> dict[str, Any]:
 
     class HonestTriton(triton):  # type: ignore[misc, valid-type]
         """SGLang's Triton backend declaring what its code does: its page table is read by a triton
-        kernel in init_forward_metadata_out_graph, before the replay."""
+        kernel in init_forward_metadata_out_graph (init_forward_metadata in EXTEND), before the replay
+        (before the forward, in EXTEND)."""
 
         def shared_read_ends(self, mode: Any) -> Any:
-            return ends.PRE_REPLAY if mode in (fm.DECODE, fm.TARGET_VERIFY) else super().shared_read_ends(mode)
+            return ends.PRE_REPLAY if mode in (fm.DECODE, fm.TARGET_VERIFY, fm.EXTEND) else super().shared_read_ends(mode)
 
     class LateTriton(HonestTriton):
         """Declares PRE_REPLAY, while its forward_decode gathers the batch's page-table rows again from the
@@ -98,7 +102,54 @@ def _triton_classes() -> dict[str, Any]:
                 meta.kv_indices, self.req_to_token.stride(0))
             return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
 
-    return {"TritonAttnBackend": triton, "HonestTriton": HonestTriton, "LateTriton": LateTriton}
+        def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+            meta = self.forward_metadata  # the prefix's rows gathered again from the live table, as above
+            create_flashinfer_kv_indices_triton[(forward_batch.batch_size,)](
+                self.req_to_token, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, meta.kv_indptr,
+                None, meta.kv_indices, self.req_to_token.stride(0))
+            return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+
+    class LazyTriton(HonestTriton):
+        """Keeps the prefix's kv_indices in a buffer of its own, allocated on its first step (not in
+        init_cuda_graph_state) and refilled in place every step: the backend's own state."""
+
+        lazy_indices: Any = None
+
+        def init_forward_metadata(self, forward_batch: Any) -> None:
+            super().init_forward_metadata(forward_batch)
+            self._keep(self.forward_metadata)
+
+        def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+            super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            self._keep(self.forward_metadata)
+
+        def _keep(self, meta: Any) -> None:
+            n = meta.kv_indices.numel()  # at most the page table's size, or the graph's static buffer's
+            if self.lazy_indices is None:  # first use
+                self.lazy_indices = torch.zeros(max(n, self.req_to_token.numel()), dtype=torch.int64,
+                                                device=self.device)
+            self.lazy_indices[:n].copy_(meta.kv_indices)
+            self.forward_metadata = dataclasses.replace(meta, kv_indices=self.lazy_indices[:n])
+
+    class LazyViewTriton(HonestTriton):
+        """Keeps, from its first step on, a view of the live page table it made then (not in its
+        constructor), and gathers the prefix's rows from it in forward_extend under an early declaration."""
+
+        lazy_table: Any = None
+
+        def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+            if self.lazy_table is None:  # first use
+                self.lazy_table = self.req_to_token[:]
+            meta = self.forward_metadata
+            create_flashinfer_kv_indices_triton[(forward_batch.batch_size,)](
+                self.lazy_table, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, meta.kv_indptr,
+                None, meta.kv_indices, self.lazy_table.stride(0))
+            return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+
+    return {"TritonAttnBackend": triton, "HonestTriton": HonestTriton, "LateTriton": LateTriton,
+            "LazyTriton": LazyTriton, "LazyViewTriton": LazyViewTriton}
 
 
 TRITON_CLASSES = _triton_classes()
@@ -176,6 +227,14 @@ def honest_triton() -> EngineBackend:
 
 def late_triton() -> EngineBackend:
     return _adapt(TRITON_CLASSES["LateTriton"], "LateTriton")
+
+
+def lazy_triton() -> EngineBackend:
+    return _adapt(TRITON_CLASSES["LazyTriton"], "LazyTriton")
+
+
+def lazy_view_triton() -> EngineBackend:
+    return _adapt(TRITON_CLASSES["LazyViewTriton"], "LazyViewTriton")
 
 
 def tbo_triton() -> EngineBackend:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import ForwardMode, launches_unseen
+from readfence.core import ForwardMode, launches_unseen, trace
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
 from readfence.graph import Policy
@@ -110,3 +110,56 @@ def test_the_cli_audits_sglangs_triton_backend_by_name():
                                        "--mode", "decode", "--batch-size", "2"])
     assert result.exit_code == 0, result.output
     assert "TritonAttnBackend  DECODE  req_to_token  IN_REPLAY  PRE_REPLAY" in result.output, result.output
+
+
+# -- EXTEND: a mode the engine runs eagerly, every stage its Python ------------------------------
+@pytest.mark.slow
+def test_extend_runs_every_stage_as_python_and_the_shipped_backend_verifies_clean_under_every_policy(dev):
+    engine = sg.triton_attn()
+    extend = trace(engine, M.EXTEND, cfg=engine.cfg, batch_size=2)
+    decode = trace(engine, M.DECODE, cfg=engine.cfg, batch_size=2)
+    assert [s.runs_python for s in extend] == [True, True, True], "EXTEND is not replayed: all Python"
+    assert [s.runs_python for s in decode] == [True, False, False], "DECODE replays its in-graph stages"
+    # its metadata's shape follows the prefix lengths (kv_indices: their sum), which a graph cannot hold
+    result = verify_engine(engine, M.EXTEND, device=dev, policies=list(Policy), steps=2, batch_size=2)
+    assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
+    assert result.ok, str(result)
+
+
+@pytest.mark.slow
+def test_in_extend_an_honest_early_declaration_is_poisoned_clean_and_a_late_kernel_read_refused_and_caught(dev):
+    # the declaration's fence (JOINED) and the engine's runner release the page table before the forward,
+    # poisoning it there: a read in the forward would change the outputs
+    honest = verify_engine(sg.honest_triton(), M.EXTEND, device=dev, policies=[Policy.JOINED], steps=2,
+                           batch_size=2)
+    assert honest.ok, str(honest)
+    assert [("req_to_token" in r.poisoned) for r in honest.rows] == [True, True], str(honest)
+    late = sg.late_triton()
+    (row,) = _audit(late, M.EXTEND).unsound()
+    assert (row.declared, row.truth, row.method, row.op) == (PRE, POST, "forward", KERNEL)
+    assert "in forward_extend" in row.where, row.where
+    exact, runner = verify_engine(late, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).rows
+    assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
+    assert (runner.finding.kind, runner.finding.buffer, runner.finding.stage) == ("late read", "req_to_token", "body")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE])
+def test_a_buffer_allocated_on_first_use_is_the_backends_own_and_verifies_clean(mode, dev):
+    engine = sg.lazy_triton()
+    program = trace(engine, mode, cfg=engine.cfg, batch_size=2)
+    # the object's own state, refilled in place: no per-step output, no constant of a trace
+    assert not [n for s in program for n in s.outputs if "lazy_indices" in n], [s.outputs for s in program]
+    assert all(c.usable for c in program.captured()), program.captured()
+    result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2)
+    assert result.ok, str(result)
+
+
+@pytest.mark.slow
+def test_a_view_of_the_page_table_kept_on_first_use_is_a_read_of_it_refused_and_caught(dev):
+    engine = sg.lazy_view_triton()
+    (row,) = _audit(engine, M.EXTEND).unsound()
+    assert (row.declared, row.truth, row.op) == (PRE, POST, KERNEL)
+    exact, runner = verify_engine(engine, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).rows
+    assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
+    assert (runner.finding.kind, runner.finding.buffer) == ("late read", "req_to_token"), str(runner.finding)

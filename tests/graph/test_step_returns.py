@@ -18,14 +18,14 @@ import torch
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.core import ForwardMode, StageOutputError
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, FaultInjector, Policy, lower, run_overlapped, run_serial, verify
+from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, run_overlapped, run_serial, verify
 from tests.conftest import SMALL as CFG
 
 M = ForwardMode.DECODE
 PRE = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
 
 
-def _backend(name, out, inn, indices_lens):
+def _backend(name, out, inn, indices_lens, declare=None):
     """A leaf whose stages return ``out(shared, batch)`` and ``inn(meta)``, its attention
     reading ``indices_lens(meta)``."""
 
@@ -35,7 +35,7 @@ def _backend(name, out, inn, indices_lens):
         return softmax_attention(mode, q, pools, layer, indices, lens)
 
     return leaf(name, attend, prepare_out_graph=lambda mode, shared, batch: out(shared, batch),
-                prepare_in_graph=lambda mode, shared, batch, meta: inn(meta), declare={M: PRE})
+                prepare_in_graph=lambda mode, shared, batch, meta: inn(meta), declare=declare or {M: PRE})
 
 
 def _page(shared, batch):
@@ -165,3 +165,70 @@ def test_a_lowered_step_that_computes_something_else_is_named_so_by_verify() -> 
         finding = verify(backend, M, steps=4, batch_size=2, cfg=CFG, device=dev, policy=Policy.COARSE).failure()
     assert (finding.kind, finding.evidence) == ("differs", "output"), finding
     assert "lowered step differs from the serial step" in finding.detail and "not a race" in finding.detail
+
+
+# -- a step that is not replayed (EXTEND) runs every stage's Python, as engines run it ---------------
+E = ForwardMode.EXTEND
+
+
+def _masked(shared, batch):
+    lens = page_meta(shared, batch)["kv_lens"]
+    return {"long": lens[lens > 4], **page_meta(shared, batch)}  # a shape that follows the values
+
+
+def _longest(shared, batch):
+    meta = page_meta(shared, batch)
+    return {**meta, "longest": int(meta["kv_lens"].max())}  # a Python value computed from the data
+
+
+def _printed(meta):  # a value read by printing: the tracer does not see it, a capture bakes the trace's
+    lens = meta["kv_lens"]
+    longest = int(str(lens.max()).removeprefix("tensor(").removesuffix(")"))
+    return {"kv_lens": lens.clamp(max=longest)}  # unchanged with this step's value, shorter with a baked one
+
+
+def _eager_shapes() -> dict[str, object]:
+    early = {M: PRE, E: ReadEffect.of({}, default=ReadEnd.PRE_REPLAY)}  # a host read: every buffer until PRE
+    return {
+        "masked": _backend("masked", _masked, lambda meta: {"n": meta["long"].sum()},
+                           lambda meta: (meta["kv_indices"], meta["kv_lens"] + meta["n"] * 0), early),
+        "longest": _backend("longest", _longest,
+                            # unchanged when it is this step's value; a baked one would shift the lengths
+                            lambda meta: {"kv_lens": meta["kv_lens"] + (meta["longest"] - meta["kv_lens"].max())},
+                            lambda meta: (meta["kv_indices"], meta["kv_lens"]), early),
+        # a value a capture would bake (verify finds it in DECODE): every step runs the Python, so it is this step's
+        "printed": _backend("printed", _page, _printed, lambda meta: (meta["kv_indices"], meta["kv_lens"]), early),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["masked", "longest", "printed"])
+def test_in_extend_what_a_graph_cannot_hold_runs_as_python_and_matches_serial(shape: str) -> None:
+    # each is refused in DECODE (the tests above): a replayed graph bakes a shape, a value, a state
+    for policy in (Policy.JOINED, Policy.EXACT):
+        backend = _eager_shapes()[shape]
+        serial = run_serial(backend, E, steps=4, batch_size=3, cfg=CFG)
+        with CpuDevice(timeout=20.0, faults=_faults(len(shape))) as dev:
+            run = run_overlapped(backend, E, steps=4, policy=policy, device=dev, batch_size=3, cfg=CFG)
+        assert run.matches(serial) and run.violations == (), (shape, policy)
+    logits = run_serial(_eager_shapes()[shape], E, steps=3, batch_size=3, cfg=CFG).logits
+    assert not torch.equal(logits[1], logits[2]), shape  # the metadata changes from step to step
+
+
+def test_in_extend_reads_of_the_stages_python_are_still_analysed_and_a_late_one_refused() -> None:
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"] + meta["rows"].sum() * 0, meta["kv_lens"])
+
+    def backend(rows):
+        return leaf("rows", attend, prepare_out_graph=lambda mode, shared, batch: _page(shared, batch),
+                    prepare_in_graph=lambda mode, shared, batch, meta: {"rows": rows(shared)},
+                    declare={M: PRE, E: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})})
+
+    with CpuDevice(timeout=20.0) as dev:  # a snapshot: read by prepare_in_graph, its own Python in EXTEND
+        lower(backend(lambda shared: shared["req_to_token"][:, :1].clone()), E, batch_size=2, device=dev,
+              policy=Policy.EXACT, cfg=CFG)
+    with CpuDevice(timeout=20.0) as dev, pytest.raises(UnsoundLowering) as e:  # a view: read where attend uses it
+        lower(backend(lambda shared: shared["req_to_token"][:, :1]), E, batch_size=2, device=dev,
+              policy=Policy.EXACT, cfg=CFG)
+    assert "req_to_token" in str(e.value) and "POST_REPLAY" in str(e.value), str(e.value)

@@ -53,7 +53,7 @@ from readfence.core import (
     varied_step,
 )
 from readfence.core import trace as trace_step
-from readfence.core.internal import BufferMap, check_backend, check_buffers, check_forward_mode, positive_int
+from readfence.core.internal import BufferMap, check_backend, check_buffers, check_forward_mode, positive_int, replayed
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 
 from ..devices import CudaDevice, Device, Event, Stream, Timeline
@@ -291,7 +291,7 @@ def lower(
     cfg = ModelConfig() if cfg is None else cfg
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
-    graphed = mode.uses_graph and device.caps.graphs
+    graphed = replayed(backend, mode) and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
     # the passes: trace and bind to the live state; refuse what no fence makes correct; validate
@@ -323,7 +323,8 @@ def lower(
     reads = last_reads(program, rehearsal.observed)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
                        observed=observed, graphed=graphed)
-    launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check)
+    launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
+                                program.replayed)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
     spec = SlotSpec(label, program, plan, device, rehearsal.observed, graphed, measure,
@@ -338,7 +339,7 @@ def lower(
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
               rehearsal: Rehearsal, stream: Stream, label: str, timeline: Timeline | None,
-              check: CheckState | None) -> tuple[StepLauncher, dict[str, Tensor]]:
+              check: CheckState | None, replayed: bool) -> tuple[StepLauncher, dict[str, Tensor]]:
     # the step's static buffers: its batch, the metadata copies, the logits; over the live state
     dev = device_of(state["shared"])
     example = example_step(cfg, mode, batch_size, device=dev)
@@ -349,7 +350,7 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
     labels = {name: f"{label}/{name}" for name in (*(s.name for s in STAGES), "load_batch", "outputs")}
     watcher = None if check is None else check.watcher
-    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher), batch
+    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
 
 
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,

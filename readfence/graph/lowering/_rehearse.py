@@ -86,7 +86,8 @@ def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_siz
         if isinstance(e.__cause__, (StageThreadError, StageOutputError)):
             raise e.__cause__ from None
         raise
-    _check_shapes(program, env)
+    if program.replayed:  # a step that is not replayed bakes no shape: its stages run their Python
+        _check_shapes(program, env)
     meta = {k: torch.zeros_like(env[k], device=device) for k in program.stage(PREPARE_OUT_GRAPH.name).outputs}
     return Rehearsal(observed, meta)
 

@@ -97,7 +97,9 @@ class StepLauncher:
     """How a lowered step's stages are launched on its stream: each stage's runner over the
     step's environment ``env`` (its static batch, the live state, the static metadata copies
     ``meta``), the in-graph stages' outputs into ``env``, the body's into ``logits``; each
-    watched in check mode and timed when there is a timeline."""
+    watched in check mode and timed when there is a timeline. In a step that is not
+    ``replayed`` the out-of-graph stage's outputs go into ``env`` as they are: every stage runs
+    its Python, as the engine runs it, and its metadata may change shape every step."""
 
     stream: Stream
     env: dict[str, Tensor]
@@ -107,10 +109,15 @@ class StepLauncher:
     labels: Mapping[str, str]
     timeline: Timeline | None = None
     watcher: Watcher | None = None
+    replayed: bool = True
 
     def copy_meta(self, out: Mapping[str, Tensor]) -> None:
         """The out-of-graph stage's outputs into the graph's static buffers (of the traced
-        shapes: a copy would broadcast a smaller tensor without a word)."""
+        shapes: a copy would broadcast a smaller tensor without a word); into the environment
+        itself in a step that is not replayed."""
+        if not self.replayed:
+            self.env.update(out)
+            return
         meta = self.meta
         for k, v in out.items():
             static = meta[k]

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode
+from readfence.core.internal import replayed
 
 from ..devices import Device, DeviceObserver, Timeline
 from ..lowering import Policy
@@ -430,10 +431,10 @@ def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps
     add_waits(timeline, recorder)
     graphs = device.caps.graphs
     if isinstance(backend, StepShape):
-        add_replays(timeline, graphed=[ph.mode.uses_graph and graphs for ph in backend.phases],
+        add_replays(timeline, graphed=[replayed(ph.backend, ph.mode) and graphs for ph in backend.phases],
                     phases=[ph.name for ph in backend.phases])
     else:
-        add_replays(timeline, graphed=[mode.uses_graph and graphs])
+        add_replays(timeline, graphed=[replayed(backend, mode) and graphs])
     return TracedRun(result, timeline, policy.name)
 
 
