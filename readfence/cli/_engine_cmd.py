@@ -102,7 +102,7 @@ def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[
     # audited; a lone mode has nothing else to report, and its error is the one Error: line
     errors = "report" if len(set(modes or ENGINE_MODES)) > 1 else "raise"
     with _engine_errors():
-        reports = [(name, audit_engine(engine, modes or None, batch_sizes=batch_sizes or None, errors=errors))
+        reports = [(name, _whole(audit_engine(engine, modes or None, batch_sizes=batch_sizes or None, errors=errors)))
                    for name, engine in engines]
     if as_json:
         echo_json([{"engine": name, **item} for name, report in reports for item in _json_items(report)])
@@ -111,6 +111,14 @@ def audit_engines(engines: Sequence[tuple[str, EngineBackend]], modes: Sequence[
         if len(reports) > 1:
             click.echo("\n" + summary(reports))
     return 1 if any(not report.sound or report.errors() for _, report in reports) else 0
+
+
+def _whole(result: Any) -> Any:
+    """The whole report of ``audit_engine``'s or ``verify_engine``'s result: a failure's carries it
+    too (every row is printed, the exit status says whether any is a finding)."""
+    from returns.pipeline import is_successful
+
+    return result.unwrap() if is_successful(result) else result.failure().report
 
 
 def _json_items(report: Any) -> list[dict[str, Any]]:
@@ -189,8 +197,8 @@ def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, pol
     results = []
     with open_device(device) as dev, _engine_errors():
         for name, engine in engines:
-            results.append((name, verify_engine(engine, mode, device=dev, policies=policies, steps=steps,
-                                                batch_size=batch_size, seed=seed)))
+            results.append((name, _whole(verify_engine(engine, mode, device=dev, policies=policies, steps=steps,
+                                                       batch_size=batch_size, seed=seed))))
     if as_json:
         # ``policy`` as in spec verify's objects (the engine runner's is "ENGINE RUNNER"); ``fence`` is
         # the same name, kept for schema version 1

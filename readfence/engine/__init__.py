@@ -8,11 +8,13 @@ reads. The pipeline, in this layer's modules:
   lifted into a readfence backend (``_view``: the runner and forward batch it sees; ``_lift``:
   its per-step metadata between the stages; ``_contract``: what is asked of the class);
 * ``audit_engine`` (``_audit``, ``_observe``): per node, mode and buffer, the scalar declaration
-  against the truth, traced where the tracer follows the code and observed where it cannot;
+  against the truth, traced where the tracer follows the code and observed where it cannot
+  (``Result[EngineAudit, EngineUnsound]``, as ``readfence.core.audit``);
 * ``runner_model`` (``_runner``): the engine's own runner (one event from the scalar, a mailbox,
   a kill switch, prefill resolved per batch) on readfence's loop;
 * ``verify_engine`` and ``compare`` (``_check``): poison, guard and the read observer under every
-  policy and the engine's runner; throughput side by side;
+  policy and the engine's runner (``Result[EngineVerification, EngineFindings]``, as
+  ``readfence.graph.verify``); throughput side by side;
 * ``readfence.engine.reference``: a CPU reference engine in SGLang's style.
 
 >>> from readfence.core import ForwardMode
@@ -21,14 +23,23 @@ reads. The pipeline, in this layer's modules:
 >>> engine = adapt(TrtllmMhaBackend)
 >>> engine.read_end(ForwardMode.DECODE)
 <ReadEnd.PRE_REPLAY: 1>
->>> report = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1)
+>>> report = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1).unwrap()
 >>> [(r.buffer, r.truth.name, r.text()) for r in report.rows()][-1]
 ('state_slots', 'NONE', 'conservative +1')
 """
 
 from ._adapter import EngineBackend, adapt
-from ._audit import ENGINE_MODES, EngineAudit, EngineRow, NodeAudit, audit_engine
-from ._check import RUNNER, CompareRow, Comparison, EngineVerification, VerifyRow, compare, verify_engine
+from ._audit import ENGINE_MODES, EngineAudit, EngineRow, EngineUnsound, NodeAudit, audit_engine
+from ._check import (
+    RUNNER,
+    CompareRow,
+    Comparison,
+    EngineFindings,
+    EngineVerification,
+    VerifyRow,
+    compare,
+    verify_engine,
+)
 from ._contract import END_NAMES, ContractError, EngineError, EngineMode
 from ._observe import observe_engine
 from ._profile import EngineProfile
@@ -48,10 +59,12 @@ __all__ = [
     "EngineAudit",
     "EngineBackend",
     "EngineError",
+    "EngineFindings",
     "EngineMode",
     "EngineProfile",
     "EngineRow",
     "EngineRunner",
+    "EngineUnsound",
     "EngineVerification",
     "ForwardBatch",
     "Mailbox",

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
+from returns.result import Result, Success
 
 from readfence.core import (
     BODY,
@@ -49,7 +50,7 @@ from readfence.core import (
     trace,
 )
 from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int
-from readfence.effects import ReadEffect, ReadEnd
+from readfence.effects import Failure, ReadEffect, ReadEnd
 from readfence.effects.internal import table
 
 from ._adapter import EAGER, EngineBackend
@@ -176,7 +177,7 @@ class EngineAudit:
 
     def errors(self) -> list[NodeAudit]:
         """The (node, mode) pairs whose engine code raised (``audit_engine(..., errors="report")``):
-        nothing was audited there."""
+        nothing was audited there. They do not make the audit a failure: check them too."""
         return [n for n in self.nodes if n.error]
 
     def find(self, path: str, mode: ForwardMode) -> NodeAudit:
@@ -242,6 +243,56 @@ class EngineAudit:
 
     def __str__(self) -> str:
         return self.table()
+
+
+@attrs.frozen
+class EngineUnsound:
+    """An engine audit's failure: a declaration the engine publishes a fence from ends before a read.
+
+    ``report`` is the whole :class:`EngineAudit` (every row, latent findings, errors); ``rows``
+    are its unsound rows, deepest node first, and ``row`` the deepest guilty one, which
+    ``message`` names with its mode, buffer, declared and true end, and what reads it late.
+
+    >>> from readfence.engine.reference import minimax_sparse
+    >>> failed = audit_engine(minimax_sparse(), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure()
+    >>> print(failed.message)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    unsound declaration: MiniMaxSparseBackend in mode DECODE declares buffer 'req_to_token' ends at
+    IN_REPLAY but it is read until POST_REPLAY: forward reads it (aten.index_select.default) at ...
+    >>> failed.report.sound, [r.buffer for r in failed.rows]
+    (False, ['req_to_token'])
+    """
+
+    report: EngineAudit = attrs.field()
+
+    @report.validator
+    def _has_unsound_rows(self, _attribute: attrs.Attribute[EngineAudit], report: EngineAudit) -> None:
+        if not isinstance(report, EngineAudit):
+            raise TypeError(f"EngineUnsound.report must be an EngineAudit, got {report!r} ({type(report).__name__})")
+        if report.sound:
+            raise ValueError(f"EngineUnsound.report must have an unsound row; the audit of {report.backend} is sound")
+
+    @property
+    def rows(self) -> tuple[EngineRow, ...]:
+        """The unsound rows whose declaration the engine uses, deepest nodes first."""
+        return tuple(self.report.unsound())
+
+    @property
+    def row(self) -> EngineRow:
+        """The deepest guilty row: the one :attr:`message` names."""
+        return self.rows[0]
+
+    @property
+    def message(self) -> str:
+        r = self.row
+        at = f" at {r.where}" if r.where else ""
+        size = f", batch size {r.batch_size}" if r.batch_size is not None else ""
+        more = f"; {len(self.rows) - 1} more unsound row(s) in the report" if len(self.rows) > 1 else ""
+        return (f"unsound declaration: {r.backend} in mode {r.mode.name} declares buffer {r.buffer!r} ends at "
+                f"{r.declared.name} but it is read until {r.truth.name}: {r.text().removeprefix('unsound: ')}{at} "
+                f"({r.source}{size}){more}")
+
+    def __str__(self) -> str:
+        return self.message
 
 
 # ------------------------------------------------------------------------------------------
@@ -515,7 +566,7 @@ ON_ERROR = ("raise", "report")
 
 def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMode] | None = None, *,
                  batch_sizes: Iterable[int] | None = None, steps: int = 2, seed: int = 0,
-                 errors: str = "raise") -> EngineAudit:
+                 errors: str = "raise") -> Result[EngineAudit, EngineUnsound]:
     """Audit ``engine`` and every node of its wrapper tree in each of ``modes`` (default: every
     mode but IDLE), traced where the tracer follows the stages, observed where it cannot.
 
@@ -525,14 +576,24 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     engine's own state (put back afterwards). Nothing is run overlapped: see
     :func:`~readfence.engine.verify_engine` for that.
 
+    ``Success(report)`` when no declaration the engine publishes a fence from is unsound
+    (:meth:`EngineAudit.unsound` is empty), else ``Failure(EngineUnsound(report))`` naming the
+    deepest guilty node; either way the report is the whole audit (``.failure().report``). Latent
+    rows and unsound declarations the engine never uses (a backend it never graph-replays) are
+    findings in the report, not failures.
+
     The engine's own code raising is an :class:`~readfence.engine.EngineError` (``errors="raise"``);
     with ``errors="report"`` the other nodes and modes are still audited, and each (node, mode)
     whose code raised is a :class:`NodeAudit` whose ``error`` says what and where
-    (:meth:`EngineAudit.errors`; its table prints an ``error`` row and an ``ERROR:`` line).
+    (:meth:`EngineAudit.errors`; its table prints an ``error`` row and an ``ERROR:`` line). Such a
+    node is reported, not a failure: the result is ``Success`` when nothing else is unsound, so
+    check ``report.errors()`` too (the CLI exits 1 on either).
 
-    >>> from readfence.engine.reference import minimax_hybrid
-    >>> report = audit_engine(minimax_hybrid(), ForwardMode.DECODE, batch_sizes=[2], steps=1)
-    >>> [(r.backend.rsplit("/", 1)[-1], r.text()) for r in report.unsound()]  # doctest: +NORMALIZE_WHITESPACE
+    >>> from readfence.engine.reference import minimax_hybrid, trtllm_mha
+    >>> audit_engine(trtllm_mha(), ForwardMode.DECODE, batch_sizes=[2], steps=1).map(lambda r: r.sound)
+    <Success: True>
+    >>> failed = audit_engine(minimax_hybrid(), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure()
+    >>> [(r.backend.rsplit("/", 1)[-1], r.text()) for r in failed.rows]  # doctest: +NORMALIZE_WHITESPACE
     [('MiniMaxSparseBackend', 'unsound: forward reads it (aten.index_select.default)'),
      ('MiniMaxHybridAttnBackend', 'unsound: forward reads it (aten.index_select.default)')]
     """
@@ -555,4 +616,5 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     found = {(n.path, n.mode): n for mode in chosen for n in _audit_tree(engine.name, engine, mode, sizes, steps, seed,
                                                                           errors)}
     nodes = [found[(path, mode)] for path, _ in engine.walk() for mode in chosen]
-    return EngineAudit(engine.name, tuple(_judged(engine, nodes, chosen)), steps, sizes)
+    report = EngineAudit(engine.name, tuple(_judged(engine, nodes, chosen)), steps, sizes)
+    return Success(report) if report.sound else Failure(EngineUnsound(report))

@@ -14,9 +14,11 @@ from typing import Any
 
 import attrs
 from returns.pipeline import is_successful
+from returns.result import Result, Success
 
 from readfence.core import CapturedStateError, ForwardMode, StageThreadError, StageWriteError
 from readfence.core.internal import check_forward_mode, positive_int
+from readfence.effects import Failure
 from readfence.effects.internal import table
 from readfence.graph import (
     Device,
@@ -119,21 +121,73 @@ class EngineVerification:
         return "\n".join(lines)
 
 
+@attrs.frozen
+class EngineFindings:
+    """A failed :func:`verify_engine`: at least one fence (a policy or the engine's runner) has a finding.
+
+    ``report`` is the whole :class:`EngineVerification`, clean rows included; ``rows`` are the
+    fences with a finding, in the order they ran, and ``row`` the first, which ``message`` names.
+    Plural, unlike ``readfence.graph.LateRead`` (one finding of one policy): each fence verified
+    may have its own, and of every kind ``LateRead`` has (a late read, a write, a refusal...).
+
+    >>> from readfence.engine.reference import minimax_sparse
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     failed = verify_engine(minimax_sparse(), device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).failure()
+    >>> print(failed.message)  # doctest: +ELLIPSIS
+    MiniMaxSparseBackend in DECODE: 2 of 2 fences with findings; first EXACT: unsound declaration of 'req_to_token' ...
+    >>> [r.name for r in failed.rows], failed.report.ok
+    (['EXACT', 'ENGINE RUNNER'], False)
+    """
+
+    report: EngineVerification = attrs.field()
+
+    @report.validator
+    def _has_findings(self, _attribute: attrs.Attribute[EngineVerification], report: EngineVerification) -> None:
+        if not isinstance(report, EngineVerification):
+            raise TypeError(f"EngineFindings.report must be an EngineVerification, got {report!r} "
+                            f"({type(report).__name__})")
+        if report.ok:
+            raise ValueError(f"EngineFindings.report must have a finding; every fence of {report.backend} is clean")
+
+    @property
+    def rows(self) -> tuple[VerifyRow, ...]:
+        """The fences with a finding, in the order they ran."""
+        return tuple(r for r in self.report.rows if not r.clean)
+
+    @property
+    def row(self) -> VerifyRow:
+        """The first fence with a finding: the one :attr:`message` names."""
+        return self.rows[0]
+
+    @property
+    def message(self) -> str:
+        r = self.report
+        return (f"{r.backend} in {r.mode.name}: {len(self.rows)} of {len(r.rows)} fences with findings; first "
+                f"{self.row.name}: {self.row.text()}")
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, device: Device,
                   policies: Policy | Iterable[Policy] | None = None, runner: RunnerModel | None = SGLANG,
-                  steps: int = 8, batch_size: int = 4, seed: int = 0) -> EngineVerification:
+                  steps: int = 8, batch_size: int = 4, seed: int = 0
+                  ) -> Result[EngineVerification, EngineFindings]:
     """``readfence.graph.verify`` of ``engine`` under each of ``policies`` (default: all) and under
     the engine's runner model (``runner``; ``None`` leaves it out), on the engine's own state.
 
-    A policy the lowering refuses (an unsound declaration) is a finding with evidence
-    ``audit``; the runner trusts the declaration as the engine does, so an unsound one is
-    caught at run time (poison, the observer).
+    ``Success(verification)`` when every fence ran clean, else ``Failure(EngineFindings(verification))``
+    naming the first fence with a finding; either way the verification is the whole table
+    (``.failure().report``). A policy the lowering refuses (an unsound declaration) is a finding
+    with evidence ``audit``; the runner trusts the declaration as the engine does, so an unsound
+    one is caught at run time (poison, the observer).
 
     >>> from readfence.engine.reference import minimax_sparse
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
     ...     result = verify_engine(minimax_sparse(), device=dev, policies=[Policy.PER_BUFFER], steps=2, batch_size=2)
-    >>> [(r.name, r.finding.kind, r.finding.evidence) for r in result.rows]
+    >>> [(r.name, r.finding.kind, r.finding.evidence) for r in result.failure().report.rows]
     [('PER_BUFFER', 'unsound declaration', 'audit'), ('ENGINE RUNNER', 'late read', 'observer')]
     """
     engine = _check(engine)
@@ -159,7 +213,8 @@ def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE,
             rows.append(VerifyRow(name, None, check.checks[0].poisoned, time.perf_counter() - t0))
         else:
             rows.append(VerifyRow(name, result.failure(), (), time.perf_counter() - t0))
-    return EngineVerification(engine.name, mode, device.name, steps, batch_size, tuple(rows), observer)
+    report = EngineVerification(engine.name, mode, device.name, steps, batch_size, tuple(rows), observer)
+    return Success(report) if report.ok else Failure(EngineFindings(report))
 
 
 # ------------------------------------------------------------------------------------------

@@ -57,12 +57,12 @@ def test_a_view_kept_across_the_boundary_is_a_late_read_named_by_method_and_op(d
     engine = adapt(KeepsAView, cfg=CFG)
     failure = audit(engine, M.DECODE, cfg=CFG, batch_sizes=[2], state=engine.state).failure()
     assert (failure.buffer, failure.declared, failure.observed) == ("req_to_token", PRE, POST)
-    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).failure().report
     (row,) = report.unsound()
     assert (row.buffer, row.method, row.op, row.source) == ("req_to_token", "forward", "aten.index_select.default",
                                                             "traced")
     assert "classes.py" in row.where and "indices_now" in row.where
-    result = verify_engine(engine, device=dev, policies=[Policy.PER_BUFFER], steps=3, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.PER_BUFFER], steps=3, batch_size=2).failure().report
     per_buffer, runner = result.rows
     assert (per_buffer.finding.kind, per_buffer.finding.evidence) == ("unsound declaration", "audit")
     # the engine's runner trusts the declaration: the read after its fence is caught at run time
@@ -72,7 +72,7 @@ def test_a_view_kept_across_the_boundary_is_a_late_read_named_by_method_and_op(d
 
 def test_data_dependent_shapes_are_audited_by_observation_and_run_under_the_runner(dev):
     engine = adapt(HostBounds, cfg=CFG)
-    report = audit_engine(engine, M.DECODE, batch_sizes=[1, 2], steps=2)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[1, 2], steps=2).unwrap()
     assert _verdicts(report)["req_to_token"] == ("exact", "observed", POST)
     assert _verdicts(report)["seq_lens"] == ("exact", "observed", POST)
     node = report.find("HostBounds", M.DECODE)
@@ -80,31 +80,31 @@ def test_data_dependent_shapes_are_audited_by_observation_and_run_under_the_runn
     # both stages run as Python in the step: every buffer until POST_REPLAY, which it declares
     assert node.lowering == ""
     assert "cover only the paths that ran" in report.table()
-    result = verify_engine(engine, device=dev, steps=3, batch_size=2)
+    result = verify_engine(engine, device=dev, steps=3, batch_size=2).unwrap()
     assert [r.name for r in result.rows if r.clean] == [*(p.name for p in Policy), RUNNER], str(result)
     # declared before the replay's end, the same class is refused by readfence's lowering
     early = engine.redeclared(M.DECODE, ReadEnd.IN_REPLAY)
-    refused = audit_engine(early, M.DECODE, batch_sizes=[2], steps=1).find("HostBounds", M.DECODE)
+    refused = audit_engine(early, M.DECODE, batch_sizes=[2], steps=1).failure().report.find("HostBounds", M.DECODE)
     assert "COARSE only" in refused.lowering and "POST_REPLAY in it" in refused.lowering
 
 
 def test_a_buffer_the_engine_keeps_under_its_own_name_is_found_through_the_layout(dev):
     engine = adapt(RenamedSlots, cfg=CFG, buffers={"state_slots": "mamba.indices"})
     assert engine.object.indices_of is engine.state["shared"]["state_slots"]
-    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).unwrap()
     assert _verdicts(report)["state_slots"] == ("exact", "traced", IN)
     assert _verdicts(report)["swa_map"] == ("conservative", "traced", ReadEnd.NONE)
-    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
 def test_a_wrapper_that_does_not_delegate_is_unsound_while_its_children_are_sound(dev):
     engine = adapt(ForgetfulWrapper, cfg=CFG)
-    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).failure().report
     assert [(r.backend, r.buffer) for r in report.unsound()] == [("ForgetfulWrapper", "req_to_token")]
     child = "ForgetfulWrapper/attn_backend_list[1]/KeepsAView"
     assert _verdicts(report, child)["req_to_token"] == ("exact", "traced", POST)
-    result = verify_engine(engine, device=dev, policies=[], steps=3, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[], steps=3, batch_size=2).failure().report
     assert result.row(RUNNER).finding.kind == "late read"
 
 
@@ -116,12 +116,12 @@ def test_a_host_read_in_forward_is_an_escape_lowered_coarse_only(dev):
             return q
 
     engine = adapt(Branches, cfg=CFG)
-    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).unwrap()
     assert _verdicts(report)["req_to_token"][::2] == ("exact", PRE)
     node = report.find("Branches", M.DECODE)
     assert any("host read by aten.equal" in why for _, why, _ in node.untraceable), node.untraceable
     assert "fences it COARSE only" in node.lowering
-    result = verify_engine(engine, device=dev, policies=[Policy.COARSE], steps=2, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.COARSE], steps=2, batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
@@ -129,7 +129,7 @@ def test_readfence_lowering_and_the_runner_see_the_very_tensors_the_object_reads
     # poison lands in the engine's own buffers: an early fence changes what the object computes
     engine = adapt(KeepsAView, cfg=CFG)
     early = engine.redeclared(M.DECODE, PRE)
-    result = verify_engine(engine, device=dev, policies=[], steps=2, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[], steps=2, batch_size=2).failure().report
     assert result.row(RUNNER).finding.evidence == "observer"
     from readfence.graph import verify
 
@@ -142,7 +142,7 @@ def test_a_buffer_outside_reads_is_a_row_only_where_it_is_read_and_then_undeclar
     from readfence.engine.reference import TritonBackend
 
     engine = adapt(TritonBackend, cfg=CFG, reads=["req_to_token"])
-    rows = {r.buffer: r for r in audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).rows()}
+    rows = {r.buffer: r for r in audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).failure().report.rows()}
     assert set(rows) == {"req_to_token", "seq_lens"}  # swa_map and state_slots: neither declared nor read
     assert rows["req_to_token"].verdict == "exact"
     lens = rows["seq_lens"]  # the class reads it, the declaration does not cover it
@@ -157,9 +157,9 @@ def test_a_buffer_the_engine_lacks_is_the_runners_copy_and_no_row(dev):
     assert not hasattr(engine.runner.req_to_token_pool, "seq_lens")
     # the runner copies the batch's lengths before the replay; they are released with the rest
     assert engine.read_effect(M.DECODE)["seq_lens"] is IN
-    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).unwrap()
     assert {r.buffer for r in report.rows()} == {"req_to_token", "state_slots"} and report.sound
-    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2).unwrap()
     assert result.ok, str(result)
     with pytest.raises(ValueError, match="req_to_token'\\] cannot be None"):
         adapt(TritonBackend, cfg=CFG, buffers={"req_to_token": None})
@@ -200,7 +200,7 @@ def test_torch_refusing_to_trace_names_the_stage_and_line_with_its_whole_message
                 raise TraceError(message)
             super().init_forward_metadata_in_graph(forward_batch)
 
-    report = audit_engine(adapt(Refused, cfg=CFG), M.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(adapt(Refused, cfg=CFG), M.DECODE, batch_sizes=[2], steps=1).unwrap()
     node = report.find("Refused", M.DECODE)
     ((stage, why, source),) = node.untraceable
     assert stage == "prepare_in_graph" and why.endswith("(end of message)") and "test_adapter.py" in source
@@ -213,7 +213,7 @@ def test_engine_state_as_engines_keep_it_is_lifted_and_runs_bit_identical_to_ser
     # static buffers allocated on first use and refilled in place; metadata under the mode enum
     engine = adapt(cls, cfg=CFG)
     assert audit(engine, M.DECODE, cfg=CFG, state=engine.state).map(lambda r: r.sound).unwrap()
-    report = audit_engine(engine, M.DECODE, batch_sizes=[1, 2], steps=2)
+    report = audit_engine(engine, M.DECODE, batch_sizes=[1, 2], steps=2).unwrap()
     assert {b: v[:2] for b, v in _verdicts(report).items()} == {
         "req_to_token": ("exact", "traced"), "seq_lens": ("exact", "traced"), "swa_map": ("conservative", "traced"),
         "state_slots": ("conservative", "traced")}, report.table()
@@ -221,7 +221,7 @@ def test_engine_state_as_engines_keep_it_is_lifted_and_runs_bit_identical_to_ser
     for policy in (Policy.PER_BUFFER, Policy.EXACT):
         run = run_overlapped(engine, steps=4, policy=policy, device=dev, batch_size=2, cfg=CFG, state=engine.state)
         assert run.matches(serial) and run.violations == (), policy
-    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
@@ -232,5 +232,5 @@ def test_the_same_state_read_after_its_declared_end_is_refused(cls, truth):
     failure = audit(engine, M.DECODE, cfg=CFG, batch_sizes=[2], state=engine.state).failure()
     assert (failure.path, failure.buffer, failure.declared, failure.observed) == (
         cls.__name__, "req_to_token", PRE, truth), failure.message
-    rows = {r.buffer: r.truth for r in audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).unsound()}
+    rows = {r.buffer: r.truth for r in audit_engine(engine, M.DECODE, batch_sizes=[2], steps=1).failure().rows}
     assert rows["req_to_token"] is truth, rows

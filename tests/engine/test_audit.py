@@ -1,14 +1,16 @@
 """``audit_engine``'s arguments: a mode given as a string is one (wrong) mode, not its letters;
-``errors="report"`` audits every other (node, mode) when the engine's own code raises in one."""
+``errors="report"`` audits every other (node, mode) when the engine's own code raises in one; its
+result is a failure exactly when a declaration the engine uses is unsound."""
 
 from __future__ import annotations
 
 import pytest
+from returns.pipeline import is_successful
 
 from readfence.core import ForwardMode
 from readfence.engine import EngineError, adapt, audit_engine
 
-from .classes import KeptCopies
+from .classes import KeepsAView, KeptCopies
 from .conftest import CFG
 
 
@@ -33,7 +35,7 @@ def test_errors_report_audits_the_other_modes_and_names_what_raised():
     modes = [ForwardMode.DECODE, ForwardMode.EXTEND]
     with pytest.raises(EngineError, match="RaisesInExtend.init_forward_metadata_out_graph raised KeyError in EXTEND"):
         audit_engine(engine, modes, batch_sizes=[2], steps=1)
-    report = audit_engine(engine, modes, batch_sizes=[2], steps=1, errors="report")
+    report = audit_engine(engine, modes, batch_sizes=[2], steps=1, errors="report").unwrap()  # raised: not a failure
     (failed,) = report.errors()
     assert failed.mode is ForwardMode.EXTEND and failed.rows == ()
     assert failed.error.startswith("RaisesInExtend.init_forward_metadata_out_graph raised KeyError in EXTEND: "
@@ -66,7 +68,7 @@ def test_a_child_below_its_truth_under_a_root_that_covers_it_is_latent_and_runs_
     from readfence.graph import CpuDevice
 
     engine = adapt(_CoveringMiniMax, cfg=CFG, name="CoveringMiniMax")
-    report = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1).unwrap()  # latent: not a failure
     assert report.sound and report.unsound() == [], report.table()
     found = report.latent()
     assert found and {x.path for x in found} == {"CoveringMiniMax/attn_backend_list[0]/MiniMaxSparseBackend"}
@@ -79,10 +81,10 @@ def test_a_child_below_its_truth_under_a_root_that_covers_it_is_latent_and_runs_
     assert row.verdict == "latent" and row.text().startswith("latent (")
     assert row.as_json()["latent"]["fence"] == "CoveringMiniMax" and row.as_json()["verdict"] == "latent"
     with CpuDevice(timeout=30.0) as dev:
-        verified = verify_engine(engine, ForwardMode.DECODE, device=dev, steps=3, batch_size=2)
+        verified = verify_engine(engine, ForwardMode.DECODE, device=dev, steps=3, batch_size=2).unwrap()
     assert verified.ok, str(verified)
     # the same child under its own wrapper's delegated declaration: the root's fence is early, refused
-    racing = audit_engine(minimax_hybrid(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    racing = audit_engine(minimax_hybrid(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure().report
     assert not racing.sound and racing.latent() == []
     assert {r.backend.rsplit("/", 1)[-1] for r in racing.unsound()} == {"MiniMaxSparseBackend", "MiniMaxHybridAttnBackend"}
 
@@ -90,10 +92,59 @@ def test_a_child_below_its_truth_under_a_root_that_covers_it_is_latent_and_runs_
 def test_a_two_batch_overlap_child_is_audited_at_its_micro_batch_sizes():
     from readfence.engine.reference import tbo
 
-    report = audit_engine(tbo(CFG), ForwardMode.DECODE, batch_sizes=[2, CFG.max_reqs], steps=1)
+    report = audit_engine(tbo(CFG), ForwardMode.DECODE, batch_sizes=[2, CFG.max_reqs], steps=1).unwrap()
     half = CFG.max_reqs // 2
     assert report.find("TboAttnBackend", ForwardMode.DECODE).batch_sizes == (2, CFG.max_reqs)
     assert report.find("TboAttnBackend/primary/DeepSeekV4Backend", ForwardMode.DECODE).batch_sizes == (2, CFG.max_reqs)
     for i in (0, 1):
         child = report.find(f"TboAttnBackend/children[{i}]/TritonBackend", ForwardMode.DECODE)
         assert child.batch_sizes == (1, half) and {r.batch_size for r in child.rows} <= {1, half}
+
+
+# -- the result: a failure exactly when a declaration the engine uses is unsound ----------------
+
+
+def test_an_unsound_used_declaration_is_a_failure_carrying_the_whole_audit():
+    from readfence.effects import UnwrapError
+    from readfence.engine import EngineAudit, EngineUnsound
+    from readfence.engine.reference import minimax_hybrid
+
+    engine = minimax_hybrid(CFG)
+    result = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert not is_successful(result)
+    failed = result.failure()
+    assert isinstance(failed, EngineUnsound) and isinstance(failed.report, EngineAudit)
+    report = failed.report
+    # the whole audit: every node of the tree, the sound dense child's rows with the unsound ones
+    assert {n.path for n in report.nodes} == {path for path, _ in engine.walk()}
+    dense = "MiniMaxHybridAttnBackend/attn_backend_list[1]/FlashInferBackend"
+    assert report.find(dense, ForwardMode.DECODE).rows and not report.sound
+    assert failed.rows == tuple(report.unsound()) and len(failed.rows) == 2
+    sparse = "MiniMaxHybridAttnBackend/attn_backend_list[0]/MiniMaxSparseBackend"
+    assert (failed.row.backend, failed.row.buffer) == (sparse, "req_to_token")  # the deepest guilty node
+    assert failed.message.startswith(f"unsound declaration: {sparse} in mode DECODE declares buffer 'req_to_token' "
+                                     "ends at IN_REPLAY but it is read until POST_REPLAY: forward reads it "
+                                     "(aten.index_select.default) at "), failed.message
+    assert failed.message.endswith("(traced, batch size 2); 1 more unsound row(s) in the report"), failed.message
+    assert str(failed) == failed.message
+    with pytest.raises(UnwrapError, match="unwrap\\(\\) of a failure: unsound declaration: "):
+        result.unwrap()
+    with pytest.raises(ValueError, match="must have an unsound row"):
+        EngineUnsound(audit_engine(adapt(KeptCopies, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1).unwrap())
+
+
+def test_a_sound_audit_and_an_unsound_declaration_the_engine_never_uses_are_successes():
+    from readfence.engine import EngineProfile
+    from readfence.engine.reference import trtllm_mha
+
+    sound = audit_engine(trtllm_mha(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert is_successful(sound) and sound.unwrap().sound and sound.unwrap().rows()
+    # KeepsAView reads its page table after its declared end; an engine that never graph-replays
+    # it publishes no fence from that declaration: shown, not a failure
+    racing = audit_engine(adapt(KeepsAView, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert not is_successful(racing) and [r.buffer for r in racing.failure().rows] == ["req_to_token"]
+    eager = adapt(KeepsAView, cfg=CFG, profile=EngineProfile(replays=lambda obj: False))
+    unused = audit_engine(eager, ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert is_successful(unused), unused.failure().message
+    report = unused.unwrap()
+    assert report.unsound() == [] and [r.buffer for r in report.unused()] == ["req_to_token"], report.table()

@@ -82,7 +82,7 @@ def test_an_unsound_row_names_the_engines_line_not_readfences_view():
     from readfence.core import ForwardMode
     from readfence.engine import adapt, audit_engine
 
-    report = audit_engine(adapt(LateLens, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(adapt(LateLens, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure().report
     (row,) = [r for r in report.unsound() if r.buffer == "seq_lens"]
     line = LateLens.forward.__code__.co_firstlineno + 1
     assert row.where == f"{__file__}:{line} in forward", row.where

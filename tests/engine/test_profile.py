@@ -76,7 +76,7 @@ def test_the_engines_enum_is_found_from_the_objects_module_and_reaches_its_compa
     assert engine.read_effect(RF.DECODE)["req_to_token"] is ReadEnd.POST_REPLAY  # == ForwardMode.DECODE held
     assert engine.read_effect(RF.TARGET_VERIFY)["req_to_token"] is ReadEnd.UNKNOWN
     assert engine.binding.modes.engine(RF.DRAFT_EXTEND) is ForwardMode.DRAFT_EXTEND_V2
-    report = audit_engine(engine, RF.DECODE, batch_sizes=[2], steps=1)
+    report = audit_engine(engine, RF.DECODE, batch_sizes=[2], steps=1).unwrap()
     assert report.sound and report.rows()[0].truth is ReadEnd.POST_REPLAY
 
 
@@ -100,7 +100,7 @@ def test_the_users_own_layers_are_handed_to_forward():
 def test_a_backend_the_engine_never_replays_has_unused_declarations():
     engine = adapt(Compares, cfg=CFG, profile=EngineProfile(context=published, replays=lambda obj: False))
     assert not engine.replayed(RF.DECODE)
-    node = audit_engine(engine, RF.DECODE, batch_sizes=[1], steps=1).find("Compares", RF.DECODE)
+    node = audit_engine(engine, RF.DECODE, batch_sizes=[1], steps=1).unwrap().find("Compares", RF.DECODE)  # unused: not a failure
     assert "never graph-replays" in node.unused and not any(r.used for r in node.rows)
 
 
@@ -126,12 +126,12 @@ def test_capture_time_calls_run_once_before_the_replays_and_extend_takes_the_eag
 
     engine = adapt(CaptureAllocated, cfg=CFG)
     assert engine.object.calls == ["init_cuda_graph_state"]
-    report = audit_engine(engine, [RF.DECODE, RF.EXTEND], batch_sizes=[2], steps=1)
+    report = audit_engine(engine, [RF.DECODE, RF.EXTEND], batch_sizes=[2], steps=1).unwrap()
     assert report.sound, report.table()
     calls = engine.object.calls
     assert calls.count("capture DECODE b=2") == 1 and "eager EXTEND" in calls and "capture EXTEND b=2" not in calls
     rows = {(r.mode, r.buffer): r.truth for r in report.rows()}
     assert rows[(RF.DECODE, "req_to_token")] is ReadEnd.PRE_REPLAY and rows[(RF.EXTEND, "req_to_token")] is ReadEnd.PRE_REPLAY
     for mode in (RF.DECODE, RF.EXTEND):
-        result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2)
+        result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=3, batch_size=2).unwrap()
         assert result.ok, str(result)

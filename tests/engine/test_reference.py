@@ -57,12 +57,15 @@ def test_every_reference_engine_has_its_expected_verdicts():
 
 
 def _check(engine, mode, rows, unsound, fences, dev, batch_size=2):
-    report = audit_engine(engine, mode, batch_sizes=[batch_size], steps=1)
+    audited = audit_engine(engine, mode, batch_sizes=[batch_size], steps=1)
+    report = audited.failure().report if unsound else audited.unwrap()  # Success exactly when nothing is unsound
     root = {r.buffer: (r.verdict, r.source, r.truth) for r in report.rows() if r.backend == engine.name}
     assert {b: root[b] for b in rows} == rows, report.table()
     assert [r.backend for r in report.unsound()] == unsound, report.table()
     policies = [Policy[name] for name in fences if name != RUNNER]
-    result = verify_engine(engine, mode, device=dev, policies=policies, steps=2, batch_size=batch_size)
+    verified = verify_engine(engine, mode, device=dev, policies=policies, steps=2, batch_size=batch_size)
+    clean = all(v == CLEAN for v in fences.values())
+    result = verified.unwrap() if clean else verified.failure().report  # Success exactly when every fence is clean
     found = {r.name: CLEAN if r.clean else (r.finding.kind, r.finding.evidence) for r in result.rows}
     assert found == fences, str(result)
     late = [r for r in result.rows if not r.clean and r.finding.kind == "late read"]
@@ -94,7 +97,7 @@ def test_tbo_joins_its_primarys_target_verify_declaration_though_the_primary_onl
 
 def test_prefill_is_resolved_per_batch_and_each_resolution_audited():
     engine = deepseek_v4(CFG)
-    report = audit_engine(engine, M.EXTEND, batch_sizes=[2, 4], steps=1)
+    report = audit_engine(engine, M.EXTEND, batch_sizes=[2, 4], steps=1).unwrap()
     rows = {(r.buffer, r.batch_size): (r.declared, r.truth, r.verdict) for r in report.rows() if r.per_batch}
     # at 8 query tokens it snapshots its reads before the forward; past them it cannot, and says so
     assert rows[("req_to_token", 2)] == (PRE, PRE, "exact")

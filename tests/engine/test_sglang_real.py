@@ -47,7 +47,7 @@ def test_the_object_is_handed_sglangs_own_modes_with_every_predicate(native):
 
 
 def test_torch_native_as_shipped_traces_with_its_tensor_slice_bound_and_its_unused_declaration_is_said(native, dev):
-    report = _audit(native)
+    report = _audit(native).unwrap()  # unsound, but unused: not a failure
     (row,) = report.rows()  # only the page table: SGLang's pools share nothing else with the backend
     assert (row.buffer, row.declared, row.truth, row.op, row.used) == ("req_to_token", IN, POST,
                                                                       "aten.index.Tensor", False)
@@ -57,7 +57,8 @@ def test_torch_native_as_shipped_traces_with_its_tensor_slice_bound_and_its_unus
     assert any("torch_native_backend.py" in source for _, _, source in node.untraceable)
     # lowered end to end: COARSE runs clean, readfence's other fences are refused, and the engine's
     # runner (eager decode: the coarse barrier) publishes nothing early
-    result = verify_engine(native, device=dev, policies=[Policy.COARSE, Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(native, device=dev, policies=[Policy.COARSE, Policy.EXACT], steps=2,
+                           batch_size=2).failure().report
     coarse, exact, runner = result.rows
     assert coarse.clean and runner.clean and runner.name == RUNNER
     assert (exact.finding.kind, exact.finding.buffer, exact.finding.evidence) == (
@@ -65,36 +66,36 @@ def test_torch_native_as_shipped_traces_with_its_tensor_slice_bound_and_its_unus
 
 
 def test_torch_native_prefill_runs_its_eager_entry_point_and_resolves_per_batch(native, dev):
-    report = _audit(native, M.EXTEND)
+    report = _audit(native, M.EXTEND).unwrap()
     node = report.find("TorchNativeAttnBackend", M.EXTEND)
     assert node.prefill == ((2, UNKNOWN),) and node.unused == ""
     (row,) = node.rows
     assert (row.per_batch, row.declared, row.truth, row.verdict) == (True, UNKNOWN, POST, "conservative")
-    result = verify_engine(native, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(native, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
 def test_an_early_prefill_declaration_on_a_real_subclass_is_unsound():
-    report = _audit(sg.early_prefill(), M.EXTEND)
+    report = _audit(sg.early_prefill(), M.EXTEND).failure().report
     (row,) = report.unsound()
     assert (row.per_batch, row.declared, row.truth, row.buffer, row.method) == (
         True, PRE, POST, "req_to_token", "forward")
 
 
 def test_the_seeds_bug_on_the_real_tbo_backend(dev):
-    shipped = _audit(sg.tbo())
+    shipped = _audit(sg.tbo()).unwrap()
     assert shipped.sound and shipped.find("tbo", M.DECODE).delegation.startswith("delegates: declares POST_REPLAY")
     assert [p for p, _ in sg.tbo().walk()] == ["tbo", "tbo/primary/LateNative", "tbo/children[0]/LateNative",
                                                "tbo/children[1]/LateNative"]
     forgetful = sg.forgetful_tbo()
-    report = _audit(forgetful)
+    report = _audit(forgetful).failure().report
     (row,) = report.unsound()
     assert (row.backend, row.buffer, row.declared, row.truth, row.method, row.op) == (
         "forgetful_tbo", "req_to_token", IN, POST, "forward", "aten.index.Tensor")
     assert report.find("forgetful_tbo", M.DECODE).delegation.startswith("does not delegate: declares IN_REPLAY")
     assert "UNSOUND: forgetful_tbo in DECODE: req_to_token declared IN_REPLAY" in report.table()
     # the engine's runner trusts the declaration: the late read is caught where it happens
-    result = verify_engine(forgetful, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(forgetful, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).failure().report
     exact, runner = result.rows
     assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
     assert (runner.finding.kind, runner.finding.buffer, runner.finding.stage) == ("late read", "req_to_token", "body")
@@ -108,13 +109,13 @@ def test_the_seeds_bug_on_the_real_tbo_backend(dev):
 def test_each_wrapper_finds_its_children_where_it_keeps_them_and_delegates(make, children):
     engine = make()
     assert [name for name, _ in engine.kids] == children
-    report = _audit(engine)
+    report = _audit(engine).unwrap()
     assert report.sound, report.table()
     assert report.find(engine.name, M.DECODE).delegation.startswith(("delegates", "selects")), report.table()
 
 
 def test_dots_hybrid_does_not_delegate_its_declaration():
-    report = _audit(sg.dots())
+    report = _audit(sg.dots()).failure().report
     node = report.find("dots", M.DECODE)
     assert node.delegation.startswith("does not delegate: declares IN_REPLAY, earlier than its children")
     assert [(r.backend, r.buffer) for r in report.unsound()] == [("dots", "req_to_token")]
@@ -160,7 +161,7 @@ def test_tbo_splits_a_real_verify_input_between_its_children_in_target_verify():
     # TBO's replay path reads spec_info.draft_token_num and splits the verify input per child: without
     # SGLang's EagleVerifyInput on the batch its own code raises before anything is read
     engine = sg.forgetful_tbo()
-    report = _audit(engine, M.TARGET_VERIFY)
+    report = _audit(engine, M.TARGET_VERIFY).failure().report
     (row,) = report.unsound()
     assert (row.backend, row.mode, row.declared, row.truth, row.op) == (
         "forgetful_tbo", M.TARGET_VERIFY, IN, POST, "aten.index.Tensor")
