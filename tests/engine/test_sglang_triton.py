@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import ForwardMode, launches_unseen, trace
+from readfence.core import ForwardMode, bind, launches_unseen, trace
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
 from readfence.graph import Policy
@@ -37,22 +37,23 @@ def _rows(report):
 
 @pytest.mark.parametrize(("mode", "declared"), [(M.DECODE, IN), (M.TARGET_VERIFY, IN), (M.EXTEND, UNKNOWN)])
 def test_the_shipped_backend_reads_its_page_table_in_a_kernel_before_the_replay(mode, declared):
-    report = _audit(sg.triton_attn(), mode)
+    report = _audit(sg.triton_attn(), mode).unwrap()
     assert _rows(report) == [("TritonAttnBackend", mode, "req_to_token", declared, PRE, "traced",
                               "init_forward_metadata_out_graph", KERNEL)], report.table()
     assert report.sound and "UNTRACEABLE" not in report.table(), report.table()
 
 
 def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel_and_caught(dev):
-    (row,) = _audit(sg.honest_triton()).rows()
+    (row,) = _audit(sg.honest_triton()).unwrap().rows()
     assert (row.declared, row.truth, row.verdict) == (PRE, PRE, "exact")
     late = sg.late_triton()
-    report = _audit(late)
+    report = _audit(late).failure().report
     (row,) = report.unsound()
     assert (row.declared, row.truth, row.method, row.op) == (PRE, POST, "forward", KERNEL)
     assert "sglang_engines.py" in row.where and "in forward_decode" in row.where
     # readfence's fences refuse the declaration; the engine's runner trusts it and reads late
-    exact, runner = verify_engine(late, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).rows
+    exact, runner = verify_engine(late, device=dev, policies=[Policy.EXACT], steps=2,
+                                  batch_size=2).failure().report.rows
     assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
     assert (runner.finding.kind, runner.finding.buffer, runner.finding.stage) == ("late read", "req_to_token", "body")
     assert "create_flashinfer_kv_indices_triton" in runner.finding.op, str(runner.finding)
@@ -61,11 +62,11 @@ def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel
 @pytest.mark.slow
 def test_after_other_modes_the_shipped_backend_verifies_clean_under_every_policy_and_the_engines_runner(dev):
     engine = sg.triton_attn()
-    before = [_rows(_audit(engine, mode)) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
-    fresh = [_rows(_audit(sg.triton_attn(), mode)) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
+    before = [_rows(_audit(engine, mode).unwrap()) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
+    fresh = [_rows(_audit(sg.triton_attn(), mode).unwrap()) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
     assert before == fresh  # the verdicts do not depend on what was audited before on the same object
     # the replayed forward reads what its own mode's capture left on the object, not the last mode's
-    result = verify_engine(engine, device=dev, policies=list(Policy), steps=2, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=list(Policy), steps=2, batch_size=2).unwrap()
     assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
     assert result.ok, str(result)
 
@@ -73,7 +74,7 @@ def test_after_other_modes_the_shipped_backend_verifies_clean_under_every_policy
 @pytest.mark.slow
 def test_target_verify_verifies_clean(dev):
     result = verify_engine(sg.triton_attn(), M.TARGET_VERIFY, device=dev, policies=[Policy.EXACT], steps=2,
-                           batch_size=2)
+                           batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
@@ -84,17 +85,17 @@ def test_target_verify_verifies_clean(dev):
 def test_the_wrappers_over_triton_children_delegate_and_verify_clean(make, children, dev):
     engine = make()
     assert [name for name, _ in engine.kids] == children
-    report = _audit(engine)
+    report = _audit(engine).unwrap()
     assert report.sound, report.table()
     assert report.find(engine.name, M.DECODE).delegation.startswith("delegates"), report.table()
     assert {r.truth for r in report.rows()} == {PRE}
-    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(engine, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
 def test_a_launch_readfence_does_not_see_makes_the_page_table_unknown_and_is_classified_as_torchs_refusal():
     with launches_unseen():  # the interpreter's own storage copies reach the tracer
-        report = _audit(sg.triton_attn())
+        report = _audit(sg.triton_attn()).failure().report
     (row,) = report.rows()
     assert (row.truth, row.source, row.verdict) == (UNKNOWN, "observed", "unsound")
     assert "make_fx cannot trace it: NotImplementedError" in report.table()
@@ -121,7 +122,7 @@ def test_extend_runs_every_stage_as_python_and_the_shipped_backend_verifies_clea
     assert [s.runs_python for s in extend] == [True, True, True], "EXTEND is not replayed: all Python"
     assert [s.runs_python for s in decode] == [True, False, False], "DECODE replays its in-graph stages"
     # its metadata's shape follows the prefix lengths (kv_indices: their sum), which a graph cannot hold
-    result = verify_engine(engine, M.EXTEND, device=dev, policies=list(Policy), steps=2, batch_size=2)
+    result = verify_engine(engine, M.EXTEND, device=dev, policies=list(Policy), steps=2, batch_size=2).unwrap()
     assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
     assert result.ok, str(result)
 
@@ -131,14 +132,15 @@ def test_in_extend_an_honest_early_declaration_is_poisoned_clean_and_a_late_kern
     # the declaration's fence (JOINED) and the engine's runner release the page table before the forward,
     # poisoning it there: a read in the forward would change the outputs
     honest = verify_engine(sg.honest_triton(), M.EXTEND, device=dev, policies=[Policy.JOINED], steps=2,
-                           batch_size=2)
+                           batch_size=2).unwrap()
     assert honest.ok, str(honest)
     assert [("req_to_token" in r.poisoned) for r in honest.rows] == [True, True], str(honest)
     late = sg.late_triton()
-    (row,) = _audit(late, M.EXTEND).unsound()
+    (row,) = _audit(late, M.EXTEND).failure().report.unsound()
     assert (row.declared, row.truth, row.method, row.op) == (PRE, POST, "forward", KERNEL)
     assert "in forward_extend" in row.where, row.where
-    exact, runner = verify_engine(late, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).rows
+    exact, runner = verify_engine(late, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2,
+                                  batch_size=2).failure().report.rows
     assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
     assert (runner.finding.kind, runner.finding.buffer, runner.finding.stage) == ("late read", "req_to_token", "body")
 
@@ -147,19 +149,20 @@ def test_in_extend_an_honest_early_declaration_is_poisoned_clean_and_a_late_kern
 @pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE])
 def test_a_buffer_allocated_on_first_use_is_the_backends_own_and_verifies_clean(mode, dev):
     engine = sg.lazy_triton()
-    program = trace(engine, mode, cfg=engine.cfg, batch_size=2)
+    program = bind(trace(engine, mode, cfg=engine.cfg, batch_size=2), engine.state)
     # the object's own state, refilled in place: no per-step output, no constant of a trace
     assert not [n for s in program for n in s.outputs if "lazy_indices" in n], [s.outputs for s in program]
     assert all(c.usable for c in program.captured()), program.captured()
-    result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2)
+    result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).unwrap()
     assert result.ok, str(result)
 
 
 @pytest.mark.slow
 def test_a_view_of_the_page_table_kept_on_first_use_is_a_read_of_it_refused_and_caught(dev):
     engine = sg.lazy_view_triton()
-    (row,) = _audit(engine, M.EXTEND).unsound()
+    (row,) = _audit(engine, M.EXTEND).failure().report.unsound()
     assert (row.declared, row.truth, row.op) == (PRE, POST, KERNEL)
-    exact, runner = verify_engine(engine, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).rows
+    exact, runner = verify_engine(engine, M.EXTEND, device=dev, policies=[Policy.EXACT], steps=2,
+                                  batch_size=2).failure().report.rows
     assert (exact.finding.kind, exact.finding.evidence) == ("unsound declaration", "audit")
     assert (runner.finding.kind, runner.finding.buffer) == ("late read", "req_to_token"), str(runner.finding)
