@@ -1,6 +1,6 @@
 """What tracing, auditing and lowering cost as the model deepens and the capture list grows.
 
-The tracer records each stage as it runs (``readfence.core._record``: the node make_fx would
+The tracer records each stage as it runs (``readfence.core.tracing._record``: the node make_fx would
 make for each op, at tens of microseconds an op rather than a millisecond). Measured side by
 side in one run, on ``hybrid_linear(trtllm_mha, linear)`` in DECODE, trace cache cleared before
 each measurement, median of ``--runs``:

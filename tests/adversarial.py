@@ -514,7 +514,7 @@ def blinded(monkeypatch: Any) -> None:
     """Break the memory side of the analysis on purpose (pytest's ``monkeypatch``): the memory
     probe sees nothing, wherever it runs (a graph's nodes as ``fx`` runs them, the ops of a
     layer as the recorder runs them)."""
-    import readfence.core._probe as probe
+    import readfence.core.tracing._probe as probe
 
     monkeypatch.setattr(probe.MemoryProbe, "run", lambda self, *args: None)
     monkeypatch.setattr(probe, "probe_op", lambda op, args, kwargs, buffers, shared, run, *rest, **kw: (run(), probe.NO_FACTS))

@@ -13,7 +13,7 @@ import readfence
 from readfence.effects import ReadfenceError
 
 #: Exceptions used for control flow inside one module and caught there: never reach a user.
-INTERNAL = {"readfence.core._record.Unrecordable"}
+INTERNAL = {"readfence.core.tracing._record.Unrecordable"}
 
 
 def error_classes() -> dict[str, type[BaseException]]:

@@ -16,8 +16,6 @@ from ._audit import Verdict as Verdict
 from ._audit import audit as audit
 from ._audit import audit_report as audit_report
 from ._audit import default_batch_sizes as default_batch_sizes
-from ._kernel_access import KernelAccess as KernelAccess
-from ._kernel_access import kernel_access as kernel_access
 from ._model import forward as forward
 from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
@@ -71,18 +69,20 @@ from ._step import eval_step as eval_step
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
 from ._threads import StageThreadError as StageThreadError
-from ._trace import CapturedStateError as CapturedStateError
-from ._trace import StageWriteError as StageWriteError
-from ._trace import bind as bind
-from ._trace import clear_trace_cache as clear_trace_cache
-from ._trace import trace as trace
-from ._trace import trace_cache_size as trace_cache_size
-from ._trace import trace_step as trace_step
-from ._triton import LaunchStreamError as LaunchStreamError
-from ._triton import UnboundedKernelError as UnboundedKernelError
-from ._triton import launches_unseen as launches_unseen
 from ._validate import NotGraphSafe as NotGraphSafe
 from ._validate import validate_replay as validate_replay
+from .tracing._kernel_access import KernelAccess as KernelAccess
+from .tracing._kernel_access import kernel_access as kernel_access
+from .tracing._trace import CapturedStateError as CapturedStateError
+from .tracing._trace import StageWriteError as StageWriteError
+from .tracing._trace import bind as bind
+from .tracing._trace import clear_trace_cache as clear_trace_cache
+from .tracing._trace import trace as trace
+from .tracing._trace import trace_cache_size as trace_cache_size
+from .tracing._trace import trace_step as trace_step
+from .tracing._triton import LaunchStreamError as LaunchStreamError
+from .tracing._triton import UnboundedKernelError as UnboundedKernelError
+from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
     "BODY", "EAGER", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "STAGE_ENDS",

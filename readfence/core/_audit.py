@@ -42,7 +42,7 @@ from ._program import ESCAPE, Program
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
-from ._trace import StageWriteError, bind, trace
+from .tracing._trace import StageWriteError, bind, trace
 
 
 class Verdict(enum.StrEnum):

@@ -19,9 +19,9 @@ from ._modes import ForwardMode
 from ._parallel import all_reduce
 from ._protocol import BackendLike, replayed
 from ._scan import LayerScan, run_scan
-from ._segment import Segment
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
 from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, check_stage_output, eval_step
+from .tracing._segment import Segment
 
 _EPS = 1e-6
 

@@ -3,8 +3,8 @@
 One of the checks that do not trust the analysis (with poison on release and fuzzing). It trusts nothing the tracer
 computed: a ``TorchDispatchMode`` looks at every op the dispatcher runs and matches the
 memory of its tensor arguments against the shared buffers by address range
-(:class:`~readfence.core._memory.BufferMap`), asking the op's schema
-(:func:`~readfence.core._schema.op_aliasing`) whether it is a pure view or a write. So it
+(:class:`~readfence.core.tracing._memory.BufferMap`), asking the op's schema
+(:func:`~readfence.core.tracing._schema.op_aliasing`) whether it is a pure view or a write. So it
 sees reads through views, list pieces, tensors captured in closures, attributes or globals
 and DLPack aliases alike: it never looks at names. :func:`cross_check` then holds the static
 analysis to what was observed.
@@ -33,20 +33,20 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
-from ._dispatch import DispatchMode
-from ._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
 from ._model import step_functions
 from ._modes import ForwardMode
-from ._probe import metadata_templates, rerun_with
 from ._program import Program, StageGraph, run_program
 from ._protocol import BackendLike
-from ._schema import OpAliasing, bind, op_aliasing
-from ._segment import Segment, segment_signature
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
-from ._trace import cache_with_traces, code_key, remember
-from ._triton import is_launch_op
+from .tracing._dispatch import DispatchMode
+from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
+from .tracing._probe import metadata_templates, rerun_with
+from .tracing._schema import OpAliasing, bind, op_aliasing
+from .tracing._segment import Segment, segment_signature
+from .tracing._trace import cache_with_traces, code_key, remember
+from .tracing._triton import is_launch_op
 
 Kind = Literal["read", "write", "escape"]
 _T = TypeVar("_T")
@@ -147,7 +147,7 @@ class ReadObserver(DispatchMode):
     the claim is checked on the op's output, and one whose output shares no memory with what
     it claims to alias (a copy: a functional ``_foreach_*`` op) read it. An argument an op uses
     for its metadata only (``zeros_like``'s ``self``) is not read, unless its run refutes the
-    claim (:func:`~readfence.core._memory.metadata_claim_holds`).
+    claim (:func:`~readfence.core.tracing._memory.metadata_claim_holds`).
     Any other op reads every buffer an argument touches, and also writes those of the
     arguments its schema marks written. An op without a schema, or with an argument type
     the schema cannot describe, counts as a read of what it touches, with a ``note`` saying
@@ -517,7 +517,7 @@ def observe_functions(
 ) -> Observation:
     """One observed step of three stage functions, run eagerly under a ``ReadObserver``.
 
-    The calling convention of :func:`~readfence.core._trace.trace_functions` (keyword
+    The calling convention of :func:`~readfence.core.tracing._trace.trace_functions` (keyword
     groups; the body sees ``{**out_graph_meta, **in_graph_meta}``), with what
     ``prepare_out_graph`` returns crossing into the graph as a copy
     (:func:`~readfence.core.cross_into_graph`). Tests use it with toy functions.

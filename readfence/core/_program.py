@@ -311,7 +311,7 @@ class Program:
     tensors; then every buffer is ``UNKNOWN``.
 
     >>> import torch
-    >>> from readfence.core._trace import trace_functions
+    >>> from readfence.core.tracing._trace import trace_functions
     >>> prog = trace_functions(
     ...     "toy", ForwardMode.DECODE,
     ...     inputs={"shared": {"seq_lens": torch.ones(2, dtype=torch.int32)}, "batch": {}},

@@ -15,28 +15,28 @@ from ._checks import check_mode as check_mode
 from ._checks import did_you_mean as did_you_mean
 from ._checks import positive_int as positive_int
 from ._checks import positive_seconds as positive_seconds
-from ._dispatch import DispatchMode as DispatchMode
-from ._fx import copy_graph as copy_graph
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
-from ._memory import BufferMap as BufferMap
-from ._memory import Span as Span
-from ._memory import span_of as span_of
 from ._program import ALIASES_KEY as ALIASES_KEY
 from ._protocol import child_runs as child_runs
 from ._protocol import replayed as replayed
 from ._protocol import runs_as as runs_as
-from ._schema import bind as bind_arguments
-from ._schema import op_aliasing as op_aliasing
 from ._state import buffer_ranges as buffer_ranges
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
-from ._trace import cache_with_traces as cache_with_traces
-from ._trace import not_user_code as not_user_code
-from ._trace import remember as remember
-from ._trace import state_key as state_key
+from .tracing._dispatch import DispatchMode as DispatchMode
+from .tracing._fx import copy_graph as copy_graph
+from .tracing._memory import BufferMap as BufferMap
+from .tracing._memory import Span as Span
+from .tracing._memory import span_of as span_of
+from .tracing._schema import bind as bind_arguments
+from .tracing._schema import op_aliasing as op_aliasing
+from .tracing._trace import cache_with_traces as cache_with_traces
+from .tracing._trace import not_user_code as not_user_code
+from .tracing._trace import remember as remember
+from .tracing._trace import state_key as state_key
 
 __all__ = [
     "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span", "bind_arguments",

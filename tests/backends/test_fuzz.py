@@ -225,8 +225,8 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     # the audit (and so lower) does not run its own observer. The body's read of the pieces, put back
     # together by cat, is then invisible to the trace: an in-graph declaration is accepted,
     # and verify (P1) and the cross-check of the trace against the observer (P2) catch it.
-    import readfence.core._alias as alias
-    import readfence.core._trace as tracing
+    import readfence.core.tracing._alias as alias
+    import readfence.core.tracing._trace as tracing
 
     real = alias.op_aliasing
 
@@ -329,7 +329,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
     # the stage returned, seen by no check: accepted with verify clean, it is a miss, counted
     # with the violations.
     import readfence.core._observe as observing
-    import readfence.core._trace as tracing
+    import readfence.core.tracing._trace as tracing
 
     def unwatched(*args: object) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

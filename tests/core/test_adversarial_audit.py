@@ -88,7 +88,7 @@ def test_a_hole_in_the_static_analysis_is_caught_by_the_observer_and_reported_as
     # Break the analysis on purpose: the schema oracle forgets that split pieces alias their
     # source and the memory probe sees nothing. The trace then misses the body read of
     # seq_lens; the runtime observer, which trusts neither, still sees it.
-    import readfence.core._alias as alias
+    import readfence.core.tracing._alias as alias
     from readfence.core import ForwardMode, clear_trace_cache
 
     real = alias.op_aliasing

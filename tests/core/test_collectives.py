@@ -14,8 +14,9 @@ import torch.distributed._functional_collectives
 from torch import fx
 
 from readfence.backends import leaf, page_meta, paged, softmax_attention, store_kv
-from readfence.core import ForwardMode, ModelConfig, StageWriteError, TensorParallel, _alias, _collectives, trace
-from readfence.core._trace import trace_functions
+from readfence.core import ForwardMode, ModelConfig, StageWriteError, TensorParallel, _collectives, trace
+from readfence.core.tracing import _alias
+from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 
 OPS = torch.ops._c10d_functional

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from readfence.core._dispatch import DispatchMode
+from readfence.core.tracing._dispatch import DispatchMode
 
 
 def _doubling(base: type) -> type:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from readfence.core._memory import BufferMap, Span, leaves, span_of, tensors_in
+from readfence.core.tracing._memory import BufferMap, Span, leaves, span_of, tensors_in
 
 Pair = collections.namedtuple("Pair", "a b")
 BASE = torch.arange(48, dtype=torch.int32).reshape(6, 8)

@@ -15,8 +15,8 @@ import torch
 
 from readfence.backends import kv_indices, leaf, softmax_attention, store_kv
 from readfence.core import ForwardMode, audit, observe, trace
-from readfence.core._memory import metadata_claim_holds
-from readfence.core._schema import _aliasing, _metadata_ops, op_aliasing
+from readfence.core.tracing._memory import metadata_claim_holds
+from readfence.core.tracing._schema import _aliasing, _metadata_ops, op_aliasing
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
 
@@ -77,7 +77,7 @@ def test_without_memory_torchs_classification_is_taken() -> None:
 @pytest.fixture
 def clone_claims_metadata(monkeypatch):
     """A claim torch never makes: ``clone`` uses its argument for its metadata only."""
-    import readfence.core._schema as schema
+    import readfence.core.tracing._schema as schema
 
     claims = _metadata_ops() | {torch.ops.aten.clone.default}
     monkeypatch.setattr(schema, "_metadata_ops", lambda: claims)

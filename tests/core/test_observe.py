@@ -21,7 +21,7 @@ from readfence.core import (
     trace,
 )
 from readfence.core._observe import observe_functions
-from readfence.core._trace import trace_functions
+from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import ONE_LAYER
 from tests.conftest import SMALL as CFG

@@ -1,7 +1,7 @@
 """A stage recorded as it runs must be the stage traced with make_fx, node for node.
 
 Each test traces the same step twice: as the tracer does (every stage recorded, see
-``readfence.core._record``) and with the record turned off (``recorded=False``: every stage
+``readfence.core.tracing._record``) and with the record turned off (``recorded=False``: every stage
 through make_fx). The graphs, their node names, their reads, what their nodes touch in memory
 and the traced effects must agree. Backends that make the record's job hard (a read at one
 layer only, a per-layer literal or scale, a tensor passed from layer to layer behind the
@@ -31,7 +31,7 @@ from readfence.backends import (
 )
 from readfence.core import ForwardMode, ModelConfig, audit, step_functions
 from readfence.core._state import example_step
-from readfence.core._trace import trace_step
+from readfence.core.tracing._trace import trace_step
 from readfence.effects import ReadEffect, ReadEnd
 
 M = ForwardMode

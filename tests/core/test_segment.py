@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from readfence.backends import hybrid_linear, leaf, linear, page_meta, paged, softmax_attention, store_kv, tbo, trtllm_mha
-from readfence.core import ForwardMode, ModelConfig, _record, _segment, audit, observe, step_functions
+from readfence.core import ForwardMode, ModelConfig, audit, observe, step_functions
 from readfence.core._program import SOURCE_KEY
 from readfence.core._state import example_step
-from readfence.core._trace import trace_step
+from readfence.core.tracing import _record, _segment
+from readfence.core.tracing._trace import trace_step
 from readfence.effects import ReadEffect, ReadEnd
 from tests.core.test_record import _same
 

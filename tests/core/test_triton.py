@@ -267,7 +267,7 @@ def _program_ids(out, W: tl.constexpr):
 def test_launches_from_two_threads_do_not_interleave_in_the_interpreter():
     # a stream's replay and the scheduler's Python stage launch at once: the interpreter keeps the
     # running program in module state (unlocked, one launch breaks the other's)
-    from readfence.core._triton import see_launches
+    from readfence.core.tracing._triton import see_launches
 
     assert see_launches()
     failures: list[object] = []

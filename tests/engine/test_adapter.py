@@ -170,7 +170,7 @@ def _tracing() -> bool:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from readfence.core._record import GraphRecorder
+    from readfence.core.tracing._record import GraphRecorder
 
     return get_proxy_mode() is not None or any(isinstance(m, GraphRecorder) for m in _get_current_dispatch_mode_stack())
 

@@ -9,7 +9,7 @@ import pytest
 from readfence.backends import paged, redeclare
 from readfence.backends.fuzz import VOCABULARY, FuzzLeaf, FuzzProgram, Placement, declared
 from readfence.core import ForwardMode, audit, bind, clear_trace_cache, trace
-from readfence.core import _trace as tracing
+from readfence.core.tracing import _trace as tracing
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, lower
 from readfence.graph.fuzz import FUZZ_CONFIG, check_program

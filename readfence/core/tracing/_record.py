@@ -8,7 +8,7 @@ node make_fx would make (named alike; ``lift_fresh`` as ``lift_fresh_copy``; a t
 neither an input nor an op's output a ``get_attr`` constant, one per use; every element of a
 returned list or tuple a ``getitem``; a composite op that reaches it decomposed, as make_fx
 decomposes it), at tens of microseconds per op. With the step's shared buffers given, every op
-is probed as it runs (:func:`~readfence.core._probe.probe_op`): what its arguments touch is known
+is probed as it runs (:func:`~readfence.core.tracing._probe.probe_op`): what its arguments touch is known
 from where each came from, so a graph's memory facts need no second run.
 
 An escape is recorded as make_fx's trace records it: the tracer's ``readfence::opaque``

@@ -7,7 +7,7 @@ pointer escape at best and a read observer sees nothing, or the interpreter's co
 of every argument. While readfence watches (any dispatch mode is entered: the tracer, the read
 observer, fake tensors), each launch runs as **one op**, ``triton_kernel::<kernel name>(launch,
 reads, writes)``: its tensor arguments are passed in ``reads`` or in ``writes`` (``Tensor(a!)[]``),
-by what the kernel's source says it may store to (:func:`~readfence.core._kernel_access.kernel_access`:
+by what the kernel's source says it may store to (:func:`~readfence.core.tracing._kernel_access.kernel_access`:
 a possible write is a write), and ``launch`` names the rest of the call (the kernel, its grid, its
 other arguments) in a table the op's kernel looks up. So the tracer records one node that reads
 its arguments and writes its stores' targets (a write of a shared buffer is refused naming the
@@ -40,8 +40,8 @@ import torch
 
 from readfence.effects import ReadfenceError
 
+from .._threads import note_kernel, stage_stream
 from ._kernel_access import KernelAccess, kernel_access, python_function
-from ._threads import note_kernel, stage_stream
 
 #: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
 NAMESPACE = "triton_kernel"
@@ -126,7 +126,7 @@ def is_launch_op(op: object) -> bool:
 
 def launch_write_reason(launch: Launch) -> str:
     """Why a launch writes what it is given in ``writes``: the kernel's parameters and where it
-    stores through each (as :func:`~readfence.core._kernel_access.kernel_access` found them)."""
+    stores through each (as :func:`~readfence.core.tracing._kernel_access.kernel_access` found them)."""
     access = launch.access
     params = list(dict.fromkeys(launch.write_params))
     shown = [f"{p} ({access.site(p) or 'a store'})" for p in params[:3]]

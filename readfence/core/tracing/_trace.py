@@ -37,21 +37,11 @@ from torch.utils import _pytree as pytree
 
 from readfence.effects import ReadfenceError
 
-from ._alias import Analysis, Write, analyse
-from ._checks import check_backend, check_mode, positive_int
-from ._collect import collection_paused
-from ._dispatch import DispatchMode
-from ._fx import copy_graph
-from ._memory import BufferMap, meet_shared, met_shared, span_of, tensors_in
-from ._modes import ForwardMode
-from ._probe import MemoryProbe as _MemoryProbe
-from ._probe import ProbeResult
-from ._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
-from ._protocol import BackendLike
-from ._record import HOST_READ, GraphRecorder, Unrecordable, record
-from ._schema import bind as bind_arguments
-from ._schema import op_aliasing
-from ._step import (
+from .._checks import check_backend, check_mode, positive_int
+from .._modes import ForwardMode
+from .._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
+from .._protocol import BackendLike
+from .._step import (
     BODY,
     EAGER,
     OutputGuard,
@@ -62,11 +52,21 @@ from ._step import (
     eval_step,
     foreign_subclass,
 )
-from ._threads import watch_threads
+from .._threads import watch_threads
+from ._alias import Analysis, Write, analyse
+from ._collect import collection_paused
+from ._dispatch import DispatchMode
+from ._fx import copy_graph
+from ._memory import BufferMap, meet_shared, met_shared, span_of, tensors_in
+from ._probe import MemoryProbe as _MemoryProbe
+from ._probe import ProbeResult
+from ._record import HOST_READ, GraphRecorder, Unrecordable, record
+from ._schema import bind as bind_arguments
+from ._schema import op_aliasing
 from ._triton import is_launch_op, launch_of, launch_write_reason
 
 if TYPE_CHECKING:
-    from ._state import ModelConfig
+    from .._state import ModelConfig
 
 
 class StageWriteError(ReadfenceError):
@@ -999,7 +999,7 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
 
 # -- the public entry point ------------------------------------------------------------------
 def _default_cfg() -> ModelConfig:
-    from ._state import ModelConfig
+    from .._state import ModelConfig
 
     return ModelConfig()
 
@@ -1106,8 +1106,8 @@ def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size:
 
 
 def _trace_uncached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
-    from ._model import step_functions
-    from ._state import example_step
+    from .._model import step_functions
+    from .._state import example_step
 
     step = example_step(cfg, mode, batch_size, seed=seed, device="cpu")
     return trace_step(step_functions(backend, mode, cfg), mode, step.groups(), device=device)

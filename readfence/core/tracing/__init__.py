@@ -1,0 +1,10 @@
+"""The tracer's room: how readfence turns a stage's Python into an FX graph of reads.
+
+Recording a stage (``_record``), splicing pure segments (``_segment``), matching tensors to
+shared buffers by memory (``_memory``), the schema-driven alias analysis (``_alias``,
+``_schema``), what an op's real run shows (``_probe``), triton launches as ops
+(``_kernel_access``, ``_triton``), the dispatch-mode base (``_dispatch``), FX builders (``_fx``),
+the collector held off (``_collect``), and the tracer that ties them into a ``Program``
+(``_trace``). This package imports nothing at load time: ``readfence.core`` and its internal API
+name what the rest of readfence uses.
+"""
