@@ -42,7 +42,9 @@ from ._program import ESCAPE, Program
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
-from .tracing._trace import StageWriteError, bind, trace
+from .tracing._analysis import StageWriteError
+from .tracing._bind import bind
+from .tracing._trace import trace
 
 
 class Verdict(enum.StrEnum):

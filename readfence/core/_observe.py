@@ -40,12 +40,12 @@ from ._protocol import BackendLike
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
+from .tracing._cache import cache_with_traces, code_key, remember
 from .tracing._dispatch import DispatchMode
 from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
 from .tracing._probe import metadata_templates, rerun_with
 from .tracing._schema import OpAliasing, bind, op_aliasing
 from .tracing._segment import Segment, segment_signature
-from .tracing._trace import cache_with_traces, code_key, remember
 from .tracing._triton import is_launch_op
 
 Kind = Literal["read", "write", "escape"]

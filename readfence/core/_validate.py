@@ -46,8 +46,9 @@ from readfence.effects import ReadfenceError
 
 from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import StageCall, StepFunctions, eval_step
+from .tracing._cache import cache_with_traces, remember
 from .tracing._memory import random_state, same_values, set_random_state
-from .tracing._trace import cache_with_traces, remember, trace_step
+from .tracing._trace import trace_step
 
 #: The seeds of the fresh states a capture is validated on (``core.varied_step``: the youngest
 #: batch, the oldest, a random one; the trace's example is another, so that the values computed

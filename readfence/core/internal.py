@@ -26,17 +26,17 @@ from ._state import buffer_ranges as buffer_ranges
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
+from .tracing._bind import state_key as state_key
+from .tracing._cache import cache_with_traces as cache_with_traces
+from .tracing._cache import remember as remember
 from .tracing._dispatch import DispatchMode as DispatchMode
+from .tracing._escapes import not_user_code as not_user_code
 from .tracing._fx import copy_graph as copy_graph
 from .tracing._memory import BufferMap as BufferMap
 from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
 from .tracing._schema import bind as bind_arguments
 from .tracing._schema import op_aliasing as op_aliasing
-from .tracing._trace import cache_with_traces as cache_with_traces
-from .tracing._trace import not_user_code as not_user_code
-from .tracing._trace import remember as remember
-from .tracing._trace import state_key as state_key
 
 __all__ = [
     "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span", "bind_arguments",

@@ -38,7 +38,7 @@ from readfence.backends.fuzz import (
     programs,
     random_programs,
 )
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, example_step, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, clear_trace_cache, example_step, run_step
 from readfence.core._state import buffer_ranges
 from readfence.graph import POISONS, poison_family
 from readfence.graph.fuzz import Tally, check_program
@@ -226,7 +226,6 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     # together by cat, is then invisible to the trace: an in-graph declaration is accepted,
     # and verify (P1) and the cross-check of the trace against the observer (P2) catch it.
     import readfence.core.tracing._alias as alias
-    import readfence.core.tracing._trace as tracing
 
     real = alias.op_aliasing
 
@@ -239,12 +238,12 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     import readfence.graph.lowering._verdict as verdict
 
     monkeypatch.setattr(verdict, "audit_backend", functools.partial(audit, observe_steps=0))
-    tracing.clear_trace_cache()
+    clear_trace_cache()
     try:
         early = _leaf("split", "attend", IN_REPLAY=["seq_lens"])
         outcome = check_program(FuzzProgram(early), device=dev)
     finally:
-        tracing.clear_trace_cache()
+        clear_trace_cache()
     assert outcome.p1_violation and outcome.finding.buffer == "seq_lens", outcome.report()
     assert outcome.p2_violation and (outcome.disagreements[0].buffer, outcome.disagreements[0].op) == (
         "seq_lens", "aten.cat.default")
@@ -336,7 +335,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
 
     monkeypatch.setattr(tracing, "watch_threads", unwatched)
     monkeypatch.setattr(observing, "watch_threads", unwatched)
-    tracing.clear_trace_cache()
+    clear_trace_cache()
     tally = Tally()
     outcomes = {}
     try:
@@ -344,7 +343,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
             outcomes[name] = check_program(_thread_program(name), device=dev)
             tally.add(outcomes[name])
     finally:
-        tracing.clear_trace_cache()
+        clear_trace_cache()
     verdicts = {o.program.placements()[0].pattern.name: o.verdict for o in tally.violations}
     assert verdicts == {"pool_job": "P1 violation", "thread_left_running": "thread missed"}, [
         o.report() for o in tally.violations]

@@ -334,7 +334,7 @@ def test_traces_are_cached_per_code_not_per_declaration() -> None:
 
 
 def test_the_trace_cache_is_bounded_by_graph_nodes_too(monkeypatch) -> None:
-    import readfence.core.tracing._trace as traced
+    import readfence.core.tracing._cache as traced
 
     clear_trace_cache()
     a = trace(paged(), M.DECODE, cfg=CFG)

@@ -81,11 +81,11 @@ def test_exact_releasing_at_the_traced_path_s_last_read_is_caught_by_verify(dev,
     # what they aliased on the traced path. The rehearsal's observed reads still hold the lengths
     # until the last layer; with those dropped too, EXACT releases the lengths after layer 0, and
     # the run, which trusts no analysis, catches the read through the view in the last layer
-    import readfence.core.tracing._trace as tracing
+    import readfence.core.tracing._analysis as analysis
     import readfence.graph.lowering._lower as lowering
     from readfence.effects import ReadEffect
 
-    monkeypatch.setattr(tracing, "_handed_over", lambda *args: {})
+    monkeypatch.setattr(analysis, "_handed_over", lambda *args: {})
     clear_trace_cache()
     try:
         backend = CASES["in_graph_branch_view_declared_post"].build(None)

@@ -9,7 +9,7 @@ import pytest
 from readfence.backends import paged, redeclare
 from readfence.backends.fuzz import VOCABULARY, FuzzLeaf, FuzzProgram, Placement, declared
 from readfence.core import ForwardMode, audit, bind, clear_trace_cache, trace
-from readfence.core.tracing import _trace as tracing
+from readfence.core.tracing import _bind as binding
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, lower
 from readfence.graph.fuzz import FUZZ_CONFIG, check_program
@@ -80,7 +80,7 @@ def test_a_program_is_bound_once_per_program_and_place_in_memory() -> None:
     program = trace(FuzzProgram(_kept()).build(state), M.DECODE, cfg=FUZZ_CONFIG, batch_size=2)
     once = bind(program, state)
     assert once is not program and bind(program, state) is once
-    fresh = tracing._bind(program, state)  # computed again, uncached: the same reads
+    fresh = binding._bind(program, state)  # computed again, uncached: the same reads
     assert fresh is not once and once.traced() == fresh.traced()
     assert once.traced()["seq_lens"] is ReadEnd.POST_REPLAY and program.traced()["seq_lens"] is ReadEnd.UNKNOWN
     assert bind(program, make_state(FUZZ_CONFIG)) is not once  # other memory
@@ -95,8 +95,8 @@ def test_the_audit_and_lowering_on_one_state_bind_the_program_once(dev, monkeypa
         binds.append(program.backend)
         return computed(program, state)
 
-    computed = tracing._bind
-    monkeypatch.setattr(tracing, "_bind", counted)
+    computed = binding._bind
+    monkeypatch.setattr(binding, "_bind", counted)
     clear_trace_cache()
     state = make_state(FUZZ_CONFIG)
     backend = FuzzProgram(_kept()).build(state)

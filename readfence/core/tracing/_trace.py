@@ -10,22 +10,18 @@ with the memory each node's real value touches (``_probe``: as the record runs, 
 graph is run once more on the example; real tensors only, under fake tensors the schemas are
 all there is). Tensors are matched to shared buffers by memory range (``_memory``).
 
-Escapes the tracer cannot see through are recorded in the graph as a ``readfence::opaque``
-node on the escaping tensor, at the user's source line: a *value* escape (``item()``,
-``int()``, ``tolist()``...) reads the tensor there and then; a *reference* escape
-(``data_ptr()``, ``numpy()``, DLPack, ``untyped_storage()``, a ``.data =`` assignment) lets code
-the tracer cannot see read it at any later time, so its buffers are ``UNKNOWN``. Either makes the stage unfaithful
-(see ``_program``: such a stage is given every shared buffer).
+Escapes (``_escapes``) are marked in the graph as the stage runs, and make the stage unfaithful
+(see ``_program``: such a stage is given every shared buffer). Each stage's graph is analysed
+(``_analysis``), its captured tensors matched (``_captured``); ``bind`` matches them again on the
+live state (``_bind``), and traced programs are cached by code (``_cache``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -35,156 +31,24 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from readfence.effects import ReadfenceError
-
 from .._checks import check_backend, check_mode, positive_int
 from .._modes import ForwardMode
-from .._program import INPUT_KEY, SOURCE_KEY, Captured, Program, StageGraph, flatten_inputs
+from .._program import INPUT_KEY, SOURCE_KEY, Program, StageGraph, flatten_inputs
 from .._protocol import BackendLike
-from .._step import (
-    BODY,
-    EAGER,
-    OutputGuard,
-    Stage,
-    StageCall,
-    StageOutputError,
-    StepFunctions,
-    eval_step,
-    foreign_subclass,
-)
+from .._step import OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from .._threads import watch_threads
-from ._alias import Analysis, Write, analyse
+from ._analysis import StageFacts, analysed, in_branches
+from ._cache import cached_trace, code_key
+from ._captured import captured_tensors, fresh_literals_dropped, mark_persistent
 from ._collect import collection_paused
 from ._dispatch import DispatchMode
-from ._fx import copy_graph
-from ._memory import BufferMap, meet_shared, met_shared, span_of, tensors_in
-from ._probe import MemoryProbe as _MemoryProbe
-from ._probe import ProbeResult
+from ._escapes import ESCAPES, OPAQUE_OP, user_line
+from ._memory import BufferMap, tensors_in
+from ._probe import MemoryProbe, ProbeResult
 from ._record import HOST_READ, GraphRecorder, Unrecordable, record
-from ._schema import bind as bind_arguments
-from ._schema import op_aliasing
-from ._triton import is_launch_op, launch_of, launch_write_reason
 
 if TYPE_CHECKING:
     from .._state import ModelConfig
-
-
-class StageWriteError(ReadfenceError):
-    """A stage writes a shared buffer (in place, ``out=``, or a mutating custom op).
-
-    Stages may only *read* shared state; the scheduler owns it. Writes to ``pools`` are fine.
-    ``why`` says what revealed the write: the op's schema (and which arguments it marks as
-    written), or the buffer's bytes changing when the graph ran.
-    """
-
-    def __init__(self, backend: str, stage: str, buffer: str, node: str, op: str, why: str = "",
-                 source: str = "?") -> None:
-        self.backend, self.stage, self.buffer, self.node, self.op = backend, stage, buffer, node, op
-        self.why, self.source = why, source
-        super().__init__(
-            f"backend {backend!r} writes shared buffer {buffer!r} in stage {stage} "
-            f"(node {node!r}, op {op}, at {source}){': ' + why if why else ''}; stages may only "
-            f"read shared state (pools may be written) - compute into a fresh tensor instead"
-        )
-
-    def at(self, path: str) -> StageWriteError:
-        """The same error, naming the backend by its path in a combinator tree."""
-        return StageWriteError(path, self.stage, self.buffer, self.node, self.op, self.why, self.source)
-
-
-def _write_reason(w: Write, node: fx.Node | None = None) -> str:
-    if node is not None and is_launch_op(node.target):
-        return launch_write_reason(launch_of(node.args))
-    args = ", ".join(w.arguments)
-    why = f"its schema `{w.schema}` marks argument(s) {args} as written"
-    if not w.op.startswith(("aten.", "prims.")):
-        why += (" (a torch.library.custom_op registered with mutates_args='unknown' claims to write "
-                "every tensor argument: if the op only reads them, register it with mutates_args=())")
-    return why
-
-
-# -- the escape marker -----------------------------------------------------------------------
-@torch.library.custom_op("readfence::opaque", mutates_args=())
-def _opaque(t: torch.Tensor, what: str) -> None:
-    """Marks, in a traced graph, that ``t`` escaped to code the tracer cannot see."""
-    return None
-
-
-@_opaque.register_fake
-def _opaque_fake(t: torch.Tensor, what: str) -> None:
-    return None
-
-
-OPAQUE_OP = torch.ops.readfence.opaque.default
-
-#: Escapes that read the value there and then (the host gets a copy).
-_VALUE_ESCAPES: dict[Any, str] = {
-    torch.Tensor.item: "item()",
-    torch.Tensor.__int__: "__int__()",
-    torch.Tensor.__float__: "__float__()",
-    torch.Tensor.__bool__: "__bool__()",
-    torch.Tensor.__index__: "__index__()",
-    torch.Tensor.tolist: "tolist()",
-}
-#: Escapes that hand out the memory itself: code the tracer cannot see may read it later.
-_REFERENCE_ESCAPES: dict[Any, str] = {
-    torch.Tensor.data_ptr: "data_ptr()",
-    torch.Tensor.untyped_storage: "untyped_storage()",
-    torch.Tensor.storage: "storage()",
-    torch.Tensor.numpy: "numpy()",
-    torch.Tensor.__array__: "__array__()",
-    torch.Tensor.__dlpack__: "__dlpack__()",
-    torch.to_dlpack: "to_dlpack()",
-    torch.utils.dlpack.to_dlpack: "to_dlpack()",
-    # ``t.data = x`` points ``t`` at ``x``'s memory; the trace follows tensors by identity, so
-    # what the code then does through ``t`` the graph does to ``t``'s old value
-    torch.Tensor.data.__set__: ".data assignment",  # type: ignore[attr-defined]
-}
-_ESCAPES = {**_VALUE_ESCAPES, **_REFERENCE_ESCAPES}
-_VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
-
-
-def _is_value_escape(node: fx.Node) -> bool:
-    return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(HOST_READ))
-
-
-_SKIP = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(__file__),
-         os.path.abspath(os.path.join(os.path.dirname(__file__), "_triton.py")))
-
-
-#: Files of readfence's own machinery that a user's code calls into (an engine adapter's views
-#: of the live state): an op they run is named after the user's line that called them.
-_MACHINERY: set[str] = set()
-
-
-def not_user_code(*files: str) -> None:
-    """Name the caller of ``files``' functions, not them, as the source line of the ops they
-    run (an engine's ``forward_batch.seq_lens``: the engine's line that reads it).
-
-    >>> not_user_code(__file__)  # the tracer's own frames: skipped already
-    >>> os.path.abspath(__file__) in _skipped()
-    True
-    """
-    _MACHINERY.update(os.path.abspath(f) for f in files)
-
-
-def _skipped() -> tuple[str, ...]:
-    triton = sys.modules.get("triton")
-    where = getattr(triton, "__file__", None)
-    skip = (*_SKIP, *sorted(_MACHINERY))
-    return skip if where is None else (*skip, os.path.dirname(os.path.abspath(where)))
-
-
-def _user_line() -> str:
-    """``file:line in function`` of the innermost caller outside torch, triton and the tracer."""
-    skip = _skipped()
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(skip):
-            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
 
 
 def _through_compiled_functions() -> Any:
@@ -236,6 +100,9 @@ def _forget_nested_dynamo(stages: Iterable[StageGraph]) -> None:
 
 
 class _Aborted(Exception):
+    """An escape the trace cannot go past (under fake tensors there is no value to hand the
+    host): the trace stops, and the program names the stage and ``why``."""
+
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
@@ -264,7 +131,7 @@ class _HostReads(DispatchMode):
         for t in tensors_in((args, kwargs)):
             OPAQUE_OP(t, what)
         if self.fake:
-            raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
+            raise _Aborted(f"{what} escapes under fake tensors (at {user_line()})")
         with disable_proxy_modes_tracing():
             return func(*args, **kwargs)
 
@@ -292,20 +159,20 @@ class _TraceMode(TorchFunctionMode):
             return self._call(func, args, kwargs)
         finally:
             if graph is not None and graph._root.prev is not tail:
-                line = _user_line()
+                line = user_line()
                 node = tail.next if tail is not None else graph._root.next
                 while node is not graph._root:
                     node.meta.setdefault(SOURCE_KEY, line)
                     node = node.next
 
     def _call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        what = _ESCAPES.get(func)
+        what = ESCAPES.get(func)
         if what is not None and args and isinstance(args[0], torch.Tensor):
             for t in args:  # the memory handed over too (a ``.data`` assignment's value)
                 if isinstance(t, torch.Tensor):
                     OPAQUE_OP(t, what)
             if self.fake:
-                raise _Aborted(f"{what} escapes under fake tensors (at {_user_line()})")
+                raise _Aborted(f"{what} escapes under fake tensors (at {user_line()})")
             # the value leaves the graph: compute it on the real tensor, outside the tracer
             with self.outside():
                 return func(*args, **kwargs)
@@ -364,7 +231,7 @@ def _basic_index(t: torch.Tensor, idx: Any) -> tuple[torch.Tensor, list[Any]]:
             if any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
                 # a tensor as a slice bound is read on the host: no value under fake tensors
                 raise _Aborted(f"{HOST_READ}a tensor used as a slice bound escapes under fake tensors "
-                               f"(at {_user_line()})")
+                               f"(at {user_line()})")
             start = 0 if item.start is None else item.start
             stop = out.shape[dim] if item.stop is None else item.stop
             out = torch.ops.aten.slice.Tensor(out, dim, start, stop, 1 if item.step is None else item.step)
@@ -398,131 +265,6 @@ def _setitem(t: torch.Tensor, idx: Any, value: Any) -> None:
 def _identifier(dotted: str) -> str:
     out = "".join(c if c.isalnum() or c == "_" else "_" for c in dotted)
     return out if out and not out[0].isdigit() else "_" + out
-
-
-_LITERAL_USERS = frozenset({torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default})
-
-
-def _captured(backend: str, stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = getattr(gm, node.target, None)
-        if not isinstance(value, torch.Tensor) or not node.users:
-            continue
-        if foreign_subclass(value):
-            source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
-            raise StageOutputError(
-                f"backend {backend!r} stage {stage} uses a {type(value).__name__} (a tensor subclass) at {source}: "
-                f"make_fx does not trace through it, so the trace would hold a constant made while tracing; "
-                f"unwrap it to a plain tensor inside the stage, or keep the subclass out of the step")
-        # a literal (``torch.tensor(...)`` in the stage) is copied by its users on every run:
-        # from fresh memory, or from memory the stage keeps (see ``_fresh_literals_dropped``)
-        literal = all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users)
-        users = tuple(u.name for u in node.users)
-        source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
-        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned),
-                            literal=literal))
-    return out
-
-
-def _fresh_literals_dropped(stages: list[StageGraph], persistence_known: bool) -> list[StageGraph]:
-    """The stages without the literals that are constants of the code (``torch.tensor([1, 2])``).
-
-    A literal over no memory of the state that the step, run once more, does not read again
-    was made while tracing: a constant, fine on every run. One the step reads again (the
-    literal of a numpy mirror of a buffer) copies that memory on every run, and stays
-    captured, matched like any other. Without the rerun (fake tensors) every literal over no
-    memory of the example is taken for a constant.
-    """
-    out = []
-    for s in stages:
-        kept = tuple(c for c in s.captured
-                     if not (c.literal and c.matches[0] == "none" and not (persistence_known and c.persistent)))
-        out.append(s if kept == s.captured else attrs.evolve(s, captured=kept))
-    return out
-
-
-def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> tuple[str, tuple[str, ...]]:
-    hit = buffers.touched(value)
-    if hit:
-        return ("shared", tuple(sorted(hit)))
-    if owned.touched(value):
-        return ("owned", ())
-    return ("none", ())
-
-
-def _analyse_stage(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], captured: Iterable[Captured],
-                   memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None, last: bool,
-                   hidden: Mapping[str, frozenset[str]]) -> Analysis:
-    initial = {**initial, **{c.node: c.buffers for c in captured}}
-    return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=_is_value_escape,
-                   output_reads=last, observed=memory, copies=copies, hidden=hidden)
-
-
-def _in_branches(gm: fx.GraphModule, buffers: BufferMap) -> dict[str, frozenset[str]]:
-    """Per higher-order op node (``torch.cond``), the shared buffers the tensors its branch
-    graphs captured touch: make_fx keeps a tensor a branch closes over as a constant of the
-    branch's own graph, which no argument of the op shows."""
-    out: dict[str, frozenset[str]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
-            continue
-        held = [getattr(gm, str(a.target)) for a in _node_refs(node.args) if a.op == "get_attr"]
-        tensors = [t for m in held if isinstance(m, torch.nn.Module) for t in [*m.parameters(), *m.buffers(),
-                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]]
-        if tensors:
-            out[node.name] = buffers.touched_by(tensors)
-    return out
-
-
-def _node_refs(value: Any) -> list[fx.Node]:
-    out: list[fx.Node] = []
-    fx.node.map_arg(value, out.append)
-    return out
-
-
-def _analysed(backend: str, stage: str, gm: fx.GraphModule, initial: Mapping[str, frozenset[str]],
-              captured: Iterable[Captured], memory: Mapping[str, frozenset[str]], copies: frozenset[str] | None,
-              last: bool, changed: Iterable[tuple[fx.Node, str]], widen: Mapping[str, frozenset[str]],
-              hidden: Mapping[str, frozenset[str]]) -> Analysis:
-    """The stage's analysis, its writes to shared buffers refused (``StageWriteError``).
-
-    ``widen`` maps the placeholders an earlier in-graph stage running its Python hands over to
-    every shared buffer: on a path the trace did not take they may be views of any of them, so
-    their consumers read every buffer (the annotations kept are these). Writes are checked on
-    the traced aliases: like the Python stage's own writes on other paths, a write through
-    such a view there is for the write guard to see.
-    """
-    captured = tuple(captured)
-    result = _analyse_stage(gm, initial, captured, memory, copies, last, hidden)
-    _check_writes(backend, stage, gm, result, changed)
-    if widen:
-        result = _analyse_stage(gm, {**initial, **widen}, captured, memory, copies, last, hidden)
-    return result
-
-
-def _handed_over(before: Iterable[StageGraph], inputs: Iterable[str], placeholders: Iterable[str],
-                 buffers: Iterable[str]) -> dict[str, frozenset[str]]:
-    """Placeholder -> every buffer, for each input an in-graph stage of ``before`` that runs its
-    Python function returns (its outputs are not copied; see ``_program``)."""
-    python = {o for s in before if not s.faithful and s.stage.in_graph for o in s.outputs}
-    every = frozenset(buffers)
-    return {node: every for node, dotted in zip(placeholders, inputs, strict=True) if dotted in python}
-
-
-def _check_writes(backend: str, stage: str, gm: fx.GraphModule, result: Analysis,
-                  changed: Iterable[tuple[fx.Node, str]]) -> None:
-    sources = {n.name: str(n.meta.get(SOURCE_KEY, "?")) for n in gm.graph.nodes}
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for w in result.writes:
-        raise StageWriteError(backend, stage, sorted(w.buffers)[0], w.node, w.op, _write_reason(w, nodes.get(w.node)),
-                              sources[w.node])
-    for node, buf in changed:
-        raise StageWriteError(backend, stage, buf, node.name, str(node.target),
-                              "the buffer's bytes changed when the node ran, though its schema "
-                              "declares no write", sources[node.name])
 
 
 def _eager_stage(call: StageCall, names: Sequence[str], leaves: Sequence[Any], spec: pytree.TreeSpec,
@@ -645,7 +387,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         # there is under fake tensors, whose memory is only their storage's identity)
         initial[node.name] = buffers.touched(t) | (carried or {}).get(dotted, frozenset())
     gm.recompile()
-    captured = _captured(backend, stage.name, gm, buffers, owned)
+    captured = captured_tensors(backend, stage.name, gm, buffers, owned)
 
     memory: dict[str, frozenset[str]] = {}
     changed: list[tuple[fx.Node, str]] = []
@@ -653,7 +395,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     if fake_mode is None:
         found: ProbeResult | None = stash.get("probe")
         if found is None:
-            memory_probe = _MemoryProbe(gm, shared)
+            memory_probe = MemoryProbe(gm, shared)
             memory_probe.run(*args)
             found = memory_probe.result
         else:  # a recorded stage was probed as it ran; its inputs touch what they hold
@@ -661,10 +403,10 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
                 if buffers.touched_by(t):
                     found.touched[node.name] = buffers.touched_by(t)
         memory, changed, copies = found.touched, found.changed, frozenset(found.copies)
-    last = stage is BODY
-    widen = _handed_over(before, input_names, initial, shared)
-    hidden = _in_branches(gm, buffers)
-    result = _analysed(backend, stage.name, gm, initial, captured, memory, copies, last, changed, widen, hidden)
+    hidden = in_branches(gm, buffers)
+    facts = StageFacts(initial=initial, captured=tuple(captured), memory=memory, copies=copies, changed=tuple(changed),
+                       hidden=hidden)
+    result = analysed(backend, stage, gm, facts, before=before, inputs=input_names, buffers=shared)
     if carried is not None:
         carried.update(zip(stash["names"], result.output_aliases, strict=True))
     graph = StageGraph(
@@ -692,48 +434,6 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     return graph, stash["out"]
 
 
-class _Consumed(DispatchMode):
-    """Records the memory every op's tensor arguments span (to tell kept constants from
-    values a stage computed once), and the memory of the arguments it writes (a buffer the
-    step fills itself: the backend's own)."""
-
-    supports_higher_order_operators = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.spans: list[Any] = []
-        self.written: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        for t in tensors_in((args, kwargs)):
-            span = span_of(t)
-            if span is not None:
-                self.spans.append(span)
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        aliasing = op_aliasing(func)
-        if aliasing is not None and aliasing.writes:
-            values = bind_arguments(func, args, kwargs)
-            self.written += [sp for i in aliasing.writes for t in tensors_in(values[i]) if (sp := span_of(t)) is not None]
-        return func(*args, **kwargs)
-
-
-def _bind_captured(c: Captured, value: torch.Tensor, shared: BufferMap, owned: BufferMap) -> Captured:
-    matches = _match(value, shared, owned)
-    if matches[0] == "none" and c.persistent and c.matches[0] in ("none", "constant"):
-        matches = _kept(value)
-    return attrs.evolve(c, matches=matches, state="live")
-
-
-def _kept(value: torch.Tensor) -> tuple[str, tuple[str, ...]]:
-    """What a tensor the step reads again on every call, and no part of the state it runs on, is:
-    a shared buffer of another state when its memory is one (:func:`met_shared`), else the
-    backend's own (its constants, its persistent metadata buffers: whatever their shape)."""
-    other = met_shared(value)
-    return ("foreign", (other,)) if other is not None else ("constant", ())
-
-
 class _Tracer:
     """The interpreter that traces each stage into a :class:`StageGraph` (``make_fx``) and
     hands on its real outputs, as the step computed them."""
@@ -750,171 +450,6 @@ class _Tracer:
                                   carried=self.carried, recorded=self.recorded)
         self.stages.append(graph)
         return out
-
-
-def _mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mapping[str, Any]) -> list[StageGraph]:
-    # Run the step once more, eagerly: a captured tensor whose memory it reads again is a
-    # constant the backend keeps; one it does not read again was computed for that one call.
-    consumed = _Consumed()
-    with consumed:
-        eval_step(EAGER, fns, groups)
-    marked = []
-    for s in stages:
-        captured = []
-        for c in s.captured:
-            span = span_of(getattr(s.gm, c.target))
-            again = span is not None and any(span.overlaps(other) for other in consumed.spans)
-            filled = span is not None and any(span.overlaps(other) for other in consumed.written)
-            if c.matches[0] != "none":
-                captured.append(c)
-                continue
-            # read again on the next call: the backend's own, unless its memory is a known state's
-            kept = _kept(getattr(s.gm, c.target)) if again else ("none", ())
-            captured.append(attrs.evolve(c, persistent=again, filled=filled,
-                                         matches=kept if kept[0] == "constant" else c.matches))
-        marked.append(attrs.evolve(s, captured=tuple(captured)))
-    return marked
-
-
-class CapturedStateError(ReadfenceError, ValueError):
-    """A stage reads a tensor it did not receive that is not live state of the step.
-
-    Such a tensor is a constant of the traced graph: trace-time state (a copy or a DLPack view
-    made while tracing, a tensor kept from another state) that would be replayed stale.
-    """
-
-    def __init__(self, backend: str, mode: ForwardMode, captured: Iterable[Captured]) -> None:
-        self.backend, self.mode, self.captured = backend, mode, tuple(captured)
-        reasons = "; ".join(grouped_reasons(self.captured))
-        super().__init__(
-            f"cannot lower {backend} for {mode.name}: {reasons}. Pass live state to the stage "
-            f"through its arguments (shared, pools), or compute the tensor inside the stage"
-        )
-
-
-def _made_in(source: str) -> str:
-    """Whose code a source line (``file:line in function``) is in: triton's interpreter, torch, or the file."""
-    path = source.split(":")[0]
-    for name, who in (("triton", "triton's interpreter"), ("torch", "torch")):
-        module = sys.modules.get(name)
-        where = getattr(module, "__file__", None)
-        if where is not None and os.path.abspath(path).startswith(os.path.dirname(os.path.abspath(where)) + os.sep):
-            return who
-    return os.path.basename(path) or "?"
-
-
-def grouped_reasons(captured: Iterable[Captured]) -> list[str]:
-    """One clause per cause: the captured tensors refused for the same reason in the same stage and
-    made in the same code, counted, with one of them as the example.
-
-    >>> c = Captured("body", "_tensor_constant0", "_tensor_constant0", ("add",), "/x/model.py:3 in f", ("none", ()))
-    >>> grouped_reasons([c, attrs.evolve(c, target="_tensor_constant1", node="_tensor_constant1")])[0][:58]
-    'stage body: 2 captured tensors made in model.py (_tensor_c'
-    """
-    groups: dict[tuple[str, str, str, str], list[Captured]] = {}
-    for c in captured:
-        groups.setdefault((c.stage, c.matches[0], c.state, _made_in(c.source)), []).append(c)
-    out = []
-    for (stage, _, _, made), cs in groups.items():
-        names = list(dict.fromkeys(c.target for c in cs))
-        if len(names) == 1:
-            out.append(f"stage {stage}: {cs[0].why()}")
-            continue
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        out.append(f"stage {stage}: {len(names)} captured tensors made in {made} ({shown}), e.g. {cs[0].why()}")
-    return out
-
-
-def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
-    """``program`` as it runs on ``state`` (``shared``, ``pools``, ``params``): every captured
-    tensor matched, by memory range, against that state instead of the example.
-
-    A captured tensor that is one of ``state``'s shared buffers is a read of that buffer;
-    one that is a pool or a parameter is fine; anything else stays unusable (``Captured.usable``
-    is False) and the caller refuses it (``CapturedStateError``). Programs without captured
-    tensors are returned as they are.
-
-    Computed once per traced program and place in memory (see :func:`state_key`): the audit and
-    every lowering of the step on one live state share the answer. It depends on where the live
-    tensors are, not on the values they hold (the stages that rerun on it are faithful: no
-    value of theirs reaches Python), and nothing downstream changes a bound program (every
-    lowering pass builds new graphs from it).
-
-    >>> from readfence.backends import paged
-    >>> prog = trace(paged(), ForwardMode.DECODE)
-    >>> bind(prog, {"shared": {}, "pools": {}, "params": {}}) is prog
-    True
-    """
-    if not program.captured():
-        return program
-    meet_shared(state["shared"])  # a tensor another backend kept of this state is known for one
-    key = (id(program), state_key(state))
-    hit = _BOUND.get(key)
-    if hit is not None:
-        return hit[1]
-    # the program kept beside its binding: its id is not reused while the entry lives
-    return remember(_BOUND, key, (program, _bind(program, state)), _BOUND_LIMIT)[1]
-
-
-def state_key(state: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[tuple[Any, ...], ...]:
-    """Where ``state``'s tensors are: per group and name, the data pointer, shape and dtype.
-
-    >>> state_key({"shared": {"seq_lens": torch.zeros(2, dtype=torch.int32)}})[0][3:]
-    ((2,), torch.int32)
-    """
-    return tuple((g, k, t.data_ptr(), tuple(t.shape), t.dtype) for g, d in state.items() for k, t in d.items())
-
-
-def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
-    """:func:`bind`, computed (``program`` has captured tensors)."""
-    shared = BufferMap.of(state["shared"])
-    owned = BufferMap.of(flatten_inputs(pools=state.get("pools", {}), params=state.get("params", {})))
-    stages = []
-    # what an in-graph stage's outputs alias under this state, by dotted name: a view of a
-    # captured live buffer handed to the next stage is a read of that buffer there
-    carried: dict[str, frozenset[str]] = {}
-    for s in program.stages:
-        initial = {node: aliases | carried.get(dotted, frozenset())
-                   for node, dotted, aliases in zip(s.initial, s.inputs, s.initial.values(), strict=True)}
-        if not s.captured and initial == s.initial:
-            stages.append(s)
-            continue
-        gm = copy_graph(s.gm)
-        captured = tuple(c if c.state == "live" else _bind_captured(c, getattr(gm, c.target), shared, owned)
-                         for c in s.captured)
-        memory, changed = _live_memory(s, gm, state)
-        widen = _handed_over(stages, s.inputs, initial, program.buffers)
-        live = _in_branches(gm, shared)
-        hidden = {n: s.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*s.hidden, *live}}
-        result = _analysed(program.backend, s.name, gm, initial, captured, memory, s.copies, s.stage is BODY,
-                           changed, widen, hidden)
-        # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
-        carried.update(zip(s.outputs, result.output_aliases, strict=True))
-        stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
-                                   captured=captured, initial=initial))
-    return attrs.evolve(program, stages=tuple(stages))
-
-
-def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[str, torch.Tensor]],
-                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]]]:
-    """What ``s``'s nodes touch of the live shared buffers, joined with what they touched of the
-    example's, and the live buffers a node changed: the stage (its captured tensors being live
-    memory) run once more on its example inputs. A handle made on a captured buffer
-    (``torch.empty(0).set_(table)``) aliases the live buffer though no schema says so; only
-    the memory does. Everything in ``state`` holds its values again afterwards."""
-    if s.example is None or not s.faithful:
-        return dict(s.memory), []
-    saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
-    probe = _MemoryProbe(gm, state["shared"])
-    try:
-        probe.run(*s.example)
-    finally:
-        for t, old in saved:
-            t.copy_(old)
-    memory = dict(s.memory)
-    for node, touched in probe.result.touched.items():
-        memory[node] = memory.get(node, frozenset()) | touched
-    return memory, probe.result.changed
 
 
 def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:
@@ -989,8 +524,8 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
     _forget_nested_dynamo(stages)
     rerun = fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured)
     if rerun:
-        stages = _mark_persistent(stages, fns, groups)
-    stages = _fresh_literals_dropped(stages, rerun)
+        stages = mark_persistent(stages, fns, groups)
+    stages = fresh_literals_dropped(stages, rerun)
     return Program(
         backend=fns.backend, mode=mode, device=device, buffers=tuple(shared.keys()), stages=tuple(stages),
         aborted=aborted,
@@ -1002,107 +537,6 @@ def _default_cfg() -> ModelConfig:
     from .._state import ModelConfig
 
     return ModelConfig()
-
-
-def _code_key(backend: BackendLike) -> Any:
-    """What a trace depends on: the code, not the declaration.
-
-    A leaf that carries a ``kernel`` (the backends layer's ``Leaf``) is keyed by its name,
-    kernel and options, so ``redeclare``d copies share one trace; anything else by itself.
-    """
-    kernel = getattr(backend, "kernel", None)
-    if kernel is not None and not backend.children():
-        try:
-            key = (type(backend), backend.name, kernel, tuple(getattr(backend, "options", ())))
-            hash(key)
-            return key
-        except TypeError:
-            pass
-    return backend
-
-
-_CACHE: dict[Any, Program] = {}
-_CACHE_LIMIT = 1024
-#: ... and at most this many graph nodes in all, the oldest forgotten first: a program of a
-#: 64-layer model is some 20,000 nodes (about 6 MB), and lowering every size of a capture list
-#: traces three programs per size for a combinator of two
-_CACHE_NODES = 1_000_000
-_CACHE_SIZES: dict[Any, int] = {}  # nodes per cached program
-
-
-#: Other caches of what a backend's code does (``observe``'s): forgotten with the traces.
-_DEPENDENT_CACHES: list[dict[Any, Any]] = []
-
-
-def code_key(backend: BackendLike) -> Any:
-    """What a trace or an observation of ``backend`` depends on: its code, not its declaration
-    (see ``_code_key``)."""
-    return _code_key(backend)
-
-
-def cache_with_traces(cache: dict[Any, Any]) -> dict[Any, Any]:
-    """Register ``cache`` to be forgotten with the traces (``clear_trace_cache``)."""
-    _DEPENDENT_CACHES.append(cache)
-    return cache
-
-
-_V = TypeVar("_V")
-
-
-def remember(cache: dict[Any, Any], key: Any, value: _V, limit: int) -> _V:
-    """Put ``value`` in ``cache`` under ``key``, forgetting the oldest entry first when the
-    cache holds ``limit``; returns ``value``. The one rule of readfence's bounded caches: a
-    forgotten entry only costs computing it again.
-
-    >>> cache = {}
-    >>> [remember(cache, k, k * 10, 2) for k in (1, 2, 3)], cache
-    ([10, 20, 30], {2: 20, 3: 30})
-    """
-    if len(cache) >= limit:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
-
-
-#: Bound programs (:func:`bind`), by the traced program's identity and the state's place in
-#: memory, the oldest forgotten first.
-_BOUND: dict[tuple[Any, ...], tuple[Program, Program]] = cache_with_traces({})
-_BOUND_LIMIT = 256
-
-
-def clear_trace_cache() -> None:
-    """Forget every cached trace and observation (``trace`` caches one program per backend code,
-    mode, model config, batch size, device and seed, ``observe`` one observation per backend
-    code and its arguments; the next call traces or observes again).
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import ForwardMode, trace
-    >>> clear_trace_cache(); _ = trace(paged(), ForwardMode.DECODE); trace_cache_size()
-    1
-    """
-    _CACHE.clear()
-    _CACHE_SIZES.clear()
-    for cache in _DEPENDENT_CACHES:
-        cache.clear()
-
-
-def trace_cache_size() -> int:
-    """How many traced programs are cached (at most 1024 programs and a million graph nodes in
-    all: the oldest is forgotten first)."""
-    return len(_CACHE)
-
-
-def _trace_cached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
-    key = (_code_key(backend), mode, cfg, batch_size, device, seed)
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _trace_uncached(backend, mode, cfg, batch_size, device, seed)
-        nodes = sum(len(s.gm.graph.nodes) for s in hit.stages)
-        while _CACHE and (len(_CACHE) >= _CACHE_LIMIT or sum(_CACHE_SIZES.values()) + nodes > _CACHE_NODES):
-            oldest = next(iter(_CACHE))
-            del _CACHE[oldest], _CACHE_SIZES[oldest]
-        _CACHE[key], _CACHE_SIZES[key] = hit, nodes
-    return hit
 
 
 def _trace_uncached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
@@ -1142,4 +576,6 @@ def trace(
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
-    return _trace_cached(backend, mode, cfg, batch_size, str(device), seed)
+    device = str(device)
+    return cached_trace((code_key(backend), mode, cfg, batch_size, device, seed),
+                        lambda: _trace_uncached(backend, mode, cfg, batch_size, device, seed))

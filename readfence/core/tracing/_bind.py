@@ -1,0 +1,122 @@
+"""A traced program bound to the live state it runs on: its captured tensors matched against
+that state's memory, and every stage analysed again with what it touches there.
+
+A program is traced on an example state; lowering runs it on the engine's own. What a captured
+tensor is (a live shared buffer, a pool, a constant the backend keeps) is a fact about the live
+state, so :func:`bind` decides it again there, once per program and place in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import fx
+
+from .._program import Program, StageGraph, flatten_inputs
+from ._analysis import StageFacts, analysed, in_branches
+from ._cache import cache_with_traces, remember
+from ._captured import bind_captured
+from ._fx import copy_graph
+from ._memory import BufferMap, meet_shared
+from ._probe import MemoryProbe
+
+#: Bound programs (:func:`bind`), by the traced program's identity and the state's place in
+#: memory, the oldest forgotten first.
+_BOUND: dict[tuple[Any, ...], tuple[Program, Program]] = cache_with_traces({})
+_BOUND_LIMIT = 256
+
+
+def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
+    """``program`` as it runs on ``state`` (``shared``, ``pools``, ``params``): every captured
+    tensor matched, by memory range, against that state instead of the example.
+
+    A captured tensor that is one of ``state``'s shared buffers is a read of that buffer;
+    one that is a pool or a parameter is fine; anything else stays unusable (``Captured.usable``
+    is False) and the caller refuses it (``CapturedStateError``). Programs without captured
+    tensors are returned as they are.
+
+    Computed once per traced program and place in memory (see :func:`state_key`): the audit and
+    every lowering of the step on one live state share the answer. It depends on where the live
+    tensors are, not on the values they hold (the stages that rerun on it are faithful: no
+    value of theirs reaches Python), and nothing downstream changes a bound program (every
+    lowering pass builds new graphs from it).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> prog = trace(paged(), ForwardMode.DECODE)
+    >>> bind(prog, {"shared": {}, "pools": {}, "params": {}}) is prog
+    True
+    """
+    if not program.captured():
+        return program
+    meet_shared(state["shared"])  # a tensor another backend kept of this state is known for one
+    key = (id(program), state_key(state))
+    hit = _BOUND.get(key)
+    if hit is not None:
+        return hit[1]
+    # the program kept beside its binding: its id is not reused while the entry lives
+    return remember(_BOUND, key, (program, _bind(program, state)), _BOUND_LIMIT)[1]
+
+
+def state_key(state: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[tuple[Any, ...], ...]:
+    """Where ``state``'s tensors are: per group and name, the data pointer, shape and dtype.
+
+    >>> state_key({"shared": {"seq_lens": torch.zeros(2, dtype=torch.int32)}})[0][3:]
+    ((2,), torch.int32)
+    """
+    return tuple((g, k, t.data_ptr(), tuple(t.shape), t.dtype) for g, d in state.items() for k, t in d.items())
+
+
+def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
+    """:func:`bind`, computed (``program`` has captured tensors)."""
+    shared = BufferMap.of(state["shared"])
+    owned = BufferMap.of(flatten_inputs(pools=state.get("pools", {}), params=state.get("params", {})))
+    stages = []
+    # what an in-graph stage's outputs alias under this state, by dotted name: a view of a
+    # captured live buffer handed to the next stage is a read of that buffer there
+    carried: dict[str, frozenset[str]] = {}
+    for s in program.stages:
+        initial = {node: aliases | carried.get(dotted, frozenset())
+                   for node, dotted, aliases in zip(s.initial, s.inputs, s.initial.values(), strict=True)}
+        if not s.captured and initial == s.initial:
+            stages.append(s)
+            continue
+        gm = copy_graph(s.gm)
+        captured = tuple(c if c.state == "live" else bind_captured(c, getattr(gm, c.target), shared, owned)
+                         for c in s.captured)
+        memory, changed = _live_memory(s, gm, state)
+        live = in_branches(gm, shared)
+        hidden = {n: s.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*s.hidden, *live}}
+        facts = StageFacts(initial=initial, captured=captured, memory=memory, copies=s.copies, changed=tuple(changed),
+                           hidden=hidden)
+        result = analysed(program.backend, s.stage, gm, facts, before=stages, inputs=s.inputs, buffers=program.buffers)
+        # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
+        carried.update(zip(s.outputs, result.output_aliases, strict=True))
+        stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
+                                   captured=captured, initial=initial))
+    return attrs.evolve(program, stages=tuple(stages))
+
+
+def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[str, torch.Tensor]],
+                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]]]:
+    """What ``s``'s nodes touch of the live shared buffers, joined with what they touched of the
+    example's, and the live buffers a node changed: the stage (its captured tensors being live
+    memory) run once more on its example inputs. A handle made on a captured buffer
+    (``torch.empty(0).set_(table)``) aliases the live buffer though no schema says so; only
+    the memory does. Everything in ``state`` holds its values again afterwards."""
+    if s.example is None or not s.faithful:
+        return dict(s.memory), []
+    saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
+    probe = MemoryProbe(gm, state["shared"])
+    try:
+        probe.run(*s.example)
+    finally:
+        for t, old in saved:
+            t.copy_(old)
+    memory = dict(s.memory)
+    for node, touched in probe.result.touched.items():
+        memory[node] = memory.get(node, frozenset()) | touched
+    return memory, probe.result.changed
