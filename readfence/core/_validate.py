@@ -44,10 +44,11 @@ from torch import Tensor, fx
 
 from readfence.effects import ReadfenceError
 
-from ._program import SOURCE_KEY, Program, StageGraph
+from ._observe import observe_program
+from ._program import SOURCE_KEY, Program, StageGraph, flatten_inputs
 from ._step import StageCall, StepFunctions, eval_step
 from .tracing._cache import cache_with_traces, remember
-from .tracing._memory import random_state, same_values, set_random_state
+from .tracing._memory import BufferMap, random_state, same_values, set_random_state
 from .tracing._trace import trace_step
 
 #: The seeds of the fresh states a capture is validated on (``core.varied_step``: the youngest
@@ -267,9 +268,38 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     remember(_VALIDATED, (program, seeds), True, _VALIDATED_LIMIT)
 
 
+def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
+                   seeds: Iterable[int] = REPLAY_SEEDS) -> dict[str, dict[str, frozenset[str]]]:
+    """What a step that is not replayed (every stage runs its Python: no capture to validate)
+    really reads on the fresh states ``example(seed)``, per stage and node (``observe_program``;
+    ``live``, the live shared buffers a backend keeps references to, count too). Its Python may take
+    a path there that the trace's example did not: the fences join what these runs see, never
+    placing a release below it, as the rehearsal's observations.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ModelConfig, ForwardMode, trace, varied_step
+    >>> cfg = ModelConfig()
+    >>> seen = observe_varied(trace(paged(), ForwardMode.EXTEND, cfg=cfg),
+    ...                       lambda seed: varied_step(cfg, ForwardMode.EXTEND, 2, seed=seed).groups(), {})
+    >>> sorted(b for nodes in seen.values() for bufs in nodes.values() for b in bufs)[:1]
+    ['req_to_token']
+    """
+    seen: dict[str, dict[str, frozenset[str]]] = {}
+    for seed in seeds:
+        groups = example(seed)
+        buffers = BufferMap.of(groups["shared"]).union([BufferMap.of(live)])
+        with torch.no_grad():
+            observed = observe_program(program, flatten_inputs(**groups), buffers)
+        for stage, nodes in observed.items():
+            mine = seen.setdefault(stage, {})
+            for node, bufs in nodes.items():
+                mine[node] = mine.get(node, frozenset()) | bufs
+    return seen
+
+
 #: Programs validated, with the seeds (the program is kept with its key: its id is not reused).
 _VALIDATED: dict[tuple[Program, tuple[int, ...]], bool] = cache_with_traces({})
 _VALIDATED_LIMIT = 256
 
 
-__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "same_values", "validate_replay"]
+__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "observe_varied", "same_values", "validate_replay"]

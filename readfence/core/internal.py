@@ -26,6 +26,7 @@ from ._state import buffer_ranges as buffer_ranges
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
+from ._validate import observe_varied as observe_varied
 from .tracing._bind import state_key as state_key
 from .tracing._cache import cache_with_traces as cache_with_traces
 from .tracing._cache import remember as remember
@@ -42,6 +43,6 @@ __all__ = [
     "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span", "bind_arguments",
     "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode",
     "check_mode", "child_runs", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows",
-    "not_user_code", "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges",
+    "not_user_code", "observe_varied", "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges",
     "replayed", "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
 ]

@@ -232,3 +232,23 @@ def test_in_extend_reads_of_the_stages_python_are_still_analysed_and_a_late_one_
         lower(backend(lambda shared: shared["req_to_token"][:, :1]), E, batch_size=2, device=dev,
               policy=Policy.EXACT, cfg=CFG)
     assert "req_to_token" in str(e.value) and "POST_REPLAY" in str(e.value), str(e.value)
+
+
+def test_in_extend_a_read_on_a_path_the_example_did_not_take_is_seen_on_a_varied_state_and_refused() -> None:
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        if meta["longest"] >= CFG.max_ctx:  # a Python value: only a batch at the longest context goes here
+            out = out + shared["req_to_token"].index_select(0, batch["req_pool_indices"]).sum() * 0
+        return out
+
+    early = ReadEffect.of({}, default=ReadEnd.PRE_REPLAY)
+    backend = leaf("long_path", attend, prepare_out_graph=lambda mode, shared, batch: _longest(shared, batch),
+                   declare={M: PRE, E: early})
+    with CpuDevice(timeout=20.0) as dev:
+        lower(backend, E, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG)
+    with CpuDevice(timeout=20.0) as dev, pytest.raises(UnsoundLowering) as e:
+        lower(backend, E, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG)
+    text = str(e.value)  # not the audit's verdict: its example takes the short path
+    assert "'req_to_token'" in text and "stage body's Python read it on a varied state" in text, text
+    assert "POST_REPLAY" in text, text

@@ -53,7 +53,18 @@ from readfence.core import (
     varied_step,
 )
 from readfence.core import trace as trace_step
-from readfence.core.internal import BufferMap, check_backend, check_buffers, check_forward_mode, positive_int, replayed
+from readfence.core.internal import (
+    BufferMap,
+    cache_with_traces,
+    check_backend,
+    check_buffers,
+    check_forward_mode,
+    observe_varied,
+    positive_int,
+    remember,
+    replayed,
+    state_key,
+)
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 
 from ..devices import CudaDevice, Device, Event, Stream, Timeline
@@ -298,7 +309,7 @@ def lower(
     # the capture against the code; rehearse; plan the fences; then per ring slot insert
     # records, compile and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    _validated(program, backend, mode, cfg, batch_size, state, device)
+    varied = _validated(program, backend, mode, cfg, batch_size, state, device)
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
@@ -316,18 +327,22 @@ def lower(
         )
         error.failure = failure
         raise error
-    # EXACT places from the bound trace joined with every read the rehearsal saw, never below one
+    if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
+        _refuse_unseen_paths(backend, mode, policy, declared, program, varied)
+    # EXACT places from the bound trace joined with every read the rehearsal (and, in a step that
+    # is not replayed, the runs on varied states) saw, never below one
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
                          label=label)
-    observed = traced | seen_effect(program, rehearsal.observed)
-    reads = last_reads(program, rehearsal.observed)
+    seen = _joined(rehearsal.observed, varied)
+    observed = traced | seen_effect(program, seen)
+    reads = last_reads(program, seen)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
                        observed=observed, graphed=graphed)
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
                                 program.replayed)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
-    spec = SlotSpec(label, program, plan, device, rehearsal.observed, graphed, measure,
+    spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
                     device.event if new_event is None else new_event, check, timeline, reads, live)
     slots = [build_slot(spec, launcher, r) for r in range(ring_size)]
     return Lowered(
@@ -353,15 +368,27 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
 
 
+Observed = dict[str, dict[str, frozenset[str]]]
+
+#: What a step that is not replayed read on the varied states, per program and live state.
+_VARIED: dict[tuple[Any, ...], Observed] = cache_with_traces({})
+
+
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
-               state: Mapping[str, dict[str, Tensor]], device: Device) -> None:
+               state: Mapping[str, dict[str, Tensor]], device: Device) -> Observed:
     """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
     states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
-    traced step is wrong with any fence. A backend that keeps references to the live state (an
+    traced step is wrong with any fence. A step that is not replayed has no capture: its Python
+    runs on the same fresh states under the read observer instead, and what it reads there is
+    returned (per stage, per node), for the fences to join (``core.internal.observe_varied``). A
+    backend that keeps references to the live state (an
     engine object holding its runner's page table) reads that state, not an example: its
     varied states are written into the live buffers (after the device has run what was enqueued
     on them), which hold their values again afterwards (as they do after the Python writes memory
     it keeps a reference to)."""
+    key = (program, state_key(state))
+    if not program.replayed and (program.aborted is not None or key in _VARIED):
+        return _VARIED.get(key, {})
     where = device_of(state["shared"])
     keeps = bool(program.captured())
     if keeps:  # nothing enqueued may run on the live buffers while they hold the varied states
@@ -390,10 +417,40 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
         return compiled[stage.name].run(env)
 
     try:
+        if not program.replayed:
+            return remember(_VARIED, key, observe_varied(program, example, state["shared"]), 64)
         validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
+        return {}
     finally:
         for t, old in saved:
             t.copy_(old)
+
+
+def _joined(*observed: Mapping[str, Mapping[str, frozenset[str]]]) -> Observed:
+    """Per stage and node, the buffers any of ``observed`` saw read."""
+    out: Observed = {}
+    for seen in observed:
+        for stage, nodes in seen.items():
+            mine = out.setdefault(stage, {})
+            for node, bufs in nodes.items():
+                mine[node] = mine.get(node, frozenset()) | bufs
+    return out
+
+
+def _refuse_unseen_paths(backend: BackendLike, mode: ForwardMode, policy: Policy, declared: ReadEffect,
+                         program: Program, varied: Observed) -> None:
+    """Refuse a declaration below a read the Python of a step that is not replayed made on a varied
+    state: a path the trace's example did not take (the audit's verdict covers the example's)."""
+    seen = seen_effect(program, varied)
+    for buffer in program.buffers:
+        if declared[buffer] < seen[buffer]:
+            stage = next(s.name for s in reversed(program.stages)
+                         if any(buffer in bufs for bufs in varied.get(s.name, {}).values()))
+            raise UnsoundLowering(
+                f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {buffer!r} is declared "
+                f"to end at {declared[buffer].name}, but stage {stage}'s Python read it on a varied state (a path the "
+                f"trace's example did not take), so it is read until {seen[buffer].name}. Fix the declaration, or "
+                f"lower with Policy.COARSE.")
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
