@@ -6,10 +6,12 @@
    makes correct (trace-time state, a stage a CUDA graph cannot capture) and, unless the
    policy is COARSE, an unsound declaration;
 2. validate the capture against the code (``core.validate_replay``): a replayed stage must
-   compute what its Python computes on fresh states, whatever the policy;
+   compute what its Python computes on fresh states, whatever the policy; a step that is not
+   replayed (``core.internal.replayed``) is observed on those states instead, and a declaration
+   below what its Python reads there is refused;
 3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
 4. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
-   the bound trace joined with the rehearsal's observed reads);
+   the bound trace joined with the observed reads);
 5. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
@@ -17,7 +19,9 @@ and :class:`Lowered` is built from their results. On a :class:`Device` a step is
 * the out-of-graph stage, its Python run before every replay as engines run it (PRE_REPLAY
   reads; its host reads and side effects happen every step);
 * one captured graph per event-ring slot holding ``prepare_in_graph`` and the model body,
-  with event records inside it (IN_REPLAY, and EXACT records after the last-reading node);
+  with event records inside it (IN_REPLAY, and EXACT records after the last-reading node); in a
+  step that is not replayed (EXTEND) both run their Python instead, as engines run that mode,
+  each followed by its stage-level points;
 * a post-forward launch that copies the logits out (the COARSE fence follows it).
 
 Every lowered graph owns its events: nothing is shared across shapes, modes or streams.
