@@ -38,7 +38,7 @@ from readfence.effects.internal import table
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
 from ._observe import Disagreement, Observation, cross_check, observe
-from ._program import ESCAPE, Program
+from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, stage_named
@@ -472,7 +472,7 @@ def escape_note(stage: str) -> str:
 def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
     out = [(s.name, node, f"{why} at {source}" + (f"; {escape_note(s.name)}" if why.startswith(ESCAPE) else ""))
            for s in program.stages for node, why, source in s.escapes()]
-    out += [(c.stage, c.node, c.why()) for c in program.captured() if not c.usable and c.matches[0] == "none"]
+    out += [(c.stage, c.node, c.why()) for c in program.captured() if not c.usable and isinstance(c.matches, Unmatched)]
     if program.aborted is not None and program.aborted_stage is not None:  # fake tensors: no value to go on with
         why = program.aborted.removeprefix(f"stage {program.aborted_stage}: ")
         out.append((program.aborted_stage, "(trace stopped)",

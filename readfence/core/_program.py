@@ -82,7 +82,7 @@ read again or whose memory is a known state's buffer, may be any live buffer: ev
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeAlias, assert_never
 
 import attrs
 import torch
@@ -93,7 +93,8 @@ from readfence.effects import ReadEffect, ReadEnd
 from ._modes import ForwardMode
 from ._step import BODY, STAGES, OutputGuard, Stage, flatten_group, stage_named
 
-__all__ = ["Captured", "Program", "StageGraph", "flatten_group", "flatten_inputs", "run_program"]
+__all__ = ["Captured", "Constant", "Foreign", "Match", "Owned", "Program", "Shared", "StageGraph", "Unmatched", "flatten_group",
+           "flatten_inputs", "run_program"]
 
 READS_KEY = "readfence_reads"
 ALIASES_KEY = "readfence_aliases"  # the shared buffers a node's value may alias, as the analysis found
@@ -103,15 +104,47 @@ SOURCE_KEY = "readfence_source"
 ESCAPE = "escape: "  # how an escape node's OPAQUE_KEY reason starts
 
 @attrs.frozen
+class Shared:
+    """Memory of the state's shared buffers ``buffers``: the captured tensor is a read of them."""
+
+    buffers: tuple[str, ...]
+
+
+@attrs.frozen
+class Owned:
+    """Memory of a pool or a parameter of the state."""
+
+
+@attrs.frozen
+class Constant:
+    """Memory of no state that the step reads again on every call: the backend's own (its
+    weights, a metadata buffer it allocated once and refills), whatever its shape."""
+
+
+@attrs.frozen
+class Foreign:
+    """The memory of shared buffer ``buffer`` of another state readfence has met (one it made or
+    was given, still alive): a reference the backend kept to a state other than the one given."""
+
+    buffer: str
+
+
+@attrs.frozen
+class Unmatched:
+    """Memory of no state: trace-time state baked into the graph, or, without the live state, any."""
+
+
+#: What a captured tensor's memory is, in the state it was last matched against.
+Match: TypeAlias = Shared | Owned | Constant | Foreign | Unmatched
+
+
+@attrs.frozen
 class Captured:
     """A tensor a stage reads without receiving it as an argument (closure, attribute, global).
 
     ``node`` is its ``get_attr`` node, ``users`` the nodes that consume it, ``source`` the
     user's line that first consumed it. ``matches`` says what the tensor's memory is, in the
-    state last matched against: ``("shared", buffers)``, ``("owned", ())`` (a pool or a
-    parameter), ``("constant", ())`` (memory of no state the step reads again on every call: the
-    backend's own, whatever its shape), ``("foreign", (buffer,))`` (a shared buffer of another
-    state readfence has met) or ``("none", ())``; ``state`` names that state (``"example"`` or
+    state last matched against (a :data:`Match`); ``state`` names that state (``"example"`` or
     ``"live"``).
     """
 
@@ -120,7 +153,7 @@ class Captured:
     target: str
     users: tuple[str, ...]
     source: str
-    matches: tuple[str, tuple[str, ...]]
+    matches: Match
     state: str = "example"
     # the stage reads the same memory again on the next call: a constant it keeps (an
     # indexer's weights), not a value it computed once while being traced
@@ -134,7 +167,7 @@ class Captured:
 
     @property
     def buffers(self) -> frozenset[str]:
-        return frozenset(self.matches[1]) if self.matches[0] == "shared" else frozenset()
+        return frozenset(self.matches.buffers) if isinstance(self.matches, Shared) else frozenset()
 
     @property
     def usable(self) -> bool:
@@ -142,17 +175,25 @@ class Captured:
         or a constant the stage keeps (persistent, and no part of the example state)."""
         if self.state != "live":
             return False
-        return self.matches[0] in ("shared", "owned", "constant")
+        return isinstance(self.matches, Shared | Owned | Constant)
 
     def why(self) -> str:
         """Why lowering cannot use it, in words."""
-        kind, names = self.matches
-        what = {"shared": f"shared buffer(s) {sorted(self.buffers)}", "owned": "a pool or parameter",
-                "constant": "a constant", "none": "no shared buffer, pool or parameter"}.get(kind) or (
-            f"no buffer of the state given, but the memory of shared buffer {names[0]!r} of another state")
-        if kind == "foreign":
-            return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
-                    f"is {what}: pass the state the backend keeps references to")
+        match self.matches:
+            case Shared():
+                what = f"shared buffer(s) {sorted(self.buffers)}"
+            case Owned():
+                what = "a pool or parameter"
+            case Constant():
+                what = "a constant"
+            case Unmatched():
+                what = "no shared buffer, pool or parameter"
+            case Foreign(buffer):
+                return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
+                        f"is no buffer of the state given, but the memory of shared buffer {buffer!r} of another "
+                        f"state: pass the state the backend keeps references to")
+            case _:
+                assert_never(self.matches)
         if self.state == "example":
             return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
                     f"is {what} of the example state the trace ran on: trace-time state baked into the "
@@ -383,7 +424,7 @@ class Program:
                     at_least(buf, s.escape_end)
             for buf in s.unknown:
                 at_least(buf, ReadEnd.UNKNOWN)
-            if any(c.matches[0] == "none" and c.state == "example" for c in s.captured):
+            if any(isinstance(c.matches, Unmatched) and c.state == "example" for c in s.captured):
                 for buf in self.buffers:  # not matched against the live state: it may be any
                     at_least(buf, ReadEnd.UNKNOWN)
         return ReadEffect.of(ends)

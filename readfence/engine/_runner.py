@@ -34,7 +34,8 @@ from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig, example_step
 from readfence.core.internal import check_mode
 from readfence.effects import ReadEnd
-from readfence.graph import Bound, Device, Event, Fence, Lowered, Policy, StepRun, lower
+from readfence.graph import Bound, Device, Event, Fence, Lowered, LowerOptions, Policy, StepRun
+from readfence.graph.lowering.internal import lower_with, lowering_options
 
 from ._adapter import EngineBackend, Tensors
 
@@ -198,9 +199,10 @@ class RunnerTarget(Backend):
         return self.engine.attend(mode, layer, q, k, v, pools, shared, batch, meta)
 
     def lower_step(self, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int, cfg: ModelConfig,
-                   state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> EngineRunner:
+                   state: Mapping[str, dict[str, Tensor]], lowering: LowerOptions | None = None) -> EngineRunner:
         """Lower for the runner model: ``Policy.JOINED`` is the runner as configured,
-        ``Policy.COARSE`` the runner with its kill switch on."""
+        ``Policy.COARSE`` the runner with its kill switch on; the runner's graph is lowered with
+        ``lowering``, but always past the soundness check (the engine trusts its declaration)."""
         mode = check_mode(mode)
         if policy not in (Policy.JOINED, Policy.COARSE):
             raise ValueError(f"the engine runner publishes one event for all buffers from the backend's scalar "
@@ -214,9 +216,9 @@ class RunnerTarget(Backend):
         point = resolve_end(self.engine, mode, example, marker=marker, graphed=graphed)
         lowered_backend = (self.engine if self.engine.read_effect(mode).end is point
                            else self.engine.redeclared(mode, point))
-        kwargs.pop("UNSAFE_skip_soundness_check", None)
-        inner = lower(lowered_backend, mode, device=device, policy=Policy.JOINED, batch_size=batch_size, cfg=cfg,
-                      state=state, UNSAFE_skip_soundness_check=True, **kwargs)  # the engine trusts its declaration
+        trusted = attrs.evolve(lowering_options(lowering, "lower_step"), UNSAFE_skip_soundness_check=True)
+        inner = lower_with(trusted, lowered_backend, mode, device=device, policy=Policy.JOINED, batch_size=batch_size,
+                           cfg=cfg, state=state)
         return EngineRunner(self.engine, mode, model, inner, point, marker, graphed)
 
 

@@ -58,6 +58,7 @@ from .lowering import CheckState as CheckState
 from .lowering import Fence as Fence
 from .lowering import ForeignEventError as ForeignEventError
 from .lowering import FencePlan as FencePlan
+from .lowering import LowerOptions as LowerOptions
 from .lowering import Lowered as Lowered
 from .lowering import Placement as Placement
 from .lowering import Policy as Policy

@@ -15,6 +15,7 @@ import torch
 
 from readfence.backends import kv_indices, kv_lens, leaf, softmax_attention, store_kv
 from readfence.core import CapturedStateError, ForwardMode, StageWriteError, audit, bind, trace
+from readfence.core._program import Constant
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, make_state, run_overlapped, run_serial
 from tests.conftest import SMALL as CFG
@@ -131,7 +132,7 @@ def test_a_persistent_tensor_the_backend_made_is_its_own_whatever_its_shape() ->
         report = audit(flashinfer_like, M, cfg=CFG, state=given).unwrap()
         assert report.observed["seq_lens"] is ReadEnd.IN_REPLAY and not report.opaque
     kept = bind(trace(flashinfer_like, M, cfg=CFG), state).captured()  # one per layer
-    assert kept and all(c.matches == ("constant", ()) and c.usable for c in kept), kept
+    assert kept and all(c.matches == Constant() and c.usable for c in kept), kept
     serial = run_serial(flashinfer_like, M, steps=4, batch_size=3, cfg=CFG, state=state)
     for policy in (Policy.COARSE, Policy.PER_BUFFER, Policy.EXACT):
         with CpuDevice(timeout=30.0) as dev:

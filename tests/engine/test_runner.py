@@ -9,7 +9,7 @@ from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
 from readfence.engine import EngineRunner, Mailbox, RunnerModel, adapt, runner_model
 from readfence.engine.reference import deepseek_v4, triton
-from readfence.graph import Policy, RingWrapError, decode_loop, run_overlapped, run_serial
+from readfence.graph import LowerOptions, Policy, RingWrapError, decode_loop, run_overlapped, run_serial
 
 from .classes import Ends, KeptCopies
 from .conftest import CFG
@@ -18,11 +18,11 @@ M = ForwardMode
 PRE, IN, POST, UNKNOWN = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
 
 
-def _loop(engine, dev, model, mode=M.DECODE, policy=Policy.JOINED, steps=4, **lowering):
+def _loop(engine, dev, model, mode=M.DECODE, policy=Policy.JOINED, steps=4, lowering=None):
     serial = run_serial(engine, mode, steps=steps, batch_size=2, cfg=CFG, state=engine.state)
     target = runner_model(engine, model)
     run = run_overlapped(target, mode, steps=steps, policy=policy, device=dev, batch_size=2, cfg=CFG,
-                         state=engine.state, **lowering)
+                         state=engine.state, lowering=lowering)
     return run, serial
 
 
@@ -85,7 +85,7 @@ def test_prefill_publishes_per_batch_and_a_stale_event_is_never_consumed(dev):
     kept = RunnerModel(prefill_read_done=lambda step: step % 2 == 0, clear_mailbox=False)
     with pytest.raises(RingWrapError, match="was recorded again"):
         _loop(engine, dev, kept, mode=M.EXTEND, steps=6)
-    stale, _ = _loop(engine, dev, kept, mode=M.EXTEND, steps=6, ring_size=2)
+    stale, _ = _loop(engine, dev, kept, mode=M.EXTEND, steps=6, lowering=LowerOptions(ring_size=2))
     assert stale.violations, "the sanitizer must see the scheduler's write racing the step that published nothing"
 
 

@@ -14,6 +14,7 @@ from readfence.graph import (
     CpuDevice,
     DecodeLoop,
     FaultInjector,
+    LowerOptions,
     Phase,
     Policy,
     RingWrapError,
@@ -145,7 +146,8 @@ def _shared_event_group(dev):
     event = dev.event("the-one-event")
     cfg = ModelConfig()
     return StreamGroup(GROUP.members, ForwardMode.DECODE, device=dev, policy=Policy.PER_BUFFER, batch_size=4,
-                       cfg=cfg, state=make_state(cfg, dev), new_event=lambda name: event)
+                       cfg=cfg, state=make_state(cfg, dev),
+                       lowering=LowerOptions(new_event=lambda name: event))
 
 
 def _drive(group, dev, steps=30):

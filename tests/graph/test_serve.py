@@ -27,6 +27,7 @@ from readfence.graph import (
     CpuDevice,
     FaultInjector,
     ForeignEventError,
+    LowerOptions,
     Policy,
     RingWrapError,
     ServeResult,
@@ -125,7 +126,7 @@ def test_an_event_shared_across_batch_sizes_is_refused_naming_both_graphs():
             return shared.setdefault(point, dev.event(f"shared/{point}"))
 
         loop = serve_loop(paged(), policy=Policy.PER_BUFFER, device=dev, traffic=TRAFFIC, capture_sizes=SIZES,
-                          cfg=CFG, new_event=one_per_point)
+                          cfg=CFG, lowering=LowerOptions(new_event=one_per_point))
         with pytest.raises(ForeignEventError) as err:
             loop.run(10)
     msg = str(err.value)
@@ -160,7 +161,7 @@ def test_a_ring_too_small_for_the_steps_in_flight_is_refused():
     with CpuDevice(timeout=30) as dev:
         with pytest.raises(ValueError, match=r"paged in DECODE at batch size 1: event ring of size 1 is too small for 2 steps in flight"):
             serve_loop(eagle(paged(), paged(), draft_steps=2), policy=Policy.PER_BUFFER, device=dev, traffic=TRAFFIC,
-                       capture_sizes=SIZES, cfg=CFG, ring_size=1)
+                       capture_sizes=SIZES, cfg=CFG, lowering=LowerOptions(ring_size=1))
         loop = serve_loop(eagle(paged(), paged(), draft_steps=2), policy=Policy.PER_BUFFER, device=dev,
                           traffic=TRAFFIC, capture_sizes=SIZES, cfg=CFG)
         draft = next(g for k, g in loop.decode[4].graphs.items() if k[1] is ForwardMode.DECODE)

@@ -21,7 +21,7 @@ from torch import fx
 from readfence.effects import ReadfenceError
 
 from .._modes import ForwardMode
-from .._program import SOURCE_KEY, Captured, StageGraph
+from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, Owned, Shared, StageGraph, Unmatched
 from .._step import EAGER, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._dispatch import DispatchMode
 from ._memory import BufferMap, met_shared, span_of, tensors_in
@@ -69,18 +69,18 @@ def fresh_literals_dropped(stages: list[StageGraph], persistence_known: bool) ->
     out = []
     for s in stages:
         kept = tuple(c for c in s.captured
-                     if not (c.literal and c.matches[0] == "none" and not (persistence_known and c.persistent)))
+                     if not (c.literal and isinstance(c.matches, Unmatched) and not (persistence_known and c.persistent)))
         out.append(s if kept == s.captured else attrs.evolve(s, captured=kept))
     return out
 
 
-def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> tuple[str, tuple[str, ...]]:
+def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> Match:
     hit = buffers.touched(value)
     if hit:
-        return ("shared", tuple(sorted(hit)))
+        return Shared(tuple(sorted(hit)))
     if owned.touched(value):
-        return ("owned", ())
-    return ("none", ())
+        return Owned()
+    return Unmatched()
 
 
 
@@ -113,17 +113,17 @@ class _Consumed(DispatchMode):
 
 def bind_captured(c: Captured, value: torch.Tensor, shared: BufferMap, owned: BufferMap) -> Captured:
     matches = _match(value, shared, owned)
-    if matches[0] == "none" and c.persistent and c.matches[0] in ("none", "constant"):
+    if isinstance(matches, Unmatched) and c.persistent and isinstance(c.matches, Unmatched | Constant):
         matches = _kept(value)
     return attrs.evolve(c, matches=matches, state="live")
 
 
-def _kept(value: torch.Tensor) -> tuple[str, tuple[str, ...]]:
+def _kept(value: torch.Tensor) -> Foreign | Constant:
     """What a tensor the step reads again on every call, and no part of the state it runs on, is:
     a shared buffer of another state when its memory is one (:func:`met_shared`), else the
     backend's own (its constants, its persistent metadata buffers: whatever their shape)."""
     other = met_shared(value)
-    return ("foreign", (other,)) if other is not None else ("constant", ())
+    return Foreign(other) if other is not None else Constant()
 
 
 
@@ -141,13 +141,13 @@ def mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mappin
             span = span_of(getattr(s.gm, c.target))
             again = span is not None and any(span.overlaps(other) for other in consumed.spans)
             filled = span is not None and any(span.overlaps(other) for other in consumed.written)
-            if c.matches[0] != "none":
+            if not isinstance(c.matches, Unmatched):
                 captured.append(c)
                 continue
             # read again on the next call: the backend's own, unless its memory is a known state's
-            kept = _kept(getattr(s.gm, c.target)) if again else ("none", ())
+            kept = _kept(getattr(s.gm, c.target)) if again else Unmatched()
             captured.append(attrs.evolve(c, persistent=again, filled=filled,
-                                         matches=kept if kept[0] == "constant" else c.matches))
+                                         matches=kept if isinstance(kept, Constant) else c.matches))
         marked.append(attrs.evolve(s, captured=tuple(captured)))
     return marked
 
@@ -183,13 +183,13 @@ def grouped_reasons(captured: Iterable[Captured]) -> list[str]:
     """One clause per cause: the captured tensors refused for the same reason in the same stage and
     made in the same code, counted, with one of them as the example.
 
-    >>> c = Captured("body", "_tensor_constant0", "_tensor_constant0", ("add",), "/x/model.py:3 in f", ("none", ()))
+    >>> c = Captured("body", "_tensor_constant0", "_tensor_constant0", ("add",), "/x/model.py:3 in f", Unmatched())
     >>> grouped_reasons([c, attrs.evolve(c, target="_tensor_constant1", node="_tensor_constant1")])[0][:58]
     'stage body: 2 captured tensors made in model.py (_tensor_c'
     """
-    groups: dict[tuple[str, str, str, str], list[Captured]] = {}
+    groups: dict[tuple[str, type[Match], str, str], list[Captured]] = {}
     for c in captured:
-        groups.setdefault((c.stage, c.matches[0], c.state, _made_in(c.source)), []).append(c)
+        groups.setdefault((c.stage, type(c.matches), c.state, _made_in(c.source)), []).append(c)
     out = []
     for (stage, _, _, made), cs in groups.items():
         names = list(dict.fromkeys(c.target for c in cs))

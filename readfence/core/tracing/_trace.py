@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from .._checks import check_backend, check_mode, positive_int
 from .._modes import ForwardMode
-from .._program import INPUT_KEY, SOURCE_KEY, Program, StageGraph, flatten_inputs
+from .._program import INPUT_KEY, SOURCE_KEY, Program, StageGraph, Unmatched, flatten_inputs
 from .._protocol import BackendLike
 from .._step import OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from .._threads import watch_threads
@@ -522,7 +522,7 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
         aborted = f"stage {tracer.current}: {e.why}"
     stages = tracer.stages
     _forget_nested_dynamo(stages)
-    rerun = fake_mode is None and aborted is None and any(c.matches[0] == "none" for s in stages for c in s.captured)
+    rerun = fake_mode is None and aborted is None and any(isinstance(c.matches, Unmatched) for s in stages for c in s.captured)
     if rerun:
         stages = mark_persistent(stages, fns, groups)
     stages = fresh_literals_dropped(stages, rerun)

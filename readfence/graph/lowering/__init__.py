@@ -2,12 +2,14 @@
 
 Fence policies and plans (where each buffer's release is published), the FX passes that
 insert event records after chosen nodes and alias checks after opaque ops, the fences a step publishes (event generations,
-event rings), the poison-on-release check mode, and ``lower`` itself.
+event rings), the poison-on-release check mode, ``lower`` itself and ``LowerOptions``, the options
+the functions that lower for you hand on to it.
 """
 
 from ._fence import Bound, Fence, ForeignEventError, RingWrapError
 from ._fx_aliases import ReplayAliasError
 from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
+from ._options import LowerOptions
 from ._plan import FencePlan, Placement, plan_fences
 from ._poison import POISONS, CheckState, poison_family
 from ._policy import Policy
@@ -19,6 +21,7 @@ __all__ = [
     "Fence",
     "ForeignEventError",
     "FencePlan",
+    "LowerOptions",
     "Lowered",
     "Placement",
     "Policy",

@@ -15,7 +15,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 import torch
@@ -26,13 +26,14 @@ from readfence.core.internal import did_you_mean, positive_int
 
 from ..devices import Device, Event, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
-from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import device_of
+from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
+from ..lowering.internal import device_of, for_a_loop, set_by
 from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepSource, StepState
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @attrs.frozen
@@ -361,6 +362,43 @@ def _host_wait(where: str, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def unexpected_keyword(caller: str, name: str, taken: Sequence[str]) -> str:
+    """What ``caller`` says of a keyword ``name`` it does not take (it takes ``taken``): the
+    closest one it takes; for a :class:`LowerOptions` field, where lowering options go; for a
+    ``_ms`` one, the unit (in Python durations are seconds, on the command line milliseconds).
+
+    >>> print(unexpected_keyword("run_overlapped", "write_wait_ms", ["write_wait_s", "lowering"]))  # doctest: +NORMALIZE_WHITESPACE
+    run_overlapped() got an unexpected keyword argument 'write_wait_ms'; did you mean 'write_wait_s'?
+    (seconds in Python: write_wait_s=0.005 is the command line's --write-wait-ms 5)
+    >>> print(unexpected_keyword("verify", "ring_size", ["steps", "lowering"]))
+    verify() got an unexpected keyword argument 'ring_size'; it is a lowering option: pass lowering=LowerOptions(ring_size=...)
+    """
+    hint = did_you_mean(name, sorted(taken))
+    if name.endswith("_ms") and f"{name[:-3]}_s" in taken:
+        flag = "--" + name.replace("_", "-")
+        hint = (f"; did you mean {name[:-3] + '_s'!r}? (seconds in Python: {name[:-3]}_s=0.005 is the command "
+                f"line's {flag} 5)")
+    elif name in attrs.fields_dict(LowerOptions) and "lowering" in taken:
+        hint = f"; it is a lowering option: pass lowering=LowerOptions({name}=...)"
+    return f"{caller}() got an unexpected keyword argument {name!r}{hint}"
+
+
+def names_keywords(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn``, refusing a keyword it does not take with :func:`unexpected_keyword`'s message
+    (Python's own names neither the closest keyword nor the unit) before it runs."""
+    taken = tuple(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
+        for name in kwargs:
+            if name not in taken:
+                raise TypeError(unexpected_keyword(fn.__name__, name, taken))
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+@names_keywords
 def decode_loop(
     backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -373,11 +411,11 @@ def decode_loop(
     finish_prob: float = 0.1,
     write_cost: int = 0,
     write_wait_s: float = 0.0,
-    ring_size: int | None = None,
     timeline: Timeline | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
     check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,
+    lowering: LowerOptions | None = None,
 ) -> DecodeLoop:
     """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
     wire it to a seeded scheduler on ``device``.
@@ -392,18 +430,21 @@ def decode_loop(
     work that must happen after the fence, to make overlap measurable).
     ``write_wait_s`` instead makes each page-table write wait that many seconds without using
     the CPU (host work that does not compete with a CpuDevice forward for cores).
+
+    ``lowering`` (a :class:`LowerOptions`: ring size, published buffers, event factory) goes to
+    every graph's lowering; the loop measures its fences, and ``timeline``, ``check`` and
+    ``UNSAFE_skip_soundness_check`` are its own keywords (a record that sets them is refused).
     """
     check_run(backend, mode, "lower")
     check_device(device)
     cfg = ModelConfig() if cfg is None else cfg
-    extra: dict[str, Any] = {} if ring_size is None else {"ring_size": ring_size}
     state = make_state(cfg, device) if state is None else state
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    if checker is not None:
-        extra["check"] = checker
+    options = set_by(lowering, "decode_loop", keywords=("timeline", "check", "UNSAFE_skip_soundness_check"),
+                     measure=True, timeline=timeline, check=checker,
+                     UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                     state=state, measure=True, timeline=timeline,
-                     UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, **extra)
+                     state=state, lowering=options)
     sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
     work = synthetic_work(device, write_cost=write_cost, write_wait_s=write_wait_s)
@@ -411,29 +452,7 @@ def decode_loop(
                       work, timeline, order, checker)
 
 
-def check_options(caller: str, options: Mapping[str, object], *takers: Callable[..., object]) -> None:
-    """Refuse a keyword ``caller`` would hand on to ``takers`` (``decode_loop``...) that none of
-    them takes, naming ``caller`` (what the user called), the closest option and, for a ``_ms``
-    one, the unit: in Python durations are seconds, on the command line milliseconds.
-
-    >>> check_options("run_overlapped", {"write_wait_ms": 5}, decode_loop)  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    TypeError: run_overlapped() got an unexpected keyword argument 'write_wait_ms'; did you mean 'write_wait_s'?
-    (seconds in Python: write_wait_s=0.005 is the command line's --write-wait-ms 5)
-    """
-    taken = {name for fn in takers for name in inspect.signature(fn).parameters}
-    for name in options:
-        if name in taken:
-            continue
-        hint = did_you_mean(name, sorted(taken))
-        if name.endswith("_ms") and f"{name[:-3]}_s" in taken:
-            flag = "--" + name.replace("_", "-")
-            hint = (f"; did you mean {name[:-3] + '_s'!r}? (seconds in Python: {name[:-3]}_s=0.005 is the command "
-                    f"line's {flag} 5)")
-        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
-
-
+@names_keywords
 def run_overlapped(
     backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -443,9 +462,20 @@ def run_overlapped(
     device: Device,
     sanitize: bool = True,
     progress: Callable[[int], None] | None = None,
-    **kwargs: Any,
+    batch_size: int = 4,
+    cfg: ModelConfig | None = None,
+    seed: int = 0,
+    finish_prob: float = 0.1,
+    write_cost: int = 0,
+    write_wait_s: float = 0.0,
+    timeline: Timeline | None = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
+    check: bool | CheckState = False,
+    UNSAFE_skip_soundness_check: bool = False,
+    lowering: LowerOptions | None = None,
 ) -> LoopResult:
     """Run the overlapped decode loop; logits, wall time, sanitizer findings, fence slack.
+    The keywords after ``progress`` are :func:`decode_loop`'s.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -457,8 +487,11 @@ def run_overlapped(
     check_run(backend, mode)
     positive_int("steps", steps)
     check_device(device)
-    check_options("run_overlapped", kwargs, decode_loop)
-    loop = decode_loop(backend, mode, policy=policy, device=device, **kwargs)
+    lowering = for_a_loop(lowering, "run_overlapped")
+    loop = decode_loop(backend, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
+                       finish_prob=finish_prob, write_cost=write_cost, write_wait_s=write_wait_s, timeline=timeline,
+                       state=state, check=check, UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check,
+                       lowering=lowering)
     (runs, seconds), violations = sanitized(device, sanitize, lambda: loop.run(steps, progress=progress))
     slack, ends = fence_summary(runs, loop.timeline)
     done = [e for e in ends if e is not None]

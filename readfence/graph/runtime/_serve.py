@@ -33,18 +33,17 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.backends import PerStream
 from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, tokens_per_request
 from readfence.core.internal import positive_int, request_ranges
 
 from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device
-from ..lowering import CheckState, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import check_owned, device_of
+from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
+from ..lowering.internal import check_owned, device_of, for_a_loop, set_by
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
 from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, members, scheduling_mode
 from ._arrivals import Traffic
-from ._loop import DecodeLoop, check_options, fence_summary, same_logits, sanitized, synthetic_work
+from ._loop import DecodeLoop, fence_summary, names_keywords, same_logits, sanitized, synthetic_work
 from ._sanitizer import Violation
 from ._serve_scheduler import DECODE, PREFILL, ServeScheduler, ServeStep
 
@@ -242,22 +241,16 @@ class ServeLoop:
     capture_sizes: tuple[int, ...]
     decode: dict[int, LoweredStep]
     prefill: dict[int, LoweredStep]
-    lowering: dict[str, Any]  # what every graph is lowered with (policy, state, check, ...)
+    lowering: LowerOptions  # what every graph is lowered with (the loop's check mode, timeline, ...)
     writers: dict[int, DecodeLoop]  # per lowered step (by id): its write order behind its fence
     written: Event
     write_work: Callable[[], object] | None
     timeline: Timeline | None
     check: CheckState | None = None
     members: int = 1
+    order: StreamOrder = attrs.Factory(StreamOrder)  # the per_stream groups' latest fence per stream
 
     # -- graphs ----------------------------------------------------------------------------
-    def _lowering(self, target: BackendLike | Target) -> dict[str, Any]:
-        kw = dict(self.lowering)
-        if isinstance(target, PerStream):
-            kw["order"] = kw.pop("stream_order")
-        else:
-            kw.pop("stream_order")
-        return kw
 
     def _wired(self, low: LoweredStep) -> LoweredStep:
         # the scheduler's writes behind this graph's fence, in the order its fence releases them
@@ -268,12 +261,12 @@ class ServeLoop:
 
     def _lower(self, target: BackendLike | Target, mode: ForwardMode, size: int) -> LoweredStep:
         low = lower_step(target, mode, device=self.device, policy=self.policy, batch_size=size, cfg=self.cfg,
-                         state=self.state, **self._lowering(target))
+                         state=self.state, lowering=self.lowering, order=self.order)
         return self._wired(low)
 
     def _lower_all(self, target: Target, mode: ForwardMode, sizes: Sequence[int]) -> CaptureList:
         graphs = lower_capture_list(target, mode, sizes, device=self.device, policy=self.policy, cfg=self.cfg,
-                                    state=self.state, **self._lowering(target))
+                                    state=self.state, lowering=self.lowering, order=self.order)
         for low in graphs.graphs.values():
             self._wired(low)
         return graphs
@@ -381,6 +374,7 @@ def serve_scheduler(target: Target, traffic: Traffic, capture_sizes: Iterable[in
     return _scheduler(target, ForwardMode.DECODE, cfg, traffic, capture_list(capture_sizes, cfg, target), max_prefill)
 
 
+@names_keywords
 def serve_loop(
     target: Target,
     *,
@@ -393,20 +387,19 @@ def serve_loop(
     max_prefill: int | None = None,
     write_cost: int = 0,
     write_wait_s: float = 0.0,
-    ring_size: int | None = None,
-    new_event: Callable[[str], Event] | None = None,
     timeline: Timeline | None = None,
     check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,
+    lowering: LowerOptions | None = None,
 ) -> ServeLoop:
     """Lower ``target`` (a backend, a ``per_stream`` group or a step shape) for every batch size
     of ``capture_sizes`` and wire it to a :class:`ServeScheduler` over ``traffic`` on ``device``.
 
     Decode steps run in ``DECODE`` (a step shape: its phases); prefill steps in ``EXTEND``
-    with :func:`prefill_target`. ``ring_size``, ``new_event`` and
-    ``UNSAFE_skip_soundness_check`` go to every graph's lowering; ``check`` lowers the
-    poison-on-release check mode (as ``decode_loop``); ``write_cost`` / ``write_wait_s`` add
-    synthetic work to each page-table write (as ``decode_loop``).
+    with :func:`prefill_target`. ``lowering`` (a :class:`LowerOptions`: ring size, event
+    factory...) and ``UNSAFE_skip_soundness_check`` go to every graph's lowering; ``check`` lowers
+    the poison-on-release check mode; ``write_cost`` / ``write_wait_s`` add synthetic work to each
+    page-table write (each as ``decode_loop``, which owns the same options).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -426,15 +419,10 @@ def serve_loop(
     sched = _scheduler(target, mode, cfg, traffic, sizes, max_prefill)
     state = make_state(cfg, device) if state is None else state
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    lowering: dict[str, Any] = {"measure": True, "timeline": timeline, "stream_order": StreamOrder(),
-                                "UNSAFE_skip_soundness_check": UNSAFE_skip_soundness_check}
-    if ring_size is not None:
-        lowering["ring_size"] = ring_size
-    if new_event is not None:
-        lowering["new_event"] = new_event
-    if checker is not None:
-        lowering["check"] = checker
-    loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, lowering, {},
+    options = set_by(lowering, "serve_loop", keywords=("timeline", "check", "UNSAFE_skip_soundness_check"),
+                     measure=True, timeline=timeline, check=checker,
+                     UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
+    loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, options, {},
                      device.event("scheduler/written"), synthetic_work(device, write_cost=write_cost,
                                                                         write_wait_s=write_wait_s),
                      timeline, checker, members(target))
@@ -443,6 +431,7 @@ def serve_loop(
     return loop
 
 
+@names_keywords
 def run_serve(
     target: Target,
     *,
@@ -451,10 +440,21 @@ def run_serve(
     device: Device,
     sanitize: bool = True,
     progress: Callable[[int], None] | None = None,
-    **kwargs: Any,
+    traffic: Traffic | None = None,
+    capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
+    cfg: ModelConfig | None = None,
+    state: Mapping[str, dict[str, Tensor]] | None = None,
+    max_prefill: int | None = None,
+    write_cost: int = 0,
+    write_wait_s: float = 0.0,
+    timeline: Timeline | None = None,
+    check: bool | CheckState = False,
+    UNSAFE_skip_soundness_check: bool = False,
+    lowering: LowerOptions | None = None,
 ) -> ServeResult:
     """Run the serving loop for ``steps`` steps; outputs per request, what each step ran,
-    sanitizer findings, fence slack, host time per step. Other keywords go to :func:`serve_loop`.
+    sanitizer findings, fence slack, host time per step. The keywords after ``progress`` are
+    :func:`serve_loop`'s.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -468,8 +468,11 @@ def run_serve(
     """
     positive_int("steps", steps)
     check_device(device)
-    check_options("run_serve", kwargs, serve_loop)
-    loop = serve_loop(target, policy=policy, device=device, **kwargs)
+    lowering = for_a_loop(lowering, "run_serve")
+    loop = serve_loop(target, policy=policy, device=device, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg,
+                      state=state, max_prefill=max_prefill, write_cost=write_cost, write_wait_s=write_wait_s,
+                      timeline=timeline, check=check, UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check,
+                      lowering=lowering)
     (runs, records, outputs, host, seconds), violations = sanitized(
         device, sanitize, lambda: loop.run(steps, progress=progress))
     slack, ends = fence_summary(runs, loop.timeline)

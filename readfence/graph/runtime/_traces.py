@@ -23,15 +23,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+from torch import Tensor
 
-from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode
+from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode, ModelConfig
 from readfence.core.internal import replayed
 
 from ..devices import Device, DeviceObserver, Timeline
-from ..lowering import Policy
+from ..lowering import CheckState, LowerOptions, Policy
+from ..lowering.internal import for_a_loop
 from ..steps import StepShape
 from ..steps.internal import Target
-from ._loop import LoopResult, check_options, decode_loop, run_overlapped
+from ._loop import LoopResult, names_keywords, run_overlapped
 
 #: Steps of each run a trace (and a plot) keeps.
 TRACE_STEPS = 200
@@ -396,12 +398,18 @@ class TracedRun:
     label: str
 
 
+@names_keywords
 def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps: int, policy: Policy, device: Device,
-               max_steps: int | None = None, progress: Callable[[int], None] | None = None, **kwargs: Any) -> TracedRun:
+               max_steps: int | None = None, progress: Callable[[int], None] | None = None, sanitize: bool = True,
+               batch_size: int = 4, cfg: ModelConfig | None = None, seed: int = 0, finish_prob: float = 0.1,
+               write_cost: int = 0, write_wait_s: float = 0.0, state: Mapping[str, dict[str, Tensor]] | None = None,
+               check: bool | CheckState = False, UNSAFE_skip_soundness_check: bool = False,
+               lowering: LowerOptions | None = None) -> TracedRun:
     """:func:`~readfence.graph.run_overlapped` that also records a timeline of the run (its first
     ``max_steps`` steps, :data:`TRACE_STEPS` by default: recording costs the run nothing
     measurable, but a trace of thousands of steps is tens of megabytes), for :func:`write_trace`
-    and :func:`~readfence.graph.plot_timelines`; ``kwargs`` are ``run_overlapped``'s.
+    and :func:`~readfence.graph.plot_timelines`; the keywords after ``progress`` are
+    ``run_overlapped``'s (all but ``timeline``: the run's is this one).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice, Policy
@@ -410,7 +418,7 @@ def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps
     >>> run.result.steps, run.label, sorted({s.track for s in run.timeline.spans})
     (4, 'EXACT', ['fences', 'forward', 'host', 'schedule'])
     """
-    check_options("run_traced", kwargs, run_overlapped, decode_loop)
+    lowering = for_a_loop(lowering, "run_traced", keywords=("check", "UNSAFE_skip_soundness_check"))
     keep = TRACE_STEPS if max_steps is None else max_steps
     timeline = CappedTimeline(keep)
     recorder = WaitRecorder(timeline)
@@ -424,7 +432,10 @@ def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps
     device.add_observer(recorder)
     try:
         result = run_overlapped(backend, mode, steps=steps, policy=policy, device=device, progress=step_done,
-                                timeline=timeline, **kwargs)
+                                timeline=timeline, sanitize=sanitize, batch_size=batch_size, cfg=cfg, seed=seed,
+                                finish_prob=finish_prob, write_cost=write_cost, write_wait_s=write_wait_s,
+                                state=state, check=check,
+                                UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, lowering=lowering)
     finally:
         device.remove_observer(recorder)
     timeline.trim()

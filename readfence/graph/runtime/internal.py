@@ -1,6 +1,7 @@
 """readfence's internal API of ``runtime``: what the later parts of the package share with it
 (not public: its names may change without notice)."""
 
+from ._loop import names_keywords as names_keywords
 from ._loop import same_logits as same_logits
 from ._plot import LABEL_GAP as LABEL_GAP
 from ._plot import MIN_BAR as MIN_BAR

@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
 
 import attrs
 from torch import Tensor
@@ -23,8 +22,9 @@ from readfence.backends import PerStream
 from readfence.core import ForwardMode, ModelConfig
 from readfence.core.internal import positive_int
 from readfence.graph.devices import Device
-from readfence.graph.lowering import Policy, make_state
+from readfence.graph.lowering import LowerOptions, Policy, make_state
 
+from ._composite import StreamOrder
 from ._target import LoweredStep, Target, lower_step
 
 
@@ -98,13 +98,15 @@ def lower_capture_list(
     policy: Policy,
     cfg: ModelConfig | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    **lowering: Any,
+    lowering: LowerOptions | None = None,
+    order: StreamOrder | None = None,
 ) -> CaptureList:
     """Lower ``target`` (a backend, a ``per_stream`` group or a step shape) in ``mode`` for every
     size of ``batch_sizes`` on one live ``state`` (made for ``cfg`` on ``device`` when omitted).
 
-    ``lowering`` goes to every graph's lowering (``ring_size``, ``check``, ``measure``...). A
-    size is an int in ``1..cfg.max_reqs``; duplicates are lowered once.
+    Every graph is lowered with ``lowering`` (its ring size, check mode...); ``order`` is the
+    stream order of a loop's ``per_stream`` groups (as :func:`lower_step`). A size is an int in
+    ``1..cfg.max_reqs``; duplicates are lowered once.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -121,6 +123,6 @@ def lower_capture_list(
     for size in sizes:
         start = time.perf_counter()
         graphs[size] = lower_step(target, mode, device=device, policy=policy, batch_size=size, cfg=cfg,
-                                  state=state, **lowering)
+                                  state=state, lowering=lowering, order=order)
         seconds[size] = time.perf_counter() - start
     return CaptureList(sizes, graphs, seconds, state)

@@ -21,7 +21,8 @@ from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig
 from readfence.core.internal import request_ranges
 
 from ..devices import Device, Event, Stream
-from ..lowering import Fence, Lowered, Placement, Policy, StepRun, lower
+from ..lowering import Fence, Lowered, LowerOptions, Placement, Policy, StepRun
+from ..lowering.internal import lower_with, lowering_options
 from ._shapes import StepShape
 
 
@@ -118,10 +119,12 @@ def _sort_key(placement: Placement | None) -> tuple[int, int, int]:
 
 
 class PhasedStep:
-    """The phases of ``shape`` lowered on one forward stream (one graph per runner and mode)."""
+    """The phases of ``shape`` lowered on one forward stream (one graph per runner and mode),
+    each graph with ``lowering``."""
 
     def __init__(self, shape: StepShape, *, device: Device, policy: Policy, batch_size: int, cfg: ModelConfig,
-                 state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> None:
+                 state: Mapping[str, dict[str, Tensor]], lowering: LowerOptions | None = None) -> None:
+        lowering = lowering_options(lowering, "PhasedStep")
         self.shape, self.cfg = shape, cfg
         self.shared = state["shared"]
         self.tokens = shape.tokens
@@ -134,16 +137,16 @@ class PhasedStep:
             if ph.graph_key in self.graphs:
                 continue
             # Every replay of a runner's graph in one step is a step in flight for its events.
-            self.graphs[ph.graph_key] = lower(
-                ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                stream=stream, state=state, steps_in_flight=replays[ph.graph_key], **kwargs)
+            self.graphs[ph.graph_key] = lower_with(
+                lowering, ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
+                stream=stream, state=state, steps_in_flight=replays[ph.graph_key])
         # Ranked by what each phase's graph places its events from (under EXACT its bound trace
         # joined with what its rehearsal saw): the phase chosen is one whose plan really covers
         # the buffer's last read, and check mode poisons the buffer at that very point.
         observed = [self.graphs[ph.graph_key].observed for ph in shape.phases]
         positions = shape.positions_under(policy, observed)
         self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
-        self.checked = kwargs.get("check") is not None
+        self.checked = lowering.check is not None
         # a buffer no phase reads, or whose publishing phase waits for none of its reads, is
         # released as the step starts: check mode poisons it there, before any phase runs
         never_read = (b for b in SHARED_BUFFERS if b not in self.owner)
@@ -231,11 +234,13 @@ class StreamOrder:
 
 
 class StreamGroup:
-    """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]``."""
+    """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]`` with ``lowering``;
+    ``order`` is the stream order the groups of one loop share (default: this group's own)."""
 
     def __init__(self, members: Sequence[BackendLike], mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
                  cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], order: StreamOrder | None = None,
-                 **kwargs: Any) -> None:
+                 lowering: LowerOptions | None = None) -> None:
+        lowering = lowering_options(lowering, "StreamGroup")
         if batch_size < len(members):
             raise ValueError(f"per_stream with {len(members)} members needs batch_size >= {len(members)}, "
                              f"got {batch_size}")
@@ -244,8 +249,8 @@ class StreamGroup:
         self.tokens = tokens_per_request(mode)
         sizes = [hi - lo for lo, hi in request_ranges(batch_size, len(members))]
         self.lowered = [
-            lower(m, mode, batch_size=n, device=device, policy=policy, cfg=cfg, stream=device.stream(f"forward[{s}]"),
-                  state=state, **kwargs)
+            lower_with(lowering, m, mode, batch_size=n, device=device, policy=policy, cfg=cfg,
+                       stream=device.stream(f"forward[{s}]"), state=state)
             for s, (m, n) in enumerate(zip(members, sizes))
         ]
         self.label = f"per_stream/{policy.name}"
@@ -254,7 +259,7 @@ class StreamGroup:
         # check mode: the members run one after another, each poisoning at its own release
         # points and restoring at its end (a member reading after its own release is late,
         # whatever the others do)
-        self.checked = kwargs.get("check") is not None
+        self.checked = lowering.check is not None
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         return max(_sort_key(low.plan.placements.get(buffer)) for low in self.lowered)

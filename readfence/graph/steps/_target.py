@@ -7,7 +7,7 @@ reference and pick the mode its scheduler works in through these functions.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 from torch import Tensor
 
@@ -17,8 +17,9 @@ from readfence.core.internal import check_backend, check_forward_mode
 
 from ..devices import Device
 from ..devices.internal import check_device
-from ..lowering import Lowered, Policy, lower
-from ._composite import PhasedStep, StreamGroup, eager_phases, eager_streams
+from ..lowering import Lowered, LowerOptions, Policy
+from ..lowering.internal import lower_with, lowering_options
+from ._composite import PhasedStep, StreamGroup, StreamOrder, eager_phases, eager_streams
 from ._shapes import STEP_SHAPES, StepShape
 
 Target: TypeAlias = BackendLike | StepShape
@@ -83,20 +84,27 @@ def eager_step(target: Target, mode: ForwardMode, cfg: ModelConfig, state: Mappi
 
 
 def lower_step(target: Target, mode: ForwardMode, *, device: Device, policy: Policy, batch_size: int,
-               cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], **kwargs: Any) -> LoweredStep:
-    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`.
+               cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], lowering: LowerOptions | None = None,
+               order: StreamOrder | None = None) -> LoweredStep:
+    """Lower one step of ``target``: a backend, a ``per_stream`` group, or a :class:`StepShape`,
+    every graph of it with ``lowering``. ``order`` is the stream order the ``per_stream`` groups
+    of one loop share (other targets have no use for it).
 
-    A backend with a ``lower_step(mode, **lowering)`` method lowers itself (an engine's own
-    runner, ``readfence.engine``): it returns an object with ``run``, ``shared``, ``plan`` and
-    ``write_key``, as :class:`Lowered` has."""
+    A backend with a ``lower_step(mode, *, device, policy, batch_size, cfg, state, lowering)``
+    method lowers itself (an engine's own runner, ``readfence.engine``): it returns an object
+    with ``run``, ``shared``, ``plan`` and ``write_key``, as :class:`Lowered` has."""
     check_run(target, mode, "lower", "target")
     check_device(device)
-    common: dict[str, Any] = dict(device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state, **kwargs)
+    lowering = lowering_options(lowering, "lower_step")
     if isinstance(target, StepShape):
-        return PhasedStep(target, **common)
+        return PhasedStep(target, device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state,
+                          lowering=lowering)
     if isinstance(target, PerStream):
-        return StreamGroup(target.members, mode, **common)
+        return StreamGroup(target.members, mode, device=device, policy=policy, batch_size=batch_size, cfg=cfg,
+                           state=state, order=order, lowering=lowering)
     own = getattr(target, "lower_step", None)
     if callable(own):
-        return own(mode, **common)
-    return lower(target, mode, **common)
+        return own(mode, device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state,
+                   lowering=lowering)
+    return lower_with(lowering, target, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
+                      state=state)

@@ -54,10 +54,19 @@ from readfence.effects import Failure  # unwrap() says why
 
 from ..devices import Device, DeviceError
 from ..devices.internal import check_device
-from ..lowering import CheckState, Policy, ReplayAliasError, UncapturableStage, UnsoundLowering, make_state, torch_device
-from ..lowering.internal import poison_points
+from ..lowering import (
+    CheckState,
+    LowerOptions,
+    Policy,
+    ReplayAliasError,
+    UncapturableStage,
+    UnsoundLowering,
+    make_state,
+    torch_device,
+)
+from ..lowering.internal import for_a_loop, poison_points
 from ..runtime import DEFAULT_CAPTURE_SIZES, Traffic, decode_loop, run_serial, run_serve_serial, serve_loop
-from ..runtime.internal import same_logits
+from ..runtime.internal import names_keywords, same_logits
 from ..steps import StepShape
 from ..steps.internal import Target, check_run
 
@@ -281,6 +290,7 @@ def _poisoned(loop: Any) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+@names_keywords
 def verify(
     target: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -298,7 +308,7 @@ def verify(
     traffic: Traffic | None = None,
     capture_sizes: Iterable[int] | None = None,
     UNSAFE_skip_soundness_check: bool = False,
-    **lowering: Any,
+    lowering: LowerOptions | None = None,
 ) -> Result[VerifyReport, LateRead]:
     """Check ``target`` (a backend, a ``per_stream`` group or a step shape) with poison on
     release, the write guard and the runtime read observer, for each policy (default: all).
@@ -316,8 +326,9 @@ def verify(
     prefill steps between decode steps; ``mode``, ``batch_size``, ``seed`` and ``finish_prob``
     then do not apply). ``checks`` (names from :data:`CHECKS`; default: all, the
     observer where it can watch) runs only those: ``checks={"poison"}`` shows what poison alone
-    catches; ``observer=False`` is the same as leaving ``"observer"`` out. Other keywords go to
-    the lowering.
+    catches; ``observer=False`` is the same as leaving ``"observer"`` out. ``lowering`` (a
+    :class:`LowerOptions`: ring size, event factory...) goes to every graph's lowering; the check
+    mode, the measuring and the soundness check are verify's own.
 
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect, ReadEnd
@@ -335,6 +346,7 @@ def verify(
     """
     check_run(target, mode, "verify", "target")
     check_device(device)
+    options = for_a_loop(lowering, "verify", keywords=("UNSAFE_skip_soundness_check",))
     policies = _policies(policy)
     positive_int("steps", steps)
     cfg = ModelConfig() if cfg is None else cfg
@@ -369,14 +381,14 @@ def verify(
     elif where == "cpu":
         reference = run_serial(target, mode, state=live, **common).logits
     else:  # float results differ between devices: the reference is COARSE on this device
-        reference = _run(target, mode, Policy.COARSE, device, live, None, lowering, **common)[0]
+        reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
     done = []
     for pol in policies:
         _reset(live, snapshot)
         t0 = time.perf_counter()
         watch = LateReadWatch(live["shared"]) if observe else None
         try:
-            logits, check, loop = _run(target, mode, pol, device, live, watch, lowering,
+            logits, check, loop = _run(target, mode, pol, device, live, watch, options,
                                        unsafe=UNSAFE_skip_soundness_check, poison=poison, guard=guard, **common)
         except UnsoundLowering as e:
             return Failure(_refused(name, mode, pol, e))
@@ -411,7 +423,7 @@ def verify(
         differs = _first_difference(logits, reference)
         if differs is not None:
             candidates = _poisoned(loop) if poison else ()
-            return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, lowering,
+            return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, options,
                                       UNSAFE_skip_soundness_check, candidates, **common))
         done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
                                 0 if watch is None else watch.accesses))
@@ -439,19 +451,19 @@ def _checks(checks: Iterable[str] | None) -> frozenset[str]:
 
 
 def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
-         lowering: Mapping[str, Any], *, steps: int, cfg: ModelConfig, batch_size: int = 0, seed: int = 0,
+         lowering: LowerOptions, *, steps: int, cfg: ModelConfig, batch_size: int = 0, seed: int = 0,
          finish_prob: float = 0.0, traffic: Traffic | None = None, capture_sizes: Sequence[int] = (),
          unsafe: bool = False, only: Iterable[str] | None = None, poison: bool = True,
          guard: bool = True) -> tuple[list[Any], Any, Any]:
     check = CheckState(state["shared"], cfg, watcher=watch, only=only, poison=poison, guard=guard)
     if traffic is not None:
         serve = serve_loop(target, policy=policy, device=device, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg,
-                           state=state, check=check, UNSAFE_skip_soundness_check=unsafe, **lowering)
+                           state=state, check=check, UNSAFE_skip_soundness_check=unsafe, lowering=lowering)
         outputs = serve.run(steps, timeout=device.timeout)[2]
         return outputs, serve.check, serve
     loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
                        finish_prob=finish_prob, state=state, check=check, UNSAFE_skip_soundness_check=unsafe,
-                       **lowering)
+                       lowering=lowering)
     runs, _ = loop.run(steps, timeout=device.timeout)
     return [r.logits for r in runs], loop.check, loop
 
@@ -463,7 +475,7 @@ NOTHING_POISONED = ("the lowered step differs from the serial step with nothing 
 
 
 def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
-               reference: Sequence[Any], differs: int, lowering: Mapping[str, Any], unsafe: bool,
+               reference: Sequence[Any], differs: int, lowering: LowerOptions, unsafe: bool,
                poisoned: tuple[str, ...], **common: Any) -> LateRead:
     # The outputs differ and the observer named nothing. A run that poisons nothing holds every
     # buffer until the step's end: if it differs too, no late read explains it. Else each buffer

@@ -1,0 +1,184 @@
+"""LowerOptions: one typed record of the lowering options every function that lowers hands on."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from readfence.backends import paged, per_stream, trtllm_mha
+from readfence.core import ForwardMode
+from readfence.graph import (
+    CheckState,
+    CpuDevice,
+    LowerOptions,
+    Policy,
+    Timeline,
+    Traffic,
+    decode_loop,
+    eagle,
+    lower_capture_list,
+    make_state,
+    run_overlapped,
+    run_serve,
+    run_traced,
+    serve_loop,
+    verify,
+)
+from tests.conftest import DEFAULT as CFG
+
+M = ForwardMode
+
+
+# -- the record ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value", "error", "message"), [
+    ("ring_size", 0, ValueError, "LowerOptions.ring_size must be a positive int, got 0 (int)"),
+    ("ring_size", True, ValueError, "LowerOptions.ring_size must be a positive int, got True (bool)"),
+    ("ring_size", 2.0, ValueError, "LowerOptions.ring_size must be a positive int, got 2.0 (float)"),
+    ("measure", 1, TypeError, "LowerOptions.measure must be a bool, got 1 (int)"),
+    ("UNSAFE_skip_soundness_check", "yes", TypeError, "LowerOptions.UNSAFE_skip_soundness_check must be a bool"),
+    ("timeline", [], TypeError, "LowerOptions.timeline must be a Timeline or None, got [] (list)"),
+    ("check", {}, TypeError, "LowerOptions.check must be a CheckState or None, got {} (dict)"),
+    ("new_event", "event", TypeError, "LowerOptions.new_event must be a function of an event's name"),
+])
+def test_a_bad_value_is_refused_naming_the_field(field, value, error, message):
+    with pytest.raises(error, match="^" + re.escape(message)):
+        LowerOptions(**{field: value})
+
+
+def test_an_unknown_option_is_named():
+    with pytest.raises(TypeError, match="LowerOptions.__init__.*'ring'"):
+        LowerOptions(ring=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="positional"):
+        LowerOptions(2)  # type: ignore[misc]
+
+
+def test_the_record_is_a_frozen_value():
+    a = LowerOptions(ring_size=2, measure=True)
+    assert a == LowerOptions(measure=True, ring_size=2) != LowerOptions(ring_size=2)
+    assert hash(a) == hash(LowerOptions(measure=True, ring_size=2))
+    with pytest.raises(AttributeError):
+        a.ring_size = 3  # type: ignore[misc]
+
+
+# -- the options reach the lowered graphs ---------------------------------------------------
+def test_decode_loop_lowers_with_the_ring_size(dev):
+    for ring in (1, 3):
+        loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG,
+                           lowering=LowerOptions(ring_size=ring))
+        assert loop.lowered.ring_size == ring
+        runs, _ = loop.run(4)
+        assert len(runs) == 4
+
+
+def test_every_graph_of_a_composite_step_gets_the_options(dev):
+    # a step shape's graphs, a per_stream group's members, every size of a capture list
+    made: list[str] = []
+
+    def new_event(name: str):
+        made.append(name)
+        return dev.event(name)
+
+    options = LowerOptions(ring_size=4, new_event=new_event)
+    shape = decode_loop(eagle(paged(), trtllm_mha()), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
+                        lowering=options).lowered
+    assert [g.ring_size for g in shape.graphs.values()] == [4] * len(shape.graphs)
+    group = decode_loop(per_stream(paged(), trtllm_mha()), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
+                        lowering=options).lowered
+    assert [g.ring_size for g in group.lowered] == [4, 4]
+    graphs = lower_capture_list(paged(), M.DECODE, [1, 2], device=dev, policy=Policy.EXACT, cfg=CFG, lowering=options)
+    assert [graphs[s].ring_size for s in graphs] == [4, 4]
+    labels = {g.label for g in (*shape.graphs.values(), *group.lowered, graphs[1], graphs[2])}
+    assert all(any(name.startswith(label + "/") for name in made) for label in labels)  # every graph's events
+
+
+def test_serve_loop_lowers_every_size_with_the_options(dev):
+    loop = serve_loop(paged(), policy=Policy.PER_BUFFER, device=dev, capture_sizes=[1, 2], cfg=CFG,
+                      traffic=Traffic(rate=1.0, prompt=(2, 4), output=(1, 3)), lowering=LowerOptions(ring_size=2))
+    assert [loop.decode[s].ring_size for s in (1, 2)] == [2, 2]
+
+
+def _events(options_ring: int) -> list[str]:
+    made: list[str] = []
+    with CpuDevice() as dev:
+        def new_event(name: str):
+            made.append(name)
+            return dev.event(name)
+
+        report = verify(paged(), steps=3, batch_size=2, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
+                        lowering=LowerOptions(ring_size=options_ring, new_event=new_event))
+        assert report.unwrap().checks[0].policy is Policy.PER_BUFFER
+    return made
+
+
+def test_verify_lowers_with_the_options():
+    # verify lowers through its loop with the record: its event factory makes every event, as
+    # many per graph as the ring has slots
+    one, three = _events(1), _events(3)
+    assert one and len(three) == 3 * len(one)
+
+
+def test_run_overlapped_and_run_traced_hand_the_options_on(dev):
+    made: list[str] = []
+
+    def new_event(name: str):
+        made.append(name)
+        return dev.event(name)
+
+    options = LowerOptions(ring_size=2, new_event=new_event)
+    run_overlapped(paged(), steps=2, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG, lowering=options)
+    once = len(made)
+    run_traced(paged(), steps=2, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG, lowering=options)
+    assert once and len(made) == 2 * once
+    res = run_serve(paged(), steps=3, policy=Policy.PER_BUFFER, device=dev, capture_sizes=[2], cfg=CFG,
+                    traffic=Traffic(rate=1.0, prompt=(2, 4), output=(1, 3)), lowering=options)
+    assert res.violations == () and len(made) > 2 * once
+
+
+# -- one way to say each option ------------------------------------------------------------
+def test_a_loop_refuses_a_record_setting_what_it_sets_itself(dev):
+    state = make_state(CFG, dev)
+    for name, value in (("timeline", Timeline()), ("check", CheckState(state["shared"], CFG)),
+                        ("UNSAFE_skip_soundness_check", True)):
+        options = LowerOptions(**{name: value})
+        with pytest.raises(TypeError, match=rf"^decode_loop\(\) sets the lowering's {name} itself: leave {name} out "
+                                            rf"of its LowerOptions and pass {name}= to decode_loop\(\)$"):
+            decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG, state=state,
+                        lowering=options)
+        with pytest.raises(TypeError, match=rf"^serve_loop\(\) sets the lowering's {name} itself"):
+            serve_loop(paged(), policy=Policy.EXACT, device=dev, capture_sizes=[1], cfg=CFG, state=state,
+                       lowering=options)
+        for run in (verify, run_overlapped, run_traced, run_serve):
+            with pytest.raises(TypeError, match=rf"^{run.__name__}\(\) sets the lowering's {name} itself"):
+                run(paged(), steps=1, policy=Policy.EXACT, device=dev, cfg=CFG, lowering=options)
+    with pytest.raises(TypeError, match=r"^decode_loop\(\) sets the lowering's measure itself: leave measure out "
+                                        r"of its LowerOptions$"):
+        decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG, lowering=LowerOptions(measure=True))
+
+
+@pytest.mark.parametrize("entry", [decode_loop, run_overlapped, run_traced, verify, run_serve])
+def test_a_lowering_option_given_as_a_keyword_says_where_it_goes(entry, dev):
+    name = entry.__name__
+    with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'ring_size'; it is a "
+                                        rf"lowering option: pass lowering=LowerOptions\(ring_size=\.\.\.\)$"):
+        entry(paged(), policy=Policy.EXACT, device=dev, ring_size=2)
+    with pytest.raises(TypeError, match=rf"^{name}\(\): lowering must be a readfence.graph.LowerOptions, got "
+                                        r"\{'ring_size': 2\} \(dict\)$"):
+        kw = {"steps": 1} if entry is not decode_loop else {}
+        entry(paged(), policy=Policy.EXACT, device=dev, cfg=CFG, lowering={"ring_size": 2}, **kw)
+
+
+@pytest.mark.parametrize(("outer", "inner", "own"), [
+    (run_overlapped, decode_loop, {"steps", "sanitize", "progress"}),
+    (run_traced, decode_loop, {"steps", "sanitize", "progress", "max_steps"}),
+    (run_serve, serve_loop, {"steps", "sanitize", "progress"}),
+])
+def test_the_runners_take_their_loops_keywords_with_the_same_defaults(outer, inner, own):
+    # spelt out (typed) rather than forwarded as **kwargs: they must not drift from the loop's
+    theirs = inspect.signature(inner).parameters
+    mine = {n: p for n, p in inspect.signature(outer).parameters.items() if n not in own}
+    if outer is run_traced:  # the run's timeline is the one it records
+        theirs = {n: p for n, p in theirs.items() if n != "timeline"}
+    assert list(mine) == list(theirs)
+    assert {n: p.default for n, p in mine.items()} == {n: p.default for n, p in theirs.items()}
