@@ -37,6 +37,7 @@ from .._program import INPUT_KEY, SOURCE_KEY, Program, StageGraph, Unmatched, fl
 from .._protocol import BackendLike
 from .._step import OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from .._threads import watch_threads
+from ._alias import Analysis
 from ._analysis import StageFacts, analysed, in_branches
 from ._cache import cached_trace, code_key
 from ._captured import captured_tensors, fresh_literals_dropped, mark_persistent
@@ -299,54 +300,92 @@ def _eager_stage(call: StageCall, names: Sequence[str], leaves: Sequence[Any], s
     return eager
 
 
-def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any,
-                 before: Iterable[StageGraph] = (), carried: dict[str, frozenset[str]] | None = None,
-                 recorded: bool = True) -> tuple[StageGraph, Any]:
-    backend, stage = call.backend, call.stage
-    names, leaves, spec = call.named_leaves()
-    # one placeholder per distinct name: a tensor the stage receives twice is one input
-    tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    input_names = tuple(dict.fromkeys(names[i] for i in tensor_pos))
-    slot = {n: k for k, n in enumerate(input_names)}
-    stash: dict[str, Any] = {}
+@attrs.frozen(eq=False)
+class _StageArgs:
+    """A stage's arguments as the tracer feeds them: every leaf by its dotted name, and one
+    example tensor per distinct name (a tensor the stage receives twice is one input, one
+    placeholder)."""
 
-    def outputs_of(out: Any) -> list[tuple[str, Any]]:
-        return [(n, v) for n, v in call.output_names(out) if isinstance(v, torch.Tensor)]
+    call: StageCall
+    names: tuple[str, ...]  # each leaf's dotted name
+    leaves: tuple[Any, ...]
+    spec: pytree.TreeSpec
+    tensor_pos: tuple[int, ...]  # where the tensor leaves are
+    inputs: tuple[str, ...]  # the distinct names of the tensor leaves, in order: the placeholders
+    args: tuple[torch.Tensor, ...]  # the example tensor of each input
 
-    def with_inputs(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-        flat = list(leaves)
+    @classmethod
+    def of(cls, call: StageCall) -> _StageArgs:
+        names, leaves, spec = call.named_leaves()
+        tensor_pos = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        inputs = tuple(dict.fromkeys(names[i] for i in tensor_pos))
+        first: dict[str, torch.Tensor] = {}
         for i in tensor_pos:
-            flat[i] = tensors[slot[names[i]]]
-        return call.rebuild(flat, spec)
+            first.setdefault(names[i], leaves[i])
+        return cls(call, tuple(names), tuple(leaves), spec, tensor_pos, inputs, tuple(first[n] for n in inputs))
 
-    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fake = fake_mode is not None
-        with _TraceMode(fake=fake), _HostReads(fake=fake), watch_threads(backend, stage.name, "the trace"):
-            out = call.fn(**with_inputs(tensors))
-        pairs = outputs_of(out)
-        stash["out"], stash["names"] = out, tuple(n for n, _ in pairs)
-        return tuple(v for _, v in pairs)
+    def kwargs(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """The stage's keyword arguments with ``tensors`` (one per input) in place of the example's."""
+        slot = {n: k for k, n in enumerate(self.inputs)}
+        flat = list(self.leaves)
+        for i in self.tensor_pos:
+            flat[i] = tensors[slot[self.names[i]]]
+        return self.call.rebuild(flat, self.spec)
 
-    args = [leaves[tensor_pos[[names[i] for i in tensor_pos].index(n)]] for n in input_names]
+    def tensor_outputs(self, out: Any) -> list[tuple[str, torch.Tensor]]:
+        """The tensors among what the stage returned, by dotted name: the graph's outputs."""
+        return [(n, v) for n, v in self.call.output_names(out) if isinstance(v, torch.Tensor)]
 
-    @contextlib.contextmanager
-    def tracing() -> Iterator[None]:
-        with contextlib.ExitStack() as ctx:
-            if fake_mode is not None:
-                ctx.enter_context(fake_mode)
-            else:
-                # make_fx records a fake "val" per node; without a fake mode in the tracing
-                # context it builds a new FakeTensorMode for every node (most of the tracing
-                # time). Share one.
-                from torch._guards import TracingContext, tracing
-                from torch._subclasses.fake_tensor import FakeTensorMode
 
-                ctx.enter_context(tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))))
-                ctx.enter_context(_meta_values())
-            ctx.enter_context(_through_compiled_functions())
-            # the graph's Python code is made when something calls it, not at every recompile
-            ctx.enter_context(_use_lazy_graph_module(True))
-            yield
+@attrs.frozen(eq=False)
+class _Run:
+    """A stage run once under the tracer: its graph, and what it returned as the step computed it."""
+
+    gm: fx.GraphModule
+    out: Any
+    outputs: tuple[str, ...]  # the names of its tensor outputs, in the graph's output order
+    probe: ProbeResult | None = None  # the memory its ops touched as it ran (a record only)
+    recorded: bool = False
+
+
+@attrs.frozen(eq=False)
+class _TracedStage:
+    """A stage traced: its graph, its real outputs (handed on to the step), and what each of its
+    tensor outputs may alias by name (what the stages after it take as their inputs' aliases)."""
+
+    graph: StageGraph
+    out: Any
+    output_aliases: Mapping[str, frozenset[str]]
+
+
+def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any, *,
+                 before: Iterable[StageGraph], carried: Mapping[str, frozenset[str]], recorded: bool) -> _TracedStage:
+    """Trace ``call``: run it once under the tracer, name its inputs, gather what its graph goes
+    on, analyse it (refusing writes to shared buffers), and build its :class:`StageGraph`."""
+    args = _StageArgs.of(call)
+    run = _run_stage(args, shared, fake_mode, recorded=recorded)
+    # in a step that is not replayed no graph bakes the shapes or the Python values a stage returns:
+    # they may change every step (the stages after it take them by name); its structure may not
+    guard = OutputGuard.of(call.stage, run.out, backend=call.backend, values=call.replayed)
+    _name_inputs(run.gm, args.inputs)
+    facts = _stage_facts(call, args, run, shared, owned, carried, fake=fake_mode is not None)
+    result = analysed(call.backend, call.stage, run.gm, facts, before=before, inputs=args.inputs, buffers=shared)
+    graph = _stage_graph(args, run, facts, result, guard, fake=fake_mode is not None)
+    return _TracedStage(graph, run.out, dict(zip(run.outputs, result.output_aliases, strict=True)))
+
+
+def _run_stage(args: _StageArgs, shared: Mapping[str, Any], fake_mode: Any, *, recorded: bool) -> _Run:
+    """The stage recorded as it runs (``_record``), else traced with ``make_fx``: the same graph."""
+    try:
+        if not recorded:
+            raise Unrecordable("make_fx asked for")
+        return _recorded_run(args, shared, fake_mode)
+    except Exception:  # what the record cannot hold, or the stage's own error: make_fx's trace, as always
+        return _make_fx_run(args, fake_mode)
+
+
+def _recorded_run(args: _StageArgs, shared: Mapping[str, Any], fake_mode: Any) -> _Run:
+    call, fake = args.call, fake_mode is not None
 
     @contextlib.contextmanager
     def recorded_in(recorder: GraphRecorder) -> Iterator[None]:
@@ -355,88 +394,118 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
         with contextlib.ExitStack() as ctx:
             if fake_mode is not None:
                 ctx.enter_context(fake_mode)
-            ctx.enter_context(_TraceMode(fake=fake_mode is not None, recorder=recorder))
-            ctx.enter_context(watch_threads(backend, stage.name, "the trace"))
+            ctx.enter_context(_TraceMode(fake=fake, recorder=recorder))
+            ctx.enter_context(watch_threads(call.backend, call.stage.name, "the trace"))
             yield
 
-    try:
-        if not recorded:
-            raise Unrecordable("make_fx asked for")
-        gm, out, probe = record(lambda *t: call.fn(**with_inputs(t)), args, input_names,
-                                outputs=lambda out: [v for _, v in outputs_of(out)], context=recorded_in,
-                                escape_op=OPAQUE_OP, shared=shared if fake_mode is None else None,
-                                fake=fake_mode is not None)
-        stash.update(out=out, names=tuple(n for n, _ in outputs_of(out)), probe=probe, recorded=True)
-    except Exception:  # what the record cannot hold, or the stage's own error: make_fx's trace, as always
-        with tracing():
-            gm = make_fx(flat_fn, tracing_mode="real")(*args)
-    # in a step that is not replayed no graph bakes the shapes or the Python values a stage returns:
-    # they may change every step (the stages after it take them by name); its structure may not
-    guard = OutputGuard.of(stage, stash["out"], backend=backend, values=call.replayed)
+    gm, out, probe = record(lambda *t: call.fn(**args.kwargs(t)), list(args.args), args.inputs,
+                            outputs=lambda out: [v for _, v in args.tensor_outputs(out)], context=recorded_in,
+                            escape_op=OPAQUE_OP, shared=None if fake else shared, fake=fake)
+    return _Run(gm, out, tuple(n for n, _ in args.tensor_outputs(out)), probe=probe, recorded=True)
 
-    eager = _eager_stage(call, names, leaves, spec, guard)
 
-    buffers = BufferMap.of(shared)
-    initial: dict[str, frozenset[str]] = {}
+def _make_fx_run(args: _StageArgs, fake_mode: Any) -> _Run:
+    call, fake = args.call, fake_mode is not None
+    ran: list[Any] = []  # what the stage returned: make_fx hands back the graph only
+
+    def flat_fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with _TraceMode(fake=fake), _HostReads(fake=fake), watch_threads(call.backend, call.stage.name, "the trace"):
+            out = call.fn(**args.kwargs(tensors))
+        ran.append(out)
+        return tuple(v for _, v in args.tensor_outputs(out))
+
+    with _make_fx_context(fake_mode):
+        gm = make_fx(flat_fn, tracing_mode="real")(*args.args)
+    out = ran[-1]
+    return _Run(gm, out, tuple(n for n, _ in args.tensor_outputs(out)))
+
+
+@contextlib.contextmanager
+def _make_fx_context(fake_mode: Any) -> Iterator[None]:
+    with contextlib.ExitStack() as ctx:
+        if fake_mode is not None:
+            ctx.enter_context(fake_mode)
+        else:
+            # make_fx records a fake "val" per node; without a fake mode in the tracing
+            # context it builds a new FakeTensorMode for every node (most of the tracing
+            # time). Share one.
+            from torch._guards import TracingContext, tracing
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            ctx.enter_context(tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))))
+            ctx.enter_context(_meta_values())
+        ctx.enter_context(_through_compiled_functions())
+        # the graph's Python code is made when something calls it, not at every recompile
+        ctx.enter_context(_use_lazy_graph_module(True))
+        yield
+
+
+def _name_inputs(gm: fx.GraphModule, inputs: Sequence[str]) -> None:
+    """Name each placeholder after its input (the calling convention of ``_program``)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, dotted, t in zip(placeholders, input_names, args, strict=True):
+    for node, dotted in zip(placeholders, inputs, strict=True):
         node._rename(_identifier(dotted))
         node.target = node.name
         node.meta[INPUT_KEY] = dotted
-        # what its memory touches, and what an earlier stage's analysis says it may alias (all
-        # there is under fake tensors, whose memory is only their storage's identity)
-        initial[node.name] = buffers.touched(t) | (carried or {}).get(dotted, frozenset())
     gm.recompile()
-    captured = captured_tensors(backend, stage.name, gm, buffers, owned)
 
-    memory: dict[str, frozenset[str]] = {}
-    changed: list[tuple[fx.Node, str]] = []
-    copies: frozenset[str] | None = None  # no memory under fake tensors
-    if fake_mode is None:
-        found: ProbeResult | None = stash.get("probe")
-        if found is None:
-            memory_probe = MemoryProbe(gm, shared)
-            memory_probe.run(*args)
-            found = memory_probe.result
-        else:  # a recorded stage was probed as it ran; its inputs touch what they hold
-            for node, t in zip(placeholders, args):
-                if buffers.touched_by(t):
-                    found.touched[node.name] = buffers.touched_by(t)
-        memory, changed, copies = found.touched, found.changed, frozenset(found.copies)
-    hidden = in_branches(gm, buffers)
-    facts = StageFacts(initial=initial, captured=tuple(captured), memory=memory, copies=copies, changed=tuple(changed),
-                       hidden=hidden)
-    result = analysed(backend, stage, gm, facts, before=before, inputs=input_names, buffers=shared)
-    if carried is not None:
-        carried.update(zip(stash["names"], result.output_aliases, strict=True))
-    graph = StageGraph(
-        name=stage.name,
-        gm=gm,
-        inputs=input_names,
-        outputs=stash["names"],
+
+def _stage_facts(call: StageCall, args: _StageArgs, run: _Run, shared: Mapping[str, Any], owned: BufferMap,
+                 carried: Mapping[str, frozenset[str]], *, fake: bool) -> StageFacts:
+    """What the analysis of the stage's graph goes on: what each input aliases (its memory, and
+    what an earlier stage's analysis says: all there is under fake tensors, whose memory is only
+    their storage's identity), its captured tensors, and the memory its nodes touched."""
+    gm, buffers = run.gm, BufferMap.of(shared)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    initial = {node.name: buffers.touched(t) | carried.get(dotted, frozenset())
+               for node, dotted, t in zip(placeholders, args.inputs, args.args, strict=True)}
+    captured = tuple(captured_tensors(call.backend, call.stage.name, gm, buffers, owned))
+    if fake:  # no memory under fake tensors
+        return StageFacts(initial=initial, captured=captured, memory={}, copies=None, changed=(),
+                          hidden=in_branches(gm, buffers))
+    found = run.probe
+    if found is None:
+        memory_probe = MemoryProbe(gm, shared)
+        memory_probe.run(*args.args)
+        found = memory_probe.result
+    else:  # a recorded stage was probed as it ran; its inputs touch what they hold
+        for node, t in zip(placeholders, args.args):
+            if buffers.touched_by(t):
+                found.touched[node.name] = buffers.touched_by(t)
+    return StageFacts(initial=initial, captured=captured, memory=found.touched, copies=frozenset(found.copies),
+                      changed=tuple(found.changed), hidden=in_branches(gm, buffers))
+
+
+def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysis, guard: OutputGuard, *,
+                 fake: bool) -> StageGraph:
+    call = args.call
+    return StageGraph(
+        name=call.stage.name,
+        gm=run.gm,
+        inputs=args.inputs,
+        outputs=run.outputs,
         reads=result.reads,
         unknown=result.unknown,
         opaque=result.opaque,
         faithful=not result.escapes,
-        eager=eager,
+        eager=_eager_stage(call, args.names, args.leaves, args.spec, guard),
         guard=guard,
-        captured=tuple(captured),
-        memory=memory,
-        copies=copies,
-        hidden=hidden,
-        initial=initial,
+        captured=facts.captured,
+        memory=facts.memory,
+        copies=facts.copies,
+        hidden=facts.hidden,
+        initial=facts.initial,
         # (not in a step that is not replayed: its graphs never run, and a rerun of one on the
         # example would pair its inputs with what the backend's own buffers hold now, from another step)
-        example=tuple(args) if captured and fake_mode is None and not result.escapes and call.replayed else None,
-        recorded=stash.get("recorded", False),
+        example=args.args if facts.captured and not fake and not result.escapes and call.replayed else None,
+        recorded=run.recorded,
         replayed=call.replayed,
     )
-    return graph, stash["out"]
 
 
 class _Tracer:
-    """The interpreter that traces each stage into a :class:`StageGraph` (``make_fx``) and
-    hands on its real outputs, as the step computed them."""
+    """The interpreter that traces each stage into a :class:`StageGraph` and hands on its real
+    outputs, as the step computed them."""
 
     def __init__(self, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any, recorded: bool = True) -> None:
         self.shared, self.owned, self.fake_mode, self.recorded = shared, owned, fake_mode, recorded
@@ -446,10 +515,11 @@ class _Tracer:
 
     def call(self, call: StageCall) -> Any:
         self.current = call.stage
-        graph, out = _trace_stage(call, self.shared, self.owned, self.fake_mode, before=self.stages,
-                                  carried=self.carried, recorded=self.recorded)
-        self.stages.append(graph)
-        return out
+        traced = _trace_stage(call, self.shared, self.owned, self.fake_mode, before=self.stages,
+                              carried=self.carried, recorded=self.recorded)
+        self.carried.update(traced.output_aliases)
+        self.stages.append(traced.graph)
+        return traced.out
 
 
 def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:
