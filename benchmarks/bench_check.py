@@ -24,7 +24,8 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ModelConfig
-from readfence.graph import CheckState, CpuDevice, LateReadWatch, Policy, decode_loop, make_state
+from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
+from readfence.graph.verification import LateReadWatch
 
 
 def _seconds(kind: str, steps: int, cfg: ModelConfig) -> float:

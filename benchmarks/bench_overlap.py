@@ -53,7 +53,8 @@ import torch
 from readfence.backends import hybrid_linear, leaf, linear, linear_attention, remap, trtllm_mha
 from readfence.core import ForwardMode, ModelConfig
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import DEVICE_KINDS, DecodeLoop, Policy, decode_loop, open_device, run_serial, synthetic_work
+from readfence.graph import DEVICE_KINDS, DecodeLoop, Policy, decode_loop, open_device, run_serial
+from readfence.graph.runtime import synthetic_work
 
 MODE = ForwardMode.DECODE
 POLICIES = (Policy.COARSE, Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT)

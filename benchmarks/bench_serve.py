@@ -38,7 +38,8 @@ import torch
 
 from readfence.backends import deepseek_v4, hybrid_linear, linear, trtllm_mha
 from readfence.core import ModelConfig
-from readfence.graph import DEVICE_KINDS, Policy, Traffic, open_device, run_serve, run_serve_serial, torch_device
+from readfence.graph import DEVICE_KINDS, Policy, Traffic, open_device, run_serve, run_serve_serial
+from readfence.graph.lowering import torch_device
 
 POLICIES = (Policy.COARSE, Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT)
 WORKLOADS = {"hybrid_linear": lambda: hybrid_linear(trtllm_mha(), linear()), "deepseek_v4": deepseek_v4}

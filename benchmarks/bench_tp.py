@@ -50,7 +50,8 @@ from bench_overlap import _settings, calibrate  # the overlap benchmark's settin
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ForwardMode
-from readfence.graph import Policy, decode_loop, synthetic_work
+from readfence.graph import Policy, decode_loop
+from readfence.graph.runtime import synthetic_work
 from readfence.parallel import launch
 
 POLICIES = (Policy.COARSE, Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT)

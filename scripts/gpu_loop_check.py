@@ -15,7 +15,8 @@ import time
 
 from readfence.backends import REFERENCE_LEAVES
 from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import Policy, UnsoundLowering, eagle, multi_eagle, ngram, open_device, run_overlapped, run_serial, torch_device
+from readfence.graph import Policy, UnsoundLowering, eagle, multi_eagle, ngram, open_device, run_overlapped, run_serial
+from readfence.graph.lowering import torch_device
 
 
 def cases():

@@ -21,17 +21,8 @@ import time
 
 import torch
 
-from readfence.graph import (
-    CpuDevice,
-    FaultInjector,
-    Policy,
-    Sanitizer,
-    SerialServe,
-    ServeResult,
-    Traffic,
-    parse_target,
-    serve_loop,
-)
+from readfence.graph import CpuDevice, FaultInjector, Policy, Sanitizer, ServeResult, Traffic, parse_target, serve_loop
+from readfence.graph.runtime import SerialServe
 
 
 def rss_mb() -> float:

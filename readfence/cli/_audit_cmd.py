@@ -61,7 +61,7 @@ def audit(spec: Any, modes: tuple[Any, ...], batch_sizes: tuple[int, ...], as_js
     children: its one scalar declaration against each buffer's truth, traced where the tracer
     follows the stages and observed over scheduler steps where it cannot (labelled which).
     FACTORY returns the adapted backend (readfence.engine.adapt), or is the backend class;
-    e.g. readfence.engine.reference:minimax_hybrid, or :ENGINES for the reference engine.
+    e.g. readfence.engine.reference:minimax_hybrid_engine, or :ENGINES for the reference engine.
     """
     if engines is not None:
         from ._engine_cmd import audit_engines

@@ -148,7 +148,8 @@ def json_rows(result: DemoResult, *, spec: str, phases: str | None, steps: int, 
 
 def _tp_rank(rank: Any, spec: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """The demo on one tensor-parallel rank (``readfence.parallel.Rank``): its report and rows."""
-    from readfence.graph import Policy, phase_modes
+    from readfence.graph import Policy
+    from readfence.graph.verification import phase_modes
 
     from ._demo_run import run_demo
     from ._params import parse_spec
@@ -245,7 +246,8 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
     overlap, the same write work), and the mean fence slack (time from a buffer's last read to
     its release). Exit status 1 if any run is wrong.
     """
-    from readfence.graph import Policy, StepShape, phase_modes
+    from readfence.graph import Policy, StepShape
+    from readfence.graph.verification import phase_modes
 
     if tp is not None:
         from ._tp_cmd import run_on_ranks

@@ -15,16 +15,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import (
-    Policy,
-    Timeline,
-    UnsoundLowering,
-    open_device,
-    run_overlapped,
-    run_serial,
-    run_traced,
-    torch_device,
-)
+from readfence.graph import Policy, Timeline, UnsoundLowering, open_device, run_overlapped, run_serial, run_traced
+from readfence.graph.lowering import torch_device
 from readfence.graph.runtime import internal as runtime_internal
 
 from ._params import DEFAULT_SPEC
@@ -32,7 +24,7 @@ from ._torch_threads import one_intra_op_thread
 
 if TYPE_CHECKING:
     from readfence.effects import Capabilities
-    from readfence.graph import Target
+    from readfence.graph.steps import Target
 
 __all__ = ["DEFAULT_SPEC", "DemoResult", "run_demo", "with_baseline"]
 

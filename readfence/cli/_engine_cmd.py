@@ -30,18 +30,18 @@ class Engine(click.ParamType):
     >>> Engine().convert("no-colon", None, None)
     Traceback (most recent call last):
     ...
-    readfence.cli._errors.InputError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got 'no-colon'
+    readfence.cli._errors.InputError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton_engine), got 'no-colon'
     """
 
     name = "MODULE:FACTORY"
-    expects = "MODULE:FACTORY, e.g. readfence.engine.reference:triton"
+    expects = "MODULE:FACTORY, e.g. readfence.engine.reference:triton_engine"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if not isinstance(value, str):
             return value
         module, sep, attribute = value.partition(":")
         if not sep or not module.strip() or not attribute.strip():  # the loader says the same (it imports torch)
-            raise InputError(f"--engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got {value!r}")
+            raise InputError(f"--engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton_engine), got {value!r}")
         return value
 
     def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:

@@ -598,7 +598,8 @@ def echo_json(doc: object) -> None:
 
 def refuse_mode_for_shape(spec: Any) -> None:
     """A ``--mode`` given with a step shape is refused: the shape's phases fix their own modes."""
-    from readfence.graph import StepShape, phase_modes
+    from readfence.graph import StepShape
+    from readfence.graph.verification import phase_modes
 
     ctx = click.get_current_context()
     if isinstance(spec, StepShape) and ctx.get_parameter_source("mode") is not click.core.ParameterSource.DEFAULT:

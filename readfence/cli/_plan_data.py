@@ -18,7 +18,8 @@ import attrs
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.core.internal import replayed
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, publish_positions, resolve
-from readfence.graph import Policy, last_reads, plan_fences, torch_device
+from readfence.graph import Policy
+from readfence.graph.lowering import last_reads, plan_fences, torch_device
 
 if TYPE_CHECKING:
     from readfence.backends import Backend

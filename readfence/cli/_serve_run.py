@@ -17,17 +17,8 @@ from typing import Any
 import attrs
 
 from readfence.core import ModelConfig
-from readfence.graph import (
-    Policy,
-    Timeline,
-    Traffic,
-    UnsoundLowering,
-    open_device,
-    run_serve,
-    run_serve_serial,
-    torch_device,
-    verify,
-)
+from readfence.graph import Policy, Timeline, Traffic, UnsoundLowering, open_device, run_serve, run_serve_serial, verify
+from readfence.graph.lowering import torch_device
 from readfence.graph.runtime import internal as runtime_internal
 from readfence.graph.runtime.internal import CappedTimeline, WaitRecorder, add_step_replays, add_waits
 
@@ -67,7 +58,7 @@ def check_serving(target: Any, traffic: Traffic, capture_sizes: Sequence[int], c
     ...
     ValueError: a request of the traffic may need 40 prompt positions ... the model holds cfg.max_ctx=64: ...
     """
-    from readfence.graph import serve_scheduler
+    from readfence.graph.runtime import serve_scheduler
 
     serve_scheduler(target, traffic, capture_sizes, cfg)
 

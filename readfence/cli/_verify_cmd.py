@@ -103,7 +103,7 @@ def verify_cmd(spec: Any, mode: Any, policies: tuple[Any, ...], steps: int, batc
 
     \b
     --engine MODULE:FACTORY verifies an engine's stateful backend object instead (adapted by
-    readfence.engine; e.g. readfence.engine.reference:minimax_hybrid): each policy, then the
+    readfence.engine; e.g. readfence.engine.reference:minimax_hybrid_engine): each policy, then the
     ENGINE RUNNER (SGLang's runner: one event from the scalar declaration, trusted as the
     engine trusts it), with the same checks.
     """

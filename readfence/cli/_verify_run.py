@@ -15,17 +15,9 @@ from typing import Any
 import attrs
 
 from readfence.core import ForwardMode, ModelConfig, StageThreadError, StageWriteError, audit, default_batch_sizes
-from readfence.graph import (
-    LateRead,
-    Policy,
-    PolicyCheck,
-    StepShape,
-    VerifyReport,
-    open_device,
-    phase_modes,
-    torch_device,
-    verify,
-)
+from readfence.graph import LateRead, Policy, StepShape, VerifyReport, open_device, verify
+from readfence.graph.lowering import torch_device
+from readfence.graph.verification import PolicyCheck, phase_modes
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {

@@ -253,8 +253,8 @@ class EngineUnsound:
     are its unsound rows, deepest node first, and ``row`` the deepest guilty one, which
     ``message`` names with its mode, buffer, declared and true end, and what reads it late.
 
-    >>> from readfence.engine.reference import minimax_sparse
-    >>> failed = audit_engine(minimax_sparse(), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure()
+    >>> from readfence.engine.reference import minimax_sparse_engine
+    >>> failed = audit_engine(minimax_sparse_engine(), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure()
     >>> print(failed.message)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
     unsound declaration: MiniMaxSparseBackend in mode DECODE declares buffer 'req_to_token' ends at
     IN_REPLAY but it is read until POST_REPLAY: forward reads it (aten.index_select.default) at ...
@@ -589,10 +589,10 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     node is reported, not a failure: the result is ``Success`` when nothing else is unsound, so
     check ``report.errors()`` too (the CLI exits 1 on either).
 
-    >>> from readfence.engine.reference import minimax_hybrid, trtllm_mha
-    >>> audit_engine(trtllm_mha(), ForwardMode.DECODE, batch_sizes=[2], steps=1).map(lambda r: r.sound)
+    >>> from readfence.engine.reference import minimax_hybrid_engine, trtllm_mha_engine
+    >>> audit_engine(trtllm_mha_engine(), ForwardMode.DECODE, batch_sizes=[2], steps=1).map(lambda r: r.sound)
     <Success: True>
-    >>> failed = audit_engine(minimax_hybrid(), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure()
+    >>> failed = audit_engine(minimax_hybrid_engine(), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure()
     >>> [(r.backend.rsplit("/", 1)[-1], r.text()) for r in failed.rows]  # doctest: +NORMALIZE_WHITESPACE
     [('MiniMaxSparseBackend', 'unsound: forward reads it (aten.index_select.default)'),
      ('MiniMaxHybridAttnBackend', 'unsound: forward reads it (aten.index_select.default)')]

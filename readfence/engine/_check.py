@@ -20,18 +20,8 @@ from readfence.core import CapturedStateError, ForwardMode, StageThreadError, St
 from readfence.core.internal import check_forward_mode, positive_int
 from readfence.effects import Failure
 from readfence.effects.internal import table
-from readfence.graph import (
-    Device,
-    LateRead,
-    LoopResult,
-    Policy,
-    UncapturableStage,
-    UnsoundLowering,
-    run_overlapped,
-    run_serial,
-    torch_device,
-    verify,
-)
+from readfence.graph import Device, LateRead, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
+from readfence.graph.lowering import torch_device
 
 from ._adapter import EngineBackend
 from ._contract import EngineError
@@ -130,10 +120,10 @@ class EngineFindings:
     Plural, unlike ``readfence.graph.LateRead`` (one finding of one policy): each fence verified
     may have its own, and of every kind ``LateRead`` has (a late read, a write, a refusal...).
 
-    >>> from readfence.engine.reference import minimax_sparse
+    >>> from readfence.engine.reference import minimax_sparse_engine
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
-    ...     failed = verify_engine(minimax_sparse(), device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).failure()
+    ...     failed = verify_engine(minimax_sparse_engine(), device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).failure()
     >>> print(failed.message)  # doctest: +ELLIPSIS
     MiniMaxSparseBackend in DECODE: 2 of 2 fences with findings; first EXACT: unsound declaration of 'req_to_token' ...
     >>> [r.name for r in failed.rows], failed.report.ok
@@ -183,10 +173,10 @@ def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE,
     with evidence ``audit``; the runner trusts the declaration as the engine does, so an unsound
     one is caught at run time (poison, the observer).
 
-    >>> from readfence.engine.reference import minimax_sparse
+    >>> from readfence.engine.reference import minimax_sparse_engine
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
-    ...     result = verify_engine(minimax_sparse(), device=dev, policies=[Policy.PER_BUFFER], steps=2, batch_size=2)
+    ...     result = verify_engine(minimax_sparse_engine(), device=dev, policies=[Policy.PER_BUFFER], steps=2, batch_size=2)
     >>> [(r.name, r.finding.kind, r.finding.evidence) for r in result.failure().report.rows]
     [('PER_BUFFER', 'unsound declaration', 'audit'), ('ENGINE RUNNER', 'late read', 'observer')]
     """
@@ -280,10 +270,10 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
     median steps/s and slack (a noisy machine slows one run, not the median). A policy the
     lowering refuses is a row saying why.
 
-    >>> from readfence.engine.reference import trtllm_mha
+    >>> from readfence.engine.reference import trtllm_mha_engine
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
-    ...     table = compare(trtllm_mha(), device=dev, steps=4, batch_size=2, write_wait_s=0.0)
+    ...     table = compare(trtllm_mha_engine(), device=dev, steps=4, batch_size=2, write_wait_s=0.0)
     >>> [(r.name, r.matches_serial, r.violations) for r in table.rows][:2]
     [('ENGINE RUNNER', True, 0), ('COARSE', True, 0)]
     """

@@ -105,9 +105,9 @@ def load_attribute(text: str, *, option: str, takes: str, example: str) -> tuple
     ``option`` (what it was given to), ``takes`` (its form) and an ``example``.
 
     >>> value, name = load_attribute("readfence.engine.reference:ENGINES['triton']", option="--engine",
-    ...                              takes="MODULE:FACTORY", example="readfence.engine.reference:triton")
+    ...                              takes="MODULE:FACTORY", example="readfence.engine.reference:triton_engine")
     >>> name, value.__name__
-    ("readfence.engine.reference:ENGINES['triton']", 'triton')
+    ("readfence.engine.reference:ENGINES['triton']", 'triton_engine')
     >>> load_attribute("engines/mine.py:mine", option="SPEC", takes="MODULE:ATTR",
     ...                example="mypkg.backends:mine")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
@@ -165,15 +165,15 @@ def load_engines(text: str) -> list[tuple[str, EngineBackend]]:
     """``[(name, adapted backend)]`` that ``MODULE:FACTORY`` points at; ``ValueError`` says what is wrong.
     Each name is itself a ``MODULE:FACTORY`` that loads that one backend (``ENGINES['triton']``).
 
-    >>> [name for name, _ in load_engines("readfence.engine.reference:minimax_hybrid")]
-    ['readfence.engine.reference:minimax_hybrid']
+    >>> [name for name, _ in load_engines("readfence.engine.reference:minimax_hybrid_engine")]
+    ['readfence.engine.reference:minimax_hybrid_engine']
     >>> [name for name, _ in load_engines("readfence.engine.reference:ENGINES['minimax_hybrid']")]
     ["readfence.engine.reference:ENGINES['minimax_hybrid']"]
     >>> load_engines("readfence.engine.reference")
     Traceback (most recent call last):
     ...
-    ValueError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton), got 'readfence.engine.reference'
+    ValueError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton_engine), got 'readfence.engine.reference'
     """
     value, name = load_attribute(text, option="--engine", takes="MODULE:FACTORY",
-                                 example="readfence.engine.reference:triton")
+                                 example="readfence.engine.reference:triton_engine")
     return _resolve(value, name)

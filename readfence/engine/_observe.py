@@ -40,8 +40,8 @@ def observe_engine(engine: EngineBackend, mode: ForwardMode, *, batch_sizes: Seq
 
     ``steps`` scheduler steps (request churn, seeded by ``seed``) at each of ``batch_sizes``.
 
-    >>> from readfence.engine.reference import minimax_sparse
-    >>> obs = observe_engine(minimax_sparse(), ForwardMode.DECODE, steps=1)
+    >>> from readfence.engine.reference import minimax_sparse_engine
+    >>> obs = observe_engine(minimax_sparse_engine(), ForwardMode.DECODE, steps=1)
     >>> obs.observed()["req_to_token"], obs.last_reader("req_to_token")
     (<ReadEnd.POST_REPLAY: 3>, ('body', 'aten.index_select.default'))
     """

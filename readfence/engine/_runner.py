@@ -34,7 +34,9 @@ from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig, example_step
 from readfence.core.internal import check_mode
 from readfence.effects import ReadEnd
-from readfence.graph import Bound, Device, Event, Fence, Lowered, LowerOptions, Policy, StepRun
+from readfence.graph import Device, Fence, Lowered, LowerOptions, Policy, StepRun
+from readfence.graph.devices import Event
+from readfence.graph.lowering import Bound
 from readfence.graph.lowering.internal import lower_with, lowering_options
 
 from ._adapter import EngineBackend, Tensors
@@ -225,9 +227,9 @@ class RunnerTarget(Backend):
 def runner_model(engine: EngineBackend, model: RunnerModel | None = None) -> RunnerTarget:
     """``engine`` run by its engine's runner (see the module docstring), for readfence's loop.
 
-    >>> from readfence.engine.reference import trtllm_mha
+    >>> from readfence.engine.reference import trtllm_mha_engine
     >>> from readfence.graph import CpuDevice, run_overlapped, run_serial
-    >>> engine = trtllm_mha()
+    >>> engine = trtllm_mha_engine()
     >>> serial = run_serial(engine, steps=3, batch_size=2, state=engine.state)
     >>> with CpuDevice() as dev:
     ...     run = run_overlapped(runner_model(engine), steps=3, policy=Policy.JOINED, device=dev, batch_size=2,

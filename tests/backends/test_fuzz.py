@@ -40,8 +40,8 @@ from readfence.backends.fuzz import (
 )
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, clear_trace_cache, example_step, run_step
 from readfence.core._state import buffer_ranges
-from readfence.graph import POISONS, poison_family
 from readfence.graph.fuzz import Tally, check_program
+from readfence.graph.lowering import POISONS, poison_family
 from tests.adversarial import blinded
 
 M = ForwardMode

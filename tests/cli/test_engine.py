@@ -32,7 +32,7 @@ def test_audit_json_labels_traced_and_observed_rows(cli):
 
 
 def test_the_reference_engine_is_reachable_by_name(cli):
-    result = cli("audit", "--engine", "readfence.engine.reference:minimax_sparse", "--mode", "decode",
+    result = cli("audit", "--engine", "readfence.engine.reference:minimax_sparse_engine", "--mode", "decode",
                  "--batch-size", "2")
     assert result.exit_code == 1
     assert "MiniMaxSparseBackend  DECODE  req_to_token  IN_REPLAY  POST_REPLAY  traced  unsound" in result.output

@@ -19,7 +19,7 @@ HERE = "tests.cli.test_printed_commands"
 
 
 def minimax_hybrid():
-    return ref.minimax_hybrid(CFG)
+    return ref.minimax_hybrid_engine(CFG)
 
 
 #: ``--engine tests.cli.test_printed_commands:ENGINES``: one sound backend, one unsound.
@@ -73,7 +73,7 @@ def test_a_key_whose_quotes_a_shell_took_or_changed_still_loads(cli, reference):
                                 "its keys: 'kept', 'minimax_hybrid'"),
     (f"{HERE}:ENGINES[1 + 1]", f"Error: --engine '{HERE}:ENGINES[1 + 1]': [1 + 1] is not a key"),
     ("tests/cli/test_printed_commands.py:ENGINES", "Error: --engine takes MODULE:FACTORY (e.g. "
-                                                   "readfence.engine.reference:triton), got "
+                                                   "readfence.engine.reference:triton_engine), got "
                                                    "'tests/cli/test_printed_commands.py:ENGINES'; MODULE is a dotted "
                                                    "module name as `import` takes it, not a file: write "
                                                    "'tests.cli.test_printed_commands' (run from the folder that holds "

@@ -8,11 +8,11 @@ from .conftest import CFG
 
 
 def triton():
-    return ref.triton(CFG)
+    return ref.triton_engine(CFG)
 
 
 def minimax_hybrid():
-    return ref.minimax_hybrid(CFG)
+    return ref.minimax_hybrid_engine(CFG)
 
 
 def host_bounds(cfg=None):

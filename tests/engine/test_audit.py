@@ -64,7 +64,7 @@ class _CoveringMiniMax:
 
 def test_a_child_below_its_truth_under_a_root_that_covers_it_is_latent_and_runs_clean():
     from readfence.engine import verify_engine
-    from readfence.engine.reference import minimax_hybrid
+    from readfence.engine.reference import minimax_hybrid_engine
     from readfence.graph import CpuDevice
 
     engine = adapt(_CoveringMiniMax, cfg=CFG, name="CoveringMiniMax")
@@ -84,15 +84,15 @@ def test_a_child_below_its_truth_under_a_root_that_covers_it_is_latent_and_runs_
         verified = verify_engine(engine, ForwardMode.DECODE, device=dev, steps=3, batch_size=2).unwrap()
     assert verified.ok, str(verified)
     # the same child under its own wrapper's delegated declaration: the root's fence is early, refused
-    racing = audit_engine(minimax_hybrid(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure().report
+    racing = audit_engine(minimax_hybrid_engine(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1).failure().report
     assert not racing.sound and racing.latent() == []
     assert {r.backend.rsplit("/", 1)[-1] for r in racing.unsound()} == {"MiniMaxSparseBackend", "MiniMaxHybridAttnBackend"}
 
 
 def test_a_two_batch_overlap_child_is_audited_at_its_micro_batch_sizes():
-    from readfence.engine.reference import tbo
+    from readfence.engine.reference import tbo_engine
 
-    report = audit_engine(tbo(CFG), ForwardMode.DECODE, batch_sizes=[2, CFG.max_reqs], steps=1).unwrap()
+    report = audit_engine(tbo_engine(CFG), ForwardMode.DECODE, batch_sizes=[2, CFG.max_reqs], steps=1).unwrap()
     half = CFG.max_reqs // 2
     assert report.find("TboAttnBackend", ForwardMode.DECODE).batch_sizes == (2, CFG.max_reqs)
     assert report.find("TboAttnBackend/primary/DeepSeekV4Backend", ForwardMode.DECODE).batch_sizes == (2, CFG.max_reqs)
@@ -107,9 +107,9 @@ def test_a_two_batch_overlap_child_is_audited_at_its_micro_batch_sizes():
 def test_an_unsound_used_declaration_is_a_failure_carrying_the_whole_audit():
     from readfence.effects import UnwrapError
     from readfence.engine import EngineAudit, EngineUnsound
-    from readfence.engine.reference import minimax_hybrid
+    from readfence.engine.reference import minimax_hybrid_engine
 
-    engine = minimax_hybrid(CFG)
+    engine = minimax_hybrid_engine(CFG)
     result = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1)
     assert not is_successful(result)
     failed = result.failure()
@@ -135,9 +135,9 @@ def test_an_unsound_used_declaration_is_a_failure_carrying_the_whole_audit():
 
 def test_a_sound_audit_and_an_unsound_declaration_the_engine_never_uses_are_successes():
     from readfence.engine import EngineProfile
-    from readfence.engine.reference import trtllm_mha
+    from readfence.engine.reference import trtllm_mha_engine
 
-    sound = audit_engine(trtllm_mha(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    sound = audit_engine(trtllm_mha_engine(CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
     assert is_successful(sound) and sound.unwrap().sound and sound.unwrap().rows()
     # KeepsAView reads its page table after its declared end; an engine that never graph-replays
     # it publishes no fence from that declaration: shown, not a failure

@@ -8,7 +8,7 @@ import pytest
 from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
-from readfence.engine.reference import ENGINES, deepseek_v4, dots_hybrid, tbo, torch_native
+from readfence.engine.reference import ENGINES, deepseek_v4_engine, dots_hybrid_engine, tbo_engine, torch_native_engine
 from readfence.graph import Policy
 
 from .conftest import CFG
@@ -82,21 +82,21 @@ def test_reference_engine_in_decode(name, dev):
 
 
 def test_deepseek_re_reads_the_page_table_in_target_verify_unless_dspark(dev):
-    _check(deepseek_v4(CFG), M.TARGET_VERIFY, {"req_to_token": ("exact", "traced", POST),
+    _check(deepseek_v4_engine(CFG), M.TARGET_VERIFY, {"req_to_token": ("exact", "traced", POST),
                                                "seq_lens": ("conservative", "traced", IN)}, [], SOUND, dev)
-    dspark = deepseek_v4(CFG, dspark=True)
+    dspark = deepseek_v4_engine(CFG, dspark=True)
     assert dspark.read_end(M.TARGET_VERIFY) is IN
     _check(dspark, M.TARGET_VERIFY, {"req_to_token": ("exact", "traced", IN)}, [], SOUND, dev)
 
 
 def test_tbo_joins_its_primarys_target_verify_declaration_though_the_primary_only_prepares(dev):
-    report = _check(tbo(CFG), M.TARGET_VERIFY, {"req_to_token": ("conservative", "traced", IN)}, [], SOUND, dev)
+    report = _check(tbo_engine(CFG), M.TARGET_VERIFY, {"req_to_token": ("conservative", "traced", IN)}, [], SOUND, dev)
     primary = "TboAttnBackend/primary/DeepSeekV4Backend"
     assert {r.buffer: r.verdict for r in report.rows() if r.backend == primary}["req_to_token"] == "exact"
 
 
 def test_prefill_is_resolved_per_batch_and_each_resolution_audited():
-    engine = deepseek_v4(CFG)
+    engine = deepseek_v4_engine(CFG)
     report = audit_engine(engine, M.EXTEND, batch_sizes=[2, 4], steps=1).unwrap()
     rows = {(r.buffer, r.batch_size): (r.declared, r.truth, r.verdict) for r in report.rows() if r.per_batch}
     # at 8 query tokens it snapshots its reads before the forward; past them it cannot, and says so
@@ -106,11 +106,11 @@ def test_prefill_is_resolved_per_batch_and_each_resolution_audited():
 
 
 def test_dots_declares_unknown_for_prefill_where_its_padding_path_reads_the_live_tables(dev):
-    _check(dots_hybrid(CFG), M.EXTEND, {"req_to_token": ("conservative", "traced", POST)}, [], SOUND, dev)
+    _check(dots_hybrid_engine(CFG), M.EXTEND, {"req_to_token": ("conservative", "traced", POST)}, [], SOUND, dev)
 
 
 def test_torch_native_s_host_read_forward_runs_as_python_under_readfence_s_fences_in_both_graphed_modes(dev):
-    engine = torch_native(CFG)
+    engine = torch_native_engine(CFG)
     for mode in (M.DECODE, M.TARGET_VERIFY):
         report = _check(engine, mode, {"req_to_token": ("exact", "observed", POST)}, [], SOUND, dev)
         node = report.find("TorchNativeBackend", mode)

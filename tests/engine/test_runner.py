@@ -8,8 +8,9 @@ import pytest
 from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
 from readfence.engine import EngineRunner, Mailbox, RunnerModel, adapt, runner_model
-from readfence.engine.reference import deepseek_v4, triton
-from readfence.graph import LowerOptions, Policy, RingWrapError, decode_loop, run_overlapped, run_serial
+from readfence.engine.reference import deepseek_v4_engine, triton_engine
+from readfence.graph import LowerOptions, Policy, decode_loop, run_overlapped, run_serial
+from readfence.graph.lowering import RingWrapError
 
 from .classes import Ends, KeptCopies
 from .conftest import CFG
@@ -44,7 +45,7 @@ def test_the_mailbox_is_taken_and_cleared_unless_told_otherwise():
 
 @pytest.mark.parametrize("marker, point", [(True, IN), (False, POST)])
 def test_in_replay_without_an_in_graph_marker_is_published_after_the_replay(marker, point, dev):
-    engine = triton(CFG)
+    engine = triton_engine(CFG)
     runner = _runner(engine, dev, RunnerModel(in_graph_marker=marker))
     assert runner.point is point
     assert {p.end for p in runner.plan.placements.values()} == {point}
@@ -52,7 +53,7 @@ def test_in_replay_without_an_in_graph_marker_is_published_after_the_replay(mark
 
 
 def test_the_kill_switch_publishes_nothing_and_the_scheduler_waits_for_the_whole_forward(dev):
-    engine = triton(CFG)
+    engine = triton_engine(CFG)
     run, serial = _loop(engine, dev, RunnerModel(kill_switch=True))
     assert run.matches(serial) and run.violations == ()
     runner = _runner(engine, dev, RunnerModel(kill_switch=lambda step: step >= 2))
@@ -73,7 +74,7 @@ def test_a_declaration_asked_again_each_step_that_moved_later_publishes_nothing(
 
 
 def test_prefill_publishes_per_batch_and_a_stale_event_is_never_consumed(dev):
-    engine = deepseek_v4(CFG)
+    engine = deepseek_v4_engine(CFG)
     every_other = RunnerModel(prefill_read_done=lambda step: step % 2 == 0)
     runner = _runner(engine, dev, every_other, mode=M.EXTEND)
     assert runner.point is PRE and [end for _, end in runner.published] == [PRE, UNKNOWN, PRE, UNKNOWN]
@@ -90,7 +91,7 @@ def test_prefill_publishes_per_batch_and_a_stale_event_is_never_consumed(dev):
 
 
 def test_prefill_past_its_snapshot_limit_is_coarse(dev):
-    engine = deepseek_v4(CFG)
+    engine = deepseek_v4_engine(CFG)
     loop = decode_loop(runner_model(engine), M.EXTEND, policy=Policy.JOINED, device=dev, batch_size=4, cfg=CFG,
                        state=engine.state)
     loop.run(2)
@@ -99,6 +100,6 @@ def test_prefill_past_its_snapshot_limit_is_coarse(dev):
 
 def test_the_runner_runs_only_its_own_publishing(dev):
     with pytest.raises(ValueError, match="run it with Policy.JOINED .* not EXACT"):
-        run_overlapped(runner_model(triton(CFG)), steps=1, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG)
+        run_overlapped(runner_model(triton_engine(CFG)), steps=1, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG)
     with pytest.raises(TypeError, match="runner_model takes an adapted backend"):
         runner_model("triton")  # type: ignore[arg-type]

@@ -10,24 +10,19 @@ import pytest
 import torch
 
 from readfence.effects import Capabilities
-from readfence.graph import (
+from readfence.graph import CpuDevice, Device, DeviceError, DeviceTimeout, FaultInjector, default_device
+from readfence.graph.devices import (
     CaptureError,
-    CpuDevice,
-    Device,
     DeviceClosed,
-    DeviceError,
     DeviceObserver,
-    DeviceTimeout,
     Event,
     EventNeverRecorded,
-    FaultInjector,
     Graph,
     Read,
     Record,
     Stream,
     StreamError,
     Write,
-    default_device,
     delay_point,
     record_here,
 )

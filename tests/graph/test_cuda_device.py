@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readfence.graph import (
-    CaptureError,
-    DeviceTimeout,
-    EventNeverRecorded,
-    Read,
-    Record,
-    Sanitizer,
-    StreamError,
-    Write,
-    default_device,
-)
+from readfence.graph import DeviceTimeout, Sanitizer, default_device
+from readfence.graph.devices import CaptureError, EventNeverRecorded, Read, Record, StreamError, Write
 
 pytestmark = pytest.mark.cuda
 

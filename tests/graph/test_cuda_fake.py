@@ -14,8 +14,7 @@ import types
 import pytest
 import torch
 
-from readfence.graph import CaptureError
-from readfence.graph.devices import _cuda
+from readfence.graph.devices import CaptureError, _cuda
 
 
 class FakeCuda:

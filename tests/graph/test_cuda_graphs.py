@@ -24,19 +24,9 @@ import torch
 from readfence.backends import paged
 from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
-from readfence.graph import (
-    CaptureError,
-    CpuDevice,
-    DeviceTimeout,
-    LoopResult,
-    Policy,
-    Sanitizer,
-    Scheduler,
-    decode_loop,
-    lower,
-    run_serial,
-    torch_device,
-)
+from readfence.graph import CpuDevice, DeviceTimeout, LoopResult, Policy, Sanitizer, Scheduler, decode_loop, lower, run_serial
+from readfence.graph.devices import CaptureError
+from readfence.graph.lowering import torch_device
 from tests.conftest import TWO_LAYERS as CFG
 
 T = 10.0  # every host wait that should succeed

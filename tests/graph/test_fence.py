@@ -11,18 +11,9 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
-from readfence.graph import (
-    CpuDevice,
-    DeviceObserver,
-    DeviceTimeout,
-    EventNeverRecorded,
-    Fence,
-    Policy,
-    RingWrapError,
-    Scheduler,
-    StreamError,
-    lower,
-)
+from readfence.graph import CpuDevice, DeviceTimeout, Fence, Policy, Scheduler, lower
+from readfence.graph.devices import DeviceObserver, EventNeverRecorded, StreamError
+from readfence.graph.lowering import RingWrapError
 
 from ._gates import make_gate
 

@@ -9,17 +9,9 @@ import pytest
 import torch
 
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
-from readfence.graph import (
-    CpuDevice,
-    FaultInjector,
-    Policy,
-    Sanitizer,
-    StreamError,
-    decode_loop,
-    open_device,
-    run_serial,
-    synthetic_work,
-)
+from readfence.graph import CpuDevice, FaultInjector, Policy, Sanitizer, decode_loop, open_device, run_serial
+from readfence.graph.devices import StreamError
+from readfence.graph.runtime import synthetic_work
 
 WAIT = 0.05  # seconds of stall per page-table write: far above the tiny forward
 

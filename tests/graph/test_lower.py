@@ -8,17 +8,8 @@ import torch
 from readfence.backends import dense, hybrid_linear, linear, minimax, paged, redeclare, sparse, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, example_step, run_step
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import (
-    CpuDevice,
-    DeviceObserver,
-    Policy,
-    Read,
-    Record,
-    Scheduler,
-    UnsoundLowering,
-    lower,
-    make_state,
-)
+from readfence.graph import CpuDevice, Policy, Scheduler, UnsoundLowering, lower, make_state
+from readfence.graph.devices import DeviceObserver, Read, Record
 from readfence.graph.lowering._plan import IN_GRAPH_STAGES
 from tests.conftest import DEFAULT as CFG
 
@@ -264,7 +255,7 @@ def test_scheduler_writes_read_pinned_host_memory_without_blocking(monkeypatch):
 
 
 def test_outputs_allocated_by_the_host_are_kept_for_the_stream_that_writes_them(dev, monkeypatch):
-    from readfence.graph import CpuStream
+    from readfence.graph.devices import CpuStream
 
     kept = []
     monkeypatch.setattr(CpuStream, "keep", lambda self, tensor: kept.append((self.name, tensor)))

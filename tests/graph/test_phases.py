@@ -10,18 +10,14 @@ from readfence.backends import deepseek_v4, linear, paged, per_stream, redeclare
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.effects import Position, ReadEffect, ReadEnd, laws
 from readfence.graph import (
-    Bound,
     CpuDevice,
     DecodeLoop,
     FaultInjector,
     LowerOptions,
-    Phase,
     Policy,
-    RingWrapError,
     Sanitizer,
     Scheduler,
     StepShape,
-    StreamGroup,
     decode_loop,
     eagle,
     lower,
@@ -30,6 +26,8 @@ from readfence.graph import (
     run_overlapped,
     run_serial,
 )
+from readfence.graph.lowering import Bound, RingWrapError
+from readfence.graph.steps import Phase, StreamGroup
 
 laws.check_join_semilattice(
     st.builds(Position.of, st.integers(0, 3), st.sampled_from(list(ReadEnd))),

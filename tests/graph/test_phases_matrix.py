@@ -15,19 +15,8 @@ import pytest
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, paged, redeclare, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import (
-    CpuDevice,
-    FaultInjector,
-    Phase,
-    Policy,
-    StepShape,
-    decode_loop,
-    eagle,
-    multi_eagle,
-    ngram,
-    run_overlapped,
-    run_serial,
-)
+from readfence.graph import CpuDevice, FaultInjector, Policy, StepShape, decode_loop, eagle, multi_eagle, ngram, run_overlapped, run_serial
+from readfence.graph.steps import Phase
 from tests.conftest import SINGLE_LAYER as CFG
 
 STEPS, BATCH = 3, 2

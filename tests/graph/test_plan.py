@@ -15,7 +15,8 @@ import pytest
 from readfence.backends import deepseek_v4, dense, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
-from readfence.graph import CpuDevice, Placement, Policy, lower, plan_fences
+from readfence.graph import CpuDevice, Policy, lower
+from readfence.graph.lowering import Placement, plan_fences
 from readfence.graph.lowering._plan import IN_GRAPH_STAGES, LastRead
 
 M = ForwardMode

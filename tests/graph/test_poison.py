@@ -31,7 +31,8 @@ from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, make_shared_state
 from readfence.core._state import buffer_ranges
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import POISONS, CheckState, Policy, make_state, poison_family, verify
+from readfence.graph import CheckState, Policy, make_state, verify
+from readfence.graph.lowering import POISONS, poison_family
 from tests.conftest import ONE_LAYER as CFG
 
 M = ForwardMode

@@ -8,16 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readfence.graph import (
-    CpuDevice,
-    FaultInjector,
-    Read,
-    Record,
-    Sanitizer,
-    SanitizerError,
-    Violation,
-    Write,
-)
+from readfence.graph import CpuDevice, FaultInjector, Sanitizer, SanitizerError, Violation
+from readfence.graph.devices import Read, Record, Write
 
 T = 5.0
 B = "req_to_token"

@@ -26,12 +26,9 @@ from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
-    ForeignEventError,
     LowerOptions,
     Policy,
-    RingWrapError,
     ServeResult,
-    ServeScheduler,
     Traffic,
     eagle,
     run_serve,
@@ -39,6 +36,8 @@ from readfence.graph import (
     serve_loop,
     verify,
 )
+from readfence.graph.lowering import ForeignEventError, RingWrapError
+from readfence.graph.runtime import ServeScheduler
 
 CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=32)
 SIZES = (1, 2, 4, 8)

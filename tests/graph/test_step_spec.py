@@ -8,7 +8,8 @@ import pytest
 from returns.result import Failure, Success
 
 from readfence.backends import SpecError, hybrid_linear, linear, paged, parse, tbo, trtllm_mha
-from readfence.graph import STEP_SHAPES, eagle, multi_eagle, ngram, parse_step, parse_target
+from readfence.graph import eagle, multi_eagle, ngram, parse_step, parse_target
+from readfence.graph.steps import STEP_SHAPES
 
 
 @pytest.mark.parametrize("shape", [

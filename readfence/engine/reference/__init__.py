@@ -8,7 +8,7 @@ factory (``cfg`` optional), so ``readfence audit --engine readfence.engine.refer
 reaches it; :data:`ENGINES` lists them all (``--engine readfence.engine.reference:ENGINES``).
 
 >>> from readfence.core import ForwardMode
->>> engine = minimax_hybrid()
+>>> engine = minimax_hybrid_engine()
 >>> [(path, node.read_end(ForwardMode.DECODE).name) for path, node in engine.walk()]  # doctest: +NORMALIZE_WHITESPACE
 [('MiniMaxHybridAttnBackend', 'IN_REPLAY'),
  ('MiniMaxHybridAttnBackend/attn_backend_list[0]/MiniMaxSparseBackend', 'IN_REPLAY'),
@@ -48,55 +48,55 @@ def _engine(factory: Callable[[Any], Any], cfg: ModelConfig | None, **kw: Any) -
     return adapt(factory, cfg=cfg, **kw)
 
 
-def trtllm_mha(cfg: ModelConfig | None = None) -> EngineBackend:
+def trtllm_mha_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """Snapshots with copies out of the graph: PRE_REPLAY, sound."""
     return _engine(TrtllmMhaBackend, cfg)
 
 
-def triton(cfg: ModelConfig | None = None) -> EngineBackend:
+def triton_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """Metadata built inside the graph from the page table: the default IN_REPLAY, sound."""
     return _engine(TritonBackend, cfg)
 
 
-def flashinfer(cfg: ModelConfig | None = None) -> EngineBackend:
+def flashinfer_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """plan/run copying into its own buffers: PRE_REPLAY, sound."""
     return _engine(FlashInferBackend, cfg)
 
 
-def flashinfer_reference(cfg: ModelConfig | None = None) -> EngineBackend:
+def flashinfer_reference_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """plan/run keeping a reference to the live page table: PRE_REPLAY, unsound (only the runtime
     checks see it)."""
     return _engine(FlashInferReferenceBackend, cfg)
 
 
-def torch_native(cfg: ModelConfig | None = None) -> EngineBackend:
+def torch_native_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """Host-read bounds over the live page table in forward: untraceable, POST_REPLAY by observation."""
     return _engine(TorchNativeBackend, cfg)
 
 
-def minimax_sparse(cfg: ModelConfig | None = None) -> EngineBackend:
+def minimax_sparse_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """The live page table in every layer's kernel, inheriting IN_REPLAY: unsound."""
     return _engine(MiniMaxSparseBackend, cfg)
 
 
-def linear(cfg: ModelConfig | None = None) -> EngineBackend:
+def linear_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """State slots looked up inside the graph: the default IN_REPLAY, sound."""
     return _engine(LinearAttnBackend, cfg)
 
 
-def deepseek_v4(cfg: ModelConfig | None = None, *, dspark: bool = False) -> EngineBackend:
+def deepseek_v4_engine(cfg: ModelConfig | None = None, *, dspark: bool = False) -> EngineBackend:
     """POST_REPLAY for TARGET_VERIFY (IN_REPLAY with dspark); prefill resolved per batch."""
     return _engine(lambda runner: DeepSeekV4Backend(runner, snapshot_tokens=8), cfg,
                    name="DeepSeekV4Backend", server_args={"speculative_algorithm": "dspark" if dspark else None})
 
 
-def hybrid(cfg: ModelConfig | None = None) -> EngineBackend:
+def hybrid_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """Prefill on DeepSeek-V4, the graph modes on TRT-LLM MHA: the selected child's declaration."""
     return _engine(lambda runner: HybridAttnBackend(DeepSeekV4Backend(runner, snapshot_tokens=8),
                                                     TrtllmMhaBackend(runner)), cfg, name="HybridAttnBackend")
 
 
-def tbo(cfg: ModelConfig | None = None) -> EngineBackend:
+def tbo_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """Two-batch overlap of two Triton backends, prepared also by DeepSeek-V4: conservative by one
     in TARGET_VERIFY (the primary only prepares, yet its POST_REPLAY is joined)."""
     return _engine(lambda runner: TboAttnBackend(DeepSeekV4Backend(runner), [TritonBackend(runner),
@@ -104,19 +104,19 @@ def tbo(cfg: ModelConfig | None = None) -> EngineBackend:
                    cfg, name="TboAttnBackend")
 
 
-def hybrid_linear(cfg: ModelConfig | None = None) -> EngineBackend:
+def hybrid_linear_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """TRT-LLM MHA on layer 0, linear attention on the others: the latest of both."""
     return _engine(lambda runner: HybridLinearAttnBackend(TrtllmMhaBackend(runner), LinearAttnBackend(runner)),
                    cfg, name="HybridLinearAttnBackend")
 
 
-def minimax_hybrid(cfg: ModelConfig | None = None) -> EngineBackend:
+def minimax_hybrid_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """MiniMax's pair: the sparse backend (unsound) and a FlashInfer-like dense one."""
     return _engine(lambda runner: MiniMaxHybridAttnBackend(MiniMaxSparseBackend(runner), FlashInferBackend(runner)),
                    cfg, name="MiniMaxHybridAttnBackend")
 
 
-def dots_hybrid(cfg: ModelConfig | None = None) -> EngineBackend:
+def dots_hybrid_engine(cfg: ModelConfig | None = None) -> EngineBackend:
     """Triton and TRT-LLM MHA layers; UNKNOWN for EXTEND (its padding path re-reads the tables)."""
     return _engine(lambda runner: DotsHybridAttnBackend(TritonBackend(runner), TrtllmMhaBackend(runner)),
                    cfg, name="DotsHybridAttnBackend")
@@ -124,19 +124,19 @@ def dots_hybrid(cfg: ModelConfig | None = None) -> EngineBackend:
 
 #: Every reference engine backend, by name (each a zero-argument factory of the adapted backend).
 ENGINES: dict[str, Callable[..., EngineBackend]] = {
-    "trtllm_mha": trtllm_mha,
-    "triton": triton,
-    "flashinfer": flashinfer,
-    "flashinfer_reference": flashinfer_reference,
-    "torch_native": torch_native,
-    "minimax_sparse": minimax_sparse,
-    "linear": linear,
-    "deepseek_v4": deepseek_v4,
-    "hybrid": hybrid,
-    "tbo": tbo,
-    "hybrid_linear": hybrid_linear,
-    "minimax_hybrid": minimax_hybrid,
-    "dots_hybrid": dots_hybrid,
+    "trtllm_mha": trtllm_mha_engine,
+    "triton": triton_engine,
+    "flashinfer": flashinfer_engine,
+    "flashinfer_reference": flashinfer_reference_engine,
+    "torch_native": torch_native_engine,
+    "minimax_sparse": minimax_sparse_engine,
+    "linear": linear_engine,
+    "deepseek_v4": deepseek_v4_engine,
+    "hybrid": hybrid_engine,
+    "tbo": tbo_engine,
+    "hybrid_linear": hybrid_linear_engine,
+    "minimax_hybrid": minimax_hybrid_engine,
+    "dots_hybrid": dots_hybrid_engine,
 }
 
 __all__ = [
@@ -158,17 +158,17 @@ __all__ = [
     "TorchNativeBackend",
     "TritonBackend",
     "TrtllmMhaBackend",
-    "deepseek_v4",
-    "dots_hybrid",
-    "flashinfer",
-    "flashinfer_reference",
-    "hybrid",
-    "hybrid_linear",
-    "linear",
-    "minimax_hybrid",
-    "minimax_sparse",
-    "tbo",
-    "torch_native",
-    "trtllm_mha",
-    "triton",
+    "deepseek_v4_engine",
+    "dots_hybrid_engine",
+    "flashinfer_engine",
+    "flashinfer_reference_engine",
+    "hybrid_engine",
+    "hybrid_linear_engine",
+    "linear_engine",
+    "minimax_hybrid_engine",
+    "minimax_sparse_engine",
+    "tbo_engine",
+    "torch_native_engine",
+    "trtllm_mha_engine",
+    "triton_engine",
 ]

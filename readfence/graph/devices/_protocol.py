@@ -22,7 +22,8 @@ Observers (see :class:`DeviceObserver`, e.g. the :class:`~readfence.graph.Saniti
 told about every launch, record, wait and host synchronize at enqueue time, in enqueue order,
 under the device's enqueue lock.
 
->>> from readfence.graph import CpuDevice, Read, Record
+>>> from readfence.graph import CpuDevice
+>>> from readfence.graph.devices import Read, Record
 >>> with CpuDevice() as dev:
 ...     fwd, done = dev.stream("forward"), dev.event("done")
 ...     out = []

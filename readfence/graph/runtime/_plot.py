@@ -280,7 +280,7 @@ def plot_timelines(timelines: Mapping[str, Timeline | TracedRun] | Timeline | Tr
                    steps: int = 3, phases: int = 1, title: str = "") -> pathlib.Path:
     """Draw the first ``steps`` steps after the warm-up of each run into one PNG at ``path``
     (what ``readfence demo --plot`` draws; needs matplotlib, the ``plot`` extra): a
-    :class:`~readfence.graph.TracedRun` (:func:`~readfence.graph.run_traced`), a ``Timeline``,
+    :class:`~readfence.graph.runtime.TracedRun` (:func:`~readfence.graph.run_traced`), a ``Timeline``,
     or a mapping from a label (a policy's name) to either, one panel each. ``phases``: forward
     bodies per step, more than one for a speculative step.
 

@@ -302,7 +302,7 @@ class ServeLoop:
 
     # -- fences ----------------------------------------------------------------------------
     def check_binding(self, run: StepRun, low: LoweredStep) -> None:
-        """Refuse (:class:`~readfence.graph.ForeignEventError`) to bind the next step's writes to
+        """Refuse (:class:`~readfence.graph.lowering.ForeignEventError`) to bind the next step's writes to
         ``run``'s fence unless each event it binds is recorded by ``low`` (the graph the step
         replayed) and by no other graph."""
         labels = graph_labels(low)
