@@ -239,23 +239,28 @@ def test_a_kernel_making_addresses_from_integers_is_refused_while_watched():
             _from_address[(1,)](addresses, out)
 
 
-def test_the_cost_of_an_interpreted_launch_and_of_making_it_an_op():
+def test_an_interpreted_launch_watched_as_an_op_computes_what_it_does_unwatched():
+    # the cost of each is printed (pytest -s), not asserted: timings belong to benchmarks; what must
+    # hold is that watching changes nothing of the result and sees every launch
     table = torch.arange(128, dtype=torch.int32).reshape(8, 16)
     batch = {"req_pool_indices": torch.tensor([3, 1])}
+    expected = table.index_select(0, batch["req_pool_indices"]).clone()
     page_rows({"req_to_token": table}, batch)  # the kernel's first launch rewrites its source
 
-    def per_launch(watched: bool, n: int = 20) -> float:
+    def per_launch(watched: bool, n: int = 20) -> tuple[float, list[torch.Tensor], int]:
         obs = ReadObserver({"req_to_token": table})
         start = time.perf_counter()
         with obs if watched else torch.no_grad():
-            for _ in range(n):
-                page_rows({"req_to_token": table}, batch)
-        return (time.perf_counter() - start) / n
+            outs = [page_rows({"req_to_token": table}, batch) for _ in range(n)]
+        seen = sum(a.op == "triton_kernel.gather_rows.default" for a in obs.accesses)
+        return (time.perf_counter() - start) / n, outs, seen
 
-    bare, watched = min(per_launch(False) for _ in range(3)), min(per_launch(True) for _ in range(3))
+    per_launch(True, 1)  # the first watched launch reads the kernel's source once (cached after)
+    (bare, plain, unseen), (watched, outs, seen) = per_launch(False), per_launch(True)
     print(f"\ninterpreted launch (grid 2, 16 lanes): {bare * 1e3:.2f} ms unwatched, {watched * 1e3:.2f} ms as an op "
           f"under the read observer")
-    assert watched < bare + 0.005, (bare, watched)  # the op costs well under 5 ms a launch over the launch
+    assert all(torch.equal(o, expected) for o in plain + outs)
+    assert (unseen, seen) == (0, 20)
 
 
 @triton.jit

@@ -40,12 +40,14 @@ def test_refused_cases_cannot_be_lowered_with_an_early_fence(name) -> None:
     with CpuDevice(timeout=10.0) as dev:
         for policy in (Policy.PER_BUFFER, Policy.EXACT, Policy.JOINED):
             with pytest.raises((UnsoundLowering, StageWriteError, CapturedStateError)) as info:
-                lower(backend, case.mode, batch_size=BATCH, device=dev, policy=policy, cfg=CFG, state=state)
+                lower(backend, case.mode, batch_size=case.batch_size or BATCH, device=dev, policy=policy, cfg=CFG,
+                      state=state)
             assert backend.name in str(info.value)
         if case.klass == "baked":
             # trace-time state is stale whatever the fence: even COARSE refuses it
             with pytest.raises(CapturedStateError, match="trace-time state baked into the graph"):
-                lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
+                lower(backend, case.mode, batch_size=case.batch_size or BATCH, device=dev, policy=Policy.COARSE, cfg=CFG,
+                      state=state)
 
 
 @pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT], ids=str)

@@ -140,8 +140,8 @@ HIDDEN = [n for n, c in CASES.items() if c.verdict in ("refused", "invisible")]
 def test_every_adversarial_backend_is_caught_by_verify_under_the_unsafe_flag(name, dev) -> None:
     case = CASES[name]
     state = make_state(CFG2)
-    bad = verify(case.build(state), case.mode, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG2, state=state,
-                 policy=[Policy.PER_BUFFER, Policy.EXACT], UNSAFE_skip_soundness_check=True).failure()
+    bad = verify(case.build(state), case.mode, steps=STEPS, batch_size=case.batch_size or BATCH, device=dev, cfg=CFG2,
+                 state=state, policy=[Policy.PER_BUFFER, Policy.EXACT], UNSAFE_skip_soundness_check=True).failure()
     if case.klass == "baked":  # trace-time state: no fence makes it right, lowering refuses it
         assert bad.kind == "refused" and "trace-time state" in bad.detail
     elif case.klass == "owned":  # another state's buffer: no fence of this state covers it
