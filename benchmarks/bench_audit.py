@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from readfence.backends import REFERENCE_LEAVES, deepseek_v4, paged, reference_compositions
-from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, trace_cache_size
+from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache
+from readfence.core.internal import trace_cache_size
 
 
 def backends(quick: bool = False) -> list:

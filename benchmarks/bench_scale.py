@@ -55,19 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
 from readfence.backends.fuzz import random_programs
-from readfence.core import (
-    ForwardMode,
-    ModelConfig,
-    audit,
-    clear_trace_cache,
-    default_batch_sizes,
-    example_step,
-    run_step,
-    step_functions,
-    trace,
-    trace_step,
-)
-from readfence.core.internal import DispatchMode, runs_as
+from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, run_step, step_functions, trace
+from readfence.core.internal import DispatchMode, example_step, runs_as, trace_step
 from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 

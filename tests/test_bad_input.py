@@ -12,7 +12,8 @@ import math
 import pytest
 
 from readfence.backends import leaf, paged, redeclare
-from readfence.core import ForwardMode, audit, example_step, trace
+from readfence.core import ForwardMode, audit, trace
+from readfence.core.internal import example_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,

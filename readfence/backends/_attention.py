@@ -30,7 +30,8 @@ def kv_indices(shared: Tensors, batch: Tensors) -> Tensor:
 def page_meta(shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
     """``{"kv_indices", "kv_lens"}``: what a paged kernel needs (reads page table and lengths).
 
-    >>> from readfence.core import ModelConfig, example_step
+    >>> from readfence.core import ModelConfig
+    >>> from readfence.core.internal import example_step
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> {k: tuple(v.shape) for k, v in page_meta(step.shared, step.batch).items()}
     {'kv_indices': (2, 64), 'kv_lens': (2,)}
@@ -98,7 +99,8 @@ def softmax_attention(
     new tokens; ``window`` restricts to the last positions; ``select`` further narrows the
     mask (sparse attention). Returns ``[T, H, D]``.
 
-    >>> from readfence.core import ModelConfig, example_step
+    >>> from readfence.core import ModelConfig
+    >>> from readfence.core.internal import example_step
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> meta = page_meta(step.shared, step.batch)
     >>> q = torch.randn(2, 2, 16)

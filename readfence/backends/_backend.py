@@ -457,7 +457,7 @@ class Leaf(Backend):
         is no dict: a wrapper merging its children's dicts would fail on it naming nothing."""
         out = fn(*args)
         if not isinstance(out, Mapping):
-            from readfence.core import check_stage_output
+            from readfence.core.internal import check_stage_output
 
             check_stage_output(stage, out, backend=self.name, fn=lambda: fn(*args))
         return out
@@ -469,7 +469,8 @@ class Leaf(Backend):
         args = (mode, layer, q, k, v, pools, shared, batch, meta)
         out = self.kernel.attend(*args)
         if not (isinstance(out, Tensor) and out.shape == q.shape):  # named here, not by the model's reshape
-            from readfence.core import BODY, check_stage_output
+            from readfence.core import BODY
+            from readfence.core.internal import check_stage_output
 
             check_stage_output(BODY, out, backend=self.name, like=q, layer=layer, fn=lambda: self.kernel.attend(*args))
         return out

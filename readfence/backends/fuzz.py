@@ -56,7 +56,8 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
+from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core.internal import tokens_per_request
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._attention import page_meta, softmax_attention, store_kv
@@ -89,7 +90,7 @@ FUZZ_MODES: tuple[ForwardMode, ...] = (M.DECODE, M.TARGET_VERIFY)
 COMBINATORS: tuple[str, ...] = ("join", "tbo", "hybrid_linear", "select")
 
 #: How a leaf's prepare stages return their metadata (what the step carries, see
-#: ``readfence.core.check_stage_output``): a flat dict; nested in a dict per stage; as a list
+#: ``readfence.core.internal.check_stage_output``): a flat dict; nested in a dict per stage; as a list
 #: of (key, value) tuples; under tuple and int keys; with Python scalars and ``None`` beside
 #: the tensors; and, from ``prepare_in_graph``, a refinement of an out-of-graph tensor under
 #: its own key.

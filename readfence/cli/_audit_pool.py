@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from readfence.backends import parse
-from readfence.core import AuditReport, ForwardMode, audit_report, clear_trace_cache
+from readfence.core import AuditReport, ForwardMode, clear_trace_cache
+from readfence.core.internal import audit_report
 
 
 def available_cpus() -> int:

@@ -6,8 +6,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from readfence.core import ForwardMode, audit_report
-from readfence.core.internal import positive_int
+from readfence.core import ForwardMode
+from readfence.core.internal import audit_report, positive_int
 from readfence.graph import StepShape
 
 from ._errors import InputError

@@ -187,7 +187,7 @@ def verify_engines(engines: Sequence[tuple[str, Any]], mode: ForwardMode, *, pol
                    device: str, steps: int, batch_size: int, seed: int, as_json: bool) -> int:
     """Verify each engine backend under ``policies`` and its engine's runner model; print the
     report (or JSON rows); the exit status (1: any finding)."""
-    from readfence.core import tokens_per_request
+    from readfence.core.internal import tokens_per_request
     from readfence.engine import verify_engine
     from readfence.graph import open_device
 

@@ -652,7 +652,8 @@ def observe_program(program: Program, env: dict[str, torch.Tensor],
     (:func:`~readfence.core.run_program`).
 
     >>> from readfence.backends import paged
-    >>> from readfence.core import example_step, flatten_inputs, trace
+    >>> from readfence.core import trace
+    >>> from readfence.core.internal import example_step, flatten_inputs
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> env = flatten_inputs(shared=step.shared, batch=step.batch, pools=step.pools, params=step.params)
     >>> seen = observe_program(trace(paged(), ForwardMode.DECODE), env, step.shared)

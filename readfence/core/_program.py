@@ -493,7 +493,8 @@ def run_program(program: Program, env: dict[str, torch.Tensor],
     the body reads each metadata key from the stage that produced it.
 
     >>> from readfence.backends import paged
-    >>> from readfence.core import ModelConfig, example_step, run_step, trace
+    >>> from readfence.core import ModelConfig, run_step, trace
+    >>> from readfence.core.internal import example_step
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> env = flatten_inputs(**step.clone().groups())
     >>> torch.equal(run_program(trace(paged(), ForwardMode.DECODE), env), run_step(paged(), ForwardMode.DECODE,

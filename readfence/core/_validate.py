@@ -19,7 +19,8 @@ always the context length), and code that reads the host's clock or other state 
 step. The runtime checks (poison, the comparison with the serial run) remain the ground truth.
 
 >>> import torch
->>> from readfence.core import ForwardMode, StepFunctions, trace_step
+>>> from readfence.core import ForwardMode
+>>> from readfence.core.internal import StepFunctions, trace_step
 >>> def body(shared, batch, meta):          # the longest length, read by printing it
 ...     return shared["seq_lens"] * float(str(shared["seq_lens"].max())[7:-1])
 >>> fns = StepFunctions(lambda shared, batch: {}, lambda shared, batch, meta: {}, body, "printed")

@@ -6,6 +6,7 @@ than reaching into ``core``'s private modules, so what they depend on is listed 
 """
 
 from ._audit import BufferAudit as BufferAudit
+from ._audit import audit_report as audit_report
 from ._audit import escape_note as escape_note
 from ._audit import format_table as format_table
 from ._checks import check_backend as check_backend
@@ -18,18 +19,41 @@ from ._checks import positive_seconds as positive_seconds
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
+from ._model import forward as forward
+from ._model import prepare as prepare
+from ._model import rms_norm as rms_norm
+from ._model import rotary as rotary
+from ._observe import Watched as Watched
+from ._observe import observe_program as observe_program
+from ._observe import observe_step as observe_step
 from ._program import ALIASES_KEY as ALIASES_KEY
+from ._program import flatten_inputs as flatten_inputs
 from ._protocol import child_runs as child_runs
 from ._protocol import replayed as replayed
 from ._protocol import runs_as as runs_as
+from ._scan import LayerScan as LayerScan
+from ._scan import run_scan as run_scan
 from ._state import buffer_ranges as buffer_ranges
+from ._state import example_step as example_step
+from ._state import init_params as init_params
+from ._state import make_pools as make_pools
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
+from ._step import EAGER as EAGER
+from ._step import Interpreter as Interpreter
+from ._step import OutputGuard as OutputGuard
+from ._step import StageCall as StageCall
+from ._step import StepFunctions as StepFunctions
+from ._step import check_stage_output as check_stage_output
+from ._step import flatten_group as flatten_group
+from ._step import stage_named as stage_named
 from ._validate import observe_varied as observe_varied
+from ._validate import validate_replay as validate_replay
 from .tracing._bind import state_key as state_key
 from .tracing._cache import cache_with_traces as cache_with_traces
 from .tracing._cache import remember as remember
+from .tracing._cache import trace_cache_size as trace_cache_size
 from .tracing._dispatch import DispatchMode as DispatchMode
 from .tracing._escapes import not_user_code as not_user_code
 from .tracing._fx import copy_graph as copy_graph
@@ -38,11 +62,16 @@ from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
 from .tracing._schema import bind as bind_arguments
 from .tracing._schema import op_aliasing as op_aliasing
+from .tracing._trace import trace_step as trace_step
+from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "ALIASES_KEY", "ROW_BLOCK", "BufferAudit", "BufferMap", "DispatchMode", "Span", "bind_arguments",
-    "buffer_ranges", "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode",
-    "check_mode", "child_runs", "copy_graph", "did_you_mean", "escape_note", "format_table", "matmul_rows",
-    "not_user_code", "observe_varied", "op_aliasing", "pad_rows", "positive_int", "positive_seconds", "remember", "request_ranges",
-    "replayed", "runs_as", "span_of", "split_batch", "state_key", "tokens_per_request",
+    "ALIASES_KEY", "BufferAudit", "BufferMap", "DispatchMode", "EAGER", "Interpreter", "LayerScan", "OutputGuard",
+    "ROW_BLOCK", "Span", "StageCall", "StepFunctions", "Watched", "audit_report", "bind_arguments", "buffer_ranges",
+    "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
+    "child_runs", "copy_graph", "did_you_mean", "escape_note", "example_step", "flatten_group", "flatten_inputs",
+    "format_table", "forward", "init_params", "launches_unseen", "make_pools", "matmul_rows", "not_user_code",
+    "observe_program", "observe_step", "observe_varied", "op_aliasing", "pad_rows", "positive_int", "positive_seconds",
+    "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "run_scan", "runs_as", "span_of",
+    "split_batch", "stage_named", "state_key", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
 ]

@@ -40,8 +40,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.backends import MODES, Backend
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, example_step
-from readfence.core.internal import check_buffers, check_mode, span_of
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core.internal import check_buffers, check_mode, example_step, span_of
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 

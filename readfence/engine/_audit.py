@@ -46,10 +46,9 @@ from readfence.core import (
     Verdict,
     bind,
     default_batch_sizes,
-    example_step,
     trace,
 )
-from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, positive_int
+from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, example_step, positive_int
 from readfence.effects import Failure, ReadEffect, ReadEnd
 from readfence.effects.internal import table
 

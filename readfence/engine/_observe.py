@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, observe_step, step_functions
-from readfence.core.internal import check_forward_mode, positive_int
+from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, step_functions
+from readfence.core.internal import check_forward_mode, observe_step, positive_int
 from readfence.graph import Scheduler
 
 from ._adapter import EngineBackend

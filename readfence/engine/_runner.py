@@ -31,8 +31,8 @@ import attrs
 from torch import Tensor
 
 from readfence.backends import Backend
-from readfence.core import ForwardMode, ModelConfig, example_step
-from readfence.core.internal import check_mode
+from readfence.core import ForwardMode, ModelConfig
+from readfence.core.internal import check_mode, example_step
 from readfence.effects import ReadEnd
 from readfence.graph import Device, Fence, Lowered, LowerOptions, Policy, StepRun
 from readfence.graph.devices import Event

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
-from readfence.core.internal import did_you_mean, not_user_code
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core.internal import did_you_mean, not_user_code, tokens_per_request
 
 from ._contract import ContractError
 

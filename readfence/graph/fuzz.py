@@ -72,12 +72,11 @@ from readfence.core import (
     audit,
     bind,
     cross_check,
-    example_step,
     observe,
-    observe_step,
     step_functions,
     trace,
 )
+from readfence.core.internal import example_step, observe_step
 
 from .devices import Device
 from .lowering import Policy, make_state

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from readfence.core import ForwardMode, tokens_per_request
+from readfence.core import ForwardMode
+from readfence.core.internal import tokens_per_request
 
 #: float32 kernels vs float64 references.
 ATOL, RTOL = 2e-5, 1e-4

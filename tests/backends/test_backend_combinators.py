@@ -21,8 +21,9 @@ from readfence.backends import (
     tbo,
     trtllm_mha,
 )
-from readfence.core import ForwardMode, example_step, prepare, run_step, split_batch
+from readfence.core import ForwardMode, run_step
 from readfence.core._state import request_ranges, tokens_per_request
+from readfence.core.internal import example_step, prepare, split_batch
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import DEFAULT as CFG
 

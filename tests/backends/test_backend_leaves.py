@@ -18,7 +18,8 @@ from readfence.backends import (
     sparse,
     trtllm_mha,
 )
-from readfence.core import ForwardMode, example_step, prepare
+from readfence.core import ForwardMode
+from readfence.core.internal import example_step, prepare
 from tests.conftest import DEFAULT as CFG
 
 from .backend_refs import ATOL, RTOL, linear_reference, softmax_reference

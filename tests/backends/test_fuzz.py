@@ -38,8 +38,9 @@ from readfence.backends.fuzz import (
     programs,
     random_programs,
 )
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, clear_trace_cache, example_step, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, clear_trace_cache, run_step
 from readfence.core._state import buffer_ranges
+from readfence.core.internal import example_step
 from readfence.graph.fuzz import Tally, check_program
 from readfence.graph.lowering import POISONS, poison_family
 from tests.adversarial import blinded

@@ -27,15 +27,8 @@ from readfence.backends import (
     tbo,
     trtllm_mha,
 )
-from readfence.core import (
-    SHARED_BUFFERS,
-    AuditReport,
-    ForwardMode,
-    StageWriteError,
-    Unsound,
-    audit,
-    audit_report,
-)
+from readfence.core import SHARED_BUFFERS, AuditReport, ForwardMode, StageWriteError, Unsound, audit
+from readfence.core.internal import audit_report
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
 from tests.conftest import first_of_each

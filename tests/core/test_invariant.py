@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from readfence.backends import REFERENCE_LEAVES
-from readfence.core import ForwardMode, ModelConfig, example_step, run_step, tokens_per_request
-from readfence.core.internal import matmul_rows, pad_rows
+from readfence.core import ForwardMode, ModelConfig, run_step
+from readfence.core.internal import example_step, matmul_rows, pad_rows, tokens_per_request
 
 CFG = ModelConfig(layers=2)
 MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND]

@@ -8,16 +8,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from readfence.backends import REFERENCE_LEAVES, deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
-from readfence.core import (
-    SHARED_BUFFERS,
-    ForwardMode,
-    ModelConfig,
-    example_step,
-    forward,
-    prepare,
-    run_step,
-    tokens_per_request,
-)
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, run_step
+from readfence.core.internal import example_step, forward, prepare, tokens_per_request
 from tests.conftest import DEFAULT as CFG
 
 M = ForwardMode

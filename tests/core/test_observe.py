@@ -9,18 +9,9 @@ import pytest
 import torch
 
 from readfence.backends import REFERENCE_LEAVES, Leaf, leaf, page_meta, paged, softmax_attention, store_kv
-from readfence.core import (
-    Disagreement,
-    ForwardMode,
-    Observation,
-    ReadObserver,
-    clear_trace_cache,
-    cross_check,
-    example_step,
-    observe,
-    trace,
-)
+from readfence.core import Disagreement, ForwardMode, Observation, ReadObserver, clear_trace_cache, cross_check, observe, trace
 from readfence.core._observe import observe_functions
+from readfence.core.internal import example_step
 from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import ONE_LAYER

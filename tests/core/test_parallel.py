@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readfence.core import ForwardMode, ModelConfig, TensorParallel, example_step, init_params, make_pools
+from readfence.core import ForwardMode, ModelConfig, TensorParallel
+from readfence.core.internal import example_step, init_params, make_pools
 from tests.conftest import DEFAULT as CFG
 
 

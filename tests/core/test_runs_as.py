@@ -6,8 +6,9 @@ import pytest
 
 import readfence.core._audit as audit_module
 from readfence.backends import dense, hybrid, paged, per_stream, reference_compositions, select, tbo, trtllm_mha
-from readfence.core import ForwardMode, audit_report, clear_trace_cache, trace_cache_size
+from readfence.core import ForwardMode, clear_trace_cache
 from readfence.core._protocol import runs_as
+from readfence.core.internal import audit_report, trace_cache_size
 from tests.conftest import ONE_LAYER, first_of_each
 from tests.core.test_observe import CASES
 

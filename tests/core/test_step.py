@@ -12,25 +12,27 @@ import readfence
 from readfence.backends import leaf, page_meta, paged, softmax_attention, store_kv
 from readfence.core import (
     BODY,
-    EAGER,
     PREPARE_IN_GRAPH,
     PREPARE_OUT_GRAPH,
     STAGES,
     ForwardMode,
+    StageOutputError,
+    eval_step,
+    run_program,
+    run_step,
+    step_functions,
+    trace,
+)
+from readfence.core.internal import (
+    EAGER,
     OutputGuard,
     StageCall,
-    StageOutputError,
     StepFunctions,
-    eval_step,
     example_step,
     flatten_group,
     flatten_inputs,
     observe_step,
     prepare,
-    run_program,
-    run_step,
-    step_functions,
-    trace,
     trace_step,
 )
 from tests.conftest import SMALL as CFG

@@ -10,17 +10,8 @@ import pytest
 import torch
 
 from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, reference_compositions, sparse, tbo, trtllm_mha
-from readfence.core import (
-    ForwardMode,
-    Program,
-    StageWriteError,
-    clear_trace_cache,
-    example_step,
-    flatten_inputs,
-    run_step,
-    trace,
-    trace_cache_size,
-)
+from readfence.core import ForwardMode, Program, StageWriteError, clear_trace_cache, run_step, trace
+from readfence.core.internal import example_step, flatten_inputs, trace_cache_size
 from readfence.core.tracing._trace import _getitem, _setitem, trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG

@@ -15,16 +15,8 @@ import pytest
 import torch
 
 from readfence.backends import kv_lens, leaf, softmax_attention, store_kv
-from readfence.core import (
-    ForwardMode,
-    ReadObserver,
-    StageThreadError,
-    StageWriteError,
-    UnboundedKernelError,
-    audit,
-    launches_unseen,
-    trace,
-)
+from readfence.core import ForwardMode, ReadObserver, StageThreadError, StageWriteError, UnboundedKernelError, audit, trace
+from readfence.core.internal import launches_unseen
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, verify
 from tests.conftest import NO_TRITON, TRITON

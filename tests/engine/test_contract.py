@@ -16,7 +16,7 @@ from .conftest import CFG
 
 
 def _step(engine, mode=ForwardMode.DECODE, batch_size=2):
-    from readfence.core import example_step
+    from readfence.core.internal import example_step
 
     example = example_step(engine.cfg, mode, batch_size)
     state = engine.state
@@ -152,7 +152,7 @@ def test_a_state_of_another_model_config_is_refused():
 
 def test_running_on_a_page_table_of_another_shape_says_which_state_to_pass():
     engine = adapt(KeptCopies, cfg=CFG)
-    from readfence.core import example_step
+    from readfence.core.internal import example_step
 
     other = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     with pytest.raises(ContractError, match="pass cfg=engine.cfg and state=engine.state"):

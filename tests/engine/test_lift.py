@@ -9,7 +9,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from readfence.core import ForwardMode, cross_into_graph, example_step
+from readfence.core import ForwardMode, cross_into_graph
+from readfence.core.internal import example_step
 from readfence.engine import EngineError, ForwardBatch, adapt
 from readfence.engine._lift import leaves, path_text
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import ForwardMode, bind, launches_unseen, trace
+from readfence.core import ForwardMode, bind, trace
+from readfence.core.internal import launches_unseen
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
 from readfence.graph import Policy

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from readfence.backends import deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
-from readfence.core import ForwardMode, ModelConfig, example_step, trace
+from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.core._program import flatten_inputs
+from readfence.core.internal import example_step
 from readfence.graph.lowering._fx_compile import binding_for, compile_graph
 from readfence.graph.lowering._fx_records import insert_records
 

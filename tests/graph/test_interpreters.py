@@ -23,21 +23,18 @@ import torch
 
 from readfence.backends.fuzz import VOCABULARY, FuzzProgram, random_programs
 from readfence.core import (
-    EAGER,
     CapturedStateError,
     ReadObserver,
     StageOutputError,
     StageThreadError,
     StageWriteError,
-    Watched,
     bind,
     eval_step,
-    flatten_inputs,
-    observe_program,
     run_program,
     step_functions,
     trace,
 )
+from readfence.core.internal import EAGER, Watched, flatten_inputs, observe_program
 from readfence.graph import CpuDevice, Policy, Scheduler, UncapturableStage, make_state, run_overlapped, run_serial
 from readfence.graph.fuzz import FUZZ_CONFIG
 

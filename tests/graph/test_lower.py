@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from readfence.backends import dense, hybrid_linear, linear, minimax, paged, redeclare, sparse, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, example_step, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, run_step
+from readfence.core.internal import example_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, Scheduler, UnsoundLowering, lower, make_state
 from readfence.graph.devices import DeviceObserver, Read, Record

@@ -183,7 +183,7 @@ def test_ring_too_small_for_steps_in_flight_is_refused():
 
 @pytest.mark.parametrize("cuda_events", [False, True], ids=["cpu-events", "cuda-events"])
 def test_ring_slots_keep_in_flight_fences_bound(cuda_events):
-    from readfence.core import example_step
+    from readfence.core.internal import example_step
     with CpuDevice(cuda_events=cuda_events) as dev:
         for ring, wraps in ((1, True), (2, False)):
             low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from readfence.backends import softmax_attention
-from readfence.core import ForwardMode, tokens_per_request
+from readfence.core import ForwardMode
+from readfence.core.internal import tokens_per_request
 
 if TYPE_CHECKING:
     from .._view import AttentionLayer, ForwardBatch

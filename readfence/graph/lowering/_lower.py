@@ -47,13 +47,8 @@ from readfence.core import (
     StageGraph,
     Unsound,
     bind,
-    example_step,
-    flatten_inputs,
-    init_params,
-    make_pools,
     make_shared_state,
     step_functions,
-    validate_replay,
     varied_step,
 )
 from readfence.core import trace as trace_step
@@ -63,11 +58,16 @@ from readfence.core.internal import (
     check_backend,
     check_buffers,
     check_forward_mode,
+    example_step,
+    flatten_inputs,
+    init_params,
+    make_pools,
     observe_varied,
     positive_int,
     remember,
     replayed,
     state_key,
+    validate_replay,
 )
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 

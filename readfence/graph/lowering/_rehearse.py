@@ -23,18 +23,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import (
-    PREPARE_OUT_GRAPH,
-    ForwardMode,
-    ModelConfig,
-    Program,
-    StageOutputError,
-    StageThreadError,
-    example_step,
-    flatten_inputs,
-    observe_program,
-)
-from readfence.core.internal import BufferMap
+from readfence.core import PREPARE_OUT_GRAPH, ForwardMode, ModelConfig, Program, StageOutputError, StageThreadError
+from readfence.core.internal import BufferMap, example_step, flatten_inputs, observe_program
 
 from ..devices import DeviceError, Stream
 

@@ -22,8 +22,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, tokens_per_request
-from readfence.core.internal import positive_int
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
+from readfence.core.internal import positive_int, tokens_per_request
 
 
 @attrs.define

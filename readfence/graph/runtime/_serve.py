@@ -33,8 +33,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, tokens_per_request
-from readfence.core.internal import positive_int, request_ranges
+from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig
+from readfence.core.internal import positive_int, request_ranges, tokens_per_request
 
 from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device

@@ -29,8 +29,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import ForwardMode, ModelConfig, tokens_per_request
-from readfence.core.internal import positive_int
+from readfence.core import ForwardMode, ModelConfig
+from readfence.core.internal import positive_int, tokens_per_request
 
 from ._arrivals import Request, Traffic
 from ._scheduler import StepState, _int32s, step_tensors

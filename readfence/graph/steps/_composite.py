@@ -17,8 +17,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, StepInputs, run_step, tokens_per_request
-from readfence.core.internal import request_ranges
+from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig, StepInputs, run_step
+from readfence.core.internal import request_ranges, tokens_per_request
 
 from ..devices import Device, Event, Stream
 from ..lowering import Fence, Lowered, LowerOptions, Placement, Policy, StepRun

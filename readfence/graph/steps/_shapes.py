@@ -16,8 +16,8 @@ import attrs
 from returns.result import Result
 
 from readfence.backends import Backend, CallForm, SpecError, parse_call
-from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, tokens_per_request
-from readfence.core.internal import check_backend, positive_int
+from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode
+from readfence.core.internal import check_backend, positive_int, tokens_per_request
 from readfence.effects import Position, ReadEffect, publish_positions
 
 from ..lowering import Policy
