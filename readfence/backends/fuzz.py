@@ -70,7 +70,7 @@ M = ForwardMode
 OUT, IN, ATTEND = PREPARE_OUT_GRAPH.name, PREPARE_IN_GRAPH.name, "attend"
 
 #: The stages a pattern can be placed in, in execution order.
-STAGES: tuple[str, ...] = (OUT, IN, ATTEND)
+STAGE_NAMES: tuple[str, ...] = (OUT, IN, ATTEND)
 
 #: The read end of a read made in each stage (``attend`` runs in the model body).
 STAGE_END: dict[str, ReadEnd] = {OUT: ReadEnd.PRE_REPLAY, IN: ReadEnd.IN_REPLAY, ATTEND: ReadEnd.POST_REPLAY}
@@ -214,7 +214,7 @@ class Pattern:
     name: str
     klass: str
     op: Op
-    stages: tuple[str, ...] = STAGES
+    stages: tuple[str, ...] = STAGE_NAMES
     invisible: bool = False
     threaded: bool = False
     host_read: bool = False
@@ -937,7 +937,7 @@ class _Generator:
         self.pattern = {k: _Choice(tuple(ps)) for k, ps in by_class.items()}
         self.stage = {p.name: _Choice(p.stages) for ps in by_class.values() for p in ps}
         self.buffer = _Choice(SHARED_BUFFERS)
-        self.via = {stage: _Choice(tuple(v for v in VIAS if stage != OUT or v not in _STASH_VIAS)) for stage in STAGES}
+        self.via = {stage: _Choice(tuple(v for v in VIAS if stage != OUT or v not in _STASH_VIAS)) for stage in STAGE_NAMES}
         self.flip = _Choice((False, True))
         self.count = _Choice((1, 1, 2, 2, 0, 3))  # one or two placements mostly
         self.meta = _Choice((IN, OUT, ATTEND, None))
@@ -1109,7 +1109,7 @@ __all__ = [
     "COMBINATORS",
     "FUZZ_MODES",
     "RETURN_SHAPES",
-    "STAGES",
+    "STAGE_NAMES",
     "STAGE_END",
     "VIAS",
     "VOCABULARY",

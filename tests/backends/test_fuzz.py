@@ -27,7 +27,7 @@ from readfence.backends.fuzz import (
     COMBINATORS,
     FUZZ_MODES,
     RETURN_SHAPES,
-    STAGES,
+    STAGE_NAMES,
     VIAS,
     VOCABULARY,
     FuzzLeaf,
@@ -108,11 +108,11 @@ def test_the_generator_produces_every_pattern_stage_via_combinator_and_shape(gen
     if generator == "uniform":  # hypothesis favours the first option of each choice: not all pairs
         for name, pattern in VOCABULARY.items():
             assert {p.stage for p in placements if p.pattern.name == name} == set(pattern.stages), name
-    assert {p.stage for p in placements} == set(STAGES)
+    assert {p.stage for p in placements} == set(STAGE_NAMES)
     assert {p.via for p in placements} == set(VIAS)
     assert {p.buffer for p in placements} == set(SHARED_BUFFERS)
     assert {p.carry for p in placements if p.stage != "attend"} == {True, False}
-    assert {leaf.meta_stage for program in sample for leaf in program.leaves()} == {*STAGES, None}
+    assert {leaf.meta_stage for program in sample for leaf in program.leaves()} == {*STAGE_NAMES, None}
     assert {leaf.returns for program in sample for leaf in program.leaves()} == set(RETURN_SHAPES)
     assert {program.mode for program in sample} == set(FUZZ_MODES)
     assert set(_combinators(sample)) == set(COMBINATORS)
