@@ -42,6 +42,7 @@ from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
 from .tracing._cache import cache_with_traces, code_key, remember
 from .tracing._dispatch import DispatchMode
+from .tracing._escapes import REFERENCE_ESCAPES
 from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
 from .tracing._probe import metadata_templates, rerun_with
 from .tracing._schema import OpAliasing, bind, op_aliasing
@@ -69,15 +70,6 @@ _HOST_READS: dict[Any, str] = {
     torch.Tensor.__format__: "__format__()",
 }
 
-#: Python-level tensor methods that hand the memory to code the dispatcher never sees.
-_ESCAPES: dict[Any, str] = {
-    torch.Tensor.data_ptr: "data_ptr()",
-    torch.Tensor.untyped_storage: "untyped_storage()",
-    torch.Tensor.storage: "storage()",
-    torch.Tensor.numpy: "numpy()",
-    torch.Tensor.__array__: "__array__()",
-    torch.Tensor.__dlpack__: "__dlpack__()",
-}
 
 
 @functools.lru_cache(maxsize=4096)  # keyed by op overload: a finite set per process
@@ -132,8 +124,8 @@ class _HostReads(TorchFunctionMode):
         if not obs._busy and args and isinstance(args[0], torch.Tensor):
             if func in _HOST_READS:
                 obs._record(args[0], _HOST_READS[func], "read", "host read without an op")
-            elif func in _ESCAPES:
-                obs._record(args[0], _ESCAPES[func], "escape", "memory leaves the dispatcher")
+            elif func in REFERENCE_ESCAPES:  # the tracer's table: the two agree on what hands memory out
+                obs._record(args[0], REFERENCE_ESCAPES[func], "escape", "memory leaves the dispatcher")
         return func(*args, **(kwargs or {}))
 
 

@@ -61,14 +61,15 @@ def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel
 
 
 @pytest.mark.slow
-def test_after_other_modes_the_shipped_backend_verifies_clean_under_every_policy_and_the_engines_runner(dev):
+def test_after_other_modes_the_shipped_backend_verifies_clean_under_joined_exact_and_the_engines_runner(dev):
     engine = sg.triton_attn()
     before = [_rows(_audit(engine, mode).unwrap()) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
     fresh = [_rows(_audit(sg.triton_attn(), mode).unwrap()) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
     assert before == fresh  # the verdicts do not depend on what was audited before on the same object
     # the replayed forward reads what its own mode's capture left on the object, not the last mode's
-    result = verify_engine(engine, device=dev, policies=list(Policy), steps=2, batch_size=2).unwrap()
-    assert [r.name for r in result.rows] == [*(p.name for p in Policy), RUNNER]
+    # (JOINED is SGLang's fence, EXACT the finest; every policy is verified in EXTEND below)
+    result = verify_engine(engine, device=dev, policies=[Policy.JOINED, Policy.EXACT], steps=2, batch_size=2).unwrap()
+    assert [r.name for r in result.rows] == [Policy.JOINED.name, Policy.EXACT.name, RUNNER]
     assert result.ok, str(result)
 
 

@@ -44,7 +44,7 @@ _VALUE_ESCAPES: dict[Any, str] = {
     torch.Tensor.tolist: "tolist()",
 }
 #: Escapes that hand out the memory itself: code the tracer cannot see may read it later.
-_REFERENCE_ESCAPES: dict[Any, str] = {
+REFERENCE_ESCAPES: dict[Any, str] = {
     torch.Tensor.data_ptr: "data_ptr()",
     torch.Tensor.untyped_storage: "untyped_storage()",
     torch.Tensor.storage: "storage()",
@@ -57,7 +57,7 @@ _REFERENCE_ESCAPES: dict[Any, str] = {
     # what the code then does through ``t`` the graph does to ``t``'s old value
     torch.Tensor.data.__set__: ".data assignment",  # type: ignore[attr-defined]
 }
-ESCAPES = {**_VALUE_ESCAPES, **_REFERENCE_ESCAPES}
+ESCAPES = {**_VALUE_ESCAPES, **REFERENCE_ESCAPES}
 _VALUE_WHATS = frozenset(_VALUE_ESCAPES.values())
 
 

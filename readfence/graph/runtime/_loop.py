@@ -431,7 +431,7 @@ def decode_loop(
     ``write_wait_s`` instead makes each page-table write wait that many seconds without using
     the CPU (host work that does not compete with a CpuDevice forward for cores).
 
-    ``lowering`` (a :class:`LowerOptions`: ring size, published buffers, event factory) goes to
+    ``lowering`` (a :class:`LowerOptions`: ring size, event factory) goes to
     every graph's lowering; the loop measures its fences, and ``timeline``, ``check`` and
     ``UNSAFE_skip_soundness_check`` are its own keywords (a record that sets them is refused).
     """
