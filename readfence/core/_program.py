@@ -81,6 +81,7 @@ read again or whose memory is a known state's buffer, may be any live buffer: ev
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias, assert_never
 
@@ -138,14 +139,20 @@ class Unmatched:
 Match: TypeAlias = Shared | Owned | Constant | Foreign | Unmatched
 
 
+class MatchedOn(enum.Enum):
+    """The state a captured tensor's memory was last matched against."""
+
+    EXAMPLE = "example"  # the state the trace ran on: what it reads there is trace-time state
+    LIVE = "live"  # the live state lowering binds to
+
+
 @attrs.frozen
 class Captured:
     """A tensor a stage reads without receiving it as an argument (closure, attribute, global).
 
     ``node`` is its ``get_attr`` node, ``users`` the nodes that consume it, ``source`` the
     user's line that first consumed it. ``matches`` says what the tensor's memory is, in the
-    state last matched against (a :data:`Match`); ``state`` names that state (``"example"`` or
-    ``"live"``).
+    state last matched against (a :data:`Match`); ``state`` names that state (a :class:`MatchedOn`).
     """
 
     stage: str
@@ -154,7 +161,7 @@ class Captured:
     users: tuple[str, ...]
     source: str
     matches: Match
-    state: str = "example"
+    state: MatchedOn = MatchedOn.EXAMPLE
     # the stage reads the same memory again on the next call: a constant it keeps (an
     # indexer's weights), not a value it computed once while being traced
     persistent: bool = False
@@ -173,7 +180,7 @@ class Captured:
     def usable(self) -> bool:
         """Memory the step really uses on every call: a live shared buffer, pool or parameter,
         or a constant the stage keeps (persistent, and no part of the example state)."""
-        if self.state != "live":
+        if self.state is not MatchedOn.LIVE:
             return False
         return isinstance(self.matches, Shared | Owned | Constant)
 
@@ -194,7 +201,7 @@ class Captured:
                         f"state: pass the state the backend keeps references to")
             case _:
                 assert_never(self.matches)
-        if self.state == "example":
+        if self.state is MatchedOn.EXAMPLE:
             return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
                     f"is {what} of the example state the trace ran on: trace-time state baked into the "
                     f"graph, stale on every later step")
@@ -424,7 +431,7 @@ class Program:
                     at_least(buf, s.escape_end)
             for buf in s.unknown:
                 at_least(buf, ReadEnd.UNKNOWN)
-            if any(isinstance(c.matches, Unmatched) and c.state == "example" for c in s.captured):
+            if any(isinstance(c.matches, Unmatched) and c.state is MatchedOn.EXAMPLE for c in s.captured):
                 for buf in self.buffers:  # not matched against the live state: it may be any
                     at_least(buf, ReadEnd.UNKNOWN)
         return ReadEffect.of(ends)

@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import fx
 
-from .._program import Program, StageGraph, flatten_inputs
+from .._program import MatchedOn, Program, StageGraph, flatten_inputs
 from ._analysis import StageFacts, analysed, in_branches
 from ._cache import cache_with_traces, remember
 from ._captured import bind_captured
@@ -85,7 +85,7 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
             stages.append(s)
             continue
         gm = copy_graph(s.gm)
-        captured = tuple(c if c.state == "live" else bind_captured(c, getattr(gm, c.target), shared, owned)
+        captured = tuple(c if c.state is MatchedOn.LIVE else bind_captured(c, getattr(gm, c.target), shared, owned)
                          for c in s.captured)
         memory, changed = _live_memory(s, gm, state)
         live = in_branches(gm, shared)

@@ -21,7 +21,7 @@ from torch import fx
 from readfence.effects import ReadfenceError
 
 from .._modes import ForwardMode
-from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, Owned, Shared, StageGraph, Unmatched
+from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, MatchedOn, Owned, Shared, StageGraph, Unmatched
 from .._step import EAGER, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._dispatch import DispatchMode
 from ._memory import BufferMap, met_shared, span_of, tensors_in
@@ -115,7 +115,7 @@ def bind_captured(c: Captured, value: torch.Tensor, shared: BufferMap, owned: Bu
     matches = _match(value, shared, owned)
     if isinstance(matches, Unmatched) and c.persistent and isinstance(c.matches, Unmatched | Constant):
         matches = _kept(value)
-    return attrs.evolve(c, matches=matches, state="live")
+    return attrs.evolve(c, matches=matches, state=MatchedOn.LIVE)
 
 
 def _kept(value: torch.Tensor) -> Foreign | Constant:
@@ -187,7 +187,7 @@ def grouped_reasons(captured: Iterable[Captured]) -> list[str]:
     >>> grouped_reasons([c, attrs.evolve(c, target="_tensor_constant1", node="_tensor_constant1")])[0][:58]
     'stage body: 2 captured tensors made in model.py (_tensor_c'
     """
-    groups: dict[tuple[str, type[Match], str, str], list[Captured]] = {}
+    groups: dict[tuple[str, type[Match], MatchedOn, str], list[Captured]] = {}
     for c in captured:
         groups.setdefault((c.stage, type(c.matches), c.state, _made_in(c.source)), []).append(c)
     out = []
