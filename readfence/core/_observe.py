@@ -672,6 +672,23 @@ def observe_program(program: Program, env: dict[str, torch.Tensor],
     return out
 
 
+def join_node_reads(*observed: Mapping[str, Mapping[str, frozenset[str]]]) -> dict[str, dict[str, frozenset[str]]]:
+    """Per stage and node, the buffers any of ``observed`` (each as :func:`observe_program` gives)
+    saw read.
+
+    >>> joined = join_node_reads({"body": {"a": frozenset({"seq_lens"})}}, {"body": {"a": frozenset({"req_to_token"})}})
+    >>> sorted(joined["body"]["a"])
+    ['req_to_token', 'seq_lens']
+    """
+    out: dict[str, dict[str, frozenset[str]]] = {}
+    for seen in observed:
+        for stage, nodes in seen.items():
+            mine = out.setdefault(stage, {})
+            for node, bufs in nodes.items():
+                mine[node] = mine.get(node, frozenset()) | bufs
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # Cross-checking the static analysis
 # ------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from torch import Tensor, fx
 
 from readfence.effects import ReadfenceError
 
-from ._observe import observe_program
+from ._observe import join_node_reads, observe_program
 from ._program import SOURCE_KEY, Program, StageGraph, flatten_inputs
 from ._step import StageCall, StepFunctions, eval_step
 from .tracing._cache import cache_with_traces, remember
@@ -285,17 +285,13 @@ def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]]
     >>> sorted(b for nodes in seen.values() for bufs in nodes.values() for b in bufs)[:1]
     ['req_to_token']
     """
-    seen: dict[str, dict[str, frozenset[str]]] = {}
+    runs = []
     for seed in seeds:
         groups = example(seed)
         buffers = BufferMap.of(groups["shared"]).union([BufferMap.of(live)])
         with torch.no_grad():
-            observed = observe_program(program, flatten_inputs(**groups), buffers)
-        for stage, nodes in observed.items():
-            mine = seen.setdefault(stage, {})
-            for node, bufs in nodes.items():
-                mine[node] = mine.get(node, frozenset()) | bufs
-    return seen
+            runs.append(observe_program(program, flatten_inputs(**groups), buffers))
+    return join_node_reads(*runs)
 
 
 #: Programs validated, with the seeds (the program is kept with its key: its id is not reused).

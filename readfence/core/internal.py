@@ -24,6 +24,7 @@ from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
 from ._model import rotary as rotary
 from ._observe import Watched as Watched
+from ._observe import join_node_reads as join_node_reads
 from ._observe import observe_program as observe_program
 from ._observe import observe_step as observe_step
 from ._program import ALIASES_KEY as ALIASES_KEY
@@ -66,7 +67,7 @@ from .tracing._trace import trace_step as trace_step
 from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "ALIASES_KEY", "BufferAudit", "BufferMap", "DispatchMode", "EAGER", "Interpreter", "LayerScan", "OutputGuard",
+    "ALIASES_KEY", "join_node_reads", "BufferAudit", "BufferMap", "DispatchMode", "EAGER", "Interpreter", "LayerScan", "OutputGuard",
     "ROW_BLOCK", "Span", "StageCall", "StepFunctions", "Watched", "audit_report", "bind_arguments", "buffer_ranges",
     "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "copy_graph", "did_you_mean", "escape_note", "example_step", "flatten_group", "flatten_inputs",

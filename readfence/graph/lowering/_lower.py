@@ -61,6 +61,7 @@ from readfence.core.internal import (
     example_step,
     flatten_inputs,
     init_params,
+    join_node_reads,
     make_pools,
     observe_varied,
     positive_int,
@@ -337,7 +338,7 @@ def lower(
     # is not replayed, the runs on varied states) saw, never below one
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
                          label=label)
-    seen = _joined(rehearsal.observed, varied)
+    seen = join_node_reads(rehearsal.observed, varied)
     observed = traced | seen_effect(program, seen)
     reads = last_reads(program, seen)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
@@ -405,9 +406,9 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
             return groups
         for name in ("shared", "pools", "params"):
             live, varied = state.get(name, {}), groups[name]
-            for key, t in live.items():
-                if key in varied and varied[key].shape == t.shape and varied[key].dtype == t.dtype:
-                    t.copy_(varied[key])
+            for buffer, t in live.items():
+                if buffer in varied and varied[buffer].shape == t.shape and varied[buffer].dtype == t.dtype:
+                    t.copy_(varied[buffer])
             groups[name] = {**varied, **live}
         return groups
 
@@ -428,17 +429,6 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
     finally:
         for t, old in saved:
             t.copy_(old)
-
-
-def _joined(*observed: Mapping[str, Mapping[str, frozenset[str]]]) -> Observed:
-    """Per stage and node, the buffers any of ``observed`` saw read."""
-    out: Observed = {}
-    for seen in observed:
-        for stage, nodes in seen.items():
-            mine = out.setdefault(stage, {})
-            for node, bufs in nodes.items():
-                mine[node] = mine.get(node, frozenset()) | bufs
-    return out
 
 
 def _refuse_unseen_paths(backend: BackendLike, mode: ForwardMode, policy: Policy, declared: ReadEffect,
