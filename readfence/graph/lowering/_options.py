@@ -113,10 +113,12 @@ def set_by(options: LowerOptions | None, caller: str, *, keywords: Collection[st
 #: What a loop sets in its lowering itself: it measures its fences, and its timeline, check mode
 #: and soundness check are its own keywords.
 LOOP_OWNED = ("measure", "timeline", "check", "UNSAFE_skip_soundness_check")
+#: Those a loop takes as its own keywords (it always measures: no keyword says that).
+LOOP_KEYWORDS = tuple(name for name in LOOP_OWNED if name != "measure")
 
 
 def for_a_loop(options: LowerOptions | None, caller: str,
-               keywords: Collection[str] = ("timeline", "check", "UNSAFE_skip_soundness_check")) -> LowerOptions:
+               keywords: Collection[str] = LOOP_KEYWORDS) -> LowerOptions:
     """``options`` as ``caller`` takes it to hand on to a loop: refuses (naming ``caller``, what
     the user called) a record that sets what the loop sets itself (:data:`LOOP_OWNED`);
     ``keywords`` are those ``caller`` takes as its own keywords."""

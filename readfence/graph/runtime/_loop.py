@@ -27,7 +27,7 @@ from readfence.core.internal import did_you_mean, positive_int
 from ..devices import Device, Event, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import device_of, for_a_loop, set_by
+from ..lowering.internal import LOOP_KEYWORDS, device_of, for_a_loop, set_by
 from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepSource, StepState
@@ -440,7 +440,7 @@ def decode_loop(
     cfg = ModelConfig() if cfg is None else cfg
     state = make_state(cfg, device) if state is None else state
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    options = set_by(lowering, "decode_loop", keywords=("timeline", "check", "UNSAFE_skip_soundness_check"),
+    options = set_by(lowering, "decode_loop", keywords=LOOP_KEYWORDS,
                      measure=True, timeline=timeline, check=checker,
                      UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,

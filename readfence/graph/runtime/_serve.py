@@ -39,7 +39,7 @@ from readfence.core.internal import positive_int, request_ranges, tokens_per_req
 from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import check_owned, device_of, for_a_loop, set_by
+from ..lowering.internal import LOOP_KEYWORDS, check_owned, device_of, for_a_loop, set_by
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
 from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, members, scheduling_mode
 from ._arrivals import Traffic
@@ -419,7 +419,7 @@ def serve_loop(
     sched = _scheduler(target, mode, cfg, traffic, sizes, max_prefill)
     state = make_state(cfg, device) if state is None else state
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    options = set_by(lowering, "serve_loop", keywords=("timeline", "check", "UNSAFE_skip_soundness_check"),
+    options = set_by(lowering, "serve_loop", keywords=LOOP_KEYWORDS,
                      measure=True, timeline=timeline, check=checker,
                      UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
     loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, options, {},
