@@ -599,3 +599,20 @@ class EngineBackend(Backend):
 
     def __repr__(self) -> str:
         return f"<EngineBackend {self.who()}>"
+
+
+def check_engine(engine: object) -> EngineBackend:
+    """``engine`` if it is an adapted backend (:func:`adapt`'s result); else a ``TypeError`` that
+    names the bad value and its type, and says how to adapt it.
+
+    >>> check_engine("trtllm_mha")
+    Traceback (most recent call last):
+    ...
+    TypeError: engine must be an adapted backend, got 'trtllm_mha' (str); adapt the engine's backend class first: readfence.engine.adapt(BackendClass)
+    """
+    if isinstance(engine, EngineBackend):
+        return engine
+    # the likely slip is passing the engine's class itself: name it in the fix
+    cls = engine.__name__ if isinstance(engine, type) else "BackendClass"
+    raise TypeError(f"engine must be an adapted backend, got {engine!r} ({type(engine).__name__}); adapt the "
+                    f"engine's backend class first: readfence.engine.adapt({cls})")

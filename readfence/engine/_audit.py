@@ -52,7 +52,7 @@ from readfence.core.internal import BufferAudit, check_forward_mode, escape_note
 from readfence.effects import Failure, ReadEffect, ReadEnd
 from readfence.effects.internal import table
 
-from ._adapter import EAGER, EngineBackend
+from ._adapter import EAGER, EngineBackend, check_engine
 from ._contract import PREFILL, STAGE_METHODS, EngineError, traced_failure
 from ._observe import observe_engine
 from ._view import ForwardBatch, absent
@@ -596,9 +596,7 @@ def audit_engine(engine: EngineBackend, modes: ForwardMode | Iterable[ForwardMod
     [('MiniMaxSparseBackend', 'unsound: forward reads it (aten.index_select.default)'),
      ('MiniMaxHybridAttnBackend', 'unsound: forward reads it (aten.index_select.default)')]
     """
-    if not isinstance(engine, EngineBackend):
-        raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r} "
-                        f"({type(engine).__name__})")
+    engine = check_engine(engine)
     if modes is None:
         chosen = ENGINE_MODES
     else:

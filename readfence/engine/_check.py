@@ -23,7 +23,7 @@ from readfence.effects.internal import table
 from readfence.graph import Device, LateRead, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
 from readfence.graph.lowering import torch_device
 
-from ._adapter import EngineBackend
+from ._adapter import EngineBackend, check_engine
 from ._contract import EngineError
 from ._observe import preserved
 from ._runner import RunnerModel, runner_model
@@ -42,13 +42,6 @@ def _policies(policies: Policy | Iterable[Policy] | None) -> tuple[Policy, ...]:
     if not all(isinstance(p, Policy) for p in chosen):
         raise TypeError(f"policies must be readfence.graph.Policy values, got {policies!r}")
     return chosen
-
-
-def _check(engine: object) -> EngineBackend:
-    if not isinstance(engine, EngineBackend):
-        raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r} "
-                        f"({type(engine).__name__})")
-    return engine
 
 
 @attrs.frozen
@@ -180,7 +173,7 @@ def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE,
     >>> [(r.name, r.finding.kind, r.finding.evidence) for r in result.failure().report.rows]
     [('PER_BUFFER', 'unsound declaration', 'audit'), ('ENGINE RUNNER', 'late read', 'observer')]
     """
-    engine = _check(engine)
+    engine = check_engine(engine)
     mode = check_forward_mode(mode, "verify")
     positive_int("steps", steps)
     common = dict(steps=steps, batch_size=batch_size, device=device, cfg=engine.cfg, state=engine.state, seed=seed)
@@ -277,7 +270,7 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
     >>> [(r.name, r.matches_serial, r.violations) for r in table.rows][:2]
     [('ENGINE RUNNER', True, 0), ('COARSE', True, 0)]
     """
-    engine = _check(engine)
+    engine = check_engine(engine)
     mode = check_forward_mode(mode, "run")
     positive_int("steps", steps)
     cfg, state = engine.cfg, engine.state

@@ -19,7 +19,7 @@ from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, step_functi
 from readfence.core.internal import check_forward_mode, observe_step, positive_int
 from readfence.graph import Scheduler
 
-from ._adapter import EngineBackend
+from ._adapter import EngineBackend, check_engine
 
 
 @contextlib.contextmanager
@@ -45,8 +45,7 @@ def observe_engine(engine: EngineBackend, mode: ForwardMode, *, batch_sizes: Seq
     >>> obs.observed()["req_to_token"], obs.last_reader("req_to_token")
     (<ReadEnd.POST_REPLAY: 3>, ('body', 'aten.index_select.default'))
     """
-    if not isinstance(engine, EngineBackend):
-        raise TypeError(f"engine must be an adapted backend (readfence.engine.adapt), got {engine!r}")
+    engine = check_engine(engine)
     mode = check_forward_mode(mode, "observe")
     positive_int("steps", steps)
     cfg, state = engine.cfg, engine.state

@@ -39,7 +39,7 @@ from readfence.graph.devices import Event
 from readfence.graph.lowering import Bound
 from readfence.graph.lowering.internal import lower_with, lowering_options
 
-from ._adapter import EngineBackend, Tensors
+from ._adapter import EngineBackend, Tensors, check_engine
 
 Switch = bool | Callable[[int], bool]
 
@@ -237,9 +237,7 @@ def runner_model(engine: EngineBackend, model: RunnerModel | None = None) -> Run
     >>> run.violations, run.matches(serial)
     ((), True)
     """
-    if not isinstance(engine, EngineBackend):
-        raise TypeError(f"runner_model takes an adapted backend (readfence.engine.adapt), got {engine!r}")
-    return RunnerTarget(engine, RunnerModel() if model is None else model)
+    return RunnerTarget(check_engine(engine), RunnerModel() if model is None else model)
 
 
 __all__ = ["EngineRunner", "Mailbox", "RunnerModel", "RunnerTarget", "runner_model"]

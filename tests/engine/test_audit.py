@@ -30,6 +30,12 @@ def test_a_mode_given_as_a_string_is_refused_as_one_mode_not_iterated():
         audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1, errors="ignore")
 
 
+def test_the_engines_class_not_adapted_is_refused_naming_its_type_and_the_fix():
+    with pytest.raises(TypeError, match=r"^engine must be an adapted backend, got <class '.*KeptCopies'> \(type\); "
+                                        r"adapt the engine's backend class first: readfence\.engine\.adapt\(KeptCopies\)$"):
+        audit_engine(KeptCopies, ForwardMode.DECODE, batch_sizes=[2], steps=1)  # type: ignore[arg-type]
+
+
 def test_errors_report_audits_the_other_modes_and_names_what_raised():
     engine = adapt(RaisesInExtend, cfg=CFG)
     modes = [ForwardMode.DECODE, ForwardMode.EXTEND]

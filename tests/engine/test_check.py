@@ -1,11 +1,12 @@
 """``verify_engine``'s result: a failure exactly when a fence has a finding, carrying the whole
-verification and naming the first fence with one."""
+verification and naming the first fence with one; what is not an adapted backend is refused by its type."""
 
 from __future__ import annotations
 
 import pytest
 from returns.pipeline import is_successful
 
+from readfence.backends import paged
 from readfence.core import ForwardMode
 from readfence.engine import RUNNER, EngineFindings, EngineVerification, adapt, verify_engine
 from readfence.graph import Policy
@@ -35,3 +36,10 @@ def test_every_fence_clean_is_a_success(dev):
                            steps=2, batch_size=2)
     assert is_successful(result), result.failure().message
     assert result.unwrap().ok and [r.name for r in result.unwrap().rows] == ["EXACT", RUNNER]
+
+
+def test_a_readfence_backend_not_an_adapted_engine_is_refused_naming_its_type(dev):
+    backend = paged()
+    with pytest.raises(TypeError, match=rf"^engine must be an adapted backend, got <Backend paged> "
+                                        rf"\({type(backend).__name__}\); adapt the engine's backend class first"):
+        verify_engine(backend, device=dev, steps=2, batch_size=2)  # type: ignore[arg-type]
