@@ -12,7 +12,7 @@ import torch
 from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, reference_compositions, sparse, tbo, trtllm_mha
 from readfence.core import ForwardMode, Program, StageWriteError, clear_trace_cache, run_step, trace
 from readfence.core.internal import example_step, flatten_inputs, trace_cache_size
-from readfence.core.tracing._trace import _getitem, _setitem, trace_functions
+from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
 
@@ -337,27 +337,6 @@ def test_the_trace_cache_is_bounded_by_graph_nodes_too(monkeypatch) -> None:
     monkeypatch.setattr(traced, "_CACHE_NODES", 3 * nodes)
     trace(paged(), M.DECODE, cfg=CFG, batch_size=3)
     assert trace_cache_size() == 2
-
-
-# ------------------------------------------------------------------------------------------
-# The indexing shim used under fake CUDA tensors matches torch's own indexing
-# ------------------------------------------------------------------------------------------
-
-_IDX = torch.tensor([2, 0])
-CASES = [
-    (slice(None), slice(1, 3)), (1,), (1, _IDX), (_IDX,), (Ellipsis, 1), (None, 0, slice(None, None, 2)),
-    (slice(None), _IDX, 0), (_IDX, slice(1, 3)), (Ellipsis,), (0, Ellipsis, _IDX),
-]
-
-
-@pytest.mark.parametrize("index", CASES, ids=repr)
-def test_getitem_and_setitem_shims_match_torch(index) -> None:
-    t = torch.arange(3 * 4 * 5).reshape(3, 4, 5)
-    assert torch.equal(_getitem(t, index), t[index])
-    a, b = t.clone(), t.clone()
-    a[index] = -1
-    _setitem(b, index, -1)
-    assert torch.equal(a, b)
 
 
 # -- a torch.compile'd function inside a stage ---------------------------------------------------

@@ -4,7 +4,8 @@ Recording a stage (``_record``), splicing pure segments (``_segment``), matching
 shared buffers by memory (``_memory``), the schema-driven alias analysis (``_alias``,
 ``_schema``), what an op's real run shows (``_probe``), triton launches as ops
 (``_kernel_access``, ``_triton``), the dispatch-mode base (``_dispatch``), FX builders (``_fx``),
-the collector held off (``_collect``), escapes and the user's source line (``_escapes``), a
+the collector held off (``_collect``), escapes and the user's source line (``_escapes``), the
+modes a stage is traced under, which mark them (``_trace_modes``), a
 stage's graph analysed and its writes refused (``_analysis``), captured tensors matched by memory
 (``_captured``), the tracer that ties them into a ``Program`` (``_trace``), the program bound to
 the live state (``_bind``) and the caches of traces (``_cache``). This package imports nothing at load time: ``readfence.core`` and its internal API

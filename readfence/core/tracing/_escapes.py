@@ -70,7 +70,8 @@ def is_value_escape(node: fx.Node) -> bool:
 #: modes a stage is traced under, triton's launch hooks, the stage's rerun on a live state), so
 #: a node is named after the first frame outside them. A module of the tracer missing here
 #: names its own line in findings instead of the user's.
-_TRACER_MODULES = ("_trace.py", "_escapes.py", "_triton.py", "_analysis.py", "_bind.py", "_cache.py", "_captured.py")
+_TRACER_MODULES = ("_trace.py", "_trace_modes.py", "_escapes.py", "_triton.py", "_analysis.py", "_bind.py", "_cache.py",
+                   "_captured.py")
 _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)),
          *(os.path.join(os.path.dirname(os.path.abspath(__file__)), m) for m in _TRACER_MODULES))
 
