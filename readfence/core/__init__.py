@@ -26,7 +26,10 @@ from ._observe import observe as observe
 from ._parallel import TensorParallel as TensorParallel
 from ._parallel import all_reduce as all_reduce
 from ._program import Program as Program
+from ._program import StageAnalysis as StageAnalysis
 from ._program import StageGraph as StageGraph
+from ._program import StageHooks as StageHooks
+from ._program import TracedGraph as TracedGraph
 from ._program import run_program as run_program
 from ._protocol import BackendLike as BackendLike
 from ._protocol import ChildRun as ChildRun
@@ -59,9 +62,9 @@ from .tracing._triton import UnboundedKernelError as UnboundedKernelError
 __all__ = [
     "BODY", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "STAGE_ENDS", "AuditReport",
     "BackendLike", "BufferAudit", "ChildRun", "CapturedStateError", "Disagreement", "ForwardMode", "ModelConfig",
-    "NotGraphSafe", "Observation", "Program", "ReadObserver", "Stage", "StageGraph", "StageOutputError",
+    "NotGraphSafe", "Observation", "Program", "ReadObserver", "Stage", "StageAnalysis", "StageGraph", "StageHooks", "StageOutputError",
     "StageThreadError", "StageWriteError", "StepInputs", "KernelAccess", "Latent", "LaunchStreamError",
-    "TensorParallel", "UnboundedKernelError", "Unsound", "Verdict", "all_reduce", "audit", "bind", "clear_trace_cache",
+    "TensorParallel", "TracedGraph", "UnboundedKernelError", "Unsound", "Verdict", "all_reduce", "audit", "bind", "clear_trace_cache",
     "cross_check", "cross_into_graph", "default_batch_sizes", "eval_step", "kernel_access", "make_shared_state",
     "observe", "run_program", "run_step", "step_functions", "trace", "varied_step",
 ]

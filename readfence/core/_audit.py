@@ -41,7 +41,7 @@ from ._observe import Disagreement, Observation, cross_check, observe
 from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
-from ._step import PREPARE_IN_GRAPH, stage_named
+from ._step import PREPARE_IN_GRAPH, Stage, stage_named
 from .tracing._analysis import StageWriteError
 from .tracing._bind import bind
 from .tracing._trace import trace
@@ -454,28 +454,29 @@ class Latent:
         return self.message
 
 
-def escape_note(stage: str) -> str:
+def escape_note(stage: Stage) -> str:
     """What an escape means for its stage (the ``OPAQUE:`` lines of ``readfence audit`` end with it).
 
-    >>> escape_note("body")  # doctest: +NORMALIZE_WHITESPACE
+    >>> from readfence.core import BODY
+    >>> escape_note(BODY)  # doctest: +NORMALIZE_WHITESPACE
     'the stage runs as Python in the step: every buffer is read until POST_REPLAY; a CUDA graph
      cannot capture it (lower refuses it on CUDA: UncapturableStage)'
     """
-    end = stage_named(stage).escape_end
-    if not stage_named(stage).in_graph:
+    end = stage.escape_end
+    if not stage.in_graph:
         return f"the stage runs as Python before the replay: every buffer is read until {end.name}"
-    returns = " (what it returns may be a view of any)" if stage == PREPARE_IN_GRAPH.name else ""
+    returns = " (what it returns may be a view of any)" if stage == PREPARE_IN_GRAPH else ""
     return (f"the stage runs as Python in the step: every buffer is read until {end.name}{returns}; "
             f"a CUDA graph cannot capture it (lower refuses it on CUDA: UncapturableStage)")
 
 
 def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
-    out = [(s.name, node, f"{why} at {source}" + (f"; {escape_note(s.name)}" if why.startswith(ESCAPE) else ""))
+    out = [(s.stage.name, node, f"{why} at {source}" + (f"; {escape_note(s.stage)}" if why.startswith(ESCAPE) else ""))
            for s in program.stages for node, why, source in s.escapes()]
-    out += [(c.stage, c.node, c.why()) for c in program.captured() if not c.usable and isinstance(c.matches, Unmatched)]
+    out += [(c.stage.name, c.node, c.why()) for c in program.captured() if not c.usable and isinstance(c.matches, Unmatched)]
     if program.aborted is not None and program.aborted_stage is not None:  # fake tensors: no value to go on with
         why = program.aborted.removeprefix(f"stage {program.aborted_stage}: ")
-        out.append((program.aborted_stage, "(trace stopped)",
+        out.append((program.aborted_stage.name, "(trace stopped)",
                     f"{why}: the trace cannot follow the stage past it, every buffer is UNKNOWN; lower refuses it "
                     f"on CUDA (UncapturableStage)"))
     return tuple(out)

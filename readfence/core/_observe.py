@@ -35,10 +35,10 @@ from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
 from ._model import step_functions
 from ._modes import ForwardMode
-from ._program import Program, StageGraph, run_program
+from ._program import NodeReads, NodeReadsIn, Program, StageGraph, run_program
 from ._protocol import BackendLike
 from ._state import ModelConfig, check_mode, example_step
-from ._step import BODY, STAGE_ENDS, StageCall, StepFunctions, eval_step
+from ._step import BODY, STAGE_ENDS, Stage, StageCall, StepFunctions, eval_step, stage_named
 from ._threads import watch_threads
 from .tracing._cache import cache_with_traces, code_key, remember
 from .tracing._dispatch import DispatchMode
@@ -634,7 +634,7 @@ class _NodeLabels(torch.fx.Interpreter):
 
 
 def observe_program(program: Program, env: dict[str, torch.Tensor],
-                    buffers: BufferMap | Mapping[str, torch.Tensor]) -> dict[str, dict[str, frozenset[str]]]:
+                    buffers: BufferMap | Mapping[str, torch.Tensor]) -> NodeReads:
     """Run ``program`` on ``env`` under a ``ReadObserver``: per stage, per node, the shared
     buffers it really read (``{stage: {node: buffers}}``).
 
@@ -649,17 +649,18 @@ def observe_program(program: Program, env: dict[str, torch.Tensor],
     >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
     >>> env = flatten_inputs(shared=step.shared, batch=step.batch, pools=step.pools, params=step.params)
     >>> seen = observe_program(trace(paged(), ForwardMode.DECODE), env, step.shared)
-    >>> sorted(seen["prepare_in_graph"].items())
+    >>> from readfence.core import PREPARE_IN_GRAPH
+    >>> sorted(seen[PREPARE_IN_GRAPH].items())
     [('index_select', frozenset({'req_to_token'})), ('index_select_1', frozenset({'seq_lens'}))]
     """
     observer = ReadObserver(buffers)
-    out: dict[str, dict[str, frozenset[str]]] = {}
+    out: NodeReads = {}
 
     def run(s: StageGraph, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not s.runs_python:  # node by node, each node labelled
-            return s.run(env, call=_NodeLabels(s.gm, observer, s.name).run)
-        first = next(n.name for n in s.gm.graph.nodes)
-        with observer.stage(f"{s.name}:{first}"), watch_threads(program.backend, s.name, "the read observer"):
+            return s.run(env, call=_NodeLabels(s.graph.gm, observer, s.stage.name).run)
+        first = next(n.name for n in s.graph.gm.graph.nodes)
+        with observer.stage(f"{s.stage}:{first}"), watch_threads(program.backend, s.stage.name, "the read observer"):
             return s.run(env)
 
     with observer:
@@ -667,20 +668,21 @@ def observe_program(program: Program, env: dict[str, torch.Tensor],
     for a in observer.accesses:
         stage, _, node = a.stage.partition(":")
         if a.kind != "write":
-            seen = out.setdefault(stage, {})
+            seen = out.setdefault(stage_named(stage), {})
             seen[node] = seen.get(node, frozenset()) | {a.buffer}
     return out
 
 
-def join_node_reads(*observed: Mapping[str, Mapping[str, frozenset[str]]]) -> dict[str, dict[str, frozenset[str]]]:
+def join_node_reads(*observed: NodeReadsIn) -> NodeReads:
     """Per stage and node, the buffers any of ``observed`` (each as :func:`observe_program` gives)
     saw read.
 
-    >>> joined = join_node_reads({"body": {"a": frozenset({"seq_lens"})}}, {"body": {"a": frozenset({"req_to_token"})}})
-    >>> sorted(joined["body"]["a"])
+    >>> from readfence.core import BODY
+    >>> joined = join_node_reads({BODY: {"a": frozenset({"seq_lens"})}}, {BODY: {"a": frozenset({"req_to_token"})}})
+    >>> sorted(joined[BODY]["a"])
     ['req_to_token', 'seq_lens']
     """
-    out: dict[str, dict[str, frozenset[str]]] = {}
+    out: NodeReads = {}
     for seen in observed:
         for stage, nodes in seen.items():
             mine = out.setdefault(stage, {})
@@ -713,7 +715,7 @@ class Disagreement:
     kind: Kind
     observed: ReadEnd
     traced: ReadEnd
-    traced_reader: tuple[str, str] | None
+    traced_reader: tuple[Stage, str] | None
 
     @property
     def message(self) -> str:
@@ -760,7 +762,7 @@ def cross_check(program: Program, observation: Observation) -> tuple[Disagreemen
     if program.aborted is not None:
         return ()
     traced = program.traced()
-    faithful = {s.name for s in program if s.faithful}
+    faithful = {s.stage.name for s in program if s.analysis.faithful}
     found: dict[tuple[str, str, str, str], Disagreement] = {}
     for a in observation.accesses:
         if a.stage not in faithful or (a.kind != "write" and a.end <= traced[a.buffer]):

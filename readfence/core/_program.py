@@ -8,10 +8,10 @@ Every value that crosses a stage boundary has a *name* (``core.flatten_group``):
 and ``logits`` for the body's output (nested keys are joined with dots, list indices
 included: ``params.layers.0.wq``). The body's ``meta`` argument mixes the two groups, key by key,
 as ``core.eval_step`` merges them. A stage's ``GraphModule`` takes its tensors *positionally*, in the order of
-``StageGraph.inputs`` (the placeholder nodes carry the same order; each placeholder is named
+``TracedGraph.inputs`` (the placeholder nodes carry the same order; each placeholder is named
 after its dotted name with non-identifier characters replaced by ``_`` and keeps the dotted
 name in ``node.meta["readfence_input"]``), and returns a tuple of tensors in the order of
-``StageGraph.outputs``. Non-tensor leaves (ints, ``None``) are baked into the graph.
+``TracedGraph.outputs``. Non-tensor leaves (ints, ``None``) are baked into the graph.
 
 ``StageGraph.run(env)`` and ``Program.run_stage(stage, env)`` do the lookup for you:
 ``env`` maps names to tensors, the result maps the stage's output names to tensors;
@@ -64,7 +64,7 @@ with the serial run sees).
 Tensors captured from outside the arguments
 -------------------------------------------
 A tensor a stage reads without receiving it (a closure, an attribute, a global) is a
-constant of its graph (a ``get_attr`` node), listed in ``StageGraph.captured``. It is matched
+constant of its graph (a ``get_attr`` node), listed in ``StageAnalysis.captured``. It is matched
 by memory range against the state the program runs on: the example when traced, the live
 state when lowered (``core.bind``). One that matches a live shared buffer is a read of that
 buffer; a pool or a parameter is fine. Anything else is fine only if it is *persistent*: the
@@ -92,10 +92,13 @@ from torch import fx
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._modes import ForwardMode
-from ._step import BODY, STAGES, OutputGuard, Stage, flatten_group, stage_named
+from ._step import BODY, STAGES, OutputGuard, Stage, flatten_group
 
-__all__ = ["Captured", "Constant", "Foreign", "Match", "Owned", "Program", "Shared", "StageGraph", "Unmatched", "flatten_group",
-           "flatten_inputs", "run_program"]
+__all__ = [
+    "Captured", "Constant", "flatten_group", "flatten_inputs", "Foreign", "Match", "NodeReads", "NodeReadsIn",
+    "Owned", "Program", "run_program", "Shared", "StageAnalysis", "StageGraph", "StageHooks", "TracedGraph",
+    "Unmatched",
+]
 
 READS_KEY = "readfence_reads"
 ALIASES_KEY = "readfence_aliases"  # the shared buffers a node's value may alias, as the analysis found
@@ -135,6 +138,11 @@ class Unmatched:
     """Memory of no state: trace-time state baked into the graph, or, without the live state, any."""
 
 
+#: What a run of a program read, per stage and node: the shared buffers each node read.
+NodeReads: TypeAlias = dict[Stage, dict[str, frozenset[str]]]
+#: The same, as a function that only reads it accepts it.
+NodeReadsIn: TypeAlias = Mapping[Stage, Mapping[str, frozenset[str]]]
+
 #: What a captured tensor's memory is, in the state it was last matched against.
 Match: TypeAlias = Shared | Owned | Constant | Foreign | Unmatched
 
@@ -155,7 +163,7 @@ class Captured:
     state last matched against (a :data:`Match`); ``state`` names that state (a :class:`MatchedOn`).
     """
 
-    stage: str
+    stage: Stage
     node: str
     target: str
     users: tuple[str, ...]
@@ -211,42 +219,24 @@ class Captured:
 
 
 @attrs.frozen(eq=False)
-class StageGraph:
-    """One traced stage: its graph, its flattened inputs/outputs, and what its nodes read.
+class TracedGraph:
+    """A stage's code as traced: its ``GraphModule`` and its calling convention.
 
-    ``reads`` maps node name -> shared buffers read (only nodes that read something);
-    ``unknown`` is the set of buffers an opaque node of this stage touches; ``faithful`` is
-    False when the graph misses work the tracer could not see (then ``run`` executes the
-    Python stage function instead, with the same calling convention).
+    The module takes ``inputs`` positionally and returns ``outputs`` in order (see the module
+    docstring); ``recorded`` says the graph was recorded as the stage ran (``core._record``)
+    rather than traced with make_fx.
+
+    >>> import torch
+    >>> from torch import fx
+    >>> g = TracedGraph(fx.symbolic_trace(lambda x: (x + 1,)), ("shared.seq_lens",), ("meta.n",))
+    >>> g.node_order()
+    {'x': 0, 'add': 1, 'output': 2}
     """
 
-    name: str
     gm: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    reads: Mapping[str, frozenset[str]]
-    unknown: frozenset[str]
-    opaque: Mapping[str, str]
-    faithful: bool
-    eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    # what the graphs after it bake of its outputs (checked when it runs its Python)
-    guard: OutputGuard | None = None
-    captured: tuple[Captured, ...] = ()
-    memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # node -> buffers its real value touched
-    # the nodes whose view claim their real memory refutes (copies); None: no memory (fake tensors)
-    copies: frozenset[str] | None = None
-    # per higher-order op node, the buffers its branch graphs' captured tensors touch
-    hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
-    # the example tensors the stage was traced on, kept (real tensors only) when a faithful
-    # stage captured tensors: ``bind`` runs it again on them to see what its nodes touch of the
-    # live state (nothing else keeps them: a cached program would keep a model's caches alive);
-    # none in a step that is not replayed, whose reads of the live state its Python shows as it runs
-    example: tuple[torch.Tensor, ...] | None = None
-    initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)  # placeholder -> buffers it aliases
-    # the graph was recorded as the stage ran (``core._record``), not traced with make_fx
     recorded: bool = False
-    # the step is replayed from a capture (``StepFunctions.replayed``); else it runs every stage's Python
-    replayed: bool = True
 
     def source(self, node: str) -> str:
         """The user's source line that made ``node`` (``"?"`` when unknown)."""
@@ -255,40 +245,41 @@ class StageGraph:
                 return str(n.meta.get(SOURCE_KEY, "?"))
         return "?"
 
-    def escapes(self) -> list[tuple[str, str, str]]:
-        """``(node, why, source)`` of every node the tracer could not see through."""
-        return [(node, why, self.source(node)) for node, why in self.opaque.items()]
+    def node_order(self) -> dict[str, int]:
+        """Node name -> its position in the graph."""
+        return {n.name: i for i, n in enumerate(self.gm.graph.nodes)}
 
-    def escaping(self) -> list[tuple[str, str, str]]:
-        """The escapes proper (what makes the stage unfaithful): ``(node, why, source)``."""
-        return [e for e in self.escapes() if e[1].startswith(ESCAPE)]
 
-    @property
-    def stage(self) -> Stage:
-        """The :class:`~readfence.core.Stage` this graph is of."""
-        return stage_named(self.name)
+@attrs.frozen
+class StageAnalysis:
+    """What the analysis found of one stage's graph.
 
-    @property
-    def end(self) -> ReadEnd:
-        """The read end of a read in this stage (``Stage.end``)."""
-        return self.stage.end
+    ``reads`` maps node name -> shared buffers read (only nodes that read something);
+    ``unknown`` is the set of buffers an opaque node touches; ``opaque`` maps each node the
+    tracer cannot see through to why; ``faithful`` is False when the graph misses work the
+    tracer could not see (an escape: then the step runs the stage's Python). ``captured`` are the
+    tensors it reads without receiving them; ``memory`` maps node -> buffers its real value
+    touched; ``copies`` are the nodes whose view claim their real memory refutes (``None``: no
+    memory, fake tensors); ``hidden`` maps a higher-order op node to the buffers its branch
+    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases.
 
-    @property
-    def escape_end(self) -> ReadEnd:
-        """The end of every shared buffer if this stage runs its Python function
-        (``Stage.escape_end``): ``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it.
+    >>> a = StageAnalysis({"add": frozenset({"seq_lens"}), "mul": frozenset({"seq_lens", "swa_map"})})
+    >>> sorted(a.buffers_read()), a.last_reader("seq_lens")
+    (['seq_lens', 'swa_map'], 'mul')
+    """
 
-        >>> import torch
-        >>> from torch import fx
-        >>> from readfence.core import PREPARE_IN_GRAPH
-        >>> StageGraph(PREPARE_IN_GRAPH.name, fx.symbolic_trace(torch.nn.Identity()), (), (), {},
-        ...            frozenset(), {}, faithful=False).escape_end
-        <ReadEnd.POST_REPLAY: 3>
-        """
-        return self.stage.escape_end
+    reads: Mapping[str, frozenset[str]]
+    unknown: frozenset[str] = frozenset()
+    opaque: Mapping[str, str] = attrs.Factory(dict)
+    faithful: bool = True
+    captured: tuple[Captured, ...] = ()
+    memory: Mapping[str, frozenset[str]] = attrs.Factory(dict)
+    copies: frozenset[str] | None = None
+    hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
+    initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)
 
     def buffers_read(self) -> frozenset[str]:
-        """Every shared buffer some node of this stage reads."""
+        """Every shared buffer some node reads."""
         out: frozenset[str] = frozenset()
         for bufs in self.reads.values():
             out |= bufs
@@ -302,14 +293,76 @@ class StageGraph:
                 last = name
         return last
 
+    def first_escape(self) -> str | None:
+        """The first node that escapes the tracer (what makes the stage unfaithful), or ``None``."""
+        return next((n for n, why in self.opaque.items() if why.startswith(ESCAPE)), None)
+
+
+@attrs.frozen(eq=False)
+class StageHooks:
+    """How a step runs one stage besides its graph.
+
+    ``eager`` runs the stage's Python function with the graph's calling convention; ``guard``
+    is what the graphs after it bake of its outputs (checked when it runs its Python);
+    ``replayed`` says whether the step is replayed from a capture (``StepFunctions.replayed``),
+    else it runs every stage's Python. ``example`` keeps the tensors the stage was traced on
+    (real tensors only) when a faithful stage of a replayed step captured tensors: ``bind`` runs
+    it again on them to see what its nodes touch of the live state (nothing else keeps them: a
+    cached program would keep a model's caches alive).
+    """
+
+    eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    guard: OutputGuard | None = None
+    example: tuple[torch.Tensor, ...] | None = None
+    replayed: bool = True
+
+
+@attrs.frozen(eq=False)
+class StageGraph:
+    """One traced stage: the :class:`Stage` it is, its :class:`TracedGraph`, what the analysis
+    found of it (:class:`StageAnalysis`) and how a step runs it (:class:`StageHooks`).
+
+    >>> import torch
+    >>> from torch import fx
+    >>> from readfence.core import PREPARE_IN_GRAPH
+    >>> s = StageGraph(PREPARE_IN_GRAPH, TracedGraph(fx.symbolic_trace(torch.nn.Identity()), (), ()),
+    ...                StageAnalysis({}, faithful=False))
+    >>> s.escape_end
+    <ReadEnd.POST_REPLAY: 3>
+    """
+
+    stage: Stage
+    graph: TracedGraph
+    analysis: StageAnalysis
+    hooks: StageHooks = StageHooks()
+
+    @property
+    def end(self) -> ReadEnd:
+        """The read end of a read in this stage (``Stage.end``)."""
+        return self.stage.end
+
+    @property
+    def escape_end(self) -> ReadEnd:
+        """The end of every shared buffer if this stage runs its Python function
+        (``Stage.escape_end``): ``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it."""
+        return self.stage.escape_end
+
+    def escapes(self) -> list[tuple[str, str, str]]:
+        """``(node, why, source)`` of every node the tracer could not see through."""
+        return [(node, why, self.graph.source(node)) for node, why in self.analysis.opaque.items()]
+
+    def escaping(self) -> list[tuple[str, str, str]]:
+        """The escapes proper (what makes the stage unfaithful): ``(node, why, source)``."""
+        return [e for e in self.escapes() if e[1].startswith(ESCAPE)]
+
     @property
     def runs_python(self) -> bool:
         """Whether a step runs this stage's Python function rather than its graph: an
         out-of-graph stage always does, as engines run their out-of-graph hooks every step
         (its host reads and side effects happen each step); every stage of a step that is not
-        :attr:`replayed` does, as engines run such a mode eagerly (EXTEND; every mode of a
-        backend the engine never graph-replays); an in-graph stage of a replayed step only when
-        it escapes the tracer (on the CPU device; CUDA refuses to capture it).
+        replayed (``StageHooks.replayed``) does, as engines run such a mode eagerly (EXTEND; every
+        mode of a backend the engine never graph-replays); an in-graph stage of a replayed step
+        only when it escapes the tracer (on the CPU device; CUDA refuses to capture it).
 
         Its reads are still the trace's, joined with what checks observe; each ends when the work
         the stage queued ends (the stage's end), or, for a stage that escapes, at its
@@ -318,14 +371,15 @@ class StageGraph:
         >>> from torch import fx
         >>> from readfence.core import PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH
         >>> def graph(stage, replayed=True):
-        ...     return StageGraph(stage.name, fx.symbolic_trace(torch.nn.Identity()), (), (), {}, frozenset(), {},
-        ...                       faithful=True, eager=lambda env: {}, replayed=replayed)
+        ...     return StageGraph(stage, TracedGraph(fx.symbolic_trace(torch.nn.Identity()), (), ()),
+        ...                       StageAnalysis({}), StageHooks(eager=lambda env: {}, replayed=replayed))
         >>> graph(PREPARE_OUT_GRAPH).runs_python, graph(PREPARE_IN_GRAPH).runs_python
         (True, False)
         >>> graph(PREPARE_IN_GRAPH, replayed=False).runs_python
         True
         """
-        return self.eager is not None and (not self.faithful or not self.stage.in_graph or not self.replayed)
+        return self.hooks.eager is not None and (not self.analysis.faithful or not self.stage.in_graph
+                                                 or not self.hooks.replayed)
 
     def run(self, env: Mapping[str, torch.Tensor], *,
             call: Callable[..., Iterable[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
@@ -333,21 +387,21 @@ class StageGraph:
         when it :attr:`runs_python`, else its graph (``call(*tensors)``, when given, runs the
         graph instead of the module: an ``fx.Interpreter``'s ``run``)."""
         if self.runs_python:
-            assert self.eager is not None
-            return self.eager(env)
-        missing = [n for n in self.inputs if n not in env]
+            assert self.hooks.eager is not None
+            return self.hooks.eager(env)
+        g = self.graph
+        missing = [n for n in g.inputs if n not in env]
         if missing:
-            raise KeyError(f"stage {self.name}: missing inputs {missing}")
-        outs = (self.gm if call is None else call)(*[env[n] for n in self.inputs])
-        return dict(zip(self.outputs, outs, strict=True))
+            raise KeyError(f"stage {self.stage}: missing inputs {missing}")
+        outs = (g.gm if call is None else call)(*[env[n] for n in g.inputs])
+        return dict(zip(g.outputs, outs, strict=True))
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Positional call in ``inputs`` order, returning outputs in ``outputs`` order."""
+        """Positional call in ``graph.inputs`` order, returning outputs in ``graph.outputs`` order."""
         if self.runs_python:
-            assert self.eager is not None
-            out = self.eager(dict(zip(self.inputs, tensors, strict=True)))
-            return tuple(out[n] for n in self.outputs)
-        return tuple(self.gm(*tensors))
+            out = self.run(dict(zip(self.graph.inputs, tensors, strict=True)))
+            return tuple(out[n] for n in self.graph.outputs)
+        return tuple(self.graph.gm(*tensors))
 
 
 @attrs.frozen(eq=False)
@@ -368,9 +422,10 @@ class Program:
     ...     body=lambda shared, batch, meta: meta["n"] * 2)
     >>> prog.traced()
     ReadEffect({'seq_lens': IN_REPLAY}, default=NONE)
+    >>> from readfence.core import PREPARE_IN_GRAPH
     >>> prog.last_reader("seq_lens")
-    ('prepare_in_graph', 'add')
-    >>> prog.stage("prepare_in_graph").inputs
+    (Stage(name='prepare_in_graph', ...), 'add')
+    >>> prog.stage(PREPARE_IN_GRAPH).graph.inputs
     ('shared.seq_lens',)
     """
 
@@ -382,11 +437,12 @@ class Program:
     aborted: str | None = None
 
     # -- structure ---------------------------------------------------------------------------
-    def stage(self, name: str) -> StageGraph:
+    def stage(self, stage: Stage) -> StageGraph:
+        """The graph of ``stage``."""
         for s in self.stages:
-            if s.name == name:
+            if s.stage == stage:
                 return s
-        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
+        raise KeyError(f"no stage {stage}; stages: {[str(s.stage) for s in self.stages]}")
 
     def __iter__(self) -> Iterator[StageGraph]:
         return iter(self.stages)
@@ -395,16 +451,16 @@ class Program:
     def replayed(self) -> bool:
         """Whether the step is replayed from a capture; one that is not runs every stage's Python
         (``StageGraph.runs_python``)."""
-        return all(s.replayed for s in self.stages)
+        return all(s.hooks.replayed for s in self.stages)
 
     @property
-    def graphs(self) -> dict[str, fx.GraphModule]:
-        """Stage name -> GraphModule, in execution order."""
-        return {s.name: s.gm for s in self.stages}
+    def graphs(self) -> dict[Stage, fx.GraphModule]:
+        """Stage -> GraphModule, in execution order."""
+        return {s.stage: s.graph.gm for s in self.stages}
 
-    def reads(self, stage: str) -> dict[str, frozenset[str]]:
+    def reads(self, stage: Stage) -> dict[str, frozenset[str]]:
         """Node name -> shared buffers it reads, for the nodes of ``stage`` that read any."""
-        return dict(self.stage(stage).reads)
+        return dict(self.stage(stage).analysis.reads)
 
     # -- effects -----------------------------------------------------------------------------
     def traced(self) -> ReadEffect:
@@ -424,39 +480,40 @@ class Program:
             ends[buf] = ends.get(buf, ReadEnd.NONE) | end
 
         for s in self.stages:
-            for buf in s.buffers_read():
+            a = s.analysis
+            for buf in a.buffers_read():
                 at_least(buf, s.end)
-            if not s.faithful:
+            if not a.faithful:
                 for buf in self.buffers:
                     at_least(buf, s.escape_end)
-            for buf in s.unknown:
+            for buf in a.unknown:
                 at_least(buf, ReadEnd.UNKNOWN)
-            if any(isinstance(c.matches, Unmatched) and c.state is MatchedOn.EXAMPLE for c in s.captured):
+            if any(isinstance(c.matches, Unmatched) and c.state is MatchedOn.EXAMPLE for c in a.captured):
                 for buf in self.buffers:  # not matched against the live state: it may be any
                     at_least(buf, ReadEnd.UNKNOWN)
         return ReadEffect.of(ends)
 
     @property
-    def aborted_stage(self) -> str | None:
+    def aborted_stage(self) -> Stage | None:
         """The stage whose escape stopped the trace (``aborted``), or ``None``.
 
-        >>> Program("toy", ForwardMode.DECODE, "cuda", (), (), aborted="item() escapes").aborted_stage
+        >>> str(Program("toy", ForwardMode.DECODE, "cuda", (), (), aborted="item() escapes").aborted_stage)
         'prepare_out_graph'
         """
         if self.aborted is None:
             return None
-        traced = {s.name for s in self.stages}
-        return next((s.name for s in STAGES if s.name not in traced), None)
+        traced = {s.stage for s in self.stages}
+        return next((s for s in STAGES if s not in traced), None)
 
-    def unfaithful(self) -> list[tuple[str, str, str, str]]:
+    def unfaithful(self) -> list[tuple[Stage, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""
-        return [(s.name, *e) for s in self.stages for e in s.escaping()]
+        return [(s.stage, *e) for s in self.stages for e in s.escaping()]
 
     def captured(self) -> tuple[Captured, ...]:
         """Every tensor a stage reads without receiving it (see the module docstring)."""
-        return tuple(c for s in self.stages for c in s.captured)
+        return tuple(c for s in self.stages for c in s.analysis.captured)
 
-    def last_reader(self, buffer: str) -> tuple[str, str] | None:
+    def last_reader(self, buffer: str) -> tuple[Stage, str] | None:
         """``(stage, node_name)`` of the last node that reads ``buffer``; ``None`` if unread.
 
         A stage that runs its Python function (unfaithful) may read any buffer: when it comes
@@ -465,19 +522,19 @@ class Program:
         Python function, at the stage's end.
         """
         for s in reversed(self.stages):
-            node = s.last_reader(buffer)
-            if node is None and not s.faithful and buffer in self.buffers:
-                node = next((n for n, why in s.opaque.items() if why.startswith(ESCAPE)), None)
+            node = s.analysis.last_reader(buffer)
+            if node is None and not s.analysis.faithful and buffer in self.buffers:
+                node = s.analysis.first_escape()
             if node is not None:
-                return (s.name, node)
+                return (s.stage, node)
         return None
 
-    def opaque(self) -> dict[str, dict[str, str]]:
+    def opaque(self) -> dict[Stage, dict[str, str]]:
         """Per stage, the opaque nodes and why the tracer could not see through them."""
-        return {s.name: dict(s.opaque) for s in self.stages if s.opaque}
+        return {s.stage: dict(s.analysis.opaque) for s in self.stages if s.analysis.opaque}
 
     # -- execution ---------------------------------------------------------------------------
-    def run_stage(self, stage: str, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_stage(self, stage: Stage, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run one stage on ``env`` (dotted name -> tensor); see the module docstring."""
         return self.stage(stage).run(env)
 

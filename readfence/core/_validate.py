@@ -46,8 +46,8 @@ from torch import Tensor, fx
 from readfence.effects import ReadfenceError
 
 from ._observe import join_node_reads, observe_program
-from ._program import SOURCE_KEY, Program, StageGraph, flatten_inputs
-from ._step import StageCall, StepFunctions, eval_step
+from ._program import SOURCE_KEY, NodeReads, Program, StageGraph, flatten_inputs
+from ._step import Stage, StageCall, StepFunctions, eval_step
 from .tracing._cache import cache_with_traces, remember
 from .tracing._memory import BufferMap, random_state, same_values, set_random_state
 from .tracing._trace import trace_step
@@ -147,15 +147,16 @@ class _Comparing:
         self.mismatch: tuple[StageGraph, str, str] | None = None  # (stage, output, what)
 
     def call(self, call: StageCall) -> Any:
-        graph = self.program.stage(call.stage.name)
+        graph = self.program.stage(call.stage)
         if graph.runs_python or self.mismatch is not None:
             out = call()
-            if graph.runs_python and graph.guard is not None:  # what the lowered step checks of it
-                graph.guard.check(out, call.fn, call.kwargs)
+            guard = graph.hooks.guard
+            if graph.runs_python and guard is not None:  # what the lowered step checks of it
+                guard.check(out, call.fn, call.kwargs)
             return out
         names, leaves, _ = call.named_leaves()
         env = {n: v for n, v in zip(names, leaves) if isinstance(v, Tensor)}
-        held = [(f"captured {c.target}", getattr(graph.gm, c.target)) for c in graph.captured]
+        held = [(f"captured {c.target}", getattr(graph.graph.gm, c.target)) for c in graph.analysis.captured]
         memory = _Memory([*env.items(), *held])
         before = memory.save()
         with _same_randomness(env.values()) as rewind:  # the replay, then the Python, on the same memory
@@ -165,7 +166,7 @@ class _Comparing:
             rewind()
             out = call()
         want = {n: v for n, v in call.output_names(out) if isinstance(v, Tensor)}
-        for name in graph.outputs:
+        for name in graph.graph.outputs:
             got, expected = replayed[name], want.get(name)
             if expected is None or not same_values(got, expected):
                 what = "an output" if expected is None else _first_difference(name, got, expected)
@@ -218,12 +219,12 @@ def baked_at(traced: fx.GraphModule, again: fx.GraphModule, state: Iterable[str]
                 None)
 
 
-def _locate(program: Program, fns: StepFunctions, example: Mapping[str, Any], stage: str) -> str:
+def _locate(program: Program, fns: StepFunctions, example: Mapping[str, Any], stage: Stage) -> str:
     # the stage traced once more on the state where it differs: the first node that changed
     try:
         again = trace_step(fns, program.mode, example, device=program.device)
-        state = {c.target for s in (program.stage(stage), again.stage(stage)) for c in s.captured}
-        node = baked_at(program.stage(stage).gm, again.stage(stage).gm, state)
+        state = {c.target for s in (program.stage(stage), again.stage(stage)) for c in s.analysis.captured}
+        node = baked_at(program.stage(stage).graph.gm, again.stage(stage).graph.gm, state)
         if node is not None and node.op == "get_attr":  # a constant: where its first use is
             node = next(iter(node.users), node)
         return "?" if node is None else str(node.meta.get(SOURCE_KEY, "?"))
@@ -264,13 +265,13 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
             eval_step(comparing, fns, example(seed))
         if comparing.mismatch is not None:
             stage, output, what = comparing.mismatch
-            line = _locate(program, fns, example(seed), stage.name)
-            raise NotGraphSafe(program.backend, program.mode.name, stage.name, output, what, line)
+            line = _locate(program, fns, example(seed), stage.stage)
+            raise NotGraphSafe(program.backend, program.mode.name, stage.stage.name, output, what, line)
     remember(_VALIDATED, (program, seeds), True, _VALIDATED_LIMIT)
 
 
 def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
-                   seeds: Iterable[int] = REPLAY_SEEDS) -> dict[str, dict[str, frozenset[str]]]:
+                   seeds: Iterable[int] = REPLAY_SEEDS) -> NodeReads:
     """What a step that is not replayed (every stage runs its Python: no capture to validate)
     really reads on the fresh states ``example(seed)``, per stage and node (``observe_program``;
     ``live``, the live shared buffers a backend keeps references to, count too). Its Python may take

@@ -28,6 +28,8 @@ from ._observe import join_node_reads as join_node_reads
 from ._observe import observe_program as observe_program
 from ._observe import observe_step as observe_step
 from ._program import ALIASES_KEY as ALIASES_KEY
+from ._program import NodeReads as NodeReads
+from ._program import NodeReadsIn as NodeReadsIn
 from ._program import flatten_inputs as flatten_inputs
 from ._protocol import child_runs as child_runs
 from ._protocol import replayed as replayed
@@ -67,12 +69,13 @@ from .tracing._trace import trace_step as trace_step
 from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "ALIASES_KEY", "join_node_reads", "BufferAudit", "BufferMap", "DispatchMode", "EAGER", "Interpreter", "LayerScan", "OutputGuard",
-    "ROW_BLOCK", "Span", "StageCall", "StepFunctions", "Watched", "audit_report", "bind_arguments", "buffer_ranges",
+    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap",
     "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
-    "child_runs", "copy_graph", "did_you_mean", "escape_note", "example_step", "flatten_group", "flatten_inputs",
-    "format_table", "forward", "init_params", "launches_unseen", "make_pools", "matmul_rows", "not_user_code",
-    "observe_program", "observe_step", "observe_varied", "op_aliasing", "pad_rows", "positive_int", "positive_seconds",
-    "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "run_scan", "runs_as", "span_of",
-    "split_batch", "stage_named", "state_key", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
+    "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "example_step",
+    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "join_node_reads",
+    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
+    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
+    "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
+    "run_scan", "runs_as", "Span", "span_of", "split_batch", "stage_named", "StageCall", "state_key",
+    "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay", "Watched",
 ]

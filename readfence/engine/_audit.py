@@ -42,13 +42,14 @@ from readfence.core import (
     ForwardMode,
     Latent,
     Program,
+    Stage,
     StageWriteError,
     Verdict,
     bind,
     default_batch_sizes,
     trace,
 )
-from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, example_step, positive_int
+from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, example_step, positive_int, stage_named
 from readfence.effects import Failure, ReadEffect, ReadEnd
 from readfence.effects.internal import table
 
@@ -130,7 +131,7 @@ class NodeAudit:
     mode: ForwardMode
     declared: ReadEnd  # the scalar declaration (shared_read_ends)
     rows: tuple[EngineRow, ...]
-    untraceable: tuple[tuple[str, str, str], ...]  # (stage, why, source line)
+    untraceable: tuple[tuple[Stage, str, str], ...]  # (stage, why, source line)
     lowering: str  # "" when readfence's policies lower it, else why only COARSE does
     prefill: tuple[tuple[int, ReadEnd], ...] = ()  # per batch size, the resolved prefill end
     unused: str = ""  # why the engine never publishes a fence from this declaration ("": it does)
@@ -230,7 +231,7 @@ class EngineAudit:
             if n.delegation:
                 lines.append(f"DELEGATION: {n.path} in {n.mode.name}: {n.delegation}")
             for stage, why, source in n.untraceable:
-                lines.append(f"UNTRACEABLE: {n.path} in {n.mode.name}: {STAGE_METHODS.get(stage, stage)} "
+                lines.append(f"UNTRACEABLE: {n.path} in {n.mode.name}: {STAGE_METHODS[stage]} "
                              f"({stage}) escapes the tracer ({why} at {source}): its reads are observed; "
                              f"{escape_note(stage)}")
             if n.lowering:
@@ -297,38 +298,38 @@ class EngineUnsound:
 # ------------------------------------------------------------------------------------------
 
 
-def _escapes(program: Program) -> dict[str, list[tuple[str, str]]]:
+def _escapes(program: Program) -> dict[Stage, list[tuple[str, str]]]:
     """Per stage, its escapes other than the adapter's own eager marker: ``(why, source)``."""
-    out: dict[str, list[tuple[str, str]]] = {}
+    out: dict[Stage, list[tuple[str, str]]] = {}
     for stage, _node, why, source in program.unfaithful():
         if EAGER not in why:
             out.setdefault(stage, []).append((why.removeprefix("escape: "), source))
     return out
 
 
-def _traced(program: Program, untraceable: Iterable[str]) -> tuple[dict[str, ReadEnd], dict[str, tuple[str, str]]]:
+def _traced(program: Program, untraceable: Iterable[Stage]) -> tuple[dict[str, ReadEnd], dict[str, tuple[Stage, str]]]:
     """Per buffer, the end of its last read in the stages the tracer follows, and that reader."""
     ends: dict[str, ReadEnd] = {}
-    readers: dict[str, tuple[str, str]] = {}
+    readers: dict[str, tuple[Stage, str]] = {}
     skip = set(untraceable)
     if program.aborted is not None:
         return ends, readers
     for s in program.stages:
-        if s.name in skip:
+        if s.stage in skip:
             continue
-        for b in s.buffers_read():
+        for b in s.analysis.buffers_read():
             ends[b] = ends.get(b, ReadEnd.NONE) | s.end
-            node = s.last_reader(b)
+            node = s.analysis.last_reader(b)
             if node is not None:
-                readers[b] = (s.name, node)
-        for b in s.unknown:
+                readers[b] = (s.stage, node)
+        for b in s.analysis.unknown:
             ends[b] = ReadEnd.UNKNOWN
     return ends, readers
 
 
-def _node_op(program: Program, stage: str, node: str) -> tuple[str, str, str]:
+def _node_op(program: Program, stage: Stage, node: str) -> tuple[str, str, str]:
     """``(method, op, source line)`` of a traced node."""
-    graph = program.stage(stage)
+    graph = program.stage(stage).graph
     op = next((str(n.target) for n in graph.gm.graph.nodes if n.name == node), node)
     return STAGE_METHODS[stage], op, graph.source(node)
 
@@ -338,10 +339,10 @@ class _Run:
     size: int
     program: Program | None  # None: make_fx could not trace the step at all
     traced: dict[str, ReadEnd]
-    readers: dict[str, tuple[str, str]]
+    readers: dict[str, tuple[Stage, str]]
     observed: ReadEffect
     observation: Any
-    escapes: dict[str, list[tuple[str, str]]]
+    escapes: dict[Stage, list[tuple[str, str]]]
     declared: ReadEnd
     resolved: ReadEnd | None
 
@@ -350,7 +351,7 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
     cfg = node.cfg
     program: Program | None
     traced: dict[str, ReadEnd] = {}
-    readers: dict[str, tuple[str, str]] = {}
+    readers: dict[str, tuple[Stage, str]] = {}
     try:
         program = bind(trace(node, mode, cfg=cfg, batch_size=size), node.state)
     except StageWriteError as e:
@@ -375,12 +376,12 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
                 node.read_effect(mode).end, resolved)
 
 
-def _stage_of(method: str) -> str:
+def _stage_of(method: str) -> Stage:
     """The stage a contract method runs in (the eager entry point runs before the replay)."""
     for stage, name in STAGE_METHODS.items():
-        if method == name or (stage == BODY.name and method.startswith("forward")):
+        if method == name or (stage == BODY and method.startswith("forward")):
             return stage
-    return PREPARE_OUT_GRAPH.name
+    return PREPARE_OUT_GRAPH
 
 
 def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: Sequence[_Run], per_batch: bool) -> EngineRow:
@@ -399,9 +400,10 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
     last = run.observation.last_reader(buffer)
     method = op = why = ""
     if last is not None:
-        stage, op = last
-        method = STAGE_METHODS.get(stage, stage)
-        why = (f"{STAGE_METHODS.get(stage, stage)} escapes the tracer" if stage in run.escapes else
+        label, op = last
+        stage = stage_named(label)
+        method = STAGE_METHODS[stage]
+        why = (f"{method} escapes the tracer" if stage in run.escapes else
                "a kernel reads what an earlier stage kept: no static analysis sees it")
     return EngineRow(path, mode, buffer, declared, truth, OBSERVED, method, op, "", run.size, per_batch, why,
                      used=_used(node, mode) == "")
@@ -459,7 +461,7 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     refused = [r for r in runs if r.program is not None and not r.program.traced() <= declared]
     if failed:
         (stage, [(why, source), *_]), *_ = failed[0].escapes.items()
-        lowering = (f"readfence cannot lower it with any policy: {STAGE_METHODS.get(stage, stage)} ({stage}): "
+        lowering = (f"readfence cannot lower it with any policy: {STAGE_METHODS[stage]} ({stage}): "
                     f"{why} at {source}")
     elif refused:
         effect = refused[0].program.traced()  # type: ignore[union-attr]

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode, Stage
 from readfence.effects import ReadEnd, ReadfenceError
 
 _P = ParamSpec("_P")
@@ -36,10 +36,10 @@ _R = TypeVar("_R")
 END_NAMES: tuple[str, ...] = ("PRE_REPLAY", "IN_REPLAY", "POST_REPLAY", "UNKNOWN")
 
 #: Which contract method runs each stage of a step.
-STAGE_METHODS: dict[str, str] = {
-    PREPARE_OUT_GRAPH.name: "init_forward_metadata_out_graph",
-    PREPARE_IN_GRAPH.name: "init_forward_metadata_in_graph",
-    BODY.name: "forward",
+STAGE_METHODS: dict[Stage, str] = {
+    PREPARE_OUT_GRAPH: "init_forward_metadata_out_graph",
+    PREPARE_IN_GRAPH: "init_forward_metadata_in_graph",
+    BODY: "forward",
 }
 
 PREFILL = "resolve_prefill_shared_read_ends"

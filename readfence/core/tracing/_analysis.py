@@ -121,7 +121,7 @@ def _handed_over(before: Iterable[StageGraph], inputs: Iterable[str], placeholde
                  buffers: Iterable[str]) -> dict[str, frozenset[str]]:
     """Placeholder -> every buffer, for each input an in-graph stage of ``before`` that runs its
     Python function returns (its outputs are not copied; see ``_program``)."""
-    python = {o for s in before if not s.faithful and s.stage.in_graph for o in s.outputs}
+    python = {o for s in before if not s.analysis.faithful and s.stage.in_graph for o in s.graph.outputs}
     every = frozenset(buffers)
     return {node: every for node, dotted in zip(placeholders, inputs, strict=True) if dotted in python}
 

@@ -79,24 +79,26 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
     # captured live buffer handed to the next stage is a read of that buffer there
     carried: dict[str, frozenset[str]] = {}
     for s in program.stages:
+        a, g = s.analysis, s.graph
         initial = {node: aliases | carried.get(dotted, frozenset())
-                   for node, dotted, aliases in zip(s.initial, s.inputs, s.initial.values(), strict=True)}
-        if not s.captured and initial == s.initial:
+                   for node, dotted, aliases in zip(a.initial, g.inputs, a.initial.values(), strict=True)}
+        if not a.captured and initial == a.initial:
             stages.append(s)
             continue
-        gm = copy_graph(s.gm)
+        gm = copy_graph(g.gm)
         captured = tuple(c if c.state is MatchedOn.LIVE else bind_captured(c, getattr(gm, c.target), shared, owned)
-                         for c in s.captured)
+                         for c in a.captured)
         memory, changed = _live_memory(s, gm, state)
         live = in_branches(gm, shared)
-        hidden = {n: s.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*s.hidden, *live}}
-        facts = StageFacts(initial=initial, captured=captured, memory=memory, copies=s.copies, changed=tuple(changed),
+        hidden = {n: a.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*a.hidden, *live}}
+        facts = StageFacts(initial=initial, captured=captured, memory=memory, copies=a.copies, changed=tuple(changed),
                            hidden=hidden)
-        result = analysed(program.backend, s.stage, gm, facts, before=stages, inputs=s.inputs, buffers=program.buffers)
+        result = analysed(program.backend, s.stage, gm, facts, before=stages, inputs=g.inputs, buffers=program.buffers)
         # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
-        carried.update(zip(s.outputs, result.output_aliases, strict=True))
-        stages.append(attrs.evolve(s, gm=gm, reads=result.reads, unknown=result.unknown, opaque=result.opaque,
-                                   captured=captured, initial=initial))
+        carried.update(zip(g.outputs, result.output_aliases, strict=True))
+        analysis = attrs.evolve(a, reads=result.reads, unknown=result.unknown, opaque=result.opaque, captured=captured,
+                                initial=initial)
+        stages.append(attrs.evolve(s, graph=attrs.evolve(g, gm=gm), analysis=analysis))
     return attrs.evolve(program, stages=tuple(stages))
 
 
@@ -107,16 +109,16 @@ def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[
     memory) run once more on its example inputs. A handle made on a captured buffer
     (``torch.empty(0).set_(table)``) aliases the live buffer though no schema says so; only
     the memory does. Everything in ``state`` holds its values again afterwards."""
-    if s.example is None or not s.faithful:
-        return dict(s.memory), []
+    if s.hooks.example is None or not s.analysis.faithful:
+        return dict(s.analysis.memory), []
     saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
     probe = MemoryProbe(gm, state["shared"])
     try:
-        probe.run(*s.example)
+        probe.run(*s.hooks.example)
     finally:
         for t, old in saved:
             t.copy_(old)
-    memory = dict(s.memory)
+    memory = dict(s.analysis.memory)
     for node, touched in probe.result.touched.items():
         memory[node] = memory.get(node, frozenset()) | touched
     return memory, probe.result.changed

@@ -105,7 +105,7 @@ def cached_trace(key: Hashable, make: Callable[[], Program]) -> Program:
     hit = _CACHE.get(key)
     if hit is None:
         hit = make()
-        nodes = sum(len(s.gm.graph.nodes) for s in hit.stages)
+        nodes = sum(len(s.graph.gm.graph.nodes) for s in hit.stages)
         while _CACHE and (len(_CACHE) >= _CACHE_LIMIT or sum(_CACHE_SIZES.values()) + nodes > _CACHE_NODES):
             oldest = next(iter(_CACHE))
             del _CACHE[oldest], _CACHE_SIZES[oldest]

@@ -22,7 +22,7 @@ from readfence.effects import ReadfenceError
 
 from .._modes import ForwardMode
 from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, MatchedOn, Owned, Shared, StageGraph, Unmatched
-from .._step import EAGER, StageOutputError, StepFunctions, eval_step, foreign_subclass
+from .._step import EAGER, Stage, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._dispatch import DispatchMode
 from ._memory import BufferMap, met_shared, span_of, tensors_in
 from ._schema import bind as bind_arguments
@@ -31,7 +31,7 @@ from ._schema import op_aliasing
 _LITERAL_USERS = frozenset({torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default})
 
 
-def captured_tensors(backend: str, stage: str, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
+def captured_tensors(backend: str, stage: Stage, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
     """The tensors ``gm`` holds as constants and uses, each matched against the example's shared
     buffers and the tensors the step owns; a tensor subclass is refused (``StageOutputError``)."""
     out = []
@@ -68,9 +68,9 @@ def fresh_literals_dropped(stages: list[StageGraph], persistence_known: bool) ->
     """
     out = []
     for s in stages:
-        kept = tuple(c for c in s.captured
+        kept = tuple(c for c in s.analysis.captured
                      if not (c.literal and isinstance(c.matches, Unmatched) and not (persistence_known and c.persistent)))
-        out.append(s if kept == s.captured else attrs.evolve(s, captured=kept))
+        out.append(s if kept == s.analysis.captured else attrs.evolve(s, analysis=attrs.evolve(s.analysis, captured=kept)))
     return out
 
 
@@ -137,18 +137,18 @@ def mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mappin
     marked = []
     for s in stages:
         captured = []
-        for c in s.captured:
-            span = span_of(getattr(s.gm, c.target))
+        for c in s.analysis.captured:
+            span = span_of(getattr(s.graph.gm, c.target))
             again = span is not None and any(span.overlaps(other) for other in consumed.spans)
             filled = span is not None and any(span.overlaps(other) for other in consumed.written)
             if not isinstance(c.matches, Unmatched):
                 captured.append(c)
                 continue
             # read again on the next call: the backend's own, unless its memory is a known state's
-            kept = _kept(getattr(s.gm, c.target)) if again else Unmatched()
+            kept = _kept(getattr(s.graph.gm, c.target)) if again else Unmatched()
             captured.append(attrs.evolve(c, persistent=again, filled=filled,
                                          matches=kept if isinstance(kept, Constant) else c.matches))
-        marked.append(attrs.evolve(s, captured=tuple(captured)))
+        marked.append(attrs.evolve(s, analysis=attrs.evolve(s.analysis, captured=tuple(captured))))
     return marked
 
 
@@ -183,11 +183,12 @@ def grouped_reasons(captured: Iterable[Captured]) -> list[str]:
     """One clause per cause: the captured tensors refused for the same reason in the same stage and
     made in the same code, counted, with one of them as the example.
 
-    >>> c = Captured("body", "_tensor_constant0", "_tensor_constant0", ("add",), "/x/model.py:3 in f", Unmatched())
+    >>> from readfence.core import BODY
+    >>> c = Captured(BODY, "_tensor_constant0", "_tensor_constant0", ("add",), "/x/model.py:3 in f", Unmatched())
     >>> grouped_reasons([c, attrs.evolve(c, target="_tensor_constant1", node="_tensor_constant1")])[0][:58]
     'stage body: 2 captured tensors made in model.py (_tensor_c'
     """
-    groups: dict[tuple[str, type[Match], MatchedOn, str], list[Captured]] = {}
+    groups: dict[tuple[Stage, type[Match], MatchedOn, str], list[Captured]] = {}
     for c in captured:
         groups.setdefault((c.stage, type(c.matches), c.state, _made_in(c.source)), []).append(c)
     out = []

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from .._checks import check_backend, check_mode, positive_int
 from .._modes import ForwardMode
-from .._program import INPUT_KEY, Program, StageGraph, Unmatched, flatten_inputs
+from .._program import INPUT_KEY, Program, StageAnalysis, StageGraph, StageHooks, TracedGraph, Unmatched, flatten_inputs
 from .._protocol import BackendLike
 from .._step import OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from .._threads import watch_threads
@@ -96,7 +96,7 @@ def _forget_nested_dynamo(stages: Iterable[StageGraph]) -> None:
     wrapper that the trace ran as plain Python (see ``_through_compiled_functions``): drop what
     dynamo cached meanwhile, or the next eager call of the op fails inside dynamo."""
     hop = torch._ops.HigherOrderOperator
-    if any(isinstance(n.target, hop) for s in stages for n in s.gm.graph.nodes) and "torch._dynamo" in sys.modules:
+    if any(isinstance(n.target, hop) for s in stages for n in s.graph.gm.graph.nodes) and "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
 
 
@@ -297,7 +297,7 @@ def _stage_facts(call: StageCall, args: _StageArgs, run: _Run, shared: Mapping[s
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     initial = {node.name: buffers.touched(t) | carried.get(dotted, frozenset())
                for node, dotted, t in zip(placeholders, args.inputs, args.args, strict=True)}
-    captured = tuple(captured_tensors(call.backend, call.stage.name, gm, buffers, owned))
+    captured = tuple(captured_tensors(call.backend, call.stage, gm, buffers, owned))
     if fake:  # no memory under fake tensors
         return StageFacts(initial=initial, captured=captured, memory={}, copies=None, changed=(),
                           hidden=in_branches(gm, buffers))
@@ -318,26 +318,19 @@ def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysi
                  fake: bool) -> StageGraph:
     call = args.call
     return StageGraph(
-        name=call.stage.name,
-        gm=run.gm,
-        inputs=args.inputs,
-        outputs=run.outputs,
-        reads=result.reads,
-        unknown=result.unknown,
-        opaque=result.opaque,
-        faithful=not result.escapes,
-        eager=_eager_stage(call, args.names, args.leaves, args.spec, guard),
-        guard=guard,
-        captured=facts.captured,
-        memory=facts.memory,
-        copies=facts.copies,
-        hidden=facts.hidden,
-        initial=facts.initial,
-        # (not in a step that is not replayed: its graphs never run, and a rerun of one on the
-        # example would pair its inputs with what the backend's own buffers hold now, from another step)
-        example=args.args if facts.captured and not fake and not result.escapes and call.replayed else None,
-        recorded=run.recorded,
-        replayed=call.replayed,
+        stage=call.stage,
+        graph=TracedGraph(gm=run.gm, inputs=args.inputs, outputs=run.outputs, recorded=run.recorded),
+        analysis=StageAnalysis(reads=result.reads, unknown=result.unknown, opaque=result.opaque,
+                               faithful=not result.escapes, captured=facts.captured, memory=facts.memory,
+                               copies=facts.copies, hidden=facts.hidden, initial=facts.initial),
+        hooks=StageHooks(
+            eager=_eager_stage(call, args.names, args.leaves, args.spec, guard),
+            guard=guard,
+            # (not in a step that is not replayed: its graphs never run, and a rerun of one on the
+            # example would pair its inputs with what the backend's own buffers hold now, from another step)
+            example=args.args if facts.captured and not fake and not result.escapes and call.replayed else None,
+            replayed=call.replayed,
+        ),
     )
 
 
@@ -430,7 +423,7 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
         aborted = f"stage {tracer.current}: {e.why}"
     stages = tracer.stages
     _forget_nested_dynamo(stages)
-    rerun = fake_mode is None and aborted is None and any(isinstance(c.matches, Unmatched) for s in stages for c in s.captured)
+    rerun = fake_mode is None and aborted is None and any(isinstance(c.matches, Unmatched) for s in stages for c in s.analysis.captured)
     if rerun:
         stages = mark_persistent(stages, fns, groups)
     stages = fresh_literals_dropped(stages, rerun)

@@ -44,6 +44,7 @@ from readfence.core import (
     ForwardMode,
     ModelConfig,
     Program,
+    Stage,
     StageGraph,
     Unsound,
     bind,
@@ -54,6 +55,8 @@ from readfence.core import (
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
+    NodeReads,
+    NodeReadsIn,
     cache_with_traces,
     check_backend,
     check_buffers,
@@ -373,14 +376,12 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
 
 
-Observed = dict[str, dict[str, frozenset[str]]]
-
 #: What a step that is not replayed read on the varied states, per program and live state.
-_VARIED: dict[tuple[Any, ...], Observed] = cache_with_traces({})
+_VARIED: dict[tuple[Any, ...], NodeReads] = cache_with_traces({})
 
 
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
-               state: Mapping[str, dict[str, Tensor]], device: Device) -> Observed:
+               state: Mapping[str, dict[str, Tensor]], device: Device) -> NodeReads:
     """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
     states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
     traced step is wrong with any fence. A step that is not replayed has no capture: its Python
@@ -412,14 +413,14 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
             groups[name] = {**varied, **live}
         return groups
 
-    compiled: dict[str, CompiledStage] = {}
+    compiled: dict[Stage, CompiledStage] = {}
 
     def replay(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         # each captured stage as the lowering runs it: straight-line code over the same ops, one
         # translation for every state tried (a GraphModule would generate its code for one call)
-        if stage.name not in compiled:
-            compiled[stage.name] = CompiledStage(stage, compile_graph(stage.gm, simplify=False, bindings=False))
-        return compiled[stage.name].run(env)
+        if stage.stage not in compiled:
+            compiled[stage.stage] = CompiledStage(stage, compile_graph(stage.graph.gm, simplify=False, bindings=False))
+        return compiled[stage.stage].run(env)
 
     try:
         if not program.replayed:
@@ -432,14 +433,14 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
 
 
 def _refuse_unseen_paths(backend: BackendLike, mode: ForwardMode, policy: Policy, declared: ReadEffect,
-                         program: Program, varied: Observed) -> None:
+                         program: Program, varied: NodeReadsIn) -> None:
     """Refuse a declaration below a read the Python of a step that is not replayed made on a varied
     state: a path the trace's example did not take (the audit's verdict covers the example's)."""
     seen = seen_effect(program, varied)
     for buffer in program.buffers:
         if declared[buffer] < seen[buffer]:
-            stage = next(s.name for s in reversed(program.stages)
-                         if any(buffer in bufs for bufs in varied.get(s.name, {}).values()))
+            stage = next(s.stage for s in reversed(program.stages)
+                         if any(buffer in bufs for bufs in varied.get(s.stage, {}).values()))
             raise UnsoundLowering(
                 f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {buffer!r} is declared "
                 f"to end at {declared[buffer].name}, but stage {stage}'s Python read it on a varied state (a path the "

@@ -11,13 +11,13 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from readfence.core import STAGE_ENDS, STAGES
+from readfence.core import STAGES, Stage
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 
 from ._policy import Policy
 
-#: The names of the stages that run inside the graph.
-IN_GRAPH_STAGES = frozenset(s.name for s in STAGES if s.in_graph)
+#: The stages that run inside the graph.
+IN_GRAPH_STAGES: frozenset[Stage] = frozenset(s for s in STAGES if s.in_graph)
 
 _END_TEXT = {
     ReadEnd.NONE: "never (not read: no wait)",
@@ -32,7 +32,7 @@ _END_TEXT = {
 class LastRead:
     """Where the trace saw the last read of one buffer."""
 
-    stage: str
+    stage: Stage
     node: str
     index: int  # position of the node within its stage's graph
 
@@ -45,7 +45,8 @@ class Placement:
 
     >>> str(Placement(ReadEnd.IN_REPLAY))
     'inside the graph, after prepare_in_graph'
-    >>> str(Placement(ReadEnd.POST_REPLAY, LastRead("body", "index_2", 40)))
+    >>> from readfence.core import BODY
+    >>> str(Placement(ReadEnd.POST_REPLAY, LastRead(BODY, "index_2", 40)))
     'after node body:index_2'
     """
 
@@ -173,4 +174,4 @@ def _exact(buffer: str, observed: ReadEffect, last: LastRead | None, caps: Capab
         # No in-graph events: fall back to the stage-level point after the replay (later is
         # sound); a node-level record inside a captured graph would fail the capture.
         return Placement(degrade(end, caps))
-    return Placement(STAGE_ENDS[last.stage], last)
+    return Placement(last.stage.end, last)

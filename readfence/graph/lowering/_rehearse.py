@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import PREPARE_OUT_GRAPH, ForwardMode, ModelConfig, Program, StageOutputError, StageThreadError
-from readfence.core.internal import BufferMap, example_step, flatten_inputs, observe_program
+from readfence.core.internal import BufferMap, NodeReads, NodeReadsIn, example_step, flatten_inputs, observe_program
 
 from ..devices import DeviceError, Stream
 
@@ -39,7 +39,7 @@ class Rehearsal:
     read (``observed``), and zeroed static buffers shaped like the out-of-graph stage's outputs
     (``meta``, by name), on the live state's device."""
 
-    observed: Mapping[str, Mapping[str, frozenset[str]]]
+    observed: NodeReadsIn
     meta: dict[str, Tensor]
 
 
@@ -57,14 +57,15 @@ def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_siz
     >>> with CpuDevice() as dev:
     ...     r = rehearse(trace(paged(), ForwardMode.DECODE), cfg=ModelConfig(), mode=ForwardMode.DECODE,
     ...                  batch_size=2, stream=dev.stream("forward"), live={}, label="demo")
-    >>> sorted(r.meta), sorted(r.observed["prepare_in_graph"])
+    >>> from readfence.core import PREPARE_IN_GRAPH
+    >>> sorted(r.meta), sorted(r.observed[PREPARE_IN_GRAPH])
     ([], ['index_select', 'index_select_1'])
     """
     device = next(iter(live.values())).device if live else torch.device("cpu")
     example = example_step(cfg, mode, batch_size, seed=REHEARSAL_SEED, device=device)
     env = flatten_inputs(**example.groups())
     buffers = BufferMap.of(example.shared).union([BufferMap.of(live)])
-    observed: dict[str, dict[str, frozenset[str]]] = {}
+    observed: NodeReads = {}
 
     def run() -> None:
         observed.update(observe_program(program, env, buffers))
@@ -78,7 +79,7 @@ def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_siz
         raise
     if program.replayed:  # a step that is not replayed bakes no shape: its stages run their Python
         _check_shapes(program, env)
-    meta = {k: torch.zeros_like(env[k], device=device) for k in program.stage(PREPARE_OUT_GRAPH.name).outputs}
+    meta = {k: torch.zeros_like(env[k], device=device) for k in program.stage(PREPARE_OUT_GRAPH).graph.outputs}
     return Rehearsal(observed, meta)
 
 
@@ -86,13 +87,14 @@ def _check_shapes(program: Program, env: Mapping[str, Tensor]) -> None:
     # the graphs after a stage were traced on its outputs' shapes: an op whose output shape
     # depends on the data (a boolean mask, ``nonzero``) gives another on another step
     for s in program.stages:
-        output = next(n for n in reversed(s.gm.graph.nodes) if n.op == "output")
+        graph = s.graph
+        output = next(n for n in reversed(graph.gm.graph.nodes) if n.op == "output")
         values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-        for name, node in zip(s.outputs, values):
+        for name, node in zip(graph.outputs, values):
             traced = getattr(node, "meta", {}).get("val")
             if isinstance(traced, Tensor) and tuple(traced.shape) != tuple(env[name].shape):
                 raise StageOutputError(
-                    f"backend {program.backend!r} stage {s.name} returned {name!r} of shape {tuple(traced.shape)} "
-                    f"on the traced step and {tuple(env[name].shape)} on another (at {s.source(node.name)}): a graph "
+                    f"backend {program.backend!r} stage {s.stage} returned {name!r} of shape {tuple(traced.shape)} "
+                    f"on the traced step and {tuple(env[name].shape)} on another (at {graph.source(node.name)}): a graph "
                     f"reads metadata of one shape per batch size; pad it to a fixed shape, as engines' graph runners do",
-                    stage=s.name)
+                    stage=s.stage.name)

@@ -17,7 +17,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
-from readfence.core.internal import BufferMap
+from readfence.core.internal import BufferMap, NodeReadsIn
 from readfence.effects import ReadEffect, ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
@@ -44,7 +44,7 @@ class CompiledStage:
 
     def __init__(self, stage: StageGraph, graph: CompiledGraph) -> None:
         self.stage, self.graph = stage, graph
-        self._fn, self._inputs, self._outputs = graph.fn, stage.inputs, stage.outputs
+        self._fn, self._inputs, self._outputs = graph.fn, stage.graph.inputs, stage.graph.outputs
 
     def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Execute the stage on ``env`` (name -> tensor); outputs by name."""
@@ -74,7 +74,7 @@ class Slot:
     events: dict[Placement, Event]
     probes: dict[str, Event]
     done: Event
-    stages: dict[str, LaunchedStage]
+    stages: dict[Stage, LaunchedStage]
     at_end: tuple[tuple[Event, ...], ...]
     act_at_end: tuple[Action | None, ...]
     fence_events: tuple[Event, ...]
@@ -130,7 +130,7 @@ class StepLauncher:
             static.copy_(v)
 
     def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], object]) -> None:
-        runner, ops = slot.stages[stage.name]
+        runner, ops = slot.stages[stage]
         env, watcher = self.env, self.watcher
 
         def run_stage() -> None:
@@ -164,7 +164,7 @@ class StepLauncher:
         self.launch_stage(slot, stages[-1], step, lambda out: logits.copy_(out[BODY.outputs]))
 
 
-def last_reads(program: Program, observed: Mapping[str, Mapping[str, frozenset[str]]] | None = None,
+def last_reads(program: Program, observed: NodeReadsIn | None = None,
                ) -> dict[str, LastRead]:
     """Per shared buffer read by ``program``, the node after which its last read is done: the
     latest of the trace's last reader and every node ``observed`` (per stage, per node, the
@@ -179,9 +179,10 @@ def last_reads(program: Program, observed: Mapping[str, Mapping[str, frozenset[s
     >>> from readfence.core import ForwardMode, trace
     >>> program = trace(paged(), ForwardMode.DECODE)
     >>> last = last_reads(program)["req_to_token"]
-    >>> last.stage, last.node
+    >>> str(last.stage), last.node
     ('prepare_in_graph', 'index_select')
-    >>> last_reads(program, {"body": {"mul": frozenset({"req_to_token"})}})["req_to_token"].stage
+    >>> from readfence.core import BODY
+    >>> str(last_reads(program, {BODY: {"mul": frozenset({"req_to_token"})}})["req_to_token"].stage)
     'body'
     """
     out = {}
@@ -198,19 +199,19 @@ def last_reads(program: Program, observed: Mapping[str, Mapping[str, frozenset[s
     return out
 
 
-def node_positions(program: Program) -> dict[str, dict[str, int]]:
+def node_positions(program: Program) -> dict[Stage, dict[str, int]]:
     """Per stage, in execution order, each node's position in its graph.
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
-    >>> list(node_positions(trace(paged(), ForwardMode.DECODE)))
+    >>> [str(s) for s in node_positions(trace(paged(), ForwardMode.DECODE))]
     ['prepare_out_graph', 'prepare_in_graph', 'body']
     """
-    return {s.name: {n.name: i for i, n in enumerate(s.gm.graph.nodes)} for s in program.stages}
+    return {s.stage: s.graph.node_order() for s in program.stages}
 
 
-def last_reader(program: Program, buffer: str, observed: Mapping[str, Mapping[str, frozenset[str]]] | None = None,
-                positions: Mapping[str, Mapping[str, int]] | None = None) -> tuple[str, str] | None:
+def last_reader(program: Program, buffer: str, observed: NodeReadsIn | None = None,
+                positions: Mapping[Stage, Mapping[str, int]] | None = None) -> tuple[Stage, str] | None:
     """``(stage, node)`` of the last read of ``buffer``: the latest of the trace's last reader
     (``Program.last_reader``) and the nodes ``observed`` saw reading it; a node the stage's
     graph does not hold (a read seen in a stage's Python) counts as the stage's end.
@@ -218,8 +219,9 @@ def last_reader(program: Program, buffer: str, observed: Mapping[str, Mapping[st
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
-    >>> last_reader(trace(paged(), ForwardMode.DECODE), "seq_lens", {"body": {"mul": frozenset({"seq_lens"})}})
-    ('body', 'mul')
+    >>> from readfence.core import BODY
+    >>> last_reader(trace(paged(), ForwardMode.DECODE), "seq_lens", {BODY: {"mul": frozenset({"seq_lens"})}}) == (BODY, "mul")
+    True
     """
     positions = node_positions(program) if positions is None else positions
     order = {name: i for i, name in enumerate(positions)}
@@ -229,50 +231,51 @@ def last_reader(program: Program, buffer: str, observed: Mapping[str, Mapping[st
     if not readers:
         return None
 
-    def position(reader: tuple[str, str]) -> tuple[int, int]:
+    def position(reader: tuple[Stage, str]) -> tuple[int, int]:
         nodes = positions[reader[0]]
         return order[reader[0]], nodes.get(reader[1], len(nodes))
 
     return max(readers, key=position)
 
 
-def seen_effect(program: Program, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> ReadEffect:
+def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:
     """The effect of the reads ``observed`` (per stage, per node, buffers): each buffer until
     the end of the last stage a run saw reading it.
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
-    >>> seen_effect(trace(paged(), ForwardMode.DECODE), {"body": {"mul": frozenset({"seq_lens"})}})
+    >>> from readfence.core import BODY
+    >>> seen_effect(trace(paged(), ForwardMode.DECODE), {BODY: {"mul": frozenset({"seq_lens"})}})
     ReadEffect({'seq_lens': POST_REPLAY}, default=NONE)
     """
     ends: dict[str, ReadEnd] = {}
     for s in program.stages:
-        for bufs in observed.get(s.name, {}).values():
+        for bufs in observed.get(s.stage, {}).values():
             for b in bufs:
                 ends[b] = ends.get(b, ReadEnd.NONE) | s.end
     return ReadEffect.of(ends)
 
 
-def _node_reads(stage: StageGraph, observed: Mapping[str, Mapping[str, frozenset[str]]]) -> dict[str, frozenset[str]]:
+def _node_reads(stage: StageGraph, observed: NodeReadsIn) -> dict[str, frozenset[str]]:
     # per node, the traced reads and what the rehearsal observed it really read
-    seen = observed.get(stage.name, {})
-    return {n: stage.reads.get(n, frozenset()) | seen.get(n, frozenset()) for n in {*stage.reads, *seen}}
+    seen, traced = observed.get(stage.stage, {}), stage.analysis.reads
+    return {n: traced.get(n, frozenset()) | seen.get(n, frozenset()) for n in {*traced, *seen}}
 
 
 def compile_stage(stage: StageGraph, after: Mapping[str, list[Event]], actions: Mapping[str, list[Action]],
-                  device: Device, observed: Mapping[str, Mapping[str, frozenset[str]]], *,
+                  device: Device, observed: NodeReadsIn, *,
                   live: BufferMap | None = None, backend: str = "?") -> LaunchedStage:
     """``stage`` with ``after[node]`` records and ``actions[node]`` inserted after its nodes,
     and, given the ``live`` shared buffers, an alias check after each opaque op
     (``insert_alias_checks``), compiled; a stage that runs its Python runs as it is, with no
     node-level records."""
-    reads = _node_reads(stage, observed)
+    reads, name = _node_reads(stage, observed), stage.stage.name
     if stage.runs_python:
-        return LaunchedStage(stage, tuple(stage_ops(stage.gm, reads, stage.name)))
-    gm = insert_records(stage.gm, after, device, actions) if after or actions else stage.gm
+        return LaunchedStage(stage, tuple(stage_ops(stage.graph.gm, reads, name)))
+    gm = insert_records(stage.graph.gm, after, device, actions) if after or actions else stage.graph.gm
     if live is not None:
-        gm = insert_alias_checks(gm, live, backend=backend, stage=stage.name)
-    return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, stage.name))
+        gm = insert_alias_checks(gm, live, backend=backend, stage=name)
+    return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, name))
 
 
 @attrs.frozen
@@ -283,7 +286,7 @@ class SlotSpec:
     program: Program
     plan: FencePlan
     device: Device
-    observed: Mapping[str, Mapping[str, frozenset[str]]]
+    observed: NodeReadsIn
     graphed: bool
     measure: bool
     new_event: Callable[[str], Event]
@@ -315,15 +318,15 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
     positions = node_positions(program) if spec.measure else {}
     out_probes = {b: dev.event(f"{label}/lastread:{b}#{r}") for b in plan.placements
                   if spec.measure and b not in probes and b in program.buffers
-                  and (last_reader(program, b, spec.observed, positions) or ("",))[0] == PREPARE_OUT_GRAPH.name}
-    after: dict[str, dict[str, list[Event]]] = {s.name: {} for s in program.stages}
+                  and (last_reader(program, b, spec.observed, positions) or (None,))[0] == PREPARE_OUT_GRAPH}
+    after: dict[Stage, dict[str, list[Event]]] = {s.stage: {} for s in program.stages}
     for b, last in reads.items():  # probes first: read, then release
         if b in probes:
             after[last.stage].setdefault(last.node, []).append(probes[b])
     for point, event in events.items():
         if point.after is not None:
             after[point.after.stage].setdefault(point.after.node, []).append(event)
-    actions: dict[str, dict[str, list[Action]]] = {s.name: {} for s in program.stages}
+    actions: dict[Stage, dict[str, list[Action]]] = {s.stage: {} for s in program.stages}
     at_end: list[Action | None] = [None] * len(ReadEnd)
     if spec.check is not None:
         for point, buffers in poison_points(plan.placements).items():
@@ -332,7 +335,7 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
                 actions[point.after.stage].setdefault(point.after.node, []).append(act)
             else:
                 at_end[point.end.rank] = act
-    stages = {s.name: compile_stage(s, after[s.name], actions[s.name], dev, spec.observed, live=spec.live,
+    stages = {s.stage: compile_stage(s, after[s.stage], actions[s.stage], dev, spec.observed, live=spec.live,
                                     backend=program.backend) for s in program.stages}
     index = {p: i for i, p in enumerate(events)}
     done = spec.new_event(f"{label}/done#{r}")
@@ -343,8 +346,8 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
         at_end=tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd),
         act_at_end=tuple(at_end), fence_events=fence_events,
         buffer_points=MappingProxyType({b: index.get(p) for b, p in plan.placements.items()}),
-        out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH.name].runner, tuple(out_probes.values())),
-        out_ops=(*stages[PREPARE_OUT_GRAPH.name].ops, *(Record(e) for e in out_probes.values())),
+        out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH].runner, tuple(out_probes.values())),
+        out_ops=(*stages[PREPARE_OUT_GRAPH].ops, *(Record(e) for e in out_probes.values())),
         clock=RunClock(()), head=slot_head(label, {}, (), ()),
     )
     if spec.graphed:
