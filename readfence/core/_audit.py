@@ -492,7 +492,7 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
     # per batch size: the traced program and, independently, what running it really reads;
     # both of the backend the step runs as (a wrapper's is its child's: traced and observed once)
     runner = runs_as(backend, mode)
-    runs: list[tuple[int, Any, ReadEffect]] = []
+    runs: list[tuple[int, Program, ReadEffect]] = []
     disagreements: list[Disagreement] = []
     for n in batch_sizes:
         try:
@@ -515,7 +515,8 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
     entries = []
     for b in dict.fromkeys(names):
         n, latest, _ = next(r for r in runs if r[2][b] is observed[b])
-        entries.append(BufferAudit(b, declared[b], observed[b], latest.last_reader(b), n))
+        reader = latest.last_reader(b)  # a report names the stage: its rows and JSON hold text
+        entries.append(BufferAudit(b, declared[b], observed[b], None if reader is None else (reader[0].name, reader[1]), n))
     opaque = tuple(dict.fromkeys(o for _, program, _ in runs for o in _why_opaque(program)))
     return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes,
                        tuple(dict.fromkeys(disagreements)))

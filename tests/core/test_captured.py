@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from readfence.backends import kv_indices, kv_lens, leaf, softmax_attention, store_kv
-from readfence.core import CapturedStateError, ForwardMode, StageWriteError, audit, bind, trace
+from readfence.core import BODY, CapturedStateError, ForwardMode, StageWriteError, audit, bind, trace
 from readfence.core._program import Constant
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, make_state, run_overlapped, run_serial
@@ -64,7 +64,7 @@ def test_reads_through_a_handle_on_a_captured_live_buffer_are_seen(make) -> None
     early = make(state, ReadEnd.IN_REPLAY)
     program = bind(trace(early, M, cfg=CFG), state)
     assert program.traced()["req_to_token"] is ReadEnd.POST_REPLAY
-    assert program.last_reader("req_to_token")[0] == "body"
+    assert program.last_reader("req_to_token")[0] == BODY
     assert audit(early, M, cfg=CFG, state=state).failure().buffer == "req_to_token"
     with CpuDevice() as dev, pytest.raises(UnsoundLowering, match="req_to_token"):
         lower(early, M, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, state=state)

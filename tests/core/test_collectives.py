@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives
 from torch import fx
 
 from readfence.backends import leaf, page_meta, paged, softmax_attention, store_kv
-from readfence.core import ForwardMode, ModelConfig, StageWriteError, TensorParallel, _collectives, trace
+from readfence.core import BODY, ForwardMode, ModelConfig, StageWriteError, TensorParallel, _collectives, trace
 from readfence.core.tracing import _alias
 from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
@@ -68,8 +68,8 @@ def _gathers(group):
 def test_a_collective_reads_its_input_until_its_wait(solo_group):
     program = trace(_gathers(solo_group), DECODE, batch_size=2)
     stage, node = program.last_reader("seq_lens")
-    target = {n.name: n.target for n in program.stage(stage).gm.graph.nodes}[node]
-    assert stage == "body" and _collectives.is_wait(target), (stage, node, target)
+    target = {n.name: n.target for n in program.stage(stage).graph.gm.graph.nodes}[node]
+    assert stage == BODY and _collectives.is_wait(target), (stage, node, target)
     assert program.traced()["seq_lens"] is ReadEnd.POST_REPLAY
 
 
@@ -83,7 +83,7 @@ def test_without_the_rule_the_last_read_would_be_the_starting_node(solo_group, m
         body=lambda shared, meta: OPS.wait_tensor.default(
             OPS.all_gather_into_tensor.default(shared["seq_lens"], 1, solo_group)).sum())
     stage, node = program.last_reader("seq_lens")
-    target = {n.name: n.target for n in program.stage(stage).gm.graph.nodes}[node]
+    target = {n.name: n.target for n in program.stage(stage).graph.gm.graph.nodes}[node]
     assert target is OPS.all_gather_into_tensor.default
 
 
@@ -115,9 +115,9 @@ def test_the_model_all_reduces_read_no_shared_buffer(solo_group, device):
     # cpu: real collectives over a one-rank group; cuda: fake tensors (no collective runs)
     cfg = ModelConfig(tp=TensorParallel(size=2, rank=1, group=solo_group))
     sharded, whole = trace(paged(), DECODE, cfg=cfg, device=device), trace(paged(), DECODE, device=device)
-    body = sharded.stage("body").gm.graph.nodes
+    body = sharded.stage(BODY).graph.gm.graph.nodes
     collectives = [n for n in body if _collectives.starts_collective(n.target) or _collectives.is_wait(n.target)]
     assert len(collectives) == 2 * 2 * cfg.layers  # an all-reduce and its wait, after attention and after the MLP
-    assert not any(n.name in sharded.reads("body") for n in collectives)
+    assert not any(n.name in sharded.reads(BODY) for n in collectives)
     assert sharded.traced() == whole.traced() and not sharded.opaque()
     assert sharded.last_reader("req_to_token") == whole.last_reader("req_to_token")

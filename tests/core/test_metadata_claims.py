@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from readfence.backends import kv_indices, leaf, softmax_attention, store_kv
-from readfence.core import ForwardMode, audit, observe, trace
+from readfence.core import BODY, ForwardMode, audit, observe, trace
 from readfence.core.tracing._memory import metadata_claim_holds
 from readfence.core.tracing._schema import _aliasing, _metadata_ops, op_aliasing
 from readfence.effects import ReadEffect, ReadEnd
@@ -63,7 +63,7 @@ def test_torch_classifies_the_templates_and_nothing_that_reads() -> None:
 def test_a_template_is_not_a_read_for_the_trace_nor_for_the_observer(name: str) -> None:
     backend = _backend(name, TEMPLATES[name])
     program = trace(backend, M, cfg=CFG)
-    assert program.stage("body").buffers_read() == frozenset(), program.stage("body").reads
+    assert program.stage(BODY).analysis.buffers_read() == frozenset(), program.stage(BODY).analysis.reads
     assert observe(backend, M, cfg=CFG, steps=1).observed()["seq_lens"] is ReadEnd.IN_REPLAY
     assert audit(backend, M, cfg=CFG).map(lambda r: r.sound).value_or(False)
 
@@ -71,7 +71,7 @@ def test_a_template_is_not_a_read_for_the_trace_nor_for_the_observer(name: str) 
 def test_without_memory_torchs_classification_is_taken() -> None:
     # a plan for CUDA is traced on fake tensors: no memory to hold the claim to
     program = trace(_backend("zeros_like", TEMPLATES["zeros_like"]), M, cfg=CFG, device="cuda")
-    assert program.stage("body").buffers_read() == frozenset()
+    assert program.stage(BODY).analysis.buffers_read() == frozenset()
 
 
 @pytest.fixture

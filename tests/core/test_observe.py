@@ -9,7 +9,19 @@ import pytest
 import torch
 
 from readfence.backends import REFERENCE_LEAVES, Leaf, leaf, page_meta, paged, softmax_attention, store_kv
-from readfence.core import Disagreement, ForwardMode, Observation, ReadObserver, clear_trace_cache, cross_check, observe, trace
+from readfence.core import (
+    BODY,
+    PREPARE_IN_GRAPH,
+    Disagreement,
+    ForwardMode,
+    Observation,
+    ReadObserver,
+    Stage,
+    clear_trace_cache,
+    cross_check,
+    observe,
+    trace,
+)
 from readfence.core._observe import observe_functions
 from readfence.core.internal import example_step
 from readfence.core.tracing._trace import trace_functions
@@ -405,7 +417,7 @@ def test_reference_leaves_agree_with_their_trace(name, mode) -> None:
     assert cross_check(program, obs) == ()
     assert obs.observed() == program.traced()  # not vacuous: the same reads, seen twice
     for buffer in program.buffers:
-        assert (obs.last_reader(buffer) or ("",))[0] == (program.last_reader(buffer) or ("",))[0], buffer
+        assert (obs.last_reader(buffer) or ("",))[0] == str((program.last_reader(buffer) or ("",))[0]), buffer
 
 
 def _toy_inputs() -> dict:
@@ -426,16 +438,17 @@ def _lens(shared, batch, meta):
     return {"lens": shared["seq_lens"].index_select(0, batch["rows"])}
 
 
-def _broken(program, stage):
+def _broken(program, stage: Stage):
     """``program`` with the traced reads of ``stage`` forgotten: an analysis bug, on purpose."""
-    stages = tuple(attrs.evolve(s, reads={}) if s.name == stage else s for s in program.stages)
+    stages = tuple(attrs.evolve(s, analysis=attrs.evolve(s.analysis, reads={})) if s.stage == stage else s
+                   for s in program.stages)
     return attrs.evolve(program, stages=stages)
 
 
 def test_cross_check_names_a_read_the_trace_missed() -> None:
     program, obs = _toy(inn=_lens, body=lambda shared, batch, meta: meta["lens"] * 2)
     assert cross_check(program, obs) == ()
-    (d,) = cross_check(_broken(program, "prepare_in_graph"), obs)
+    (d,) = cross_check(_broken(program, PREPARE_IN_GRAPH), obs)
     assert (d.buffer, d.stage, d.op, d.kind, d.observed, d.traced) == (
         "seq_lens", "prepare_in_graph", "aten.index_select.default", "read", IN, NONE)
     assert str(d) == (
@@ -452,14 +465,15 @@ def test_cross_check_accepts_a_later_traced_read_and_skips_unfaithful_stages() -
     program, obs = _toy(inn=_lens, body=body)
     assert cross_check(program, obs) == ()
     # the in-graph read is covered by the body's traced read: a later end is sound
-    assert cross_check(_broken(program, "prepare_in_graph"), obs) == ()
-    (d,) = cross_check(_broken(program, "body"), obs)
+    assert cross_check(_broken(program, PREPARE_IN_GRAPH), obs) == ()
+    (d,) = cross_check(_broken(program, BODY), obs)
     assert (d.stage, d.observed, d.traced) == ("body", POST, IN)
-    assert d.traced_reader == ("prepare_in_graph", "index_select")
+    assert d.traced_reader == (PREPARE_IN_GRAPH, "index_select")
     assert "reads it only until IN_REPLAY (last traced read: prepare_in_graph:index_select)" in str(d)
-    broken = _broken(program, "body")
+    broken = _broken(program, BODY)
     unfaithful = attrs.evolve(broken, stages=tuple(
-        attrs.evolve(s, faithful=False) if s.name == "body" else s for s in broken.stages))
+        attrs.evolve(s, analysis=attrs.evolve(s.analysis, faithful=False)) if s.stage == BODY else s
+        for s in broken.stages))
     assert cross_check(unfaithful, obs) == ()
     assert cross_check(attrs.evolve(broken, aborted="escape"), obs) == ()
 

@@ -29,7 +29,7 @@ from readfence.backends import (
     store_kv,
     trtllm_mha,
 )
-from readfence.core import ForwardMode, ModelConfig, audit, step_functions
+from readfence.core import BODY, ForwardMode, ModelConfig, audit, step_functions
 from readfence.core._state import example_step
 from readfence.core.tracing._trace import trace_step
 from readfence.effects import ReadEffect, ReadEnd
@@ -77,13 +77,13 @@ def _same(recorded: Any, traced: Any) -> None:
     assert recorded.traced() == traced.traced()
     assert recorded.unfaithful() == traced.unfaithful()
     for a, b in zip(recorded.stages, traced.stages, strict=True):
-        assert _signature(a.gm) == _signature(b.gm), a.name
-        assert _vals(a.gm) == _vals(b.gm), a.name
-        assert [a.source(n) for n in a.reads] == [b.source(n) for n in b.reads], a.name
-        assert dict(a.reads) == dict(b.reads), a.name
-        assert (dict(a.memory), a.copies) == (dict(b.memory), b.copies), a.name
-        assert a.faithful == b.faithful
-        assert not b.recorded
+        assert _signature(a.graph.gm) == _signature(b.graph.gm), a.stage
+        assert _vals(a.graph.gm) == _vals(b.graph.gm), a.stage
+        assert [a.graph.source(n) for n in a.analysis.reads] == [b.graph.source(n) for n in b.analysis.reads], a.stage
+        assert dict(a.analysis.reads) == dict(b.analysis.reads), a.stage
+        assert (dict(a.analysis.memory), a.analysis.copies) == (dict(b.analysis.memory), b.analysis.copies), a.stage
+        assert a.analysis.faithful == b.analysis.faithful
+        assert not b.graph.recorded
     for buffer in traced.buffers:
         assert recorded.last_reader(buffer) == traced.last_reader(buffer)
 
@@ -97,7 +97,7 @@ def _targets() -> list[tuple[str, Any]]:
 def test_a_recorded_step_is_the_traced_step(name: str, make: Any) -> None:
     recorded, traced = _programs(make, M.DECODE, layers=4)
     _same(recorded, traced)
-    assert all(s.recorded for s in recorded.stages), name  # the point: no make_fx
+    assert all(s.graph.recorded for s in recorded.stages), name  # the point: no make_fx
 
 
 @pytest.mark.parametrize("mode", [M.TARGET_VERIFY, M.EXTEND, M.DRAFT_EXTEND])
@@ -108,7 +108,7 @@ def test_a_recorded_step_in_other_modes(mode: ForwardMode) -> None:
 def test_a_recorded_step_under_fake_tensors() -> None:
     recorded, traced = _programs(lambda: hybrid_linear(trtllm_mha(), linear()), M.DECODE, layers=4, device="cuda")
     _same(recorded, traced)
-    assert all(s.recorded for s in recorded.stages)
+    assert all(s.graph.recorded for s in recorded.stages)
 
 
 # -- layers that differ -------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_literals_become_constants_copied_where_used() -> None:
     late = _reader("literal", lambda layer, s, b, q: q + torch.tensor(float(layer)) * torch.tensor([0.5, 2.0]).sum())
     recorded, traced = _programs(lambda: late, M.DECODE, layers=3)
     _same(recorded, traced)
-    body = recorded.stages[-1].gm
+    body = recorded.stages[-1].graph.gm
     assert sum(n.target is torch.ops.aten.lift_fresh_copy.default for n in body.graph.nodes) == 6
 
 
@@ -191,7 +191,7 @@ def test_a_tensor_handed_between_layers_is_dataflow() -> None:
     fns = step_functions(_handing(stash), M.DECODE, cfg)
     trace_step(fns, M.DECODE, example_step(cfg, M.DECODE, 2).groups())
     again = trace_step(fns, M.DECODE, example_step(cfg, M.DECODE, 2).groups())
-    assert again.traced()["seq_lens"] is ReadEnd.UNKNOWN and again.stages[-1].recorded
+    assert again.traced()["seq_lens"] is ReadEnd.UNKNOWN and again.stages[-1].graph.recorded
 
 
 def test_a_list_returning_op_and_a_captured_constant() -> None:
@@ -232,7 +232,7 @@ def test_a_compiled_function_is_recorded_as_its_python() -> None:
     late = _reader("compiled", lambda layer, s, b, q: scaled(q, s["seq_lens"].index_select(0, b["req_pool_indices"])))
     recorded, traced = _programs(lambda: late, M.DECODE, layers=2)
     _same(recorded, traced)
-    assert recorded.stages[-1].recorded and recorded.traced()["seq_lens"] is ReadEnd.POST_REPLAY
+    assert recorded.stages[-1].graph.recorded and recorded.traced()["seq_lens"] is ReadEnd.POST_REPLAY
 
 
 # -- escapes: recorded as make_fx records them ----------------------------------------------------
@@ -245,7 +245,7 @@ def test_a_host_read_is_recorded_as_an_escape() -> None:
     recorded, traced = _programs(lambda: _reader("host", late), M.DECODE, layers=4)
     _same(recorded, traced)
     body = recorded.stages[-1]
-    assert body.recorded and not body.faithful
+    assert body.graph.recorded and not body.analysis.faithful
     assert any(why.startswith("escape: ") for _, why, _ in body.escapes())
 
 
@@ -260,7 +260,7 @@ def test_every_way_to_escape_is_recorded_as_make_fx_traces_it(escape: str) -> No
 
     recorded, traced = _programs(lambda: _reader(escape, late), M.DECODE, layers=2)
     _same(recorded, traced)
-    assert recorded.stages[-1].recorded and not recorded.stages[-1].faithful
+    assert recorded.stages[-1].graph.recorded and not recorded.stages[-1].analysis.faithful
 
 
 def test_a_stage_that_escapes_runs_once_while_traced() -> None:
@@ -286,7 +286,7 @@ def test_a_higher_order_op_is_traced_with_make_fx() -> None:
 
     recorded, traced = _programs(lambda: _reader("cond", late), M.DECODE, layers=2)
     _same(recorded, traced)
-    assert not recorded.stages[-1].recorded
+    assert not recorded.stages[-1].graph.recorded
 
 
 def test_a_stages_error_is_make_fx_s_error() -> None:
@@ -314,6 +314,6 @@ def test_verdicts_and_last_readers_do_not_change_with_depth() -> None:
     cfg = ModelConfig(layers=64)
     recorded = trace_step(step_functions(late, M.DECODE, cfg), M.DECODE, example_step(cfg, M.DECODE, 2).groups())
     body = recorded.stages[-1]
-    stage, node = recorded.last_reader("seq_lens") or ("", "")
-    nodes = [n.name for n in body.gm.graph.nodes]
-    assert stage == "body" and nodes.index(node) > len(nodes) * 63 // 64
+    stage, node = recorded.last_reader("seq_lens") or (None, "")
+    nodes = [n.name for n in body.graph.gm.graph.nodes]
+    assert stage == BODY and nodes.index(node) > len(nodes) * 63 // 64

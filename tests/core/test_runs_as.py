@@ -107,6 +107,6 @@ def test_what_a_reference_composition_runs_as_traces_to_its_own_program(mode):
         if runner is backend:
             continue
         mine, theirs = (trace(b, mode, cfg=ONE_LAYER, batch_size=2) for b in (backend, runner))
-        assert [(s.name, s.gm.code, s.inputs, s.outputs) for s in mine] == [
-            (s.name, s.gm.code, s.inputs, s.outputs) for s in theirs], (str(backend), mode)
-        assert [mine.reads(s.name) for s in mine] == [theirs.reads(s.name) for s in theirs]
+        assert [(s.stage, s.graph.gm.code, s.graph.inputs, s.graph.outputs) for s in mine] == [
+            (s.stage, s.graph.gm.code, s.graph.inputs, s.graph.outputs) for s in theirs], (str(backend), mode)
+        assert [mine.reads(s.stage) for s in mine] == [theirs.reads(s.stage) for s in theirs]

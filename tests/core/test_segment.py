@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from readfence.backends import hybrid_linear, leaf, linear, page_meta, paged, softmax_attention, store_kv, tbo, trtllm_mha
-from readfence.core import ForwardMode, ModelConfig, audit, observe, step_functions
+from readfence.core import BODY, ForwardMode, ModelConfig, audit, observe, step_functions
 from readfence.core._program import SOURCE_KEY
 from readfence.core._state import example_step
 from readfence.core.tracing import _record, _segment
@@ -55,7 +55,7 @@ def _step(make: Any, mode: ForwardMode, layers: int, batch_size: int, *, recorde
 
 def _sources(program: Any) -> list[list[str]]:
     """Every node's source line, stage by stage."""
-    return [[str(n.meta.get(SOURCE_KEY)) for n in s.gm.graph.nodes if n.op == "call_function"] for s in program.stages]
+    return [[str(n.meta.get(SOURCE_KEY)) for n in s.graph.gm.graph.nodes if n.op == "call_function"] for s in program.stages]
 
 
 _TARGETS = [(lambda: hybrid_linear(trtllm_mha(), linear()), M.DECODE), (lambda: tbo(paged(), trtllm_mha()), M.TARGET_VERIFY),
@@ -129,7 +129,7 @@ def test_a_piece_given_a_buffers_memory_is_recorded_op_by_op(monkeypatch: pytest
     # its last reader is a node of the model's piece
     assert spliced.traced()["req_to_token"] is ReadEnd.POST_REPLAY
     stage, node = spliced.last_reader("req_to_token")
-    assert stage == "body" and "/readfence/core/_" in spliced.stages[-1].source(node)
+    assert stage == BODY and "/readfence/core/_" in spliced.stages[-1].graph.source(node)
     # the observer, which reads memory itself, sees the read in the body whether or not the
     # pieces run unobserved where they can touch nothing
     seen = observe(_viewer(), M.DECODE, steps=1)
@@ -257,6 +257,6 @@ def test_a_piece_whose_ops_changed_since_its_record_is_recorded_again(monkeypatc
     monkeypatch.setattr(F, "silu", lambda x, inplace=False: torch.sigmoid(x) * x)
     recorded, traced = _step(make, M.DECODE, 2, 2), _step(make, M.DECODE, 2, 2, recorded=False)
     _same(recorded, traced)
-    body = recorded.stages[-1].gm.graph
+    body = recorded.stages[-1].graph.gm.graph
     assert not any(n.target is torch.ops.aten.silu.default for n in body.nodes)
     assert sum(n.target is torch.ops.aten.sigmoid.default for n in body.nodes) == 2  # one per layer

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from readfence.backends import deepseek_v4, dense, linear, paged, redeclare, reference_compositions, sparse, tbo, trtllm_mha
-from readfence.core import ForwardMode, Program, StageWriteError, clear_trace_cache, run_step, trace
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode, Program, StageWriteError, clear_trace_cache, run_step, trace
 from readfence.core.internal import example_step, flatten_inputs, trace_cache_size
 from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
@@ -66,11 +66,11 @@ def test_reads_are_attributed_to_the_stage_of_the_consumer_of_a_view(device) -> 
     prog = _toy(inn=inn, body=body, device=device)
     assert prog.traced() == ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
     # the view node itself reads nothing; the index in the body does
-    in_reads = prog.reads("prepare_in_graph")
+    in_reads = prog.reads(PREPARE_IN_GRAPH)
     assert list(in_reads.values()) == [frozenset({"seq_lens"})]
     stage, node = prog.last_reader("req_to_token")
-    assert stage == "body"
-    gm = prog.stage("body").gm
+    assert stage == BODY
+    gm = prog.stage(BODY).graph.gm
     by_name = {n.name: n for n in gm.graph.nodes}
     assert by_name[node].meta["readfence_reads"] == frozenset({"req_to_token"})
     assert by_name[node].target is torch.ops.aten.index.Tensor
@@ -86,15 +86,15 @@ def test_a_view_returned_by_the_eager_stage_is_read_by_the_copy_into_the_graph()
                 body=lambda shared, batch, pools, meta: pools["k"].sum() + meta["x"] + meta["r"].sum())
     assert prog.traced() == ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "swa_map": ReadEnd.PRE_REPLAY})
     stage, node = prog.last_reader("req_to_token")
-    nodes = {n.name: n for n in prog.stage(stage).gm.graph.nodes}
-    assert stage == "prepare_out_graph" and nodes[node].target is torch.ops.aten.clone.default
-    assert prog.stage("body").buffers_read() == frozenset()
+    nodes = {n.name: n for n in prog.stage(stage).graph.gm.graph.nodes}
+    assert stage == PREPARE_OUT_GRAPH and nodes[node].target is torch.ops.aten.clone.default
+    assert prog.stage(BODY).analysis.buffers_read() == frozenset()
 
 
 def test_an_identity_output_of_the_last_stage_is_read_after_the_forward() -> None:
     prog = _toy(body=lambda shared, batch, pools, meta: shared["seq_lens"])
     assert prog.traced() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
-    assert prog.last_reader("seq_lens") == ("body", "output")
+    assert prog.last_reader("seq_lens") == (BODY, "output")
 
 
 def test_a_closure_captured_shared_tensor_is_seen_by_storage() -> None:
@@ -130,7 +130,7 @@ def test_custom_ops_are_visible_and_their_schema_says_reads_and_writes(device) -
 
     prog = _toy(body=body, device=device)
     assert prog.traced() == ReadEffect.of({"seq_lens": ReadEnd.POST_REPLAY})
-    assert prog.last_reader("seq_lens") == ("body", "lens_plus")
+    assert prog.last_reader("seq_lens") == (BODY, "lens_plus")
 
     with pytest.raises(StageWriteError, match="writes shared buffer 'seq_lens' in stage prepare_out_graph "
                                               r"\(node 'bump', op readfence_test.bump.default, at .*test_trace.py"):
@@ -183,7 +183,7 @@ def test_an_escape_out_of_the_graph_reads_every_buffer_before_the_replay(escape)
     assert prog.traced() == ReadEffect.of(
         {"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": lens_end, "swa_map": ReadEnd.PRE_REPLAY})
     ((stage, node, why, source),) = prog.unfaithful()
-    assert (stage, why) == ("prepare_out_graph", f"escape: {escape}()")
+    assert (stage, why) == (PREPARE_OUT_GRAPH, f"escape: {escape}()")
     assert "test_trace.py" in source and "_escape" in source
 
 
@@ -210,12 +210,12 @@ def test_escapes_in_the_graph_read_every_buffer_until_post_replay_and_the_stage_
     assert prog.traced() == ReadEffect.of(
         {"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": lens_end, "swa_map": ReadEnd.POST_REPLAY})
     # what the stage hands over may be a view of any buffer: the body's consumer reads them all
-    (consumer,) = prog.reads("body")
-    assert prog.reads("body")[consumer] == {"req_to_token", "seq_lens", "swa_map"}
-    assert prog.last_reader("swa_map") == ("body", consumer)
-    assert list(prog.opaque()["prepare_in_graph"].values()) == [f"escape: {escape}()"]
-    stage = prog.stage("prepare_in_graph")
-    assert not stage.faithful
+    (consumer,) = prog.reads(BODY)
+    assert prog.reads(BODY)[consumer] == {"req_to_token", "seq_lens", "swa_map"}
+    assert prog.last_reader("swa_map") == (BODY, consumer)
+    assert list(prog.opaque()[PREPARE_IN_GRAPH].values()) == [f"escape: {escape}()"]
+    stage = prog.stage(PREPARE_IN_GRAPH)
+    assert not stage.analysis.faithful
     # the graph misses what the escape computed; run() falls back to the Python stage
     env = flatten_inputs(**_inputs())
     env["shared.seq_lens"] = torch.tensor([1, 1, 1, 1], dtype=torch.int32)
@@ -229,8 +229,8 @@ def test_an_escaping_fresh_value_out_of_the_graph_is_a_read_before_the_replay() 
     # the sum is a visible read; only a fresh scalar escapes to the host, there and then
     prog = _toy(out=lambda shared, batch: {"n": torch.tensor(int(shared["seq_lens"].sum().item()))})
     assert prog.traced() == ReadEffect.uniform(("req_to_token", "seq_lens", "swa_map"), ReadEnd.PRE_REPLAY)
-    assert list(prog.opaque()["prepare_out_graph"].values()) == ["escape: item()"]
-    assert not prog.stage("prepare_out_graph").faithful  # the value is baked: run eagerly
+    assert list(prog.opaque()[PREPARE_OUT_GRAPH].values()) == ["escape: item()"]
+    assert not prog.stage(PREPARE_OUT_GRAPH).analysis.faithful  # the value is baked: run eagerly
 
 
 # ------------------------------------------------------------------------------------------
@@ -246,37 +246,37 @@ def test_fake_cuda_trace_observes_the_same_effect_as_cpu(backend) -> None:
         assert cuda.traced() == cpu.traced(), mode
         for buffer in cpu.buffers:
             assert cuda.last_reader(buffer) == cpu.last_reader(buffer), (mode, buffer)
-        body = cuda.stage("body").gm
+        body = cuda.stage(BODY).graph.gm
         vals = [n.meta["val"] for n in body.graph.nodes if n.op == "placeholder"]
         assert {v.device.type for v in vals} == {"cuda"}
 
 
 def test_calling_convention_and_annotations() -> None:
     prog = trace(paged(), M.DECODE, cfg=CFG)
-    assert [s.name for s in prog] == ["prepare_out_graph", "prepare_in_graph", "body"]
+    assert [s.stage for s in prog] == [PREPARE_OUT_GRAPH, PREPARE_IN_GRAPH, BODY]
     assert prog.buffers == ("req_to_token", "seq_lens", "swa_map", "state_slots")
-    inn = prog.stage("prepare_in_graph")
-    assert inn.inputs[:4] == ("shared.req_to_token", "shared.seq_lens", "shared.swa_map", "shared.state_slots")
-    assert inn.outputs == ("meta_in.kv_indices", "meta_in.kv_lens")  # named by the stage that made them
-    body = prog.stage("body")
-    assert "params.['layers.0.wqkv']" in body.inputs and "pools.k_cache" in body.inputs
-    assert {"meta_in.kv_indices", "meta_in.kv_lens"} <= set(body.inputs)
-    assert body.outputs == ("logits",)
-    placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
-    assert [n.meta["readfence_input"] for n in placeholders] == list(body.inputs)
+    inn = prog.stage(PREPARE_IN_GRAPH)
+    assert inn.graph.inputs[:4] == ("shared.req_to_token", "shared.seq_lens", "shared.swa_map", "shared.state_slots")
+    assert inn.graph.outputs == ("meta_in.kv_indices", "meta_in.kv_lens")  # named by the stage that made them
+    body = prog.stage(BODY)
+    assert "params.['layers.0.wqkv']" in body.graph.inputs and "pools.k_cache" in body.graph.inputs
+    assert {"meta_in.kv_indices", "meta_in.kv_lens"} <= set(body.graph.inputs)
+    assert body.graph.outputs == ("logits",)
+    placeholders = [n for n in body.graph.gm.graph.nodes if n.op == "placeholder"]
+    assert [n.meta["readfence_input"] for n in placeholders] == list(body.graph.inputs)
     assert placeholders[0].name == "shared_req_to_token"
     # every node is annotated; the body reads no shared buffer (paged snapshots in graph)
     for stage in prog:
-        assert all("readfence_reads" in n.meta for n in stage.gm.graph.nodes)
-    assert body.buffers_read() == frozenset()
-    assert prog.last_reader("seq_lens")[0] == "prepare_in_graph"
+        assert all("readfence_reads" in n.meta for n in stage.graph.gm.graph.nodes)
+    assert body.analysis.buffers_read() == frozenset()
+    assert prog.last_reader("seq_lens")[0] == PREPARE_IN_GRAPH
     assert prog.traced() == paged().read_effect(M.DECODE)
     # positional call == env call
     step = example_step(CFG, M.DECODE, 2)
     env = flatten_inputs(shared=step.shared, batch=step.batch)
-    positional = inn(*[env[name] for name in inn.inputs])
+    positional = inn(*[env[name] for name in inn.graph.inputs])
     named = inn.run(env)
-    assert all(torch.equal(a, named[n]) for a, n in zip(positional, inn.outputs))
+    assert all(torch.equal(a, named[n]) for a, n in zip(positional, inn.graph.outputs))
 
 
 BACKENDS = [*LEAVES, *reference_compositions().values(), tbo(deepseek_v4(dspark=True), paged(), trtllm_mha())]
@@ -306,7 +306,7 @@ def test_a_program_keeps_none_of_the_traced_examples_tensors() -> None:
 
     prog = trace_functions("toy", M.DECODE, inputs=inputs, prepare_out_graph=_nothing, prepare_in_graph=inn,
                            body=lambda shared, batch, pools, meta: meta["total"] * 2 + pools["k"].sum())
-    assert not prog.stage("prepare_in_graph").faithful
+    assert not prog.stage(PREPARE_IN_GRAPH).analysis.faithful
     del inputs
     gc.collect()
     assert [r() for r in refs if r() is not None] == []
@@ -329,7 +329,7 @@ def test_the_trace_cache_is_bounded_by_graph_nodes_too(monkeypatch) -> None:
 
     clear_trace_cache()
     a = trace(paged(), M.DECODE, cfg=CFG)
-    nodes = sum(len(s.gm.graph.nodes) for s in a.stages)
+    nodes = sum(len(s.graph.gm.graph.nodes) for s in a.stages)
     monkeypatch.setattr(traced, "_CACHE_NODES", nodes + nodes // 2)  # room for one such program
     b = trace(paged(), M.DECODE, cfg=CFG, batch_size=3)
     assert trace_cache_size() == 1 and trace(paged(), M.DECODE, cfg=CFG, batch_size=3) is b
@@ -363,7 +363,7 @@ def test_a_compiled_function_in_a_stage_is_traced_through_and_its_reads_are_seen
     refused = audit(late, M.DECODE, cfg=CFG).failure()
     assert (refused.buffer, refused.observed, refused.reader[0]) == ("seq_lens", ReadEnd.POST_REPLAY, "body")
     program = trace(late, M.DECODE, cfg=CFG)
-    assert program.stage("body").faithful  # its ops are in the graph, not an escape
+    assert program.stage(BODY).analysis.faithful  # its ops are in the graph, not an escape
     # ... and declared POST_REPLAY it is lowered, runs bit-identical to serial, and verifies clean
     sound = body_reader("compiled_sound", _compiled_reader, declare=_declare(lens=ReadEnd.POST_REPLAY))
     ref = run_serial(sound, M.DECODE, steps=6, batch_size=2, cfg=CFG)

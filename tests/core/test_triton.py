@@ -107,7 +107,7 @@ def test_a_launch_is_one_op_named_after_its_kernel_reading_its_arguments():
     report = audit(_backend("early"), M.DECODE, cfg=CFG, batch_sizes=[2]).unwrap()
     (row,) = [b for _, b in report.entries() if b.buffer == "req_to_token"]
     assert (row.observed, row.reader, row.verdict) == (IN, ("prepare_in_graph", "gather_rows"), "exact")
-    node = next(n for n in trace(_backend("early"), M.DECODE, cfg=CFG).stages[1].gm.graph.nodes
+    node = next(n for n in trace(_backend("early"), M.DECODE, cfg=CFG).stages[1].graph.gm.graph.nodes
                 if n.name == "gather_rows")
     assert str(node.target) == "triton_kernel.gather_rows.default"
 
@@ -137,7 +137,7 @@ def test_a_plan_for_cuda_traces_the_launch_under_fake_tensors_as_one_node():
     for late, end in ((False, IN), (True, POST)):
         program = trace(_backend("fake_" + str(late).lower(), late=late), M.DECODE, cfg=CFG, device="cuda")
         assert program.traced()["req_to_token"] is end
-        nodes = [n for s in program.stages for n in s.gm.graph.nodes if n.op == "call_function"
+        nodes = [n for s in program.stages for n in s.graph.gm.graph.nodes if n.op == "call_function"
                  and str(n.target) == "triton_kernel.gather_rows.default"]
         assert len(nodes) == (CFG.layers if late else 1)
 

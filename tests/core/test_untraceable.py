@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import CapturedStateError, ForwardMode, StageOutputError, trace
+from readfence.core import BODY, CapturedStateError, ForwardMode, StageOutputError, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, lower, run_overlapped, run_serial
 from tests.conftest import ONE_LAYER as CFG
@@ -72,7 +72,7 @@ def test_a_higher_order_op_over_a_shared_buffer_makes_it_unknown_naming_the_op()
 
     program = trace(_scaled(branchy), M, cfg=CFG)
     assert program.traced()["seq_lens"] is ReadEnd.UNKNOWN
-    assert any("cond" in why for why in program.opaque().get("body", {}).values()), program.opaque()
+    assert any("cond" in why for why in program.opaque().get(BODY, {}).values()), program.opaque()
 
 
 def test_a_tensor_subclass_returned_by_a_stage_is_refused_naming_stage_key_and_line() -> None:

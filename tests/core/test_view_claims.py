@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from readfence.backends import kv_indices, leaf, softmax_attention, store_kv
-from readfence.core import ForwardMode, audit, observe, trace
+from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode, audit, observe, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, run_overlapped, run_serial
 from tests.conftest import SMALL as CFG
@@ -65,8 +65,8 @@ def test_a_copy_claimed_as_a_view_reads_its_input_where_it_copies(name: str) -> 
     program = trace(_backend(name, COPIES[name], ReadEnd.IN_REPLAY), M, cfg=CFG)
     assert program.traced()["seq_lens"] is ReadEnd.IN_REPLAY
     stage, node = program.last_reader("seq_lens")
-    assert stage == "prepare_in_graph"
-    assert program.stage("body").buffers_read() == frozenset()  # the body reads the copy, not the buffer
+    assert stage == PREPARE_IN_GRAPH
+    assert program.stage(BODY).analysis.buffers_read() == frozenset()  # the body reads the copy, not the buffer
 
 
 @pytest.mark.parametrize("name", sorted(COPIES))
@@ -108,16 +108,16 @@ def test_real_views_stay_views() -> None:
 
     program = trace(leaf("views", attend, prepare_in_graph=inn), M, cfg=CFG)
     assert program.traced()["seq_lens"] is ReadEnd.POST_REPLAY
-    assert program.stage("prepare_in_graph").buffers_read() == frozenset()
-    assert not program.stage("prepare_in_graph").copies
+    assert program.stage(PREPARE_IN_GRAPH).analysis.buffers_read() == frozenset()
+    assert not program.stage(PREPARE_IN_GRAPH).analysis.copies
 
 
 def test_without_memory_an_unannotated_claim_counts_both_ways() -> None:
     # on fake tensors (a trace for CUDA) there is no memory to check: the op may copy, so it
     # reads, and may alias, so the body's consumers read too
     program = trace(_backend("foreach_add", COPIES["foreach_add"], ReadEnd.POST_REPLAY), M, cfg=CFG, device="cuda")
-    assert program.stage("prepare_in_graph").copies is None
-    assert "seq_lens" in program.stage("prepare_in_graph").buffers_read()
+    assert program.stage(PREPARE_IN_GRAPH).analysis.copies is None
+    assert "seq_lens" in program.stage(PREPARE_IN_GRAPH).analysis.buffers_read()
     assert program.traced()["seq_lens"] is ReadEnd.POST_REPLAY
 
 
