@@ -43,11 +43,13 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from readfence.effects import ReadfenceError
+from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 
 from ._observe import join_node_reads, observe_program
-from ._program import SOURCE_KEY, NodeReads, Program, StageGraph, flatten_inputs
+from ._program import SOURCE_KEY, NodeReads, NodeReadsIn, Program, StageGraph, flatten_inputs
+from ._state import ModelConfig, varied_step
 from ._step import Stage, StageCall, StepFunctions, eval_step
+from .tracing._bind import state_key
 from .tracing._cache import cache_with_traces, remember
 from .tracing._memory import BufferMap, random_state, same_values, set_random_state
 from .tracing._trace import trace_step
@@ -299,5 +301,108 @@ def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]]
 _VALIDATED: dict[tuple[Program, tuple[int, ...]], bool] = cache_with_traces({})
 _VALIDATED_LIMIT = 256
 
+#: The live tensors a step runs on: ``shared``, ``pools``, ``params``, each name -> tensor.
+State = Mapping[str, Mapping[str, Tensor]]
 
-__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "observe_varied", "same_values", "validate_replay"]
+
+@contextlib.contextmanager
+def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: State | None, *,
+                  settle: Callable[[], None] | None = None) -> Iterator[Callable[[int], dict[str, Any]]]:
+    """``example(seed)``: the input groups of ``core.varied_step``'s fresh state for ``seed``, at
+    ``batch_size``, on the live ``state``'s device (``None``: no live state, the program's device),
+    for a check to run ``program``'s step on. A backend that keeps references to the live state
+    (an engine object holding its runner's page table: the program captured tensors) reads that
+    state, not an example: its varied states are written into the live buffers (after
+    ``settle()``, which lets what was enqueued on them finish), which hold their values again when
+    the block ends (as they do after the Python writes memory it keeps a reference to)."""
+    where = program.device if state is None else next(iter(state["shared"].values())).device
+    keeps = state is not None and bool(program.captured())
+    if keeps and settle is not None:  # nothing enqueued may run on the live buffers while they hold the varied states
+        settle()
+    saved = [(t, t.clone()) for group in (state or {}).values() for t in group.values()] if keeps else []
+
+    def example(seed: int) -> dict[str, Any]:
+        groups: dict[str, Any] = varied_step(cfg, program.mode, batch_size, seed=seed, device=where).groups()
+        if not keeps or state is None:
+            return groups
+        for name in ("shared", "pools", "params"):
+            live, varied = state.get(name, {}), groups[name]
+            for buffer, t in live.items():
+                if buffer in varied and varied[buffer].shape == t.shape and varied[buffer].dtype == t.dtype:
+                    t.copy_(varied[buffer])
+            groups[name] = {**varied, **live}
+        return groups
+
+    try:
+        yield example
+    finally:
+        for t, old in saved:
+            t.copy_(old)
+
+
+def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: State | None = None, *,
+                 settle: Callable[[], None] | None = None) -> NodeReads:
+    """What the Python of a step that is not replayed reads on the varied states (per stage, per
+    node: :func:`observe_varied` on :func:`varied_states`); ``{}`` for a step that is replayed
+    (its capture is validated on them instead) or whose trace stopped. Such a step may take a path
+    there that the trace's example did not (a branch on a Python value): the audit's verdict counts
+    what it reads there, and the lowering's fences join it. Cached per program, batch size and
+    live state, so the audit and every lowering of one step on one live state run it once.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, trace
+    >>> cfg = ModelConfig()
+    >>> program = trace(paged(), ForwardMode.EXTEND, cfg=cfg)
+    >>> seen_effect(program, varied_reads(program, cfg, 2))["req_to_token"]
+    <ReadEnd.IN_REPLAY: 2>
+    >>> varied_reads(trace(paged(), ForwardMode.DECODE, cfg=cfg), cfg, 2)
+    {}
+    """
+    if program.replayed or program.aborted is not None:
+        return {}
+    key = (program, cfg, batch_size, None if state is None else state_key(state))
+    if key in _VARIED:
+        return _VARIED[key]
+    with varied_states(program, cfg, batch_size, state, settle=settle) as example:
+        seen = observe_varied(program, example, {} if state is None else state["shared"])
+    return remember(_VARIED, key, seen, _VARIED_LIMIT)
+
+
+def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:
+    """The effect of the reads ``observed`` (per stage, per node, buffers): each buffer until
+    the end of the last stage a run saw reading it.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import BODY, ForwardMode, trace
+    >>> seen_effect(trace(paged(), ForwardMode.DECODE), {BODY: {"mul": frozenset({"seq_lens"})}})
+    ReadEffect({'seq_lens': POST_REPLAY}, default=NONE)
+    """
+    ends: dict[str, ReadEnd] = {}
+    for s in program.stages:
+        for bufs in observed.get(s.stage, {}).values():
+            for b in bufs:
+                ends[b] = ends.get(b, ReadEnd.NONE) | s.end
+    return ReadEffect.of(ends)
+
+
+def seen_reader(program: Program, observed: NodeReadsIn, buffer: str) -> tuple[Stage, str] | None:
+    """``(stage, node)`` where a run last saw ``buffer`` read, in ``observed`` (per stage, per node,
+    buffers; a stage that runs its Python has its reads on its first node), or ``None``.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import BODY, ForwardMode, trace
+    >>> seen_reader(trace(paged(), ForwardMode.DECODE), {BODY: {"mul": frozenset({"seq_lens"})}}, "seq_lens")
+    (Stage(name='body', ...), 'mul')
+    """
+    return next(((s.stage, node) for s in reversed(program.stages)
+                 for node, bufs in observed.get(s.stage, {}).items() if buffer in bufs), None)
+
+
+#: What a step that is not replayed read on the varied states (``varied_reads``), by program,
+#: batch size and live state.
+_VARIED: dict[tuple[Any, ...], NodeReads] = cache_with_traces({})
+_VARIED_LIMIT = 64
+
+
+__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",
+           "validate_replay", "varied_reads", "varied_states"]

@@ -52,7 +52,11 @@ from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
 from ._validate import observe_varied as observe_varied
+from ._validate import seen_effect as seen_effect
+from ._validate import seen_reader as seen_reader
 from ._validate import validate_replay as validate_replay
+from ._validate import varied_reads as varied_reads
+from ._validate import varied_states as varied_states
 from .tracing._bind import state_key as state_key
 from .tracing._cache import cache_with_traces as cache_with_traces
 from .tracing._cache import remember as remember
@@ -76,6 +80,7 @@ __all__ = [
     "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
     "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
     "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "run_scan", "runs_as", "Span", "span_of", "split_batch", "stage_named", "StageCall", "state_key",
-    "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay", "Watched",
+    "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
+    "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
+    "varied_reads", "varied_states", "Watched",
 ]

@@ -8,7 +8,9 @@ last read comes from one of two independent sources, and the report says which:
 * ``observed``: the runtime read observer over real scheduler steps on the engine's state
   (:func:`~readfence.engine.observe_engine`), for what the tracer cannot follow: a stage with
   host reads or data-dependent shapes, or a kernel reading what an earlier stage kept (no
-  static analysis sees that). It covers only the paths those steps took.
+  static analysis sees that). It covers only the paths those steps took; in a step the engine
+  does not replay (EXTEND), whose Python may take a path neither took, it also covers the
+  Python's runs on the varied states ``readfence.core.audit`` and ``lower`` run it on.
 
 The truth is the later of the two. Next to it, the declaration: the object's one
 ``shared_read_ends`` value, the same for every buffer (in EXTEND, what
@@ -49,7 +51,17 @@ from readfence.core import (
     default_batch_sizes,
     trace,
 )
-from readfence.core.internal import BufferAudit, check_forward_mode, escape_note, example_step, positive_int, stage_named
+from readfence.core.internal import (
+    BufferAudit,
+    check_forward_mode,
+    escape_note,
+    example_step,
+    positive_int,
+    seen_effect,
+    seen_reader,
+    stage_named,
+    varied_reads,
+)
 from readfence.effects import Failure, ReadEffect, ReadEnd
 from readfence.effects.internal import table
 
@@ -345,6 +357,9 @@ class _Run:
     escapes: dict[Stage, list[tuple[str, str]]]
     declared: ReadEnd
     resolved: ReadEnd | None
+    # buffer -> the stage whose Python read it latest on a varied state, where that is later than
+    # the trace and the scheduler steps read it (``observed`` includes it)
+    varied: dict[str, Stage] = attrs.Factory(dict)
 
 
 def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: int, path: str) -> _Run:
@@ -369,11 +384,20 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         escapes = _escapes(program)
         traced, readers = _traced(program, escapes)
     observation = observe_engine(node, mode, batch_sizes=[size], steps=steps, seed=seed)
+    observed, varied = observation.observed(), {}
+    if program is not None:  # a step the engine does not replay: its Python on the varied states, as core's audit
+        seen = varied_reads(program, cfg, size, node.state)
+        effect = seen_effect(program, seen)
+        for b in effect.buffers:
+            reader = seen_reader(program, seen, b)
+            if reader is not None and effect[b] > observed[b] | traced.get(b, ReadEnd.NONE):
+                varied[b] = reader[0]
+        observed = observed | effect
     resolved = None
     if mode is ForwardMode.EXTEND and hasattr(node.object, PREFILL):
         resolved = node.prefill_end(example_step(cfg, mode, size).batch)
-    return _Run(size, program, traced, readers, observation.observed(), observation, escapes,
-                node.read_effect(mode).end, resolved)
+    return _Run(size, program, traced, readers, observed, observation, escapes, node.read_effect(mode).end, resolved,
+                varied)
 
 
 def _stage_of(method: str) -> Stage:
@@ -399,7 +423,10 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
                          used=_used(node, mode) == "")
     last = run.observation.last_reader(buffer)
     method = op = why = ""
-    if last is not None:
+    if buffer in run.varied:
+        method, op = STAGE_METHODS[run.varied[buffer]], "its Python, on a varied state"
+        why = "a step the engine does not replay runs its Python, which took a path there that the trace did not"
+    elif last is not None:
         label, op = last
         stage = stage_named(label)
         method = STAGE_METHODS[stage]
@@ -458,16 +485,20 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
     lowering = ""
     declared = node.read_effect(mode)
     failed = [r for r in runs if r.program is None]
-    refused = [r for r in runs if r.program is not None and not r.program.traced() <= declared]
+    lowered = [(r, r.program.traced() | ReadEffect.of({b: r.observed[b] for b in r.varied}))
+               for r in runs if r.program is not None]
+    refused = [(r, effect) for r, effect in lowered if not effect <= declared]
     if failed:
         (stage, [(why, source), *_]), *_ = failed[0].escapes.items()
         lowering = (f"readfence cannot lower it with any policy: {STAGE_METHODS[stage]} ({stage}): "
                     f"{why} at {source}")
     elif refused:
-        effect = refused[0].program.traced()  # type: ignore[union-attr]
+        late, effect = refused[0]
         worst = max((b for b in effect.buffers if not effect[b] <= declared[b]), key=lambda b: effect[b].rank)
-        lowering = (f"readfence's lowering fences it COARSE only: its traced effect reads {worst} until "
-                    f"{effect[worst].name}, later than declared ({declared[worst].name})")
+        what = "its Python reads" if worst in late.varied else "its traced effect reads"
+        where = " on a varied state" if worst in late.varied else ""
+        lowering = (f"readfence's lowering fences it COARSE only: {what} {worst} until "
+                    f"{effect[worst].name}{where}, later than declared ({declared[worst].name})")
         if untraceable:
             lowering += (" (a stage the tracer cannot follow reads every buffer: until PRE_REPLAY before the "
                          "replay, POST_REPLAY in it)")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -50,14 +50,12 @@ from readfence.core import (
     bind,
     make_shared_state,
     step_functions,
-    varied_step,
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
     NodeReads,
     NodeReadsIn,
-    cache_with_traces,
     check_backend,
     check_buffers,
     check_forward_mode,
@@ -66,12 +64,12 @@ from readfence.core.internal import (
     init_params,
     join_node_reads,
     make_pools,
-    observe_varied,
     positive_int,
-    remember,
     replayed,
-    state_key,
+    seen_effect,
     validate_replay,
+    varied_reads,
+    varied_states,
 )
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 
@@ -84,7 +82,7 @@ from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
-from ._slot import CompiledStage, Slot, SlotSpec, StepLauncher, build_slot, last_reads, seen_effect
+from ._slot import CompiledStage, Slot, SlotSpec, StepLauncher, build_slot, last_reads
 from ._verdict import audit_verdict
 
 if TYPE_CHECKING:
@@ -376,43 +374,17 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
 
 
-#: What a step that is not replayed read on the varied states, per program and live state.
-_VARIED: dict[tuple[Any, ...], NodeReads] = cache_with_traces({})
-
-
 def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
                state: Mapping[str, dict[str, Tensor]], device: Device) -> NodeReads:
     """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
     states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
     traced step is wrong with any fence. A step that is not replayed has no capture: its Python
     runs on the same fresh states under the read observer instead, and what it reads there is
-    returned (per stage, per node), for the fences to join (``core.internal.observe_varied``). A
-    backend that keeps references to the live state (an
-    engine object holding its runner's page table) reads that state, not an example: its
-    varied states are written into the live buffers (after the device has run what was enqueued
-    on them), which hold their values again afterwards (as they do after the Python writes memory
-    it keeps a reference to)."""
-    key = (program, state_key(state))
-    if not program.replayed and (program.aborted is not None or key in _VARIED):
-        return _VARIED.get(key, {})
-    where = device_of(state["shared"])
-    keeps = bool(program.captured())
-    if keeps:  # nothing enqueued may run on the live buffers while they hold the varied states
-        device.synchronize()
-    saved = [(t, t.clone()) for group in state.values() for t in group.values()] if keeps else []
-
-    def example(seed: int) -> dict[str, Any]:
-        groups: dict[str, Any] = varied_step(cfg, mode, batch_size, seed=seed, device=where).groups()
-        if not keeps:
-            return groups
-        for name in ("shared", "pools", "params"):
-            live, varied = state.get(name, {}), groups[name]
-            for buffer, t in live.items():
-                if buffer in varied and varied[buffer].shape == t.shape and varied[buffer].dtype == t.dtype:
-                    t.copy_(varied[buffer])
-            groups[name] = {**varied, **live}
-        return groups
-
+    returned (per stage, per node), for the fences to join (``core.internal.varied_reads``). The
+    fresh states are ``core.internal.varied_states``, written into the live buffers for a backend
+    that keeps references to them, after the device has run what was enqueued on them."""
+    if not program.replayed:
+        return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
     compiled: dict[Stage, CompiledStage] = {}
 
     def replay(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -422,14 +394,9 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
             compiled[stage.stage] = CompiledStage(stage, compile_graph(stage.graph.gm, simplify=False, bindings=False))
         return compiled[stage.stage].run(env)
 
-    try:
-        if not program.replayed:
-            return remember(_VARIED, key, observe_varied(program, example, state["shared"]), 64)
+    with varied_states(program, cfg, batch_size, state, settle=device.synchronize) as example:
         validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
-        return {}
-    finally:
-        for t, old in saved:
-            t.copy_(old)
+    return {}
 
 
 def _refuse_unseen_paths(backend: BackendLike, mode: ForwardMode, policy: Policy, declared: ReadEffect,

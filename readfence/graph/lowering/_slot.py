@@ -18,7 +18,7 @@ from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
 from readfence.core.internal import BufferMap, NodeReadsIn
-from readfence.effects import ReadEffect, ReadEnd
+from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
@@ -238,24 +238,6 @@ def last_reader(program: Program, buffer: str, observed: NodeReadsIn | None = No
     return max(readers, key=position)
 
 
-def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:
-    """The effect of the reads ``observed`` (per stage, per node, buffers): each buffer until
-    the end of the last stage a run saw reading it.
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import ForwardMode, trace
-    >>> from readfence.core import BODY
-    >>> seen_effect(trace(paged(), ForwardMode.DECODE), {BODY: {"mul": frozenset({"seq_lens"})}})
-    ReadEffect({'seq_lens': POST_REPLAY}, default=NONE)
-    """
-    ends: dict[str, ReadEnd] = {}
-    for s in program.stages:
-        for bufs in observed.get(s.stage, {}).values():
-            for b in bufs:
-                ends[b] = ends.get(b, ReadEnd.NONE) | s.end
-    return ReadEffect.of(ends)
-
-
 def _node_reads(stage: StageGraph, observed: NodeReadsIn) -> dict[str, frozenset[str]]:
     # per node, the traced reads and what the rehearsal observed it really read
     seen, traced = observed.get(stage.stage, {}), stage.analysis.reads
@@ -382,4 +364,4 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
 
 
 __all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
-           "last_reader", "last_reads", "node_positions", "seen_effect"]
+           "last_reader", "last_reads", "node_positions"]
