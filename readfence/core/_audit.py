@@ -7,7 +7,10 @@ read: the scheduler could overwrite the buffer while the step still reads it).
 
 Reads can depend on the batch size (a branch on ``q.shape[0]``), so the step is traced at
 every batch size that will run, by default 1, 2 and the model's maximum; a buffer's observed
-end is the latest over them, and the report names the batch size that reads it latest.
+end is the latest over them, and the report names the batch size that reads it latest. A step
+that is not replayed (``core.internal.replayed``: EXTEND) runs its Python every step, which may
+take a path the trace's example did not (a branch on a Python value): its reads on the varied
+states a replayed capture is validated on count too, and the report says a read was seen there.
 
 The verdict is where the fences are decided. A fence is placed from the root's declaration (a
 wrapper's is computed from its children's) and from each node that places one of its own (a
@@ -38,10 +41,11 @@ from readfence.effects.internal import table
 from ._checks import check_backend, check_mode, positive_int
 from ._modes import ForwardMode
 from ._observe import Disagreement, Observation, cross_check, observe
-from ._program import ESCAPE, Program, Unmatched
+from ._program import ESCAPE, NodeReads, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, Stage, stage_named
+from ._validate import seen_effect, seen_reader, varied_reads
 from .tracing._analysis import StageWriteError
 from .tracing._bind import bind
 from .tracing._trace import trace
@@ -95,6 +99,9 @@ class BufferAudit:
     observed: ReadEnd
     reader: tuple[str, str] | None  # (stage, node) of the last traced read
     batch_size: int | None = None  # the batch size whose trace reads it latest
+    # the latest read was seen only on a varied state, where the Python of a step that is not
+    # replayed took a path the trace's example did not (``reader``: its stage, as the observer saw it)
+    varied: bool = False
 
     @property
     def steps(self) -> int:
@@ -199,7 +206,8 @@ class AuditReport:
                     continue
                 chain = (*ancestors[next(i for i, a in enumerate(ancestors) if a is fence):], node)
                 latent.append(Latent(node.path, node.mode, b, fence.path, fence.declared[name], fence.observed[name],
-                                     _cover(chain, name, b.observed), _where(node, b.observed, b.reader, b.batch_size)))
+                                     _cover(chain, name, b.observed),
+                                     _where(node, b.observed, b.reader, b.batch_size, b.varied)))
         return sorted(refusals, key=lambda r: -r[0].count("/")), sorted(latent, key=lambda x: -x.path.count("/"))
 
     @property
@@ -252,9 +260,11 @@ class AuditReport:
     # -- output ------------------------------------------------------------------------------
     def rows(self, *, detail: bool = False) -> list[dict[str, Any]]:
         """One dict per (node, buffer): keys backend, mode, buffer, declared, observed, verdict
-        (names as strings); with ``detail`` also steps, note, reader (``stage:node``), batch size
-        and ``latent`` (``None``, or the :class:`Latent` finding as a dict). A latent entry's verdict
-        is ``latent``, not ``unsound``: no fence is placed from its node's declaration."""
+        (names as strings); with ``detail`` also steps, note, reader (``stage:node``), batch size,
+        ``varied`` (the latest read was seen only on a varied state of a step that is not
+        replayed) and ``latent`` (``None``, or the :class:`Latent` finding as a dict). A latent
+        entry's verdict is ``latent``, not ``unsound``: no fence is placed from its node's
+        declaration."""
         latent = {(x.path, x.buffer): x for x in self.latent()}
         out = []
         for r, b in self.entries():
@@ -272,6 +282,7 @@ class AuditReport:
                 row["note"] = b.note
                 row["reader"] = f"{b.reader[0]}:{b.reader[1]}" if b.reader else ""
                 row["batch_size"] = b.batch_size
+                row["varied"] = b.varied
                 row["latent"] = None if finding is None else finding.as_json()
             out.append(row)
         return out
@@ -301,7 +312,8 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
         if row.get("note"):
             verdict = f"{verdict} ({row['note']})"
         if verdict.startswith(UNSOUND) and row.get("reader"):
-            verdict = f"{verdict}: read by {row['reader']}"
+            by = f"{row['reader'].partition(':')[0]}'s Python on a varied state" if row.get("varied") else row["reader"]
+            verdict = f"{verdict}: read by {by}"
         if verdict == LATENT and row.get("latent"):
             cover = row["latent"]["covered_by"]
             verdict = f"latent ({'covered by ' + cover if cover else 'not read that late here'})"
@@ -337,26 +349,31 @@ class Unsound:
     @property
     def message(self) -> str:
         node = self.report.find(self.path)
-        where = _where(node, self.observed, self.reader, self.batch_size)
+        varied = any(b.varied for b in node.buffers if b.buffer == self.buffer)
+        where = _where(node, self.observed, self.reader, self.batch_size, varied)
         placed = ""
         if self.fence is not None and self.fence != self.path:
             placed = (f"; the fence of {self.fence} is placed from its declaration, "
                       f"{self.report.find(self.fence).declared[self.buffer].name}")
         return (
             f"unsound declaration: {self.path} in mode {self.mode.name} declares buffer "
-            f"{self.buffer!r} ends at {self.declared.name} but the traced code reads it until "
-            f"{self.observed.name} ({where}){placed}"
+            f"{self.buffer!r} ends at {self.declared.name} but {'its Python' if varied else 'the traced code'} "
+            f"reads it until {self.observed.name} ({where}){placed}"
         )
 
     def __str__(self) -> str:
         return self.message
 
 
-def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None, batch_size: int | None) -> str:
+def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None, batch_size: int | None,
+           varied: bool = False) -> str:
     """What reads a buffer of ``node`` until ``observed``, in words: the reading node, the escape
-    or captured tensor that gives its stage every buffer, the batch size."""
+    or captured tensor that gives its stage every buffer, the stage whose Python read it on a
+    varied state, the batch size."""
     parts = []
-    if observed is ReadEnd.UNKNOWN and node.opaque:
+    if varied and reader:
+        parts.append(f"stage {reader[0]}'s Python read it on a varied state: a path the trace's example did not take")
+    elif observed is ReadEnd.UNKNOWN and node.opaque:
         # a reference escaping, an op the tracer cannot see through, a captured tensor
         stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
         parts.append(f"stage {stage}, node {name!r}: {why}")
@@ -488,11 +505,14 @@ def _named(result: _R, name: str) -> _R:
 
 
 def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any],
-                batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None, observe_steps: int) -> AuditReport:
-    # per batch size: the traced program and, independently, what running it really reads;
-    # both of the backend the step runs as (a wrapper's is its child's: traced and observed once)
+                batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None, observe_steps: int,
+                varied: bool) -> AuditReport:
+    # per batch size: the traced program and, independently, what running it really reads (in a
+    # step that is not replayed, on the varied states too, when ``varied``); both of the backend
+    # the step runs as (a wrapper's is its child's: traced and observed once)
     runner = runs_as(backend, mode)
-    runs: list[tuple[int, Program, ReadEffect]] = []
+    # (batch size, program, what its trace and example run read, that and its varied runs, the varied runs' reads)
+    runs: list[tuple[int, Program, ReadEffect, ReadEffect, NodeReads]] = []
     disagreements: list[Disagreement] = []
     for n in batch_sizes:
         try:
@@ -505,19 +525,27 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
             seen = _named(observe(runner, mode, batch_size=n, steps=observe_steps, cfg=kw["cfg"]), backend.name)
             disagreements += cross_check(program, seen)
             effect = effect | seen.observed()  # a read the trace missed still counts
-        runs.append((n, program, effect))
+        # its Python on the varied states: a path the example did not take (what lower refuses)
+        elsewhere = varied_reads(program, kw["cfg"], n, state) if varied else {}
+        runs.append((n, program, effect, effect | seen_effect(program, elsewhere), elsewhere))
     declared = backend.read_effect(mode)
     observed = ReadEffect.none()
-    for _, _, effect in runs:
-        observed = observed | effect
+    for run in runs:
+        observed = observed | run[3]
     first = runs[0][1]
     names = list(first.buffers) + [b for b in declared.buffers + observed.buffers if b not in first.buffers]
     entries = []
     for b in dict.fromkeys(names):
-        n, latest, _ = next(r for r in runs if r[2][b] is observed[b])
-        reader = latest.last_reader(b)  # a report names the stage: its rows and JSON hold text
-        entries.append(BufferAudit(b, declared[b], observed[b], None if reader is None else (reader[0].name, reader[1]), n))
-    opaque = tuple(dict.fromkeys(o for _, program, _ in runs for o in _why_opaque(program)))
+        example = next((r for r in runs if r[2][b] is observed[b]), None)
+        if example is not None:
+            n, latest = example[:2]
+            reader = latest.last_reader(b)  # a report names the stage: its rows and JSON hold text
+        else:  # read that late only on a varied state: its stage, as the observer saw it
+            n, latest, _, _, elsewhere = next(r for r in runs if r[3][b] is observed[b])
+            reader = seen_reader(latest, elsewhere, b)
+        entries.append(BufferAudit(b, declared[b], observed[b], None if reader is None else (reader[0].name, reader[1]),
+                                   n, varied=example is None))
+    opaque = tuple(dict.fromkeys(o for _, program, *_ in runs for o in _why_opaque(program)))
     return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes,
                        tuple(dict.fromkeys(disagreements)))
 
@@ -594,6 +622,9 @@ def audit_report(
     cfg = ModelConfig() if cfg is None else cfg
     sizes = _batch_sizes(cfg, batch_sizes)
     kw = {"cfg": cfg, "device": device}
+    # a step that is not replayed runs on the varied states where its Python can run: on the CPU,
+    # or on the live state (traced on another device, the example holds fake tensors)
+    varied = observe_steps > 0 and (device == "cpu" or state is not None)
     # iterative post-order: children's reports are built before their parent's; each node only
     # where the step runs it (a select's selected arm; a tbo child at its micro-batch sizes)
     order: list[tuple[str, BackendLike, tuple[int, ...], bool, int, tuple[tuple[str, str], ...]]] = []
@@ -608,7 +639,7 @@ def audit_report(
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        report = _audit_node(path, node, mode, kw, at, state, observe_steps if device == "cpu" else 0)
+        report = _audit_node(path, node, mode, kw, at, state, observe_steps if device == "cpu" else 0, varied)
         done.append(attrs.evolve(report, children=kids_reports, placed=placed, not_run=idle))
     (root,) = done
     return root
@@ -662,7 +693,11 @@ def audit(
     Independently of the trace, each batch size is also run eagerly for ``observe_steps``
     example steps under the runtime read observer (``observe``; on a CPU trace, ``0``
     disables it): a read it sees that a faithful stage's trace does not cover is a bug in
-    readfence's analysis, listed in ``report.disagreements``, and counts in the verdict.
+    readfence's analysis, listed in ``report.disagreements``, and counts in the verdict. A step
+    that is not replayed (EXTEND) runs its Python every step, so it is also run on the three
+    varied states under the observer (``core.internal.varied_reads``, on the CPU or on ``state``;
+    ``observe_steps=0`` skips them too): a read there, on a path the trace's example did not
+    take, counts in the verdict as ``lower`` counts it, and its entry says so (``varied``).
 
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect

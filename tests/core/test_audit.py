@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -387,6 +388,43 @@ def test_unsound_table_names_the_reader() -> None:
     line = bad.report.table().splitlines()[1]
     assert "unsound: read by body:" in line and bad.reader[1] in line
     assert bad.report.counts()["unsound"] == 1 and not bad.report.sound
+
+
+def _longest_path_leaf(declared: ReadEffect) -> Any:
+    """A leaf whose body reads the page table only for a batch at the longest context, a Python
+    value its out-of-graph stage computes: a path the trace's example at batch size 2 does not take."""
+
+    def out(mode, shared, batch):
+        meta = page_meta(shared, batch)
+        return {**meta, "longest": int(meta["kv_lens"].max())}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        got = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        if meta["longest"] >= CFG.max_ctx:
+            got = got + shared["req_to_token"].index_select(0, batch["req_pool_indices"]).sum() * 0
+        return got
+
+    return leaf("long_path", attend, prepare_out_graph=out, declare={M.EXTEND: declared})
+
+
+def test_in_a_step_that_is_not_replayed_a_read_on_a_varied_state_counts_and_the_report_names_it() -> None:
+    # EXTEND runs its Python every step; it is run on the varied states too, one at the longest context
+    early = _longest_path_leaf(ReadEffect.of({}, default=ReadEnd.PRE_REPLAY))
+    bad = audit(early, M.EXTEND, cfg=CFG, batch_sizes=[2]).failure()
+    assert bad.message == (
+        "unsound declaration: long_path in mode EXTEND declares buffer 'req_to_token' ends at PRE_REPLAY but its "
+        "Python reads it until POST_REPLAY (stage body's Python read it on a varied state: a path the trace's "
+        "example did not take)"), bad.message
+    rows = {r["buffer"]: r for r in bad.report.rows(detail=True)}
+    assert (rows["req_to_token"]["verdict"], rows["req_to_token"]["reader"].partition(":")[0],
+            rows["req_to_token"]["varied"]) == ("unsound", "body", True)
+    assert not rows["seq_lens"]["varied"]  # read on the example's path: the trace's
+    assert "unsound: read by body's Python on a varied state" in bad.report.table()
+    honest = redeclare(early, lambda m: ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY}, default=ReadEnd.PRE_REPLAY))
+    assert audit(honest, M.EXTEND, cfg=CFG, batch_sizes=[2]).map(lambda r: r.sound).value_or(False)
+    # the trace and the example's run alone take the short path (observe_steps=0 runs neither)
+    assert audit(early, M.EXTEND, cfg=CFG, batch_sizes=[2], observe_steps=0).map(lambda r: r.sound).value_or(False)
 
 
 # ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from returns.pipeline import is_successful
 from readfence.core import ForwardMode
 from readfence.engine import EngineError, adapt, audit_engine
 
-from .classes import KeepsAView, KeptCopies
+from .classes import Ends, KeepsAView, KeptCopies
 from .conftest import CFG
 
 
@@ -154,3 +154,57 @@ def test_a_sound_audit_and_an_unsound_declaration_the_engine_never_uses_are_succ
     assert is_successful(unused), unused.failure().message
     report = unused.unwrap()
     assert report.unsound() == [] and [r.buffer for r in report.unused()] == ["req_to_token"], report.table()
+
+
+# -- a step the engine does not replay: its Python on the varied states ------------------------
+
+
+class LongestReadsLate(KeptCopies):
+    """KeptCopies whose ``forward`` also reads the live page table, but only when its out-of-graph
+    stage found a request at the longest context (a Python value kept on ``self``): a path the
+    example does not take at batch size 2. Declares PRE_REPLAY (``late``: POST_REPLAY, honest)."""
+
+    late = False
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.longest = runner.model_config.context_len
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        self.at_longest = int(forward_batch.seq_lens_cpu.max()) >= self.longest
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        out = super().forward(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.at_longest:
+            out = out + self.table.index_select(0, forward_batch.req_pool_indices).sum() * 0
+        return out
+
+    def shared_read_ends(self, mode):
+        return Ends.POST_REPLAY if self.late else super().shared_read_ends(mode)
+
+
+class LongestReadsLateDeclared(LongestReadsLate):
+    late = True
+
+
+def test_in_extend_a_read_on_a_varied_state_is_one_verdict_of_audit_engine_core_audit_and_lower():
+    from readfence.core import audit
+    from readfence.effects import ReadEnd
+    from readfence.graph import CpuDevice, Policy, UnsoundLowering, lower
+
+    extend = ForwardMode.EXTEND
+    engine = adapt(LongestReadsLate, cfg=CFG)
+    failed = audit_engine(engine, extend, batch_sizes=[2], steps=1).failure()
+    assert (failed.row.buffer, failed.row.truth, failed.row.method, failed.row.source) == (
+        "req_to_token", ReadEnd.POST_REPLAY, "forward", "observed"), failed.message
+    assert "forward reads it (its Python, on a varied state)" in failed.message, failed.message
+    core = audit(engine, extend, cfg=engine.cfg, batch_sizes=[2], state=engine.state).failure()
+    assert (core.buffer, core.observed, str(core.reader[0])) == ("req_to_token", ReadEnd.POST_REPLAY, "body"), core.message
+    with CpuDevice(timeout=20.0) as dev, pytest.raises(UnsoundLowering) as e:
+        lower(engine, extend, batch_size=2, device=dev, policy=Policy.EXACT, cfg=engine.cfg, state=engine.state)
+    assert e.value.failure is not None and e.value.failure.message == core.message, str(e.value)
+    honest = adapt(LongestReadsLateDeclared, cfg=CFG)
+    assert audit_engine(honest, extend, batch_sizes=[2], steps=1).unwrap().sound
+    with CpuDevice(timeout=20.0) as dev:
+        lower(honest, extend, batch_size=2, device=dev, policy=Policy.EXACT, cfg=honest.cfg, state=honest.state)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import ForwardMode, StageOutputError
+from readfence.core import ForwardMode, StageOutputError, audit
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, run_overlapped, run_serial, verify
 from tests.conftest import SMALL as CFG
@@ -242,13 +242,25 @@ def test_in_extend_a_read_on_a_path_the_example_did_not_take_is_seen_on_a_varied
             out = out + shared["req_to_token"].index_select(0, batch["req_pool_indices"]).sum() * 0
         return out
 
-    early = ReadEffect.of({}, default=ReadEnd.PRE_REPLAY)
-    backend = leaf("long_path", attend, prepare_out_graph=lambda mode, shared, batch: _longest(shared, batch),
-                   declare={M: PRE, E: early})
+    def backend(declared: ReadEffect):
+        return leaf("long_path", attend, prepare_out_graph=lambda mode, shared, batch: _longest(shared, batch),
+                    declare={M: PRE, E: declared})
+
+    early = backend(ReadEffect.of({}, default=ReadEnd.PRE_REPLAY))
+    # one verdict: at the batch size lowered the trace's example takes the short path, and the audit
+    # refuses the read its Python makes on a varied state, naming buffer and stage, as lower does
+    failure = audit(early, E, cfg=CFG, batch_sizes=[2]).failure()
+    assert (failure.path, failure.buffer, failure.observed, str(failure.reader[0])) == (
+        "long_path", "req_to_token", ReadEnd.POST_REPLAY, "body"), failure.message
+    assert [b.varied for b in failure.report.buffers if b.buffer == "req_to_token"] == [True]
+    assert "stage body's Python read it on a varied state" in failure.message, failure.message
     with CpuDevice(timeout=20.0) as dev:
-        lower(backend, E, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG)
+        lower(early, E, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG)
     with CpuDevice(timeout=20.0) as dev, pytest.raises(UnsoundLowering) as e:
-        lower(backend, E, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG)
-    text = str(e.value)  # not the audit's verdict: its example takes the short path
-    assert "'req_to_token'" in text and "stage body's Python read it on a varied state" in text, text
-    assert "POST_REPLAY" in text, text
+        lower(early, E, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG)
+    assert e.value.failure is not None and e.value.failure.message == failure.message, str(e.value)
+    # the honest declaration passes both
+    honest = backend(ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY}, default=ReadEnd.PRE_REPLAY))
+    assert audit(honest, E, cfg=CFG, batch_sizes=[2]).map(lambda r: r.sound).value_or(False)
+    with CpuDevice(timeout=20.0) as dev:
+        lower(honest, E, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG)

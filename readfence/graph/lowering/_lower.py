@@ -8,7 +8,7 @@
 2. validate the capture against the code (``core.validate_replay``): a replayed stage must
    compute what its Python computes on fresh states, whatever the policy; a step that is not
    replayed (``core.internal.replayed``) is observed on those states instead, and a declaration
-   below what its Python reads there is refused;
+   below what its Python reads there is refused (by the audit's verdict, which counts those reads);
 3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
 4. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
    the bound trace joined with the observed reads);
@@ -55,7 +55,6 @@ from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
     NodeReads,
-    NodeReadsIn,
     check_backend,
     check_buffers,
     check_forward_mode,
@@ -320,8 +319,9 @@ def lower(
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
         # the audit's own verdict, at the batch size lowered, on the live state: whatever it
-        # refuses (a declaration below the trace, or below a read the observer saw that the
-        # trace missed) no fence placed from the declaration may accept
+        # refuses (a declaration below the trace, below a read the observer saw that the trace
+        # missed, or, in a step that is not replayed, below a read its Python made on a varied
+        # state) no fence placed from the declaration may accept
         failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
                                 state=state)
     else:
@@ -333,8 +333,6 @@ def lower(
         )
         error.failure = failure
         raise error
-    if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
-        _refuse_unseen_paths(backend, mode, policy, declared, program, varied)
     # EXACT places from the bound trace joined with every read the rehearsal (and, in a step that
     # is not replayed, the runs on varied states) saw, never below one
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
@@ -380,9 +378,10 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
     states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
     traced step is wrong with any fence. A step that is not replayed has no capture: its Python
     runs on the same fresh states under the read observer instead, and what it reads there is
-    returned (per stage, per node), for the fences to join (``core.internal.varied_reads``). The
-    fresh states are ``core.internal.varied_states``, written into the live buffers for a backend
-    that keeps references to them, after the device has run what was enqueued on them."""
+    returned (per stage, per node), for the fences to join (``core.internal.varied_reads``, the
+    very reads the audit's verdict counts). The fresh states are ``core.internal.varied_states``,
+    written into the live buffers for a backend that keeps references to them, after the device
+    has run what was enqueued on them."""
     if not program.replayed:
         return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
     compiled: dict[Stage, CompiledStage] = {}
@@ -397,22 +396,6 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
     with varied_states(program, cfg, batch_size, state, settle=device.synchronize) as example:
         validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
     return {}
-
-
-def _refuse_unseen_paths(backend: BackendLike, mode: ForwardMode, policy: Policy, declared: ReadEffect,
-                         program: Program, varied: NodeReadsIn) -> None:
-    """Refuse a declaration below a read the Python of a step that is not replayed made on a varied
-    state: a path the trace's example did not take (the audit's verdict covers the example's)."""
-    seen = seen_effect(program, varied)
-    for buffer in program.buffers:
-        if declared[buffer] < seen[buffer]:
-            stage = next(s.stage for s in reversed(program.stages)
-                         if any(buffer in bufs for bufs in varied.get(s.stage, {}).values()))
-            raise UnsoundLowering(
-                f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {buffer!r} is declared "
-                f"to end at {declared[buffer].name}, but stage {stage}'s Python read it on a varied state (a path the "
-                f"trace's example did not take), so it is read until {seen[buffer].name}. Fix the declaration, or "
-                f"lower with Policy.COARSE.")
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
