@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core import PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEnd
 from readfence.graph import DEVICE_KINDS, CpuDevice, Policy, Scheduler, lower, open_device
 from readfence.graph.lowering._issue import load_batch
@@ -63,7 +63,7 @@ def _hand_loop(low: Any, sched: Any, written: Any) -> Any:
     unknown = [e for p, e in slot.events.items() if p.after is None and p.end is ReadEnd.UNKNOWN]
     # as ``Fence.wait``: a step's events fire in order on one stream, so the latest covers all
     last = [e for p, e in slot.events.items() if p.waits][-1:]
-    out_runner, out_ops = slot.stages["prepare_out_graph"]
+    out_runner, out_ops = slot.stages[PREPARE_OUT_GRAPH]
     env, meta, static_batch, static_logits = low._env, low._meta, low._batch, low._logits
     graph = slot.graph
     take, static = operator.itemgetter(*static_batch), tuple(static_batch.values())

@@ -95,7 +95,7 @@ def at_depth(cfg: ModelConfig, runs: int, dev: CpuDevice, sizes: Sequence[int] |
     def lowered() -> object:
         return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
 
-    figures: dict[str, Any] = {"recorded": all(s.recorded for s in trace(target(), M.DECODE, cfg=cfg, batch_size=2))}
+    figures: dict[str, Any] = {"recorded": all(s.graph.recorded for s in trace(target(), M.DECODE, cfg=cfg, batch_size=2))}
     for name, fn in (("trace_s", traced), ("trace_make_fx_s", lambda: _with_make_fx(cfg)), ("audit_s", audited),
                      ("lower_s", lowered)):
         figures[name] = _median(lambda: _timed(fn), runs)  # noqa: B023 (called in the loop)

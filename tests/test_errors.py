@@ -12,8 +12,8 @@ import pytest
 import readfence
 from readfence.effects import ReadfenceError
 
-#: Exceptions used for control flow inside one module and caught there: never reach a user.
-INTERNAL = {"readfence.core.tracing._record.Unrecordable"}
+#: Exceptions used for control flow inside the tracer and caught there: never reach a user.
+INTERNAL = {"readfence.core.tracing._record.Unrecordable", "readfence.core.tracing._trace_modes.TraceAborted"}
 
 
 def error_classes() -> dict[str, type[BaseException]]:

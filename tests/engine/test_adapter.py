@@ -7,7 +7,7 @@ import pytest
 import torch
 from returns.pipeline import is_successful
 
-from readfence.core import CapturedStateError, ForwardMode, audit
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, CapturedStateError, ForwardMode, audit
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, adapt, audit_engine, verify_engine
 from readfence.graph import Policy, make_state, run_overlapped, run_serial
@@ -76,7 +76,7 @@ def test_data_dependent_shapes_are_audited_by_observation_and_run_under_the_runn
     assert _verdicts(report)["req_to_token"] == ("exact", "observed", POST)
     assert _verdicts(report)["seq_lens"] == ("exact", "observed", POST)
     node = report.find("HostBounds", M.DECODE)
-    assert {stage for stage, _, _ in node.untraceable} == {"prepare_out_graph", "body"}
+    assert {stage for stage, _, _ in node.untraceable} == {PREPARE_OUT_GRAPH, BODY}
     # both stages run as Python in the step: every buffer until POST_REPLAY, which it declares
     assert node.lowering == ""
     assert "cover only the paths that ran" in report.table()
@@ -203,7 +203,7 @@ def test_torch_refusing_to_trace_names_the_stage_and_line_with_its_whole_message
     report = audit_engine(adapt(Refused, cfg=CFG), M.DECODE, batch_sizes=[2], steps=1).unwrap()
     node = report.find("Refused", M.DECODE)
     ((stage, why, source),) = node.untraceable
-    assert stage == "prepare_in_graph" and why.endswith("(end of message)") and "test_adapter.py" in source
+    assert stage == PREPARE_IN_GRAPH and why.endswith("(end of message)") and "test_adapter.py" in source
     assert node.lowering.startswith("readfence cannot lower it with any policy: init_forward_metadata_in_graph")
     assert {r.source for r in node.rows} == {"observed"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import ForwardMode
+from readfence.core import BODY, ForwardMode
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, audit_engine, verify_engine
 from readfence.engine.reference import ENGINES, deepseek_v4_engine, dots_hybrid_engine, tbo_engine, torch_native_engine
@@ -116,5 +116,5 @@ def test_torch_native_s_host_read_forward_runs_as_python_under_readfence_s_fence
         node = report.find("TorchNativeBackend", mode)
         assert node.lowering == ""  # nothing refused: every policy lowers it on the CPU device
         (stage, why, _), = node.untraceable
-        assert stage == "body" and "tolist()" in why
+        assert stage == BODY and "tolist()" in why
         assert "a CUDA graph cannot capture it" in report.table()

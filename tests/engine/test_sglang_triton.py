@@ -153,7 +153,7 @@ def test_a_buffer_allocated_on_first_use_is_the_backends_own_and_an_extend_step_
     engine = sg.lazy_triton()
     program = bind(trace(engine, mode, cfg=engine.cfg, batch_size=2), engine.state)
     # the object's own state, refilled in place: no per-step output, no constant of a trace
-    assert not [n for s in program for n in s.outputs if "lazy_indices" in n], [s.outputs for s in program]
+    assert not [n for s in program for n in s.graph.outputs if "lazy_indices" in n], [s.graph.outputs for s in program]
     assert all(c.usable for c in program.captured()), program.captured()
     if mode is M.EXTEND:  # run end to end where the warm-up allocates it (in DECODE the capture-time calls do)
         result = verify_engine(engine, mode, device=dev, policies=[Policy.EXACT], steps=2, batch_size=2).unwrap()

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.backends.fuzz import keep, planned_gather
-from readfence.core import ForwardMode, NotGraphSafe, audit, trace
+from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode, NotGraphSafe, audit, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, lower, make_state, run_overlapped, run_serial, verify
 from tests.conftest import ONE_LAYER as CFG
@@ -203,13 +203,13 @@ def test_never_accepted_and_different_from_serial(name: str) -> None:
 def test_a_value_the_tracer_did_not_notice_is_refused_naming_stage_and_line(name: str) -> None:
     backend = CASES[name]()
     program = trace(backend, M, cfg=CFG)
-    stage = "body" if name.startswith("body_") else "prepare_in_graph"
+    stage = BODY if name.startswith("body_") else PREPARE_IN_GRAPH
     if program.stage(stage).runs_python:  # the tracer noticed it after all: its Python runs, nothing baked
         assert program.unfaithful(), name
         return
     with CpuDevice(timeout=30.0) as dev, pytest.raises(NotGraphSafe) as e:
         lower(backend, M, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG)
-    assert e.value.stage == stage and e.value.line.startswith(f"{__file__}:"), str(e.value)
+    assert e.value.stage == stage.name and e.value.line.startswith(f"{__file__}:"), str(e.value)
 
 
 def test_the_unnoticed_spellings_are_really_unnoticed() -> None:

@@ -114,7 +114,7 @@ def test_exact_never_releases_before_a_later_stage_that_runs_its_python(dev, mon
     from readfence.core import Program
 
     def traced_only(self, buffer):
-        return next(((s.name, n) for s in reversed(self.stages) if (n := s.last_reader(buffer))), None)
+        return next(((s.stage, n) for s in reversed(self.stages) if (n := s.analysis.last_reader(buffer))), None)
 
     monkeypatch.setattr(Program, "last_reader", traced_only)
     # (the rehearsal saw the body's Python read the lengths: dropped as well, or it holds them)

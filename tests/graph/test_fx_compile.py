@@ -290,13 +290,14 @@ def test_stages_of_reference_backends_compile_to_the_same_results(backend, mode)
     env_c = {k: v.clone() for k, v in env.items()}
     shared_nodes = 0
     for stage in program.stages:
-        compiled = compile_graph(stage.gm, keep=stage.reads)
+        graph = stage.graph
+        compiled = compile_graph(graph.gm, keep=stage.analysis.reads)
         shared_nodes += compiled.stats["shared"] + compiled.stats["folded"]
-        out = stage.gm(*[env[n] for n in stage.inputs])
-        out_c = compiled(*[env_c[n] for n in stage.inputs])
-        assert _same(list(out_c), list(out)), stage.name
-        env.update(zip(stage.outputs, out))
-        env_c.update(zip(stage.outputs, out_c))
-        assert all(_same(env_c[k], v) for k, v in env.items()), f"{stage.name} wrote differently"
+        out = graph.gm(*[env[n] for n in graph.inputs])
+        out_c = compiled(*[env_c[n] for n in graph.inputs])
+        assert _same(list(out_c), list(out)), stage.stage.name
+        env.update(zip(graph.outputs, out))
+        env_c.update(zip(graph.outputs, out_c))
+        assert all(_same(env_c[k], v) for k, v in env.items()), f"{stage.stage} wrote differently"
     assert shared_nodes > 0  # the body's rotary tables are computed once: the passes ran
     assert math.isfinite(float(env["pools.k_cache"].sum()))

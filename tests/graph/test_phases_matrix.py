@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, paged, redeclare, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core import PREPARE_IN_GRAPH, SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, FaultInjector, Policy, StepShape, decode_loop, eagle, multi_eagle, ngram, run_overlapped, run_serial
 from readfence.graph.steps import Phase
@@ -90,7 +90,7 @@ def test_exact_publishes_each_buffer_from_its_traced_last_reader(dev):
     target = exact.graphs[("target", ForwardMode.TARGET_VERIFY)].plan.placements  # of the buffers it owns:
     owned = {b for b, k in exact.owner.items() if names[k] == "target_verify"}
     assert {b: (p.after.stage, p.end) for b, p in target.items() if b in owned} == {
-        "swa_map": ("prepare_in_graph", ReadEnd.IN_REPLAY), "state_slots": ("prepare_in_graph", ReadEnd.IN_REPLAY)}
+        "swa_map": (PREPARE_IN_GRAPH, ReadEnd.IN_REPLAY), "state_slots": (PREPARE_IN_GRAPH, ReadEnd.IN_REPLAY)}
     # the declarations rank the phases for PER_BUFFER: the draft extend declares UNKNOWN
     assert {names[k] for k in per_buffer.owner.values()} == {"draft_extend"}
     coarse = decode_loop(shape, policy=Policy.COARSE, device=dev, batch_size=BATCH, cfg=CFG).lowered

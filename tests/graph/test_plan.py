@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from readfence.backends import deepseek_v4, dense, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 from readfence.graph import CpuDevice, Policy, lower
 from readfence.graph.lowering import Placement, plan_fences
@@ -31,10 +31,10 @@ NO_IN_GRAPH = Capabilities(in_graph_events=False)
 
 MIXED = ReadEffect.of({"req_to_token": PRE, "seq_lens": PRE, "swa_map": PRE, "state_slots": IN})
 LAST = {
-    "req_to_token": LastRead("prepare_out_graph", "index_select", 3),
-    "seq_lens": LastRead("prepare_out_graph", "index_select_1", 5),
-    "swa_map": LastRead("prepare_out_graph", "index_select_3", 9),
-    "state_slots": LastRead("prepare_in_graph", "index_select", 2),
+    "req_to_token": LastRead(PREPARE_OUT_GRAPH, "index_select", 3),
+    "seq_lens": LastRead(PREPARE_OUT_GRAPH, "index_select_1", 5),
+    "swa_map": LastRead(PREPARE_OUT_GRAPH, "index_select_3", 9),
+    "state_slots": LastRead(PREPARE_IN_GRAPH, "index_select", 2),
 }
 
 
@@ -82,7 +82,7 @@ def test_exact_places_each_buffer_after_its_last_reading_node():
     # one event per node, in execution order (node order inside a stage)
     assert [p.after.node for p in plan.points()] == ["index_select", "index_select_1", "index_select_3",
                                                      "index_select"]
-    assert [p.after.stage for p in plan.points()][-1] == "prepare_in_graph"
+    assert [p.after.stage for p in plan.points()][-1] == PREPARE_IN_GRAPH
 
 
 def test_exact_needs_the_trace():
@@ -92,7 +92,7 @@ def test_exact_needs_the_trace():
 
 @pytest.mark.parametrize("policy", list(Policy), ids=str)
 def test_no_in_graph_events_never_places_an_in_graph_point(policy):
-    last = dict(LAST, req_to_token=LastRead("body", "index_select_9", 40))
+    last = dict(LAST, req_to_token=LastRead(BODY, "index_select_9", 40))
     declared = MIXED | ReadEffect.of({"req_to_token": POST})
     plan = plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=NO_IN_GRAPH, policy=policy,
                        last_reads=last, observed=declared)

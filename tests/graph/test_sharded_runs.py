@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from readfence.backends import hybrid_linear, linear, paged, redeclare, trtllm_mha
-from readfence.core import ForwardMode, ModelConfig, TensorParallel
+from readfence.core import BODY, ForwardMode, ModelConfig, TensorParallel
 from readfence.core._collectives import starts_collective
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, Scheduler, lower, run_overlapped, run_serial, verify
@@ -27,7 +27,7 @@ def cfg(solo_group):
 
 def test_the_collectives_run_inside_the_replayed_graph(cfg, dev):
     low = lower(paged(), DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
-    assert low.graphed and sum(starts_collective(n.target) for n in low.program.stage("body").gm.graph.nodes) == 8
+    assert low.graphed and sum(starts_collective(n.target) for n in low.program.stage(BODY).graph.gm.graph.nodes) == 8
     batch = Scheduler(cfg, DECODE, 2, seed=0).next_step().batch
     before = dist.group.WORLD._get_sequence_number_for_group()
     low.run(batch).result(10.0)
