@@ -309,6 +309,12 @@ class StageHooks:
     (real tensors only) when a faithful stage of a replayed step captured tensors: ``bind`` runs
     it again on them to see what its nodes touch of the live state (nothing else keeps them: a
     cached program would keep a model's caches alive).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import BODY, ForwardMode, trace
+    >>> hooks = trace(paged(), ForwardMode.EXTEND).stage(BODY).hooks
+    >>> hooks.replayed, hooks.eager is not None  # EXTEND runs eagerly: every stage's Python
+    (False, True)
     """
 
     eager: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
