@@ -41,7 +41,6 @@ from ._state import varied_step as varied_step
 from ._step import BODY as BODY
 from ._step import PREPARE_IN_GRAPH as PREPARE_IN_GRAPH
 from ._step import PREPARE_OUT_GRAPH as PREPARE_OUT_GRAPH
-from ._step import STAGE_ENDS as STAGE_ENDS
 from ._step import STAGES as STAGES
 from ._step import Stage as Stage
 from ._step import StageOutputError as StageOutputError
@@ -60,7 +59,7 @@ from .tracing._triton import LaunchStreamError as LaunchStreamError
 from .tracing._triton import UnboundedKernelError as UnboundedKernelError
 
 __all__ = [
-    "BODY", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "STAGE_ENDS", "AuditReport",
+    "BODY", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "AuditReport",
     "BackendLike", "BufferAudit", "ChildRun", "CapturedStateError", "Disagreement", "ForwardMode", "ModelConfig",
     "NotGraphSafe", "Observation", "Program", "ReadObserver", "Stage", "StageAnalysis", "StageGraph", "StageHooks", "StageOutputError",
     "StageThreadError", "StageWriteError", "StepInputs", "KernelAccess", "Latent", "LaunchStreamError",

@@ -86,7 +86,8 @@ BODY = Stage("body", in_graph=True, end=ReadEnd.POST_REPLAY, escape_end=ReadEnd.
 STAGES: tuple[Stage, ...] = (PREPARE_OUT_GRAPH, PREPARE_IN_GRAPH, BODY)
 _BY_NAME = {s.name: s for s in STAGES}
 
-#: Per stage name, the read end of a read in it.
+#: Per stage name, the read end of a read in it: for what names a stage as text (the read
+#: observer's labels); everything else holds the :class:`Stage` value and asks its ``end``.
 STAGE_ENDS: dict[str, ReadEnd] = {s.name: s.end for s in STAGES}
 
 
