@@ -134,6 +134,28 @@ class DeviceBase:
             s.synchronize(max(0.0, deadline - time.monotonic()))
         self._notify("on_device_synchronize")
 
+    def settle(self, timeout: float | None = None) -> tuple[Exception, ...]:
+        """Host wait for every stream to run what it was given, going on past a failed one
+        (unlike :meth:`synchronize`); returns the errors met (a stream's failure, a timeout)
+        instead of raising them. A caller that is failing for its own reason settles the device
+        first, so that nothing it enqueued still runs on state it shares with whoever handles
+        its error; the timeout covers all the streams together.
+
+        >>> from readfence.graph import CpuDevice
+        >>> with CpuDevice() as dev:
+        ...     dev.stream("forward").launch(lambda: 1 / 0, label="broken")
+        ...     [type(e).__name__ for e in dev.settle()]
+        ['StreamError']
+        """
+        deadline = time.monotonic() + self._timeout(timeout)
+        errors: list[Exception] = []
+        for s in self.streams:
+            try:
+                s.synchronize(max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # each stream is waited for, whatever the one before did
+                errors.append(e)
+        return tuple(errors)
+
     def __enter__(self) -> Self:
         return self
 

@@ -158,6 +158,9 @@ class Device(Protocol):
     def synchronize(self, timeout: float | None = None) -> None:
         """Host wait for every stream."""
 
+    def settle(self, timeout: float | None = None) -> tuple[Exception, ...]:
+        """Host wait for every stream, past a failed one: the errors met, not raised."""
+
     def add_observer(self, observer: DeviceObserver) -> None:
         """Report every later enqueue to ``observer``."""
 

@@ -9,12 +9,13 @@ buffers. The next forward waits for those writes. ``run_serial`` is the referenc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import attrs
@@ -267,6 +268,10 @@ class DecodeLoop:
     def run(self, steps: int, *, progress: Callable[[int], None] | None = None, timeout: float | None = None) -> tuple[list[StepRun], float]:
         """Run ``steps`` overlapped steps; returns the step runs and the wall time (s)."""
         positive_int("steps", steps)
+        with settled_on_error(self.device, timeout):
+            return self._run(steps, progress, timeout)
+
+    def _run(self, steps: int, progress: Callable[[int], None] | None, timeout: float | None) -> tuple[list[StepRun], float]:
         t0 = time.perf_counter()
         nxt = self._next()
         self._write_state(nxt, None)
@@ -497,6 +502,33 @@ def run_overlapped(
     done = [e for e in ends if e is not None]
     intervals = () if len(done) < len(ends) else tuple(b - a for a, b in zip(done, done[1:]))
     return LoopResult(policy, [r.logits for r in runs], seconds, violations, slack, intervals)
+
+
+@contextlib.contextmanager
+def settled_on_error(device: Device, timeout: float | None = None) -> Iterator[None]:
+    """On an error in the block, wait for the device to run what it was given before the error
+    goes on (``Device.settle``): a loop that fails part-way (a refused wait, a scheduler error)
+    leaves no step of its own running on what it shares with its caller (the live buffers, an
+    engine object), which the caller's next call would race. What settling met is added to the
+    error as notes; the error raised is the block's own.
+
+    >>> from readfence.graph import CpuDevice
+    >>> done = []
+    >>> with CpuDevice() as dev:
+    ...     try:
+    ...         with settled_on_error(dev):
+    ...             dev.stream("forward").launch(lambda: (dev.stall(0.05), done.append(1)), label="step")
+    ...             raise RuntimeError("the scheduler failed")
+    ...     except RuntimeError:
+    ...         print(done)
+    [1]
+    """
+    try:
+        yield
+    except BaseException as error:
+        for met in device.settle(timeout):
+            error.add_note(f"while the device settled after this error: {type(met).__name__}: {met}")
+        raise
 
 
 def sanitized(device: Device, sanitize: bool, run: Callable[[], T]) -> tuple[T, tuple[Violation, ...]]:

@@ -43,7 +43,7 @@ from ..lowering.internal import LOOP_KEYWORDS, check_owned, device_of, for_a_loo
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
 from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, members, scheduling_mode
 from ._arrivals import Traffic
-from ._loop import DecodeLoop, fence_summary, names_keywords, same_logits, sanitized, synthetic_work
+from ._loop import DecodeLoop, fence_summary, names_keywords, same_logits, sanitized, settled_on_error, synthetic_work
 from ._sanitizer import Violation
 from ._serve_scheduler import DECODE, PREFILL, ServeScheduler, ServeStep
 
@@ -317,6 +317,11 @@ class ServeLoop:
         outputs, the host time of each step and the wall time (s)."""
         positive_int("steps", steps)
         self.prepare(steps)
+        with settled_on_error(self.device, timeout):
+            return self._run(steps, progress, timeout)
+
+    def _run(self, steps: int, progress: Callable[[int], None] | None, timeout: float | None,
+             ) -> tuple[list[StepRun], list[StepRecord], list[Tensor | tuple[Tensor, ...]], list[float], float]:
         stream = self.device.stream("schedule")
         t0 = time.perf_counter()
         nxt = self.scheduler.next_step()
