@@ -11,7 +11,8 @@ import pytest
 
 from readfence.backends import paged
 from readfence.graph import CpuDevice, Policy, decode_loop
-from readfence.graph.devices import StreamError
+from readfence.graph.devices import DeviceTimeout, StreamError
+from readfence.graph.runtime.internal import settled_on_error
 
 
 def test_a_decode_loop_failing_part_way_leaves_no_step_running(dev: CpuDevice, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,3 +41,18 @@ def test_settling_waits_past_a_failed_stream_and_returns_its_error() -> None:
         errors = dev.settle()
         assert done == [1] and [type(e) for e in errors] == [StreamError]
         assert "ZeroDivisionError" in str(errors[0])
+
+
+def test_a_device_that_timed_out_is_not_waited_for_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # its stuck stream would hold the error back by a whole timeout once more
+    with CpuDevice() as dev:
+        settled: list[float | None] = []
+        monkeypatch.setattr(dev, "settle", lambda timeout=None: settled.append(timeout) or ())
+        stuck = dev.stream("forward")
+        stuck.launch(lambda: dev.stall(0.5), label="stuck")
+        with pytest.raises(DeviceTimeout), settled_on_error(dev):
+            stuck.synchronize(0.01)
+        assert settled == []
+        with pytest.raises(RuntimeError, match="the scheduler failed"), settled_on_error(dev, 2.0):
+            raise RuntimeError("the scheduler failed")
+        assert settled == [2.0]

@@ -25,7 +25,7 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.core.internal import did_you_mean, positive_int
 
-from ..devices import Device, Event, Stream, Timeline, Write
+from ..devices import Device, DeviceTimeout, Event, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
 from ..lowering.internal import LOOP_KEYWORDS, device_of, for_a_loop, set_by
@@ -510,7 +510,8 @@ def settled_on_error(device: Device, timeout: float | None = None) -> Iterator[N
     goes on (``Device.settle``): a loop that fails part-way (a refused wait, a scheduler error)
     leaves no step of its own running on what it shares with its caller (the live buffers, an
     engine object), which the caller's next call would race. What settling met is added to the
-    error as notes; the error raised is the block's own.
+    error as notes; the error raised is the block's own. A device that timed out is not waited for
+    again (its stuck stream would hold the error back by as long once more), nor is an interrupt.
 
     >>> from readfence.graph import CpuDevice
     >>> done = []
@@ -525,7 +526,9 @@ def settled_on_error(device: Device, timeout: float | None = None) -> Iterator[N
     """
     try:
         yield
-    except BaseException as error:
+    except DeviceTimeout:
+        raise
+    except Exception as error:
         for met in device.settle(timeout):
             error.add_note(f"while the device settled after this error: {type(met).__name__}: {met}")
         raise

@@ -3,6 +3,7 @@
 
 from ._loop import names_keywords as names_keywords
 from ._loop import same_logits as same_logits
+from ._loop import settled_on_error as settled_on_error
 from ._plot import LABEL_GAP as LABEL_GAP
 from ._plot import MIN_BAR as MIN_BAR
 from ._plot import OUTLIER as OUTLIER
