@@ -740,7 +740,7 @@ class Disagreement:
 def cross_check(program: Program, observation: Observation) -> tuple[Disagreement, ...]:
     """The observed accesses of ``observation`` that ``program``'s traced reads do not cover.
 
-    Only faithful stages (``StageGraph.faithful``) are held to it: there every observed read
+    Only faithful stages (``StageAnalysis.faithful``) are held to it: there every observed read
     of a buffer must lie within the traced reads (the same buffer read in the same stage or
     a later one, or ``UNKNOWN``), and no shared buffer may be written. An aborted trace makes
     every buffer ``UNKNOWN``, which covers anything. ``()`` means agreement, on the paths the

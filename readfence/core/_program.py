@@ -138,6 +138,8 @@ class Unmatched:
     """Memory of no state: trace-time state baked into the graph, or, without the live state, any."""
 
 
+_NAMES = frozenset(s.name for s in STAGES)
+
 #: What a run of a program read, per stage and node: the shared buffers each node read.
 NodeReads: TypeAlias = dict[Stage, dict[str, frozenset[str]]]
 #: The same, as a function that only reads it accepts it.
@@ -444,7 +446,17 @@ class Program:
 
     # -- structure ---------------------------------------------------------------------------
     def stage(self, stage: Stage) -> StageGraph:
-        """The graph of ``stage``."""
+        """The graph of ``stage`` (a :class:`Stage` value: ``BODY``, not ``"body"``).
+
+        >>> Program("toy", ForwardMode.DECODE, "cpu", (), ()).stage("body")
+        Traceback (most recent call last):
+        ...
+        TypeError: stage must be a readfence.core.Stage (PREPARE_OUT_GRAPH, PREPARE_IN_GRAPH, BODY), got 'body' (str): write readfence.core.BODY
+        """
+        if not isinstance(stage, Stage):
+            named = f": write readfence.core.{stage.upper()}" if isinstance(stage, str) and stage in _NAMES else ""
+            raise TypeError(f"stage must be a readfence.core.Stage ({', '.join(s.name.upper() for s in STAGES)}), "
+                            f"got {stage!r} ({type(stage).__name__}){named}")
         for s in self.stages:
             if s.stage == stage:
                 return s
