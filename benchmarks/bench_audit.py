@@ -7,6 +7,7 @@ per trace, and the warm time (every trace cached: the audit comparison alone).
 
     python benchmarks/bench_audit.py [--runs 3] [--layers 4] [--json]
     python benchmarks/bench_audit.py --quick     # smoke run: paged in DECODE at batch size 2
+    python benchmarks/bench_audit.py --varied    # what EXTEND's varied-state runs add to its audit
 
 ``main(quick=False, *, runs=3, layers=None)`` returns ``{"cpu": {...}, "cuda": {...}}``, each
 with ``cold_s``, ``traces``, ``ms_per_trace``, ``warm_ms`` and ``unsound`` (``readfence bench``
@@ -22,9 +23,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from readfence.backends import REFERENCE_LEAVES, deepseek_v4, paged, reference_compositions
-from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache
-from readfence.core.internal import trace_cache_size
+from readfence.backends import REFERENCE_LEAVES, deepseek_v4, paged, reference_compositions, tbo
+from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, trace
+from readfence.core.internal import trace_cache_size, varied_reads
 
 
 def backends(quick: bool = False) -> list:
@@ -71,15 +72,50 @@ def main(quick: bool = False, *, runs: int | None = None, layers: int | None = N
     return out
 
 
+def varied(runs: int = 3, layers: int | None = None) -> dict[str, dict[str, float]]:
+    """Per EXTEND backend, side by side in each run (median of ``runs``): a cold audit (its trace
+    cache cleared) and, again cold, the part of it that runs the step's Python on the varied states
+    (``varied_reads`` of the backend itself at each audited batch size, on programs traced
+    beforehand; a combinator's audit also runs its children's)."""
+    cfg = ModelConfig() if layers is None else ModelConfig(layers=layers)
+    sizes = default_batch_sizes(cfg)
+    out = {}
+    for backend in (paged(), deepseek_v4(), tbo(deepseek_v4(), paged())):
+        whole, part = [], []
+        for _ in range(runs):
+            clear_trace_cache()
+            start = time.perf_counter()
+            audit(backend, ForwardMode.EXTEND, cfg=cfg)
+            whole.append(time.perf_counter() - start)
+            clear_trace_cache()
+            programs = [trace(backend, ForwardMode.EXTEND, cfg=cfg, batch_size=n) for n in sizes]
+            start = time.perf_counter()
+            for n, program in zip(sizes, programs):
+                varied_reads(program, cfg, n)
+            part.append(time.perf_counter() - start)
+        out[str(backend)] = {"audit_ms": statistics.median(whole) * 1e3, "varied_ms": statistics.median(part) * 1e3}
+    return out
+
+
 def _cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="paged in DECODE at batch size 2, one cold run: a smoke run")
     parser.add_argument("--runs", type=int, default=None, help="cold runs (median; default 3, 1 with --quick)")
     parser.add_argument("--layers", type=int, default=ModelConfig().layers)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--varied", action="store_true", help="what EXTEND's varied-state runs add to its audit")
     args = parser.parse_args()
     if args.runs is not None and args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    if args.varied:
+        v = varied(args.runs or 3, args.layers)
+        if args.json:
+            print(json.dumps(v, indent=2))
+            return
+        for name, d in v.items():
+            print(f"{name:26} EXTEND audit {d['audit_ms']:7.1f} ms, of which varied-state runs {d['varied_ms']:6.1f} ms "
+                  f"({d['varied_ms'] / d['audit_ms']:.0%})")
+        return
     r = main(args.quick, runs=args.runs, layers=args.layers)
     if args.json:
         print(json.dumps(r, indent=2))
