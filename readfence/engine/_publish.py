@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import attrs
 from returns.result import Result, Success
+from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode
 from readfence.core.internal import check_forward_mode, example_step, positive_int
@@ -100,7 +101,7 @@ def runner_step(phases: Sequence[RunnerPhase], publisher: str | None = None) -> 
     chosen = _phases(phases, ForwardMode.DECODE, None)
     k = _publisher(chosen, publisher)
     spec = "runner_step(" + ", ".join(f"{p.name}={p.engine.name}:{p.mode.name}" for p in chosen) + \
-        f"; publisher={chosen[k].name})"
+        f"; waits_on={chosen[k].name})"
     shaped = tuple(Phase(p.name, runner_model(p.engine, p.model), p.mode, p.name) for p in chosen)
     return StepShape("runner_step", shaped, spec, waits_on=chosen[k].name)
 
@@ -138,10 +139,11 @@ class RunnerAudit:
 
     step: str
     rows: tuple[PublishRow, ...]
+    stale: str = ""  # a step whose scheduler is handed an earlier step's event, and why
 
     @property
     def sound(self) -> bool:
-        return all(r.sound for r in self.rows)
+        return all(r.sound for r in self.rows) and not self.stale
 
     def unsound(self) -> list[PublishRow]:
         return [r for r in self.rows if not r.sound]
@@ -151,7 +153,8 @@ class RunnerAudit:
         cells = [[r.buffer, f"{r.phase} {r.truth.name}", r.declared.name,
                   f"{r.publisher} {r.published.name}" if r.published is not ReadEnd.UNKNOWN else "the whole step",
                   "sound" if r.sound else "unsound"] for r in self.rows]
-        return f"{self.step}\n{table(cells, head)}"
+        stale = f"\nSTALE: {self.stale}" if self.stale else ""
+        return f"{self.step}\n{table(cells, head)}{stale}"
 
     def __str__(self) -> str:
         return self.table()
@@ -165,12 +168,16 @@ class RunnerUnsound:
     report: RunnerAudit
 
     @property
-    def row(self) -> PublishRow:
-        return self.report.unsound()[0]
+    def row(self) -> PublishRow | None:
+        """The first unsound buffer (``None`` when only :attr:`RunnerAudit.stale` is)."""
+        rows = self.report.unsound()
+        return rows[0] if rows else None
 
     @property
     def message(self) -> str:
         r = self.row
+        if r is None:
+            return f"stale read-done event: {self.report.step}: {self.report.stale}"
         at = f" at {r.where}" if r.where else ""
         return (f"unsound publish point: {self.report.step}: the scheduler's read-done event is recorded in phase "
                 f"{r.publisher!r} at {r.published.name} (declared {r.declared.name}), but {r.buffer!r} is read "
@@ -187,6 +194,31 @@ def _truth(phase: RunnerPhase, batch_size: int, steps: int) -> dict[str, EngineR
     return {r.buffer: r for r in node.rows}
 
 
+#: How many steps of a runner's switches :func:`audit_runner` follows for a stale event.
+SWITCH_STEPS = 8
+
+
+def _stale(phase: RunnerPhase, batch: dict[str, Tensor], *, marker: bool, graphed: bool, published: ReadEnd) -> str:
+    """Whether some step's scheduler is handed an earlier step's event: the runner leaves the event
+    in its mailbox when the scheduler takes it, and a later step publishes nothing."""
+    model = phase.model
+    if model.clear_mailbox:
+        return ""
+    left = None
+    for step in range(SWITCH_STEPS):
+        if model.killed(step):
+            continue  # the kill switch: the scheduler waits for the whole forward, whatever is left
+        end = resolve_end(phase.engine, phase.mode, batch, marker=marker, graphed=graphed,
+                          prefill=model.prefill_enabled(step), model=model)
+        if end is not ReadEnd.UNKNOWN and published is not ReadEnd.UNKNOWN and end <= published:
+            left = step
+        elif left is not None:
+            return (f"step {step} publishes nothing, and its scheduler is handed step {left}'s event, left in the "
+                    f"mailbox (the runner does not clear it when the scheduler takes it): step {step}'s buffers are "
+                    f"released before it reads them")
+    return ""
+
+
 def audit_runner(target: EngineBackend | Sequence[RunnerPhase], mode: ForwardMode = ForwardMode.DECODE, *,
                  model: RunnerModel | None = None, publisher: str | None = None, caps: Capabilities | None = None,
                  batch_size: int = 2, steps: int = 1) -> Result[RunnerAudit, RunnerUnsound]:
@@ -197,8 +229,11 @@ def audit_runner(target: EngineBackend | Sequence[RunnerPhase], mode: ForwardMod
     ``publisher``'s event (default: the last phase's). Each phase's truth per buffer is
     :func:`audit_engine`'s at ``batch_size`` (``steps`` observed steps where the tracer cannot
     follow); the publish point is the runner's own resolution (:func:`resolve_end`) on a device
-    with ``caps`` (default: one with graphs and in-graph events). ``Success(report)`` when every
-    read ends by the event, else ``Failure(RunnerUnsound(report))``.
+    with ``caps`` (default: one with graphs and in-graph events). A runner that leaves its event in
+    the mailbox when the scheduler takes it is followed over its switches (the kill switch, prefill
+    read-done) for a step that publishes nothing and so hands out an earlier step's event.
+    ``Success(report)`` when every read ends by the event the scheduler waits on, else
+    ``Failure(RunnerUnsound(report))``.
 
     >>> from readfence.engine.reference import triton_engine
     >>> engine = triton_engine()
@@ -220,6 +255,7 @@ def audit_runner(target: EngineBackend | Sequence[RunnerPhase], mode: ForwardMod
     batch = example_step(pub.engine.cfg, pub.mode, batch_size).batch
     published = resolve_end(pub.engine, pub.mode, batch, marker=marker, graphed=graphed, model=pub.model)
     declared = pub.engine.declared_end(pub.mode)
+    stale = _stale(pub, batch, marker=marker, graphed=graphed, published=published)
     event = Position(k, published)
     rows = []
     for buffer, last in publish_positions(effects, SHARED_BUFFERS).items():
@@ -230,7 +266,7 @@ def audit_runner(target: EngineBackend | Sequence[RunnerPhase], mode: ForwardMod
         rows.append(PublishRow(buffer, phases[last.phase].name, last.end, pub.name, declared, published, sound,
                                row.method, row.op, row.where))
     name = " -> ".join(f"{p.name} ({p.engine.name}, {p.mode.name})" for p in phases)
-    report = RunnerAudit(f"{name}; the scheduler waits on {pub.name}'s event", tuple(rows))
+    report = RunnerAudit(f"{name}; the scheduler waits on {pub.name}'s event", tuple(rows), stale)
     return Success(report) if report.sound else Failure(RunnerUnsound(report))
 
 
