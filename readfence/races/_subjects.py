@@ -1,0 +1,261 @@
+"""The kinds of :class:`~readfence.races.Subject` a case is built from, one per part of the protocol.
+
+* :class:`EngineSubject`: an adapted backend in one mode, replayed by its engine's runner
+  (``readfence.engine.RunnerModel``: its declaration, its publish points, its mailbox);
+* :class:`StepSubject`: an engine's step of several phases on several runners, whose scheduler
+  waits on one runner's event (``readfence.engine.runner_step``);
+* :class:`StagingSubject`: a backend whose scheduler stages each step's shared state in host
+  buffers read by an asynchronous copy (``readfence.graph.runtime.Staging`` or an engine's ring).
+
+Each checks itself three independent ways: the audit (``audit_runner``, ``check_staging``: nothing
+runs), verify (poison on release, the write guard and the read observer; for staging, the copies
+held as late as the host's own waits allow) and the overlapped run against the serial run with
+the race sanitizer. ``race`` is the deterministic evidence that a version races: the poisoned
+run (or the held one) differs from the serial run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from returns.pipeline import is_successful
+
+from readfence.backends import Backend
+from readfence.core import ForwardMode, ModelConfig
+from readfence.engine import EngineBackend, RunnerModel, RunnerPhase, audit_runner, runner_model, runner_step
+from readfence.engine.internal import preserved
+from readfence.graph import Device, DeviceError, LateRead, LoopResult, Policy, Violation, make_state, run_overlapped, \
+    run_serial, verify
+from readfence.graph.runtime import Staging, StagingRing, check_staging
+from readfence.graph.runtime.internal import same_logits
+
+from ._case import Finding, RunOutcome
+
+#: The loops' size: two requests, a few steps (the suite runs in minutes on two cores).
+STEPS, BATCH_SIZE = 3, 2
+
+
+def _late(check: str, found: LateRead) -> Finding:
+    line = f"{found.stage}: {found.op}" if found.op else (found.stage or "")
+    return Finding(check, found.buffer, line, str(found))
+
+
+def _violation(found: Violation) -> Finding:
+    return Finding("run", found.buffer, found.reading_node, str(found))
+
+
+def _first_difference(run: LoopResult, serial: LoopResult) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(run.logits, serial.logits)) if not same_logits(a, b)), None)
+
+
+def _race(found: LateRead | None) -> str | None:
+    if found is None or found.evidence != "poison":
+        return None
+    return f"the poisoned run differs from the serial run at step {found.step} ({found.buffer or 'several buffers'})"
+
+
+class EngineSubject:
+    """An adapted backend (``make()`` builds it) in ``mode``, replayed by its engine's runner as
+    ``model`` says; ``name`` says which version it is."""
+
+    def __init__(self, name: str, make: Callable[[], EngineBackend], mode: ForwardMode = ForwardMode.DECODE,
+                 model: RunnerModel | None = None, *, steps: int = STEPS, batch_size: int = BATCH_SIZE) -> None:
+        self.name, self.make, self.mode = name, make, mode
+        self.model = RunnerModel() if model is None else model
+        self.steps, self.batch_size = steps, batch_size
+        self._engine: EngineBackend | None = None
+
+    @property
+    def engine(self) -> EngineBackend:
+        if self._engine is None:
+            self._engine = self.make()
+        return self._engine
+
+    def _common(self) -> dict[str, Any]:
+        e = self.engine
+        return dict(steps=self.steps, batch_size=self.batch_size, cfg=e.cfg, state=e.state)
+
+    def audit(self) -> Finding | None:
+        result = audit_runner(self.engine, self.mode, model=self.model, batch_size=self.batch_size)
+        if is_successful(result):
+            return None
+        failed = result.failure()
+        row = failed.row
+        if row is None:
+            return Finding("audit", None, "the runner's mailbox", failed.message)
+        return Finding("audit", row.buffer, row.where or f"{row.method}: {row.op}", failed.message)
+
+    def verify(self, device: Device) -> Finding | None:
+        result = verify(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED, device=device,
+                        **self._common())
+        return None if is_successful(result) else _late("verify", result.failure())
+
+    def run(self, device: Device) -> RunOutcome:
+        e, common = self.engine, self._common()
+        with preserved(e.state):
+            serial = run_serial(e, self.mode, **common)
+        with preserved(e.state):
+            try:
+                run = run_overlapped(runner_model(e, self.model), self.mode, policy=Policy.JOINED, device=device,
+                                     **common)
+            except DeviceError as refused:  # a wait readfence refuses to bind (a generation recorded again)
+                return RunOutcome(None, Finding("run", None, "the scheduler's wait", f"refused: {refused}"))
+        found = _violation(run.violations[0]) if run.violations else None
+        return RunOutcome(_first_difference(run, serial), found)
+
+    def race(self, device: Device) -> str | None:
+        result = verify(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED, device=device,
+                        checks={"poison"}, **self._common())
+        return None if is_successful(result) else _race(result.failure())
+
+
+class StepSubject:
+    """An engine's step of several phases (``make()`` builds them, bound to one state), whose
+    scheduler waits on phase ``waits_on``'s event."""
+
+    def __init__(self, name: str, make: Callable[[], Sequence[RunnerPhase]], waits_on: str, *, steps: int = STEPS,
+                 batch_size: int = BATCH_SIZE) -> None:
+        self.name, self.make, self.waits_on = name, make, waits_on
+        self.steps, self.batch_size = steps, batch_size
+        self._phases: tuple[RunnerPhase, ...] | None = None
+
+    @property
+    def phases(self) -> tuple[RunnerPhase, ...]:
+        if self._phases is None:
+            self._phases = tuple(self.make())
+        return self._phases
+
+    def _common(self) -> dict[str, Any]:
+        first = self.phases[0].engine
+        return dict(steps=self.steps, batch_size=self.batch_size, cfg=first.cfg, state=first.state)
+
+    def audit(self) -> Finding | None:
+        result = audit_runner(self.phases, publisher=self.waits_on, batch_size=self.batch_size)
+        if is_successful(result):
+            return None
+        failed = result.failure()
+        row = failed.row
+        if row is None:
+            return Finding("audit", None, "the runner's mailbox", failed.message)
+        return Finding("audit", row.buffer, row.where or f"{row.method}: {row.op}", failed.message)
+
+    def _verify(self, device: Device, **kw: Any) -> LateRead | None:
+        result = verify(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
+                        UNSAFE_skip_soundness_check=True, **self._common(), **kw)
+        return None if is_successful(result) else result.failure()
+
+    def verify(self, device: Device) -> Finding | None:
+        found = self._verify(device)
+        return None if found is None else _late("verify", found)
+
+    def run(self, device: Device) -> RunOutcome:
+        common, state = self._common(), self._common()["state"]
+        step = runner_step(self.phases, self.waits_on)
+        with preserved(state):
+            serial = run_serial(step, **common)
+        with preserved(state):
+            run = run_overlapped(step, policy=Policy.JOINED, device=device, UNSAFE_skip_soundness_check=True, **common)
+        found = _violation(run.violations[0]) if run.violations else None
+        return RunOutcome(_first_difference(run, serial), found)
+
+    def race(self, device: Device) -> str | None:
+        return _race(self._verify(device, checks={"poison"}))
+
+
+@attrs.frozen
+class _Held:
+    """``ring`` with its copies held (see ``readfence.graph.runtime.Staging``)."""
+
+    ring: StagingRing
+
+    @property
+    def slots(self) -> int | None:
+        return self.ring.slots
+
+    @property
+    def held(self) -> bool:
+        return True
+
+    def slot(self, step: int) -> int:
+        return self.ring.slot(step)
+
+    def waited(self, step: int) -> int | None:
+        return self.ring.waited(step)
+
+
+def source_line(fn: Callable[..., Any]) -> str:
+    """``file:line`` of ``fn``'s definition (what a finding names as the user's line), the file
+    from its package's folder on.
+
+    >>> source_line(source_line) == f"readfence/races/_subjects.py:{source_line.__code__.co_firstlineno}"
+    True
+    """
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", repr(fn))
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    path = code.co_filename
+    top = (getattr(module, "__name__", "") or "").partition(".")[0]
+    package = sys.modules.get(top)
+    root = getattr(package, "__file__", None)
+    if root:
+        path = os.path.relpath(path, os.path.dirname(os.path.dirname(root)))
+    return f"{path}:{code.co_firstlineno}"
+
+
+class StagingSubject:
+    """``backend`` (readfence's, over a fresh state) with its scheduler staging each step's shared
+    state in the host buffers of ``ring``; ``buffer`` names what the engine stages there and
+    ``filled_by`` is the engine's method that fills it (the user's line)."""
+
+    def __init__(self, name: str, backend: Callable[[], Backend], ring: Callable[[], StagingRing], *, buffer: str,
+                 filled_by: Callable[..., Any], steps: int = 6, batch_size: int = BATCH_SIZE,
+                 cfg: ModelConfig | None = None) -> None:
+        self.name, self.backend, self.ring, self.buffer = name, backend, ring, buffer
+        self.line = source_line(filled_by)
+        self.steps, self.batch_size = steps, batch_size
+        self.cfg = ModelConfig(layers=2, max_reqs=4, max_ctx=16) if cfg is None else cfg
+
+    def audit(self) -> Finding | None:
+        found = check_staging(self.ring(), steps=max(self.steps, 8))
+        return None if found is None else Finding("audit", self.buffer, self.line, str(found))
+
+    def _run(self, device: Device, ring: StagingRing) -> tuple[LoopResult, LoopResult]:
+        common = dict(steps=self.steps, batch_size=self.batch_size, cfg=self.cfg)
+        serial = run_serial(self.backend(), **common)  # type: ignore[arg-type]
+        run = run_overlapped(self.backend(), policy=Policy.PER_BUFFER, device=device, staging=ring,
+                             state=make_state(self.cfg), UNSAFE_skip_soundness_check=True,
+                             **common)  # type: ignore[arg-type]
+        return run, serial
+
+    def _held(self, device: Device) -> int | None:
+        run, serial = self._run(device, _Held(self.ring()))
+        return _first_difference(run, serial)
+
+    def verify(self, device: Device) -> Finding | None:
+        differs = self._held(device)
+        if differs is None:
+            return None
+        return Finding("verify", self.buffer, self.line,
+                       f"with each step's copy held until the host waits on that step, the outputs differ from the "
+                       f"serial run at step {differs}: a refill of {self.buffer} overtook the copy of an earlier step")
+
+    def run(self, device: Device) -> RunOutcome:
+        run, serial = self._run(device, self.ring())
+        found = None
+        if run.violations:
+            v = run.violations[0]
+            found = Finding("run", self.buffer, self.line, str(v))
+        return RunOutcome(_first_difference(run, serial), found)
+
+    def race(self, device: Device) -> str | None:
+        differs = self._held(device)
+        return None if differs is None else f"the held run differs from the serial run at step {differs}"
+
+
+__all__ = ["BATCH_SIZE", "STEPS", "EngineSubject", "Staging", "StagingSubject", "StepSubject", "source_line"]
