@@ -253,7 +253,13 @@ def audit_runner(target: EngineBackend | Sequence[RunnerPhase], mode: ForwardMod
     marker = caps.in_graph_events if pub.model.in_graph_marker is None else pub.model.in_graph_marker
     graphed = pub.engine.replayed(pub.mode) and caps.graphs
     batch = example_step(pub.engine.cfg, pub.mode, batch_size).batch
-    published = resolve_end(pub.engine, pub.mode, batch, marker=marker, graphed=graphed, model=pub.model)
+    # the runner's switches (kill switch, prefill read-done) decide per step: the earliest event
+    # any step publishes is the one every read must end by
+    ends = [resolve_end(pub.engine, pub.mode, batch, marker=marker, graphed=graphed, model=pub.model,
+                        prefill=pub.model.prefill_enabled(step))
+            for step in range(SWITCH_STEPS) if not pub.model.killed(step)]
+    ends = [e for e in ends if e is not ReadEnd.UNKNOWN]
+    published = min(ends, key=lambda e: e.value) if ends else ReadEnd.UNKNOWN
     declared = pub.engine.declared_end(pub.mode)
     stale = _stale(pub, batch, marker=marker, graphed=graphed, published=published)
     event = Position(k, published)

@@ -7,17 +7,19 @@ independent ways (the audit, verify, the overlapped run against the serial run) 
 *detected / racy* and *false alarms / fixed*; ``readfence bench races`` prints it.
 
 >>> from readfence.races import CASES, score
->>> [c.name for c in CASES][:1]
-['trtllm-block-offsets']
+>>> len(CASES) >= 12
+True
 """
 
 from ._case import Case, Finding, RunOutcome, Source, Story, Subject
+from ._runner_cases import CASES as _RUNNERS
 from ._score import CHECKS, CaseScore, SuiteScore, VersionScore, score
+from ._sglang_cases import CASES as _SGLANG
 from ._staging_cases import CASES as _STAGING
 from ._subjects import EngineSubject, StagingSubject, StepSubject
 
 #: The suite, in the order ``readfence bench races`` runs it.
-CASES: tuple[Case, ...] = (*_STAGING,)
+CASES: tuple[Case, ...] = (*_SGLANG, *_RUNNERS, *_STAGING)
 
 __all__ = [
     "CASES",

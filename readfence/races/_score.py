@@ -191,8 +191,8 @@ def score_version(make: Callable[[], Subject], device: Device, *, racy: bool) ->
 
 def score(cases: Iterable[Case], *, device: Device | None = None,
           progress: Callable[[Case, CaseScore], None] | None = None) -> SuiteScore:
-    """Score ``cases`` (each version built fresh) on ``device`` (default: a CPU device of its own);
-    ``progress(case, score)`` is called after each case.
+    """Score ``cases`` (each version built fresh) on ``device`` (default: a CPU device of its own for
+    each version); ``progress(case, score)`` is called after each case.
 
     >>> from readfence.races import CASES
     >>> suite = score([c for c in CASES if c.name == "trtllm-block-offsets"])
@@ -204,19 +204,22 @@ def score(cases: Iterable[Case], *, device: Device | None = None,
         if not isinstance(c, Case):
             raise TypeError(f"a race case must be a readfence.races.Case, got {c!r} ({type(c).__name__})")
     t0 = time.perf_counter()
-    own = device is None
-    dev = CpuDevice() if device is None else device
     out = []
-    try:
-        for case in chosen:
-            scored = CaseScore(case, score_version(case.buggy, dev, racy=True), score_version(case.fixed, dev, racy=False))
-            out.append(scored)
-            if progress is not None:
-                progress(case, scored)
-    finally:
-        if own:
-            dev.close()
+    for case in chosen:
+        scored = CaseScore(case, _on(device, case.buggy, racy=True), _on(device, case.fixed, racy=False))
+        out.append(scored)
+        if progress is not None:
+            progress(case, scored)
     return SuiteScore(tuple(out), time.perf_counter() - t0)
+
+
+def _on(device: Device | None, make: Callable[[], Subject], *, racy: bool) -> VersionScore:
+    # a device of its own per version (by default): a version whose step fails leaves its stream
+    # failed, and the next version must not inherit that
+    if device is not None:
+        return score_version(make, device, racy=racy)
+    with CpuDevice() as dev:
+        return score_version(make, dev, racy=racy)
 
 
 __all__ = ["CHECKS", "CaseScore", "SuiteScore", "VersionScore", "score", "score_version"]

@@ -17,8 +17,6 @@ run (or the held one) differs from the serial run.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +27,7 @@ from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig
 from readfence.engine import EngineBackend, RunnerModel, RunnerPhase, audit_runner, runner_model, runner_step
 from readfence.engine.internal import preserved
-from readfence.graph import Device, DeviceError, LateRead, LoopResult, Policy, Violation, make_state, run_overlapped, \
-    run_serial, verify
+from readfence.graph import Device, DeviceError, LateRead, LoopResult, Policy, Violation, make_state, run_overlapped, run_serial, verify
 from readfence.graph.runtime import Staging, StagingRing, check_staging
 from readfence.graph.runtime.internal import same_logits
 
@@ -38,6 +35,24 @@ from ._case import Finding, RunOutcome
 
 #: The loops' size: two requests, a few steps (the suite runs in minutes on two cores).
 STEPS, BATCH_SIZE = 3, 2
+
+
+def short_path(text: str) -> str:
+    """``text`` with each absolute path cut to its package's folder on (``readfence/...``,
+    ``sglang/...``), so that a line reads the same on every machine.
+
+    >>> short_path("/x/site-packages/sglang/srt/a.py:3 in f"), short_path("/w/repo/readfence/core/b.py:9")
+    ('sglang/srt/a.py:3 in f', 'readfence/core/b.py:9')
+    """
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in text:
+            head, _, tail = text.rpartition(marker)
+            return head[: head.rfind(" ") + 1] + tail if " " in head else tail
+    at = text.find("/readfence/")
+    if at >= 0:
+        start = text.rfind(" ", 0, at) + 1
+        return text[:start] + text[at + 1:]
+    return text
 
 
 def _late(check: str, found: LateRead) -> Finding:
@@ -61,12 +76,15 @@ def _race(found: LateRead | None) -> str | None:
 
 class EngineSubject:
     """An adapted backend (``make()`` builds it) in ``mode``, replayed by its engine's runner as
-    ``model`` says; ``name`` says which version it is."""
+    ``model`` says (a :class:`~readfence.engine.RunnerModel`, or a function of the adapted
+    backend giving one: a runner whose publish point depends on what the backend says of
+    itself); ``name`` says which version it is."""
 
     def __init__(self, name: str, make: Callable[[], EngineBackend], mode: ForwardMode = ForwardMode.DECODE,
-                 model: RunnerModel | None = None, *, steps: int = STEPS, batch_size: int = BATCH_SIZE) -> None:
+                 model: RunnerModel | Callable[[EngineBackend], RunnerModel] | None = None, *, steps: int = STEPS,
+                 batch_size: int = BATCH_SIZE) -> None:
         self.name, self.make, self.mode = name, make, mode
-        self.model = RunnerModel() if model is None else model
+        self._model = RunnerModel() if model is None else model
         self.steps, self.batch_size = steps, batch_size
         self._engine: EngineBackend | None = None
 
@@ -75,6 +93,10 @@ class EngineSubject:
         if self._engine is None:
             self._engine = self.make()
         return self._engine
+
+    @property
+    def model(self) -> RunnerModel:
+        return self._model if isinstance(self._model, RunnerModel) else self._model(self.engine)
 
     def _common(self) -> dict[str, Any]:
         e = self.engine
@@ -88,7 +110,8 @@ class EngineSubject:
         row = failed.row
         if row is None:
             return Finding("audit", None, "the runner's mailbox", failed.message)
-        return Finding("audit", row.buffer, row.where or f"{row.method}: {row.op}", failed.message)
+        return Finding("audit", row.buffer, short_path(row.where) or f"{row.method}: {row.op}",
+                       short_path(failed.message))
 
     def verify(self, device: Device) -> Finding | None:
         result = verify(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED, device=device,
@@ -142,7 +165,8 @@ class StepSubject:
         row = failed.row
         if row is None:
             return Finding("audit", None, "the runner's mailbox", failed.message)
-        return Finding("audit", row.buffer, row.where or f"{row.method}: {row.op}", failed.message)
+        return Finding("audit", row.buffer, short_path(row.where) or f"{row.method}: {row.op}",
+                       short_path(failed.message))
 
     def _verify(self, device: Device, **kw: Any) -> LateRead | None:
         result = verify(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
@@ -198,14 +222,7 @@ def source_line(fn: Callable[..., Any]) -> str:
     code = getattr(inspect.unwrap(fn), "__code__", None)
     if code is None:
         return getattr(fn, "__qualname__", repr(fn))
-    module = sys.modules.get(getattr(fn, "__module__", "") or "")
-    path = code.co_filename
-    top = (getattr(module, "__name__", "") or "").partition(".")[0]
-    package = sys.modules.get(top)
-    root = getattr(package, "__file__", None)
-    if root:
-        path = os.path.relpath(path, os.path.dirname(os.path.dirname(root)))
-    return f"{path}:{code.co_firstlineno}"
+    return short_path(f"{code.co_filename}:{code.co_firstlineno}")
 
 
 class StagingSubject:
