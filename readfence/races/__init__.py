@@ -12,6 +12,7 @@ True
 """
 
 from ._case import Case, Finding, RunOutcome, Source, Story, Subject
+from ._load import load_cases
 from ._runner_cases import CASES as _RUNNERS
 from ._score import CHECKS, CaseScore, SuiteScore, VersionScore, score
 from ._sglang_cases import CASES as _SGLANG
@@ -36,5 +37,6 @@ __all__ = [
     "Subject",
     "SuiteScore",
     "VersionScore",
+    "load_cases",
     "score",
 ]

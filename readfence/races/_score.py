@@ -112,6 +112,13 @@ class SuiteScore:
         return sum(1 for c in self.cases if c.fixed.detected)
 
     @property
+    def ok(self) -> bool:
+        """Whether the suite holds: no error, no false alarm, every racy version detected (or its case
+        says why readfence misses it) and racing on the device (or its case says why it cannot)."""
+        return (not self.errors and not self.false_alarms
+                and all((c.buggy.detected or c.case.miss) and c.races for c in self.cases))
+
+    @property
     def errors(self) -> list[str]:
         return [f"{c.case.name} ({v.name}): {e}" for c in self.cases for v in (c.buggy, c.fixed) for e in v.errors]
 
@@ -121,7 +128,7 @@ class SuiteScore:
             "cases": [row for c in self.cases for row in c.rows()],
             "racy": self.racy, "detected": self.detected(), "fixed": self.fixed, "false_alarms": self.false_alarms,
             "detected_by": {check: self.detected(check) for check in CHECKS},
-            "errors": self.errors, "seconds": round(self.seconds, 1),
+            "errors": self.errors, "ok": self.ok, "seconds": round(self.seconds, 1),
         }
 
     def table(self) -> str:
@@ -145,6 +152,10 @@ class SuiteScore:
         for c in self.cases:
             if not c.buggy.detected:
                 lines.append(f"MISSED: {c.case.name}: {c.case.miss or 'no check found the race'}")
+            if not c.races:
+                lines.append(f"NOT SHOWN: {c.case.name}: the buggy version did not race on the device")
+            if c.fixed.detected:
+                lines.append(f"FALSE ALARM: {c.case.name} ({c.fixed.name}): {c.fixed.first.detail}")  # type: ignore[union-attr]
         lines += [f"ERROR: {e}" for e in self.errors]
         lines.append(f"({len(self.cases)} cases in {self.seconds:.1f} s)")
         return "\n".join(lines)

@@ -68,10 +68,8 @@ def _first_difference(run: LoopResult, serial: LoopResult) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(run.logits, serial.logits)) if not same_logits(a, b)), None)
 
 
-def _race(found: LateRead | None) -> str | None:
-    if found is None or found.evidence != "poison":
-        return None
-    return f"the poisoned run differs from the serial run at step {found.step} ({found.buffer or 'several buffers'})"
+def _poisoned(differs: int | None) -> str | None:
+    return None if differs is None else f"the poisoned run differs from the serial run at step {differs}"
 
 
 class EngineSubject:
@@ -87,6 +85,7 @@ class EngineSubject:
         self._model = RunnerModel() if model is None else model
         self.steps, self.batch_size = steps, batch_size
         self._engine: EngineBackend | None = None
+        self._serial: LoopResult | None = None
 
     @property
     def engine(self) -> EngineBackend:
@@ -118,10 +117,15 @@ class EngineSubject:
                         **self._common())
         return None if is_successful(result) else _late("verify", result.failure())
 
+    def serial(self) -> LoopResult:
+        """The serial reference on the engine's state (run once)."""
+        if self._serial is None:
+            with preserved(self.engine.state):
+                self._serial = run_serial(self.engine, self.mode, **self._common())
+        return self._serial
+
     def run(self, device: Device) -> RunOutcome:
-        e, common = self.engine, self._common()
-        with preserved(e.state):
-            serial = run_serial(e, self.mode, **common)
+        e, common, serial = self.engine, self._common(), self.serial()
         with preserved(e.state):
             try:
                 run = run_overlapped(runner_model(e, self.model), self.mode, policy=Policy.JOINED, device=device,
@@ -132,9 +136,10 @@ class EngineSubject:
         return RunOutcome(_first_difference(run, serial), found)
 
     def race(self, device: Device) -> str | None:
-        result = verify(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED, device=device,
-                        checks={"poison"}, **self._common())
-        return None if is_successful(result) else _race(result.failure())
+        with preserved(self.engine.state):
+            poisoned = run_overlapped(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED,
+                                      device=device, check=True, sanitize=False, **self._common())
+        return _poisoned(_first_difference(poisoned, self.serial()))
 
 
 class StepSubject:
@@ -146,6 +151,7 @@ class StepSubject:
         self.name, self.make, self.waits_on = name, make, waits_on
         self.steps, self.batch_size = steps, batch_size
         self._phases: tuple[RunnerPhase, ...] | None = None
+        self._serial: LoopResult | None = None
 
     @property
     def phases(self) -> tuple[RunnerPhase, ...]:
@@ -168,27 +174,32 @@ class StepSubject:
         return Finding("audit", row.buffer, short_path(row.where) or f"{row.method}: {row.op}",
                        short_path(failed.message))
 
-    def _verify(self, device: Device, **kw: Any) -> LateRead | None:
-        result = verify(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
-                        UNSAFE_skip_soundness_check=True, **self._common(), **kw)
-        return None if is_successful(result) else result.failure()
-
     def verify(self, device: Device) -> Finding | None:
-        found = self._verify(device)
-        return None if found is None else _late("verify", found)
+        result = verify(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
+                        UNSAFE_skip_soundness_check=True, **self._common())
+        return None if is_successful(result) else _late("verify", result.failure())
+
+    def serial(self) -> LoopResult:
+        """The serial reference of the step (run once)."""
+        if self._serial is None:
+            common = self._common()
+            with preserved(common["state"]):
+                self._serial = run_serial(runner_step(self.phases, self.waits_on), **common)
+        return self._serial
+
+    def _overlapped(self, device: Device, **kw: Any) -> LoopResult:
+        common = self._common()
+        with preserved(common["state"]):
+            return run_overlapped(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
+                                  UNSAFE_skip_soundness_check=True, **common, **kw)
 
     def run(self, device: Device) -> RunOutcome:
-        common, state = self._common(), self._common()["state"]
-        step = runner_step(self.phases, self.waits_on)
-        with preserved(state):
-            serial = run_serial(step, **common)
-        with preserved(state):
-            run = run_overlapped(step, policy=Policy.JOINED, device=device, UNSAFE_skip_soundness_check=True, **common)
+        serial, run = self.serial(), self._overlapped(device)
         found = _violation(run.violations[0]) if run.violations else None
         return RunOutcome(_first_difference(run, serial), found)
 
     def race(self, device: Device) -> str | None:
-        return _race(self._verify(device, checks={"poison"}))
+        return _poisoned(_first_difference(self._overlapped(device, check=True, sanitize=False), self.serial()))
 
 
 @attrs.frozen
@@ -237,6 +248,7 @@ class StagingSubject:
         self.line = source_line(filled_by)
         self.steps, self.batch_size = steps, batch_size
         self.cfg = ModelConfig(layers=2, max_reqs=4, max_ctx=16) if cfg is None else cfg
+        self._serial: LoopResult | None = None
 
     def audit(self) -> Finding | None:
         found = check_staging(self.ring(), steps=max(self.steps, 8))
@@ -244,7 +256,9 @@ class StagingSubject:
 
     def _run(self, device: Device, ring: StagingRing) -> tuple[LoopResult, LoopResult]:
         common = dict(steps=self.steps, batch_size=self.batch_size, cfg=self.cfg)
-        serial = run_serial(self.backend(), **common)  # type: ignore[arg-type]
+        if self._serial is None:
+            self._serial = run_serial(self.backend(), **common)  # type: ignore[arg-type]
+        serial = self._serial
         run = run_overlapped(self.backend(), policy=Policy.PER_BUFFER, device=device, staging=ring,
                              state=make_state(self.cfg), UNSAFE_skip_soundness_check=True,
                              **common)  # type: ignore[arg-type]
