@@ -6,6 +6,7 @@ tuple or mapping of them, or a function with no required argument returning any 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +24,16 @@ def _cases(value: Any, where: str) -> list[Case]:
         return [c for i, v in enumerate(value) for c in _cases(v, f"{where}[{i}]")]
     if callable(value):
         try:
-            made = value()
+            inspect.signature(value).bind()
         except TypeError as e:
             raise ValueError(f"{where} is a function that takes arguments ({e}): name a readfence.races.Case, a list "
                              f"or mapping of them, or a function of no argument returning them") from e
+        except ValueError:  # no signature to read (a builtin): calling it says
+            pass
+        try:
+            made = value()
+        except Exception as e:
+            raise ValueError(f"{where}() raised {type(e).__name__}: {e}") from e
         if callable(made) and not isinstance(made, Case):
             raise ValueError(f"{where}() returned {made!r}, a function: return the cases themselves")
         return _cases(made, f"{where}()")

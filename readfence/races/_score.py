@@ -144,7 +144,7 @@ class SuiteScore:
                 evidence = "-" if not score.racy else score.race or (f"no: {c.case.cpu}" if c.case.cpu else "NOT SHOWN")
                 cells.append([c.case.name, version, "yes" if score.racy else "no", caught,
                               "-" if first is None or first.buffer is None else first.buffer,
-                              "-" if first is None else _short(first.line), evidence])
+                              "-" if first is None or not first.line else _short(first.line), evidence])
         lines = [table(cells, head), ""]
         by = ", ".join(f"by {check} {self.detected(check)}/{self.racy}" for check in CHECKS)
         lines.append(f"detected / racy: {self.detected()}/{self.racy} ({by})")
