@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from readfence.backends import remap
 from readfence.core import ForwardMode, ModelConfig
 from readfence.effects import ReadEnd
 from readfence.engine import EngineBackend, RunnerModel, RunnerPhase, adapt
-from readfence.engine.reference import ForwardMetadata, TritonBackend, TrtllmMhaBackend
+from readfence.engine.reference import AttentionBackend, ForwardMetadata, TritonBackend, TrtllmMhaBackend
 
 from ._case import Case, Source, Story
 from ._subjects import EngineSubject, StepSubject
@@ -58,6 +60,53 @@ class TRTLLMHALiveSwaWrite(TrtllmMhaBackend):
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     forward_decode = forward_extend
+
+
+class SWADraftExtend(TrtllmMhaBackend):
+    """An EAGLE draft-extend backend with sliding-window layers that can stage its shared reads
+    before the target verifies (``stage_shared_reads``: the page-table rows, the lengths and the
+    sliding-window indices of the history, copied into buffers of its own), as SGLang's backends
+    that opt in do. What it cannot stage are its sliding-window cache write locations: they come
+    from the verify's own products (the accepted tokens' ``out_cache_loc``), so its graph still
+    looks them up in the live full-to-SWA mapping. It declares the base default (``UNKNOWN`` for a
+    draft extend)."""
+
+    shared_read_ends = AttentionBackend.shared_read_ends
+
+    def __init__(self, runner: Any, window: int = 8) -> None:
+        super().__init__(runner, window)
+        rows, ctx, device = runner.req_to_token_pool.size, runner.model_config.context_len, runner.device
+        self.staged_indices = torch.zeros(rows, ctx, dtype=torch.int64, device=device)
+        self.staged_swa = torch.zeros(rows, ctx, dtype=torch.int64, device=device)
+        self.staged_lens = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def stage_shared_reads(self, forward_batch: Any) -> None:
+        n = forward_batch.req_pool_indices.shape[0]
+        rows = self.req_to_token.index_select(0, forward_batch.req_pool_indices).long()
+        self.staged_indices[:n].copy_(rows)
+        self.staged_swa[:n].copy_(remap(self.swa_map, rows))
+        self.staged_lens[:n].copy_(forward_batch.seq_lens)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        pass  # staged before the verify
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        n = forward_batch.req_pool_indices.shape[0]
+        self.forward_metadata = ForwardMetadata(
+            kv_indices=self.staged_indices[:n], kv_lens=self.staged_lens[:n], swa_indices=self.staged_swa[:n],
+            swa_loc=remap(self.swa_map, forward_batch.out_cache_loc))  # the verify's products: live
+
+
+class StagingTarget(TRTLLMHAGraphMetadata):
+    """The target verify of a staged step: before its replay it has the draft backend stage its
+    shared reads (SGLang's ``stage_shared_reads`` before the verify launch)."""
+
+    def __init__(self, runner: Any, draft: SWADraftExtend) -> None:
+        super().__init__(runner)
+        self.draft = draft
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        self.draft.stage_shared_reads(forward_batch)
 
 
 def _adapt(cls: Any, first: EngineBackend | None = None) -> EngineBackend:
@@ -146,6 +195,37 @@ MULTI_EAGLE_OWNER = Case(
 )
 
 
+def _staged(*, opted_in: bool) -> list[RunnerPhase]:
+    draft = _adapt(SWADraftExtend)
+    target = adapt(lambda r: StagingTarget(r, draft.object), cfg=CFG, state=draft.state, name="StagingTarget")
+    # not opted in, the draft runner publishes after its replay and the scheduler waits on it
+    draft_model = RunnerModel() if opted_in else RunnerModel(places={ReadEnd.UNKNOWN: POST})
+    return [RunnerPhase("target_verify", target, M.TARGET_VERIFY),
+            RunnerPhase("draft_extend", draft, M.DRAFT_EXTEND, draft_model)]
+
+
+DRAFT_EXTEND_STAGED = Case(
+    name="sglang-draft-extend-staged",
+    title="A draft extend staged before verify while its graph still reads the live SWA mapping",
+    source=Source("sgl-project/sglang", 35289, "speculative/multi_layer_eagle_worker_v2.py",
+                  "MultiLayerEagleWorkerV2.last_shared_read_runner (staged steps answer the target runner)",
+                  also=(35126, 38169)),
+    story=Story(
+        did="DRAFT_EXTEND_V2's shared reads are staged into draft-owned buffers before the verify launch, and on "
+            "a staged step last_shared_read_runner answers the target runner: the verify's record releases the "
+            "scheduler",
+        wrong="only backends whose reads can all be staged may opt in: a sliding-window draft still looks its "
+              "cache write locations up in the live full-to-SWA mapping inside its graph, after that record "
+              "(flashinfer opts in only without SWA)",
+        says="audit_runner: swa_map read until IN_REPLAY in draft_extend against target_verify's event; not "
+             "opted in, the draft runner's event covers it"),
+    buggy=lambda: StepSubject("a sliding-window draft opted in: the scheduler waits on the verify",
+                              lambda: _staged(opted_in=True), "target_verify"),
+    fixed=lambda: StepSubject("not opted in: the scheduler waits on the draft runner",
+                              lambda: _staged(opted_in=False), "draft_extend"),
+)
+
+
 def _prefill_phases() -> list[RunnerPhase]:
     target = _adapt(TrtllmMhaBackend)
     draft = _adapt(TRTLLMHAGraphMetadata, target)
@@ -219,4 +299,5 @@ STALE_READ_DONE = Case(
                                 RunnerModel(prefill_read_done=_every_other), steps=4),
 )
 
-CASES = (DECODE_NO_MARKER, TRTLLM_MHA_DRAFT_EXTEND, MULTI_EAGLE_OWNER, PREFILL_SPEC_READER, PREFILL_SWA_SNAPSHOT, STALE_READ_DONE)
+CASES = (DECODE_NO_MARKER, TRTLLM_MHA_DRAFT_EXTEND, MULTI_EAGLE_OWNER, DRAFT_EXTEND_STAGED, PREFILL_SPEC_READER,
+         PREFILL_SWA_SNAPSHOT, STALE_READ_DONE)
