@@ -197,6 +197,7 @@ class DecodeLoop:
     write_order: tuple[str, ...]
     check: CheckState | None = None  # check mode: poison on release (graph.lowering._poison)
     staging: StagingRing | None = None  # host buffers the scheduler stages each step's state in (_staging)
+    _stager: _Stager | None = attrs.field(init=False, default=None)  # the staging ring at work, while it runs
     write_groups: tuple[tuple[str, ...], ...] = attrs.field(init=False)  # write_order by release point
     _plain_groups: tuple[tuple[str, ...], ...] = attrs.field(init=False)  # plain copies join the next group
 
@@ -251,9 +252,8 @@ class DecodeLoop:
                  for b in group]
         return timed[0] if len(timed) == 1 else functools.partial(_run_all, timed)
 
-    def _write_state(self, nxt: StepState, fence_wait: Callable[[Sequence[str]], None] | None,
-                     stager: _Stager | None = None) -> None:
-        s, step = self.schedule_stream, nxt.step
+    def _write_state(self, nxt: StepState, fence_wait: Callable[[Sequence[str]], None] | None) -> None:
+        s, step, stager = self.schedule_stream, nxt.step, self._stager
         reads: list[Read] = []
         with s.batch():
             if stager is not None:  # the copy reads the host buffer the step was staged in
@@ -281,11 +281,11 @@ class DecodeLoop:
 
     def _run(self, steps: int, progress: Callable[[int], None] | None, timeout: float | None) -> tuple[list[StepRun], float]:
         t0 = time.perf_counter()
-        stager = None if self.staging is None else _Stager(self, steps, timeout)
+        stager = self._stager = None if self.staging is None else _Stager(self, steps, timeout)
         runs: list[StepRun] = []
         try:
             nxt = self._next() if stager is None else stager.fill(self._next())
-            self._write_state(nxt, None, stager)
+            self._write_state(nxt, None)
             for i in range(steps):
                 run = self.lowered.run(nxt.batch, step=i, after=[self.written])
                 runs.append(run)
@@ -294,13 +294,14 @@ class DecodeLoop:
                 if i + 1 < steps:
                     nxt = self._next() if stager is None else stager.fill(self._next())
                     if self.check is None:
-                        self._write_state(nxt, functools.partial(run.fence.wait, self.schedule_stream), stager)
+                        self._write_state(nxt, functools.partial(run.fence.wait, self.schedule_stream))
                     else:  # the step restores what it poisoned at its very end: write after that
                         run.fence.wait_end(self.schedule_stream)
-                        self._write_state(nxt, None, stager)
+                        self._write_state(nxt, None)
                 if progress is not None:
                     progress(i)
         finally:
+            self._stager = None
             if stager is not None and stager.holds is not None:
                 stager.holds.open_all()
         for run in runs:
