@@ -22,13 +22,23 @@ from typing import Any
 
 import attrs
 from returns.pipeline import is_successful
+from returns.result import Result
 
 from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig
-from readfence.engine import EngineBackend, RunnerModel, RunnerPhase, audit_runner, runner_model, runner_step
+from readfence.engine import (
+    EngineBackend,
+    RunnerAudit,
+    RunnerModel,
+    RunnerPhase,
+    RunnerUnsound,
+    audit_runner,
+    runner_model,
+    runner_step,
+)
 from readfence.engine.internal import preserved
 from readfence.graph import Device, DeviceError, LateRead, LoopResult, Policy, Violation, make_state, run_overlapped, run_serial, verify
-from readfence.graph.runtime import Staging, StagingRing, check_staging
+from readfence.graph.runtime import StagingRing, check_staging
 from readfence.graph.runtime.internal import same_logits
 
 from ._case import Finding, RunOutcome
@@ -38,7 +48,7 @@ STEPS, BATCH_SIZE = 2, 2
 
 
 def short_path(text: str) -> str:
-    """``text`` with each absolute path cut to its package's folder on (``readfence/...``,
+    """``text`` with its absolute path cut to the path's package folder on (``readfence/...``,
     ``sglang/...``), so that a line reads the same on every machine.
 
     >>> short_path("/x/site-packages/sglang/srt/a.py:3 in f"), short_path("/w/repo/readfence/core/b.py:9")
@@ -53,6 +63,18 @@ def short_path(text: str) -> str:
         start = text.rfind(" ", 0, at) + 1
         return text[:start] + text[at + 1:]
     return text
+
+
+def _audited(result: Result[RunnerAudit, RunnerUnsound]) -> Finding | None:
+    """What ``audit_runner`` found, as a finding naming the buffer and the reading op's line."""
+    if is_successful(result):
+        return None
+    failed = result.failure()
+    row = failed.row
+    if row is None:  # a stale event: every buffer the step reads is released before it runs
+        read = [r.buffer for r in failed.report.rows]
+        return Finding("audit", read[0] if read else None, "the runner's mailbox", failed.message)
+    return Finding("audit", row.buffer, short_path(row.where) or f"{row.method}: {row.op}", short_path(failed.message))
 
 
 def _late(check: str, found: LateRead) -> Finding:
@@ -102,15 +124,7 @@ class EngineSubject:
         return dict(steps=self.steps, batch_size=self.batch_size, cfg=e.cfg, state=e.state)
 
     def audit(self) -> Finding | None:
-        result = audit_runner(self.engine, self.mode, model=self.model, batch_size=self.batch_size)
-        if is_successful(result):
-            return None
-        failed = result.failure()
-        row = failed.row
-        if row is None:
-            return Finding("audit", None, "the runner's mailbox", failed.message)
-        return Finding("audit", row.buffer, short_path(row.where) or f"{row.method}: {row.op}",
-                       short_path(failed.message))
+        return _audited(audit_runner(self.engine, self.mode, model=self.model, batch_size=self.batch_size))
 
     def verify(self, device: Device) -> Finding | None:
         result = verify(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED, device=device,
@@ -164,15 +178,7 @@ class StepSubject:
         return dict(steps=self.steps, batch_size=self.batch_size, cfg=first.cfg, state=first.state)
 
     def audit(self) -> Finding | None:
-        result = audit_runner(self.phases, publisher=self.waits_on, batch_size=self.batch_size)
-        if is_successful(result):
-            return None
-        failed = result.failure()
-        row = failed.row
-        if row is None:
-            return Finding("audit", None, "the runner's mailbox", failed.message)
-        return Finding("audit", row.buffer, short_path(row.where) or f"{row.method}: {row.op}",
-                       short_path(failed.message))
+        return _audited(audit_runner(self.phases, publisher=self.waits_on, batch_size=self.batch_size))
 
     def verify(self, device: Device) -> Finding | None:
         result = verify(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
@@ -289,4 +295,4 @@ class StagingSubject:
         return None if differs is None else f"the held run differs from the serial run at step {differs}"
 
 
-__all__ = ["BATCH_SIZE", "STEPS", "EngineSubject", "Staging", "StagingSubject", "StepSubject", "source_line"]
+__all__ = ["BATCH_SIZE", "STEPS", "EngineSubject", "StagingSubject", "StepSubject", "short_path", "source_line"]
