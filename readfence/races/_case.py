@@ -107,12 +107,24 @@ class Case:
     ('sgl-project/sglang', True)
     """
 
-    name: str
+    name: str = attrs.field()
     title: str
-    source: Source
-    story: Story
-    buggy: Callable[[], Subject]
-    fixed: Callable[[], Subject]
+    source: Source = attrs.field(validator=attrs.validators.instance_of(Source))
+    story: Story = attrs.field(validator=attrs.validators.instance_of(Story))
+    buggy: Callable[[], Subject] = attrs.field()
+    fixed: Callable[[], Subject] = attrs.field()
     cpu: str = ""
     quick: bool = False
     miss: str = ""
+
+    @name.validator
+    def _check_name(self, _attribute: attrs.Attribute[str], value: str) -> None:
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            raise ValueError(f"a case's name is one word (it names the case in the table), got {value!r}")
+
+    @buggy.validator
+    @fixed.validator
+    def _check_factory(self, attribute: attrs.Attribute[Callable[[], Subject]], value: object) -> None:
+        if not callable(value):
+            raise TypeError(f"case {self.name!r}: {attribute.name} must be a function of no argument returning the "
+                            f"version to check (an EngineSubject, StepSubject, StagingSubject...), got {value!r}")

@@ -91,3 +91,12 @@ def test_a_case_of_the_suite_is_a_case_with_its_source_and_story():
         assert case.story.did and case.story.wrong and case.story.says, case.name
     assert {c.source.repository for c in CASES} >= {"sgl-project/sglang", "vllm-project/vllm", "NVIDIA/TensorRT-LLM"}
     assert any(c.quick for c in CASES) and not all(c.quick for c in CASES)
+
+
+def test_a_case_is_refused_with_what_is_wrong():
+    with pytest.raises(ValueError, match="a case's name is one word"):
+        Case("two words", "t", fake.SOURCE, fake.STORY, buggy=fake.broken, fixed=fake.broken)
+    with pytest.raises(TypeError, match="case 'x': fixed must be a function of no argument"):
+        Case("x", "t", fake.SOURCE, fake.STORY, buggy=fake.broken, fixed=3)
+    with pytest.raises(TypeError, match="a race case must be a readfence.races.Case, got 'x'"):
+        score(["x"])
