@@ -21,6 +21,8 @@ from readfence.graph import CpuDevice, Device
 
 from ._case import Case, Finding, Subject
 
+#: The checks a case is scored by, in the order they run: the audit, verify (poison), the overlapped run
+#: against the serial one.
 CHECKS = ("audit", "verify", "run")
 
 
