@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from readfence.core import ForwardMode, ModelConfig, StageThreadError, StageWriteError, audit, default_batch_sizes
+from readfence.effects.internal import one_line
 from readfence.graph import LateRead, Policy, StepShape, VerifyReport, open_device, verify
 from readfence.graph.lowering import torch_device
 from readfence.graph.verification import PolicyCheck, phase_modes
@@ -90,9 +91,9 @@ def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
         try:
             result = audit(backend, m, batch_sizes=batch_sizes, cfg=cfg)
         except StageWriteError as e:
-            return AuditFinding("write", e.buffer, e.stage, e.op, str(e), _ADVICE["write"])
+            return AuditFinding("write", e.buffer, e.stage, e.op, one_line(str(e)), _ADVICE["write"])
         except StageThreadError as e:
-            return AuditFinding("thread", None, e.stage, e.what, str(e), _ADVICE["thread"])
+            return AuditFinding("thread", None, e.stage, e.what, one_line(str(e)), _ADVICE["thread"])
         if result.map(lambda _: True).value_or(False):
             continue
         bad = result.failure()

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 
 from readfence.core import (
     BODY,
@@ -62,7 +62,7 @@ from readfence.core.internal import (
     stage_named,
     varied_reads,
 )
-from readfence.effects import Failure, ReadEffect, ReadEnd
+from readfence.effects import Failure, ReadEffect, ReadEnd, Success
 from readfence.effects.internal import table
 
 from ._adapter import EAGER, EngineBackend, check_engine

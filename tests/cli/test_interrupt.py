@@ -63,8 +63,10 @@ def test_ctrl_c_during_a_run_exits_130(tmp_path):
         err = _read_until(terminal, re.compile(rb" [1-9][0-9]*/[0-9]+ \["), timeout=300)
         assert run.poll() is None, (run.communicate(), err)
         run.send_signal(signal.SIGINT)
-        run.communicate(timeout=120)
-        err += _read_until(terminal, re.compile(rb"(?!)"), timeout=60)  # the rest, to the end
+        # read the terminal to its end meanwhile: a full terminal would block the bar's writes and the
+        # command's last line
+        err += _read_until(terminal, re.compile(rb"(?!)"), timeout=300)
+        run.communicate(timeout=60)
     finally:
         if run.poll() is None:
             run.kill()
