@@ -54,7 +54,7 @@ class InputError(ReadfenceError, click.ClickException):
         super().__init__(one_line_text(message))
 
 
-class Refused(click.ClickException):
+class Refused(ReadfenceError, click.ClickException):
     """One of readfence's own errors (a :class:`ReadfenceError` other than bad input) reaching a
     command: ``Error: <its class>: <its message>`` on one line, exit status 1, no traceback.
 

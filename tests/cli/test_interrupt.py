@@ -56,8 +56,12 @@ def test_ctrl_c_during_a_run_exits_130(tmp_path):
     # way (torch imported, the loop running), however long a loaded machine takes to get there
     terminal, stderr = pty.openpty()
     fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a size: tqdm draws no bar 0 wide
-    run = subprocess.Popen([readfence_script(), "demo", "--steps", "100000", "--policy", "exact"], cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=stderr)
+    # as from a terminal: SIGINT at its default, whatever this process inherited (a job started in the
+    # background of a shell ignores it, and so would the command, which then never sees the Ctrl-C)
+    as_from_a_terminal = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                          "os.execv(sys.argv[1], sys.argv[1:])")
+    run = subprocess.Popen([sys.executable, "-c", as_from_a_terminal, readfence_script(), "demo", "--steps", "100000",
+                            "--policy", "exact"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr)
     os.close(stderr)
     try:
         err = _read_until(terminal, re.compile(rb" [1-9][0-9]*/[0-9]+ \["), timeout=300)
