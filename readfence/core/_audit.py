@@ -508,7 +508,8 @@ class Latent:
         else:
             why = (f"covered by {self.cover.by}, which declares {self.cover.end.name if self.cover.end else '?'}: "
                    f"the fence of {self.fence} ({self.fence_declared.name}) is sound")
-        return f"{head}; {why}; wherever its own declaration places a fence, it races"
+        return (f"{head}; {why}; wherever its own declaration places a fence, it races; "
+                f"{late_read_fix(self.buffer, e.observed)}")
 
     def as_json(self) -> dict[str, Any]:
         """The finding as JSON-ready values."""

@@ -77,7 +77,8 @@ def test_each_command_turns_each_readfence_error_into_one_error_line(cli, monkey
         assert result.exit_code == 1 and lines[0].startswith(f"Error: {name}: "), output
 
 
-@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("command", [c if c in ("plan", "audit") else pytest.param(c, marks=pytest.mark.slow)
+                                     for c in COMMANDS])
 def test_the_same_commands_on_the_same_backends_succeed_when_nothing_raises(cli, monkeypatch, command):
     # the errors above come from the backend, not from the options: without one, each command is clean
     monkeypatch.delenv(RAISES, raising=False)

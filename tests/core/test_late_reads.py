@@ -164,3 +164,12 @@ def test_a_read_the_analysis_misses_through_an_argument_is_still_an_analysis_bug
     assert not bug.by_reference and bug.message.startswith("readfence's static analysis missed a read")
     entry = next(b for b in report.buffers if b.buffer == "seq_lens")
     assert not entry.observer and ReadKind.OBSERVER_ONLY not in report.where(report.path, "seq_lens")
+
+
+def test_a_latent_finding_gives_the_same_fix():
+    from readfence.backends import join, paged, redeclare, sparse
+
+    early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.IN_REPLAY}))
+    (latent,) = audit(join(early, sparse()), M.DECODE, cfg=ONE_LAYER, batch_sizes=[2]).unwrap().latent()
+    assert latent.message.endswith(late_read_fix("req_to_token", ReadEnd.IN_REPLAY)), latent.message
+    assert f": {ReadKind.TRACED}" in latent.message and ".py:" in latent.message
