@@ -421,7 +421,7 @@ def _where(node: AuditReport, entry: BufferAudit) -> str:
         parts.append(f"read{at} inside kernel {kernel} in stage {reader[0]}: {ReadKind.OBSERVER_ONLY} (a reference "
                      f"an earlier stage kept, a plan/run pair)")
     elif entry.varied and reader:
-        parts.append(f"stage {reader[0]}'s Python read it{at}: {ReadKind.VARIED}, a path the trace's example did "
+        parts.append(f"stage {reader[0]}'s Python read it on a varied state{at}: a path the trace's example did "
                      f"not take")
     elif observed is ReadEnd.UNKNOWN and node.opaque:
         # a reference escaping, an op the tracer cannot see through, a captured tensor
@@ -432,7 +432,7 @@ def _where(node: AuditReport, entry: BufferAudit) -> str:
         escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and stage_named(o[0]).escape_end is observed),
                       None)
         if reader and (escape is None or reader != escape[:2]):
-            parts.append(f"last read{at} by node {reader[1]!r} in stage {reader[0]}: {ReadKind.TRACED}")
+            parts.append(f"last read by node {reader[1]!r} in stage {reader[0]}{at}: {ReadKind.TRACED}")
         if escape is not None:
             parts.append(f"stage {escape[0]}, node {escape[1]!r}: {escape[2]}")
     where = "; ".join(parts) or f"read by {ReadKind.OPAQUE}"
