@@ -25,6 +25,9 @@ from typing import Any
 
 import click
 
+from readfence.effects import ReadfenceError
+from readfence.effects.internal import one_line
+
 from ._errors import InputError, OneLineCommand
 from ._params import DeviceName, OneOf
 
@@ -169,8 +172,11 @@ def bench(names: Sequence[str], quick: bool, device: str, as_json: bool, case_re
         except (click.ClickException, KeyboardInterrupt):
             raise
         except Exception as e:  # report it, run the others
-            traceback.print_exc(file=sys.stderr)
-            click.echo(f"{name} FAILED: {type(e).__name__}: {e}")
+            if isinstance(e, ReadfenceError):  # readfence's own error: one line, as every command says it
+                click.echo(f"Error: benchmark {name}: {one_line(f'{type(e).__name__}: {e}')}", err=True)
+            else:  # a bug in the benchmark: where it is
+                traceback.print_exc(file=sys.stderr)
+            click.echo(f"{name} FAILED: {type(e).__name__}: {one_line(str(e))}")
             failed.append(name)
             continue
         for line in format_ratios(figures):

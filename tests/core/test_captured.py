@@ -152,7 +152,8 @@ def test_a_buffer_of_another_state_is_still_refused() -> None:
         return softmax_attention(mode, q, pools, layer, kv_indices(shared, batch), lens)
 
     stranger = leaf("stranger", attend)
-    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="shared buffer 'seq_lens' of another state: pass the state"):
+    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="shared buffer 'seq_lens' of another state; "
+                                                                      "pass the state the backend keeps references to: state="):
         lower(stranger, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
 
 

@@ -328,8 +328,7 @@ def lower(
         failure = None
     if failure is not None:
         error = UnsoundLowering(
-            f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
-            f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
+            f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {failure.message}"
         )
         error.failure = failure
         raise error

@@ -38,9 +38,14 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class LoopResult:
-    """Outputs and measurements of one run of the decode loop."""
+    """Outputs and measurements of one run of the decode loop; its repr is a one-line summary (the
+    logits are in ``logits``).
+
+    >>> LoopResult(None, [], 0.5, intervals=(0.1, 0.1))
+    <LoopResult serial: 0 steps, 10.0 steps/s, 0 violations>
+    """
 
     policy: Policy | None
     logits: list[Tensor | tuple[Tensor, ...]]  # a tuple per step for a composite step
@@ -61,6 +66,11 @@ class LoopResult:
             median = statistics.median(self.intervals)
             return 1.0 / median if median > 0 else float("inf")
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
+
+    def __repr__(self) -> str:
+        policy = "serial" if self.policy is None else self.policy.name
+        return (f"<LoopResult {policy}: {self.steps} steps, {self.steps_per_s:.1f} steps/s, "
+                f"{len(self.violations)} violations>")
 
     def matches(self, reference: LoopResult | Sequence[Tensor | tuple[Tensor, ...]]) -> bool:
         """Bit-identical logits, step by step (phases and streams included); the reference

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 from torch import Tensor
 
 from readfence.core import (
@@ -50,7 +50,8 @@ from readfence.core import (
     StageWriteError,
 )
 from readfence.core.internal import BufferMap, positive_int
-from readfence.effects import Failure  # unwrap() says why
+from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
+from readfence.effects.internal import one_line
 
 from ..devices import Device, DeviceError
 from ..devices.internal import check_device
@@ -100,7 +101,7 @@ class LateRead:
     step: int | None = None
     stage: str | None = None
     op: str | None = None
-    detail: str = ""
+    detail: str = attrs.field(default="", converter=one_line)  # one line: a report shows it in a row
 
     def __str__(self) -> str:
         where = f" of {self.buffer!r}" if self.buffer else ""
