@@ -7,18 +7,23 @@ pointer escape at best and a read observer sees nothing, or the interpreter's co
 of every argument. While readfence watches (any dispatch mode is entered: the tracer, the read
 observer, fake tensors), each launch runs as **one op**, ``triton_kernel::<kernel name>(launch,
 reads, writes)``: its tensor arguments are passed in ``reads`` or in ``writes`` (``Tensor(a!)[]``),
-by what the kernel's source says it may store to (:func:`~readfence.core.tracing._kernel_access.kernel_access`:
-a possible write is a write), and ``launch`` names the rest of the call (the kernel, its grid, its
-other arguments) in a table the op's kernel looks up. So the tracer records one node that reads
-its arguments and writes its stores' targets (a write of a shared buffer is refused naming the
-kernel), the observer one access per buffer named after the kernel, and a traced graph replays the
-launch itself. A read by a launch ends with the stage that queued it: the stage's work is ordered
-on its stream, and the fence after the stage is recorded after it.
+by what the kernel may store to as triton's IR of the launch shows
+(:func:`~readfence.core.tracing._kernel_ir.kernel_access`: a possible write is a write; an IR
+that cannot be built writes every argument), and ``launch`` names the rest of the call (the
+kernel, its grid, its other arguments) in a table the op's kernel looks up. Every tensor the
+launch hands over is in one of the two lists, loaded or not: a replay binds each to the live
+memory through the op, never a tensor kept from the trace. So the tracer records one node that
+reads its arguments and writes its stores' targets (a write of a shared buffer is refused naming
+the kernel), the observer one access per buffer named after the kernel, and a traced graph
+replays the launch itself. A read by a launch ends with the stage that queued it: the stage's
+work is ordered on its stream, and the fence after the stage is recorded after it.
 
 With nothing watching, a launch is the kernel, as triton runs it. The grid is evaluated at the launch
 and kept as numbers (a graph freezes it, as a CUDA graph does); so are the non-tensor arguments.
-A kernel whose addresses are made from integers (``tl.pointer_type``) may touch any memory: its
-launch is refused while readfence watches (:class:`UnboundedKernelError`). A launch readfence does
+A kernel whose addresses are made from integers (a ``tl.pointer_type`` cast of an integer, an
+address loaded from memory, inline assembly not marked pure) may touch any memory: its launch is
+refused while readfence watches (:class:`UnboundedKernelError`). A pointer cast of a pointer
+argument stays within that argument. A launch readfence does
 not make into an op (a compiled kernel called some other way) is still an escape where its
 arguments' pointers are taken: ``UNKNOWN``, never a read that was not there.
 
@@ -41,7 +46,8 @@ import torch
 from readfence.effects import ReadfenceError
 
 from .._threads import note_kernel, stage_stream
-from ._kernel_access import KernelAccess, kernel_access, python_function
+from ._kernel_access import KernelAccess, python_function
+from ._kernel_ir import interpreter_lock, keep_language, kernel_access, restore_language
 
 #: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
 NAMESPACE = "triton_kernel"
@@ -126,7 +132,7 @@ def is_launch_op(op: object) -> bool:
 
 def launch_write_reason(launch: Launch) -> str:
     """Why a launch writes what it is given in ``writes``: the kernel's parameters and where it
-    stores through each (as :func:`~readfence.core.tracing._kernel_access.kernel_access` found them)."""
+    stores through each (as :func:`~readfence.core.tracing._kernel_ir.kernel_access` found them)."""
     access = launch.access
     params = list(dict.fromkeys(launch.write_params))
     shown = [f"{p} ({access.site(p) or 'a store'})" for p in params[:3]]
@@ -181,15 +187,17 @@ def _run_launch(index: int, reads: Sequence[torch.Tensor], writes: Sequence[torc
 def _one_at_a_time(kernel: Any) -> Iterator[None]:
     """Triton's interpreter keeps the program being run in module state (the grid index, the
     language's functions patched for the launch): two threads' launches (a stream's replay and the
-    scheduler's Python stage) must not interleave. Compiled launches need no lock."""
+    scheduler's Python stage) must not interleave, and what a launch leaves patched is put back
+    (:func:`~readfence.core.tracing._kernel_ir.restore_language`: the front end that builds a
+    kernel's IR reads the same language). Compiled launches need no lock."""
     if type(kernel).__name__ != "InterpretedFunction":
         yield
         return
-    with _interpreting:
-        yield
-
-
-_interpreting = threading.RLock()
+    with interpreter_lock:
+        try:
+            yield
+        finally:
+            restore_language()
 
 
 # -- the launch ------------------------------------------------------------------------------
@@ -313,6 +321,7 @@ def see_launches() -> bool:
     with _lock:
         if _originals:
             return True
+        keep_language()  # before readfence runs any kernel
         classes = []
         for module, name in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
             try:
