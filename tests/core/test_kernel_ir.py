@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from readfence.core.tracing import _kernel_ir
-from readfence.core.tracing._kernel_access import source_access
+from readfence.core.tracing._kernel_access import FROM_IR, FROM_SOURCE, source_access
 from readfence.core.tracing._triton import see_launches
 from tests.core import kernel_helpers
 from tests.core.test_triton import _backend, _rows, _verify
@@ -41,7 +41,7 @@ def _access(kernel, *args, **kwargs):
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
     bound.apply_defaults()
     access = kernel_access(kernel, bound.arguments)
-    assert access.basis == "triton's IR", access.basis
+    assert access.basis == FROM_IR, access.basis
     return access
 
 
@@ -181,10 +181,16 @@ def gather_rows(table, rows, out, W: tl.constexpr):
     tl.store(out + b * W + i, tl.load(table + r * W + i))
 
 
-def test_the_rows_of_a_table_picked_by_loaded_indices_are_kept():
+def test_the_rows_of_a_table_picked_by_loaded_indices_are_kept_for_the_message():
     access = _access(gather_rows, X.view(2, 8), torch.tensor([1, 0]), X.clone(), 8)
     assert (access.reads, _tensors(access, "table", "rows", "out")) == ({"table", "rows"}, ["out"])
     assert access.index_of("table") == ("rows",) and access.index_of("out") == ()
+    from tests.core.test_triton import gather_and_mark
+
+    marks = _backend("marks_rows", rows=lambda s, b: _rows(gather_and_mark, s, b))
+    with pytest.raises(StageWriteError) as caught:
+        audit(marks, M.DECODE, cfg=CFG, batch_sizes=[2])
+    assert "its argument(s) table (" in caught.value.why and "tt.store, at addresses computed from rows)" in caught.value.why
 
 
 # -- a pointer cast of the kernel's own argument (SGLang's cache_move) ----------------------------
@@ -303,7 +309,7 @@ def test_a_kernel_whose_ir_cannot_be_built_is_refused_as_a_write_of_what_it_read
 def test_without_triton_s_front_end_the_source_walk_decides(monkeypatch):
     monkeypatch.setattr(_kernel_ir, "frontend_missing", lambda: "triton's front end cannot be imported (a test)")
     access = kernel_access(gather_rows, dict(table=X, rows=X, out=X, W=8))
-    assert access.basis == "the kernel's source" and "out" in access.writes
+    assert access.basis == FROM_SOURCE and "out" in access.writes
 
 
 # -- triton's interpreter leaves the language patched ----------------------------------------------

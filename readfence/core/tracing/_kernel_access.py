@@ -62,6 +62,11 @@ _WILD = "<an address made from an integer>"
 _POINTER = "<a pointer type>"  # what a launch handed a parameter, in the cache key (pointer types do not hash)
 
 
+#: What decided a :class:`KernelAccess` (its ``basis``), where an analysis did.
+FROM_IR = "triton's IR"
+FROM_SOURCE = "the kernel's source"
+
+
 @attrs.frozen
 class KernelAccess:
     """What one triton kernel may touch, by parameter name.
@@ -86,7 +91,7 @@ class KernelAccess:
     unbounded: str = ""
     reads: frozenset[str] = frozenset()
     indexed: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    basis: str = "the kernel's source"
+    basis: str = FROM_SOURCE
 
     def written(self, names: tuple[str, ...]) -> tuple[bool, ...]:
         """Per parameter name in ``names``, whether the kernel may write it."""
@@ -95,6 +100,15 @@ class KernelAccess:
     def site(self, param: str) -> str:
         """Where the kernel may write ``param`` (``"file:line: tl.store"``), or ``""``."""
         return next((where for p, where in self.sites if p == param), "")
+
+    @property
+    def decided(self) -> bool:
+        """Whether an analysis decided it (``False``: every argument counts, ``basis`` says why).
+
+        >>> KernelAccess("k", ()).decided, every_argument(lambda a: None, "no IR").decided
+        (True, False)
+        """
+        return self.basis in (FROM_IR, FROM_SOURCE)
 
     def index_of(self, param: str) -> tuple[str, ...]:
         """The parameters whose loaded values the addresses of ``param`` are computed from.
@@ -376,4 +390,5 @@ def _tl_standin() -> Any:
     return ns
 
 
-__all__ = ["LOADS", "STORES", "KernelAccess", "every_argument", "python_function", "source_access"]
+__all__ = ["FROM_IR", "FROM_SOURCE", "LOADS", "STORES", "KernelAccess", "every_argument", "python_function",
+           "source_access"]

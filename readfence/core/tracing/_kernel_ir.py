@@ -51,7 +51,7 @@ from typing import Any
 
 import attrs
 
-from ._kernel_access import KernelAccess, every_argument, python_function, source_access
+from ._kernel_access import FROM_IR, KernelAccess, every_argument, python_function, source_access
 
 #: Triton's interpreter patches ``triton.language`` while it runs a kernel, and the front end
 #: reads it while it builds one: an interpreted launch and an IR build hold this, one at a time.
@@ -632,7 +632,7 @@ def _analyse(py: Callable[..., Any], module: Any, names: list[str]) -> KernelAcc
         indexed[names[i]] |= {names[j] for j in by}
     return KernelAccess(
         getattr(py, "__name__", "?"), params, frozenset(writes), tuple((p, writes[p]) for p in params if p in writes),
-        summary.unbounded, reads=frozenset(reads), basis="triton's IR",
+        summary.unbounded, reads=frozenset(reads), basis=FROM_IR,
         indexed=tuple((p, tuple(sorted(indexed[p]))) for p in params if indexed.get(p)))
 
 

@@ -62,15 +62,16 @@ _launch_ids: dict[Any, int] = {}
 
 
 class UnboundedKernelError(ReadfenceError, ValueError):
-    """A triton kernel makes addresses from integers: the memory it touches is not bounded by its
-    arguments, so no analysis or observation of its arguments covers what it reads or writes."""
+    """A triton kernel makes addresses from integers (or loads them, or runs inline assembly not
+    marked pure): the memory it touches is not bounded by its arguments, so no analysis or
+    observation of its arguments covers what it reads or writes."""
 
     def __init__(self, kernel: str, where: str) -> None:
         self.kernel, self.where = kernel, where
         super().__init__(
-            f"triton kernel {kernel!r} makes an address from an integer ({where}): the memory it touches "
-            f"is not bounded by its arguments, so readfence cannot tell what it reads or writes; pass the "
-            f"tensors it touches as arguments instead of their addresses")
+            f"triton kernel {kernel!r} makes an address from an integer or from memory, or runs code that may "
+            f"({where}): the memory it touches is not bounded by its arguments, so readfence cannot tell what it "
+            f"reads or writes; pass the tensors it touches as arguments instead of their addresses")
 
 
 class UnsupportedLaunchError(ReadfenceError, TypeError):
@@ -132,11 +133,20 @@ def is_launch_op(op: object) -> bool:
 
 def launch_write_reason(launch: Launch) -> str:
     """Why a launch writes what it is given in ``writes``: the kernel's parameters and where it
-    stores through each (as :func:`~readfence.core.tracing._kernel_ir.kernel_access` found them)."""
+    stores through each, with the parameters whose loaded values index those stores (as
+    :func:`~readfence.core.tracing._kernel_ir.kernel_access` found them), or why nothing could be
+    decided of the kernel."""
     access = launch.access
     params = list(dict.fromkeys(launch.write_params))
-    shown = [f"{p} ({access.site(p) or 'a store'})" for p in params[:3]]
     more = f" and {len(params) - 3} more" if len(params) > 3 else ""
+    if not access.decided:
+        return f"triton kernel {access.kernel!r}: {access.basis} (its argument(s) {', '.join(params[:3])}{more})"
+
+    def where(p: str) -> str:
+        index = access.index_of(p)
+        return (access.site(p) or "a store") + (f", at addresses computed from {', '.join(index)}" if index else "")
+
+    shown = [f"{p} ({where(p)})" for p in params[:3]]
     return (f"triton kernel {access.kernel!r} may store through its argument(s) {', '.join(shown)}{more} "
             f"(a possible store counts as a write)")
 
