@@ -39,6 +39,7 @@ True
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import re
@@ -57,38 +58,46 @@ from ._kernel_access import FROM_IR, KernelAccess, every_argument, python_functi
 #: reads it while it builds one: an interpreted launch and an IR build hold this, one at a time.
 interpreter_lock = threading.RLock()
 
-_MISSING = object()
-#: ``triton.language``'s objects as they were before readfence ran a kernel: (object, its attributes).
-_pristine: list[tuple[Any, dict[str, Any]]] = []
+def restore_language() -> None:
+    """Undo what triton's interpreter left patched in ``triton.language``; hold :data:`interpreter_lock`.
 
-
-def keep_language() -> None:
-    """Remember ``triton.language`` as it is now (once, before readfence runs or builds a kernel).
-
-    Triton's interpreter patches the language for each launch and puts it back after, but a
-    helper whose module imports ``triton.language.core`` itself patches that module again, and
-    nothing puts that back: the front end then builds IR with the interpreter's functions (and
-    fails). :func:`restore_language` puts back what is kept here."""
-    if _pristine or "triton.language" not in sys.modules:
+    The interpreter patches the language modules a kernel's globals hold for each launch and puts
+    them back after, but a helper whose module imports ``triton.language.core`` itself (when the
+    kernel's module imports only ``triton.language``, or the other way round) patches that module
+    again, and nothing puts it back: the front end would then build IR with the interpreter's
+    functions (and fail). A patched builtin keeps what it replaced (as its ``member``); the few
+    other patches are of names ``triton.language`` and its ``core`` share, one of which the
+    launch put back. Nothing is remembered, so a leak before readfence first saw triton is undone
+    too.
+    """
+    if "triton.language" not in sys.modules:
         return
     import triton.language as tl
+    from triton.runtime import interpreter
 
-    held = [tl, tl.core, getattr(tl, "math", None), tl.core.tensor, tl.core.dtype,
-            getattr(tl.core, "condition", None), getattr(tl.core, "tensor_descriptor_base", None)]
-    unique = {id(o): o for o in held if o is not None}
-    _pristine[:] = [(o, dict(vars(o))) for o in unique.values()]
+    here = interpreter.__file__
 
+    def patched(value: Any) -> bool:
+        code = getattr(value.func if isinstance(value, functools.partial) else value, "__code__", None)
+        return (code is not None and code.co_filename == here) or value is builtins.print
 
-def restore_language() -> None:
-    """Put back whatever triton's interpreter left patched in ``triton.language`` (see
-    :func:`keep_language`); hold :data:`interpreter_lock`."""
-    for obj, kept in _pristine:
-        now = vars(obj)
-        for name in [n for n in now if n not in kept]:
-            delattr(obj, name)
-        for name, value in kept.items():
-            if now.get(name, _MISSING) is not value:
-                setattr(obj, name, value)
+    def original(value: Any) -> Any:
+        for _ in range(64):  # a builtin patched by nested launches: one lambda around the next
+            kept = getattr(value, "__kwdefaults__", None) or {}
+            if not (patched(value) and "member" in kept):
+                break
+            value = kept["member"]
+        return value
+
+    modules = ((tl, tl.core), (tl.core, tl), (tl.math, None))
+    classes = (tl.core.tensor, tl.core.dtype, tl.core.tensor_descriptor_base)
+    for obj, sibling in (*modules, *((c, None) for c in classes)):
+        for name, value in list(vars(obj).items()):
+            clean = original(value)
+            if patched(clean) and sibling is not None:
+                clean = original(getattr(sibling, name, clean))
+            if clean is not value and not patched(clean):
+                setattr(obj, name, clean)
 
 
 #: The target the IR is built for without a GPU: a Hopper GPU (fp8 types and tensor descriptors exist).
@@ -161,7 +170,6 @@ def _frontend() -> types.SimpleNamespace | str:
                 found = mirrors[kernel.fn] = Mirror(kernel.fn, **getattr(kernel, "kwargs", {}))
             return found
 
-    keep_language()
     target = GPUTarget(*TARGET)
     backend = make_backend(target)
     return types.SimpleNamespace(ir=ir, ASTSource=ASTSource, JITFunction=JITFunction, Interpreted=InterpretedFunction,
@@ -642,5 +650,4 @@ def _params(py: Callable[..., Any]) -> list[str]:
     return list(inspect.signature(py).parameters)
 
 
-__all__ = ["TARGET", "frontend_missing", "interpreter_lock", "ir_access", "keep_language", "kernel_access",
-           "restore_language"]
+__all__ = ["TARGET", "frontend_missing", "interpreter_lock", "ir_access", "kernel_access", "restore_language"]

@@ -47,7 +47,7 @@ from readfence.effects import ReadfenceError
 
 from .._threads import note_kernel, stage_stream
 from ._kernel_access import KernelAccess, python_function
-from ._kernel_ir import interpreter_lock, keep_language, kernel_access, restore_language
+from ._kernel_ir import interpreter_lock, kernel_access
 
 #: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
 NAMESPACE = "triton_kernel"
@@ -197,17 +197,13 @@ def _run_launch(index: int, reads: Sequence[torch.Tensor], writes: Sequence[torc
 def _one_at_a_time(kernel: Any) -> Iterator[None]:
     """Triton's interpreter keeps the program being run in module state (the grid index, the
     language's functions patched for the launch): two threads' launches (a stream's replay and the
-    scheduler's Python stage) must not interleave, and what a launch leaves patched is put back
-    (:func:`~readfence.core.tracing._kernel_ir.restore_language`: the front end that builds a
-    kernel's IR reads the same language). Compiled launches need no lock."""
+    scheduler's Python stage) must not interleave, nor a launch and the build of a kernel's IR
+    (:data:`~readfence.core.tracing._kernel_ir.interpreter_lock`). Compiled launches need no lock."""
     if type(kernel).__name__ != "InterpretedFunction":
         yield
         return
     with interpreter_lock:
-        try:
-            yield
-        finally:
-            restore_language()
+        yield
 
 
 # -- the launch ------------------------------------------------------------------------------
@@ -331,7 +327,6 @@ def see_launches() -> bool:
     with _lock:
         if _originals:
             return True
-        keep_language()  # before readfence runs any kernel
         classes = []
         for module, name in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
             try:
