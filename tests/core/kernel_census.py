@@ -38,11 +38,15 @@ TEST_MODULES = ("tests.core.test_kernel_access", "tests.core.test_triton", "test
                 "tests.core.kernel_helpers")
 _BASES = {"load", "store", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg", "atomic_or",
           "atomic_and", "atomic_xor", "make_block_ptr", "make_tensor_descriptor", "cast"}
+_INDEX_WORDS = ("loc", "idx", "ind", "len", "ids", "slot", "table", "map", "offset", "count", "seq", "pos", "req",
+                "token", "page", "start", "num", "cu_", "cnt", "rank", "expert")
+_NAMED_POINTERS = ("ptr", "dst", "src", "out", "buf", "cache")
 _FLAGS = ("IS_", "HAS_", "USE_", "ENABLE", "EVEN", "SKIP", "CAUSAL", "APPLY", "DO_", "SAVE", "RETURN", "NEED", "WITH")
 
 
-def kernels() -> Iterator[tuple[str, str, Any]]:
-    """``(module, name, kernel)`` for every interpreted kernel defined in SGLang's tree and the tests."""
+def kernels(sglang_tree: bool = True) -> Iterator[tuple[str, str, Any]]:
+    """``(module, name, kernel)`` for every interpreted kernel defined in the tests and (``sglang_tree``)
+    SGLang's tree."""
     import sglang
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -50,7 +54,7 @@ def kernels() -> Iterator[tuple[str, str, Any]]:
 
     root = pathlib.Path(sglang.__file__).parent
     names = sorted("sglang." + ".".join(p.relative_to(root).with_suffix("").parts) for p in root.rglob("*.py")
-                   if "@triton.jit" in p.read_text(errors="ignore"))
+                   if sglang_tree and "@triton.jit" in p.read_text(errors="ignore"))
     modules = []
     with _standins(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -99,7 +103,18 @@ def _pointers(fn: Any) -> set[str]:
                     found |= bases(left.id)
         if isinstance(n, ast.Attribute) and n.attr == "dtype" and isinstance(n.value, ast.Name):
             found |= bases(n.value.id)
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "to"
+                and "pointer_type" in ast.unparse(n)):  # ``p.to(tl.pointer_type(...))``
+            left = _leftmost(n.func.value)
+            if isinstance(left, ast.Name):
+                found |= bases(left.id)
     return params & found
+
+
+def _tensor_for(name: str) -> torch.Tensor:
+    """A tensor for parameter ``name``: integers where the name says it holds indices or lengths."""
+    lowered = name.lower()
+    return torch.empty(4, dtype=torch.int32 if any(w in lowered for w in _INDEX_WORDS) else torch.float32)
 
 
 def guess(fn: Any) -> dict[str, Any]:
@@ -120,11 +135,12 @@ def guess(fn: Any) -> dict[str, Any]:
         elif const:
             out[name] = 16
         else:
-            out[name] = torch.empty(4) if name in pointers else 7
+            named = any(w in name.lower() for w in _NAMED_POINTERS)
+            out[name] = _tensor_for(name) if name in pointers or named else 7
     return out
 
 
-def census() -> dict[str, Any]:
+def census(sglang_tree: bool = True) -> dict[str, Any]:
     """The comparison: counts, the kernels whose IR was not built (by reason), and the differences."""
     from readfence.core.tracing._kernel_access import source_access
     from readfence.core.tracing._kernel_ir import ir_access
@@ -132,7 +148,7 @@ def census() -> dict[str, Any]:
     out: dict[str, Any] = {"kernels": 0, "built": 0, "sglang": 0, "sglang_built": 0, "source_misses": [],
                            "ir_only_unbounded": [], "source_only_unbounded": []}
     unbuilt: collections.Counter[str] = collections.Counter()
-    for module, name, kernel in kernels():
+    for module, name, kernel in kernels(sglang_tree):
         arguments = guess(kernel.fn)
         ir, source = ir_access(kernel, arguments), source_access(kernel, arguments)
         sglang = module.startswith("sglang.")
@@ -158,9 +174,10 @@ def census() -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tests-only", action="store_true", help="the tests' kernels, not SGLang's")
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr):  # (triton prints an IR that fails to verify)
-        result = census()
+        result = census(not args.tests_only)
     if args.json:
         json.dump(result, sys.stdout)
         return
