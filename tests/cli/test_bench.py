@@ -62,7 +62,7 @@ def test_an_unknown_name_is_one_line_naming_the_choices(cli, fake_dir):
     result = cli("bench", "overlay")
     assert result.exit_code == 2
     assert result.output.strip() == ("Error: invalid NAMES 'overlay': unknown benchmark; allowed: "
-                                     "effects, audit, scale, check, overhead, overlap, serve, fuzz, tp")
+                                     "effects, audit, scale, check, overhead, overlap, serve, fuzz, tp, triton")
 
 
 def test_a_failing_benchmark_is_reported_and_the_others_still_run(cli, fake_dir):

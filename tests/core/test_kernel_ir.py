@@ -263,6 +263,7 @@ def test_the_same_backend_through_an_address_loaded_from_memory_is_refused():
         audit(_moving("loads_address", store_rows_at_address), M.DECODE, cfg=CFG, batch_sizes=[2])
 
 
+@pytest.mark.slow  # imports SGLang's modules: most of a minute on a loaded machine
 def test_sglangs_cache_move_kernel_is_bounded_by_its_arguments():
     from tests.engine.sglang_standins import import_sglang
 
