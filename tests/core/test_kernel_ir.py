@@ -30,7 +30,7 @@ from readfence.core.tracing import _kernel_ir
 from readfence.core.tracing._kernel_access import FROM_IR, FROM_SOURCE, source_access
 from readfence.core.tracing._triton import see_launches
 from tests.core import kernel_helpers
-from tests.core.test_triton import _backend, _rows, _verify
+from tests.core.test_triton import _backend, _rows, _verify, gather_and_mark, gather_rows
 
 M = ForwardMode
 IN = ReadEnd.IN_REPLAY
@@ -173,20 +173,10 @@ def test_a_pointer_swapped_in_a_loop_writes_both_and_an_early_return_is_followed
     assert _tensors(_access(_early_return, X, X.clone(), X.clone(), 3), "src", "dst", "out") == ["dst"]
 
 
-@triton.jit
-def gather_rows(table, rows, out, W: tl.constexpr):
-    b = tl.program_id(0)
-    r = tl.load(rows + b).to(tl.int64)
-    i = tl.arange(0, W)
-    tl.store(out + b * W + i, tl.load(table + r * W + i))
-
-
 def test_the_rows_of_a_table_picked_by_loaded_indices_are_kept_for_the_message():
     access = _access(gather_rows, X.view(2, 8), torch.tensor([1, 0]), X.clone(), 8)
     assert (access.reads, _tensors(access, "table", "rows", "out")) == ({"table", "rows"}, ["out"])
     assert access.index_of("table") == ("rows",) and access.index_of("out") == ()
-    from tests.core.test_triton import gather_and_mark
-
     marks = _backend("marks_rows", rows=lambda s, b: _rows(gather_and_mark, s, b))
     with pytest.raises(StageWriteError) as caught:
         audit(marks, M.DECODE, cfg=CFG, batch_sizes=[2])
