@@ -23,6 +23,8 @@ from typing import Any
 
 import attrs
 
+from readfence.effects import ReadfenceError
+
 from ._kernel_access import FROM_IR, KernelAccess
 
 #: Memory ops by what they do at the address of their first operand (TritonOps.td: the ops with a
@@ -49,7 +51,7 @@ PURE_DIALECTS = ("arith.", "math.")
 OPAQUE = frozenset({"tt.elementwise_inline_asm", "tt.extern_elementwise"})
 
 
-class Unanalysable(Exception):
+class Unanalysable(ReadfenceError):
     """The IR holds something the analysis cannot follow: every argument is read and written."""
 
 
