@@ -33,7 +33,7 @@ from ._params import DeviceName, OneOf
 
 #: Every benchmark under ``benchmarks/`` (``bench_<name>.py``), in the order ``readfence bench``
 #: runs them: the cheap ones first. A test checks that no benchmark file is left out.
-BENCHMARKS = ("effects", "audit", "scale", "check", "overhead", "overlap", "serve", "fuzz", "tp")
+BENCHMARKS = ("effects", "audit", "scale", "check", "overhead", "overlap", "serve", "fuzz", "tp", "triton")
 
 #: The name of the race suite among the benchmarks (``readfence.races``, not a file).
 RACES = "races"
