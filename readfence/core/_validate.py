@@ -37,7 +37,7 @@ readfence.core._validate.NotGraphSafe: backend 'printed' in DECODE: stage body i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -244,13 +244,16 @@ def _graph_module(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, 
 
 
 def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], *,
-                    seeds: Iterable[int] = REPLAY_SEEDS, replay: Replay = _graph_module) -> None:
+                    seeds: Iterable[int] = REPLAY_SEEDS, replay: Replay = _graph_module,
+                    key: Hashable = "GraphModule") -> None:
     """Check that every stage ``program`` replays as a graph computes what ``fns`` computes:
     for each seed, run the step's Python on ``example(seed)`` (fresh input groups: ``shared``,
     ``batch``, ...) and replay the captured stages on the same arguments beside it; raise
     :class:`NotGraphSafe` at the first difference (see the module docstring). ``program`` is
     the program a lowering replays (bound to the live state it runs on); ``replay(stage, env)``
-    runs a captured stage's graph (default: its GraphModule).
+    runs a captured stage's graph (default: its GraphModule), and ``key`` says what that code
+    computes beside the program (the lowering's compiled code): a program passes once per seeds
+    and key, and another code for it is validated anew.
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ModelConfig, ForwardMode, step_functions, trace, varied_step
@@ -259,7 +262,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
     """
     seeds = tuple(seeds)
-    if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds) in _VALIDATED:
+    if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds, key) in _VALIDATED:
         return
     for seed in seeds:
         comparing = _Comparing(program, replay)
@@ -269,7 +272,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
             stage, output, what = comparing.mismatch
             line = _locate(program, fns, example(seed), stage.stage)
             raise NotGraphSafe(program.backend, program.mode.name, stage.stage.name, output, what, line)
-    remember(_VALIDATED, (program, seeds), True, _VALIDATED_LIMIT)
+    remember(_VALIDATED, (program, seeds, key), True, _VALIDATED_LIMIT)
 
 
 def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
@@ -297,8 +300,9 @@ def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]]
     return join_node_reads(*runs)
 
 
-#: Programs validated, with the seeds (the program is kept with its key: its id is not reused).
-_VALIDATED: dict[tuple[Program, tuple[int, ...]], bool] = cache_with_traces({})
+#: Programs validated, with the seeds and what replayed them (the program is kept with its key:
+#: its id is not reused).
+_VALIDATED: dict[tuple[Program, tuple[int, ...], Hashable], bool] = cache_with_traces({})
 _VALIDATED_LIMIT = 256
 
 #: The live tensors a step runs on: ``shared``, ``pools``, ``params``, each name -> tensor.

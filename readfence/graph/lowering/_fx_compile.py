@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,8 +63,7 @@ from torch import fx
 
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing
 
-from ._fx_aliases import ALIAS_CHECK_KEY
-from ._fx_records import RECORD_KEY
+from ._fx_memory import HOOK_KEY, GraphMemory, InputMemory
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
 
@@ -87,45 +86,6 @@ def _refs(value: Any) -> list[fx.Node]:
     return out
 
 
-class _Memory:
-    """Which input or fresh value each node's value may alias, and which of those get written.
-
-    A root is the node whose value owns some memory: a placeholder or ``get_attr`` (memory from
-    outside the graph), or an op whose output aliases none of its arguments."""
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self.roots: dict[fx.Node, frozenset[fx.Node]] = {}
-        self.written: set[fx.Node] = set()
-        self.opaque = False
-        for node in graph.nodes:
-            self.roots[node] = self._visit(node)
-
-    def of(self, value: Any) -> frozenset[fx.Node]:
-        return frozenset().union(*(self.roots[n] for n in _refs(value)))
-
-    def _visit(self, node: fx.Node) -> frozenset[fx.Node]:
-        if node.op in ("placeholder", "get_attr"):
-            return frozenset({node})
-        if node.op == "output":
-            return self.of(node.args)
-        if node.target is operator.getitem:
-            return self.of(node.args[0])
-        if RECORD_KEY in node.meta or ALIAS_CHECK_KEY in node.meta:  # an event, a check: reads and writes no tensor
-            return frozenset()
-        aliasing = op_aliasing(node.target) if node.op == "call_function" else None
-        if aliasing is None or aliasing.opaque:
-            # a Python callable: it may write whatever it can reach, closures included
-            self.opaque = True
-            return self.of((node.args, node.kwargs)) | {node}
-        values = bind_arguments(node.target, node.args, node.kwargs)
-        for i in aliasing.writes:
-            self.written |= self.of(values[i])
-        out: set[fx.Node] = set()
-        for sources in aliasing.outputs:
-            out |= self.of([values[i] for i in sources]) if sources else {node}
-        return frozenset(out or {node})
-
-
 def _key(value: Any) -> Any:
     """A hashable stand-in for an argument; floats by their bits (``-0.0`` is not ``0.0``)."""
     if isinstance(value, fx.Node):
@@ -140,25 +100,26 @@ def _key(value: Any) -> Any:
     return (type(value), value)
 
 
-def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node]]:
+def _simplify(gm: fx.GraphModule, keep: frozenset[str], inputs: Sequence[InputMemory] | None,
+              ) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node], GraphMemory]:
     """The folded constants, and each shared node's earlier equal (see the module docstring);
-    the nodes named in ``keep`` are neither."""
-    memory = _Memory(graph)
+    the nodes named in ``keep`` are neither. ``inputs`` is what the graph's inputs are known to
+    hold (``GraphMemory``); the memory analysis is returned with the answer."""
+    graph = gm.graph
+    memory = GraphMemory(gm, inputs)
     if memory.opaque:
-        return {}, {}
-    output = next(n for n in graph.nodes if n.op == "output")
-    leaving = memory.roots[output]
-    kept_apart = memory.written | leaving  # memory a merge or a fold would make one
+        return {}, {}, memory
+    kept_apart = memory.written | memory.leaving  # memory a merge or a fold would make one
     folded: dict[fx.Node, Any] = {}
     same: dict[fx.Node, fx.Node] = {}
     seen: dict[Any, fx.Node] = {}
     for node in graph.nodes:
-        if node.name in keep or not _pure(node) or memory.roots[node] & kept_apart:
+        if node.name in keep or not _pure(node) or memory.classes(node) & kept_apart:
             continue
         target: Any = node.target  # an aten OpOverload (_pure)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: same.get(n, n))
-        inputs = _refs((args, kwargs))
-        if memory.of((args, kwargs)) & kept_apart:
+        inputs_of = _refs((args, kwargs))
+        if memory.classes((args, kwargs)) & kept_apart:
             continue
         try:
             first = seen.setdefault((node.target, _key(args), _key(kwargs)), node)
@@ -166,10 +127,10 @@ def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any]
             first = node
         if first is not node:
             same[node] = first
-        elif all(n in folded for n in inputs):
+        elif all(n in folded for n in inputs_of):
             args, kwargs = fx.node.map_arg((args, kwargs), folded.__getitem__)
             folded[node] = target(*args, **kwargs)
-    return folded, same
+    return folded, same, memory
 
 
 # ------------------------------------------------------------------------- bindings, by probe
@@ -308,10 +269,25 @@ class CompiledGraph:
 
     ``fn`` is the generated function (call it directly on a hot path), ``source`` its code;
     ``stats`` counts the graph's calls, the folded ones, the ones shared with an earlier equal
-    node and the ones emitted as a probed binding."""
+    node and the ones emitted as a probed binding. ``hooks`` are the inserted calls (events,
+    poison, checks: nodes marked ``HOOK_KEY``), as ``(key, target)`` in graph order: :meth:`bind`
+    gives the same code calling other targets (another ring slot's events, or nothing while the
+    code is validated). ``computation`` is the code with the hook calls and the reference drops
+    left out: two compilations with equal ``computation`` of one graph compute alike whatever their
+    hooks. ``memory`` is the memory analysis the passes used (``None`` without them).
+    """
 
-    def __init__(self, fn: Callable[..., Any], source: str, stats: dict[str, int]) -> None:
-        self.fn, self.source, self.stats = fn, source, stats
+    def __init__(self, bind: Callable[..., Callable[..., Any]], source: str, stats: dict[str, int],
+                 hooks: tuple[tuple[Hashable, Callable[..., Any]], ...], computation: str,
+                 memory: GraphMemory | None) -> None:
+        self._bind, self.source, self.stats, self.hooks = bind, source, stats, hooks
+        self.computation, self.memory = computation, memory
+        self.fn = bind(*(target for _, target in hooks))
+
+    def bind(self, targets: Mapping[Hashable, Callable[..., Any]]) -> Callable[..., Any]:
+        """The compiled function (the same code object as :attr:`fn`'s) with each hook calling
+        ``targets[key]``; a key ``targets`` lacks is a ``KeyError``."""
+        return self._bind(*(targets[key] for key, _ in self.hooks))
 
     def __call__(self, *args: object) -> Any:
         return self.fn(*args)
@@ -321,15 +297,19 @@ class CompiledGraph:
 
 
 def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: bool = True,
-                  bindings: bool = True) -> CompiledGraph:
+                  bindings: bool = True, inputs: Sequence[InputMemory] | None = None) -> CompiledGraph:
     """``gm`` as straight-line Python over the ops' bindings (see the module docstring).
 
     The nodes named in ``keep`` run where they are, as often as they are (lowering keeps the
     reads of shared buffers, so that a replay reads them exactly where the trace says);
     ``simplify=False`` keeps every node (no folding, no sharing); ``bindings=False`` calls
-    every op through its C++ handle."""
+    every op through its C++ handle. ``inputs`` says, per placeholder, what it will hold (the
+    tensor, or the memory an earlier graph's output may be; ``None``: unknown): the passes keep
+    apart what may share memory with what the graph writes (``_fx_memory``); without it the
+    inputs are taken to share none. A node marked ``HOOK_KEY`` (an inserted event, poison or
+    check) is called through a hook (:class:`CompiledGraph`)."""
     graph = gm.graph
-    folded, same = _simplify(graph, frozenset(keep)) if simplify else ({}, {})
+    folded, same, memory = _simplify(gm, frozenset(keep), inputs) if simplify else ({}, {}, None)
     nodes = list(graph.nodes)
     names: dict[fx.Node, str] = {}
     scope: dict[str, Any] = {}
@@ -344,9 +324,13 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
         for ref in _refs((node.args, node.kwargs)):
             last_use[resolved(ref)] = node
 
+    functions: list[str] = []  # what each called function is: part of the computation
+
     def constant(value: Any, hint: str) -> str:
         name = f"_{hint}{len(scope)}"
         scope[name] = value
+        if hint == "f":
+            functions.append(f"{name} = {value!r}")
         return name
 
     def emit(value: Any) -> str:
@@ -362,46 +346,61 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
             return repr(value)
         return constant(value, "c")
 
-    params, body = [], []
+    params: list[str] = []
+    body: list[tuple[str, str]] = []  # (kind, line): "op", "hook" or "free"
+    hooks: list[tuple[Hashable, Callable[..., Any]]] = []
     bound = 0
     freed: dict[fx.Node, list[fx.Node]] = {}
     for ref, user in last_use.items():
         freed.setdefault(user, []).append(ref)
-    for i, node in enumerate(nodes):
+    values = 0  # values are numbered without the hooks: hooks change no other line
+    for node in nodes:
         if node in same:
             continue
-        name = names[node] = f"v{i}"
-        if node.op == "placeholder":
-            params.append(name)
-            continue
-        if node in folded:
-            names[node] = constant(folded[node], "k")
-            continue
-        if node.op == "get_attr":
-            names[node] = constant(_attr(gm, str(node.target)), "a")
-            continue
-        if node.op == "output":
-            body.append(f"return {emit(node.args[0])}")
-            continue
-        if node.op != "call_function":
-            raise NotImplementedError(f"compile_graph: node {node.name!r} is a {node.op} (make_fx graphs call functions)")
-        if node.target is operator.getitem:
-            body.append(f"{name} = {emit(node.args[0])}[{emit(node.args[1])}]")
-        else:
-            # the probed binding, else the C++ handle behind OpOverload.__call__
-            fn = _binding(node) if bindings else None
-            bound += fn is not None
-            fn = fn or getattr(node.target, "_op", node.target)
+        if HOOK_KEY in node.meta and node.op == "call_function":
+            hook = f"_h{len(hooks)}"
+            hooks.append((node.meta[HOOK_KEY], node.target))
             args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
-            body.append(f"{name} = {constant(fn, 'f')}({', '.join(args)})")
+            body.append(("hook", f"{hook}({', '.join(args)})"))
+        else:
+            name = names[node] = f"v{values}"
+            values += 1
+            if node.op == "placeholder":
+                params.append(name)
+                continue
+            if node in folded:
+                names[node] = constant(folded[node], "k")
+                continue
+            if node.op == "get_attr":
+                names[node] = constant(_attr(gm, str(node.target)), "a")
+                continue
+            if node.op == "output":
+                body.append(("op", f"return {emit(node.args[0])}"))
+                continue
+            if node.op != "call_function":
+                raise NotImplementedError(
+                    f"compile_graph: node {node.name!r} is a {node.op} (make_fx graphs call functions)")
+            if node.target is operator.getitem:
+                body.append(("op", f"{name} = {emit(node.args[0])}[{emit(node.args[1])}]"))
+            else:
+                # the probed binding, else the C++ handle behind OpOverload.__call__
+                fn = _binding(node) if bindings else None
+                bound += fn is not None
+                fn = fn or getattr(node.target, "_op", node.target)
+                args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
+                body.append(("op", f"{name} = {constant(fn, 'f')}({', '.join(args)})"))
         done = [names[r] for r in freed.get(node, ()) if names.get(r, "").startswith("v")]
         if done:  # free intermediates at their last use, as GraphModule code does
-            body.append(" = ".join(done) + " = None")
-    source = f"def run({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+            body.append(("free", " = ".join(done) + " = None"))
+    hook_names = [f"_h{i}" for i in range(len(hooks))]
+    source = (f"def bind({', '.join(hook_names)}):\n    def run({', '.join(params)}):\n"
+              + "".join(f"        {line}\n" for _, line in body) + "    return run\n")
     exec(compile(source, f"<readfence compiled {gm.__class__.__name__}>", "exec"), scope)
-    stats = {"nodes": sum(n.op == "call_function" for n in nodes), "folded": len(folded), "shared": len(same),
-             "bound": bound}
-    return CompiledGraph(scope["run"], source, stats)
+    stats = {"nodes": sum(n.op == "call_function" and HOOK_KEY not in n.meta for n in nodes), "folded": len(folded),
+             "shared": len(same), "bound": bound}
+    computation = "".join(f"{line}\n" for line in (f"run({', '.join(params)})", *functions,
+                                                   *(line for kind, line in body if kind == "op")))
+    return CompiledGraph(scope["bind"], source, stats, tuple(hooks), computation, memory)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

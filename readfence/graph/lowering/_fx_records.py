@@ -3,11 +3,16 @@
 The inserted node calls ``device.record_here(event)``, so the event fires at exactly that
 point of the (eager or replayed) stage. The pass also yields the stage's ``ops`` list (reads
 and records in node order) that the device and its sanitizer see at enqueue time.
+
+Each inserted call is a *hook* (``node.meta[HOOK_KEY]``, a key naming the anchor node and the
+call's place after it): the compiled code calls it through a name each event-ring slot binds to
+its own events (:func:`hooks_for`), and the validation of that code binds to nothing, so that
+one compiled code serves every slot and is validated once without firing an event.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from torch import fx
@@ -15,6 +20,7 @@ from torch import fx
 from readfence.core.internal import copy_graph
 
 from ..devices import Device, Event, Op, Read, Record
+from ._fx_memory import HOOK_KEY, WRITES_KEY
 
 RECORD_KEY = "readfence_record"
 
@@ -30,12 +36,32 @@ class _RecordHere:
         self.device.record_here(self.event)
 
 
+def hooks_for(after: Mapping[str, Sequence[Event]], device: Device | None,
+              actions: Mapping[str, Sequence[Callable[[], object]]] | None = None) -> dict[Hashable, Callable[[], object]]:
+    """The calls :func:`insert_records` inserts for ``after`` and ``actions``, by hook key: what
+    code compiled from a graph with the same anchors binds for these events.
+
+    >>> class Ev: name = "e"
+    >>> sorted(hooks_for({"add": [Ev(), Ev()]}, None, {"add": [print]}))
+    [('action', 'add', 0), ('record', 'add', 0), ('record', 'add', 1)]
+    """
+    hooks: dict[Hashable, Callable[[], object]] = {}
+    for name, events in after.items():
+        for i, event in enumerate(events):
+            hooks[("record", name, i)] = _RecordHere(device, event)
+    for name, acts in (actions or {}).items():
+        for i, action in enumerate(acts):
+            hooks[("action", name, i)] = action
+    return hooks
+
+
 def insert_records(
-    gm: fx.GraphModule, after: Mapping[str, Sequence[Event]], device: Device,
+    gm: fx.GraphModule, after: Mapping[str, Sequence[Event]], device: Device | None,
     actions: Mapping[str, Sequence[Callable[[], object]]] | None = None,
 ) -> fx.GraphModule:
     """A copy of ``gm`` recording ``after[node]`` events (in order) right after each node,
-    then calling ``actions[node]`` (plain callables, e.g. a check's poison) after them.
+    then calling ``actions[node]`` (plain callables, e.g. a check's poison, which may write
+    anything) after them; each inserted call is a hook (see the module docstring).
 
     >>> import torch
     >>> gm = fx.symbolic_trace(lambda x: (x + 1) * 2)
@@ -54,24 +80,34 @@ def insert_records(
     missing = [name for name in (*after, *actions) if name not in nodes]
     if missing:
         raise KeyError(f"cannot place records after unknown nodes {missing}")
+    hooks = hooks_for(after, device, actions)
     for name in dict.fromkeys((*after, *actions)):
         anchor = nodes[name]
-        for event in after.get(name, ()):
+        for i, event in enumerate(after.get(name, ())):
+            key = ("record", name, i)
             with graph.inserting_after(anchor):
-                anchor = graph.call_function(_RecordHere(device, event), ())
+                anchor = graph.call_function(hooks[key], ())
                 anchor.meta[RECORD_KEY] = event
-        for action in actions.get(name, ()):
+                anchor.meta[HOOK_KEY] = key
+        for i in range(len(actions.get(name, ()))):
+            key = ("action", name, i)
             with graph.inserting_after(anchor):
-                anchor = graph.call_function(action, ())
+                anchor = graph.call_function(hooks[key], ())
+                anchor.meta[HOOK_KEY] = key
+                anchor.meta[WRITES_KEY] = True
     return out
 
 
-def stage_ops(gm: fx.GraphModule, reads: Mapping[str, frozenset[str]], stage: str) -> tuple[Op, ...]:
-    """The reads (``Read(buffer, "stage:node")``) and inserted records of ``gm``, in order."""
+def stage_ops(gm: fx.GraphModule, reads: Mapping[str, frozenset[str]], stage: str,
+              hooks: Mapping[Hashable, Callable[[], object]] | None = None) -> tuple[Op, ...]:
+    """The reads (``Read(buffer, "stage:node")``) and inserted records of ``gm``, in order; with
+    ``hooks`` (:func:`hooks_for` of another slot's events), the records of those events."""
     ops: list[Op] = []
     for node in gm.graph.nodes:
         for buffer in sorted(reads.get(node.name, ())):
             ops.append(Read(buffer, f"{stage}:{node.name}"))
         if RECORD_KEY in node.meta:
-            ops.append(Record(node.meta[RECORD_KEY]))
+            target = node.target if hooks is None else hooks[node.meta[HOOK_KEY]]
+            assert isinstance(target, _RecordHere)
+            ops.append(Record(target.event))
     return tuple(ops)

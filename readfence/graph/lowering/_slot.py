@@ -3,18 +3,21 @@
 A lowered step owns one :class:`Slot` per event-ring slot: its events, its stage graphs with
 those events' records inserted after their nodes (``insert_records``) and compiled
 (``compile_graph``), and, on a device with graphs, the captured graph of its in-graph stages.
+The stages are compiled once per lowering (:func:`compile_stages`, from slot 0's graphs): each
+inserted record is a hook of the compiled code, which every slot binds to its own events
+(:class:`StageCode`), so that every slot runs the one code the lowering validated.
 :func:`build_slot` is the pass; :class:`StepLauncher` is how a step's stages are launched on
 the lowered stream, in a capture or eagerly, in the order of ``core.STAGES``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
-from torch import Tensor
+from torch import Tensor, fx
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
 from readfence.core.internal import BufferMap, NodeReadsIn
@@ -24,7 +27,8 @@ from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_aliases import insert_alias_checks
 from ._fx_compile import CompiledGraph, compile_graph
-from ._fx_records import insert_records, stage_ops
+from ._fx_memory import UNKNOWN, InputMemory
+from ._fx_records import hooks_for, insert_records, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
 from ._poison import CheckState, Watcher, poison_points
 
@@ -38,13 +42,15 @@ class StageRunner(Protocol):
 
 
 class CompiledStage:
-    """A faithful stage's graph, compiled (``graph._fx_compile``), run like ``StageGraph.run``."""
+    """A faithful stage's graph, compiled (``graph._fx_compile``), run like ``StageGraph.run``;
+    ``fn`` is the compiled code bound to its hooks (default: the graph's own)."""
 
     __slots__ = ("stage", "graph", "_fn", "_inputs", "_outputs")
 
-    def __init__(self, stage: StageGraph, graph: CompiledGraph) -> None:
+    def __init__(self, stage: StageGraph, graph: CompiledGraph, fn: Callable[..., Any] | None = None) -> None:
         self.stage, self.graph = stage, graph
-        self._fn, self._inputs, self._outputs = graph.fn, stage.graph.inputs, stage.graph.outputs
+        self._fn = graph.fn if fn is None else fn
+        self._inputs, self._outputs = stage.graph.inputs, stage.graph.outputs
 
     def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Execute the stage on ``env`` (name -> tensor); outputs by name."""
@@ -244,20 +250,57 @@ def _node_reads(stage: StageGraph, observed: NodeReadsIn) -> dict[str, frozenset
     return {n: traced.get(n, frozenset()) | seen.get(n, frozenset()) for n in {*traced, *seen}}
 
 
+def _ignore(*_: object) -> None:
+    """What a hook calls while the code is validated: no event, no poison, no check."""
+
+
+@attrs.frozen(eq=False)
+class StageCode:
+    """One stage of a lowered step as every ring slot runs it: ``gm``, its graph with slot 0's
+    records and check actions inserted (and alias checks after opaque ops), ``reads`` per node,
+    and ``compiled``, its compiled code (``None``: the stage runs its Python). A slot binds the
+    code's hooks to its own events (:meth:`launched`); the lowering validates the code with the
+    hooks bound to nothing (:meth:`validating`)."""
+
+    stage: StageGraph
+    gm: fx.GraphModule
+    reads: Mapping[str, frozenset[str]]
+    compiled: CompiledGraph | None
+
+    def launched(self, hooks: Mapping[Hashable, Callable[..., object]] | None = None) -> LaunchedStage:
+        """The stage as a slot launches it, its hooks calling ``hooks`` (``hooks_for`` that
+        slot's events; the rest, alias checks, as compiled)."""
+        name = self.stage.stage.name
+        if self.compiled is None:
+            return LaunchedStage(self.stage, stage_ops(self.gm, self.reads, name))
+        targets = {**dict(self.compiled.hooks), **(hooks or {})}
+        runner = CompiledStage(self.stage, self.compiled, self.compiled.bind(targets))
+        return LaunchedStage(runner, stage_ops(self.gm, self.reads, name, targets))
+
+    def validating(self) -> CompiledStage:
+        """The compiled code with every hook bound to nothing: what the lowering's translation
+        validation replays (its records, poison and checks are no part of what it computes)."""
+        assert self.compiled is not None
+        return CompiledStage(self.stage, self.compiled, self.compiled.bind(
+            {key: _ignore for key, _ in self.compiled.hooks}))
+
+
 def compile_stage(stage: StageGraph, after: Mapping[str, list[Event]], actions: Mapping[str, list[Action]],
-                  device: Device, observed: NodeReadsIn, *,
-                  live: BufferMap | None = None, backend: str = "?") -> LaunchedStage:
+                  device: Device, observed: NodeReadsIn, *, live: BufferMap | None = None, backend: str = "?",
+                  inputs: tuple[InputMemory, ...] | None = None, optimize: bool = True) -> StageCode:
     """``stage`` with ``after[node]`` records and ``actions[node]`` inserted after its nodes,
     and, given the ``live`` shared buffers, an alias check after each opaque op
-    (``insert_alias_checks``), compiled; a stage that runs its Python runs as it is, with no
-    node-level records."""
+    (``insert_alias_checks``), compiled (``optimize``: through the compile passes, ``inputs``
+    saying what its inputs hold; else every node as traced, through its op's handle); a stage
+    that runs its Python runs as it is, with no node-level records."""
     reads, name = _node_reads(stage, observed), stage.stage.name
     if stage.runs_python:
-        return LaunchedStage(stage, tuple(stage_ops(stage.graph.gm, reads, name)))
+        return StageCode(stage, stage.graph.gm, reads, None)
     gm = insert_records(stage.graph.gm, after, device, actions) if after or actions else stage.graph.gm
     if live is not None:
         gm = insert_alias_checks(gm, live, backend=backend, stage=name)
-    return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, name))
+    compiled = compile_graph(gm, keep=reads, inputs=inputs, simplify=optimize, bindings=optimize)
+    return StageCode(stage, gm, reads, compiled)
 
 
 @attrs.frozen
@@ -281,10 +324,24 @@ class SlotSpec:
     live: BufferMap | None = None
 
 
-def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
-    """Event-ring slot ``r``: its events, its stages with their records and check actions
-    inserted and compiled, and, when ``spec.graphed``, its in-graph stages captured on the
-    launcher's stream."""
+@attrs.frozen(eq=False)
+class SlotParts:
+    """What event-ring slot ``index`` is built from: its events (per placement, the probes of
+    the last reads, in the graph and in the out-of-graph stage's Python), and per stage the
+    records (``after``) and check actions (``actions``) inserted after each node, and the
+    actions at each stage-level end (``at_end``)."""
+
+    index: int
+    events: dict[Placement, Event]
+    probes: dict[str, Event]
+    out_probes: dict[str, Event]
+    after: dict[Stage, dict[str, list[Event]]]
+    actions: dict[Stage, dict[str, list[Action]]]
+    at_end: tuple[Action | None, ...]
+
+
+def slot_parts(spec: SlotSpec, r: int) -> SlotParts:
+    """Event-ring slot ``r``'s events, and where their records and the check's actions go."""
     label, program, plan, dev = spec.label, spec.program, spec.plan, spec.device
     events = {p: spec.new_event(f"{label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
               for p in plan.points()}
@@ -317,23 +374,52 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
                 actions[point.after.stage].setdefault(point.after.node, []).append(act)
             else:
                 at_end[point.end.rank] = act
-    stages = {s.stage: compile_stage(s, after[s.stage], actions[s.stage], dev, spec.observed, live=spec.live,
-                                    backend=program.backend) for s in program.stages}
+    return SlotParts(r, events, probes, out_probes, after, actions, tuple(at_end))
+
+
+def compile_stages(spec: SlotSpec, parts: SlotParts, env: Mapping[str, Tensor], *,
+                   optimize: bool = True) -> dict[Stage, StageCode]:
+    """Every stage of ``spec.program`` with ``parts``' records and actions inserted, compiled
+    once for every slot (:class:`StageCode`). What each compiled stage's inputs hold is told to
+    its passes: the step's static tensors in ``env`` (live state, batch, metadata copies), or,
+    for an earlier in-graph stage's outputs, the memory that stage's analysis says they may be
+    (a stage that runs its Python may return any memory)."""
+    produced: dict[str, InputMemory] = {}
+    code: dict[Stage, StageCode] = {}
+    for s in spec.program.stages:
+        inputs = tuple(produced[n] if n in produced else env.get(n) for n in s.graph.inputs)
+        code[s.stage] = c = compile_stage(s, parts.after[s.stage], parts.actions[s.stage], spec.device,
+                                          spec.observed, live=spec.live, backend=spec.program.backend,
+                                          inputs=inputs, optimize=optimize)
+        if s.stage.in_graph:  # its outputs join the environment as they are, every step
+            memory = None if c.compiled is None else c.compiled.memory
+            outs = memory.outputs() if memory is not None else tuple(frozenset({UNKNOWN}) for _ in s.graph.outputs)
+            produced.update(zip(s.graph.outputs, outs))
+    return code
+
+
+def build_slot(spec: SlotSpec, launcher: StepLauncher, parts: SlotParts, code: Mapping[Stage, StageCode]) -> Slot:
+    """Event-ring slot ``parts.index``: its stages, ``code`` bound to its events and check
+    actions, and, when ``spec.graphed``, its in-graph stages captured on the launcher's stream."""
+    label, plan, dev = spec.label, spec.plan, spec.device
+    events, probes, out_probes = parts.events, parts.probes, parts.out_probes
+    stages = {stage: c.launched(hooks_for(parts.after[stage], dev, parts.actions[stage]))
+              for stage, c in code.items()}
     index = {p: i for i, p in enumerate(events)}
-    done = spec.new_event(f"{label}/done#{r}")
+    done = spec.new_event(f"{label}/done#{parts.index}")
     fence_events = (*events.values(), done)
     claim_events(label, [*events.values(), *probes.values(), *out_probes.values(), done])
     slot = Slot(
-        index=r, events=events, probes={**probes, **out_probes}, done=done, stages=stages,
+        index=parts.index, events=events, probes={**probes, **out_probes}, done=done, stages=stages,
         at_end=tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd),
-        act_at_end=tuple(at_end), fence_events=fence_events,
+        act_at_end=parts.at_end, fence_events=fence_events,
         buffer_points=MappingProxyType({b: index.get(p) for b, p in plan.placements.items()}),
         out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH].runner, tuple(out_probes.values())),
         out_ops=(*stages[PREPARE_OUT_GRAPH].ops, *(Record(e) for e in out_probes.values())),
         clock=RunClock(()), head=slot_head(label, {}, (), ()),
     )
     if spec.graphed:
-        with dev.capture(launcher.stream, label=f"{label}/graph#{r}") as graph:
+        with dev.capture(launcher.stream, label=f"{label}/graph#{parts.index}") as graph:
             launcher.in_graph_work(slot)
         slot.graph = graph
     slot.rebase(label, tuple(e.generation for e in fence_events))
@@ -363,5 +449,5 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
     return fn
 
 
-__all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
-           "last_reader", "last_reads", "node_positions"]
+__all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotParts", "SlotSpec", "StageCode", "StepLauncher", "build_slot",
+           "compile_stage", "compile_stages", "last_reader", "last_reads", "node_positions", "slot_parts"]
