@@ -105,7 +105,9 @@ class GraphMemory:
             else:
                 self._tokens[node] = self._visit(node)
         self._close()
-        self.written = frozenset(self.find(t) for t in self._written)
+        find = self.find
+        self._classes = {node: frozenset(map(find, tokens)) for node, tokens in self._tokens.items()}
+        self.written = frozenset(map(find, self._written))
         output = next((n for n in gm.graph.nodes if n.op == "output"), None)
         self.leaving = self.classes(output.args) if output is not None else frozenset()
 
@@ -199,7 +201,15 @@ class GraphMemory:
     # -- answers ---------------------------------------------------------------------------
     def classes(self, value: Any) -> frozenset[Hashable]:
         """The memories (class representatives) the nodes in ``value`` may be."""
-        return frozenset(self.find(t) for t in self.tokens(value))
+        if isinstance(value, fx.Node):
+            return self._classes[value]
+        refs = _refs(value)
+        if len(refs) == 1:
+            return self._classes[refs[0]]
+        out: set[Hashable] = set()
+        for n in refs:
+            out |= self._classes[n]
+        return frozenset(out)
 
     def written_by_any(self, names: Iterable[str]) -> bool:
         """Whether the graph may write memory any of the nodes ``names`` may be."""
