@@ -12,6 +12,14 @@ order, on each op's C++ handle, after two passes that only drop recomputation:
 * common subexpressions: a pure node equal to an earlier one (same op, same arguments) whose
   inputs nothing in the graph writes is replaced by it (a mask or index every layer rebuilds).
 
+Neither touches a value whose memory the graph may write, or that leaves the graph. Which memory
+that is comes from facts (``_fx_memory``): the real storages of the tensors the graph captured
+and of its inputs (the lowering says what each input holds), so that a workspace and a view of
+it, two tensors over one storage or a DLPack alias are one memory; the ops' schemas (what each
+writes, what each output may alias); and their tags (``set_``, ``inplace_view``, makes a tensor
+any memory it was given). Lowering does not trust this: it validates the compiled code against
+the stages' Python, and runs the plain translation where only the passes' code differs.
+
 On the demo's body (362 calls; the model computes its rotary tables once a step) the passes
 fold 9 and share 15, and bindings carry 301 of the rest. Medians side by side on a quiet 2-core
 VM, measured when the body still rebuilt the rotary tables in every layer (446 calls, 99
@@ -21,7 +29,10 @@ shared): GraphModule 1.80 ms, the same calls on their handles 1.33 ms, with the 
 *Pure* is read from the op's schema (``core._schema``): an ``aten`` op that writes none of its
 arguments, returns something, and is not tagged nondeterministic. Opaque Python callables
 (a check's poison actions) may write anything they can reach, so a graph holding one only
-gets the plain translation; the nodes that fire events are known to write nothing.
+gets the plain translation; the nodes that fire events are known to write nothing. Those
+inserted calls (events, poison, checks: ``HOOK_KEY``) are called through names the generated
+code binds (:meth:`CompiledGraph.bind`): one compiled code serves every event-ring slot, and is
+validated with its hooks bound to nothing.
 
 An ``aten`` call is then emitted as the op's generated Python binding where one reaches the
 very same op: ``TensorBase.view(x, size)`` instead of ``aten.view.default``'s handle, which

@@ -4,15 +4,23 @@
 
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
    makes correct (trace-time state, a stage a CUDA graph cannot capture) and, unless the
-   policy is COARSE, an unsound declaration;
-2. validate the capture against the code (``core.validate_replay``): a replayed stage must
-   compute what its Python computes on fresh states, whatever the policy; a step that is not
-   replayed (``core.internal.replayed``) is observed on those states instead, and a declaration
-   below what its Python reads there is refused (by the audit's verdict, which counts those reads);
-3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
-4. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
+   policy is COARSE, an unsound declaration (the audit's verdict; a step that is not replayed,
+   ``core.internal.replayed``, is observed on fresh states first, ``core.internal.varied_reads``,
+   and a declaration below what its Python reads there is refused too);
+2. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
+3. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
    the bound trace joined with the observed reads);
-5. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
+4. insert records (``_fx_records``: each a hook the event-ring slots bind to their own events),
+   check mode's poison and the alias checks after opaque ops (``_fx_aliases``), then compile
+   (``_fx_compile``: constant folding, shared subexpressions, Python bindings), once for every
+   slot (``_slot.compile_stages``);
+5. validate that compiled code against the stages' Python (``core.validate_replay``): each
+   captured stage, its hooks bound to nothing, must compute what its Python computes on fresh
+   states, whatever the policy. Code that differs only through the compile passes (the same
+   stages compiled without them pass) is readfence's miscompile: the plain code, validated as
+   well, is what runs (``Lowered.optimized`` is then False);
+6. per event-ring slot, bind the validated code to the slot's events and capture
+   (``_slot.build_slot``): every slot runs the very code validated.
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
 
