@@ -97,18 +97,25 @@ def _refs(value: Any) -> list[fx.Node]:
     return out
 
 
+#: Argument types that stand for themselves in a key (with their type: ``1`` is not ``True``).
+_PLAIN = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
 def _key(value: Any) -> Any:
     """A hashable stand-in for an argument; floats by their bits (``-0.0`` is not ``0.0``)."""
-    if isinstance(value, fx.Node):
-        return ("node", value)
+    kind = type(value)
+    if kind is fx.Node:  # a node stands for itself: nodes are equal only to themselves
+        return value
+    if kind in _PLAIN:
+        return (kind, value)
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_key(v) for v in value))
+        return (kind.__name__, tuple([_key(v) for v in value]))
     if isinstance(value, dict):
         return ("dict", tuple((k, _key(v)) for k, v in value.items()))
     if isinstance(value, float):
         return ("float", value.hex() if math.isfinite(value) else repr(value))
     hash(value)  # TypeError: not shareable
-    return (type(value), value)
+    return (kind, value)
 
 
 def _simplify(gm: fx.GraphModule, keep: frozenset[str], inputs: Sequence[InputMemory] | None,
@@ -224,16 +231,19 @@ class _Unknown(Exception):
     """A traced value the probe cannot stand in for."""
 
 
-def _spec(value: Any) -> Any:
+def _spec(value: Any, memo: dict[fx.Node, Any]) -> Any:
     """A hashable description of an argument, from which :func:`_stand_in` rebuilds it (nodes by
-    their traced value, as a meta tensor's shape, strides and dtype)."""
+    their traced value, as a meta tensor's shape, strides and dtype; ``memo`` keeps each node's)."""
     if isinstance(value, fx.Node):
-        val = value.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise _Unknown(value.name)
-        return _result_spec(val)
+        spec = memo.get(value)
+        if spec is None:
+            val = value.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise _Unknown(value.name)
+            spec = memo[value] = _result_spec(val)
+        return spec
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_spec(v) for v in value))
+        return (type(value), tuple([_spec(v, memo) for v in value]))
     if isinstance(value, dict):
         raise _Unknown("dict")
     return ("value", _key(value), value)
@@ -262,14 +272,15 @@ def _probed(op: Any, args: Any, kwargs: Any, result: Any) -> Callable[..., Any] 
     return binding_for(op, _stand_in(args), {k: _stand_in(v) for k, v in kwargs}, result=_stand_in(result))
 
 
-def _binding(node: fx.Node) -> Callable[..., Any] | None:
-    """The probed binding for an aten call node whose traced values are known, else ``None``."""
+def _binding(node: fx.Node, memo: dict[fx.Node, Any]) -> Callable[..., Any] | None:
+    """The probed binding for an aten call node whose traced values are known, else ``None``
+    (``memo``: the specs of the graph's nodes met so far, see :func:`_spec`)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
     try:
-        args = _spec(tuple(node.args))
-        kwargs = tuple((k, _spec(v)) for k, v in node.kwargs.items())
+        args = _spec(tuple(node.args), memo)
+        kwargs = tuple((k, _spec(v, memo)) for k, v in node.kwargs.items())
         return _probed(target, args, kwargs, _result_spec(node.meta.get("val")))
     except (_Unknown, TypeError):  # a value without a traced shape, or one that cannot be a key
         return None
@@ -361,6 +372,7 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
     body: list[tuple[str, str]] = []  # (kind, line): "op", "hook" or "free"
     hooks: list[tuple[Hashable, Callable[..., Any]]] = []
     bound = 0
+    specs: dict[fx.Node, Any] = {}  # each node's traced value, as the bindings' probe describes it
     freed: dict[fx.Node, list[fx.Node]] = {}
     for ref, user in last_use.items():
         freed.setdefault(user, []).append(ref)
@@ -395,7 +407,7 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
                 body.append(("op", f"{name} = {emit(node.args[0])}[{emit(node.args[1])}]"))
             else:
                 # the probed binding, else the C++ handle behind OpOverload.__call__
-                fn = _binding(node) if bindings else None
+                fn = _binding(node, specs) if bindings else None
                 bound += fn is not None
                 fn = fn or getattr(node.target, "_op", node.target)
                 args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
