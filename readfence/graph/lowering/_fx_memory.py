@@ -21,9 +21,9 @@ fake tensor) may be any real memory: every storage the graph reaches becomes one
 >>> from torch.fx.experimental.proxy_tensor import make_fx
 >>> ws = torch.zeros(4); view = ws[:2]                 # two tensors over one storage
 >>> gm = make_fx(lambda a, b: (a.add_(1), b.sum()))(ws, view)
->>> GraphMemory(gm, (ws, view)).written_by_any(["b"])  # b's memory is written through a
+>>> GraphMemory(gm, (ws, view)).written_by_any(["b_1"])  # b is written through a
 True
->>> GraphMemory(gm, (ws, torch.zeros(2))).written_by_any(["b"])
+>>> GraphMemory(gm, (ws, torch.zeros(2))).written_by_any(["b_1"])
 False
 """
 

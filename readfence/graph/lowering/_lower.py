@@ -325,9 +325,9 @@ def lower(
     graphed = replayed(backend, mode) and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
-    # the passes: trace and bind to the live state; refuse what no fence makes correct; validate
-    # the capture against the code; rehearse; plan the fences; then per ring slot insert
-    # records, compile and capture
+    # the passes: trace and bind to the live state; refuse what no fence makes correct; rehearse;
+    # plan the fences; insert records and compile, once for every ring slot; validate that code
+    # against the stages' Python; then per ring slot bind it to the slot's events and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     # a step that is not replayed has no capture to validate: its Python's reads on the varied
     # states join the fences instead (and the audit's verdict below counts them)
