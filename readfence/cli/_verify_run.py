@@ -31,6 +31,8 @@ _ADVICE = {
                "deterministic function of what the scheduler wrote; `readfence demo` shows the "
                "sanitizer's view",
     "unsound declaration": "fix the declaration (see the detail)",
+    "miscompiled": "readfence's own compile passes computed something else (a bug in readfence, not in the "
+                   "backend): report it; LowerOptions(optimize=False) lowers the step without them",
 }
 _UNSEEN = ("a late read no static analysis saw: code the tracer does not see (a kernel reading state "
            "kept by reference, a raw pointer) or a path it did not trace reads {buffer!r} after its "
