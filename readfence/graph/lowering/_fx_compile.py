@@ -63,10 +63,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -330,8 +332,29 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
     apart what may share memory with what the graph writes (``_fx_memory``); without it the
     inputs are taken to share none. A node marked ``HOOK_KEY`` (an inserted event, poison or
     check) is called through a hook (:class:`CompiledGraph`)."""
+    with _collection_paused():
+        return _compile(gm, frozenset(keep), simplify, bindings, inputs)
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    # The compile makes tens of thousands of short-lived tuples and sets; each young collection
+    # they trigger may walk the process's traced graphs (a 64-layer body's compile took 0.71 s
+    # of CPU with the collector on, 0.37 s with it off). Nothing the compile makes is cyclic
+    # garbage: the collector resumes, as it was, when the compile returns.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings: bool,
+             inputs: Sequence[InputMemory] | None) -> CompiledGraph:
     graph = gm.graph
-    folded, same, memory = _simplify(gm, frozenset(keep), inputs) if simplify else ({}, {}, None)
+    folded, same, memory = _simplify(gm, keep, inputs) if simplify else ({}, {}, None)
     nodes = list(graph.nodes)
     names: dict[fx.Node, str] = {}
     scope: dict[str, Any] = {}
