@@ -3,24 +3,27 @@
 ``lower`` is a chain of passes, each a function from its input to its output:
 
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
-   makes correct (trace-time state, a stage a CUDA graph cannot capture) and, unless the
-   policy is COARSE, an unsound declaration (the audit's verdict; a step that is not replayed,
-   ``core.internal.replayed``, is observed on fresh states first, ``core.internal.varied_reads``,
-   and a declaration below what its Python reads there is refused too);
-2. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
-3. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
+   makes correct (trace-time state, a stage a CUDA graph cannot capture); a step that is not
+   replayed (``core.internal.replayed``) is observed on fresh states (``core.internal.varied_reads``);
+2. compile the captured stages once for every event-ring slot (``_slot.compile_stages``): a
+   hook after every node a record or check mode's poison may follow (``_fx_records``), an
+   alias check after each opaque op (``_fx_aliases``), then constant folding, shared
+   subexpressions and Python bindings (``_fx_compile``);
+3. validate that code against the stages' Python (``core.validate_replay``): each captured
+   stage, its hooks bound to nothing, must compute what its Python computes on fresh states,
+   whatever the policy. Code that differs only through the compile passes (the same stages
+   compiled without them pass) is readfence's miscompile: the plain code, validated as well,
+   is what runs (``Lowered.optimized`` is then False);
+4. unless the policy is COARSE, refuse an unsound declaration (the audit's verdict, which
+   counts what a step that is not replayed reads on the fresh states too);
+5. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up): the last
+   run of the step's Python before the loop's;
+6. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
    the bound trace joined with the observed reads);
-4. insert records (``_fx_records``: each a hook the event-ring slots bind to their own events),
-   check mode's poison and the alias checks after opaque ops (``_fx_aliases``), then compile
-   (``_fx_compile``: constant folding, shared subexpressions, Python bindings), once for every
-   slot (``_slot.compile_stages``);
-5. validate that compiled code against the stages' Python (``core.validate_replay``): each
-   captured stage, its hooks bound to nothing, must compute what its Python computes on fresh
-   states, whatever the policy. Code that differs only through the compile passes (the same
-   stages compiled without them pass) is readfence's miscompile: the plain code, validated as
-   well, is what runs (``Lowered.optimized`` is then False);
-6. per event-ring slot, bind the validated code to the slot's events and capture
-   (``_slot.build_slot``): every slot runs the very code validated.
+7. per event-ring slot, bind the validated code's hooks to the slot's events and poison, and
+   capture (``_slot.build_slot``): every slot runs the very code validated (a record after a
+   node only the rehearsal saw reading compiles the code again, validated again unless it
+   computes alike).
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
 
@@ -63,6 +66,7 @@ from readfence.core import (
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
+    NodeReadsIn,
     check_backend,
     check_buffers,
     check_forward_mode,
@@ -88,7 +92,18 @@ from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
-from ._slot import Slot, SlotSpec, StageCode, StepLauncher, build_slot, compile_stages, last_reads, slot_parts
+from ._slot import (
+    Slot,
+    SlotSpec,
+    StageCode,
+    StepLauncher,
+    build_slot,
+    compile_stages,
+    last_reads,
+    node_reads,
+    record_sites,
+    slot_parts,
+)
 from ._verdict import audit_verdict
 
 if TYPE_CHECKING:
@@ -325,13 +340,25 @@ def lower(
     graphed = replayed(backend, mode) and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
-    # the passes: trace and bind to the live state; refuse what no fence makes correct; rehearse;
-    # plan the fences; insert records and compile, once for every ring slot; validate that code
-    # against the stages' Python; then per ring slot bind it to the slot's events and capture
+    # the passes (see the module docstring): trace and bind; compile once for every ring slot and
+    # validate; refuse an unsound declaration; rehearse; plan the fences; bind and capture per slot
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     # a step that is not replayed has no capture to validate: its Python's reads on the varied
     # states join the fences instead (and the audit's verdict below counts them)
     varied = varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
+    # the stages compiled as every slot will run them, a hook after each node a record or a check's
+    # poison may follow (only EXACT places poison inside a graph), validated before the rehearsal
+    # runs the step's Python once more
+    live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
+    writes = check is not None and policy is Policy.EXACT
+    known = flatten_inputs(shared=state["shared"], pools=state["pools"], params=state["params"])
+
+    def compiled(sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor], seen: NodeReadsIn,
+                 poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
+        return lambda passes: compile_stages(program, sites, env, seen, writes=poison, live=live, optimize=passes)
+
+    code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
+                                 compiled(record_sites(program, {}), known, {}, writes), optimize)
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
@@ -362,12 +389,18 @@ def lower(
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
                                 program.replayed)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
-    live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
                     device.event if new_event is None else new_event, check, timeline, reads, live)
     parts = [slot_parts(spec, r) for r in range(ring_size)]
-    code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
-                                 lambda passes: compile_stages(spec, parts[0], launcher.env, optimize=passes), optimize)
+    if not all(c.serves(parts[0].after[stage], parts[0].actions[stage], frozenset(node_reads(program.stage(stage), seen)))
+               for stage, c in code.items()):
+        # a record after a node only the rehearsal saw reading, or a node kept for that read: the
+        # code again, with those; the validation is not repeated where it computes alike
+        sites = {s: frozenset(parts[0].after[s]) | frozenset(parts[0].actions[s]) | record_sites(program, seen)[s]
+                 for s in code}
+        poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
+        code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
+                                     compiled(sites, launcher.env, seen, poison), optimized)
     slots = [build_slot(spec, launcher, p, code) for p in parts]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
@@ -396,8 +429,8 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
                state: Mapping[str, dict[str, Tensor]], device: Device,
                compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool,
                ) -> tuple[Mapping[Stage, StageCode], bool]:
-    """The step's stages as every ring slot runs them (``compiled(passes)``: records and checks
-    inserted, compiled through the passes or not), validated: each captured stage's compiled
+    """The step's stages as every ring slot runs them (``compiled(passes)``: hooks for records and
+    checks inserted, compiled through the passes or not), validated: each captured stage's compiled
     code, its hooks bound to nothing, must compute what its Python computes on fresh states
     (``core.validate_replay``), whatever the policy, or the step is refused (``NotGraphSafe``):
     a graph that bakes a value of the traced step is wrong with any fence. The fresh states are
