@@ -28,7 +28,7 @@ from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_aliases import insert_alias_checks
 from ._fx_compile import CompiledGraph, compile_graph
 from ._fx_memory import UNKNOWN, InputMemory
-from ._fx_records import hooks_for, insert_hooks, stage_ops
+from ._fx_records import AfterNode, hooks_for, insert_hooks, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
 from ._poison import CheckState, Watcher, poison_points
 
@@ -276,7 +276,9 @@ class StageCode:
         name = self.stage.stage.name
         if self.compiled is None:
             return LaunchedStage(self.stage, stage_ops(self.gm, reads, name))
-        targets = {**dict(self.compiled.hooks), **(hooks or {})}
+        # a site this slot places nothing after calls nothing; the alias checks run as compiled
+        targets = {key: _ignore if isinstance(own, AfterNode) else own for key, own in self.compiled.hooks}
+        targets.update(hooks or {})
         runner = CompiledStage(self.stage, self.compiled, self.compiled.bind(targets))
         return LaunchedStage(runner, stage_ops(self.gm, reads, name, targets))
 
