@@ -33,6 +33,8 @@ _ADVICE = {
                "deterministic function of what the scheduler wrote; `readfence demo` shows the "
                "sanitizer's view",
     "unsound declaration": "fix the declaration (see the detail)",
+    "miscompiled": "readfence's own compile passes computed something else (a bug in readfence, not in the "
+                   "backend): report it; LowerOptions(optimize=False) lowers the step without them",
 }
 def _unseen(finding: LateRead) -> str:
     """What to do about a late read no static analysis saw (the audit passed)."""
