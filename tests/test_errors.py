@@ -13,7 +13,8 @@ import readfence
 from readfence.effects import ReadfenceError
 
 #: Exceptions used for control flow inside the tracer and caught there: never reach a user.
-INTERNAL = {"readfence.core.tracing._record.Unrecordable", "readfence.core.tracing._trace_modes.TraceAborted"}
+INTERNAL = {"readfence.core.tracing._record.Unrecordable", "readfence.core.tracing._trace_modes.TraceAborted",
+            "readfence.effects._spec_tokens.SpecFault"}
 
 
 def error_classes() -> dict[str, type[BaseException]]:

@@ -31,7 +31,7 @@ from returns.result import Result
 from readfence.core import ForwardMode
 from readfence.core.internal import did_you_mean
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
-from readfence.effects.internal import Token, _Fail, tokenize, unknown_name
+from readfence.effects.internal import Token, SpecFault, tokenize, unknown_name
 
 from ._backend import Backend
 from ._combinators import hybrid, hybrid_linear, join, minimax, per_stream, select, tbo
@@ -144,10 +144,10 @@ def _describe(expected: Keyword) -> str:
 def _check_value(name: str, key: str, expected: Keyword, value: Any, pos: int) -> Any:
     if expected is Backend:
         if not isinstance(value, Backend):
-            raise _Fail(pos, f"{name}({key}=...) expects a backend, got {_show_literal(value)}")
+            raise SpecFault(pos, f"{name}({key}=...) expects a backend, got {_show_literal(value)}")
         return value
     if isinstance(value, Backend):
-        raise _Fail(pos, f"{name}({key}=...) expects {_describe(expected)}, got the backend {value}")
+        raise SpecFault(pos, f"{name}({key}=...) expects {_describe(expected)}, got the backend {value}")
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if isinstance(expected, range):
         ok = is_int and value in expected
@@ -155,7 +155,7 @@ def _check_value(name: str, key: str, expected: Keyword, value: Any, pos: int) -
         ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool))) or (
             expected is float and is_int)
     if not ok:
-        raise _Fail(pos, f"{name}({key}=...) expects {_describe(expected)}, got {_show_literal(value)}")
+        raise SpecFault(pos, f"{name}({key}=...) expects {_describe(expected)}, got {_show_literal(value)}")
     return float(value) if expected is float else value
 
 
@@ -204,7 +204,7 @@ class _Parser:
         name = tok.text
         if name in self.outer:
             if depth:
-                raise _Fail(tok.pos, f"{name} is a {self.what}: it can only be the whole spec, not an argument "
+                raise SpecFault(tok.pos, f"{name} is a {self.what}: it can only be the whole spec, not an argument "
                                      "(its arguments are backends)")
             return self.outer[name]
         form = self.forms.get(name)
@@ -213,10 +213,10 @@ class _Parser:
         outer = ", ".join(self.outer)
         if depth == 0 and not self.or_backend:
             if form is None:
-                raise _Fail(tok.pos, f"unknown {self.what} {name!r}{_close(name, self.outer)}; "
+                raise SpecFault(tok.pos, f"unknown {self.what} {name!r}{_close(name, self.outer)}; "
                                      f"{self.what}s: {outer}")
-            raise _Fail(tok.pos, f"expected a {self.what} ({outer}), found the backend {name!r}")
-        raise _Fail(tok.pos, unknown_name(name, depth=depth, leaves=self.leaf_names, combinators=list(_COMBINATORS),
+            raise SpecFault(tok.pos, f"expected a {self.what} ({outer}), found the backend {name!r}")
+        raise SpecFault(tok.pos, unknown_name(name, depth=depth, leaves=self.leaf_names, combinators=list(_COMBINATORS),
                                           outer=list(self.outer), what=self.what))
 
     def build(self, frame: _Frame) -> Any:
@@ -224,23 +224,23 @@ class _Parser:
         args = [b for b, _ in frame.args]
         if len(args) < form.min_args or (form.max_args is not None and len(args) > form.max_args):
             if form.max_args == 0:
-                raise _Fail(frame.args[0][1], f"{name} takes no positional arguments; usage: {form.usage}"
+                raise SpecFault(frame.args[0][1], f"{name} takes no positional arguments; usage: {form.usage}"
                             + self._allowed(form))
             want = (f"exactly {form.min_args}" if form.min_args == form.max_args
                     else f"at least {form.min_args}" if form.max_args is None
                     else f"{form.min_args} to {form.max_args}")
-            raise _Fail(frame.pos, f"{name} needs {want} backend argument(s), got {len(args)}; "
+            raise SpecFault(frame.pos, f"{name} needs {want} backend argument(s), got {len(args)}; "
                                    f"usage: {form.usage}")
         kwargs = {}
         for key, (value, pos) in frame.kwargs.items():
             kwargs[key] = _check_value(name, key, form.keywords[key], value, pos)
         missing = [k for k in form.required if k not in kwargs]
         if missing:
-            raise _Fail(frame.pos, f"{name} needs {', '.join(k + '=' for k in missing)}; usage: {form.usage}")
+            raise SpecFault(frame.pos, f"{name} needs {', '.join(k + '=' for k in missing)}; usage: {form.usage}")
         try:
             return form.build(*args, **kwargs)
         except (TypeError, ValueError) as exc:
-            raise _Fail(frame.pos, f"bad arguments for {name}: {exc}") from None
+            raise SpecFault(frame.pos, f"bad arguments for {name}: {exc}") from None
 
     @staticmethod
     def _allowed(form: CallForm) -> str:
@@ -259,14 +259,14 @@ class _Parser:
                 frame = stack[-1]
                 if tok.kind == "name" and tokens[i + 1].kind == "=":
                     if tok.text not in frame.form.keywords:
-                        raise _Fail(tok.pos, f"{frame.name} has no keyword {tok.text!r}"
+                        raise SpecFault(tok.pos, f"{frame.name} has no keyword {tok.text!r}"
                                     + self._allowed(frame.form))
                     if tok.text in frame.kwargs:
-                        raise _Fail(tok.pos, f"{frame.name}: keyword {tok.text!r} given twice")
+                        raise SpecFault(tok.pos, f"{frame.name}: keyword {tok.text!r} given twice")
                     frame.key, frame.key_pos = tok.text, tok.pos
                     i += 2
                 elif frame.kwargs:
-                    raise _Fail(tok.pos, f"{frame.name}: positional argument after keyword arguments")
+                    raise SpecFault(tok.pos, f"{frame.name}: positional argument after keyword arguments")
                 state = "value"
                 continue
             if state == "value":
@@ -276,7 +276,7 @@ class _Parser:
                     form = self.form(tok, len(stack))
                     if tokens[i + 1].kind == "(":
                         if len(stack) >= self.max_depth:
-                            raise _Fail(tok.pos, f"nesting deeper than {self.max_depth} levels")
+                            raise SpecFault(tok.pos, f"nesting deeper than {self.max_depth} levels")
                         stack.append(_Frame(tok.text, tok.pos, form))
                         i += 2
                         if tokens[i].kind == ")":
@@ -296,13 +296,13 @@ class _Parser:
                     i += 1
                 else:
                     what = "a backend name or a literal" if in_keyword else "a backend name"
-                    raise _Fail(tok.pos, f"expected {what}, found {tok.show()}")
+                    raise SpecFault(tok.pos, f"expected {what}, found {tok.show()}")
                 state = "after"
                 continue
             # state == "after": a complete value is in hand
             if not stack:
                 if tok.kind != "end":
-                    raise _Fail(tok.pos, f"expected end of spec, found {tok.show()}")
+                    raise SpecFault(tok.pos, f"expected end of spec, found {tok.show()}")
                 return value
             frame = stack[-1]
             if frame.key is not None:
@@ -321,7 +321,7 @@ class _Parser:
                 value_pos = frame.pos
                 value = self.build(stack.pop())
                 continue
-            raise _Fail(tok.pos, f"expected ',' or ')' in {frame.name}(...), found {tok.show()}")
+            raise SpecFault(tok.pos, f"expected ',' or ')' in {frame.name}(...), found {tok.show()}")
 
 
 def parse(
@@ -384,7 +384,7 @@ def _parse(spec: str, leaves: Mapping[str, Callable[..., Backend]] | None, max_d
     try:
         if not spec.strip():
             expected = f"a {what} name" if outer and not or_backend else "a backend name"
-            raise _Fail(len(spec), f"empty spec: expected {expected}")
+            raise SpecFault(len(spec), f"empty spec: expected {expected}")
         return Success(parser.parse())
-    except _Fail as exc:
+    except SpecFault as exc:
         return Failure(SpecError(exc.position, exc.message, spec))

@@ -238,6 +238,7 @@ def _short_name(name: str) -> str:
 
 
 def _advice(finding: Any, name: str) -> str:
+    from readfence.core import STAGES
     from readfence.core.internal import late_read_fix, stage_named
 
     if finding.evidence == "audit" and finding.kind == "unsound declaration":
@@ -245,6 +246,6 @@ def _advice(finding: Any, name: str) -> str:
                 f"`readfence audit --engine {shell_word(name)}` names the method, the line and the end); "
                 f"{late_read_fix(finding.buffer)}")
     if finding.kind == "late read":
-        end = stage_named(finding.stage).end if finding.stage in ("prepare_out_graph", "prepare_in_graph", "body") else None
+        end = stage_named(finding.stage).end if finding.stage in {s.name for s in STAGES} else None
         return f"{finding.buffer!r} is read after the fence that released it; {late_read_fix(finding.buffer, end)}"
     return finding.detail or finding.kind

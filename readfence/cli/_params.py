@@ -190,11 +190,11 @@ def check_spec_names(text: str) -> None:
     ...
     ValueError: position 4: unknown backend 'pagd' (did you mean 'paged'?); known leaves: deepseek_v4, ...
     """
-    from readfence.effects.internal import _Fail, called_names, tokenize, unknown_name
+    from readfence.effects.internal import SpecFault, called_names, tokenize, unknown_name
 
     try:
         tokens = tokenize(text)
-    except _Fail:
+    except SpecFault:
         return  # the parser says what is wrong, and where
     known = {*LEAF_NAMES, *COMBINATOR_NAMES, *STEP_SHAPE_NAMES}
     for token, depth in called_names(tokens):

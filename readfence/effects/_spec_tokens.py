@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 
-class _Fail(Exception):
+class SpecFault(Exception):
     """A spec that does not parse, at ``position``: control flow inside the grammar, which turns it
     into its ``SpecError``."""
 
@@ -71,16 +71,16 @@ def tokenize(spec: str) -> list[Token]:
                 try:
                     tokens.append(Token("float", text, i, float(text)))
                 except ValueError:
-                    raise _Fail(i, f"bad number {text!r}") from None
+                    raise SpecFault(i, f"bad number {text!r}") from None
             i = j
         elif c == '"':
             j = spec.find('"', i + 1)
             if j < 0:
-                raise _Fail(i, "unterminated string: expected a closing '\"'")
+                raise SpecFault(i, "unterminated string: expected a closing '\"'")
             tokens.append(Token("string", spec[i:j + 1], i, spec[i + 1:j]))
             i = j + 1
         else:
-            raise _Fail(i, f"unexpected character {c!r}; expected a name, a literal or one of ( ) , =")
+            raise SpecFault(i, f"unexpected character {c!r}; expected a name, a literal or one of ( ) , =")
     tokens.append(Token("end", "", n))
     return tokens
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from readfence.core import ForwardMode, ModelConfig
-from readfence.effects import ReadEnd
+from readfence.effects import ReadEnd, ReadfenceError
 from readfence.engine import EngineBackend, RunnerModel, adapt, sglang_profile
 
 from ._case import Case, Source, Story
@@ -30,7 +30,7 @@ PRE, POST = ReadEnd.PRE_REPLAY, ReadEnd.POST_REPLAY
 CFG = ModelConfig(layers=2, max_reqs=4, max_ctx=16)
 
 
-class SGLangUnavailable(RuntimeError):
+class SGLangUnavailable(ReadfenceError, RuntimeError):
     """SGLang's modules cannot be imported here: the SGLang cases cannot be built."""
 
 

@@ -121,7 +121,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 @contextlib.contextmanager
-def _standins() -> Iterator[None]:
+def standins_installed() -> Iterator[None]:
+    """The stand-in modules on ``sys.meta_path`` (and in ``sys.modules``) while the block runs."""
     for name in ("torch._dynamo", "torch._inductor.compile_fx", "torch.utils.flop_counter"):
         importlib.import_module(name)  # each looks for triton when first imported
     import torch.utils._triton as probe
@@ -151,7 +152,7 @@ def import_sglang() -> tuple[dict[str, types.ModuleType], str]:
     if real_triton() and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before SGLang's modules
     try:
-        with _standins(), warnings.catch_warnings():
+        with standins_installed(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             found = {name: importlib.import_module(f"sglang.srt.layers.attention.{name}") for name in MODULES}
             if real_triton():  # its constructor launches nothing, but builds triton's launch parameters

@@ -5,3 +5,4 @@ from ._sglang_cpu import MODULES as MODULES
 from ._sglang_cpu import STANDINS as STANDINS
 from ._sglang_cpu import import_sglang as import_sglang
 from ._sglang_cpu import real_triton as real_triton
+from ._sglang_cpu import standins_installed as standins_installed

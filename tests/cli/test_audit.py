@@ -72,13 +72,15 @@ def test_batch_sizes_are_traced_and_the_late_one_is_named(cli, monkeypatch):
 
     shape_dependent = CASES["branch_on_batch_size"].build(None)  # reads seq_lens in attend if B > 2
     monkeypatch.setattr(_params, "parse_spec", lambda text: shape_dependent)
+    monkeypatch.setattr(_params, "check_spec_names", lambda text: None)  # "x" stands for the patched spec
     only_small = cli("audit", "x", "--mode", "decode", "--batch-size", "1", "--batch-size", "2", "--json")
     assert only_small.exit_code == 0, only_small.output
     assert {r["batch_size"] for r in json.loads(only_small.output)} <= {1, 2}
     result = cli("audit", "x", "--mode", "decode")  # default: 1, 2 and the maximum
     assert result.exit_code == 1
     assert ("UNSOUND: branch_on_batch_size in DECODE: seq_lens declared IN_REPLAY but read until POST_REPLAY "
-            "by body:") in result.output
+            "(last read by node ") in result.output
+    assert "adversarial.py:66 in _gather: a traced read" in result.output  # the user's line
     assert "at batch size 16" in result.output
 
 

@@ -48,6 +48,8 @@ def _bad_values(param: click.Parameter) -> list[str]:
         return ["x.txt", f"no/such/dir/x{kind.suffix}", f"/proc/x{kind.suffix}", "/tmp"]
     if isinstance(kind, _engine_cmd.Engine):
         return ["no_such_module_xyz:factory", "readfence.engine.reference:no_such_factory", "no-colon", ":", ""]
+    if isinstance(param, click.Option) and param.metavar == "MODULE:ATTR":  # loaded by the command that takes it
+        return ["no-colon", ":", "", "no_such_module_xyz:CASES"]
     if isinstance(kind, click.Choice):
         return ["no-such-choice", ""]
     if isinstance(param, click.Option) and param.is_flag:
@@ -122,7 +124,7 @@ def test_a_bare_readfence_prints_its_usage_and_one_error_line(script):
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["dmeo"], "Error: unknown command 'dmeo' (did you mean demo?); commands: demo, plan, audit, verify, serve, bench"),
-    (["bench", "--steps", "3"], "Error: unknown option --steps; bench takes --quick, --device; see `readfence bench --help`"),
+    (["bench", "--layers", "3"], "Error: unknown option --layers; bench takes --quick, --device, --json, --cases; see `readfence bench --help`"),
     (["demo", "--stpes", "3"], "Error: unknown option --stpes (did you mean --steps"),
     (["demo", "--spec", "paged", "--spec", "linear"], "Error: --spec given twice ('paged', then 'linear'): give it once"),
     (["demo", "--steps=3", "--steps", "4"], "Error: --steps given twice ('3', then '4'): give it once"),

@@ -1,8 +1,9 @@
 """The ``readfence ...`` commands the prose and the console blocks of the README and of the docs'
 pages show run as printed
 (``test_readme_commands`` runs its bash blocks, ``test_readme_samples`` its samples): pasted
-from the repository's root, none is bad input (exit status 2) and none ends in a traceback; 1,
-a finding, is what some of them are there to show."""
+from the repository's root, none ends in a traceback, none is bad input (exit status 2) but those
+the prose shows as bad input, each with the one line it quotes; 1, a finding, is what some of them
+are there to show."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def runnable(command: str) -> bool:
             and words[1] != "bench" and "--tp" not in words and command not in RUN_ELSEWHERE)
 
 
+#: Commands the prose shows to show readfence's answer to bad input (exit status 2), with the words it quotes.
+BAD_INPUT = {"readfence plan pagedd": "unknown backend 'pagedd' (did you mean 'paged'?)"}
+
 COMMANDS = list(dict.fromkeys(c for text in PAGES.values() for c in shown_commands(text) if runnable(c)))
 
 
@@ -57,5 +61,9 @@ def test_a_command_the_readme_shows_runs_as_printed(command):
         # only (the README says so); tests.engine.sglang_engines is the way in on CPU, run above
         pytest.skip("needs SGLang's CUDA imports (sgl_kernel, torchvision)")
     code, out, err = run_readfence(shlex.split(command)[1:], str(ROOT))
+    if command in BAD_INPUT:
+        lines = (out + err).strip().splitlines()
+        assert code == 2 and len(lines) == 1 and BAD_INPUT[command] in lines[0], f"{command}\n{out}\n{err}"
+        return
     assert code in (0, 1), f"{command}\n{out}\n{err}"
     assert "Traceback" not in err and "Error:" not in err, err

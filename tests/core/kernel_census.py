@@ -50,13 +50,13 @@ def kernels(sglang_tree: bool = True) -> Iterator[tuple[str, str, Any]]:
     import sglang
     from triton.runtime.interpreter import InterpretedFunction
 
-    from tests.engine.sglang_standins import _standins
+    from tests.engine.sglang_standins import standins_installed
 
     root = pathlib.Path(sglang.__file__).parent
     names = sorted("sglang." + ".".join(p.relative_to(root).with_suffix("").parts) for p in root.rglob("*.py")
                    if sglang_tree and "@triton.jit" in p.read_text(errors="ignore"))
     modules = []
-    with _standins(), warnings.catch_warnings():
+    with standins_installed(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in [*names, *TEST_MODULES]:
             try:

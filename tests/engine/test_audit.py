@@ -131,7 +131,8 @@ def test_an_unsound_used_declaration_is_a_failure_carrying_the_whole_audit():
     assert failed.message.startswith(f"unsound declaration: {sparse} in mode DECODE declares buffer 'req_to_token' "
                                      "ends at IN_REPLAY but it is read until POST_REPLAY: forward reads it "
                                      "(aten.index_select.default) at "), failed.message
-    assert failed.message.endswith("(traced, batch size 2); 1 more unsound row(s) in the report"), failed.message
+    assert ("(a traced read, batch size 2); 1 more unsound row(s) in the report; fix: declare 'req_to_token' ending at "
+            "POST_REPLAY (or later)") in failed.message
     assert str(failed) == failed.message
     with pytest.raises(UnwrapError, match="unwrap\\(\\) of a failure: unsound declaration: "):
         result.unwrap()

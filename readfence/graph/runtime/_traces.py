@@ -34,6 +34,7 @@ from ..lowering.internal import for_a_loop
 from ..steps import StepShape
 from ..steps.internal import Target
 from ._loop import LoopResult, names_keywords, run_overlapped
+from ._staging import StagingRing
 
 #: Steps of each run a trace (and a plot) keeps.
 TRACE_STEPS = 200
@@ -404,7 +405,7 @@ def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps
                batch_size: int = 4, cfg: ModelConfig | None = None, seed: int = 0, finish_prob: float = 0.1,
                write_cost: int = 0, write_wait_s: float = 0.0, state: Mapping[str, dict[str, Tensor]] | None = None,
                check: bool | CheckState = False, UNSAFE_skip_soundness_check: bool = False,
-               lowering: LowerOptions | None = None) -> TracedRun:
+               lowering: LowerOptions | None = None, staging: StagingRing | None = None) -> TracedRun:
     """:func:`~readfence.graph.run_overlapped` that also records a timeline of the run (its first
     ``max_steps`` steps, :data:`TRACE_STEPS` by default: recording costs the run nothing
     measurable, but a trace of thousands of steps is tens of megabytes), for :func:`write_trace`
@@ -435,7 +436,8 @@ def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps
                                 timeline=timeline, sanitize=sanitize, batch_size=batch_size, cfg=cfg, seed=seed,
                                 finish_prob=finish_prob, write_cost=write_cost, write_wait_s=write_wait_s,
                                 state=state, check=check,
-                                UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, lowering=lowering)
+                                UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, lowering=lowering,
+                                staging=staging)
     finally:
         device.remove_observer(recorder)
     timeline.trim()
