@@ -342,12 +342,14 @@ def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: St
 
 def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: State | None = None, *,
                  settle: Callable[[], None] | None = None) -> NodeReads:
-    """What the Python of a step that is not replayed reads on the varied states (per stage, per
-    node: :func:`observe_varied` on :func:`varied_states`); ``{}`` for a step that is replayed
-    (its capture is validated on them instead) or whose trace stopped. Such a step may take a path
-    there that the trace's example did not (a branch on a Python value): the audit's verdict counts
-    what it reads there, and the lowering's fences join it. Cached per program, batch size and
-    live state, so the audit and every lowering of one step on one live state run it once.
+    """What the Python of the stages that may take a path the trace's example did not
+    (``Program.varied_stages``: every stage of a step that is not replayed; in a replayed step, an
+    out-of-graph stage that escapes) reads on the varied states, per stage and node
+    (:func:`observe_varied` on :func:`varied_states`); ``{}`` where there is none (a replayed
+    step's captures are validated on those states instead) or the trace stopped. Such a stage may
+    branch there on a value the example did not hold: the audit's verdict counts what it reads
+    there, and the lowering's fences join it. Cached per program, batch size and live state, so
+    the audit and every lowering of one step on one live state run it once.
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
@@ -358,14 +360,15 @@ def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: Sta
     >>> varied_reads(trace(paged(), ForwardMode.DECODE, cfg=cfg), cfg, 2)
     {}
     """
-    if program.replayed or program.aborted is not None:
+    stages = program.varied_stages()
+    if not stages or program.aborted is not None:
         return {}
     key = (program, cfg, batch_size, None if state is None else state_key(state))
     if key in _VARIED:
         return _VARIED[key]
     with varied_states(program, cfg, batch_size, state, settle=settle) as example:
         seen = observe_varied(program, example, {} if state is None else state["shared"])
-    return remember(_VARIED, key, seen, _VARIED_LIMIT)
+    return remember(_VARIED, key, {s: nodes for s, nodes in seen.items() if s in stages}, _VARIED_LIMIT)
 
 
 def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:

@@ -71,7 +71,7 @@ def is_value_escape(node: fx.Node) -> bool:
 #: a node is named after the first frame outside them. A module of the tracer missing here
 #: names its own line in findings instead of the user's.
 _TRACER_MODULES = ("_trace.py", "_trace_modes.py", "_escapes.py", "_triton.py", "_analysis.py", "_bind.py", "_cache.py",
-                   "_captured.py")
+                   "_captured.py", "_consumed.py")
 _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)),
          *(os.path.join(os.path.dirname(os.path.abspath(__file__)), m) for m in _TRACER_MODULES))
 

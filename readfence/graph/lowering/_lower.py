@@ -381,7 +381,8 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
     returned (per stage, per node), for the fences to join (``core.internal.varied_reads``, the
     very reads the audit's verdict counts). The fresh states are ``core.internal.varied_states``,
     written into the live buffers for a backend that keeps references to them, after the device
-    has run what was enqueued on them."""
+    has run what was enqueued on them. In a replayed step, what an out-of-graph stage that escapes
+    reads there is returned too: its Python may branch on what it read (``Program.varied_stages``)."""
     if not program.replayed:
         return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
     compiled: dict[Stage, CompiledStage] = {}
@@ -395,7 +396,7 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
 
     with varied_states(program, cfg, batch_size, state, settle=device.synchronize) as example:
         validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
-    return {}
+    return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
