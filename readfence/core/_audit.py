@@ -532,7 +532,7 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
             disagreements += cross_check(program, seen)
             effect = effect | seen.observed()  # a read the trace missed still counts
         # its Python on the varied states: a path the example did not take (what lower refuses)
-        elsewhere = varied_reads(program, kw["cfg"], n, state) if varied else {}
+        elsewhere = varied_reads(program, kw["cfg"], n, state, backend=runner) if varied else {}
         runs.append((n, program, effect, effect | seen_effect(program, elsewhere), elsewhere))
     declared = backend.read_effect(mode)
     observed = ReadEffect.none()

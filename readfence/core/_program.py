@@ -267,7 +267,9 @@ class StageAnalysis:
     tensors it reads without receiving them; ``memory`` maps node -> buffers its real value
     touched; ``copies`` are the nodes whose view claim their real memory refutes (``None``: no
     memory, fake tensors); ``hidden`` maps a higher-order op node to the buffers its branch
-    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases.
+    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases;
+    ``data_escapes`` are the escape nodes that hand the stage's Python a value or memory with data
+    in it, which it may branch on (``Program.varied_stages``).
 
     >>> a = StageAnalysis({"add": frozenset({"seq_lens"}), "mul": frozenset({"seq_lens", "swa_map"})})
     >>> sorted(a.buffers_read()), a.last_reader("seq_lens")
@@ -283,6 +285,7 @@ class StageAnalysis:
     copies: frozenset[str] | None = None
     hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)
+    data_escapes: tuple[str, ...] = ()
 
     def buffers_read(self) -> frozenset[str]:
         """Every shared buffer some node reads."""
@@ -547,7 +550,8 @@ class Program:
         (``core.internal.varied_reads``). Every stage of a step that is not replayed (it runs
         their Python; a branch on a Python value may go either way); in a replayed step, a stage
         that escapes where an escape counts only for the buffers it reaches (``escape_end``
-        ``NONE``: the out-of-graph stage), since its Python may branch on what it read.
+        ``NONE``: the out-of-graph stage) and hands its Python data (``StageAnalysis.data_escapes``),
+        since its Python may branch on what it read.
 
         >>> from readfence.backends import paged
         >>> from readfence.core import trace
@@ -557,7 +561,7 @@ class Program:
         if not self.replayed:
             return tuple(s.stage for s in self.stages)
         return tuple(s.stage for s in self.stages
-                     if s.runs_python and not s.analysis.faithful and s.escape_end is ReadEnd.NONE)
+                     if s.runs_python and s.analysis.data_escapes and s.escape_end is ReadEnd.NONE)
 
     def unfaithful(self) -> list[tuple[Stage, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""

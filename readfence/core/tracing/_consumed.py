@@ -27,7 +27,7 @@ from typing import Any
 from torch.utils import _pytree as pytree
 
 
-class ReadKeys(dict):  # type: ignore[type-arg]
+class ReadKeys(dict):
     """A stage's ``meta`` while it is traced: a ``dict`` that adds to ``read`` the key of every
     value the stage reads from it (every key, where it reads them all at once)."""
 
@@ -91,7 +91,7 @@ class ReadKeys(dict):  # type: ignore[type-arg]
         self._all()
         return super().__ne__(other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __repr__(self) -> str:
         self._all()

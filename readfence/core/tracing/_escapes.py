@@ -66,6 +66,22 @@ def is_value_escape(node: fx.Node) -> bool:
     return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(HOST_READ))
 
 
+def hands_data(node: fx.Node) -> bool:
+    """Whether an escape hands the host a value or memory that holds data: its tensor's recorded
+    value has elements (unknown counts as yes). An empty tensor's escape hands over nothing (the
+    mark an engine's adapter leaves that a stage runs its Python), so no Python branches on it.
+
+    >>> g = fx.Graph()
+    >>> t = g.placeholder("t")
+    >>> t.meta["val"] = torch.empty(0, device="meta")
+    >>> hands_data(g.call_function(OPAQUE_OP, (t, "eager: runs its Python")))
+    False
+    """
+    arg = node.args[0] if node.args else None
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return not (isinstance(val, torch.Tensor) and val.numel() == 0)
+
+
 #: The tracer's own modules: their frames sit between a user's stage and the ops it runs (the
 #: modes a stage is traced under, triton's launch hooks, the stage's rerun on a live state), so
 #: a node is named after the first frame outside them. A module of the tracer missing here

@@ -43,7 +43,7 @@ from ._cache import cached_trace, code_key
 from ._captured import captured_tensors, fresh_literals_dropped, mark_persistent
 from ._collect import collection_paused
 from ._consumed import ReadKeys
-from ._escapes import OPAQUE_OP
+from ._escapes import OPAQUE_OP, hands_data
 from ._memory import BufferMap
 from ._probe import MemoryProbe, ProbeResult
 from ._record import GraphRecorder, Unrecordable, record
@@ -356,7 +356,9 @@ def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysi
         graph=TracedGraph(gm=run.gm, inputs=args.inputs, outputs=run.outputs, recorded=run.recorded),
         analysis=StageAnalysis(reads=result.reads, unknown=result.unknown, opaque=result.opaque,
                                faithful=not result.escapes, captured=facts.captured, memory=facts.memory,
-                               copies=facts.copies, hidden=facts.hidden, initial=facts.initial),
+                               copies=facts.copies, hidden=facts.hidden, initial=facts.initial,
+                               data_escapes=tuple(n.name for n in run.gm.graph.nodes
+                                                  if n.name in result.escapes and hands_data(n))),
         hooks=StageHooks(
             eager=_EagerStage.of(call, args.names, args.leaves, args.spec, guard),
             guard=guard,

@@ -384,7 +384,7 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
     has run what was enqueued on them. In a replayed step, what an out-of-graph stage that escapes
     reads there is returned too: its Python may branch on what it read (``Program.varied_stages``)."""
     if not program.replayed:
-        return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
+        return varied_reads(program, cfg, batch_size, state, settle=device.synchronize, backend=backend)
     compiled: dict[Stage, CompiledStage] = {}
 
     def replay(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -396,7 +396,7 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
 
     with varied_states(program, cfg, batch_size, state, settle=device.synchronize) as example:
         validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
-    return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
+    return varied_reads(program, cfg, batch_size, state, settle=device.synchronize, backend=backend)
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
