@@ -73,6 +73,17 @@ def _map_at_the_longest_context(shared, batch):
     return meta
 
 
+def _map_past_the_example(shared, batch):
+    # broken the same way, its host read of a tensor empty on the trace's example (its requests'
+    # lengths are 4 and 11): the escape hands the Python nothing there, and values on other steps
+    lens = page_meta(shared, batch)["kv_lens"]
+    long = lens[lens >= 12].tolist()
+    meta = page_meta(shared, batch)
+    if long:
+        meta["kv_indices"] = remap(shared["swa_map"], meta["kv_indices"])
+    return meta
+
+
 def _bounded_attend(mode, layer, q, k, v, pools, shared, batch, meta):
     # broken: the body reads the bound, which its graph bakes, and which changes from step to step
     bounded = {"kv_indices": meta["kv_indices"], "kv_lens": meta["kv_lens"].clamp(max=meta["max_seq_len_k"])}
@@ -188,6 +199,14 @@ def test_a_read_on_a_branch_the_example_does_not_take_is_seen_on_a_varied_state_
         for policy in (Policy.PER_BUFFER, Policy.EXACT):
             with pytest.raises(UnsoundLowering, match="swa_map"):
                 lower(backend, M, batch_size=BATCH, device=dev, policy=policy, cfg=CFG)
+
+
+def test_a_host_read_of_what_is_empty_on_the_example_still_sends_the_stage_to_the_varied_states() -> None:
+    backend = _flash_attention("map_past_the_example", out=_map_past_the_example)
+    program = trace(backend, M, cfg=CFG, batch_size=BATCH)
+    assert program.traced() == SNAPSHOT and program.varied_stages()  # its Python may branch on it
+    bad = audit(backend, M, cfg=CFG, batch_sizes=[BATCH]).failure()
+    assert (bad.buffer, bad.observed) == ("swa_map", PRE) and "on a varied state" in bad.message, bad.message
 
 
 def test_a_python_value_a_graph_reads_is_still_held_to_its_traced_value() -> None:

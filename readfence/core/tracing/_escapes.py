@@ -67,19 +67,30 @@ def is_value_escape(node: fx.Node) -> bool:
 
 
 def hands_data(node: fx.Node) -> bool:
-    """Whether an escape hands the host a value or memory that holds data: its tensor's recorded
-    value has elements (unknown counts as yes). An empty tensor's escape hands over nothing (the
-    mark an engine's adapter leaves that a stage runs its Python), so no Python branches on it.
+    """Whether an escape hands the host a value or memory computed from the step's data: its
+    tensor depends, through the graph, on an input or a captured tensor. A tensor made from
+    nothing (the empty mark an engine's adapter leaves that a stage runs its Python) hands over
+    nothing the step's state decides, so no Python branches on that state through it. Its shape
+    is no test: a tensor empty on the traced example (``t[t > n]``) may hold values on another step.
 
     >>> g = fx.Graph()
     >>> t = g.placeholder("t")
-    >>> t.meta["val"] = torch.empty(0, device="meta")
-    >>> hands_data(g.call_function(OPAQUE_OP, (t, "eager: runs its Python")))
+    >>> mark = g.call_function(torch.ops.aten.empty.memory_format, ([0],))
+    >>> hands_data(g.call_function(OPAQUE_OP, (mark, "eager: runs its Python")))
     False
+    >>> hands_data(g.call_function(OPAQUE_OP, (g.call_function(torch.ops.aten.max.default, (t,)), "item()")))
+    True
     """
-    arg = node.args[0] if node.args else None
-    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-    return not (isinstance(val, torch.Tensor) and val.numel() == 0)
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return True
+    stack, seen = [node.args[0]], set()
+    while stack:
+        n = stack.pop()
+        if n.op in ("placeholder", "get_attr"):
+            return True
+        seen.add(n)
+        stack.extend(m for m in n.all_input_nodes if m not in seen)
+    return False
 
 
 #: The tracer's own modules: their frames sit between a user's stage and the ops it runs (the
