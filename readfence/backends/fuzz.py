@@ -1028,8 +1028,8 @@ def placements(vocabulary: Mapping[str, Pattern] | None = None) -> st.SearchStra
 
 def declarations() -> st.SearchStrategy[tuple[tuple[str, ReadEnd], ...]]:
     """Per buffer, an end drawn from the lattice (weighted towards the later ends): one end for
-    every buffer a third of the time (a stage that escapes the tracer reads every buffer: until
-    ``PRE_REPLAY`` before the replay, ``POST_REPLAY`` in it), else one per buffer."""
+    every buffer a third of the time (a stage that escapes the tracer in the graph reads every
+    buffer until ``POST_REPLAY``), else one per buffer."""
     gen = _generator(None)
     return st.composite(lambda draw: gen.declared(_drawn(draw)))()
 

@@ -9,8 +9,10 @@ Reads can depend on the batch size (a branch on ``q.shape[0]``), so the step is 
 every batch size that will run, by default 1, 2 and the model's maximum; a buffer's observed
 end is the latest over them, and the report names the batch size that reads it latest. A step
 that is not replayed (``core.internal.replayed``: EXTEND) runs its Python every step, which may
-take a path the trace's example did not (a branch on a Python value): its reads on the varied
-states a replayed capture is validated on count too, and the report says a read was seen there.
+take a path the trace's example did not (a branch on a Python value), and so does an
+out-of-graph stage that escapes (a host read it may branch on: ``Program.varied_stages``): their
+reads on the varied states a replayed capture is validated on count too, and the report says a
+read was seen there.
 
 The verdict is where the fences are decided. A fence is placed from the root's declaration (a
 wrapper's is computed from its children's) and from each node that places one of its own (a
@@ -102,8 +104,8 @@ class BufferAudit:
     observed: ReadEnd
     reader: tuple[str, str] | None  # (stage, node) of the last traced read
     batch_size: int | None = None  # the batch size whose trace reads it latest
-    # the latest read was seen only on a varied state, where the Python of a step that is not
-    # replayed took a path the trace's example did not (``reader``: its stage, as the observer saw it)
+    # the latest read was seen only on a varied state, where a stage's Python (``Program.varied_stages``)
+    # took a path the trace's example did not (``reader``: its stage, as the observer saw it)
     varied: bool = False
     source: str = ""  # ``file:line in function`` of the latest read, where it is known
     # the latest read was seen only by the runtime read observer, inside a kernel that reads what an
@@ -279,8 +281,8 @@ class AuditReport:
     def rows(self, *, detail: bool = False) -> list[dict[str, Any]]:
         """One dict per (node, buffer): keys backend, mode, buffer, declared, observed, verdict
         (names as strings); with ``detail`` also steps, note, reader (``stage:node``), batch size,
-        ``varied`` (the latest read was seen only on a varied state of a step that is not
-        replayed) and ``latent`` (``None``, or the :class:`Latent` finding as a dict). A latent
+        ``varied`` (the latest read was seen only on a varied state, by a stage's Python that took a
+        path the trace's example did not) and ``latent`` (``None``, or the :class:`Latent` finding as a dict). A latent
         entry's verdict is ``latent``, not ``unsound``: no fence is placed from its node's
         declaration."""
         latent = {(x.path, x.buffer): x for x in self.latent()}
@@ -525,14 +527,18 @@ class Latent:
 def escape_note(stage: Stage) -> str:
     """What an escape means for its stage (the ``OPAQUE:`` lines of ``readfence audit`` end with it).
 
-    >>> from readfence.core import BODY
+    >>> from readfence.core import BODY, PREPARE_OUT_GRAPH
+    >>> escape_note(PREPARE_OUT_GRAPH)  # doctest: +NORMALIZE_WHITESPACE
+    'the stage runs as Python before the replay: it reads what the value escaping was computed from and what
+     its runs on varied states saw, until PRE_REPLAY'
     >>> escape_note(BODY)  # doctest: +NORMALIZE_WHITESPACE
     'the stage runs as Python in the step: every buffer is read until POST_REPLAY; a CUDA graph
      cannot capture it (lower refuses it on CUDA: UncapturableStage)'
     """
     end = stage.escape_end
-    if not stage.in_graph:
-        return f"the stage runs as Python before the replay: every buffer is read until {end.name}"
+    if end is ReadEnd.NONE:
+        return (f"the stage runs as Python before the replay: it reads what the value escaping was computed from "
+                f"and what its runs on varied states saw, until {stage.end.name}")
     returns = " (what it returns may be a view of any)" if stage == PREPARE_IN_GRAPH else ""
     return (f"the stage runs as Python in the step: every buffer is read until {end.name}{returns}; "
             f"a CUDA graph cannot capture it (lower refuses it on CUDA: UncapturableStage)")
@@ -558,8 +564,8 @@ def _named(result: _R, name: str) -> _R:
 def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any],
                 batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None, observe_steps: int,
                 varied: bool) -> AuditReport:
-    # per batch size: the traced program and, independently, what running it really reads (in a
-    # step that is not replayed, on the varied states too, when ``varied``); both of the backend
+    # per batch size: the traced program and, independently, what running it really reads (the
+    # Python of ``Program.varied_stages``, on the varied states too, when ``varied``); both of the backend
     # the step runs as (a wrapper's is its child's: traced and observed once)
     runner = runs_as(backend, mode)
     # (batch size, program, what its trace and example run read, that and its varied runs, the varied runs' reads)
@@ -577,7 +583,7 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
             disagreements += cross_check(program, seen)
             effect = effect | seen.observed()  # a read the trace missed still counts
         # its Python on the varied states: a path the example did not take (what lower refuses)
-        elsewhere = varied_reads(program, kw["cfg"], n, state) if varied else {}
+        elsewhere = varied_reads(program, kw["cfg"], n, state, backend=runner) if varied else {}
         runs.append((n, program, effect, effect | seen_effect(program, elsewhere), elsewhere))
     declared = backend.read_effect(mode)
     observed = ReadEffect.none()
@@ -680,7 +686,7 @@ def audit_report(
     cfg = ModelConfig() if cfg is None else cfg
     sizes = _batch_sizes(cfg, batch_sizes)
     kw = {"cfg": cfg, "device": device}
-    # a step that is not replayed runs on the varied states where its Python can run: on the CPU,
+    # stages whose Python may take another path run on the varied states where it can run: on the CPU,
     # or on the live state (traced on another device, the example holds fake tensors)
     varied = observe_steps > 0 and (device == "cpu" or state is not None)
     # iterative post-order: children's reports are built before their parent's; each node only
@@ -752,8 +758,9 @@ def audit(
     example steps under the runtime read observer (``observe``; on a CPU trace, ``0``
     disables it): a read it sees that a faithful stage's trace does not cover is a bug in
     readfence's analysis, listed in ``report.disagreements``, and counts in the verdict. A step
-    that is not replayed (EXTEND) runs its Python every step, so it is also run on the three
-    varied states under the observer (``core.internal.varied_reads``, on the CPU or on ``state``;
+    that is not replayed (EXTEND) runs its Python every step, and so does an out-of-graph stage
+    that escapes (a host read it may branch on), so those are also run on the three varied
+    states under the observer (``core.internal.varied_reads``, on the CPU or on ``state``;
     ``observe_steps=0`` skips them too): a read there, on a path the trace's example did not
     take, counts in the verdict as ``lower`` counts it, and its entry says so (``varied``).
 

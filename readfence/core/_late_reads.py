@@ -30,7 +30,7 @@ class ReadKind(enum.StrEnum):
     """
 
     TRACED = "a traced read"  # a node of the stage's trace reads it
-    VARIED = "its Python on a varied state"  # a step not replayed took a path the trace's example did not
+    VARIED = "its Python on a varied state"  # a step not replayed, or a stage that escapes, took a path the trace's example did not
     ESCAPE = "an escape: the stage runs as Python"  # a host read or a reference leaving the trace
     OPAQUE = "an op the tracer cannot see"  # every buffer is then read until the stage's end
     OBSERVED = "an observed read"  # a stage the tracer cannot follow: its reads are observed

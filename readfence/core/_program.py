@@ -32,17 +32,21 @@ Stages that cannot be traced faithfully
 ---------------------------------------
 A stage with an escape ran Python the graph does not hold (a host read, a branch on data):
 the graph holds one path, the one the example took, and the stage runs its Python function
-instead, in the step, every time. Its reads on other paths are unknown, so such a stage is
-given every shared buffer, until the end of the last point that can read through what it
-touched (``StageGraph.escape_end``):
+instead, in the step, every time. What it costs is the stage's ``escape_end`` (see
+``core.Stage``, which says why):
 
-* ``prepare_out_graph`` (eager, before the replay): ``PRE_REPLAY``; its outputs cross into the
-  graph as copies, so nothing it touched is read later;
-* ``prepare_in_graph``: ``POST_REPLAY``; its outputs are not copied, and on a path not traced
-  they may be views of any buffer, read wherever the body consumes them. The body's inputs
-  that it returns are analysed as aliasing every buffer (their consumers read every buffer),
-  so EXACT places each event after the last body node that may read through them;
-* the body: ``POST_REPLAY``; its reads end with it, before the replay's end.
+* ``prepare_out_graph`` (eager, before the replay): ``NONE``, an escape counts for the buffers
+  it reaches. Every read it makes, on any path, ends as it returns (``PRE_REPLAY``), and its
+  outputs cross into the graph as copies, so nothing it touched is read later. Which buffers:
+  the trace's (the value a host read hands over is computed from traced reads: ``int(t.max())``
+  of a copy of ``seq_lens`` reads ``seq_lens``), joined with what its Python was seen to read
+  on the example steps and on the varied states, where a branch on the value goes another way
+  (:meth:`Program.varied_stages`);
+* ``prepare_in_graph``: ``POST_REPLAY`` for every buffer; its outputs are not copied, and on a
+  path not traced they may be views of any buffer, read wherever the body consumes them. The
+  body's inputs that it returns are analysed as aliasing every buffer (their consumers read
+  every buffer), so EXACT places each event after the last body node that may read through them;
+* the body: ``POST_REPLAY`` for every buffer; its reads end with it, before the replay's end.
 
 That holds where the stage's Python runs inside the step, before the fence that follows it:
 the CPU device runs it in the forward, in a replayed graph or an eager launch alike. A CUDA
@@ -263,7 +267,9 @@ class StageAnalysis:
     tensors it reads without receiving them; ``memory`` maps node -> buffers its real value
     touched; ``copies`` are the nodes whose view claim their real memory refutes (``None``: no
     memory, fake tensors); ``hidden`` maps a higher-order op node to the buffers its branch
-    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases.
+    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases;
+    ``data_escapes`` are the escape nodes that hand the stage's Python a value or memory with data
+    in it, which it may branch on (``Program.varied_stages``).
 
     >>> a = StageAnalysis({"add": frozenset({"seq_lens"}), "mul": frozenset({"seq_lens", "swa_map"})})
     >>> sorted(a.buffers_read()), a.last_reader("seq_lens")
@@ -279,6 +285,7 @@ class StageAnalysis:
     copies: frozenset[str] | None = None
     hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)
+    data_escapes: tuple[str, ...] = ()
 
     def buffers_read(self) -> frozenset[str]:
         """Every shared buffer some node reads."""
@@ -351,8 +358,9 @@ class StageGraph:
 
     @property
     def escape_end(self) -> ReadEnd:
-        """The end of every shared buffer if this stage runs its Python function
-        (``Stage.escape_end``): ``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it."""
+        """The end of every shared buffer if this stage escapes the tracer, beyond what it is
+        traced and seen to read (``Stage.escape_end``): ``NONE`` out of the graph (an escape
+        there counts for the buffers it reaches), ``POST_REPLAY`` inside it."""
         return self.stage.escape_end
 
     def escapes(self) -> list[tuple[str, str, str]]:
@@ -486,9 +494,22 @@ class Program:
 
         A buffer touched by an opaque node is ``UNKNOWN``; a buffer never read is ``NONE``. A
         stage that cannot be traced faithfully reads every buffer until its ``escape_end``
-        (``PRE_REPLAY`` out of the graph, ``POST_REPLAY`` inside it); a captured tensor whose
-        memory is not known to be part of the state makes every buffer ``UNKNOWN`` (see the
-        module docstring).
+        (``POST_REPLAY`` inside the graph; out of it ``NONE``: an escape there counts for the
+        buffers it reaches, which its traced reads hold, and what its Python reads on other
+        paths is joined in by the audit and ``lower`` from the runs that saw it); a captured
+        tensor whose memory is not known to be part of the state makes every buffer
+        ``UNKNOWN`` (see the module docstring).
+
+        >>> import torch
+        >>> from readfence.core.tracing._trace import trace_functions
+        >>> shared = {"seq_lens": torch.arange(1, 3), "swa_map": torch.arange(2)}
+        >>> def snapshot(shared, batch):  # a host read of a copy of the lengths: a bound
+        ...     lens = shared["seq_lens"] + 0
+        ...     return {"lens": lens, "bound": int(lens.max())}
+        >>> trace_functions("toy", ForwardMode.DECODE, inputs={"shared": shared, "batch": {}},
+        ...                 prepare_out_graph=snapshot, prepare_in_graph=lambda shared, batch, meta: {},
+        ...                 body=lambda shared, batch, meta: meta["lens"] * 2).traced()
+        ReadEffect({'seq_lens': PRE_REPLAY}, default=NONE)
         """
         if self.aborted is not None:
             return ReadEffect.unknown()
@@ -523,6 +544,25 @@ class Program:
         traced = {s.stage for s in self.stages}
         return next((s for s in STAGES if s not in traced), None)
 
+    def varied_stages(self) -> tuple[Stage, ...]:
+        """The stages whose Python the step runs and that may take a path there the trace's
+        example did not, on data: what they read on the varied states counts
+        (``core.internal.varied_reads``). Every stage of a step that is not replayed (it runs
+        their Python; a branch on a Python value may go either way); in a replayed step, a stage
+        that escapes where an escape counts only for the buffers it reaches (``escape_end``
+        ``NONE``: the out-of-graph stage) and hands its Python data (``StageAnalysis.data_escapes``),
+        since its Python may branch on what it read.
+
+        >>> from readfence.backends import paged
+        >>> from readfence.core import trace
+        >>> trace(paged(), ForwardMode.DECODE).varied_stages(), len(trace(paged(), ForwardMode.EXTEND).varied_stages())
+        ((), 3)
+        """
+        if not self.replayed:
+            return tuple(s.stage for s in self.stages)
+        return tuple(s.stage for s in self.stages
+                     if s.runs_python and s.analysis.data_escapes and s.escape_end is ReadEnd.NONE)
+
     def unfaithful(self) -> list[tuple[Stage, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""
         return [(s.stage, *e) for s in self.stages for e in s.escaping()]
@@ -534,14 +574,16 @@ class Program:
     def last_reader(self, buffer: str) -> tuple[Stage, str] | None:
         """``(stage, node_name)`` of the last node that reads ``buffer``; ``None`` if unread.
 
-        A stage that runs its Python function (unfaithful) may read any buffer: when it comes
+        A stage that runs its Python function (unfaithful) and whose escape holds every buffer
+        (its ``escape_end`` is not ``NONE``: an in-graph stage) may read any buffer: when it comes
         after every traced read of ``buffer``, its first escape is the reader. The EXACT fence
         policy records the buffer's event right after that node, or, in a stage that runs its
         Python function, at the stage's end.
         """
         for s in reversed(self.stages):
             node = s.analysis.last_reader(buffer)
-            if node is None and not s.analysis.faithful and buffer in self.buffers:
+            if (node is None and not s.analysis.faithful and s.escape_end is not ReadEnd.NONE
+                    and buffer in self.buffers):
                 node = s.analysis.first_escape()
             if node is not None:
                 return (s.stage, node)

@@ -71,8 +71,9 @@ class BackendLike(Protocol):
 
         May read ``shared`` and ``batch``, on the device or on the host (``.item()``,
         ``.tolist()`` and data-dependent branches are fine here on the CPU device: this stage is
-        not captured, and then holds every buffer until ``PRE_REPLAY``; on CUDA the trace, on
-        fake tensors, stops at a host read and lowering refuses the step).
+        not captured, and a host read then holds what its value was computed from until
+        ``PRE_REPLAY``, with what the stage's Python reads on the varied states; on CUDA the
+        trace, on fake tensors, stops at a host read and lowering refuses the step).
         Returns metadata tensors by name; they cross into the graph as *copies* made when it
         returns (:func:`~readfence.core.cross_into_graph`), so a view of a shared buffer returned here is read
         by that copy, never inside the graph. Keep no reference to ``shared`` for later stages:

@@ -31,10 +31,12 @@ tensor([20, 30])
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import struct
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 from typing import Any, Protocol, TypeVar, cast
 
@@ -52,13 +54,32 @@ _T = TypeVar("_T")
 class Stage:
     """One stage of a step: its name, whether it runs inside the graph, and read ends.
 
-    ``end`` is the read end of a read made in it; ``escape_end`` the end of every shared
-    buffer when it runs Python the trace could not see (a host read, a branch on data): the
-    end of the last point that can read through what it touched. ``outputs`` is the group
-    its outputs are named under.
+    ``end`` is the read end of a read made in it. ``escape_end`` is what an escape costs it (a
+    host read, a reference handed out, a branch on data: Python the trace could not see, so the
+    step runs the stage's Python): the end until which every shared buffer counts as read, beyond
+    what the stage is traced and seen to read. ``outputs`` is the group its outputs are named under.
+
+    * In the graph it is ``POST_REPLAY``: on a path the trace did not take, ``prepare_in_graph``
+      may hand the body a view of any buffer, read wherever the body consumes it; and a CUDA
+      graph cannot capture the stage at all (``lower`` refuses it there).
+    * Out of the graph it is ``NONE``: an escape counts for the buffers it reaches, no more.
+      *When*: whatever the stage's Python reads, on any path, it reads before it returns, and
+      what it returns crosses into the graph as copies, so each read ends at ``PRE_REPLAY``, its
+      ``end``. *Which*: the value a host read hands over is computed from the escaping tensor,
+      whose memory and whose ancestors in the traced graph are traced reads of the stage (a host
+      read of a copy of ``seq_lens`` reads ``seq_lens``, not ``swa_map``); on the traced path the
+      trace holds every read. On another path, taken where the Python branches on the value,
+      the runs of its Python show what it reads: the read observer on the example steps, and on
+      the varied states, whose values differ so that a branch on data goes another way
+      (``Program.varied_stages``, ``core.internal.varied_reads``); the audit and ``lower`` count
+      what they saw. A path none of them takes (a threshold no state crosses) is what ``verify``'s
+      poison and the comparison with the serial run catch, as for any out-of-graph stage's Python
+      that branches on what no trace sees (a counter it keeps).
 
     >>> PREPARE_IN_GRAPH.end, PREPARE_IN_GRAPH.escape_end, PREPARE_IN_GRAPH.in_graph
     (<ReadEnd.IN_REPLAY: 2>, <ReadEnd.POST_REPLAY: 3>, True)
+    >>> PREPARE_OUT_GRAPH.escape_end
+    <ReadEnd.NONE: 0>
     """
 
     name: str
@@ -72,9 +93,9 @@ class Stage:
 
 
 #: Before the replay, host-launched; its outputs cross into the graph as copies, so nothing it
-#: touched is read later: an escape holds every buffer until PRE_REPLAY.
+#: touched is read later: an escape counts for the buffers it reaches (see :class:`Stage`).
 PREPARE_OUT_GRAPH = Stage("prepare_out_graph", in_graph=False, end=ReadEnd.PRE_REPLAY,
-                          escape_end=ReadEnd.PRE_REPLAY, outputs="meta")
+                          escape_end=ReadEnd.NONE, outputs="meta")
 #: The graph's first nodes; its outputs are not copied: on a path the trace did not take they
 #: may be views of any buffer, read wherever the body consumes them (POST_REPLAY).
 PREPARE_IN_GRAPH = Stage("prepare_in_graph", in_graph=True, end=ReadEnd.IN_REPLAY,
@@ -181,7 +202,7 @@ def _like(leaf: object, value: object) -> bool:
     if type(leaf) is not type(value):
         return False
     if isinstance(value, PYTHON_VALUES):
-        return bool(leaf == value)
+        return same_value(leaf, value)
     if type(value) is Tensor:
         return bool(leaf.shape == value.shape and leaf.dtype == value.dtype)  # type: ignore[attr-defined]
     return True
@@ -329,17 +350,40 @@ def cross_into_graph(meta: _T) -> _T:
     return pytree.tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, meta)
 
 
+def same_value(a: object, b: object) -> bool:
+    """Whether two Python values a stage returned are the same for a graph that bakes one of them.
+
+    Floats are the same when both are NaN, or when their bits are: ``nan`` equals ``nan`` (a fresh
+    ``float("nan")`` is the sentinel it was when traced; no op reads a NaN's payload), and ``-0.0``
+    is not ``0.0`` (``1 / x`` and ``copysign`` tell them apart, so a graph that baked one computes
+    something else with the other). Any other values are the same when they are equal.
+
+    >>> same_value(float("nan"), float("nan")), same_value(-0.0, 0.0), same_value(3, 3)
+    (True, False, True)
+    """
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or struct.pack("<d", a) == struct.pack("<d", b)
+    return bool(a == b)
+
+
 @attrs.frozen(eq=False)
 class OutputGuard:
-    """What a traced graph bakes of a stage's outputs: their structure, their Python values and
-    their tensors' shapes and dtypes, as the traced step returned them.
+    """What the graphs after a stage bake of its outputs: their structure, their tensors' shapes
+    and dtypes, and the Python values they consume, as the traced step returned them.
 
-    A stage that runs its Python in the step (it escapes the tracer) may return other values
-    on another step; the graphs after it were traced on these. :meth:`check` refuses a change
-    (``StageOutputError`` naming backend, stage and key), before anything reads it. In a step
-    that is not replayed (``values=False``) no graph bakes a shape or a value: only the structure
-    (the keys, and which leaves are tensors) is held, by which the stages after it take their
-    arguments.
+    A stage that runs its Python in the step (out of the graph, or escaping the tracer) may return
+    other values on another step; the graphs after it were traced on these. :meth:`check` refuses a
+    change (``StageOutputError`` naming backend, stage and key), before anything reads it. Python
+    values are compared by :func:`same_value` (``nan`` is ``nan``; ``-0.0`` is not ``0.0``).
+
+    Only a Python value some captured stage after it reads is held to its traced value
+    (``consumed``: the top-level keys they read, as :meth:`consuming` records; ``None``, every
+    key): one that no graph reads (a bound kept for the host, a sentinel) bakes nothing and may
+    change, though it stays a Python value, not a tensor. In a step that is not replayed
+    (``values=False``) no graph bakes a shape or a value: only the structure (the keys, and which
+    leaves are tensors) is held, by which the stages after it take their arguments. That a value
+    no graph reads may change is checked independently: ``core.validate_replay`` runs the step's
+    Python beside each capture on varied states, where such values differ.
 
     >>> guard = OutputGuard.of(PREPARE_OUT_GRAPH, {"n": 3, "lens": torch.zeros(2)}, backend="mine")
     >>> guard.check({"n": 3, "lens": torch.ones(2)})
@@ -347,6 +391,7 @@ class OutputGuard:
     Traceback (most recent call last):
     ...
     readfence.core._step.StageOutputError: backend 'mine' stage prepare_out_graph returned 4 at key ['n'] where the traced step returned 3 (at ?): ...
+    >>> guard.consuming({"lens"}).check({"n": 4, "lens": torch.ones(2)})  # no graph reads ``n``
     """
 
     stage: Stage
@@ -355,27 +400,58 @@ class OutputGuard:
     paths: tuple[pytree.KeyPath, ...]
     baked: tuple[tuple[str, object, object], ...]  # per leaf: ("tensor", shape, dtype) or ("value", type, value)
     values: bool = True  # tensors' shapes and dtypes and the Python values are baked (a replayed step)
+    # the top-level keys whose Python values a captured stage after it reads; None: every key
+    consumed: frozenset[Any] | None = None
 
-    def _baked(self, leaf: object) -> tuple[str, object, object]:
+    def _holds(self, path: pytree.KeyPath) -> bool:
+        """Whether the Python value at ``path`` is held to its traced value."""
+        if not self.values:
+            return False
+        return self.consumed is None or (bool(path) and _key_of(path[0]) in self.consumed)
+
+    def _baked(self, path: pytree.KeyPath, leaf: object) -> tuple[str, object, object]:
         if isinstance(leaf, Tensor):
             return ("tensor", tuple(leaf.shape), leaf.dtype) if self.values else ("tensor", None, None)
-        return ("value", type(leaf), leaf) if self.values else ("value", None, None)
+        return ("value", type(leaf), leaf) if self._holds(path) else ("value", None, None)
+
+    @staticmethod
+    def _same(now: tuple[str, object, object], baked: tuple[str, object, object]) -> bool:
+        return now[:2] == baked[:2] and (now[0] == "tensor" and now[2] == baked[2] or
+                                         now[0] == "value" and same_value(now[2], baked[2]))
 
     @classmethod
     def of(cls, stage: Stage, out: object, *, backend: str = "?", values: bool = True) -> OutputGuard:
         """The guard of ``stage``'s output ``out`` as traced.
 
         >>> OutputGuard.of(PREPARE_OUT_GRAPH, {"n": 3, "t": torch.zeros(2)}, values=False).check({"n": 4, "t": torch.zeros(3)})
+        >>> OutputGuard.of(PREPARE_OUT_GRAPH, {"none": float("nan")}).check({"none": float("nan")})
         """
         pairs, spec = pytree.tree_flatten_with_path(out)
         guard = cls(stage, backend, spec, tuple(p for p, _ in pairs), (), values)
-        return attrs.evolve(guard, baked=tuple(guard._baked(v) for _, v in pairs))
+        return attrs.evolve(guard, baked=tuple(guard._baked(p, v) for p, v in pairs))
+
+    def consuming(self, keys: Iterable[Any]) -> OutputGuard:
+        """The guard that holds only the Python values under the top-level ``keys`` (those the
+        captured stages after it read) to their traced values; every other Python value stays a
+        Python value, whatever it is.
+
+        >>> guard = OutputGuard.of(PREPARE_OUT_GRAPH, {"n": 3, "bound": 7}).consuming({"n"})
+        >>> guard.check({"n": 3, "bound": 9})
+        >>> guard.check({"n": 3, "bound": torch.zeros(1)})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        readfence.core._step.StageOutputError: ... where the traced step returned a Python value (at ?): ...
+        """
+        narrowed = attrs.evolve(self, consumed=frozenset(keys))
+        baked = tuple(b if b[0] == "tensor" or narrowed._holds(p) else ("value", None, None)
+                      for p, b in zip(self.paths, self.baked, strict=True))
+        return attrs.evolve(narrowed, baked=baked)
 
     def check(self, out: object, fn: Callable[..., object] | None = None, kwargs: Mapping[str, Any] | None = None) -> None:
-        """Refuse ``out`` unless it has the structure, values, shapes and dtypes traced (``fn``
-        and ``kwargs``, the stage's call, only to name the line in the error)."""
+        """Refuse ``out`` unless it has the structure, shapes, dtypes and consumed Python values
+        traced (``fn`` and ``kwargs``, the stage's call, only to name the line in the error)."""
         pairs, spec = pytree.tree_flatten_with_path(out)
-        if spec == self.spec and all(self._baked(v) == b for (_, v), b in zip(pairs, self.baked)):
+        if spec == self.spec and all(self._same(self._baked(p, v), b) for (p, v), b in zip(pairs, self.baked)):
             return
 
         def fail(what: str, value: object, why: str) -> StageOutputError:
@@ -389,9 +465,10 @@ class OutputGuard:
             raise fail(f"keys {sorted(pytree.keystr(p) for p, _ in pairs)} where the traced step returned "
                        f"{sorted(pytree.keystr(p) for p in self.paths)}", out,
                        f"{after}; return the same keys every step")
-        path, value, baked = next((p, v, b) for (p, v), b in zip(pairs, self.baked) if self._baked(v) != b)
+        path, value, baked = next((p, v, b) for (p, v), b in zip(pairs, self.baked)
+                                  if not self._same(self._baked(p, v), b))
         key = pytree.keystr(path)
-        if not self.values:
+        if baked[1] is None or not isinstance(value, Tensor) and baked[0] == "tensor":
             was = "a tensor" if baked[0] == "tensor" else "a Python value"
             raise fail(f"{_short(value)} at key {key} where the traced step returned {was}", value,
                        f"{after}; return a tensor or a Python value at a key every step, not one or the other")
@@ -404,6 +481,15 @@ class OutputGuard:
         raise fail(f"{_short(value)} at key {key} where the traced step returned {was}", value,
                    "the graphs after it bake the Python values of the step they were traced on; return it as a "
                    "tensor, or compute it from shapes only")
+
+
+def _key_of(entry: Any) -> Any:
+    """The key a pytree path entry stands for (a dict key, a sequence index, an attribute)."""
+    if isinstance(entry, pytree.MappingKey):
+        return entry.key
+    if isinstance(entry, pytree.SequenceKey):
+        return entry.idx
+    return getattr(entry, "name", entry)
 
 
 # -- one stage's call ------------------------------------------------------------------------

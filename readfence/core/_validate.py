@@ -45,10 +45,12 @@ from torch import Tensor, fx
 
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 
-from ._observe import join_node_reads, observe_program
+from ._model import step_functions
+from ._observe import ReadObserver, Watched, join_node_reads, observe_program
 from ._program import SOURCE_KEY, NodeReads, NodeReadsIn, Program, StageGraph, flatten_inputs
+from ._protocol import BackendLike
 from ._state import ModelConfig, varied_step
-from ._step import Stage, StageCall, StepFunctions, eval_step
+from ._step import Stage, StageCall, StepFunctions, eval_step, stage_named
 from .tracing._bind import state_key
 from .tracing._cache import cache_with_traces, remember
 from .tracing._memory import BufferMap, random_state, same_values, set_random_state
@@ -366,14 +368,45 @@ def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: St
             t.copy_(old)
 
 
+def _observe_python(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]],
+                    live: Mapping[str, Tensor], stages: Iterable[Stage], *,
+                    seeds: Iterable[int] = REPLAY_SEEDS) -> NodeReads:
+    """What the Python of a replayed step's ``stages`` reads on the fresh states ``example(seed)``,
+    each on its stage's first node (as ``observe_program`` attributes what a stage's Python reads):
+    the step run as written (:func:`~readfence.core.eval_step`, as the serial step and
+    :func:`validate_replay`'s Python side run it), under a read observer of its state and ``live``."""
+    first = {s.stage: next(iter(s.graph.gm.graph.nodes)).name for s in program.stages if s.stage in set(stages)}
+    runs: list[NodeReads] = []
+    for seed in seeds:
+        groups = example(seed)
+        observer = ReadObserver(BufferMap.of(groups["shared"]).union([BufferMap.of(live)]))
+        with torch.no_grad(), observer:
+            eval_step(Watched(observer), fns, groups)
+        seen: NodeReads = {}
+        for a in observer.accesses:
+            stage = stage_named(a.stage.partition(":")[0])
+            if a.kind != "write" and stage in first:
+                nodes = seen.setdefault(stage, {})
+                nodes[first[stage]] = nodes.get(first[stage], frozenset()) | {a.buffer}
+        runs.append(seen)
+    return join_node_reads(*runs)
+
+
 def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: State | None = None, *,
-                 settle: Callable[[], None] | None = None) -> NodeReads:
-    """What the Python of a step that is not replayed reads on the varied states (per stage, per
-    node: :func:`observe_varied` on :func:`varied_states`); ``{}`` for a step that is replayed
-    (its capture is validated on them instead) or whose trace stopped. Such a step may take a path
-    there that the trace's example did not (a branch on a Python value): the audit's verdict counts
-    what it reads there, and the lowering's fences join it. Cached per program, batch size and
-    live state, so the audit and every lowering of one step on one live state run it once.
+                 settle: Callable[[], None] | None = None, backend: BackendLike | None = None) -> NodeReads:
+    """What the Python of the stages that may take a path the trace's example did not
+    (``Program.varied_stages``: every stage of a step that is not replayed; in a replayed step, an
+    out-of-graph stage that escapes) reads on the varied states, per stage and node
+    (:func:`observe_varied` on :func:`varied_states`); ``{}`` where there is none (a replayed
+    step's captures are validated on those states instead) or the trace stopped. Such a stage may
+    branch there on a value the example did not hold: the audit's verdict counts what it reads
+    there, and the lowering's fences join it. Cached per program, batch size and live state, so
+    the audit and every lowering of one step on one live state run it once.
+
+    A step that is not replayed is run as its program runs it (every stage's Python); a replayed
+    one as the step written (``backend``'s step functions: required there), its captures' Python
+    too, as :func:`validate_replay` runs it beside them (an engine object's Python then sees the
+    calls its own methods make, in their order).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ForwardMode, trace
@@ -384,14 +417,23 @@ def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: Sta
     >>> varied_reads(trace(paged(), ForwardMode.DECODE, cfg=cfg), cfg, 2)
     {}
     """
-    if program.replayed or program.aborted is not None:
+    stages = program.varied_stages()
+    if not stages or program.aborted is not None:
         return {}
     key = (program, cfg, batch_size, None if state is None else state_key(state))
     if key in _VARIED:
         return _VARIED[key]
+    if program.replayed and backend is None:
+        raise TypeError(f"varied_reads of the replayed step of {program.backend!r} in {program.mode.name} needs "
+                        f"backend=: its Python runs as the step is written")
+    live = {} if state is None else state["shared"]
     with varied_states(program, cfg, batch_size, state, settle=settle) as example:
-        seen = observe_varied(program, example, {} if state is None else state["shared"])
-    return remember(_VARIED, key, seen, _VARIED_LIMIT)
+        if program.replayed:
+            assert backend is not None
+            seen = _observe_python(program, step_functions(backend, program.mode, cfg), example, live, stages)
+        else:
+            seen = observe_varied(program, example, live)
+    return remember(_VARIED, key, {s: nodes for s, nodes in seen.items() if s in stages}, _VARIED_LIMIT)
 
 
 def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:

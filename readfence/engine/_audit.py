@@ -398,8 +398,8 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         traced, readers = _traced(program, escapes)
     observation = observe_engine(node, mode, batch_sizes=[size], steps=steps, seed=seed)
     observed, varied = observation.observed(), {}
-    if program is not None:  # a step the engine does not replay: its Python on the varied states, as core's audit
-        seen = varied_reads(program, cfg, size, node.state)
+    if program is not None:  # Python that may take another path (core's Program.varied_stages) on the varied states
+        seen = varied_reads(program, cfg, size, node.state, backend=node)
         effect = seen_effect(program, seen)
         for b in effect.buffers:
             reader = seen_reader(program, seen, b)
@@ -438,7 +438,9 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
     method = op = why = ""
     if buffer in run.varied:
         method, op = STAGE_METHODS[run.varied[buffer]], _VARIED_OP
-        why = "a step the engine does not replay runs its Python, which took a path there that the trace did not"
+        python = (f"{method} runs its Python every step, on what it read on the host" if node.replayed(mode) else
+                  "a step the engine does not replay runs its Python")
+        why = f"{python}, which took a path there that the trace did not"
     elif last is not None:
         label, op = last
         stage = stage_named(label)
@@ -515,8 +517,8 @@ def _audit_node(path: str, node: EngineBackend, mode: ForwardMode, sizes: tuple[
         lowering = (f"readfence's lowering fences it COARSE only: {what} {worst} until "
                     f"{effect[worst].name}{where}, later than declared ({declared[worst].name})")
         if untraceable:
-            lowering += (" (a stage the tracer cannot follow reads every buffer: until PRE_REPLAY before the "
-                         "replay, POST_REPLAY in it)")
+            lowering += (" (a stage the tracer cannot follow reads, before the replay, what its host reads reach "
+                         "and its runs on varied states saw; every buffer until POST_REPLAY in it)")
     prefill = tuple((r.size, r.resolved) for r in runs if r.resolved is not None)
     return NodeAudit(path, mode, runs[0].declared, tuple(rows), untraceable, lowering, prefill, _used(node, mode),
                      _delegation(node, mode))

@@ -189,9 +189,11 @@ class Outcome:
     def refusal_kind(self) -> str | None:
         """Why the analysis refused, in a few words: the kind of error, and for an unsound
         declaration whether the refused fence is one placed below the root (a ``per_stream``
-        member's) or an escape or captured tensor made every buffer late (an escape: until its
-        stage's end, told apart in the graph, which a CUDA graph cannot capture anyway, and before
-        it; a captured tensor matching nothing: ``UNKNOWN``)."""
+        member's), an escape in the graph or a captured tensor made every buffer late (an escape:
+        until the replay's end, in a stage a CUDA graph cannot capture anyway; a captured tensor
+        matching nothing: ``UNKNOWN``), or a stage's Python read it on a varied state (a path the
+        trace's example did not take: a host read before the replay counts only for what it
+        reaches, ``core.Stage``)."""
         why = self.refused_by
         if why is None:
             return None
@@ -203,11 +205,12 @@ class Outcome:
         fence = message.partition("; the fence of ")[2].partition(" is placed from")[0] or path
         if "/" in fence:
             return f"{head}: a fence below the root"
-        # an escape gives its stage every buffer: until PRE_REPLAY out of the graph, POST_REPLAY in it
+        # an escape in the graph gives its stage every buffer until POST_REPLAY; one before the
+        # replay counts for what it reaches, and its Python's other paths are run on varied states
         if "a CUDA graph cannot capture it" in message:
             return f"{head}: escape in the graph (every buffer; uncapturable on CUDA)"
-        if "escape" in message:
-            return f"{head}: escape before the replay (every buffer)"
+        if "on a varied state" in message:
+            return f"{head}: read by a stage's Python on a varied state"
         if any(why in message for why in ("captured tensor", "tracer cannot see")):
             return f"{head}: captured tensor or unseen op (every buffer)"
         return f"{head}: unsound declaration"

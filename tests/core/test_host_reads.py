@@ -3,9 +3,10 @@
 ``item()`` and ``int(t)`` are methods; ``torch.equal``, ``torch.allclose``, ``is_nonzero``,
 ``x in t`` and a 0-d tensor used as a slice bound (``req_to_token[row, start:end]``, as SGLang's
 torch-native backend writes it) reach the host inside C++. The tracer marks any op tagged
-``data_dependent_output`` at the dispatcher, so each is a value escape: the stage runs as Python
-and reads every buffer until the end of its last reading point. Declared so, each runs
-bit-identical to serial; declared earlier, it is refused.
+``data_dependent_output`` at the dispatcher, so each is a value escape: the stage runs as Python.
+In the graph it reads every buffer until POST_REPLAY; out of it the escape counts for the buffers
+it reaches (``Stage.escape_end``). Declared so, each runs bit-identical to serial; declared
+earlier, it is refused.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def test_a_host_read_is_an_escape_in_every_stage(name: str, stage: Stage) -> Non
     program = trace(_backend(name, stage, ReadEnd.POST_REPLAY), M, cfg=CFG)
     escapes = program.unfaithful()
     assert escapes and {e[0] for e in escapes} == {stage}, escapes
-    assert program.traced()["swa_map"] is program.stage(stage).escape_end  # every buffer, until the stage's end
+    # swa_map, which no stage reads: in the graph every buffer is read until the stage's escape
+    # end; out of it the host read counts for the lengths it reaches, not the map (NONE)
+    assert program.traced()["swa_map"] is program.stage(stage).escape_end
 
 
 @pytest.mark.parametrize("name", sorted(HOST_READS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 
 import pytest
@@ -257,5 +258,30 @@ def test_the_output_guard_refuses_new_keys_values_and_shapes() -> None:
     for changed, expected in (({"n": 4, "lens": torch.ones(2), "rows": [torch.ones(1)]}, r"returned 4 at key \['n'\]"),
                               ({"n": 3, "lens": torch.ones(3), "rows": [torch.ones(1)]}, r"shape \(3,\).*pad it"),
                               ({"n": 3, "lens": torch.ones(2)}, r"returned keys")):
+        with pytest.raises(StageOutputError, match=expected):
+            guard.check(changed)
+
+
+def test_the_output_guard_holds_floats_bit_for_bit_with_nan_equal_to_nan() -> None:
+    guard = OutputGuard.of(PREPARE_OUT_GRAPH, {"cap": float("nan"), "zero": 0.0}, backend="mine")
+    guard.check({"cap": float("nan"), "zero": 0.0})  # a fresh nan is the nan traced
+    guard.check({"cap": -math.nan, "zero": 0.0})  # a nan of another sign or payload: no op reads it
+    # -0.0 is not 0.0 for a graph that baked one of them (1 / x, copysign)
+    for changed, expected in (({"cap": 1.0, "zero": 0.0}, r"returned 1.0 at key \['cap'\] where the traced step returned nan"),
+                              ({"cap": float("nan"), "zero": -0.0}, r"returned -0.0 at key \['zero'\]")):
+        with pytest.raises(StageOutputError, match=expected):
+            guard.check(changed)
+
+
+def test_the_output_guard_holds_only_the_python_values_a_captured_stage_reads() -> None:
+    traced = {"bound": 7, "cap": float("nan"), "lens": torch.zeros(2), "nested": {"flag": True}}
+    guard = OutputGuard.of(PREPARE_OUT_GRAPH, traced, backend="mine").consuming({"lens", "nested"})
+    guard.check({"bound": 9, "cap": 2.0, "lens": torch.ones(2), "nested": {"flag": True}})  # not read: may change
+    for changed, expected in (
+            ({"bound": torch.ones(1), "cap": 2.0, "lens": torch.ones(2), "nested": {"flag": True}},
+             r"where the traced step returned a Python value"),  # but stays a Python value, not a graph input
+            ({"bound": 7, "cap": 2.0, "lens": torch.ones(3), "nested": {"flag": True}}, r"shape \(3,\)"),
+            ({"bound": 7, "cap": 2.0, "lens": torch.ones(2), "nested": {"flag": False}},
+             r"returned False at key \['nested'\]\['flag'\]")):
         with pytest.raises(StageOutputError, match=expected):
             guard.check(changed)

@@ -42,7 +42,8 @@ from ._analysis import StageFacts, analysed, in_branches
 from ._cache import cached_trace, code_key
 from ._captured import captured_tensors, fresh_literals_dropped, mark_persistent
 from ._collect import collection_paused
-from ._escapes import OPAQUE_OP
+from ._consumed import ReadKeys
+from ._escapes import OPAQUE_OP, hands_data
 from ._memory import BufferMap
 from ._probe import MemoryProbe, ProbeResult
 from ._record import GraphRecorder, Unrecordable, record
@@ -106,36 +107,48 @@ def _identifier(dotted: str) -> str:
     return out if out and not out[0].isdigit() else "_" + out
 
 
-def _eager_stage(call: StageCall, names: Sequence[str], leaves: Sequence[Any], spec: pytree.TreeSpec,
-                 guard: OutputGuard) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """The stage run as written on an environment of its inputs by name (how a stage that
-    runs its Python runs in the lowered step), its outputs held to ``guard`` (what the stages
-    after it take as traced). In a step that is not replayed (``call.replayed`` False) its Python
-    values cross too: it returns them by name, and takes its own from ``env`` where an earlier
-    stage's Python returned them (a replayed step's graphs bake them). It keeps the call without its arguments and
-    the shape of those, not the traced example's tensors: a cached program would keep them
-    alive (a deep model's caches, for every program the trace cache and the lowered sizes hold)."""
-    bare = attrs.evolve(call, kwargs={})
-    tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    tensor_names = [names[i] for i in tensor_pos]
-    crossing = not call.replayed  # Python values cross between the stages' Python too
-    value_pos = [(i, names[i]) for i, leaf in enumerate(leaves) if crossing and not isinstance(leaf, torch.Tensor)]
+@attrs.frozen(eq=False)
+class _EagerStage:
+    """The stage run as written on an environment of its inputs by name (how a stage that runs
+    its Python runs in the lowered step), its outputs held to ``guard`` (what the stages after it
+    take as traced). In a step that is not replayed (``call.replayed`` False) its Python values
+    cross too: it returns them by name, and takes its own from ``env`` where an earlier stage's
+    Python returned them (a replayed step's graphs bake them). It keeps the call without its
+    arguments and the shape of those, not the traced example's tensors: a cached program would
+    keep them alive (a deep model's caches, for every program the trace cache and the lowered
+    sizes hold)."""
 
-    def eager(env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        flat = list(skeleton)
-        for i, name in zip(tensor_pos, tensor_names, strict=True):
+    call: StageCall  # without its arguments
+    spec: pytree.TreeSpec
+    skeleton: tuple[Any, ...]  # the arguments' leaves, ``None`` where a tensor goes
+    tensors: tuple[tuple[int, str], ...]  # (leaf position, name) of each tensor argument
+    values: tuple[tuple[int, str], ...]  # (leaf position, name) of each Python value that crosses
+    guard: OutputGuard
+
+    @classmethod
+    def of(cls, call: StageCall, names: Sequence[str], leaves: Sequence[Any], spec: pytree.TreeSpec,
+           guard: OutputGuard) -> _EagerStage:
+        crossing = not call.replayed  # Python values cross between the stages' Python too
+        return cls(attrs.evolve(call, kwargs={}), spec,
+                   tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves),
+                   tuple((i, names[i]) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)),
+                   tuple((i, names[i]) for i, leaf in enumerate(leaves) if crossing and not isinstance(leaf, torch.Tensor)),
+                   guard)
+
+    def __call__(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flat = list(self.skeleton)
+        for i, name in self.tensors:
             flat[i] = env[name]
-        for i, name in value_pos:
+        for i, name in self.values:
             if name in env:
                 flat[i] = env[name]
-        kwargs = bare.rebuild(flat, spec)
+        bare = self.call
+        kwargs = bare.rebuild(flat, self.spec)
         with watch_threads(bare.backend, bare.stage.name):
             out = bare.fn(**kwargs)
-        guard.check(out, bare.fn, kwargs)  # the stages after it were traced on the traced step's outputs
+        self.guard.check(out, bare.fn, kwargs)  # the stages after it were traced on the traced step's outputs
+        crossing = not bare.replayed
         return {n: v for n, v in bare.output_names(out) if crossing or isinstance(v, torch.Tensor)}
-
-    return eager
 
 
 @attrs.frozen(eq=False)
@@ -151,6 +164,8 @@ class _StageArgs:
     tensor_pos: tuple[int, ...]  # where the tensor leaves are
     inputs: tuple[str, ...]  # the distinct names of the tensor leaves, in order: the placeholders
     args: tuple[torch.Tensor, ...]  # the example tensor of each input
+    # per argument an earlier stage produced (``StageCall.origins``), the keys the stage read of it
+    read: Mapping[str, set[Any]] = attrs.Factory(dict)
 
     @classmethod
     def of(cls, call: StageCall) -> _StageArgs:
@@ -160,15 +175,33 @@ class _StageArgs:
         first: dict[str, torch.Tensor] = {}
         for i in tensor_pos:
             first.setdefault(names[i], leaves[i])
-        return cls(call, tuple(names), tuple(leaves), spec, tensor_pos, inputs, tuple(first[n] for n in inputs))
+        return cls(call, tuple(names), tuple(leaves), spec, tensor_pos, inputs, tuple(first[n] for n in inputs),
+                   {arg: set() for arg in call.origins})
 
     def kwargs(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-        """The stage's keyword arguments with ``tensors`` (one per input) in place of the example's."""
+        """The stage's keyword arguments with ``tensors`` (one per input) in place of the example's;
+        each argument an earlier stage produced notes the keys the stage reads of it (``_consumed``)."""
         slot = {n: k for k, n in enumerate(self.inputs)}
         flat = list(self.leaves)
         for i in self.tensor_pos:
             flat[i] = tensors[slot[self.names[i]]]
-        return self.call.rebuild(flat, self.spec)
+        kwargs = self.call.rebuild(flat, self.spec)
+        for arg, read in self.read.items():
+            if type(kwargs.get(arg)) is dict:
+                kwargs[arg] = ReadKeys(kwargs[arg], read)
+        return kwargs
+
+    def consumed(self) -> dict[str, set[Any]]:
+        """Per group of an earlier stage's outputs (``meta``, ``meta_in``), the top-level keys of it
+        the stage read while traced: the Python values among them its graph may bake."""
+        out: dict[str, set[Any]] = {}
+        for arg, read in self.read.items():
+            origin = self.call.origins[arg]
+            for key in read:
+                group = origin if isinstance(origin, str) else origin.get(key)
+                if group is not None:
+                    out.setdefault(group, set()).add(key)
+        return out
 
     def tensor_outputs(self, out: Any) -> list[tuple[str, torch.Tensor]]:
         """The tensors among what the stage returned, by dotted name: the graph's outputs."""
@@ -194,6 +227,7 @@ class _TracedStage:
     graph: StageGraph
     out: Any
     output_aliases: Mapping[str, frozenset[str]]
+    consumed: Mapping[str, set[Any]]  # per earlier stage's output group, the keys it read (``_StageArgs.consumed``)
 
 
 def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, fake_mode: Any, *,
@@ -209,7 +243,7 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     facts = _stage_facts(call, args, run, shared, owned, carried, fake=fake_mode is not None)
     result = analysed(call.backend, call.stage, run.gm, facts, before=before, inputs=args.inputs, buffers=shared)
     graph = _stage_graph(args, run, facts, result, guard, fake=fake_mode is not None)
-    return _TracedStage(graph, run.out, dict(zip(run.outputs, result.output_aliases, strict=True)))
+    return _TracedStage(graph, run.out, dict(zip(run.outputs, result.output_aliases, strict=True)), args.consumed())
 
 
 def _run_stage(args: _StageArgs, shared: Mapping[str, Any], fake_mode: Any, *, recorded: bool) -> _Run:
@@ -322,9 +356,11 @@ def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysi
         graph=TracedGraph(gm=run.gm, inputs=args.inputs, outputs=run.outputs, recorded=run.recorded),
         analysis=StageAnalysis(reads=result.reads, unknown=result.unknown, opaque=result.opaque,
                                faithful=not result.escapes, captured=facts.captured, memory=facts.memory,
-                               copies=facts.copies, hidden=facts.hidden, initial=facts.initial),
+                               copies=facts.copies, hidden=facts.hidden, initial=facts.initial,
+                               data_escapes=tuple(n.name for n in run.gm.graph.nodes
+                                                  if n.name in result.escapes and hands_data(n))),
         hooks=StageHooks(
-            eager=_eager_stage(call, args.names, args.leaves, args.spec, guard),
+            eager=_EagerStage.of(call, args.names, args.leaves, args.spec, guard),
             guard=guard,
             # (not in a step that is not replayed: its graphs never run, and a rerun of one on the
             # example would pair its inputs with what the backend's own buffers hold now, from another step)
@@ -343,6 +379,8 @@ class _Tracer:
         self.stages: list[StageGraph] = []
         self.current: Stage | None = None  # the stage being traced
         self.carried: dict[str, frozenset[str]] = {}  # what each stage's outputs may alias, by name
+        # per stage's output group, the keys a captured stage after it read: what graphs may bake
+        self.consumed: dict[str, set[Any]] = {}
 
     def call(self, call: StageCall) -> Any:
         self.current = call.stage
@@ -350,7 +388,22 @@ class _Tracer:
                               carried=self.carried, recorded=self.recorded)
         self.carried.update(traced.output_aliases)
         self.stages.append(traced.graph)
+        if not traced.graph.runs_python:  # a capture: what it read of the stages before it is baked
+            for group, keys in traced.consumed.items():
+                self.consumed.setdefault(group, set()).update(keys)
         return traced.out
+
+    def guarded(self) -> list[StageGraph]:
+        """The stages traced, each output guard holding only the Python values a captured stage
+        after it read (``OutputGuard.consuming``): no graph bakes the others."""
+        out = []
+        for s in self.stages:
+            eager, guard = s.hooks.eager, s.hooks.guard
+            if isinstance(eager, _EagerStage) and guard is not None:
+                guard = guard.consuming(self.consumed.get(s.stage.outputs, ()))
+                s = attrs.evolve(s, hooks=attrs.evolve(s.hooks, eager=attrs.evolve(eager, guard=guard), guard=guard))
+            out.append(s)
+        return out
 
 
 def _fake_tree(tree: Any, fake_mode: Any, device: str) -> Any:
@@ -421,7 +474,8 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
             eval_step(tracer, fns, groups)
     except TraceAborted as e:
         aborted = f"stage {tracer.current}: {e.why}"
-    stages = tracer.stages
+    # (a trace that stopped does not know what the stages it did not reach read: every value held)
+    stages = tracer.stages if aborted is not None else tracer.guarded()
     _forget_nested_dynamo(stages)
     rerun = fake_mode is None and aborted is None and any(isinstance(c.matches, Unmatched) for s in stages for c in s.analysis.captured)
     if rerun:

@@ -4,7 +4,8 @@
 
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
    makes correct (trace-time state, a stage a CUDA graph cannot capture); a step that is not
-   replayed (``core.internal.replayed``) is observed on fresh states (``core.internal.varied_reads``);
+   replayed (``core.internal.replayed``), and an out-of-graph stage that escapes, is observed on
+   fresh states (``core.internal.varied_reads``);
 2. compile the captured stages once for every event-ring slot (``_slot.compile_stages``): a
    hook after every node a record or check mode's poison may follow (``_fx_records``), an
    alias check after each opaque op (``_fx_aliases``), then constant folding, shared
@@ -343,9 +344,11 @@ def lower(
     # the passes (see the module docstring): trace and bind; compile once for every ring slot and
     # validate; refuse an unsound declaration; rehearse; plan the fences; bind and capture per slot
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    # a step that is not replayed has no capture to validate: its Python's reads on the varied
-    # states join the fences instead (and the audit's verdict below counts them)
-    varied = varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
+    # what may take a path the traced example did not (a step that is not replayed, whose capture
+    # there is none to validate; an out-of-graph stage that escapes, whose Python may branch on what
+    # it read on the host): its Python's reads on the varied states join the fences (and the
+    # audit's verdict below counts them)
+    varied = varied_reads(program, cfg, batch_size, state, settle=device.synchronize, backend=backend)
     # the stages compiled as every slot will run them, a hook after each node a record or a check's
     # poison may follow (only EXACT places poison inside a graph), validated before the rehearsal
     # runs the step's Python once more
@@ -364,8 +367,8 @@ def lower(
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
         # the audit's own verdict, at the batch size lowered, on the live state: whatever it
         # refuses (a declaration below the trace, below a read the observer saw that the trace
-        # missed, or, in a step that is not replayed, below a read its Python made on a varied
-        # state) no fence placed from the declaration may accept
+        # missed, or, where a stage may take a path the trace did not, below a read its Python
+        # made on a varied state) no fence placed from the declaration may accept
         failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
                                 state=state)
     else:
@@ -377,7 +380,7 @@ def lower(
         error.failure = failure
         raise error
     # EXACT places from the bound trace joined with every read the rehearsal (and, in a step that
-    # is not replayed, the runs on varied states) saw, never below one
+    # is not replayed or a stage escapes, the runs on varied states) saw, never below one
     rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
                          label=label)
     seen = join_node_reads(rehearsal.observed, varied)
