@@ -263,7 +263,9 @@ class StageAnalysis:
     tensors it reads without receiving them; ``memory`` maps node -> buffers its real value
     touched; ``copies`` are the nodes whose view claim their real memory refutes (``None``: no
     memory, fake tensors); ``hidden`` maps a higher-order op node to the buffers its branch
-    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases.
+    graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases;
+    ``rebound`` maps an op node to the argument nodes its run pointed at a shared buffer's memory
+    (``set_``, a kernel re-pointing its ``out``), to those buffers.
 
     >>> a = StageAnalysis({"add": frozenset({"seq_lens"}), "mul": frozenset({"seq_lens", "swa_map"})})
     >>> sorted(a.buffers_read()), a.last_reader("seq_lens")
@@ -279,6 +281,7 @@ class StageAnalysis:
     copies: frozenset[str] | None = None
     hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)
+    rebound: Mapping[str, Mapping[str, frozenset[str]]] = attrs.Factory(dict)
 
     def buffers_read(self) -> frozenset[str]:
         """Every shared buffer some node reads."""

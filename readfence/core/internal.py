@@ -67,6 +67,8 @@ from .tracing._fx import copy_graph as copy_graph
 from .tracing._memory import BufferMap as BufferMap
 from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
+from .tracing._origin import torch_op as torch_op
+from .tracing._origin import trusted_op as trusted_op
 from .tracing._schema import bind as bind_arguments
 from .tracing._schema import op_aliasing as op_aliasing
 from .tracing._trace import trace_step as trace_step
@@ -81,6 +83,6 @@ __all__ = [
     "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
     "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
     "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
-    "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
+    "state_key", "StepFunctions", "tokens_per_request", "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay",
     "varied_reads", "varied_states", "Watched",
 ]

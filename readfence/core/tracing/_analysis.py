@@ -69,6 +69,8 @@ class StageFacts:
     copies: frozenset[str] | None  # nodes whose real memory refutes their view claim; None: no memory
     changed: tuple[tuple[fx.Node, str], ...]  # (node, buffer whose bytes it changed)
     hidden: Mapping[str, frozenset[str]]  # higher-order op node -> buffers its branches captured
+    # op node -> the argument nodes it pointed at a shared buffer's memory -> those buffers
+    rebound: Mapping[str, Mapping[str, frozenset[str]]] = attrs.Factory(dict)
 
 
 def analysed(backend: str, stage: Stage, gm: fx.GraphModule, facts: StageFacts, *,
@@ -92,7 +94,8 @@ def analysed(backend: str, stage: Stage, gm: fx.GraphModule, facts: StageFacts, 
 def _analyse(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], facts: StageFacts, *, last: bool) -> Analysis:
     initial = {**initial, **{c.node: c.buffers for c in facts.captured}}
     return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=is_value_escape,
-                   output_reads=last, observed=facts.memory, copies=facts.copies, hidden=facts.hidden)
+                   output_reads=last, observed=facts.memory, copies=facts.copies, hidden=facts.hidden,
+                   rebound=facts.rebound)
 
 
 def in_branches(gm: fx.GraphModule, buffers: BufferMap) -> dict[str, frozenset[str]]:

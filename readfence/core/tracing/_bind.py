@@ -88,11 +88,11 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
         gm = copy_graph(g.gm)
         captured = tuple(c if c.state is MatchedOn.LIVE else bind_captured(c, getattr(gm, c.target), shared, owned)
                          for c in a.captured)
-        memory, changed = _live_memory(s, gm, state)
+        memory, changed, rebound = _live_memory(s, gm, state)
         live = in_branches(gm, shared)
         hidden = {n: a.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*a.hidden, *live}}
         facts = StageFacts(initial=initial, captured=captured, memory=memory, copies=a.copies, changed=tuple(changed),
-                           hidden=hidden)
+                           hidden=hidden, rebound=rebound)
         result = analysed(program.backend, s.stage, gm, facts, before=stages, inputs=g.inputs, buffers=program.buffers)
         # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
         carried.update(zip(g.outputs, result.output_aliases, strict=True))
@@ -103,14 +103,16 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
 
 
 def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[str, torch.Tensor]],
-                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]]]:
+                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]], dict[str, dict[str, frozenset[str]]]]:
     """What ``s``'s nodes touch of the live shared buffers, joined with what they touched of the
     example's, and the live buffers a node changed: the stage (its captured tensors being live
     memory) run once more on its example inputs. A handle made on a captured buffer
     (``torch.empty(0).set_(table)``) aliases the live buffer though no schema says so; only
-    the memory does. Everything in ``state`` holds its values again afterwards."""
+    the memory does. So does an argument an op pointed at a live buffer (``rebound``). Everything
+    in ``state`` holds its values again afterwards."""
+    rebound = {op: dict(moved) for op, moved in s.analysis.rebound.items()}
     if s.hooks.example is None or not s.analysis.faithful:
-        return dict(s.analysis.memory), []
+        return dict(s.analysis.memory), [], rebound
     saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
     probe = MemoryProbe(gm, state["shared"])
     try:
@@ -121,4 +123,8 @@ def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[
     memory = dict(s.analysis.memory)
     for node, touched in probe.result.touched.items():
         memory[node] = memory.get(node, frozenset()) | touched
-    return memory, probe.result.changed
+    for op, moved in probe.result.rebound.items():
+        mine = rebound.setdefault(op, {})
+        for arg, bufs in moved.items():
+            mine[arg] = mine.get(arg, frozenset()) | bufs
+    return memory, probe.result.changed, rebound

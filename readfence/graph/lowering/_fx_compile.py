@@ -56,12 +56,12 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import fx
 
-from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing
+from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
 
 from ._fx_aliases import ALIAS_CHECK_KEY
 from ._fx_records import RECORD_KEY
@@ -69,11 +69,17 @@ from ._fx_records import RECORD_KEY
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
 
 
+def _aten_op(target: Any) -> TypeGuard[torch._ops.OpOverload]:
+    # an op of torch's aten, as torch defined it: one defined in that namespace by other code, or
+    # one of torch's whose kernel other code replaced, is no op the pass may reason about
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and torch_op(target)
+
+
 def _pure(node: fx.Node) -> bool:
     """A call the pass may compute once for several uses: an aten op that writes nothing,
     returns something and is deterministic (from its schema and tags, not from a list)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if node.op != "call_function" or not _aten_op(target):
         return False
     aliasing = op_aliasing(target)
     if aliasing is None or aliasing.opaque or aliasing.writes or not target._schema.returns:
@@ -293,7 +299,7 @@ def _probed(op: Any, args: Any, kwargs: Any, result: Any) -> Callable[..., Any] 
 def _binding(node: fx.Node) -> Callable[..., Any] | None:
     """The probed binding for an aten call node whose traced values are known, else ``None``."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if not _aten_op(target):
         return None
     try:
         args = _spec(tuple(node.args))
