@@ -10,8 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import BODY, CapturedStateError, ForwardMode, StageOutputError, trace
-from readfence.core.tracing._trace import UntraceableStage
+from readfence.core import BODY, CapturedStateError, ForwardMode, StageOutputError, UntraceableStage, trace
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, lower, run_overlapped, run_serial
 from tests.conftest import ONE_LAYER as CFG
