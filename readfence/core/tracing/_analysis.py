@@ -21,6 +21,7 @@ from .._step import BODY, Stage
 from ._alias import Analysis, Write, analyse
 from ._escapes import OPAQUE_OP, is_value_escape
 from ._memory import BufferMap
+from ._origin import torch_op
 from ._triton import is_launch_op, launch_of, launch_write_reason
 
 
@@ -52,7 +53,7 @@ def _write_reason(w: Write, node: fx.Node | None = None) -> str:
         return launch_write_reason(launch_of(node.args))
     args = ", ".join(w.arguments)
     why = f"its schema `{w.schema}` marks argument(s) {args} as written"
-    if not w.op.startswith(("aten.", "prims.")):
+    if node is None or not torch_op(node.target):  # a kernel someone registered, whatever its namespace
         why += (" (a torch.library.custom_op registered with mutates_args='unknown' claims to write "
                 "every tensor argument: if the op only reads them, register it with mutates_args=())")
     return why
