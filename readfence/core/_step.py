@@ -239,9 +239,9 @@ def foreign_subclass(t: Tensor) -> bool:
 
 def unfit_tensor(t: Tensor) -> tuple[str, str] | None:
     """What makes ``t`` a tensor a stage may not return, and how to return it instead; ``None`` for
-    a tensor it may: dense and strided, with data (a graph's static buffers hold exactly that), of
-    any dtype, shape (empty ones too) and strides. A tensor subclass wrapping others (a DTensor, a
-    nested tensor), a sparse, nested, quantized or meta tensor is refused.
+    a tensor it may: dense and strided (a graph's static buffers hold exactly that), of any dtype,
+    shape (empty ones too), strides and device. A tensor subclass wrapping others (a DTensor, a
+    nested tensor), a sparse, nested or quantized tensor is refused.
 
     >>> unfit_tensor(torch.zeros(2, dtype=torch.complex64).t()) is None
     True
@@ -256,8 +256,6 @@ def unfit_tensor(t: Tensor) -> tuple[str, str] | None:
         return f"a {t.layout} tensor", "return it dense (.to_dense())"
     if t.is_quantized:
         return "a quantized tensor", "return its integer values and its scale as tensors (.int_repr(), .q_scale())"
-    if t.device.type == "meta":
-        return "a tensor on the meta device (it holds no data)", "return a tensor with data, or its shape as Python ints"
     return None
 
 
@@ -328,7 +326,7 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     got = f"{type(bad).__name__} {_short(bad)}"
     if unfit is not None:
         got = f"{unfit[0]}"
-        what += f" (plain dense tensors with data, as a graph's static buffers hold: {unfit[1]})"
+        what += f" (plain dense tensors, as a graph's static buffers hold: {unfit[1]})"
     raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {got} "
                            f"{where} (at {line}): a stage returns {what}", stage=stage.name)
 

@@ -1,7 +1,7 @@
 """Where tracing cannot follow, a clear answer: higher-order ops are traced (``torch.cond`` runs in
 any stage, its branches as serial), tensors a graph cannot hold (subclasses, nested, quantized,
-sparse, meta) are refused naming backend, stage, key and line, never a crash from inside readfence;
-plain tensors however unusual (complex, empty, strided) run as serial."""
+sparse) are refused naming backend, stage, key and line, never a crash from inside readfence;
+plain tensors however unusual (complex, empty, strided, meta) run as serial."""
 
 from __future__ import annotations
 
@@ -116,7 +116,6 @@ UNFIT = {
     "quantized": (lambda lens: torch.quantize_per_tensor(lens.float() + 0, 0.5, 0, torch.quint8), "a quantized tensor"),
     "sparse COO": (lambda lens: (lens.float() + 0).to_sparse(), "a torch.sparse_coo tensor"),
     "sparse CSR": (lambda lens: (lens[:3].float().diag() + 0).to_sparse_csr(), "a torch.sparse_csr tensor"),
-    "meta": (lambda lens: torch.empty(lens.shape, device="meta"), "a tensor on the meta device"),
     "a wrapper subclass": (lambda lens: _two_tensor(lens.float() + 0), "a TwoTensor (a tensor subclass)"),
 }
 
@@ -156,14 +155,19 @@ FIT = {
     "complex": (lambda lens: lens.to(torch.complex64) * (1 + 1j), lambda x: x.real.sum() + x.imag.sum()),
     "empty": (lambda lens: torch.empty(0, lens.shape[0]), lambda x: x.sum()),
     "non-contiguous": (lambda lens: (lens.float() + 0).expand(3, lens.shape[0]).t(), lambda x: x.sum()),
+    "meta (a shape, no data)": (lambda lens: torch.empty(lens.shape, device="meta"), lambda x: x.shape[0]),
 }
 
 
+@pytest.mark.parametrize("where", ["prepare_out_graph", "prepare_in_graph"])
 @pytest.mark.parametrize("kind", first_of_each(list(FIT), lambda k: "quick" if k == "non-contiguous" else k))
-def test_an_unusual_but_plain_tensor_crosses_into_the_graph_and_runs_bit_identical(kind) -> None:
+def test_an_unusual_but_plain_tensor_crosses_into_the_graph_and_runs_bit_identical(kind, where) -> None:
     make, use = FIT[kind]
 
     def out_stage(mode, shared, batch):
+        return {**page_meta(shared, batch), "x": make(shared["seq_lens"])}
+
+    def in_stage(mode, shared, batch, meta):
         return {**page_meta(shared, batch), "x": make(shared["seq_lens"])}
 
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):
@@ -171,7 +175,8 @@ def test_an_unusual_but_plain_tensor_crosses_into_the_graph_and_runs_bit_identic
         scale = 1 + use(meta["x"]) * 1e-3
         return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) * scale
 
-    backend = leaf("plain_" + kind.replace("-", "_"), attend, prepare_out_graph=out_stage, declare={M: POST})
+    stage = {"prepare_out_graph": out_stage} if where == "prepare_out_graph" else {"prepare_in_graph": in_stage}
+    backend = leaf("plain_" + "".join(c if c.isalnum() else "_" for c in kind), attend, declare={M: POST}, **stage)
     serial = run_serial(backend, M, steps=4, batch_size=2, cfg=CFG)
     with CpuDevice(timeout=30.0) as dev:
         assert run_overlapped(backend, M, steps=4, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG).matches(serial)

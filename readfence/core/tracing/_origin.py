@@ -12,7 +12,9 @@ registered from) or in a Python file of the torch package, and every Python kern
 object (``py_kernels``) is a function of the torch package. A registration made through the entry
 points that register for anyone (``torch.library``, ``torch._library``) is torch's only when the
 definition behind it, a ``torch.library.custom_op``'s functions, lives in the torch package; one
-whose maker is unknown (``torch.library.define``) is not. :func:`readfence_op` knows readfence's
+whose maker is unknown (``torch.library.define``, ``torch.library.impl``) is not, unless it is a
+kernel that computes nothing on a forward's real tensors (a meta kernel, an autograd formula:
+torch's own collectives get theirs so). :func:`readfence_op` knows readfence's
 own ops by their registration, recorded as readfence's code makes them (:func:`own_op`), never by
 their namespace.
 """

@@ -64,7 +64,7 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     >>> out, facts = probe_op(torch.ops.aten.narrow.default, (table, 0, 0, 2), {}, BufferMap.of(shared), shared,
     ...                       lambda: table.narrow(0, 0, 2))
     >>> facts
-    OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=())
+    OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=(), rebound=())
     """
     if watch is None:
         with quiet():

@@ -6,8 +6,8 @@ of its input on a path no example took (a fast path when the batch's rows are co
 output then aliases a shared buffer the analysis took it not to, and a consumer after the
 buffer's release reads the live buffer. Its arguments are no safer: a kernel given a mutable
 ``out`` (``Tensor(a!) out``), or one whose schema claims nothing, may point a tensor it is given at
-other memory (``set_``, ``as_strided_``, a ``resize_`` then a copy), and every later use of that
-tensor reads where it now points. :func:`insert_alias_checks` inserts, after every op whose kernel
+other memory (``set_``, ``as_strided_`` after a ``set_``, a tensor made over the same bytes with
+DLPack), and every later use of that tensor reads where it now points. :func:`insert_alias_checks` inserts, after every op whose kernel
 is not torch's or readfence's own (``trusted_op``: decided by where the op was registered, never
 by its namespace: anyone may define an op in ``aten``), a check of the memory of its outputs and
 of every tensor it was given, as they are after the call, against the live shared buffers'
@@ -31,10 +31,12 @@ ALIAS_CHECK_KEY = "readfence_alias_check"
 
 
 class ReplayAliasError(ReadfenceError, RuntimeError):
-    """An opaque op's output shared memory with a shared buffer at a replay, where the analysis,
-    from the op's schema and the examples, took it to alias none of it.
+    """An opaque op's output, or a tensor it was given as it is after the call, shared memory with a
+    shared buffer at a replay, where the analysis, from the op's schema and the examples, took that
+    value to alias none of it.
 
-    ``backend``, ``stage``, ``node``, ``op`` and ``buffers`` say where and what.
+    ``backend``, ``stage``, ``node``, ``op``, ``buffers`` and ``value`` (``"its output"`` or the
+    argument) say where and what.
     """
 
     def __init__(self, backend: str, stage: str, node: str, op: str, buffers: frozenset[str],
@@ -43,7 +45,7 @@ class ReplayAliasError(ReadfenceError, RuntimeError):
         self.value = value
         fix = ("annotate the op's schema with the alias it may return (Tensor(a) -> Tensor(a)), or return a copy"
                if value == "its output" else "write into the tensor it is given (out.copy_(...)) instead of "
-               "pointing it at other memory (set_, as_strided_, resize_)")
+               "pointing it at other memory (set_, as_strided_)")
         super().__init__(
             f"backend {backend!r} stage {stage}: op {op} (node {node!r}) left {value} sharing memory with "
             f"shared buffer(s) {sorted(buffers)} on this step, which no example showed: its consumers would read the "
