@@ -19,6 +19,8 @@ from ._checks import positive_seconds as positive_seconds
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
+from ._late_reads import ReadKind as ReadKind
+from ._late_reads import late_read_fix as late_read_fix
 from ._model import forward as forward
 from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
@@ -79,8 +81,8 @@ __all__ = [
     "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "example_step",
     "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "join_node_reads",
-    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
-    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
+    "late_read_fix", "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
+    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "ReadKind",
     "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
     "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
     "state_key", "StepFunctions", "tokens_per_request", "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay",

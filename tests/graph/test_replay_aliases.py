@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from returns.pipeline import is_successful
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.core import ForwardMode, audit
@@ -292,7 +293,8 @@ def test_a_correct_custom_op_runs_bit_identical_and_verifies_clean(name) -> None
     with CpuDevice(timeout=30.0) as dev:
         runs, _ = decode_loop(backend, M, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG).run(STEPS)
         assert all(torch.equal(r.logits, s) for r, s in zip(runs, serial.logits))
-        assert verify(backend, M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
+        verified = verify(backend, M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
+        assert is_successful(verified), str(verified)
 
 
 def _into_always(lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -319,4 +321,5 @@ def test_an_argument_repointed_on_every_step_is_counted_by_the_analysis(copied: 
     with CpuDevice(timeout=30.0) as dev:
         runs, _ = decode_loop(backend, M, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG).run(STEPS)
         assert all(torch.equal(r.logits, s) for r, s in zip(runs, serial.logits))
-        assert verify(backend, M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.EXACT)
+        verified = verify(backend, M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.EXACT)
+        assert is_successful(verified), str(verified)

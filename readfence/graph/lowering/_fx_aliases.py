@@ -14,7 +14,8 @@ of every tensor it was given, as they are after the call, against the live share
 address ranges: a hit the analysis did not count for that value refuses the step
 (:class:`ReplayAliasError`, naming the op and the value), before any consumer runs. It costs an
 address comparison per tensor of an opaque op per replay, and applies where a replay runs
-Python: the CPU device.
+Python: the CPU device. Each check is a hook of the compiled code (``_fx_memory.HOOK_KEY``): the
+lowering's translation validation runs the code with it off, on states that are not the live one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from torch import fx
 
 from readfence.core.internal import ALIASES_KEY, BufferMap, bind_arguments, copy_graph, trusted_op
 from readfence.effects import ReadfenceError
+
+from ._fx_memory import HOOK_KEY
 
 ALIAS_CHECK_KEY = "readfence_alias_check"
 
@@ -161,6 +164,7 @@ def insert_alias_checks(gm: fx.GraphModule, live: BufferMap, *, backend: str, st
         with graph.inserting_after(node):
             inserted = graph.call_function(check, tuple(n for n, _ in checked))
         inserted.meta[ALIAS_CHECK_KEY] = True
+        inserted.meta[HOOK_KEY] = ("alias_check", node.name)  # the same check in every slot
     out.recompile()
     return out
 
