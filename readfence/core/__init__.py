@@ -54,6 +54,7 @@ from .tracing._cache import clear_trace_cache as clear_trace_cache
 from .tracing._captured import CapturedStateError as CapturedStateError
 from .tracing._kernel_access import KernelAccess as KernelAccess
 from .tracing._kernel_ir import kernel_access as kernel_access
+from .tracing._trace import UntraceableStage as UntraceableStage
 from .tracing._trace import trace as trace
 from .tracing._triton import LaunchStreamError as LaunchStreamError
 from .tracing._triton import UnboundedKernelError as UnboundedKernelError
@@ -63,7 +64,8 @@ __all__ = [
     "BackendLike", "BufferAudit", "ChildRun", "CapturedStateError", "Disagreement", "ForwardMode", "ModelConfig",
     "NotGraphSafe", "Observation", "Program", "ReadObserver", "Stage", "StageAnalysis", "StageGraph", "StageHooks", "StageOutputError",
     "StageThreadError", "StageWriteError", "StepInputs", "KernelAccess", "Latent", "LaunchStreamError",
-    "TensorParallel", "TracedGraph", "UnboundedKernelError", "Unsound", "Verdict", "all_reduce", "audit", "bind", "clear_trace_cache",
+    "TensorParallel", "TracedGraph", "UnboundedKernelError", "Unsound", "UntraceableStage", "Verdict", "all_reduce", "audit",
+    "bind", "clear_trace_cache",
     "cross_check", "cross_into_graph", "default_batch_sizes", "eval_step", "kernel_access", "make_shared_state",
     "observe", "run_program", "run_step", "step_functions", "trace", "varied_step",
 ]

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .tracing._origin import torch_op
+
 #: Namespaces whose ops start a collective that a later ``wait_tensor`` completes.
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
 
@@ -37,18 +39,19 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autogra
 _INERT = (str, int, float, bool, type(None))
 
 
-def _namespace(op: Any) -> str | None:
-    return getattr(op, "namespace", None)
+def _collective(op: Any) -> bool:
+    # torch's own functional collectives: an op defined in their namespace by other code is any op
+    return getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES and torch_op(op)
 
 
 def is_wait(op: object) -> bool:
     """Whether ``op`` is the wait that completes a functional collective."""
-    return _namespace(op) in COLLECTIVE_NAMESPACES and getattr(op, "__name__", "").startswith("wait_tensor")
+    return _collective(op) and getattr(op, "__name__", "").startswith("wait_tensor")
 
 
 def starts_collective(op: object) -> bool:
     """Whether ``op`` starts a collective whose reads of its inputs last until a wait."""
-    return _namespace(op) in COLLECTIVE_NAMESPACES and not is_wait(op)
+    return _collective(op) and not is_wait(op)
 
 
 def inert(value: object) -> bool:

@@ -33,7 +33,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
-from ._collectives import COLLECTIVE_NAMESPACES
 from ._late_reads import ReadKind, late_read_fix
 from ._model import step_functions
 from ._modes import ForwardMode
@@ -46,6 +45,7 @@ from .tracing._cache import cache_with_traces, code_key, remember
 from .tracing._dispatch import DispatchMode
 from .tracing._escapes import REFERENCE_ESCAPES, user_line
 from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
+from .tracing._origin import trusted_op
 from .tracing._probe import metadata_templates, rerun_with
 from .tracing._schema import OpAliasing, bind, op_aliasing
 from .tracing._segment import Segment, segment_signature
@@ -56,12 +56,6 @@ Kind = Literal["read", "write", "escape"]
 #: readfence's core, whose frames run a stage and observe it: a read's line is the first frame outside.
 _OBSERVER_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _T = TypeVar("_T")
-
-#: Op namespaces whose kernels are torch's own; any other op may be a Python or extension
-#: kernel whose inner ops the observer runs under itself (see ``ReadObserver``). The functional
-#: collectives are torch's C++ kernels too (run under the mode, their inner ops would see
-#: tensors without a Python storage).
-_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"}) | COLLECTIVE_NAMESPACES
 
 #: The ops each model segment dispatched when last observed, by signature (``run_segment``):
 #: the observer's own record, not the recorder's templates.
@@ -156,7 +150,8 @@ class ReadObserver(DispatchMode):
     above the dispatcher, as are escapes (``data_ptr()``, ``numpy()``, ``__dlpack__()``,
     ``untyped_storage()``), whose buffers become ``UNKNOWN``.
 
-    Custom ops (any namespace but torch's own): the mode records the op with its arguments,
+    Custom ops (any op torch or readfence did not register itself, whatever its namespace:
+    ``tracing._origin``): the mode records the op with its arguments,
     then runs its kernel *under the mode* (a redispatch below the Python key with the mode
     pushed back, since a handler runs with its mode popped), so the ops inside a
     ``torch.library.custom_op`` Python implementation (or any kernel that calls back into
@@ -290,7 +285,11 @@ class ReadObserver(DispatchMode):
             with self._pushed(host=False), torch._C.DisableTorchFunction():
                 return func.decompose(*args, **kwargs)
         claimed = self._quietly(self._record_op, func, args, kwargs) if self.buffers else None
-        if isinstance(func, torch._ops.OpOverload) and func.namespace not in _TORCH_NAMESPACES and not is_launch_op(func):
+        # an op whose kernels are not torch's or readfence's own (``trusted_op``: decided by where it
+        # was registered, not by its namespace) may be a Python or extension kernel: its inner ops are
+        # run under the mode (torch's C++ kernels are not: their inner ops would see tensors without
+        # a Python storage)
+        if isinstance(func, torch._ops.OpOverload) and not trusted_op(func) and not is_launch_op(func):
             out = self._run_kernel_observed(func, args, kwargs)
         elif isinstance(func, torch._ops.HigherOrderOperator):
             out = self._run_higher_order_observed(func, args, kwargs)

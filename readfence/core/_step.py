@@ -44,6 +44,7 @@ import attrs
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from readfence.effects import ReadEnd, ReadfenceError
 
@@ -203,7 +204,7 @@ def _like(leaf: object, value: object) -> bool:
         return False
     if isinstance(value, PYTHON_VALUES):
         return same_value(leaf, value)
-    if type(value) is Tensor:
+    if type(value) is Tensor and not value.is_nested:  # (a nested tensor has no one shape)
         return bool(leaf.shape == value.shape and leaf.dtype == value.dtype)  # type: ignore[attr-defined]
     return True
 
@@ -240,8 +241,10 @@ def returned_at(fn: Callable[..., object], kwargs: Mapping[str, Any], value: obj
         pass
     finally:
         sys.setprofile(old)
-    # the innermost frame that put it in what the stage returns; else the outermost returning it
-    return next((where for held, where in found if held), found[-1][1] if found else "?")
+    # the innermost frame of a file that put it in what the stage returns (code made at run time,
+    # ``<string>``, is torch's or a library's more often than the user's); else the outermost returning it
+    held = [where for contains, where in found if contains]
+    return next((w for w in held if not w.startswith("<")), held[0] if held else found[-1][1] if found else "?")
 
 
 def foreign_subclass(t: Tensor) -> bool:
@@ -251,7 +254,30 @@ def foreign_subclass(t: Tensor) -> bool:
     >>> foreign_subclass(torch.zeros(1)), foreign_subclass(torch.nn.Parameter(torch.zeros(1)))
     (False, False)
     """
-    return type(t) is not Tensor and not type(t).__module__.startswith("torch")
+    module = type(t).__module__
+    return type(t) is not Tensor and module != "torch" and not module.startswith("torch.")
+
+
+def unfit_tensor(t: Tensor) -> tuple[str, str] | None:
+    """What makes ``t`` a tensor a stage may not return, and how to return it instead; ``None`` for
+    a tensor it may: dense and strided (a graph's static buffers hold exactly that), of any dtype,
+    shape (empty ones too), strides and device. A tensor subclass wrapping others (a DTensor, a
+    nested tensor), a sparse, nested or quantized tensor is refused.
+
+    >>> unfit_tensor(torch.zeros(2, dtype=torch.complex64).t()) is None
+    True
+    >>> unfit_tensor(torch.eye(2).to_sparse())
+    ('a torch.sparse_coo tensor', 'return it dense (.to_dense())')
+    """
+    if t.is_nested:
+        return "a nested tensor", "return its values and offsets as tensors (.values(), .offsets())"
+    if foreign_subclass(t) or (type(t) is not Tensor and is_traceable_wrapper_subclass(t)):
+        return f"a {type(t).__name__} (a tensor subclass)", "unwrap a tensor subclass inside the stage"
+    if t.layout is not torch.strided:
+        return f"a {t.layout} tensor", "return it dense (.to_dense())"
+    if t.is_quantized:
+        return "a quantized tensor", "return its integer values and its scale as tensors (.int_repr(), .q_scale())"
+    return None
 
 
 def _fits(out: Tensor, like: Tensor) -> bool:
@@ -287,17 +313,17 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     """
     bad: object
     if stage is BODY and like is not None:
-        if isinstance(out, Tensor) and not foreign_subclass(out) and _fits(out, like):
+        unfit = unfit_tensor(out) if isinstance(out, Tensor) else None
+        if isinstance(out, Tensor) and unfit is None and _fits(out, like):
             return out
-        subclass = isinstance(out, Tensor) and foreign_subclass(out)
-        got = (f"a {type(out).__name__} (a tensor subclass)" if subclass else f"a tensor of shape {list(out.shape)}"
+        got = (unfit[0] if unfit is not None else f"a tensor of shape {list(out.shape)}"
                if isinstance(out, Tensor) else f"{type(out).__name__} {_short(out)}")
         line = "?" if fn is None else returned_at(fn, kwargs or {}, out)
-        unwrap = " (a plain tensor: unwrap a tensor subclass inside the stage)" if subclass else ""
+        unwrap = f" (a plain tensor: {unfit[1]})" if unfit is not None else ""
         raise StageOutputError(f"backend {backend!r} attend returned {got} in layer {layer} (at {line}): attend returns "
                                f"a tensor shaped like q, {list(like.shape)}{unwrap}", stage=stage.name)
     if stage is BODY:
-        if isinstance(out, Tensor) and not foreign_subclass(out):
+        if isinstance(out, Tensor) and unfit_tensor(out) is None:
             return out
         bad, where = out, "as its output"
     elif not isinstance(out, Mapping):
@@ -309,7 +335,7 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     else:
         pairs, _ = pytree.tree_flatten_with_path(dict(out))
         wrong = next(((p, v) for p, v in pairs
-                      if not isinstance(v, (Tensor, *PYTHON_VALUES)) or (isinstance(v, Tensor) and foreign_subclass(v))),
+                      if not isinstance(v, (Tensor, *PYTHON_VALUES)) or (isinstance(v, Tensor) and unfit_tensor(v))),
                      None)
         if wrong is None:
             return out
@@ -317,9 +343,12 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     line = "?" if fn is None else returned_at(fn, kwargs or {}, bad)
     what = "a tensor (the logits)" if stage is BODY else (
         "tensors, Python scalars (bool, int, float, str), None, and dicts, lists and tuples of them")
-    if isinstance(bad, Tensor):
-        what += " (plain tensors: unwrap a tensor subclass inside the stage)"
-    raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {type(bad).__name__} {_short(bad)} "
+    unfit = unfit_tensor(bad) if isinstance(bad, Tensor) else None
+    got = f"{type(bad).__name__} {_short(bad)}"
+    if unfit is not None:
+        got = f"{unfit[0]}"
+        what += f" (plain dense tensors, as a graph's static buffers hold: {unfit[1]})"
+    raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {got} "
                            f"{where} (at {line}): a stage returns {what}", stage=stage.name)
 
 

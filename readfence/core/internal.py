@@ -69,20 +69,23 @@ from .tracing._fx import copy_graph as copy_graph
 from .tracing._memory import BufferMap as BufferMap
 from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
+from .tracing._origin import torch_op as torch_op
+from .tracing._origin import trusted_op as trusted_op
 from .tracing._schema import bind as bind_arguments
 from .tracing._schema import op_aliasing as op_aliasing
 from .tracing._trace import trace_step as trace_step
+from .tracing._triton import is_launch_op as is_launch_op
 from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
     "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap",
     "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "example_step",
-    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "join_node_reads",
+    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "join_node_reads",
     "late_read_fix", "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
     "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "ReadKind",
     "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
     "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
-    "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
+    "state_key", "StepFunctions", "tokens_per_request", "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay",
     "varied_reads", "varied_states", "Watched",
 ]

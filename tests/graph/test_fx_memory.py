@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from readfence.graph.lowering._fx_compile import compile_graph
 from readfence.graph.lowering._fx_memory import UNKNOWN, GraphMemory, storage_token
 
 
@@ -66,3 +68,61 @@ def test_a_graphs_outputs_say_what_the_next_graph_is_given() -> None:
     second = make_fx(lambda w, v, m: (w.add_(1), v.sum(), m.sum()))(torch.zeros(8), torch.zeros(4), torch.zeros(4))
     memory = GraphMemory(second, (ws, view, fresh))
     assert memory.written_by_any(["v_1"]) and not memory.written_by_any(["m_1"])
+
+
+def _workspace_bumper(namespace: str, ws: torch.Tensor) -> object:
+    """An op whose schema says it writes nothing, whose kernel adds one to ``ws`` (a tensor it closes over)."""
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    lib.define("rf_bump_workspace(Tensor x) -> Tensor")
+
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        ws.add_(1)
+        return x.clone()
+
+    lib.impl("rf_bump_workspace", bump, "CPU")
+    _LIBRARIES.append(lib)
+    return getattr(torch.ops, namespace).rf_bump_workspace.default
+
+
+_LIBRARIES: list[torch.library.Library] = []
+
+
+def _sum_around(op: object, ws: torch.Tensor) -> fx.GraphModule:
+    # ws.sum() before and after the op, added: equal sums are one computation only if the op wrote nothing
+    root = torch.nn.Module()
+    root.ws = ws
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.get_attr("ws")
+    before = g.call_function(torch.ops.aten.sum.default, (w,))
+    out = g.call_function(op, (x,))
+    after = g.call_function(torch.ops.aten.sum.default, (w,))
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (before, after)), out))
+    return fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("namespace", ["aten", "prims", "readfence", "rf_fx_memory_user"])
+def test_an_op_whose_kernel_someone_else_wrote_may_write_what_it_reaches_in_any_namespace(namespace: str) -> None:
+    # its schema claims no write; its kernel writes a captured workspace: sharing the two sums
+    # across it would compute 2 * before instead of before + after
+    ws = torch.zeros(4)
+    gm = _sum_around(_workspace_bumper(namespace, ws), ws)
+    memory = GraphMemory(gm, (torch.ones(4),))
+    assert memory.opaque
+    run = compile_graph(gm)
+    ws.zero_()
+    got = run(torch.ones(4))
+    ws.zero_()
+    want = gm(torch.ones(4))
+    assert torch.equal(got[0], want[0]) and want[0].item() == 4.0
+    assert run.stats["shared"] == 0
+
+
+def test_an_op_of_torch_that_writes_nothing_lets_the_sums_be_shared() -> None:
+    # the same graph around torch's own clone: the pass still shares what it may (no false alarm)
+    ws = torch.zeros(4)
+    gm = _sum_around(torch.ops.aten.clone.default, ws)
+    assert not GraphMemory(gm, (torch.ones(4),)).opaque
+    run = compile_graph(gm)
+    assert run.stats["shared"] == 1
+    got, want = run(torch.ones(4)), gm(torch.ones(4))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

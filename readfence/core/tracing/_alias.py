@@ -70,6 +70,7 @@ def analyse(
     observed: Mapping[str, Aliases] | None = None,
     copies: frozenset[str] | None = None,
     hidden: Mapping[str, Aliases] | None = None,
+    rebound: Mapping[str, Mapping[str, Aliases]] | None = None,
 ) -> Analysis:
     """Annotate ``graph``'s nodes with ``READS_KEY``, ``ALIASES_KEY`` (and ``OPAQUE_KEY``) in place.
 
@@ -90,6 +91,10 @@ def analyse(
 
     ``hidden`` maps a node to the buffers it reaches other than through its arguments (the
     tensors a higher-order op's branch graphs captured): they count as its arguments.
+
+    ``rebound`` maps a node to the argument nodes whose value its real run pointed at other memory
+    (``set_``, ``as_strided_``, a kernel re-pointing the ``out`` it is given), to the buffers that
+    memory is: from that node on, the argument's value aliases them too, whatever the schema says.
     """
     alias: dict[fx.Node, Aliases] = {}
     seen = observed or {}
@@ -123,7 +128,13 @@ def analyse(
         opaque[node.name] = why
 
     output_aliases: tuple[Aliases, ...] = ()
+    moved = rebound or {}
+    by_name = {n.name: n for n in graph.nodes} if moved else {}
+    previous: fx.Node | None = None
     for node in graph.nodes:
+        if previous is not None and previous.name in moved:  # what the node before re-pointed
+            _repoint(alias, by_name, moved[previous.name])
+        previous = node
         if node.op in ("placeholder", "get_attr"):
             alias[node] = frozenset(initial.get(node.name, _EMPTY)) | seen.get(node.name, _EMPTY)
             mark(node, _EMPTY)
@@ -210,6 +221,17 @@ def analyse(
             elif carried:
                 pending[node] = carried
         mark(node, read)
+    if previous is not None and previous.name in moved:
+        _repoint(alias, by_name, moved[previous.name])
     for node, aliases in alias.items():  # what the replay's alias check holds each value to
         node.meta[ALIASES_KEY] = aliases
     return Analysis(reads, opaque, frozenset(unknown), tuple(writes), output_aliases, escapes)
+
+
+def _repoint(alias: dict[fx.Node, Aliases], nodes: Mapping[str, fx.Node], moved: Mapping[str, Aliases]) -> None:
+    # an argument an op pointed at a shared buffer aliases it from there on (its node is what later
+    # uses of the tensor refer to)
+    for name, bufs in moved.items():
+        node = nodes.get(name)
+        if node is not None:
+            alias[node] = alias.get(node, _EMPTY) | bufs

@@ -21,6 +21,7 @@ from .._step import BODY, Stage
 from ._alias import Analysis, Write, analyse
 from ._escapes import OPAQUE_OP, is_value_escape
 from ._memory import BufferMap
+from ._origin import torch_op
 from ._triton import is_launch_op, launch_of, launch_write_reason
 
 
@@ -52,7 +53,7 @@ def _write_reason(w: Write, node: fx.Node | None = None) -> str:
         return launch_write_reason(launch_of(node.args))
     args = ", ".join(w.arguments)
     why = f"its schema `{w.schema}` marks argument(s) {args} as written"
-    if not w.op.startswith(("aten.", "prims.")):
+    if node is None or not torch_op(node.target):  # a kernel someone registered, whatever its namespace
         why += (" (a torch.library.custom_op registered with mutates_args='unknown' claims to write "
                 "every tensor argument: if the op only reads them, register it with mutates_args=())")
     return why
@@ -69,6 +70,8 @@ class StageFacts:
     copies: frozenset[str] | None  # nodes whose real memory refutes their view claim; None: no memory
     changed: tuple[tuple[fx.Node, str], ...]  # (node, buffer whose bytes it changed)
     hidden: Mapping[str, frozenset[str]]  # higher-order op node -> buffers its branches captured
+    # op node -> the argument nodes it pointed at a shared buffer's memory -> those buffers
+    rebound: Mapping[str, Mapping[str, frozenset[str]]] = attrs.Factory(dict)
 
 
 def analysed(backend: str, stage: Stage, gm: fx.GraphModule, facts: StageFacts, *,
@@ -92,7 +95,8 @@ def analysed(backend: str, stage: Stage, gm: fx.GraphModule, facts: StageFacts, 
 def _analyse(gm: fx.GraphModule, initial: Mapping[str, frozenset[str]], facts: StageFacts, *, last: bool) -> Analysis:
     initial = {**initial, **{c.node: c.buffers for c in facts.captured}}
     return analyse(gm.graph, initial, escape_op=OPAQUE_OP, escape_reads=is_value_escape,
-                   output_reads=last, observed=facts.memory, copies=facts.copies, hidden=facts.hidden)
+                   output_reads=last, observed=facts.memory, copies=facts.copies, hidden=facts.hidden,
+                   rebound=facts.rebound)
 
 
 def in_branches(gm: fx.GraphModule, buffers: BufferMap) -> dict[str, frozenset[str]]:

@@ -21,8 +21,9 @@ from ._cache import cache_with_traces, remember
 from ._captured import bind_captured
 from ._fx import copy_graph
 from ._memory import BufferMap, meet_shared, tensors_in
+from ._origin import torch_op
 from ._probe import MemoryProbe
-from ._triton import NAMESPACE
+from ._triton import is_launch_op
 
 #: Bound programs (:func:`bind`), by the traced program's identity and the state's place in
 #: memory, the oldest forgotten first.
@@ -89,11 +90,11 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
         gm = copy_graph(g.gm)
         captured = tuple(c if c.state is MatchedOn.LIVE else bind_captured(c, getattr(gm, c.target), shared, owned)
                          for c in a.captured)
-        memory, changed = _live_memory(s, gm, state)
+        memory, changed, rebound = _live_memory(s, gm, state)
         live = in_branches(gm, shared)
         hidden = {n: a.hidden.get(n, frozenset()) | live.get(n, frozenset()) for n in {*a.hidden, *live}}
         facts = StageFacts(initial=initial, captured=captured, memory=memory, copies=a.copies, changed=tuple(changed),
-                           hidden=hidden)
+                           hidden=hidden, rebound=rebound)
         result = analysed(program.backend, s.stage, gm, facts, before=stages, inputs=g.inputs, buffers=program.buffers)
         # (the out-of-graph stage's outputs are its copies into the graph: they alias nothing)
         carried.update(zip(g.outputs, result.output_aliases, strict=True))
@@ -104,16 +105,18 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
 
 
 def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[str, torch.Tensor]],
-                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]]]:
+                 ) -> tuple[dict[str, frozenset[str]], list[tuple[fx.Node, str]], dict[str, dict[str, frozenset[str]]]]:
     """What ``s``'s nodes touch of the live shared buffers, joined with what they touched of the
     example's, and the live buffers a node changed: the stage (its captured tensors being live
     memory) run once more on its example inputs. A handle made on a captured buffer
     (``torch.empty(0).set_(table)``) aliases the live buffer though no schema says so; only
-    the memory does. Everything in ``state`` holds its values again afterwards."""
+    the memory does. So does an argument an op pointed at a live buffer (``rebound``). Everything
+    in ``state`` holds its values again afterwards."""
+    rebound = {op: dict(moved) for op, moved in s.analysis.rebound.items()}
     if s.hooks.example is None or not s.analysis.faithful:
-        return dict(s.analysis.memory), []
+        return dict(s.analysis.memory), [], rebound
     if not _may_touch(gm, s.hooks.example, BufferMap.of(state["shared"])):
-        return dict(s.analysis.memory), []  # the run would show nothing of the live buffers: it is not made
+        return dict(s.analysis.memory), [], rebound  # the run would show nothing of the live buffers: it is not made
     saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
     probe = MemoryProbe(gm, state["shared"])
     try:
@@ -124,12 +127,23 @@ def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[
     memory = dict(s.analysis.memory)
     for node, touched in probe.result.touched.items():
         memory[node] = memory.get(node, frozenset()) | touched
-    return memory, probe.result.changed
+    for op, moved in probe.result.rebound.items():
+        mine = rebound.setdefault(op, {})
+        for arg, bufs in moved.items():
+            mine[arg] = mine.get(arg, frozenset()) | bufs
+    return memory, probe.result.changed, rebound
 
 
-#: Namespaces of ops whose outputs are memory of their arguments or fresh memory: torch's own, and
-#: triton launches (which touch only their arguments, bounded by them, and return nothing).
-_OWN_MEMORY = frozenset({"aten", "prims", NAMESPACE})
+def _own_memory(op: object) -> bool:
+    """Whether ``op``'s outputs are memory of its arguments or fresh memory: one of torch's own
+    (:func:`~readfence.core.tracing._origin.torch_op`: by where it was registered, not its
+    namespace, into which anyone may register a fragment) or a triton launch (which touches only
+    its arguments, bounded by them, and returns nothing).
+
+    >>> _own_memory(torch.ops.aten.add.Tensor), _own_memory(print)
+    (True, False)
+    """
+    return torch_op(op) or is_launch_op(op)
 
 
 def _may_touch(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], shared: BufferMap) -> bool:
@@ -153,7 +167,7 @@ def _may_touch(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], shared: Bu
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
             return True
-        if node.op == "call_function" and not (getattr(node.target, "namespace", None) in _OWN_MEMORY
+        if node.op == "call_function" and not (_own_memory(node.target)
                                                or getattr(node.target, "__module__", None) == "_operator"):
             return True
     return False

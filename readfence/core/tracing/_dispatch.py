@@ -8,11 +8,19 @@ C level: the handler's frame is one dynamo skips (as ``torch._dynamo.skip_code``
 the frame-evaluation callback that compiled code runs under is cleared for the handler's call and
 restored after it (what the wrapper's ``_fn`` does); nothing is imported. A torch without these
 C entry points keeps its own wrapper.
+
+While any of readfence's modes is on, dynamo runs nothing compiled (:func:`eager_while_watched`):
+code a stage calls runs as the Python it is, its ops seen one by one. This matters beyond
+observing: torch runs a higher-order op such as ``torch.cond`` eagerly by compiling it, and a
+compile made under a dispatch mode leaves a cache entry that makes every later eager call of
+that op fail (torch's ``Unsupported``), in the step readfence lowers as in the user's own code.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +56,44 @@ def without_dynamo(handler: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+class _Eager:
+    """The dynamo stance ``force_eager`` while at least one of readfence's modes is on, on any
+    thread (the stance is the process's): the first to enter sets it, the last to leave restores
+    it. Dynamo is not imported for it: where it was not imported when the first mode entered and
+    is when the last leaves (a stage's ``torch.cond`` imported it), what it compiled meanwhile, under
+    a mode, is dropped from its caches."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.stance: Any = None
+        self.imported = False
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth += 1
+            if self.depth > 1:
+                return
+            self.imported = "torch._dynamo" in sys.modules
+            if self.imported:
+                self.stance = torch.compiler.set_stance("force_eager")
+                self.stance.__enter__()
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth > 0:
+                return
+            stance, self.stance = self.stance, None
+            if stance is not None:
+                stance.__exit__(None, None, None)
+            elif "torch._dynamo" in sys.modules:
+                torch._dynamo.reset_code_caches()
+
+
+_EAGER = _Eager()
+
+
 class DispatchMode(TorchDispatchMode):
     """A ``TorchDispatchMode`` whose subclasses' ``__torch_dispatch__`` runs
     :func:`without_dynamo` rather than under torch's lazily importing wrapper.
@@ -67,7 +113,18 @@ class DispatchMode(TorchDispatchMode):
 
     def __enter__(self) -> Any:
         see_launches()  # a triton launch made while readfence watches is an op (``_triton``)
-        return super().__enter__()
+        _EAGER.enter()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _EAGER.exit()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _EAGER.exit()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ._origin import own_op
 from ._record import HOST_READ
 
 
@@ -30,6 +31,9 @@ def _opaque(t: torch.Tensor, what: str) -> None:
 @_opaque.register_fake
 def _opaque_fake(t: torch.Tensor, what: str) -> None:
     return None
+
+
+own_op(_opaque)  # readfence's by this registration, not by its namespace
 
 
 OPAQUE_OP = torch.ops.readfence.opaque.default

@@ -37,7 +37,10 @@ class Span:
     stop: int
 
     def overlaps(self, other: Span) -> bool:
-        return self.space == other.space and self.start < other.stop and other.start < self.stop
+        # spaces of two kinds (real memory, a storage object's) never meet: a meta tensor's span
+        # beside a CPU tensor's is no overlap, and compares without asking either for the other's parts
+        return (type(self.space) is type(other.space) and self.space == other.space
+                and self.start < other.stop and other.start < self.stop)
 
 
 def _addressless(t: torch.Tensor) -> bool:
@@ -81,6 +84,8 @@ def span_of(t: torch.Tensor) -> Span | None:
     # Called for every tensor argument of every op the tracer and the read observer see: the
     # fast paths (contiguous, CPU, plain tensors) took it from 8.8 to about 3 us a call.
     if t.layout is not torch.strided:  # a sparse tensor: no one span (``BufferMap`` looks at its parts)
+        return None
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # its memory is the tensors it wraps
         return None
     numel = t.numel()
     if numel == 0:
@@ -265,6 +270,8 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
+    if a.device.type == "meta":  # no data: nothing to differ
+        return True
     if torch.equal(a, b):
         return True
     if not (a.is_floating_point() or a.is_complex()):
@@ -356,9 +363,13 @@ class BufferMap:
         ['seq_lens']
         >>> m.touched(torch.eye(2).to_sparse())
         frozenset()
+        >>> sorted(m.touched(torch.nested.nested_tensor_from_jagged(lens, torch.tensor([0, 1, 4]))))
+        ['seq_lens']
         """
         if not self.spans:
             return _NONE
+        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # a DTensor, a jagged nested tensor
+            return frozenset().union(*(self.touched(p) for p in tensors_in(t)))
         if t.layout is not torch.strided:
             return frozenset().union(*(self.touched(p) for p in sparse_parts(t)))
         if type(t) is torch.Tensor and t.is_cpu and not t.is_meta:

@@ -19,7 +19,8 @@ import attrs
 import torch
 from torch import fx
 
-from ._memory import BufferMap, leaves, metadata_claim_holds, view_claim_holds
+from ._memory import BufferMap, leaves, metadata_claim_holds, tensors_in, view_claim_holds
+from ._origin import trusted_op
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing
 
@@ -35,6 +36,9 @@ class OpFacts:
     changed: tuple[str, ...]
     copied: bool
     pieces: tuple[frozenset[str], ...] = ()  # of an output that is a list or tuple: per leaf
+    # the arguments the op pointed at a shared buffer's memory (``set_``, ``as_strided_``, a kernel
+    # that re-points its ``out``): ``(id(tensor), buffers it touches now and did not before)``
+    rebound: tuple[tuple[int, frozenset[str]], ...] = ()
 
 
 NO_FACTS = OpFacts(frozenset(), (), False)
@@ -50,14 +54,17 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     knows it, is what the arguments touch (else their memory is looked at).
 
     A view claim is checked where it matters, on an op given memory of a shared buffer: one
-    given none aliases none whether it copied or not.
+    given none aliases none whether it copied or not. An op that may point a tensor it is given
+    at other memory (one whose schema marks an argument written, or whose kernel is not torch's or
+    readfence's own: ``_origin.trusted_op``) has its arguments' memory looked at again after it ran
+    (``OpFacts.rebound``): the tensor then aliases what it points at, whatever the schema says.
 
     >>> table = torch.arange(6)
     >>> shared = {"table": table}
     >>> out, facts = probe_op(torch.ops.aten.narrow.default, (table, 0, 0, 2), {}, BufferMap.of(shared), shared,
     ...                       lambda: table.narrow(0, 0, 2))
     >>> facts
-    OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=())
+    OpFacts(touched=frozenset({'table'}), changed=(), copied=False, pieces=(), rebound=())
     """
     if watch is None:
         with quiet():
@@ -73,6 +80,10 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
     if watch and not view:
         with quiet():
             before = {b: shared[b].clone() for b in watch}
+    given: list[tuple[torch.Tensor, frozenset[str]]] = []
+    if _may_repoint(op):
+        with quiet():
+            given = [(t, buffers.touched(t)) for t in tensors_in((args, kwargs))]
     out = run()
     with quiet():
         copied = False
@@ -86,9 +97,18 @@ def probe_op(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], buffers:
         touched = buffers.touched_by(out)
         changed = tuple(b for b, old in before.items() if not torch.equal(old, shared[b]))
         pieces = tuple(buffers.touched_by(x) for x in leaves(out)) if touched and isinstance(out, (list, tuple)) else ()
-    if not touched and not changed and not copied:
+        rebound = tuple((id(t), now) for t, was in given if (now := buffers.touched(t) - was))
+    if not touched and not changed and not copied and not rebound:
         return out, NO_FACTS
-    return out, OpFacts(touched, changed, copied, pieces)
+    return out, OpFacts(touched, changed, copied, pieces, rebound)
+
+
+def _may_repoint(op: Any) -> bool:
+    """Whether ``op`` may point a tensor it is given at other memory: its schema marks an argument
+    written (``set_``, ``as_strided_``, ``resize_``, an ``out=``), or its kernel is someone else's
+    (whose schema is only a claim)."""
+    aliasing = op_aliasing(op)
+    return aliasing is not None and (bool(aliasing.writes) or not trusted_op(op))
 
 
 def metadata_templates(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], positions: Sequence[int],
@@ -109,20 +129,29 @@ def rerun_with(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], old: Seq
 @attrs.define
 class ProbeResult:
     """What running a graph showed, by node: ``touched`` (node name -> the buffers its value
-    touches), ``changed`` (``(node, buffer)`` of every write the bytes showed) and ``copies``
-    (the nodes whose claim to read no data, a view's or a metadata-only op's, the memory refutes)."""
+    touches), ``changed`` (``(node, buffer)`` of every write the bytes showed), ``copies``
+    (the nodes whose claim to read no data, a view's or a metadata-only op's, the memory refutes)
+    and ``rebound`` (op node -> the argument nodes it pointed at a shared buffer's memory -> those
+    buffers: their values alias them after that node)."""
 
     touched: dict[str, frozenset[str]] = attrs.Factory(dict)
     changed: list[tuple[fx.Node, str]] = attrs.Factory(list)
     copies: set[str] = attrs.Factory(set)
+    rebound: dict[str, dict[str, frozenset[str]]] = attrs.Factory(dict)
 
-    def add(self, node: fx.Node, facts: OpFacts) -> None:
-        """Record ``facts`` as ``node``'s."""
+    def add(self, node: fx.Node, facts: OpFacts, given: Mapping[int, fx.Node] | None = None) -> None:
+        """Record ``facts`` as ``node``'s; an argument it re-pointed at a shared buffer
+        (``facts.rebound``) in ``rebound``, by the node ``given`` maps its tensor's id to."""
         if facts.touched:
             self.touched[node.name] = facts.touched
         self.changed += [(node, b) for b in facts.changed]
         if facts.copied:
             self.copies.add(node.name)
+        for tid, bufs in facts.rebound:
+            arg = (given or {}).get(tid)
+            if arg is not None:  # the argument's value aliases them from this node on
+                moved = self.rebound.setdefault(node.name, {})
+                moved[arg.name] = moved.get(arg.name, frozenset()) | bufs
 
 
 class MemoryProbe(fx.Interpreter):
@@ -148,6 +177,7 @@ class MemoryProbe(fx.Interpreter):
             return out
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         out, facts = probe_op(n.target, args, kwargs, self.buffers, self.shared, lambda: super(MemoryProbe, self).run_node(n))
-        self.result.add(n, facts)
+        given = {id(self.env[a]): a for a in n.all_input_nodes} if facts.rebound else None
+        self.result.add(n, facts, given)
         return out
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -274,10 +273,23 @@ class GraphRecorder(DispatchMode):
             assert self.shared is not None
             out, facts = _probe.probe_op(func, args, kwargs, self.buffers, self.shared,
                                          lambda: func(*args, **kwargs), torch._C.DisableTorchFunction, watch=watch)
-            self.probe.add(node, facts)
+            self.probe.add(node, facts, self._rebound(facts))
         with torch._C.DisableTorchFunction():
             self._outputs(out, node, facts)
         return out
+
+    def _rebound(self, facts: OpFacts) -> dict[int, fx.Node] | None:
+        """The nodes of the arguments an op re-pointed at a shared buffer, by their tensors' ids; each
+        followed from here on as touching it too."""
+        if not facts.rebound:
+            return None
+        nodes = {}
+        for tid, bufs in facts.rebound:
+            hit = self.tracked.get(tid)
+            if hit is not None and hit[0]() is not None:
+                nodes[tid] = hit[1]
+                self.tracked[tid] = (hit[0], hit[1], hit[2] | bufs)
+        return nodes
 
     def _decomposition(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func``'s composite decomposition, run under the recorder (its ops recorded, or
@@ -316,21 +328,14 @@ class GraphRecorder(DispatchMode):
         each(out, node)
 
 
-def _dynamo_off() -> Any:
-    # a ``torch.compile``d function the stage calls runs as the Python it compiles: compiled
-    # code calls kernels the dispatcher never sees (make_fx's trace does the same)
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
-
-
 @contextlib.contextmanager
 def recording(recorder: GraphRecorder) -> Iterator[GraphRecorder]:
     """``recorder`` entered, with the cycle collector held off and compiled functions run as
-    Python."""
+    Python (as under every readfence mode: ``_dispatch``): compiled code calls kernels the
+    dispatcher never sees (make_fx's trace does the same)."""
     from ._collect import collection_paused
 
-    with collection_paused(), _dynamo_off(), recorder:
+    with collection_paused(), recorder:
         yield recorder
 
 

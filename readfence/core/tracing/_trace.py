@@ -31,6 +31,8 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from readfence.effects import ReadfenceError
+
 from .._checks import check_backend, check_mode, positive_int
 from .._modes import ForwardMode
 from .._program import INPUT_KEY, Program, StageAnalysis, StageGraph, StageHooks, TracedGraph, Unmatched, flatten_inputs
@@ -246,14 +248,54 @@ def _trace_stage(call: StageCall, shared: Mapping[str, Any], owned: BufferMap, f
     return _TracedStage(graph, run.out, dict(zip(run.outputs, result.output_aliases, strict=True)), args.consumed())
 
 
+class UntraceableStage(ReadfenceError, ValueError):
+    """A stage that runs as Python, returning what a stage may, but whose ops the tracer cannot
+    follow (torch's tracing holds no value of some tensor it makes: a quantized or a nested one,
+    a sparse compressed one), named with its backend, its stage and torch's own words."""
+
+    def __init__(self, backend: str, stage: str, error: BaseException) -> None:
+        self.backend, self.stage = backend, stage
+        words = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        super().__init__(
+            f"backend {backend!r} stage {stage}: the tracer cannot follow an op of this stage ({type(error).__name__}: "
+            f"{words[:300]}); the stage runs as Python, but its graph cannot be made. Keep the tensors a stage makes "
+            f"plain (dense, strided, with data): a quantized, nested or sparse compressed tensor is made and used in "
+            f"a kernel of your own (a torch.library op), or not at all")
+
+
 def _run_stage(args: _StageArgs, shared: Mapping[str, Any], fake_mode: Any, *, recorded: bool) -> _Run:
-    """The stage recorded as it runs (``_record``), else traced with ``make_fx``: the same graph."""
+    """The stage recorded as it runs (``_record``), else traced with ``make_fx``: the same graph.
+    Where neither can follow it, the error is the stage's own, as the serial step would raise it
+    (:func:`_untraceable`), never torch's from inside the tracer."""
     try:
         if not recorded:
             raise Unrecordable("make_fx asked for")
         return _recorded_run(args, shared, fake_mode)
     except Exception:  # what the record cannot hold, or the stage's own error: make_fx's trace, as always
+        pass
+    try:
         return _make_fx_run(args, fake_mode)
+    except (ReadfenceError, TraceAborted):
+        raise
+    except Exception as error:
+        raise _untraceable(args, fake_mode, error) from error
+
+
+def _untraceable(args: _StageArgs, fake_mode: Any, error: BaseException) -> BaseException:
+    """What to raise for a stage the tracer could not follow (``error``, torch's words): the stage
+    run once more as plain Python, as the serial step runs it, names what it returned that a stage
+    may not (``StageOutputError``, with backend, stage, key and line) or raises its own error; one
+    that runs and returns what it may is :class:`UntraceableStage`."""
+    call = args.call
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+                watch_threads(call.backend, call.stage.name, "the trace"):
+            call.fn(**args.kwargs(args.args))
+    except ReadfenceError as own:
+        return own
+    except Exception as own:  # the stage's own error (under fake tensors, torch's: no stage's)
+        return own if fake_mode is None else UntraceableStage(call.backend, call.stage.name, own)
+    return UntraceableStage(call.backend, call.stage.name, error)
 
 
 def _recorded_run(args: _StageArgs, shared: Mapping[str, Any], fake_mode: Any) -> _Run:
@@ -345,7 +387,7 @@ def _stage_facts(call: StageCall, args: _StageArgs, run: _Run, shared: Mapping[s
             if buffers.touched_by(t):
                 found.touched[node.name] = buffers.touched_by(t)
     return StageFacts(initial=initial, captured=captured, memory=found.touched, copies=frozenset(found.copies),
-                      changed=tuple(found.changed), hidden=in_branches(gm, buffers))
+                      changed=tuple(found.changed), hidden=in_branches(gm, buffers), rebound=found.rebound)
 
 
 def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysis, guard: OutputGuard, *,
@@ -358,7 +400,8 @@ def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysi
                                faithful=not result.escapes, captured=facts.captured, memory=facts.memory,
                                copies=facts.copies, hidden=facts.hidden, initial=facts.initial,
                                data_escapes=tuple(n.name for n in run.gm.graph.nodes
-                                                  if n.name in result.escapes and hands_data(n))),
+                                                  if n.name in result.escapes and hands_data(n)),
+                               rebound=facts.rebound),
         hooks=StageHooks(
             eager=_EagerStage.of(call, args.names, args.leaves, args.spec, guard),
             guard=guard,

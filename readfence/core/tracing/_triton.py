@@ -56,6 +56,7 @@ _lock = threading.RLock()
 _inside = threading.local()  # .depth: a launch op's kernel is running on this thread
 _originals: dict[type, Callable[..., Any]] = {}  # the launch classes' own ``run``, while wrapped
 _ops: dict[Any, Any] = {}  # Python function of a kernel -> its op overload
+_launch_ops: set[Any] = set()  # the op overloads made here, a launch op by this registration
 _names: dict[str, Any] = {}  # op name -> Python function
 _launches: list[Launch] = []
 _launch_ids: dict[Any, int] = {}
@@ -123,12 +124,13 @@ def launch_of(node_args: Sequence[Any]) -> Launch:
 
 
 def is_launch_op(op: object) -> bool:
-    """Whether ``op`` is a triton launch's op (``triton_kernel::...``).
+    """Whether ``op`` is a triton launch's op: one this module registered (``triton_kernel::...``),
+    not any op of that namespace.
 
     >>> is_launch_op(torch.ops.aten.add.Tensor)
     False
     """
-    return getattr(op, "namespace", None) == NAMESPACE
+    return op in _launch_ops
 
 
 def launch_write_reason(launch: Launch) -> str:
@@ -172,6 +174,7 @@ def _op_for(kernel: Any) -> Any:
         op.register_fake(_fake)
         overload = getattr(getattr(torch.ops, NAMESPACE), name).default
         _ops[fn], _names[name] = overload, fn
+        _launch_ops.add(overload)
         return overload
 
 

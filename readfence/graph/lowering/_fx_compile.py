@@ -69,23 +69,29 @@ import gc
 import math
 import operator
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import fx
 
-from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing
+from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
 
 from ._fx_memory import HOOK_KEY, GraphMemory, InputMemory
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
 
 
+def _aten_op(target: Any) -> TypeGuard[torch._ops.OpOverload]:
+    # an op of torch's aten, as torch defined it: one defined in that namespace by other code, or
+    # one of torch's whose kernel other code replaced, is no op the pass may reason about
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and torch_op(target)
+
+
 def _pure(node: fx.Node) -> bool:
     """A call the pass may compute once for several uses: an aten op that writes nothing,
     returns something and is deterministic (from its schema and tags, not from a list)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if node.op != "call_function" or not _aten_op(target):
         return False
     aliasing = op_aliasing(target)
     if aliasing is None or aliasing.opaque or aliasing.writes or not target._schema.returns:
@@ -278,7 +284,7 @@ def _binding(node: fx.Node, memo: dict[fx.Node, Any]) -> Callable[..., Any] | No
     """The probed binding for an aten call node whose traced values are known, else ``None``
     (``memo``: the specs of the graph's nodes met so far, see :func:`_spec`)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if not _aten_op(target):
         return None
     try:
         args = _spec(tuple(node.args), memo)

@@ -8,7 +8,11 @@ is decided from facts, never from op names:
   tensors they will be, and the tensors it captured, ``get_attr``): two tensors over one
   storage, or over storages whose address ranges overlap (a DLPack or ``from_blob`` alias), are
   one memory, whatever their offsets;
-* each op's schema: the arguments it writes and the arguments each output may alias;
+* each op's schema: the arguments it writes and the arguments each output may alias, taken at its
+  word only for an op whose kernel its schema's authors wrote (torch's or readfence's own, decided
+  by where it was registered: ``trusted_op``; a triton launch, whose writes readfence derived from
+  the kernel): any other op, in whatever namespace, may write what it can reach, as a Python
+  callable may;
 * each op's tags: an ``inplace_view`` op (``set_``) changes which memory its ``self`` is, so
   from then on that tensor may be any memory the op was given.
 
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from readfence.core.internal import bind_arguments, op_aliasing
+from readfence.core.internal import bind_arguments, is_launch_op, op_aliasing, trusted_op
 
 #: What a graph input's memory is, as the caller knows it: the tensor it will hold, the tokens
 #: of the memory it may be (an earlier graph's :meth:`GraphMemory.outputs`), or ``None``: any.
@@ -140,9 +144,10 @@ class GraphMemory:
             if node.meta.get(WRITES_KEY):
                 self.opaque = True
             return frozenset()
-        aliasing = op_aliasing(node.target) if node.op == "call_function" else None
+        aliasing = op_aliasing(node.target) if node.op == "call_function" and _schema_holds(node.target) else None
         if aliasing is None or aliasing.opaque:
-            # a Python callable: it may write whatever it can reach, closures included
+            # a Python callable, or an op whose kernel someone else wrote (anyone may register one,
+            # in ``aten`` too): it may write whatever it can reach, closures included
             self.opaque = True
             return self.tokens((node.args, node.kwargs)) | {("made", self._site, node.name)}
         values = bind_arguments(node.target, node.args, node.kwargs)
@@ -227,6 +232,16 @@ class GraphMemory:
             return tuple(frozenset({UNKNOWN}) for _ in values)
         return tuple(frozenset().union(*(members[c] for c in self.classes(v))) if isinstance(v, fx.Node)
                      else frozenset() for v in values)
+
+
+def _schema_holds(op: object) -> bool:
+    """Whether ``op``'s schema says all that its kernel writes and aliases: torch's or readfence's
+    own op (by where it was registered), or a triton launch.
+
+    >>> _schema_holds(torch.ops.aten.add_.Tensor), _schema_holds(print)
+    (True, False)
+    """
+    return trusted_op(op) or is_launch_op(op)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

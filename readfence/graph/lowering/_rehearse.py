@@ -79,7 +79,9 @@ def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_siz
         raise
     if program.replayed:  # a step that is not replayed bakes no shape: its stages run their Python
         _check_shapes(program, env)
-    meta = {k: torch.zeros_like(env[k], device=device) for k in program.stage(PREPARE_OUT_GRAPH).graph.outputs}
+    # (a meta tensor, a shape without data, keeps a buffer without data: there is nothing to copy)
+    meta = {k: torch.zeros_like(env[k], device="meta" if env[k].is_meta else device)
+            for k in program.stage(PREPARE_OUT_GRAPH).graph.outputs}
     return Rehearsal(observed, meta)
 
 
