@@ -31,7 +31,7 @@ from returns.result import Result
 from readfence.core import ForwardMode
 from readfence.core.internal import did_you_mean
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
-from readfence.effects.internal import Token, SpecFault, tokenize, unknown_name
+from readfence.effects.internal import SpecFault, Token, tokenize, unknown_name
 
 from ._backend import Backend
 from ._combinators import hybrid, hybrid_linear, join, minimax, per_stream, select, tbo

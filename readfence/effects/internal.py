@@ -2,8 +2,8 @@
 (not public: its names may change without notice)."""
 
 from ._names import parse_member as parse_member
-from ._spec_tokens import Token as Token
 from ._spec_tokens import SpecFault as SpecFault
+from ._spec_tokens import Token as Token
 from ._spec_tokens import called_names as called_names
 from ._spec_tokens import tokenize as tokenize
 from ._spec_tokens import unknown_name as unknown_name
