@@ -40,6 +40,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor, fx
 
@@ -50,7 +51,7 @@ from ._program import SOURCE_KEY, NodeReads, NodeReadsIn, Program, StageGraph, f
 from ._state import ModelConfig, varied_step
 from ._step import Stage, StageCall, StepFunctions, eval_step
 from .tracing._bind import state_key
-from .tracing._cache import cache_with_traces, remember
+from .tracing._cache import CACHES
 from .tracing._memory import BufferMap, random_state, same_values, set_random_state
 from .tracing._trace import trace_step
 
@@ -259,7 +260,8 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
     """
     seeds = tuple(seeds)
-    if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds) in _VALIDATED:
+    key = ValidatedKey(program, seeds)
+    if program.aborted is not None or all(s.runs_python for s in program.stages) or key in _VALIDATED:
         return
     for seed in seeds:
         comparing = _Comparing(program, replay)
@@ -269,7 +271,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
             stage, output, what = comparing.mismatch
             line = _locate(program, fns, example(seed), stage.stage)
             raise NotGraphSafe(program.backend, program.mode.name, stage.stage.name, output, what, line)
-    remember(_VALIDATED, (program, seeds), True, _VALIDATED_LIMIT)
+    _VALIDATED.put(key, True)
 
 
 def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
@@ -297,9 +299,18 @@ def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]]
     return join_node_reads(*runs)
 
 
-#: Programs validated, with the seeds (the program is kept with its key: its id is not reused).
-_VALIDATED: dict[tuple[Program, tuple[int, ...]], bool] = cache_with_traces({})
-_VALIDATED_LIMIT = 256
+@attrs.frozen
+class ValidatedKey:
+    """A validation's key: the program validated (by identity: a trace of other code or other
+    settings is another program; bound to another state, another too) and the seeds tried."""
+
+    program: Program
+    seeds: tuple[int, ...]
+
+
+#: Programs validated, with the seeds.
+_VALIDATED = CACHES.table("validated", ValidatedKey, "the program's captured stages compute what its Python "
+                          "computes on the seeds' states", limit=256)
 
 #: The live tensors a step runs on: ``shared``, ``pools``, ``params``, each name -> tensor.
 State = Mapping[str, Mapping[str, Tensor]]
@@ -360,12 +371,13 @@ def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: Sta
     """
     if program.replayed or program.aborted is not None:
         return {}
-    key = (program, cfg, batch_size, None if state is None else state_key(state))
-    if key in _VARIED:
-        return _VARIED[key]
+    key = VariedKey(program, cfg, batch_size, None if state is None else state_key(state))
+    hit: NodeReads | None = _VARIED.get(key)
+    if hit is not None:
+        return hit
     with varied_states(program, cfg, batch_size, state, settle=settle) as example:
         seen = observe_varied(program, example, {} if state is None else state["shared"])
-    return remember(_VARIED, key, seen, _VARIED_LIMIT)
+    return _VARIED.put(key, seen)
 
 
 def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:
@@ -398,10 +410,20 @@ def seen_reader(program: Program, observed: NodeReadsIn, buffer: str) -> tuple[S
                  for node, bufs in observed.get(s.stage, {}).items() if buffer in bufs), None)
 
 
-#: What a step that is not replayed read on the varied states (``varied_reads``), by program,
-#: batch size and live state.
-_VARIED: dict[tuple[Any, ...], NodeReads] = cache_with_traces({})
-_VARIED_LIMIT = 64
+@attrs.frozen
+class VariedKey:
+    """What the reads on the varied states depend on: the program (by identity), the model, the
+    batch size and where the live state is (``None``: no live state)."""
+
+    program: Program
+    cfg: ModelConfig
+    batch_size: int
+    state: tuple[tuple[Any, ...], ...] | None
+
+
+#: What a step that is not replayed read on the varied states (``varied_reads``).
+_VARIED = CACHES.table("varied", VariedKey, "per stage and node, what the step's Python read on the varied states",
+                       limit=64)
 
 
 __all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",

@@ -58,12 +58,20 @@ from ._validate import validate_replay as validate_replay
 from ._validate import varied_reads as varied_reads
 from ._validate import varied_states as varied_states
 from .tracing._bind import state_key as state_key
-from .tracing._cache import cache_with_traces as cache_with_traces
-from .tracing._cache import remember as remember
+from .tracing._cache import CACHES as CACHES
+from .tracing._cache import Caches as Caches
+from .tracing._cache import CodeKey as CodeKey
+from .tracing._cache import Table as Table
+from .tracing._cache import code_key as code_key
 from .tracing._cache import trace_cache_size as trace_cache_size
 from .tracing._dispatch import DispatchMode as DispatchMode
 from .tracing._escapes import not_user_code as not_user_code
 from .tracing._fx import copy_graph as copy_graph
+from .tracing._guards import KeptTensor as KeptTensor
+from .tracing._guards import StaleCaptureError as StaleCaptureError
+from .tracing._guards import first_stale as first_stale
+from .tracing._guards import kept_tensors as kept_tensors
+from .tracing._guards import reach as reach
 from .tracing._memory import BufferMap as BufferMap
 from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
@@ -73,14 +81,15 @@ from .tracing._trace import trace_step as trace_step
 from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap",
-    "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
-    "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "example_step",
-    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "join_node_reads",
-    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
-    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
-    "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
-    "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
-    "varied_reads", "varied_states", "Watched",
+    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "CACHES",
+    "Caches", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
+    "child_runs", "CodeKey", "code_key", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
+    "example_step", "first_stale", "flatten_group", "flatten_inputs", "format_table", "forward", "init_params",
+    "Interpreter", "join_node_reads", "KeptTensor", "kept_tensors", "launches_unseen", "LayerScan", "make_pools",
+    "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_program", "observe_step",
+    "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
+    "reach", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK", "run_scan", "runs_as",
+    "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "StaleCaptureError", "stage_named",
+    "StageCall", "Table", "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step",
+    "validate_replay", "varied_reads", "varied_states", "Watched",
 ]
