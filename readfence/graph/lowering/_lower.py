@@ -54,16 +54,21 @@ from readfence.core import (
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
+    KeptTensor,
     NodeReads,
+    StaleCaptureError,
     check_backend,
     check_buffers,
     check_forward_mode,
     example_step,
+    first_stale,
     flatten_inputs,
     init_params,
     join_node_reads,
+    kept_tensors,
     make_pools,
     positive_int,
+    reach,
     replayed,
     seen_effect,
     validate_replay,
@@ -120,11 +125,13 @@ class Lowered:
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
-                 slots: Sequence[Slot], observed: ReadEffect, check: CheckState | None = None) -> None:
+                 slots: Sequence[Slot], observed: ReadEffect, check: CheckState | None = None,
+                 kept: tuple[KeptTensor, ...] = ()) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
         self.observed = observed  # what EXACT placed from: the bound trace and the reads the rehearsal saw
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
+        self.kept = kept  # the tensors its compiled stages captured, where the backend keeps them
         self.launcher, self.stream, self.label = launcher, launcher.stream, launcher.label
         # check mode: the buffers this graph's release points poison by default (all it releases)
         self.poisons = frozenset(b for bs in poison_points(plan.placements).values() for b in bs)
@@ -212,6 +219,20 @@ class Lowered:
         probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
         return Fence.from_ticket(self.label, step, slot.buffer_points, events, slot.clock, ticket, handles, probes,
                                  handles[-1])
+
+    def stale(self) -> StaleCaptureError | None:
+        """Why this step's graphs no longer read what the backend keeps (a tensor they captured
+        that the backend has replaced, resized or moved since: see ``core.internal.KeptTensor``),
+        or ``None``. Every replay checks it after the out-of-graph stage's Python ran, and refuses
+        to replay a stale graph; a capture list lowers its stale sizes again.
+
+        >>> from readfence.backends import paged
+        >>> from readfence.graph import CpuDevice
+        >>> with CpuDevice() as dev:
+        ...     print(lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.EXACT).stale())
+        None
+        """
+        return stale_capture(self.kept, self.backend, self.label)
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
@@ -346,14 +367,47 @@ def lower(
                                 program.replayed)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
+    kept = _kept(backend, program)
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
-                    device.event if new_event is None else new_event, check, timeline, reads, live)
+                    device.event if new_event is None else new_event, check, timeline, reads, live,
+                    _kept_check(kept, backend, label))
     slots = [build_slot(spec, launcher, r) for r in range(ring_size)]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check, observed=observed,
+        check=check, observed=observed, kept=kept,
     )
+
+
+def _kept(backend: BackendLike, program: Program) -> tuple[KeptTensor, ...]:
+    # the tensors the stages that replay a compiled graph captured (a stage that runs its Python
+    # reads what the backend keeps now), and where the backend keeps each
+    replayed_stages = [s for s in program.stages if not s.runs_python and s.analysis.captured]
+    return kept_tensors(replayed_stages, reach(backend, "backend")) if replayed_stages else ()
+
+
+def stale_capture(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> StaleCaptureError | None:
+    """The error that refuses to replay the graphs of ``label`` because one of the tensors they
+    captured (``kept``) changed where ``backend`` keeps it; ``None`` when none did."""
+    found = first_stale(kept, backend)
+    if found is None:
+        return None
+    tensor, what = found
+    return StaleCaptureError(backend.name, label, tensor.stage, tensor.where, what)
+
+
+def _kept_check(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> Callable[[], None] | None:
+    # what every replay checks once the out-of-graph stage's Python (which may have regrown a
+    # buffer) has run: nothing, for graphs that captured no tensor
+    if not kept:
+        return None
+
+    def check() -> None:
+        error = stale_capture(kept, backend, label)
+        if error is not None:
+            raise error
+
+    return check
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
@@ -427,4 +481,5 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     return program
 
 
-__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state"]
+__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state",
+           "stale_capture"]
