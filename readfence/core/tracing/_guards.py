@@ -190,15 +190,14 @@ class Reach:
     settings: Settings
     tensors: tuple[tuple[Path, torch.Tensor], ...]
 
-    def where(self, t: torch.Tensor) -> Path | None:
-        """The path of ``t`` itself, else of a tensor over the same memory, else ``None``."""
-        for path, held in self.tensors:
-            if held is t:
-                return path
+    def homes(self, t: torch.Tensor) -> tuple[tuple[Path, bool], ...]:
+        """Every path that holds ``t`` itself (``True``) or a tensor over its memory (``False``:
+        a view kept beside it), those holding ``t`` first."""
         memory = _memory(t)
-        if memory is None:
-            return None
-        return next((path for path, held in self.tensors if _memory(held) == memory), None)
+        itself = tuple((path, True) for path, held in self.tensors if held is t)
+        views = tuple((path, False) for path, held in self.tensors
+                      if held is not t and memory is not None and _memory(held) == memory)
+        return itself + views
 
 
 def _memory(t: torch.Tensor) -> tuple[int, int] | None:
@@ -376,7 +375,7 @@ class _Walk:
     def _mapping(self, v: dict[Any, Any], path: Path, d: int) -> None:
         self.entries.append((path, (type(v).__name__, len(v))))
         for k, x in list(v.items()):
-            self.visit(x, path.then("item", k if type(k) in _ATOM_TYPES else repr(k)), d)
+            self.visit(x, path.then("item", k), d)
 
     def _set(self, v: set[Any] | frozenset[Any], path: Path, d: int) -> None:
         atoms = all(type(x) in _ATOM_TYPES for x in v)
@@ -538,34 +537,44 @@ class StaleCaptureError(ReadfenceError, ValueError):
 
 @attrs.frozen(eq=False)
 class KeptTensor:
-    """A tensor a graph captured (``stage``, its ``target`` in the graph), where the backend keeps
-    it (``path`` from the backend; ``None`` where no code the walk reached keeps it) and its
-    :func:`tensor_layout` when the graph was made."""
+    """A tensor a graph captured (``stage``, its ``target`` in the graph), every place the backend
+    kept it when the graph was made (``homes``: paths from the backend holding it, or a view of its
+    memory; none where no code the walk reached keeps it) and its :func:`tensor_layout` then.
+
+    It is stale once its layout changed (resized or moved in place: a CUDA graph holds the old
+    address), or once none of its homes holds it any more (the backend replaced it: what the step's
+    Python writes now, the graph does not read). A place that held it only for one step (metadata
+    rebuilt every step) may change while another keeps it: that is no change.
+    """
 
     stage: str
     target: str
     tensor: torch.Tensor = attrs.field(repr=False)
-    path: Path | None
+    homes: tuple[tuple[Path, bool], ...]
     layout: tuple[Any, ...]
 
     def stale(self, backend: object) -> str | None:
         """How the tensor changed since, seen from ``backend``: ``None`` when the graph still
-        reads what the backend keeps there."""
+        reads what the backend keeps."""
         if tensor_layout(self.tensor) != self.layout:
             return f"was resized or moved in place (now shape {tuple(self.tensor.shape)})"
-        if self.path is None:
+        if not self.homes:
             return None
-        now = self.path.resolve(backend)
+        memory = _memory(self.tensor)
+        for path, itself in self.homes:
+            now = path.resolve(backend)
+            if now is self.tensor or (not itself and isinstance(now, torch.Tensor) and _memory(now) == memory):
+                return None
+        now = self.homes[0][0].resolve(backend)
         if now is GONE:
             return "is no longer there"
-        if now is not self.tensor:
-            shown = f"a tensor of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__
-            return f"was replaced (it holds {shown} now)"
-        return None
+        shown = f"a tensor of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__
+        return f"was replaced (it holds {shown} now)"
 
     @property
     def where(self) -> str:
-        return str(self.path) if self.path is not None else f"{self.target} of the graph"
+        """Where the backend kept it (its first home), or its name in the graph."""
+        return str(self.homes[0][0]) if self.homes else f"{self.target} of the graph"
 
 
 def kept_tensors(stages: Any, found: Reach) -> tuple[KeptTensor, ...]:
@@ -576,7 +585,7 @@ def kept_tensors(stages: Any, found: Reach) -> tuple[KeptTensor, ...]:
         for c in s.analysis.captured:
             t = getattr(s.graph.gm, c.target, None)
             if isinstance(t, torch.Tensor):
-                out.append(KeptTensor(s.stage.name, c.target, t, found.where(t), tensor_layout(t)))
+                out.append(KeptTensor(s.stage.name, c.target, t, found.homes(t), tensor_layout(t)))
     return tuple(out)
 
 
