@@ -75,20 +75,39 @@ _TORCH_VALUES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 # -- paths -----------------------------------------------------------------------------------
-@attrs.frozen
-class Path:
-    """Where a value was reached from the root: each step an ``(kind, key)`` pair. ``str`` is
-    the Python expression that reads it (``backend.kernel.attend_fn.__globals__['SCALE']``).
+class Path(tuple):
+    """Where a value was reached from the root: ``root`` (its name) and ``steps``, each an
+    ``(kind, key)`` pair. ``str`` is the Python expression that reads it
+    (``backend.kernel.attend_fn.__globals__['SCALE']``). A tuple, so that a walk of thousands of
+    values makes its paths at the cost of tuples.
 
-    >>> str(Path("backend", (("attr", "kernel"), ("global", "SCALE"))))
-    "backend.kernel.__globals__['SCALE']"
+    >>> path = Path("backend", (("attr", "kernel"), ("global", "SCALE")))
+    >>> str(path), path == Path("backend").then("attr", "kernel").then("global", "SCALE")
+    ("backend.kernel.__globals__['SCALE']", True)
     """
 
-    root: str
-    steps: tuple[tuple[str, Hashable], ...] = ()
+    __slots__ = ()
+
+    def __new__(cls, root: str, steps: tuple[tuple[str, Hashable], ...] = ()) -> Path:
+        return tuple.__new__(cls, (root, steps))
+
+    @property
+    def root(self) -> str:
+        return self[0]
+
+    @property
+    def steps(self) -> tuple[tuple[str, Hashable], ...]:
+        return self[1]
 
     def then(self, kind: str, key: Hashable) -> Path:
-        return Path(self.root, (*self.steps, (kind, key)))
+        """This path, one step further."""
+        return _tuple_new(Path, (self[0], (*self[1], (kind, key))))
+
+    def __getnewargs__(self) -> tuple[str, tuple[tuple[str, Hashable], ...]]:
+        return self[0], self[1]
+
+    def __repr__(self) -> str:
+        return f"Path({self[0]!r}, {self[1]!r})"
 
     def resolve(self, root: object) -> object:
         """The value this path reaches from ``root`` now (:data:`GONE` when a step fails)."""
@@ -108,6 +127,9 @@ class Path:
         for kind, key in self.steps:
             out.append(_SHOWN[kind](key))
         return "".join(out)
+
+
+_tuple_new = tuple.__new__
 
 
 class _Gone:
@@ -252,6 +274,10 @@ def code_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], fr
 _CODE_NAMES: dict[int, tuple[types.CodeType, tuple[frozenset[str], frozenset[str], frozenset[str]]]] = {}
 
 
+class _Full(Exception):
+    """The walk met its limit."""
+
+
 class _Walk:
     """One walk from one root (see the module docstring)."""
 
@@ -270,6 +296,12 @@ class _Walk:
         self.complete = True
 
     def run(self, root: object, path: Path) -> None:
+        try:
+            self._run(root, path)
+        except _Full:  # what lies beyond the limit is not seen
+            self.complete = False
+
+    def _run(self, root: object, path: Path) -> None:
         self.visit(root, path, 0)
         # names found later open entries of namespaces met earlier: look each name up once in
         # each namespace, until no name and no namespace is new
@@ -295,7 +327,9 @@ class _Walk:
         if how == "value":
             self.entries.append((path, (kind.__qualname__, str(v))))
             return
-        if len(self.entries) >= self.limit or depth > self.depth:
+        if len(self.entries) >= self.limit:
+            raise _Full
+        if depth > self.depth:
             self.complete = False
             self.entries.append((path, ("unwalked", id(v))))
             self.held.append(v)
