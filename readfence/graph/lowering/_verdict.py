@@ -2,11 +2,14 @@
 
 Lowering one step under several policies, and a checker that audits the step before lowering
 it, ask the same question of the same traced program and live state: the audit's verdict at
-the batch size lowered (``core.audit`` with ``state=``). It depends on the backend's code and
-declaration, the step, and *where* the live tensors are (the program bound to the state,
-``core.bind``, itself computed once per program and place in memory), not on the values the
-tensors hold; so it is computed once per such key and shared. A cached answer is the very
-value a fresh call would give: an ``Unsound`` is immutable.
+the batch size lowered (``core.audit`` with ``state=``). It depends on the backend's code, the
+Python values that code reads (``core.internal.CodeKey``), its declaration, the step, and
+*where* the live tensors are (the program bound to the state, ``core.bind``, itself computed
+once per program and place in memory), not on the values the tensors hold; so it is computed
+once per such key (:class:`VerdictKey`) and shared, and it is current only while every trace the
+audit read is (a trace whose captured tensor the backend replaced is traced again, and the
+verdict computed again). A cached answer is the very value a fresh call would give: an
+``Unsound`` is immutable.
 """
 
 from __future__ import annotations
