@@ -60,6 +60,11 @@ from .tracing._trace import trace_step
 #: from the step's data differ from the traced ones).
 REPLAY_SEEDS: tuple[int, ...] = (1, 2, 3)
 
+#: The seed of the state a capture validated before is checked on again at every later use: the
+#: Python it was validated against may have changed since through a value no cache key holds (a
+#: name no code spells, state outside Python). One more state, not all: a check, not a validation.
+RECHECK_SEED = 4
+
 
 class NotGraphSafe(ReadfenceError, ValueError):
     """A captured stage computes something other than its Python on another step's data.
@@ -80,6 +85,12 @@ class NotGraphSafe(ReadfenceError, ValueError):
             f"replays the traced step's Python values and kernels, not the code (a CUDA graph freezes them too: on a "
             f"GPU this stage computes the wrong thing); compute the value with tensor ops or move it to "
             f"prepare_out_graph, which runs as Python every step, and keep no state between calls")
+
+
+class StaleTrace(NotGraphSafe):
+    """A capture validated before no longer computes what its Python computes now: the Python
+    changed since the program was traced, through a value no cache key holds. The trace is stale,
+    not the backend wrong: a lowering traces it again, and validates the new trace."""
 
 
 def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
@@ -251,7 +262,8 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     ``batch``, ...) and replay the captured stages on the same arguments beside it; raise
     :class:`NotGraphSafe` at the first difference (see the module docstring). ``program`` is
     the program a lowering replays (bound to the live state it runs on); ``replay(stage, env)``
-    runs a captured stage's graph (default: its GraphModule).
+    runs a captured stage's graph (default: its GraphModule). A program validated before on
+    ``seeds`` is checked on one more state (:data:`RECHECK_SEED`), raising :class:`StaleTrace`.
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ModelConfig, ForwardMode, step_functions, trace, varied_step
@@ -261,8 +273,17 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     """
     seeds = tuple(seeds)
     key = ValidatedKey(program, seeds)
-    if program.aborted is not None or all(s.runs_python for s in program.stages) or key in _VALIDATED:
+    if program.aborted is not None or all(s.runs_python for s in program.stages):
         return
+    if key in _VALIDATED:  # validated before: checked again on one more state (StaleTrace)
+        _compare(program, fns, example, (RECHECK_SEED,), replay, StaleTrace)
+        return
+    _compare(program, fns, example, seeds, replay, NotGraphSafe)
+    _VALIDATED.put(key, True)
+
+
+def _compare(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], seeds: Iterable[int],
+             replay: Replay, error: type[NotGraphSafe]) -> None:
     for seed in seeds:
         comparing = _Comparing(program, replay)
         with torch.no_grad():
@@ -270,8 +291,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
         if comparing.mismatch is not None:
             stage, output, what = comparing.mismatch
             line = _locate(program, fns, example(seed), stage.stage)
-            raise NotGraphSafe(program.backend, program.mode.name, stage.stage.name, output, what, line)
-    _VALIDATED.put(key, True)
+            raise error(program.backend, program.mode.name, stage.stage.name, output, what, line)
 
 
 def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
@@ -426,5 +446,5 @@ _VARIED = CACHES.table("varied", VariedKey, "per stage and node, what the step's
                        limit=64)
 
 
-__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",
+__all__ = ["RECHECK_SEED", "REPLAY_SEEDS", "NotGraphSafe", "StaleTrace", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",
            "validate_replay", "varied_reads", "varied_states"]

@@ -51,6 +51,7 @@ from ._step import StepFunctions as StepFunctions
 from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
+from ._validate import StaleTrace as StaleTrace
 from ._validate import observe_varied as observe_varied
 from ._validate import seen_effect as seen_effect
 from ._validate import seen_reader as seen_reader
@@ -77,6 +78,7 @@ from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
 from .tracing._schema import bind as bind_arguments
 from .tracing._schema import op_aliasing as op_aliasing
+from .tracing._trace import forget_trace as forget_trace
 from .tracing._trace import trace_step as trace_step
 from .tracing._triton import launches_unseen as launches_unseen
 
@@ -91,5 +93,5 @@ __all__ = [
     "reach", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK", "run_scan", "runs_as",
     "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "StaleCaptureError", "stage_named",
     "StageCall", "Table", "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step",
-    "validate_replay", "varied_reads", "varied_states", "Watched",
+    "validate_replay", "varied_reads", "varied_states", "Watched", "StaleTrace", "forget_trace",
 ]

@@ -20,7 +20,7 @@ import torch
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.core import ForwardMode, StepInputs, audit, clear_trace_cache, run_step
-from readfence.core.internal import CACHES, StaleCaptureError
+from readfence.core.internal import CACHES, StaleCaptureError, code_key
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     Policy,
@@ -192,6 +192,38 @@ def test_an_unchanged_backend_hits_every_cache_and_a_setting_set_back_hits_its_f
     assert lowered() == (1, 1)
     change(1.0)
     assert lowered() == (0, 0)  # the first value's trace and validation again
+
+
+class _Holder:
+    scale = 1.0
+
+
+HOLDER = _Holder()
+
+
+def _unseen_setting() -> tuple[Any, Callable[[float], None]]:
+    name = "".join(["sc", "ale"])  # read through a name no code spells: no walk of the code finds it
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        return _attention(pools, layer, batch, meta, mode, q, k, v) * getattr(HOLDER, name)
+
+    return (leaf("unseen", attend, prepare_out_graph=_snapshot, declare=DECLARED),
+            lambda value: setattr(HOLDER, "scale", value))
+
+
+def test_a_setting_no_key_holds_is_caught_where_a_validated_capture_is_checked_again(dev) -> None:
+    backend, change = _unseen_setting()
+    traces = CACHES["traces"]
+    try:
+        assert _matches_serial(backend, dev)
+        key = code_key(backend)
+        change(2.0)
+        assert code_key(backend) == key  # the key cannot see it ...
+        made = traces.stats.misses
+        assert _matches_serial(backend, dev)  # ... the check of the capture on one more state does
+        assert traces.stats.misses == made + 1  # traced again, once
+    finally:
+        HOLDER.scale = 1.0
 
 
 # -- a setting that moves a read ---------------------------------------------------------------------

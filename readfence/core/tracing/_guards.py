@@ -66,6 +66,7 @@ STAGE_NAMES = frozenset({"prepare_out_graph", "prepare_in_graph", "attend", "run
 #: setting). readfence's backends and engine adapters are walked like any user's code.
 _OPAQUE_PACKAGES = frozenset({"torch", "triton", "numpy", "attr", "attrs", "returns", "hypothesis", "sympy", "typing_extensions",
                               "functorch", "jinja2", "_pytest", "pytest", "builtins", *sys.stdlib_module_names})
+_STDLIB = frozenset({"builtins", "types", *sys.stdlib_module_names})
 _OPAQUE_READFENCE = ("readfence.core", "readfence.effects", "readfence.graph", "readfence.cli", "readfence.parallel")
 _MACHINERY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                      *name.split(".")[1:]) + os.sep for name in _OPAQUE_READFENCE)
@@ -421,6 +422,12 @@ class _Walk:
             if base is not object and _classify_module(base) != "opaque":
                 self.space(path if i == 0 else path.then("attr", "__mro__").then("item", i), vars(base), "entry", d - 1)
 
+    def _record(self, v: Any, path: Path, d: int) -> None:
+        self.entries.append((path, ("object", type(v).__qualname__)))
+        fields = getattr(v, "__dict__", None)
+        if type(fields) is dict:
+            self.space(path, fields, "attr", d - 1)
+
     def _object(self, v: Any, path: Path, d: int) -> None:
         kind = type(v)
         self.entries.append((path, ("object", kind.__qualname__)))
@@ -485,9 +492,14 @@ def _classify(kind: type) -> str:
 
 
 def _classify_module(kind: type) -> str:
-    """``opaque`` for a class of torch, the standard library or readfence's machinery, else ``object``."""
+    """``opaque`` for a class of torch, the standard library or readfence's machinery, else ``object``;
+    but ``record`` for a standard library class whose instances hold a ``__dict__`` of their own
+    (``types.SimpleNamespace``, ``argparse.Namespace``: a config as often as not)."""
     module = getattr(kind, "__module__", None) or ""
-    opaque = module.partition(".")[0] in _OPAQUE_PACKAGES or module.startswith(_OPAQUE_READFENCE)
+    top = module.partition(".")[0]
+    if top in _STDLIB and getattr(kind, "__dictoffset__", False):
+        return "record"
+    opaque = top in _OPAQUE_PACKAGES or module.startswith(_OPAQUE_READFENCE)
     return "opaque" if opaque else "object"
 
 

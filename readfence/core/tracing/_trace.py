@@ -460,6 +460,21 @@ TRACES = CACHES.table("traces", TraceKey, "the traced program; rechecked: each t
                       "backend keeps it, with its storage and shape", limit=1024, budget=1_000_000, weight=_nodes)
 
 
+def forget_trace(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, batch_size: int, device: str,
+                 seed: int = 0) -> None:
+    """Forget the cached trace that :func:`trace` with these arguments returns (and, with it,
+    everything computed from it): the next call traces again.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ModelConfig
+    >>> first = trace(paged(), ForwardMode.DECODE)
+    >>> forget_trace(paged(), ForwardMode.DECODE, cfg=ModelConfig(), batch_size=2, device="cpu")
+    >>> trace(paged(), ForwardMode.DECODE) is first
+    False
+    """
+    TRACES.forget(TraceKey(code_key(backend), mode, cfg, batch_size, str(device), seed))
+
+
 def _still_kept(kept: tuple[KeptTensor, ...], backend: BackendLike) -> str | None:
     stale = first_stale(kept, backend)
     return None if stale is None else f"stage {stale[0].stage}'s tensor at {stale[0].where} {stale[1]}"

@@ -57,12 +57,14 @@ from readfence.core.internal import (
     KeptTensor,
     NodeReads,
     StaleCaptureError,
+    StaleTrace,
     check_backend,
     check_buffers,
     check_forward_mode,
     example_step,
     first_stale,
     flatten_inputs,
+    forget_trace,
     init_params,
     join_node_reads,
     kept_tensors,
@@ -335,7 +337,12 @@ def lower(
     # the capture against the code; rehearse; plan the fences; then per ring slot insert
     # records, compile and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    varied = _validated(program, backend, mode, cfg, batch_size, state, device)
+    try:
+        varied = _validated(program, backend, mode, cfg, batch_size, state, device)
+    except StaleTrace:  # its Python changed since, through a value no key holds: trace it again
+        forget_trace(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
+        program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
+        varied = _validated(program, backend, mode, cfg, batch_size, state, device)
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
