@@ -61,7 +61,8 @@ _TORCH_NAMESPACES = frozenset({"aten", "prim", "prims"}) | COLLECTIVE_NAMESPACES
 #: The ops each model segment dispatched when last observed, by signature (``run_segment``):
 #: the observer's own record, not the recorder's templates.
 _SEGMENT_OPS = CACHES.table("segment_ops", SegmentSignature, "the ops an observed run of a model segment "
-                            "dispatched; rechecked at use: the ops a run dispatches must be these", limit=4096)
+                            "dispatched; rechecked at use: the ops a run dispatches must be these", limit=4096,
+                            depended_on=False)
 
 #: Python-level tensor methods that read the data on the host without an op.
 _HOST_READS: dict[Any, str] = {

@@ -81,7 +81,9 @@ class Table(Generic[K, V]):
     """One named table of :class:`Caches`: values under ``key`` records (a frozen attrs class),
     at most ``limit`` of them (and ``budget`` in all of ``weight(value)``), the oldest forgotten
     first. ``what`` says what an entry is; ``kept`` tables (memos of pure functions of the key's
-    values) survive ``Caches.clear``.
+    values) survive ``Caches.clear``. An entry made by :meth:`compute` depends on every entry it
+    read, but those of ``kept`` tables and of tables whose users recheck each entry themselves
+    (``depended_on=False``).
 
     >>> @attrs.frozen
     ... class Square:
@@ -92,8 +94,9 @@ class Table(Generic[K, V]):
     """
 
     def __init__(self, name: str, key: type, what: str, *, limit: int, budget: int | None = None,
-                 weight: Callable[[V], int] | None = None, kept: bool = False) -> None:
+                 weight: Callable[[V], int] | None = None, kept: bool = False, depended_on: bool = True) -> None:
         self.name, self.key, self.what, self.limit, self.kept = name, key, what, limit, kept
+        self.depended_on = depended_on and not kept
         self.budget, self.weight = budget, weight
         self._entries: dict[K, _Entry[V]] = {}
         self._total = 0
@@ -113,9 +116,10 @@ class Table(Generic[K, V]):
                 self.stats.last_stale = why
                 return default
         self.stats.hits += 1
-        reading = _READING.get()
-        if reading is not None:
-            reading.append((self, key, entry))
+        if self.depended_on:
+            reading = _READING.get()
+            if reading is not None:
+                reading.append((self, key, entry))
         return entry.value
 
     def put(self, key: K, value: V, *, check: Callable[[], str | None] | None = None,
@@ -132,9 +136,10 @@ class Table(Generic[K, V]):
         self._entries[key] = entry
         self._total += weight
         self.stats.misses += 1
-        reading = _READING.get()
-        if reading is not None:
-            reading.append((self, key, entry))
+        if self.depended_on:
+            reading = _READING.get()
+            if reading is not None:
+                reading.append((self, key, entry))
         return value
 
     def compute(self, key: K, make: Callable[[], V], *, check: Callable[[], str | None] | None = None) -> V:
@@ -194,11 +199,13 @@ class Caches:
         self.tables: dict[str, Table[Any, Any]] = {}
 
     def table(self, name: str, key: type, what: str, *, limit: int, budget: int | None = None,
-              weight: Callable[[Any], int] | None = None, kept: bool = False) -> Table[Any, Any]:
+              weight: Callable[[Any], int] | None = None, kept: bool = False,
+              depended_on: bool = True) -> Table[Any, Any]:
         """A new table named ``name`` (see :class:`Table`); a name is made once."""
         if name in self.tables:
             raise ValueError(f"a cache table named {name!r} exists already ({self.tables[name].what})")
-        made: Table[Any, Any] = Table(name, key, what, limit=limit, budget=budget, weight=weight, kept=kept)
+        made: Table[Any, Any] = Table(name, key, what, limit=limit, budget=budget, weight=weight, kept=kept,
+                                      depended_on=depended_on)
         self.tables[name] = made
         return made
 
