@@ -193,7 +193,7 @@ class Settings:
         one of them reaches); ``None`` when they are equal.
 
         >>> Settings(((Path("x"), 1),)).changed_from(Settings(((Path("x"), 2),)))
-        Path(root='x', steps=())
+        Path('x', ())
         """
         mine, theirs = dict(self.entries), dict(other.entries)
         for path, _ in (*self.entries, *other.entries):
@@ -235,14 +235,17 @@ def _memory(t: torch.Tensor) -> tuple[int, int] | None:
 def code_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
     """``(names, assigned attributes, assigned globals)`` of ``code`` and every code object nested
     in it: the names it reads (``co_names`` and string constants that are identifiers: a
-    ``getattr(self, "flag")`` or a ``config["scale"]``), the attributes it assigns or deletes,
-    the globals it assigns or deletes.
+    ``getattr(self, "flag")`` or a ``config["scale"]``), the attributes it assigns, deletes or
+    changes the items of, the globals likewise (``global BUF; BUF = ...``, ``SEEN[key] = ...``,
+    ``self.cache.append(...)``: per-step state, not settings).
 
     >>> def f(self):
     ...     self.meta = self.scale * getattr(self, "bias")
+    ...     self.per_mode["decode"] = SEEN["lens"] = self.meta
+    ...     self.log.append(1)
     >>> names, attrs_set, globals_set = code_names(f.__code__)
-    >>> sorted(names & {"meta", "scale", "bias"}), sorted(attrs_set)
-    (['bias', 'meta', 'scale'], ['meta'])
+    >>> sorted(names & {"meta", "scale", "bias"}), sorted(attrs_set), sorted(globals_set)
+    (['bias', 'meta', 'scale'], ['log', 'meta', 'per_mode'], ['SEEN'])
     """
     hit = _CODE_NAMES.get(id(code))
     if hit is not None and hit[0] is code:
@@ -259,16 +262,36 @@ def code_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], fr
                 stack.append(const)
             elif isinstance(const, str) and const.isidentifier():
                 names.add(const)
-        for ins in dis.get_instructions(c):
+        code_ops = list(dis.get_instructions(c))
+        for i, ins in enumerate(code_ops):
             if ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                 assigned.add(ins.argval)
             elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
                 assigned_globals.add(ins.argval)
+            elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") and i >= 2 and code_ops[i - 1].opname in _SIMPLE_LOADS:
+                _changed(code_ops[i - 2], assigned, assigned_globals)  # container[key] = ...
+            elif ins.opname in ("LOAD_METHOD", "LOAD_ATTR") and ins.argval in _MUTATORS and i >= 1:
+                _changed(code_ops[i - 1], assigned, assigned_globals)  # container.append(...)
     facts = frozenset(names), frozenset(assigned), frozenset(assigned_globals)
     if len(_CODE_NAMES) >= 8192:
         _CODE_NAMES.clear()
     _CODE_NAMES[id(code)] = (code, facts)  # the code object held: its id is not reused
     return facts
+
+
+#: Loads of one instruction (a key that is a constant or a name).
+_SIMPLE_LOADS = frozenset({"LOAD_CONST", "LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME"})
+#: Methods that change the list, dict or set they are called on.
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
+                       "add", "discard"})
+
+
+def _changed(container: dis.Instruction, attributes: set[str], globals_: set[str]) -> None:
+    # what an instruction loaded whose items the code then changes: an attribute or a global
+    if container.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        attributes.add(container.argval)
+    elif container.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+        globals_.add(container.argval)
 
 
 #: :func:`code_names` by code object (by identity: hashing a code object hashes its bytecode).
