@@ -6,9 +6,11 @@
    makes correct (trace-time state, a stage a CUDA graph cannot capture) and, unless the
    policy is COARSE, an unsound declaration;
 2. validate the capture against the code (``core.validate_replay``): a replayed stage must
-   compute what its Python computes on fresh states, whatever the policy; a step that is not
-   replayed (``core.internal.replayed``) is observed on those states instead, and a declaration
-   below what its Python reads there is refused (by the audit's verdict, which counts those reads);
+   compute what its Python computes on fresh states, whatever the policy (a capture validated
+   before is checked on one more state, and traced again if its Python changed since through a
+   value no cache key holds); a step that is not replayed (``core.internal.replayed``) is
+   observed on those states instead, and a declaration below what its Python reads there is
+   refused (by the audit's verdict, which counts those reads);
 3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
 4. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
    the bound trace joined with the observed reads);
@@ -24,7 +26,9 @@ and :class:`Lowered` is built from their results. On a :class:`Device` a step is
   each followed by its stage-level points;
 * a post-forward launch that copies the logits out (the COARSE fence follows it).
 
-Every lowered graph owns its events: nothing is shared across shapes, modes or streams.
+Every lowered graph owns its events: nothing is shared across shapes, modes or streams. Every
+lowered graph knows where its backend keeps each tensor it captured (``Lowered.stale``): a replay
+refuses a graph whose captured buffer the backend has replaced, resized or moved since.
 """
 
 from __future__ import annotations
