@@ -381,3 +381,33 @@ def test_a_backend_that_allocates_for_the_largest_batch_is_lowered_once_per_size
     kernel2 = Preallocated()
     again = leaf("preallocated", kernel2.attend, prepare_out_graph=kernel2.prepare_out_graph, declare=DECLARED)
     assert res.matches(run_serve_serial(again, steps=10, traffic=TRAFFIC, capture_sizes=[1, 2, 4], cfg=CFG))
+
+
+def test_an_attribute_of_an_engine_object_changed_between_two_lowerings_is_lowered_anew(dev) -> None:
+    from readfence.engine import adapt
+    from tests.engine.classes import KeptCopies
+    from tests.engine.conftest import CFG as ENGINE_CFG
+
+    class Scaled(KeptCopies):
+        def __init__(self, runner) -> None:
+            super().__init__(runner)
+            self.scale = 1.0
+
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            return super().forward(q, k, v, layer, forward_batch, save_kv_cache) * self.scale
+
+    engine = adapt(Scaled, cfg=ENGINE_CFG)
+    traces = CACHES["traces"]
+
+    def matches() -> bool:
+        serial = run_serial(engine, steps=2, batch_size=2, cfg=ENGINE_CFG, state=engine.state)
+        run = run_overlapped(engine, steps=2, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=ENGINE_CFG,
+                             state=engine.state)
+        return run.matches(serial) and run.violations == ()
+
+    assert matches()
+    key = code_key(engine)
+    engine.object.scale = 2.0
+    assert code_key(engine) != key  # the object's attribute is part of the key
+    made = traces.stats.misses
+    assert matches() and traces.stats.misses > made

@@ -305,18 +305,22 @@ class _Full(Exception):
 class _Walk:
     """One walk from one root (see the module docstring)."""
 
-    def __init__(self, limit: int, depth: int) -> None:
+    def __init__(self, limit: int, depth: int, known: _Walk | None = None) -> None:
         self.limit, self.depth = limit, depth
         self.entries: list[tuple[Path, Hashable]] = []
         self.tensors: list[tuple[Path, torch.Tensor]] = []
         self.held: list[Any] = []
-        self.seen: dict[int, int] = {}  # id -> order of its first visit
-        self.names: set[str] = set(STAGE_NAMES)  # every name some reached code names
+        self.seen: dict[int, int] = {}  # id -> the entry of its first visit
+        # every name some reached code names, and those it assigns (``known``: a walk before this one's)
+        self.names: set[str] = set(STAGE_NAMES) | (known.names if known else set())
         self.fresh: set[str] = set()  # ... of which those not looked up yet in the namespaces met before
-        self.assigned: set[str] = set()
-        self.assigned_globals: set[str] = set()
+        self.assigned: set[str] = set(known.assigned) if known else set()
+        self.assigned_globals: set[str] = set(known.assigned_globals) if known else set()
         self.spaces: list[_Space] = []  # the namespaces walked by name
         self.space_ids: set[int] = set()
+        # what the code assigns, walked last: a value met there and elsewhere is a setting where
+        # it is read, not state where it is kept for a step
+        self.deferred: list[tuple[Any, Path, int]] = []
         self.complete = True
 
     def run(self, root: object, path: Path) -> None:
@@ -328,19 +332,42 @@ class _Walk:
     def _run(self, root: object, path: Path) -> None:
         self.visit(root, path, 0)
         # names found later open entries of namespaces met earlier: look each name up once in
-        # each namespace, until no name and no namespace is new
+        # each namespace, until no name and no namespace is new; then what the code assigns
         looked = 0
-        while self.fresh or looked < len(self.spaces):
+        while self.fresh or looked < len(self.spaces) or self.deferred:
+            if not self.fresh and looked == len(self.spaces):
+                deferred, self.deferred = self.deferred, []
+                for value, at, depth in deferred:
+                    self.visit(value, at, depth)
+                continue
             fresh, self.fresh = self.fresh, set()
             spaces, met = self.spaces[:looked], self.spaces[looked:]
             looked = len(self.spaces)
             for space, names in [(sp, sp.keys & fresh) for sp in spaces if fresh] + [(sp, sp.keys & self.names) for sp in met]:
+                assigned = self.assigned_globals if space.kind == "global" else self.assigned
                 for name in sorted(names):
                     try:
                         value = space.mapping[name]
                     except KeyError:
                         continue
-                    self.visit(value, space.path.then(space.kind, name), space.depth + 1)
+                    at = space.path.then(space.kind, name)
+                    if name in assigned:
+                        self.deferred.append((value, at, space.depth + 1))
+                    else:
+                        self.visit(value, at, space.depth + 1)
+
+    def excluded(self) -> set[tuple[str, Hashable]]:
+        """The path steps that make an entry per-step state: the names the reached code assigns."""
+        return {*(("attr", n) for n in self.assigned), *(("entry", n) for n in self.assigned),
+                *(("global", n) for n in self.assigned_globals)}
+
+    def settled(self) -> bool:
+        """Whether no value is a setting only through a visit that came first under a name found
+        assigned later (the walk then walks again, knowing the names from the start)."""
+        excluded = self.excluded()
+        out = {i for i, (p, _) in enumerate(self.entries) if not excluded.isdisjoint(p.steps)}
+        return not any(type(t) is tuple and t[:1] == ("again",) and t[1] in out and i not in out
+                       for i, (_, t) in enumerate(self.entries))
 
     def visit(self, v: Any, path: Path, depth: int) -> None:
         kind = type(v)
@@ -364,7 +391,7 @@ class _Walk:
             if how == "tensor":
                 self.tensors.append((path, v))
             return
-        self.seen[id(v)] = len(self.seen)
+        self.seen[id(v)] = len(self.entries)  # (the entry its visit is about to add)
         self.held.append(v)
         if how == "function" and v.__code__.co_filename.startswith(_MACHINERY_DIRS):
             how = "opaque"  # readfence's machinery (by where its code is: a doctest's functions are not)
@@ -584,9 +611,11 @@ def reach(root: object, name: str = "fn", *, limit: int = LIMIT, depth: int = DE
     """
     walk = _Walk(limit, depth)
     walk.run(root, Path(name))
-    assigned = {*(("attr", n) for n in walk.assigned), *(("entry", n) for n in walk.assigned),
-                *(("global", n) for n in walk.assigned_globals)}
-    entries = tuple((p, t) for p, t in walk.entries if assigned.isdisjoint(p.steps))
+    if not walk.settled():
+        walk = _Walk(limit, depth, known=walk)
+        walk.run(root, Path(name))
+    excluded = walk.excluded()
+    entries = tuple((p, t) for p, t in walk.entries if excluded.isdisjoint(p.steps))
     return Reach(Settings(entries, walk.complete, tuple(walk.held)), tuple(walk.tensors))
 
 
