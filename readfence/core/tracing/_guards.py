@@ -52,13 +52,15 @@ import torch
 
 from readfence.effects import ReadfenceError
 
+from .._step import BODY, STAGES
+
 #: At most this many values are walked from one root; what lies beyond is not seen.
 LIMIT = 4096
 #: ... and at most this many references deep.
 DEPTH = 12
 
 #: What the step calls on a backend: the walk starts from these names.
-STAGE_NAMES = frozenset({"prepare_out_graph", "prepare_in_graph", "attend", "runs_as", "child_runs", "replayed",
+STAGE_NAMES = frozenset({*(s.name for s in STAGES if s is not BODY), "attend", "runs_as", "child_runs", "replayed",
                          "name", "children", "forward"})
 
 #: Packages whose objects are taken by identity, unwalked: torch's, the standard library's and
