@@ -24,21 +24,24 @@ refused, since no fence the step publishes depends on its declaration.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 from torch import Tensor
 
 from readfence.effects import (
     Failure,  # unwrap() says why
     ReadEffect,
     ReadEnd,
+    Success,  # neither is a bool
 )
 from readfence.effects.internal import table
 
 from ._checks import check_backend, check_mode, positive_int
+from ._late_reads import ReadKind, late_read_fix
 from ._modes import ForwardMode
 from ._observe import Disagreement, Observation, cross_check, observe
 from ._program import ESCAPE, NodeReads, Program, Unmatched
@@ -102,6 +105,10 @@ class BufferAudit:
     # the latest read was seen only on a varied state, where the Python of a step that is not
     # replayed took a path the trace's example did not (``reader``: its stage, as the observer saw it)
     varied: bool = False
+    source: str = ""  # ``file:line in function`` of the latest read, where it is known
+    # the latest read was seen only by the runtime read observer, inside a kernel that reads what an
+    # earlier stage kept by reference (``reader``: its stage and ``kernel/op``)
+    observer: bool = False
 
     @property
     def steps(self) -> int:
@@ -206,8 +213,7 @@ class AuditReport:
                     continue
                 chain = (*ancestors[next(i for i, a in enumerate(ancestors) if a is fence):], node)
                 latent.append(Latent(node.path, node.mode, b, fence.path, fence.declared[name], fence.observed[name],
-                                     _cover(chain, name, b.observed),
-                                     _where(node, b.observed, b.reader, b.batch_size, b.varied)))
+                                     _cover(chain, name, b.observed), _where(node, b)))
         return sorted(refusals, key=lambda r: -r[0].count("/")), sorted(latent, key=lambda x: -x.path.count("/"))
 
     @property
@@ -237,6 +243,12 @@ class AuditReport:
         """
         return self.judged()[1]
 
+    def where(self, path: str, buffer: str) -> str:
+        """What reads ``buffer`` of node ``path`` until its observed end, in words: the user's
+        ``file:line in function``, the kind of read, the node and stage, the batch size."""
+        node = self.find(path)
+        return _where(node, next(b for b in node.buffers if b.buffer == buffer))
+
     def post_replay(self) -> list[tuple[str, str]]:
         """``(path, buffer)`` declared ``POST_REPLAY``: no metadata snapshot yet."""
         return [(r.path, b.buffer) for r, b in self.entries() if b.declared is ReadEnd.POST_REPLAY]
@@ -247,12 +259,18 @@ class AuditReport:
 
     def counts(self) -> dict[str, int]:
         """How many entries per verdict (``unsound``: refused; ``latent``: below its node's own
-        trace, covered by a sound fence), plus ``post_replay`` and ``not_audited``."""
+        trace, covered by a sound fence), plus ``post_replay`` and ``not_audited``; every key a
+        plain ``str``.
+
+        >>> from readfence.backends import paged
+        >>> audit(paged(), ForwardMode.DECODE).unwrap().counts()
+        {'exact': 4, 'conservative': 0, 'unsound': 0, 'latent': 0, 'post_replay': 0, 'not_audited': 0}
+        """
         out = {EXACT.value: 0, CONSERVATIVE.value: 0, UNSOUND.value: 0}
         for _, b in self.entries():
             out[b.verdict.value] += 1
-        out[LATENT] = len(self.latent())
-        out[UNSOUND] -= out[LATENT]
+        out[LATENT.value] = len(self.latent())
+        out[UNSOUND.value] -= out[LATENT.value]
         out["post_replay"] = len(self.post_replay())
         out["not_audited"] = len(self.not_audited())
         return out
@@ -281,6 +299,7 @@ class AuditReport:
                 row["steps"] = b.steps
                 row["note"] = b.note
                 row["reader"] = f"{b.reader[0]}:{b.reader[1]}" if b.reader else ""
+                row["source"] = b.source
                 row["batch_size"] = b.batch_size
                 row["varied"] = b.varied
                 row["latent"] = None if finding is None else finding.as_json()
@@ -312,7 +331,12 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
         if row.get("note"):
             verdict = f"{verdict} ({row['note']})"
         if verdict.startswith(UNSOUND) and row.get("reader"):
-            by = f"{row['reader'].partition(':')[0]}'s Python on a varied state" if row.get("varied") else row["reader"]
+            if row.get("varied"):
+                by = f"{row['reader'].partition(':')[0]}'s Python on a varied state"
+            elif row.get("source"):
+                by = f"{_short(row['source'])} ({row['reader']})"
+            else:
+                by = row["reader"]
             verdict = f"{verdict}: read by {by}"
         if verdict == LATENT and row.get("latent"):
             cover = row["latent"]["covered_by"]
@@ -329,11 +353,12 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
     return "\n".join(lines)
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class Unsound:
     """An audit failure: a buffer declared to end earlier than a traced read of it.
 
-    ``report`` is the whole tree; ``path`` names the guilty node (the deepest one).
+    ``report`` is the whole tree; ``path`` names the guilty node (the deepest one); the repr is
+    one line (``message`` says it all, ``report`` has every row).
     """
 
     report: AuditReport
@@ -349,30 +374,55 @@ class Unsound:
     @property
     def message(self) -> str:
         node = self.report.find(self.path)
-        varied = any(b.varied for b in node.buffers if b.buffer == self.buffer)
-        where = _where(node, self.observed, self.reader, self.batch_size, varied)
+        entry = next(b for b in node.buffers if b.buffer == self.buffer)
+        varied = entry.varied
+        where = _where(node, entry)
         placed = ""
         if self.fence is not None and self.fence != self.path:
             placed = (f"; the fence of {self.fence} is placed from its declaration, "
                       f"{self.report.find(self.fence).declared[self.buffer].name}")
         return (
             f"unsound declaration: {self.path} in mode {self.mode.name} declares buffer "
-            f"{self.buffer!r} ends at {self.declared.name} but {'its Python' if varied else 'the traced code'} "
-            f"reads it until {self.observed.name} ({where}){placed}"
+            f"{self.buffer!r} ends at {self.declared.name} but "
+            f"{'its Python' if varied else 'a kernel' if entry.observer else 'the traced code'} "
+            f"reads it until {self.observed.name} ({where}){placed}; {late_read_fix(self.buffer, self.observed)}"
         )
 
     def __str__(self) -> str:
         return self.message
 
+    def __repr__(self) -> str:
+        return (f"<Unsound {self.path} in {self.mode.name}: {self.buffer!r} declared {self.declared.name}, "
+                f"read until {self.observed.name}>")
 
-def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None, batch_size: int | None,
-           varied: bool = False) -> str:
-    """What reads a buffer of ``node`` until ``observed``, in words: the reading node, the escape
-    or captured tensor that gives its stage every buffer, the stage whose Python read it on a
-    varied state, the batch size."""
+
+def _short(source: str) -> str:
+    """``function at file:line``, the file by its name alone, from ``/path/file:line in function``.
+
+    >>> _short("/work/mybackend.py:12 in attend"), _short("?")
+    ('attend at mybackend.py:12', '?')
+    """
+    place, sep, function = source.rpartition(" in ")
+    if not sep:
+        return source
+    file, _, line = place.rpartition(":")
+    return f"{function} at {os.path.basename(file)}:{line}"
+
+
+def _where(node: AuditReport, entry: BufferAudit) -> str:
+    """What reads ``entry``'s buffer of ``node`` until its observed end, in words: the user's
+    ``file:line in function`` and the kind of read (a traced node, a kernel's read only the
+    observer sees, the stage's Python on a varied state, the escape or captured tensor that gives
+    its stage every buffer), the batch size."""
+    observed, reader, at = entry.observed, entry.reader, f" at {entry.source}" if entry.source else ""
     parts = []
-    if varied and reader:
-        parts.append(f"stage {reader[0]}'s Python read it on a varied state: a path the trace's example did not take")
+    if entry.observer and reader:
+        kernel = reader[1].partition("/")[0]
+        parts.append(f"read{at} inside kernel {kernel} in stage {reader[0]}: {ReadKind.OBSERVER_ONLY} (a reference "
+                     f"an earlier stage kept, a plan/run pair)")
+    elif entry.varied and reader:
+        parts.append(f"stage {reader[0]}'s Python read it on a varied state{at}: a path the trace's example did "
+                     f"not take")
     elif observed is ReadEnd.UNKNOWN and node.opaque:
         # a reference escaping, an op the tracer cannot see through, a captured tensor
         stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
@@ -382,12 +432,12 @@ def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None,
         escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and stage_named(o[0]).escape_end is observed),
                       None)
         if reader and (escape is None or reader != escape[:2]):
-            parts.append(f"last read by node {reader[1]!r} in stage {reader[0]}")
+            parts.append(f"last read by node {reader[1]!r} in stage {reader[0]}{at}: {ReadKind.TRACED}")
         if escape is not None:
             parts.append(f"stage {escape[0]}, node {escape[1]!r}: {escape[2]}")
-    where = "; ".join(parts) or "read by an op the tracer cannot see"
-    if batch_size is not None and len(node.batch_sizes) > 1:
-        where += f"; at batch size {batch_size}"
+    where = "; ".join(parts) or f"read by {ReadKind.OPAQUE}"
+    if entry.batch_size is not None and len(node.batch_sizes) > 1:
+        where += f"; at batch size {entry.batch_size}"
     return where
 
 
@@ -458,7 +508,8 @@ class Latent:
         else:
             why = (f"covered by {self.cover.by}, which declares {self.cover.end.name if self.cover.end else '?'}: "
                    f"the fence of {self.fence} ({self.fence_declared.name}) is sound")
-        return f"{head}; {why}; wherever its own declaration places a fence, it races"
+        return (f"{head}; {why}; wherever its own declaration places a fence, it races; "
+                f"{late_read_fix(self.buffer, e.observed)}")
 
     def as_json(self) -> dict[str, Any]:
         """The finding as JSON-ready values."""
@@ -543,8 +594,15 @@ def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str
         else:  # read that late only on a varied state: its stage, as the observer saw it
             n, latest, _, _, elsewhere = next(r for r in runs if r[3][b] is observed[b])
             reader = seen_reader(latest, elsewhere, b)
-        entries.append(BufferAudit(b, declared[b], observed[b], None if reader is None else (reader[0].name, reader[1]),
-                                   n, varied=example is None))
+        source = "" if reader is None else latest.stage(reader[0]).graph.source(reader[1])
+        named = None if reader is None else (reader[0].name, reader[1])
+        # read that late only inside a kernel, by a reference the trace cannot see: the observer's reader
+        kept = next((d for d in disagreements if d.buffer == b and d.by_reference and d.observed is observed[b]
+                     and latest.traced()[b] < observed[b]), None) if example is not None else None
+        if kept is not None:
+            named, source = (kept.stage, kept.op), kept.source
+        entries.append(BufferAudit(b, declared[b], observed[b], named, n, varied=example is None,
+                                   source="" if source == "?" else source, observer=kept is not None))
     opaque = tuple(dict.fromkeys(o for _, program, *_ in runs for o in _why_opaque(program)))
     return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes,
                        tuple(dict.fromkeys(disagreements)))

@@ -19,6 +19,8 @@ from ._checks import positive_seconds as positive_seconds
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
+from ._late_reads import ReadKind as ReadKind
+from ._late_reads import late_read_fix as late_read_fix
 from ._model import forward as forward
 from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
@@ -83,15 +85,16 @@ from .tracing._trace import trace_step as trace_step
 from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "CACHES",
-    "Caches", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
-    "child_runs", "CodeKey", "code_key", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
-    "example_step", "first_stale", "flatten_group", "flatten_inputs", "format_table", "forward", "init_params",
-    "Interpreter", "join_node_reads", "KeptTensor", "kept_tensors", "launches_unseen", "LayerScan", "make_pools",
-    "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_program", "observe_step",
-    "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
-    "reach", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK", "run_scan", "runs_as",
-    "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "StaleCaptureError", "stage_named",
-    "StageCall", "Table", "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step",
-    "validate_replay", "varied_reads", "varied_states", "Watched", "StaleTrace", "forget_trace",
+    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
+    "CACHES", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
+    "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
+    "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace", "format_table", "forward",
+    "init_params", "Interpreter", "join_node_reads", "kept_tensors", "KeptTensor", "late_read_fix",
+    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
+    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
+    "positive_seconds", "prepare", "reach", "ReadKind", "replayed", "request_ranges", "rms_norm", "rotary",
+    "ROW_BLOCK", "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch",
+    "stage_named", "StageCall", "StaleCaptureError", "StaleTrace", "state_key", "StepFunctions", "Table",
+    "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay", "varied_reads", "varied_states",
+    "Watched",
 ]
