@@ -16,7 +16,10 @@ and following only what some code on the way names (:func:`reach`):
   reached code names; a list, tuple, dict or set: every item;
 * a tensor: its identity, storage, shape, strides and dtype, never its values (the step's data);
   a number, string, enum member or torch dtype: its value;
-* anything of torch, triton, numpy, the standard library or readfence's own machinery: its
+* a triton kernel (``@triton.jit``, ``autotune``, ``heuristics``, interpreted or not): its identity
+  and the Python function it was made from, walked as a function: the helpers and constants its
+  globals hold are what triton compiles it with (triton compiles a kernel again when they change);
+* anything else of torch, triton, numpy, the standard library or readfence's own machinery: its
   identity, unwalked.
 
 Attributes and globals that the reached code assigns itself (``self.meta = ...``, ``global BUF``)
@@ -406,6 +409,12 @@ class _Walk:
     def _opaque(self, v: Any, path: Path, d: int) -> None:
         self.entries.append((path, ("object", type(v).__qualname__, id(v))))
 
+    def _kernel(self, v: Any, path: Path, d: int) -> None:
+        self.entries.append((path, ("kernel", type(v).__qualname__, id(v))))
+        fn = getattr(v, "fn", None)  # the function (or the kernel an autotuner or heuristics wraps)
+        if fn is not None:
+            self.visit(fn, path.then("attr", "fn"), d)
+
     def _module(self, v: types.ModuleType, path: Path, d: int) -> None:
         self.entries.append((path, ("module", v.__name__)))
         if v.__name__.partition(".")[0] not in _OPAQUE_PACKAGES and not v.__name__.startswith(_OPAQUE_READFENCE):
@@ -545,12 +554,15 @@ def _classify(kind: type) -> str:
 
 def _classify_module(kind: type) -> str:
     """``opaque`` for a class of torch, the standard library or readfence's machinery, else ``object``;
-    but ``record`` for a standard library class whose instances hold a ``__dict__`` of their own
-    (``types.SimpleNamespace``, ``argparse.Namespace``: a config as often as not)."""
+    but ``kernel`` for a triton kernel's class, and ``record`` for a standard library class whose
+    instances hold a ``__dict__`` of their own (``types.SimpleNamespace``, ``argparse.Namespace``:
+    a config as often as not)."""
     module = getattr(kind, "__module__", None) or ""
     top = module.partition(".")[0]
     if top in _STDLIB and getattr(kind, "__dictoffset__", False):
         return "record"
+    if top == "triton" and any(b.__name__ == "KernelInterface" for b in kind.__mro__):
+        return "kernel"
     opaque = top in _OPAQUE_PACKAGES or module.startswith(_OPAQUE_READFENCE)
     return "opaque" if opaque else "object"
 
