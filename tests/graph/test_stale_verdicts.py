@@ -226,6 +226,23 @@ def test_a_setting_no_key_holds_is_caught_where_a_validated_capture_is_checked_a
         HOLDER.scale = 1.0
 
 
+def test_a_setting_no_key_holds_is_caught_where_the_capture_passed_before_with_other_code(dev) -> None:
+    # the trace passed with the compiled code; lowered without the compile passes, its plain code
+    # is validated for the first time: a difference there, in a program that passed before, is
+    # the stale trace's (traced again), not the backend's (refused)
+    backend, change = _unseen_setting()
+    traces = CACHES["traces"]
+    try:
+        first = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG)
+        change(2.0)
+        made = traces.stats.misses
+        plain = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, optimize=False)
+        assert traces.stats.misses == made + 1 and plain.program is not first.program
+        assert not plain.optimized
+    finally:
+        HOLDER.scale = 1.0
+
+
 # -- a setting that moves a read ---------------------------------------------------------------------
 SNAPSHOT = True
 
