@@ -105,6 +105,7 @@ def _walks_timed() -> Iterator[list[float]]:
     caches) timed while the block runs: the list of their seconds."""
     import readfence.core.tracing._cache as cache
     import readfence.core.tracing._kernel_access as kernels
+    import readfence.core.tracing._kernel_ir as kernel_ir
     import readfence.core.tracing._trace as tracing
     import readfence.graph.lowering._lower as lowering
 
@@ -118,7 +119,7 @@ def _walks_timed() -> Iterator[list[float]]:
         finally:
             seconds.append(time.perf_counter() - start)
 
-    modules = (cache, tracing, kernels, lowering)
+    modules = (cache, tracing, kernels, kernel_ir, lowering)
     for module in modules:
         module.reach = timed  # type: ignore[attr-defined]
     try:
