@@ -8,6 +8,7 @@ per trace, and the warm time (every trace cached: the audit comparison alone).
     python benchmarks/bench_audit.py [--runs 3] [--layers 4] [--json]
     python benchmarks/bench_audit.py --quick     # smoke run: paged in DECODE at batch size 2
     python benchmarks/bench_audit.py --varied    # what EXTEND's varied-state runs add to its audit
+    python benchmarks/bench_audit.py --guards    # what walking the Python a backend's code reads costs
 
 ``main(quick=False, *, runs=3, layers=None)`` returns ``{"cpu": {...}, "cuda": {...}}``, each
 with ``cold_s``, ``traces``, ``ms_per_trace``, ``warm_ms`` and ``unsound`` (``readfence bench``
@@ -17,10 +18,11 @@ prints it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from readfence.backends import REFERENCE_LEAVES, deepseek_v4, paged, reference_compositions, tbo
@@ -97,6 +99,67 @@ def varied(runs: int = 3, layers: int | None = None) -> dict[str, dict[str, floa
     return out
 
 
+@contextlib.contextmanager
+def _walks_timed() -> Iterator[list[float]]:
+    """Every walk of what a backend's code reads (``core.tracing._guards.reach``, which keys the
+    caches) timed while the block runs: the list of their seconds."""
+    import readfence.core.tracing._cache as cache
+    import readfence.core.tracing._kernel_access as kernels
+    import readfence.core.tracing._kernel_ir as kernel_ir
+    import readfence.core.tracing._trace as tracing
+    import readfence.graph.lowering._lower as lowering
+
+    seconds: list[float] = []
+    real = cache.reach
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    modules = (cache, tracing, kernels, kernel_ir, lowering)
+    for module in modules:
+        module.reach = timed  # type: ignore[attr-defined]
+    try:
+        yield seconds
+    finally:
+        for module in modules:
+            module.reach = real  # type: ignore[attr-defined]
+
+
+def guards(runs: int = 3, layers: int | None = None) -> dict[str, dict[str, float]]:
+    """What keying the caches by the Python values a backend's code reads costs, side by side in
+    each run (median of ``runs``): a cold audit of every reference backend in every mode (CPU
+    tensors) and a cold 64-layer ``lower`` of ``hybrid_linear(trtllm_mha, linear)`` under EXACT,
+    each with the walks it made and their seconds."""
+    from readfence.backends import hybrid_linear, linear, trtllm_mha
+    from readfence.graph import CpuDevice, Policy, lower
+
+    cfg = ModelConfig() if layers is None else ModelConfig(layers=layers)
+    deep = ModelConfig(layers=64)
+    rows: dict[str, list[tuple[float, int, float]]] = {"audit_all": [], "lower_64": []}
+    with CpuDevice() as dev:
+        for _ in range(runs):
+            clear_trace_cache()
+            with _walks_timed() as walks:
+                start = time.perf_counter()
+                audit_all(backends(), tuple(ForwardMode), cfg, "cpu")
+                rows["audit_all"].append((time.perf_counter() - start, len(walks), sum(walks)))
+            clear_trace_cache()
+            with _walks_timed() as walks:
+                start = time.perf_counter()
+                lower(hybrid_linear(trtllm_mha(), linear()), ForwardMode.DECODE, batch_size=2, device=dev,
+                      policy=Policy.EXACT, cfg=deep)
+                rows["lower_64"].append((time.perf_counter() - start, len(walks), sum(walks)))
+    out = {}
+    for name, measured in rows.items():
+        total, count, walked = (statistics.median(m[i] for m in measured) for i in range(3))
+        out[name] = {"seconds": total, "walks": count, "walk_ms": walked * 1e3, "share": walked / total}
+    return out
+
+
 def _cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="paged in DECODE at batch size 2, one cold run: a smoke run")
@@ -104,9 +167,19 @@ def _cli() -> None:
     parser.add_argument("--layers", type=int, default=ModelConfig().layers)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--varied", action="store_true", help="what EXTEND's varied-state runs add to its audit")
+    parser.add_argument("--guards", action="store_true", help="what walking the Python a backend's code reads costs")
     args = parser.parse_args()
     if args.runs is not None and args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    if args.guards:
+        g = guards(args.runs or 3, args.layers)
+        if args.json:
+            print(json.dumps(g, indent=2))
+            return
+        for name, d in g.items():
+            print(f"{name:10} {d['seconds']:7.2f} s, of which {d['walks']:4.0f} walks {d['walk_ms']:7.1f} ms "
+                  f"({d['share']:.1%})")
+        return
     if args.varied:
         v = varied(args.runs or 3, args.layers)
         if args.json:

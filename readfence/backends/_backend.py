@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 from torch import Tensor
@@ -31,12 +31,22 @@ Tensors = Mapping[str, Tensor]
 # The caches below are bounded: a program declares few distinct effects, but a long-lived
 # process that builds many backends (a fuzzer drawing random declarations) must not grow
 # without end. Each evicts its oldest entry when full; an evicted entry only costs sharing:
-# an effect interned again is a new object, a join or table is computed again.
+# an effect interned again is a new object, a join or table is computed again. They are
+# memos of pure functions of the effects they hold (``kept`` by ``clear_trace_cache``).
 _CACHE_LIMIT = 4096
 
 
-def _put(cache: dict[Any, Any], key: Any, value: Any) -> Any:
-    return internal.remember(cache, key, value, _CACHE_LIMIT)
+class EffectPair(NamedTuple):
+    """The key of a memoized join: the identities of two interned effects (held by the entry)."""
+
+    left: int
+    right: int
+
+
+class EffectIds(NamedTuple):
+    """The key of a shared table: the identities of its interned effects (held by the table)."""
+
+    ids: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=_CACHE_LIMIT)
@@ -46,17 +56,19 @@ def intern(effect: ReadEffect) -> ReadEffect:
 
 
 _BOTTOM = intern(ReadEffect.none())
-# (id(a), id(b)) -> (a, b, a | b). Holding a and b keeps their ids from being reused.
-_JOINS: dict[tuple[int, int], tuple[ReadEffect, ReadEffect, ReadEffect]] = {}
+# -> (a, b, a | b). Holding a and b keeps their ids from being reused.
+_JOINS = internal.CACHES.table("effect_joins", EffectPair, "a | b of two interned effects (held with it)",
+                               limit=_CACHE_LIMIT, kept=True)
 
 
 def join2(a: ReadEffect, b: ReadEffect) -> ReadEffect:
     """``a | b``, interned and memoized by identity (tables hold few distinct effects)."""
     if a is b:
         return a
-    hit = _JOINS.get((id(a), id(b)))
+    key = EffectPair(id(a), id(b))
+    hit = _JOINS.get(key)
     if hit is None:
-        hit = _put(_JOINS, (id(a), id(b)), (a, b, intern(a | b)))
+        hit = _JOINS.put(key, (a, b, intern(a | b)))
     return hit[2]
 
 
@@ -92,8 +104,9 @@ def default_declaration(mode: ForwardMode, reads: Iterable[str] | None = None) -
     return ReadEffect.unknown()
 
 
-# ids of the effects -> the table; the table holds its effects, so their ids stay theirs
-_TABLES: dict[tuple[int, ...], Table] = {}
+# -> the table; the table holds its effects, so their ids stay theirs
+_TABLES = internal.CACHES.table("effect_tables", EffectIds, "one shared tuple per distinct table of interned "
+                                "effects", limit=_CACHE_LIMIT, kept=True)
 
 
 def intern_table(table: Iterable[ReadEffect]) -> Table:
@@ -103,9 +116,9 @@ def intern_table(table: Iterable[ReadEffect]) -> Table:
 
 def table_of(effects: Table) -> Table:
     """The shared tuple for a table of already-interned effects (cheap: keyed by ids)."""
-    key = tuple(map(id, effects))
-    hit = _TABLES.get(key)
-    return hit if hit is not None else _put(_TABLES, key, effects)
+    key = EffectIds(tuple(map(id, effects)))
+    hit: Table | None = _TABLES.get(key)
+    return hit if hit is not None else _TABLES.put(key, effects)
 
 
 def check_buffers(buffers: Iterable[str], where: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import itertools
 import os
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import attrs
@@ -41,14 +41,14 @@ from ._protocol import BackendLike
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, Stage, StageCall, StepFunctions, eval_step, stage_named
 from ._threads import watch_threads
-from .tracing._cache import cache_with_traces, code_key, remember
+from .tracing._cache import CACHES, CodeKey, code_key
 from .tracing._dispatch import DispatchMode
 from .tracing._escapes import REFERENCE_ESCAPES, user_line
 from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
 from .tracing._origin import trusted_op
 from .tracing._probe import metadata_templates, rerun_with
 from .tracing._schema import OpAliasing, bind, op_aliasing
-from .tracing._segment import Segment, segment_signature
+from .tracing._segment import Segment, SegmentSignature, segment_signature
 from .tracing._triton import is_launch_op
 
 Kind = Literal["read", "write", "escape"]
@@ -59,8 +59,9 @@ _T = TypeVar("_T")
 
 #: The ops each model segment dispatched when last observed, by signature (``run_segment``):
 #: the observer's own record, not the recorder's templates.
-_SEGMENT_OPS: dict[Hashable, tuple[Any, ...]] = cache_with_traces({})
-_SEGMENT_OPS_LIMIT = 4096
+_SEGMENT_OPS = CACHES.table("segment_ops", SegmentSignature, "the ops an observed run of a model segment "
+                            "dispatched; rechecked at use: the ops a run dispatches must be these", limit=4096,
+                            depended_on=False)
 
 #: Python-level tensor methods that read the data on the host without an op.
 _HOST_READS: dict[Any, str] = {
@@ -226,8 +227,8 @@ class ReadObserver(DispatchMode):
                 return out
         seen = len(self.accesses)
         ran, out = self._listing(fn, tensors, skipping=False)
-        if len(self.accesses) == seen and len(_SEGMENT_OPS) < _SEGMENT_OPS_LIMIT:
-            _SEGMENT_OPS[signature] = ran  # (a run that touched a buffer is never a reference)
+        if len(self.accesses) == seen:
+            _SEGMENT_OPS.put(signature, ran)  # (a run that touched a buffer is never a reference)
         return out
 
     def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[tuple[Any, ...], Any]:
@@ -587,9 +588,9 @@ def observe(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
 
-    code: tuple[Any, ...] | None = (code_key(backend), backend.name, mode, cfg)
-    key = None if code is None else (*code, sizes, steps, seed)
     try:
+        code: CodeKey | None = code_key(backend)
+        key: ObservedKey | None = ObservedKey(code, backend.name, mode, cfg, sizes, steps, seed)  # type: ignore[arg-type]
         hit = _OBSERVED.get(key)
     except TypeError:  # a backend that is not hashable: observed every time
         code, key, hit = None, None, None
@@ -601,29 +602,56 @@ def observe(
     for k, (size, i) in enumerate(itertools.product(sizes, range(steps))):
         # each step runs on its own fresh example: observed once, whatever observation asks
         # for it again (an audit's one step is the first of a checker's three)
-        step_key = None if code is None else (*code, size, seed + i)
+        step_key = None if code is None else ObservedStepKey(code, backend.name, mode, cfg, size, seed + i)
         seen = None if step_key is None else _OBSERVED_STEPS.get(step_key)
         if seen is None:
             fns = fns or step_functions(backend, mode, cfg)
             step = example_step(cfg, mode, size, seed=seed + i)
             seen = (tuple(step.shared), tuple(observe_step(fns, step.groups(), step=0)))
             if step_key is not None:
-                remember(_OBSERVED_STEPS, step_key, seen, 1024)
+                _OBSERVED_STEPS.put(step_key, seen)
         buffers = seen[0]
         accesses += seen[1] if k == 0 else [attrs.evolve(a, step=k) for a in seen[1]]
     observation = Observation(backend.name, mode, buffers, tuple(accesses), steps, sizes)
     if key is not None:
-        remember(_OBSERVED, key, observation, 256)
+        _OBSERVED.put(key, observation)
     return observation
 
 
-#: Observations already made, by the backend's code and the steps observed (like traces: the
-#: same code on the same fresh examples touches the same memory); forgotten with the traces.
-_OBSERVED: dict[Any, Observation] = cache_with_traces({})
+@attrs.frozen
+class ObservedKey:
+    """What an observation depends on: the backend's code and the values it can read
+    (``CodeKey``), its name, the mode, the model, the batch sizes, steps and first seed."""
 
-#: The accesses of single observed steps (labelled step 0) and the buffers of their example,
-#: by the backend's code and the example step; forgotten with the traces.
-_OBSERVED_STEPS: dict[Any, tuple[tuple[str, ...], tuple[Access, ...]]] = cache_with_traces({})
+    code: CodeKey
+    backend: str
+    mode: ForwardMode
+    cfg: ModelConfig
+    sizes: tuple[int, ...]
+    steps: int
+    seed: int
+
+
+@attrs.frozen
+class ObservedStepKey:
+    """What one observed step depends on: the backend's code and values (``CodeKey``), its name,
+    the mode, the model, the batch size and the example's seed."""
+
+    code: CodeKey
+    backend: str
+    mode: ForwardMode
+    cfg: ModelConfig
+    size: int
+    seed: int
+
+
+#: Observations already made (like traces: the same code and values on the same fresh examples
+#: touch the same memory).
+_OBSERVED = CACHES.table("observed", ObservedKey, "what the backend's eager steps touched, op by op", limit=256)
+
+#: The accesses of single observed steps (labelled step 0) and the buffers of their example.
+_OBSERVED_STEPS = CACHES.table("observed_steps", ObservedStepKey, "what one eager step touched, and its buffers",
+                               limit=1024)
 
 
 # ------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import contextlib
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor, fx
 
@@ -52,7 +53,7 @@ from ._protocol import BackendLike
 from ._state import ModelConfig, varied_step
 from ._step import Stage, StageCall, StepFunctions, eval_step, stage_named
 from .tracing._bind import state_key
-from .tracing._cache import cache_with_traces, remember
+from .tracing._cache import CACHES
 from .tracing._memory import BufferMap, random_state, same_values, set_random_state
 from .tracing._trace import trace_step
 
@@ -60,6 +61,11 @@ from .tracing._trace import trace_step
 #: batch, the oldest, a random one; the trace's example is another, so that the values computed
 #: from the step's data differ from the traced ones).
 REPLAY_SEEDS: tuple[int, ...] = (1, 2, 3)
+
+#: The seed of the state a capture validated before is checked on again at every later use: the
+#: Python it was validated against may have changed since through a value no cache key holds (a
+#: name no code spells, state outside Python). One more state, not all: a check, not a validation.
+RECHECK_SEED = 4
 
 
 class NotGraphSafe(ReadfenceError, ValueError):
@@ -81,6 +87,12 @@ class NotGraphSafe(ReadfenceError, ValueError):
             f"replays the traced step's Python values and kernels, not the code (a CUDA graph freezes them too: on a "
             f"GPU this stage computes the wrong thing); compute the value with tensor ops or move it to "
             f"prepare_out_graph, which runs as Python every step, and keep no state between calls")
+
+
+class StaleTrace(NotGraphSafe):
+    """A capture validated before no longer computes what its Python computes now: the Python
+    changed since the program was traced, through a value no cache key holds. The trace is stale,
+    not the backend wrong: a lowering traces it again, and validates the new trace."""
 
 
 def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
@@ -276,7 +288,11 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     the program a lowering replays (bound to the live state it runs on); ``replay(stage, env)``
     runs a captured stage's graph (default: its GraphModule), and ``key`` says what that code
     computes beside the program (the lowering's compiled code): a program passes once per seeds
-    and key, and another code for it is validated anew.
+    and key, and another code for it is validated anew. A program that passed before with this
+    code is checked on one more state (:data:`RECHECK_SEED`); a difference in a program that
+    passed before, with any code, raises :class:`StaleTrace` (its Python may have changed since
+    through a value no cache key holds: a lowering traces it again, and the fresh trace gets the
+    verdict).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ModelConfig, ForwardMode, step_functions, trace, varied_step
@@ -285,9 +301,20 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
     """
     seeds = tuple(seeds)
-    if program.aborted is not None or all(s.runs_python for s in program.stages) or (program, seeds, key) in _VALIDATED:
+    if program.aborted is not None or all(s.runs_python for s in program.stages):
         return
+    validated = ValidatedKey(program, seeds, key)
     scratch = _Scratch()
+    if validated in _VALIDATED:  # passed before: checked again on one more state
+        _compare(program, fns, example, (RECHECK_SEED,), replay, scratch, StaleTrace)
+        return
+    passed_before = any(k.program is program for k in _VALIDATED)
+    _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe)
+    _VALIDATED.put(validated, True)
+
+
+def _compare(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], seeds: Iterable[int],
+             replay: Replay, scratch: _Scratch, error: type[NotGraphSafe]) -> None:
     for seed in seeds:
         comparing = _Comparing(program, replay, scratch)
         with torch.no_grad():
@@ -295,8 +322,7 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
         if comparing.mismatch is not None:
             stage, output, what = comparing.mismatch
             line = _locate(program, fns, example(seed), stage.stage)
-            raise NotGraphSafe(program.backend, program.mode.name, stage.stage.name, output, what, line)
-    remember(_VALIDATED, (program, seeds, key), True, _VALIDATED_LIMIT)
+            raise error(program.backend, program.mode.name, stage.stage.name, output, what, line)
 
 
 def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
@@ -324,10 +350,20 @@ def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]]
     return join_node_reads(*runs)
 
 
-#: Programs validated, with the seeds and what replayed them (the program is kept with its key:
-#: its id is not reused).
-_VALIDATED: dict[tuple[Program, tuple[int, ...], Hashable], bool] = cache_with_traces({})
-_VALIDATED_LIMIT = 256
+@attrs.frozen
+class ValidatedKey:
+    """A validation's key: the program validated (by identity: a trace of other code or other
+    settings is another program; bound to another state, another too), the seeds tried and what
+    the code replayed beside it computes (``validate_replay``'s ``key``)."""
+
+    program: Program
+    seeds: tuple[int, ...]
+    code: Hashable
+
+
+#: Programs validated, with the seeds and the code replayed.
+_VALIDATED = CACHES.table("validated", ValidatedKey, "the program's captured stages, replayed by the code, compute "
+                          "what its Python computes on the seeds' states", limit=256)
 
 #: The live tensors a step runs on: ``shared``, ``pools``, ``params``, each name -> tensor.
 State = Mapping[str, Mapping[str, Tensor]]
@@ -420,9 +456,10 @@ def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: Sta
     stages = program.varied_stages()
     if not stages or program.aborted is not None:
         return {}
-    key = (program, cfg, batch_size, None if state is None else state_key(state))
-    if key in _VARIED:
-        return _VARIED[key]
+    key = VariedKey(program, cfg, batch_size, None if state is None else state_key(state))
+    hit: NodeReads | None = _VARIED.get(key)
+    if hit is not None:
+        return hit
     if program.replayed and backend is None:
         raise TypeError(f"varied_reads of the replayed step of {program.backend!r} in {program.mode.name} needs "
                         f"backend=: its Python runs as the step is written")
@@ -433,7 +470,7 @@ def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: Sta
             seen = _observe_python(program, step_functions(backend, program.mode, cfg), example, live, stages)
         else:
             seen = observe_varied(program, example, live)
-    return remember(_VARIED, key, {s: nodes for s, nodes in seen.items() if s in stages}, _VARIED_LIMIT)
+    return _VARIED.put(key, {s: nodes for s, nodes in seen.items() if s in stages})
 
 
 def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:
@@ -466,11 +503,21 @@ def seen_reader(program: Program, observed: NodeReadsIn, buffer: str) -> tuple[S
                  for node, bufs in observed.get(s.stage, {}).items() if buffer in bufs), None)
 
 
-#: What a step that is not replayed read on the varied states (``varied_reads``), by program,
-#: batch size and live state.
-_VARIED: dict[tuple[Any, ...], NodeReads] = cache_with_traces({})
-_VARIED_LIMIT = 64
+@attrs.frozen
+class VariedKey:
+    """What the reads on the varied states depend on: the program (by identity), the model, the
+    batch size and where the live state is (``None``: no live state)."""
+
+    program: Program
+    cfg: ModelConfig
+    batch_size: int
+    state: tuple[tuple[Any, ...], ...] | None
 
 
-__all__ = ["REPLAY_SEEDS", "NotGraphSafe", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",
+#: What a step that is not replayed read on the varied states (``varied_reads``).
+_VARIED = CACHES.table("varied", VariedKey, "per stage and node, what the step's Python read on the varied states",
+                       limit=64)
+
+
+__all__ = ["RECHECK_SEED", "REPLAY_SEEDS", "NotGraphSafe", "StaleTrace", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",
            "validate_replay", "varied_reads", "varied_states"]

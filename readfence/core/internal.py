@@ -53,6 +53,7 @@ from ._step import StepFunctions as StepFunctions
 from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
+from ._validate import StaleTrace as StaleTrace
 from ._validate import observe_varied as observe_varied
 from ._validate import seen_effect as seen_effect
 from ._validate import seen_reader as seen_reader
@@ -60,12 +61,20 @@ from ._validate import validate_replay as validate_replay
 from ._validate import varied_reads as varied_reads
 from ._validate import varied_states as varied_states
 from .tracing._bind import state_key as state_key
-from .tracing._cache import cache_with_traces as cache_with_traces
-from .tracing._cache import remember as remember
+from .tracing._cache import CACHES as CACHES
+from .tracing._cache import Caches as Caches
+from .tracing._cache import CodeKey as CodeKey
+from .tracing._cache import Table as Table
+from .tracing._cache import code_key as code_key
 from .tracing._cache import trace_cache_size as trace_cache_size
 from .tracing._dispatch import DispatchMode as DispatchMode
 from .tracing._escapes import not_user_code as not_user_code
 from .tracing._fx import copy_graph as copy_graph
+from .tracing._guards import KeptTensor as KeptTensor
+from .tracing._guards import StaleCaptureError as StaleCaptureError
+from .tracing._guards import first_stale as first_stale
+from .tracing._guards import kept_tensors as kept_tensors
+from .tracing._guards import reach as reach
 from .tracing._memory import BufferMap as BufferMap
 from .tracing._memory import Span as Span
 from .tracing._memory import span_of as span_of
@@ -73,19 +82,22 @@ from .tracing._origin import torch_op as torch_op
 from .tracing._origin import trusted_op as trusted_op
 from .tracing._schema import bind as bind_arguments
 from .tracing._schema import op_aliasing as op_aliasing
+from .tracing._trace import forget_trace as forget_trace
 from .tracing._trace import trace_step as trace_step
 from .tracing._triton import is_launch_op as is_launch_op
 from .tracing._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap",
-    "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
-    "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "example_step",
-    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "join_node_reads",
-    "late_read_fix", "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
-    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "ReadKind",
-    "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
-    "state_key", "StepFunctions", "tokens_per_request", "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay",
-    "varied_reads", "varied_states", "Watched",
+    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
+    "CACHES", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
+    "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
+    "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace", "format_table", "forward",
+    "init_params", "Interpreter", "is_launch_op", "join_node_reads", "kept_tensors", "KeptTensor", "late_read_fix",
+    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
+    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
+    "positive_seconds", "prepare", "reach", "ReadKind", "replayed", "request_ranges", "rms_norm", "rotary",
+    "ROW_BLOCK", "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch",
+    "stage_named", "StageCall", "StaleCaptureError", "StaleTrace", "state_key", "StepFunctions", "Table",
+    "tokens_per_request", "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_reads", "varied_states",
+    "Watched",
 ]

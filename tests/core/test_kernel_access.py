@@ -179,3 +179,31 @@ def test_a_pointer_type_held_by_a_global_or_handed_to_a_parameter_is_unbounded()
     assert "_POINTERS" in kernel_access(_through_global).unbounded
     assert kernel_access(_through_parameter).unbounded == ""  # not known until the launch gives it
     assert "PTR" in kernel_access(_through_parameter, {"PTR": tl.pointer_type(tl.int32)}).unbounded
+
+
+@triton.jit
+def _store_first(a, b, x, BLOCK: tl.constexpr):
+    tl.store(a + tl.arange(0, BLOCK), x)
+
+
+@triton.jit
+def _store_second(a, b, x, BLOCK: tl.constexpr):
+    tl.store(b + tl.arange(0, BLOCK), x)
+
+
+_HELPER = _store_first
+
+
+@triton.jit
+def _through_a_global_helper(src, dst, BLOCK: tl.constexpr):
+    x = tl.load(src + tl.arange(0, BLOCK))
+    _HELPER(dst, src, x, BLOCK)
+
+
+def test_a_helper_rebound_in_the_kernels_globals_is_followed_anew(monkeypatch: pytest.MonkeyPatch):
+    # the access is cached by the values the kernel's globals hold, not by its function alone
+    assert _tensors(_through_a_global_helper, "src", "dst") == ["dst"]
+    monkeypatch.setitem(globals(), "_HELPER", _store_second)
+    assert _tensors(_through_a_global_helper, "src", "dst") == ["src"]
+    monkeypatch.setitem(globals(), "_HELPER", _store_first)
+    assert _tensors(_through_a_global_helper, "src", "dst") == ["dst"]

@@ -9,13 +9,14 @@ triton's interpreter. Skipped with the reason where triton is not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
 import torch
 
 from readfence.backends import kv_lens, leaf, softmax_attention
-from readfence.core import ForwardMode, ReadObserver, StageWriteError, UnboundedKernelError, audit, kernel_access
+from readfence.core import ForwardMode, ReadObserver, StageWriteError, UnboundedKernelError, audit, kernel_access, trace
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import NO_TRITON, TRITON
 from tests.conftest import ONE_LAYER as CFG
@@ -361,3 +362,122 @@ def test_the_source_walk_finds_what_the_ir_finds_on_every_kernel_but_those_recor
     assert found["source_misses"] == SOURCE_MISSES
     assert found["ir_only_unbounded"] == IR_ONLY_UNBOUNDED
     assert found["source_only_unbounded"] == SOURCE_ONLY_UNBOUNDED
+
+
+# -- the IR's table is keyed by what the kernel's Python can read --------------------------------
+@triton.jit
+def _store_to_first(a, b, x, W: tl.constexpr):
+    tl.store(a + tl.arange(0, W), x)
+
+
+@triton.jit
+def _store_to_second(a, b, x, W: tl.constexpr):
+    tl.store(b + tl.arange(0, W), x)
+
+
+_STORE = _store_to_first
+
+
+@triton.jit
+def _through_global_helper(src, dst, W: tl.constexpr):
+    _STORE(dst, src, tl.load(src + tl.arange(0, W)), W)
+
+
+@triton.jit
+def _one_helper_down(a, b, x, W: tl.constexpr):
+    _STORE(a, b, x, W)
+
+
+@triton.jit
+def _through_two_helpers(src, dst, W: tl.constexpr):
+    _one_helper_down(dst, src, tl.load(src + tl.arange(0, W)), W)
+
+
+_WRITE_BACK = tl.constexpr(0)
+
+
+@triton.jit
+def _writes_back_when_set(src, dst, W: tl.constexpr):
+    x = tl.load(src + tl.arange(0, W))
+    tl.store(dst + tl.arange(0, W), x)
+    if _WRITE_BACK:
+        tl.store(src + tl.arange(0, W), x)
+
+
+@pytest.mark.parametrize("kernel", [_through_global_helper, _through_two_helpers], ids=["helper", "helper's helper"])
+def test_a_helper_rebound_in_a_kernel_s_globals_is_built_anew(monkeypatch, kernel):
+    # the same kernel object, the same specialization: triton would compile it again (its globals
+    # changed), and the table's answer must change with it, both ways
+    out = torch.zeros(16)
+    assert _tensors(_access(kernel, X, out, W=16), "src", "dst") == ["dst"]
+    monkeypatch.setitem(globals(), "_STORE", _store_to_second)
+    assert _tensors(_access(kernel, X, out, W=16), "src", "dst") == ["src"]
+    monkeypatch.setitem(globals(), "_STORE", _store_to_first)
+    assert _tensors(_access(kernel, X, out, W=16), "src", "dst") == ["dst"]
+
+
+def test_a_constant_global_a_kernel_is_compiled_with_changes_its_ir_s_answer(monkeypatch):
+    out = torch.zeros(16)
+    assert _tensors(_access(_writes_back_when_set, X, out, W=16), "src", "dst") == ["dst"]
+    monkeypatch.setitem(globals(), "_WRITE_BACK", tl.constexpr(1))
+    assert _tensors(_access(_writes_back_when_set, X, out, W=16), "src", "dst") == ["dst", "src"]
+
+
+@triton.jit
+def _gather_then_store(table, rows, out, W: tl.constexpr):
+    b = tl.program_id(0)
+    r = tl.load(rows + b).to(tl.int64)
+    i = tl.arange(0, W)
+    _STORE(out + b * W + i, table + r * W + i, tl.load(table + r * W + i), 1)
+
+
+@triton.jit
+def _store_both(a, b, x, W: tl.constexpr):
+    tl.store(a, x)
+    tl.store(b, x)  # writes back what it read: no byte changes, still a write of the table
+
+
+_GATHER = _gather_then_store
+
+
+def _gather_rows_by_global(shared, batch):
+    return _rows(_GATHER, shared, batch)
+
+
+#: One backend object throughout: its traces are cached (a new closure would be new code).
+_REBOUND = _backend("rebound", rows=_gather_rows_by_global)
+
+
+def _audit_rebound():
+    return audit(_REBOUND, M.DECODE, cfg=CFG, batch_sizes=[2])
+
+
+def test_a_helper_rebound_in_a_launched_kernel_s_globals_changes_the_trace_and_the_audit(monkeypatch):
+    # the backend's code and the kernel object are unchanged: only the kernel's helper is rebound,
+    # to one that writes the page table; the trace must be made again (its launch writes the
+    # table), the audit refuse it, and the harmless helper be accepted again once it is back
+    program = trace(_REBOUND, M.DECODE, cfg=CFG, batch_size=2)
+    assert trace(_REBOUND, M.DECODE, cfg=CFG, batch_size=2) is program  # cached while nothing changed
+    assert _audit_rebound().unwrap()
+    monkeypatch.setitem(globals(), "_STORE", _store_both)
+    with pytest.raises(StageWriteError, match="'_gather_then_store' may store through its argument"):
+        trace(_REBOUND, M.DECODE, cfg=CFG, batch_size=2)
+    with pytest.raises(StageWriteError, match="may store through its argument"):
+        _audit_rebound()
+    monkeypatch.setitem(globals(), "_STORE", _store_to_first)
+    assert _audit_rebound().unwrap()
+
+
+def test_a_kernel_compiled_again_from_other_source_under_the_same_name_changes_the_audit(monkeypatch, tmp_path):
+    # as a module reloaded: a new kernel object of the same name where the backend's code reads it
+    assert _audit_rebound().unwrap()
+    source = inspect.getsource(_gather_then_store.fn).replace("_STORE(", "_store_both(")
+    path = tmp_path / "reloaded_kernels.py"
+    path.write_text("import triton\nimport triton.language as tl\n"
+                    "from tests.core.test_kernel_ir import _store_both\n\n\n" + source)
+    spec = importlib.util.spec_from_file_location("reloaded_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(globals(), "_GATHER", module._gather_then_store)
+    with pytest.raises(StageWriteError, match="may store through its argument"):
+        _audit_rebound()

@@ -327,16 +327,17 @@ def test_traces_are_cached_per_code_not_per_declaration() -> None:
 
 
 def test_the_trace_cache_is_bounded_by_graph_nodes_too(monkeypatch) -> None:
-    import readfence.core.tracing._cache as traced
+    from readfence.core.internal import CACHES
 
+    traces = CACHES["traces"]
     clear_trace_cache()
     a = trace(paged(), M.DECODE, cfg=CFG)
     nodes = sum(len(s.graph.gm.graph.nodes) for s in a.stages)
-    monkeypatch.setattr(traced, "_CACHE_NODES", nodes + nodes // 2)  # room for one such program
+    monkeypatch.setattr(traces, "budget", nodes + nodes // 2)  # room for one such program
     b = trace(paged(), M.DECODE, cfg=CFG, batch_size=3)
     assert trace_cache_size() == 1 and trace(paged(), M.DECODE, cfg=CFG, batch_size=3) is b
     assert trace(paged(), M.DECODE, cfg=CFG) is not a  # forgotten, traced again
-    monkeypatch.setattr(traced, "_CACHE_NODES", 3 * nodes)
+    monkeypatch.setattr(traces, "budget", 3 * nodes)
     trace(paged(), M.DECODE, cfg=CFG, batch_size=3)
     assert trace_cache_size() == 2
 

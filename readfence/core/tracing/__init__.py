@@ -9,6 +9,8 @@ the collector held off (``_collect``), escapes and the user's source line (``_es
 modes a stage is traced under, which mark them (``_trace_modes``), a
 stage's graph analysed and its writes refused (``_analysis``), captured tensors matched by memory
 (``_captured``), the tracer that ties them into a ``Program`` (``_trace``), the program bound to
-the live state (``_bind``) and the caches of traces (``_cache``). This package imports nothing at load time: ``readfence.core`` and its internal API
+the live state (``_bind``), what a backend's code can read and where it keeps what a graph
+captured (``_guards``) and readfence's caches, one object of named tables keyed by them
+(``_cache``). This package imports nothing at load time: ``readfence.core`` and its internal API
 name what the rest of readfence uses.
 """

@@ -17,7 +17,7 @@ from torch import fx
 
 from .._program import MatchedOn, Program, StageGraph, flatten_inputs
 from ._analysis import StageFacts, analysed, in_branches
-from ._cache import cache_with_traces, remember
+from ._cache import CACHES
 from ._captured import bind_captured
 from ._fx import copy_graph
 from ._memory import BufferMap, meet_shared, tensors_in
@@ -25,10 +25,19 @@ from ._origin import torch_op
 from ._probe import MemoryProbe
 from ._triton import is_launch_op
 
-#: Bound programs (:func:`bind`), by the traced program's identity and the state's place in
-#: memory, the oldest forgotten first.
-_BOUND: dict[tuple[Any, ...], tuple[Program, Program]] = cache_with_traces({})
-_BOUND_LIMIT = 256
+
+@attrs.frozen
+class BoundKey:
+    """What a bound program depends on: the traced ``program`` (by identity: a trace of other
+    code or other settings is another program) and where the live state is (:func:`state_key`)."""
+
+    program: Program
+    state: tuple[tuple[Any, ...], ...]
+
+
+#: Bound programs (:func:`bind`), the oldest forgotten first.
+_BOUND = CACHES.table("bound", BoundKey, "the program with its captured tensors matched on a live state",
+                      limit=256)
 
 
 def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> Program:
@@ -55,12 +64,9 @@ def bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> P
     if not program.captured():
         return program
     meet_shared(state["shared"])  # a tensor another backend kept of this state is known for one
-    key = (id(program), state_key(state))
-    hit = _BOUND.get(key)
-    if hit is not None:
-        return hit[1]
-    # the program kept beside its binding: its id is not reused while the entry lives
-    return remember(_BOUND, key, (program, _bind(program, state)), _BOUND_LIMIT)[1]
+    key = BoundKey(program, state_key(state))
+    hit: Program | None = _BOUND.get(key)
+    return hit if hit is not None else _BOUND.put(key, _bind(program, state))
 
 
 def state_key(state: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[tuple[Any, ...], ...]:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import functools
 import inspect
 import textwrap
 import types
@@ -48,6 +47,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
+
+from ._cache import CACHES
+from ._guards import Settings, reach
 
 #: Triton builtins whose first argument (``pointer``) is a memory location they write.
 STORES = frozenset({"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
@@ -305,12 +307,25 @@ def source_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None
         raise TypeError(f"{fn!r} ({type(fn).__name__}) is not a triton kernel or a Python function")
     callees = tuple(sorted((k, _POINTER if _is_pointer_type(v) else v) for k, v in (given or {}).items()
                            if v is None or _is_jit(v) or _is_pointer_type(v)))
-    return _cached(py, callees)
+    key = KernelKey(py, callees, reach(py, "kernel").settings)
+    hit: KernelAccess | None = _ACCESS.get(key)
+    return hit if hit is not None else _ACCESS.put(key, _access(py, (), dict(callees)))
 
 
-@functools.lru_cache(maxsize=1024)  # by function and callees: a kernel's source does not change in a process
-def _cached(py: Callable[..., Any], callees: tuple[tuple[str, Any], ...]) -> KernelAccess:
-    return _access(py, (), dict(callees))
+@attrs.frozen
+class KernelKey:
+    """What a kernel's access depends on: its Python function (its source, read once per process),
+    the callees a launch hands it, and the values its globals and closure hold (``settings``: a
+    global rebound to another helper kernel or constant is another key)."""
+
+    function: Callable[..., Any]
+    callees: tuple[tuple[str, Any], ...]
+    settings: Settings
+
+
+#: What each kernel may write, by :class:`KernelKey`.
+_ACCESS = CACHES.table("kernel_access", KernelKey, "what a triton kernel may store to, from its source",
+                       limit=1024)
 
 
 def _access(py: Callable[..., Any], stack: tuple[Any, ...], given: Mapping[str, Any]) -> KernelAccess:

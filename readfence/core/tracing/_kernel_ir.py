@@ -50,6 +50,10 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import attrs
+
+from ._cache import CACHES
+from ._guards import Settings, reach
 from ._kernel_access import KernelAccess, every_argument, python_function, source_access
 from ._ttir import Unanalysable, ttir_access
 
@@ -244,28 +248,46 @@ def ir_access(kernel: Any, arguments: Mapping[str, Any]) -> KernelAccess:
     try:
         given = [_for_ir(arguments[p.name], front) for p in jit.params]
         bound, specialization, options = _binder(jit, front)(*given)
-        key = (jit.fn, repr(specialization))
+        key = KernelIRKey(jit.fn, repr(specialization), reach(jit.fn, "kernel").settings)
     except Exception as e:  # a missing argument, a value triton cannot type
         return every_argument(py, f"its launch's arguments cannot be typed ({_shown(e)})")
     with interpreter_lock:
-        found = _analysed.get(key)
-        if found is None:
-            found = _analysed[key] = _access(jit, front, bound, specialization, options)
-        return found
+        found: KernelAccess | None = _ANALYSED.get(key)
+        return found if found is not None else _ANALYSED.put(key, _access(jit, front, bound, specialization, options))
 
 
-_binders: dict[Callable[..., Any], Callable[..., Any]] = {}
-#: Per kernel's Python function and specialization (one IR per compiled variant, as triton keeps one binary): a
-#: kernel's source does not change in a process.
-_analysed: dict[tuple[Callable[..., Any], str], KernelAccess] = {}
+@attrs.frozen
+class KernelIRKey:
+    """What a kernel's IR, and so its access, depends on: its Python ``function``, the launch's
+    ``specialization`` (argument types, and the constants and integers triton specializes on: one IR
+    per compiled variant, as triton keeps one binary) and the values the function's globals and
+    closure hold, its helpers' too (``settings``: a helper or a constant rebound is another key,
+    where triton compiles the kernel again)."""
+
+    function: Callable[..., Any]
+    specialization: str
+    settings: Settings
+
+
+@attrs.frozen
+class BinderKey:
+    """A kernel's Python function: what triton's binder of its arguments is made from."""
+
+    function: Callable[..., Any]
+
+
+#: What each launch of a kernel reads and writes, by :class:`KernelIRKey`.
+_ANALYSED = CACHES.table("kernel_ir", KernelIRKey, "what a triton kernel reads and writes at a launch, from its IR",
+                         limit=1024)
+#: Triton's binder per kernel (its signature's: a pure function of the function).
+_BINDERS = CACHES.table("kernel_binders", BinderKey, "triton's binder of a kernel's arguments", limit=1024, kept=True)
 
 
 def _binder(jit: Any, front: types.SimpleNamespace) -> Callable[..., Any]:
     """Triton's own binder of ``jit``'s arguments (what a compiled launch specializes on)."""
-    found = _binders.get(jit.fn)
-    if found is None:
-        found = _binders[jit.fn] = front.binder(jit.signature, jit.params, front.backend)
-    return found
+    key = BinderKey(jit.fn)
+    found: Callable[..., Any] | None = _BINDERS.get(key)
+    return found if found is not None else _BINDERS.put(key, front.binder(jit.signature, jit.params, front.backend))
 
 
 def _access(jit: Any, front: types.SimpleNamespace, bound: Any, specialization: Any, options: Any) -> KernelAccess:

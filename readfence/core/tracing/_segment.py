@@ -40,6 +40,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from ._cache import CACHES
 from ._fx import add_node
 from ._record import NOTHING, GraphRecorder, node_name
 
@@ -74,9 +75,26 @@ class Template:
         return tuple(t for t, *_ in self.nodes if t is not operator.getitem)
 
 
-#: Templates by signature (:func:`segment_signature`): a model's few pieces, a handful of shapes each.
-_TEMPLATES: dict[Hashable, Template] = {}
-_LIMIT = 4096
+@attrs.frozen
+class SegmentSignature:
+    """What the ops a segment dispatches, and their order, may depend on (:func:`segment_signature`):
+    its name, code and key (the Python values it closes over), torch's grad and inference modes and
+    default dtype, and each input's shape, strides, dtype, device and grad flag."""
+
+    name: str
+    code: Hashable
+    key: Hashable
+    grad: bool
+    inference: bool
+    dtype: torch.dtype
+    inputs: tuple[tuple[Any, ...], ...]
+
+
+#: Templates by signature: a model's few pieces, a handful of shapes each. Kept by
+#: ``clear_trace_cache``: a template is rechecked at every use (the ops a call dispatches must be
+#: its own), so it cannot outlive what it was recorded from.
+_TEMPLATES = CACHES.table("segment_templates", SegmentSignature, "a model segment's record, spliced for a call "
+                          "that dispatches the same ops (rechecked at use)", limit=4096, kept=True)
 
 
 def clear_templates() -> None:
@@ -109,14 +127,14 @@ class Segment:
         return self.fn(*tensors)
 
 
-def segment_signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Hashable:
+def segment_signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> SegmentSignature:
     """What the ops ``segment`` dispatches on ``tensors``, and their order, may depend on: its
     code, what it closes over (the key), torch's modes and default dtype, and each input's
     layout (a record or an observation is reused only for the same signature, and only after
     the ops that ran were checked against it)."""
-    return (segment.name, getattr(segment.fn, "__code__", segment.fn), segment.key, torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(), torch.get_default_dtype(),
-            tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
+    return SegmentSignature(segment.name, getattr(segment.fn, "__code__", segment.fn), segment.key,
+                            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
+                            tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
 
 
 def _input_nodes(recorder: GraphRecorder, tensors: Sequence[torch.Tensor]) -> list[fx.Node] | None:
@@ -145,8 +163,8 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         tail, constants = recorder.graph._root.prev, len(recorder.constants)
         out = segment.fn(*tensors)
         made = _template(recorder, tail, inputs, out) if len(recorder.constants) == constants else None
-        if made is not None and len(_TEMPLATES) < _LIMIT:
-            _TEMPLATES[signature] = made
+        if made is not None:
+            _TEMPLATES.put(signature, made)
         return out
     recorder.unrecorded = []
     try:
@@ -159,7 +177,7 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         # it dispatched other ops than its record holds (a function it calls was replaced
         # since; composites are listed decomposed, as recorded): record this call op by op,
         # and keep that
-        del _TEMPLATES[signature]
+        _TEMPLATES.forget(signature)
         return _record_segment(recorder, segment, tensors)
     _splice(recorder, template, inputs, out)
     return out

@@ -14,7 +14,9 @@
    stage, its hooks bound to nothing, must compute what its Python computes on fresh states,
    whatever the policy. Code that differs only through the compile passes (the same stages
    compiled without them pass) is readfence's miscompile: the plain code, validated as well,
-   is what runs (``Lowered.optimized`` is then False);
+   is what runs (``Lowered.optimized`` is then False). A capture validated before is checked
+   on one more state, and traced again (1-3) if its Python changed since through a value no
+   cache key holds (``core.internal.StaleTrace``);
 4. unless the policy is COARSE, refuse an unsound declaration (the audit's verdict, which
    counts what a step that is not replayed reads on the fresh states too);
 5. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up): the last
@@ -36,7 +38,9 @@ and :class:`Lowered` is built from their results. On a :class:`Device` a step is
   each followed by its stage-level points;
 * a post-forward launch that copies the logits out (the COARSE fence follows it).
 
-Every lowered graph owns its events: nothing is shared across shapes, modes or streams.
+Every lowered graph owns its events: nothing is shared across shapes, modes or streams. Every
+lowered graph knows where its backend keeps each tensor it captured (``Lowered.stale``): a replay
+refuses a graph whose captured buffer the backend has replaced, resized or moved since.
 """
 
 from __future__ import annotations
@@ -67,16 +71,24 @@ from readfence.core import (
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
+    KeptTensor,
+    NodeReads,
     NodeReadsIn,
+    StaleCaptureError,
+    StaleTrace,
     check_backend,
     check_buffers,
     check_forward_mode,
     example_step,
+    first_stale,
     flatten_inputs,
+    forget_trace,
     init_params,
     join_node_reads,
+    kept_tensors,
     make_pools,
     positive_int,
+    reach,
     replayed,
     seen_effect,
     validate_replay,
@@ -144,13 +156,14 @@ class Lowered:
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
                  slots: Sequence[Slot], observed: ReadEffect, check: CheckState | None = None,
-                 optimized: bool = True) -> None:
+                 optimized: bool = True, kept: tuple[KeptTensor, ...] = ()) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
         # whether the captured stages run through the compile passes (folding, sharing, bindings)
         self.optimized = optimized
         self.observed = observed  # what EXACT placed from: the bound trace and the reads the rehearsal saw
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
+        self.kept = kept  # the tensors its compiled stages captured, where the backend keeps them
         self.launcher, self.stream, self.label = launcher, launcher.stream, launcher.label
         # check mode: the buffers this graph's release points poison by default (all it releases)
         self.poisons = frozenset(b for bs in poison_points(plan.placements).values() for b in bs)
@@ -238,6 +251,20 @@ class Lowered:
         probes = {b: Bound.latest(e) for b, e in slot.probes.items()}
         return Fence.from_ticket(self.label, step, slot.buffer_points, events, slot.clock, ticket, handles, probes,
                                  handles[-1])
+
+    def stale(self) -> StaleCaptureError | None:
+        """Why this step's graphs no longer read what the backend keeps (a tensor they captured
+        that the backend has replaced, resized or moved since: see ``core.internal.KeptTensor``),
+        or ``None``. Every replay checks it after the out-of-graph stage's Python ran, and refuses
+        to replay a stale graph; a capture list lowers its stale sizes again.
+
+        >>> from readfence.backends import paged
+        >>> from readfence.graph import CpuDevice
+        >>> with CpuDevice() as dev:
+        ...     print(lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.EXACT).stale())
+        None
+        """
+        return stale_capture(self.kept, self.backend, self.label)
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         """Where ``buffer`` is released in the step (the scheduler writes in this order)."""
@@ -344,11 +371,6 @@ def lower(
     # the passes (see the module docstring): trace and bind; compile once for every ring slot and
     # validate; refuse an unsound declaration; rehearse; plan the fences; bind and capture per slot
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    # what may take a path the traced example did not (a step that is not replayed, whose capture
-    # there is none to validate; an out-of-graph stage that escapes, whose Python may branch on what
-    # it read on the host): its Python's reads on the varied states join the fences (and the
-    # audit's verdict below counts them)
-    varied = varied_reads(program, cfg, batch_size, state, settle=device.synchronize, backend=backend)
     # the stages compiled as every slot will run them, a hook after each node a record or a check's
     # poison may follow (only EXACT places poison inside a graph), validated before the rehearsal
     # runs the step's Python once more
@@ -356,12 +378,26 @@ def lower(
     writes = check is not None and policy is Policy.EXACT
     known = flatten_inputs(shared=state["shared"], pools=state["pools"], params=state["params"])
 
-    def compiled(sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor], seen: NodeReadsIn,
-                 poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
+    def compiled(program: Program, sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor],
+                 seen: NodeReadsIn, poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
         return lambda passes: compile_stages(program, sites, env, seen, writes=poison, live=live, optimize=passes)
 
-    code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
-                                 compiled(record_sites(program, {}), known, {}, writes), optimize)
+    def validated(program: Program) -> tuple[NodeReads, Mapping[Stage, StageCode], bool]:
+        # what may take a path the traced example did not (a step that is not replayed, whose capture
+        # there is none to validate; an out-of-graph stage that escapes, whose Python may branch on
+        # what it read on the host): its Python's reads on the varied states join the fences (and the
+        # audit's verdict below counts them)
+        varied = varied_reads(program, cfg, batch_size, state, settle=device.synchronize, backend=backend)
+        code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
+                                     compiled(program, record_sites(program, {}), known, {}, writes), optimize)
+        return varied, code, optimized
+
+    try:
+        varied, code, optimized = validated(program)
+    except StaleTrace:  # its Python changed since, through a value no key holds: trace it again
+        forget_trace(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
+        program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
+        varied, code, optimized = validated(program)
     declared = backend.read_effect(mode)
     traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
@@ -391,8 +427,10 @@ def lower(
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
                                 program.replayed)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
+    kept = _kept(backend, program)
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
-                    device.event if new_event is None else new_event, check, timeline, reads, live)
+                    device.event if new_event is None else new_event, check, timeline, reads, live,
+                    _kept_check(kept, backend, label))
     parts = [slot_parts(spec, r) for r in range(ring_size)]
     if not all(c.serves(parts[0].after[stage], parts[0].actions[stage], frozenset(node_reads(program.stage(stage), seen)))
                for stage, c in code.items()):
@@ -402,13 +440,44 @@ def lower(
                  for s in code}
         poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
         code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
-                                     compiled(sites, launcher.env, seen, poison), optimized)
+                                     compiled(program, sites, launcher.env, seen, poison), optimized)
     slots = [build_slot(spec, launcher, p, code) for p in parts]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check, observed=observed, optimized=optimized,
+        check=check, observed=observed, optimized=optimized, kept=kept,
     )
+
+
+def _kept(backend: BackendLike, program: Program) -> tuple[KeptTensor, ...]:
+    # the tensors the stages that replay a compiled graph captured (a stage that runs its Python
+    # reads what the backend keeps now), and where the backend keeps each
+    replayed_stages = [s for s in program.stages if not s.runs_python and s.analysis.captured]
+    return kept_tensors(replayed_stages, reach(backend, "backend")) if replayed_stages else ()
+
+
+def stale_capture(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> StaleCaptureError | None:
+    """The error that refuses to replay the graphs of ``label`` because one of the tensors they
+    captured (``kept``) changed where ``backend`` keeps it; ``None`` when none did."""
+    found = first_stale(kept, backend)
+    if found is None:
+        return None
+    tensor, what = found
+    return StaleCaptureError(backend.name, label, tensor.stage, tensor.where, what)
+
+
+def _kept_check(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> Callable[[], None] | None:
+    # what every replay checks once the out-of-graph stage's Python (which may have regrown a
+    # buffer) has run: nothing, for graphs that captured no tensor
+    if not kept:
+        return None
+
+    def check() -> None:
+        error = stale_capture(kept, backend, label)
+        if error is not None:
+            raise error
+
+    return check
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
@@ -499,4 +568,5 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     return program
 
 
-__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state"]
+__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state",
+           "stale_capture"]

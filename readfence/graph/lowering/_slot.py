@@ -374,6 +374,9 @@ class SlotSpec:
     # the live shared buffers an opaque op's outputs are checked against at every replay, where a
     # replay runs Python (the CPU device); ``None``: no such check
     live: BufferMap | None = None
+    # what every step checks once its out-of-graph stage ran, before the graph replays: that each
+    # tensor the graph captured is still the one the backend keeps (raises); ``None``: nothing captured
+    kept_check: Callable[[], None] | None = None
 
 
 @attrs.frozen(eq=False)
@@ -465,10 +468,12 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, parts: SlotParts, code: M
 def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, probes: tuple[Event, ...] = ()) -> Action:
     # the out-of-graph stage and its copies into the graph's static buffers, one launch; then
     # the probes of the last reads made in its Python
-    env, copy_meta, dev = launcher.env, launcher.copy_meta, spec.device
+    env, copy_meta, dev, kept_check = launcher.env, launcher.copy_meta, spec.device, spec.kept_check
 
     def plain() -> None:
         copy_meta(runner.run(env))
+        if kept_check is not None:  # its Python may have replaced a buffer the graph captured
+            kept_check()
         for probe in probes:
             dev.record_here(probe)
 

@@ -2,31 +2,50 @@
 
 Lowering one step under several policies, and a checker that audits the step before lowering
 it, ask the same question of the same traced program and live state: the audit's verdict at
-the batch size lowered (``core.audit`` with ``state=``). It depends on the backend's code and
-declaration, the step, and *where* the live tensors are (the program bound to the state,
-``core.bind``, itself computed once per program and place in memory), not on the values the
-tensors hold; so it is computed once per such key and shared. A cached answer is the very
-value a fresh call would give: an ``Unsound`` is immutable.
+the batch size lowered (``core.audit`` with ``state=``). It depends on the backend's code, the
+Python values that code reads (``core.internal.CodeKey``), its declaration, the step, and
+*where* the live tensors are (the program bound to the state, ``core.bind``, itself computed
+once per program and place in memory), not on the values the tensors hold; so it is computed
+once per such key (:class:`VerdictKey`) and shared, and it is current only while every trace the
+audit read is (a trace whose captured tensor the backend replaced is traced again, and the
+verdict computed again). A cached answer is the very value a fresh call would give: an
+``Unsound`` is immutable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import attrs
 from torch import Tensor
 
 from readfence.core import BackendLike, ForwardMode, ModelConfig, Unsound
 from readfence.core import audit as audit_backend
-from readfence.core.internal import cache_with_traces, remember, state_key
+from readfence.core.internal import CACHES, CodeKey, code_key, state_key
 
 State = Mapping[str, Mapping[str, Tensor]]
 
-#: How many answers the cache keeps (the oldest is forgotten first); it is forgotten with the
-#: traces (``core.clear_trace_cache``).
-_LIMIT = 256
 
-#: The audit's verdicts (``None``: sound), by what they depend on.
-_VERDICTS: dict[tuple[object, ...], Unsound | None] = cache_with_traces({})
+@attrs.frozen
+class VerdictKey:
+    """What the audit's verdict depends on: the backend (its declaration, by value), its code
+    and the values that code can read (``code``), the step (mode, model, batch size, device) and
+    where the live state is. The traces, bindings and observations the audit read are checked
+    at every use too (``Table.compute``): a verdict never outlives them."""
+
+    backend: BackendLike
+    code: CodeKey
+    mode: ForwardMode
+    cfg: ModelConfig
+    batch_size: int
+    device: str
+    state: tuple[tuple[Any, ...], ...]
+
+
+#: The audit's verdicts (``None``: sound).
+_VERDICTS = CACHES.table("verdicts", VerdictKey, "the audit's verdict on a step at one batch size on a live state "
+                         "(None: sound); current while the traces it read are", limit=256)
 
 
 def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, batch_size: int, device: str,
@@ -43,18 +62,16 @@ def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, 
     ...                     state=make_state(cfg)))
     None
     """
-    key = (backend, mode, cfg, batch_size, device, state_key(state))
+    def verdict() -> Unsound | None:
+        return audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=device,
+                             state=state).swap().value_or(None)
+
     try:
-        return _VERDICTS[key]
-    except (KeyError, TypeError):  # TypeError: a backend that is not hashable
-        pass
-    verdict = audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=device,
-                            state=state).swap().value_or(None)
-    try:
-        remember(_VERDICTS, key, verdict, _LIMIT)
-    except TypeError:
-        pass
-    return verdict
+        key = VerdictKey(backend, code_key(backend), mode, cfg, batch_size, device, state_key(state))
+        hash(key)
+    except TypeError:  # a backend that is not hashable
+        return verdict()
+    return _VERDICTS.compute(key, verdict)
 
 
-__all__ = ["audit_verdict"]
+__all__ = ["VerdictKey", "audit_verdict"]

@@ -41,7 +41,17 @@ from ..devices.internal import check_device
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
 from ..lowering.internal import LOOP_KEYWORDS, check_owned, device_of, for_a_loop, set_by
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
-from ..steps.internal import LoweredStep, StreamOrder, Target, check_run, eager_step, lower_step, members, scheduling_mode
+from ..steps.internal import (
+    LoweredStep,
+    StreamOrder,
+    Target,
+    check_run,
+    eager_step,
+    lower_step,
+    members,
+    recapture,
+    scheduling_mode,
+)
 from ._arrivals import Traffic
 from ._loop import DecodeLoop, fence_summary, names_keywords, same_logits, sanitized, settled_on_error, synthetic_work
 from ._sanitizer import Violation
@@ -279,7 +289,14 @@ class ServeLoop:
         low = self.prefill.get(size)
         if low is None:  # the schedule was not planned this far (see ``prepare``): lower it now
             low = self.prefill[size] = self._lower(prefill_target(self.target), ForwardMode.EXTEND, size)
+            self.recapture()
         return low, size, f"prefill b{size}"
+
+    def recapture(self) -> tuple[int, ...]:
+        """Lower again each decode graph that captured a tensor the backend has replaced since
+        (lowering a larger size, or a prefill step, regrew a buffer the backend keeps: see
+        ``steps.recapture``); the sizes lowered again."""
+        return recapture(self.decode, lambda size: self._lower(self.target, self.mode, size))
 
     def prepare(self, steps: int) -> dict[str, int]:
         """Lower the prefill steps the next ``steps`` steps need (a dry run of a copy of the
@@ -294,6 +311,7 @@ class ServeLoop:
                 size = _padded(kind, len(reqs), self.capture_sizes, self.members)
                 if size not in self.prefill:
                     self.prefill[size] = self._lower(prefill_target(self.target), ForwardMode.EXTEND, size)
+        self.recapture()  # a prefill lowered may have regrown what a decode graph captured
         return dict(kinds)
 
     def lowered_steps(self) -> list[LoweredStep]:

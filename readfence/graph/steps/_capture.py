@@ -7,24 +7,30 @@ event) and says what each size cost: the first pays for warming the tracer up, t
 for their own trace, audit and code (each size is traced on its own shapes: a backend's reads
 may depend on the batch size). What a size keeps is its own graphs: no traced program holds its
 example's tensors, and the trace cache forgets its oldest programs past a bound.
+
+A backend may regrow a buffer it keeps (its metadata, sized for the largest batch it has seen)
+while a larger size is lowered: the graphs of the smaller sizes captured the old tensor and would
+replay reading it. Once every size is lowered, :func:`recapture` lowers again each size whose
+graphs captured a tensor the backend has replaced, resized or moved since (``Lowered.stale``),
+until none has; a replay checks it too, and refuses a stale graph rather than read the old buffer.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 
 import attrs
 from torch import Tensor
 
 from readfence.backends import PerStream
 from readfence.core import ForwardMode, ModelConfig
-from readfence.core.internal import positive_int
+from readfence.core.internal import StaleCaptureError, positive_int
 from readfence.graph.devices import Device
 from readfence.graph.lowering import LowerOptions, Policy, make_state
 
-from ._composite import StreamOrder
+from ._composite import PhasedStep, StreamGroup, StreamOrder
 from ._target import LoweredStep, Target, lower_step
 
 
@@ -120,9 +126,50 @@ def lower_capture_list(
     state = make_state(cfg, device) if state is None else state
     graphs: dict[int, LoweredStep] = {}
     seconds: dict[int, float] = {}
-    for size in sizes:
+
+    def lowered(size: int) -> LoweredStep:
         start = time.perf_counter()
-        graphs[size] = lower_step(target, mode, device=device, policy=policy, batch_size=size, cfg=cfg,
-                                  state=state, lowering=lowering, order=order)
-        seconds[size] = time.perf_counter() - start
+        graphs[size] = lower_step(target, mode, device=device, policy=policy, batch_size=size, cfg=cfg, state=state,
+                                  lowering=lowering, order=order)
+        seconds[size] = seconds.get(size, 0.0) + time.perf_counter() - start
+        return graphs[size]
+
+    for size in sizes:
+        lowered(size)
+    recapture(graphs, lowered)
     return CaptureList(sizes, graphs, seconds, state)
+
+
+def step_stale(low: object) -> StaleCaptureError | None:
+    """Why a lowered step (a ``Lowered``, a phased step or a stream group: any of their graphs)
+    no longer reads what its backend keeps (``Lowered.stale``), or ``None``."""
+    parts = (low.graphs.values() if isinstance(low, PhasedStep) else low.lowered if isinstance(low, StreamGroup)
+             else (low,))
+    for part in parts:
+        stale = getattr(part, "stale", None)
+        error = stale() if callable(stale) else None
+        if error is not None:
+            return error
+    return None
+
+
+def recapture(graphs: MutableMapping[int, LoweredStep], lower: Callable[[int], LoweredStep]) -> tuple[int, ...]:
+    """Lower again (``lower(size)``) each size of ``graphs`` that is stale (:func:`step_stale`: a
+    tensor its graphs captured was replaced since, e.g. a buffer the backend regrew while a larger
+    size was lowered), until none is; the sizes lowered again, in order. A backend that replaces a
+    captured buffer at every lowering never settles: its :class:`StaleCaptureError` is raised.
+
+    >>> recapture({1: object(), 2: object()}, lambda size: object())
+    ()
+    """
+    again: list[int] = []
+    for _ in range(len(graphs) + 1):
+        stale = [size for size, low in graphs.items() if step_stale(low) is not None]
+        if not stale:
+            return tuple(again)
+        for size in stale:
+            graphs[size] = lower(size)
+            again.append(size)
+    error = next(e for low in graphs.values() if (e := step_stale(low)) is not None)
+    raise StaleCaptureError(error.backend, f"lowered again {len(again)} times, still stale", error.stage, error.kept,
+                            "was replaced again by the next lowering")

@@ -2,6 +2,8 @@
 (not public: its names may change without notice)."""
 
 from ._capture import members as members
+from ._capture import recapture as recapture
+from ._capture import step_stale as step_stale
 from ._composite import StreamOrder as StreamOrder
 from ._target import LoweredStep as LoweredStep
 from ._target import Target as Target
