@@ -656,7 +656,9 @@ class KeptTensor:
     It is stale once its layout changed (resized or moved in place: a CUDA graph holds the old
     address), or once none of its homes holds it any more (the backend replaced it: what the step's
     Python writes now, the graph does not read). A place that held it only for one step (metadata
-    rebuilt every step) may change while another keeps it: that is no change.
+    rebuilt every step) may change while another keeps it: that is no change. A tensor the graph's
+    own ops re-point (``repointed``: ``set_`` and kin on it) moves at every replay by the graph's
+    doing, as the step's Python moves it: its layout is no test, where the backend keeps it still is.
     """
 
     stage: str
@@ -664,11 +666,12 @@ class KeptTensor:
     tensor: torch.Tensor = attrs.field(repr=False)
     homes: tuple[tuple[Path, bool], ...]
     layout: tuple[Any, ...]
+    repointed: bool = False
 
     def stale(self, backend: object) -> str | None:
         """How the tensor changed since, seen from ``backend``: ``None`` when the graph still
         reads what the backend keeps."""
-        if tensor_layout(self.tensor) != self.layout:
+        if not self.repointed and tensor_layout(self.tensor) != self.layout:
             return f"was resized or moved in place (now shape {tuple(self.tensor.shape)})"
         if not self.homes:
             return None
@@ -697,8 +700,17 @@ def kept_tensors(stages: Any, found: Reach) -> tuple[KeptTensor, ...]:
         for c in s.analysis.captured:
             t = getattr(s.graph.gm, c.target, None)
             if isinstance(t, torch.Tensor):
-                out.append(KeptTensor(s.stage.name, c.target, t, found.homes(t), tensor_layout(t)))
+                out.append(KeptTensor(s.stage.name, c.target, t, found.homes(t), tensor_layout(t),
+                                      repointed=c.target in _repointed(s.graph.gm)))
     return tuple(out)
+
+
+def _repointed(gm: Any) -> frozenset[str]:
+    """The captured tensors (``get_attr`` targets) an op of ``gm`` changes the memory of (an
+    ``inplace_view`` op, ``set_`` and kin, given it as ``self``)."""
+    return frozenset(n.args[0].target for n in gm.graph.nodes
+                     if n.op == "call_function" and torch.Tag.inplace_view in getattr(n.target, "tags", ())
+                     and n.args and getattr(n.args[0], "op", None) == "get_attr")
 
 
 def first_stale(kept: tuple[KeptTensor, ...], backend: object) -> tuple[KeptTensor, str] | None:
