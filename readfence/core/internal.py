@@ -19,13 +19,22 @@ from ._checks import positive_seconds as positive_seconds
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
+from ._ledger import PYTHON as PYTHON
+from ._ledger import REPLAY_SEEDS as REPLAY_SEEDS
+from ._ledger import Ledger as Ledger
+from ._ledger import Run as Run
+from ._ledger import RunKind as RunKind
+from ._ledger import Witness as Witness
+from ._ledger import evidence_epoch as evidence_epoch
+from ._ledger import ledger_of as ledger_of
+from ._ledger import on_live_state as on_live_state
+from ._ledger import state_label as state_label
+from ._ledger import varied_states as varied_states
 from ._model import forward as forward
 from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
 from ._model import rotary as rotary
 from ._observe import Watched as Watched
-from ._observe import join_node_reads as join_node_reads
-from ._observe import observe_program as observe_program
 from ._observe import observe_step as observe_step
 from ._program import ALIASES_KEY as ALIASES_KEY
 from ._program import NodeReads as NodeReads
@@ -51,12 +60,7 @@ from ._step import StepFunctions as StepFunctions
 from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
-from ._validate import observe_varied as observe_varied
-from ._validate import seen_effect as seen_effect
-from ._validate import seen_reader as seen_reader
 from ._validate import validate_replay as validate_replay
-from ._validate import varied_reads as varied_reads
-from ._validate import varied_states as varied_states
 from .tracing._bind import state_key as state_key
 from .tracing._cache import cache_with_traces as cache_with_traces
 from .tracing._cache import remember as remember
@@ -75,12 +79,12 @@ from .tracing._triton import launches_unseen as launches_unseen
 __all__ = [
     "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap",
     "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
-    "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "example_step",
-    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "join_node_reads",
-    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
-    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
-    "positive_seconds", "prepare", "remember", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch", "stage_named", "StageCall",
-    "state_key", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step", "validate_replay",
-    "varied_reads", "varied_states", "Watched",
+    "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "evidence_epoch", "example_step",
+    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "launches_unseen",
+    "LayerScan", "Ledger", "ledger_of", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
+    "observe_step", "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds",
+    "prepare", "PYTHON", "remember", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
+    "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "split_batch", "stage_named", "StageCall",
+    "state_key", "state_label", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step",
+    "validate_replay", "varied_states", "Watched", "Witness",
 ]

@@ -3,16 +3,17 @@
 ``lower`` is a chain of passes, each a function from its input to its output:
 
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
-   makes correct (trace-time state, a stage a CUDA graph cannot capture) and, unless the
-   policy is COARSE, an unsound declaration;
+   makes correct (trace-time state, a stage a CUDA graph cannot capture);
 2. validate the capture against the code (``core.validate_replay``): a replayed stage must
-   compute what its Python computes on fresh states, whatever the policy; a step that is not
-   replayed (``core.internal.replayed``) is observed on those states instead, and a declaration
-   below what its Python reads there is refused (by the audit's verdict, which counts those reads);
+   compute what its Python computes on the generated states, whatever the policy; a step that
+   is not replayed (``core.internal.replayed``) is observed on those states instead;
 3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
-4. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
-   the bound trace joined with the observed reads);
-5. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
+4. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
+   step's ledger (``core.internal.Ledger``), which the validation, the rehearsal and the audit's
+   own runs all recorded into: a read any of them saw is a read;
+5. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from the
+   same ledger: the bound trace joined with every read a run saw);
+6. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
 
@@ -54,20 +55,18 @@ from readfence.core import (
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
-    NodeReads,
+    Ledger,
     check_backend,
     check_buffers,
     check_forward_mode,
     example_step,
     flatten_inputs,
     init_params,
-    join_node_reads,
+    ledger_of,
     make_pools,
     positive_int,
     replayed,
-    seen_effect,
     validate_replay,
-    varied_reads,
     varied_states,
 )
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
@@ -113,16 +112,18 @@ class Lowered:
     Build with :func:`lower`, which runs the lowering's passes and hands their results here.
     ``shared``, ``pools`` and ``params`` are the live tensors the step reads (share them with
     the scheduler and other lowered graphs); ``observed`` is the effect EXACT placed from (the
-    bound trace joined with every read the rehearsal saw); :meth:`run` enqueues one step and
-    returns its logits and :class:`Fence`.
+    bound trace joined with every read a run of the step saw: its ledger's); ``ledger`` is the
+    step's :class:`~readfence.core.internal.Ledger`; :meth:`run` enqueues one step and returns its
+    logits and :class:`Fence`.
     """
 
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
-                 slots: Sequence[Slot], observed: ReadEffect, check: CheckState | None = None) -> None:
+                 slots: Sequence[Slot], observed: ReadEffect, ledger: Ledger, check: CheckState | None = None) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
-        self.observed = observed  # what EXACT placed from: the bound trace and the reads the rehearsal saw
+        self.observed = observed  # what EXACT placed from: the ledger's effect (the trace and every run's reads)
+        self.ledger = ledger
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
         self.launcher, self.stream, self.label = launcher, launcher.stream, launcher.label
@@ -314,16 +315,17 @@ def lower(
     # the capture against the code; rehearse; plan the fences; then per ring slot insert
     # records, compile and capture
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    varied = _validated(program, backend, mode, cfg, batch_size, state, device)
+    ledger = ledger_of(program, cfg, batch_size, state)
+    _validated(program, ledger, backend, mode, device)
+    rehearsal = rehearse(program, ledger=ledger, mode=mode, stream=stream, label=label)
     declared = backend.read_effect(mode)
-    traced = program.traced()
     if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
-        # the audit's own verdict, at the batch size lowered, on the live state: whatever it
-        # refuses (a declaration below the trace, below a read the observer saw that the trace
-        # missed, or, in a step that is not replayed, below a read its Python made on a varied
-        # state) no fence placed from the declaration may accept
+        # the audit's own verdict, at the batch size lowered, on the live state, from the step's
+        # ledger: whatever it refuses (a declaration below the trace, below a read any run of the
+        # step saw: the audit's observer, the rehearsal, the Python of the stages that run it on
+        # the generated states) no fence placed from the declaration may accept
         failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
-                                state=state)
+                                state=state, ledger=ledger)
     else:
         failure = None
     if failure is not None:
@@ -333,12 +335,9 @@ def lower(
         )
         error.failure = failure
         raise error
-    # EXACT places from the bound trace joined with every read the rehearsal (and, in a step that
-    # is not replayed, the runs on varied states) saw, never below one
-    rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
-                         label=label)
-    seen = join_node_reads(rehearsal.observed, varied)
-    observed = traced | seen_effect(program, seen)
+    # EXACT places from the bound trace joined with every read a run of the step saw, never below one
+    seen = ledger.node_reads()
+    observed = ledger.effect()
     reads = last_reads(program, seen)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
                        observed=observed, graphed=graphed)
@@ -352,7 +351,7 @@ def lower(
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check, observed=observed,
+        check=check, observed=observed, ledger=ledger,
     )
 
 
@@ -372,18 +371,17 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
 
 
-def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
-               state: Mapping[str, dict[str, Tensor]], device: Device) -> NodeReads:
-    """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on fresh
-    states (``core.validate_replay``), whatever the policy: a graph that bakes a value of the
-    traced step is wrong with any fence. A step that is not replayed has no capture: its Python
-    runs on the same fresh states under the read observer instead, and what it reads there is
-    returned (per stage, per node), for the fences to join (``core.internal.varied_reads``, the
-    very reads the audit's verdict counts). The fresh states are ``core.internal.varied_states``,
-    written into the live buffers for a backend that keeps references to them, after the device
-    has run what was enqueued on them."""
+def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device) -> None:
+    """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on the
+    generated states (``core.validate_replay``), whatever the policy: a graph that bakes a value of
+    the traced step is wrong with any fence. What the Python of the stages that run it in the step
+    reads there is recorded in ``ledger``. A step that is not replayed has no capture: its Python
+    runs on the same states under the read observer instead (``Ledger.observe_varied``). The
+    states are ``core.internal.varied_states``, written into the live buffers for a backend that
+    keeps references to them, after the device has run what was enqueued on them."""
     if not program.replayed:
-        return varied_reads(program, cfg, batch_size, state, settle=device.synchronize)
+        ledger.observe_varied(settle=device.synchronize)
+        return
     compiled: dict[Stage, CompiledStage] = {}
 
     def replay(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -393,9 +391,11 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
             compiled[stage.stage] = CompiledStage(stage, compile_graph(stage.graph.gm, simplify=False, bindings=False))
         return compiled[stage.stage].run(env)
 
-    with varied_states(program, cfg, batch_size, state, settle=device.synchronize) as example:
-        validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay)
-    return {}
+    cfg, state = ledger.cfg, ledger.state
+    with varied_states(program, cfg, ledger.batch_size, state, settle=device.synchronize) as example:
+        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay)
+    # a capture validated before, on another state, ran nothing here: its Python is observed instead
+    ledger.observe_varied(settle=device.synchronize)
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
