@@ -129,6 +129,7 @@ class Ledger:
         self._changes = itertools.count(1)
         self.version = 0  # bumped by every run that shows a read, escape or write not seen before
         self._seen: set[tuple[str, str, str]] = set()  # (kind, buffer, stage label) of every access
+        self._memo: dict[tuple[Any, ...], Any] = {}  # what the queries computed, at a version
 
     # -- the one entry -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -146,7 +147,8 @@ class Ledger:
 
     def record(self, run: Run) -> None:
         """Add ``run`` (to an earlier run of the same kind and label, if it saw more than that one);
-        the ledger's version, and the evidence epoch, change if it saw what no run saw before."""
+        the ledger's version changes if it saw what no run saw before, and the evidence epoch
+        (:func:`evidence_epoch`) if that changed what the ledger says the step reads."""
         global _EPOCH
         new = {(a.kind, a.buffer, a.stage) for a in run.accesses}
         with self._lock:
@@ -156,11 +158,14 @@ class Ledger:
                 self._runs[key] = run
             elif not new <= {(a.kind, a.buffer, a.stage) for a in old.accesses}:
                 self._runs[key] = attrs.evolve(old, accesses=old.accesses + run.accesses)
-            if not new <= self._seen:
-                self._seen |= new
-                self.version = next(self._changes)
-                with _EPOCH_LOCK:
-                    _EPOCH += 1
+            if new <= self._seen:
+                return
+            before = self._memo.get(("effect", (), True))
+            self._seen |= new
+            self.version = next(self._changes)
+        if before is None or before[1] != self.effect():  # what a verdict is made of changed
+            with _EPOCH_LOCK:
+                _EPOCH += 1
 
     def has(self, kind: RunKind, label: str) -> bool:
         """Whether a run of ``kind`` named ``label`` is recorded (a run is made once per ledger)."""
@@ -252,6 +257,9 @@ class Ledger:
         >>> sorted(ledger.node_reads()[PREPARE_IN_GRAPH].items())
         [('index_select', frozenset({'req_to_token'})), ('index_select_1', frozenset({'seq_lens'}))]
         """
+        memo = self._memo.get(("node_reads", kinds))
+        if memo is not None and memo[0] == self.version:
+            return {stage: dict(nodes) for stage, nodes in memo[1].items()}
         out: NodeReads = {}
         for run in self.runs(*kinds):
             for a in run.reads():
@@ -260,18 +268,24 @@ class Ledger:
                     stage, node = placed
                     nodes = out.setdefault(stage, {})
                     nodes[node] = nodes.get(node, frozenset()) | {a.buffer}
-        return out
+        self._memo[("node_reads", kinds)] = (self.version, out)
+        return {stage: dict(nodes) for stage, nodes in out.items()}
 
     def effect(self, *kinds: RunKind, traced: bool = True) -> ReadEffect:
         """Per buffer, the end of its last read: the trace's (unless ``traced`` is false) joined
         with every read the runs (of ``kinds``, when given) saw, ``UNKNOWN`` where its memory
         escaped the dispatcher."""
+        memo = self._memo.get(("effect", kinds, traced))
+        if memo is not None and memo[0] == self.version:
+            return memo[1]
         ends: dict[str, ReadEnd] = {}
         for run in self.runs(*kinds):
             for a in run.reads():
                 ends[a.buffer] = ends.get(a.buffer, ReadEnd.NONE) | a.end
         seen = ReadEffect.of(ends)
-        return self.program.traced() | seen if traced else seen
+        effect = self.program.traced() | seen if traced else seen
+        self._memo[("effect", kinds, traced)] = (self.version, effect)
+        return effect
 
     def last_reader(self, buffer: str, *kinds: RunKind) -> Witness | None:
         """Where ``buffer``'s last read is: the trace's last reader when it reads it until its
@@ -427,15 +441,15 @@ def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: St
 
 
 
-#: Bumped whenever a run of any step saw a read, escape or write that no run of that step saw
-#: before: a verdict made at an earlier epoch may be stale (``evidence_epoch``).
+#: Bumped whenever a run of any step changed what its ledger says the step reads (``Ledger.effect``):
+#: a verdict made at an earlier epoch may be stale (``evidence_epoch``).
 _EPOCH = 0
 _EPOCH_LOCK = threading.Lock()
 
 
 def evidence_epoch() -> int:
-    """A number that changes whenever any ledger learns something new: a cached verdict made at
-    another epoch must be made again.
+    """A number that changes whenever a run changes what any ledger says its step reads: a cached
+    verdict made at another epoch must be made again.
 
     >>> evidence_epoch() >= 0
     True
