@@ -427,7 +427,7 @@ def varied_step(
     * seed 2, ``longest_context``: every request at the longest context, rows from the top down;
     * seed 3, ``mixed_batch``: a mixed batch, as a prefill batch always is and a decode batch is
       once a request finished and its row was reused: requests at their first tokens and others
-      deep in context side by side, in random rows, with stale rows of finished requests; with 4
+      deep in context side by side, in random rows, with stale rows of finished requests; with 3
       or more requests its last two are padding (one row, twice, at its first tokens), as a graph
       captured for a larger batch runs a smaller one;
     * any other seed: a random one of the three, with random rows and depths.
@@ -486,9 +486,9 @@ def varied_step(
 
 def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int]]:
     """Rows and prefix lengths of a mixed batch: half its requests (rounded up) new, the others
-    at random depths, in a random order; with 4 or more, the last two are padding (one row, at
+    at random depths, in a random order; with 3 or more, the last two are padding (one row, at
     its first tokens, twice)."""
-    pad = 2 if batch_size >= 4 else 0
+    pad = 2 if batch_size >= 3 else 0
     real = batch_size - pad
     new = (real + 1) // 2 if real > 1 else 0
     depths = torch.randint(1, max(span, 2), (real,), generator=g).clamp(max=span - 1).tolist()
