@@ -17,9 +17,9 @@ refusal, EXACT's placement, a step shape's ranking of its phases and ``verify``'
 read it here.
 
 A read a run saw in a stage's Python has no node of the stage's graph; where that graph is what
-runs (an in-graph stage of a replayed step) and its trace reads the buffer, the read is the
-trace's last reader of it there (the graph that runs reads it no later); anywhere else it is
-the stage's end (:data:`PYTHON`).
+runs (an in-graph stage of a replayed step) and its trace or a run of the graph (the rehearsal,
+node by node) saw a node of it read the buffer, the read is the last such node's (the graph that
+runs reads it there); anywhere else it is the stage's end (:data:`PYTHON`).
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ class RunKind(enum.StrEnum):
     (True, False)
     """
 
+    # (in the order a witness of a read is looked for: the audit's and lower's messages agree)
     OBSERVER = "observer"  # the audit's observer: the stages' Python on example steps (held to the trace)
     REHEARSAL = "rehearsal"  # lower's rehearsal, a loop's warm-up: the bound program on an example
     VARIED = "varied"  # the Python of the stages that run it, on a generated state
-    VALIDATION = "validation"  # a capture's validation: every stage's Python on a generated state
+    VALIDATION = "validation"  # beside a capture's validation replay: the same Python on a generated state
     CHECK = "check"  # check mode: the lowered step on the live state
 
     @property
@@ -261,9 +262,10 @@ class Ledger:
         if memo is not None and memo[0] == self.version:
             return {stage: dict(nodes) for stage, nodes in memo[1].items()}
         out: NodeReads = {}
+        in_graph = self._graph_readers()
         for run in self.runs(*kinds):
             for a in run.reads():
-                placed = self._placed(a)
+                placed = self._placed(a, in_graph)
                 if placed is not None:
                     stage, node = placed
                     nodes = out.setdefault(stage, {})
@@ -289,8 +291,8 @@ class Ledger:
 
     def last_reader(self, buffer: str, *kinds: RunKind) -> Witness | None:
         """Where ``buffer``'s last read is: the trace's last reader when it reads it until its
-        end (:meth:`effect`), else the run that saw it read that late (runs on example states
-        first: the audit's observer, the rehearsal, check mode; then those on generated states),
+        end (:meth:`effect`), else the run that saw it read that late (in :class:`RunKind`'s order:
+        the audit's observer, the rehearsal, then those on generated states, then check mode),
         its stage and node (an op's name for the audit's observer); ``None`` if nothing reads it.
         With ``kinds``, only the runs of those kinds, and not the trace, are looked at."""
         end = self.effect(*kinds, traced=not kinds)[buffer]
@@ -300,7 +302,7 @@ class Ledger:
             traced = self.program.last_reader(buffer)
             return None if traced is None else Witness(traced[0], traced[1], None, end)
         order = {s.name: i for i, s in enumerate(STAGES)}
-        for run in sorted(self.runs(*kinds), key=lambda r: r.kind.on_generated_state):
+        for run in sorted(self.runs(*kinds), key=lambda r: list(RunKind).index(r.kind)):
             reads = [a for a in run.reads() if a.buffer == buffer and a.end is end]
             if reads:
                 last = max(reads, key=lambda a: (order.get(a.stage.partition(":")[0], len(order)), a.seq))
@@ -326,16 +328,37 @@ class Ledger:
         return cross_check(self.program, self.observation())
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _placed(self, a: Access) -> tuple[Stage, str] | None:
+    def _placed(self, a: Access, in_graph: Mapping[tuple[Stage, str], str]) -> tuple[Stage, str] | None:
         stage = _stage_of(a)
         if stage is None:
             return None
         node = a_node(a)
-        if node is None:  # a read in the stage's Python: the graph that runs reads it no later than its trace
-            graph = self.program.stage(stage)
-            traced = None if graph.runs_python else graph.analysis.last_reader(a.buffer)
-            node = traced or PYTHON
+        if node is None:  # a read in the stage's Python: the graph that runs reads it where its runs saw it
+            node = PYTHON if self.program.stage(stage).runs_python else in_graph.get((stage, a.buffer), PYTHON)
         return stage, node
+
+    def _graph_readers(self) -> dict[tuple[Stage, str], str]:
+        """Per (stage whose graph runs, buffer), the last node of the graph that reads it, by its
+        trace or by a run of the graph node by node (the rehearsal)."""
+        found: dict[tuple[Stage, str], tuple[int, str]] = {}
+        graphs = {s.stage: s for s in self.program.stages if not s.runs_python}
+        order = {stage: g.graph.node_order() for stage, g in graphs.items()}
+
+        def saw(stage: Stage, node: str, buffer: str) -> None:
+            at = order[stage].get(node)
+            if at is not None and at >= found.get((stage, buffer), (-1, ""))[0]:
+                found[(stage, buffer)] = (at, node)
+
+        for stage, g in graphs.items():
+            for node, bufs in g.analysis.reads.items():
+                for b in bufs:
+                    saw(stage, node, b)
+        for run in self.runs():
+            for a in run.reads():
+                where, label = _stage_of(a), a_node(a)
+                if where in graphs and label is not None:
+                    saw(where, label, a.buffer)
+        return {key: node for key, (_, node) in found.items()}
 
     def _device(self) -> torch.device | str:
         if self.state is not None:

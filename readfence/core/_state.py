@@ -422,8 +422,8 @@ def varied_step(
     of the kind engines' traffic has, which a replayed capture is checked on
     (``core.validate_replay``) and a step's Python is observed on (``core.internal.Ledger``).
 
-    * seed 1, ``first_tokens``: every request at its first tokens, in consecutive rows from 0 (as a
-      loop starts); the other rows hold what finished requests left (stale lengths);
+    * seed 1, ``first_tokens``: every request at its first tokens, in consecutive rows from 0, the
+      other rows empty (as a loop starts);
     * seed 2, ``longest_context``: every request at the longest context, rows from the top down;
     * seed 3, ``mixed_batch``: a mixed batch, as a prefill batch always is and a decode batch is
       once a request finished and its row was reused: requests at their first tokens and others
@@ -476,7 +476,7 @@ def varied_step(
             perm = _on(device, torch.randperm(n, generator=g))
             shared[name] = perm[shared[name].long()].to(torch.int32)
             slots = perm if name == "req_to_token" else slots
-    if kind != "longest_context":  # rows of finished requests keep their lengths (an engine does not clear them)
+    if kind == "mixed_batch":  # rows of finished requests keep their lengths (an engine does not clear them)
         stale = torch.tensor([r for r in range(cfg.max_reqs) if r not in reqs], dtype=torch.int64)
         lens = torch.randint(1, cfg.max_ctx + 1, (len(stale),), generator=g, dtype=torch.int32)
         shared["seq_lens"].index_copy_(0, _on(device, stale), _on(device, lens))

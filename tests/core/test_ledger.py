@@ -159,9 +159,10 @@ def test_a_read_the_out_of_graph_stage_makes_only_on_some_traffic_is_refused(nam
                                                                         PREPARE_OUT_GRAPH.name), bad.message
     assert "stage prepare_out_graph's Python read it on a varied state" in bad.message, bad.message
     assert audit(make(True), M.DECODE, cfg=CFG).map(lambda r: r.sound).value_or(False)
-    # the trace and the example's run alone take the other path
+    # the trace and the example's run alone take the other path (at batch size 8 the example has a
+    # request at the longest context)
     clear_trace_cache()
-    assert audit(make(False), M.DECODE, cfg=CFG, observe_steps=0).map(lambda r: r.sound).value_or(False)
+    assert audit(make(False), M.DECODE, cfg=CFG, batch_sizes=[2], observe_steps=0).map(lambda r: r.sound).value_or(False)
 
 
 @pytest.mark.parametrize("name", traffic.KEPT)

@@ -146,8 +146,10 @@ def test_every_adversarial_backend_is_caught_by_verify_under_the_unsafe_flag(nam
         assert bad.kind == "refused" and "trace-time state" in bad.detail
     elif case.klass == "owned":  # another state's buffer: no fence of this state covers it
         assert bad.kind == "refused" and "of another state" in bad.detail, str(bad)
-    elif case.klass == "writes":
+    elif case.klass in ("writes", "kept_write"):
         assert bad.kind == "write" and bad.buffer in ("seq_lens", "req_to_token"), str(bad)
+    elif case.verdict == "invisible":  # no observer sees it: poison does
+        assert (bad.kind, bad.buffer, bad.evidence) == ("late read", case.buffer, "poison"), str(bad)
     else:
         assert (bad.kind, bad.buffer, bad.evidence) == ("late read", case.buffer, "observer"), str(bad)
         assert bad.stage == "body" and bad.op
@@ -268,8 +270,9 @@ def _plan_run_reader(state, late: tuple[str, ...]):
 
 def _poison_only(backend_of, *, seed: int, policy: Policy, dev):
     state = make_state(CFG)
+    # (a plan/run read is seen by the audit's observer on the live state: lowered with the unsafe flag)
     return verify(backend_of(state), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, state=state,
-                  seed=seed, policy=policy, checks={"poison"})
+                  seed=seed, policy=policy, checks={"poison"}, UNSAFE_skip_soundness_check=True)
 
 
 @pytest.mark.parametrize("buffer", ["req_to_token", "seq_lens", "state_slots", "swa_map"])
@@ -331,7 +334,7 @@ def test_outputs_that_differ_with_every_buffer_held_are_not_blamed_on_a_buffer(d
     assert (refused.kind, refused.evidence, refused.stage) == ("refused", "replay", "body"), str(refused)
 
     def lens(meta):  # a value read by printing (unseen), equal on every example state, not in the run
-        fresh = str(meta["kv_lens"].min()) == "tensor(1)"  # a request at its first token: never in an example
+        fresh = str(meta["kv_lens"].max()) == "tensor(3)"  # a threshold no generated state's longest request hits
         return (meta["kv_lens"] - int(fresh)).clamp(min=1)
 
     def missed(mode, layer, q, k, v, pools, shared, batch, meta):
