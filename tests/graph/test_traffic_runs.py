@@ -114,3 +114,19 @@ def test_a_branch_on_a_mixed_batch_in_extend_is_refused_and_real(name, dev) -> N
     honest = _verify(traffic.extend_branch(name, CFG.max_ctx, honest=True), M.EXTEND, dev,
                      policy=[Policy.PER_BUFFER, Policy.EXACT])
     assert honest.map(lambda r: len(r.checks)).value_or(None) == 2, honest
+
+
+def test_poison_alone_names_the_reader_the_step_s_ledger_saw_or_says_none_saw_it(dev) -> None:
+    # verify's attribution is the ledger's: a kernel's read of the live lengths it keeps, which the
+    # audit's observer saw, is named; a read through memory kept before anything watched is not
+    from tests.adversarial import CASES
+
+    state = make_state(CFG)
+    common = dict(device=dev, cfg=CFG, state=state, steps=3, batch_size=2, policy=Policy.PER_BUFFER, checks={"poison"},
+                  UNSAFE_skip_soundness_check=True)
+    seen = verify(traffic.kept("custom_op", state), M.DECODE, **common).failure()
+    assert (seen.kind, seen.evidence, seen.buffer, seen.stage) == ("late read", "poison", "seq_lens", "body"), str(seen)
+    assert "kept_lens" in seen.op and "the step's ledger saw" in seen.detail, str(seen)
+    unseen = verify(CASES["kept_pointer"].build(state), M.DECODE, **common).failure()
+    assert (unseen.kind, unseen.evidence, unseen.buffer, unseen.stage) == ("late read", "poison", "seq_lens", None)
+    assert "no run of the step saw it read after its release" in unseen.detail, str(unseen)

@@ -130,7 +130,9 @@ def test_poison_alone_names_the_buffer_by_poisoning_one_at_a_time(dev) -> None:
                                                          "seq_lens": ReadEnd.IN_REPLAY}))
     bad = verify(early, M.TARGET_VERIFY, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
                  policy=Policy.PER_BUFFER, observer=False, UNSAFE_skip_soundness_check=True).failure()
-    assert (bad.kind, bad.evidence, bad.buffer, bad.step, bad.stage) == ("late read", "poison", "req_to_token", 0, None)
+    assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("late read", "poison", "req_to_token", 0)
+    # who read it: where the step's ledger last saw it read, past its release (the body's traced node)
+    assert bad.stage == "body" and "the step's ledger saw" in bad.detail, str(bad)
 
 
 HIDDEN = [n for n, c in CASES.items() if c.verdict in ("refused", "invisible")]
@@ -205,7 +207,8 @@ def test_a_late_read_is_caught_by_poison_alone_and_by_the_observer_alone(alone, 
     bad = verify(EARLY_PAGED, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
                  checks={alone}, UNSAFE_skip_soundness_check=True).failure()
     assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("late read", alone, "req_to_token", 0), str(bad)
-    assert (bad.stage is None) == (alone == "poison")
+    # the observer saw the op; poison names what the step's ledger saw read it past its release
+    assert bad.stage == "prepare_in_graph" and "index_select" in bad.op, str(bad)
 
 
 def test_a_write_is_caught_by_the_guard_alone_and_by_no_other_check(dev) -> None:
