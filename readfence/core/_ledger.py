@@ -134,17 +134,20 @@ class Ledger:
 
     # -- the one entry -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def watch(self, kind: RunKind, label: str, shared: Mapping[str, Tensor]) -> Iterator[ReadObserver]:
+    def watch(self, kind: RunKind, label: str, shared: Mapping[str, Tensor], *,
+              observer: ReadObserver | None = None) -> Iterator[ReadObserver]:
         """A :class:`ReadObserver` of ``shared`` (the state the run is given) and the live shared
         buffers, for the block to run the program's code under (entered around the code it watches:
         all of a step, or the stages whose Python runs in it); what it saw is recorded as run
         ``label`` of ``kind`` when the block ends, also when the code raised (what it read before
-        counts)."""
-        observer = ReadObserver(BufferMap.of(shared).union([self.live]))
+        counts). ``observer`` is one the caller runs already (check mode's, watching the live
+        buffers over a whole step): what it sees during the block is recorded."""
+        observer = observer if observer is not None else ReadObserver(BufferMap.of(shared).union([self.live]))
+        start = len(observer.accesses)
         try:
             yield observer
         finally:
-            self.record(Run(kind, label, tuple(observer.accesses)))
+            self.record(Run(kind, label, tuple(observer.accesses[start:])))
 
     def record(self, run: Run) -> None:
         """Add ``run`` (to an earlier run of the same kind and label, if it saw more than that one);

@@ -130,3 +130,22 @@ def test_poison_alone_names_the_reader_the_step_s_ledger_saw_or_says_none_saw_it
     unseen = verify(CASES["kept_pointer"].build(state), M.DECODE, **common).failure()
     assert (unseen.kind, unseen.evidence, unseen.buffer, unseen.stage) == ("late read", "poison", "seq_lens", None)
     assert "no run of the step saw it read after its release" in unseen.detail, str(unseen)
+
+
+def test_check_mode_records_what_it_watched_in_the_step_s_ledger(dev) -> None:
+    # check mode is a run of the lowered step like any other: what its observer saw on the live
+    # state joins the step's ledger, through the one entry (a run of kind ``check``)
+    from readfence.backends import paged
+    from readfence.core.internal import RunKind
+    from readfence.graph import CheckState, decode_loop
+    from readfence.graph.verification._verify import LateReadWatch
+
+    state = make_state(CFG)
+    watch = LateReadWatch(state["shared"])
+    loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG, state=state,
+                       check=CheckState(state["shared"], CFG, watcher=watch))
+    loop.run(2)
+    (check,) = loop.lowered.ledger.runs(RunKind.CHECK)
+    assert {(a.buffer, a.stage) for a in check.reads()} >= {("req_to_token", "prepare_in_graph"),
+                                                             ("seq_lens", "prepare_in_graph")}
+    assert loop.lowered.ledger.effect(RunKind.CHECK, traced=False) <= loop.lowered.observed

@@ -342,7 +342,7 @@ def lower(
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
                        observed=observed, graphed=graphed)
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
-                                program.replayed)
+                                program.replayed, ledger)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
@@ -357,7 +357,7 @@ def lower(
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
               rehearsal: Rehearsal, stream: Stream, label: str, timeline: Timeline | None,
-              check: CheckState | None, replayed: bool) -> tuple[StepLauncher, dict[str, Tensor]]:
+              check: CheckState | None, replayed: bool, ledger: Ledger) -> tuple[StepLauncher, dict[str, Tensor]]:
     # the step's static buffers: its batch, the metadata copies, the logits; over the live state
     dev = device_of(state["shared"])
     example = example_step(cfg, mode, batch_size, device=dev)
@@ -368,7 +368,8 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
     labels = {name: f"{label}/{name}" for name in (*(s.name for s in STAGES), "load_batch", "outputs")}
     watcher = None if check is None else check.watcher
-    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
+    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed,
+                        ledger), batch
 
 
 def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device) -> None:

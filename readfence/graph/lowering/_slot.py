@@ -17,7 +17,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
-from readfence.core.internal import BufferMap, NodeReadsIn
+from readfence.core.internal import BufferMap, Ledger, NodeReadsIn
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
@@ -97,9 +97,10 @@ class StepLauncher:
     """How a lowered step's stages are launched on its stream: each stage's runner over the
     step's environment ``env`` (its static batch, the live state, the static metadata copies
     ``meta``), the in-graph stages' outputs into ``env``, the body's into ``logits``; each
-    watched in check mode and timed when there is a timeline. In a step that is not
-    ``replayed`` the out-of-graph stage's outputs go into ``env`` as they are: every stage runs
-    its Python, as the engine runs it, and its metadata may change shape every step."""
+    watched in check mode (a run of the step's ``ledger``) and timed when there is a timeline. In
+    a step that is not ``replayed`` the out-of-graph stage's outputs go into ``env`` as they are:
+    every stage runs its Python, as the engine runs it, and its metadata may change shape every
+    step."""
 
     stream: Stream
     env: dict[str, Tensor]
@@ -110,6 +111,7 @@ class StepLauncher:
     timeline: Timeline | None = None
     watcher: Watcher | None = None
     replayed: bool = True
+    ledger: Ledger | None = None  # the step's: what check mode's watcher sees is recorded there
 
     def copy_meta(self, out: Mapping[str, Tensor]) -> None:
         """The out-of-graph stage's outputs into the graph's static buffers (of the traced
@@ -137,7 +139,7 @@ class StepLauncher:
             if watcher is None:
                 sink(runner.run(env))
                 return
-            with watcher.stage(stage.name):
+            with watcher.stage(stage.name, self.ledger):
                 sink(runner.run(env))
 
         fn = run_stage if self.timeline is None else self.timeline.timed(self.stream.name, stage.name, run_stage, "stage")

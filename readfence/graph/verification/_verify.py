@@ -49,7 +49,7 @@ from readfence.core import (
     StageThreadError,
     StageWriteError,
 )
-from readfence.core.internal import BufferMap, positive_int
+from readfence.core.internal import BufferMap, Ledger, RunKind, positive_int
 from readfence.effects import Failure  # unwrap() says why
 
 from ..devices import Device, DeviceError
@@ -205,9 +205,11 @@ class LateReadWatch:
         return obs
 
     @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str, ledger: Ledger | None = None) -> Iterator[None]:
+        """Watch stage ``name`` (a run of the lowered step's ``ledger``, when given: check mode's)."""
         obs = self._observer()
-        with obs, obs.stage(name):
+        recorded = contextlib.nullcontext() if ledger is None else ledger.watch(RunKind.CHECK, "check", {}, observer=obs)
+        with recorded, obs, obs.stage(name):
             yield
 
     def started(self, step: int) -> None:
