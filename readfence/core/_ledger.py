@@ -28,6 +28,7 @@ import contextlib
 import enum
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -123,7 +124,9 @@ class Ledger:
     """
 
     def __init__(self, program: Program, cfg: ModelConfig, batch_size: int, state: State | None = None) -> None:
-        self.program, self.cfg, self.batch_size, self.state = program, cfg, batch_size, state
+        self.program, self.cfg, self.batch_size = program, cfg, batch_size
+        # the live state, held weakly (a cached ledger must not keep a model's caches alive)
+        self._state = None if state is None else {g: {k: weakref.ref(t) for k, t in d.items()} for g, d in state.items()}
         self.live = BufferMap.of(state["shared"]) if state is not None else BufferMap.of({})
         self._runs: dict[tuple[RunKind, str], Run] = {}
         self._lock = threading.Lock()
@@ -171,6 +174,21 @@ class Ledger:
             with _EPOCH_LOCK:
                 _EPOCH += 1
 
+    @property
+    def state(self) -> State | None:
+        """The live state the program is bound to (``None``: none, or no longer alive)."""
+        if self._state is None:
+            return None
+        out = {g: {k: ref() for k, ref in d.items()} for g, d in self._state.items()}
+        if any(t is None for d in out.values() for t in d.values()):
+            return None
+        return out  # type: ignore[return-value]
+
+    @property
+    def gone(self) -> bool:
+        """Whether the live state it was made for is no longer alive (its memory may be another's)."""
+        return self._state is not None and self.state is None
+
     def has(self, kind: RunKind, label: str) -> bool:
         """Whether a run of ``kind`` named ``label`` is recorded (a run is made once per ledger)."""
         return (kind, label) in self._runs
@@ -208,14 +226,14 @@ class Ledger:
 
     def observe_examples(self, fns: StepFunctions, steps: int = 1, seed: int = 0) -> None:
         """The audit's observer: ``steps`` example steps (``example_step`` with seeds ``seed``,
-        ``seed + 1``...; the first is the trace's own), each run once per ledger."""
+        ``seed + 1``...; the first is the trace's own), each run once per ledger, watching the
+        live buffers too (the live state is not written: a loop may be running on it)."""
         for i in range(steps):
             label = f"example {seed + i}"
             if not self.has(RunKind.OBSERVER, label):
-                with self.states(lambda s: example_step(self.cfg, self.program.mode, self.batch_size, seed=s,
-                                                        device=self._device()).groups()) as step:
-                    with torch.no_grad():
-                        self.observe_step(RunKind.OBSERVER, label, fns, step(seed + i))
+                step = example_step(self.cfg, self.program.mode, self.batch_size, seed=seed + i, device=self._device())
+                with torch.no_grad():
+                    self.observe_step(RunKind.OBSERVER, label, fns, step.groups())
 
     def observe_varied(self, *, seeds: tuple[int, ...] | None = None,
                        settle: Callable[[], None] | None = None) -> None:
@@ -240,13 +258,6 @@ class Ledger:
                 with torch.no_grad():
                     self.observe_program(RunKind.VARIED, state_label(seed), flatten_inputs(**groups), groups["shared"],
                                          until=python[-1])
-
-    @contextlib.contextmanager
-    def states(self, make: Callable[[int], dict[str, Any]]) -> Iterator[Callable[[int], dict[str, Any]]]:
-        """``make(seed)``'s groups, written into the live buffers where the program keeps references
-        to them (``core.internal.varied_states``), for the runs of the block."""
-        with on_live_state(self.program, self.state, make) as step:
-            yield step
 
     # -- what the ledger says --------------------------------------------------------------------
     def node_reads(self, *kinds: RunKind) -> NodeReads:
@@ -485,7 +496,7 @@ def evidence_epoch() -> int:
 
 #: The ledgers, by bound program, model config, batch size and live state (its place in memory).
 _LEDGERS: dict[tuple[Any, ...], Ledger] = cache_with_traces({})
-_LEDGERS_LIMIT = 512
+_LEDGERS_LIMIT = 256
 
 
 def ledger_of(program: Program, cfg: ModelConfig, batch_size: int, state: State | None = None) -> Ledger:
@@ -501,7 +512,7 @@ def ledger_of(program: Program, cfg: ModelConfig, batch_size: int, state: State 
     """
     key = (program, cfg, batch_size, None if state is None else state_key(state))
     hit = _LEDGERS.get(key)
-    if hit is None:
+    if hit is None or hit.gone:  # (another state now in the memory of one that died)
         hit = remember(_LEDGERS, key, Ledger(program, cfg, batch_size, state), _LEDGERS_LIMIT)
     return hit
 
