@@ -7,10 +7,11 @@ read the tracer did not notice (``str(t)``, which prints with the dispatcher's m
 ``tolist()`` inside TorchScript; a count taken from a data-dependent shape), a value an earlier
 stage kept on ``self``. Rather than trust that no such value was missed, :func:`validate_replay`
 checks the graph against the code, as a compiler's translation validation does: it runs the
-step's Python on fresh example states whose values differ from the traced one (other lengths,
-other page tables, the same shapes) and replays each captured stage on the very inputs the
-Python stage receives (the memory put back in between), then compares every output and every
-byte of memory the stage could write. A difference is :class:`NotGraphSafe`, naming the stage,
+step's Python on generated states of the kinds traffic has, whose values differ from the traced
+one (requests at their first token, at the longest context, a mixed batch; other page tables;
+the same shapes) and replays each captured stage on the very inputs the Python stage receives
+(the memory put back in between), then compares every output and every byte of memory the stage
+could write. A difference is :class:`NotGraphSafe`, naming the stage,
 the first output that differs and, where a trace on the differing state shows it, the line
 that computed the baked value.
 
@@ -19,8 +20,7 @@ always the context length), and code that reads the host's clock or other state 
 step. The runtime checks (poison, the comparison with the serial run) remain the ground truth.
 
 >>> import torch
->>> from readfence.core import ForwardMode
->>> from readfence.core import ModelConfig
+>>> from readfence.core import ForwardMode, ModelConfig
 >>> from readfence.core.internal import StepFunctions, ledger_of, trace_step
 >>> def body(shared, batch, meta):          # the longest length, read by printing it
 ...     return shared["seq_lens"] * float(str(shared["seq_lens"].max())[7:-1])
