@@ -150,7 +150,11 @@ def test_the_generated_states_are_consistent_steps() -> None:
 
 
 # -- reads the ledger's runs see, that a trace's example does not take ---------------------------
-@pytest.mark.parametrize("name", list(traffic.out_of_graph_cases(CFG.max_ctx)))
+def _slow_but_first(names):
+    return [pytest.param(n, marks=[] if i == 0 else [pytest.mark.slow]) for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("name", _slow_but_first(list(traffic.out_of_graph_cases(CFG.max_ctx))))
 def test_a_read_the_out_of_graph_stage_makes_only_on_some_traffic_is_refused(name) -> None:
     make = traffic.out_of_graph_cases(CFG.max_ctx)[name]
     bad = audit(make(False), M.DECODE, cfg=CFG).failure()
@@ -165,7 +169,7 @@ def test_a_read_the_out_of_graph_stage_makes_only_on_some_traffic_is_refused(nam
     assert audit(make(False), M.DECODE, cfg=CFG, batch_sizes=[2], observe_steps=0).map(lambda r: r.sound).value_or(False)
 
 
-@pytest.mark.parametrize("name", traffic.KEPT)
+@pytest.mark.parametrize("name", _slow_but_first(traffic.KEPT))
 def test_a_custom_op_reading_the_live_lengths_it_keeps_is_refused_by_the_audit_given_the_state(name) -> None:
     state = make_state(CFG)
     bad = audit(traffic.kept(name, state), M.DECODE, cfg=CFG, state=state, batch_sizes=[2]).failure()
@@ -176,7 +180,7 @@ def test_a_custom_op_reading_the_live_lengths_it_keeps_is_refused_by_the_audit_g
                  batch_sizes=[2]).map(lambda r: r.sound).value_or(False)
 
 
-@pytest.mark.parametrize("name", traffic.EXTEND_BRANCHES)
+@pytest.mark.parametrize("name", _slow_but_first(traffic.EXTEND_BRANCHES))
 def test_a_branch_on_a_mixed_batch_in_extend_is_refused(name) -> None:
     bad = audit(traffic.extend_branch(name, CFG.max_ctx), M.EXTEND, cfg=CFG).failure()
     stage = PREPARE_IN_GRAPH if name == "in_graph" else BODY

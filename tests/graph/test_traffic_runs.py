@@ -43,6 +43,7 @@ def _verify(backend, mode, dev, **kw):
 
 
 def _slow_but_first(names):
+    # (each runs several loops: the quick tier keeps the first spelling of each class)
     return [pytest.param(n, marks=[] if i == 0 else [pytest.mark.slow]) for i, n in enumerate(names)]
 
 
@@ -116,6 +117,7 @@ def test_a_branch_on_a_mixed_batch_in_extend_is_refused_and_real(name, dev) -> N
     assert honest.map(lambda r: len(r.checks)).value_or(None) == 2, honest
 
 
+@pytest.mark.slow
 def test_poison_alone_names_the_reader_the_step_s_ledger_saw_or_says_none_saw_it(dev) -> None:
     # verify's attribution is the ledger's: a kernel's read of the live lengths it keeps, which the
     # audit's observer saw, is named; a read through memory kept before anything watched is not
