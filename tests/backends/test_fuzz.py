@@ -331,6 +331,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
     # what its Python does not), the pool job's is a P1. The reader left running reads after
     # the stage returned, seen by no check: accepted with verify clean, it is a miss, counted
     # with the violations.
+    import readfence.core._ledger as ledger
     import readfence.core._observe as observing
     import readfence.core.tracing._trace as tracing
 
@@ -339,6 +340,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
 
     monkeypatch.setattr(tracing, "watch_threads", unwatched)
     monkeypatch.setattr(observing, "watch_threads", unwatched)
+    monkeypatch.setattr(ledger, "watch_threads", unwatched)
     clear_trace_cache()
     tally = Tally()
     outcomes = {}

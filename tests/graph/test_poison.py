@@ -301,7 +301,7 @@ def test_poison_alone_catches_a_reader_that_uses_the_late_value_only_through_one
     for seed in (0, 1):
         bad = _verify(name, via, dev, seed).failure()
         assert (bad.kind, bad.evidence, bad.buffer) == ("late read", "poison", "seq_lens"), str(bad)
-        assert bad.stage is None and 0 <= bad.step < STEPS
+        assert bad.stage == "body" and 0 <= bad.step < STEPS  # the reader the step's ledger saw read it late
 
 
 @pytest.mark.parametrize(("name", "via"), CASES, ids=[f"{n}-{v}" for n, v in CASES])

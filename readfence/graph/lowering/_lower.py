@@ -7,10 +7,11 @@
 2. validate the capture against the code (``core.validate_replay``): a replayed stage must
    compute what its Python computes on the generated states, whatever the policy; a step that
    is not replayed (``core.internal.replayed``) is observed on those states instead;
-3. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up);
-4. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
-   step's ledger (``core.internal.Ledger``), which the validation, the rehearsal and the audit's
-   own runs all recorded into: a read any of them saw is a read;
+3. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
+   step's ledger (``core.internal.Ledger``), which the validation and the audit's own runs
+   recorded into: a read any of them saw is a read;
+4. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up), into the
+   same ledger, and ask the verdict again;
 5. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from the
    same ledger: the bound trace joined with every read a run saw);
 6. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
@@ -317,24 +318,31 @@ def lower(
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     ledger = ledger_of(program, cfg, batch_size, state)
     _validated(program, ledger, backend, mode, device)
-    rehearsal = rehearse(program, ledger=ledger, mode=mode, stream=stream, label=label)
     declared = backend.read_effect(mode)
-    if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
+
+    def refuse_unsound() -> None:
         # the audit's own verdict, at the batch size lowered, on the live state, from the step's
         # ledger: whatever it refuses (a declaration below the trace, below a read any run of the
         # step saw: the audit's observer, the rehearsal, the Python of the stages that run it on
         # the generated states) no fence placed from the declaration may accept
+        if policy is Policy.COARSE or UNSAFE_skip_soundness_check:
+            return
         failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
                                 state=state, ledger=ledger)
-    else:
-        failure = None
-    if failure is not None:
-        error = UnsoundLowering(
-            f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
-            f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
-        )
-        error.failure = failure
-        raise error
+        if failure is not None:
+            error = UnsoundLowering(
+                f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
+                f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
+            )
+            error.failure = failure
+            raise error
+
+    refuse_unsound()
+    # the rehearsal is the last run of the step's code before it is captured (whatever a backend
+    # keeps from a run, it keeps from this one under every policy); what it saw joins the verdict
+    # (asked again: made again only if the rehearsal changed what the ledger says)
+    rehearsal = rehearse(program, ledger=ledger, mode=mode, stream=stream, label=label)
+    refuse_unsound()
     # EXACT places from the bound trace joined with every read a run of the step saw, never below one
     seen = ledger.node_reads()
     observed = ledger.effect()
