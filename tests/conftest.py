@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 import torch
+from hypothesis import settings
 
 from readfence.core import ModelConfig
 
@@ -18,6 +19,11 @@ NO_TRITON = ("triton is not installed (pip install -e '.[triton]'): its kernels 
              "machine without a GPU")
 if TRITON and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# No test may depend on how fast the machine is: hypothesis' per-example deadline (200 ms by
+# default) would fail a loaded machine's slow example, so the suite runs without one.
+settings.register_profile("readfence-tests", deadline=None)
+settings.load_profile("readfence-tests")
 
 #: The model configs the tests share (``trace`` caches per config, so modules using the same
 #: one share their traces): most run the small one.

@@ -1,6 +1,7 @@
 """The package imports only downwards: each layer imports only the layers before it.
 
-    effects <- core <- backends <- graph (devices <- lowering <- steps <- runtime <- verification) <- engine <- parallel <- cli
+    effects <- core <- backends <- graph (devices <- lowering <- steps <- runtime <- verification) <- engine <- parallel
+    <- races <- cli
     <- __main__ (``python -m readfence``)
 
 Every import statement of every module under ``readfence/`` is read with ``ast``: module-level
@@ -39,6 +40,7 @@ LAYERS: tuple[str, ...] = (
     "readfence.graph",
     "readfence.engine",
     "readfence.parallel",
+    "readfence.races",
     "readfence.cli",
     "readfence.__main__",
 )

@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 
 from readfence.core import ForwardMode
 from readfence.core.internal import did_you_mean
-from readfence.effects import Failure  # unwrap() says why
+from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
+from readfence.effects.internal import Token, _Fail, tokenize, unknown_name
 
 from ._backend import Backend
 from ._combinators import hybrid, hybrid_linear, join, minimax, per_stream, select, tbo
@@ -63,65 +64,6 @@ class SpecError:
         lead = "..." if start else ""
         return (f"position {self.position}: {self.message}\n  {lead}{excerpt}\n"
                 f"  {' ' * (len(lead) + self.position - start)}^")
-
-
-class _Fail(Exception):
-    def __init__(self, position: int, message: str) -> None:
-        super().__init__(message)
-        self.position, self.message = position, message
-
-
-@attrs.frozen
-class _Token:
-    kind: str  # name, int, float, string, "(", ")", ",", "=", end
-    text: str
-    pos: int
-    value: Any = None
-
-    def show(self) -> str:
-        return "end of spec" if self.kind == "end" else repr(self.text)
-
-
-def _tokenize(spec: str) -> list[_Token]:
-    tokens: list[_Token] = []
-    i, n = 0, len(spec)
-    while i < n:
-        c = spec[i]
-        if c.isspace():
-            i += 1
-        elif c in "(),=":
-            tokens.append(_Token(c, c, i))
-            i += 1
-        elif c.isalpha() or c == "_":
-            j = i + 1
-            while j < n and (spec[j].isalnum() or spec[j] == "_"):
-                j += 1
-            tokens.append(_Token("name", spec[i:j], i))
-            i = j
-        elif c.isdigit() or (c in "-+." and i + 1 < n and (spec[i + 1].isdigit() or spec[i + 1] == ".")):
-            j = i + 1
-            while j < n and (spec[j].isdigit() or spec[j] in ".eE_" or
-                             (spec[j] in "+-" and spec[j - 1] in "eE")):
-                j += 1
-            text = spec[i:j]
-            try:
-                tokens.append(_Token("int", text, i, int(text)))
-            except ValueError:
-                try:
-                    tokens.append(_Token("float", text, i, float(text)))
-                except ValueError:
-                    raise _Fail(i, f"bad number {text!r}") from None
-            i = j
-        elif c == '"':
-            j = spec.find('"', i + 1)
-            if j < 0:
-                raise _Fail(i, "unterminated string: expected a closing '\"'")
-            tokens.append(_Token("string", spec[i:j + 1], i, spec[i + 1:j]))
-            i = j + 1
-        else:
-            raise _Fail(i, f"unexpected character {c!r}; expected a name, a literal or one of ( ) , =")
-    tokens.append(_Token("end", "", n))
-    return tokens
 
 
 # -- forms: what each name accepts -----------------------------------------------------------
@@ -258,7 +200,7 @@ class _Parser:
         self.leaf_names = sorted(leaves)
         self.outer, self.what, self.or_backend = outer, what, or_backend or not outer
 
-    def form(self, tok: _Token, depth: int) -> CallForm:
+    def form(self, tok: Token, depth: int) -> CallForm:
         name = tok.text
         if name in self.outer:
             if depth:
@@ -274,10 +216,8 @@ class _Parser:
                 raise _Fail(tok.pos, f"unknown {self.what} {name!r}{_close(name, self.outer)}; "
                                      f"{self.what}s: {outer}")
             raise _Fail(tok.pos, f"expected a {self.what} ({outer}), found the backend {name!r}")
-        shapes = f"; {self.what}s: {outer}" if self.outer and depth == 0 else ""
-        close = _close(name, [*self.leaf_names, *_COMBINATORS, *(self.outer if depth == 0 else ())])
-        raise _Fail(tok.pos, f"unknown backend {name!r}{close}; known leaves: {', '.join(self.leaf_names)}; "
-                             f"combinators: {', '.join(sorted(_COMBINATORS))}{shapes}")
+        raise _Fail(tok.pos, unknown_name(name, depth=depth, leaves=self.leaf_names, combinators=list(_COMBINATORS),
+                                          outer=list(self.outer), what=self.what))
 
     def build(self, frame: _Frame) -> Any:
         form, name = frame.form, frame.name
@@ -307,7 +247,7 @@ class _Parser:
         return f"; allowed keywords: {', '.join(sorted(form.keywords)) or '(none)'}"
 
     def parse(self) -> Any:
-        tokens = _tokenize(self.spec)
+        tokens = tokenize(self.spec)
         stack: list[_Frame] = []
         i = 0
         state = "value"

@@ -18,8 +18,9 @@ from typing import Any
 import click
 
 from readfence import __version__
+from readfence.effects import ReadfenceError
 
-from ._errors import OneLineErrors
+from ._errors import OneLineErrors, Refused
 
 #: The exit status of a command interrupted by Ctrl-C (SIGINT): 128 + 2, as Python's own.
 INTERRUPTED = 130
@@ -55,6 +56,10 @@ class _LazyGroup(OneLineErrors, click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except ReadfenceError as e:
+            if isinstance(e, click.ClickException):  # bad input: already one line, exit status 2
+                raise
+            raise Refused(e) from None  # a refusal, a timeout, a failed rank: one line, exit status 1
         except KeyboardInterrupt:
             # Ctrl-C: the status of a process SIGINT ended (128 + 2), as Python's own; not 1 (a finding)
             click.echo("\nInterrupted", err=True)

@@ -5,6 +5,9 @@ Each benchmark is a module ``benchmarks/bench_<name>.py`` of the source checkout
 mapping; ``readfence bench`` imports it, calls ``main`` (with ``device=`` when it takes one)
 and prints the mapping as ``name: value`` lines. ``--quick`` is each benchmark's smoke run
 (seconds: it checks that everything runs, its ratios are noise).
+
+``readfence bench races`` is not a file: it scores readfence on the races engines shipped
+(``readfence.races``; ``--json``, ``--cases MODULE:ATTR``, ``--quick`` for the quick subset).
 """
 
 from __future__ import annotations
@@ -22,12 +25,18 @@ from typing import Any
 
 import click
 
-from ._errors import OneLineCommand
+from readfence.effects import ReadfenceError
+from readfence.effects.internal import one_line
+
+from ._errors import InputError, OneLineCommand
 from ._params import DeviceName, OneOf
 
 #: Every benchmark under ``benchmarks/`` (``bench_<name>.py``), in the order ``readfence bench``
 #: runs them: the cheap ones first. A test checks that no benchmark file is left out.
-BENCHMARKS = ("effects", "audit", "scale", "check", "overhead", "overlap", "serve", "fuzz", "tp")
+BENCHMARKS = ("effects", "audit", "scale", "check", "overhead", "overlap", "serve", "fuzz", "tp", "triton")
+
+#: The name of the race suite among the benchmarks (``readfence.races``, not a file).
+RACES = "races"
 
 
 def benchmarks_dir() -> pathlib.Path | None:
@@ -108,17 +117,39 @@ def run_benchmark(path: pathlib.Path, quick: bool, device: str = "cpu") -> Mappi
 
 
 @click.command(cls=OneLineCommand)
-@click.argument("names", nargs=-1, type=OneOf(BENCHMARKS, "benchmark"))
-@click.option("--quick", is_flag=True, help="Each benchmark's smoke run (seconds; the ratios are noise).")
+@click.argument("names", nargs=-1, type=OneOf((*BENCHMARKS, RACES), "benchmark"))
+@click.option("--quick", is_flag=True, help="Each benchmark's smoke run (seconds; the ratios are noise); with races, "
+                                             "the quick subset of cases.")
 @click.option("--device", type=DeviceName(), default="cpu", show_default=True,
               help="cpu, cuda or auto (for the benchmarks that take a device).")
-def bench(names: Sequence[str], quick: bool, device: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="races: the scored table as a JSON document.")
+@click.option("--cases", "case_refs", multiple=True, metavar="MODULE:ATTR",
+              help="races: score these cases (a readfence.races.Case, a list or mapping of them, or a function "
+                   "returning them) instead of readfence's suite; may be given more than once.")
+def bench(names: Sequence[str], quick: bool, device: str, as_json: bool, case_refs: Sequence[str]) -> None:
     """Run the benchmarks (from the source checkout) and print their ratios.
 
     \b
     NAMES picks some (effects, audit, scale, check, overhead, overlap, serve, fuzz, tp); default: all of them,
     in that order. Exit status 1 if one fails (the others still run).
+    `readfence bench races` scores readfence on the races engines shipped, each a buggy and a fixed
+    version (--json, --cases MODULE:ATTR); exit status 1 unless every race is caught with no false alarm.
     """
+    if RACES in names:
+        if len(names) > 1:
+            others = ", ".join(n for n in names if n != RACES)
+            raise InputError(f"races is scored on its own: run `readfence bench races`, then `readfence bench "
+                             f"{others}`")
+        if device != "cpu":
+            raise InputError(f"--device {device}: the race cases run on the CPU device (each version's races are "
+                             f"shown there); leave --device out")
+        from ._races_cmd import bench_races
+
+        bench_races(quick=quick, as_json=as_json, refs=case_refs)
+        return
+    if as_json or case_refs:
+        given = "--json" if as_json else "--cases"
+        raise InputError(f"{given} goes with `readfence bench races`; the benchmarks print name: value lines")
     where = benchmarks_dir()
     if where is None:
         raise click.ClickException(
@@ -141,8 +172,11 @@ def bench(names: Sequence[str], quick: bool, device: str) -> None:
         except (click.ClickException, KeyboardInterrupt):
             raise
         except Exception as e:  # report it, run the others
-            traceback.print_exc(file=sys.stderr)
-            click.echo(f"{name} FAILED: {type(e).__name__}: {e}")
+            if isinstance(e, ReadfenceError):  # readfence's own error: one line, as every command says it
+                click.echo(f"Error: benchmark {name}: {one_line(f'{type(e).__name__}: {e}')}", err=True)
+            else:  # a bug in the benchmark: where it is
+                traceback.print_exc(file=sys.stderr)
+            click.echo(f"{name} FAILED: {type(e).__name__}: {one_line(str(e))}")
             failed.append(name)
             continue
         for line in format_ratios(figures):

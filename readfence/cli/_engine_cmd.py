@@ -238,10 +238,13 @@ def _short_name(name: str) -> str:
 
 
 def _advice(finding: Any, name: str) -> str:
+    from readfence.core.internal import late_read_fix, stage_named
+
     if finding.evidence == "audit" and finding.kind == "unsound declaration":
-        return (f"the lowering refuses the declaration (the traced code reads {finding.buffer!r} later); "
-                f"`readfence audit --engine {shell_word(name)}` names the method and op")
+        return (f"the lowering refuses the declaration (the traced code reads {finding.buffer!r} later; "
+                f"`readfence audit --engine {shell_word(name)}` names the method, the line and the end); "
+                f"{late_read_fix(finding.buffer)}")
     if finding.kind == "late read":
-        return (f"{finding.buffer!r} is read after the fence that released it: declare the later end, or end the "
-                f"read earlier (snapshot it out of the graph)")
+        end = stage_named(finding.stage).end if finding.stage in ("prepare_out_graph", "prepare_in_graph", "body") else None
+        return f"{finding.buffer!r} is read after the fence that released it; {late_read_fix(finding.buffer, end)}"
     return finding.detail or finding.kind

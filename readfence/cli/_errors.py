@@ -1,6 +1,8 @@
-"""One error style for the command line: ``Error: <what was wrong>`` on one line, exit status 2.
+"""One error style for the command line: ``Error: <what was wrong>`` on one line, exit status 2
+for bad input, 1 for what readfence found.
 
-:class:`InputError` is that error. :class:`OneLineErrors` turns click's own usage errors (an
+:class:`InputError` is that error for bad input; :class:`Refused` carries any other of
+readfence's own errors (a refused backend, a device timeout) out of a command the same way. :class:`OneLineErrors` turns click's own usage errors (an
 option given no value, an unknown option or command, a missing or extra argument, a value
 click's types refuse) into it: no usage banner, the option named. Imports neither torch nor a
 command module (the group uses it too).
@@ -34,13 +36,13 @@ is imported: the parameter types convert what they can check cheaply, and a type
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Callable
 from typing import Any
 
 import click
 
 from readfence.effects import ReadfenceError
+from readfence.effects.internal import one_line as one_line_text
 
 
 class InputError(ReadfenceError, click.ClickException):
@@ -49,8 +51,25 @@ class InputError(ReadfenceError, click.ClickException):
     exit_code = 2
 
     def __init__(self, message: str) -> None:
-        # one line, whatever the message held (runs of spaces inside a shown value are kept)
-        super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", message).strip())
+        super().__init__(one_line_text(message))
+
+
+class Refused(ReadfenceError, click.ClickException):
+    """One of readfence's own errors (a :class:`ReadfenceError` other than bad input) reaching a
+    command: ``Error: <its class>: <its message>`` on one line, exit status 1, no traceback.
+
+    >>> from readfence.effects import UnwrapError
+    >>> from returns.result import Failure
+    >>> e = Refused(UnwrapError(Failure("no backend")))
+    >>> e.message, e.exit_code
+    ('UnwrapError: unwrap() of a failure: no backend', 1)
+    """
+
+    exit_code = 1
+
+    def __init__(self, error: ReadfenceError) -> None:
+        super().__init__(one_line_text(f"{type(error).__name__}: {error}"))
+        self.error = error
 
 
 def expects(param: click.Parameter | None) -> str:
@@ -225,4 +244,5 @@ class OneLineCommand(OneLineErrors, click.Command):
     """A click command whose every bad option is one ``Error:`` line (use with ``cls=``)."""
 
 
-__all__ = ["InputError", "MissingCommand", "OneLineCommand", "OneLineErrors", "expects", "one_line", "param_name"]
+__all__ = ["InputError", "MissingCommand", "OneLineCommand", "OneLineErrors", "Refused", "expects", "one_line",
+           "param_name"]

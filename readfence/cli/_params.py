@@ -27,7 +27,7 @@ import os
 import pathlib
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 MODE_NAMES = ("decode", "target_verify", "draft_extend", "extend", "idle")
 POLICY_NAMES = ("coarse", "joined", "per_buffer", "exact")
 DEVICE_KINDS = ("auto", "cpu", "cuda")
+LEAF_NAMES = ("deepseek_v4", "dense", "linear", "paged", "sparse", "trtllm_mha")  # the reference leaves
+COMBINATOR_NAMES = ("hybrid", "hybrid_linear", "join", "minimax", "per_stream", "select", "tbo")
+STEP_SHAPE_NAMES = ("eagle", "multi_eagle", "ngram")
 MAX_BATCH = 16  # ModelConfig().max_reqs: the requests the tiny model serves
 TINY_HEADS, TINY_MLP = 2, 64  # ModelConfig().heads, .mlp: what a tensor-parallel size must divide
 TP_SIZES = tuple(d for d in range(1, TINY_HEADS + 1) if TINY_HEADS % d == 0 and TINY_MLP % d == 0)
@@ -81,6 +84,18 @@ def shell_word(text: str) -> str:
     if "'" in text and not re.search(r'["$`\\!]', text):
         return f'"{text}"'
     return shlex.quote(text)
+
+
+def _close(name: str, names: Sequence[str]) -> str:
+    """`` (did you mean x?)`` for the closest of ``names`` (a ``-`` read as ``_``), else ``""``.
+
+    >>> _close("per-buffer", POLICY_NAMES), _close("fastest", POLICY_NAMES)
+    (' (did you mean per_buffer?)', '')
+    """
+    import difflib
+
+    close = difflib.get_close_matches(name.replace("-", "_"), list(names), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
@@ -136,7 +151,8 @@ def load_spec(text: str, *, option: str = "SPEC") -> Any:
     from readfence.graph import StepShape
 
     with importable_here():
-        value, name = load_attribute(text, option=option, takes="MODULE:ATTR", example="mypkg.backends:mine")
+        value, name = load_attribute(text, option=option, takes="MODULE:ATTR", example="mypkg.backends:mine",
+                                     listed=("backends", lambda v: isinstance(v, (Backend, StepShape))))
     if not isinstance(value, (Backend, StepShape)) and callable(value) and not isinstance(value, type):
         try:
             required = [p for p in inspect.signature(value).parameters.values()
@@ -161,6 +177,31 @@ def load_spec(text: str, *, option: str = "SPEC") -> Any:
                          f"value (leaf(...), a composition), a step shape, or a function with no required argument "
                          f"returning one")
     return value
+
+
+def check_spec_names(text: str) -> None:
+    """Refuse a spec that calls a name no reference leaf, combinator or step shape has, as the
+    parser words it (``position N: unknown backend ...``), without importing torch; anything else
+    is left to the parser.
+
+    >>> check_spec_names("tbo(paged, linear)")
+    >>> check_spec_names("tbo(pagd)")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: position 4: unknown backend 'pagd' (did you mean 'paged'?); known leaves: deepseek_v4, ...
+    """
+    from readfence.effects.internal import _Fail, called_names, tokenize, unknown_name
+
+    try:
+        tokens = tokenize(text)
+    except _Fail:
+        return  # the parser says what is wrong, and where
+    known = {*LEAF_NAMES, *COMBINATOR_NAMES, *STEP_SHAPE_NAMES}
+    for token, depth in called_names(tokens):
+        if token.text not in known:
+            raise ValueError(f"position {token.pos}: " + unknown_name(
+                token.text, depth=depth, leaves=LEAF_NAMES, combinators=COMBINATOR_NAMES, outer=STEP_SHAPE_NAMES,
+                what="step shape"))
 
 
 def parse_spec(text: str) -> Any:
@@ -220,7 +261,14 @@ class Spec(click.ParamType):
                "'eagle(paged, trtllm_mha)', or MODULE:ATTR naming a backend of your own")
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        return value  # parsed by ``resolve``: the grammar lives with the backends
+        # parsed by ``resolve`` (the grammar lives with the backends); a name no backend has is
+        # refused here, before torch is imported
+        if isinstance(value, str) and not is_reference(value):
+            try:
+                check_spec_names(value)
+            except ValueError as e:
+                raise _fail(param, value, str(e)) from None
+        return value
 
     def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         """The backend or step shape ``value`` names (``parse_spec``)."""
@@ -263,7 +311,7 @@ class Mode(click.ParamType):
         if key in self.refused:
             raise _fail(param, value, f"{self.refused[key]}; allowed: {allowed}")
         if key not in MODE_NAMES:
-            raise _fail(param, value, f"unknown forward mode; allowed: {allowed}")
+            raise _fail(param, value, f"unknown forward mode{_close(key, self.allowed)}; allowed: {allowed}")
         return key
 
     def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
@@ -299,8 +347,8 @@ class Policies(click.ParamType):
                 chosen.add(name)
             else:
                 allowed = ", ".join(POLICY_NAMES + ("all",))
-                raise _fail(param, value, f"unknown policy {part.strip()!r}; allowed: {allowed} "
-                                          f"(a comma list, or the option repeated)")
+                raise _fail(param, value, f"unknown policy {part.strip()!r}{_close(name, POLICY_NAMES)}; allowed: "
+                                          f"{allowed} (a comma list, or the option repeated)")
         return tuple(p for p in POLICY_NAMES if p in chosen)
 
     def resolve(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[Any, ...]:

@@ -4,6 +4,7 @@ torch)."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -116,7 +117,8 @@ def plan(spec: Any, mode: Any, device: str, as_json: bool) -> None:
     SPEC is a backend spec, e.g. 'tbo(deepseek_v4, paged)'. For each buffer: its end, the
     leaf that forces it, the end this device can signal, and each policy's event placement.
     For a speculative step shape (eagle, multi_eagle, ngram) it shows which phase publishes
-    each buffer (MODE is then given by the phases).
+    each buffer (MODE is then given by the phases). Exit status 1 if the declaration is unsound
+    (a policy's row says the lowering refuses it), 2 for bad input.
     """
     from readfence.graph import StepShape
 
@@ -126,6 +128,8 @@ def plan(spec: Any, mode: Any, device: str, as_json: bool) -> None:
     if isinstance(spec, StepShape):  # the phases fix the modes
         report = shape_plan_report(spec, device=name, caps=caps)
         echo_json(report) if as_json else click.echo(render_shape(report))
-        return
-    report = plan_report(spec, mode, device=name, caps=caps)
-    echo_json(report) if as_json else click.echo(render(report))
+    else:
+        report = plan_report(spec, mode, device=name, caps=caps)
+        echo_json(report) if as_json else click.echo(render(report))
+    if any("refused" in plan for plan in report["policies"].values()):
+        sys.exit(1)  # an unsound declaration is a finding, as for audit and verify

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from readfence.core import SHARED_BUFFERS, ForwardMode
-from readfence.core.internal import replayed
+from readfence.core.internal import late_read_fix, replayed
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, publish_positions, resolve
 from readfence.graph import Policy
 from readfence.graph.lowering import last_reads, plan_fences, torch_device
@@ -74,6 +74,13 @@ def phase_caps(caps: Capabilities, backend: BackendLike, mode: ForwardMode) -> C
     return caps if replayed(backend, mode) and caps.graphs else attrs.evolve(caps, graphs=False)
 
 
+def _read_at(program: Any, buffer: str) -> str:
+    """`` at file:line in function`` of the traced code's last read of ``buffer`` ("" if unknown)."""
+    reader = program.last_reader(buffer)
+    source = "?" if reader is None else program.stage(reader[0]).graph.source(reader[1])
+    return "" if source == "?" else f" at {source}"
+
+
 def placements(backend: BackendLike, mode: ForwardMode, caps: Capabilities, *, trace_device: str = "cpu",
                batch_size: int = 2) -> dict[str, dict[str, Any]]:
     """Per policy: ``{"events": n, "placements": [{buffer, end, placement}]}``, or
@@ -86,12 +93,14 @@ def placements(backend: BackendLike, mode: ForwardMode, caps: Capabilities, *, t
 
     program = trace(backend, mode, batch_size=batch_size, device=trace_device)
     declared, observed = backend.read_effect(mode), program.traced()
-    early = {b: (declared[b].name, observed[b].name) for b in SHARED_BUFFERS if declared[b] < observed[b]}
+    early = [b for b in SHARED_BUFFERS if declared[b] < observed[b]]
     out: dict[str, dict[str, Any]] = {}
     for policy in Policy:
         if policy is not Policy.COARSE and early:
-            why = "; ".join(f"{b} declared {d} but read until {o}" for b, (d, o) in early.items())
-            out[policy.name] = {"refused": f"unsound declaration ({why}): lowering refuses it"}
+            why = "; ".join(f"{b} declared {declared[b].name} but read until {observed[b].name}{_read_at(program, b)}"
+                            for b in early)
+            out[policy.name] = {"refused": f"unsound declaration ({why}): lowering refuses it; "
+                                           f"{late_read_fix(early[0], observed[early[0]])}"}
             continue
         plan = plan_fences(buffers=SHARED_BUFFERS, declared=declared, caps=caps, policy=policy,
                            last_reads=last_reads(program), observed=observed,

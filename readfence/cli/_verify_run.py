@@ -14,7 +14,9 @@ from typing import Any
 
 import attrs
 
-from readfence.core import ForwardMode, ModelConfig, StageThreadError, StageWriteError, audit, default_batch_sizes
+from readfence.core import STAGES, ForwardMode, ModelConfig, StageThreadError, StageWriteError, audit, default_batch_sizes
+from readfence.core.internal import ReadKind, late_read_fix, stage_named
+from readfence.effects.internal import one_line
 from readfence.graph import LateRead, Policy, StepShape, VerifyReport, open_device, verify
 from readfence.graph.lowering import torch_device
 from readfence.graph.verification import PolicyCheck, phase_modes
@@ -31,11 +33,15 @@ _ADVICE = {
                "deterministic function of what the scheduler wrote; `readfence demo` shows the "
                "sanitizer's view",
     "unsound declaration": "fix the declaration (see the detail)",
+    "miscompiled": "readfence's own compile passes computed something else (a bug in readfence, not in the "
+                   "backend): report it; LowerOptions(optimize=False) lowers the step without them",
 }
-_UNSEEN = ("a late read no static analysis saw: code the tracer does not see (a kernel reading state "
-           "kept by reference, a raw pointer) or a path it did not trace reads {buffer!r} after its "
-           "release; pass the buffer to the reading op as an argument so the audit sees it, and "
-           "declare its real end")
+def _unseen(finding: LateRead) -> str:
+    """What to do about a late read no static analysis saw (the audit passed)."""
+    end = stage_named(finding.stage).end if finding.stage in {s.name for s in STAGES} else None
+    return (f"{ReadKind.RUN}, which no static analysis saw: code the tracer does not see (a kernel reading state "
+            f"kept by reference, a raw pointer) or a path it did not trace reads {finding.buffer!r} after its "
+            f"release; {late_read_fix(finding.buffer, end)}")
 
 
 @attrs.frozen
@@ -90,16 +96,14 @@ def audit_spec(spec: Any, mode: ForwardMode, batch_sizes: Sequence[int], *,
         try:
             result = audit(backend, m, batch_sizes=batch_sizes, cfg=cfg)
         except StageWriteError as e:
-            return AuditFinding("write", e.buffer, e.stage, e.op, str(e), _ADVICE["write"])
+            return AuditFinding("write", e.buffer, e.stage, e.op, one_line(str(e)), _ADVICE["write"])
         except StageThreadError as e:
-            return AuditFinding("thread", None, e.stage, e.what, str(e), _ADVICE["thread"])
+            return AuditFinding("thread", None, e.stage, e.what, one_line(str(e)), _ADVICE["thread"])
         if result.map(lambda _: True).value_or(False):
             continue
         bad = result.failure()
         stage, op = bad.reader if bad.reader else (None, None)
-        fix = (f"fix the declaration of {bad.path}: it ends {bad.buffer!r} at {bad.declared.name} in "
-               f"{bad.mode.name}, but its code reads it until {bad.observed.name}; declare "
-               f"{bad.observed.name}, or end the read earlier (snapshot it in prepare_out_graph)")
+        fix = f"{bad.path}: {late_read_fix(bad.buffer, bad.observed)}"
         if not unsafe:
             fix += ("; to watch the race caught at run time, rerun with --unsafe-skip-soundness-check "
                     "(never deploy those fences)")
@@ -144,7 +148,7 @@ class Verified:
             audit = self.audit
             if audit is not None and audit.kind == "unsound declaration" and audit.buffer == finding.buffer:
                 return "the race the audit predicted, caught at run time: fix the declaration (see above)"
-            return _UNSEEN.format(buffer=finding.buffer)
+            return _unseen(finding)
         return _ADVICE.get(finding.kind, "see the detail")
 
 
@@ -173,10 +177,11 @@ def render(result: Verified) -> str:
       COARSE     clean; poisoned on release: nothing (released after the whole forward)
     <BLANKLINE>
     EXACT: late read of 'seq_lens' at step 1 (evidence: poison)
-      what to do: a late read no static analysis saw: code the tracer does not see (a kernel reading
-      state kept by reference, a raw pointer) or a path it did not trace reads 'seq_lens' after its
-      release; pass the buffer to the reading op as an argument so the audit sees it, and declare its
-      real end
+      what to do: a read after its release, caught at run time, which no static analysis saw: code the
+      tracer does not see (a kernel reading state kept by reference, a raw pointer) or a path it did not
+      trace reads 'seq_lens' after its release; fix: declare 'seq_lens' ending where its last read ends,
+      or end the read earlier: snapshot what it reads before the replay (in the out-of-graph stage:
+      prepare_out_graph, an engine's init_forward_metadata_out_graph)
     """
     r = result.report
     sizes = ", ".join(map(str, result.audited))

@@ -53,7 +53,7 @@ from .tracing._bind import bind as bind
 from .tracing._cache import clear_trace_cache as clear_trace_cache
 from .tracing._captured import CapturedStateError as CapturedStateError
 from .tracing._kernel_access import KernelAccess as KernelAccess
-from .tracing._kernel_access import kernel_access as kernel_access
+from .tracing._kernel_ir import kernel_access as kernel_access
 from .tracing._trace import trace as trace
 from .tracing._triton import LaunchStreamError as LaunchStreamError
 from .tracing._triton import UnboundedKernelError as UnboundedKernelError

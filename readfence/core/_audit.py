@@ -30,22 +30,25 @@ refused, since no fence the step publishes depends on its declaration.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 from torch import Tensor
 
 from readfence.effects import (
     Failure,  # unwrap() says why
     ReadEffect,
     ReadEnd,
+    Success,  # neither is a bool
 )
 from readfence.effects.internal import table
 
 from ._checks import check_backend, check_mode, positive_int
-from ._ledger import Ledger, ledger_of
+from ._late_reads import ReadKind, late_read_fix
+from ._ledger import Ledger, RunKind, ledger_of
 from ._model import step_functions
 from ._modes import ForwardMode
 from ._observe import Disagreement
@@ -111,6 +114,10 @@ class BufferAudit:
     # the kind of run that saw the latest read where the trace does not show it ("": the trace's):
     # "observer", "rehearsal", "varied", "validation", "check" (``core.internal.RunKind``)
     seen_by: str = ""
+    source: str = ""  # ``file:line in function`` of the latest read, where it is known
+    # the latest read was seen only by the runtime read observer, inside a kernel that reads what an
+    # earlier stage kept by reference (``reader``: its stage and ``kernel/op``)
+    observer: bool = False
 
     @property
     def steps(self) -> int:
@@ -215,8 +222,7 @@ class AuditReport:
                     continue
                 chain = (*ancestors[next(i for i, a in enumerate(ancestors) if a is fence):], node)
                 latent.append(Latent(node.path, node.mode, b, fence.path, fence.declared[name], fence.observed[name],
-                                     _cover(chain, name, b.observed),
-                                     _where(node, b.observed, b.reader, b.batch_size, b.varied, b.seen_by)))
+                                     _cover(chain, name, b.observed), _where(node, b)))
         return sorted(refusals, key=lambda r: -r[0].count("/")), sorted(latent, key=lambda x: -x.path.count("/"))
 
     @property
@@ -246,6 +252,12 @@ class AuditReport:
         """
         return self.judged()[1]
 
+    def where(self, path: str, buffer: str) -> str:
+        """What reads ``buffer`` of node ``path`` until its observed end, in words: the user's
+        ``file:line in function``, the kind of read, the node and stage, the batch size."""
+        node = self.find(path)
+        return _where(node, next(b for b in node.buffers if b.buffer == buffer))
+
     def post_replay(self) -> list[tuple[str, str]]:
         """``(path, buffer)`` declared ``POST_REPLAY``: no metadata snapshot yet."""
         return [(r.path, b.buffer) for r, b in self.entries() if b.declared is ReadEnd.POST_REPLAY]
@@ -256,12 +268,18 @@ class AuditReport:
 
     def counts(self) -> dict[str, int]:
         """How many entries per verdict (``unsound``: refused; ``latent``: below its node's own
-        trace, covered by a sound fence), plus ``post_replay`` and ``not_audited``."""
+        trace, covered by a sound fence), plus ``post_replay`` and ``not_audited``; every key a
+        plain ``str``.
+
+        >>> from readfence.backends import paged
+        >>> audit(paged(), ForwardMode.DECODE).unwrap().counts()
+        {'exact': 4, 'conservative': 0, 'unsound': 0, 'latent': 0, 'post_replay': 0, 'not_audited': 0}
+        """
         out = {EXACT.value: 0, CONSERVATIVE.value: 0, UNSOUND.value: 0}
         for _, b in self.entries():
             out[b.verdict.value] += 1
-        out[LATENT] = len(self.latent())
-        out[UNSOUND] -= out[LATENT]
+        out[LATENT.value] = len(self.latent())
+        out[UNSOUND.value] -= out[LATENT.value]
         out["post_replay"] = len(self.post_replay())
         out["not_audited"] = len(self.not_audited())
         return out
@@ -290,6 +308,7 @@ class AuditReport:
                 row["steps"] = b.steps
                 row["note"] = b.note
                 row["reader"] = f"{b.reader[0]}:{b.reader[1]}" if b.reader else ""
+                row["source"] = b.source
                 row["batch_size"] = b.batch_size
                 row["varied"] = b.varied
                 row["latent"] = None if finding is None else finding.as_json()
@@ -321,7 +340,12 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
         if row.get("note"):
             verdict = f"{verdict} ({row['note']})"
         if verdict.startswith(UNSOUND) and row.get("reader"):
-            by = f"{row['reader'].partition(':')[0]}'s Python on a varied state" if row.get("varied") else row["reader"]
+            if row.get("varied"):
+                by = f"{row['reader'].partition(':')[0]}'s Python on a varied state"
+            elif row.get("source"):
+                by = f"{_short(row['source'])} ({row['reader']})"
+            else:
+                by = row["reader"]
             verdict = f"{verdict}: read by {by}"
         if verdict == LATENT and row.get("latent"):
             cover = row["latent"]["covered_by"]
@@ -338,11 +362,12 @@ def format_table(rows: list[dict[str, Any]], counts: dict[str, int] | None = Non
     return "\n".join(lines)
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class Unsound:
     """An audit failure: a buffer declared to end earlier than a traced read of it.
 
-    ``report`` is the whole tree; ``path`` names the guilty node (the deepest one).
+    ``report`` is the whole tree; ``path`` names the guilty node (the deepest one); the repr is
+    one line (``message`` says it all, ``report`` has every row).
     """
 
     report: AuditReport
@@ -359,8 +384,8 @@ class Unsound:
     def message(self) -> str:
         node = self.report.find(self.path)
         entry = next(b for b in node.buffers if b.buffer == self.buffer)
-        varied, seen_by = entry.varied, entry.seen_by
-        where = _where(node, self.observed, self.reader, self.batch_size, varied, seen_by)
+        varied = entry.varied
+        where = _where(node, entry)
         placed = ""
         if self.fence is not None and self.fence != self.path:
             placed = (f"; the fence of {self.fence} is placed from its declaration, "
@@ -368,25 +393,49 @@ class Unsound:
         return (
             f"unsound declaration: {self.path} in mode {self.mode.name} declares buffer "
             f"{self.buffer!r} ends at {self.declared.name} but "
-            f"{'its Python' if varied else 'its code' if seen_by else 'the traced code'} "
-            f"reads it until {self.observed.name} ({where}){placed}"
+            f"{'its Python' if varied else 'a kernel' if entry.observer else 'its code' if entry.seen_by else 'the traced code'} "
+            f"reads it until {self.observed.name} ({where}){placed}; {late_read_fix(self.buffer, self.observed)}"
         )
 
     def __str__(self) -> str:
         return self.message
 
+    def __repr__(self) -> str:
+        return (f"<Unsound {self.path} in {self.mode.name}: {self.buffer!r} declared {self.declared.name}, "
+                f"read until {self.observed.name}>")
 
-def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None, batch_size: int | None,
-           varied: bool = False, seen_by: str = "") -> str:
-    """What reads a buffer of ``node`` until ``observed``, in words: the reading node, the escape
-    or captured tensor that gives its stage every buffer, the stage whose Python read it on a
-    varied state, the run that saw an op read it where the trace does not show it, the batch size."""
+
+def _short(source: str) -> str:
+    """``function at file:line``, the file by its name alone, from ``/path/file:line in function``.
+
+    >>> _short("/work/mybackend.py:12 in attend"), _short("?")
+    ('attend at mybackend.py:12', '?')
+    """
+    place, sep, function = source.rpartition(" in ")
+    if not sep:
+        return source
+    file, _, line = place.rpartition(":")
+    return f"{function} at {os.path.basename(file)}:{line}"
+
+
+def _where(node: AuditReport, entry: BufferAudit) -> str:
+    """What reads ``entry``'s buffer of ``node`` until its observed end, in words: the user's
+    ``file:line in function`` and the kind of read (a traced node, a kernel's read only the
+    observer sees, the stage's Python on a generated state, an op a run saw read it where the trace
+    does not show it, the escape or captured tensor that gives its stage every buffer), the batch
+    size."""
+    observed, reader, at = entry.observed, entry.reader, f" at {entry.source}" if entry.source else ""
     parts = []
-    if varied and reader:
-        parts.append(f"stage {reader[0]}'s Python read it on a varied state: a path the trace's example did not take")
-    elif seen_by and reader:
-        parts.append(f"{reader[1]} in stage {reader[0]} read it, as the {seen_by} saw on the state it ran on "
-                     f"(with the live buffers): the trace does not show it")
+    if entry.observer and reader:
+        kernel = reader[1].partition("/")[0]
+        parts.append(f"read{at} inside kernel {kernel} in stage {reader[0]}: {ReadKind.OBSERVER_ONLY} (a reference "
+                     f"an earlier stage or the backend kept: a plan/run pair, the live buffer)")
+    elif entry.varied and reader:
+        parts.append(f"stage {reader[0]}'s Python read it on a varied state{at}: a path the trace's example did "
+                     f"not take")
+    elif entry.seen_by and reader:
+        parts.append(f"{reader[1]} in stage {reader[0]} read it{at}, as the {entry.seen_by} saw on the state it ran "
+                     f"on (with the live buffers): the trace does not show it")
     elif observed is ReadEnd.UNKNOWN and node.opaque:
         # a reference escaping, an op the tracer cannot see through, a captured tensor
         stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
@@ -396,12 +445,12 @@ def _where(node: AuditReport, observed: ReadEnd, reader: tuple[str, str] | None,
         escape = next((o for o in node.opaque if o[2].startswith(ESCAPE) and stage_named(o[0]).escape_end is observed),
                       None)
         if reader and (escape is None or reader != escape[:2]):
-            parts.append(f"last read by node {reader[1]!r} in stage {reader[0]}")
+            parts.append(f"last read by node {reader[1]!r} in stage {reader[0]}{at}: {ReadKind.TRACED}")
         if escape is not None:
             parts.append(f"stage {escape[0]}, node {escape[1]!r}: {escape[2]}")
-    where = "; ".join(parts) or "read by an op the tracer cannot see"
-    if batch_size is not None and len(node.batch_sizes) > 1:
-        where += f"; at batch size {batch_size}"
+    where = "; ".join(parts) or f"read by {ReadKind.OPAQUE}"
+    if entry.batch_size is not None and len(node.batch_sizes) > 1:
+        where += f"; at batch size {entry.batch_size}"
     return where
 
 
@@ -472,7 +521,8 @@ class Latent:
         else:
             why = (f"covered by {self.cover.by}, which declares {self.cover.end.name if self.cover.end else '?'}: "
                    f"the fence of {self.fence} ({self.fence_declared.name}) is sound")
-        return f"{head}; {why}; wherever its own declaration places a fence, it races"
+        return (f"{head}; {why}; wherever its own declaration places a fence, it races; "
+                f"{late_read_fix(self.buffer, e.observed)}")
 
     def as_json(self) -> dict[str, Any]:
         """The finding as JSON-ready values."""
@@ -555,11 +605,15 @@ def judge(path: str, backend: BackendLike, mode: ForwardMode, books: Sequence[tu
     entries = []
     for b in dict.fromkeys(names):
         n, book, _ = next(e for e in effects if e[2][b] is observed[b])
-        seen = book.last_reader(b)
+        seen = book.last_reader(b)  # a report names the stage: its rows and JSON hold text
         run = None if seen is None else seen.run
+        # read that late only inside a kernel, by a reference the trace cannot see (a plan/run pair):
+        # the observer's reader, ``kernel/op``
+        kept = run is not None and run.kind is RunKind.OBSERVER and seen is not None and "/" in seen.node
         entries.append(BufferAudit(b, declared[b], observed[b], None if seen is None else (seen.stage.name, seen.node),
                                    n, varied=run is not None and run.kind.on_generated_state,
-                                   seen_by="" if run is None else run.kind.value))
+                                   seen_by="" if run is None else run.kind.value,
+                                   source="" if seen is None else seen.source, observer=kept))
     opaque = tuple(dict.fromkeys(o for _, book in books for o in _why_opaque(book.program)))
     disagreements = (d if d.backend == backend.name else attrs.evolve(d, backend=backend.name)
                      for _, book in books for d in book.disagreements())

@@ -100,12 +100,14 @@ class Run:
 @attrs.frozen
 class Witness:
     """Where the ledger last saw a buffer read: ``stage`` and ``node`` (:data:`PYTHON` for a
-    stage's Python, an op's name for the audit's observer), the run, and its end."""
+    stage's Python, an op's name for the audit's observer), the run, its end, and the user's
+    ``file:line in function`` that made the read (``""``: unknown)."""
 
     stage: Stage
     node: str
     run: Run | None  # None: the trace's own read
     end: ReadEnd
+    source: str = ""
 
 
 class Ledger:
@@ -314,7 +316,7 @@ class Ledger:
             return None
         if not kinds and self.program.traced()[buffer] is end:
             traced = self.program.last_reader(buffer)
-            return None if traced is None else Witness(traced[0], traced[1], None, end)
+            return None if traced is None else Witness(traced[0], traced[1], None, end, self._source(*traced))
         order = {s.name: i for i, s in enumerate(STAGES)}
         for run in sorted(self.runs(*kinds), key=lambda r: list(RunKind).index(r.kind)):
             reads = [a for a in run.reads() if a.buffer == buffer and a.end is end]
@@ -322,7 +324,7 @@ class Ledger:
                 last = max(reads, key=lambda a: (order.get(a.stage.partition(":")[0], len(order)), a.seq))
                 stage = _stage_of(last) or _last_stage(self.program)
                 node = a_node(last) if run.kind is not RunKind.OBSERVER else last.op
-                return Witness(stage, node or PYTHON, run, end)
+                return Witness(stage, node or PYTHON, run, end, last.source or self._source(stage, node or PYTHON))
         return None
 
     def observation(self) -> Observation:
@@ -373,6 +375,13 @@ class Ledger:
                 if where in graphs and label is not None:
                     saw(where, label, a.buffer)
         return {key: node for key, (_, node) in found.items()}
+
+    def _source(self, stage: Stage, node: str) -> str:
+        """The user's line that made ``node`` of ``stage``'s graph (``""``: unknown)."""
+        if not any(s.stage == stage for s in self.program.stages):
+            return ""
+        source = self.program.stage(stage).graph.source(node)
+        return "" if source == "?" else source
 
     def _device(self) -> torch.device | str:
         if self.state is not None:

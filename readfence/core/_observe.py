@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -33,6 +34,7 @@ from readfence.effects import ReadEffect, ReadEnd
 
 from ._checks import check_backend, positive_int
 from ._collectives import COLLECTIVE_NAMESPACES
+from ._late_reads import ReadKind, late_read_fix
 from ._model import step_functions
 from ._modes import ForwardMode
 from ._program import Program
@@ -42,7 +44,7 @@ from ._step import BODY, STAGE_ENDS, Stage, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
 from .tracing._cache import cache_with_traces, code_key, remember
 from .tracing._dispatch import DispatchMode
-from .tracing._escapes import REFERENCE_ESCAPES
+from .tracing._escapes import REFERENCE_ESCAPES, user_line
 from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
 from .tracing._probe import metadata_templates, rerun_with
 from .tracing._schema import OpAliasing, bind, op_aliasing
@@ -50,6 +52,9 @@ from .tracing._segment import Segment, segment_signature
 from .tracing._triton import is_launch_op
 
 Kind = Literal["read", "write", "escape"]
+
+#: readfence's core, whose frames run a stage and observe it: a read's line is the first frame outside.
+_OBSERVER_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _T = TypeVar("_T")
 
 #: Op namespaces whose kernels are torch's own; any other op may be a Python or extension
@@ -102,6 +107,9 @@ class Access:
     note: str = ""
     step: int = 0
     seq: int = 0
+    # ``file:line in function`` of a read inside a custom op's kernel (where a kernel reads what an
+    # earlier stage kept by reference: no trace has that line); "" elsewhere
+    source: str = ""
 
     @property
     def end(self) -> ReadEnd:
@@ -378,7 +386,8 @@ class ReadObserver(DispatchMode):
         return "/".join([*self._within[-1:], name]) if self._within else name
 
     def _add(self, buffer: str, op: str, kind: Kind, note: str) -> None:
-        self.accesses.append(Access(buffer, self.current_stage, op, kind, note, self.step, self._seq))
+        source = user_line(_OBSERVER_FILES) if self._within else ""
+        self.accesses.append(Access(buffer, self.current_stage, op, kind, note, self.step, self._seq, source))
 
     def _record(self, t: torch.Tensor, what: str, kind: Kind, note: str) -> None:
         for b in sorted(self._quietly(self.buffers.touched, t)):
@@ -440,12 +449,14 @@ class Observation:
     def last_reader(self, buffer: str) -> tuple[str, str] | None:
         """``(stage, op)`` of the last observed read of ``buffer`` (the latest stage, then the
         latest position within a step); ``None`` if it was never seen read."""
+        last = self.last_read(buffer)
+        return None if last is None else (last.stage, last.op)
+
+    def last_read(self, buffer: str) -> Access | None:
+        """The last observed read of ``buffer`` (as :meth:`last_reader` picks it), or ``None``."""
         rank = {stage: i for i, stage in enumerate(STAGE_ENDS)}
         reads = [a for a in self.accesses if a.buffer == buffer and a.kind != "write"]
-        if not reads:
-            return None
-        last = max(reads, key=lambda a: (rank.get(a.stage, len(rank)), a.seq, a.step))
-        return (last.stage, last.op)
+        return max(reads, key=lambda a: (rank.get(a.stage, len(rank)), a.seq, a.step)) if reads else None
 
     @property
     def reads(self) -> tuple[tuple[str, str, str], ...]:
@@ -641,10 +652,27 @@ class Disagreement:
     observed: ReadEnd
     traced: ReadEnd
     traced_reader: tuple[Stage, str] | None
+    source: str = ""  # ``file:line in function`` of the read, where the observer knows it
+
+    @property
+    def by_reference(self) -> bool:
+        """The read happened inside a custom op's kernel (``op`` is ``outer/inner``) and none of the
+        kernel's arguments gave it the buffer (the trace holds what they read): the kernel reads
+        what an earlier stage kept by reference, a plan/run pair. That is :attr:`ReadKind.OBSERVER_ONLY`,
+        a read only the observer sees, not a bug in the analysis."""
+        return self.kind != "write" and "/" in self.op
 
     @property
     def message(self) -> str:
         where = f"backend {self.backend!r} in mode {self.mode.name}"
+        if self.by_reference:
+            kernel, _, inner = self.op.partition("/")
+            at = f" at {self.source}" if self.source else ""
+            return (f"{ReadKind.OBSERVER_ONLY}: {where} reads shared buffer {self.buffer!r} in stage {self.stage} "
+                    f"inside kernel {kernel} ({inner}{at}), which none of its arguments give it: a reference an "
+                    f"earlier stage kept (a plan/run pair), which no static analysis sees; the read ends at "
+                    f"{self.observed.name}, and it counts in the verdict as a traced one; "
+                    f"{late_read_fix(self.buffer, self.observed)}")
         if self.kind == "write":
             return (f"readfence's static analysis missed a write (a bug in the analysis): {where} "
                     f"writes shared buffer {self.buffer!r} in stage {self.stage} (op {self.op}, "
@@ -695,5 +723,5 @@ def cross_check(program: Program, observation: Observation) -> tuple[Disagreemen
         key = (a.kind, a.buffer, a.stage, a.op)
         if key not in found:
             found[key] = Disagreement(observation.backend, observation.mode, a.buffer, a.stage, a.op,
-                                      a.kind, a.end, traced[a.buffer], program.last_reader(a.buffer))
+                                      a.kind, a.end, traced[a.buffer], program.last_reader(a.buffer), a.source)
     return tuple(found.values())

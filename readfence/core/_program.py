@@ -208,7 +208,7 @@ class Captured:
             case Foreign(buffer):
                 return (f"captured tensor {self.target!r} (used by {', '.join(self.users)} at {self.source}) "
                         f"is no buffer of the state given, but the memory of shared buffer {buffer!r} of another "
-                        f"state: pass the state the backend keeps references to")
+                        f"state")
             case _:
                 assert_never(self.matches)
         if self.state is MatchedOn.EXAMPLE:

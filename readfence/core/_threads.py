@@ -45,8 +45,8 @@ _OWN_FILES = (os.path.dirname(__file__), threading.__file__, os.path.dirname(con
 class StageThreadError(ReadfenceError, ValueError):
     """A stage hands work to another thread, which no fence covers.
 
-    ``what`` names the thread or job (its name and function), ``source`` the user's line
-    that started it; ``watcher`` is what found it: ``"the trace"`` or ``"the read observer"``
+    ``what`` names the thread or job (its name and function), ``source`` the user's
+    ``file:line in function`` that started it; ``watcher`` is what found it: ``"the trace"`` or ``"the read observer"``
     (any such work: they follow one thread), or ``None`` when the stage's Python ran in a step
     (work still running when the stage returned).
     """
@@ -65,7 +65,7 @@ def _user_line() -> str:
     # the innermost frame outside threading, concurrent.futures and this module
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(_OWN_FILES):
-            return f"{frame.filename}:{frame.lineno}"
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "?"
 
 

@@ -19,6 +19,8 @@ from ._checks import positive_seconds as positive_seconds
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
+from ._late_reads import ReadKind as ReadKind
+from ._late_reads import late_read_fix as late_read_fix
 from ._ledger import PYTHON as PYTHON
 from ._ledger import REPLAY_SEEDS as REPLAY_SEEDS
 from ._ledger import Ledger as Ledger
@@ -80,11 +82,11 @@ __all__ = [
     "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap",
     "cache_with_traces", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note", "evidence_epoch", "example_step",
-    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "launches_unseen",
-    "LayerScan", "Ledger", "ledger_of", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
-    "observe_step", "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds",
-    "prepare", "PYTHON", "remember", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "split_batch", "stage_named", "StageCall",
-    "state_key", "state_label", "StepFunctions", "tokens_per_request", "trace_cache_size", "trace_step",
-    "validate_replay", "varied_states", "Watched", "Witness",
+    "flatten_group", "flatten_inputs", "format_table", "forward", "init_params", "Interpreter", "late_read_fix",
+    "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn",
+    "not_user_code", "observe_step", "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
+    "positive_seconds", "prepare", "PYTHON", "ReadKind", "remember", "REPLAY_SEEDS", "replayed", "request_ranges",
+    "rms_norm", "rotary", "ROW_BLOCK", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "split_batch",
+    "stage_named", "StageCall", "state_key", "state_label", "StepFunctions", "tokens_per_request", "trace_cache_size",
+    "trace_step", "validate_replay", "varied_states", "Watched", "Witness",
 ]

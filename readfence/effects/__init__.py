@@ -6,11 +6,11 @@ ReadEffect({'req_to_token': POST_REPLAY}, default=NONE)
 """
 
 from ._errors import ReadfenceError
-from ._failure import Failure, UnwrapError
+from ._failure import NOT_A_BOOL, Failure, Success, UnwrapError
 from ._platform import Capabilities, degrade, resolve
 from ._position import Position, publish_positions
 from ._read_effect import ReadEffect
 from ._read_end import ReadEnd
 
-__all__ = ["Capabilities", "Failure", "Position", "ReadEffect", "ReadEnd", "ReadfenceError", "UnwrapError", "degrade", "publish_positions",
-           "resolve"]
+__all__ = ["NOT_A_BOOL", "Capabilities", "Failure", "Position", "ReadEffect", "ReadEnd", "ReadfenceError", "Success",
+           "UnwrapError", "degrade", "publish_positions", "resolve"]

@@ -1,8 +1,10 @@
-"""Plain fixed-width tables: the one renderer of every table readfence prints (here, in the layer
-that imports no torch, so that the command line's help and its bad-option errors stay light)."""
+"""Plain fixed-width tables: the one renderer of every table readfence prints, and the one rule
+that puts a message on one line (here, in the layer that imports no torch, so that the command
+line's help and its bad-option errors stay light)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 
@@ -35,3 +37,13 @@ def table(rows: Sequence[Mapping[str, object]] | Sequence[Sequence[object]],
 
 
 __all__ = ["table"]
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: each line break, with the spaces around it, becomes one space (runs
+    of spaces inside a line, as in a value a message shows, are kept).
+
+    >>> one_line("refused:\\n  stage body\\n"), one_line("a  b")
+    ('refused: stage body', 'a  b')
+    """
+    return re.sub(r"\s*[\r\n]+\s*", " ", text).strip()

@@ -11,7 +11,9 @@ reads. The pipeline, in this layer's modules:
   against the truth, traced where the tracer follows the code and observed where it cannot
   (``Result[EngineAudit, EngineUnsound]``, as ``readfence.core.audit``);
 * ``runner_model`` (``_runner``): the engine's own runner (one event from the scalar, a mailbox,
-  a kill switch, prefill resolved per batch) on readfence's loop;
+  a kill switch, prefill resolved per batch, its publish points) on readfence's loop;
+* ``audit_runner`` and ``runner_step`` (``_publish``): where an engine's runners publish against
+  where its phases' reads end, checked before anything runs, and run as one step;
 * ``verify_engine`` and ``compare`` (``_check``): poison, guard and the read observer under every
   policy and the engine's runner (``Result[EngineVerification, EngineFindings]``, as
   ``readfence.graph.verify``); throughput side by side;
@@ -43,6 +45,7 @@ from ._check import (
 from ._contract import END_NAMES, ContractError, EngineError, EngineMode
 from ._observe import observe_engine
 from ._profile import EngineProfile
+from ._publish import PublishRow, RunnerAudit, RunnerPhase, RunnerUnsound, audit_runner, runner_step
 from ._runner import EngineRunner, Mailbox, RunnerModel, RunnerTarget, runner_model
 from ._sglang import sglang_profile
 from ._view import DEFAULT_LAYOUT, AttentionLayer, ForwardBatch, ModelRunnerView, ReqToTokenPool, StatePool, TokenToKVPool
@@ -70,17 +73,23 @@ __all__ = [
     "Mailbox",
     "ModelRunnerView",
     "NodeAudit",
+    "PublishRow",
     "ReqToTokenPool",
+    "RunnerAudit",
     "RunnerModel",
+    "RunnerPhase",
     "RunnerTarget",
+    "RunnerUnsound",
     "StatePool",
     "TokenToKVPool",
     "VerifyRow",
     "adapt",
     "audit_engine",
+    "audit_runner",
     "compare",
     "observe_engine",
     "runner_model",
+    "runner_step",
     "sglang_profile",
     "verify_engine",
 ]

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 
 from readfence.core import (
     BODY,
@@ -53,15 +53,17 @@ from readfence.core import (
 )
 from readfence.core.internal import (
     BufferAudit,
+    ReadKind,
     RunKind,
     check_forward_mode,
     escape_note,
     example_step,
+    late_read_fix,
     ledger_of,
     positive_int,
     stage_named,
 )
-from readfence.effects import Failure, ReadEffect, ReadEnd
+from readfence.effects import Failure, ReadEffect, ReadEnd, Success
 from readfence.effects.internal import table
 
 from ._adapter import EAGER, EngineBackend, check_engine
@@ -72,6 +74,7 @@ from ._view import ForwardBatch, absent
 #: The modes an engine runs (IDLE reads nothing).
 ENGINE_MODES: tuple[ForwardMode, ...] = tuple(m for m in ForwardMode if m is not ForwardMode.IDLE)
 TRACED, OBSERVED = "traced", "observed"
+_VARIED_OP = "its Python, on a varied state"  # an observed row's op where a varied state's run read it
 
 
 @attrs.frozen
@@ -113,6 +116,15 @@ class EngineRow:
         """``declared - truth`` in lattice steps: what a per-buffer fence gains (> 0), or how early
         the declaration is (< 0)."""
         return self.audit.steps
+
+    @property
+    def kind(self) -> ReadKind:
+        """What kind of read the truth comes from, in the guide's words."""
+        if self.source == TRACED:
+            return ReadKind.TRACED
+        if self.op == _VARIED_OP:
+            return ReadKind.VARIED
+        return ReadKind.OBSERVER_ONLY if self.why.endswith(str(ReadKind.OBSERVER_ONLY)) else ReadKind.OBSERVED
 
     def text(self) -> str:
         """The verdict in words: ``exact``, ``conservative +2``, ``unsound: forward_decode (aten.index_select...)``."""
@@ -226,8 +238,9 @@ class EngineAudit:
         for r in self.unsound():
             at = f" at {r.where}" if r.where else ""
             lines.append(f"UNSOUND: {r.backend} in {r.mode.name}: {r.buffer} declared {r.declared.name} but read "
-                         f"until {r.truth.name} by {r.method}: {r.op}{at} ({r.source}"
-                         f"{': ' + r.why if r.why else ''}; batch size {r.batch_size})")
+                         f"until {r.truth.name} by {r.method}: {r.op}{at} ({r.kind}"
+                         f"{': ' + r.why if r.why else ''}; batch size {r.batch_size}); "
+                         f"{late_read_fix(r.buffer, r.truth)}")
         for x in self.latent():
             lines.append(f"LATENT: {x.message.removeprefix('latent: ')}")
         for r in self.unused():
@@ -300,7 +313,7 @@ class EngineUnsound:
         more = f"; {len(self.rows) - 1} more unsound row(s) in the report" if len(self.rows) > 1 else ""
         return (f"unsound declaration: {r.backend} in mode {r.mode.name} declares buffer {r.buffer!r} ends at "
                 f"{r.declared.name} but it is read until {r.truth.name}: {r.text().removeprefix('unsound: ')}{at} "
-                f"({r.source}{size}){more}")
+                f"({r.kind}{size}){more}; {late_read_fix(r.buffer, r.truth)}")
 
     def __str__(self) -> str:
         return self.message
@@ -425,15 +438,17 @@ def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: S
     last = run.observation.last_reader(buffer)
     method = op = why = ""
     if buffer in run.varied:
-        method, op = STAGE_METHODS[run.varied[buffer]], "its Python, on a varied state"
+        method, op = STAGE_METHODS[run.varied[buffer]], _VARIED_OP
         why = "a step the engine does not replay runs its Python, which took a path there that the trace did not"
     elif last is not None:
         label, op = last
         stage = stage_named(label)
         method = STAGE_METHODS[stage]
         why = (f"{method} escapes the tracer" if stage in run.escapes else
-               "a kernel reads what an earlier stage kept: no static analysis sees it")
-    return EngineRow(path, mode, buffer, declared, truth, OBSERVED, method, op, "", run.size, per_batch, why,
+               f"a kernel reads what an earlier stage kept: {ReadKind.OBSERVER_ONLY}")
+    access = run.observation.last_read(buffer)
+    where = access.source if access is not None else ""
+    return EngineRow(path, mode, buffer, declared, truth, OBSERVED, method, op, where, run.size, per_batch, why,
                      used=_used(node, mode) == "")
 
 

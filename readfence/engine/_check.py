@@ -14,11 +14,11 @@ from typing import Any
 
 import attrs
 from returns.pipeline import is_successful
-from returns.result import Result, Success
+from returns.result import Result
 
 from readfence.core import CapturedStateError, ForwardMode, StageThreadError, StageWriteError
 from readfence.core.internal import check_forward_mode, positive_int
-from readfence.effects import Failure
+from readfence.effects import Failure, Success
 from readfence.effects.internal import table
 from readfence.graph import Device, LateRead, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
 from readfence.graph.lowering import torch_device

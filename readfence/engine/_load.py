@@ -98,11 +98,14 @@ def _file_path_hint(module_name: str) -> str:
     return f"; MODULE is a dotted module name as `import` takes it, not a file: write {dotted!r}{where}"
 
 
-def load_attribute(text: str, *, option: str, takes: str, example: str) -> tuple[Any, str]:
+def load_attribute(text: str, *, option: str, takes: str, example: str,
+                   listed: tuple[str, Callable[[object], bool]] | None = None) -> tuple[Any, str]:
     """``(value, name)``: the attribute ``MODULE:ATTR`` names (``ATTR`` dotted, then any
     ``[KEY]`` subscripts with Python literal keys: ``ENGINES['triton']``, ``BACKENDS[0]``), imported
     as ``import`` would, and its name as given. ``ValueError`` says what is wrong, naming
-    ``option`` (what it was given to), ``takes`` (its form) and an ``example``.
+    ``option`` (what it was given to), ``takes`` (its form) and an ``example``; for a name the
+    module lacks, the closest it has, and first what ``listed`` picks (``(what they are, test)``:
+    the values ``option`` can take), then its other public names.
 
     >>> value, name = load_attribute("readfence.engine.reference:ENGINES['triton']", option="--engine",
     ...                              takes="MODULE:FACTORY", example="readfence.engine.reference:triton_engine")
@@ -131,12 +134,8 @@ def load_attribute(text: str, *, option: str, takes: str, example: str) -> tuple
     value: Any = module
     for part in attribute.split("."):
         if not hasattr(value, part):
-            names = sorted(getattr(module, "__all__", None) or
-                           [n for n in dir(module) if not n.startswith("_")
-                            and getattr(getattr(module, n), "__module__", "").startswith(module_name)])
-            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-            raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (from {option} {text!r}); "
-                             f"it has: {shown or 'nothing public'}")
+            raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (from {option} {text!r})"
+                             + _what_it_has(module, attribute, listed))
         value = getattr(value, part)
     name = f"{module_name}:{attribute}"
     for key_text in re.findall(r"\[([^\[\]]+)\]", keys):
@@ -161,6 +160,38 @@ def load_attribute(text: str, *, option: str, takes: str, example: str) -> tuple
     return value, name
 
 
+def _an_engine(value: object) -> bool:
+    """An adapted backend, or a class with the contract's ``forward``: what ``--engine`` lists first."""
+    return isinstance(value, EngineBackend) or (inspect.isclass(value) and callable(getattr(value, "forward", None)))
+
+
+def _what_it_has(module: Any, attribute: str, listed: tuple[str, Callable[[object], bool]] | None) -> str:
+    """What a module that lacks ``attribute`` has: the closest name, then the values ``listed``
+    picks (its backends, its engines) and the module's other public names, each cut at 12."""
+    import difflib
+
+    name = module.__name__
+    public = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
+    values = {n: getattr(module, n, None) for n in public}
+    first = sorted(n for n, v in values.items() if listed is not None and listed[1](v))
+    # the module's own functions and classes (not what it imported), and anything listed first
+    rest = sorted(n for n, v in values.items() if n not in first and (
+        getattr(module, "__all__", None) or str(getattr(v, "__module__", "") or "").startswith(name)))
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+
+    close = difflib.get_close_matches(attribute, first + rest, n=1)
+    parts = [f" (did you mean {close[0]!r}?)" if close else ""]
+    if listed is not None:
+        parts.append(f"; its {listed[0]}: {shown(first) or 'none'}")
+    if rest:
+        parts.append(f"; {'other names' if listed is not None else 'it has'}: {shown(rest)}")
+    elif listed is None:
+        parts.append("; it has: nothing public")
+    return "".join(parts)
+
+
 def load_engines(text: str) -> list[tuple[str, EngineBackend]]:
     """``[(name, adapted backend)]`` that ``MODULE:FACTORY`` points at; ``ValueError`` says what is wrong.
     Each name is itself a ``MODULE:FACTORY`` that loads that one backend (``ENGINES['triton']``).
@@ -175,5 +206,6 @@ def load_engines(text: str) -> list[tuple[str, EngineBackend]]:
     ValueError: --engine takes MODULE:FACTORY (e.g. readfence.engine.reference:triton_engine), got 'readfence.engine.reference'
     """
     value, name = load_attribute(text, option="--engine", takes="MODULE:FACTORY",
-                                 example="readfence.engine.reference:triton_engine")
+                                 example="readfence.engine.reference:triton_engine",
+                                 listed=("engine backends", _an_engine))
     return _resolve(value, name)

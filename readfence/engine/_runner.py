@@ -5,9 +5,12 @@ Per step, on the host, the runner resolves one end for all shared buffers and pu
 * it asks the backend object (``shared_read_ends(mode)``, now; in EXTEND
   ``resolve_prefill_shared_read_ends(forward_batch, num_qo_tokens=T, build_snapshot=False)``
   when the object has it: prefill decides per batch);
-* an ``IN_REPLAY`` end without an in-graph marker event resolves to ``POST_REPLAY``;
+* an ``IN_REPLAY`` end without an in-graph marker event resolves to ``POST_REPLAY`` (the
+  model's ``no_marker``: an older SGLang resolved it to ``PRE_REPLAY``, earlier than declared);
 * ``PRE_REPLAY`` publishes an event before the replay, ``IN_REPLAY`` hands over the in-graph
-  marker, ``POST_REPLAY`` publishes after the replay, ``UNKNOWN`` publishes nothing;
+  marker, ``POST_REPLAY`` publishes after the replay, ``UNKNOWN`` publishes nothing; a runner
+  whose code records the event elsewhere says so in ``places`` (SGLang's single-layer EAGLE
+  draft-extend runner records ``IN_REPLAY`` after the replay: it has no in-graph marker);
 * the event goes into a one-slot :class:`Mailbox`; the scheduler takes it and clears it, and
   with nothing there waits for the whole forward, so a stale event is never consumed;
 * a kill switch forces the coarse barrier (nothing published, the scheduler waits for the
@@ -43,6 +46,20 @@ from ._adapter import EngineBackend, Tensors, check_engine
 
 Switch = bool | Callable[[int], bool]
 
+#: A runner's publish points: per end it resolves, the end its code records the event at.
+Places = tuple[tuple[ReadEnd, ReadEnd], ...]
+
+
+def _places(value: Mapping[ReadEnd, ReadEnd] | Places) -> Places:
+    items = value.items() if isinstance(value, Mapping) else value
+    out = []
+    for end, at in items:
+        if not isinstance(end, ReadEnd) or not isinstance(at, ReadEnd):
+            raise TypeError(f"RunnerModel.places maps a ReadEnd to the ReadEnd the runner records its event at, got "
+                            f"{end!r}: {at!r}")
+        out.append((end, at))
+    return tuple(sorted(out))
+
 
 def _on(switch: Switch, step: int) -> bool:
     return bool(switch(step)) if callable(switch) else bool(switch)
@@ -56,14 +73,37 @@ class RunnerModel:
     graph); ``clear_mailbox=False`` is the stale-event bug: the scheduler takes the event and
     leaves it there, and a later step that publishes nothing hands out an old one.
 
+    ``no_marker`` is where a declared ``IN_REPLAY`` lands in a replayed graph without an in-graph
+    marker (``POST_REPLAY``, the sound one; ``PRE_REPLAY`` is the earlier fallback SGLang's decode
+    runner once had). ``places`` maps an end the runner resolves to the end its code records the
+    event at, where that differs (a runner without an in-graph marker records ``IN_REPLAY``
+    after the replay; one that records every end before the replay publishes too early). A
+    runner that places an end earlier than it resolved races; :func:`audit_runner` says so
+    before anything runs.
+
     >>> RunnerModel().killed(3), RunnerModel(kill_switch=lambda step: step % 2 == 1).killed(3)
     (False, True)
+    >>> RunnerModel(places={ReadEnd.IN_REPLAY: ReadEnd.POST_REPLAY}).placed(ReadEnd.IN_REPLAY).name
+    'POST_REPLAY'
     """
 
     kill_switch: Switch = False
     prefill_read_done: Switch = True
     in_graph_marker: bool | None = None
     clear_mailbox: bool = True
+    no_marker: ReadEnd = attrs.field(default=ReadEnd.POST_REPLAY)
+    places: Places = attrs.field(default=(), converter=_places)
+
+    @no_marker.validator
+    def _check_no_marker(self, _attribute: attrs.Attribute[ReadEnd], value: ReadEnd) -> None:
+        if not isinstance(value, ReadEnd):
+            raise TypeError(f"RunnerModel.no_marker must be a ReadEnd, got {value!r} ({type(value).__name__})")
+
+    def placed(self, end: ReadEnd) -> ReadEnd:
+        """The end the runner records its event at for a resolved ``end``: ``end`` itself unless
+        ``places`` says otherwise (a runner that records after its replay whatever the backend
+        declares maps ``UNKNOWN`` to ``POST_REPLAY``)."""
+        return dict(self.places).get(end, end)
 
     def killed(self, step: int) -> bool:
         return _on(self.kill_switch, step)
@@ -94,6 +134,10 @@ class Mailbox:
             self._slot = None
         return slot
 
+    def peek(self) -> tuple[int, Bound] | None:
+        """What :meth:`take` would return now, without taking it."""
+        return self._slot
+
 
 class EngineRunner:
     """One lowered step run the way the engine's runner runs it (what :func:`runner_model`'s
@@ -108,17 +152,22 @@ class EngineRunner:
         self.shared, self.plan, self.program = inner.shared, inner.plan, inner.program
         self.label = f"runner:{inner.label}"
         self.published: list[tuple[int, ReadEnd]] = []  # per step, what was resolved (UNKNOWN: nothing published)
+        self.stale: list[tuple[int, int]] = []  # (step, the step whose event its scheduler was handed instead)
         self._steps = 0
 
     def write_key(self, buffer: str) -> tuple[int, int, int]:
         return self.inner.write_key(buffer)
+
+    def poison_at_start(self, buffers: Iterable[str]) -> None:
+        """Check mode: what a multi-phase step releases before any phase runs (see ``Lowered``)."""
+        self.inner.poison_at_start(buffers)
 
     def resolve(self, step: int, batch: Mapping[str, Tensor]) -> ReadEnd:
         """The end the runner publishes for this step (on the host, before the step runs)."""
         if self.model.killed(step):
             return ReadEnd.UNKNOWN
         return resolve_end(self.engine, self.mode, batch, marker=self.marker, graphed=self.graphed,
-                           prefill=self.model.prefill_enabled(step))
+                           prefill=self.model.prefill_enabled(step), model=self.model)
 
     def run(self, batch: Mapping[str, Tensor], *, step: int | None = None, after: Sequence[Event] = (),
             poison: Iterable[str] | None = None, first: bool = True, last: bool = True) -> StepRun:
@@ -129,7 +178,22 @@ class EngineRunner:
         # it publishes nothing (its event would fire early), an earlier one publishes it (later)
         publish = end is not ReadEnd.UNKNOWN and self.point is not ReadEnd.UNKNOWN and end <= self.point
         self.published.append((step, end if publish else ReadEnd.UNKNOWN))
-        run = self.inner.run(batch, step=step, after=after, poison=poison if publish else (), first=first, last=last)
+        # An event left in the mailbox by an earlier step (it is not cleared when taken) is what the
+        # scheduler waits on for a step that publishes nothing: that step's buffers are released
+        # before it runs, so check mode poisons them there.
+        left = self.mailbox.peek()
+        stale = not publish and not self.model.killed(step) and left is not None and left[0] != step
+        if stale:
+            self.stale.append((step, left[0]))  # type: ignore[index]
+        early = stale and first and self.inner.check is not None
+        if early:
+            self.inner.poison_at_start(self.inner.plan.placements)
+        try:
+            run = self.inner.run(batch, step=step, after=after, poison=poison if publish else (), first=first,
+                                 last=last)
+        finally:
+            if early:
+                self.inner.poison_at_start(())
         fence = run.fence
         if publish:
             bound = next(b for b in fence.per_buffer.values() if b is not None)
@@ -144,12 +208,15 @@ class EngineRunner:
 
 
 def resolve_end(engine: EngineBackend, mode: ForwardMode, batch: Mapping[str, Tensor], *, marker: bool, graphed: bool,
-                prefill: bool = True) -> ReadEnd:
-    """The end the runner resolves for a step of ``batch``: the object's declaration asked now (in
-    EXTEND its per-batch prefill resolution, when it has one; ``UNKNOWN`` when prefill read-done
-    is off), ``IN_REPLAY`` moved to ``POST_REPLAY`` in a replayed graph without a marker; ``UNKNOWN``
-    (nothing published: the scheduler waits for the whole forward) in a mode the engine graph-replays
-    for other backends but runs eagerly for this one (:meth:`EngineBackend.replayed`)."""
+                prefill: bool = True, model: RunnerModel | None = None) -> ReadEnd:
+    """The end the runner publishes at for a step of ``batch``: the object's declaration asked now
+    (in EXTEND its per-batch prefill resolution, when it has one; ``UNKNOWN`` when prefill
+    read-done is off), ``IN_REPLAY`` moved to the model's ``no_marker`` (``POST_REPLAY``) in a
+    replayed graph without a marker, then placed where the model's runner records it
+    (:meth:`RunnerModel.placed`); ``UNKNOWN`` (nothing published: the scheduler waits for the
+    whole forward) in a mode the engine graph-replays for other backends but runs eagerly for this
+    one (:meth:`EngineBackend.replayed`)."""
+    model = RunnerModel() if model is None else model
     if mode is not ForwardMode.EXTEND and not engine.replayed(mode):
         return ReadEnd.UNKNOWN  # an eager step of a mode the engine replays elsewhere: the coarse barrier
     if mode is ForwardMode.EXTEND:
@@ -160,8 +227,8 @@ def resolve_end(engine: EngineBackend, mode: ForwardMode, batch: Mapping[str, Te
     else:
         end = engine.declared_end(mode)
     if graphed and end is ReadEnd.IN_REPLAY and not marker:
-        return ReadEnd.POST_REPLAY
-    return end
+        end = model.no_marker
+    return model.placed(end)
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -215,7 +282,7 @@ class RunnerTarget(Backend):
         graphed = self.engine.replayed(mode) and device.caps.graphs
         marker = device.caps.in_graph_events if model.in_graph_marker is None else model.in_graph_marker
         example = example_step(cfg, mode, batch_size).batch
-        point = resolve_end(self.engine, mode, example, marker=marker, graphed=graphed)
+        point = resolve_end(self.engine, mode, example, marker=marker, graphed=graphed, model=model)
         lowered_backend = (self.engine if self.engine.read_effect(mode).end is point
                            else self.engine.redeclared(mode, point))
         trusted = attrs.evolve(lowering_options(lowering, "lower_step"), UNSAFE_skip_soundness_check=True)

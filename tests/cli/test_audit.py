@@ -113,13 +113,13 @@ def test_a_latent_child_is_its_own_line_and_json_key_and_exits_0(cli, monkeypatc
     early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
                                                         "seq_lens": ReadEnd.IN_REPLAY}))
     monkeypatch.setattr(_params, "parse_spec", lambda text: join(early, sparse()))
-    result = cli("audit", "x", "--mode", "decode", "--batch-size", "2")
+    result = cli("audit", "paged", "--mode", "decode", "--batch-size", "2")  # parse_spec gives the join
     assert result.exit_code == 0, result.output
     assert ("LATENT: join/children[0]/paged in mode DECODE declares buffer 'req_to_token' ends at PRE_REPLAY but "
             "its own trace reads it until IN_REPLAY") in result.output
     assert "covered by join/children[1]/sparse, which declares POST_REPLAY" in result.output
     assert "0 unsound, 1 latent;" in result.output and "UNSOUND" not in result.output
-    rows = json.loads(cli("audit", "x", "--mode", "decode", "--batch-size", "2", "--json").output)
+    rows = json.loads(cli("audit", "paged", "--mode", "decode", "--batch-size", "2", "--json").output)
     (row,) = [r for r in rows if r["latent"] is not None]
     assert (row["backend"], row["buffer"], row["verdict"]) == ("join/children[0]/paged", "req_to_token", "latent")
     assert (row["latent"]["fence"], row["latent"]["covered_by"]) == ("join", "join/children[1]/sparse")

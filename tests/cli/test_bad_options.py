@@ -175,6 +175,25 @@ def test_the_names_checked_before_torch_are_the_librarys():
     assert _params.DEVICE_KINDS == DEVICE_KINDS
     assert (_params.MAX_BATCH, _params.TINY_HEADS, _params.TINY_MLP) == (cfg.max_reqs, cfg.heads, cfg.mlp)
     assert list(_params.TP_SIZES) == tp_sizes(cfg)
+    from readfence.backends import REFERENCE_LEAVES
+    from readfence.backends._spec import _COMBINATORS
+    from readfence.graph.steps._shapes import STEP_SHAPES
+
+    assert _params.LEAF_NAMES == tuple(sorted(REFERENCE_LEAVES))
+    assert _params.COMBINATOR_NAMES == tuple(sorted(_COMBINATORS))
+    assert _params.STEP_SHAPE_NAMES == tuple(STEP_SHAPES)
+
+
+@pytest.mark.parametrize("spec", ["pagd", "tbo(paged, lineer)", "eagle(pagd, linear)", "tbo(deepseek_v4(dspark=true), x)",
+                                  "select(decode=dense, default=pagedd)"])
+def test_a_misspelt_name_is_refused_before_torch_in_the_parsers_own_words(spec):
+    from readfence.cli._params import check_spec_names, parse_spec
+
+    with pytest.raises(ValueError) as early:
+        check_spec_names(spec)
+    with pytest.raises(ValueError) as parsed:
+        parse_spec(spec)  # the grammar itself, with torch
+    assert str(early.value) == str(parsed.value)
 
 
 # every command's --help, and a bad option of each kind, answered without importing torch
@@ -184,7 +203,8 @@ NO_TORCH = [[name, "--help"] for name in COMMANDS] + [
     ["demo", "--spec", "a", "--spec", "b"], ["demo", "--tp", "2", "--plot", "x.png"],
     ["verify", "paged", "--mode", "idle"], ["verify"], ["verify", "paged", "--engine", "m:f"],
     ["audit", "--batch-size", "0"], ["audit", "--engine", "no-colon"], ["plan"], ["plan", "x", "--mode", "sideways"],
-    ["bench", "nosuch"], ["bench", "--steps", "3"], ["dmeo"], [],
+    ["bench", "nosuch"], ["bench", "--steps", "3"], ["dmeo"], [], ["plan", "pagedd"], ["audit", "tbo(paged, lineer)"],
+    ["verify", "paged", "--policy", "per-buffer"], ["demo", "--spec", "eagle(pagd, linear)"],
 ]
 
 

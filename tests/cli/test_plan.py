@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from readfence.backends import parse
+from readfence.backends import parse, redeclare, trtllm_mha
 from readfence.cli._plan_data import plan_report
 from readfence.core import ForwardMode
-from readfence.effects import Capabilities
+from readfence.effects import Capabilities, ReadEffect, ReadEnd
 
 SPEC = "hybrid_linear(trtllm_mha, linear)"
 
@@ -75,3 +75,14 @@ def test_bad_input_exits_2_with_one_line(cli, args, expected):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.output
     assert "Traceback" not in result.output
+
+
+#: trtllm_mha declaring that it reads nothing: its traced reads make that unsound in every mode.
+EARLY = redeclare(trtllm_mha(), lambda mode: ReadEffect.of({}, default=ReadEnd.NONE))
+
+
+def test_an_unsound_declaration_exits_1_after_the_plan_that_shows_it(cli):
+    result = cli("plan", "tests.cli.test_plan:EARLY", "--mode", "decode")
+    assert result.exit_code == 1, result.output
+    assert "lowering refuses it" in result.output and "Error:" not in result.output
+    assert cli("plan", "trtllm_mha", "--mode", "decode").exit_code == 0  # its own declaration: sound

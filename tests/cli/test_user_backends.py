@@ -60,7 +60,11 @@ def test_a_module_in_the_current_folder_is_found_as_python_m_finds_it(tmp_path):
 
 @pytest.mark.parametrize("spec,message", [
     ("examples.my_backend:nope", "Error: invalid SPEC 'examples.my_backend:nope': module 'examples.my_backend' has no "
-                                 "attribute 'nope'"),
+                                 "attribute 'nope' (from SPEC 'examples.my_backend:nope'); its backends: mine; other "
+                                 "names: attend, model, snapshot"),
+    ("examples.my_backend:mien", "Error: invalid SPEC 'examples.my_backend:mien': module 'examples.my_backend' has no "
+                                 "attribute 'mien' (from SPEC 'examples.my_backend:mien') (did you mean 'mine'?); its "
+                                 "backends: mine; other names: attend, model, snapshot"),
     ("examples.my_backend:pre", "Error: invalid SPEC 'examples.my_backend:pre': examples.my_backend:pre is a "
                                 "ReadEffect, not a backend: name a backend value"),
     ("examples.my_backend:attend", "Error: invalid SPEC 'examples.my_backend:attend': examples.my_backend:attend takes "

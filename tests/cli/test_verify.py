@@ -60,7 +60,8 @@ def test_an_early_declaration_is_refused_by_the_audit_and_not_run(cli, too_early
             "PRE_REPLAY but the traced code reads it until IN_REPLAY") in out
     assert ("PER_BUFFER: unsound declaration of 'req_to_token' in stage prepare_in_graph, op index_select "
             "(evidence: audit; not run)") in out
-    assert "what to do: fix the declaration of paged" in out and "--unsafe-skip-soundness-check" in out
+    assert "what to do: paged: fix: declare 'req_to_token' ending at IN_REPLAY (or later)" in out
+    assert "--unsafe-skip-soundness-check" in out
     assert "  COARSE     clean" in out  # COARSE does not depend on the declaration: it runs
     rows = _rows(cli("verify", "paged", *SMALL, "--json"))
     assert rows[0]["verdict"] == "clean"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from readfence.backends import (
     trtllm_mha,
 )
 from readfence.core import SHARED_BUFFERS, AuditReport, ForwardMode, StageWriteError, Unsound, audit, clear_trace_cache
-from readfence.core.internal import audit_report
+from readfence.core.internal import audit_report, late_read_fix
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
 from tests.conftest import first_of_each
@@ -332,7 +333,8 @@ def test_unsound_leaf_inside_a_combinator_is_named_by_its_path() -> None:
     # as a tbo child it attends: the root reads late, and the child is named as the reader
     bad = audit(tbo(paged(), early), M.TARGET_VERIFY, cfg=CFG).failure()
     assert (bad.path, bad.buffer, bad.fence) == ("tbo/children[0]/deepseek_v4", "req_to_token", "tbo")
-    assert bad.message.endswith("; the fence of tbo is placed from its declaration, IN_REPLAY")
+    assert bad.message.endswith("; the fence of tbo is placed from its declaration, IN_REPLAY; "
+                                + late_read_fix("req_to_token", ReadEnd.POST_REPLAY))
     assert [(p, e.buffer) for p, e in bad.report.unsound()] == [
         ("tbo/children[0]/deepseek_v4", "req_to_token"), ("tbo", "req_to_token")]
 
@@ -386,7 +388,8 @@ def test_unsound_table_names_the_reader() -> None:
                                                          "seq_lens": ReadEnd.IN_REPLAY}))
     bad = audit(early, M.DECODE, cfg=CFG).failure()
     line = bad.report.table().splitlines()[1]
-    assert "unsound: read by body:" in line and bad.reader[1] in line
+    # the function and line that read it (here the reference helper sparse attends with), then stage and node
+    assert re.search(r"unsound: read by \w+ at \w+\.py:\d+ \(body:", line) and bad.reader[1] in line, line
     assert bad.report.counts()["unsound"] == 1 and not bad.report.sound
 
 
@@ -415,7 +418,7 @@ def test_in_a_step_that_is_not_replayed_a_read_on_a_varied_state_counts_and_the_
     assert bad.message == (
         "unsound declaration: long_path in mode EXTEND declares buffer 'req_to_token' ends at PRE_REPLAY but its "
         "Python reads it until POST_REPLAY (stage body's Python read it on a varied state: a path the trace's "
-        "example did not take)"), bad.message
+        "example did not take); " + late_read_fix("req_to_token", ReadEnd.POST_REPLAY)), bad.message
     rows = {r["buffer"]: r for r in bad.report.rows(detail=True)}
     assert (rows["req_to_token"]["verdict"], rows["req_to_token"]["reader"].partition(":")[0],
             rows["req_to_token"]["varied"]) == ("unsound", "body", True)

@@ -152,7 +152,8 @@ def test_a_buffer_of_another_state_is_still_refused() -> None:
         return softmax_attention(mode, q, pools, layer, kv_indices(shared, batch), lens)
 
     stranger = leaf("stranger", attend)
-    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="shared buffer 'seq_lens' of another state: pass the state"):
+    with CpuDevice() as dev, pytest.raises(CapturedStateError, match="shared buffer 'seq_lens' of another state; "
+                                                                      "pass the state the backend keeps references to: state="):
         lower(stranger, M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=state)
 
 
@@ -177,3 +178,59 @@ def test_a_refusal_says_each_cause_once_counting_its_tensors() -> None:
     message = str(caught.value)
     assert message.count("trace-time state baked into the graph") == 1, message
     assert "stage body: 4 captured tensors made in test_captured.py (_tensor_constant" in message, message
+
+
+# -- when binding need not run a stage again ------------------------------------------------------
+def _own_table(name: str):
+    """A backend whose body gathers from a table it keeps (its own memory, no state's)."""
+    mine = torch.arange(CFG.max_reqs * CFG.max_ctx, dtype=torch.int32).view(CFG.max_reqs, CFG.max_ctx)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        rows = mine.index_select(0, batch["req_pool_indices"]).long() % CFG.num_slots
+        return softmax_attention(mode, q, pools, layer, rows, meta["kv_lens"])
+
+    return leaf(name, attend, prepare_in_graph=lambda mode, s, b, meta: {"kv_lens": kv_lens(s, b)})
+
+
+@torch.library.custom_op("readfence_test_bind::rows_of", mutates_args=())
+def _rows_of(index: torch.Tensor) -> torch.Tensor:
+    return index.clone()
+
+
+def test_a_stage_that_can_reach_no_live_buffer_is_bound_without_running_it_again(monkeypatch) -> None:
+    from readfence.core.tracing import _bind
+    from readfence.core.tracing._probe import MemoryProbe
+
+    runs: list[str] = []
+    real_run = MemoryProbe.run
+    monkeypatch.setattr(MemoryProbe, "run", lambda self, *args: runs.append(self.module.__class__.__name__)
+                        or real_run(self, *args))
+    state = make_state(CFG)
+    program = trace(_own_table("own_table"), M, cfg=CFG)
+    skipped = bind(program, state)
+    assert runs == []  # its kept table is no live memory: the run would have shown nothing
+    monkeypatch.setattr(_bind, "_may_touch", lambda *args: True)
+    _bind._BOUND.clear()
+    ran = bind(program, state)
+    assert len(runs) == 1
+    assert [s.analysis for s in skipped] == [s.analysis for s in ran]  # nothing the run shows was missed
+
+
+def test_a_stage_that_holds_live_memory_or_calls_an_opaque_op_is_run_again() -> None:
+    from torch import fx
+
+    from readfence.core.tracing._bind import _may_touch
+    from readfence.core.tracing._memory import BufferMap
+
+    state = make_state(CFG)
+    live = BufferMap.of(state["shared"])
+    table = state["shared"]["req_to_token"]
+    plain = fx.symbolic_trace(lambda x: x + 1)
+    assert not _may_touch(plain, (torch.zeros(3),), live)
+    assert _may_touch(plain, (table[:0],), live)  # an empty view of a live buffer: its storage is live
+    holder = fx.symbolic_trace(lambda x: x + 1)
+    holder.kept = table.narrow(0, 0, 1)  # a tensor the graph module holds
+    assert _may_touch(holder, (torch.zeros(3),), live)
+    opaque = fx.symbolic_trace(lambda x: torch.ops.readfence_test_bind.rows_of(x))
+    assert _may_touch(opaque, (torch.zeros(3),), live)  # a custom op may close over live memory

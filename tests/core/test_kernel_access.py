@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from readfence.core import kernel_access
+from readfence.core.tracing._kernel_access import source_access as kernel_access
 from tests.conftest import NO_TRITON, TRITON
 
 if not TRITON:

@@ -34,7 +34,7 @@ def _audited(backend, mode, cfg, *, shared: bool):
 
 # (backend, mode, id); the quick tier runs the first
 WRAPPED = [
-    # a kernel reading what its plan kept: only the observer sees it (an ANALYSIS BUG line)
+    # a kernel reading what its plan kept: a read only the observer sees (an OBSERVED ONLY line)
     (select({M.DECODE: CASES["plan_run"].backend}, default=paged()), M.DECODE, "select-plan_run"),
     (hybrid(decode=trtllm_mha(), prefill=paged()), M.DECODE, "hybrid-decode"),
     (per_stream(paged(), trtllm_mha()), M.TARGET_VERIFY, "per_stream-verify"),
@@ -50,11 +50,11 @@ def test_a_shared_trace_gives_the_findings_of_tracing_each_node(case):
     clear_trace_cache()
 
 
-def test_the_analysis_bug_of_a_shared_observation_names_the_wrapper():
+def test_the_read_only_the_observer_sees_of_a_shared_observation_names_the_wrapper():
     report = audit_report(select({M.DECODE: CASES["plan_run"].backend}, default=paged()), M.DECODE,
                           cfg=ONE_LAYER, batch_sizes=[2])
     (bug, *_) = report.disagreements
-    assert bug.backend == "select" and "backend 'select' in mode DECODE" in bug.message
+    assert bug.by_reference and bug.backend == "select" and "backend 'select' in mode DECODE" in bug.message
     assert report.find("select/decode/plan_run").disagreements[0].backend == "plan_run"
 
 

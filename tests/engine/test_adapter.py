@@ -42,8 +42,11 @@ def test_state_kept_in_init_is_read_where_the_code_reads_it_and_lowered_on_that_
         run = run_overlapped(engine, steps=4, policy=policy, device=dev, batch_size=2, cfg=CFG, state=engine.state)
         assert run.matches(serial) and run.violations == (), policy
     # another state: the object still reads the one it was built over, and lowering says so
-    with pytest.raises(CapturedStateError, match="pass the state the backend keeps references to"):
+    with pytest.raises(CapturedStateError, match="pass the state the backend keeps references to") as refused:
         run_overlapped(engine, steps=1, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG)
+    # what to pass, not a change to the object's class (it keeps its references as the engine's contract does)
+    assert "state=engine.state" in str(refused.value)
+    assert "through its arguments" not in str(refused.value)
     other = make_state(CFG)
     rebound = engine.bind(other)
     assert rebound.state is other and rebound.object is not engine.object

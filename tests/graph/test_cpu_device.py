@@ -29,7 +29,7 @@ from readfence.graph.devices import (
 
 from ._gates import make_gate
 
-T = 5.0  # generous timeout for waits that must succeed
+T = 60.0  # generous timeout for waits that must succeed (a loaded machine is slow, never wrong)
 
 
 @pytest.fixture
@@ -78,16 +78,18 @@ def test_wait_orders_work_across_streams(dev):
     x = torch.zeros(4)
     seen: list[float] = []
     started = dev.event("started")
+    gate, block = make_gate(T)
 
-    def slow_write():
-        time.sleep(0.05)
-        x.fill_(2.0)
-
-    sched.launch(slow_write, label="write x")
+    sched.launch(block, label="held")
+    sched.launch(x.fill_, 2.0, label="write x")
     sched.record(ready)
     fwd.wait(ready)
     fwd.record(started)
     fwd.launch(lambda: seen.append(x.sum().item()), label="read x")
+    with pytest.raises(DeviceTimeout):  # the forward waits for the held write, however long
+        fwd.synchronize(timeout=0.2)
+    assert seen == []
+    gate.set()
     dev.synchronize(timeout=T)
     assert seen == [8.0]
     assert ready.timestamp is not None and started.timestamp is not None
@@ -181,17 +183,22 @@ def test_several_events_at_different_points_of_one_replay(dev):
     fwd = dev.stream("forward")
     e1, e2 = dev.event("e1"), dev.event("e2")
 
+    gate, block = make_gate(T)
+
     def body():  # the module-level helpers are what an FX call_function node targets
         record_here(e1)
         delay_point("between")
-        time.sleep(0.02)
+        block()
         record_here(e2)
 
     with dev.capture(fwd) as g:
         fwd.launch(body, label="body", ops=[Record(e1), Record(e2)])
     g.replay()
+    e1.synchronize(timeout=T)  # fired while the replay is held between the two
+    assert not e2.query()
+    gate.set()
     fwd.synchronize(timeout=T)
-    assert e2.timestamp - e1.timestamp >= 0.015
+    assert e1.timestamp <= e2.timestamp
 
 
 def test_replay_twice_gives_two_generations_and_waits_bind_per_replay(dev):
@@ -242,12 +249,10 @@ def test_host_wait_times_out_quickly_naming_event_and_stream(dev):
     fence = dev.event("fence")
     fwd.launch(block, label="stuck body")
     fwd.record(fence)
-    t0 = time.perf_counter()
-    with pytest.raises(DeviceTimeout) as info:
+    with pytest.raises(DeviceTimeout) as info:  # the wait's own timeout, not the device's T
         fence.synchronize(timeout=0.2)
-    assert time.perf_counter() - t0 < 2.0
     msg = str(info.value)
-    assert "'fence'" in msg and "'forward'" in msg and "0.2" in msg
+    assert "'fence'" in msg and "'forward'" in msg and "0.2" in msg and info.value.timeout == 0.2
     with pytest.raises(DeviceTimeout, match="stream 'forward'.*'stuck body'"):
         fwd.synchronize(timeout=0.1)
     with pytest.raises(TimeoutError):  # DeviceTimeout is a TimeoutError
@@ -377,15 +382,22 @@ def test_foreign_streams_and_events_are_refused(dev):
             pass
 
 
+def _until(condition, timeout: float = T) -> None:
+    """Return once ``condition()`` holds; fail if it does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came true"
+        time.sleep(0.001)
+
+
 def test_close_fails_pending_work_instead_of_hanging():
     dev = CpuDevice(timeout=T)
     fwd = dev.stream("forward")
-    gate, block = make_gate(T)
     ev = dev.event("fence")
-    fwd.launch(block, label="running")
+    # runs until close() has begun, then ends: what is queued behind it is skipped, whatever the timing
+    fwd.launch(lambda: _until(lambda: dev._closed), label="running")
     fwd.launch(lambda: None, label="queued")
     fwd.record(ev)
-    threading.Timer(0.05, gate.set).start()
     dev.close()
     with pytest.raises(DeviceClosed):
         ev.synchronize(timeout=T)
@@ -394,31 +406,24 @@ def test_close_fails_pending_work_instead_of_hanging():
     with pytest.raises(DeviceClosed):
         fwd.synchronize(timeout=0.1)
     dev.close()  # idempotent
-    assert all(not s._thread.is_alive() for s in dev.streams)
+    _until(lambda: all(not s._thread.is_alive() for s in dev.streams))  # no worker thread outlives it
 
 
 def test_streams_really_overlap():
-    """Two streams run at the same time: their busy intervals intersect (timestamps, not wall
-    clock ratios; ratios are measured in the benchmarks)."""
-    with CpuDevice(timeout=30) as dev:
-        starts = [dev.event(f"start{i}") for i in range(2)]
+    """Two streams run at the same time: an op on each meets the other's at a barrier, which
+    two streams run one after the other could never pass (ratios are measured in the benchmarks)."""
+    with CpuDevice(timeout=T) as dev:
+        met = threading.Barrier(2, timeout=T)
         ends = [dev.event(f"end{i}") for i in range(2)]
-        a = torch.randn(384, 384)
+        a = torch.randn(64, 64)
         for i, name in enumerate(["s0", "s1"]):
             s = dev.stream(name)
-            s.record(starts[i])
-            for _ in range(40):
-                s.launch(torch.mm, a, a, label="mm")
+            s.launch(torch.mm, a, a, label="mm")
+            s.launch(met.wait, label="meet the other stream")
+            s.launch(torch.mm, a, a, label="mm")
             s.record(ends[i])
         dev.synchronize()
-        assert max(e.timestamp for e in starts) < min(e.timestamp for e in ends)
-
-        # sleeping ops release the GIL too: two 0.25 s ops on two streams take ~0.25 s
-        t0 = time.perf_counter()
-        dev.stream("s0").launch(time.sleep, 0.25)
-        dev.stream("s1").launch(time.sleep, 0.25)
-        dev.synchronize()
-        assert time.perf_counter() - t0 < 0.45
+        assert not met.broken and all(e.query() for e in ends)
 
 
 def test_observer_sees_every_action_in_enqueue_order(dev):

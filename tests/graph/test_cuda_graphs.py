@@ -10,13 +10,15 @@ run on CUDA, with no sanitizer finding.
 Each test runs on ``CudaDevice`` (marked ``cuda``: skipped without CUDA) and, where the
 behaviour is the device protocol's rather than torch.cuda's, on ``CpuDevice(cuda_events=True)``
 too: that checks the tests themselves (their timings, values and messages) on any machine.
-Spins hold a stream without using compute (``device.stall``: ``torch.cuda._sleep`` on CUDA),
-so the timings do not depend on load; every host wait has a timeout.
+A :class:`Hold` keeps a stream at one point of its work: on the CPU device a gate the test opens
+once it has checked what must hold meanwhile, so nothing there depends on how fast the machine
+runs; on CUDA, where a stream cannot wait for the host, a spin (``device.stall``:
+``torch.cuda._sleep``) long enough for the host's checks. Every host wait has a timeout.
 """
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from readfence.graph.devices import CaptureError
 from readfence.graph.lowering import torch_device
 from tests.conftest import TWO_LAYERS as CFG
 
-T = 10.0  # every host wait that should succeed
+T = 60.0  # every host wait that should succeed
 SHORT = 0.1  # s: a spin before the first in-graph record (the host enqueues its waits meanwhile)
 LONG = 0.5  # s: a spin after a record (the waiting stream runs meanwhile)
 QUICK = 0.05  # s: the timeout of a wait that must time out
@@ -69,17 +71,43 @@ def _ready(dev, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+class Hold:
+    """What holds a stream at one point of its work, once per time the point is reached.
+
+    On the CPU device a gate: the stream waits there until the test calls :meth:`open` (once per
+    pass), so what the test checks meanwhile cannot depend on timing. On CUDA a spin of
+    ``seconds`` (a GPU stream cannot wait for the host): :meth:`open` does nothing there."""
+
+    def __init__(self, dev, seconds: float) -> None:
+        self.dev, self.seconds = dev, seconds
+        self.passes = None if torch_device(dev) == "cuda" else threading.Semaphore(0)
+
+    def launch(self, stream, label: str) -> None:
+        if self.passes is None:
+            stream.launch(self.dev.stall, self.seconds, label=label)
+        else:
+            stream.launch(self._wait, label=label)
+
+    def _wait(self) -> None:
+        assert self.passes is not None and self.passes.acquire(timeout=T), "the test never opened the hold"
+
+    def open(self) -> None:
+        if self.passes is not None:
+            self.passes.release()
+
+
 def _capture_spins(dev, stream, x: torch.Tensor, segments, *, label: str = "spins"):
-    """A graph captured on ``stream``: per ``(seconds, event)`` segment, hold the stream for
-    ``seconds``, ``x += 1``, then record ``event`` inside the graph (none if ``None``).
+    """A graph captured on ``stream``: per ``(hold, event)`` segment, wait at ``hold`` (none if
+    ``None``), ``x += 1``, then record ``event`` inside the graph (none if ``None``).
 
     Its kernels run once before the capture (on CUDA they must load outside it)."""
     stream.launch(x.add_, 0.0, label="warm up")
     stream.launch(dev.stall, 0.001, label="warm up")
     stream.synchronize(timeout=T)
     with dev.capture(stream, label=label) as graph:
-        for seconds, event in segments:
-            stream.launch(dev.stall, seconds, label=f"spin {seconds} s")
+        for hold, event in segments:
+            if hold is not None:
+                hold.launch(stream, label=f"hold {hold.seconds} s")
             stream.launch(x.add_, 1.0, label="x += 1")
             if event is not None:
                 stream.record(event)
@@ -96,7 +124,7 @@ def test_capture_spins_builds_the_graph_it_describes():
     with CpuDevice(timeout=T, cuda_events=True) as dev:
         s, a, b = dev.stream("s"), dev.event("a"), dev.event("b")
         (x,) = _ready(dev, torch.zeros(1))
-        g = _capture_spins(dev, s, x, [(0.0, a), (0.0, None), (0.0, b)], label="g")
+        g = _capture_spins(dev, s, x, [(None, a), (None, None), (None, b)], label="g")
         assert g.records == (a, b)
         assert x.item() == 0.0  # captured, not run
         g.replay()
@@ -112,18 +140,17 @@ def test_a_stream_waiting_on_an_in_graph_record_finishes_before_the_graph_ends(d
     fwd, side = dev.stream("forward"), dev.stream("side")
     mid, copied, end = dev.event("mid"), dev.event("copied"), dev.event("end")
     x, seen = _ready(dev, torch.zeros(1), torch.full((1,), -1.0))
-    graph = _capture_spins(dev, fwd, x, [(SHORT, mid), (LONG, None)])
-    t0 = time.perf_counter()
+    first, rest = Hold(dev, SHORT), Hold(dev, LONG)
+    graph = _capture_spins(dev, fwd, x, [(first, mid), (rest, None)])
     graph.replay(fwd)
     fwd.record(end)
     _copy_after(side, mid, seen, x)
     side.record(copied)
+    first.open()
     copied.synchronize(timeout=T)
-    t_copied = time.perf_counter() - t0
     assert not end.query(), "the side stream's work finished only once the graph had ended"
+    rest.open()
     end.synchronize(timeout=T)
-    t_end = time.perf_counter() - t0
-    assert t_end - t_copied > LONG / 2, f"side stream done at {t_copied:.3f} s, graph at {t_end:.3f} s"
     assert seen.item() == 1.0, "the side stream did not wait for the in-graph record"
     assert x.item() == 2.0
 
@@ -133,11 +160,17 @@ def test_a_wait_on_an_in_graph_record_sees_what_was_written_before_it_not_after(
     fwd = dev.stream("forward")
     first, second = dev.event("first"), dev.event("second")
     x, at_first, at_second = _ready(dev, torch.zeros(1), torch.full((1,), -1.0), torch.full((1,), -1.0))
-    graph = _capture_spins(dev, fwd, x, [(SHORT, first), (LONG, second), (LONG, None)])
+    holds = [Hold(dev, SHORT), Hold(dev, LONG), Hold(dev, LONG)]
+    graph = _capture_spins(dev, fwd, x, list(zip(holds, [first, second, None])))
     for replay in range(2):
         graph.replay(fwd)
-        _copy_after(dev.stream("after first"), first, at_first, x)
-        _copy_after(dev.stream("after second"), second, at_second, x)
+        waiting = [dev.stream("after first"), dev.stream("after second")]
+        _copy_after(waiting[0], first, at_first, x)
+        _copy_after(waiting[1], second, at_second, x)
+        for hold, stream in zip(holds, waiting):  # each copy ends while the next hold keeps x
+            hold.open()
+            stream.synchronize(timeout=T)
+        holds[2].open()
         dev.synchronize(timeout=T)
         base = 3.0 * replay
         assert (at_first.item(), at_second.item(), x.item()) == (base + 1, base + 2, base + 3), f"replay {replay}"
@@ -148,8 +181,11 @@ def test_a_replay_on_another_stream_runs_there_and_its_records_bind_to_that_repl
     capture, other, side = dev.stream("capture"), dev.stream("other"), dev.stream("side")
     mid, late = dev.event("mid"), dev.event("late")
     x, seen = _ready(dev, torch.zeros(1), torch.full((1,), -1.0))
-    graph = _capture_spins(dev, capture, x, [(SHORT, mid), (LONG, late)])
+    holds = [Hold(dev, SHORT), Hold(dev, LONG)]
+    graph = _capture_spins(dev, capture, x, list(zip(holds, [mid, late])))
     graph.replay()  # on the capture stream: x is 2 at its end
+    for hold in holds:
+        hold.open()
     late.synchronize(timeout=T)
     graph.replay(other)
     # binds to the second replay's record (x = 3), not to the first's, which has fired: a wait
@@ -159,6 +195,9 @@ def test_a_replay_on_another_stream_runs_there_and_its_records_bind_to_that_repl
     assert not late.query(), "the replay on 'other' ended before the capture stream was idle"
     with pytest.raises(DeviceTimeout, match="'late'.*'other'"):
         late.synchronize(timeout=QUICK)  # the event's latest record is the replay on 'other'
+    holds[0].open()
+    side.synchronize(timeout=T)  # copied at the second replay's mid, while its second hold keeps x at 3
+    holds[1].open()
     late.synchronize(timeout=T)
     other.synchronize(timeout=T)
     side.synchronize(timeout=T)
@@ -176,9 +215,13 @@ def _check_usable(dev, stream, x: torch.Tensor, seen: torch.Tensor) -> None:
     x.zero_()
     if torch_device(dev) == "cuda":
         torch.cuda.current_stream().synchronize()
-    graph = _capture_spins(dev, stream, x, [(SHORT, mid), (SHORT, None)], label="after the failure")
+    holds = [Hold(dev, SHORT), Hold(dev, SHORT)]
+    graph = _capture_spins(dev, stream, x, list(zip(holds, [mid, None])), label="after the failure")
     graph.replay()
     _copy_after(dev.stream("side"), mid, seen, x)
+    holds[0].open()
+    dev.stream("side").synchronize(timeout=T)  # copied while the second hold keeps x at 1
+    holds[1].open()
     dev.synchronize(timeout=T)
     assert (seen.item(), x.item()) == (1.0, 2.0)
 
@@ -254,22 +297,23 @@ HOLD = 0.5  # s: how long a stream is held while a host wait times out
 
 
 def _held(dev, kind: str):
-    """Hold a stream for HOLD seconds; returns (host wait taking a timeout, what its error names)."""
-    held, ev = dev.stream("held"), dev.event("behind the spin")
+    """Hold a stream (HOLD seconds on CUDA, until opened on the CPU device); returns (host wait
+    taking a timeout, what its error names, the hold)."""
+    held, ev, hold = dev.stream("held"), dev.event("behind the spin"), Hold(dev, HOLD)
     dev.stream("idle").launch(lambda: None, label="nothing")
     if kind == "in-graph event":
         (x,) = _ready(dev, torch.zeros(1))
-        graph = _capture_spins(dev, held, x, [(HOLD, ev)], label="held")
+        graph = _capture_spins(dev, held, x, [(hold, ev)], label="held")
         graph.replay()
-        return ev.synchronize, "event 'behind the spin'.*'held'"
-    held.launch(dev.stall, HOLD, label="spin")
+        return ev.synchronize, "event 'behind the spin'.*'held'", hold
+    hold.launch(held, label="spin")
     held.record(ev)
     waits = {
         "event": (ev.synchronize, "event 'behind the spin'.*'held'"),
         "stream": (held.synchronize, "stream 'held'"),
         "device": (dev.synchronize, "stream 'held'"),
     }
-    return waits[kind]
+    return (*waits[kind], hold)
 
 
 WAITS = ["event", "stream", "device", "in-graph event"]
@@ -278,14 +322,12 @@ WAITS = ["event", "stream", "device", "in-graph event"]
 @pytest.mark.parametrize("kind", WAITS)
 def test_every_host_wait_times_out_on_a_held_stream_instead_of_hanging(device, kind):
     dev = device
-    wait, names = _held(dev, kind)
-    t0 = time.perf_counter()
+    wait, names, hold = _held(dev, kind)
     with pytest.raises(DeviceTimeout, match=names) as info:
         wait(timeout=QUICK)
-    assert time.perf_counter() - t0 < HOLD / 2, "the timed-out wait returned late"
-    assert isinstance(info.value, TimeoutError) and info.value.timeout <= QUICK
-    wait(timeout=T)  # the same wait succeeds once the spin is over
-    assert time.perf_counter() - t0 > HOLD / 2, "the stream was not held: the test proves nothing"
+    assert isinstance(info.value, TimeoutError) and info.value.timeout <= QUICK  # its own timeout, not T
+    hold.open()
+    wait(timeout=T)  # the same wait succeeds once the hold is over
 
 
 BATCH = 2
@@ -294,17 +336,17 @@ BATCH = 2
 def test_a_held_step_times_out_its_fence_and_result_waits(device):
     dev = device
     low = lower(paged(), ForwardMode.DECODE, batch_size=BATCH, device=dev, policy=Policy.PER_BUFFER, cfg=CFG)
-    sched, ready = dev.stream("schedule"), dev.event("scheduled")
-    sched.launch(dev.stall, HOLD, label="slow scheduler")
+    sched, ready, hold = dev.stream("schedule"), dev.event("scheduled"), Hold(dev, HOLD)
+    hold.launch(sched, label="slow scheduler")
     sched.record(ready)
     batch = Scheduler(CFG, ForwardMode.DECODE, BATCH).next_step().batch
     run = low.run(batch, step=0, after=[ready])  # the whole step waits for the scheduler
-    t0 = time.perf_counter()
-    with pytest.raises(DeviceTimeout):
+    with pytest.raises(DeviceTimeout) as info:
         run.fence.synchronize(["req_to_token"], timeout=QUICK)
+    assert info.value.timeout <= QUICK
     with pytest.raises(DeviceTimeout, match="done"):
         run.result(timeout=QUICK)
-    assert time.perf_counter() - t0 < HOLD / 2
+    hold.open()
     assert run.result(timeout=T).device.type == torch_device(dev)
     run.fence.synchronize(timeout=T)
 

@@ -7,6 +7,8 @@ run what the failed loop gave it by the time the error reaches the caller.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from readfence.backends import paged
@@ -48,10 +50,13 @@ def test_a_device_that_timed_out_is_not_waited_for_again(monkeypatch: pytest.Mon
     with CpuDevice() as dev:
         settled: list[float | None] = []
         monkeypatch.setattr(dev, "settle", lambda timeout=None: settled.append(timeout) or ())
-        stuck = dev.stream("forward")
-        stuck.launch(lambda: dev.stall(0.5), label="stuck")
-        with pytest.raises(DeviceTimeout), settled_on_error(dev):
-            stuck.synchronize(0.01)
+        stuck, gate = dev.stream("forward"), threading.Event()
+        stuck.launch(gate.wait, 60.0, label="stuck")  # until the test lets it go: the wait below times out
+        try:
+            with pytest.raises(DeviceTimeout), settled_on_error(dev):
+                stuck.synchronize(0.01)
+        finally:
+            gate.set()
         assert settled == []
         with pytest.raises(RuntimeError, match="the scheduler failed"), settled_on_error(dev, 2.0):
             raise RuntimeError("the scheduler failed")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -142,8 +144,10 @@ def test_refusal_message_names_backend_mode_buffer_and_ends(dev):
     with pytest.raises(UnsoundLowering) as err:
         lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
     msg = str(err.value)
-    for part in ("paged", "DECODE", "PER_BUFFER", "'seq_lens'", "PRE_REPLAY", "IN_REPLAY", "COARSE"):
+    for part in ("paged", "DECODE", "PER_BUFFER", "'seq_lens'", "PRE_REPLAY", "IN_REPLAY",
+                 "fix: declare 'seq_lens' ending at IN_REPLAY (or later), or end the read earlier"):
         assert part in msg, (part, msg)
+    assert re.search(r"last read by node '\w+' in stage \w+ at \S+\.py:\d+ in \w+: a traced read", msg), msg
     # the unsafe flag lowers it, one step early
     low = lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
                 UNSAFE_skip_soundness_check=True)

@@ -350,3 +350,55 @@ def test_outputs_that_differ_with_every_buffer_held_are_not_blamed_on_a_buffer(d
         bad = _poison_only(lambda state: unseen, seed=seed, policy=Policy.PER_BUFFER, dev=dev).failure()
         assert (bad.kind, bad.evidence, bad.buffer) == ("differs", "output", None), str(bad)
         assert "every buffer held" in bad.detail
+
+
+def _miscompiling_passes(monkeypatch) -> None:
+    """readfence's compile passes broken on purpose, past its validation: in every graph the last
+    add is taken for an earlier one of its shape (a node dropped as a common subexpression)."""
+    import readfence.graph.lowering._fx_compile as fx_compile
+    import readfence.graph.lowering._lower as lowering
+
+    real = fx_compile._simplify
+
+    def dropping(gm, keep, inputs):
+        folded, same, memory = real(gm, keep, inputs)
+        adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and n not in same
+                and n not in folded and n.name not in keep and isinstance(n.meta.get("val"), torch.Tensor)]
+        for late in reversed(adds):
+            early = next((n for n in adds if n is not late and n.meta["val"].shape == late.meta["val"].shape), None)
+            if early is not None and adds.index(early) < adds.index(late):
+                return folded, {**same, late: early}, memory
+        return folded, same, memory
+
+    monkeypatch.setattr(fx_compile, "_simplify", dropping)
+    monkeypatch.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)  # what slipped past it
+
+
+@pytest.mark.parametrize("policy", [Policy.COARSE, Policy.PER_BUFFER], ids=str)
+def test_a_miscompile_by_readfences_own_passes_is_named_as_readfences_bug(policy, dev, monkeypatch) -> None:
+    # a correct backend, a lowered step that differs with nothing poisoned (COARSE poisons
+    # nothing; PER_BUFFER's held run differs too): the same step without the passes matches the
+    # serial run, so the passes are wrong, not the backend
+    _miscompiling_passes(monkeypatch)
+    bad = verify(paged(), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=policy).failure()
+    assert (bad.kind, bad.evidence, bad.buffer) == ("miscompiled", "rerun", None), str(bad)
+    assert "bug in readfence, not in the backend" in bad.detail and "optimize=False" in bad.detail
+
+
+@pytest.mark.parametrize("policy", [Policy.COARSE, Policy.PER_BUFFER], ids=str)
+def test_a_backend_that_differs_without_the_passes_too_is_still_blamed(policy, dev) -> None:
+    # a value read by printing, equal on every state the validation tries: the lowered step bakes
+    # it, with the compile passes or without them; the backend is blamed, never readfence
+    def lens(meta):
+        fresh = str(meta["kv_lens"].min()) == "tensor(1)"  # a request at its first token: never in an example
+        return (meta["kv_lens"] - int(fresh)).clamp(min=1)
+
+    def missed(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens(meta))
+
+    unseen = leaf("unseen", missed, prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch),
+                  reads=["req_to_token", "seq_lens"])
+    bad = verify(unseen, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=policy).failure()
+    assert (bad.kind, bad.evidence, bad.buffer) == ("differs", "output", None), str(bad)
+    assert "not deterministic, or keeps Python state" in bad.detail and "readfence" not in bad.detail

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 
 import pytest
 import torch
@@ -62,23 +61,24 @@ def _ended(pids) -> bool:
     return True
 
 
+# A rank that fails reports at once (raise), or when its own timeout ends its wait (stall: rank 0's
+# all-reduce gives up at 4 s, rank 1's device wait at 6 s): a grace far above those costs nothing
+# when they report; a rank that never does (hang) is what the grace is for, and the message says it.
 @pytest.mark.parametrize(("action", "grace_s", "kind", "says"), [
-    ("raise", 6, "raised", "injected failure in the model body"),
-    ("stall", 6, "stalled", "timed out after 6 s"),  # rank 0's all-reduce gives up at 4 s, rank 1 at 6 s
+    ("raise", 120, "raised", "injected failure in the model body"),
+    ("stall", 120, "stalled", "timed out after 6 s"),
     ("hang", 2, "unfinished", "still running 2 s after another rank failed"),
 ])
 def test_a_failing_rank_stops_every_rank_and_is_named(action, grace_s, kind, says):
-    t0 = time.monotonic()
+    # the deadline only keeps a broken launcher from hanging the suite: no outcome above depends on it
     with pytest.raises(TensorParallelError) as caught:
         launch(jobs.faulty_loop, 1, action, tp=2, collective_timeout_s=4, device_timeout_s=6, grace_s=grace_s,
-               deadline_s=60)
-    elapsed = time.monotonic() - t0
+               deadline_s=600)
     error = caught.value
     assert error.culprits == (1,), str(error)
     assert error.failures[1].kind == kind and says in error.failures[1].message, str(error)
     assert error.failures[0].kind == "collective", str(error)  # rank 0 was left waiting in an all-reduce
     assert str(error).startswith("tensor-parallel run of 2 ranks failed on rank 1: rank 1 ")
-    assert elapsed < 60, elapsed
     assert _ended(error.pids) and not multiprocessing.active_children()
 
 

@@ -3,7 +3,8 @@
 Recording a stage (``_record``), splicing pure segments (``_segment``), matching tensors to
 shared buffers by memory (``_memory``), the schema-driven alias analysis (``_alias``,
 ``_schema``), what an op's real run shows (``_probe``), triton launches as ops
-(``_kernel_access``, ``_triton``), the dispatch-mode base (``_dispatch``), FX builders (``_fx``),
+(``_triton``) and what a kernel reads and writes (``_kernel_ir`` from triton's IR, ``_ttir`` its
+dataflow, ``_kernel_access`` the source-walk fallback), the dispatch-mode base (``_dispatch``), FX builders (``_fx``),
 the collector held off (``_collect``), escapes and the user's source line (``_escapes``), the
 modes a stage is traced under, which mark them (``_trace_modes``), a
 stage's graph analysed and its writes refused (``_analysis``), captured tensors matched by memory

@@ -20,8 +20,9 @@ from ._analysis import StageFacts, analysed, in_branches
 from ._cache import cache_with_traces, remember
 from ._captured import bind_captured
 from ._fx import copy_graph
-from ._memory import BufferMap, meet_shared
+from ._memory import BufferMap, meet_shared, tensors_in
 from ._probe import MemoryProbe
+from ._triton import NAMESPACE
 
 #: Bound programs (:func:`bind`), by the traced program's identity and the state's place in
 #: memory, the oldest forgotten first.
@@ -111,6 +112,8 @@ def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[
     the memory does. Everything in ``state`` holds its values again afterwards."""
     if s.hooks.example is None or not s.analysis.faithful:
         return dict(s.analysis.memory), []
+    if not _may_touch(gm, s.hooks.example, BufferMap.of(state["shared"])):
+        return dict(s.analysis.memory), []  # the run would show nothing of the live buffers: it is not made
     saved = [(t, t.clone()) for group in state.values() for t in group.values() if isinstance(t, torch.Tensor)]
     probe = MemoryProbe(gm, state["shared"])
     try:
@@ -122,3 +125,41 @@ def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[
     for node, touched in probe.result.touched.items():
         memory[node] = memory.get(node, frozenset()) | touched
     return memory, probe.result.changed
+
+
+#: Namespaces of ops whose outputs are memory of their arguments or fresh memory: torch's own, and
+#: triton launches (which touch only their arguments, bounded by them, and return nothing).
+_OWN_MEMORY = frozenset({"aten", "prims", NAMESPACE})
+
+
+def _may_touch(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], shared: BufferMap) -> bool:
+    """Whether a run of ``gm`` on ``example`` could touch the memory of ``shared``: some tensor it
+    can reach (an input, a tensor it holds: their whole storages) overlaps it, or it calls an op
+    that may reach other memory (a custom op closing over a tensor, a higher-order op). Where it
+    cannot, :func:`_live_memory`'s run would show nothing (decided from memory, without running
+    the stage: an interpreted triton kernel's run costs seconds).
+
+    >>> table = torch.arange(4)
+    >>> gm = fx.symbolic_trace(lambda x: x + 1)
+    >>> live = BufferMap.of({"req_to_token": table})
+    >>> _may_touch(gm, (torch.zeros(4),), live), _may_touch(gm, (table[:0],), live)  # (an empty view: its storage)
+    (False, True)
+    """
+    held = [*gm.parameters(), *gm.buffers()] + [v for m in gm.modules() for v in vars(m).values()
+                                                  if isinstance(v, torch.Tensor)]
+    for t in [*tensors_in(example), *held]:
+        if t.layout is not torch.strided or t.is_meta or shared.touched(_storage_of(t)):
+            return True
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_method"):
+            return True
+        if node.op == "call_function" and not (getattr(node.target, "namespace", None) in _OWN_MEMORY
+                                               or getattr(node.target, "__module__", None) == "_operator"):
+            return True
+    return False
+
+
+def _storage_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t``, as bytes (a view reaches all of it through ``as_strided``)."""
+    with torch._C.DisableTorchFunction():
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())

@@ -162,10 +162,17 @@ class CapturedStateError(ReadfenceError, ValueError):
     def __init__(self, backend: str, mode: ForwardMode, captured: Iterable[Captured]) -> None:
         self.backend, self.mode, self.captured = backend, mode, tuple(captured)
         reasons = "; ".join(grouped_reasons(self.captured))
-        super().__init__(
-            f"cannot lower {backend} for {mode.name}: {reasons}. Pass live state to the stage "
-            f"through its arguments (shared, pools), or compute the tensor inside the stage"
-        )
+        super().__init__(f"cannot lower {backend} for {mode.name}: {reasons}; {self.fix}")
+
+    @property
+    def fix(self) -> str:
+        """What to do: give the state a backend keeps references to (an engine object cannot
+        change how it keeps them), else hand live state to the stage or compute the tensor there."""
+        if self.captured and all(isinstance(c.matches, Foreign) for c in self.captured):
+            return ("pass the state the backend keeps references to: state=... to lower, run_overlapped, verify "
+                    "and audit (an adapted engine backend keeps its own: state=engine.state, cfg=engine.cfg)")
+        return ("pass live state to the stage through its arguments (shared, pools), or compute the tensor inside "
+                "the stage")
 
 
 def _made_in(source: str) -> str:

@@ -99,9 +99,10 @@ def _skipped() -> tuple[str, ...]:
     return skip if where is None else (*skip, os.path.dirname(os.path.abspath(where)))
 
 
-def user_line() -> str:
-    """``file:line in function`` of the innermost caller outside torch, triton and the tracer."""
-    skip = _skipped()
+def user_line(also_skip: tuple[str, ...] = ()) -> str:
+    """``file:line in function`` of the innermost caller outside torch, triton and the tracer (and
+    the folders or files ``also_skip`` names)."""
+    skip = (*_skipped(), *also_skip)
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename

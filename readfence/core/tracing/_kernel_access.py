@@ -1,8 +1,14 @@
-"""What a triton kernel may store to, decided from its source: the arguments a store or an atomic can target.
+"""What a triton kernel may store to, decided from its Python source: the fallback of the IR analysis.
+
+readfence decides what a kernel reads and writes from triton's own IR
+(:func:`~readfence.core.tracing._kernel_ir.kernel_access`); this module holds what that decision
+gives (:class:`KernelAccess`) and the walk of the kernel's source used where triton's front end
+cannot be imported. The walk matches names, so it knows only the spellings it lists, where the IR
+sees every spelling as the same op (``tests/core/test_kernel_ir.py`` keeps what it misses).
 
 A triton kernel receives tensors as pointers and reads and writes them through ``tl.load`` and
 ``tl.store`` (and the atomics, and the ``store`` methods of block pointers and tensor descriptors):
-no dispatcher sees it. :func:`kernel_access` reads the kernel's Python source, as triton's own
+no dispatcher sees it. :func:`source_access` reads the kernel's Python source, as triton's own
 front end does, and follows, for every value, which pointer arguments it may be derived from (its
 *provenance*): an assignment joins its value's provenance into its targets (a name assigned on two
 paths may hold either, whatever branch ran), pointer arithmetic joins its operands', ``tl.where``
@@ -14,9 +20,10 @@ what the kernel may write. It is conservative where it cannot follow:
   map back to the arguments given for them);
 * a call it cannot resolve to a triton builtin, a Python builtin or a jit function (a local alias
   of ``tl.store``, ``tl.inline_asm_elementwise``) may write whatever its arguments point to;
-* a pointer made from an integer (``tl.pointer_type``: a cast of an address loaded from memory or
-  passed as an int) may point anywhere: the kernel's memory is not bounded by its arguments
-  (``unbounded`` says where), and readfence refuses to launch it while it watches;
+* any use of a pointer type (``tl.pointer_type``: a cast of an address loaded from memory or
+  passed as an int, and, since the source does not say what is cast, of a pointer argument too)
+  may point anywhere: the kernel's memory is not bounded by its arguments (``unbounded`` says
+  where), and readfence refuses to launch it while it watches;
 * a kernel whose source cannot be read writes every argument.
 
 Every tensor argument counts as read, loaded or not.
@@ -25,7 +32,7 @@ Every tensor argument counts as read, loaded or not.
 ...     i = tl.arange(0, BLOCK)
 ...     tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
 >>> tl = _tl_standin()
->>> sorted(kernel_access(copy).writes)  # (an integer in an address counts too; a launch maps tensors only)
+>>> sorted(source_access(copy).writes)  # (an integer in an address counts too; a launch maps tensors only)
 ['BLOCK', 'dst']
 """
 
@@ -55,6 +62,11 @@ _WILD = "<an address made from an integer>"
 _POINTER = "<a pointer type>"  # what a launch handed a parameter, in the cache key (pointer types do not hash)
 
 
+#: What decided a :class:`KernelAccess` (its ``basis``), where an analysis did.
+FROM_IR = "triton's IR"
+FROM_SOURCE = "the kernel's source"
+
+
 @attrs.frozen
 class KernelAccess:
     """What one triton kernel may touch, by parameter name.
@@ -62,7 +74,11 @@ class KernelAccess:
     ``writes``: the parameters a store's or an atomic's address may be computed from (an
     integer offset too: a launch looks only at the tensors among them); ``sites``: for each, where
     (``(parameter, "file:line: what")``, the first site found); ``unbounded``: why the kernel's
-    memory is not bounded by its arguments (``""`` when it is).
+    memory is not bounded by its arguments (``""`` when it is); ``reads``: the parameters a load's
+    address may be computed from; ``indexed``: per parameter read or written, the parameters whose
+    loaded values its addresses are computed from (``req_to_token`` at the rows
+    ``req_pool_indices`` holds); ``basis``: what decided it (triton's IR, the kernel's source, or
+    why every argument counts as read and written).
 
     >>> KernelAccess("k", ("a", "b"), frozenset({"b"})).written(("a", "b"))
     (False, True)
@@ -73,6 +89,9 @@ class KernelAccess:
     writes: frozenset[str] = frozenset()
     sites: tuple[tuple[str, str], ...] = ()
     unbounded: str = ""
+    reads: frozenset[str] = frozenset()
+    indexed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    basis: str = FROM_SOURCE
 
     def written(self, names: tuple[str, ...]) -> tuple[bool, ...]:
         """Per parameter name in ``names``, whether the kernel may write it."""
@@ -81,6 +100,38 @@ class KernelAccess:
     def site(self, param: str) -> str:
         """Where the kernel may write ``param`` (``"file:line: tl.store"``), or ``""``."""
         return next((where for p, where in self.sites if p == param), "")
+
+    @property
+    def decided(self) -> bool:
+        """Whether an analysis decided it (``False``: every argument counts, ``basis`` says why).
+
+        >>> KernelAccess("k", ()).decided, every_argument(lambda a: None, "no IR").decided
+        (True, False)
+        """
+        return self.basis in (FROM_IR, FROM_SOURCE)
+
+    def index_of(self, param: str) -> tuple[str, ...]:
+        """The parameters whose loaded values the addresses of ``param`` are computed from.
+
+        >>> KernelAccess("k", ("t", "rows"), indexed=(("t", ("rows",)),)).index_of("t")
+        ('rows',)
+        """
+        return next((by for p, by in self.indexed if p == param), ())
+
+
+def every_argument(py: Callable[..., Any], why: str) -> KernelAccess:
+    """The access of a kernel nothing could be decided of: every parameter read and written, ``why``
+    kept as the basis and as each parameter's site (a failed analysis is never "writes nothing").
+
+    >>> def k(a, b): pass
+    >>> access = every_argument(k, "its IR cannot be built")
+    >>> sorted(access.writes), access.site("a")
+    (['a', 'b'], 'its IR cannot be built: every argument counts as read and written')
+    """
+    params = tuple(inspect.signature(py).parameters)
+    site = f"{why}: every argument counts as read and written"
+    return KernelAccess(getattr(py, "__name__", "?"), params, frozenset(params), tuple((p, site) for p in params),
+                        reads=frozenset(params), basis=site)
 
 
 def python_function(kernel: Any) -> Callable[..., Any] | None:
@@ -236,9 +287,9 @@ class _Function:
                             changed = True
 
 
-def kernel_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None) -> KernelAccess:
+def source_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None) -> KernelAccess:
     """What the triton kernel ``fn`` (a ``@triton.jit`` object, a wrapper of one, or its Python
-    function) may write, by parameter; see the module docstring. ``given``: the values a launch
+    function) may write, by parameter, read from its source; see the module docstring. ``given``: the values a launch
     passes, of which the parameters holding a jit function or ``None`` (a ``constexpr`` callee such
     as a score modifier) are followed (a call of ``None`` is a branch that does not run), and a
     pointer type handed to a parameter makes the kernel unbounded.
@@ -246,7 +297,7 @@ def kernel_access(fn: Callable[..., Any], given: Mapping[str, Any] | None = None
     >>> def k(x, out, MOD):
     ...     if MOD is not None:
     ...         MOD(out)
-    >>> sorted(kernel_access(k).writes), sorted(kernel_access(k, {"MOD": None}).writes)
+    >>> sorted(source_access(k).writes), sorted(source_access(k, {"MOD": None}).writes)
     (['out'], [])
     """
     py = python_function(fn) if not isinstance(fn, types.FunctionType) else fn
@@ -267,9 +318,7 @@ def _access(py: Callable[..., Any], stack: tuple[Any, ...], given: Mapping[str, 
     try:
         f = _Function(py, given)
     except (OSError, TypeError, SyntaxError, StopIteration) as e:
-        params = tuple(inspect.signature(py).parameters)
-        why = f"its source cannot be read ({type(e).__name__}): every argument counts as written"
-        return KernelAccess(name, params, frozenset(params), tuple((p, why) for p in params))
+        return every_argument(py, f"its source cannot be read ({type(e).__name__})")
     f.settle()
     writes: dict[str, str] = {}
     unbounded = ""
@@ -326,7 +375,8 @@ def _access(py: Callable[..., Any], stack: tuple[Any, ...], given: Mapping[str, 
             written(frozenset().union(*(f.of(a) for a in [*node.args, *(k.value for k in node.keywords)])),
                     f"{site} (a call the analysis cannot follow)")
     sites = tuple((p, writes[p]) for p in f.params if p in writes)
-    return KernelAccess(name, f.params, frozenset(p for p in writes if p in f.params), sites, unbounded)
+    return KernelAccess(name, f.params, frozenset(p for p in writes if p in f.params), sites, unbounded,
+                        reads=frozenset(f.params))
 
 
 def _tl_standin() -> Any:
@@ -340,4 +390,5 @@ def _tl_standin() -> Any:
     return ns
 
 
-__all__ = ["LOADS", "STORES", "KernelAccess", "kernel_access", "python_function"]
+__all__ = ["FROM_IR", "FROM_SOURCE", "LOADS", "STORES", "KernelAccess", "every_argument", "python_function",
+           "source_access"]

@@ -7,18 +7,23 @@ pointer escape at best and a read observer sees nothing, or the interpreter's co
 of every argument. While readfence watches (any dispatch mode is entered: the tracer, the read
 observer, fake tensors), each launch runs as **one op**, ``triton_kernel::<kernel name>(launch,
 reads, writes)``: its tensor arguments are passed in ``reads`` or in ``writes`` (``Tensor(a!)[]``),
-by what the kernel's source says it may store to (:func:`~readfence.core.tracing._kernel_access.kernel_access`:
-a possible write is a write), and ``launch`` names the rest of the call (the kernel, its grid, its
-other arguments) in a table the op's kernel looks up. So the tracer records one node that reads
-its arguments and writes its stores' targets (a write of a shared buffer is refused naming the
-kernel), the observer one access per buffer named after the kernel, and a traced graph replays the
-launch itself. A read by a launch ends with the stage that queued it: the stage's work is ordered
-on its stream, and the fence after the stage is recorded after it.
+by what the kernel may store to as triton's IR of the launch shows
+(:func:`~readfence.core.tracing._kernel_ir.kernel_access`: a possible write is a write; an IR
+that cannot be built writes every argument), and ``launch`` names the rest of the call (the
+kernel, its grid, its other arguments) in a table the op's kernel looks up. Every tensor the
+launch hands over is in one of the two lists, loaded or not: a replay binds each to the live
+memory through the op, never a tensor kept from the trace. So the tracer records one node that
+reads its arguments and writes its stores' targets (a write of a shared buffer is refused naming
+the kernel), the observer one access per buffer named after the kernel, and a traced graph
+replays the launch itself. A read by a launch ends with the stage that queued it: the stage's
+work is ordered on its stream, and the fence after the stage is recorded after it.
 
 With nothing watching, a launch is the kernel, as triton runs it. The grid is evaluated at the launch
 and kept as numbers (a graph freezes it, as a CUDA graph does); so are the non-tensor arguments.
-A kernel whose addresses are made from integers (``tl.pointer_type``) may touch any memory: its
-launch is refused while readfence watches (:class:`UnboundedKernelError`). A launch readfence does
+A kernel whose addresses are made from integers (a ``tl.pointer_type`` cast of an integer, an
+address loaded from memory, inline assembly not marked pure) may touch any memory: its launch is
+refused while readfence watches (:class:`UnboundedKernelError`). A pointer cast of a pointer
+argument stays within that argument. A launch readfence does
 not make into an op (a compiled kernel called some other way) is still an escape where its
 arguments' pointers are taken: ``UNKNOWN``, never a read that was not there.
 
@@ -41,7 +46,8 @@ import torch
 from readfence.effects import ReadfenceError
 
 from .._threads import note_kernel, stage_stream
-from ._kernel_access import KernelAccess, kernel_access, python_function
+from ._kernel_access import KernelAccess, python_function
+from ._kernel_ir import interpreter_lock, kernel_access
 
 #: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
 NAMESPACE = "triton_kernel"
@@ -56,15 +62,16 @@ _launch_ids: dict[Any, int] = {}
 
 
 class UnboundedKernelError(ReadfenceError, ValueError):
-    """A triton kernel makes addresses from integers: the memory it touches is not bounded by its
-    arguments, so no analysis or observation of its arguments covers what it reads or writes."""
+    """A triton kernel makes addresses from integers (or loads them, or runs inline assembly not
+    marked pure): the memory it touches is not bounded by its arguments, so no analysis or
+    observation of its arguments covers what it reads or writes."""
 
     def __init__(self, kernel: str, where: str) -> None:
         self.kernel, self.where = kernel, where
         super().__init__(
-            f"triton kernel {kernel!r} makes an address from an integer ({where}): the memory it touches "
-            f"is not bounded by its arguments, so readfence cannot tell what it reads or writes; pass the "
-            f"tensors it touches as arguments instead of their addresses")
+            f"triton kernel {kernel!r} makes an address from an integer or from memory, or runs code that may "
+            f"({where}): the memory it touches is not bounded by its arguments, so readfence cannot tell what it "
+            f"reads or writes; pass the tensors it touches as arguments instead of their addresses")
 
 
 class UnsupportedLaunchError(ReadfenceError, TypeError):
@@ -126,11 +133,20 @@ def is_launch_op(op: object) -> bool:
 
 def launch_write_reason(launch: Launch) -> str:
     """Why a launch writes what it is given in ``writes``: the kernel's parameters and where it
-    stores through each (as :func:`~readfence.core.tracing._kernel_access.kernel_access` found them)."""
+    stores through each, with the parameters whose loaded values index those stores (as
+    :func:`~readfence.core.tracing._kernel_ir.kernel_access` found them), or why nothing could be
+    decided of the kernel."""
     access = launch.access
     params = list(dict.fromkeys(launch.write_params))
-    shown = [f"{p} ({access.site(p) or 'a store'})" for p in params[:3]]
     more = f" and {len(params) - 3} more" if len(params) > 3 else ""
+    if not access.decided:
+        return f"triton kernel {access.kernel!r}: {access.basis} (its argument(s) {', '.join(params[:3])}{more})"
+
+    def where(p: str) -> str:
+        index = access.index_of(p)
+        return (access.site(p) or "a store") + (f", at addresses computed from {', '.join(index)}" if index else "")
+
+    shown = [f"{p} ({where(p)})" for p in params[:3]]
     return (f"triton kernel {access.kernel!r} may store through its argument(s) {', '.join(shown)}{more} "
             f"(a possible store counts as a write)")
 
@@ -181,15 +197,13 @@ def _run_launch(index: int, reads: Sequence[torch.Tensor], writes: Sequence[torc
 def _one_at_a_time(kernel: Any) -> Iterator[None]:
     """Triton's interpreter keeps the program being run in module state (the grid index, the
     language's functions patched for the launch): two threads' launches (a stream's replay and the
-    scheduler's Python stage) must not interleave. Compiled launches need no lock."""
+    scheduler's Python stage) must not interleave, nor a launch and the build of a kernel's IR
+    (:data:`~readfence.core.tracing._kernel_ir.interpreter_lock`). Compiled launches need no lock."""
     if type(kernel).__name__ != "InterpretedFunction":
         yield
         return
-    with _interpreting:
+    with interpreter_lock:
         yield
-
-
-_interpreting = threading.RLock()
 
 
 # -- the launch ------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ class Record:
         return self
 
 
+#: What a launched function declares it does to memory or events, in order: a :class:`Read`, a
+#: :class:`Write` or a :class:`Record`.
 Op = Read | Write | Record
 
 

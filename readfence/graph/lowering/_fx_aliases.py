@@ -9,6 +9,8 @@ is neither torch's own (``aten``, ``prims``) nor readfence's, a check of its out
 against the live shared buffers' address ranges: a hit the analysis did not count refuses the
 step (:class:`ReplayAliasError`, naming the op), before any consumer runs. It costs an address
 comparison per opaque op per replay, and applies where a replay runs Python: the CPU device.
+Each check is a hook of the compiled code (``_fx_memory.HOOK_KEY``): the lowering's translation
+validation runs the code with it off, on states that are not the live one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch import fx
 
 from readfence.core.internal import ALIASES_KEY, BufferMap, copy_graph
 from readfence.effects import ReadfenceError
+
+from ._fx_memory import HOOK_KEY
 
 ALIAS_CHECK_KEY = "readfence_alias_check"
 _OWN_NAMESPACES = frozenset({"aten", "prims", "readfence"})
@@ -101,6 +105,7 @@ def insert_alias_checks(gm: fx.GraphModule, live: BufferMap, *, backend: str, st
         with graph.inserting_after(node):
             inserted = graph.call_function(check, (node,))
         inserted.meta[ALIAS_CHECK_KEY] = True
+        inserted.meta[HOOK_KEY] = ("alias_check", node.name)  # the same check in every slot
     out.recompile()
     return out
 

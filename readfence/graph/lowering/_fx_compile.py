@@ -12,6 +12,14 @@ order, on each op's C++ handle, after two passes that only drop recomputation:
 * common subexpressions: a pure node equal to an earlier one (same op, same arguments) whose
   inputs nothing in the graph writes is replaced by it (a mask or index every layer rebuilds).
 
+Neither touches a value whose memory the graph may write, or that leaves the graph. Which memory
+that is comes from facts (``_fx_memory``): the real storages of the tensors the graph captured
+and of its inputs (the lowering says what each input holds), so that a workspace and a view of
+it, two tensors over one storage or a DLPack alias are one memory; the ops' schemas (what each
+writes, what each output may alias); and their tags (``set_``, ``inplace_view``, makes a tensor
+any memory it was given). Lowering does not trust this: it validates the compiled code against
+the stages' Python, and runs the plain translation where only the passes' code differs.
+
 On the demo's body (362 calls; the model computes its rotary tables once a step) the passes
 fold 9 and share 15, and bindings carry 301 of the rest. Medians side by side on a quiet 2-core
 VM, measured when the body still rebuilt the rotary tables in every layer (446 calls, 99
@@ -21,7 +29,10 @@ shared): GraphModule 1.80 ms, the same calls on their handles 1.33 ms, with the 
 *Pure* is read from the op's schema (``core._schema``): an ``aten`` op that writes none of its
 arguments, returns something, and is not tagged nondeterministic. Opaque Python callables
 (a check's poison actions) may write anything they can reach, so a graph holding one only
-gets the plain translation; the nodes that fire events are known to write nothing.
+gets the plain translation; the nodes that fire events are known to write nothing. Those
+inserted calls (events, poison, checks: ``HOOK_KEY``) are called through names the generated
+code binds (:meth:`CompiledGraph.bind`): one compiled code serves every event-ring slot, and is
+validated with its hooks bound to nothing.
 
 An ``aten`` call is then emitted as the op's generated Python binding where one reaches the
 very same op: ``TensorBase.view(x, size)`` instead of ``aten.view.default``'s handle, which
@@ -52,10 +63,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,8 +76,7 @@ from torch import fx
 
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing
 
-from ._fx_aliases import ALIAS_CHECK_KEY
-from ._fx_records import RECORD_KEY
+from ._fx_memory import HOOK_KEY, GraphMemory, InputMemory
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
 
@@ -87,78 +99,47 @@ def _refs(value: Any) -> list[fx.Node]:
     return out
 
 
-class _Memory:
-    """Which input or fresh value each node's value may alias, and which of those get written.
-
-    A root is the node whose value owns some memory: a placeholder or ``get_attr`` (memory from
-    outside the graph), or an op whose output aliases none of its arguments."""
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self.roots: dict[fx.Node, frozenset[fx.Node]] = {}
-        self.written: set[fx.Node] = set()
-        self.opaque = False
-        for node in graph.nodes:
-            self.roots[node] = self._visit(node)
-
-    def of(self, value: Any) -> frozenset[fx.Node]:
-        return frozenset().union(*(self.roots[n] for n in _refs(value)))
-
-    def _visit(self, node: fx.Node) -> frozenset[fx.Node]:
-        if node.op in ("placeholder", "get_attr"):
-            return frozenset({node})
-        if node.op == "output":
-            return self.of(node.args)
-        if node.target is operator.getitem:
-            return self.of(node.args[0])
-        if RECORD_KEY in node.meta or ALIAS_CHECK_KEY in node.meta:  # an event, a check: reads and writes no tensor
-            return frozenset()
-        aliasing = op_aliasing(node.target) if node.op == "call_function" else None
-        if aliasing is None or aliasing.opaque:
-            # a Python callable: it may write whatever it can reach, closures included
-            self.opaque = True
-            return self.of((node.args, node.kwargs)) | {node}
-        values = bind_arguments(node.target, node.args, node.kwargs)
-        for i in aliasing.writes:
-            self.written |= self.of(values[i])
-        out: set[fx.Node] = set()
-        for sources in aliasing.outputs:
-            out |= self.of([values[i] for i in sources]) if sources else {node}
-        return frozenset(out or {node})
+#: Argument types that stand for themselves in a key (with their type: ``1`` is not ``True``).
+_PLAIN = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
 def _key(value: Any) -> Any:
     """A hashable stand-in for an argument; floats by their bits (``-0.0`` is not ``0.0``)."""
-    if isinstance(value, fx.Node):
-        return ("node", value)
+    kind = type(value)
+    if kind is fx.Node:  # a node stands for itself: nodes are equal only to themselves
+        return value
+    if kind in _PLAIN:
+        return (kind, value)
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_key(v) for v in value))
+        return (kind.__name__, tuple([_key(v) for v in value]))
     if isinstance(value, dict):
         return ("dict", tuple((k, _key(v)) for k, v in value.items()))
     if isinstance(value, float):
         return ("float", value.hex() if math.isfinite(value) else repr(value))
     hash(value)  # TypeError: not shareable
-    return (type(value), value)
+    return (kind, value)
 
 
-def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node]]:
+def _simplify(gm: fx.GraphModule, keep: frozenset[str], inputs: Sequence[InputMemory] | None,
+              ) -> tuple[dict[fx.Node, Any], dict[fx.Node, fx.Node], GraphMemory]:
     """The folded constants, and each shared node's earlier equal (see the module docstring);
-    the nodes named in ``keep`` are neither."""
-    memory = _Memory(graph)
+    the nodes named in ``keep`` are neither. ``inputs`` is what the graph's inputs are known to
+    hold (``GraphMemory``); the memory analysis is returned with the answer."""
+    graph = gm.graph
+    memory = GraphMemory(gm, inputs)
     if memory.opaque:
-        return {}, {}
-    output = next(n for n in graph.nodes if n.op == "output")
-    leaving = memory.roots[output]
-    kept_apart = memory.written | leaving  # memory a merge or a fold would make one
+        return {}, {}, memory
+    kept_apart = memory.written | memory.leaving  # memory a merge or a fold would make one
     folded: dict[fx.Node, Any] = {}
     same: dict[fx.Node, fx.Node] = {}
     seen: dict[Any, fx.Node] = {}
     for node in graph.nodes:
-        if node.name in keep or not _pure(node) or memory.roots[node] & kept_apart:
+        if node.name in keep or not _pure(node) or memory.classes(node) & kept_apart:
             continue
         target: Any = node.target  # an aten OpOverload (_pure)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: same.get(n, n))
-        inputs = _refs((args, kwargs))
-        if memory.of((args, kwargs)) & kept_apart:
+        inputs_of = _refs((args, kwargs))
+        if memory.classes((args, kwargs)) & kept_apart:
             continue
         try:
             first = seen.setdefault((node.target, _key(args), _key(kwargs)), node)
@@ -166,10 +147,10 @@ def _simplify(graph: fx.Graph, keep: frozenset[str]) -> tuple[dict[fx.Node, Any]
             first = node
         if first is not node:
             same[node] = first
-        elif all(n in folded for n in inputs):
+        elif all(n in folded for n in inputs_of):
             args, kwargs = fx.node.map_arg((args, kwargs), folded.__getitem__)
             folded[node] = target(*args, **kwargs)
-    return folded, same
+    return folded, same, memory
 
 
 # ------------------------------------------------------------------------- bindings, by probe
@@ -252,16 +233,19 @@ class _Unknown(Exception):
     """A traced value the probe cannot stand in for."""
 
 
-def _spec(value: Any) -> Any:
+def _spec(value: Any, memo: dict[fx.Node, Any]) -> Any:
     """A hashable description of an argument, from which :func:`_stand_in` rebuilds it (nodes by
-    their traced value, as a meta tensor's shape, strides and dtype)."""
+    their traced value, as a meta tensor's shape, strides and dtype; ``memo`` keeps each node's)."""
     if isinstance(value, fx.Node):
-        val = value.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise _Unknown(value.name)
-        return _result_spec(val)
+        spec = memo.get(value)
+        if spec is None:
+            val = value.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise _Unknown(value.name)
+            spec = memo[value] = _result_spec(val)
+        return spec
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_spec(v) for v in value))
+        return (type(value), tuple([_spec(v, memo) for v in value]))
     if isinstance(value, dict):
         raise _Unknown("dict")
     return ("value", _key(value), value)
@@ -290,14 +274,15 @@ def _probed(op: Any, args: Any, kwargs: Any, result: Any) -> Callable[..., Any] 
     return binding_for(op, _stand_in(args), {k: _stand_in(v) for k, v in kwargs}, result=_stand_in(result))
 
 
-def _binding(node: fx.Node) -> Callable[..., Any] | None:
-    """The probed binding for an aten call node whose traced values are known, else ``None``."""
+def _binding(node: fx.Node, memo: dict[fx.Node, Any]) -> Callable[..., Any] | None:
+    """The probed binding for an aten call node whose traced values are known, else ``None``
+    (``memo``: the specs of the graph's nodes met so far, see :func:`_spec`)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
     try:
-        args = _spec(tuple(node.args))
-        kwargs = tuple((k, _spec(v)) for k, v in node.kwargs.items())
+        args = _spec(tuple(node.args), memo)
+        kwargs = tuple((k, _spec(v, memo)) for k, v in node.kwargs.items())
         return _probed(target, args, kwargs, _result_spec(node.meta.get("val")))
     except (_Unknown, TypeError):  # a value without a traced shape, or one that cannot be a key
         return None
@@ -308,10 +293,25 @@ class CompiledGraph:
 
     ``fn`` is the generated function (call it directly on a hot path), ``source`` its code;
     ``stats`` counts the graph's calls, the folded ones, the ones shared with an earlier equal
-    node and the ones emitted as a probed binding."""
+    node and the ones emitted as a probed binding. ``hooks`` are the inserted calls (events,
+    poison, checks: nodes marked ``HOOK_KEY``), as ``(key, target)`` in graph order: :meth:`bind`
+    gives the same code calling other targets (another ring slot's events, or nothing while the
+    code is validated). ``computation`` is the code with the hook calls and the reference drops
+    left out: two compilations with equal ``computation`` of one graph compute alike whatever their
+    hooks. ``memory`` is the memory analysis the passes used (``None`` without them).
+    """
 
-    def __init__(self, fn: Callable[..., Any], source: str, stats: dict[str, int]) -> None:
-        self.fn, self.source, self.stats = fn, source, stats
+    def __init__(self, bind: Callable[..., Callable[..., Any]], source: str, stats: dict[str, int],
+                 hooks: tuple[tuple[Hashable, Callable[..., Any]], ...], computation: str,
+                 memory: GraphMemory | None) -> None:
+        self._bind, self.source, self.stats, self.hooks = bind, source, stats, hooks
+        self.computation, self.memory = computation, memory
+        self.fn = bind(*(target for _, target in hooks))
+
+    def bind(self, targets: Mapping[Hashable, Callable[..., Any]]) -> Callable[..., Any]:
+        """The compiled function (the same code object as :attr:`fn`'s) with each hook calling
+        ``targets[key]``; a key ``targets`` lacks is a ``KeyError``."""
+        return self._bind(*(targets[key] for key, _ in self.hooks))
 
     def __call__(self, *args: object) -> Any:
         return self.fn(*args)
@@ -321,15 +321,40 @@ class CompiledGraph:
 
 
 def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: bool = True,
-                  bindings: bool = True) -> CompiledGraph:
+                  bindings: bool = True, inputs: Sequence[InputMemory] | None = None) -> CompiledGraph:
     """``gm`` as straight-line Python over the ops' bindings (see the module docstring).
 
     The nodes named in ``keep`` run where they are, as often as they are (lowering keeps the
     reads of shared buffers, so that a replay reads them exactly where the trace says);
     ``simplify=False`` keeps every node (no folding, no sharing); ``bindings=False`` calls
-    every op through its C++ handle."""
+    every op through its C++ handle. ``inputs`` says, per placeholder, what it will hold (the
+    tensor, or the memory an earlier graph's output may be; ``None``: unknown): the passes keep
+    apart what may share memory with what the graph writes (``_fx_memory``); without it the
+    inputs are taken to share none. A node marked ``HOOK_KEY`` (an inserted event, poison or
+    check) is called through a hook (:class:`CompiledGraph`)."""
+    with _collection_paused():
+        return _compile(gm, frozenset(keep), simplify, bindings, inputs)
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    # The compile makes tens of thousands of short-lived tuples and sets; each young collection
+    # they trigger may walk the process's traced graphs (a 64-layer body's compile took 0.71 s
+    # of CPU with the collector on, 0.37 s with it off). Nothing the compile makes is cyclic
+    # garbage: the collector resumes, as it was, when the compile returns.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings: bool,
+             inputs: Sequence[InputMemory] | None) -> CompiledGraph:
     graph = gm.graph
-    folded, same = _simplify(graph, frozenset(keep)) if simplify else ({}, {})
+    folded, same, memory = _simplify(gm, keep, inputs) if simplify else ({}, {}, None)
     nodes = list(graph.nodes)
     names: dict[fx.Node, str] = {}
     scope: dict[str, Any] = {}
@@ -344,9 +369,13 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
         for ref in _refs((node.args, node.kwargs)):
             last_use[resolved(ref)] = node
 
+    functions: list[str] = []  # what each called function is: part of the computation
+
     def constant(value: Any, hint: str) -> str:
         name = f"_{hint}{len(scope)}"
         scope[name] = value
+        if hint == "f":
+            functions.append(f"{name} = {value!r}")
         return name
 
     def emit(value: Any) -> str:
@@ -362,46 +391,62 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
             return repr(value)
         return constant(value, "c")
 
-    params, body = [], []
+    params: list[str] = []
+    body: list[tuple[str, str]] = []  # (kind, line): "op", "hook" or "free"
+    hooks: list[tuple[Hashable, Callable[..., Any]]] = []
     bound = 0
+    specs: dict[fx.Node, Any] = {}  # each node's traced value, as the bindings' probe describes it
     freed: dict[fx.Node, list[fx.Node]] = {}
     for ref, user in last_use.items():
         freed.setdefault(user, []).append(ref)
-    for i, node in enumerate(nodes):
+    values = 0  # values are numbered without the hooks: hooks change no other line
+    for node in nodes:
         if node in same:
             continue
-        name = names[node] = f"v{i}"
-        if node.op == "placeholder":
-            params.append(name)
-            continue
-        if node in folded:
-            names[node] = constant(folded[node], "k")
-            continue
-        if node.op == "get_attr":
-            names[node] = constant(_attr(gm, str(node.target)), "a")
-            continue
-        if node.op == "output":
-            body.append(f"return {emit(node.args[0])}")
-            continue
-        if node.op != "call_function":
-            raise NotImplementedError(f"compile_graph: node {node.name!r} is a {node.op} (make_fx graphs call functions)")
-        if node.target is operator.getitem:
-            body.append(f"{name} = {emit(node.args[0])}[{emit(node.args[1])}]")
-        else:
-            # the probed binding, else the C++ handle behind OpOverload.__call__
-            fn = _binding(node) if bindings else None
-            bound += fn is not None
-            fn = fn or getattr(node.target, "_op", node.target)
+        if HOOK_KEY in node.meta and node.op == "call_function":
+            hook = f"_h{len(hooks)}"
+            hooks.append((node.meta[HOOK_KEY], node.target))
             args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
-            body.append(f"{name} = {constant(fn, 'f')}({', '.join(args)})")
+            body.append(("hook", f"{hook}({', '.join(args)})"))
+        else:
+            name = names[node] = f"v{values}"
+            values += 1
+            if node.op == "placeholder":
+                params.append(name)
+                continue
+            if node in folded:
+                names[node] = constant(folded[node], "k")
+                continue
+            if node.op == "get_attr":
+                names[node] = constant(_attr(gm, str(node.target)), "a")
+                continue
+            if node.op == "output":
+                body.append(("op", f"return {emit(node.args[0])}"))
+                continue
+            if node.op != "call_function":
+                raise NotImplementedError(
+                    f"compile_graph: node {node.name!r} is a {node.op} (make_fx graphs call functions)")
+            if node.target is operator.getitem:
+                body.append(("op", f"{name} = {emit(node.args[0])}[{emit(node.args[1])}]"))
+            else:
+                # the probed binding, else the C++ handle behind OpOverload.__call__
+                fn = _binding(node, specs) if bindings else None
+                bound += fn is not None
+                fn = fn or getattr(node.target, "_op", node.target)
+                args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
+                body.append(("op", f"{name} = {constant(fn, 'f')}({', '.join(args)})"))
         done = [names[r] for r in freed.get(node, ()) if names.get(r, "").startswith("v")]
         if done:  # free intermediates at their last use, as GraphModule code does
-            body.append(" = ".join(done) + " = None")
-    source = f"def run({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+            body.append(("free", " = ".join(done) + " = None"))
+    hook_names = [f"_h{i}" for i in range(len(hooks))]
+    source = (f"def bind({', '.join(hook_names)}):\n    def run({', '.join(params)}):\n"
+              + "".join(f"        {line}\n" for _, line in body) + "    return run\n")
     exec(compile(source, f"<readfence compiled {gm.__class__.__name__}>", "exec"), scope)
-    stats = {"nodes": sum(n.op == "call_function" for n in nodes), "folded": len(folded), "shared": len(same),
-             "bound": bound}
-    return CompiledGraph(scope["run"], source, stats)
+    stats = {"nodes": sum(n.op == "call_function" and HOOK_KEY not in n.meta for n in nodes), "folded": len(folded),
+             "shared": len(same), "bound": bound}
+    computation = "".join(f"{line}\n" for line in (f"run({', '.join(params)})", *functions,
+                                                   *(line for kind, line in body if kind == "op")))
+    return CompiledGraph(scope["bind"], source, stats, tuple(hooks), computation, memory)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

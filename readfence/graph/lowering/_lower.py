@@ -3,18 +3,30 @@
 ``lower`` is a chain of passes, each a function from its input to its output:
 
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
-   makes correct (trace-time state, a stage a CUDA graph cannot capture);
-2. validate the capture against the code (``core.validate_replay``): a replayed stage must
-   compute what its Python computes on the generated states, whatever the policy; a step that
-   is not replayed (``core.internal.replayed``) is observed on those states instead;
-3. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
-   step's ledger (``core.internal.Ledger``), which the validation and the audit's own runs
-   recorded into: a read any of them saw is a read;
-4. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up), into the
-   same ledger, and ask the verdict again;
-5. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from the
+   makes correct (trace-time state, a stage a CUDA graph cannot capture); the step's ledger
+   (``core.internal.Ledger``) is where every run of its code below records what it read;
+2. compile the captured stages once for every event-ring slot (``_slot.compile_stages``): a
+   hook after every node a record or check mode's poison may follow (``_fx_records``), an
+   alias check after each opaque op (``_fx_aliases``), then constant folding, shared
+   subexpressions and Python bindings (``_fx_compile``);
+3. validate that code against the stages' Python (``core.validate_replay``): each captured
+   stage, its hooks bound to nothing, must compute what its Python computes on the generated
+   states, whatever the policy; the Python of the stages that run it in the step records what
+   it read there into the ledger (a step that is not replayed, ``core.internal.replayed``, is
+   observed on those states instead). Code that differs only through the compile passes (the
+   same stages compiled without them pass) is readfence's miscompile: the plain code, validated
+   as well, is what runs (``Lowered.optimized`` is then False);
+4. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
+   step's ledger, which the validation and the audit's own runs recorded into: a read any of
+   them saw is a read;
+5. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up), into the
+   same ledger: the last run of the step's Python before the loop's; and ask the verdict again;
+6. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from the
    same ledger: the bound trace joined with every read a run saw);
-6. per event-ring slot, insert records, compile, capture (``_slot.build_slot``);
+7. per event-ring slot, bind the validated code's hooks to the slot's events and poison, and
+   capture (``_slot.build_slot``): every slot runs the very code validated (a record after a
+   node only a run saw reading compiles the code again, validated again unless it computes
+   alike).
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
 
@@ -45,6 +57,7 @@ from readfence.core import (
     CapturedStateError,
     ForwardMode,
     ModelConfig,
+    NotGraphSafe,
     Program,
     Stage,
     StageGraph,
@@ -57,6 +70,7 @@ from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
     Ledger,
+    NodeReadsIn,
     check_backend,
     check_buffers,
     check_forward_mode,
@@ -75,13 +89,23 @@ from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
 from ..devices import CudaDevice, Device, Event, Stream, Timeline
 from ..devices.internal import check_device
 from ._fence import Bound, Fence
-from ._fx_compile import compile_graph
 from ._issue import IssueSeam, StepRun, step_issuer
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
 from ._rehearse import Rehearsal, rehearse
-from ._slot import CompiledStage, Slot, SlotSpec, StepLauncher, build_slot, last_reads
+from ._slot import (
+    Slot,
+    SlotSpec,
+    StageCode,
+    StepLauncher,
+    build_slot,
+    compile_stages,
+    last_reads,
+    node_reads,
+    record_sites,
+    slot_parts,
+)
 from ._verdict import audit_verdict
 
 if TYPE_CHECKING:
@@ -121,8 +145,11 @@ class Lowered:
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
-                 slots: Sequence[Slot], observed: ReadEffect, ledger: Ledger, check: CheckState | None = None) -> None:
+                 slots: Sequence[Slot], observed: ReadEffect, ledger: Ledger, check: CheckState | None = None,
+                 optimized: bool = True) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
+        # whether the captured stages run through the compile passes (folding, sharing, bindings)
+        self.optimized = optimized
         self.observed = observed  # what EXACT placed from: the ledger's effect (the trace and every run's reads)
         self.ledger = ledger
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
@@ -270,6 +297,7 @@ def lower(
     timeline: Timeline | None = None,
     new_event: Callable[[str], Event] | None = None,
     check: CheckState | None = None,
+    optimize: bool = True,
     UNSAFE_skip_soundness_check: bool = False,
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
@@ -283,6 +311,10 @@ def lower(
     anyway: only for tests that show what an unsound fence does. ``check`` (a
     :class:`~readfence.graph.CheckState` over ``state["shared"]``) lowers the check mode:
     every release point poisons the buffers it releases (see ``graph.lowering._poison``).
+    ``optimize=False`` runs every node of the captured stages as traced, through its op's handle
+    (no constant folding, no shared subexpressions, no Python bindings): what ``verify`` reruns
+    to tell readfence's own miscompile from a backend's. Either way the code every ring slot
+    runs is the code validated against the stages' Python (``Lowered.optimized`` says which).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -312,12 +344,23 @@ def lower(
     graphed = replayed(backend, mode) and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
-    # the passes: trace and bind to the live state; refuse what no fence makes correct; validate
-    # the capture against the code; rehearse; plan the fences; then per ring slot insert
-    # records, compile and capture
+    # the passes (see the module docstring): trace and bind; compile once for every ring slot and
+    # validate; refuse an unsound declaration; rehearse; plan the fences; bind and capture per slot
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
     ledger = ledger_of(program, cfg, batch_size, state)
-    _validated(program, ledger, backend, mode, device)
+    # the stages compiled as every slot will run them, a hook after each node a record or a check's
+    # poison may follow (only EXACT places poison inside a graph), validated before the rehearsal
+    # runs the step's Python once more
+    live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
+    writes = check is not None and policy is Policy.EXACT
+    known = flatten_inputs(shared=state["shared"], pools=state["pools"], params=state["params"])
+
+    def compiled(sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor], seen: NodeReadsIn,
+                 poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
+        return lambda passes: compile_stages(program, sites, env, seen, writes=poison, live=live, optimize=passes)
+
+    code, optimized = _validated(program, ledger, backend, mode, device,
+                                 compiled(record_sites(program, {}), known, {}, writes), optimize)
     declared = backend.read_effect(mode)
 
     def refuse_unsound() -> None:
@@ -331,8 +374,7 @@ def lower(
                                 state=state, ledger=ledger)
         if failure is not None:
             error = UnsoundLowering(
-                f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: "
-                f"{failure.message}. Fix the declaration, or lower with Policy.COARSE."
+                f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {failure.message}"
             )
             error.failure = failure
             raise error
@@ -352,14 +394,23 @@ def lower(
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
                                 program.replayed, ledger)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
-    live = None if isinstance(device, CudaDevice) else BufferMap.of(state["shared"])
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
                     device.event if new_event is None else new_event, check, timeline, reads, live)
-    slots = [build_slot(spec, launcher, r) for r in range(ring_size)]
+    parts = [slot_parts(spec, r) for r in range(ring_size)]
+    if not all(c.serves(parts[0].after[stage], parts[0].actions[stage], frozenset(node_reads(program.stage(stage), seen)))
+               for stage, c in code.items()):
+        # a record after a node only a run saw reading (the rehearsal's), or a node kept for that read: the
+        # code again, with those; the validation is not repeated where it computes alike
+        sites = {s: frozenset(parts[0].after[s]) | frozenset(parts[0].actions[s]) | record_sites(program, seen)[s]
+                 for s in code}
+        poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
+        code, optimized = _validated(program, ledger, backend, mode, device,
+                                     compiled(sites, launcher.env, seen, poison), optimized)
+    slots = [build_slot(spec, launcher, p, code) for p in parts]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check, observed=observed, ledger=ledger,
+        check=check, observed=observed, ledger=ledger, optimized=optimized,
     )
 
 
@@ -380,29 +431,51 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
                         ledger), batch
 
 
-def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device) -> None:
-    """Refuse (``NotGraphSafe``) a captured stage that computes other than its Python on the
-    generated states (``core.validate_replay``), whatever the policy: a graph that bakes a value of
-    the traced step is wrong with any fence. What the Python of the stages that run it in the step
-    reads there is recorded in ``ledger``. A step that is not replayed has no capture: its Python
-    runs on the same states under the read observer instead (``Ledger.observe_varied``). The
-    states are ``core.internal.varied_states``, written into the live buffers for a backend that
-    keeps references to them, after the device has run what was enqueued on them."""
-    if not program.replayed:
+def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
+               compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool,
+               ) -> tuple[Mapping[Stage, StageCode], bool]:
+    """The step's stages as every ring slot runs them (``compiled(passes)``: hooks for records and
+    checks inserted, compiled through the passes or not), validated: each captured stage's compiled
+    code, its hooks bound to nothing, must compute what its Python computes on the generated states
+    (``core.validate_replay``), whatever the policy, or the step is refused (``NotGraphSafe``):
+    a graph that bakes a value of the traced step is wrong with any fence. What the Python of the
+    stages that run it in the step reads there is recorded in ``ledger``. A step that is not
+    replayed has no capture: its Python runs on the same states under the read observer instead
+    (``Ledger.observe_varied``). The states are ``core.internal.varied_states``, written into the
+    live buffers for a backend that keeps references to them, after the device has run what was
+    enqueued on them.
+
+    Code compiled through the passes that differs where the same stages compiled without them
+    (every node as traced) do not is readfence's own miscompile, not the backend's: the step then
+    runs that plain code, validated as well. Returns the code and whether it went through the
+    passes."""
+    code = compiled(optimize)
+    if not program.replayed or program.aborted is not None:
         ledger.observe_varied(settle=device.synchronize)
-        return
-    compiled: dict[Stage, CompiledStage] = {}
+        return code, optimize
+    try:
+        _validate_code(program, ledger, backend, mode, device, code)
+        return code, optimize
+    except NotGraphSafe:
+        if not optimize:
+            raise
+    plain = compiled(False)
+    _validate_code(program, ledger, backend, mode, device, plain)  # the backend's own refusal
+    return plain, False
+
+
+def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
+                   code: Mapping[Stage, StageCode]) -> None:
+    # each captured stage replayed as the slots run it: the very code, no event fired
+    runners = {stage: c.validating() for stage, c in code.items() if c.compiled is not None}
 
     def replay(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        # each captured stage as the lowering runs it: straight-line code over the same ops, one
-        # translation for every state tried (a GraphModule would generate its code for one call)
-        if stage.stage not in compiled:
-            compiled[stage.stage] = CompiledStage(stage, compile_graph(stage.graph.gm, simplify=False, bindings=False))
-        return compiled[stage.stage].run(env)
+        return runners[stage.stage].run(env)
 
+    key = tuple((str(stage), r.graph.computation) for stage, r in runners.items())
     cfg, state = ledger.cfg, ledger.state
     with varied_states(program, cfg, ledger.batch_size, state, settle=device.synchronize) as example:
-        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay)
+        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay, key=key)
     # a capture validated before, on another state, ran nothing here: its Python is observed instead
     ledger.observe_varied(settle=device.synchronize)
 

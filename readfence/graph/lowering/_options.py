@@ -52,6 +52,8 @@ class LowerOptions:
     ``measure``: time each fence against the last reads; ``timeline``: record the stages and
     replays; ``new_event``: make each event from its name (default: the device's);
     ``check``: the poison-on-release check mode over ``state["shared"]``;
+    ``optimize``: run the captured stages through readfence's compile passes (constant folding,
+    shared subexpressions, Python bindings; ``False``: every node as traced);
     ``UNSAFE_skip_soundness_check``: lower a declaration the audit refuses (to show it failing).
     A loop sets what it runs with itself (it measures, keeps its own timeline and check mode):
     those are its keywords, and a record that sets one of them is refused there.
@@ -74,6 +76,7 @@ class LowerOptions:
     timeline: Timeline | None = attrs.field(default=None, validator=_instance(Timeline, "a Timeline"))
     new_event: Callable[[str], Event] | None = attrs.field(default=None, validator=_callable)
     check: CheckState | None = attrs.field(default=None, validator=_instance(CheckState, "a CheckState"))
+    optimize: bool = attrs.field(default=True, validator=_flag)
     UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
 
 
@@ -132,4 +135,5 @@ def lower_with(options: LowerOptions, backend: BackendLike, mode: ForwardMode, *
     return lower(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg, stream=stream,
                  state=state, ring_size=options.ring_size, steps_in_flight=steps_in_flight,
                  measure=options.measure, timeline=options.timeline, new_event=options.new_event,
-                 check=options.check, UNSAFE_skip_soundness_check=options.UNSAFE_skip_soundness_check)
+                 check=options.check, optimize=options.optimize,
+                 UNSAFE_skip_soundness_check=options.UNSAFE_skip_soundness_check)

@@ -3,18 +3,21 @@
 A lowered step owns one :class:`Slot` per event-ring slot: its events, its stage graphs with
 those events' records inserted after their nodes (``insert_records``) and compiled
 (``compile_graph``), and, on a device with graphs, the captured graph of its in-graph stages.
+The stages are compiled once per lowering (:func:`compile_stages`), with a hook after every node
+an event may follow (:func:`record_sites`), which every slot binds to its own events and check
+actions (:class:`StageCode`): every slot runs the one code the lowering validated.
 :func:`build_slot` is the pass; :class:`StepLauncher` is how a step's stages are launched on
 the lowered stream, in a capture or eagerly, in the order of ``core.STAGES``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
-from torch import Tensor
+from torch import Tensor, fx
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
 from readfence.core.internal import BufferMap, Ledger, NodeReadsIn
@@ -24,7 +27,8 @@ from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_aliases import insert_alias_checks
 from ._fx_compile import CompiledGraph, compile_graph
-from ._fx_records import insert_records, stage_ops
+from ._fx_memory import UNKNOWN, InputMemory
+from ._fx_records import AfterNode, hooks_for, insert_hooks, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
 from ._poison import CheckState, Watcher, poison_points
 
@@ -38,13 +42,15 @@ class StageRunner(Protocol):
 
 
 class CompiledStage:
-    """A faithful stage's graph, compiled (``graph._fx_compile``), run like ``StageGraph.run``."""
+    """A faithful stage's graph, compiled (``graph._fx_compile``), run like ``StageGraph.run``;
+    ``fn`` is the compiled code bound to its hooks (default: the graph's own)."""
 
     __slots__ = ("stage", "graph", "_fn", "_inputs", "_outputs")
 
-    def __init__(self, stage: StageGraph, graph: CompiledGraph) -> None:
+    def __init__(self, stage: StageGraph, graph: CompiledGraph, fn: Callable[..., Any] | None = None) -> None:
         self.stage, self.graph = stage, graph
-        self._fn, self._inputs, self._outputs = graph.fn, stage.graph.inputs, stage.graph.outputs
+        self._fn = graph.fn if fn is None else fn
+        self._inputs, self._outputs = stage.graph.inputs, stage.graph.outputs
 
     def run(self, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Execute the stage on ``env`` (name -> tensor); outputs by name."""
@@ -240,26 +246,115 @@ def last_reader(program: Program, buffer: str, observed: NodeReadsIn | None = No
     return max(readers, key=position)
 
 
-def _node_reads(stage: StageGraph, observed: NodeReadsIn) -> dict[str, frozenset[str]]:
-    # per node, the traced reads and what the rehearsal observed it really read
+def node_reads(stage: StageGraph, observed: NodeReadsIn) -> dict[str, frozenset[str]]:
+    """Per node of ``stage``, the buffers its trace reads and those ``observed`` saw it read."""
     seen, traced = observed.get(stage.stage, {}), stage.analysis.reads
     return {n: traced.get(n, frozenset()) | seen.get(n, frozenset()) for n in {*traced, *seen}}
 
 
-def compile_stage(stage: StageGraph, after: Mapping[str, list[Event]], actions: Mapping[str, list[Action]],
-                  device: Device, observed: NodeReadsIn, *,
-                  live: BufferMap | None = None, backend: str = "?") -> LaunchedStage:
-    """``stage`` with ``after[node]`` records and ``actions[node]`` inserted after its nodes,
-    and, given the ``live`` shared buffers, an alias check after each opaque op
-    (``insert_alias_checks``), compiled; a stage that runs its Python runs as it is, with no
-    node-level records."""
-    reads, name = _node_reads(stage, observed), stage.stage.name
+def _ignore(*_: object) -> None:
+    """What a hook calls while the code is validated: no event, no poison, no check."""
+
+
+@attrs.frozen(eq=False)
+class StageCode:
+    """One stage of a lowered step as every ring slot runs it: ``gm``, its graph with a hook
+    after each node of ``sites`` (and an alias check after each opaque op), and ``compiled``, its
+    compiled code (``None``: the stage runs its Python). A slot binds the hooks to its own events
+    and check actions (:meth:`launched`); the lowering validates the code with the hooks bound to
+    nothing (:meth:`validating`). ``keep`` are the nodes the passes left where they are."""
+
+    stage: StageGraph
+    gm: fx.GraphModule
+    compiled: CompiledGraph | None
+    sites: frozenset[str] = frozenset()
+    keep: frozenset[str] = frozenset()
+    writes: bool = False
+
+    def launched(self, reads: Mapping[str, frozenset[str]],
+                 hooks: Mapping[Hashable, Callable[..., object]] | None = None) -> LaunchedStage:
+        """The stage as a slot launches it, its hooks calling ``hooks`` (``hooks_for`` that
+        slot's events and actions; the others, as compiled); ``reads`` per node for its ops."""
+        name = self.stage.stage.name
+        if self.compiled is None:
+            return LaunchedStage(self.stage, stage_ops(self.gm, reads, name))
+        # a site this slot places nothing after calls nothing; the alias checks run as compiled
+        targets = {key: _ignore if isinstance(own, AfterNode) else own for key, own in self.compiled.hooks}
+        targets.update(hooks or {})
+        runner = CompiledStage(self.stage, self.compiled, self.compiled.bind(targets))
+        return LaunchedStage(runner, stage_ops(self.gm, reads, name, targets))
+
+    def validating(self) -> CompiledStage:
+        """The compiled code with every hook bound to nothing: what the lowering's translation
+        validation replays (its records, poison and checks are no part of what it computes)."""
+        assert self.compiled is not None
+        return CompiledStage(self.stage, self.compiled, self.compiled.bind(
+            {key: _ignore for key, _ in self.compiled.hooks}))
+
+    def serves(self, after: Mapping[str, object], actions: Mapping[str, object], keep: frozenset[str]) -> bool:
+        """Whether this code can run a slot placing records ``after`` and check ``actions`` after
+        its nodes, with the passes keeping ``keep``: a hook after each of those nodes, a poison
+        hook known to write, the same nodes kept."""
+        if self.compiled is None:
+            return True
+        placed = {n for n, v in after.items() if v} | {n for n, v in actions.items() if v}
+        return placed <= self.sites and (self.writes or not any(actions.values())) and keep == self.keep
+
+
+def record_sites(program: Program, observed: NodeReadsIn) -> dict[Stage, frozenset[str]]:
+    """Per stage, the nodes an event or a check's poison may be placed after: every node the
+    trace or ``observed`` saw read a shared buffer but the stage's last (where the stage ends).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.core import ForwardMode, PREPARE_IN_GRAPH, trace
+    >>> sorted(record_sites(trace(paged(), ForwardMode.DECODE), {})[PREPARE_IN_GRAPH])
+    ['index_select', 'index_select_1']
+    """
+    out = {}
+    for s in program.stages:
+        last = next(n.name for n in reversed(s.graph.gm.graph.nodes))
+        out[s.stage] = frozenset(n for n in node_reads(s, observed) if n != last)
+    return out
+
+
+def compile_stage(stage: StageGraph, sites: frozenset[str], observed: NodeReadsIn, *, writes: bool = False,
+                  live: BufferMap | None = None, backend: str = "?", inputs: tuple[InputMemory, ...] | None = None,
+                  optimize: bool = True) -> StageCode:
+    """``stage`` with a hook after each node of ``sites`` (``writes``: a check's poison may run
+    there) and, given the ``live`` shared buffers, an alias check after each opaque op
+    (``insert_alias_checks``), compiled (``optimize``: through the compile passes, keeping the
+    nodes that read a shared buffer where they are, ``inputs`` saying what its inputs hold;
+    else every node as traced, through its op's handle); a stage that runs its Python runs as
+    it is, with no node-level records."""
     if stage.runs_python:
-        return LaunchedStage(stage, tuple(stage_ops(stage.graph.gm, reads, name)))
-    gm = insert_records(stage.graph.gm, after, device, actions) if after or actions else stage.graph.gm
+        return StageCode(stage, stage.graph.gm, None)
+    keep = frozenset(node_reads(stage, observed))
+    gm = insert_hooks(stage.graph.gm, sorted(sites), writes=writes) if sites else stage.graph.gm
     if live is not None:
-        gm = insert_alias_checks(gm, live, backend=backend, stage=name)
-    return LaunchedStage(CompiledStage(stage, compile_graph(gm, keep=reads)), stage_ops(gm, reads, name))
+        gm = insert_alias_checks(gm, live, backend=backend, stage=stage.stage.name)
+    compiled = compile_graph(gm, keep=keep, inputs=inputs, simplify=optimize, bindings=optimize)
+    return StageCode(stage, gm, compiled, frozenset(sites), keep, writes)
+
+
+def compile_stages(program: Program, sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor],
+                   observed: NodeReadsIn, *, writes: bool = False, live: BufferMap | None = None,
+                   optimize: bool = True) -> dict[Stage, StageCode]:
+    """Every stage of ``program`` compiled once for every slot (:func:`compile_stage`). What each
+    compiled stage's inputs hold is told to its passes: the step's tensors in ``env`` (live
+    state; an input ``env`` does not hold yet is a static buffer the lowering allocates, memory
+    of its own), or, for an earlier in-graph stage's outputs, the memory that stage's analysis
+    says they may be (a stage that runs its Python may return any memory)."""
+    produced: dict[str, InputMemory] = {}
+    code: dict[Stage, StageCode] = {}
+    for s in program.stages:
+        inputs = tuple(produced[n] if n in produced else env.get(n, frozenset({("static", n)})) for n in s.graph.inputs)
+        code[s.stage] = c = compile_stage(s, sites.get(s.stage, frozenset()), observed, writes=writes, live=live,
+                                          backend=program.backend, inputs=inputs, optimize=optimize)
+        if s.stage.in_graph:  # its outputs join the environment as they are, every step
+            memory = None if c.compiled is None else c.compiled.memory
+            outs = memory.outputs() if memory is not None else tuple(frozenset({UNKNOWN}) for _ in s.graph.outputs)
+            produced.update(zip(s.graph.outputs, outs))
+    return code
 
 
 @attrs.frozen
@@ -283,10 +378,24 @@ class SlotSpec:
     live: BufferMap | None = None
 
 
-def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
-    """Event-ring slot ``r``: its events, its stages with their records and check actions
-    inserted and compiled, and, when ``spec.graphed``, its in-graph stages captured on the
-    launcher's stream."""
+@attrs.frozen(eq=False)
+class SlotParts:
+    """What event-ring slot ``index`` is built from: its events (per placement, the probes of
+    the last reads, in the graph and in the out-of-graph stage's Python), and per stage the
+    records (``after``) and check actions (``actions``) inserted after each node, and the
+    actions at each stage-level end (``at_end``)."""
+
+    index: int
+    events: dict[Placement, Event]
+    probes: dict[str, Event]
+    out_probes: dict[str, Event]
+    after: dict[Stage, dict[str, list[Event]]]
+    actions: dict[Stage, dict[str, list[Action]]]
+    at_end: tuple[Action | None, ...]
+
+
+def slot_parts(spec: SlotSpec, r: int) -> SlotParts:
+    """Event-ring slot ``r``'s events, and where their records and the check's actions go."""
     label, program, plan, dev = spec.label, spec.program, spec.plan, spec.device
     events = {p: spec.new_event(f"{label}/{p.end.name}{'@' + p.after.node if p.after else ''}#{r}")
               for p in plan.points()}
@@ -319,23 +428,36 @@ def build_slot(spec: SlotSpec, launcher: StepLauncher, r: int) -> Slot:
                 actions[point.after.stage].setdefault(point.after.node, []).append(act)
             else:
                 at_end[point.end.rank] = act
-    stages = {s.stage: compile_stage(s, after[s.stage], actions[s.stage], dev, spec.observed, live=spec.live,
-                                    backend=program.backend) for s in program.stages}
+    return SlotParts(r, events, probes, out_probes, after, actions, tuple(at_end))
+
+
+def build_slot(spec: SlotSpec, launcher: StepLauncher, parts: SlotParts, code: Mapping[Stage, StageCode]) -> Slot:
+    """Event-ring slot ``parts.index``: its stages, ``code`` bound to its events and check
+    actions, and, when ``spec.graphed``, its in-graph stages captured on the launcher's stream."""
+    label, plan, dev = spec.label, spec.plan, spec.device
+    events, probes, out_probes = parts.events, parts.probes, parts.out_probes
+    stages = {}
+    for s in spec.program.stages:
+        c = code[s.stage]
+        if not c.serves(parts.after[s.stage], parts.actions[s.stage], c.keep):
+            raise AssertionError(f"{label}: stage {s.stage} was compiled without a hook its slot {parts.index} binds")
+        stages[s.stage] = c.launched(node_reads(s, spec.observed), hooks_for(parts.after[s.stage], dev,
+                                                                                parts.actions[s.stage]))
     index = {p: i for i, p in enumerate(events)}
-    done = spec.new_event(f"{label}/done#{r}")
+    done = spec.new_event(f"{label}/done#{parts.index}")
     fence_events = (*events.values(), done)
     claim_events(label, [*events.values(), *probes.values(), *out_probes.values(), done])
     slot = Slot(
-        index=r, events=events, probes={**probes, **out_probes}, done=done, stages=stages,
+        index=parts.index, events=events, probes={**probes, **out_probes}, done=done, stages=stages,
         at_end=tuple(tuple(e for p, e in events.items() if p.after is None and p.end is end) for end in ReadEnd),
-        act_at_end=tuple(at_end), fence_events=fence_events,
+        act_at_end=parts.at_end, fence_events=fence_events,
         buffer_points=MappingProxyType({b: index.get(p) for b, p in plan.placements.items()}),
         out_fn=_out_launch(spec, launcher, stages[PREPARE_OUT_GRAPH].runner, tuple(out_probes.values())),
         out_ops=(*stages[PREPARE_OUT_GRAPH].ops, *(Record(e) for e in out_probes.values())),
         clock=RunClock(()), head=slot_head(label, {}, (), ()),
     )
     if spec.graphed:
-        with dev.capture(launcher.stream, label=f"{label}/graph#{r}") as graph:
+        with dev.capture(launcher.stream, label=f"{label}/graph#{parts.index}") as graph:
             launcher.in_graph_work(slot)
         slot.graph = graph
     slot.rebase(label, tuple(e.generation for e in fence_events))
@@ -365,5 +487,6 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
     return fn
 
 
-__all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotSpec", "StepLauncher", "build_slot", "compile_stage",
-           "last_reader", "last_reads", "node_positions"]
+__all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotParts", "SlotSpec", "StageCode", "StepLauncher", "build_slot",
+           "compile_stage", "compile_stages", "last_reader", "last_reads", "node_positions", "node_reads", "record_sites",
+           "slot_parts"]

@@ -5,7 +5,8 @@ The scheduler writes step i+1's shared state behind step i's fence while the for
 replays step i; ``run_serial`` is the reference it is compared with, bit for bit. The serving
 loop (``run_serve``) does the same as an engine does it: seeded arrivals, changing batches, a
 graph per captured batch size, prefill steps between decode steps; ``run_serve_serial`` is its
-reference.
+reference. A loop may stage each step's state in host buffers (``Staging``, or an engine's
+ring), checked against the steps it keeps in flight (``check_staging``).
 """
 
 from ._arrivals import Request, Traffic
@@ -26,6 +27,7 @@ from ._serve import (
     serve_scheduler,
 )
 from ._serve_scheduler import ServeScheduler, ServeStep
+from ._staging import Staging, StagingRing, StagingRingError, check_staging
 from ._traces import TracedRun, run_traced, write_trace
 
 __all__ = [
@@ -41,6 +43,9 @@ __all__ = [
     "ServeResult",
     "ServeScheduler",
     "ServeStep",
+    "Staging",
+    "StagingRing",
+    "StagingRingError",
     "StepRecord",
     "StepState",
     "TracedRun",
@@ -52,6 +57,7 @@ __all__ = [
     "run_serial",
     "run_serve",
     "run_serve_serial",
+    "check_staging",
     "serve_loop",
     "serve_scheduler",
     "synthetic_work",

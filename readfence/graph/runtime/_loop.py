@@ -25,21 +25,27 @@ from torch import Tensor
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.core.internal import did_you_mean, positive_int
 
-from ..devices import Device, DeviceTimeout, Event, Stream, Timeline, Write
+from ..devices import Device, DeviceTimeout, Event, Read, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
 from ..lowering.internal import LOOP_KEYWORDS, device_of, for_a_loop, set_by
 from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepSource, StepState
+from ._staging import Holds, StagingRing, check_ring, check_staging, host_write, staging_name
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class LoopResult:
-    """Outputs and measurements of one run of the decode loop."""
+    """Outputs and measurements of one run of the decode loop; its repr is a one-line summary (the
+    logits are in ``logits``).
+
+    >>> LoopResult(None, [], 0.5, intervals=(0.1, 0.1))
+    <LoopResult serial: 0 steps, 10.0 steps/s, 0 violations>
+    """
 
     policy: Policy | None
     logits: list[Tensor | tuple[Tensor, ...]]  # a tuple per step for a composite step
@@ -60,6 +66,11 @@ class LoopResult:
             median = statistics.median(self.intervals)
             return 1.0 / median if median > 0 else float("inf")
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
+
+    def __repr__(self) -> str:
+        policy = "serial" if self.policy is None else self.policy.name
+        return (f"<LoopResult {policy}: {self.steps} steps, {self.steps_per_s:.1f} steps/s, "
+                f"{len(self.violations)} violations>")
 
     def matches(self, reference: LoopResult | Sequence[Tensor | tuple[Tensor, ...]]) -> bool:
         """Bit-identical logits, step by step (phases and streams included); the reference
@@ -195,6 +206,8 @@ class DecodeLoop:
     timeline: Timeline | None
     write_order: tuple[str, ...]
     check: CheckState | None = None  # check mode: poison on release (graph.lowering._poison)
+    staging: StagingRing | None = None  # host buffers the scheduler stages each step's state in (_staging)
+    _stager: _Stager | None = attrs.field(init=False, default=None)  # the staging ring at work, while it runs
     write_groups: tuple[tuple[str, ...], ...] = attrs.field(init=False)  # write_order by release point
     _plain_groups: tuple[tuple[str, ...], ...] = attrs.field(init=False)  # plain copies join the next group
 
@@ -250,14 +263,19 @@ class DecodeLoop:
         return timed[0] if len(timed) == 1 else functools.partial(_run_all, timed)
 
     def _write_state(self, nxt: StepState, fence_wait: Callable[[Sequence[str]], None] | None) -> None:
-        s, step = self.schedule_stream, nxt.step
+        s, step, stager = self.schedule_stream, nxt.step, self._stager
+        reads: list[Read] = []
         with s.batch():
+            if stager is not None:  # the copy reads the host buffer the step was staged in
+                reads = [Read(staging_name(stager.ring.slot(step)), "scheduler/copy", step)]
+                if stager.holds is not None:
+                    s.wait(stager.holds.events[step])
             for group in self._wait_groups():
                 if fence_wait is not None:
                     fence_wait(group)
                 # named after its first buffer: a trace matches launches to spans by name
                 s.launch(self._writer(group, nxt), label=f"scheduler/write:{group[0]}",
-                         ops=[Write(b, step, "scheduler") for b in group], step=step)
+                         ops=[*reads, *(Write(b, step, "scheduler") for b in group)], step=step)
             s.record(self.written)
 
     def _next(self) -> StepState:
@@ -273,21 +291,29 @@ class DecodeLoop:
 
     def _run(self, steps: int, progress: Callable[[int], None] | None, timeout: float | None) -> tuple[list[StepRun], float]:
         t0 = time.perf_counter()
-        nxt = self._next()
-        self._write_state(nxt, None)
+        stager = self._stager = None if self.staging is None else _Stager(self, steps, timeout)
         runs: list[StepRun] = []
-        for i in range(steps):
-            run = self.lowered.run(nxt.batch, step=i, after=[self.written])
-            runs.append(run)
-            if i + 1 < steps:
-                nxt = self._next()
-                if self.check is None:
-                    self._write_state(nxt, functools.partial(run.fence.wait, self.schedule_stream))
-                else:  # the step restores what it poisoned at its very end: write after that
-                    run.fence.wait_end(self.schedule_stream)
-                    self._write_state(nxt, None)
-            if progress is not None:
-                progress(i)
+        try:
+            nxt = self._next() if stager is None else stager.fill(self._next())
+            self._write_state(nxt, None)
+            for i in range(steps):
+                run = self.lowered.run(nxt.batch, step=i, after=[self.written])
+                runs.append(run)
+                if stager is not None:
+                    stager.launched(run)
+                if i + 1 < steps:
+                    nxt = self._next() if stager is None else stager.fill(self._next())
+                    if self.check is None:
+                        self._write_state(nxt, functools.partial(run.fence.wait, self.schedule_stream))
+                    else:  # the step restores what it poisoned at its very end: write after that
+                        run.fence.wait_end(self.schedule_stream)
+                        self._write_state(nxt, None)
+                if progress is not None:
+                    progress(i)
+        finally:
+            self._stager = None
+            if stager is not None and stager.holds is not None:
+                stager.holds.open_all()
         for run in runs:
             run.result(timeout)
         self.device.synchronize(timeout)
@@ -332,6 +358,46 @@ class DecodeLoop:
         True
         """
         return 1.0 / max(self.time_forward(steps, timeout), self.time_scheduler(steps, timeout))
+
+
+class _Stager:
+    """A loop's staging ring at work: the host buffers, the host's waits before each refill (on a
+    per-step end event, so that the wait is on that very step and the race sanitizer sees it),
+    the refills (host writes), and the holds."""
+
+    def __init__(self, loop: DecodeLoop, steps: int, timeout: float | None) -> None:
+        assert loop.staging is not None
+        self.loop, self.ring, self.timeout = loop, loop.staging, timeout
+        self.buffers: dict[int, dict[str, Tensor]] = {}
+        self.ends: list[Event] = []
+        self.sync = loop.device.stream("staging/host-waits")
+        self.holds = Holds(loop.device, steps, loop.device.timeout if timeout is None else timeout) \
+            if self.ring.held else None
+
+    def launched(self, run: StepRun) -> None:
+        end = self.loop.device.event(f"staging/step-end/{run.step}")
+        run.fence.wait_end(self.sync)
+        self.sync.record(end)
+        self.ends.append(end)
+
+    def fill(self, nxt: StepState) -> StepState:
+        step = nxt.step
+        waited = self.ring.waited(step)
+        if waited is not None and 0 <= waited < len(self.ends):
+            if self.holds is not None:
+                self.holds.open(waited)
+            self.ends[waited].synchronize(self.timeout)
+        slot = self.ring.slot(step)
+        host_write(self.loop.device, staging_name(slot), step, "host/stage")
+        staged = self.buffers.get(slot)
+        if staged is None:
+            staged = self.buffers[slot] = {b: t.clone() for b, t in nxt.shared.items()}
+        else:
+            for b, t in nxt.shared.items():
+                staged[b].copy_(t)
+        if self.ring.slots is None:  # a fresh buffer per step: nothing comes round again
+            del self.buffers[slot]
+        return attrs.evolve(nxt, shared=staged)
 
 
 def synthetic_work(device: Device | str, *, write_cost: int = 0, write_wait_s: float = 0.0) -> Callable[[], object] | None:
@@ -421,6 +487,7 @@ def decode_loop(
     check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,
     lowering: LowerOptions | None = None,
+    staging: StagingRing | None = None,
 ) -> DecodeLoop:
     """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
     wire it to a seeded scheduler on ``device``.
@@ -439,9 +506,19 @@ def decode_loop(
     ``lowering`` (a :class:`LowerOptions`: ring size, event factory) goes to
     every graph's lowering; the loop measures its fences, and ``timeline``, ``check`` and
     ``UNSAFE_skip_soundness_check`` are its own keywords (a record that sets them is refused).
+
+    ``staging`` (a :class:`~readfence.graph.runtime.Staging` or an engine's ring) stages each step's
+    shared state in host buffers that the scheduler's copy reads when it runs; a ring that
+    refills a buffer before its copy surely ran is refused (``StagingRingError``, see
+    ``check_staging``) unless ``UNSAFE_skip_soundness_check`` runs it anyway, to show it racing.
     """
     check_run(backend, mode, "lower")
     check_device(device)
+    if staging is not None:
+        check_ring(staging)
+        found = check_staging(staging)
+        if found is not None and not UNSAFE_skip_soundness_check:
+            raise found
     cfg = ModelConfig() if cfg is None else cfg
     state = make_state(cfg, device) if state is None else state
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
@@ -454,7 +531,7 @@ def decode_loop(
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
     work = synthetic_work(device, write_cost=write_cost, write_wait_s=write_wait_s)
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),
-                      work, timeline, order, checker)
+                      work, timeline, order, checker, staging)
 
 
 @names_keywords
@@ -478,6 +555,7 @@ def run_overlapped(
     check: bool | CheckState = False,
     UNSAFE_skip_soundness_check: bool = False,
     lowering: LowerOptions | None = None,
+    staging: StagingRing | None = None,
 ) -> LoopResult:
     """Run the overlapped decode loop; logits, wall time, sanitizer findings, fence slack.
     The keywords after ``progress`` are :func:`decode_loop`'s.
@@ -496,7 +574,7 @@ def run_overlapped(
     loop = decode_loop(backend, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
                        finish_prob=finish_prob, write_cost=write_cost, write_wait_s=write_wait_s, timeline=timeline,
                        state=state, check=check, UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check,
-                       lowering=lowering)
+                       lowering=lowering, staging=staging)
     (runs, seconds), violations = sanitized(device, sanitize, lambda: loop.run(steps, progress=progress))
     slack, ends = fence_summary(runs, loop.timeline)
     done = [e for e in ends if e is not None]

@@ -21,8 +21,8 @@ from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig
 from readfence.core.internal import request_ranges, tokens_per_request
 
 from ..devices import Device, Event, Stream
-from ..lowering import Fence, Lowered, LowerOptions, Placement, Policy, StepRun
-from ..lowering.internal import lower_with, lowering_options
+from ..lowering import Fence, Lowered, LowerOptions, Placement, Policy, StepRun, UnsoundLowering
+from ..lowering.internal import lower_with, lowering_options, placing_effect
 from ._shapes import StepShape
 
 
@@ -120,7 +120,12 @@ def _sort_key(placement: Placement | None) -> tuple[int, int, int]:
 
 class PhasedStep:
     """The phases of ``shape`` lowered on one forward stream (one graph per runner and mode),
-    each graph with ``lowering``."""
+    each graph with ``lowering``; a phase backend with a ``lower_step`` method (an engine's own
+    runner) lowers itself, as in :func:`lower_step`.
+
+    A shape with ``waits_on`` is an engine's step: every buffer's fence is that phase's, and
+    a read in a later phase is refused (``UnsoundLowering``) unless the lowering skips the
+    soundness check, as an engine trusting its runner does."""
 
     def __init__(self, shape: StepShape, *, device: Device, policy: Policy, batch_size: int, cfg: ModelConfig,
                  state: Mapping[str, dict[str, Tensor]], lowering: LowerOptions | None = None) -> None:
@@ -137,15 +142,23 @@ class PhasedStep:
             if ph.graph_key in self.graphs:
                 continue
             # Every replay of a runner's graph in one step is a step in flight for its events.
-            self.graphs[ph.graph_key] = lower_with(
-                lowering, ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                stream=stream, state=state, steps_in_flight=replays[ph.graph_key])
+            own = getattr(ph.backend, "lower_step", None)
+            if callable(own):
+                self.graphs[ph.graph_key] = own(ph.mode, device=device, policy=policy, batch_size=batch_size, cfg=cfg,
+                                                state=state, lowering=lowering)
+            else:
+                self.graphs[ph.graph_key] = lower_with(
+                    lowering, ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
+                    stream=stream, state=state, steps_in_flight=replays[ph.graph_key])
         # Ranked by what each phase's graph places its events from (under EXACT its bound trace
         # joined with what its rehearsal saw): the phase chosen is one whose plan really covers
         # the buffer's last read, and check mode poisons the buffer at that very point.
-        observed = [self.graphs[ph.graph_key].observed for ph in shape.phases]
-        positions = shape.positions_under(policy, observed)
-        self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
+        observed = [getattr(self.graphs[ph.graph_key], "observed", None) for ph in shape.phases]
+        if shape.waits_on_index is None:
+            positions = shape.positions_under(policy, observed)  # type: ignore[arg-type]
+            self.owner = {b: p.phase for b, p in positions.items() if p.phase >= 0}
+        else:
+            self.owner = self._published(shape, policy, observed, lowering.UNSAFE_skip_soundness_check)
         self.checked = lowering.check is not None
         # a buffer no phase reads, or whose publishing phase waits for none of its reads, is
         # released as the step starts: check mode poisons it there, before any phase runs
@@ -156,6 +169,23 @@ class PhasedStep:
             self.graphs[shape.phases[0].graph_key].poison_at_start(self.at_start)
         self.stream = stream
         self.label = f"{shape.name}/{policy.name}"
+
+    @staticmethod
+    def _published(shape: StepShape, policy: Policy, observed: Sequence[Any], trusted: bool) -> dict[str, int]:
+        """Every buffer's fence from ``shape.waits_on`` (refused where a later phase reads it)."""
+        k = shape.waits_on_index
+        assert k is not None
+        if not trusted:
+            ranked = [placing_effect(policy, declared=ph.backend.read_effect(ph.mode),
+                                     observed=ph.backend.read_effect(ph.mode) if o is None else o)
+                      for o, ph in zip(observed, shape.phases)]
+            late = shape.late_reads(ranked)
+            if late:
+                buffer, (phase, _) = sorted(late.items())[0]
+                raise UnsoundLowering(f"{shape.spec}: the scheduler waits on phase {shape.waits_on!r}'s event, but "
+                                      f"phase {phase.name!r} reads {buffer!r} after it; publish from the last phase "
+                                      f"that reads it")
+        return dict.fromkeys(SHARED_BUFFERS, k)
 
     def write_key(self, buffer: str) -> tuple[int, tuple[int, int, int]]:
         """Order of the scheduler's writes: by the position that releases the buffer."""
@@ -176,8 +206,22 @@ class PhasedStep:
             runs.append(self.graphs[ph.graph_key].run(part, step=step, after=after if i == 0 else (), **kw))
         parts: dict[str, tuple[Fence, ...]] = {b: (runs[k].fence,) for b, k in self.owner.items()}
         parts.update({b: () for b in SHARED_BUFFERS if b not in parts})
+        if self.shape.waits_on is not None:
+            parts = self._coarse_where_unpublished(parts, runs, step)
         fence = JoinedFence(self.label, step, parts, (runs[-1].fence,))
         return StepRun(step, tuple(r.logits for r in runs), fence)
+
+    def _coarse_where_unpublished(self, parts: dict[str, tuple[Fence, ...]], runs: Sequence[StepRun],
+                                  step: int) -> dict[str, tuple[Fence, ...]]:
+        # An engine's publishing phase that publishes nothing for a buffer hands out the end of its
+        # own replay; its scheduler then waits for the whole forward stream: the last phase's end.
+        last = runs[-1].fence
+        whole = Fence(self.label, step, dict.fromkeys(SHARED_BUFFERS, last.done), last.done)
+        out = {}
+        for b, fences in parts.items():
+            own = [f for f in fences if isinstance(f, Fence) and f.per_buffer.get(b) == f.done and f is not last]
+            out[b] = tuple(whole if f in own else f for f in fences)
+        return out
 
     def eager(self, shared: dict[str, Tensor], pools: dict[str, Tensor], params: dict[str, Tensor],
               batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:

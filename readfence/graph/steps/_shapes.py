@@ -4,7 +4,11 @@ Each phase runs one backend in one mode on one runner (a runner's graph for a mo
 captured once and replayed by every phase that uses it). A buffer's last read in the step is
 the maximum :class:`~readfence.effects.Position` over the phases; the phase holding it
 publishes the buffer's fence. Which effect ranks the phases is the policy's (its
-``placing_effect``: declared, traced, or the whole step). Nothing here is configured by hand.
+``placing_effect``: declared, traced, or the whole step). Nothing here is configured by hand,
+except where an engine does it: a shape with ``waits_on`` is an engine's step whose scheduler
+waits on one runner's event whatever the phases read (``waits_on``: SGLang's
+``last_shared_read_runner``);
+:meth:`StepShape.late_reads` says which reads that event does not cover.
 """
 
 from __future__ import annotations
@@ -54,6 +58,36 @@ class StepShape:
     name: str
     phases: tuple[Phase, ...] = attrs.field(validator=lambda _, __, v: _check_graph_keys(v))
     spec: str
+    waits_on: str | None = attrs.field(default=None, kw_only=True)
+
+    @waits_on.validator
+    def _check_waits_on(self, _attribute: attrs.Attribute[str | None], value: str | None) -> None:
+        names = [p.name for p in self.phases]
+        if value is not None and value not in names:
+            raise ValueError(f"{self.spec}: waits_on={value!r} is not a phase; the phases are {names}")
+
+    @property
+    def waits_on_index(self) -> int | None:
+        """The index of the phase whose event the scheduler waits on (``None``: each buffer's is
+        the phase holding its last read)."""
+        return None if self.waits_on is None else [p.name for p in self.phases].index(self.waits_on)
+
+    def late_reads(self, effects: Sequence[ReadEffect]) -> dict[str, tuple[Phase, Position]]:
+        """Per buffer read after the phase the scheduler waits on (``waits_on``, when it is not the
+        last reader), the phase and position of that last read; ``{}`` without ``waits_on``.
+
+        >>> from readfence.backends import paged
+        >>> from readfence.effects import ReadEnd
+        >>> shape = attrs.evolve(eagle(paged(), paged(), draft_steps=1), waits_on="target_verify")
+        >>> read = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY})
+        >>> phase, pos = shape.late_reads([read, read, read])["req_to_token"]
+        >>> phase.name, pos.end.name
+        ('draft_extend', 'IN_REPLAY')
+        """
+        k = self.waits_on_index
+        if k is None:
+            return {}
+        return {b: (self.phases[p.phase], p) for b, p in self.positions(effects).items() if p.phase > k}
 
     def effects(self) -> list[ReadEffect]:
         """Each phase's declared effect."""

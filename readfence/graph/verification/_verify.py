@@ -21,7 +21,10 @@ A finding is a :class:`LateRead` naming the policy, the buffer, the first step t
 and, when the observer saw it, the stage and op. When poison changes the outputs but the
 observer saw nothing, the buffer is found by poisoning one buffer at a time while every other
 one is held until the step's end (after a run that poisons none: outputs that differ even then
-are not a late read of any buffer).
+are not a late read of any buffer). Outputs that differ with nothing poisoned are readfence's
+own miscompile when the same step lowered without its compile passes (``optimize=False``: every
+captured node as traced) matches the serial run, and the backend's (it is not deterministic, or
+keeps Python state a graph bakes) when that step differs too.
 
 ``checks`` selects the checks (:data:`CHECKS`), so each can be shown to catch its own case
 with the others off.
@@ -36,7 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-from returns.result import Result, Success
+from returns.result import Result
 from torch import Tensor
 
 from readfence.core import (
@@ -50,7 +53,8 @@ from readfence.core import (
     StageWriteError,
 )
 from readfence.core.internal import BufferMap, Ledger, RunKind, positive_int
-from readfence.effects import Failure  # unwrap() says why
+from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
+from readfence.effects.internal import one_line
 
 from ..devices import Device, DeviceError
 from ..devices.internal import check_device
@@ -82,13 +86,15 @@ class LateRead:
     an output that differs, or a declaration the lowering refuses.
 
     ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"``,
-    ``"thread"`` (a stage hands work to another thread: ``op`` names it) or ``"refused"``
+    ``"thread"`` (a stage hands work to another thread: ``op`` names it), ``"miscompiled"``
+    (readfence's compile passes are wrong: a bug of readfence's, not of the backend) or ``"refused"``
     (captured trace-time state, a stage no graph can capture, a captured stage that computes
     other than its Python, an opaque op whose output aliased a shared buffer at a replay where
     no example showed it: ``op`` names it); ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``,
     ``"output"``, ``"audit"``, ``"replay"`` (the capture replayed on fresh states differs from
-    the stage's Python: ``stage`` and ``op``, the output, name it) or ``"run"`` (found while the
-    step ran).
+    the stage's Python: ``stage`` and ``op``, the output, name it), ``"rerun"`` (the step lowered
+    without readfence's compile passes matches the serial run where the lowered step does not) or
+    ``"run"`` (found while the step ran).
     """
 
     target: str
@@ -100,7 +106,7 @@ class LateRead:
     step: int | None = None
     stage: str | None = None
     op: str | None = None
-    detail: str = ""
+    detail: str = attrs.field(default="", converter=one_line)  # one line: a report shows it in a row
 
     def __str__(self) -> str:
         where = f" of {self.buffer!r}" if self.buffer else ""
@@ -475,6 +481,13 @@ NOTHING_POISONED = ("the lowered step differs from the serial step with nothing 
                     "program computes something else (a backend that is not deterministic, or keeps Python state "
                     "that the traced graph baked in)")
 
+#: What it means when the step lowered without readfence's compile passes matches the serial run.
+MISCOMPILED = ("the lowered step differs from the serial step with nothing poisoned, and the same step lowered "
+               "without readfence's compile passes (constant folding, shared subexpressions, Python bindings: "
+               "LowerOptions(optimize=False)) matches it: readfence's compile passes computed something else. "
+               "This is a bug in readfence, not in the backend: please report it; optimize=False runs the step "
+               "correctly meanwhile")
+
 
 def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
                reference: Sequence[Any], differs: int, lowering: LowerOptions, unsafe: bool,
@@ -485,20 +498,25 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
     # late (whatever the others are read as), and each buffer is blamed only on its own run. The
     # reader is the one the step's ledger saw read it past its release, if any run did.
     name = _name(target)
-    if not poisoned:
-        return LateRead(name, mode, policy, "differs", "output", None, differs,
-                        detail=NOTHING_POISONED)
 
-    def first_difference(only: Sequence[str]) -> int | None:
+    def first_difference(only: Sequence[str], options: LowerOptions = lowering) -> int | None:
         _reset(state, snapshot)
-        logits = _run(target, mode, policy, device, state, None, lowering, unsafe=unsafe, only=only, guard=False,
+        logits = _run(target, mode, policy, device, state, None, options, unsafe=unsafe, only=only, guard=False,
                       **common)[0]
         return _first_difference(logits, reference)
 
+    def unpoisoned(step: int, held: str = "") -> LateRead:
+        # no late read explains it: readfence's compile passes, or the backend? The step again,
+        # lowered without the passes and nothing poisoned, tells them apart
+        if lowering.optimize and first_difference((), attrs.evolve(lowering, optimize=False)) is None:
+            return LateRead(name, mode, policy, "miscompiled", "rerun", None, step, detail=MISCOMPILED)
+        return LateRead(name, mode, policy, "differs", "output", None, step, detail=NOTHING_POISONED + held)
+
+    if not poisoned:
+        return unpoisoned(differs)
     held = first_difference(())
     if held is not None:
-        return LateRead(name, mode, policy, "differs", "output", None, held,
-                        detail=f"{NOTHING_POISONED}, even with every buffer held until the step's end")
+        return unpoisoned(held, ", even with every buffer held until the step's end")
     late = {b: step for b in poisoned if (step := first_difference((b,))) is not None}
     if late:
         buffer = min(late, key=lambda b: (late[b], poisoned.index(b)))
@@ -535,4 +553,4 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
 
 
-__all__ = ["CHECKS", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]
+__all__ = ["CHECKS", "MISCOMPILED", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]

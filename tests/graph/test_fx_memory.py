@@ -1,0 +1,68 @@
+"""What a stage graph's values may share, decided from real storages, schemas and tags."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from readfence.graph.lowering._fx_memory import UNKNOWN, GraphMemory, storage_token
+
+
+def _names(gm: fx.GraphModule, op: str) -> list[str]:
+    return [n.name for n in gm.graph.nodes if op in str(n.target)]
+
+
+def test_tensors_over_one_storage_are_one_memory_whatever_their_offsets() -> None:
+    buf = torch.zeros(12)
+    kept = {"p": buf[0:4], "q": buf[8:12], "r": torch.zeros(4)}
+
+    def f(x):
+        kept["p"].add_(x)
+        return kept["q"].sum() + kept["r"].sum()
+
+    gm = make_fx(f)(torch.ones(4))
+    memory = GraphMemory(gm, (torch.ones(4),))
+    q, r = (n for n in gm.graph.nodes if n.op == "get_attr" and n.name != "_tensor_constant0")
+    assert memory.classes(q) & memory.written  # elements apart, one storage
+    assert not memory.classes(r) & memory.written
+
+
+def test_two_storage_objects_over_one_memory_are_one_memory() -> None:
+    ws = torch.zeros(8)
+    assert storage_token(torch.from_dlpack(torch.to_dlpack(ws))) == storage_token(ws)
+    gm = make_fx(lambda a, b: (a.add_(1), b.sum()))(torch.zeros(8), torch.zeros(4))
+    assert GraphMemory(gm, (ws, torch.from_dlpack(torch.to_dlpack(ws))[2:6])).written_by_any(["b_1"])
+    assert not GraphMemory(gm, (ws, torch.zeros(4))).written_by_any(["b_1"])
+    assert not GraphMemory(gm).written_by_any(["b_1"])  # undescribed inputs: each its own
+
+
+def test_set_makes_a_tensor_any_memory_it_was_given_from_its_tag() -> None:
+    def f(x, src):
+        h = torch.empty(0)
+        h.set_(src)
+        h.add_(x)
+        return src.sum()
+
+    gm = make_fx(f)(torch.ones(4), torch.zeros(4))
+    assert torch.Tag.inplace_view in torch.ops.aten.set_.source_Tensor.tags
+    assert GraphMemory(gm, (torch.ones(4), torch.zeros(4))).written_by_any(["src_1"])
+
+
+def test_an_input_of_unknown_memory_may_be_any_real_memory() -> None:
+    gm = make_fx(lambda a, b: (a.add_(1), b.sum()))(torch.zeros(4), torch.zeros(4))
+    assert GraphMemory(gm, (torch.zeros(4), None)).written_by_any(["b_1"])
+    assert GraphMemory(gm, (torch.zeros(4), frozenset({UNKNOWN}))).written_by_any(["b_1"])
+    fake = torch.empty(4, device="meta")
+    assert storage_token(fake) == UNKNOWN
+
+
+def test_a_graphs_outputs_say_what_the_next_graph_is_given() -> None:
+    ws = torch.zeros(8)
+    first = make_fx(lambda w, x: (w[2:6], x * 2))(ws, torch.ones(4))
+    view, fresh = GraphMemory(first, (ws, torch.ones(4))).outputs()
+    assert view == frozenset({storage_token(ws)})
+    assert storage_token(ws) not in fresh
+    second = make_fx(lambda w, v, m: (w.add_(1), v.sum(), m.sum()))(torch.zeros(8), torch.zeros(4), torch.zeros(4))
+    memory = GraphMemory(second, (ws, view, fresh))
+    assert memory.written_by_any(["v_1"]) and not memory.written_by_any(["m_1"])

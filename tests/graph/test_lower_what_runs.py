@@ -1,0 +1,314 @@
+"""The code ``lower`` validates is the code every ring slot runs, after every pass.
+
+Correct, stateless backends that keep memory of their own and reach it by more than one tensor:
+a workspace and a view of it, a handle ``set_`` onto another tensor, two tensors over one
+storage, an in-place op on an alias between two equal computations, a constant folded and then
+written. A compile pass that takes two tensors for two memories (the simplifier's folding and
+sharing) computes something else than their Python under every policy, COARSE included. Each
+case is shown three ways:
+
+* with the compile passes blind to aliasing (each tensor its own memory, ``set_`` aliasing
+  nothing, as the passes once were) and no validation, the lowered step differs from the eager
+  step: the case attacks the passes;
+* as it is, the lowered step equals the eager step bit for bit, through the passes
+  (``Lowered.optimized``): they see the aliasing, from the real storages and the ops' schemas;
+* with the passes blind again but the validation on, the validation of the code that runs sees
+  it differ, and the step runs the plain translation (itself validated): still equal, still
+  accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import readfence.graph.lowering._fx_memory as fx_memory
+import readfence.graph.lowering._lower as lowering
+from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, run_step
+from readfence.graph import CpuDevice, Policy, Scheduler, lower
+from tests.conftest import SMALL as CFG
+from tests.conftest import first_of_each
+
+M = ForwardMode
+T = 30.0
+BATCH = 4
+
+Scratch = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _backend(name: str, scratch: Scratch, prep_extra: Callable[[], dict] | None = None) -> object:
+    """A paged leaf whose attention output gets ``scratch(out, meta)`` added: a stateless
+    computation over memory the backend keeps (each call writes it before reading it)."""
+
+    def prep(mode, shared, batch, meta):
+        return {**page_meta(shared, batch), **(prep_extra() if prep_extra else {})}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        return out + scratch(out, meta)
+
+    return leaf(name, attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+
+
+# -- a workspace and a view of it ------------------------------------------------------------
+def _write_view_read_base():
+    ws = torch.zeros(4, 8)
+    flat = ws.view(-1)
+
+    def scratch(out, meta):
+        base = ws[:]  # one value, read before and after the write through the view
+        flat.zero_()
+        a = base.sum()
+        flat.add_(out.sum())
+        return base.sum() - a
+
+    return _backend("write_view_read_base", scratch)
+
+
+def _write_base_read_view():
+    ws = torch.zeros(4, 8)
+    rows = ws[1:3]
+
+    def scratch(out, meta):
+        r = rows.view(-1)
+        ws.zero_()
+        a = r.sum()
+        ws.add_(out.sum())
+        return r.sum() - a
+
+    return _backend("write_base_read_view", scratch)
+
+
+def _out_argument_into_view():
+    ws = torch.zeros(4, 8)
+    flat = ws.view(-1)
+
+    def scratch(out, meta):
+        base = ws[:]
+        flat.zero_()
+        a = base.sum()
+        torch.mul(flat + 1, out.sum(), out=flat)  # an out= op writes the view
+        return base.sum() - a
+
+    return _backend("out_argument_into_view", scratch)
+
+
+def _view_handed_across_stages():
+    # the in-graph stage hands a view of the workspace to the body as metadata: the body's input
+    # and the tensor it captured are one memory, which only the first stage's analysis shows
+    ws = torch.zeros(8)
+
+    def scratch(out, meta):
+        rows = meta["rows"]
+        ws.zero_()
+        a = rows * 2
+        ws.add_(out.sum())
+        return (rows * 2 - a).sum()
+
+    return _backend("view_handed_across_stages", scratch, lambda: {"rows": ws[2:6]})
+
+
+# -- a handle set_ onto another tensor ---------------------------------------------------------
+def _set_kept_handle():
+    src, handle = torch.zeros(8), torch.empty(0)
+
+    def scratch(out, meta):
+        s = src[:]
+        handle.set_(src)
+        handle.zero_()
+        a = s.sum()
+        handle.add_(out.sum())
+        return s.sum() - a
+
+    return _backend("set_kept_handle", scratch)
+
+
+def _set_fresh_handle():
+    src = torch.zeros(3, 4)
+
+    def scratch(out, meta):
+        s = src.view(-1)
+        handle = torch.empty(0)
+        handle.set_(src)
+        handle.fill_(1.0)
+        a = s * 3
+        handle.mul_(out.mean())
+        return (s * 3 - a).sum()
+
+    return _backend("set_fresh_handle", scratch)
+
+
+# -- two tensors over one storage ----------------------------------------------------------------
+def _overlapping_slices():
+    buf = torch.zeros(16)
+    p, q = buf[0:12], buf[4:16]
+
+    def scratch(out, meta):
+        r = q[:]
+        p.zero_()
+        a = r.sum()
+        p.add_(out.sum())
+        return r.sum() - a
+
+    return _backend("overlapping_slices", scratch)
+
+
+def _dlpack_alias():
+    ws = torch.zeros(8)
+    other = torch.from_dlpack(torch.to_dlpack(ws))  # another storage object over the same memory
+
+    def scratch(out, meta):
+        r = ws[:]
+        other.zero_()
+        a = r.sum()
+        other.add_(out.sum())
+        return r.sum() - a
+
+    return _backend("dlpack_alias", scratch)
+
+
+def _disjoint_slices_one_storage():
+    # elements apart, one storage: a view made from one reaches the other's elements
+    buf = torch.zeros(12)
+    p, q = buf[0:4], buf[8:12]
+
+    def scratch(out, meta):
+        r = q[:]
+        p.as_strided((12,), (1,), 0).zero_()
+        a = r.sum()
+        p.as_strided((4,), (1,), 8).add_(out.sum())
+        return r.sum() - a
+
+    return _backend("disjoint_slices_one_storage", scratch)
+
+
+# -- an in-place op on an alias, then an equal computation -----------------------------------
+def _in_place_on_alias():
+    ws = torch.zeros(8)
+    alias = ws[:]
+
+    def scratch(out, meta):
+        r = ws.view(2, 4)
+        alias.copy_(out.reshape(-1)[:8])
+        a = r * 2
+        alias.mul_(3)
+        return (r * 2 - a).sum()
+
+    return _backend("in_place_on_alias", scratch)
+
+
+def _index_copy_on_alias():
+    ws = torch.zeros(8)
+    alias = ws.view(2, 4)
+
+    def scratch(out, meta):
+        rows = torch.arange(1, -1, -1)  # one index for both selections
+        r = ws.view(2, 4)
+        alias.zero_()
+        a = r.index_select(0, rows)
+        alias.index_copy_(0, rows, out.reshape(-1)[:8].view(2, 4))
+        return (r.index_select(0, rows) - a).sum()
+
+    return _backend("index_copy_on_alias", scratch)
+
+
+# -- a constant folded, then written ------------------------------------------------------------
+def _fold_then_set():
+    def scratch(out, meta):
+        t = torch.arange(4.0)  # depends on no input: a pass may compute it once, at compile time
+        h = torch.empty(0)
+        h.set_(t)
+        h.add_(out.sum())
+        return (h - torch.arange(4.0)).sum()
+
+    return _backend("fold_then_set", scratch)
+
+
+def _fold_then_set_kept_handle():
+    handle = torch.empty(0)
+
+    def scratch(out, meta):
+        handle.set_(torch.ones(4))
+        torch.add(handle, out.sum(), out=handle)
+        return (handle * torch.ones(4)).sum()
+
+    return _backend("fold_then_set_kept_handle", scratch)
+
+
+CASES: dict[str, tuple[str, Callable[[], object]]] = {
+    "write_view_read_base": ("workspace and view", _write_view_read_base),
+    "write_base_read_view": ("workspace and view", _write_base_read_view),
+    "out_argument_into_view": ("workspace and view", _out_argument_into_view),
+    "view_handed_across_stages": ("workspace and view", _view_handed_across_stages),
+    "set_kept_handle": ("set_", _set_kept_handle),
+    "set_fresh_handle": ("set_", _set_fresh_handle),
+    "overlapping_slices": ("one storage", _overlapping_slices),
+    "dlpack_alias": ("one storage", _dlpack_alias),
+    "disjoint_slices_one_storage": ("one storage", _disjoint_slices_one_storage),
+    "in_place_on_alias": ("in-place on an alias", _in_place_on_alias),
+    "index_copy_on_alias": ("in-place on an alias", _index_copy_on_alias),
+    "fold_then_set": ("folding across a write", _fold_then_set),
+    "fold_then_set_kept_handle": ("folding across a write", _fold_then_set_kept_handle),
+}
+
+
+@contextlib.contextmanager
+def blind_passes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The compile passes as they were: every tensor its own memory, ``set_`` aliasing nothing."""
+    with monkeypatch.context() as m:
+        fresh = itertools.count()
+        m.setattr(fx_memory, "storage_token", lambda t: ("own", next(fresh)))
+        m.setattr(fx_memory.GraphMemory, "_union", lambda self, tokens: None)
+        yield
+
+
+@contextlib.contextmanager
+def no_validation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with monkeypatch.context() as m:
+        m.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)
+        yield
+
+
+def lowered_against_eager(backend: object, policy: Policy = Policy.COARSE, steps: int = 2) -> tuple[bool, object]:
+    """``backend`` lowered and run ``steps`` steps (the second replay meets what the first left in
+    the graph's constants), each against its eager step on the same state: all equal?"""
+    with CpuDevice(timeout=T) as dev:
+        low = lower(backend, M.DECODE, batch_size=BATCH, device=dev, policy=policy, cfg=CFG)
+        scheduler = Scheduler(CFG, M.DECODE, BATCH, seed=3)
+        equal = True
+        for step in range(steps):
+            nxt = scheduler.next_step()
+            for b in SHARED_BUFFERS:
+                low.shared[b].copy_(nxt.shared[b])
+            pools = {k: v.clone() for k, v in low.pools.items()}
+            shared = {k: v.clone() for k, v in low.shared.items()}
+            out = low.run(nxt.batch, step=step).result(T)
+            expected = run_step(backend, M.DECODE, CFG, StepInputs(shared=shared, batch=nxt.batch, pools=pools,
+                                                                   params=low.params))
+            equal = equal and torch.equal(out, expected)
+    return equal, low
+
+
+@pytest.mark.parametrize("name", first_of_each(list(CASES), lambda n: CASES[n][0]))
+def test_a_correct_backend_over_aliased_memory_runs_what_its_python_computes(name, monkeypatch) -> None:
+    make = CASES[name][1]
+    with blind_passes(monkeypatch), no_validation(monkeypatch):
+        equal, _ = lowered_against_eager(make())
+    assert not equal, f"{name}: the blind passes computed it right: the case attacks nothing"
+    equal, low = lowered_against_eager(make())
+    assert equal and low.optimized, f"{name}: the passes that see aliasing must compute it, and keep it optimized"
+    with blind_passes(monkeypatch):
+        equal, low = lowered_against_eager(make())
+    assert equal and not low.optimized, f"{name}: the validation of the code that runs must catch the blind passes"
+
+
+@pytest.mark.parametrize("policy", [Policy.EXACT, Policy.PER_BUFFER], ids=str)
+def test_every_policy_runs_the_validated_code(policy) -> None:
+    equal, low = lowered_against_eager(_set_kept_handle(), policy=policy)
+    assert equal and low.optimized
