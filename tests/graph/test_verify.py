@@ -387,11 +387,13 @@ def test_a_miscompile_by_readfences_own_passes_is_named_as_readfences_bug(policy
 
 @pytest.mark.parametrize("policy", [Policy.COARSE, Policy.PER_BUFFER], ids=str)
 def test_a_backend_that_differs_without_the_passes_too_is_still_blamed(policy, dev) -> None:
-    # a value read by printing, equal on every state the validation tries: the lowered step bakes
-    # it, with the compile passes or without them; the backend is blamed, never readfence
+    # a value read by printing, equal on every state the validation tries (the longest request
+    # exactly three tokens ahead of the shortest: no generated state has it, the loop's traffic
+    # does): the lowered step bakes it, with the compile passes or without them; the backend is
+    # blamed, never readfence
     def lens(meta):
-        fresh = str(meta["kv_lens"].min()) == "tensor(1)"  # a request at its first token: never in an example
-        return (meta["kv_lens"] - int(fresh)).clamp(min=1)
+        spread = str(meta["kv_lens"].max() - meta["kv_lens"].min()) == "tensor(3)"
+        return (meta["kv_lens"] - int(spread)).clamp(min=1)
 
     def missed(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)

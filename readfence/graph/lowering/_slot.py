@@ -478,7 +478,8 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
     watcher = launcher.watcher
     if watcher is not None:
         def watched() -> None:
-            with watcher.stage(PREPARE_OUT_GRAPH.name):  # the copy into the graph is this stage's read
+            # the copy into the graph is this stage's read; what it reads is a run of the step's ledger
+            with watcher.stage(PREPARE_OUT_GRAPH.name, launcher.ledger):
                 plain()
 
         fn = watched
