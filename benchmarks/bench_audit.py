@@ -7,7 +7,7 @@ per trace, and the warm time (every trace cached: the audit comparison alone).
 
     python benchmarks/bench_audit.py [--runs 3] [--layers 4] [--json]
     python benchmarks/bench_audit.py --quick     # smoke run: paged in DECODE at batch size 2
-    python benchmarks/bench_audit.py --varied    # what EXTEND's varied-state runs add to its audit
+    python benchmarks/bench_audit.py --varied    # what the generated-state runs add to an audit
     python benchmarks/bench_audit.py --guards    # what walking the Python a backend's code reads costs
 
 ``main(quick=False, *, runs=3, layers=None)`` returns ``{"cpu": {...}, "cuda": {...}}``, each
@@ -27,7 +27,7 @@ from typing import Any
 
 from readfence.backends import REFERENCE_LEAVES, deepseek_v4, paged, reference_compositions, tbo
 from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, trace
-from readfence.core.internal import trace_cache_size, varied_reads
+from readfence.core.internal import ledger_of, trace_cache_size
 
 
 def backends(quick: bool = False) -> list:
@@ -75,27 +75,30 @@ def main(quick: bool = False, *, runs: int | None = None, layers: int | None = N
 
 
 def varied(runs: int = 3, layers: int | None = None) -> dict[str, dict[str, float]]:
-    """Per EXTEND backend, side by side in each run (median of ``runs``): a cold audit (its trace
-    cache cleared) and, again cold, the part of it that runs the step's Python on the varied states
-    (``varied_reads`` of the backend itself at each audited batch size, on programs traced
-    beforehand; a combinator's audit also runs its children's)."""
+    """Per backend and mode (EXTEND, which runs every stage's Python, and DECODE, which runs only
+    its out-of-graph stage's), side by side in each run (median of ``runs``): a cold audit (its
+    trace cache cleared) and, again cold, the part of it that runs the step's Python on the
+    generated states (``Ledger.observe_varied`` of the backend itself at each audited batch size, on
+    programs traced beforehand; a combinator's audit also runs its children's)."""
     cfg = ModelConfig() if layers is None else ModelConfig(layers=layers)
     sizes = default_batch_sizes(cfg)
     out = {}
-    for backend in (paged(), deepseek_v4(), tbo(deepseek_v4(), paged())):
-        whole, part = [], []
-        for _ in range(runs):
-            clear_trace_cache()
-            start = time.perf_counter()
-            audit(backend, ForwardMode.EXTEND, cfg=cfg)
-            whole.append(time.perf_counter() - start)
-            clear_trace_cache()
-            programs = [trace(backend, ForwardMode.EXTEND, cfg=cfg, batch_size=n) for n in sizes]
-            start = time.perf_counter()
-            for n, program in zip(sizes, programs):
-                varied_reads(program, cfg, n)
-            part.append(time.perf_counter() - start)
-        out[str(backend)] = {"audit_ms": statistics.median(whole) * 1e3, "varied_ms": statistics.median(part) * 1e3}
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        for backend in (paged(), deepseek_v4(), tbo(deepseek_v4(), paged())):
+            whole, part = [], []
+            for _ in range(runs):
+                clear_trace_cache()
+                start = time.perf_counter()
+                audit(backend, mode, cfg=cfg)
+                whole.append(time.perf_counter() - start)
+                clear_trace_cache()
+                programs = [trace(backend, mode, cfg=cfg, batch_size=n) for n in sizes]
+                start = time.perf_counter()
+                for n, program in zip(sizes, programs):
+                    ledger_of(program, cfg, n).observe_varied()
+                part.append(time.perf_counter() - start)
+            out[f"{backend} {mode.name}"] = {"audit_ms": statistics.median(whole) * 1e3,
+                                             "varied_ms": statistics.median(part) * 1e3}
     return out
 
 
@@ -166,7 +169,7 @@ def _cli() -> None:
     parser.add_argument("--runs", type=int, default=None, help="cold runs (median; default 3, 1 with --quick)")
     parser.add_argument("--layers", type=int, default=ModelConfig().layers)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--varied", action="store_true", help="what EXTEND's varied-state runs add to its audit")
+    parser.add_argument("--varied", action="store_true", help="what the generated-state runs add to an audit")
     parser.add_argument("--guards", action="store_true", help="what walking the Python a backend's code reads costs")
     args = parser.parse_args()
     if args.runs is not None and args.runs < 1:
@@ -186,7 +189,7 @@ def _cli() -> None:
             print(json.dumps(v, indent=2))
             return
         for name, d in v.items():
-            print(f"{name:26} EXTEND audit {d['audit_ms']:7.1f} ms, of which varied-state runs {d['varied_ms']:6.1f} ms "
+            print(f"{name:34} audit {d['audit_ms']:7.1f} ms, of which generated-state runs {d['varied_ms']:6.1f} ms "
                   f"({d['varied_ms'] / d['audit_ms']:.0%})")
         return
     r = main(args.quick, runs=args.runs, layers=args.layers)

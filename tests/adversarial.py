@@ -8,9 +8,10 @@ verdict the analysis must reach:
   for every policy but COARSE (captured trace-time state: every policy);
 * ``accepted``: genuinely fine, it must be accepted and run bit-identical to the serial run
   under every policy, with delays injected on the forward stream;
-* ``invisible``: no static analysis can see the read or write (a custom op reading or
-  writing a buffer it keeps by reference): accepted by ``audit``; only the dynamic checks
-  catch it.
+* ``invisible``: no analysis can see the read (a compiled kernel reading a buffer through
+  memory it kept before anything watched): accepted by ``audit``; only the dynamic checks catch
+  it. A custom op reading or writing through torch ops a buffer it keeps by reference is not:
+  the audit's runs watch the live state they are given, and refuse it.
 
 Builders take the live state (``shared``/``pools``/``params``) so that backends holding a
 reference to the engine's live buffers (closures, attributes, globals, DLPack) can be built
@@ -283,6 +284,32 @@ def _plan_run(state: State | None) -> Any:
     return body_reader("plan_run", lambda s, b, m, layer, q: planned_gather(_rows(b), handle))
 
 
+class _Mirror:
+    """What a compiled kernel keeps: the live lengths' memory as an array it was handed at plan
+    time, before anything watched (a CUDA kernel keeps a pointer so)."""
+
+    array: Any = None
+
+
+MIRROR = _Mirror()
+
+
+@torch.library.custom_op("readfence_adv::mirrored_lens", mutates_args=())
+def mirrored_lens(rows: Tensor) -> Tensor:
+    """The lengths of ``rows``, read from the kept array: no op of torch's touches the buffer."""
+    return torch.from_numpy(MIRROR.array[rows.numpy()]).long()
+
+
+@mirrored_lens.register_fake
+def _(rows: Tensor) -> Tensor:
+    return torch.empty_like(rows)
+
+
+def _kept_pointer(state: State | None) -> Any:
+    MIRROR.array = (state["shared"]["seq_lens"] if state else torch.ones(64, dtype=torch.int32)).numpy()
+    return body_reader("kept_pointer", lambda s, b, m, layer, q: mirrored_lens(_rows(b)))
+
+
 # -- writes ------------------------------------------------------------------------------------
 def _writer(name: str, write: Callable[[Mapping[str, Tensor]], Any]) -> Callable[[State | None], Any]:
     def prep(mode, shared, batch, meta):
@@ -489,8 +516,10 @@ def _cases() -> list[Case]:
     cases.append(Case("custom_op", "custom_op",
                       _fixed("custom_op", lambda s, b, m, layer, q: gather_lens(s["seq_lens"], _rows(b))),
                       "refused", "seq_lens"))
-    cases.append(Case("plan_run", "custom_op", _plan_run, "invisible", "seq_lens", captures=True))
-    cases.append(Case("hidden_write", "writes", _hidden_write, "invisible", "seq_lens", captures=True))
+    # a kernel reading or writing through torch ops a buffer it keeps: the audit's runs on the live state see it
+    cases.append(Case("plan_run", "custom_op", _plan_run, "refused", "seq_lens", captures=True))
+    cases.append(Case("hidden_write", "kept_write", _hidden_write, "refused", "seq_lens", captures=True))
+    cases.append(Case("kept_pointer", "kept_pointer", _kept_pointer, "invisible", "seq_lens", captures=True))
     for name, write in WRITES.items():
         cases.append(Case(name, "writes", _writer(name, write), "refused"))
     for kind, make in CROSSINGS.items():

@@ -7,12 +7,16 @@ read: the scheduler could overwrite the buffer while the step still reads it).
 
 Reads can depend on the batch size (a branch on ``q.shape[0]``), so the step is traced at
 every batch size that will run, by default 1, 2 and the model's maximum; a buffer's observed
-end is the latest over them, and the report names the batch size that reads it latest. A step
-that is not replayed (``core.internal.replayed``: EXTEND) runs its Python every step, which may
-take a path the trace's example did not (a branch on a Python value), and so does an
-out-of-graph stage that escapes (a host read it may branch on: ``Program.varied_stages``): their
-reads on the varied states a replayed capture is validated on count too, and the report says a
-read was seen there.
+end is the latest over them, and the report names the batch size that reads it latest.
+
+What a node reads is its ledger's (``core.internal.Ledger``, one per bound program and batch
+size): the trace, joined with every run of its code readfence made. The audit adds two kinds of
+run: its observer, the stages' Python on example steps, on the state it is given (the live
+buffers too: a kernel reading a buffer it keeps by reference); and the Python of every stage
+that runs it in the step (the out-of-graph stage always, every stage of a step that is not
+replayed) on the generated states traffic has (``core.varied_step``), where it may take a path
+the trace's example did not. A lowering's rehearsal and validation add theirs to the same
+ledger. A read any of them saw counts, and the report says which run saw it.
 
 The verdict is where the fences are decided. A fence is placed from the root's declaration (a
 wrapper's is computed from its children's) and from each node that places one of its own (a
@@ -27,8 +31,8 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import attrs
 from returns.result import Result
@@ -44,13 +48,14 @@ from readfence.effects.internal import table
 
 from ._checks import check_backend, check_mode, positive_int
 from ._late_reads import ReadKind, late_read_fix
+from ._ledger import Ledger, RunKind, ledger_of
+from ._model import step_functions
 from ._modes import ForwardMode
-from ._observe import Disagreement, Observation, cross_check, observe
-from ._program import ESCAPE, NodeReads, Program, Unmatched
+from ._observe import Disagreement
+from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, Stage, stage_named
-from ._validate import seen_effect, seen_reader, varied_reads
 from .tracing._analysis import StageWriteError
 from .tracing._bind import bind
 from .tracing._trace import trace
@@ -81,7 +86,6 @@ class Verdict(enum.StrEnum):
 
 EXACT, CONSERVATIVE, UNSOUND, LATENT = Verdict.EXACT, Verdict.CONSERVATIVE, Verdict.UNSOUND, Verdict.LATENT
 
-_R = TypeVar("_R", Program, Observation)
 
 #: Notes on declarations that are sound but leave work to do.
 NOTES: dict[ReadEnd, str] = {
@@ -104,9 +108,12 @@ class BufferAudit:
     observed: ReadEnd
     reader: tuple[str, str] | None  # (stage, node) of the last traced read
     batch_size: int | None = None  # the batch size whose trace reads it latest
-    # the latest read was seen only on a varied state, where a stage's Python (``Program.varied_stages``)
+    # the latest read was seen only on a generated state, where the Python of a stage that runs it
     # took a path the trace's example did not (``reader``: its stage, as the observer saw it)
     varied: bool = False
+    # the kind of run that saw the latest read where the trace does not show it ("": the trace's):
+    # "observer", "rehearsal", "varied", "validation", "check" (``core.internal.RunKind``)
+    seen_by: str = ""
     source: str = ""  # ``file:line in function`` of the latest read, where it is known
     # the latest read was seen only by the runtime read observer, inside a kernel that reads what an
     # earlier stage kept by reference (``reader``: its stage and ``kernel/op``)
@@ -386,7 +393,7 @@ class Unsound:
         return (
             f"unsound declaration: {self.path} in mode {self.mode.name} declares buffer "
             f"{self.buffer!r} ends at {self.declared.name} but "
-            f"{'its Python' if varied else 'a kernel' if entry.observer else 'the traced code'} "
+            f"{'its Python' if varied else 'a kernel' if entry.observer else 'its code' if entry.seen_by else 'the traced code'} "
             f"reads it until {self.observed.name} ({where}){placed}; {late_read_fix(self.buffer, self.observed)}"
         )
 
@@ -414,17 +421,21 @@ def _short(source: str) -> str:
 def _where(node: AuditReport, entry: BufferAudit) -> str:
     """What reads ``entry``'s buffer of ``node`` until its observed end, in words: the user's
     ``file:line in function`` and the kind of read (a traced node, a kernel's read only the
-    observer sees, the stage's Python on a varied state, the escape or captured tensor that gives
-    its stage every buffer), the batch size."""
+    observer sees, the stage's Python on a generated state, an op a run saw read it where the trace
+    does not show it, the escape or captured tensor that gives its stage every buffer), the batch
+    size."""
     observed, reader, at = entry.observed, entry.reader, f" at {entry.source}" if entry.source else ""
     parts = []
     if entry.observer and reader:
         kernel = reader[1].partition("/")[0]
         parts.append(f"read{at} inside kernel {kernel} in stage {reader[0]}: {ReadKind.OBSERVER_ONLY} (a reference "
-                     f"an earlier stage kept, a plan/run pair)")
+                     f"an earlier stage or the backend kept: a plan/run pair, the live buffer)")
     elif entry.varied and reader:
         parts.append(f"stage {reader[0]}'s Python read it on a varied state{at}: a path the trace's example did "
                      f"not take")
+    elif entry.seen_by and reader:
+        parts.append(f"{reader[1]} in stage {reader[0]} read it{at}, as the {entry.seen_by} saw on the state it ran "
+                     f"on (with the live buffers): the trace does not show it")
     elif observed is ReadEnd.UNKNOWN and node.opaque:
         # a reference escaping, an op the tracer cannot see through, a captured tensor
         stage, name, why = next((o for o in node.opaque if stage_named(o[0]).in_graph), node.opaque[0])
@@ -556,61 +567,61 @@ def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def _named(result: _R, name: str) -> _R:
-    """A trace or an observation of the backend another runs as, under that other's name."""
-    return result if result.backend == name else attrs.evolve(result, backend=name)
-
-
 def _audit_node(path: str, backend: BackendLike, mode: ForwardMode, kw: dict[str, Any],
                 batch_sizes: tuple[int, ...], state: Mapping[str, Any] | None, observe_steps: int,
-                varied: bool) -> AuditReport:
-    # per batch size: the traced program and, independently, what running it really reads (the
-    # Python of ``Program.varied_stages``, on the varied states too, when ``varied``); both of the backend
-    # the step runs as (a wrapper's is its child's: traced and observed once)
+                varied: bool, given: Ledger | None = None) -> AuditReport:
+    # per batch size, the ledger of the traced program bound to the state (of the backend the step
+    # runs as: a wrapper's is its child's, traced and run once): the audit's observer on example
+    # steps, and the Python of the stages that run it on the generated states, when ``varied``,
+    # add to what any other run of it saw; the verdict is the ledger's. ``given`` is a lowering's
+    # ledger of this node's step (its program, at its batch size), whose runs count too.
     runner = runs_as(backend, mode)
-    # (batch size, program, what its trace and example run read, that and its varied runs, the varied runs' reads)
-    runs: list[tuple[int, Program, ReadEffect, ReadEffect, NodeReads]] = []
-    disagreements: list[Disagreement] = []
+    cfg = kw["cfg"]
+    books: list[tuple[int, Ledger]] = []
     for n in batch_sizes:
-        try:
-            program = _named(trace(runner, mode, batch_size=n, **kw), backend.name)
-        except StageWriteError as e:
-            raise e.at(path) from None
-        program = program if state is None else bind(program, state)
-        effect = program.traced()
+        if given is not None and given.batch_size == n:
+            book = given
+        else:
+            try:
+                program = trace(runner, mode, batch_size=n, **kw)
+            except StageWriteError as e:
+                raise e.at(path) from None
+            book = ledger_of(program if state is None else bind(program, state), cfg, n, state)
         if observe_steps:
-            seen = _named(observe(runner, mode, batch_size=n, steps=observe_steps, cfg=kw["cfg"]), backend.name)
-            disagreements += cross_check(program, seen)
-            effect = effect | seen.observed()  # a read the trace missed still counts
-        # its Python on the varied states: a path the example did not take (what lower refuses)
-        elsewhere = varied_reads(program, kw["cfg"], n, state, backend=runner) if varied else {}
-        runs.append((n, program, effect, effect | seen_effect(program, elsewhere), elsewhere))
+            book.observe_examples(step_functions(runner, mode, cfg), observe_steps)
+        if varied:
+            book.observe_varied()
+        books.append((n, book))
+    return judge(path, backend, mode, books)
+
+
+def judge(path: str, backend: BackendLike, mode: ForwardMode, books: Sequence[tuple[int, Ledger]]) -> AuditReport:
+    """The audit of ``backend`` (at ``path``) in ``mode``: its declaration against what its ledgers,
+    one per batch size audited, say it reads (``core.internal.Ledger``): per buffer the latest
+    end over them, the reader (the trace's, or the run that saw it) and the batch size."""
     declared = backend.read_effect(mode)
+    effects = [(n, book, book.effect()) for n, book in books]
     observed = ReadEffect.none()
-    for run in runs:
-        observed = observed | run[3]
-    first = runs[0][1]
+    for _, _, effect in effects:
+        observed = observed | effect
+    first = books[0][1].program
     names = list(first.buffers) + [b for b in declared.buffers + observed.buffers if b not in first.buffers]
     entries = []
     for b in dict.fromkeys(names):
-        example = next((r for r in runs if r[2][b] is observed[b]), None)
-        if example is not None:
-            n, latest = example[:2]
-            reader = latest.last_reader(b)  # a report names the stage: its rows and JSON hold text
-        else:  # read that late only on a varied state: its stage, as the observer saw it
-            n, latest, _, _, elsewhere = next(r for r in runs if r[3][b] is observed[b])
-            reader = seen_reader(latest, elsewhere, b)
-        source = "" if reader is None else latest.stage(reader[0]).graph.source(reader[1])
-        named = None if reader is None else (reader[0].name, reader[1])
-        # read that late only inside a kernel, by a reference the trace cannot see: the observer's reader
-        kept = next((d for d in disagreements if d.buffer == b and d.by_reference and d.observed is observed[b]
-                     and latest.traced()[b] < observed[b]), None) if example is not None else None
-        if kept is not None:
-            named, source = (kept.stage, kept.op), kept.source
-        entries.append(BufferAudit(b, declared[b], observed[b], named, n, varied=example is None,
-                                   source="" if source == "?" else source, observer=kept is not None))
-    opaque = tuple(dict.fromkeys(o for _, program, *_ in runs for o in _why_opaque(program)))
-    return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, batch_sizes,
+        n, book, _ = next(e for e in effects if e[2][b] is observed[b])
+        seen = book.last_reader(b)  # a report names the stage: its rows and JSON hold text
+        run = None if seen is None else seen.run
+        # read that late only inside a kernel, by a reference the trace cannot see (a plan/run pair):
+        # the observer's reader, ``kernel/op``
+        kept = run is not None and run.kind is RunKind.OBSERVER and seen is not None and "/" in seen.node
+        entries.append(BufferAudit(b, declared[b], observed[b], None if seen is None else (seen.stage.name, seen.node),
+                                   n, varied=run is not None and run.kind.on_generated_state,
+                                   seen_by="" if run is None else run.kind.value,
+                                   source="" if seen is None else seen.source, observer=kept))
+    opaque = tuple(dict.fromkeys(o for _, book in books for o in _why_opaque(book.program)))
+    disagreements = (d if d.backend == backend.name else attrs.evolve(d, backend=backend.name)
+                     for _, book in books for d in book.disagreements())
+    return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, tuple(n for n, _ in books),
                        tuple(dict.fromkeys(disagreements)))
 
 
@@ -676,6 +687,7 @@ def audit_report(
     device: str = "cpu",
     state: Mapping[str, Mapping[str, Tensor]] | None = None,
     observe_steps: int = 1,
+    ledger: Ledger | None = None,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
     check_backend(backend)
@@ -703,7 +715,8 @@ def audit_report(
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        report = _audit_node(path, node, mode, kw, at, state, observe_steps if device == "cpu" else 0, varied)
+        given = ledger if node is backend and path == backend.name else None
+        report = _audit_node(path, node, mode, kw, at, state, observe_steps if device == "cpu" else 0, varied, given)
         done.append(attrs.evolve(report, children=kids_reports, placed=placed, not_run=idle))
     (root,) = done
     return root
@@ -742,6 +755,7 @@ def audit(
     device: str = "cpu",
     state: Mapping[str, Mapping[str, Tensor]] | None = None,
     observe_steps: int = 1,
+    ledger: Ledger | None = None,
 ) -> Result[AuditReport, Unsound]:
     """Trace ``backend`` (and, for a combinator, every node below it) and compare effects.
 
@@ -755,14 +769,17 @@ def audit(
     a captured tensor that is not part of the example makes every buffer ``UNKNOWN``.
 
     Independently of the trace, each batch size is also run eagerly for ``observe_steps``
-    example steps under the runtime read observer (``observe``; on a CPU trace, ``0``
-    disables it): a read it sees that a faithful stage's trace does not cover is a bug in
-    readfence's analysis, listed in ``report.disagreements``, and counts in the verdict. A step
-    that is not replayed (EXTEND) runs its Python every step, and so does an out-of-graph stage
-    that escapes (a host read it may branch on), so those are also run on the three varied
-    states under the observer (``core.internal.varied_reads``, on the CPU or on ``state``;
-    ``observe_steps=0`` skips them too): a read there, on a path the trace's example did not
-    take, counts in the verdict as ``lower`` counts it, and its entry says so (``varied``).
+    example steps under the runtime read observer, watching the example's buffers and, given
+    ``state``, the live ones (on a CPU trace; ``0`` disables it): a read it sees that a faithful
+    stage's trace does not cover is a bug in readfence's analysis, listed in
+    ``report.disagreements``, and counts in the verdict. The stages that run their Python in the
+    step (the out-of-graph stage; every stage in EXTEND) are also run on the generated states
+    (``core.internal.REPLAY_SEEDS``: first tokens, the longest context, a mixed batch; on the CPU
+    or on ``state``; ``observe_steps=0`` skips them too): a read there, on a path the trace's
+    example did not take, counts in the verdict as ``lower`` counts it, and its entry says so
+    (``varied``). Every run is recorded in the step's ledger (``core.internal.Ledger``); the
+    verdict is the ledger's, so a read any earlier run of the step saw counts too. ``ledger``
+    (internal) is a lowering's ledger of the root's step at its batch size.
 
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect
@@ -773,7 +790,7 @@ def audit(
     unsound declaration: paged in mode DECODE declares buffer 'req_to_token' ends at PRE_REPLAY but ...
     """
     report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state,
-                          observe_steps=observe_steps)
+                          observe_steps=observe_steps, ledger=ledger)
     bad = report.judged()[0]
     if not bad:
         return Success(report)

@@ -36,10 +36,10 @@ from ._checks import check_backend, positive_int
 from ._late_reads import ReadKind, late_read_fix
 from ._model import step_functions
 from ._modes import ForwardMode
-from ._program import NodeReads, NodeReadsIn, Program, StageGraph, run_program
+from ._program import Program
 from ._protocol import BackendLike
 from ._state import ModelConfig, check_mode, example_step
-from ._step import BODY, STAGE_ENDS, Stage, StageCall, StepFunctions, eval_step, stage_named
+from ._step import BODY, STAGE_ENDS, Stage, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
 from .tracing._cache import CACHES, CodeKey, code_key
 from .tracing._dispatch import DispatchMode
@@ -108,11 +108,11 @@ class Access:
 
     @property
     def end(self) -> ReadEnd:
-        """The read end this access implies: its stage's (``STAGE_ENDS``), ``UNKNOWN`` for an
-        escape or a stage label outside ``STAGE_ENDS``."""
+        """The read end this access implies: its stage's (``STAGE_ENDS``; a label ``stage:node``
+        is its stage's), ``UNKNOWN`` for an escape or a stage label outside ``STAGE_ENDS``."""
         if self.kind == "escape":
             return ReadEnd.UNKNOWN
-        return STAGE_ENDS.get(self.stage, ReadEnd.UNKNOWN)
+        return STAGE_ENDS.get(self.stage.partition(":")[0], ReadEnd.UNKNOWN)
 
 
 class _HostReads(TorchFunctionMode):
@@ -652,81 +652,6 @@ _OBSERVED = CACHES.table("observed", ObservedKey, "what the backend's eager step
 #: The accesses of single observed steps (labelled step 0) and the buffers of their example.
 _OBSERVED_STEPS = CACHES.table("observed_steps", ObservedStepKey, "what one eager step touched, and its buffers",
                                limit=1024)
-
-
-# ------------------------------------------------------------------------------------------
-# Observing a traced program node by node
-# ------------------------------------------------------------------------------------------
-
-
-class _NodeLabels(torch.fx.Interpreter):
-    """Runs a stage graph, labelling what each node touches with ``stage:node``."""
-
-    def __init__(self, gm: torch.fx.GraphModule, observer: ReadObserver, stage: str) -> None:
-        super().__init__(gm)
-        self.observer, self.stage_name = observer, stage
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        with self.observer.stage(f"{self.stage_name}:{n.name}"):
-            return super().run_node(n)
-
-
-def observe_program(program: Program, env: dict[str, torch.Tensor],
-                    buffers: BufferMap | Mapping[str, torch.Tensor]) -> NodeReads:
-    """Run ``program`` on ``env`` under a ``ReadObserver``: per stage, per node, the shared
-    buffers it really read (``{stage: {node: buffers}}``).
-
-    A faithful stage runs node by node (so a read hidden inside a custom op's kernel is
-    attributed to that node); an unfaithful one runs its Python function, its reads
-    attributed to the stage's first node. ``env`` is updated with every output
-    (:func:`~readfence.core.run_program`).
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import trace
-    >>> from readfence.core.internal import example_step, flatten_inputs
-    >>> step = example_step(ModelConfig(), ForwardMode.DECODE, 2)
-    >>> env = flatten_inputs(shared=step.shared, batch=step.batch, pools=step.pools, params=step.params)
-    >>> seen = observe_program(trace(paged(), ForwardMode.DECODE), env, step.shared)
-    >>> from readfence.core import PREPARE_IN_GRAPH
-    >>> sorted(seen[PREPARE_IN_GRAPH].items())
-    [('index_select', frozenset({'req_to_token'})), ('index_select_1', frozenset({'seq_lens'}))]
-    """
-    observer = ReadObserver(buffers)
-    out: NodeReads = {}
-
-    def run(s: StageGraph, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not s.runs_python:  # node by node, each node labelled
-            return s.run(env, call=_NodeLabels(s.graph.gm, observer, s.stage.name).run)
-        first = next(n.name for n in s.graph.gm.graph.nodes)
-        with observer.stage(f"{s.stage}:{first}"), watch_threads(program.backend, s.stage.name, "the read observer"):
-            return s.run(env)
-
-    with observer:
-        run_program(program, env, run)
-    for a in observer.accesses:
-        stage, _, node = a.stage.partition(":")
-        if a.kind != "write":
-            seen = out.setdefault(stage_named(stage), {})
-            seen[node] = seen.get(node, frozenset()) | {a.buffer}
-    return out
-
-
-def join_node_reads(*observed: NodeReadsIn) -> NodeReads:
-    """Per stage and node, the buffers any of ``observed`` (each as :func:`observe_program` gives)
-    saw read.
-
-    >>> from readfence.core import BODY
-    >>> joined = join_node_reads({BODY: {"a": frozenset({"seq_lens"})}}, {BODY: {"a": frozenset({"req_to_token"})}})
-    >>> sorted(joined[BODY]["a"])
-    ['req_to_token', 'seq_lens']
-    """
-    out: NodeReads = {}
-    for seen in observed:
-        for stage, nodes in seen.items():
-            mine = out.setdefault(stage, {})
-            for node, bufs in nodes.items():
-                mine[node] = mine.get(node, frozenset()) | bufs
-    return out
 
 
 # ------------------------------------------------------------------------------------------

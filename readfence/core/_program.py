@@ -549,8 +549,9 @@ class Program:
 
     def varied_stages(self) -> tuple[Stage, ...]:
         """The stages whose Python the step runs and that may take a path there the trace's
-        example did not, on data: what they read on the varied states counts
-        (``core.internal.varied_reads``). Every stage of a step that is not replayed (it runs
+        example did not, on data: what they read on the generated states counts (the step's
+        ledger runs the Python of every stage that runs it there, these among them:
+        ``core.internal.Ledger.observe_varied``). Every stage of a step that is not replayed (it runs
         their Python; a branch on a Python value may go either way); in a replayed step, a stage
         that escapes where an escape counts only for the buffers it reaches (``escape_end``
         ``NONE``: the out-of-graph stage) and hands its Python data (``StageAnalysis.data_escapes``),

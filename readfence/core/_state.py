@@ -404,6 +404,11 @@ def example_step(
     return _step_of(cfg, mode, reqs, prefix, make_shared_state(cfg, device=device), seed=seed, device=device)
 
 
+#: What the generated states are (``varied_step``'s seeds 1, 2, 3, in that order): the layouts of
+#: the batches engines run, whose values a step's data-dependent values and paths depend on.
+TRAFFIC_STATES: tuple[str, ...] = ("first_tokens", "longest_context", "mixed_batch")
+
+
 def varied_step(
     cfg: ModelConfig,
     mode: ForwardMode,
@@ -411,20 +416,38 @@ def varied_step(
     *,
     seed: int,
     device: str | torch.device = "cpu",
+    parts: tuple[str, ...] | None = None,
 ) -> StepInputs:
-    """A consistent step with :func:`example_step`'s shapes and other values everywhere: what a
-    replayed capture is checked on (``core.validate_replay``). Seed 1 is the youngest batch
-    (every request at its first tokens, in consecutive rows from 0, as a decode loop starts),
-    seed 2 the oldest (every request at the longest context, rows from the top down), any other
-    seed a random layout; from seed 2 on the page table, sliding-window map and state-slot map
-    are permuted too (bijections drawn from the seed), and every seed draws its own batch and
-    caches.
+    """A consistent step with :func:`example_step`'s shapes and other values everywhere: a state
+    of the kind engines' traffic has, which a replayed capture is checked on
+    (``core.validate_replay``) and a step's Python is observed on (``core.internal.Ledger``).
 
-    >>> young, old = (varied_step(ModelConfig(), ForwardMode.DECODE, 3, seed=s) for s in (1, 2))
-    >>> young.batch["req_pool_indices"].tolist(), young.shared["seq_lens"][:3].tolist()
-    ([0, 1, 2], [1, 1, 1])
+    * seed 1, ``first_tokens``: every request at its first tokens, in consecutive rows from 0, the
+      other rows empty (as a loop starts);
+    * seed 2, ``longest_context``: every request at the longest context, rows from the top down;
+    * seed 3, ``mixed_batch``: a mixed batch, as a prefill batch always is and a decode batch is
+      once a request finished and its row was reused: requests at their first tokens and others
+      deep in context side by side, in random rows, with stale rows of finished requests; with 3
+      or more requests its last two are padding (one row, twice, at its first tokens), as a graph
+      captured for a larger batch runs a smaller one;
+    * any other seed: a random one of the three, with random rows and depths.
+
+    From seed 2 on the page table, sliding-window map and state-slot map are permuted too
+    (bijections drawn from the seed), and every seed draws its own batch and caches. A data-
+    dependent value of a step (a count of new requests, the longest length, whether any row is
+    stale) is, wherever traffic can make it differ from the trace's example, different on one of
+    seeds 1 to 3 for most steps' code: the docs (``What the analysis sees``) say what is left.
+    ``parts`` names the input groups to build (default: all; an out-of-graph stage takes
+    ``shared`` and ``batch`` only): the others are left empty.
+
+    >>> young, old, mixed = (varied_step(ModelConfig(), ForwardMode.DECODE, 4, seed=s) for s in (1, 2, 3))
+    >>> young.batch["req_pool_indices"].tolist(), young.shared["seq_lens"][:4].tolist()
+    ([0, 1, 2, 3], [1, 1, 1, 1])
     >>> old.shared["seq_lens"][old.batch["req_pool_indices"]].tolist()
-    [64, 64, 64]
+    [64, 64, 64, 64]
+    >>> lens = mixed.shared["seq_lens"][mixed.batch["req_pool_indices"]].tolist()
+    >>> 1 in lens[:2] and max(lens[:2]) > 1, lens[2:], len(set(mixed.batch["req_pool_indices"].tolist()))
+    (True, [1, 1], 3)
     >>> bool((old.shared["req_to_token"] != example_step(ModelConfig(), ForwardMode.DECODE, 3).shared["req_to_token"]).any())
     True
     """
@@ -434,13 +457,17 @@ def varied_step(
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     span = cfg.max_ctx - tokens_per_request(mode) + 1
     g = _generator(7919 + seed)
-    if seed == 1:
-        reqs, prefix = list(range(batch_size)), [0] * batch_size
-    elif seed == 2:
-        reqs, prefix = list(range(cfg.max_reqs - 1, cfg.max_reqs - 1 - batch_size, -1)), [span - 1] * batch_size
+    kind = TRAFFIC_STATES[seed - 1] if 1 <= seed <= len(TRAFFIC_STATES) else \
+        TRAFFIC_STATES[int(torch.randint(0, len(TRAFFIC_STATES), (1,), generator=g))]
+    random = not 1 <= seed <= len(TRAFFIC_STATES)
+    rows = torch.randperm(cfg.max_reqs, generator=g).tolist()
+    if kind == "first_tokens":
+        reqs, prefix = (rows[:batch_size], [0] * batch_size) if random else (list(range(batch_size)), [0] * batch_size)
+    elif kind == "longest_context":
+        top = list(range(cfg.max_reqs - 1, cfg.max_reqs - 1 - batch_size, -1))
+        reqs, prefix = (rows[:batch_size] if random else top), [span - 1] * batch_size
     else:
-        reqs = torch.randperm(cfg.max_reqs, generator=g)[:batch_size].tolist()
-        prefix = torch.randint(0, span, (batch_size,), generator=g).tolist()
+        reqs, prefix = _mixed(rows, batch_size, span, g)
     shared = make_shared_state(cfg, device=device)
     slots = None
     if seed != 1:  # other bijections: a slot, a window slot, a state slot of another layout
@@ -449,13 +476,34 @@ def varied_step(
             perm = _on(device, torch.randperm(n, generator=g))
             shared[name] = perm[shared[name].long()].to(torch.int32)
             slots = perm if name == "req_to_token" else slots
-    return _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots)
+    if kind == "mixed_batch":  # rows of finished requests keep their lengths (an engine does not clear them)
+        stale = torch.tensor([r for r in range(cfg.max_reqs) if r not in reqs], dtype=torch.int64)
+        lens = torch.randint(1, cfg.max_ctx + 1, (len(stale),), generator=g, dtype=torch.int32)
+        shared["seq_lens"].index_copy_(0, _on(device, stale), _on(device, lens))
+    return _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots,
+                    owned=parts is None or "pools" in parts or "params" in parts)
+
+
+def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int]]:
+    """Rows and prefix lengths of a mixed batch: half its requests (rounded up) new, the others
+    at random depths, in a random order; with 3 or more, the last two are padding (one row, at
+    its first tokens, twice)."""
+    pad = 2 if batch_size >= 3 else 0
+    real = batch_size - pad
+    new = (real + 1) // 2 if real > 1 else 0
+    depths = torch.randint(1, max(span, 2), (real,), generator=g).clamp(max=span - 1).tolist()
+    prefix = [0] * new + depths[new:]
+    order = torch.randperm(real, generator=g).tolist()
+    prefix = [prefix[i] for i in order]
+    reqs = rows[:real]
+    return reqs + [rows[real]] * pad, prefix + [0] * pad
 
 
 def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,
-             seed: int, device: str | torch.device, slots: Tensor | None = None) -> StepInputs:
+             seed: int, device: str | torch.device, slots: Tensor | None = None, owned: bool = True) -> StepInputs:
     # the step of requests ``reqs`` with ``prefix`` tokens each over ``shared`` (rows allocated;
-    # its page table the example's, its slots permuted by ``slots`` when given)
+    # its page table the example's, its slots permuted by ``slots`` when given); without
+    # ``owned``, no pools nor parameters
     n = tokens_per_request(mode)
     i64 = torch.int64
     req_t = torch.tensor(reqs, dtype=i64, device=device)
@@ -475,8 +523,8 @@ def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[
     return StepInputs(
         shared=shared,
         batch=batch,
-        pools=make_pools(cfg, device=device, seed=seed),
-        params=init_params(cfg, device=device),
+        pools=make_pools(cfg, device=device, seed=seed) if owned else {},
+        params=init_params(cfg, device=device) if owned else {},
     )
 
 

@@ -7,10 +7,11 @@ read the tracer did not notice (``str(t)``, which prints with the dispatcher's m
 ``tolist()`` inside TorchScript; a count taken from a data-dependent shape), a value an earlier
 stage kept on ``self``. Rather than trust that no such value was missed, :func:`validate_replay`
 checks the graph against the code, as a compiler's translation validation does: it runs the
-step's Python on fresh example states whose values differ from the traced one (other lengths,
-other page tables, the same shapes) and replays each captured stage on the very inputs the
-Python stage receives (the memory put back in between), then compares every output and every
-byte of memory the stage could write. A difference is :class:`NotGraphSafe`, naming the stage,
+step's Python on generated states of the kinds traffic has, whose values differ from the traced
+one (requests at their first token, at the longest context, a mixed batch; other page tables;
+the same shapes) and replays each captured stage on the very inputs the Python stage receives
+(the memory put back in between), then compares every output and every byte of memory the stage
+could write. A difference is :class:`NotGraphSafe`, naming the stage,
 the first output that differs and, where a trace on the differing state shows it, the line
 that computed the baked value.
 
@@ -19,8 +20,8 @@ always the context length), and code that reads the host's clock or other state 
 step. The runtime checks (poison, the comparison with the serial run) remain the ground truth.
 
 >>> import torch
->>> from readfence.core import ForwardMode
->>> from readfence.core.internal import StepFunctions, trace_step
+>>> from readfence.core import ForwardMode, ModelConfig
+>>> from readfence.core.internal import StepFunctions, ledger_of, trace_step
 >>> def body(shared, batch, meta):          # the longest length, read by printing it
 ...     return shared["seq_lens"] * float(str(shared["seq_lens"].max())[7:-1])
 >>> fns = StepFunctions(lambda shared, batch: {}, lambda shared, batch, meta: {}, body, "printed")
@@ -28,7 +29,7 @@ step. The runtime checks (poison, the comparison with the serial run) remain the
 >>> program = trace_step(fns, ForwardMode.DECODE, example(0))
 >>> program.unfaithful()                     # the tracer noticed nothing
 []
->>> validate_replay(program, fns, example, seeds=(1,))  # doctest: +ELLIPSIS
+>>> validate_replay(program, fns, example, seeds=(1,), ledger=ledger_of(program, ModelConfig(), 4))  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
 readfence.core._validate.NotGraphSafe: backend 'printed' in DECODE: stage body is not graph-safe: ...
@@ -44,28 +45,20 @@ import attrs
 import torch
 from torch import Tensor, fx
 
-from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
+from readfence.effects import ReadfenceError
 
-from ._model import step_functions
-from ._observe import ReadObserver, Watched, join_node_reads, observe_program
-from ._program import SOURCE_KEY, NodeReads, NodeReadsIn, Program, StageGraph, flatten_inputs
-from ._protocol import BackendLike
-from ._state import ModelConfig, varied_step
-from ._step import Stage, StageCall, StepFunctions, eval_step, stage_named
-from .tracing._bind import state_key
+from ._ledger import REPLAY_SEEDS, Ledger, RunKind, state_label
+from ._observe import ReadObserver
+from ._program import SOURCE_KEY, Program, StageGraph
+from ._step import Stage, StageCall, StepFunctions, eval_step
 from .tracing._cache import CACHES
-from .tracing._memory import BufferMap, random_state, same_values, set_random_state
+from .tracing._memory import random_state, same_values, set_random_state
 from .tracing._trace import trace_step
-
-#: The seeds of the fresh states a capture is validated on (``core.varied_step``: the youngest
-#: batch, the oldest, a random one; the trace's example is another, so that the values computed
-#: from the step's data differ from the traced ones).
-REPLAY_SEEDS: tuple[int, ...] = (1, 2, 3)
 
 #: The seed of the state a capture validated before is checked on again at every later use: the
 #: Python it was validated against may have changed since through a value no cache key holds (a
 #: name no code spells, state outside Python). One more state, not all: a check, not a validation.
-RECHECK_SEED = 4
+RECHECK_SEED = len(REPLAY_SEEDS) + 1
 
 
 class NotGraphSafe(ReadfenceError, ValueError):
@@ -176,20 +169,25 @@ def _same_randomness(tensors: Iterable[Tensor]) -> Iterator[Callable[[], None]]:
 class _Comparing:
     """The interpreter that runs each stage's Python, as the engine does, and replays each
     captured stage's graph first on the same arguments and memory, put back in between,
-    comparing the two."""
+    comparing the two. The Python of a stage that runs it in the step (the out-of-graph stage,
+    one that escapes the tracer) runs under ``observer``: what it reads on this state is a read of
+    the step (a captured stage's graph reads what its trace and the rehearsal say)."""
 
-    def __init__(self, program: Program, replay: Replay, scratch: _Scratch) -> None:
-        self.program, self.replay, self.scratch = program, replay, scratch
+    def __init__(self, program: Program, replay: Replay, observer: ReadObserver, scratch: _Scratch) -> None:
+        self.program, self.replay, self.observer, self.scratch = program, replay, observer, scratch
         self.mismatch: tuple[StageGraph, str, str] | None = None  # (stage, output, what)
 
     def call(self, call: StageCall) -> Any:
         graph = self.program.stage(call.stage)
-        if graph.runs_python or self.mismatch is not None:
-            out = call()
+        if graph.runs_python:
+            with self.observer, self.observer.stage(call.stage.name):
+                out = call()
             guard = graph.hooks.guard
-            if graph.runs_python and guard is not None:  # what the lowered step checks of it
+            if guard is not None:  # what the lowered step checks of it
                 guard.check(out, call.fn, call.kwargs)
             return out
+        if self.mismatch is not None:
+            return call()
         names, leaves, _ = call.named_leaves()
         env = {n: v for n, v in zip(names, leaves) if isinstance(v, Tensor)}
         held = [(f"captured {c.target}", getattr(graph.graph.gm, c.target)) for c in graph.analysis.captured]
@@ -279,7 +277,7 @@ def _graph_module(stage: StageGraph, env: Mapping[str, Tensor]) -> Mapping[str, 
 
 
 def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], *,
-                    seeds: Iterable[int] = REPLAY_SEEDS, replay: Replay = _graph_module,
+                    ledger: Ledger, seeds: Iterable[int] = REPLAY_SEEDS, replay: Replay = _graph_module,
                     key: Hashable = "GraphModule") -> None:
     """Check that every stage ``program`` replays as a graph computes what ``fns`` computes:
     for each seed, run the step's Python on ``example(seed)`` (fresh input groups: ``shared``,
@@ -292,13 +290,18 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     code is checked on one more state (:data:`RECHECK_SEED`); a difference in a program that
     passed before, with any code, raises :class:`StaleTrace` (its Python may have changed since
     through a value no cache key holds: a lowering traces it again, and the fresh trace gets the
-    verdict).
+    verdict). What the Python of the stages that run it in the step reads on each state is
+    recorded in ``ledger`` (a run of kind ``validation``, named after the state:
+    ``core.internal.Ledger``).
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ModelConfig, ForwardMode, step_functions, trace, varied_step
+    >>> from readfence.core.internal import ledger_of
     >>> cfg = ModelConfig()
-    >>> validate_replay(trace(paged(), ForwardMode.DECODE, cfg=cfg), step_functions(paged(), ForwardMode.DECODE, cfg),
-    ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups())
+    >>> program = trace(paged(), ForwardMode.DECODE, cfg=cfg)
+    >>> validate_replay(program, step_functions(paged(), ForwardMode.DECODE, cfg),
+    ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups(),
+    ...                 ledger=ledger_of(program, cfg, 2))
     """
     seeds = tuple(seeds)
     if program.aborted is not None or all(s.runs_python for s in program.stages):
@@ -306,48 +309,25 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     validated = ValidatedKey(program, seeds, key)
     scratch = _Scratch()
     if validated in _VALIDATED:  # passed before: checked again on one more state
-        _compare(program, fns, example, (RECHECK_SEED,), replay, scratch, StaleTrace)
+        _compare(program, fns, example, (RECHECK_SEED,), replay, scratch, StaleTrace, ledger)
         return
     passed_before = any(k.program is program for k in _VALIDATED)
-    _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe)
+    _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe, ledger)
     _VALIDATED.put(validated, True)
 
 
 def _compare(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]], seeds: Iterable[int],
-             replay: Replay, scratch: _Scratch, error: type[NotGraphSafe]) -> None:
+             replay: Replay, scratch: _Scratch, error: type[NotGraphSafe], ledger: Ledger) -> None:
     for seed in seeds:
-        comparing = _Comparing(program, replay, scratch)
-        with torch.no_grad():
-            eval_step(comparing, fns, example(seed))
+        groups = example(seed)
+        with ledger.watch(RunKind.VALIDATION, state_label(seed), groups["shared"]) as observer:
+            comparing = _Comparing(program, replay, observer, scratch)
+            with torch.no_grad():
+                eval_step(comparing, fns, groups)
         if comparing.mismatch is not None:
             stage, output, what = comparing.mismatch
             line = _locate(program, fns, example(seed), stage.stage)
             raise error(program.backend, program.mode.name, stage.stage.name, output, what, line)
-
-
-def observe_varied(program: Program, example: Callable[[int], Mapping[str, Any]], live: Mapping[str, Tensor], *,
-                   seeds: Iterable[int] = REPLAY_SEEDS) -> NodeReads:
-    """What a step that is not replayed (every stage runs its Python: no capture to validate)
-    really reads on the fresh states ``example(seed)``, per stage and node (``observe_program``;
-    ``live``, the live shared buffers a backend keeps references to, count too). Its Python may take
-    a path there that the trace's example did not: the fences join what these runs see, never
-    placing a release below it, as the rehearsal's observations.
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import ModelConfig, ForwardMode, trace, varied_step
-    >>> cfg = ModelConfig()
-    >>> seen = observe_varied(trace(paged(), ForwardMode.EXTEND, cfg=cfg),
-    ...                       lambda seed: varied_step(cfg, ForwardMode.EXTEND, 2, seed=seed).groups(), {})
-    >>> sorted(b for nodes in seen.values() for bufs in nodes.values() for b in bufs)[:1]
-    ['req_to_token']
-    """
-    runs = []
-    for seed in seeds:
-        groups = example(seed)
-        buffers = BufferMap.of(groups["shared"]).union([BufferMap.of(live)])
-        with torch.no_grad():
-            runs.append(observe_program(program, flatten_inputs(**groups), buffers))
-    return join_node_reads(*runs)
 
 
 @attrs.frozen
@@ -365,159 +345,6 @@ class ValidatedKey:
 _VALIDATED = CACHES.table("validated", ValidatedKey, "the program's captured stages, replayed by the code, compute "
                           "what its Python computes on the seeds' states", limit=256)
 
-#: The live tensors a step runs on: ``shared``, ``pools``, ``params``, each name -> tensor.
-State = Mapping[str, Mapping[str, Tensor]]
 
-
-@contextlib.contextmanager
-def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: State | None, *,
-                  settle: Callable[[], None] | None = None) -> Iterator[Callable[[int], dict[str, Any]]]:
-    """``example(seed)``: the input groups of ``core.varied_step``'s fresh state for ``seed``, at
-    ``batch_size``, on the live ``state``'s device (``None``: no live state, the program's device),
-    for a check to run ``program``'s step on. A backend that keeps references to the live state
-    (an engine object holding its runner's page table: the program captured tensors) reads that
-    state, not an example: its varied states are written into the live buffers (after
-    ``settle()``, which lets what was enqueued on them finish), which hold their values again when
-    the block ends (as they do after the Python writes memory it keeps a reference to)."""
-    where = program.device if state is None else next(iter(state["shared"].values())).device
-    keeps = state is not None and bool(program.captured())
-    if keeps and settle is not None:  # nothing enqueued may run on the live buffers while they hold the varied states
-        settle()
-    saved = [(t, t.clone()) for group in (state or {}).values() for t in group.values()] if keeps else []
-
-    def example(seed: int) -> dict[str, Any]:
-        groups: dict[str, Any] = varied_step(cfg, program.mode, batch_size, seed=seed, device=where).groups()
-        if not keeps or state is None:
-            return groups
-        for name in ("shared", "pools", "params"):
-            live, varied = state.get(name, {}), groups[name]
-            for buffer, t in live.items():
-                if buffer in varied and varied[buffer].shape == t.shape and varied[buffer].dtype == t.dtype:
-                    t.copy_(varied[buffer])
-            groups[name] = {**varied, **live}
-        return groups
-
-    try:
-        yield example
-    finally:
-        for t, old in saved:
-            t.copy_(old)
-
-
-def _observe_python(program: Program, fns: StepFunctions, example: Callable[[int], Mapping[str, Any]],
-                    live: Mapping[str, Tensor], stages: Iterable[Stage], *,
-                    seeds: Iterable[int] = REPLAY_SEEDS) -> NodeReads:
-    """What the Python of a replayed step's ``stages`` reads on the fresh states ``example(seed)``,
-    each on its stage's first node (as ``observe_program`` attributes what a stage's Python reads):
-    the step run as written (:func:`~readfence.core.eval_step`, as the serial step and
-    :func:`validate_replay`'s Python side run it), under a read observer of its state and ``live``."""
-    first = {s.stage: next(iter(s.graph.gm.graph.nodes)).name for s in program.stages if s.stage in set(stages)}
-    runs: list[NodeReads] = []
-    for seed in seeds:
-        groups = example(seed)
-        observer = ReadObserver(BufferMap.of(groups["shared"]).union([BufferMap.of(live)]))
-        with torch.no_grad(), observer:
-            eval_step(Watched(observer), fns, groups)
-        seen: NodeReads = {}
-        for a in observer.accesses:
-            stage = stage_named(a.stage.partition(":")[0])
-            if a.kind != "write" and stage in first:
-                nodes = seen.setdefault(stage, {})
-                nodes[first[stage]] = nodes.get(first[stage], frozenset()) | {a.buffer}
-        runs.append(seen)
-    return join_node_reads(*runs)
-
-
-def varied_reads(program: Program, cfg: ModelConfig, batch_size: int, state: State | None = None, *,
-                 settle: Callable[[], None] | None = None, backend: BackendLike | None = None) -> NodeReads:
-    """What the Python of the stages that may take a path the trace's example did not
-    (``Program.varied_stages``: every stage of a step that is not replayed; in a replayed step, an
-    out-of-graph stage that escapes) reads on the varied states, per stage and node
-    (:func:`observe_varied` on :func:`varied_states`); ``{}`` where there is none (a replayed
-    step's captures are validated on those states instead) or the trace stopped. Such a stage may
-    branch there on a value the example did not hold: the audit's verdict counts what it reads
-    there, and the lowering's fences join it. Cached per program, batch size and live state, so
-    the audit and every lowering of one step on one live state run it once.
-
-    A step that is not replayed is run as its program runs it (every stage's Python); a replayed
-    one as the step written (``backend``'s step functions: required there), its captures' Python
-    too, as :func:`validate_replay` runs it beside them (an engine object's Python then sees the
-    calls its own methods make, in their order).
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import ForwardMode, trace
-    >>> cfg = ModelConfig()
-    >>> program = trace(paged(), ForwardMode.EXTEND, cfg=cfg)
-    >>> seen_effect(program, varied_reads(program, cfg, 2))["req_to_token"]
-    <ReadEnd.IN_REPLAY: 2>
-    >>> varied_reads(trace(paged(), ForwardMode.DECODE, cfg=cfg), cfg, 2)
-    {}
-    """
-    stages = program.varied_stages()
-    if not stages or program.aborted is not None:
-        return {}
-    key = VariedKey(program, cfg, batch_size, None if state is None else state_key(state))
-    hit: NodeReads | None = _VARIED.get(key)
-    if hit is not None:
-        return hit
-    if program.replayed and backend is None:
-        raise TypeError(f"varied_reads of the replayed step of {program.backend!r} in {program.mode.name} needs "
-                        f"backend=: its Python runs as the step is written")
-    live = {} if state is None else state["shared"]
-    with varied_states(program, cfg, batch_size, state, settle=settle) as example:
-        if program.replayed:
-            assert backend is not None
-            seen = _observe_python(program, step_functions(backend, program.mode, cfg), example, live, stages)
-        else:
-            seen = observe_varied(program, example, live)
-    return _VARIED.put(key, {s: nodes for s, nodes in seen.items() if s in stages})
-
-
-def seen_effect(program: Program, observed: NodeReadsIn) -> ReadEffect:
-    """The effect of the reads ``observed`` (per stage, per node, buffers): each buffer until
-    the end of the last stage a run saw reading it.
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import BODY, ForwardMode, trace
-    >>> seen_effect(trace(paged(), ForwardMode.DECODE), {BODY: {"mul": frozenset({"seq_lens"})}})
-    ReadEffect({'seq_lens': POST_REPLAY}, default=NONE)
-    """
-    ends: dict[str, ReadEnd] = {}
-    for s in program.stages:
-        for bufs in observed.get(s.stage, {}).values():
-            for b in bufs:
-                ends[b] = ends.get(b, ReadEnd.NONE) | s.end
-    return ReadEffect.of(ends)
-
-
-def seen_reader(program: Program, observed: NodeReadsIn, buffer: str) -> tuple[Stage, str] | None:
-    """``(stage, node)`` where a run last saw ``buffer`` read, in ``observed`` (per stage, per node,
-    buffers; a stage that runs its Python has its reads on its first node), or ``None``.
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import BODY, ForwardMode, trace
-    >>> seen_reader(trace(paged(), ForwardMode.DECODE), {BODY: {"mul": frozenset({"seq_lens"})}}, "seq_lens")
-    (Stage(name='body', ...), 'mul')
-    """
-    return next(((s.stage, node) for s in reversed(program.stages)
-                 for node, bufs in observed.get(s.stage, {}).items() if buffer in bufs), None)
-
-
-@attrs.frozen
-class VariedKey:
-    """What the reads on the varied states depend on: the program (by identity), the model, the
-    batch size and where the live state is (``None``: no live state)."""
-
-    program: Program
-    cfg: ModelConfig
-    batch_size: int
-    state: tuple[tuple[Any, ...], ...] | None
-
-
-#: What a step that is not replayed read on the varied states (``varied_reads``).
-_VARIED = CACHES.table("varied", VariedKey, "per stage and node, what the step's Python read on the varied states",
-                       limit=64)
-
-
-__all__ = ["RECHECK_SEED", "REPLAY_SEEDS", "NotGraphSafe", "StaleTrace", "baked_at", "observe_varied", "same_values", "seen_effect", "seen_reader",
-           "validate_replay", "varied_reads", "varied_states"]
+__all__ = ["RECHECK_SEED", "REPLAY_SEEDS", "NotGraphSafe", "StaleTrace", "ValidatedKey", "baked_at", "same_values",
+           "validate_replay"]

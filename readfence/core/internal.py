@@ -21,13 +21,22 @@ from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
 from ._late_reads import ReadKind as ReadKind
 from ._late_reads import late_read_fix as late_read_fix
+from ._ledger import PYTHON as PYTHON
+from ._ledger import REPLAY_SEEDS as REPLAY_SEEDS
+from ._ledger import Ledger as Ledger
+from ._ledger import Run as Run
+from ._ledger import RunKind as RunKind
+from ._ledger import Witness as Witness
+from ._ledger import evidence_epoch as evidence_epoch
+from ._ledger import ledger_of as ledger_of
+from ._ledger import on_live_state as on_live_state
+from ._ledger import state_label as state_label
+from ._ledger import varied_states as varied_states
 from ._model import forward as forward
 from ._model import prepare as prepare
 from ._model import rms_norm as rms_norm
 from ._model import rotary as rotary
 from ._observe import Watched as Watched
-from ._observe import join_node_reads as join_node_reads
-from ._observe import observe_program as observe_program
 from ._observe import observe_step as observe_step
 from ._program import ALIASES_KEY as ALIASES_KEY
 from ._program import NodeReads as NodeReads
@@ -54,12 +63,7 @@ from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
 from ._validate import StaleTrace as StaleTrace
-from ._validate import observe_varied as observe_varied
-from ._validate import seen_effect as seen_effect
-from ._validate import seen_reader as seen_reader
 from ._validate import validate_replay as validate_replay
-from ._validate import varied_reads as varied_reads
-from ._validate import varied_states as varied_states
 from .tracing._bind import state_key as state_key
 from .tracing._cache import CACHES as CACHES
 from .tracing._cache import Caches as Caches
@@ -91,13 +95,14 @@ __all__ = [
     "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
     "CACHES", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
-    "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace", "format_table", "forward",
-    "init_params", "Interpreter", "is_launch_op", "join_node_reads", "kept_tensors", "KeptTensor", "late_read_fix",
-    "launches_unseen", "LayerScan", "make_pools", "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code",
-    "observe_program", "observe_step", "observe_varied", "op_aliasing", "OutputGuard", "pad_rows", "positive_int",
-    "positive_seconds", "prepare", "reach", "ReadKind", "replayed", "request_ranges", "rms_norm", "rotary",
-    "ROW_BLOCK", "run_scan", "runs_as", "seen_effect", "seen_reader", "Span", "span_of", "split_batch",
-    "stage_named", "StageCall", "StaleCaptureError", "StaleTrace", "state_key", "StepFunctions", "Table",
-    "tokens_per_request", "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_reads", "varied_states",
-    "Watched",
+    "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
+    "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",
+    "KeptTensor", "late_read_fix", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools",
+    "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
+    "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
+    "PYTHON", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
+    "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "split_batch", "stage_named", "StageCall",
+    "StaleCaptureError", "StaleTrace", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
+    "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "Watched",
+    "Witness",
 ]

@@ -54,15 +54,14 @@ from readfence.core import (
 from readfence.core.internal import (
     BufferAudit,
     ReadKind,
+    RunKind,
     check_forward_mode,
     escape_note,
     example_step,
     late_read_fix,
+    ledger_of,
     positive_int,
-    seen_effect,
-    seen_reader,
     stage_named,
-    varied_reads,
 )
 from readfence.effects import Failure, ReadEffect, ReadEnd, Success
 from readfence.effects.internal import table
@@ -398,13 +397,15 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         traced, readers = _traced(program, escapes)
     observation = observe_engine(node, mode, batch_sizes=[size], steps=steps, seed=seed)
     observed, varied = observation.observed(), {}
-    if program is not None:  # Python that may take another path (core's Program.varied_stages) on the varied states
-        seen = varied_reads(program, cfg, size, node.state, backend=node)
-        effect = seen_effect(program, seen)
+    if program is not None:  # the Python of the stages that run it, on the generated states, as core's audit
+        ledger = ledger_of(program, cfg, size, node.state)
+        ledger.observe_varied()
+        generated = (RunKind.VARIED, RunKind.VALIDATION)
+        effect = ledger.effect(*generated, traced=False)
         for b in effect.buffers:
-            reader = seen_reader(program, seen, b)
+            reader = ledger.last_reader(b, *generated)
             if reader is not None and effect[b] > observed[b] | traced.get(b, ReadEnd.NONE):
-                varied[b] = reader[0]
+                varied[b] = reader.stage
         observed = observed | effect
     resolved = None
     if mode is ForwardMode.EXTEND and hasattr(node.object, PREFILL):

@@ -13,7 +13,6 @@ another thread must be refused, and with the thread watch switched off the fuzze
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections import Counter
 
@@ -38,7 +37,7 @@ from readfence.backends.fuzz import (
     programs,
     random_programs,
 )
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, audit, clear_trace_cache, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, clear_trace_cache, run_step
 from readfence.core._state import buffer_ranges
 from readfence.core.internal import example_step
 from readfence.graph.fuzz import Tally, check_program
@@ -193,12 +192,15 @@ def test_a_view_carried_into_the_body_declared_in_graph_is_refused_and_caught_un
     assert (outcome.unsafe.buffer, outcome.unsafe.stage) == ("seq_lens", "body")
 
 
-def test_a_plan_run_read_after_the_declared_end_is_invisible_to_the_audit_and_caught_by_verify(dev) -> None:
+def test_a_plan_run_read_after_the_declared_end_is_refused_by_the_audit_s_runs_and_caught_unsafely(dev) -> None:
+    # no static analysis sees the kernel's read of the live lengths it keeps; the audit's observer,
+    # which watches the live state the fuzzer audits on, does
     hidden = _leaf("plan_run", "attend", IN_REPLAY=["seq_lens"])
     outcome = check_program(FuzzProgram(hidden), device=dev)
-    assert outcome.accepted and outcome.invisible_late == {"seq_lens"}
-    assert outcome.invisible_caught and not outcome.p1_violation and not outcome.invisible_missed
-    assert outcome.finding.buffer == "seq_lens" and "plan_run" in outcome.finding.op
+    assert outcome.verdict == "refused" and outcome.refused_by.startswith("audit: unsound declaration"), outcome.report()
+    assert "a read only the observer sees" in outcome.refused_by
+    assert outcome.unsafe_ran and not outcome.false_alarm
+    assert (outcome.unsafe.buffer, outcome.unsafe.stage) == ("seq_lens", "body") and "plan_run" in outcome.unsafe.op
 
 
 def test_a_write_is_refused_before_anything_runs(dev) -> None:
@@ -223,8 +225,8 @@ def test_a_child_below_its_trace_under_a_join_whose_sibling_covers_it_is_accepte
 def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
     # Break the analysis on purpose, as tests/core/test_adversarial_audit.py does: the schema
     # oracle forgets that split pieces alias their source, the memory probe sees nothing and
-    # the audit (and so lower) does not run its own observer. The body's read of the pieces, put back
-    # together by cat, is then invisible to the trace: an in-graph declaration is accepted,
+    # the audit (and so lower) keeps nothing any run of the step saw. The body's read of the pieces,
+    # put back together by cat, is then invisible to the trace: an in-graph declaration is accepted,
     # and verify (P1) and the cross-check of the trace against the observer (P2) catch it.
     import readfence.core.tracing._alias as alias
 
@@ -235,10 +237,11 @@ def test_the_properties_fail_on_a_blinded_analysis(dev, monkeypatch) -> None:
 
     monkeypatch.setattr(alias, "op_aliasing", lambda op: Blind() if "split" in str(op) else real(op))
     blinded(monkeypatch)  # the memory probe sees nothing
-    # the audit's verdict, which lower asks too: with its observer, the audit would refuse
-    import readfence.graph.lowering._verdict as verdict
+    # the ledger the audit's verdict is made from, which lower asks too: with the runs' reads (its
+    # observer's, the rehearsal's) the audit would refuse
+    from readfence.core.internal import Ledger
 
-    monkeypatch.setattr(verdict, "audit_backend", functools.partial(audit, observe_steps=0))
+    monkeypatch.setattr(Ledger, "record", lambda self, run: None)
     clear_trace_cache()
     try:
         early = _leaf("split", "attend", IN_REPLAY=["seq_lens"])
@@ -328,6 +331,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
     # what its Python does not), the pool job's is a P1. The reader left running reads after
     # the stage returned, seen by no check: accepted with verify clean, it is a miss, counted
     # with the violations.
+    import readfence.core._ledger as ledger
     import readfence.core._observe as observing
     import readfence.core.tracing._trace as tracing
 
@@ -336,6 +340,7 @@ def test_with_the_thread_watch_off_the_fuzzer_reports_every_read_on_another_thre
 
     monkeypatch.setattr(tracing, "watch_threads", unwatched)
     monkeypatch.setattr(observing, "watch_threads", unwatched)
+    monkeypatch.setattr(ledger, "watch_threads", unwatched)
     clear_trace_cache()
     tally = Tally()
     outcomes = {}

@@ -37,9 +37,11 @@ def test_a_hidden_late_read_is_refused_naming_backend_mode_buffer_and_reader(nam
     assert bad.path.split("/")[0] == backend.name and f"{bad.path} in mode {case.mode.name}" in message
     assert f"buffer {bad.buffer!r}" in message
     assert bad.observed > bad.declared
-    # the reader: a traced node in a stage, an escape at its line, or a captured tensor
+    # the reader: a traced node in a stage, an escape at its line, a captured tensor, or an op the
+    # audit's observer saw read the live buffer a kernel keeps
     assert ("last read by node" in message and "in stage body" in message) or (
-        "stage body" in message and ("escape" in message or "captured tensor" in message)), message
+        "stage body" in message and ("escape" in message or "captured tensor" in message)) or (
+        "in stage body: a read only the observer sees" in message), message
     if bad.buffer != case.buffer:  # an unfaithful stage reads every buffer: ours is among them
         assert bad.report.observed[case.buffer] > bad.report.declared[case.buffer]
 
@@ -62,9 +64,9 @@ def test_a_write_through_any_view_or_op_is_an_error_naming_stage_buffer_and_op(n
 @pytest.mark.parametrize("name", first_of_each([n for n, c in CASES.items() if c.verdict in ("accepted", "invisible")],
                                               lambda n: CASES[n].klass))
 def test_fine_backends_are_accepted(name) -> None:
-    # precision: snapshots, copies crossing into the graph and honest declarations pass; the
-    # custom ops keeping a live reference ("invisible") are accepted too: no static analysis
-    # can see their read or write
+    # precision: snapshots, copies crossing into the graph and honest declarations pass; a kernel
+    # reading memory it kept before anything watched ("invisible") is accepted too: no analysis
+    # can see its read
     _, result = _audit(CASES[name])
     assert isinstance(result, Success), result.failure().message
 
@@ -74,7 +76,7 @@ def test_the_adversarial_set_covers_every_class_with_several_variants() -> None:
     assert per_class["views"] >= 10 and per_class["captured"] >= 6 and per_class["writes"] >= 5
     assert {"baked", "unfaithful", "conditional", "shape", "custom_op", "crossing", "fine"} <= set(per_class)
     verdicts = Counter(c.verdict for c in CASES.values())
-    assert verdicts["refused"] >= 35 and verdicts["accepted"] >= 12 and verdicts["invisible"] == 2
+    assert verdicts["refused"] >= 37 and verdicts["accepted"] >= 12 and verdicts["invisible"] == 1
 
 
 def test_a_captured_live_buffer_is_unknown_without_the_live_state() -> None:

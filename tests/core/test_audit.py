@@ -29,7 +29,7 @@ from readfence.backends import (
     tbo,
     trtllm_mha,
 )
-from readfence.core import SHARED_BUFFERS, AuditReport, ForwardMode, StageWriteError, Unsound, audit
+from readfence.core import SHARED_BUFFERS, AuditReport, ForwardMode, StageWriteError, Unsound, audit, clear_trace_cache
 from readfence.core.internal import audit_report, late_read_fix
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
@@ -426,7 +426,10 @@ def test_in_a_step_that_is_not_replayed_a_read_on_a_varied_state_counts_and_the_
     assert "unsound: read by body's Python on a varied state" in bad.report.table()
     honest = redeclare(early, lambda m: ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY}, default=ReadEnd.PRE_REPLAY))
     assert audit(honest, M.EXTEND, cfg=CFG, batch_sizes=[2]).map(lambda r: r.sound).value_or(False)
-    # the trace and the example's run alone take the short path (observe_steps=0 runs neither)
+    # a read any run saw is a read: the step's ledger keeps it, whatever runs the next audit makes
+    assert audit(early, M.EXTEND, cfg=CFG, batch_sizes=[2], observe_steps=0).failure().buffer == "req_to_token"
+    # the trace alone takes the short path (observe_steps=0 runs nothing; the ledger forgotten first)
+    clear_trace_cache()
     assert audit(early, M.EXTEND, cfg=CFG, batch_sizes=[2], observe_steps=0).map(lambda r: r.sound).value_or(False)
 
 

@@ -374,10 +374,13 @@ def test_verify_returns_the_finding_of_a_python_value_a_later_step_changes(monke
         refused = verify(_changes_its_python_value(), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
                          policy=Policy.EXACT).failure()
     assert (refused.kind, refused.evidence, refused.stage) == ("refused", "audit", "prepare_out_graph"), refused
-    # with that check off, a step meets it in the run: its finding, not the stream's error
+    # with those checks off (the validation, and the out-of-graph stage's Python on the generated
+    # states), a step meets it in the run: its finding, not the stream's error
     import readfence.graph.lowering._lower as lowering
+    from readfence.core.internal import Ledger
 
     monkeypatch.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)
+    monkeypatch.setattr(Ledger, "observe_varied", lambda self, **kwargs: None)
     with CpuDevice(timeout=30.0) as dev:
         found = verify(_changes_its_python_value(), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
                        policy=Policy.EXACT).failure()

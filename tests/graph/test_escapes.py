@@ -82,8 +82,7 @@ def test_exact_releasing_at_the_traced_path_s_last_read_is_caught_by_verify(dev,
     # until the last layer; with those dropped too, EXACT releases the lengths after layer 0, and
     # the run, which trusts no analysis, catches the read through the view in the last layer
     import readfence.core.tracing._analysis as analysis
-    import readfence.graph.lowering._lower as lowering
-    from readfence.effects import ReadEffect
+    from readfence.core.internal import Ledger
 
     monkeypatch.setattr(analysis, "_handed_over", lambda *args: {})
     clear_trace_cache()
@@ -92,9 +91,7 @@ def test_exact_releasing_at_the_traced_path_s_last_read_is_caught_by_verify(dev,
         assert audit(backend, M.DECODE, cfg=CFG).map(lambda r: r.sound).value_or(None)  # still sound per stage
         observed = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.EXACT)
         assert observed.map(lambda r: len(r.checks)).value_or(None) == 1, observed  # placed after what it saw
-        monkeypatch.setattr(lowering, "seen_effect", lambda program, observed: ReadEffect.none())
-        traced_only = lowering.last_reads
-        monkeypatch.setattr(lowering, "last_reads", lambda program, observed: traced_only(program))
+        monkeypatch.setattr(Ledger, "record", lambda self, run: None)  # every run's reads forgotten
         caught = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
                         policy=Policy.EXACT).failure()
         assert (caught.kind, caught.buffer, caught.stage, caught.evidence) == (
@@ -118,12 +115,9 @@ def test_exact_never_releases_before_a_later_stage_that_runs_its_python(dev, mon
 
     monkeypatch.setattr(Program, "last_reader", traced_only)
     # (the rehearsal saw the body's Python read the lengths: dropped as well, or it holds them)
-    import readfence.graph.lowering._lower as lowering
-    from readfence.effects import ReadEffect
+    from readfence.core.internal import Ledger
 
-    plain = lowering.last_reads
-    monkeypatch.setattr(lowering, "seen_effect", lambda program, observed: ReadEffect.none())
-    monkeypatch.setattr(lowering, "last_reads", lambda program, observed: plain(program))
+    monkeypatch.setattr(Ledger, "record", lambda self, run: None)  # every run's reads forgotten
     assert _placements(backend, Policy.EXACT, dev)["seq_lens"].startswith("after node prepare_in_graph:")
     caught = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
                     policy=Policy.EXACT).failure()

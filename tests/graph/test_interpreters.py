@@ -7,7 +7,7 @@ step on the scheduler's changing state under each interpretation of ``core.eval_
 * serial (``core.EAGER``), the reference;
 * the read observer's (``core.Watched``): the same Python, watched;
 * the traced program bound to the live state, run on names (``core.run_program``), and the
-  same under the observer, node by node (``core.observe_program``: the lowering's rehearsal);
+  same under the observer, node by node (``core.internal.Ledger.observe_program``: the lowering's rehearsal);
 * the lowered step under COARSE on the CPU device, against ``run_serial`` on the same schedule.
 
 Each must be bit-identical, wherever its own preconditions hold: a program the trace refuses (a
@@ -34,7 +34,7 @@ from readfence.core import (
     step_functions,
     trace,
 )
-from readfence.core.internal import EAGER, Watched, flatten_inputs, observe_program
+from readfence.core.internal import EAGER, Ledger, RunKind, Watched, flatten_inputs
 from readfence.graph import CpuDevice, Policy, Scheduler, UncapturableStage, make_state, run_overlapped, run_serial
 from readfence.graph.fuzz import FUZZ_CONFIG
 
@@ -88,7 +88,7 @@ def _interpretations(program: FuzzProgram) -> dict[str, bool]:
             env = flatten_inputs(**inputs, pools=_clone(state)["pools"])
             assert torch.equal(run_program(bound, env), serial), f"traced program\n{program}"
             env = flatten_inputs(**inputs, pools=_clone(state)["pools"])
-            observe_program(bound, env, state["shared"])
+            Ledger(bound, cfg, BATCH, state).observe_program(RunKind.REHEARSAL, "observed", env, state["shared"])
             assert torch.equal(env["logits"], serial), f"traced program, observed\n{program}"
     _reset(state, saved)
     lowered = False

@@ -156,8 +156,8 @@ def test_python_state_a_capture_bakes_is_refused_by_verify_as_not_graph_safe() -
 
 def test_a_lowered_step_that_computes_something_else_is_named_so_by_verify() -> None:
     def inn(meta):  # a value read by printing (unseen), equal on every example state, not in the run:
-        lens = meta["kv_lens"]  # no example's longest request is 2 tokens long, the loop's second step's is
-        fresh = str(lens.max()) == "tensor(2)"
+        lens = meta["kv_lens"]  # no generated state's longest request is 3 tokens long, the loop's third step's is
+        fresh = str(lens.max()) == "tensor(3)"
         return {"kv_lens": (lens - int(fresh)).clamp(min=1)}
 
     backend = _backend("late_counter", _page, inn, lambda meta: (meta["kv_indices"], meta["kv_lens"]))

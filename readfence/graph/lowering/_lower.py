@@ -3,30 +3,32 @@
 ``lower`` is a chain of passes, each a function from its input to its output:
 
 1. trace and bind to the live state (``core.trace``, ``core.bind``), refusing what no fence
-   makes correct (trace-time state, a stage a CUDA graph cannot capture); a step that is not
-   replayed (``core.internal.replayed``), and an out-of-graph stage that escapes, is observed on
-   fresh states (``core.internal.varied_reads``);
+   makes correct (trace-time state, a stage a CUDA graph cannot capture); the step's ledger
+   (``core.internal.Ledger``) is where every run of its code below records what it read;
 2. compile the captured stages once for every event-ring slot (``_slot.compile_stages``): a
    hook after every node a record or check mode's poison may follow (``_fx_records``), an
    alias check after each opaque op (``_fx_aliases``), then constant folding, shared
    subexpressions and Python bindings (``_fx_compile``);
 3. validate that code against the stages' Python (``core.validate_replay``): each captured
-   stage, its hooks bound to nothing, must compute what its Python computes on fresh states,
-   whatever the policy. Code that differs only through the compile passes (the same stages
-   compiled without them pass) is readfence's miscompile: the plain code, validated as well,
-   is what runs (``Lowered.optimized`` is then False). A capture validated before is checked
-   on one more state, and traced again (1-3) if its Python changed since through a value no
-   cache key holds (``core.internal.StaleTrace``);
-4. unless the policy is COARSE, refuse an unsound declaration (the audit's verdict, which
-   counts what a step that is not replayed reads on the fresh states too);
-5. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up): the last
-   run of the step's Python before the loop's;
-6. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from
-   the bound trace joined with the observed reads);
+   stage, its hooks bound to nothing, must compute what its Python computes on the generated
+   states, whatever the policy; the Python of the stages that run it in the step records what
+   it read there into the ledger (a step that is not replayed, ``core.internal.replayed``, is
+   observed on those states instead). Code that differs only through the compile passes (the
+   same stages compiled without them pass) is readfence's miscompile: the plain code, validated
+   as well, is what runs (``Lowered.optimized`` is then False). A capture validated before is
+   checked on one more state, and traced again (1-3) if its Python changed since through a value
+   no cache key holds (``core.internal.StaleTrace``);
+4. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
+   step's ledger, which the validation and the audit's own runs recorded into: a read any of
+   them saw is a read;
+5. rehearse the step once, eagerly (``_rehearse``: shapes, observed reads, warm-up), into the
+   same ledger: the last run of the step's Python before the loop's; and ask the verdict again;
+6. plan the fences (``plan_fences``: where each buffer's release is published, EXACT from the
+   same ledger: the bound trace joined with every read a run saw);
 7. per event-ring slot, bind the validated code's hooks to the slot's events and poison, and
    capture (``_slot.build_slot``): every slot runs the very code validated (a record after a
-   node only the rehearsal saw reading compiles the code again, validated again unless it
-   computes alike).
+   node only a run saw reading compiles the code again, validated again unless it computes
+   alike).
 
 and :class:`Lowered` is built from their results. On a :class:`Device` a step is:
 
@@ -72,7 +74,7 @@ from readfence.core import trace as trace_step
 from readfence.core.internal import (
     BufferMap,
     KeptTensor,
-    NodeReads,
+    Ledger,
     NodeReadsIn,
     StaleCaptureError,
     StaleTrace,
@@ -84,15 +86,13 @@ from readfence.core.internal import (
     flatten_inputs,
     forget_trace,
     init_params,
-    join_node_reads,
     kept_tensors,
+    ledger_of,
     make_pools,
     positive_int,
     reach,
     replayed,
-    seen_effect,
     validate_replay,
-    varied_reads,
     varied_states,
 )
 from readfence.effects import ReadEffect, ReadEnd, ReadfenceError
@@ -148,19 +148,21 @@ class Lowered:
     Build with :func:`lower`, which runs the lowering's passes and hands their results here.
     ``shared``, ``pools`` and ``params`` are the live tensors the step reads (share them with
     the scheduler and other lowered graphs); ``observed`` is the effect EXACT placed from (the
-    bound trace joined with every read the rehearsal saw); :meth:`run` enqueues one step and
-    returns its logits and :class:`Fence`.
+    bound trace joined with every read a run of the step saw: its ledger's); ``ledger`` is the
+    step's :class:`~readfence.core.internal.Ledger`; :meth:`run` enqueues one step and returns its
+    logits and :class:`Fence`.
     """
 
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
-                 slots: Sequence[Slot], observed: ReadEffect, check: CheckState | None = None,
+                 slots: Sequence[Slot], observed: ReadEffect, ledger: Ledger, check: CheckState | None = None,
                  optimized: bool = True, kept: tuple[KeptTensor, ...] = ()) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
         # whether the captured stages run through the compile passes (folding, sharing, bindings)
         self.optimized = optimized
-        self.observed = observed  # what EXACT placed from: the bound trace and the reads the rehearsal saw
+        self.observed = observed  # what EXACT placed from: the ledger's effect (the trace and every run's reads)
+        self.ledger = ledger
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
         self.kept = kept  # the tensors its compiled stages captured, where the backend keeps them
@@ -371,6 +373,7 @@ def lower(
     # the passes (see the module docstring): trace and bind; compile once for every ring slot and
     # validate; refuse an unsound declaration; rehearse; plan the fences; bind and capture per slot
     program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
+    ledger = ledger_of(program, cfg, batch_size, state)
     # the stages compiled as every slot will run them, a hook after each node a record or a check's
     # poison may follow (only EXACT places poison inside a graph), validated before the rehearsal
     # runs the step's Python once more
@@ -382,50 +385,49 @@ def lower(
                  seen: NodeReadsIn, poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
         return lambda passes: compile_stages(program, sites, env, seen, writes=poison, live=live, optimize=passes)
 
-    def validated(program: Program) -> tuple[NodeReads, Mapping[Stage, StageCode], bool]:
-        # what may take a path the traced example did not (a step that is not replayed, whose capture
-        # there is none to validate; an out-of-graph stage that escapes, whose Python may branch on
-        # what it read on the host): its Python's reads on the varied states join the fences (and the
-        # audit's verdict below counts them)
-        varied = varied_reads(program, cfg, batch_size, state, settle=device.synchronize, backend=backend)
-        code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
-                                     compiled(program, record_sites(program, {}), known, {}, writes), optimize)
-        return varied, code, optimized
+    def validated(program: Program, ledger: Ledger) -> tuple[Mapping[Stage, StageCode], bool]:
+        return _validated(program, ledger, backend, mode, device,
+                          compiled(program, record_sites(program, {}), known, {}, writes), optimize)
 
     try:
-        varied, code, optimized = validated(program)
+        code, optimized = validated(program, ledger)
     except StaleTrace:  # its Python changed since, through a value no key holds: trace it again
         forget_trace(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
         program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-        varied, code, optimized = validated(program)
+        ledger = ledger_of(program, cfg, batch_size, state)
+        code, optimized = validated(program, ledger)
     declared = backend.read_effect(mode)
-    traced = program.traced()
-    if policy is not Policy.COARSE and not UNSAFE_skip_soundness_check:
-        # the audit's own verdict, at the batch size lowered, on the live state: whatever it
-        # refuses (a declaration below the trace, below a read the observer saw that the trace
-        # missed, or, where a stage may take a path the trace did not, below a read its Python
-        # made on a varied state) no fence placed from the declaration may accept
+
+    def refuse_unsound() -> None:
+        # the audit's own verdict, at the batch size lowered, on the live state, from the step's
+        # ledger: whatever it refuses (a declaration below the trace, below a read any run of the
+        # step saw: the audit's observer, the rehearsal, the Python of the stages that run it on
+        # the generated states) no fence placed from the declaration may accept
+        if policy is Policy.COARSE or UNSAFE_skip_soundness_check:
+            return
         failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
-                                state=state)
-    else:
-        failure = None
-    if failure is not None:
-        error = UnsoundLowering(
-            f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {failure.message}"
-        )
-        error.failure = failure
-        raise error
-    # EXACT places from the bound trace joined with every read the rehearsal (and, in a step that
-    # is not replayed or a stage escapes, the runs on varied states) saw, never below one
-    rehearsal = rehearse(program, cfg=cfg, mode=mode, batch_size=batch_size, stream=stream, live=state["shared"],
-                         label=label)
-    seen = join_node_reads(rehearsal.observed, varied)
-    observed = traced | seen_effect(program, seen)
+                                state=state, ledger=ledger)
+        if failure is not None:
+            error = UnsoundLowering(
+                f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {failure.message}"
+            )
+            error.failure = failure
+            raise error
+
+    refuse_unsound()
+    # the rehearsal is the last run of the step's code before it is captured (whatever a backend
+    # keeps from a run, it keeps from this one under every policy); what it saw joins the verdict
+    # (asked again: made again only if the rehearsal changed what the ledger says)
+    rehearsal = rehearse(program, ledger=ledger, mode=mode, stream=stream, label=label)
+    refuse_unsound()
+    # EXACT places from the bound trace joined with every read a run of the step saw, never below one
+    seen = ledger.node_reads()
+    observed = ledger.effect()
     reads = last_reads(program, seen)
     plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
                        observed=observed, graphed=graphed)
     launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
-                                program.replayed)
+                                program.replayed, ledger)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     kept = _kept(backend, program)
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
@@ -434,18 +436,18 @@ def lower(
     parts = [slot_parts(spec, r) for r in range(ring_size)]
     if not all(c.serves(parts[0].after[stage], parts[0].actions[stage], frozenset(node_reads(program.stage(stage), seen)))
                for stage, c in code.items()):
-        # a record after a node only the rehearsal saw reading, or a node kept for that read: the
+        # a record after a node only a run saw reading (the rehearsal's), or a node kept for that read: the
         # code again, with those; the validation is not repeated where it computes alike
         sites = {s: frozenset(parts[0].after[s]) | frozenset(parts[0].actions[s]) | record_sites(program, seen)[s]
                  for s in code}
         poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
-        code, optimized = _validated(program, backend, mode, cfg, batch_size, state, device,
+        code, optimized = _validated(program, ledger, backend, mode, device,
                                      compiled(program, sites, launcher.env, seen, poison), optimized)
     slots = [build_slot(spec, launcher, p, code) for p in parts]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check, observed=observed, optimized=optimized, kept=kept,
+        check=check, observed=observed, ledger=ledger, optimized=optimized, kept=kept,
     )
 
 
@@ -482,7 +484,7 @@ def _kept_check(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
               rehearsal: Rehearsal, stream: Stream, label: str, timeline: Timeline | None,
-              check: CheckState | None, replayed: bool) -> tuple[StepLauncher, dict[str, Tensor]]:
+              check: CheckState | None, replayed: bool, ledger: Ledger) -> tuple[StepLauncher, dict[str, Tensor]]:
     # the step's static buffers: its batch, the metadata copies, the logits; over the live state
     dev = device_of(state["shared"])
     example = example_step(cfg, mode, batch_size, device=dev)
@@ -493,20 +495,23 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
     logits = torch.zeros(example.num_tokens, cfg.vocab, device=dev)
     labels = {name: f"{label}/{name}" for name in (*(s.name for s in STAGES), "load_batch", "outputs")}
     watcher = None if check is None else check.watcher
-    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed), batch
+    return StepLauncher(stream, env, rehearsal.meta, logits, label, labels, timeline, watcher, replayed,
+                        ledger), batch
 
 
-def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
-               state: Mapping[str, dict[str, Tensor]], device: Device,
+def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
                compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool,
                ) -> tuple[Mapping[Stage, StageCode], bool]:
     """The step's stages as every ring slot runs them (``compiled(passes)``: hooks for records and
     checks inserted, compiled through the passes or not), validated: each captured stage's compiled
-    code, its hooks bound to nothing, must compute what its Python computes on fresh states
+    code, its hooks bound to nothing, must compute what its Python computes on the generated states
     (``core.validate_replay``), whatever the policy, or the step is refused (``NotGraphSafe``):
-    a graph that bakes a value of the traced step is wrong with any fence. The fresh states are
-    ``core.internal.varied_states``, written into the live buffers for a backend that keeps
-    references to them, after the device has run what was enqueued on them.
+    a graph that bakes a value of the traced step is wrong with any fence. What the Python of the
+    stages that run it in the step reads there is recorded in ``ledger``. A step that is not
+    replayed has no capture: its Python runs on the same states under the read observer instead
+    (``Ledger.observe_varied``). The states are ``core.internal.varied_states``, written into the
+    live buffers for a backend that keeps references to them, after the device has run what was
+    enqueued on them.
 
     Code compiled through the passes that differs where the same stages compiled without them
     (every node as traced) do not is readfence's own miscompile, not the backend's: the step then
@@ -514,20 +519,21 @@ def _validated(program: Program, backend: BackendLike, mode: ForwardMode, cfg: M
     passes."""
     code = compiled(optimize)
     if not program.replayed or program.aborted is not None:
+        ledger.observe_varied(settle=device.synchronize)
         return code, optimize
     try:
-        _validate_code(program, backend, mode, cfg, batch_size, state, device, code)
+        _validate_code(program, ledger, backend, mode, device, code)
         return code, optimize
     except NotGraphSafe:
         if not optimize:
             raise
     plain = compiled(False)
-    _validate_code(program, backend, mode, cfg, batch_size, state, device, plain)  # the backend's own refusal
+    _validate_code(program, ledger, backend, mode, device, plain)  # the backend's own refusal
     return plain, False
 
 
-def _validate_code(program: Program, backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int,
-                   state: Mapping[str, dict[str, Tensor]], device: Device, code: Mapping[Stage, StageCode]) -> None:
+def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
+                   code: Mapping[Stage, StageCode]) -> None:
     # each captured stage replayed as the slots run it: the very code, no event fired
     runners = {stage: c.validating() for stage, c in code.items() if c.compiled is not None}
 
@@ -535,8 +541,11 @@ def _validate_code(program: Program, backend: BackendLike, mode: ForwardMode, cf
         return runners[stage.stage].run(env)
 
     key = tuple((str(stage), r.graph.computation) for stage, r in runners.items())
-    with varied_states(program, cfg, batch_size, state, settle=device.synchronize) as example:
-        validate_replay(program, step_functions(backend, mode, cfg), example, replay=replay, key=key)
+    cfg, state = ledger.cfg, ledger.state
+    with varied_states(program, cfg, ledger.batch_size, state, settle=device.synchronize) as example:
+        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay, key=key)
+    # a capture validated before, on another state, ran nothing here: its Python is observed instead
+    ledger.observe_varied(settle=device.synchronize)
 
 
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,

@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.core import SHARED_BUFFERS, ModelConfig
-from readfence.core.internal import buffer_ranges
+from readfence.core.internal import Ledger, buffer_ranges
 from readfence.effects import ReadEnd
 
 from ._plan import Placement
@@ -128,8 +128,9 @@ class Watcher(Protocol):
     runs no Python).
     """
 
-    def stage(self, name: str) -> AbstractContextManager[object]:
-        """Around the execution of stage ``name`` (the observer watches inside)."""
+    def stage(self, name: str, ledger: Ledger | None = None) -> AbstractContextManager[object]:
+        """Around the execution of stage ``name`` (the observer watches inside; what it sees is a run
+        of the lowered step's ``ledger``, through ``Ledger.watch``)."""
         ...
 
     def started(self, step: int) -> None: ...

@@ -1,11 +1,12 @@
 """Lowering pass: rehearse the traced step once, eagerly, before anything is captured.
 
 The rehearsal runs the bound program on a throwaway example (:func:`readfence.core.run_program`
-under the runtime read observer) on the lowered stream. It gives:
+under the runtime read observer) on the lowered stream, as a run of the program's ledger
+(``core.internal.Ledger``). It gives:
 
 * the shapes of the out-of-graph stage's outputs, for the graph's static metadata buffers;
 * what each node really read (the example's buffers, or the live ones a stage keeps a
-  reference to): the sanitizer is told that, joined with the trace;
+  reference to), recorded in the ledger: the verdict, the fences and the sanitizer read it there;
 * a first run of every kernel before any capture, as ``torch.cuda.graph`` asks (lazy library
   and allocator set-up must not happen inside a capture);
 * a second step's outputs for the stages that run their Python: the example differs from the
@@ -23,8 +24,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from readfence.core import PREPARE_OUT_GRAPH, ForwardMode, ModelConfig, Program, StageOutputError, StageThreadError
-from readfence.core.internal import BufferMap, NodeReads, NodeReadsIn, example_step, flatten_inputs, observe_program
+from readfence.core import PREPARE_OUT_GRAPH, ForwardMode, Program, StageOutputError, StageThreadError
+from readfence.core.internal import Ledger, RunKind, example_step, flatten_inputs
 
 from ..devices import DeviceError, Stream
 
@@ -35,40 +36,39 @@ REHEARSAL_SEED = 1
 
 @attrs.frozen
 class Rehearsal:
-    """What the rehearsal found: per stage, per node, the shared buffers each node was seen to
-    read (``observed``), and zeroed static buffers shaped like the out-of-graph stage's outputs
-    (``meta``, by name), on the live state's device."""
+    """What the rehearsal found beside its reads (which are the ledger's): zeroed static buffers
+    shaped like the out-of-graph stage's outputs (``meta``, by name), on the live state's device."""
 
-    observed: NodeReadsIn
     meta: dict[str, Tensor]
 
 
-def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_size: int, stream: Stream,
-             live: Mapping[str, Tensor], label: str) -> Rehearsal:
-    """Run ``program`` once on an example step of ``batch_size`` on ``stream`` (see the module
-    docstring); ``live`` are the live shared buffers (what a stage that keeps references reads).
+def rehearse(program: Program, *, ledger: Ledger, mode: ForwardMode, stream: Stream, label: str) -> Rehearsal:
+    """Run ``program`` once on an example step of the ledger's batch size on ``stream``, recording
+    what it reads in ``ledger`` (a run of kind ``rehearsal``; see the module docstring), on the
+    live state's device: a stage that keeps references to the live buffers reads those.
 
     A stage's own error (a thread it starts, an output it cannot return) is raised as it is,
     not as the device's.
 
     >>> from readfence.backends import paged
-    >>> from readfence.core import trace
+    >>> from readfence.core import ModelConfig, PREPARE_IN_GRAPH, trace
+    >>> from readfence.core.internal import ledger_of
     >>> from readfence.graph import CpuDevice
+    >>> cfg = ModelConfig()
+    >>> program = trace(paged(), ForwardMode.DECODE, cfg=cfg)
+    >>> ledger = ledger_of(program, cfg, 2)
     >>> with CpuDevice() as dev:
-    ...     r = rehearse(trace(paged(), ForwardMode.DECODE), cfg=ModelConfig(), mode=ForwardMode.DECODE,
-    ...                  batch_size=2, stream=dev.stream("forward"), live={}, label="demo")
-    >>> from readfence.core import PREPARE_IN_GRAPH
-    >>> sorted(r.meta), sorted(r.observed[PREPARE_IN_GRAPH])
+    ...     r = rehearse(program, ledger=ledger, mode=ForwardMode.DECODE, stream=dev.stream("forward"), label="demo")
+    >>> sorted(r.meta), sorted(ledger.node_reads()[PREPARE_IN_GRAPH])
     ([], ['index_select', 'index_select_1'])
     """
+    live = ledger.state["shared"] if ledger.state is not None else {}
     device = next(iter(live.values())).device if live else torch.device("cpu")
-    example = example_step(cfg, mode, batch_size, seed=REHEARSAL_SEED, device=device)
+    example = example_step(ledger.cfg, mode, ledger.batch_size, seed=REHEARSAL_SEED, device=device)
     env = flatten_inputs(**example.groups())
-    buffers = BufferMap.of(example.shared).union([BufferMap.of(live)])
-    observed: NodeReads = {}
 
     def run() -> None:
-        observed.update(observe_program(program, env, buffers))
+        ledger.observe_program(RunKind.REHEARSAL, "rehearsal", env, example.shared)
 
     stream.launch(run, label=f"{label}/rehearse")
     try:
@@ -82,7 +82,7 @@ def rehearse(program: Program, *, cfg: ModelConfig, mode: ForwardMode, batch_siz
     # (a meta tensor, a shape without data, keeps a buffer without data: there is nothing to copy)
     meta = {k: torch.zeros_like(env[k], device="meta" if env[k].is_meta else device)
             for k in program.stage(PREPARE_OUT_GRAPH).graph.outputs}
-    return Rehearsal(observed, meta)
+    return Rehearsal(meta)
 
 
 def _check_shapes(program: Program, env: Mapping[str, Tensor]) -> None:

@@ -20,7 +20,7 @@ import attrs
 from torch import Tensor, fx
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
-from readfence.core.internal import BufferMap, NodeReadsIn
+from readfence.core.internal import BufferMap, Ledger, NodeReadsIn
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
@@ -103,9 +103,10 @@ class StepLauncher:
     """How a lowered step's stages are launched on its stream: each stage's runner over the
     step's environment ``env`` (its static batch, the live state, the static metadata copies
     ``meta``), the in-graph stages' outputs into ``env``, the body's into ``logits``; each
-    watched in check mode and timed when there is a timeline. In a step that is not
-    ``replayed`` the out-of-graph stage's outputs go into ``env`` as they are: every stage runs
-    its Python, as the engine runs it, and its metadata may change shape every step."""
+    watched in check mode (a run of the step's ``ledger``) and timed when there is a timeline. In
+    a step that is not ``replayed`` the out-of-graph stage's outputs go into ``env`` as they are:
+    every stage runs its Python, as the engine runs it, and its metadata may change shape every
+    step."""
 
     stream: Stream
     env: dict[str, Tensor]
@@ -116,6 +117,7 @@ class StepLauncher:
     timeline: Timeline | None = None
     watcher: Watcher | None = None
     replayed: bool = True
+    ledger: Ledger | None = None  # the step's: what check mode's watcher sees is recorded there
 
     def copy_meta(self, out: Mapping[str, Tensor]) -> None:
         """The out-of-graph stage's outputs into the graph's static buffers (of the traced
@@ -143,7 +145,7 @@ class StepLauncher:
             if watcher is None:
                 sink(runner.run(env))
                 return
-            with watcher.stage(stage.name):
+            with watcher.stage(stage.name, self.ledger):
                 sink(runner.run(env))
 
         fn = run_stage if self.timeline is None else self.timeline.timed(self.stream.name, stage.name, run_stage, "stage")
@@ -481,7 +483,8 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
     watcher = launcher.watcher
     if watcher is not None:
         def watched() -> None:
-            with watcher.stage(PREPARE_OUT_GRAPH.name):  # the copy into the graph is this stage's read
+            # the copy into the graph is this stage's read; what it reads is a run of the step's ledger
+            with watcher.stage(PREPARE_OUT_GRAPH.name, launcher.ledger):
                 plain()
 
         fn = watched

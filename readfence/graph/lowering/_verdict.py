@@ -1,15 +1,16 @@
-"""What the analysis concludes about a step on a live state, asked once per place in memory.
+"""What the analysis concludes about a step on a live state, asked once per place in memory and evidence.
 
 Lowering one step under several policies, and a checker that audits the step before lowering
 it, ask the same question of the same traced program and live state: the audit's verdict at
 the batch size lowered (``core.audit`` with ``state=``). It depends on the backend's code, the
-Python values that code reads (``core.internal.CodeKey``), its declaration, the step, and
-*where* the live tensors are (the program bound to the state, ``core.bind``, itself computed
-once per program and place in memory), not on the values the tensors hold; so it is computed
-once per such key (:class:`VerdictKey`) and shared, and it is current only while every trace the
-audit read is (a trace whose captured tensor the backend replaced is traced again, and the
-verdict computed again). A cached answer is the very value a fresh call would give: an
-``Unsound`` is immutable.
+Python values that code reads (``core.internal.CodeKey``), its declaration, the step, *where*
+the live tensors are (the program bound to the state, ``core.bind``, itself computed once per
+program and place in memory) and what the ledgers of the step's runs hold
+(``core.internal.Ledger``: a run that saw a read no run saw before changes the verdict), not on
+the values the tensors hold; so it is computed once per such key (:class:`VerdictKey`) and
+evidence, and shared, and it is current only while every trace the audit read is (a trace whose
+captured tensor the backend replaced is traced again, and the verdict computed again). A cached
+answer is the very value a fresh call would give: an ``Unsound`` is immutable.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from readfence.core import BackendLike, ForwardMode, ModelConfig, Unsound
 from readfence.core import audit as audit_backend
-from readfence.core.internal import CACHES, CodeKey, code_key, state_key
+from readfence.core.internal import CACHES, CodeKey, Ledger, code_key, evidence_epoch, state_key
 
 State = Mapping[str, Mapping[str, Tensor]]
 
@@ -49,11 +50,13 @@ _VERDICTS = CACHES.table("verdicts", VerdictKey, "the audit's verdict on a step 
 
 
 def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, batch_size: int, device: str,
-                  state: State) -> Unsound | None:
+                  state: State, ledger: Ledger | None = None) -> Unsound | None:
     """The audit's verdict on ``backend``'s step at ``batch_size`` on the live ``state``
-    (``None``: sound); what ``lower`` refuses. Raises what the audit raises (a stage that
-    writes a shared buffer or starts a thread); a backend that is not hashable is audited
-    every time.
+    (``None``: sound); what ``lower`` refuses. ``ledger`` is the lowering's ledger of the step
+    (its rehearsal and validation runs count too). A cached verdict is used while no run of any
+    step saw a read, escape or write that none saw before (``core.internal.evidence_epoch``).
+    Raises what the audit raises (a stage that writes a shared buffer or starts a thread); a
+    backend that is not hashable is audited every time.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph.lowering import make_state
@@ -64,14 +67,24 @@ def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, 
     """
     def verdict() -> Unsound | None:
         return audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=device,
-                             state=state).swap().value_or(None)
+                             state=state, ledger=ledger).swap().value_or(None)
 
     try:
         key = VerdictKey(backend, code_key(backend), mode, cfg, batch_size, device, state_key(state))
         hash(key)
     except TypeError:  # a backend that is not hashable
         return verdict()
-    return _VERDICTS.compute(key, verdict)
+    made_at: list[int] = []  # the evidence epoch the verdict was made at
+
+    def made() -> Unsound | None:
+        answer = verdict()
+        made_at.append(evidence_epoch())
+        return answer
+
+    def current() -> str | None:
+        return None if made_at and made_at[-1] == evidence_epoch() else "a run saw what no run saw before"
+
+    return _VERDICTS.compute(key, made, check=current)
 
 
 __all__ = ["VerdictKey", "audit_verdict"]

@@ -52,7 +52,7 @@ from readfence.core import (
     StageThreadError,
     StageWriteError,
 )
-from readfence.core.internal import BufferMap, positive_int
+from readfence.core.internal import BufferMap, Ledger, RunKind, positive_int
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
 from readfence.effects.internal import one_line
 
@@ -211,9 +211,11 @@ class LateReadWatch:
         return obs
 
     @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str, ledger: Ledger | None = None) -> Iterator[None]:
+        """Watch stage ``name`` (a run of the lowered step's ``ledger``, when given: check mode's)."""
         obs = self._observer()
-        with obs, obs.stage(name):
+        recorded = contextlib.nullcontext() if ledger is None else ledger.watch(RunKind.CHECK, "check", {}, observer=obs)
+        with recorded, obs, obs.stage(name):
             yield
 
     def started(self, step: int) -> None:
@@ -430,7 +432,7 @@ def verify(
         if differs is not None:
             candidates = _poisoned(loop) if poison else ()
             return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, options,
-                                      UNSAFE_skip_soundness_check, candidates, **common))
+                                      UNSAFE_skip_soundness_check, candidates, loop, **common))
         done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
                                 0 if watch is None else watch.accesses))
     _reset(live, snapshot)
@@ -489,11 +491,12 @@ MISCOMPILED = ("the lowered step differs from the serial step with nothing poiso
 
 def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
                reference: Sequence[Any], differs: int, lowering: LowerOptions, unsafe: bool,
-               poisoned: tuple[str, ...], **common: Any) -> LateRead:
+               poisoned: tuple[str, ...], loop: Any, **common: Any) -> LateRead:
     # The outputs differ and the observer named nothing. A run that poisons nothing holds every
     # buffer until the step's end: if it differs too, no late read explains it. Else each buffer
     # is poisoned alone while every other one is held: a run that differs then read that buffer
-    # late (whatever the others are read as), and each buffer is blamed only on its own run.
+    # late (whatever the others are read as), and each buffer is blamed only on its own run. The
+    # reader is the one the step's ledger saw read it past its release, if any run did.
     name = _name(target)
 
     def first_difference(only: Sequence[str], options: LowerOptions = lowering) -> int | None:
@@ -519,11 +522,27 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
         buffer = min(late, key=lambda b: (late[b], poisoned.index(b)))
         also = [b for b in poisoned if b in late and b != buffer]
         more = f"; poisoned alone, {', '.join(also)} also change the outputs" if also else ""
-        return LateRead(name, mode, policy, "late read", "poison", buffer, late[buffer],
+        seen = ledger_witness(loop, buffer)
+        by = (f"; the step's ledger saw {seen[1]} in {seen[0]} read it after its release" if seen else
+              "; no run of the step saw it read after its release: a read no observer sees (memory a kernel kept)")
+        stage, op = seen or (None, None)
+        return LateRead(name, mode, policy, "late read", "poison", buffer, late[buffer], stage, op,
                         detail="outputs differ from the serial run when this buffer alone is poisoned on release "
-                               f"and every other one is held{more}")
+                               f"and every other one is held{more}{by}")
     return LateRead(name, mode, policy, "late read", "poison", None, differs,
                     detail=f"outputs differ when {', '.join(poisoned)} are poisoned together, not one at a time")
+
+
+def ledger_witness(loop: Any, buffer: str) -> tuple[str, str] | None:
+    """``(stage, node or op)`` where the ledger of a graph ``loop`` lowered last saw ``buffer`` read,
+    when that is after the point the graph's fence releases it (``None``: no run of the step saw a
+    read that late): who read it late, as far as any run of the step could see."""
+    steps = loop.lowered_steps() if hasattr(loop, "lowered_steps") else [loop.lowered]
+    for low in (g for step in steps for g in _graphs(step)):
+        placement, seen = low.plan.placements.get(buffer), low.ledger.last_reader(buffer)
+        if seen is not None and placement is not None and seen.end > placement.end:
+            return seen.stage.name, seen.node
+    return None
 
 
 def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowering) -> LateRead:
