@@ -22,7 +22,7 @@ def test_every_cache_is_a_named_table_of_one_object_with_a_key_record() -> None:
     import readfence.graph  # noqa: F401 (registers its tables)
 
     rows = {row["table"]: row for row in CACHES.rows()}
-    for name in ("traces", "bound", "validated", "varied", "observed", "observed_steps", "segment_ops",
+    for name in ("traces", "bound", "validated", "ledgers", "observed", "observed_steps", "segment_ops",
                  "segment_templates", "kernel_access", "verdicts", "effect_joins", "effect_tables"):
         assert name in rows and rows[name]["key"].endswith(")") and rows[name]["what"]
     assert rows["traces"]["key"] == "TraceKey(code, mode, cfg, batch_size, device, seed)"

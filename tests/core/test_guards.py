@@ -185,7 +185,7 @@ class _Stage:
         from readfence.core import BODY
 
         self.stage = BODY
-        self.graph = types.SimpleNamespace(gm=types.SimpleNamespace(_tensor_constant0=tensor))
+        self.graph = types.SimpleNamespace(gm=types.SimpleNamespace(_tensor_constant0=tensor, graph=types.SimpleNamespace(nodes=[])))
         self.analysis = types.SimpleNamespace(captured=[types.SimpleNamespace(target="_tensor_constant0")])
 
 
