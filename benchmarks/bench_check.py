@@ -24,7 +24,7 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ModelConfig
-from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
+from readfence.graph import CheckState, CpuDevice, LoopOptions, Policy, decode_loop, make_state
 from readfence.graph.verification import LateReadWatch
 
 
@@ -38,7 +38,7 @@ def _seconds(kind: str, steps: int, cfg: ModelConfig) -> float:
         check = CheckState(state["shared"], cfg, watcher=LateReadWatch(state["shared"]))
     with CpuDevice(timeout=60.0) as dev:
         loop = decode_loop(backend, policy=Policy.PER_BUFFER, device=dev, batch_size=4, cfg=cfg, state=state,
-                           check=check)
+                           options=LoopOptions(check=check))
         loop.run(2)  # warm up
         t0 = time.perf_counter()
         loop.run(steps)

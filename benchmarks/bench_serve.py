@@ -38,7 +38,7 @@ import torch
 
 from readfence.backends import deepseek_v4, hybrid_linear, linear, trtllm_mha
 from readfence.core import ModelConfig
-from readfence.graph import DEVICE_KINDS, Policy, Traffic, open_device, run_serve, run_serve_serial
+from readfence.graph import DEVICE_KINDS, Policy, ServeOptions, Traffic, open_device, run_serve, run_serve_serial
 from readfence.graph.lowering import torch_device
 
 POLICIES = (Policy.COARSE, Policy.JOINED, Policy.PER_BUFFER, Policy.EXACT)
@@ -61,13 +61,13 @@ def measure(name: str, *, steps: int, reps: int, device: str = "cpu", policies: 
     matches = True
     mix: dict[str, Any] = {}
     for rep in range(reps):
-        ref = run_serve_serial(target, device=kind, write_wait_s=wait, **common)
+        ref = run_serve_serial(target, device=kind, options=ServeOptions(write_wait_s=wait), **common)
         serial_tps.append(ref.tokens_per_s)
         order = policies[rep % len(policies):] + policies[:rep % len(policies)]
         tps: dict[str, float] = {}
         for policy in order:
             with open_device(kind) as dev:
-                res = run_serve(target, policy=policy, device=dev, write_wait_s=wait, **common)
+                res = run_serve(target, policy=policy, device=dev, options=ServeOptions(write_wait_s=wait), **common)
             matches = matches and res.matches(ref) and not res.violations
             tps[policy.name] = res.tokens_per_s
             f = per[policy.name]

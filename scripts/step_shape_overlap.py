@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from readfence.graph import CpuDevice, Policy, parse_step, run_overlapped, run_serial
+from readfence.graph import CpuDevice, LoopOptions, Policy, parse_step, run_overlapped, run_serial
 
 POLICIES = tuple(Policy)
 
@@ -32,12 +32,13 @@ def main(spec: str, reps: int, steps: int, batch_size: int, write_wait_ms: float
     by_buffer: dict[str, dict[str, list[float]]] = {p.name: {} for p in POLICIES}
     for rep in range(reps):
         order = POLICIES[rep % len(POLICIES):] + POLICIES[:rep % len(POLICIES)]
-        rate["serial"].append(run_serial(shape, steps=steps, batch_size=batch_size, write_wait_s=wait, seed=rep).steps_per_s)
+        rate["serial"].append(run_serial(shape, steps=steps, batch_size=batch_size,
+                                         options=LoopOptions(write_wait_s=wait, seed=rep)).steps_per_s)
         seen = {}
         for policy in order:
             with CpuDevice() as dev:
                 res = run_overlapped(shape, steps=steps, policy=policy, device=dev, batch_size=batch_size,
-                                     write_wait_s=wait, seed=rep, sanitize=True)
+                                     options=LoopOptions(write_wait_s=wait, seed=rep, sanitize=True))
             assert not res.violations
             seen[policy.name] = res
             rate[policy.name].append(res.steps_per_s)

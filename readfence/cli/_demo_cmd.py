@@ -10,6 +10,7 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import click
 
 from readfence.effects.internal import table
@@ -148,15 +149,16 @@ def json_rows(result: DemoResult, *, spec: str, phases: str | None, steps: int, 
 
 def _tp_rank(rank: Any, spec: str, policies: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """The demo on one tensor-parallel rank (``readfence.parallel.Rank``): its report and rows."""
-    from readfence.graph import Policy
+    from readfence.graph import LoopOptions, Policy
+    from readfence.graph.runtime.internal import as_record
     from readfence.graph.verification import phase_modes
 
     from ._demo_run import run_demo
     from ._params import parse_spec
 
     backend = parse_spec(spec)
-    result = run_demo(backend, policies=[Policy[p] for p in policies], device=rank.device, cfg=rank.cfg,
-                      device_options=rank.device_options(), **options)
+    result = run_demo(backend, policies=[Policy[p] for p in policies], device=rank.device, steps=options["steps"],
+                      batch_size=options["batch_size"], options=as_record(options, LoopOptions), rank=rank)
     phases = phase_modes(backend) or None
     wait_ms = options["write_wait_s"] * 1e3
     text = render(result, spec=str(backend), steps=options["steps"], batch_size=options["batch_size"],
@@ -211,6 +213,25 @@ class _Progress:
             self.bar.close()
 
 
+@attrs.frozen(kw_only=True)
+class DemoArgs:
+    """What ``readfence demo`` was given, one field per option, as click hands them to the
+    command (an option added to the command and not here fails its first run)."""
+
+    spec: Any
+    steps: int
+    policies: tuple[Any, ...]
+    device: str
+    seed: int
+    batch_size: int
+    write_cost: int
+    write_wait_ms: float
+    trace_path: pathlib.Path | None
+    plot_path: pathlib.Path | None
+    tp: int | None
+    as_json: bool
+
+
 @click.command(cls=OneLineCommand, precheck=_precheck)
 @click.option("--spec", type=Spec(), default=DEFAULT_SPEC, show_default=True,
               help="Backend to run, e.g. 'tbo(deepseek_v4, paged)', or a speculative step shape: "
@@ -236,9 +257,7 @@ class _Progress:
               help="Tensor parallelism: run on N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), each with its "
                    "own scheduler, shared buffers and lowered step of its shard of the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
-def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: int, batch_size: int,
-         write_cost: int, write_wait_ms: float, trace_path: pathlib.Path | None, plot_path: pathlib.Path | None,
-         tp: int | None, as_json: bool) -> None:
+def demo(**given: Any) -> None:
     """Run the tiny model's overlapped decode loop under each fence policy.
 
     Each run is checked bit for bit against a serial run and watched by the sanitizer; the
@@ -246,53 +265,55 @@ def demo(spec: Any, steps: int, policies: tuple[Any, ...], device: str, seed: in
     overlap, the same write work), and the mean fence slack (time from a buffer's last read to
     its release). Exit status 1 if any run is wrong.
     """
-    from readfence.graph import Policy, StepShape
+    from readfence.graph import LoopOptions, Policy, StepShape
     from readfence.graph.verification import phase_modes
 
-    if tp is not None:
+    a = DemoArgs(**given)
+    spec, steps, batch_size, seed = a.spec, a.steps, a.batch_size, a.seed
+    if a.tp is not None:
         from ._tp_cmd import run_on_ranks
 
-        options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=write_cost,
-                       write_wait_s=write_wait_ms / 1e3)
-        run_on_ranks(_tp_rank, spec_text(spec), [p.name for p in policies], options, tp=tp, device=device, as_json=as_json,
-                     what="every policy matched the serial run with the same sharding bit for bit; the sanitizer "
-                          "found no race")
+        options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=a.write_cost,
+                       write_wait_s=a.write_wait_ms / 1e3)
+        run_on_ranks(_tp_rank, spec_text(spec), [p.name for p in a.policies], options, tp=a.tp, device=a.device,
+                     as_json=a.as_json, what="every policy matched the serial run with the same sharding bit for bit; "
+                                             "the sanitizer found no race")
         return
     from ._demo_run import run_demo
 
     # the serial reference counts as one run of the bar
-    progress = _Progress(steps * (1 + len(set(policies) | {Policy.COARSE})), enabled=not as_json)
+    progress = _Progress(steps * (1 + len(set(a.policies) | {Policy.COARSE})), enabled=not a.as_json)
     try:
-        result = run_demo(spec, policies=policies, device=device, steps=steps, batch_size=batch_size,
-                          seed=seed, write_cost=write_cost, write_wait_s=write_wait_ms / 1e3,
-                          trace=trace_path is not None or plot_path is not None,
+        result = run_demo(spec, policies=a.policies, device=a.device, steps=steps, batch_size=batch_size,
+                          options=LoopOptions(seed=seed, write_cost=a.write_cost, write_wait_s=a.write_wait_ms / 1e3),
+                          trace=a.trace_path is not None or a.plot_path is not None,
                           progress=progress.step, on_policy=progress.phase)
     finally:
         progress.close()
-    if trace_path is not None:
+    if a.trace_path is not None:
         from readfence.graph import write_trace
         from readfence.graph.runtime import internal
 
-        write_trace(trace_path, result.timelines, spec=str(spec), device=result.device, steps=steps,
+        write_trace(a.trace_path, result.timelines, spec=str(spec), device=result.device, steps=steps,
                     batch_size=batch_size, seed=seed, traced_steps=min(steps, internal.TRACE_STEPS))
-    if plot_path is not None:
+    if a.plot_path is not None:
         from readfence.graph import plot_timelines
 
-        plot_timelines(result.timelines, plot_path, title=f"{spec} on {result.device}",
+        plot_timelines(result.timelines, a.plot_path, title=f"{spec} on {result.device}",
                        phases=len(spec.phases) if isinstance(spec, StepShape) else 1)
     phases = phase_modes(spec) or None
-    if as_json:
+    if a.as_json:
         echo_json(json_rows(result, spec=str(spec), phases=phases, steps=steps, batch_size=batch_size, seed=seed,
-                            write_cost=write_cost, write_wait_ms=write_wait_ms))
+                            write_cost=a.write_cost, write_wait_ms=a.write_wait_ms))
     else:
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
-                          write_wait_ms=write_wait_ms))
+                          write_wait_ms=a.write_wait_ms))
         from readfence.graph.runtime.internal import TRACE_STEPS
 
         kept = f" (the first {TRACE_STEPS} steps of each run)" if steps > TRACE_STEPS else ""
-        if trace_path is not None:
-            click.echo(f"trace written to {trace_path}{kept}")
-        if plot_path is not None:
-            click.echo(f"plot written to {plot_path}")
+        if a.trace_path is not None:
+            click.echo(f"trace written to {a.trace_path}{kept}")
+        if a.plot_path is not None:
+            click.echo(f"plot written to {a.plot_path}")
     if not result.ok:
         sys.exit(1)

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import Policy, Timeline, UnsoundLowering, open_device, run_overlapped, run_serial, run_traced
+from readfence.core import ForwardMode
+from readfence.graph import LoopOptions, Policy, Timeline, UnsoundLowering, open_device, run_overlapped, run_serial, run_traced
 from readfence.graph.lowering import torch_device
+from readfence.graph.runtime import CappedTimeline
 from readfence.graph.runtime import internal as runtime_internal
 
 from ._params import DEFAULT_SPEC
@@ -25,6 +26,7 @@ from ._torch_threads import one_intra_op_thread
 if TYPE_CHECKING:
     from readfence.effects import Capabilities
     from readfence.graph.steps import Target
+    from readfence.parallel import Rank
 
 __all__ = ["DEFAULT_SPEC", "DemoResult", "run_demo", "with_baseline"]
 
@@ -56,15 +58,14 @@ def with_baseline(policies: Sequence[Policy]) -> tuple[Policy, ...]:
     return (Policy.COARSE,) + tuple(p for p in dict.fromkeys(policies) if p is not Policy.COARSE)
 
 
-def _run_one(backend: Any, policy: Policy, *, device: str, mode: ForwardMode, trace: bool,
-             progress: Callable[[int], None] | None, device_options: Mapping[str, Any],
+def _run_one(backend: Any, policy: Policy, *, device: str, trace: bool, device_options: Mapping[str, Any],
              **kw: Any) -> tuple[Any, Timeline | None, str, Any]:
     with open_device(device, **device_options) as dev:
-        if trace:
-            traced = run_traced(backend, mode, policy=policy, device=dev, sanitize=True, progress=progress,
-                                max_steps=runtime_internal.TRACE_STEPS, **kw)
+        if trace:  # each run its own timeline, of the first steps the trace keeps
+            options = attrs.evolve(kw.pop("options"), timeline=CappedTimeline(runtime_internal.TRACE_STEPS))
+            traced = run_traced(backend, policy=policy, device=dev, options=options, **kw)
             return traced.result, traced.timeline, dev.name, dev.caps
-        res = run_overlapped(backend, mode, policy=policy, device=dev, sanitize=True, progress=progress, **kw)
+        res = run_overlapped(backend, policy=policy, device=dev, **kw)
         return res, None, dev.name, dev.caps
 
 
@@ -76,38 +77,37 @@ def run_demo(
     device: str = "auto",
     steps: int = 100,
     batch_size: int = 4,
-    seed: int = 0,
-    write_cost: int = 0,
-    write_wait_s: float = 0.0,
-    mode: ForwardMode = ForwardMode.DECODE,
+    options: LoopOptions | None = None,
     trace: bool = False,
     progress: Callable[[int], None] | None = None,
     on_policy: Callable[[str], None] | None = None,
-    cfg: ModelConfig | None = None,
-    device_options: Mapping[str, Any] | None = None,
+    rank: Rank | None = None,
 ) -> DemoResult:
     """Run the serial reference, then the overlapped loop for COARSE and each of ``policies``.
 
     Each row has ``policy``, ``steps_per_s``, ``speedup_vs_coarse``, ``speedup_vs_serial``,
     ``serial_steps_per_s``, ``mean_slack_ms``, ``matches_serial``, ``violations`` (how many
     sanitizer findings), ``findings`` (their messages) and ``error`` (why lowering was refused,
-    else ``None``). ``write_wait_s`` makes each page-table write take that long without using
-    the CPU (a stand-in for a copy engine, so overlap shows on a CPU device); ``write_cost`` adds
-    synthetic scheduler work to each page-table write (see ``decode_loop``). The serial reference
-    does the same work before each step's writes, on one thread: it is the no-overlap baseline.
-    Torch runs on one intra-op thread meanwhile. ``progress(i)`` is
-    called after every overlapped step; ``on_policy(name)`` before each run. ``cfg`` is the
-    model (one tensor-parallel rank's, see ``readfence.parallel``), ``device_options`` go to
-    ``open_device`` (a timeout, a GPU index).
+    else ``None``). ``options`` (a ``LoopOptions``: the seed, the synthetic work on each
+    page-table write) goes to the serial reference and to every run alike: ``write_wait_s`` makes
+    each page-table write take that long without using the CPU (a stand-in for a copy engine, so
+    overlap shows on a CPU device), ``write_cost`` adds synthetic scheduler work to each
+    page-table write (see ``decode_loop``); the serial reference does the same work before each
+    step's writes, on one thread: it is the no-overlap baseline. Torch runs on one intra-op
+    thread meanwhile. ``progress(i)`` is called after every step; ``on_policy(name)`` before
+    each run. ``rank`` (a ``readfence.parallel.Rank``) runs one tensor-parallel rank: its shard
+    of the model and its device's options (a timeout, a GPU index).
     """
     if on_policy:
         on_policy("serial reference")
-    options = dict(device_options or {})
-    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed, "cfg": cfg}
-    with open_device(device, **options) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
+    mode = ForwardMode.DECODE
+    device_options: dict[str, Any] = {} if rank is None else dict(rank.device_options())
+    cfg = None if rank is None else rank.cfg
+    opts = attrs.evolve(LoopOptions() if options is None else options, progress=progress, sanitize=True)
+    kw: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "cfg": cfg, "options": opts}
+    with open_device(device, **device_options) as dev:  # resolve ``auto`` once: the reference runs where the loop runs
         device = torch_device(dev)
-    reference = run_serial(backend, mode, device=device, write_cost=write_cost, write_wait_s=write_wait_s,
-                           progress=progress, **kw)
+    reference = run_serial(backend, mode, device=device, **kw)
     serial = reference.steps_per_s
     rows, timelines = [], {}
     dev_name, caps = device, None
@@ -118,9 +118,8 @@ def run_demo(
                                "speedup_vs_serial": None, "serial_steps_per_s": serial, "mean_slack_ms": None,
                                "matches_serial": False, "violations": 0, "findings": [], "error": None}
         try:
-            res, timeline, dev_name, caps = _run_one(backend, policy, device=device, mode=mode,
-                                                     trace=trace, progress=progress, device_options=options,
-                                                     write_cost=write_cost, write_wait_s=write_wait_s, **kw)
+            res, timeline, dev_name, caps = _run_one(backend, policy, device=device, trace=trace,
+                                                     device_options=device_options, **kw)
         except UnsoundLowering as e:
             row["error"] = str(e)
             rows.append(row)

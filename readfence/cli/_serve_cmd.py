@@ -10,6 +10,7 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import click
 
 from readfence.effects.internal import table
@@ -150,6 +151,26 @@ def _precheck(params: dict[str, Any]) -> None:
         _need_matplotlib()
 
 
+@attrs.frozen(kw_only=True)
+class ServeArgs:
+    """What ``readfence serve`` was given, one field per option, as click hands them to the
+    command (an option added to the command and not here fails its first run)."""
+
+    spec: Any
+    steps: int
+    policies: tuple[Any, ...]
+    rate: float
+    capture_sizes: tuple[int, ...]
+    seed: int
+    device: str
+    write_wait_ms: float
+    check: bool
+    trace_path: pathlib.Path | None
+    plot_path: pathlib.Path | None
+    as_json: bool
+    repeats: int = 1
+
+
 @click.command("serve", cls=OneLineCommand, precheck=_precheck)
 @click.argument("spec", type=Spec())
 @click.option("--steps", type=Positive(at_most=MAX_STEPS), default=200, show_default=True,
@@ -178,9 +199,7 @@ def _precheck(params: dict[str, Any]) -> None:
               help="Run the serial reference and every policy this many times, in a rotated order, and report medians "
                    "(and the spread of the speedups): one run's throughput is noise on a shared machine.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per policy.")
-def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture_sizes: tuple[int, ...], seed: int,
-          device: str, write_wait_ms: float, check: bool, trace_path: pathlib.Path | None,
-          plot_path: pathlib.Path | None, as_json: bool, repeats: int = 1) -> None:
+def serve(**given: Any) -> None:
     """Run SPEC's serving loop: arrivals, changing batches, prefill between decodes.
 
     \b
@@ -192,40 +211,47 @@ def serve(spec: Any, steps: int, policies: tuple[Any, ...], rate: float, capture
     Throughput is the median of --repeat runs, the policies in a rotated order, with the spread.
     Exit status 1 if any run is wrong, 2 for bad input.
     """
-    from readfence.graph import Policy, Traffic
+    from readfence.graph import Policy, ServeOptions, Traffic
 
-    from ._serve_run import check_serving, run_serve_policies
+    from ._serve_run import check_serving, run_serve_policies, verify_serving
 
-    traffic = Traffic(rate=rate, seed=seed)
+    a = ServeArgs(**given)
+    spec, steps, capture_sizes = a.spec, a.steps, a.capture_sizes
+    traffic = Traffic(rate=a.rate, seed=a.seed)
     try:
         check_serving(spec, traffic, capture_sizes)
     except ValueError as e:  # the traffic or the capture sizes do not fit the model or the spec
         raise InputError(str(e)) from None
-    progress = _Progress(steps * repeats * (2 + len(set(policies) - {Policy.COARSE})), enabled=not as_json)
+    progress = _Progress(steps * a.repeats * (2 + len(set(a.policies) - {Policy.COARSE})), enabled=not a.as_json)
     try:
-        report = run_serve_policies(spec, policies=policies, device=device, steps=steps, traffic=traffic,
-                                    capture_sizes=capture_sizes, write_wait_s=write_wait_ms / 1e3,
-                                    trace=trace_path is not None or plot_path is not None, check=check,
-                                    repeats=repeats, progress=progress.step, on_policy=progress.phase)
+        report = run_serve_policies(spec, policies=a.policies, device=a.device, steps=steps, traffic=traffic,
+                                    capture_sizes=capture_sizes,
+                                    options=ServeOptions(write_wait_s=a.write_wait_ms / 1e3, progress=progress.step),
+                                    trace=a.trace_path is not None or a.plot_path is not None,
+                                    repeats=a.repeats, on_policy=progress.phase)
+        if a.check:
+            progress.phase("verify")
+            report = verify_serving(report, spec, policies=a.policies, device=a.device, steps=steps, traffic=traffic,
+                                    capture_sizes=capture_sizes)
     finally:
         progress.close()
-    if trace_path is not None:
+    if a.trace_path is not None:
         from readfence.graph import write_trace
 
-        write_trace(trace_path, report.timelines, spec=str(spec), device=report.device, steps=steps,
-                    rate=rate, seed=seed, capture_sizes=list(capture_sizes))
-    if plot_path is not None:
+        write_trace(a.trace_path, report.timelines, spec=str(spec), device=report.device, steps=steps,
+                    rate=a.rate, seed=a.seed, capture_sizes=list(capture_sizes))
+    if a.plot_path is not None:
         from readfence.graph import plot_timelines
 
-        plot_timelines(report.timelines, plot_path, steps=8, title=f"{spec} serving on {report.device}")
-    if as_json:
-        echo_json(json_rows(report, spec=str(spec), rate=rate, seed=seed, capture_sizes=capture_sizes,
-                            write_wait_ms=write_wait_ms))
+        plot_timelines(report.timelines, a.plot_path, steps=8, title=f"{spec} serving on {report.device}")
+    if a.as_json:
+        echo_json(json_rows(report, spec=str(spec), rate=a.rate, seed=a.seed, capture_sizes=capture_sizes,
+                            write_wait_ms=a.write_wait_ms))
     else:
-        click.echo(render(report, spec=str(spec), steps=steps, rate=rate, seed=seed, capture_sizes=capture_sizes))
-        if trace_path is not None:
-            click.echo(f"trace written to {trace_path}")
-        if plot_path is not None:
-            click.echo(f"plot written to {plot_path}")
+        click.echo(render(report, spec=str(spec), steps=steps, rate=a.rate, seed=a.seed, capture_sizes=capture_sizes))
+        if a.trace_path is not None:
+            click.echo(f"trace written to {a.trace_path}")
+        if a.plot_path is not None:
+            click.echo(f"plot written to {a.plot_path}")
     if not report.ok:
         sys.exit(1)

@@ -17,10 +17,11 @@ from typing import Any
 import attrs
 
 from readfence.core import ModelConfig
-from readfence.graph import Policy, Timeline, Traffic, UnsoundLowering, open_device, run_serve, run_serve_serial, verify
+from readfence.graph import Policy, ServeOptions, Timeline, Traffic, UnsoundLowering, open_device, run_serve, run_serve_serial, verify
 from readfence.graph.lowering import torch_device
+from readfence.graph.runtime import CappedTimeline
 from readfence.graph.runtime import internal as runtime_internal
-from readfence.graph.runtime.internal import CappedTimeline, WaitRecorder, add_step_replays, add_waits
+from readfence.graph.runtime.internal import WaitRecorder, add_step_replays, add_waits
 
 from ._demo_run import with_baseline
 from ._torch_threads import one_intra_op_thread
@@ -71,16 +72,15 @@ def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _run_policy(target: Any, policy: Policy, kind: str, *, trace: bool, write_wait_s: float,
-                progress: Callable[[int], None] | None, common: dict[str, Any]) -> tuple[Any, str, Timeline | None]:
+def _run_policy(target: Any, policy: Policy, kind: str, *, trace: bool, options: ServeOptions,
+                common: dict[str, Any]) -> tuple[Any, str, Timeline | None]:
     """One run of the serving loop under ``policy``: its result, the device's name, its timeline."""
     timeline = CappedTimeline(runtime_internal.TRACE_STEPS) if trace else None
     recorder = WaitRecorder(timeline)
     with open_device(kind) as dev:
         if timeline is not None:
             dev.add_observer(recorder)
-        res = run_serve(target, policy=policy, device=dev, timeline=timeline, write_wait_s=write_wait_s,
-                        progress=progress, **common)
+        res = run_serve(target, policy=policy, device=dev, options=attrs.evolve(options, timeline=timeline), **common)
         name = dev.name
     if timeline is not None:
         timeline.trim()
@@ -98,25 +98,24 @@ def run_serve_policies(
     steps: int = 200,
     traffic: Traffic | None = None,
     capture_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-    write_wait_s: float = 0.0,
+    options: ServeOptions | None = None,
     trace: bool = False,
-    check: bool = False,
-    cfg: ModelConfig | None = None,
     repeats: int = 1,
-    progress: Callable[[int], None] | None = None,
     on_policy: Callable[[str], None] | None = None,
 ) -> ServeReport:
     """Run the serial reference, then the serving loop for COARSE and each of ``policies``
-    (sanitizer on), ``repeats`` times, the policies in a rotated order each time; with
-    ``check``, ``verify`` on the serving loop too (poison, guard, observer). Each row has the
-    ``--json`` keys of ``readfence serve``: its figures are medians over the repetitions (a
-    ratio: the median of each repetition's ratio, side by side), ``tokens_per_s_runs`` and
-    ``speedup_vs_coarse_runs`` each repetition's; the correctness keys hold for every one. The
-    timelines are the first repetition's."""
+    (sanitizer on), ``repeats`` times, the policies in a rotated order each time. ``options``
+    (a ``ServeOptions``: the write work, ``progress``) goes to the reference and to every run
+    alike; ``on_policy(name)`` is called before each run. Each row has the ``--json`` keys of
+    ``readfence serve``: its figures are medians over the repetitions (a ratio: the median of
+    each repetition's ratio, side by side), ``tokens_per_s_runs`` and ``speedup_vs_coarse_runs``
+    each repetition's; the correctness keys hold for every one. The timelines are the first
+    repetition's. :func:`verify_serving` adds ``verify``'s finding (``--verify``)."""
     traffic = Traffic() if traffic is None else traffic
+    opts = attrs.evolve(ServeOptions() if options is None else options, sanitize=True)
     with open_device(device) as dev:
         kind = torch_device(dev)
-    common: dict[str, Any] = dict(steps=steps, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg)
+    common: dict[str, Any] = dict(steps=steps, traffic=traffic, capture_sizes=capture_sizes)
     order = with_baseline(policies)
     rows: dict[str, dict[str, Any]] = {
         p.name: {"policy": p.name, "steps": steps, "prefill_steps": None, "decode_steps": None, "batch_sizes": None,
@@ -131,7 +130,7 @@ def run_serve_policies(
     for rep in range(repeats):
         if on_policy:
             on_policy("serial reference" + (f" (repetition {rep + 1} of {repeats})" if repeats > 1 else ""))
-        reference = run_serve_serial(target, device=kind, write_wait_s=write_wait_s, progress=progress, **common)
+        reference = run_serve_serial(target, device=kind, options=opts, **common)
         serial_runs.append(reference.tokens_per_s)
         turn = order[rep % len(order):] + order[:rep % len(order)]  # each policy runs first in turn
         tps: dict[str, float] = {}
@@ -142,8 +141,8 @@ def run_serve_policies(
             if on_policy:
                 on_policy(policy.name)
             try:
-                res, name, timeline = _run_policy(target, policy, kind, trace=trace and rep == 0,
-                                                  write_wait_s=write_wait_s, progress=progress, common=common)
+                res, name, timeline = _run_policy(target, policy, kind, trace=trace and rep == 0, options=opts,
+                                                  common=common)
             except UnsoundLowering as e:
                 row["error"] = str(e)
                 row["matches_serial"] = False
@@ -178,21 +177,23 @@ def run_serve_policies(
                    speedup_vs_coarse=_median(row["speedup_vs_coarse_runs"]),
                    mean_slack_ms=_median(runs[policy_name]["slack"]), host_ms_per_step=_median(runs[policy_name]["host"]))
     serial = {"tokens_per_s": serial_tps, "steps": steps, "tokens_per_s_runs": serial_runs}
-    rows_list = list(rows.values())
-    verified, verify_ok = None, True
-    if check:
-        if on_policy:
-            on_policy("verify")
-        with open_device(kind) as dev:
-            result = verify(target, policy=tuple(with_baseline(policies)), steps=steps, device=dev, cfg=cfg,
-                            traffic=traffic, capture_sizes=capture_sizes)
-        verify_ok = _ok(result)
-        verified = str(result.unwrap()) if verify_ok else str(result.failure())
-        clean = {c.policy.name for c in result.unwrap().checks} if verify_ok else set()
-        failed = None if verify_ok else result.failure().policy.name
-        for row in rows_list:
-            row["verify"] = "clean" if row["policy"] in clean else verified if row["policy"] == failed else None
-    return ServeReport(name, rows_list, timelines, serial, verified, verify_ok)
+    return ServeReport(name, list(rows.values()), timelines, serial)
+
+
+def verify_serving(report: ServeReport, target: Any, *, policies: Sequence[Policy], device: str, steps: int,
+                   traffic: Traffic, capture_sizes: Sequence[int]) -> ServeReport:
+    """``report`` with what ``verify`` finds on the serving loop (poison, guard, observer) for
+    COARSE and each of ``policies``: its report or its finding, and each row's ``verify``."""
+    with open_device(device) as dev:
+        result = verify(target, policy=tuple(with_baseline(policies)), steps=steps, device=dev, traffic=traffic,
+                        capture_sizes=capture_sizes)
+    verify_ok = _ok(result)
+    verified = str(result.unwrap()) if verify_ok else str(result.failure())
+    clean = {c.policy.name for c in result.unwrap().checks} if verify_ok else set()
+    failed = None if verify_ok else result.failure().policy.name
+    for row in report.rows:
+        row["verify"] = "clean" if row["policy"] in clean else verified if row["policy"] == failed else None
+    return attrs.evolve(report, verified=verified, verify_ok=verify_ok)
 
 
 def _ok(result: Any) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import attrs
 import click
 
 from ._engine_cmd import Engine
@@ -41,7 +42,7 @@ def _tp_rank(rank: Any, spec: str, mode: str, policies: list[str], options: dict
     from ._verify_run import render, run_verify
 
     result = run_verify(parse_spec(spec), ForwardMode[mode], policies=[Policy[p] for p in policies],
-                        device=rank.device, cfg=rank.cfg, device_options=rank.device_options(), **options)
+                        device=rank.device, rank=rank, **options)
     return {"ok": result.ok, "text": render(result), "rows": result.rows()}
 
 
@@ -63,6 +64,24 @@ def _precheck(params: dict[str, Any]) -> None:
     check_world(tp)
     if tp is not None:
         check_tp(tp)
+
+
+@attrs.frozen(kw_only=True)
+class VerifyArgs:
+    """What ``readfence verify`` was given, one field per option, as click hands them to the
+    command (an option added to the command and not here fails its first run)."""
+
+    spec: Any
+    mode: Any
+    policies: tuple[Any, ...]
+    steps: int
+    batch_size: int
+    device: str
+    seed: int
+    unsafe: bool
+    tp: int | None
+    as_json: bool
+    engines: Any = None
 
 
 @click.command("verify", cls=OneLineCommand, precheck=_precheck)
@@ -88,8 +107,7 @@ def _precheck(params: dict[str, Any]) -> None:
 @click.option("--engine", "engines", type=Engine(), default=None,
               help="Verify an engine's own backend object instead of SPEC, under each policy and its engine's "
                    "runner model: MODULE:FACTORY (see readfence.engine).")
-def verify_cmd(spec: Any, mode: Any, policies: tuple[Any, ...], steps: int, batch_size: int,
-               device: str, seed: int, unsafe: bool, tp: int | None, as_json: bool, engines: Any = None) -> None:
+def verify_cmd(**given: Any) -> None:
     """Audit SPEC, then check each policy's fences at run time, against the serial run.
 
     \b
@@ -107,10 +125,14 @@ def verify_cmd(spec: Any, mode: Any, policies: tuple[Any, ...], steps: int, batc
     ENGINE RUNNER (SGLang's runner: one event from the scalar declaration, trusted as the
     engine trusts it), with the same checks.
     """
-    if engines is not None:
+    a = VerifyArgs(**given)
+    spec, mode, policies, device, steps, batch_size, seed = a.spec, a.mode, a.policies, a.device, a.steps, \
+        a.batch_size, a.seed
+    unsafe, tp, as_json = a.unsafe, a.tp, a.as_json
+    if a.engines is not None:
         from ._engine_cmd import verify_engines
 
-        sys.exit(verify_engines(engines, mode, policies=policies, device=device, steps=steps,
+        sys.exit(verify_engines(a.engines, mode, policies=policies, device=device, steps=steps,
                                 batch_size=batch_size, seed=seed, as_json=as_json))
     refuse_mode_for_shape(spec)
     if tp is not None:

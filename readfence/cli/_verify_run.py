@@ -9,8 +9,8 @@ release, through any code, changes the outputs (poison) or is named by the obser
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -20,6 +20,9 @@ from readfence.effects.internal import one_line
 from readfence.graph import LateRead, Policy, StepShape, VerifyReport, open_device, verify
 from readfence.graph.lowering import torch_device
 from readfence.graph.verification import PolicyCheck, phase_modes
+
+if TYPE_CHECKING:
+    from readfence.parallel import Rank
 
 #: What to do about a finding, by its kind (a late read's advice depends on the audit).
 _ADVICE = {
@@ -214,11 +217,11 @@ def render(result: Verified) -> str:
 
 def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], device: str, steps: int,
                batch_size: int, seed: int, unsafe: bool = False, progress: bool = False,
-               cfg: ModelConfig | None = None, device_options: Mapping[str, Any] | None = None) -> Verified:
+               rank: Rank | None = None) -> Verified:
     """Audit ``spec`` (1, 2, the model's maximum and ``batch_size``), then verify each policy.
 
-    ``cfg`` is the model (one tensor-parallel rank's, see ``readfence.parallel``);
-    ``device_options`` go to ``open_device`` (a timeout, a GPU index).
+    ``rank`` (a ``readfence.parallel.Rank``) verifies one tensor-parallel rank: its shard of the
+    model and its device's options (a timeout, a GPU index).
 
     A policy the audit's refusal concerns is not run unless ``unsafe``; its finding stands
     even when the run is clean (the verified steps may not take the path that reads late).
@@ -231,14 +234,15 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
     """
     from tqdm import tqdm
 
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = ModelConfig() if rank is None else rank.cfg
+    device_options: dict[str, Any] = {} if rank is None else dict(rank.device_options())
     sizes = tuple(sorted({*default_batch_sizes(cfg), batch_size}))
     refused = audit_spec(spec, mode, sizes, unsafe=unsafe, cfg=cfg)
     name = str(spec)
     checks: list[PolicyCheck] = []
     findings: list[LateRead] = []
     ran: set[Policy] = set()
-    with open_device(device, **(device_options or {})) as dev:
+    with open_device(device, **device_options) as dev:
         observer = torch_device(dev) == "cpu"
         for policy in tqdm(policies, file=sys.stderr, unit="policy", leave=False,
                            disable=not (progress and sys.stderr.isatty())):

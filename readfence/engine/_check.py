@@ -20,7 +20,7 @@ from readfence.core import CapturedStateError, ForwardMode, StageThreadError, St
 from readfence.core.internal import check_forward_mode, positive_int
 from readfence.effects import Failure, Success
 from readfence.effects.internal import table
-from readfence.graph import Device, LateRead, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
+from readfence.graph import Device, LateRead, LoopOptions, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
 from readfence.graph.lowering import torch_device
 
 from ._adapter import EngineBackend, check_engine
@@ -274,9 +274,9 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
     mode = check_forward_mode(mode, "run")
     positive_int("steps", steps)
     cfg, state = engine.cfg, engine.state
-    common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed)
+    common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg)
     with preserved(state):
-        reference = run_serial(engine, mode, state=state, **common)
+        reference = run_serial(engine, mode, state=state, options=LoopOptions(seed=seed), **common)
     targets: list[tuple[str, Any, Policy]] = []
     if runner is not None:
         targets.append((RUNNER, runner_model(engine, runner), Policy.JOINED))
@@ -291,7 +291,8 @@ def compare(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE, *, de
             with preserved(state):
                 try:
                     runs[name].append(run_overlapped(target, mode, policy=policy, device=device, state=state,
-                                                     write_wait_s=write_wait_s, **common))
+                                                     options=LoopOptions(seed=seed, write_wait_s=write_wait_s),
+                                                     **common))
                 except (UnsoundLowering, CapturedStateError, UncapturableStage, StageWriteError, StageThreadError,
                         EngineError) as e:
                     refused[name] = str(e).split(": ", 1)[-1][:160]

@@ -57,10 +57,12 @@ from .steps import ngram as ngram
 from .steps import parse_step as parse_step
 from .steps import parse_target as parse_target
 from .runtime import DecodeLoop as DecodeLoop
+from .runtime import LoopOptions as LoopOptions
 from .runtime import LoopResult as LoopResult
 from .runtime import Sanitizer as Sanitizer
 from .runtime import SanitizerError as SanitizerError
 from .runtime import Scheduler as Scheduler
+from .runtime import ServeOptions as ServeOptions
 from .runtime import ServeResult as ServeResult
 from .runtime import Traffic as Traffic
 from .runtime import Violation as Violation
@@ -111,6 +113,7 @@ __all__ = [
     "CaptureList",
     "decode_loop",
     "DecodeLoop",
+    "LoopOptions",
     "run_overlapped",
     "run_serial",
     "LoopResult",
@@ -121,6 +124,7 @@ __all__ = [
     "run_serve",
     "run_serve_serial",
     "serve_loop",
+    "ServeOptions",
     "ServeResult",
     "Traffic",
     "run_traced",

@@ -2,7 +2,7 @@
 
 Each class below follows the engine's code for the one thing that matters here: which host buffer
 a step's inputs are staged in, and which earlier step the host has waited for before it refills
-it. readfence runs the engine's ring as the scheduler side of its loop (``staging=``): the copy
+it. readfence runs the engine's ring as the scheduler side of its loop (``LoopOptions(staging=...)``): the copy
 of each step reads the host buffer when it runs, the host refills it when the engine's code
 does. What the attention reads is readfence's own paged backend over the staged page table.
 """

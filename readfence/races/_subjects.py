@@ -37,7 +37,7 @@ from readfence.engine import (
     runner_step,
 )
 from readfence.engine.internal import preserved
-from readfence.graph import Device, DeviceError, LateRead, LoopResult, Policy, Violation, make_state, run_overlapped, run_serial, verify
+from readfence.graph import Device, DeviceError, LateRead, LoopOptions, LoopResult, Policy, Violation, make_state, run_overlapped, run_serial, verify
 from readfence.graph.runtime import StagingRing, check_staging
 from readfence.graph.runtime.internal import same_logits
 
@@ -152,7 +152,7 @@ class EngineSubject:
     def race(self, device: Device) -> str | None:
         with preserved(self.engine.state):
             poisoned = run_overlapped(runner_model(self.engine, self.model), self.mode, policy=Policy.JOINED,
-                                      device=device, check=True, sanitize=False, **self._common())
+                                      device=device, options=LoopOptions(check=True, sanitize=False), **self._common())
         return _poisoned(_first_difference(poisoned, self.serial()))
 
 
@@ -193,11 +193,11 @@ class StepSubject:
                 self._serial = run_serial(runner_step(self.phases, self.waits_on), **common)
         return self._serial
 
-    def _overlapped(self, device: Device, **kw: Any) -> LoopResult:
+    def _overlapped(self, device: Device, options: LoopOptions | None = None) -> LoopResult:
         common = self._common()
         with preserved(common["state"]):
             return run_overlapped(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
-                                  UNSAFE_skip_soundness_check=True, **common, **kw)
+                                  options=attrs.evolve(options or LoopOptions(), UNSAFE_skip_soundness_check=True), **common)
 
     def run(self, device: Device) -> RunOutcome:
         serial, run = self.serial(), self._overlapped(device)
@@ -205,7 +205,7 @@ class StepSubject:
         return RunOutcome(_first_difference(run, serial), found)
 
     def race(self, device: Device) -> str | None:
-        return _poisoned(_first_difference(self._overlapped(device, check=True, sanitize=False), self.serial()))
+        return _poisoned(_first_difference(self._overlapped(device, LoopOptions(check=True, sanitize=False)), self.serial()))
 
 
 @attrs.frozen
@@ -265,8 +265,8 @@ class StagingSubject:
         if self._serial is None:
             self._serial = run_serial(self.backend(), **common)  # type: ignore[arg-type]
         serial = self._serial
-        run = run_overlapped(self.backend(), policy=Policy.PER_BUFFER, device=device, staging=ring,
-                             state=make_state(self.cfg), UNSAFE_skip_soundness_check=True,
+        run = run_overlapped(self.backend(), policy=Policy.PER_BUFFER, device=device, state=make_state(self.cfg),
+                             options=LoopOptions(staging=ring, UNSAFE_skip_soundness_check=True),
                              **common)  # type: ignore[arg-type]
         return run, serial
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
@@ -118,8 +119,8 @@ def test_an_unsound_declaration_is_refused_and_exits_1(cli, monkeypatch):
 def test_races_show_in_the_findings_column_and_exit_1(cli, monkeypatch):
     real = _demo_run.run_overlapped
 
-    def unsafe(*args, **kwargs):
-        return real(*args, UNSAFE_skip_soundness_check=True, **kwargs)
+    def unsafe(*args, options, **kwargs):
+        return real(*args, options=attrs.evolve(options, UNSAFE_skip_soundness_check=True), **kwargs)
 
     monkeypatch.setattr(_params, "parse_spec", lambda text: _early_paged())
     monkeypatch.setattr(_demo_run, "run_overlapped", unsafe)

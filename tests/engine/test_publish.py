@@ -10,7 +10,7 @@ from readfence.core import ForwardMode
 from readfence.effects import ReadEnd
 from readfence.engine import RunnerModel, RunnerPhase, adapt, audit_runner, runner_model, runner_step
 from readfence.engine.reference import TritonBackend, TrtllmMhaBackend
-from readfence.graph import Policy, UnsoundLowering, lower_step, run_overlapped, run_serial
+from readfence.graph import LoopOptions, Policy, UnsoundLowering, lower_step, run_overlapped, run_serial
 
 from .conftest import CFG
 
@@ -18,10 +18,11 @@ M = ForwardMode
 PRE, IN, POST, UNKNOWN = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
 
 
-def _poisoned_differs(target, mode, dev, state, steps=3, **kw):
+def _poisoned_differs(target, mode, dev, state, steps=3, unsafe=False):
     serial = run_serial(target, mode, steps=steps, batch_size=2, cfg=CFG, state=state)
     checked = run_overlapped(target, mode, steps=steps, policy=Policy.JOINED, device=dev, batch_size=2, cfg=CFG,
-                             state=state, check=True, sanitize=False, **kw)
+                             state=state, options=LoopOptions(check=True, sanitize=False,
+                                                              UNSAFE_skip_soundness_check=unsafe))
     return not checked.matches(serial)
 
 
@@ -74,7 +75,7 @@ def test_the_runner_the_scheduler_waits_on_must_be_the_last_to_read(waits_on, de
                                                                          "target_verify", PRE)
     step = runner_step(phases, waits_on)
     assert step.waits_on == waits_on
-    assert _poisoned_differs(step, M.DECODE, dev, phases[0].engine.state, UNSAFE_skip_soundness_check=True) is not sound
+    assert _poisoned_differs(step, M.DECODE, dev, phases[0].engine.state, unsafe=True) is not sound
 
 
 def test_a_step_shape_waiting_on_an_earlier_phase_is_refused_unless_trusted(dev):

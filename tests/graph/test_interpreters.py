@@ -35,7 +35,7 @@ from readfence.core import (
     trace,
 )
 from readfence.core.internal import EAGER, Ledger, RunKind, Watched, flatten_inputs
-from readfence.graph import CpuDevice, Policy, Scheduler, UncapturableStage, make_state, run_overlapped, run_serial
+from readfence.graph import CpuDevice, LoopOptions, Policy, Scheduler, UncapturableStage, make_state, run_overlapped, run_serial
 from readfence.graph.fuzz import FUZZ_CONFIG
 
 #: Patterns that the trace refuses whatever else the program does (writes, threads) would hide
@@ -92,12 +92,13 @@ def _interpretations(program: FuzzProgram) -> dict[str, bool]:
             assert torch.equal(env["logits"], serial), f"traced program, observed\n{program}"
     _reset(state, saved)
     lowered = False
-    reference = run_serial(backend, program.mode, steps=STEPS, batch_size=BATCH, cfg=cfg, seed=2, state=state)
+    reference = run_serial(backend, program.mode, steps=STEPS, batch_size=BATCH, cfg=cfg, state=state,
+                           options=LoopOptions(seed=2))
     _reset(state, saved)
     try:
         with CpuDevice(timeout=30.0) as dev:
-            run = run_overlapped(backend, program.mode, steps=STEPS, policy=Policy.COARSE, device=dev,
-                                 batch_size=BATCH, cfg=cfg, seed=2, state=state, sanitize=False)
+            run = run_overlapped(backend, program.mode, steps=STEPS, policy=Policy.COARSE, device=dev, batch_size=BATCH,
+                                 cfg=cfg, state=state, options=LoopOptions(seed=2, sanitize=False))
         lowered = True
         assert run.matches(reference), f"lowered under COARSE\n{program}"
     except REFUSED:

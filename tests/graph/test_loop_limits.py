@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
-from readfence.graph import CpuDevice, FaultInjector, Policy, Sanitizer, decode_loop, open_device, run_serial
+from readfence.graph import CpuDevice, FaultInjector, LoopOptions, Policy, Sanitizer, decode_loop, open_device, run_serial
 from readfence.graph.devices import StreamError
 from readfence.graph.runtime import synthetic_work
 
@@ -43,11 +43,13 @@ class WorkClock:
 
 @pytest.fixture
 def clock(monkeypatch):
-    """The loop module's clock replaced by a :class:`WorkClock`."""
+    """The clock of the loop's modules (the loop, its serial reference) replaced by a :class:`WorkClock`."""
     import readfence.graph.runtime._loop as loop_module
+    import readfence.graph.runtime._serial as serial_module
 
     c = WorkClock()
     monkeypatch.setattr(loop_module, "time", c)
+    monkeypatch.setattr(serial_module, "time", c)
     return c
 
 
@@ -83,7 +85,7 @@ def test_each_side_of_the_limit_times_its_own_work_and_nothing_else(dev, clock, 
     # the stall advances the work clock by WAIT at once: each side's time is exactly the work it does
     monkeypatch.setattr(dev, "stall", clock.stall)
     loop = decode_loop(hybrid_linear(trtllm_mha(), linear()), policy=Policy.PER_BUFFER, device=dev,
-                       write_wait_s=WAIT)
+                       options=LoopOptions(write_wait_s=WAIT))
     assert loop.time_scheduler(5) == pytest.approx(WAIT)  # one page-table stall per step
     assert loop.time_forward(5) == 0.0  # no scheduler work timed (its one write comes before the clock starts)
     assert loop.limit(3) == pytest.approx(1.0 / WAIT)  # 1 / max(forward alone, scheduler alone)
@@ -95,7 +97,8 @@ def test_timing_the_two_sides_leaves_nothing_in_flight():
     # Both drain the device before returning: a run right after them races with nothing.
     san = Sanitizer()
     with CpuDevice(timeout=10.0, faults=FaultInjector(seed=3, max_delay_s=0.002), observers=[san]) as dev:
-        loop = decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, write_wait_s=0.001)
+        loop = decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2,
+                           options=LoopOptions(write_wait_s=0.001))
         loop.time_scheduler(3)
         loop.time_forward(3)
         runs, _ = loop.run(8)
@@ -111,19 +114,19 @@ def test_synthetic_work_kinds(dev):
     with pytest.raises(ValueError, match=">= 0"):
         synthetic_work(dev, write_wait_s=-1.0)
     with pytest.raises(ValueError, match=">= 0"):
-        decode_loop(paged(), policy=Policy.COARSE, device=dev, write_cost=-3)
+        decode_loop(paged(), policy=Policy.COARSE, device=dev, options=LoopOptions(write_cost=-3))
 
 
 def test_the_serial_baseline_does_the_loops_write_work_and_overlaps_none_of_it(clock):
     plain = run_serial(paged(), steps=4, batch_size=2)
-    waited = run_serial(paged(), steps=4, batch_size=2, write_wait_s=WAIT)
+    waited = run_serial(paged(), steps=4, batch_size=2, options=LoopOptions(write_wait_s=WAIT))
     assert waited.matches(plain)  # the work changes the time, never the outputs
     assert plain.intervals == (0.0, 0.0, 0.0)  # the work clock: only the write work moves it
     assert waited.intervals == pytest.approx((WAIT, WAIT, WAIT))  # every step waited, all of it, on one thread
     assert waited.steps_per_s == pytest.approx(1.0 / WAIT)
-    assert run_serial(paged(), steps=2, batch_size=2, write_cost=8).steps == 2
+    assert run_serial(paged(), steps=2, batch_size=2, options=LoopOptions(write_cost=8)).steps == 2
     with pytest.raises(ValueError, match="not both"):
-        run_serial(paged(), steps=2, write_cost=8, write_wait_s=0.1)
+        run_serial(paged(), steps=2, options=LoopOptions(write_cost=8, write_wait_s=0.1))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])

@@ -13,6 +13,7 @@ from readfence.graph import (
     CpuDevice,
     DecodeLoop,
     FaultInjector,
+    LoopOptions,
     LowerOptions,
     Policy,
     Sanitizer,
@@ -70,9 +71,10 @@ def test_random_phase_sequences_overlap_like_serial(phases, seed):
         sound = e | trace(paged(), mode).traced()
         ph.append(Phase(f"p{i}", redeclare(paged(), lambda m, s=sound: s), mode, f"r{i}"))
     shape = StepShape("random", tuple(ph), "random")
-    ref = run_serial(shape, steps=12, batch_size=2, seed=seed)
+    ref = run_serial(shape, steps=12, batch_size=2, options=LoopOptions(seed=seed))
     with CpuDevice(faults=FaultInjector(seed=seed, max_delay_s=0.002)) as dev:
-        res = run_overlapped(shape, steps=12, policy=Policy.PER_BUFFER, device=dev, batch_size=2, seed=seed)
+        res = run_overlapped(shape, steps=12, policy=Policy.PER_BUFFER, device=dev, batch_size=2,
+                             options=LoopOptions(seed=seed))
     assert res.matches(ref) and res.violations == ()
 
 
@@ -119,9 +121,10 @@ GROUP = per_stream(paged(), trtllm_mha())
 
 
 def test_two_forward_streams_bit_identical_and_clean():
-    ref = run_serial(GROUP, steps=200, batch_size=4, seed=5)
+    ref = run_serial(GROUP, steps=200, batch_size=4, options=LoopOptions(seed=5))
     with CpuDevice(faults=FaultInjector(seed=5, max_delay_s=0.001)) as dev:
-        res = run_overlapped(GROUP, steps=200, policy=Policy.PER_BUFFER, device=dev, batch_size=4, seed=5)
+        res = run_overlapped(GROUP, steps=200, policy=Policy.PER_BUFFER, device=dev, batch_size=4,
+                             options=LoopOptions(seed=5))
     assert res.matches(ref)
     assert res.violations == ()
 

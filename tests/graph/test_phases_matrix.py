@@ -15,7 +15,19 @@ import pytest
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, paged, redeclare, trtllm_mha
 from readfence.core import PREPARE_IN_GRAPH, SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, FaultInjector, Policy, StepShape, decode_loop, eagle, multi_eagle, ngram, run_overlapped, run_serial
+from readfence.graph import (
+    CpuDevice,
+    FaultInjector,
+    LoopOptions,
+    Policy,
+    StepShape,
+    decode_loop,
+    eagle,
+    multi_eagle,
+    ngram,
+    run_overlapped,
+    run_serial,
+)
 from readfence.graph.steps import Phase
 from tests.conftest import SINGLE_LAYER as CFG
 
@@ -99,11 +111,11 @@ def test_exact_publishes_each_buffer_from_its_traced_last_reader(dev):
 
 @pytest.mark.parametrize("shape", REPORTED, ids=str)
 def test_reported_shapes_exact_under_forward_faults(shape):
-    ref = run_serial(shape, steps=8, batch_size=BATCH, cfg=CFG, finish_prob=0.5)
+    ref = run_serial(shape, steps=8, batch_size=BATCH, cfg=CFG, options=LoopOptions(finish_prob=0.5))
     for seed in (1, 2):
         with CpuDevice(timeout=10.0, faults=FaultInjector(seed, max_delay_s=0.002, streams=["forward"])) as dev:
             res = run_overlapped(shape, steps=8, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG,
-                                 finish_prob=0.5)
+                                 options=LoopOptions(finish_prob=0.5))
         assert res.violations == (), "\n".join(map(str, res.violations[:4]))
         assert res.matches(ref)
 
@@ -119,11 +131,11 @@ def test_a_declaration_one_step_early_races(dev):
     early = redeclare(linear(), lambda mode: _one_step_early(linear().read_effect(mode)))
     shape = eagle(hybrid_linear(trtllm_mha(), early), trtllm_mha(), draft_steps=1)
     res = run_overlapped(shape, steps=STEPS, policy=Policy.PER_BUFFER, device=dev, batch_size=BATCH, cfg=CFG,
-                         UNSAFE_skip_soundness_check=True)
+                         options=LoopOptions(UNSAFE_skip_soundness_check=True))
     assert {(v.kind, v.buffer) for v in res.violations} == {("write-after-read", "state_slots")}
     # EXACT places from the trace, not the declaration: the same lowering is clean
     res = run_overlapped(shape, steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG,
-                         UNSAFE_skip_soundness_check=True)
+                         options=LoopOptions(UNSAFE_skip_soundness_check=True))
     assert res.violations == () and res.matches(_serial(shape))
 
 

@@ -43,6 +43,7 @@ from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
+    LoopOptions,
     LoopResult,
     Policy,
     Sanitizer,
@@ -100,7 +101,7 @@ CASES = [(name, M.DECODE) for name in BACKENDS] + POST_REPLAY_CASES
 def _serial(name: str, mode: ForwardMode, cfg: ModelConfig = CFG, batch_size: int = BATCH,
             finish_prob: float = 0.1):
     return run_serial(BACKENDS[name](), mode, steps=STEPS, batch_size=batch_size, cfg=cfg,
-                      finish_prob=finish_prob)
+                      options=LoopOptions(finish_prob=finish_prob))
 
 
 def _delays(seed: int, max_delay_s: float = 0.0005, streams=None) -> FaultInjector:
@@ -161,7 +162,7 @@ def test_matches_is_not_vacuous():
     assert not type(ref)(None, logits, 0.0).matches(ref)
     assert not type(ref)(None, logits[:-1], 0.0).matches(ref)
     # ... and different schedules really produce different logits.
-    assert not run_serial(paged(), steps=STEPS, batch_size=BATCH, cfg=CFG, seed=1).matches(ref)
+    assert not run_serial(paged(), steps=STEPS, batch_size=BATCH, cfg=CFG, options=LoopOptions(seed=1)).matches(ref)
 
 
 # -- one step too early ------------------------------------------------------------------------
@@ -209,7 +210,7 @@ BROKEN_CHURN = 0.3
 def _broken_serial(case_id: str):
     _, make, mode, _, _ = next(c for c in BROKEN if c[0] == case_id)
     return run_serial(make(), mode, steps=STEPS, batch_size=BROKEN_BATCH, cfg=BROKEN_CFG,
-                      finish_prob=BROKEN_CHURN)
+                      options=LoopOptions(finish_prob=BROKEN_CHURN))
 
 
 @pytest.mark.parametrize(("case_id", "make", "mode", "buffer", "early"), BROKEN, ids=[c[0] for c in BROKEN])
@@ -217,8 +218,8 @@ def test_one_step_too_early_is_caught_by_sanitizer_and_by_outputs(case_id, make,
     ref = _broken_serial(case_id)
     faults = _delays(seed=7, max_delay_s=0.002, streams=["forward"])
     with CpuDevice(timeout=30, faults=faults) as dev:
-        loop = decode_loop(make(), mode, policy=Policy.PER_BUFFER, device=dev, batch_size=BROKEN_BATCH,
-                           cfg=BROKEN_CFG, finish_prob=BROKEN_CHURN, UNSAFE_skip_soundness_check=True)
+        loop = decode_loop(make(), mode, policy=Policy.PER_BUFFER, device=dev, batch_size=BROKEN_BATCH, cfg=BROKEN_CFG,
+                           options=LoopOptions(finish_prob=BROKEN_CHURN, UNSAFE_skip_soundness_check=True))
         assert loop.lowered.plan.end(buffer) is early  # the fence really is one step early
         stage, node = loop.lowered.program.last_reader(buffer)
         san = Sanitizer()
@@ -266,8 +267,8 @@ def test_one_step_too_early_is_correct_under_coarse(case_id, make, mode, buffer,
     ref = _broken_serial(case_id)
     faults = _delays(seed=7, max_delay_s=0.002, streams=["forward"])
     with CpuDevice(timeout=30, faults=faults) as dev:
-        res = run_overlapped(make(), mode, steps=STEPS, policy=Policy.COARSE, device=dev,
-                             batch_size=BROKEN_BATCH, cfg=BROKEN_CFG, finish_prob=BROKEN_CHURN)
+        res = run_overlapped(make(), mode, steps=STEPS, policy=Policy.COARSE, device=dev, batch_size=BROKEN_BATCH,
+                             cfg=BROKEN_CFG, options=LoopOptions(finish_prob=BROKEN_CHURN))
     assert res.violations == (), "\n".join(map(str, res.violations[:5]))
     assert res.matches(ref)
 
@@ -277,9 +278,9 @@ def test_joined_is_broken_too_when_the_early_buffer_decides_the_join():
     backend = _too_early(linear(), M.DECODE, "state_slots", PRE)
     ref = _broken_serial("linear-state_slots-IN->PRE")
     with CpuDevice(timeout=30, faults=_delays(seed=3, max_delay_s=0.002, streams=["forward"])) as dev:
-        res = run_overlapped(backend, M.DECODE, steps=STEPS, policy=Policy.JOINED, device=dev,
-                             batch_size=BROKEN_BATCH, cfg=BROKEN_CFG, finish_prob=BROKEN_CHURN,
-                             UNSAFE_skip_soundness_check=True)
+        res = run_overlapped(backend, M.DECODE, steps=STEPS, policy=Policy.JOINED, device=dev, batch_size=BROKEN_BATCH,
+                             cfg=BROKEN_CFG,
+                             options=LoopOptions(finish_prob=BROKEN_CHURN, UNSAFE_skip_soundness_check=True))
     assert res.violations and {v.buffer for v in res.violations} == {"state_slots"}
     assert not res.matches(ref)
 
@@ -302,9 +303,11 @@ def test_serial_reference_runs_on_the_device_it_is_given(monkeypatch):
     # logits of the reference must all live there, or they cannot be compared with the run's.
     import readfence.graph.lowering._lower as lowering
     import readfence.graph.runtime._loop as runtime
+    import readfence.graph.runtime._serial as serial
 
     monkeypatch.setattr(lowering, "torch_device", lambda device: "meta")
     monkeypatch.setattr(runtime, "torch_device", lambda device: "meta")
+    monkeypatch.setattr(serial, "torch_device", lambda device: "meta")
     res = run_serial(paged(), steps=2, batch_size=BATCH, cfg=CFG, device="cuda")
     assert {t.device.type for t in res.logits} == {"meta"}
 
@@ -343,7 +346,7 @@ def test_unwatched_loop_waits_once_per_write_with_work_and_stays_bit_identical(p
         san = Sanitizer()
         with CpuDevice(timeout=30, faults=_delays(11), observers=[san] if watched else ()) as dev:
             loop = decode_loop(backend, policy=policy, device=dev, batch_size=BATCH, cfg=CFG,
-                               write_wait_s=write_wait_s)
+                               options=LoopOptions(write_wait_s=write_wait_s))
             loop.schedule_stream = counting = _CountingStream(loop.schedule_stream)
             runs, _ = loop.run(steps)
         assert all(torch.equal(r.logits, want) for r, want in zip(runs, ref.logits, strict=True))
@@ -369,9 +372,10 @@ def test_an_option_no_loop_takes_is_named_with_the_function_called_and_the_unit(
     run = getattr(graph, entry)
     with graph.CpuDevice() as dev, pytest.raises(TypeError) as e:
         run(paged(), steps=1, policy=graph.Policy.EXACT, device=dev, write_wait_ms=5)
-    assert str(e.value) == (f"{entry}() got an unexpected keyword argument 'write_wait_ms'; did you mean "
-                            "'write_wait_s'? (seconds in Python: write_wait_s=0.005 is the command line's "
-                            "--write-wait-ms 5)")
+    record, kind = ("ServeOptions", "serving loop") if entry == "run_serve" else ("LoopOptions", "loop")
+    assert str(e.value) == (f"{entry}() got an unexpected keyword argument 'write_wait_ms'; it is a {kind} option in "
+                            f"seconds: pass options={record}(write_wait_s=0.005) for the command line's "
+                            "--write-wait-ms 5")
     with graph.CpuDevice() as dev, pytest.raises(TypeError, match=rf"^{entry}\(\) got an unexpected keyword argument "
                                                                   r"'cfgg'; did you mean 'cfg'\?$"):
         run(paged(), steps=1, policy=graph.Policy.EXACT, device=dev, cfgg=None)

@@ -28,6 +28,7 @@ from readfence.graph import (
     FaultInjector,
     LowerOptions,
     Policy,
+    ServeOptions,
     ServeResult,
     Traffic,
     eagle,
@@ -205,7 +206,7 @@ def test_one_step_early_declaration_is_caught_by_verify_in_every_run(seed):
 
 def test_one_step_early_declaration_is_caught_by_the_sanitizer_and_by_verify():
     early = _early_seq_lens()
-    res = _serve(early, Policy.PER_BUFFER, steps=40, UNSAFE_skip_soundness_check=True)
+    res = _serve(early, Policy.PER_BUFFER, steps=40, options=ServeOptions(UNSAFE_skip_soundness_check=True))
     assert res.violations and {v.buffer for v in res.violations} == {"seq_lens"}
     with CpuDevice(timeout=30) as dev:
         found = verify(early, steps=30, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,

@@ -8,7 +8,7 @@ import pytest
 
 from readfence.backends import paged
 from readfence.core import ModelConfig
-from readfence.graph import Policy, decode_loop, run_overlapped, run_serial
+from readfence.graph import LoopOptions, Policy, decode_loop, run_overlapped, run_serial
 from readfence.graph.runtime import Staging, StagingRingError, check_staging
 
 CFG = ModelConfig(layers=2, max_reqs=4, max_ctx=16)
@@ -46,17 +46,18 @@ def test_check_staging_names_the_buffers_and_the_steps_in_flight():
 
 def test_bad_rings_are_refused_with_what_was_wrong(dev):
     with pytest.raises(TypeError, match="staging must be a readfence.graph.runtime.Staging or an object with slots"):
-        decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, cfg=CFG, batch_size=2, staging=3)
+        decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, cfg=CFG, batch_size=2,
+                    options=LoopOptions(staging=3))
     with pytest.raises(ValueError, match=r"Staging\(slots=None\) stages each step in a fresh buffer: give in_flight"):
         Staging(None)
     with pytest.raises(StagingRingError, match="2 buffers for 3 steps in flight"):
         decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, cfg=CFG, batch_size=2,
-                    staging=Staging(2, in_flight=3))
+                    options=LoopOptions(staging=Staging(2, in_flight=3)))
 
 
 def _run(dev, ring):
-    return run_overlapped(paged(), steps=6, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG, staging=ring,
-                          UNSAFE_skip_soundness_check=True)
+    return run_overlapped(paged(), steps=6, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG,
+                          options=LoopOptions(staging=ring, UNSAFE_skip_soundness_check=True))
 
 
 @pytest.mark.parametrize("ring", [Staging(1, in_flight=2, held=True), Staging(2, in_flight=3, held=True)])

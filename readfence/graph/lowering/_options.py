@@ -95,10 +95,12 @@ def lowering_options(options: object, caller: str) -> LowerOptions:
     return options
 
 
-def set_by(options: LowerOptions | None, caller: str, *, keywords: Collection[str] = (), **own: Any) -> LowerOptions:
+def set_by(options: LowerOptions | None, caller: str, *, keywords: Collection[str] | Mapping[str, str] = (),
+           **own: Any) -> LowerOptions:
     """``options`` with the options ``caller`` (a loop) sets itself, ``own``; refuses a record that
     sets one of them already, naming it (and, among ``keywords``, the keyword of ``caller`` that
-    says it): each option is said one way at each entry point.
+    says it; a mapping gives how ``caller`` takes each one, ``"options=LoopOptions(check=...)"``):
+    each option is said one way at each entry point.
 
     >>> set_by(LowerOptions(ring_size=2, measure=True), "decode_loop", measure=True)
     Traceback (most recent call last):
@@ -108,20 +110,21 @@ def set_by(options: LowerOptions | None, caller: str, *, keywords: Collection[st
     options = lowering_options(options, caller)
     for name in own:
         if getattr(options, name) is not getattr(_DEFAULT, name):
-            hint = f" and pass {name}= to {caller}()" if name in keywords else ""
+            said = keywords.get(name) if isinstance(keywords, Mapping) else f"{name}=" if name in keywords else None
+            hint = f" and pass {said} to {caller}()" if said else ""
             raise TypeError(f"{caller}() sets the lowering's {name} itself: leave {name} out of its LowerOptions{hint}")
     return attrs.evolve(options, **own)
 
 
 #: What a loop sets in its lowering itself: it measures its fences, and its timeline, check mode
-#: and soundness check are its own keywords.
+#: and soundness check are its own options (in its options record).
 LOOP_OWNED = ("measure", "timeline", "check", "UNSAFE_skip_soundness_check")
-#: Those a loop takes as its own keywords (it always measures: no keyword says that).
+#: Those a loop takes as its own options (it always measures: no option says that).
 LOOP_KEYWORDS = tuple(name for name in LOOP_OWNED if name != "measure")
 
 
 def for_a_loop(options: LowerOptions | None, caller: str,
-               keywords: Collection[str] = LOOP_KEYWORDS) -> LowerOptions:
+               keywords: Collection[str] | Mapping[str, str] = LOOP_KEYWORDS) -> LowerOptions:
     """``options`` as ``caller`` takes it to hand on to a loop: refuses (naming ``caller``, what
     the user called) a record that sets what the loop sets itself (:data:`LOOP_OWNED`);
     ``keywords`` are those ``caller`` takes as its own keywords."""

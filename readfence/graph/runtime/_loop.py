@@ -3,99 +3,39 @@
 Each step the host scheduler computes the next shared state (request churn, new token slots,
 slot maps) while the forward stream replays the current step; a schedule stream then waits,
 buffer by buffer, on the step's :class:`Fence` and copies the new state into the live
-buffers. The next forward waits for those writes. ``run_serial`` is the reference: eager
-``run_step`` on the host, every write before every read, no overlap.
+buffers. The next forward waits for those writes. ``run_serial`` (``_serial``) is the
+reference; the loop's options are one record, :class:`LoopOptions` (``_options``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core.internal import did_you_mean, positive_int
+from readfence.core.internal import positive_int
 
 from ..devices import Device, DeviceTimeout, Event, Read, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import LOOP_KEYWORDS, device_of, for_a_loop, set_by
-from ..steps.internal import LoweredStep, Target, check_run, eager_step, lower_step, scheduling_mode
+from ..lowering.internal import for_a_loop, set_by
+from ..steps.internal import LoweredStep, Target, check_run, lower_step, scheduling_mode
+from ._options import LoopOptions, names_keywords, options_of, said_in
+from ._result import LoopResult
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepSource, StepState
-from ._staging import Holds, StagingRing, check_ring, check_staging, host_write, staging_name
+from ._staging import Holds, StagingRing, check_staging, host_write, staging_name
 
 T = TypeVar("T")
-P = ParamSpec("P")
-
-
-@attrs.frozen(repr=False)
-class LoopResult:
-    """Outputs and measurements of one run of the decode loop; its repr is a one-line summary (the
-    logits are in ``logits``).
-
-    >>> LoopResult(None, [], 0.5, intervals=(0.1, 0.1))
-    <LoopResult serial: 0 steps, 10.0 steps/s, 0 violations>
-    """
-
-    policy: Policy | None
-    logits: list[Tensor | tuple[Tensor, ...]]  # a tuple per step for a composite step
-    seconds: float
-    violations: tuple[Violation, ...] = ()
-    slack: dict[str, float] = attrs.Factory(dict)
-    intervals: tuple[float, ...] = ()  # seconds between consecutive steps' ends (CpuDevice)
-
-    @property
-    def steps(self) -> int:
-        return len(self.logits)
-
-    @property
-    def steps_per_s(self) -> float:
-        """Steady-state throughput: 1 / the median time between two steps' ends, where the
-        device timestamps them (robust to a hiccup of a noisy machine); else steps / wall time."""
-        if self.intervals:
-            median = statistics.median(self.intervals)
-            return 1.0 / median if median > 0 else float("inf")
-        return self.steps / self.seconds if self.seconds > 0 else float("inf")
-
-    def __repr__(self) -> str:
-        policy = "serial" if self.policy is None else self.policy.name
-        return (f"<LoopResult {policy}: {self.steps} steps, {self.steps_per_s:.1f} steps/s, "
-                f"{len(self.violations)} violations>")
-
-    def matches(self, reference: LoopResult | Sequence[Tensor | tuple[Tensor, ...]]) -> bool:
-        """Bit-identical logits, step by step (phases and streams included); the reference
-        must be on the same device (``ValueError`` otherwise)."""
-        ref = reference.logits if isinstance(reference, LoopResult) else list(reference)
-        return len(ref) == len(self.logits) and all(same_logits(a, b) for a, b in zip(self.logits, ref))
-
-    @property
-    def mean_slack(self) -> float | None:
-        """Mean over buffers of the mean time from a buffer's last read to its release (s)."""
-        return statistics.fmean(self.slack.values()) if self.slack else None
-
-
-def same_logits(a: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...]) -> bool:
-    """Bit-identical logits (tensors, or tuples of them for composite steps), on one device."""
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        if a.device != b.device:
-            raise ValueError(
-                f"cannot compare logits on {a.device} with logits on {b.device} bit for bit: run the "
-                f"reference on the run's device (run_serial(..., device=...))"
-            )
-        return torch.equal(a, b)
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return False
-    return len(a) == len(b) and all(same_logits(x, y) for x, y in zip(a, b))
 
 
 def _carries_work(buffers: Sequence[str]) -> bool:
@@ -117,77 +57,6 @@ def _write_group(dsts: Sequence[Tensor], srcs: Sequence[Tensor], work: Callable[
     if work is not None:  # synthetic scheduler work that must follow the fence (see decode_loop)
         work()
     copy_all_from_host(dsts, srcs)
-
-
-def run_serial(
-    backend: Target,
-    mode: ForwardMode = ForwardMode.DECODE,
-    *,
-    steps: int,
-    batch_size: int = 4,
-    cfg: ModelConfig | None = None,
-    seed: int = 0,
-    finish_prob: float = 0.1,
-    state: Mapping[str, dict[str, Tensor]] | None = None,
-    device: Device | str | None = None,
-    write_cost: int = 0,
-    write_wait_s: float = 0.0,
-    progress: Callable[[int], None] | None = None,
-) -> LoopResult:
-    """The reference: eager ``run_step``, one step after another; writes always precede reads.
-
-    ``device`` (a readfence ``Device`` or a torch device kind) is where the reference runs:
-    the device of the run it is compared with, since float results differ between devices and
-    logits on two devices do not compare. ``state`` (``shared``, ``pools``, ``params``) is the
-    state to run on, fresh by default; pass one for a backend that holds references to it
-    (the reference then runs where the state lives).
-
-    ``write_cost`` / ``write_wait_s`` add the synthetic page-table work of ``decode_loop`` to
-    each step (a matmul, or a wait that uses no compute and overlaps nothing), so that the
-    reference is also the baseline *without overlap* of a loop given the same work: its
-    ``steps_per_s`` is 1 / the median time between two steps' ends, as for the loop.
-
-    ``steps`` is a positive int, as for every loop entry point; ``progress(i)`` is called after
-    step ``i``, as by ``run_overlapped``.
-
-    >>> from readfence.backends import paged
-    >>> run_serial(paged(), steps=3, batch_size=2).steps
-    3
-    """
-    check_run(backend, mode)
-    positive_int("steps", steps)
-    if device is not None and not isinstance(device, str):
-        check_device(device)
-    elif isinstance(device, str) and device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"device must be a readfence device object or a torch device kind ('cpu', 'cuda'), "
-                         f"got {device!r}")
-    cfg = ModelConfig() if cfg is None else cfg
-    if device is None:
-        where = "cpu" if state is None else device_of(state["shared"]).type
-    else:
-        where = torch_device(device)
-    state = make_state(cfg, where) if state is None else state
-    if device_of(state["shared"]).type != where:
-        raise ValueError(f"run_serial on {where!r} was given a state on {device_of(state['shared'])}")
-    sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
-    work = synthetic_work(where, write_cost=write_cost, write_wait_s=write_wait_s)
-    t0 = time.perf_counter()
-    logits, ends = [], []
-    for i in range(steps):
-        nxt = sched.next_step()
-        if work is not None:
-            work()
-        for b in SHARED_BUFFERS:
-            state["shared"][b].copy_(nxt.shared[b])
-        batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
-        logits.append(eager_step(backend, mode, cfg, state, batch))
-        ends.append(time.perf_counter())
-        if progress is not None:
-            progress(i)
-    if where == "cuda":  # eager CUDA work is asynchronous: the steps ended when the device is done
-        torch.cuda.synchronize()
-    intervals = tuple(b - a for a, b in zip(ends, ends[1:])) if where == "cpu" else ()
-    return LoopResult(None, logits, time.perf_counter() - t0, intervals=intervals)
 
 
 @attrs.define
@@ -353,7 +222,8 @@ class DecodeLoop:
         >>> from readfence.backends import paged
         >>> from readfence.graph import CpuDevice
         >>> with CpuDevice() as dev:
-        ...     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, write_wait_s=0.01)
+        ...     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev,
+        ...                        options=LoopOptions(write_wait_s=0.01))
         ...     loop.limit(5) <= 100.0           # the scheduler alone takes >= 10 ms a step
         True
         """
@@ -433,43 +303,7 @@ def _host_wait(where: str, seconds: float) -> None:
     time.sleep(seconds)
 
 
-def unexpected_keyword(caller: str, name: str, taken: Sequence[str]) -> str:
-    """What ``caller`` says of a keyword ``name`` it does not take (it takes ``taken``): the
-    closest one it takes; for a :class:`LowerOptions` field, where lowering options go; for a
-    ``_ms`` one, the unit (in Python durations are seconds, on the command line milliseconds).
-
-    >>> print(unexpected_keyword("run_overlapped", "write_wait_ms", ["write_wait_s", "lowering"]))  # doctest: +NORMALIZE_WHITESPACE
-    run_overlapped() got an unexpected keyword argument 'write_wait_ms'; did you mean 'write_wait_s'?
-    (seconds in Python: write_wait_s=0.005 is the command line's --write-wait-ms 5)
-    >>> print(unexpected_keyword("verify", "ring_size", ["steps", "lowering"]))
-    verify() got an unexpected keyword argument 'ring_size'; it is a lowering option: pass lowering=LowerOptions(ring_size=...)
-    """
-    hint = did_you_mean(name, sorted(taken))
-    if name.endswith("_ms") and f"{name[:-3]}_s" in taken:
-        flag = "--" + name.replace("_", "-")
-        hint = (f"; did you mean {name[:-3] + '_s'!r}? (seconds in Python: {name[:-3]}_s=0.005 is the command "
-                f"line's {flag} 5)")
-    elif name in attrs.fields_dict(LowerOptions) and "lowering" in taken:
-        hint = f"; it is a lowering option: pass lowering=LowerOptions({name}=...)"
-    return f"{caller}() got an unexpected keyword argument {name!r}{hint}"
-
-
-def names_keywords(fn: Callable[P, T]) -> Callable[P, T]:
-    """``fn``, refusing a keyword it does not take with :func:`unexpected_keyword`'s message
-    (Python's own names neither the closest keyword nor the unit) before it runs."""
-    taken = tuple(inspect.signature(fn).parameters)
-
-    @functools.wraps(fn)
-    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
-        for name in kwargs:
-            if name not in taken:
-                raise TypeError(unexpected_keyword(fn.__name__, name, taken))
-        return fn(*args, **kwargs)
-
-    return checked
-
-
-@names_keywords
+@names_keywords(options=LoopOptions)
 def decode_loop(
     backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -478,63 +312,59 @@ def decode_loop(
     device: Device,
     batch_size: int = 4,
     cfg: ModelConfig | None = None,
-    seed: int = 0,
-    finish_prob: float = 0.1,
-    write_cost: int = 0,
-    write_wait_s: float = 0.0,
-    timeline: Timeline | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    check: bool | CheckState = False,
-    UNSAFE_skip_soundness_check: bool = False,
+    options: LoopOptions | None = None,
     lowering: LowerOptions | None = None,
-    staging: StagingRing | None = None,
 ) -> DecodeLoop:
     """Lower ``backend`` (a backend, a ``per_stream`` group or a :class:`StepShape`) and
     wire it to a seeded scheduler on ``device``.
 
     ``state`` (``shared``, ``pools``, ``params`` on the device) is the live state the step
-    runs on, fresh by default: pass the one a backend holds references to. ``check=True`` (or a
-    :class:`CheckState` over ``state["shared"]``) lowers the poison-on-release check mode
-    (``graph.lowering._poison``): every release point poisons what it releases, and the scheduler
-    writes each step after the previous one ended.
+    runs on, fresh by default: pass the one a backend holds references to. ``options`` (a
+    :class:`LoopOptions`) is the rest of the loop: the scheduler's seed, synthetic scheduler work
+    on each page-table write, a host staging ring, a timeline, the poison-on-release check mode
+    (``check=True`` or a :class:`CheckState` over ``state["shared"]``: every release point poisons
+    what it releases, and the scheduler writes each step after the previous one ended).
 
-    ``write_cost`` adds an ``n x n`` matmul to each page-table write (synthetic scheduler
-    work that must happen after the fence, to make overlap measurable).
-    ``write_wait_s`` instead makes each page-table write wait that many seconds without using
-    the CPU (host work that does not compete with a CpuDevice forward for cores).
+    ``lowering`` (a :class:`LowerOptions`: ring size, event factory) goes to every graph's
+    lowering; the loop measures its fences, and the timeline, the check mode and
+    ``UNSAFE_skip_soundness_check`` come from ``options`` (a ``LowerOptions`` that sets one is
+    refused, saying so). A staging ring that refills a buffer before its copy surely ran is
+    refused (``StagingRingError``, see ``check_staging``) unless ``UNSAFE_skip_soundness_check``
+    runs it anyway, to show it racing.
 
-    ``lowering`` (a :class:`LowerOptions`: ring size, event factory) goes to
-    every graph's lowering; the loop measures its fences, and ``timeline``, ``check`` and
-    ``UNSAFE_skip_soundness_check`` are its own keywords (a record that sets them is refused).
-
-    ``staging`` (a :class:`~readfence.graph.runtime.Staging` or an engine's ring) stages each step's
-    shared state in host buffers that the scheduler's copy reads when it runs; a ring that
-    refills a buffer before its copy surely ran is refused (``StagingRingError``, see
-    ``check_staging``) unless ``UNSAFE_skip_soundness_check`` runs it anyway, to show it racing.
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     loop = decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, options=LoopOptions(seed=1))
+    ...     runs, seconds = loop.run(3)
+    >>> len(runs)
+    3
     """
     check_run(backend, mode, "lower")
     check_device(device)
-    if staging is not None:
-        check_ring(staging)
-        found = check_staging(staging)
-        if found is not None and not UNSAFE_skip_soundness_check:
+    opts = options_of(options, LoopOptions, "decode_loop")
+    unsafe = opts.UNSAFE_skip_soundness_check
+    if opts.staging is not None:
+        found = check_staging(opts.staging)
+        if found is not None and not unsafe:
             raise found
     cfg = ModelConfig() if cfg is None else cfg
     state = make_state(cfg, device) if state is None else state
+    check = opts.check
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    options = set_by(lowering, "decode_loop", keywords=LOOP_KEYWORDS,
-                     measure=True, timeline=timeline, check=checker,
-                     UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
+    lowered = set_by(lowering, "decode_loop", keywords=said_in(LoopOptions), measure=True, timeline=opts.timeline,
+                     check=checker, UNSAFE_skip_soundness_check=unsafe)
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                     state=state, lowering=options)
-    sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=seed, finish_prob=finish_prob)
+                     state=state, lowering=lowered)
+    sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=opts.seed, finish_prob=opts.finish_prob)
     order = tuple(sorted(SHARED_BUFFERS, key=low.write_key))
-    work = synthetic_work(device, write_cost=write_cost, write_wait_s=write_wait_s)
+    work = synthetic_work(device, write_cost=opts.write_cost, write_wait_s=opts.write_wait_s)
     return DecodeLoop(low, sched, device, device.stream("schedule"), device.event("scheduler/written"),
-                      work, timeline, order, checker, staging)
+                      work, opts.timeline, order, checker, opts.staging)
 
 
-@names_keywords
+@names_keywords(options=LoopOptions)
 def run_overlapped(
     backend: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -542,26 +372,19 @@ def run_overlapped(
     steps: int,
     policy: Policy,
     device: Device,
-    sanitize: bool = True,
-    progress: Callable[[int], None] | None = None,
     batch_size: int = 4,
     cfg: ModelConfig | None = None,
-    seed: int = 0,
-    finish_prob: float = 0.1,
-    write_cost: int = 0,
-    write_wait_s: float = 0.0,
-    timeline: Timeline | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    check: bool | CheckState = False,
-    UNSAFE_skip_soundness_check: bool = False,
+    options: LoopOptions | None = None,
     lowering: LowerOptions | None = None,
-    staging: StagingRing | None = None,
 ) -> LoopResult:
-    """Run the overlapped decode loop; logits, wall time, sanitizer findings, fence slack.
-    The keywords after ``progress`` are :func:`decode_loop`'s.
+    """Run the overlapped decode loop for ``steps`` steps; logits, wall time, sanitizer findings,
+    fence slack. The keywords besides ``steps`` are :func:`decode_loop`'s; ``options.sanitize``
+    (default ``True``) has the race sanitizer watch the run, ``options.progress(i)`` is called
+    after step ``i``.
 
     >>> from readfence.backends import paged
-    >>> from readfence.graph import CpuDevice
+    >>> from readfence.graph import CpuDevice, run_serial
     >>> with CpuDevice() as dev:
     ...     res = run_overlapped(paged(), steps=5, policy=Policy.PER_BUFFER, device=dev, batch_size=2)
     >>> res.matches(run_serial(paged(), steps=5, batch_size=2)), res.violations
@@ -570,12 +393,11 @@ def run_overlapped(
     check_run(backend, mode)
     positive_int("steps", steps)
     check_device(device)
-    lowering = for_a_loop(lowering, "run_overlapped")
-    loop = decode_loop(backend, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
-                       finish_prob=finish_prob, write_cost=write_cost, write_wait_s=write_wait_s, timeline=timeline,
-                       state=state, check=check, UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check,
-                       lowering=lowering, staging=staging)
-    (runs, seconds), violations = sanitized(device, sanitize, lambda: loop.run(steps, progress=progress))
+    opts = options_of(options, LoopOptions, "run_overlapped")
+    lowering = for_a_loop(lowering, "run_overlapped", said_in(LoopOptions))
+    loop = decode_loop(backend, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, state=state,
+                       options=opts, lowering=lowering)
+    (runs, seconds), violations = sanitized(device, opts.sanitize, lambda: loop.run(steps, progress=opts.progress))
     slack, ends = fence_summary(runs, loop.timeline)
     done = [e for e in ends if e is not None]
     intervals = () if len(done) < len(ends) else tuple(b - a for a, b in zip(done, done[1:]))

@@ -39,7 +39,7 @@ from readfence.core.internal import positive_int, request_ranges, tokens_per_req
 from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import LOOP_KEYWORDS, check_owned, device_of, for_a_loop, set_by
+from ..lowering.internal import check_owned, device_of, for_a_loop, set_by
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
 from ..steps.internal import (
     LoweredStep,
@@ -53,7 +53,9 @@ from ..steps.internal import (
     scheduling_mode,
 )
 from ._arrivals import Traffic
-from ._loop import DecodeLoop, fence_summary, names_keywords, same_logits, sanitized, settled_on_error, synthetic_work
+from ._loop import DecodeLoop, fence_summary, sanitized, settled_on_error, synthetic_work
+from ._options import ServeOptions, names_keywords, options_of, said_in
+from ._result import same_logits
 from ._sanitizer import Violation
 from ._serve_scheduler import DECODE, PREFILL, ServeScheduler, ServeStep
 
@@ -397,7 +399,7 @@ def serve_scheduler(target: Target, traffic: Traffic, capture_sizes: Iterable[in
     return _scheduler(target, ForwardMode.DECODE, cfg, traffic, capture_list(capture_sizes, cfg, target), max_prefill)
 
 
-@names_keywords
+@names_keywords(options=ServeOptions)
 def serve_loop(
     target: Target,
     *,
@@ -407,22 +409,17 @@ def serve_loop(
     capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
     cfg: ModelConfig | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    max_prefill: int | None = None,
-    write_cost: int = 0,
-    write_wait_s: float = 0.0,
-    timeline: Timeline | None = None,
-    check: bool | CheckState = False,
-    UNSAFE_skip_soundness_check: bool = False,
+    options: ServeOptions | None = None,
     lowering: LowerOptions | None = None,
 ) -> ServeLoop:
     """Lower ``target`` (a backend, a ``per_stream`` group or a step shape) for every batch size
     of ``capture_sizes`` and wire it to a :class:`ServeScheduler` over ``traffic`` on ``device``.
 
     Decode steps run in ``DECODE`` (a step shape: its phases); prefill steps in ``EXTEND``
-    with :func:`prefill_target`. ``lowering`` (a :class:`LowerOptions`: ring size, event
-    factory...) and ``UNSAFE_skip_soundness_check`` go to every graph's lowering; ``check`` lowers
-    the poison-on-release check mode; ``write_cost`` / ``write_wait_s`` add synthetic work to each
-    page-table write (each as ``decode_loop``, which owns the same options).
+    with :func:`prefill_target`. ``options`` (a :class:`ServeOptions`) is the rest of the loop:
+    the prefill cap, synthetic work on each page-table write, a timeline, the poison-on-release
+    check mode, ``UNSAFE_skip_soundness_check`` (each as for ``decode_loop``); ``lowering`` (a
+    :class:`LowerOptions`: ring size, event factory...) goes to every graph's lowering.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -436,48 +433,42 @@ def serve_loop(
     check_device(device)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
+    opts = options_of(options, ServeOptions, "serve_loop")
     cfg = ModelConfig() if cfg is None else cfg
     traffic = Traffic() if traffic is None else traffic
     sizes = capture_list(capture_sizes, cfg, target)
-    sched = _scheduler(target, mode, cfg, traffic, sizes, max_prefill)
+    sched = _scheduler(target, mode, cfg, traffic, sizes, opts.max_prefill)
     state = make_state(cfg, device) if state is None else state
+    check = opts.check
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    options = set_by(lowering, "serve_loop", keywords=LOOP_KEYWORDS,
-                     measure=True, timeline=timeline, check=checker,
-                     UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check)
-    loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, options, {},
-                     device.event("scheduler/written"), synthetic_work(device, write_cost=write_cost,
-                                                                        write_wait_s=write_wait_s),
-                     timeline, checker, members(target))
+    lowered = set_by(lowering, "serve_loop", keywords=said_in(ServeOptions), measure=True, timeline=opts.timeline,
+                     check=checker, UNSAFE_skip_soundness_check=opts.UNSAFE_skip_soundness_check)
+    work = synthetic_work(device, write_cost=opts.write_cost, write_wait_s=opts.write_wait_s)
+    loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, lowered, {},
+                     device.event("scheduler/written"), work, opts.timeline, checker, members(target))
     for size, low in loop._lower_all(target, mode, sizes).graphs.items():
         loop.decode[size] = low
     return loop
 
 
-@names_keywords
+@names_keywords(options=ServeOptions)
 def run_serve(
     target: Target,
     *,
     steps: int,
     policy: Policy,
     device: Device,
-    sanitize: bool = True,
-    progress: Callable[[int], None] | None = None,
     traffic: Traffic | None = None,
     capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
     cfg: ModelConfig | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    max_prefill: int | None = None,
-    write_cost: int = 0,
-    write_wait_s: float = 0.0,
-    timeline: Timeline | None = None,
-    check: bool | CheckState = False,
-    UNSAFE_skip_soundness_check: bool = False,
+    options: ServeOptions | None = None,
     lowering: LowerOptions | None = None,
 ) -> ServeResult:
     """Run the serving loop for ``steps`` steps; outputs per request, what each step ran,
-    sanitizer findings, fence slack, host time per step. The keywords after ``progress`` are
-    :func:`serve_loop`'s.
+    sanitizer findings, fence slack, host time per step. The keywords besides ``steps`` are
+    :func:`serve_loop`'s; ``options.sanitize`` (default ``True``) has the race sanitizer watch
+    the run, ``options.progress(i)`` is called after step ``i``.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
@@ -491,13 +482,12 @@ def run_serve(
     """
     positive_int("steps", steps)
     check_device(device)
-    lowering = for_a_loop(lowering, "run_serve")
+    opts = options_of(options, ServeOptions, "run_serve")
+    lowering = for_a_loop(lowering, "run_serve", said_in(ServeOptions))
     loop = serve_loop(target, policy=policy, device=device, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg,
-                      state=state, max_prefill=max_prefill, write_cost=write_cost, write_wait_s=write_wait_s,
-                      timeline=timeline, check=check, UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check,
-                      lowering=lowering)
+                      state=state, options=opts, lowering=lowering)
     (runs, records, outputs, host, seconds), violations = sanitized(
-        device, sanitize, lambda: loop.run(steps, progress=progress))
+        device, opts.sanitize, lambda: loop.run(steps, progress=opts.progress))
     slack, ends = fence_summary(runs, loop.timeline)
     return ServeResult(policy, tuple(records), outputs, seconds, violations, slack,
                        () if None in ends else tuple(e for e in ends if e is not None), tuple(host))
@@ -511,21 +501,23 @@ class SerialServe:
 
     def __init__(self, target: Target, *, traffic: Traffic | None = None,
                  capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES, cfg: ModelConfig | None = None,
-                 state: Mapping[str, dict[str, Tensor]] | None = None, max_prefill: int | None = None,
-                 device: str | None = None, write_wait_s: float = 0.0) -> None:
+                 state: Mapping[str, dict[str, Tensor]] | None = None, device: str | None = None,
+                 options: ServeOptions | None = None) -> None:
         check_run(target, ForwardMode.DECODE)
+        opts = options_of(options, ServeOptions, "SerialServe")
         self.target, self.cfg = target, ModelConfig() if cfg is None else cfg
         traffic = Traffic() if traffic is None else traffic
         self.sizes = capture_list(capture_sizes, self.cfg, target)
         where = device if device is not None else ("cpu" if state is None else device_of(state["shared"]).type)
         self.where = torch_device(where)
         self.state = make_state(self.cfg, self.where) if state is None else state
-        self.scheduler = _scheduler(target, ForwardMode.DECODE, self.cfg, traffic, self.sizes, max_prefill)
+        self.scheduler = _scheduler(target, ForwardMode.DECODE, self.cfg, traffic, self.sizes, opts.max_prefill)
         self.members, self.prefill = members(target), prefill_target(target)
-        self.write_wait_s = write_wait_s
+        self.write_wait_s, self.progress = opts.write_wait_s, opts.progress
 
     def run(self, steps: int, progress: Callable[[int], None] | None = None) -> ServeResult:
-        """The next ``steps`` steps."""
+        """The next ``steps`` steps; ``progress(i)`` (default: the options') after step ``i``."""
+        progress = self.progress if progress is None else progress
         positive_int("steps", steps)
         cfg, state, where, mode = self.cfg, self.state, self.where, ForwardMode.DECODE
         records, outputs, ends = [], [], []
@@ -553,6 +545,7 @@ class SerialServe:
                            ends=tuple(ends) if where == "cpu" else ())
 
 
+@names_keywords(options=ServeOptions)
 def run_serve_serial(
     target: Target,
     *,
@@ -561,17 +554,16 @@ def run_serve_serial(
     capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
     cfg: ModelConfig | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    max_prefill: int | None = None,
     device: str | None = None,
-    write_wait_s: float = 0.0,
-    progress: Callable[[int], None] | None = None,
+    options: ServeOptions | None = None,
 ) -> ServeResult:
     """The reference of the serving loop: the same schedule (same traffic, capture list and
     limits), eager, one step after another, each step at its exact batch size (a ``per_stream``
     group's members serve the requests of their shares of the padded size, as in the loop).
     ``device`` is the torch device kind it runs on (``"cpu"``, ``"cuda"``; default: where
-    ``state`` lives, else the CPU); ``write_wait_s`` sleeps that long before each step's
-    writes (the serial baseline of a loop given the same write work).
+    ``state`` lives, else the CPU). ``options`` is the loop's own :class:`ServeOptions`, of which
+    it reads ``max_prefill``, ``progress`` and ``write_wait_s`` (it sleeps that long before each
+    step's writes: the serial baseline of a loop given the same write work).
 
     >>> from readfence.backends import paged
     >>> ref = run_serve_serial(paged(), steps=6, traffic=Traffic(rate=1.0, prompt=(4, 8), output=(1, 3)))
@@ -579,6 +571,6 @@ def run_serve_serial(
     ['prefill', 'prefill', 'decode', 'prefill', 'decode', 'prefill']
     """
     positive_int("steps", steps)
-    serial = SerialServe(target, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg, state=state,
-                         max_prefill=max_prefill, device=device, write_wait_s=write_wait_s)
-    return serial.run(steps, progress)
+    serial = SerialServe(target, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg, state=state, device=device,
+                         options=options_of(options, ServeOptions, "run_serve_serial"))
+    return serial.run(steps)

@@ -16,7 +16,7 @@ from its own queue (a batch queue whose deferred path launches a step it does no
 buffer whose copy may not have run: the ring's depth against the steps it keeps in flight,
 decided from the ring's own code rather than from its parameters.
 
-``decode_loop(..., staging=ring)`` runs the loop through the ring: every copy declares a read
+``decode_loop(..., options=LoopOptions(staging=ring))`` runs the loop through the ring: every copy declares a read
 of its host buffer and every refill a host write (the race sanitizer sees a refill racing a
 copy), and with ``held=True`` each step's copy waits until the host waits on that step or the
 loop ends, the latest its own waits allow: a refill that races a copy then always wins, and

@@ -19,7 +19,7 @@ import pathlib
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -29,12 +29,13 @@ from readfence.core import BODY, PREPARE_IN_GRAPH, ForwardMode, ModelConfig
 from readfence.core.internal import replayed
 
 from ..devices import Device, DeviceObserver, Timeline
-from ..lowering import CheckState, LowerOptions, Policy
+from ..lowering import LowerOptions, Policy
 from ..lowering.internal import for_a_loop
 from ..steps import StepShape
 from ..steps.internal import Target
-from ._loop import LoopResult, names_keywords, run_overlapped
-from ._staging import StagingRing
+from ._loop import run_overlapped
+from ._options import LoopOptions, names_keywords, options_of, said_in
+from ._result import LoopResult
 
 #: Steps of each run a trace (and a plot) keeps.
 TRACE_STEPS = 200
@@ -399,48 +400,50 @@ class TracedRun:
     label: str
 
 
-@names_keywords
+@names_keywords(options=LoopOptions)
 def run_traced(backend: Target, mode: ForwardMode = ForwardMode.DECODE, *, steps: int, policy: Policy, device: Device,
-               max_steps: int | None = None, progress: Callable[[int], None] | None = None, sanitize: bool = True,
-               batch_size: int = 4, cfg: ModelConfig | None = None, seed: int = 0, finish_prob: float = 0.1,
-               write_cost: int = 0, write_wait_s: float = 0.0, state: Mapping[str, dict[str, Tensor]] | None = None,
-               check: bool | CheckState = False, UNSAFE_skip_soundness_check: bool = False,
-               lowering: LowerOptions | None = None, staging: StagingRing | None = None) -> TracedRun:
-    """:func:`~readfence.graph.run_overlapped` that also records a timeline of the run (its first
-    ``max_steps`` steps, :data:`TRACE_STEPS` by default: recording costs the run nothing
-    measurable, but a trace of thousands of steps is tens of megabytes), for :func:`write_trace`
-    and :func:`~readfence.graph.plot_timelines`; the keywords after ``progress`` are
-    ``run_overlapped``'s (all but ``timeline``: the run's is this one).
+               batch_size: int = 4, cfg: ModelConfig | None = None, state: Mapping[str, dict[str, Tensor]] | None = None,
+               options: LoopOptions | None = None, lowering: LowerOptions | None = None) -> TracedRun:
+    """:func:`~readfence.graph.run_overlapped` that also records a timeline of the run, for
+    :func:`write_trace` and :func:`~readfence.graph.plot_timelines`; it takes ``run_overlapped``'s
+    keywords. The timeline is ``options.timeline`` when the :class:`~readfence.graph.LoopOptions`
+    gives one (a :class:`CappedTimeline` keeps its first steps, a plain ``Timeline`` every step),
+    else one that keeps the first :data:`TRACE_STEPS` steps: recording costs the run nothing
+    measurable, but a trace of thousands of steps is tens of megabytes.
 
     >>> from readfence.backends import paged
-    >>> from readfence.graph import CpuDevice, Policy
+    >>> from readfence.graph import CpuDevice, LoopOptions, Policy
     >>> with CpuDevice() as dev:
     ...     run = run_traced(paged(), steps=4, policy=Policy.EXACT, device=dev, batch_size=2)
+    ...     short = run_traced(paged(), steps=4, policy=Policy.EXACT, device=dev, batch_size=2,
+    ...                        options=LoopOptions(timeline=CappedTimeline(max_steps=2)))
     >>> run.result.steps, run.label, sorted({s.track for s in run.timeline.spans})
     (4, 'EXACT', ['fences', 'forward', 'host', 'schedule'])
+    >>> sorted({s.args["step"] for s in short.timeline.spans if "step" in s.args})
+    [0, 1]
     """
-    lowering = for_a_loop(lowering, "run_traced", keywords=("check", "UNSAFE_skip_soundness_check"))
-    keep = TRACE_STEPS if max_steps is None else max_steps
-    timeline = CappedTimeline(keep)
-    recorder = WaitRecorder(timeline)
+    opts = options_of(options, LoopOptions, "run_traced")
+    lowering = for_a_loop(lowering, "run_traced", said_in(LoopOptions))
+    timeline = CappedTimeline(TRACE_STEPS) if opts.timeline is None else opts.timeline
+    capped = timeline if isinstance(timeline, CappedTimeline) else None
+    recorder = WaitRecorder(capped)
+    progress = opts.progress
 
     def step_done(i: int) -> None:
-        if i + 1 >= keep + IN_FLIGHT:
-            timeline.stop()  # the trace keeps the first steps (trimmed to them once the run is over)
+        if capped is not None and i + 1 >= capped.max_steps + IN_FLIGHT:
+            capped.stop()  # the trace keeps the first steps (trimmed to them once the run is over)
         if progress is not None:
             progress(i)
 
     device.add_observer(recorder)
     try:
-        result = run_overlapped(backend, mode, steps=steps, policy=policy, device=device, progress=step_done,
-                                timeline=timeline, sanitize=sanitize, batch_size=batch_size, cfg=cfg, seed=seed,
-                                finish_prob=finish_prob, write_cost=write_cost, write_wait_s=write_wait_s,
-                                state=state, check=check,
-                                UNSAFE_skip_soundness_check=UNSAFE_skip_soundness_check, lowering=lowering,
-                                staging=staging)
+        result = run_overlapped(backend, mode, steps=steps, policy=policy, device=device, batch_size=batch_size,
+                                cfg=cfg, state=state, options=attrs.evolve(opts, timeline=timeline, progress=step_done),
+                                lowering=lowering)
     finally:
         device.remove_observer(recorder)
-    timeline.trim()
+    if capped is not None:
+        capped.trim()
     add_waits(timeline, recorder)
     graphs = device.caps.graphs
     if isinstance(backend, StepShape):

@@ -69,7 +69,16 @@ from ..lowering import (
     torch_device,
 )
 from ..lowering.internal import for_a_loop, poison_points
-from ..runtime import DEFAULT_CAPTURE_SIZES, Traffic, decode_loop, run_serial, run_serve_serial, serve_loop
+from ..runtime import (
+    DEFAULT_CAPTURE_SIZES,
+    LoopOptions,
+    ServeOptions,
+    Traffic,
+    decode_loop,
+    run_serial,
+    run_serve_serial,
+    serve_loop,
+)
 from ..runtime.internal import names_keywords, same_logits
 from ..steps import StepShape
 from ..steps.internal import Target, check_run
@@ -184,13 +193,13 @@ class LateReadWatch:
 
     >>> from readfence.backends import paged
     >>> from readfence.core import ModelConfig
-    >>> from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
+    >>> from readfence.graph import CheckState, CpuDevice, LoopOptions, Policy, decode_loop, make_state
     >>> cfg = ModelConfig()
     >>> state = make_state(cfg)
     >>> watch = LateReadWatch(state["shared"])
     >>> with CpuDevice() as dev:
     ...     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=cfg, state=state,
-    ...                        check=CheckState(state["shared"], cfg, watcher=watch))
+    ...                        options=LoopOptions(check=CheckState(state["shared"], cfg, watcher=watch)))
     ...     _ = loop.run(2)
     >>> watch.found, watch.accesses > 0
     ([], True)
@@ -387,7 +396,8 @@ def verify(
     if where == "cpu" and traffic is not None:
         reference = run_serve_serial(target, state=live, **common).logits
     elif where == "cpu":
-        reference = run_serial(target, mode, state=live, **common).logits
+        reference = run_serial(target, mode, state=live, steps=steps, batch_size=batch_size, cfg=cfg,
+                               options=LoopOptions(seed=seed, finish_prob=finish_prob)).logits
     else:  # float results differ between devices: the reference is COARSE on this device
         reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
     done = []
@@ -466,12 +476,13 @@ def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, stat
     check = CheckState(state["shared"], cfg, watcher=watch, only=only, poison=poison, guard=guard)
     if traffic is not None:
         serve = serve_loop(target, policy=policy, device=device, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg,
-                           state=state, check=check, UNSAFE_skip_soundness_check=unsafe, lowering=lowering)
+                           state=state, options=ServeOptions(check=check, UNSAFE_skip_soundness_check=unsafe),
+                           lowering=lowering)
         outputs = serve.run(steps, timeout=device.timeout)[2]
         return outputs, serve.check, serve
-    loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, seed=seed,
-                       finish_prob=finish_prob, state=state, check=check, UNSAFE_skip_soundness_check=unsafe,
-                       lowering=lowering)
+    loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, state=state,
+                       options=LoopOptions(seed=seed, finish_prob=finish_prob, check=check,
+                                           UNSAFE_skip_soundness_check=unsafe), lowering=lowering)
     runs, _ = loop.run(steps, timeout=device.timeout)
     return [r.logits for r in runs], loop.check, loop
 

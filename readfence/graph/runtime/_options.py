@@ -1,0 +1,282 @@
+"""The options of the loops, one record per loop: :class:`LoopOptions` for the decode loop and
+:class:`ServeOptions` for the serving loop; and the message a loop gives for a keyword it does
+not take, which says where that keyword goes.
+
+A loop takes as keywords what a run is about: what runs (``backend``, ``mode``, ``cfg``,
+``state``), where (``device``), under which fence (``policy``), at which size (``batch_size``;
+the serving loop: ``traffic`` and ``capture_sizes``) and for how long (``steps``, in the
+``run_*`` helpers). Everything else (the scheduler's seed, the synthetic scheduler work, a
+staging ring, what watches the run) is in its record, which a loop and the helpers that run it
+take whole: a new knob is one field, read in one place, and no helper can forget to hand it on.
+How each graph is lowered is :class:`~readfence.graph.LowerOptions`, passed as ``lowering=``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar, overload
+
+import attrs
+
+from readfence.core.internal import did_you_mean, positive_int
+
+from ..devices import Timeline
+from ..lowering import CheckState, LowerOptions
+from ..lowering.internal import LOOP_KEYWORDS
+from ._staging import StagingRing, check_ring
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _seed(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field.name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _count(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field.name} must be an int >= 0, got {value!r} ({type(value).__name__})")
+
+
+def _seconds(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{field.name} must be a number of seconds >= 0, got {value!r} ({type(value).__name__})")
+
+
+def _probability(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{field.name} must be a probability in [0, 1], got {value!r} ({type(value).__name__})")
+
+
+def _flag(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{field.name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _check(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, (bool, CheckState)):
+        raise TypeError(f"{field.name} must be a bool or a CheckState, got {value!r} ({type(value).__name__})")
+
+
+def _optional(kind: type, what: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_: object, field: attrs.Attribute[Any], value: object) -> None:
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{field.name} must be {what} or None, got {value!r} ({type(value).__name__})")
+    return check
+
+
+def _progress(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{field.name} must be a function of the step's index or None, got {value!r} "
+                        f"({type(value).__name__})")
+
+
+def _ring(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        check_ring(value)
+
+
+def _max_prefill(_: object, field: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        positive_int(field.name, value)
+
+
+@attrs.frozen(kw_only=True)
+class LoopOptions:
+    """The decode loop's options: the record :func:`~readfence.graph.decode_loop` and the helpers
+    that run it (:func:`~readfence.graph.run_overlapped`, :func:`~readfence.graph.run_traced`,
+    :func:`~readfence.graph.run_serial`) take whole, as ``options=``.
+
+    The workload: ``seed`` and ``finish_prob`` drive the seeded scheduler (the chance that a
+    request finishes at each step); ``write_cost`` adds an ``n x n`` matmul to each page-table
+    write, or ``write_wait_s`` a wait that uses no compute (synthetic scheduler work that must
+    follow the fence, to make overlap measurable); ``staging`` (a
+    :class:`~readfence.graph.runtime.Staging` or an engine's ring) stages each step's shared state
+    in host buffers that the scheduler's copy reads when it runs.
+
+    What watches the run: ``timeline`` records the stages, writes and fences; ``check`` (``True``,
+    or a :class:`~readfence.graph.CheckState` over ``state["shared"]``) lowers the poison-on-release
+    check mode, the scheduler writing each step after the previous one ended; ``sanitize`` has the
+    race sanitizer watch a run; ``progress(i)`` is called after step ``i``;
+    ``UNSAFE_skip_soundness_check`` lowers (and stages through) what the soundness checks refuse,
+    to show it failing.
+
+    ``run_serial``, the reference, reads the workload and ``progress`` and nothing else: one record
+    serves the loop and the reference it is compared with. ``sanitize`` is for the ``run_*``
+    helpers; a :class:`~readfence.graph.DecodeLoop` you run yourself is watched by what you add to
+    its device.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice, Policy, run_overlapped, run_serial
+    >>> options = LoopOptions(seed=3, finish_prob=0.5)
+    >>> with CpuDevice() as dev:
+    ...     res = run_overlapped(paged(), steps=4, policy=Policy.EXACT, device=dev, batch_size=2, options=options)
+    >>> res.matches(run_serial(paged(), steps=4, batch_size=2, options=options))
+    True
+    >>> LoopOptions(write_cost=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: write_cost must be an int >= 0, got -1 (int)
+    """
+
+    seed: int = attrs.field(default=0, validator=_seed)
+    finish_prob: float = attrs.field(default=0.1, validator=_probability)
+    write_cost: int = attrs.field(default=0, validator=_count)
+    write_wait_s: float = attrs.field(default=0.0, validator=_seconds)
+    staging: StagingRing | None = attrs.field(default=None, validator=_ring)
+    timeline: Timeline | None = attrs.field(default=None, validator=_optional(Timeline, "a Timeline"))
+    check: bool | CheckState = attrs.field(default=False, validator=_check)
+    sanitize: bool = attrs.field(default=True, validator=_flag)
+    progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
+    UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+
+    def __attrs_post_init__(self) -> None:
+        if self.write_cost and self.write_wait_s:
+            raise ValueError("give write_cost (a matmul) or write_wait_s (a wait), not both")
+
+
+@attrs.frozen(kw_only=True)
+class ServeOptions:
+    """The serving loop's options: the record :func:`~readfence.graph.serve_loop` and the helpers
+    that run it (:func:`~readfence.graph.run_serve`, :func:`~readfence.graph.run_serve_serial`)
+    take whole, as ``options=``.
+
+    ``max_prefill`` caps the tokens of one prefill step (default: the model's limit);
+    ``write_cost`` / ``write_wait_s``, ``timeline``, ``check``, ``sanitize``, ``progress`` and
+    ``UNSAFE_skip_soundness_check`` are as for :class:`LoopOptions`. The reference,
+    ``run_serve_serial``, reads ``max_prefill``, ``write_wait_s`` and ``progress``.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice, Policy, Traffic, run_serve, run_serve_serial
+    >>> traffic, options = Traffic(rate=1.0, prompt=(4, 8), output=(2, 4)), ServeOptions(max_prefill=4)
+    >>> with CpuDevice() as dev:
+    ...     res = run_serve(paged(), steps=8, policy=Policy.EXACT, device=dev, traffic=traffic,
+    ...                     capture_sizes=[1, 2, 4], options=options)
+    >>> res.matches(run_serve_serial(paged(), steps=8, traffic=traffic, capture_sizes=[1, 2, 4], options=options))
+    True
+    """
+
+    max_prefill: int | None = attrs.field(default=None, validator=_max_prefill)
+    write_cost: int = attrs.field(default=0, validator=_count)
+    write_wait_s: float = attrs.field(default=0.0, validator=_seconds)
+    timeline: Timeline | None = attrs.field(default=None, validator=_optional(Timeline, "a Timeline"))
+    check: bool | CheckState = attrs.field(default=False, validator=_check)
+    sanitize: bool = attrs.field(default=True, validator=_flag)
+    progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
+    UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+
+    def __attrs_post_init__(self) -> None:
+        if self.write_cost and self.write_wait_s:
+            raise ValueError("give write_cost (a matmul) or write_wait_s (a wait), not both")
+
+
+#: A loop's record, by the keyword a loop takes it as.
+Options = LoopOptions | ServeOptions
+
+
+def options_of(options: object, kind: type[T], caller: str) -> T:
+    """``options`` (``None``: the defaults) if it is a ``kind``; else a ``TypeError`` naming
+    ``caller`` and, for the other records, where they go.
+
+    >>> options_of(None, LoopOptions, "decode_loop").seed
+    0
+    >>> options_of(ServeOptions(), LoopOptions, "run_overlapped")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    TypeError: run_overlapped(): options must be a readfence.graph.LoopOptions, got ServeOptions(...)
+    (the serving loop's options: serve_loop and run_serve take it)
+    """
+    if options is None:
+        return kind()
+    if isinstance(options, kind):
+        return options
+    where = {LowerOptions: "lowering options: pass it as lowering=",
+             LoopOptions: "the decode loop's options: decode_loop, run_overlapped, run_traced and run_serial take it",
+             ServeOptions: "the serving loop's options: serve_loop and run_serve take it"}
+    shown = f"{type(options).__name__}(...)" if type(options) in where else repr(options)
+    hint = next((f" ({text})" for record, text in where.items() if isinstance(options, record)), "")
+    raise TypeError(f"{caller}(): options must be a readfence.graph.{kind.__name__}, got {shown}{hint}"
+                    if hint else f"{caller}(): options must be a readfence.graph.{kind.__name__}, got {shown} "
+                                 f"({type(options).__name__})")
+
+
+def said_in(record: type) -> dict[str, str]:
+    """How a loop whose record is ``record`` takes each lowering option it sets itself
+    (``LOOP_KEYWORDS``): the hint of ``set_by``'s refusal.
+
+    >>> said_in(LoopOptions)["check"]
+    'options=LoopOptions(check=...)'
+    """
+    return {name: f"options={record.__name__}({name}=...)" for name in LOOP_KEYWORDS}
+
+
+def unexpected_keyword(caller: str, name: str, taken: Sequence[str], record: type | None = None) -> str:
+    """What ``caller`` says of a keyword ``name`` it does not take (it takes ``taken``, and its
+    options are a ``record``): the closest one it takes; for a field of its record or of
+    :class:`LowerOptions`, the record it goes in; for a ``_ms`` one, the unit (in Python
+    durations are seconds, on the command line milliseconds).
+
+    >>> print(unexpected_keyword("run_overlapped", "write_wait_ms", ["steps", "options"], LoopOptions))  # doctest: +NORMALIZE_WHITESPACE
+    run_overlapped() got an unexpected keyword argument 'write_wait_ms'; it is a loop option in seconds:
+    pass options=LoopOptions(write_wait_s=0.005) for the command line's --write-wait-ms 5
+    >>> print(unexpected_keyword("run_overlapped", "seed", ["steps", "options"], LoopOptions))
+    run_overlapped() got an unexpected keyword argument 'seed'; it is a loop option: pass options=LoopOptions(seed=...)
+    >>> print(unexpected_keyword("verify", "ring_size", ["steps", "lowering"]))
+    verify() got an unexpected keyword argument 'ring_size'; it is a lowering option: pass lowering=LowerOptions(ring_size=...)
+    """
+    fields = () if record is None else tuple(attrs.fields_dict(record))
+    kind = "a serving loop option" if record is ServeOptions else "a loop option"
+    hint = did_you_mean(name, sorted(taken))
+    seconds = f"{name[:-3]}_s"
+    if name.endswith("_ms") and seconds in taken:
+        hint = (f"; did you mean {seconds!r}? (seconds in Python: {seconds}=0.005 is the command line's "
+                f"--{name.replace('_', '-')} 5)")
+    elif name.endswith("_ms") and seconds in fields and record is not None:
+        hint = (f"; it is {kind} in seconds: pass options={record.__name__}({seconds}=0.005) for the command "
+                f"line's --{name.replace('_', '-')} 5")
+    elif name in fields and record is not None:
+        hint = f"; it is {kind}: pass options={record.__name__}({name}=...)"
+    elif name in attrs.fields_dict(LowerOptions) and "lowering" in taken:
+        hint = f"; it is a lowering option: pass lowering=LowerOptions({name}=...)"
+    return f"{caller}() got an unexpected keyword argument {name!r}{hint}"
+
+
+@overload
+def names_keywords(fn: Callable[P, T], *, options: type | None = None) -> Callable[P, T]: ...
+@overload
+def names_keywords(fn: None = None, *, options: type | None = None) -> Callable[[Callable[P, T]], Callable[P, T]]: ...
+
+
+def names_keywords(fn: Callable[P, T] | None = None, *,
+                   options: type | None = None) -> Callable[P, T] | Callable[[Callable[P, T]], Callable[P, T]]:
+    """``fn``, refusing a keyword it does not take with :func:`unexpected_keyword`'s message
+    (Python's own names neither the closest keyword, nor the record it belongs in, nor the
+    unit) before it runs. ``options`` is the record ``fn`` takes as ``options=``:
+    ``@names_keywords(options=LoopOptions)``."""
+    if fn is None:
+        return functools.partial(names_keywords, options=options)
+    taken = tuple(inspect.signature(fn).parameters)
+    inner = fn
+
+    @functools.wraps(inner)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
+        for name in kwargs:
+            if name not in taken:
+                raise TypeError(unexpected_keyword(inner.__name__, name, taken, options))
+        return inner(*args, **kwargs)
+
+    return checked
+
+
+def as_record(values: Mapping[str, Any], record: type[T]) -> T:
+    """``record`` of those of ``values`` that are its fields (the rest are not its business):
+    how a caller that holds its options as keywords (a command line) builds one.
+
+    >>> as_record({"seed": 2, "steps": 9}, LoopOptions).seed
+    2
+    """
+    fields = attrs.fields_dict(record)  # type: ignore[arg-type]
+    return record(**{k: v for k, v in values.items() if k in fields})
