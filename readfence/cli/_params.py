@@ -22,84 +22,41 @@ invalid value '0': must be a positive integer (1, 2, 3, ...) | exit status 2
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import pathlib
-import re
 import sys
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
 from ._errors import InputError, param_name
-
-if TYPE_CHECKING:
-    from readfence.effects import Capabilities
-
-# What the options are checked against before torch is imported; a test keeps each equal to
-# the library's own (``ForwardMode``, ``Policy``, ``DEVICE_KINDS``, ``ModelConfig()``, ``tp_sizes``).
-MODE_NAMES = ("decode", "target_verify", "draft_extend", "extend", "idle")
-POLICY_NAMES = ("coarse", "joined", "per_buffer", "exact")
-DEVICE_KINDS = ("auto", "cpu", "cuda")
-LEAF_NAMES = ("deepseek_v4", "dense", "linear", "paged", "sparse", "trtllm_mha")  # the reference leaves
-COMBINATOR_NAMES = ("hybrid", "hybrid_linear", "join", "minimax", "per_stream", "select", "tbo")
-STEP_SHAPE_NAMES = ("eagle", "multi_eagle", "ngram")
-MAX_BATCH = 16  # ModelConfig().max_reqs: the requests the tiny model serves
-TINY_HEADS, TINY_MLP = 2, 64  # ModelConfig().heads, .mlp: what a tensor-parallel size must divide
-TP_SIZES = tuple(d for d in range(1, TINY_HEADS + 1) if TINY_HEADS % d == 0 and TINY_MLP % d == 0)
-
-#: The demo's backend: a composition whose buffers end at different stages: trtllm_mha snapshots
-#: its page-table metadata out of graph (PRE_REPLAY), linear reads its state-slot map in graph
-#: (IN_REPLAY).
-DEFAULT_SPEC = "hybrid_linear(trtllm_mha, linear)"
-
-#: Longest value an error message repeats in full; past it, its start and its length.
-SHOWN_CHARS = 80
-
-
-def shown(value: object) -> str:
-    """``value`` as an error message shows it: its ``repr``, cut short when long.
-
-    >>> shown("   "), shown("x" * 1000)
-    ("'   '", "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1000 characters)")
-    """
-    text = repr(value)
-    if isinstance(value, str) and len(text) > SHOWN_CHARS:
-        return f"{value[:60]!r}... ({len(value)} characters)"
-    return text
-
-
-def shell_word(text: str) -> str:
-    """``text`` as one word of a shell command line, quoted only where a shell would change it
-    (what a printed command puts around a value, so that it runs as pasted).
-
-    >>> print(shell_word("paged"), shell_word("tbo(deepseek_v4, paged)"), shell_word("m:ENGINES['triton']"))
-    paged 'tbo(deepseek_v4, paged)' "m:ENGINES['triton']"
-    """
-    import shlex
-
-    if re.fullmatch(r"[\w@%+=:,./-]+", text):
-        return text
-    if "'" in text and not re.search(r'["$`\\!]', text):
-        return f'"{text}"'
-    return shlex.quote(text)
-
-
-def _close(name: str, names: Sequence[str]) -> str:
-    """`` (did you mean x?)`` for the closest of ``names`` (a ``-`` read as ``_``), else ``""``.
-
-    >>> _close("per-buffer", POLICY_NAMES), _close("fastest", POLICY_NAMES)
-    (' (did you mean per_buffer?)', '')
-    """
-    import difflib
-
-    close = difflib.get_close_matches(name.replace("-", "_"), list(names), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _fail(param: click.Parameter | None, value: object, why: str) -> InputError:
-    return InputError(f"invalid {param_name(param)} {shown(value)}: {why}")
+from ._param_base import COMBINATOR_NAMES as COMBINATOR_NAMES
+from ._param_base import DEFAULT_SPEC as DEFAULT_SPEC
+from ._param_base import DEVICE_KINDS as DEVICE_KINDS
+from ._param_base import LEAF_NAMES as LEAF_NAMES
+from ._param_base import MAX_BATCH as MAX_BATCH
+from ._param_base import MODE_NAMES as MODE_NAMES
+from ._param_base import POLICY_NAMES as POLICY_NAMES
+from ._param_base import STEP_SHAPE_NAMES as STEP_SHAPE_NAMES
+from ._param_base import TINY_HEADS as TINY_HEADS
+from ._param_base import TINY_MLP as TINY_MLP
+from ._param_base import TP_SIZES as TP_SIZES
+from ._param_base import _close, _fail
+from ._param_base import shell_word as shell_word
+from ._param_base import shown as shown
+from ._param_choices import DeviceName as DeviceName
+from ._param_choices import OneOf as OneOf
+from ._param_choices import device_caps as device_caps
+from ._param_numbers import BATCH_SIZE as BATCH_SIZE
+from ._param_numbers import MAX_STEPS as MAX_STEPS
+from ._param_numbers import Amount as Amount
+from ._param_numbers import Integer as Integer
+from ._param_numbers import Positive as Positive
+from ._param_numbers import Rate as Rate
+from ._param_numbers import Sizes as Sizes
+from ._param_output import JSON_SCHEMA_VERSION as JSON_SCHEMA_VERSION
+from ._param_output import OutputFile as OutputFile
+from ._param_output import echo_json as echo_json
 
 
 @contextlib.contextmanager
@@ -368,280 +325,6 @@ def merge_policies(ctx: click.Context | None, param: click.Parameter | None, val
     return tuple(p for p in POLICY_NAMES if p in chosen)
 
 
-class Positive(click.ParamType):
-    """A positive integer, at most ``at_most`` (what can still be useful: a step count past it
-    would run for hours, not show more); ``bound`` says where the bound comes from.
-
-    >>> Positive(at_most=10).convert("11", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value '11': must be at most 10
-    >>> BATCH_SIZE.convert("17", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value '17': must be at most 16 (the tiny model serves at most 16 requests)
-    """
-
-    name = "N"
-
-    def __init__(self, at_most: int | None = None, bound: str = "") -> None:
-        self.at_most, self.bound = at_most, bound
-        self.expects = "a positive integer" + ("" if at_most is None else f" up to {at_most}")
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        text = str(value).strip()
-        if not (isinstance(value, int) and not isinstance(value, bool)) and not re.fullmatch(r"\+?[0-9]+", text):
-            raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
-        number = int(text)
-        if number <= 0:
-            raise _fail(param, value, "must be a positive integer (1, 2, 3, ...)")
-        if self.at_most is not None and number > self.at_most:
-            raise _fail(param, value, f"must be at most {self.at_most}" + (f" ({self.bound})" if self.bound else ""))
-        return number
-
-
-MAX_STEPS = 100_000  # steps per run of a command: minutes on a CPU device, more shows nothing new
-
-
-#: The type of ``--batch-size``: requests per step, at most what the tiny model serves.
-BATCH_SIZE = Positive(at_most=MAX_BATCH, bound=f"the tiny model serves at most {MAX_BATCH} requests")
-
-
-class Integer(click.ParamType):
-    """Any integer (a seed).
-
-    >>> Integer().convert(" -3 ", None, None)
-    -3
-    """
-
-    name = "INTEGER"
-    expects = "an integer"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        text = str(value).strip()
-        if not re.fullmatch(r"[+-]?[0-9]+", text):
-            raise _fail(param, value, "must be an integer (..., -1, 0, 1, ...)")
-        return int(text)
-
-
-class Amount(click.ParamType):
-    """A finite number in ``0..at_most`` (an ``int`` when ``integer``): a cost or a duration.
-
-    >>> Amount(100.0).convert("2.5", None, None)
-    2.5
-    >>> Amount(100.0).convert("nan", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value 'nan': must be a number from 0 to 100
-    """
-
-    def __init__(self, at_most: float, *, integer: bool = False, unit: str = "") -> None:
-        self.at_most, self.integer, self.unit = at_most, integer, unit
-        self.name = "N" if integer else "X"
-        self.expects = f"{'an integer' if integer else 'a number'} from 0 to {at_most:g}{unit}"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float | int:
-        text = str(value).strip()
-        try:
-            number: float | int = int(text) if self.integer and re.fullmatch(r"[+-]?[0-9]+", text) else float(text)
-        except ValueError:
-            number = math.nan
-        if self.integer and not isinstance(number, int):
-            raise _fail(param, value, f"must be {self.expects}")
-        if not (math.isfinite(number) and 0 <= number <= self.at_most):
-            raise _fail(param, value, f"must be {self.expects}")
-        return number
-
-
-class Rate(click.ParamType):
-    """A positive finite number up to ``at_most`` (requests per step of a serving loop).
-
-    >>> Rate(16.0).convert("0.5", None, None)
-    0.5
-    >>> Rate(16.0).convert("0", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value '0': must be a number above 0 and at most 16 (requests per step)
-    """
-
-    name = "R"
-
-    def __init__(self, at_most: float) -> None:
-        self.at_most = at_most
-        self.expects = f"a number above 0 and at most {at_most:g} (requests per step)"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        if isinstance(value, float):
-            return value
-        try:
-            number = float(str(value).strip())
-        except ValueError:
-            number = math.nan
-        if not (math.isfinite(number) and 0 < number <= self.at_most):
-            raise _fail(param, value, f"must be {self.expects}")
-        return number
-
-
-class Sizes(click.ParamType):
-    """A comma list of batch sizes, each in ``1..MAX_BATCH``; converts to a sorted tuple.
-
-    >>> Sizes().convert("8, 1,2,4", None, None)
-    (1, 2, 4, 8)
-    >>> Sizes().convert("1,x", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value '1,x': 'x' is not a batch size: give a comma list of integers from 1 to 16, e.g. 1,2,4,8,16
-    """
-
-    name = "SIZES"
-    expects = f"a comma list of batch sizes from 1 to {MAX_BATCH}, e.g. 1,2,4,8,16"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        sizes = set()
-        for part in str(value).split(","):
-            text = part.strip()
-            if not re.fullmatch(r"\+?[0-9]+", text) or not 1 <= int(text) <= MAX_BATCH:
-                raise _fail(param, value, f"{text!r} is not a batch size: give a comma list of integers from 1 to "
-                                          f"{MAX_BATCH}, e.g. 1,2,4,8,16")
-            sizes.add(int(text))
-        return tuple(sorted(sizes))
-
-
-class OutputFile(click.ParamType):
-    """A file to write, with ``suffix``: refused before anything runs when it cannot be written
-    (a wrong suffix, a missing folder, something that is not a regular file, a place the user
-    may not write). Nothing is left behind by the check.
-
-    >>> OutputFile(".png").convert("timeline.txt", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value 'timeline.txt': the file name must end in .png
-    """
-
-    name = "FILE"
-
-    def __init__(self, suffix: str) -> None:
-        self.suffix = suffix
-        self.expects = f"a file name ending in {suffix}"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> pathlib.Path:
-        if isinstance(value, pathlib.Path):
-            return value
-        path = pathlib.Path(value)
-        if path.suffix.lower() != self.suffix or not path.stem:
-            raise _fail(param, value, f"the file name must end in {self.suffix}")
-        folder = path.parent
-        if not folder.is_dir():
-            # a file where a folder should be is not a missing folder: say which it is
-            if folder.exists():
-                raise _fail(param, value, f"{str(folder)!r} is not a directory (it is a file)")
-            raise _fail(param, value, f"directory {str(folder)!r} does not exist")
-        if path.is_dir():
-            raise _fail(param, value, f"{str(path)!r} is a directory; give a file name ending in {self.suffix}")
-        if path.exists() and not path.is_file():
-            raise _fail(param, value, "not a regular file")
-        existed = path.exists()
-        try:
-            with open(path, "ab"):
-                pass
-        except OSError as e:
-            raise _fail(param, value, f"cannot write there ({e.strerror})") from None
-        if not existed:
-            path.unlink()  # only checking: a run that fails leaves nothing behind
-        return path
-
-
-class OneOf(click.ParamType):
-    """One of a fixed list of names (case-insensitive), ``what`` they are named in the error.
-
-    >>> OneOf(("overlap", "check"), "benchmark").convert("Overlap", None, None)
-    'overlap'
-    >>> OneOf(("overlap", "check"), "benchmark").convert("overlay", None, None)
-    Traceback (most recent call last):
-    ...
-    readfence.cli._errors.InputError: invalid value 'overlay': unknown benchmark; allowed: overlap, check
-    """
-
-    name = "NAME"
-
-    def __init__(self, choices: tuple[str, ...], what: str) -> None:
-        self.choices, self.what = choices, what
-        self.expects = f"a {what}: {', '.join(choices)}"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        key = str(value).strip().lower()
-        if key not in self.choices:
-            raise _fail(param, value, f"unknown {self.what}; allowed: {', '.join(self.choices)}")
-        return key
-
-
-class DeviceName(click.ParamType):
-    """``auto``, ``cpu`` or ``cuda``; ``cuda`` must be available and pass the start-up self-check
-    (``auto`` falls back to the CPU device with a one-line notice when it does not)."""
-
-    name = "device"
-    choices = DEVICE_KINDS
-    expects = "auto, cpu or cuda"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        key = str(value).strip().lower()
-        if key not in self.choices:
-            raise _fail(param, value, f"unknown device; allowed: {', '.join(self.choices)}")
-        return key
-
-    def resolve(self, key: str, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        """``key``, once CUDA, when asked for, is there and passes its self-check."""
-        if key == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise _fail(param, key, "CUDA is not available here (torch.cuda.is_available() "
-                                        "is False); allowed: auto, cpu")
-
-            from readfence.graph.devices.internal import self_check_error
-
-            error = self_check_error()
-            if error is not None:
-                raise _fail(param, key, f"{error}; allowed: auto (falls back to cpu), cpu")
-        return key
-
-
-def device_caps(name: str) -> tuple[str, Capabilities]:
-    """``(device name, Capabilities)`` of the device ``name`` would open, closing it again."""
-    from readfence.graph import open_device
-
-    dev = open_device(name)
-    try:
-        return dev.name, dev.caps
-    finally:
-        dev.close()
-
-
-JSON_SCHEMA_VERSION = 1  # bumped when a --json key changes meaning or goes away (new keys do not)
-
-
-def echo_json(doc: object) -> None:
-    """Print a ``--json`` document: every object in it (one, or a list of them) carries
-    ``schema_version``.
-
-    >>> echo_json([{"policy": "EXACT"}])
-    [
-      {
-        "schema_version": 1,
-        "policy": "EXACT"
-      }
-    ]
-    """
-    import json
-
-    def versioned(obj: Any) -> Any:
-        return {"schema_version": JSON_SCHEMA_VERSION, **obj} if isinstance(obj, dict) else obj
-
-    click.echo(json.dumps([versioned(o) for o in doc] if isinstance(doc, list) else versioned(doc), indent=2))
 
 
 def refuse_mode_for_shape(spec: Any) -> None:

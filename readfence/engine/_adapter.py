@@ -30,8 +30,7 @@ and ``cfg=engine.cfg``), or ``engine.bind(other)`` to build it again over anothe
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -45,13 +44,12 @@ from readfence.core.internal import check_buffers, check_mode, example_step, spa
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 
+from ._binding import Binding, Factory, State, Tensors, _objects
 from ._contract import PREFILL, ContractError, EngineError, call, check_contract, forward_method, read_end_of
-from ._lift import Lifter, Record, leaves, path_text, restore
-from ._profile import EngineProfile, Modes
-from ._tree import Path, children, follow, step_text
-from ._view import AttentionLayer, ForwardBatch, ModelRunnerView, absent, check_layout, check_state
-
-Factory = Callable[[ModelRunnerView], Any]
+from ._lift import Lifter, leaves, path_text, restore
+from ._profile import EngineProfile
+from ._tree import Path, children, step_text
+from ._view import ForwardBatch, ModelRunnerView, absent, check_layout, check_state
 
 #: Why the out-of-graph stage of an engine backend runs as Python (what the trace records).
 EAGER = "eager: init_forward_metadata_out_graph runs its Python before every replay"
@@ -59,87 +57,10 @@ EAGER = "eager: init_forward_metadata_out_graph runs its Python before every rep
 EAGER_ENTRY = "init_forward_metadata"
 #: The stage output holding the runner's copy of the batch's lengths (an engine without shared ``seq_lens``).
 RUNNER_LENS = "runner/seq_lens"
-State = dict[str, dict[str, Tensor]]
-_SERIALS = itertools.count()
-Tensors = Mapping[str, Tensor]
 
 
 def _factory_name(factory: object) -> str:
     return getattr(factory, "__qualname__", None) or type(factory).__name__
-
-
-@attrs.define(eq=False)
-class Binding:
-    """One engine object tree built over one state, and what the adapter notes while it runs."""
-
-    factory: Factory
-    layout: dict[str, str | None]
-    cfg: ModelConfig
-    state: State
-    server_args: dict[str, object]
-    runner: ModelRunnerView
-    root: Any
-    profile: EngineProfile
-    modes: Modes
-    name: str | None = None  # the root's label when adapt was given one
-    # the engine's own forward-batch fields readfence's step does not set, and their defaults
-    fields: Mapping[str, Callable[[], Any]] = attrs.Factory(dict)
-    # the per-step metadata lifted from each (node, stage, mode, batch size)
-    records: dict[tuple[Path, str, ForwardMode, int], list[Record]] = attrs.Factory(dict)
-    # what resolve_prefill_shared_read_ends returned while building the snapshot, per (node, batch size)
-    prefill: dict[tuple[Path, int], ReadEnd] = attrs.Factory(dict)
-    layers: dict[int, Any] = attrs.Factory(dict)
-    # the shapes of each lifted output on its first call (they cross into static buffers)
-    shapes: dict[tuple[Path, str, ForwardMode, int], dict[str, tuple[int, ...]]] = attrs.Factory(dict)
-    # the (node, mode, batch size) whose capture-time call has run
-    captured: set[tuple[Path, ForwardMode, int]] = attrs.Factory(set)
-    # what each capture-time call left on the objects of the tree: (object, attribute, value)
-    frozen: dict[tuple[Path, ForwardMode, int], list[tuple[Any, str, Any]]] = attrs.Factory(dict)
-    # names this binding in the caches of traces and verdicts (an id() is reused once it is collected)
-    serial: int = attrs.Factory(lambda: next(_SERIALS))
-
-    def object_at(self, path: Path) -> Any:
-        return follow(self.root, path)
-
-    def forward_batch(self, mode: ForwardMode, shared: Tensors, batch: Tensors, pools: Mapping[str, Tensor],
-                      lens: Tensor | None, *, spec: bool = True) -> ForwardBatch:
-        """A forward batch of one call, completed by the profile (``bind_batch``) as the engine
-        completes its own (SGLang binds its KV write plan)."""
-        fb = ForwardBatch(self.cfg, mode, shared, batch, pools, self.layout, self.modes.engine(mode), lens,
-                          self.profile.spec_for(mode) if spec else None, self.fields)
-        hook = self.profile.bind_batch
-        if hook is not None:
-            with self.profile.context(self.runner):
-                try:
-                    hook(fb, self.runner)
-                except Exception as e:
-                    raise EngineError(f"the profile's bind_batch hook raised {type(e).__name__} in {mode.name}: "
-                                      f"{e}") from e
-        return fb
-
-    def layer(self, layer_id: int) -> Any:
-        if layer_id not in self.layers:
-            make = self.profile.layer
-            if make is None:
-                self.layers[layer_id] = AttentionLayer(self.cfg, layer_id)
-            else:
-                with self.profile.context(self.runner):
-                    try:
-                        self.layers[layer_id] = make(self.runner, layer_id)
-                    except Exception as e:
-                        raise EngineError(f"the profile's layer(runner, {layer_id}) raised {type(e).__name__}: "
-                                          f"{e}") from e
-        return self.layers[layer_id]
-
-    @property
-    def graphs(self) -> bool:
-        """Whether the engine graph-replays this tree at all (not if any backend in it is one the
-        engine turns graphs off for)."""
-        return all(self.profile.replayed(obj) for obj in _objects(self.root))
-
-    def replayed(self, path: Path, mode: ForwardMode) -> bool:
-        """Whether the engine replays a step in ``mode`` from a captured graph."""
-        return mode.uses_graph and mode not in self.profile.eager and self.graphs
 
 
 def _check_tree(root: Any, name: str) -> None:
@@ -151,13 +72,6 @@ def _check_tree(root: Any, name: str) -> None:
         for step, child in children(obj, seen):
             stack.append((child, f"{who}.{step_text(step)} ({type(child).__name__})"))
 
-
-def _objects(root: Any) -> Iterator[Any]:
-    stack, seen = [root], set[int]()
-    while stack:
-        obj = stack.pop()
-        yield obj
-        stack.extend(child for _, child in children(obj, seen))
 
 
 def _capture_state(root: Any, who: str, cfg: ModelConfig) -> None:

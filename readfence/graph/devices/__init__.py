@@ -13,13 +13,16 @@ hello from the forward stream
 """
 
 from ._context import delay_point, record_here
-from ._cpu import CpuDevice, CpuEvent, CpuGraph, CpuStream, Generation
+from ._cpu import CpuDevice
+from ._cpu_events import CpuEvent, Generation
+from ._cpu_graph import CpuGraph
+from ._cpu_stream import CpuStream
 from ._cuda import CudaDevice
 from ._errors import CaptureError, DeviceClosed, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._open import DEVICE_KINDS, default_device, open_device
 from ._ops import Op, Read, Record, Write, bind_step, records_in
-from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
+from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Launch, Stream
 from ._timeline import Span, Timeline
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "FaultInjector",
     "Generation",
     "Graph",
+    "Launch",
     "Op",
     "Read",
     "Record",

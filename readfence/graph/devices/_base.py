@@ -17,7 +17,7 @@ from ._context import _current_context, _label_of
 from ._errors import CaptureError, DeviceClosed, DeviceError
 from ._faults import FaultInjector
 from ._ops import Op, bind_step, records_in
-from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver, Event, Graph, Stream
+from ._protocol import DEFAULT_TIMEOUT_S, DeviceObserver, Event, Graph, Launch, Stream
 
 
 def _caps(caps: Capabilities | None, in_graph_events: bool | None, graphs: bool | None) -> Capabilities:
@@ -169,17 +169,16 @@ class DeviceBase:
         raise NotImplementedError
 
     # -- helpers
-    def _launch_ops(self, fn: Any, label: str, ops: Sequence[Op], step: int | None,
-                    bind: bool = True) -> tuple[str, tuple[Op, ...], tuple[Any, ...]]:
-        """A launch's label, its ops (with ``step`` bound, unless ``bind`` is false: only observers
+    def _launch_ops(self, launch: Launch, bind: bool = True) -> tuple[str, tuple[Op, ...], tuple[Any, ...]]:
+        """A launch's label, its ops (with its step bound, unless ``bind`` is false: only observers
         and captures read the steps) and the events it records, which must be ours."""
-        if not callable(fn):
-            raise TypeError(f"launch needs a callable, got {fn!r}")
-        ops = bind_step(ops, step if bind else None)
+        if not callable(launch.fn):
+            raise TypeError(f"launch needs a callable, got {launch.fn!r}")
+        ops = bind_step(launch.ops, launch.step if bind else None)
         records = records_in(ops)
         for ev in records:
             self._own_event(ev)
-        return _label_of(fn, label), ops, records
+        return _label_of(launch.fn, launch.label), ops, records
 
     def _timeout(self, timeout: float | None) -> float:
         t = self.timeout if timeout is None else float(timeout)

@@ -23,7 +23,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TypeVarTuple
 
 import torch
 
@@ -34,9 +33,7 @@ from ._context import _run_launched, _take_pending
 from ._errors import CaptureError, DeviceError, DeviceTimeout, EventNeverRecorded, StreamError
 from ._faults import FaultInjector
 from ._ops import Op, Record, records_in
-from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Stream
-
-_Ts = TypeVarTuple("_Ts")
+from ._protocol import DEFAULT_TIMEOUT_S, Device, DeviceObserver, Event, Graph, Launch, Stream
 
 
 def _in_graph_events_supported() -> bool:
@@ -171,7 +168,7 @@ class CudaGraph(GraphBase):
                 ev._enqueued(target.name)
 
 
-class CudaStream:
+class CudaStream(Stream):
     """A ``torch.cuda.Stream`` (create with ``device.stream(name)``)."""
 
     def __init__(self, device: CudaDevice, name: str) -> None:
@@ -189,21 +186,13 @@ class CudaStream:
         """Nothing to group: a CUDA launch is already asynchronous (see ``Stream.batch``)."""
         return nullcontext()
 
-    def launch(
-        self,
-        fn: Callable[[*_Ts], object],
-        *args: *_Ts,
-        label: str = "",
-        ops: Sequence[Op] = (),
-        step: int | None = None,
-    ) -> None:
-        """Run ``fn(*args)`` now with this stream current (inside a capture: captured).
-
-        ``ops`` as for ``CpuStream.launch``; ``device.record_here(event)`` inside ``fn``
-        records ``event`` on the current stream at that point.
-        """
+    def submit(self, launch: Launch) -> None:
+        """Run ``launch`` now with this stream current (inside a capture: captured);
+        ``device.record_here(event)`` inside its function records ``event`` on the current
+        stream at that point."""
         dev = self.device
-        label, ops, _ = dev._launch_ops(fn, label, ops, step)
+        fn, args = launch.fn, launch.args
+        label, ops, _ = dev._launch_ops(launch)
         records = records_in(ops)
         pending = [(ev, None) for ev in records]
         with dev._lock:

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, Self, TypeVarTuple, runtime_checkable
+from typing import Any, Protocol, Self, TypeVarTuple, runtime_checkable
 
+import attrs
 from torch import Tensor
 
 from readfence.effects import Capabilities
@@ -54,6 +55,22 @@ _Ts = TypeVarTuple("_Ts")
 
 DEFAULT_TIMEOUT_S = 30.0
 """Default timeout of every host wait (and of device-side waits on ``CpuDevice``)."""
+
+
+@attrs.frozen(eq=False)  # holds a function and its arguments: compared by identity
+class Launch:
+    """One launch as a stream receives it: ``fn(*args)``, its label (``""``: the function's
+    name), the op items it declares and the step that binds them (see ``Stream.launch``).
+
+    >>> Launch(print, ("hello",), label="greet").label
+    'greet'
+    """
+
+    fn: Callable[..., object]
+    args: tuple[Any, ...] = ()
+    label: str = ""
+    ops: Sequence[Op] = ()
+    step: int | None = None
 
 
 @runtime_checkable
@@ -105,7 +122,20 @@ class Stream(Protocol):
         ops: Sequence[Op] = (),
         step: int | None = None,
     ) -> None:
-        """Enqueue ``fn(*args)``; ``ops`` declares its reads/writes/in-launch records."""
+        """Enqueue ``fn(*args)``; inside a capture of this stream, add it to the graph instead.
+
+        ``ops`` declares, in order, what ``fn`` reads (``Read``), writes (``Write``) and which
+        events it records from inside with ``device.record_here(event)`` (``Record``); the
+        generations of those records are created now. ``step`` binds unbound op steps.
+        Exceptions raised by ``fn`` fail the stream and surface at the next wait.
+
+        The one spelling of a launch's arguments: every device inherits it and implements
+        :meth:`submit`, which takes them as one :class:`Launch`.
+        """
+        self.submit(Launch(fn, args, label, ops, step))
+
+    def submit(self, launch: Launch) -> None:
+        """Enqueue ``launch`` (what :meth:`launch` makes of its arguments)."""
 
     def record(self, event: Event) -> None:
         """Enqueue a record of ``event`` (a new generation)."""
