@@ -14,6 +14,7 @@ from readfence.core import CapturedStateError, StageWriteError
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
+    LoopOptions,
     Policy,
     UnsoundLowering,
     lower,
@@ -84,7 +85,8 @@ def test_the_sanitizer_sees_a_read_no_static_analysis_can_see() -> None:
             lower(case.build(state), case.mode, batch_size=BATCH, device=dev, policy=Policy.PER_BUFFER, cfg=CFG,
                   state=state)
         res = run_overlapped(case.build(state), case.mode, steps=STEPS, policy=Policy.PER_BUFFER, device=dev,
-                             batch_size=BATCH, cfg=CFG, state=state, UNSAFE_skip_soundness_check=True)
+                             batch_size=BATCH, cfg=CFG, state=state,
+                             options=LoopOptions(UNSAFE_skip_soundness_check=True))
     races = [v for v in res.violations if v.buffer == "seq_lens"]
     assert races and all(v.reading_node.startswith("body:plan_run") for v in races), res.violations[:3]
 
@@ -103,7 +105,7 @@ def test_exact_places_a_read_only_a_run_saw_after_its_node() -> None:
         placement = {r["buffer"]: r["placement"] for r in low.describe()}["seq_lens"]
         assert placement.startswith("after node body:plan_run"), placement
         res = run_overlapped(backend, case.mode, steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH,
-                             cfg=CFG, state=state, UNSAFE_skip_soundness_check=True)
+                             cfg=CFG, state=state, options=LoopOptions(UNSAFE_skip_soundness_check=True))
     assert res.matches(reference) and not [v for v in res.violations if v.buffer == "seq_lens"], res.violations[:3]
 
 

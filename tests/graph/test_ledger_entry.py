@@ -21,7 +21,7 @@ from readfence.core import ForwardMode, audit, clear_trace_cache
 from readfence.core.internal import Ledger, RunKind
 from readfence.core.tracing import _trace
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CheckState, CpuDevice, Policy, decode_loop, make_state
+from readfence.graph import CheckState, CpuDevice, LoopOptions, Policy, decode_loop, make_state
 from readfence.graph.verification import LateReadWatch
 from tests.conftest import SMALL as CFG
 
@@ -99,7 +99,7 @@ def test_every_run_of_the_step_s_code_for_evidence_is_recorded_by_its_ledger(cal
     watch = LateReadWatch(state["shared"])
     with CpuDevice(timeout=60.0) as dev:
         loop = decode_loop(backend, mode, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG, state=state,
-                           check=CheckState(state["shared"], CFG, watcher=watch))
+                           options=LoopOptions(check=CheckState(state["shared"], CFG, watcher=watch)))
         loop.run(2)
     ledger = loop.lowered.ledger
     kinds = {r.kind for r in ledger.runs()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from readfence.core import ForwardMode, NotGraphSafe
-from readfence.graph import CpuDevice, Policy, lower, make_state, run_overlapped, run_serial, verify
+from readfence.graph import CpuDevice, LoopOptions, Policy, lower, make_state, run_overlapped, run_serial, verify
 from tests import traffic
 from tests.conftest import SMALL as CFG
 
@@ -96,9 +96,10 @@ def test_a_count_baked_into_a_capture_is_refused_under_every_policy_and_differs_
 
     monkeypatch.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)
     state = make_state(CFG)
-    reference = run_serial(backend, M.DECODE, steps=8, batch_size=4, cfg=CFG, state=state, finish_prob=0.3)
+    reference = run_serial(backend, M.DECODE, steps=8, batch_size=4, cfg=CFG, state=state,
+                           options=LoopOptions(finish_prob=0.3))
     run = run_overlapped(backend, M.DECODE, steps=8, policy=Policy.COARSE, device=dev, batch_size=4, cfg=CFG,
-                         state=make_state(CFG), finish_prob=0.3)
+                         state=make_state(CFG), options=LoopOptions(finish_prob=0.3))
     assert not run.matches(reference)
 
 
@@ -145,7 +146,7 @@ def test_check_mode_records_what_it_watched_in_the_step_s_ledger(dev) -> None:
     state = make_state(CFG)
     watch = LateReadWatch(state["shared"])
     loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG, state=state,
-                       check=CheckState(state["shared"], CFG, watcher=watch))
+                       options=LoopOptions(check=CheckState(state["shared"], CFG, watcher=watch)))
     loop.run(2)
     (check,) = loop.lowered.ledger.runs(RunKind.CHECK)
     assert {(a.buffer, a.stage) for a in check.reads()} >= {("req_to_token", "prepare_in_graph"),
