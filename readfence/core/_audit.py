@@ -46,6 +46,7 @@ from readfence.effects import (
 )
 from readfence.effects.internal import table
 
+from ._backend_trace import trace
 from ._checks import check_backend, check_mode, positive_int
 from ._late_reads import ReadKind, late_read_fix
 from ._ledger import Ledger, RunKind, ledger_of
@@ -56,9 +57,7 @@ from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, Stage, stage_named
-from .tracing._analysis import StageWriteError
-from .tracing._bind import bind
-from .tracing._trace import trace
+from .tracing import StageWriteError, bind
 
 
 class Verdict(enum.StrEnum):

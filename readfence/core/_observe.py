@@ -3,8 +3,8 @@
 One of the checks that do not trust the analysis (with poison on release and fuzzing). It trusts nothing the tracer
 computed: a ``TorchDispatchMode`` looks at every op the dispatcher runs and matches the
 memory of its tensor arguments against the shared buffers by address range
-(:class:`~readfence.core.tracing._memory.BufferMap`), asking the op's schema
-(:func:`~readfence.core.tracing._schema.op_aliasing`) whether it is a pure view or a write. So it
+(:class:`~readfence.core.tracing.BufferMap`), asking the op's schema
+(:func:`~readfence.core.tracing.op_aliasing`) whether it is a pure view or a write. So it
 sees reads through views, list pieces, tensors captured in closures, attributes or globals
 and DLPack aliases alike: it never looks at names. :func:`cross_check` then holds the static
 analysis to what was observed.
@@ -41,15 +41,28 @@ from ._protocol import BackendLike
 from ._state import ModelConfig, check_mode, example_step
 from ._step import BODY, STAGE_ENDS, Stage, StageCall, StepFunctions, eval_step
 from ._threads import watch_threads
-from .tracing._cache import CACHES, CodeKey, code_key
-from .tracing._dispatch import DispatchMode
-from .tracing._escapes import REFERENCE_ESCAPES, user_line
-from .tracing._memory import BufferMap, metadata_claim_holds, tensors_in, view_claim_holds
-from .tracing._origin import trusted_op
-from .tracing._probe import metadata_templates, rerun_with
-from .tracing._schema import OpAliasing, bind, op_aliasing
-from .tracing._segment import Segment, SegmentSignature, segment_signature
-from .tracing._triton import is_launch_op
+from .tracing import (
+    CACHES,
+    REFERENCE_ESCAPES,
+    BufferMap,
+    CodeKey,
+    DispatchMode,
+    OpAliasing,
+    Segment,
+    SegmentSignature,
+    bind_arguments,
+    code_key,
+    is_launch_op,
+    metadata_claim_holds,
+    metadata_templates,
+    op_aliasing,
+    rerun_with,
+    segment_signature,
+    tensors_in,
+    trusted_op,
+    user_line,
+    view_claim_holds,
+)
 
 Kind = Literal["read", "write", "escape"]
 
@@ -142,7 +155,7 @@ class ReadObserver(DispatchMode):
     the claim is checked on the op's output, and one whose output shares no memory with what
     it claims to alias (a copy: a functional ``_foreach_*`` op) read it. An argument an op uses
     for its metadata only (``zeros_like``'s ``self``) is not read, unless its run refutes the
-    claim (:func:`~readfence.core.tracing._memory.metadata_claim_holds`).
+    claim (:func:`~readfence.core.tracing.metadata_claim_holds`).
     Any other op reads every buffer an argument touches, and also writes those of the
     arguments its schema marks written. An op without a schema, or with an argument type
     the schema cannot describe, counts as a read of what it touches, with a ``note`` saying
@@ -152,7 +165,7 @@ class ReadObserver(DispatchMode):
     ``untyped_storage()``), whose buffers become ``UNKNOWN``.
 
     Custom ops (any op torch or readfence did not register itself, whatever its namespace:
-    ``tracing._origin``): the mode records the op with its arguments,
+    ``core.tracing``): the mode records the op with its arguments,
     then runs its kernel *under the mode* (a redispatch below the Python key with the mode
     pushed back, since a handler runs with its mode popped), so the ops inside a
     ``torch.library.custom_op`` Python implementation (or any kernel that calls back into
@@ -319,7 +332,7 @@ class ReadObserver(DispatchMode):
             for b in sorted(self.buffers.touched_by(templates)):
                 self._add(b, self._qualified(str(func)), "read", "uses it for its metadata only, its run says otherwise")
             return
-        values = bind(func, args, kwargs)
+        values = bind_arguments(func, args, kwargs)
         outs = out if len(aliasing.outputs) > 1 else (out,)
         if view_claim_holds(outs, [[values[i] for i in src] for src in aliasing.outputs]):
             return
@@ -352,7 +365,7 @@ class ReadObserver(DispatchMode):
             return None
         if aliasing.is_view:
             return aliasing
-        values = bind(func, args, kwargs)
+        values = bind_arguments(func, args, kwargs)
         read = self.buffers.touched_by([values[i] for i in aliasing.data_args(len(values))])
         name = self._qualified(str(func))
         note = "opaque argument type: counted as a read" if aliasing.opaque else ""
@@ -520,7 +533,7 @@ def observe_functions(
 ) -> Observation:
     """One observed step of three stage functions, run eagerly under a ``ReadObserver``.
 
-    The calling convention of :func:`~readfence.core.tracing._trace.trace_functions` (keyword
+    The calling convention of :func:`~readfence.core.tracing.trace_functions` (keyword
     groups; the body sees ``{**out_graph_meta, **in_graph_meta}``), with what
     ``prepare_out_graph`` returns crossing into the graph as a copy
     (:func:`~readfence.core.cross_into_graph`). Tests use it with toy functions.

@@ -432,7 +432,7 @@ class Program:
     tensors; then every buffer is ``UNKNOWN``.
 
     >>> import torch
-    >>> from readfence.core.tracing._trace import trace_functions
+    >>> from readfence.core.tracing import trace_functions
     >>> prog = trace_functions(
     ...     "toy", ForwardMode.DECODE,
     ...     inputs={"shared": {"seq_lens": torch.ones(2, dtype=torch.int32)}, "batch": {}},
@@ -504,7 +504,7 @@ class Program:
         ``UNKNOWN`` (see the module docstring).
 
         >>> import torch
-        >>> from readfence.core.tracing._trace import trace_functions
+        >>> from readfence.core.tracing import trace_functions
         >>> shared = {"seq_lens": torch.arange(1, 3), "swa_map": torch.arange(2)}
         >>> def snapshot(shared, batch):  # a host read of a copy of the lengths: a bound
         ...     lens = shared["seq_lens"] + 0
