@@ -106,10 +106,10 @@ def varied(runs: int = 3, layers: int | None = None) -> dict[str, dict[str, floa
 def _walks_timed() -> Iterator[list[float]]:
     """Every walk of what a backend's code reads (``core.tracing._guards.reach``, which keys the
     caches) timed while the block runs: the list of their seconds."""
+    import readfence.core._backend_trace as tracing
     import readfence.core.tracing._cache as cache
     import readfence.core.tracing._kernel_access as kernels
     import readfence.core.tracing._kernel_ir as kernel_ir
-    import readfence.core.tracing._trace as tracing
     import readfence.graph.lowering._lower as lowering
 
     seconds: list[float] = []

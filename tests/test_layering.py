@@ -274,3 +274,84 @@ def test_the_private_import_check_sees_a_private_reach(tmp_path: Path) -> None:
     (root / "backends" / "__init__.py").write_text("from readfence.core._checks import positive_int\n")
     found = private_reaches(root)
     assert len(found) == 1 and "readfence.core._checks.positive_int" in found[0], found
+
+
+TRACER = "readfence.core.tracing"
+
+
+def _in_tracer(module: str) -> bool:
+    return module == TRACER or module.startswith(TRACER + ".")
+
+
+def tracer_private_reaches(root: Path) -> list[str]:
+    """One line per import of one of the tracer's private modules (``core.tracing._x``) from
+    outside its folder: the rest of readfence uses what ``readfence.core.tracing`` exports."""
+    found = []
+    for module, path in modules(root):
+        if _in_tracer(module):
+            continue
+        for line, target in imported(module, path):
+            if _in_tracer(target) and target[len(TRACER):].lstrip(".").startswith("_"):
+                found.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {target}, a private module "
+                             f"of the tracer; import it from {TRACER}")
+    return found
+
+
+def below_the_tracer(root: Path) -> set[str]:
+    """The core modules outside the tracer that it imports, directly or through one another:
+    the step's data it is built on."""
+    found = dict(modules(root))
+
+    def module_of(target: str) -> str:
+        while target and target not in found:
+            target = target.rpartition(".")[0]
+        return target
+
+    def core_imports(module: str) -> set[str]:
+        targets = {module_of(t) for _, t in imported(module, found[module])}
+        return {t for t in targets if t.startswith("readfence.core.") and not _in_tracer(t)}
+
+    below: set[str] = set()
+    todo = [t for m in found if _in_tracer(m) for t in core_imports(m)]
+    while todo:
+        module = todo.pop()
+        if module not in below:
+            below.add(module)
+            todo.extend(core_imports(module))
+    return below
+
+
+def tracer_imported_from_below(root: Path) -> list[str]:
+    """One line per import of the tracer by a core module the tracer itself imports (see
+    :func:`below_the_tracer`): the step's data never depends on how a step is traced."""
+    found = dict(modules(root))
+    return [f"{found[module].relative_to(root.parent)}:{line}: {module} is below the tracer (the tracer imports it) "
+            f"and imports {target}"
+            for module in sorted(below_the_tracer(root))
+            for line, target in imported(module, found[module]) if _in_tracer(target)]
+
+
+def test_nothing_outside_the_tracer_imports_its_private_modules() -> None:
+    assert tracer_private_reaches(PACKAGE) == []
+
+
+def test_no_core_module_below_the_tracer_imports_it() -> None:
+    below = below_the_tracer(PACKAGE)
+    # the step's data is below; the model and the example state, which a trace runs on, are above
+    assert {"readfence.core._step", "readfence.core._program", "readfence.core._protocol"} <= below
+    assert not {"readfence.core._model", "readfence.core._state", "readfence.core._audit"} & below
+    assert tracer_imported_from_below(PACKAGE) == []
+
+
+def test_the_tracer_checks_catch_a_private_reach_and_an_import_from_below(tmp_path: Path) -> None:
+    copy = tmp_path / "readfence"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert tracer_private_reaches(copy) == [] and tracer_imported_from_below(copy) == []
+    audit = copy / "core" / "_audit.py"  # above the tracer: it may use the face, not a private module
+    audit.write_text(audit.read_text() + "\n\ndef _late():\n    from .tracing._memory import span_of\n")
+    step = copy / "core" / "_step.py"  # below the tracer: even its face is out of reach
+    step.write_text(step.read_text() + "\n\ndef _late():\n    from readfence.core.tracing import span_of\n")
+    (reach,) = tracer_private_reaches(copy)
+    assert reach.startswith("readfence/core/_audit.py:") and "readfence.core.tracing._memory.span_of" in reach
+    (below,) = tracer_imported_from_below(copy)
+    assert below.startswith("readfence/core/_step.py:") and "readfence.core.tracing.span_of" in below

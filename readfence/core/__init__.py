@@ -15,6 +15,7 @@ from ._audit import Unsound as Unsound
 from ._audit import Verdict as Verdict
 from ._audit import audit as audit
 from ._audit import default_batch_sizes as default_batch_sizes
+from ._backend_trace import trace as trace
 from ._model import run_step as run_step
 from ._model import step_functions as step_functions
 from ._modes import ForwardMode as ForwardMode
@@ -48,16 +49,15 @@ from ._step import cross_into_graph as cross_into_graph
 from ._step import eval_step as eval_step
 from ._threads import StageThreadError as StageThreadError
 from ._validate import NotGraphSafe as NotGraphSafe
-from .tracing._analysis import StageWriteError as StageWriteError
-from .tracing._bind import bind as bind
-from .tracing._cache import clear_trace_cache as clear_trace_cache
-from .tracing._captured import CapturedStateError as CapturedStateError
-from .tracing._kernel_access import KernelAccess as KernelAccess
-from .tracing._kernel_ir import kernel_access as kernel_access
-from .tracing._trace import UntraceableStage as UntraceableStage
-from .tracing._trace import trace as trace
-from .tracing._triton import LaunchStreamError as LaunchStreamError
-from .tracing._triton import UnboundedKernelError as UnboundedKernelError
+from .tracing import CapturedStateError as CapturedStateError
+from .tracing import KernelAccess as KernelAccess
+from .tracing import LaunchStreamError as LaunchStreamError
+from .tracing import StageWriteError as StageWriteError
+from .tracing import UnboundedKernelError as UnboundedKernelError
+from .tracing import UntraceableStage as UntraceableStage
+from .tracing import bind as bind
+from .tracing import clear_trace_cache as clear_trace_cache
+from .tracing import kernel_access as kernel_access
 
 __all__ = [
     "BODY", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "AuditReport",

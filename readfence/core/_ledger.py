@@ -43,9 +43,7 @@ from ._program import NodeReads, Program, StageGraph, flatten_inputs
 from ._state import TRAFFIC_STATES, ModelConfig, example_step, varied_step
 from ._step import STAGE_ENDS, STAGES, Stage, StepFunctions, eval_step, stage_named
 from ._threads import watch_threads
-from .tracing._bind import state_key
-from .tracing._cache import CACHES
-from .tracing._memory import BufferMap
+from .tracing import CACHES, BufferMap, state_key
 
 #: The node of a read a run saw in a stage's Python that no node of its graph accounts for: the
 #: read ends with the stage.

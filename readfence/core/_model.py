@@ -21,7 +21,7 @@ from ._protocol import BackendLike, replayed
 from ._scan import LayerScan, run_scan
 from ._state import ModelConfig, StepInputs, check_mode, example_step  # noqa: F401 (doctests)
 from ._step import BODY, EAGER, Eager, StageCall, StepFunctions, check_stage_output, eval_step
-from .tracing._segment import Segment
+from .tracing import Segment
 
 _EPS = 1e-6
 

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from ._checks import check_mode, positive_int
 from ._modes import ForwardMode
 from ._parallel import TensorParallel, shard_heads, shard_params
-from .tracing._memory import meet_shared
+from .tracing import meet_shared
 
 #: The scheduler-owned buffers, in a fixed order.
 SHARED_BUFFERS: tuple[str, ...] = ("req_to_token", "seq_lens", "swa_map", "state_slots")

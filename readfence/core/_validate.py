@@ -51,9 +51,7 @@ from ._ledger import REPLAY_SEEDS, Ledger, RunKind, state_label
 from ._observe import ReadObserver
 from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import Stage, StageCall, StepFunctions, eval_step
-from .tracing._cache import CACHES
-from .tracing._memory import random_state, same_values, set_random_state
-from .tracing._trace import trace_step
+from .tracing import CACHES, random_state, same_values, set_random_state, trace_step
 
 #: The seed of the state a capture validated before is checked on again at every later use: the
 #: Python it was validated against may have changed since through a value no cache key holds (a

@@ -48,15 +48,15 @@ def test_deep_chain_builds_compares_prints_and_walks_without_recursion():
 
 def test_the_effect_caches_stay_bounded_however_many_effects_a_process_builds() -> None:
     # a fuzzer draws random declarations for hours: interning, joins and tables are bounded
-    from readfence.backends import _backend
+    from readfence.backends import _effect_tables as tables
     from readfence.effects import ReadEffect, ReadEnd
 
-    names = [f"b{i}" for i in range(2 * _backend._CACHE_LIMIT)]
-    effects = [_backend.intern(ReadEffect.of({n: ReadEnd.IN_REPLAY})) for n in names]
+    names = [f"b{i}" for i in range(2 * tables._CACHE_LIMIT)]
+    effects = [tables.intern(ReadEffect.of({n: ReadEnd.IN_REPLAY})) for n in names]
     for a, b in zip(effects, effects[1:]):
-        _backend.join2(a, b)
-        _backend.intern_table((a, b))
-    assert _backend.intern.cache_info().currsize <= _backend._CACHE_LIMIT
-    assert len(_backend._JOINS) <= _backend._CACHE_LIMIT and len(_backend._TABLES) <= _backend._CACHE_LIMIT
+        tables.join2(a, b)
+        tables.intern_table((a, b))
+    assert tables.intern.cache_info().currsize <= tables._CACHE_LIMIT
+    assert len(tables._JOINS) <= tables._CACHE_LIMIT and len(tables._TABLES) <= tables._CACHE_LIMIT
     # an evicted entry only costs sharing: the join is still right
-    assert _backend.join2(effects[0], effects[1]) == effects[0] | effects[1]
+    assert tables.join2(effects[0], effects[1]) == effects[0] | effects[1]

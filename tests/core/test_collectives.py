@@ -14,8 +14,8 @@ import torch.distributed._functional_collectives
 from torch import fx
 
 from readfence.backends import leaf, page_meta, paged, softmax_attention, store_kv
-from readfence.core import BODY, ForwardMode, ModelConfig, StageWriteError, TensorParallel, _collectives, trace
-from readfence.core.tracing import _alias
+from readfence.core import BODY, ForwardMode, ModelConfig, StageWriteError, TensorParallel, trace
+from readfence.core.tracing import _alias, _collectives
 from readfence.core.tracing._trace import trace_functions
 from readfence.effects import ReadEffect, ReadEnd
 

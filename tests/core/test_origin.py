@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed._functional_collectives  # registers the collectives
 
-from readfence.core import ReadObserver, _collectives
+from readfence.core import ReadObserver
+from readfence.core.tracing import _collectives
 from readfence.core.tracing._origin import readfence_op, torch_op, trusted_op
 from readfence.core.tracing._triton import is_launch_op
 

@@ -62,7 +62,7 @@ def test_each_stage_name_is_a_string_literal_once_in_the_package() -> None:
     for stage in STAGES:
         places = [f"{f.relative_to(PACKAGE)}:{n.lineno}" for f, tree in trees for n in _string_literals(tree)
                   if n.value == stage.name]
-        assert len(places) == 1 and places[0].startswith("core/_step.py:"), (stage, places)
+        assert len(places) == 1 and places[0].startswith("core/_stages.py:"), (stage, places)
 
 
 def test_the_copy_into_the_graph_has_one_caller_in_the_package() -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from readfence.backends import hybrid_linear, linear, paged, redeclare, trtllm_mha
 from readfence.core import BODY, ForwardMode, ModelConfig, TensorParallel
-from readfence.core._collectives import starts_collective
+from readfence.core.tracing._collectives import starts_collective
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import Policy, Scheduler, lower, run_overlapped, run_serial, verify
 

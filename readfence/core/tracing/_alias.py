@@ -25,8 +25,8 @@ import attrs
 from torch import fx
 from torch._ops import HigherOrderOperator
 
-from .._collectives import hidden_writes, inert, is_wait, starts_collective
 from .._program import ALIASES_KEY, ESCAPE, OPAQUE_KEY, READS_KEY
+from ._collectives import hidden_writes, inert, is_wait, starts_collective
 from ._schema import bind, op_aliasing
 
 Aliases = frozenset[str]

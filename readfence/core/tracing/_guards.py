@@ -42,12 +42,9 @@ environment), it cannot see: :attr:`Settings.complete` says whether it stopped e
 from __future__ import annotations
 
 import dis
-import enum
 import functools
-import os
-import sys
 import types
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import attrs
@@ -56,6 +53,25 @@ import torch
 from readfence.effects import ReadfenceError
 
 from .._step import BODY, STAGES
+from ._reached import GONE as GONE
+from ._reached import Path as Path
+from ._reached import Reach as Reach
+from ._reached import Settings as Settings
+from ._reached import _memory
+from ._reached import tensor_layout as tensor_layout
+from ._value_kinds import (
+    _ATOM_TYPES,
+    _KINDS,
+    _MACHINERY_DIRS,
+    _OPAQUE_PACKAGES,
+    _OPAQUE_READFENCE,
+    _WRAPPERS,
+    _classify,
+    _classify_module,
+    _Slots,
+    _slots_of,
+    _Space,
+)
 
 #: At most this many values are walked from one root; what lies beyond is not seen.
 LIMIT = 4096
@@ -65,175 +81,6 @@ DEPTH = 12
 #: What the step calls on a backend: the walk starts from these names.
 STAGE_NAMES = frozenset({*(s.name for s in STAGES if s is not BODY), "attend", "runs_as", "child_runs", "replayed",
                          "name", "children", "forward"})
-
-#: Packages whose objects are taken by identity, unwalked: torch's, the standard library's and
-#: readfence's own machinery (the tracer, the model, the lattice: none of them is a backend's
-#: setting). readfence's backends and engine adapters are walked like any user's code.
-_OPAQUE_PACKAGES = frozenset({"torch", "triton", "numpy", "attr", "attrs", "returns", "hypothesis", "sympy", "typing_extensions",
-                              "functorch", "jinja2", "_pytest", "pytest", "builtins", *sys.stdlib_module_names})
-_STDLIB = frozenset({"builtins", "types", *sys.stdlib_module_names})
-_OPAQUE_READFENCE = ("readfence.core", "readfence.effects", "readfence.graph", "readfence.cli", "readfence.parallel")
-_MACHINERY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                     *name.split(".")[1:]) + os.sep for name in _OPAQUE_READFENCE)
-
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
-_TORCH_VALUES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-# -- paths -----------------------------------------------------------------------------------
-class Path(tuple):
-    """Where a value was reached from the root: ``root`` (its name) and ``steps``, each an
-    ``(kind, key)`` pair. ``str`` is the Python expression that reads it
-    (``backend.kernel.attend_fn.__globals__['SCALE']``). A tuple, so that a walk of thousands of
-    values makes its paths at the cost of tuples.
-
-    >>> path = Path("backend", (("attr", "kernel"), ("global", "SCALE")))
-    >>> str(path), path == Path("backend").then("attr", "kernel").then("global", "SCALE")
-    ("backend.kernel.__globals__['SCALE']", True)
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, root: str, steps: tuple[tuple[str, Hashable], ...] = ()) -> Path:
-        return tuple.__new__(cls, (root, steps))
-
-    @property
-    def root(self) -> str:
-        return self[0]
-
-    @property
-    def steps(self) -> tuple[tuple[str, Hashable], ...]:
-        return self[1]
-
-    def then(self, kind: str, key: Hashable) -> Path:
-        """This path, one step further."""
-        return _tuple_new(Path, (self[0], (*self[1], (kind, key))))
-
-    def __getnewargs__(self) -> tuple[str, tuple[tuple[str, Hashable], ...]]:
-        return self[0], self[1]
-
-    def __repr__(self) -> str:
-        return f"Path({self[0]!r}, {self[1]!r})"
-
-    def resolve(self, root: object) -> object:
-        """The value this path reaches from ``root`` now (:data:`GONE` when a step fails)."""
-        value = root
-        for kind, key in self.steps:
-            try:
-                value = _STEPS[kind](value, key)
-            except (AttributeError, LookupError, TypeError, ValueError):
-                return GONE
-        return value
-
-    def names(self, kind: str) -> Iterator[Hashable]:
-        return (key for k, key in self.steps if k == kind)
-
-    def __str__(self) -> str:
-        out = [self.root]
-        for kind, key in self.steps:
-            out.append(_SHOWN[kind](key))
-        return "".join(out)
-
-
-_tuple_new = tuple.__new__
-
-
-class _Gone:
-    def __repr__(self) -> str:
-        return "GONE"
-
-
-#: What :meth:`Path.resolve` gives where the value is no longer there.
-GONE: Any = _Gone()
-
-_STEPS: dict[str, Any] = {
-    "attr": lambda v, k: getattr(v, k),
-    "entry": lambda v, k: vars(v)[k],
-    "global": lambda v, k: v.__globals__[k],
-    "cell": lambda v, k: v.__closure__[k[0]].cell_contents,
-    "default": lambda v, k: v.__defaults__[k],
-    "kwdefault": lambda v, k: v.__kwdefaults__[k],
-    "item": lambda v, k: v[k],
-}
-_SHOWN: dict[str, Any] = {
-    "attr": lambda k: f".{k}",
-    "entry": lambda k: f".{k}",
-    "global": lambda k: f".__globals__[{k!r}]",
-    "cell": lambda k: f".__closure__[{k[0]}].cell_contents",
-    "default": lambda k: f".__defaults__[{k}]",
-    "kwdefault": lambda k: f".__kwdefaults__[{k!r}]",
-    "item": lambda k: f"[{k!r}]",
-}
-
-
-# -- what the walk keeps -----------------------------------------------------------------------
-def tensor_layout(t: torch.Tensor) -> tuple[Any, ...]:
-    """What a graph that captured ``t`` relies on: its identity, the memory it spans, its shape,
-    strides and dtype (a CUDA graph holds its address; a replay reads it with this layout).
-
-    >>> t = torch.zeros(4)
-    >>> tensor_layout(t) == tensor_layout(t), tensor_layout(t) == tensor_layout(t.resize_(8))
-    (True, False)
-    """
-    try:
-        where = t.untyped_storage().data_ptr() if t.device.type not in ("meta",) else None
-    except (RuntimeError, NotImplementedError):  # fake or functional tensors hold no memory
-        where = None
-    return (id(t), where, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
-
-
-@attrs.frozen(cache_hash=True)
-class Settings:
-    """The Python values some reached code can read, each with the path it was found at, in
-    the order of the walk (frozen: a cache key). Two walks of unchanged objects give equal
-    settings; ``complete`` is False where the walk stopped at :data:`LIMIT` or :data:`DEPTH`.
-    The objects taken by identity are held, so that no identity is reused while a key lives."""
-
-    entries: tuple[tuple[Path, Hashable], ...]
-    complete: bool = True
-    held: tuple[Any, ...] = attrs.field(default=(), eq=False, hash=False, repr=False)
-
-    def changed_from(self, other: Settings) -> Path | None:
-        """The first path whose value differs between ``other`` and these settings (or which only
-        one of them reaches); ``None`` when they are equal.
-
-        >>> Settings(((Path("x"), 1),)).changed_from(Settings(((Path("x"), 2),)))
-        Path('x', ())
-        """
-        mine, theirs = dict(self.entries), dict(other.entries)
-        for path, _ in (*self.entries, *other.entries):
-            if mine.get(path, GONE) != theirs.get(path, GONE):
-                return path
-        return None
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-@attrs.frozen(eq=False)
-class Reach:
-    """What :func:`reach` found: the :class:`Settings`, and every tensor reached, with the first
-    path it was found at (assigned attributes included: where the backend keeps its buffers)."""
-
-    settings: Settings
-    tensors: tuple[tuple[Path, torch.Tensor], ...]
-
-    def homes(self, t: torch.Tensor) -> tuple[tuple[Path, bool], ...]:
-        """Every path that holds ``t`` itself (``True``) or a tensor over its memory (``False``:
-        a view kept beside it), those holding ``t`` first."""
-        memory = _memory(t)
-        itself = tuple((path, True) for path, held in self.tensors if held is t)
-        views = tuple((path, False) for path, held in self.tensors
-                      if held is not t and memory is not None and _memory(held) == memory)
-        return itself + views
-
-
-def _memory(t: torch.Tensor) -> tuple[int, int] | None:
-    try:
-        st = t.untyped_storage()
-        return (st.data_ptr(), st.nbytes()) if st.data_ptr() else None
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 # -- the walk ----------------------------------------------------------------------------------
@@ -506,106 +353,6 @@ class _Walk:
         if key not in self.space_ids:
             self.space_ids.add(key)
             self.spaces.append(_Space(path, namespace, namespace.keys(), kind, depth))
-
-
-_ATOM_TYPES = frozenset(_ATOMS)
-#: Objects that stand for the function they wrap, and the attribute that holds it.
-_WRAPPERS: dict[type, str] = {property: "fget", staticmethod: "__func__", classmethod: "__func__",
-                              functools.cached_property: "func"}
-
-
-#: How the walk takes a value of each type (:func:`_classify`).
-_KINDS: dict[type, str] = {}
-
-
-def _classify(kind: type) -> str:
-    """How the walk takes a value of type ``kind``: by value, by layout (a tensor), as a function,
-    a container, a class, a module, an object to walk, or by identity (``opaque``)."""
-    if kind in _ATOM_TYPES:
-        how = "atom"
-    elif issubclass(kind, (enum.Enum, *_TORCH_VALUES)):
-        how = "value"
-    elif issubclass(kind, torch.Tensor):
-        how = "tensor"
-    elif kind is types.ModuleType:
-        how = "module"
-    elif kind is types.FunctionType:
-        how = "function"
-    elif kind is types.MethodType:
-        how = "method"
-    elif kind is functools.partial:
-        how = "partial"
-    elif issubclass(kind, tuple(_WRAPPERS)):
-        how = "wrapper"
-    elif issubclass(kind, (list, tuple)):
-        how = "sequence"
-    elif issubclass(kind, dict):
-        how = "mapping"
-    elif issubclass(kind, (set, frozenset)):
-        how = "set"
-    elif issubclass(kind, type):
-        how = "class"
-    else:
-        how = _classify_module(kind)
-    if len(_KINDS) < 65536:
-        _KINDS[kind] = how
-    return how
-
-
-def _classify_module(kind: type) -> str:
-    """``opaque`` for a class of torch, the standard library or readfence's machinery, else ``object``;
-    but ``kernel`` for a triton kernel's class, and ``record`` for a standard library class whose
-    instances hold a ``__dict__`` of their own (``types.SimpleNamespace``, ``argparse.Namespace``:
-    a config as often as not)."""
-    module = getattr(kind, "__module__", None) or ""
-    top = module.partition(".")[0]
-    if top in _STDLIB and getattr(kind, "__dictoffset__", False):
-        return "record"
-    if top == "triton" and any(b.__name__ == "KernelInterface" for b in kind.__mro__):
-        return "kernel"
-    opaque = top in _OPAQUE_PACKAGES or module.startswith(_OPAQUE_READFENCE)
-    return "opaque" if opaque else "object"
-
-
-@functools.lru_cache(maxsize=1024)  # by class: its slots are fixed when it is made
-def _slots_of(kind: Any) -> tuple[str, ...]:
-    names = [s for cls in kind.__mro__ for s in getattr(cls, "__slots__", ()) if isinstance(s, str)]
-    return tuple(n for n in dict.fromkeys(names) if n not in ("__dict__", "__weakref__"))
-
-
-@attrs.define(eq=False)
-class _Space:
-    """A namespace walked by name: its entries named by some reached code."""
-
-    path: Path
-    mapping: Mapping[str, Any]
-    keys: Any  # its keys (a view: ``keys & names`` looks up the smaller side)
-    kind: str  # the path step that reads an entry
-    depth: int
-
-
-class _Slots(Mapping[str, Any]):
-    """An object's slots as a mapping (the filled ones)."""
-
-    def __init__(self, obj: object, names: tuple[str, ...]) -> None:
-        self.obj, self.slots = obj, names
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.slots:
-            raise KeyError(name)
-        try:
-            return getattr(self.obj, name)
-        except AttributeError:
-            raise KeyError(name) from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.slots)
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def keys(self) -> Any:
-        return frozenset(self.slots)
 
 
 def reach(root: object, name: str = "fn", *, limit: int = LIMIT, depth: int = DEPTH) -> Reach:

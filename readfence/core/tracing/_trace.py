@@ -33,27 +33,23 @@ from torch.utils import _pytree as pytree
 
 from readfence.effects import ReadfenceError
 
-from .._checks import check_backend, check_mode, positive_int
 from .._modes import ForwardMode
 from .._program import INPUT_KEY, Program, StageAnalysis, StageGraph, StageHooks, TracedGraph, Unmatched, flatten_inputs
-from .._protocol import BackendLike
 from .._step import OutputGuard, Stage, StageCall, StepFunctions, eval_step
 from .._threads import watch_threads
 from ._alias import Analysis
 from ._analysis import StageFacts, analysed, in_branches
-from ._cache import CACHES, CodeKey, code_key
 from ._captured import captured_tensors, fresh_literals_dropped, mark_persistent
 from ._collect import collection_paused
 from ._consumed import ReadKeys
 from ._escapes import OPAQUE_OP, hands_data
-from ._guards import KeptTensor, first_stale, kept_tensors, reach
 from ._memory import BufferMap
 from ._probe import MemoryProbe, ProbeResult
 from ._record import GraphRecorder, Unrecordable, record
 from ._trace_modes import HostReads, TraceAborted, TraceMode
 
 if TYPE_CHECKING:
-    from .._state import ModelConfig
+    pass
 
 
 def _through_compiled_functions() -> Any:
@@ -529,106 +525,3 @@ def trace_step(fns: StepFunctions, mode: ForwardMode, inputs: Mapping[str, Any],
         backend=fns.backend, mode=mode, device=device, buffers=tuple(shared.keys()), stages=tuple(stages),
         aborted=aborted,
     )
-
-
-# -- the public entry point ------------------------------------------------------------------
-@attrs.frozen
-class TraceKey:
-    """What a traced program depends on: the backend's code and the values it can read
-    (:class:`~readfence.core.tracing._cache.CodeKey`), the mode, the model, the batch size, the
-    device the trace's tensors are on and the example's seed."""
-
-    code: CodeKey
-    mode: ForwardMode
-    cfg: Any
-    batch_size: int
-    device: str
-    seed: int
-
-
-def _nodes(program: Program) -> int:
-    return sum(len(s.graph.gm.graph.nodes) for s in program.stages)
-
-
-#: Traced programs, at most 1024 and a million graph nodes in all (a 64-layer model's program
-#: is some 20,000 nodes, about 6 MB; lowering every size of a capture list traces three programs
-#: per size for a combinator of two), the oldest forgotten first.
-TRACES = CACHES.table("traces", TraceKey, "the traced program; rechecked: each tensor it captured still where the "
-                      "backend keeps it, with its storage and shape", limit=1024, budget=1_000_000, weight=_nodes)
-
-
-def forget_trace(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, batch_size: int, device: str,
-                 seed: int = 0) -> None:
-    """Forget the cached trace that :func:`trace` with these arguments returns (and, with it,
-    everything computed from it): the next call traces again.
-
-    >>> from readfence.backends import paged
-    >>> from readfence.core import ModelConfig
-    >>> first = trace(paged(), ForwardMode.DECODE)
-    >>> forget_trace(paged(), ForwardMode.DECODE, cfg=ModelConfig(), batch_size=2, device="cpu")
-    >>> trace(paged(), ForwardMode.DECODE) is first
-    False
-    """
-    TRACES.forget(TraceKey(code_key(backend), mode, cfg, batch_size, str(device), seed))
-
-
-def _still_kept(kept: tuple[KeptTensor, ...], backend: BackendLike) -> str | None:
-    stale = first_stale(kept, backend)
-    return None if stale is None else f"stage {stale[0].stage}'s tensor at {stale[0].where} {stale[1]}"
-
-
-def _default_cfg() -> ModelConfig:
-    from .._state import ModelConfig
-
-    return ModelConfig()
-
-
-def _trace_uncached(backend: BackendLike, mode: ForwardMode, cfg: Any, batch_size: int, device: str, seed: int) -> Program:
-    from .._model import step_functions
-    from .._state import example_step
-
-    step = example_step(cfg, mode, batch_size, seed=seed, device="cpu")
-    return trace_step(step_functions(backend, mode, cfg), mode, step.groups(), device=device)
-
-
-def trace(
-    backend: BackendLike,
-    mode: ForwardMode,
-    *,
-    cfg: ModelConfig | None = None,
-    batch_size: int = 2,
-    device: str = "cpu",
-    seed: int = 0,
-) -> Program:
-    """Trace ``backend``'s step in ``mode`` into a ``Program`` (cached per arguments, and per
-    the Python values the backend's code can read: see :class:`TraceKey`).
-
-    Stages: ``prepare_out_graph`` (eager, before replay), ``prepare_in_graph`` (first nodes
-    of the graph) and ``body`` (the model's forward, calling ``attend`` per layer). Inputs
-    come from ``example_step(cfg, mode, batch_size, seed=seed)``; on a device other than
-    CPU they are fake tensors, so no such device is needed. Raises ``StageWriteError`` if a
-    stage writes a shared buffer.
-
-    >>> from readfence.backends import paged
-    >>> prog = trace(paged(), ForwardMode.DECODE)
-    >>> prog.traced() <= paged().read_effect(ForwardMode.DECODE)
-    True
-    """
-    check_backend(backend)
-    check_mode(mode)
-    if cfg is None:
-        cfg = _default_cfg()
-    positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
-    device = str(device)
-    key = TraceKey(code_key(backend), mode, cfg, batch_size, device, seed)
-    hit: Program | None = TRACES.get(key)
-    if hit is not None:
-        return hit
-    program = _trace_uncached(backend, mode, cfg, batch_size, device, seed)
-    if not program.captured():
-        return TRACES.put(key, program)
-    # where the backend keeps each tensor its graphs captured (after the trace: what it ran on)
-    kept = kept_tensors(program.stages, reach(backend, "backend"))
-    return TRACES.put(key, program, check=lambda: _still_kept(kept, backend))

@@ -113,7 +113,7 @@ def insert_alias_checks(gm: fx.GraphModule, live: BufferMap, *, backend: str, st
     given (see the module docstring), or ``gm`` itself when it calls none.
 
     >>> from torch.fx.experimental.proxy_tensor import make_fx
-    >>> from readfence.core.tracing._alias import analyse  # what the analysis finds each value aliases
+    >>> from readfence.core.tracing import analyse  # what the analysis finds each value aliases
     >>> lib = torch.library.Library("alias_check_demo", "FRAGMENT")
     >>> _ = lib.define("rows_of(Tensor lens, Tensor rows) -> Tensor")  # no alias annotation
     >>> def rows_of(lens, rows):  # a fast path: a view when the rows are consecutive

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tracing._origin import torch_op
+from ._origin import torch_op
 
 #: Namespaces whose ops start a collective that a later ``wait_tensor`` completes.
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
