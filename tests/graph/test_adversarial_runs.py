@@ -14,6 +14,7 @@ from readfence.core import CapturedStateError, StageWriteError
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
+    LowerOptions,
     Policy,
     UnsoundLowering,
     lower,
@@ -99,7 +100,7 @@ def test_exact_places_a_read_only_a_run_saw_after_its_node() -> None:
     reference = run_serial(backend, case.mode, steps=STEPS, batch_size=BATCH, cfg=CFG, state=state)
     with CpuDevice(timeout=30.0) as dev:
         low = lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.EXACT, cfg=CFG, state=state,
-                    UNSAFE_skip_soundness_check=True)
+                    lowering=LowerOptions(UNSAFE_skip_soundness_check=True))
         placement = {r["buffer"]: r["placement"] for r in low.describe()}["seq_lens"]
         assert placement.startswith("after node body:plan_run"), placement
         res = run_overlapped(backend, case.mode, steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH,

@@ -1,4 +1,5 @@
-"""LowerOptions: one typed record of the lowering options every function that lowers hands on."""
+"""LowerOptions: one typed record of the lowering options, which lower takes and every function
+that lowers for you hands on; and no public function takes more than ten parameters."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from readfence.graph import (
     Traffic,
     decode_loop,
     eagle,
+    lower,
     lower_capture_list,
     make_state,
     run_overlapped,
@@ -41,6 +43,8 @@ M = ForwardMode
     ("timeline", [], TypeError, "LowerOptions.timeline must be a Timeline or None, got [] (list)"),
     ("check", {}, TypeError, "LowerOptions.check must be a CheckState or None, got {} (dict)"),
     ("new_event", "event", TypeError, "LowerOptions.new_event must be a function of an event's name"),
+    ("publish", "seq_lens", TypeError, "LowerOptions.publish must be a list of buffer names or None, got 'seq_lens'"),
+    ("publish", ["seq_len"], ValueError, "publish names unknown buffer 'seq_len'"),
 ])
 def test_a_bad_value_is_refused_naming_the_field(field, value, error, message):
     with pytest.raises(error, match="^" + re.escape(message)):
@@ -63,6 +67,36 @@ def test_the_record_is_a_frozen_value():
 
 
 # -- the options reach the lowered graphs ---------------------------------------------------
+def test_lower_takes_the_record(dev):
+    made: list[str] = []
+
+    def new_event(name: str):
+        made.append(name)
+        return dev.event(name)
+
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG,
+                lowering=LowerOptions(ring_size=3, new_event=new_event, publish=["req_to_token"], optimize=False))
+    assert low.ring_size == 3 and not low.optimized
+    assert sorted(low.plan.placements) == ["req_to_token"]
+    assert made and all(name.startswith(low.label + "/") for name in made)
+    plain = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG)
+    assert plain.ring_size == 1 and plain.optimized and len(plain.plan.placements) > 1
+
+
+def test_lower_refuses_an_option_given_as_a_keyword_naming_the_record(dev):
+    for name, value in (("ring_size", 2), ("measure", True), ("optimize", False), ("publish", ["seq_lens"]),
+                        ("UNSAFE_skip_soundness_check", True)):
+        with pytest.raises(TypeError, match=rf"^lower\(\) got an unexpected keyword argument '{name}'; it is a "
+                                            rf"lowering option: pass lowering=LowerOptions\({name}=\.\.\.\)$"):
+            lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, **{name: value})
+    with pytest.raises(TypeError, match=r"^lower\(\) got an unexpected keyword argument 'stream_'; did you mean "
+                                        r"'stream'\?"):
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, stream_=None)
+    with pytest.raises(TypeError, match=r"^lower\(\): lowering must be a readfence.graph.LowerOptions, got "
+                                        r"\{'ring_size': 2\} \(dict\)$"):
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, lowering={"ring_size": 2})
+
+
 def test_decode_loop_lowers_with_the_ring_size(dev):
     for ring in (1, 3):
         loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG,
@@ -155,9 +189,14 @@ def test_a_loop_refuses_a_record_setting_what_it_sets_itself(dev):
         for run in (verify, run_overlapped, run_traced, run_serve):
             with pytest.raises(TypeError, match=rf"^{run.__name__}\(\) sets the lowering's {name} itself"):
                 run(paged(), steps=1, policy=Policy.EXACT, device=dev, cfg=CFG, lowering=options)
-    with pytest.raises(TypeError, match=r"^decode_loop\(\) sets the lowering's measure itself: leave measure out "
-                                        r"of its LowerOptions$"):
-        decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG, lowering=LowerOptions(measure=True))
+    for name, value in (("measure", True), ("publish", ["req_to_token"])):  # no option of the loop's says these
+        with pytest.raises(TypeError, match=rf"^decode_loop\(\) sets the lowering's {name} itself: leave {name} out "
+                                            rf"of its LowerOptions$"):
+            decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
+                        lowering=LowerOptions(**{name: value}))
+        for run in (verify, run_overlapped, run_traced, run_serve):
+            with pytest.raises(TypeError, match=rf"^{run.__name__}\(\) sets the lowering's {name} itself"):
+                run(paged(), steps=1, policy=Policy.EXACT, device=dev, cfg=CFG, lowering=LowerOptions(**{name: value}))
 
 
 @pytest.mark.parametrize("entry", [decode_loop, run_overlapped, run_traced, verify, run_serve])
@@ -185,3 +224,4 @@ def test_the_runners_take_their_loops_keywords_with_the_same_defaults(outer, inn
     assert list(mine) == list(theirs)
     assert {n: (p.default, p.annotation) for n, p in mine.items()} == \
         {n: (p.default, p.annotation) for n, p in theirs.items()}
+

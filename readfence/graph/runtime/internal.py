@@ -3,7 +3,6 @@
 
 from ._loop import settled_on_error as settled_on_error
 from ._options import as_record as as_record
-from ._options import names_keywords as names_keywords
 from ._plot import LABEL_GAP as LABEL_GAP
 from ._plot import MIN_BAR as MIN_BAR
 from ._plot import OUTLIER as OUTLIER

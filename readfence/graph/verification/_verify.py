@@ -68,7 +68,7 @@ from ..lowering import (
     make_state,
     torch_device,
 )
-from ..lowering.internal import for_a_loop, poison_points
+from ..lowering.internal import for_a_loop, names_keywords, poison_points
 from ..runtime import (
     DEFAULT_CAPTURE_SIZES,
     LoopOptions,
@@ -79,7 +79,7 @@ from ..runtime import (
     run_serve_serial,
     serve_loop,
 )
-from ..runtime.internal import names_keywords, same_logits
+from ..runtime.internal import same_logits
 from ..steps import StepShape
 from ..steps.internal import Target, check_run
 
