@@ -14,6 +14,7 @@ from readfence.core import CapturedStateError, StageWriteError
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
+    LoopOptions,
     LowerOptions,
     Policy,
     UnsoundLowering,
@@ -145,5 +146,5 @@ def test_a_per_stream_member_judged_at_its_share_runs_bit_identical_and_its_raci
         racing = CASES["per_stream_half_batch_member"].build(None)
         refused = verify(racing, **common).failure()
         assert refused.evidence == "audit" and refused.buffer == "seq_lens", refused
-        late = verify(racing, UNSAFE_skip_soundness_check=True, **common).failure()
+        late = verify(racing, **common, options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
         assert late.buffer == "seq_lens" and late.evidence != "audit", late

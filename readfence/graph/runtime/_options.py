@@ -13,7 +13,7 @@ How each graph is lowered is :class:`~readfence.graph.LowerOptions`, passed as `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -71,6 +71,23 @@ def _progress(_: object, field: attrs.Attribute[Any], value: object) -> None:
                         f"({type(value).__name__})")
 
 
+#: The checks :func:`~readfence.graph.verify` can run (a record's ``checks``); the observer only
+#: where Python runs the step.
+CHECKS: tuple[str, ...] = ("poison", "guard", "observer")
+
+
+def _checks(value: object) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"checks must be a collection of names from {list(CHECKS)}, got {value!r} "
+                        f"({type(value).__name__})")
+    chosen = frozenset(value)
+    if not chosen or not chosen <= set(CHECKS):
+        raise ValueError(f"checks must name at least one of {list(CHECKS)}, got {sorted(map(str, chosen))!r}")
+    return chosen
+
+
 def _ring(_: object, field: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
         check_ring(value)
@@ -104,7 +121,9 @@ class LoopOptions:
     ``run_serial``, the reference, reads the workload and ``progress`` and nothing else: one record
     serves the loop and the reference it is compared with. ``sanitize`` is for the ``run_*``
     helpers; a :class:`~readfence.graph.DecodeLoop` you run yourself is watched by what you add to
-    its device.
+    its device. ``checks`` is for :func:`~readfence.graph.verify`, which runs the loop in its own
+    check mode: the names from :data:`CHECKS` it runs (default: all, the observer where it can
+    watch; ``{"poison"}`` shows what poison alone catches).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice, Policy, run_overlapped, run_serial
@@ -132,6 +151,7 @@ class LoopOptions:
     sanitize: bool = attrs.field(default=True, validator=_flag)
     progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
     UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
 
     def __attrs_post_init__(self) -> None:
         if self.write_cost and self.write_wait_s:
@@ -145,8 +165,9 @@ class ServeOptions:
     take whole, as ``options=``.
 
     ``max_prefill`` caps the tokens of one prefill step (default: the model's limit);
-    ``write_cost`` / ``write_wait_s``, ``timeline``, ``check``, ``sanitize``, ``progress`` and
-    ``UNSAFE_skip_soundness_check`` are as for :class:`LoopOptions`. The reference,
+    ``write_cost`` / ``write_wait_s``, ``timeline``, ``check``, ``sanitize``, ``progress``,
+    ``UNSAFE_skip_soundness_check`` and ``checks`` (for :func:`~readfence.graph.verify_serve`)
+    are as for :class:`LoopOptions`. The reference,
     ``run_serve_serial``, reads ``max_prefill``, ``write_wait_s`` and ``progress``.
 
     >>> from readfence.backends import paged
@@ -169,6 +190,7 @@ class ServeOptions:
     sanitize: bool = attrs.field(default=True, validator=_flag)
     progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
     UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
 
     def __attrs_post_init__(self) -> None:
         if self.write_cost and self.write_wait_s:
@@ -189,15 +211,16 @@ def options_of(options: object, kind: type[T], caller: str) -> T:
     Traceback (most recent call last):
     ...
     TypeError: run_overlapped(): options must be a readfence.graph.LoopOptions, got ServeOptions(...)
-    (the serving loop's options: serve_loop and run_serve take it)
+    (the serving loop's options: serve_loop, run_serve and verify_serve take it)
     """
     if options is None:
         return kind()
     if isinstance(options, kind):
         return options
     where = {LowerOptions: "lowering options: pass it as lowering=",
-             LoopOptions: "the decode loop's options: decode_loop, run_overlapped, run_traced and run_serial take it",
-             ServeOptions: "the serving loop's options: serve_loop and run_serve take it"}
+             LoopOptions: "the decode loop's options: decode_loop, run_overlapped, run_traced, run_serial and verify "
+                          "take it",
+             ServeOptions: "the serving loop's options: serve_loop, run_serve and verify_serve take it"}
     shown = f"{type(options).__name__}(...)" if type(options) in where else repr(options)
     hint = next((f" ({text})" for record, text in where.items() if isinstance(options, record)), "")
     raise TypeError(f"{caller}(): options must be a readfence.graph.{kind.__name__}, got {shown}{hint}"
