@@ -44,7 +44,7 @@ import torch
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode
 from readfence.effects import ReadEnd
-from readfence.graph import DEVICE_KINDS, CpuDevice, Policy, Scheduler, lower, open_device
+from readfence.graph import DEVICE_KINDS, CpuDevice, LowerOptions, Policy, Scheduler, lower, open_device
 from readfence.graph.lowering._issue import load_batch
 
 MODE = ForwardMode.DECODE
@@ -153,9 +153,10 @@ def measure(*, quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     results = {}
     for policy in (Policy.PER_BUFFER, Policy.EXACT):
         with open_device(device, timeout=120) as dev:
-            low = lower(backend, MODE, batch_size=4, device=dev, policy=policy, ring_size=1)
-            twin = lower(backend, MODE, batch_size=4, device=dev, policy=policy, ring_size=1,
-                         state={"shared": low.shared, "pools": low.pools, "params": low.params})
+            low = lower(backend, MODE, batch_size=4, device=dev, policy=policy, lowering=LowerOptions(ring_size=1))
+            twin = lower(backend, MODE, batch_size=4, device=dev, policy=policy,
+                         state={"shared": low.shared, "pools": low.pools, "params": low.params},
+                         lowering=LowerOptions(ring_size=1))
             nxt = Scheduler(low.cfg, MODE, 4).next_step()
             for b in SHARED_BUFFERS:
                 low.shared[b].copy_(nxt.shared[b])

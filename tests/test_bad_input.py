@@ -17,6 +17,7 @@ from readfence.core.internal import example_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     CpuDevice,
+    LowerOptions,
     Policy,
     decode_loop,
     lower,
@@ -222,7 +223,8 @@ def test_reads_must_name_shared_buffers() -> None:
 def test_lower_names_a_misspelt_published_buffer_as_declarations_do(closed) -> None:
     with pytest.raises(ValueError, match=r"^publish names unknown buffer 'seq_len'; shared buffers are req_to_token, "
                                          r".*did you mean 'seq_lens'\?$"):
-        lower(paged(), M.DECODE, batch_size=2, device=closed, policy=Policy.EXACT, publish=["seq_len"])
+        lower(paged(), M.DECODE, batch_size=2, device=closed, policy=Policy.EXACT,
+              lowering=LowerOptions(publish=["seq_len"]))
 
 
 # -- IDLE runs no forward: nothing to lower, run or verify ---------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from readfence.core import ModelConfig
-from readfence.graph import Policy, ServeOptions, Timeline, Traffic, UnsoundLowering, open_device, run_serve, run_serve_serial, verify
+from readfence.graph import Policy, ServeOptions, Timeline, Traffic, UnsoundLowering, open_device, run_serve, run_serve_serial, verify_serve
 from readfence.graph.lowering import torch_device
 from readfence.graph.runtime import CappedTimeline
 from readfence.graph.runtime import internal as runtime_internal
@@ -185,8 +185,8 @@ def verify_serving(report: ServeReport, target: Any, *, policies: Sequence[Polic
     """``report`` with what ``verify`` finds on the serving loop (poison, guard, observer) for
     COARSE and each of ``policies``: its report or its finding, and each row's ``verify``."""
     with open_device(device) as dev:
-        result = verify(target, policy=tuple(with_baseline(policies)), steps=steps, device=dev, traffic=traffic,
-                        capture_sizes=capture_sizes)
+        result = verify_serve(target, policy=tuple(with_baseline(policies)), steps=steps, device=dev, traffic=traffic,
+                              capture_sizes=capture_sizes)
     verify_ok = _ok(result)
     verified = str(result.unwrap()) if verify_ok else str(result.failure())
     clean = {c.policy.name for c in result.unwrap().checks} if verify_ok else set()

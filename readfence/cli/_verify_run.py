@@ -19,7 +19,7 @@ from readfence.core.internal import ReadKind, late_read_fix, stage_named
 from readfence.effects.internal import one_line
 from readfence.graph import LateRead, Policy, StepShape, VerifyReport, open_device, verify
 from readfence.graph.lowering import torch_device
-from readfence.graph.verification import PolicyCheck, phase_modes
+from readfence.graph.verification import WORKLOAD, PolicyCheck, phase_modes
 
 if TYPE_CHECKING:
     from readfence.parallel import Rank
@@ -251,8 +251,8 @@ def run_verify(spec: Any, mode: ForwardMode, *, policies: Sequence[Policy], devi
                 findings.append(predicted)
                 continue
             ran.add(policy)
-            result = verify(spec, mode, policy=policy, steps=steps, batch_size=batch_size, device=dev, seed=seed,
-                            cfg=cfg, UNSAFE_skip_soundness_check=unsafe)
+            result = verify(spec, mode, policy=policy, steps=steps, batch_size=batch_size, device=dev, cfg=cfg,
+                            options=attrs.evolve(WORKLOAD, seed=seed, UNSAFE_skip_soundness_check=unsafe))
             if not result.map(lambda _: True).value_or(False):
                 findings.append(result.failure())
             elif predicted is not None:

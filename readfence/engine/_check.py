@@ -22,6 +22,7 @@ from readfence.effects import Failure, Success
 from readfence.effects.internal import table
 from readfence.graph import Device, LateRead, LoopOptions, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
 from readfence.graph.lowering import torch_device
+from readfence.graph.verification import WORKLOAD
 
 from ._adapter import EngineBackend, check_engine
 from ._contract import EngineError
@@ -176,7 +177,8 @@ def verify_engine(engine: EngineBackend, mode: ForwardMode = ForwardMode.DECODE,
     engine = check_engine(engine)
     mode = check_forward_mode(mode, "verify")
     positive_int("steps", steps)
-    common = dict(steps=steps, batch_size=batch_size, device=device, cfg=engine.cfg, state=engine.state, seed=seed)
+    common = dict(steps=steps, batch_size=batch_size, device=device, cfg=engine.cfg, state=engine.state,
+                  options=attrs.evolve(WORKLOAD, seed=seed))
     targets: list[tuple[str, Any, Policy]] = [(p.name, engine, p) for p in _policies(policies)]
     if runner is not None:
         targets.append((RUNNER, runner_model(engine, runner), Policy.JOINED))

@@ -37,10 +37,10 @@ from readfence.backends import Backend
 from readfence.core import ForwardMode, ModelConfig
 from readfence.core.internal import check_mode, example_step
 from readfence.effects import ReadEnd
-from readfence.graph import Device, Fence, Lowered, LowerOptions, Policy, StepRun
+from readfence.graph import Device, Fence, Lowered, LowerOptions, Policy, StepRun, lower
 from readfence.graph.devices import Event
 from readfence.graph.lowering import Bound
-from readfence.graph.lowering.internal import lower_with, lowering_options
+from readfence.graph.lowering.internal import lowering_options
 
 from ._adapter import EngineBackend, Tensors, check_engine
 
@@ -286,8 +286,8 @@ class RunnerTarget(Backend):
         lowered_backend = (self.engine if self.engine.read_effect(mode).end is point
                            else self.engine.redeclared(mode, point))
         trusted = attrs.evolve(lowering_options(lowering, "lower_step"), UNSAFE_skip_soundness_check=True)
-        inner = lower_with(trusted, lowered_backend, mode, device=device, policy=Policy.JOINED, batch_size=batch_size,
-                           cfg=cfg, state=state)
+        inner = lower(lowered_backend, mode, device=device, policy=Policy.JOINED, batch_size=batch_size, cfg=cfg,
+                      state=state, lowering=trusted)
         return EngineRunner(self.engine, mode, model, inner, point, marker, graphed)
 
 

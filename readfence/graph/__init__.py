@@ -78,6 +78,7 @@ from .runtime import write_trace as write_trace
 from .verification import LateRead as LateRead
 from .verification import VerifyReport as VerifyReport
 from .verification import verify as verify
+from .verification import verify_serve as verify_serve
 # isort: on
 
 __all__ = [
@@ -131,6 +132,7 @@ __all__ = [
     "write_trace",
     "plot_timelines",
     "verify",
+    "verify_serve",
     "VerifyReport",
     "LateRead",
 ]

@@ -81,7 +81,7 @@ from readfence.core.internal import example_step, observe_step
 from .devices import Device
 from .lowering import Policy, make_state
 from .lowering.internal import audit_verdict
-from .verification import LateRead, verify
+from .verification import WORKLOAD, LateRead, verify
 
 State = Mapping[str, Mapping[str, Tensor]]
 
@@ -379,16 +379,18 @@ def check_program(
         refused_by = f"audit: {_refusal(e)}"
 
     common: dict[str, Any] = {"policy": FUZZ_POLICIES, "steps": steps, "batch_size": batch_size,
-                              "device": device, "cfg": cfg, "state": state, "seed": seed}
+                              "device": device, "cfg": cfg, "state": state}
+    workload = attrs.evolve(WORKLOAD, seed=seed)
     finding = unsafe = None
     unsafe_ran = False
     if refused_by is None:
         # verify lowers under each policy itself: a refusal there is lower's, not a finding
-        finding = verify(backend, mode, **common).swap().value_or(None)
+        finding = verify(backend, mode, options=workload, **common).swap().value_or(None)
         if finding is not None and _refused_by_lower(finding):
             refused_by, finding = f"lower under {finding.policy.name}: {finding.kind}: {finding.detail}", None
     if refused_by is not None and false_alarms:
-        unsafe = verify(backend, mode, UNSAFE_skip_soundness_check=True, **common).swap().value_or(None)
+        unsafe = verify(backend, mode, options=attrs.evolve(workload, UNSAFE_skip_soundness_check=True),
+                        **common).swap().value_or(None)
         # refused before any run (a write, trace-time state): nothing ran to tell a false alarm
         unsafe_ran = unsafe is None or not _refused_by_lower(unsafe)
 

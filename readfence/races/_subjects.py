@@ -40,6 +40,7 @@ from readfence.engine.internal import preserved
 from readfence.graph import Device, DeviceError, LateRead, LoopOptions, LoopResult, Policy, Violation, make_state, run_overlapped, run_serial, verify
 from readfence.graph.runtime import StagingRing, check_staging
 from readfence.graph.runtime.internal import same_logits
+from readfence.graph.verification import WORKLOAD
 
 from ._case import Finding, RunOutcome
 
@@ -182,7 +183,7 @@ class StepSubject:
 
     def verify(self, device: Device) -> Finding | None:
         result = verify(runner_step(self.phases, self.waits_on), policy=Policy.JOINED, device=device,
-                        UNSAFE_skip_soundness_check=True, **self._common())
+                        options=attrs.evolve(WORKLOAD, UNSAFE_skip_soundness_check=True), **self._common())
         return None if is_successful(result) else _late("verify", result.failure())
 
     def serial(self) -> LoopResult:

@@ -18,7 +18,7 @@ from readfence.backends import kv_lens, leaf, softmax_attention, store_kv
 from readfence.core import ForwardMode, ReadObserver, StageThreadError, StageWriteError, UnboundedKernelError, audit, trace
 from readfence.core.internal import launches_unseen
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import Policy, verify
+from readfence.graph import LoopOptions, Policy, verify
 from tests.conftest import NO_TRITON, TRITON
 from tests.conftest import ONE_LAYER as CFG
 
@@ -97,9 +97,9 @@ def _backend(name, *, late=False, rows=page_rows, declare=IN):
     return leaf(name, attend, prepare_in_graph=prep, declare={M.DECODE: effect, M.TARGET_VERIFY: effect})
 
 
-def _verify(backend, dev, **kw):
+def _verify(backend, dev, **options):
     return verify(backend, M.DECODE, steps=2, batch_size=2, device=dev, cfg=CFG,
-                  policy=[Policy.PER_BUFFER, Policy.EXACT], **kw)
+                  policy=[Policy.PER_BUFFER, Policy.EXACT], options=LoopOptions(**options))
 
 
 # -- the read ---------------------------------------------------------------------------------

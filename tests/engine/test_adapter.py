@@ -10,7 +10,7 @@ from returns.pipeline import is_successful
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, CapturedStateError, ForwardMode, audit
 from readfence.effects import ReadEnd
 from readfence.engine import RUNNER, adapt, audit_engine, verify_engine
-from readfence.graph import Policy, make_state, run_overlapped, run_serial
+from readfence.graph import LoopOptions, Policy, make_state, run_overlapped, run_serial
 
 from .classes import (
     ByMode,
@@ -137,7 +137,8 @@ def test_readfence_lowering_and_the_runner_see_the_very_tensors_the_object_reads
     from readfence.graph import verify
 
     caught = verify(early, M.DECODE, policy=Policy.PER_BUFFER, steps=2, batch_size=2, device=dev, cfg=CFG,
-                    state=engine.state, observer=False, UNSAFE_skip_soundness_check=True)
+                    state=engine.state,
+                    options=LoopOptions(checks={"poison", "guard"}, UNSAFE_skip_soundness_check=True))
     assert not is_successful(caught) and caught.failure().evidence == "poison"
 
 

@@ -15,6 +15,7 @@ from readfence.graph import (
     CpuDevice,
     FaultInjector,
     LoopOptions,
+    LowerOptions,
     Policy,
     UnsoundLowering,
     lower,
@@ -101,7 +102,7 @@ def test_exact_places_a_read_only_a_run_saw_after_its_node() -> None:
     reference = run_serial(backend, case.mode, steps=STEPS, batch_size=BATCH, cfg=CFG, state=state)
     with CpuDevice(timeout=30.0) as dev:
         low = lower(backend, case.mode, batch_size=BATCH, device=dev, policy=Policy.EXACT, cfg=CFG, state=state,
-                    UNSAFE_skip_soundness_check=True)
+                    lowering=LowerOptions(UNSAFE_skip_soundness_check=True))
         placement = {r["buffer"]: r["placement"] for r in low.describe()}["seq_lens"]
         assert placement.startswith("after node body:plan_run"), placement
         res = run_overlapped(backend, case.mode, steps=STEPS, policy=Policy.EXACT, device=dev, batch_size=BATCH,
@@ -146,5 +147,5 @@ def test_a_per_stream_member_judged_at_its_share_runs_bit_identical_and_its_raci
         racing = CASES["per_stream_half_batch_member"].build(None)
         refused = verify(racing, **common).failure()
         assert refused.evidence == "audit" and refused.buffer == "seq_lens", refused
-        late = verify(racing, UNSAFE_skip_soundness_check=True, **common).failure()
+        late = verify(racing, **common, options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
         assert late.buffer == "seq_lens" and late.evidence != "audit", late

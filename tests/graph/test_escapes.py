@@ -17,7 +17,7 @@ import torch
 from readfence.backends import page_meta
 from readfence.core import ForwardMode, audit, clear_trace_cache
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, Policy, UncapturableStage, lower, make_state, run_overlapped, run_serial, verify
+from readfence.graph import CpuDevice, LoopOptions, Policy, UncapturableStage, lower, make_state, run_overlapped, run_serial, verify
 from tests.adversarial import CASES, _every, _host_read, body_reader
 from tests.conftest import SMALL as CFG
 
@@ -61,7 +61,8 @@ def test_an_escape_declared_before_its_end_is_refused_naming_stage_and_escape_an
                      policy=[Policy.PER_BUFFER, Policy.EXACT]).failure()
     assert (refused.kind, refused.evidence) == ("unsound declaration", "audit") and escape in refused.detail
     caught = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
-                    policy=[Policy.PER_BUFFER, Policy.EXACT], UNSAFE_skip_soundness_check=True).failure()
+                    policy=[Policy.PER_BUFFER, Policy.EXACT],
+                    options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
     assert (caught.kind, caught.buffer, caught.step, caught.stage) == ("late read", "seq_lens", 0, "body"), str(caught)
 
 

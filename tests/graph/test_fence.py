@@ -11,7 +11,7 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode
-from readfence.graph import CpuDevice, DeviceTimeout, Fence, Policy, Scheduler, lower
+from readfence.graph import CpuDevice, DeviceTimeout, Fence, LowerOptions, Policy, Scheduler, lower
 from readfence.graph.devices import DeviceObserver, EventNeverRecorded, StreamError
 from readfence.graph.lowering import RingWrapError
 
@@ -184,7 +184,8 @@ def test_exception_in_the_out_of_graph_stage_surfaces_before_the_replay(dev):
 
 @EVENT_SEMANTICS
 def test_ring_of_one_wrapped_by_the_next_step_is_an_error(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=1)
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                lowering=LowerOptions(ring_size=1))
     batch = _batch(low)
     first = low.run(batch, step=0)
     low.run(batch, step=1)  # re-records the same events
@@ -200,7 +201,8 @@ def test_ring_of_one_wrapped_by_the_next_step_is_an_error(dev):
 
 @EVENT_SEMANTICS
 def test_ring_of_two_makes_the_same_sequence_fine(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=2)
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                lowering=LowerOptions(ring_size=2))
     batch = _batch(low)
     first = low.run(batch, step=0)
     second = low.run(batch, step=1)
@@ -247,7 +249,7 @@ def test_a_fence_is_bound_to_the_records_its_own_run_made(dev, policy, mode, mea
     # the fence derives its generations from the slot's run count; the events' own counters,
     # read right after each run, are the independent truth, and stay so as later runs go on
     low = lower(hybrid_linear(trtllm_mha(), linear()), mode, batch_size=2, device=dev, policy=policy,
-                ring_size=2, measure=measure)
+                lowering=LowerOptions(ring_size=2, measure=measure))
     assert low.graphed is (mode is M.DECODE)
     batch = _batch(low)
     fences, truth = [], []
@@ -267,7 +269,8 @@ def test_a_fence_is_bound_to_the_records_its_own_run_made(dev, policy, mode, mea
 def test_an_event_recorded_outside_its_graph_is_caught_at_the_wait(dev):
     # one event recorded by anyone but its graph's runs (here, by hand on another stream):
     # a wait on it would bind to that record, not the step's, so it is refused
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=2)
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                lowering=LowerOptions(ring_size=2))
     batch = _batch(low)
     run = low.run(batch, step=0)
     dev.stream("elsewhere").record(run.fence.per_buffer["req_to_token"].event)
@@ -283,7 +286,8 @@ def test_an_event_recorded_outside_its_graph_is_caught_at_the_wait(dev):
 def test_a_step_stopped_midway_leaves_the_next_fences_bound(dev, monkeypatch):
     # the replay raises after the step's PRE_REPLAY events were recorded: the slot's count of
     # runs and its events' records disagree from then on, unless the run resynchronises them
-    low = lower(trtllm_mha(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=1)
+    low = lower(trtllm_mha(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                lowering=LowerOptions(ring_size=1))
     batch = _batch(low)
     low.run(batch, step=0).fence.synchronize(timeout=T)
     graph = type(low._slots[0].graph)
@@ -326,7 +330,7 @@ def test_a_steps_events_fire_on_its_stream_in_index_order(dev, policy, mode):
     from readfence.backends import REFERENCE_LEAVES, deepseek_v4, tbo
     for backend in (hybrid_linear(trtllm_mha(), linear()), tbo(deepseek_v4(), paged()),
                     *(make() for make in REFERENCE_LEAVES.values())):
-        low = lower(backend, mode, batch_size=2, device=dev, policy=policy, measure=True)
+        low = lower(backend, mode, batch_size=2, device=dev, policy=policy, lowering=LowerOptions(measure=True))
         run = low.run(_batch(low), step=0)
         run.fence.wait_done(T)
         handles = [b.handle for b in (*run.fence.distinct, run.fence.done)]

@@ -13,7 +13,7 @@ import torch
 from readfence.backends import hybrid_linear, linear, trtllm_mha
 from readfence.core import ForwardMode as M
 from readfence.effects import ReadEnd
-from readfence.graph import CheckState, CpuDevice, Policy, Scheduler, lower, make_state
+from readfence.graph import CheckState, CpuDevice, LowerOptions, Policy, Scheduler, lower, make_state
 from readfence.graph.devices import DeviceObserver
 from tests.conftest import DEFAULT as CFG
 
@@ -80,7 +80,8 @@ def test_a_step_makes_the_calls_its_plan_says_in_stream_order(policy, graphs, ch
     with CpuDevice(timeout=T, graphs=graphs) as dev:
         state = make_state(CFG, dev)
         low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev, policy=policy,
-                    state=state, ring_size=2, check=CheckState(state["shared"], CFG) if check else None)
+                    state=state,
+                    lowering=LowerOptions(ring_size=2, check=CheckState(state["shared"], CFG) if check else None))
         assert low.graphed is graphs
         sched, written = dev.stream("schedule"), dev.event("written")
         sched.record(written)
@@ -100,7 +101,7 @@ def test_a_step_makes_the_calls_its_plan_says_in_stream_order(policy, graphs, ch
 def test_the_run_counter_gives_the_default_step_and_picks_the_slot():
     with CpuDevice(timeout=T) as dev:
         low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
-                    policy=Policy.PER_BUFFER, ring_size=3)
+                    policy=Policy.PER_BUFFER, lowering=LowerOptions(ring_size=3))
         batch = Scheduler(CFG, M.DECODE, 2).next_step().batch
         runs = [low.run(batch) for _ in range(4)]
         assert [r.step for r in runs] == [0, 1, 2, 3]
@@ -115,7 +116,7 @@ def test_the_run_counter_gives_the_default_step_and_picks_the_slot():
 def test_a_failure_inside_the_issuer_shows_the_generated_line_in_its_traceback():
     dev = CpuDevice(timeout=T)
     low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
-                policy=Policy.PER_BUFFER, ring_size=2)
+                policy=Policy.PER_BUFFER, lowering=LowerOptions(ring_size=2))
     batch = Scheduler(CFG, M.DECODE, 2).next_step().batch
     low.run(batch).result(T)
     dev.close()
@@ -130,7 +131,8 @@ def test_step_source_is_each_slots_own_code_and_refuses_a_slot_out_of_range():
     with CpuDevice(timeout=T) as dev:
         state = make_state(CFG, dev)
         low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
-                    policy=Policy.PER_BUFFER, ring_size=2, state=state, check=CheckState(state["shared"], CFG))
+                    policy=Policy.PER_BUFFER, state=state,
+                    lowering=LowerOptions(ring_size=2, check=CheckState(state["shared"], CFG)))
         first, second = low.step_source(0), low.step_source(1)
         assert first == second  # the same code; the globals bound to it are the slot's own
         assert low._issuers[0].__globals__["done"] is low._slots[0].done

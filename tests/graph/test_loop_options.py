@@ -127,9 +127,10 @@ def test_a_keyword_that_is_no_option_gets_the_closest_one():
 
 @pytest.mark.parametrize(("entry", "given", "message"), [
     (run_overlapped, ServeOptions(), r"options must be a readfence.graph.LoopOptions, got ServeOptions\(\.\.\.\) \(the "
-                                     r"serving loop's options: serve_loop and run_serve take it\)$"),
+                                     r"serving loop's options: serve_loop, run_serve and verify_serve take it\)$"),
     (run_serve, LoopOptions(), r"options must be a readfence.graph.ServeOptions, got LoopOptions\(\.\.\.\) \(the "
-                               r"decode loop's options: decode_loop, run_overlapped, run_traced and run_serial take it\)$"),
+                               r"decode loop's options: decode_loop, run_overlapped, run_traced, run_serial and "
+                               r"verify take it\)$"),
     (decode_loop, LowerOptions(ring_size=2), r"options must be a readfence.graph.LoopOptions, got "
                                              r"LowerOptions\(\.\.\.\) \(lowering options: pass it as lowering=\)$"),
     (run_serial, {"seed": 1}, r"options must be a readfence.graph.LoopOptions, got \{'seed': 1\} \(dict\)$"),

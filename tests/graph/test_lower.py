@@ -11,7 +11,7 @@ from readfence.backends import dense, hybrid_linear, linear, minimax, paged, red
 from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, run_step
 from readfence.core.internal import example_step
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, Policy, Scheduler, UnsoundLowering, lower, make_state
+from readfence.graph import CpuDevice, LowerOptions, Policy, Scheduler, UnsoundLowering, lower, make_state
 from readfence.graph.devices import DeviceObserver, Read, Record
 from readfence.graph.lowering._plan import IN_GRAPH_STAGES
 from tests.conftest import DEFAULT as CFG
@@ -75,12 +75,14 @@ def test_each_lowered_graph_owns_its_events(dev):
 
 
 def test_ring_slots_own_their_events_and_ring_one_reuses(dev):
-    ring2 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=2)
+    ring2 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                  lowering=LowerOptions(ring_size=2))
     batch = _step(ring2)
     f0, f1, f2 = (ring2.run(batch, step=i).fence for i in range(3))
     assert not set(_events(f0)) & set(_events(f1))
     assert set(_events(f0)) == set(_events(f2))  # slot 0 again
-    ring1 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, ring_size=1)
+    ring1 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+                  lowering=LowerOptions(ring_size=1))
     g0, g1 = (ring1.run(batch, step=i).fence for i in range(2))
     assert set(_events(g0)) == set(_events(g1))
     dev.synchronize(T)
@@ -102,7 +104,7 @@ def _replays(obs):
 def test_without_in_graph_events_the_graph_records_nothing(policy):
     with CpuDevice(timeout=T, in_graph_events=False) as dev:
         backend = minimax(sparse(), dense())
-        low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=policy, measure=True)
+        low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=policy, lowering=LowerOptions(measure=True))
         obs = _Ops()
         dev.add_observer(obs)
         run = low.run(_step(low), step=0)
@@ -150,7 +152,7 @@ def test_refusal_message_names_backend_mode_buffer_and_ends(dev):
     assert re.search(r"last read by node '\w+' in stage \w+ at \S+\.py:\d+ in \w+: a traced read", msg), msg
     # the unsafe flag lowers it, one step early
     low = lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
-                UNSAFE_skip_soundness_check=True)
+                lowering=LowerOptions(UNSAFE_skip_soundness_check=True))
     assert low.plan.end("seq_lens") is ReadEnd.PRE_REPLAY
     # COARSE needs no flag
     assert lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.COARSE).plan.end("seq_lens") \
@@ -167,7 +169,7 @@ def test_lower_validates_its_arguments(dev):
     with pytest.raises(ValueError, match="max_reqs"):
         lower(paged(), M.DECODE, batch_size=CFG.max_reqs + 1, device=dev, policy=Policy.EXACT)
     with pytest.raises(ValueError, match="ring_size"):
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, ring_size=0)
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, lowering=LowerOptions(ring_size=0))
 
 
 def test_run_checks_the_batch(dev):

@@ -1,8 +1,11 @@
-"""LowerOptions: one typed record of the lowering options every function that lowers hands on."""
+"""LowerOptions: one typed record of the lowering options, which lower takes and every function
+that lowers for you hands on; and no public function takes more than ten parameters."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import re
 
 import pytest
@@ -12,12 +15,15 @@ from readfence.core import ForwardMode
 from readfence.graph import (
     CheckState,
     CpuDevice,
+    LoopOptions,
     LowerOptions,
     Policy,
+    ServeOptions,
     Timeline,
     Traffic,
     decode_loop,
     eagle,
+    lower,
     lower_capture_list,
     make_state,
     run_overlapped,
@@ -25,6 +31,7 @@ from readfence.graph import (
     run_traced,
     serve_loop,
     verify,
+    verify_serve,
 )
 from tests.conftest import DEFAULT as CFG
 
@@ -41,6 +48,8 @@ M = ForwardMode
     ("timeline", [], TypeError, "LowerOptions.timeline must be a Timeline or None, got [] (list)"),
     ("check", {}, TypeError, "LowerOptions.check must be a CheckState or None, got {} (dict)"),
     ("new_event", "event", TypeError, "LowerOptions.new_event must be a function of an event's name"),
+    ("publish", "seq_lens", TypeError, "LowerOptions.publish must be a list of buffer names or None, got 'seq_lens'"),
+    ("publish", ["seq_len"], ValueError, "publish names unknown buffer 'seq_len'"),
 ])
 def test_a_bad_value_is_refused_naming_the_field(field, value, error, message):
     with pytest.raises(error, match="^" + re.escape(message)):
@@ -63,6 +72,36 @@ def test_the_record_is_a_frozen_value():
 
 
 # -- the options reach the lowered graphs ---------------------------------------------------
+def test_lower_takes_the_record(dev):
+    made: list[str] = []
+
+    def new_event(name: str):
+        made.append(name)
+        return dev.event(name)
+
+    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG,
+                lowering=LowerOptions(ring_size=3, new_event=new_event, publish=["req_to_token"], optimize=False))
+    assert low.ring_size == 3 and not low.optimized
+    assert sorted(low.plan.placements) == ["req_to_token"]
+    assert made and all(name.startswith(low.label + "/") for name in made)
+    plain = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=CFG)
+    assert plain.ring_size == 1 and plain.optimized and len(plain.plan.placements) > 1
+
+
+def test_lower_refuses_an_option_given_as_a_keyword_naming_the_record(dev):
+    for name, value in (("ring_size", 2), ("measure", True), ("optimize", False), ("publish", ["seq_lens"]),
+                        ("UNSAFE_skip_soundness_check", True)):
+        with pytest.raises(TypeError, match=rf"^lower\(\) got an unexpected keyword argument '{name}'; it is a "
+                                            rf"lowering option: pass lowering=LowerOptions\({name}=\.\.\.\)$"):
+            lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, **{name: value})
+    with pytest.raises(TypeError, match=r"^lower\(\) got an unexpected keyword argument 'stream_'; did you mean "
+                                        r"'stream'\?"):
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, stream_=None)
+    with pytest.raises(TypeError, match=r"^lower\(\): lowering must be a readfence.graph.LowerOptions, got "
+                                        r"\{'ring_size': 2\} \(dict\)$"):
+        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, lowering={"ring_size": 2})
+
+
 def test_decode_loop_lowers_with_the_ring_size(dev):
     for ring in (1, 3):
         loop = decode_loop(paged(), policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG,
@@ -155,12 +194,17 @@ def test_a_loop_refuses_a_record_setting_what_it_sets_itself(dev):
         for run in (verify, run_overlapped, run_traced, run_serve):
             with pytest.raises(TypeError, match=rf"^{run.__name__}\(\) sets the lowering's {name} itself"):
                 run(paged(), steps=1, policy=Policy.EXACT, device=dev, cfg=CFG, lowering=options)
-    with pytest.raises(TypeError, match=r"^decode_loop\(\) sets the lowering's measure itself: leave measure out "
-                                        r"of its LowerOptions$"):
-        decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG, lowering=LowerOptions(measure=True))
+    for name, value in (("measure", True), ("publish", ["req_to_token"])):  # no option of the loop's says these
+        with pytest.raises(TypeError, match=rf"^decode_loop\(\) sets the lowering's {name} itself: leave {name} out "
+                                            rf"of its LowerOptions$"):
+            decode_loop(paged(), policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
+                        lowering=LowerOptions(**{name: value}))
+        for run in (verify, run_overlapped, run_traced, run_serve):
+            with pytest.raises(TypeError, match=rf"^{run.__name__}\(\) sets the lowering's {name} itself"):
+                run(paged(), steps=1, policy=Policy.EXACT, device=dev, cfg=CFG, lowering=LowerOptions(**{name: value}))
 
 
-@pytest.mark.parametrize("entry", [decode_loop, run_overlapped, run_traced, verify, run_serve])
+@pytest.mark.parametrize("entry", [decode_loop, run_overlapped, run_traced, verify, run_serve, verify_serve])
 def test_a_lowering_option_given_as_a_keyword_says_where_it_goes(entry, dev):
     name = entry.__name__
     with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'ring_size'; it is a "
@@ -185,3 +229,90 @@ def test_the_runners_take_their_loops_keywords_with_the_same_defaults(outer, inn
     assert list(mine) == list(theirs)
     assert {n: (p.default, p.annotation) for n, p in mine.items()} == \
         {n: (p.default, p.annotation) for n, p in theirs.items()}
+
+
+
+# -- no public function takes more than ten parameters ---------------------------------------
+MAX_PARAMETERS = 10
+
+
+def _public_functions():
+    # every package of readfence and what its __all__ names: its functions, and its classes'
+    # public methods (a record's fields are its constructor's, not a function's parameters)
+    import readfence
+
+    packages = [readfence, *(importlib.import_module(m.name)
+                             for m in pkgutil.walk_packages(readfence.__path__, "readfence.")
+                             if m.ispkg and not any(part.startswith("_") for part in m.name.split(".")))]
+    seen: dict[object, str] = {}
+    for package in packages:
+        for name in getattr(package, "__all__", ()):
+            value = getattr(package, name)
+            if inspect.isfunction(value):
+                seen.setdefault(value, f"{package.__name__}.{name}")
+            elif inspect.isclass(value) and value.__module__.startswith("readfence"):
+                for attr, member in vars(value).items():
+                    fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                    if not attr.startswith("_") and inspect.isfunction(fn):
+                        seen.setdefault(fn, f"{package.__name__}.{name}.{attr}")
+    return seen
+
+
+def _parameters(fn) -> int:
+    params = list(inspect.signature(fn).parameters.values())
+    return len([p for p in params if p.name not in ("self", "cls")])
+
+
+def test_no_public_function_takes_more_than_ten_parameters():
+    functions = _public_functions()
+    assert len(functions) > 100  # the walk reaches the whole public API
+    over = {where: n for fn, where in functions.items() if (n := _parameters(fn)) > MAX_PARAMETERS}
+    assert over == {}, f"more than {MAX_PARAMETERS} parameters: take the options as a record (see LowerOptions)"
+
+
+def test_the_parameter_rule_sees_a_function_over_the_limit():
+    def eleven(a, b, c, d, e, f, g, h, i, j, k): ...
+
+    assert _parameters(eleven) == 11 > MAX_PARAMETERS
+    from readfence.graph.lowering.internal import names_keywords
+    assert _parameters(names_keywords(eleven)) == 11  # a wrapped function is counted by its own signature
+    assert _parameters(lower) == 10
+
+
+# -- verify takes the loops' records -----------------------------------------------------------
+@pytest.mark.parametrize(("checker", "runner"), [(verify, run_overlapped), (verify_serve, run_serve)])
+def test_verify_takes_the_keywords_of_the_runner_of_its_loop(checker, runner):
+    # the same keywords (after what runs): the loop's record as options=, the lowering's as lowering=
+    assert set(list(inspect.signature(checker).parameters)[1:]) == set(list(inspect.signature(runner).parameters)[1:])
+    assert inspect.signature(checker).parameters["options"].annotation == \
+        inspect.signature(runner).parameters["options"].annotation
+
+
+@pytest.mark.parametrize(("checker", "name", "record"), [
+    (verify, "seed", "LoopOptions"), (verify, "finish_prob", "LoopOptions"), (verify, "checks", "LoopOptions"),
+    (verify, "UNSAFE_skip_soundness_check", "LoopOptions"), (verify_serve, "checks", "ServeOptions"),
+    (verify_serve, "max_prefill", "ServeOptions"),
+])
+def test_a_loop_option_given_to_verify_as_a_keyword_says_where_it_goes(checker, name, record, dev):
+    kind = "a serving loop option" if record == "ServeOptions" else "a loop option"
+    with pytest.raises(TypeError, match=rf"^{checker.__name__}\(\) got an unexpected keyword argument '{name}'; it is "
+                                        rf"{kind}: pass options={record}\({name}=\.\.\.\)$"):
+        checker(paged(), policy=Policy.EXACT, device=dev, **{name: 1})
+
+
+def test_verify_runs_its_loops_workload_and_refuses_a_check_mode_of_the_records(dev):
+    # the record's workload reaches both the loop and its reference: a seed that changes the
+    # schedule verifies clean as the default does (the reference runs the same record)
+    for options in (None, LoopOptions(seed=5, finish_prob=0.9, write_wait_s=0.0001)):
+        report = verify(paged(), steps=4, batch_size=2, device=dev, cfg=CFG, policy=Policy.EXACT, options=options)
+        assert report.unwrap().checks[0].policy is Policy.EXACT
+    state = make_state(CFG, dev)
+    for checker, record in ((verify, LoopOptions), (verify_serve, ServeOptions)):
+        for check in (True, CheckState(state["shared"], CFG)):
+            with pytest.raises(TypeError, match=rf"^{checker.__name__}\(\) runs the loop in its own check mode: leave "
+                                                rf"check out of its {record.__name__}"):
+                checker(paged(), policy=Policy.EXACT, device=dev, cfg=CFG, options=record(check=check))
+    with pytest.raises(TypeError, match=r"^verify\(\): options must be a readfence.graph.LoopOptions, got "
+                                        r"ServeOptions\(\.\.\.\) \(the serving loop's options: serve_loop, run_serve and "
+                                        r"verify_serve take it\)$"):
+        verify(paged(), policy=Policy.EXACT, device=dev, options=ServeOptions())

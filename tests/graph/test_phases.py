@@ -177,8 +177,8 @@ def test_shared_event_between_streams_races_without_the_check(monkeypatch):
 def test_ring_too_small_for_steps_in_flight_is_refused():
     with CpuDevice() as dev:
         with pytest.raises(ValueError, match=r"event ring of size 1 is too small for 3 steps in flight"):
-            lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
-                  ring_size=1, steps_in_flight=3)
+            lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, steps_in_flight=3,
+                  lowering=LowerOptions(ring_size=1))
         low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
                     steps_in_flight=3)
         assert low.ring_size == 3
@@ -190,7 +190,7 @@ def test_ring_slots_keep_in_flight_fences_bound(cuda_events):
     with CpuDevice(cuda_events=cuda_events) as dev:
         for ring, wraps in ((1, True), (2, False)):
             low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
-                        ring_size=ring)
+                        lowering=LowerOptions(ring_size=ring))
             batch = example_step(low.cfg, ForwardMode.DECODE, 2).batch
             first = low.run(batch, step=0)
             low.run(batch, step=1)  # a second step in flight before the first fence is waited on

@@ -15,7 +15,7 @@ import pytest
 from readfence.backends import deepseek_v4, dense, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
-from readfence.graph import CpuDevice, Policy, lower
+from readfence.graph import CpuDevice, LowerOptions, Policy, lower
 from readfence.graph.lowering import Placement, plan_fences
 from readfence.graph.lowering._plan import IN_GRAPH_STAGES, LastRead
 
@@ -173,7 +173,8 @@ def test_composition_with_buffers_ending_at_different_stages(dev):
 @pytest.mark.parametrize("name", ["minimax(sparse,dense)", "hybrid_linear(trtllm_mha,linear)"])
 def test_lowering_without_in_graph_events(dev_no_in_graph, name, policy):
     backend = BACKENDS[name]()
-    low = lower(backend, M.DECODE, batch_size=2, device=dev_no_in_graph, policy=policy, measure=True)
+    low = lower(backend, M.DECODE, batch_size=2, device=dev_no_in_graph, policy=policy,
+                lowering=LowerOptions(measure=True))
     declared = backend.read_effect(M.DECODE)
     for b, p in low.plan.placements.items():
         assert p.end is not IN

@@ -31,7 +31,7 @@ from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, make_shared_state
 from readfence.core._state import buffer_ranges
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CheckState, Policy, make_state, verify
+from readfence.graph import CheckState, LoopOptions, Policy, make_state, verify
 from readfence.graph.lowering import POISONS, poison_family
 from tests.conftest import ONE_LAYER as CFG
 
@@ -289,8 +289,8 @@ def _reader(name: str, via: str, state) -> object:
 def _verify(name: str, via: str, dev, seed: int = 0):
     state = make_state(CFG)
     return verify(_reader(name, via, state), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
-                  state=state, seed=seed, policy=Policy.PER_BUFFER, checks={"poison"},
-                  UNSAFE_skip_soundness_check=True)
+                  state=state, policy=Policy.PER_BUFFER,
+                  options=LoopOptions(seed=seed, checks={"poison"}, UNSAFE_skip_soundness_check=True))
 
 
 CASES = list(itertools.product(READERS, VIAS))

@@ -24,7 +24,7 @@ import torch
 from readfence.backends import leaf, page_meta, remap, softmax_attention, store_kv
 from readfence.core import ForwardMode, NotGraphSafe, StageOutputError, audit, trace
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, Policy, UnsoundLowering, lower, run_overlapped, run_serial, verify
+from readfence.graph import CpuDevice, LoopOptions, Policy, UnsoundLowering, lower, run_overlapped, run_serial, verify
 from tests.conftest import ONE_LAYER as CFG
 
 M = ForwardMode.DECODE
@@ -185,7 +185,7 @@ def test_a_read_after_the_host_read_is_refused_by_the_trace() -> None:
         assert (refused.kind, refused.evidence, refused.buffer) == ("unsound declaration", "audit", "swa_map")
         # lowered anyway, the map is poisoned as the step begins and the snapshot reads the poison
         caught = verify(backend, M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=[Policy.PER_BUFFER],
-                        UNSAFE_skip_soundness_check=True).failure()
+                        options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
     assert caught.buffer == "swa_map", str(caught)
 
 

@@ -17,7 +17,7 @@ from returns.pipeline import is_successful
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.core import ForwardMode, audit
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, DeviceError, Policy, ReplayAliasError, decode_loop, run_serial, verify
+from readfence.graph import CpuDevice, DeviceError, LoopOptions, Policy, ReplayAliasError, decode_loop, run_serial, verify
 from tests.conftest import ONE_LAYER as CFG
 from tests.conftest import first_of_each
 
@@ -90,7 +90,7 @@ def test_without_the_check_the_late_read_is_caught_by_poison_and_by_the_observer
     with CpuDevice(timeout=30.0) as dev:
         for check in ("poison", "observer"):
             finding = verify(_fast_path("unchecked"), M, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
-                             policy=Policy.PER_BUFFER, checks={check}).failure()
+                             policy=Policy.PER_BUFFER, options=LoopOptions(checks={check})).failure()
             assert (finding.kind, finding.buffer, finding.evidence) == ("late read", "seq_lens", check), str(finding)
 
 
@@ -259,7 +259,7 @@ def test_without_the_check_a_repointed_argument_is_a_late_read_poison_and_the_ob
     with CpuDevice(timeout=30.0) as dev:
         for check in ("poison", "observer"):
             finding = verify(_into_backend(INTO[key], "unchecked"), M, steps=STEPS, batch_size=BATCH, device=dev,
-                             cfg=CFG, policy=Policy.PER_BUFFER, checks={check}).failure()
+                             cfg=CFG, policy=Policy.PER_BUFFER, options=LoopOptions(checks={check})).failure()
             assert (finding.kind, finding.buffer, finding.evidence) == ("late read", "seq_lens", check), str(finding)
 
 

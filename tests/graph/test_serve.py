@@ -35,7 +35,7 @@ from readfence.graph import (
     run_serve,
     run_serve_serial,
     serve_loop,
-    verify,
+    verify_serve,
 )
 from readfence.graph.lowering import ForeignEventError, RingWrapError
 from readfence.graph.runtime import ServeScheduler
@@ -198,8 +198,9 @@ def _early_seq_lens():
 def test_one_step_early_declaration_is_caught_by_verify_in_every_run(seed):
     traffic = Traffic(rate=0.5, prompt=(4, 12), output=(2, 6), seed=seed)
     with CpuDevice(timeout=30) as dev:
-        found = verify(_early_seq_lens(), steps=20, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=traffic,
-                       capture_sizes=SIZES, UNSAFE_skip_soundness_check=True).failure()
+        found = verify_serve(_early_seq_lens(), steps=20, device=dev, policy=Policy.PER_BUFFER, cfg=CFG,
+                             traffic=traffic, capture_sizes=SIZES,
+                             options=ServeOptions(UNSAFE_skip_soundness_check=True)).failure()
     assert (found.kind, found.buffer, found.evidence, found.stage) == ("late read", "seq_lens", "observer",
                                                                        "prepare_in_graph")
 
@@ -209,22 +210,23 @@ def test_one_step_early_declaration_is_caught_by_the_sanitizer_and_by_verify():
     res = _serve(early, Policy.PER_BUFFER, steps=40, options=ServeOptions(UNSAFE_skip_soundness_check=True))
     assert res.violations and {v.buffer for v in res.violations} == {"seq_lens"}
     with CpuDevice(timeout=30) as dev:
-        found = verify(early, steps=30, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,
-                       capture_sizes=SIZES, UNSAFE_skip_soundness_check=True).failure()
+        found = verify_serve(early, steps=30, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,
+                             capture_sizes=SIZES, options=ServeOptions(UNSAFE_skip_soundness_check=True)).failure()
         assert (found.kind, found.buffer, found.evidence) == ("late read", "seq_lens", "observer")
         # without the observer, poison alone catches it from the outputs
-        found = verify(early, steps=30, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,
-                       capture_sizes=SIZES, checks={"poison"}, UNSAFE_skip_soundness_check=True).failure()
+        found = verify_serve(early, steps=30, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,
+                             capture_sizes=SIZES,
+                             options=ServeOptions(checks={"poison"}, UNSAFE_skip_soundness_check=True)).failure()
         assert (found.kind, found.buffer, found.evidence) == ("late read", "seq_lens", "poison")
         # and lowering refuses it without the unsafe flag
-        refused = verify(early, steps=5, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,
-                         capture_sizes=SIZES).failure()
+        refused = verify_serve(early, steps=5, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, traffic=TRAFFIC,
+                               capture_sizes=SIZES).failure()
         assert refused.kind == "unsound declaration"
 
 
 def test_verify_on_the_serving_loop_is_clean():
     with CpuDevice(timeout=30) as dev:
-        report = verify(paged(), steps=30, device=dev, cfg=CFG, traffic=TRAFFIC, capture_sizes=SIZES).unwrap()
+        report = verify_serve(paged(), steps=30, device=dev, cfg=CFG, traffic=TRAFFIC, capture_sizes=SIZES).unwrap()
     assert [c.policy for c in report.checks] == list(Policy)
     assert report.ran() == ["poison", "guard", "observer"] and "serving" in str(report)
 

@@ -31,7 +31,7 @@ from readfence.backends import (
     trtllm_mha,
 )
 from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import CpuDevice, FaultInjector, Policy, Traffic, eagle, multi_eagle, ngram, run_serve, run_serve_serial, verify
+from readfence.graph import CpuDevice, FaultInjector, Policy, Traffic, eagle, multi_eagle, ngram, run_serve, run_serve_serial, verify_serve
 
 M = ForwardMode
 CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=32)
@@ -80,8 +80,8 @@ def test_serve_is_bit_identical_clean_and_verified(name):
         assert max(r.batch_size for r in res.records if r.kind == "decode") == CFG.max_reqs - 1  # every row busy
         assert all(s >= 0 for s in res.slack.values()), res.slack
     with CpuDevice(timeout=30) as dev:
-        report = verify(TARGETS[name](), steps=VERIFY_STEPS, device=dev, cfg=CFG, traffic=TRAFFIC,
-                        capture_sizes=SIZES)
+        report = verify_serve(TARGETS[name](), steps=VERIFY_STEPS, device=dev, cfg=CFG, traffic=TRAFFIC,
+                              capture_sizes=SIZES)
     checked = report.unwrap()  # a finding raises, naming the policy, buffer, step and op
     assert [c.policy for c in checked.checks] == list(Policy)
     assert checked.ran() == ["poison", "guard", "observer"]

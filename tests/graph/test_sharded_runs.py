@@ -15,7 +15,7 @@ from readfence.backends import hybrid_linear, linear, paged, redeclare, trtllm_m
 from readfence.core import BODY, ForwardMode, ModelConfig, TensorParallel
 from readfence.core.tracing._collectives import starts_collective
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import Policy, Scheduler, lower, run_overlapped, run_serial, verify
+from readfence.graph import LoopOptions, Policy, Scheduler, lower, run_overlapped, run_serial, verify
 
 DECODE = ForwardMode.DECODE
 
@@ -48,7 +48,7 @@ def test_poison_and_the_observer_are_clean_and_catch_a_declaration_one_step_earl
     early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
                                                         "seq_lens": ReadEnd.IN_REPLAY}))
     caught = verify(early, steps=3, batch_size=2, device=dev, cfg=cfg, policy=Policy.PER_BUFFER,
-                    UNSAFE_skip_soundness_check=True).failure()
+                    options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
     assert (caught.kind, caught.buffer, caught.step, caught.stage) == ("late read", "req_to_token", 0, "prepare_in_graph")
 
 

@@ -23,6 +23,7 @@ from readfence.core import ForwardMode, StepInputs, audit, clear_trace_cache, ru
 from readfence.core.internal import CACHES, StaleCaptureError, code_key
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
+    LowerOptions,
     Policy,
     Traffic,
     lower,
@@ -236,7 +237,8 @@ def test_a_setting_no_key_holds_is_caught_where_the_capture_passed_before_with_o
         first = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG)
         change(2.0)
         made = traces.stats.misses
-        plain = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, optimize=False)
+        plain = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG,
+                      lowering=LowerOptions(optimize=False))
         assert traces.stats.misses == made + 1 and plain.program is not first.program
         assert not plain.optimized
     finally:

@@ -36,10 +36,11 @@ def dev():
         yield device
 
 
-def _verify(backend, mode, dev, **kw):
+def _verify(backend, mode, dev, *, policy, steps=8, batch_size=4, finish_prob=0.3, **options):
+    # the run's keywords are verify's; the workload and the checks are its loop's record
     state = make_state(CFG)
-    run = {"steps": 8, "batch_size": 4, "finish_prob": 0.3, **kw}
-    return verify(backend, mode, device=dev, cfg=CFG, state=state, **run)
+    return verify(backend, mode, device=dev, cfg=CFG, state=state, policy=policy, steps=steps, batch_size=batch_size,
+                  options=LoopOptions(finish_prob=finish_prob, **options))
 
 
 def _slow_but_first(names):
@@ -74,7 +75,7 @@ def test_a_custom_op_reading_the_live_lengths_it_keeps_is_refused_by_lower_and_r
         assert (refused.kind, refused.evidence, refused.buffer, refused.stage) == (
             "unsound declaration", "audit", "seq_lens", stage), str(refused)
     late = verify(traffic.kept(name, state), M.DECODE, device=dev, cfg=CFG, state=state, steps=3, batch_size=2,
-                  policy=Policy.PER_BUFFER, UNSAFE_skip_soundness_check=True).failure()
+                  policy=Policy.PER_BUFFER, options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
     assert (late.kind, late.buffer, late.evidence) == ("late read", "seq_lens", "observer"), str(late)
     assert late.stage == stage and "aten.index_select" in late.op, str(late)
     honest = verify(traffic.kept(name, state, honest=True), M.DECODE, device=dev, cfg=CFG, state=state, steps=3,
@@ -125,8 +126,8 @@ def test_poison_alone_names_the_reader_the_step_s_ledger_saw_or_says_none_saw_it
     from tests.adversarial import CASES
 
     state = make_state(CFG)
-    common = dict(device=dev, cfg=CFG, state=state, steps=3, batch_size=2, policy=Policy.PER_BUFFER, checks={"poison"},
-                  UNSAFE_skip_soundness_check=True)
+    common = dict(device=dev, cfg=CFG, state=state, steps=3, batch_size=2, policy=Policy.PER_BUFFER,
+                  options=LoopOptions(checks={"poison"}, UNSAFE_skip_soundness_check=True))
     seen = verify(traffic.kept("custom_op", state), M.DECODE, **common).failure()
     assert (seen.kind, seen.evidence, seen.buffer, seen.stage) == ("late read", "poison", "seq_lens", "body"), str(seen)
     assert "kept_lens" in seen.op and "the step's ledger saw" in seen.detail, str(seen)

@@ -38,7 +38,7 @@ from readfence.backends import (
 from readfence.backends.fuzz import keep, planned_gather
 from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import Policy, eagle, make_state, multi_eagle, ngram, verify
+from readfence.graph import LoopOptions, Policy, eagle, make_state, multi_eagle, ngram, verify
 from tests.adversarial import CASES, _every, body_reader
 from tests.conftest import ONE_LAYER as CFG
 from tests.conftest import first_of_each
@@ -102,7 +102,7 @@ def test_the_early_declarations_cover_every_leaf_and_both_graphed_modes() -> Non
 def test_a_buffer_declared_one_step_early_is_caught_with_buffer_step_and_reader(name, mode, buffer, leaf,
                                                                                  dev) -> None:
     found = verify(leaf, mode, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
-                   UNSAFE_skip_soundness_check=True)
+                   options=LoopOptions(UNSAFE_skip_soundness_check=True))
     bad = found.failure()
     assert (bad.kind, bad.buffer, bad.step, bad.policy) == ("late read", buffer, 0, Policy.PER_BUFFER), str(bad)
     assert bad.evidence == "observer" and bad.stage in ("prepare_out_graph", "prepare_in_graph", "body") and bad.op
@@ -117,7 +117,8 @@ def test_the_same_finding_on_every_one_of_20_runs(observer, dev) -> None:
     # value-blind read only the observer sees; the page table influences every output)
     _, mode, buffer, leaf = next(c for c in EARLY if c[0] == "trtllm_mha-TARGET_VERIFY-req_to_token")
     findings = {str(verify(leaf, mode, steps=2, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
-                           observer=observer, UNSAFE_skip_soundness_check=True).failure())
+                           options=LoopOptions(checks=None if observer else {"poison", "guard"},
+                                               UNSAFE_skip_soundness_check=True)).failure())
                 for _ in range(20)}
     assert len(findings) == 1, findings
     (text,) = findings
@@ -129,7 +130,8 @@ def test_poison_alone_names_the_buffer_by_poisoning_one_at_a_time(dev) -> None:
     early = redeclare(sparse(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
                                                          "seq_lens": ReadEnd.IN_REPLAY}))
     bad = verify(early, M.TARGET_VERIFY, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
-                 policy=Policy.PER_BUFFER, observer=False, UNSAFE_skip_soundness_check=True).failure()
+                 policy=Policy.PER_BUFFER,
+                 options=LoopOptions(checks={"poison", "guard"}, UNSAFE_skip_soundness_check=True)).failure()
     assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("late read", "poison", "req_to_token", 0)
     # who read it: where the step's ledger last saw it read, past its release (the body's traced node)
     assert bad.stage == "body" and "the step's ledger saw" in bad.detail, str(bad)
@@ -143,7 +145,8 @@ def test_every_adversarial_backend_is_caught_by_verify_under_the_unsafe_flag(nam
     case = CASES[name]
     state = make_state(CFG2)
     bad = verify(case.build(state), case.mode, steps=STEPS, batch_size=case.batch_size or BATCH, device=dev, cfg=CFG2,
-                 state=state, policy=[Policy.PER_BUFFER, Policy.EXACT], UNSAFE_skip_soundness_check=True).failure()
+                 state=state, policy=[Policy.PER_BUFFER, Policy.EXACT],
+                 options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
     if case.klass == "baked":  # trace-time state: no fence makes it right, lowering refuses it
         assert bad.kind == "refused" and "trace-time state" in bad.detail
     elif case.klass == "owned":  # another state's buffer: no fence of this state covers it
@@ -205,7 +208,7 @@ def _writes_late():
 @pytest.mark.parametrize("alone", ["poison", "observer"])
 def test_a_late_read_is_caught_by_poison_alone_and_by_the_observer_alone(alone, dev) -> None:
     bad = verify(EARLY_PAGED, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
-                 checks={alone}, UNSAFE_skip_soundness_check=True).failure()
+                 options=LoopOptions(checks={alone}, UNSAFE_skip_soundness_check=True)).failure()
     assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("late read", alone, "req_to_token", 0), str(bad)
     # the observer saw the op; poison names what the step's ledger saw read it past its release
     assert bad.stage == "prepare_in_graph" and "index_select" in bad.op, str(bad)
@@ -213,31 +216,32 @@ def test_a_late_read_is_caught_by_poison_alone_and_by_the_observer_alone(alone, 
 
 def test_a_write_is_caught_by_the_guard_alone_and_by_no_other_check(dev) -> None:
     common = dict(steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
-    bad = verify(_writes_late(), M.DECODE, checks={"guard"}, **common).failure()
+    bad = verify(_writes_late(), M.DECODE, **common, options=LoopOptions(checks={"guard"})).failure()
     assert (bad.kind, bad.evidence, bad.buffer, bad.step) == ("write", "guard", "seq_lens", 0), str(bad)
     # every buffer is released only after the whole forward (declared UNKNOWN): nothing is
     # poisoned or read late, and the scheduler rewrites the buffer before the next step: the
     # other two checks verify it clean, only the guard sees the write
-    clean = verify(_writes_late(), M.DECODE, checks={"poison", "observer"}, **common).unwrap()
+    clean = verify(_writes_late(), M.DECODE, **common, options=LoopOptions(checks={"poison", "observer"})).unwrap()
     assert clean.checks[0].poisoned == () and clean.checks[0].observed_ops > 0
 
 
 def test_checks_says_what_ran_and_refuses_what_it_cannot(dev) -> None:
     common = dict(steps=2, batch_size=2, device=dev, cfg=CFG, policy=Policy.PER_BUFFER)
-    report = verify(paged(), **common, checks=["guard", "poison"]).unwrap()
+    report = verify(paged(), **common, options=LoopOptions(checks=["guard", "poison"])).unwrap()
     assert report.checks_run == ("poison", "guard") and not report.observer
     assert "checks: poison and guard\n" in str(report) + "\n" and report.rows()[0]["checks"] == ["poison", "guard"]
-    guard_only = verify(paged(), **common, checks={"guard"}).unwrap()
+    guard_only = verify(paged(), **common, options=LoopOptions(checks={"guard"})).unwrap()
     assert "checks: guard\n" in str(guard_only) + "\n" and guard_only.checks[0].poisoned == ()
     assert verify(paged(), **common).unwrap().checks_run == ("poison", "guard", "observer")
     with pytest.raises(ValueError, match="at least one of"):
-        verify(paged(), **common, checks={"poisson"})
+        verify(paged(), **common, options=LoopOptions(checks={"poisson"}))
     with pytest.raises(ValueError, match="at least one of"):
-        verify(paged(), **common, checks=())
+        verify(paged(), **common, options=LoopOptions(checks=()))
     with pytest.raises(TypeError, match="collection of names"):
-        verify(paged(), **common, checks="poison")
-    with pytest.raises(ValueError, match="contradicts"):
-        verify(paged(), **common, checks={"poison"}, observer=True)
+        verify(paged(), **common, options=LoopOptions(checks="poison"))
+    with pytest.raises(TypeError, match=r"^verify\(\) runs the loop in its own check mode: leave check out of its "
+                                        r"LoopOptions \(its checks= picks the checks it runs\)$"):
+        verify(paged(), **common, options=LoopOptions(check=True, checks={"poison"}))
 
 
 # -- which buffer: poison one at a time, every other buffer held -----------------------------
@@ -275,7 +279,7 @@ def _poison_only(backend_of, *, seed: int, policy: Policy, dev):
     state = make_state(CFG)
     # (a plan/run read is seen by the audit's observer on the live state: lowered with the unsafe flag)
     return verify(backend_of(state), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, state=state,
-                  seed=seed, policy=policy, checks={"poison"}, UNSAFE_skip_soundness_check=True)
+                  policy=policy, options=LoopOptions(seed=seed, checks={"poison"}, UNSAFE_skip_soundness_check=True))
 
 
 @pytest.mark.parametrize("buffer", ["req_to_token", "seq_lens", "state_slots", "swa_map"])

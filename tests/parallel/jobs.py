@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from readfence.backends import hybrid_linear, linear, paged, redeclare, trtllm_mha
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import Policy, run_overlapped, run_serial, verify
+from readfence.graph import LoopOptions, Policy, run_overlapped, run_serial, verify
 
 STEPS, BATCH = 4, 2
 
@@ -34,7 +34,7 @@ def every_check(rank) -> dict:
         early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
                                                             "seq_lens": ReadEnd.IN_REPLAY}))
         caught = verify(early, steps=3, batch_size=BATCH, device=dev, cfg=rank.cfg, policy=Policy.PER_BUFFER,
-                        UNSAFE_skip_soundness_check=True).failure()
+                        options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
         out["caught"] = (caught.kind, caught.buffer, caught.step, caught.stage, caught.evidence)
     out["collectives"] = dist.group.WORLD._get_sequence_number_for_group()
     out["shard"] = (rank.cfg.tp.rank, rank.cfg.tp.size, rank.cfg.local_heads, rank.cfg.local_mlp)

@@ -79,7 +79,6 @@ from readfence.core.internal import (
     StaleCaptureError,
     StaleTrace,
     check_backend,
-    check_buffers,
     check_forward_mode,
     example_step,
     first_stale,
@@ -101,6 +100,8 @@ from ..devices import CudaDevice, Device, Event, Stream, Timeline
 from ..devices.internal import check_device
 from ._fence import Bound, Fence
 from ._issue import IssueSeam, StepRun, step_issuer
+from ._keywords import names_keywords
+from ._options import LowerOptions, lowering_options
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
@@ -306,6 +307,7 @@ def make_state(cfg: ModelConfig, device: Device | str = "cpu") -> dict[str, dict
     }
 
 
+@names_keywords
 def lower(
     backend: BackendLike,
     mode: ForwardMode,
@@ -316,15 +318,8 @@ def lower(
     cfg: ModelConfig | None = None,
     stream: Stream | None = None,
     state: Mapping[str, dict[str, Tensor]] | None = None,
-    ring_size: int | None = None,
+    lowering: LowerOptions | None = None,
     steps_in_flight: int = 1,
-    publish: Sequence[str] | None = None,
-    measure: bool = False,
-    timeline: Timeline | None = None,
-    new_event: Callable[[str], Event] | None = None,
-    check: CheckState | None = None,
-    optimize: bool = True,
-    UNSAFE_skip_soundness_check: bool = False,
 ) -> Lowered:
     """Lower ``backend``'s step in ``mode`` onto ``device`` with fences placed by ``policy``.
 
@@ -332,30 +327,48 @@ def lower(
     any mode but ``IDLE`` (which runs no forward), ``device`` a device object
     (``CpuDevice()``, ``open_device(kind)``), ``batch_size`` an int in ``1..cfg.max_reqs``.
 
-    Refuses (``UnsoundLowering``, with the audit's message) a declaration earlier than the
-    traced reads unless ``policy`` is COARSE. ``UNSAFE_skip_soundness_check=True`` lowers it
+    ``stream`` is where the step runs (default: the device's ``"forward"`` stream), ``state``
+    the live tensors it reads (fresh by default: pass the ones a backend holds references to);
+    ``steps_in_flight`` is how many steps the caller replays the graph in before its events are
+    waited on (a step shape that replays one runner's graph in several phases says so: it is how
+    the graph is run, not an option handed on), the least ``ring_size`` it takes.
+
+    ``lowering`` (a :class:`LowerOptions`) is the rest: the event ring's size, measured fences,
+    a timeline, the check mode, the compile passes, the buffers published. Refuses
+    (``UnsoundLowering``, with the audit's message) a declaration earlier than the traced reads
+    unless ``policy`` is COARSE; ``LowerOptions(UNSAFE_skip_soundness_check=True)`` lowers it
     anyway: only for tests that show what an unsound fence does. ``check`` (a
-    :class:`~readfence.graph.CheckState` over ``state["shared"]``) lowers the check mode:
-    every release point poisons the buffers it releases (see ``graph.lowering._poison``).
+    :class:`~readfence.graph.CheckState` over ``state["shared"]``) lowers the check mode: every
+    release point poisons the buffers it releases (see ``graph.lowering._poison``).
     ``optimize=False`` runs every node of the captured stages as traced, through its op's handle
     (no constant folding, no shared subexpressions, no Python bindings): what ``verify`` reruns
     to tell readfence's own miscompile from a backend's. Either way the code every ring slot
     runs is the code validated against the stages' Python (``Lowered.optimized`` says which).
+    An option given as a keyword is refused, naming the record it goes in.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice
     >>> with CpuDevice() as dev:
     ...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
     ...     [(r["buffer"], r["end"]) for r in low.describe()][:2]
+    ...     lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.EXACT,
+    ...           lowering=LowerOptions(ring_size=3)).ring_size
     [('req_to_token', 'IN_REPLAY'), ('seq_lens', 'IN_REPLAY')]
+    3
+    >>> lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, ring_size=3)
+    Traceback (most recent call last):
+    ...
+    TypeError: lower() got an unexpected keyword argument 'ring_size'; it is a lowering option: pass lowering=LowerOptions(ring_size=...)
     """
     check_backend(backend)
     check_forward_mode(mode, "lower")
     check_device(device)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
+    options = lowering_options(lowering, "lower")
+    measure, timeline, new_event, check = options.measure, options.timeline, options.new_event, options.check
     positive_int("steps_in_flight", steps_in_flight)
-    ring_size = steps_in_flight if ring_size is None else positive_int("ring_size", ring_size)
+    ring_size = steps_in_flight if options.ring_size is None else options.ring_size
     if ring_size < steps_in_flight:
         raise ValueError(
             f"{backend.name} in {mode.name} at batch size {batch_size}: "
@@ -363,7 +376,7 @@ def lower(
             f"the record of step i+{ring_size} would reuse an event that a wait of step i has not "
             f"bound yet; use ring_size >= {steps_in_flight}"
         )
-    buffers = SHARED_BUFFERS if publish is None else check_buffers(publish, SHARED_BUFFERS, "publish")
+    buffers = SHARED_BUFFERS if options.publish is None else options.publish
     cfg = ModelConfig() if cfg is None else cfg
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
@@ -387,7 +400,7 @@ def lower(
 
     def validated(program: Program, ledger: Ledger) -> tuple[Mapping[Stage, StageCode], bool]:
         return _validated(program, ledger, backend, mode, device,
-                          compiled(program, record_sites(program, {}), known, {}, writes), optimize)
+                          compiled(program, record_sites(program, {}), known, {}, writes), options.optimize)
 
     try:
         code, optimized = validated(program, ledger)
@@ -403,7 +416,7 @@ def lower(
         # ledger: whatever it refuses (a declaration below the trace, below a read any run of the
         # step saw: the audit's observer, the rehearsal, the Python of the stages that run it on
         # the generated states) no fence placed from the declaration may accept
-        if policy is Policy.COARSE or UNSAFE_skip_soundness_check:
+        if policy is Policy.COARSE or options.UNSAFE_skip_soundness_check:
             return
         failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
                                 state=state, ledger=ledger)

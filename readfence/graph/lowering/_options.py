@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import attrs
-from torch import Tensor
 
-from readfence.core import BackendLike, ForwardMode, ModelConfig
-from readfence.core.internal import positive_int
+from readfence.core import SHARED_BUFFERS
+from readfence.core.internal import check_buffers, positive_int
 
-from ..devices import Device, Event, Stream, Timeline
-from ._lower import Lowered, lower
+from ..devices import Event, Timeline
 from ._poison import CheckState
-from ._policy import Policy
 
 
 def _ring_size(_: object, field: attrs.Attribute[Any], value: object) -> None:
@@ -35,6 +32,15 @@ def _instance(kind: type, what: str) -> Callable[[object, attrs.Attribute[Any], 
     return check
 
 
+def _buffers(value: Iterable[str] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"LowerOptions.publish must be a list of buffer names or None, got {value!r} "
+                        f"({type(value).__name__})")
+    return check_buffers(value, SHARED_BUFFERS, "publish")
+
+
 def _callable(_: object, field: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"LowerOptions.{field.name} must be a function of an event's name or None, got {value!r} "
@@ -43,10 +49,9 @@ def _callable(_: object, field: attrs.Attribute[Any], value: object) -> None:
 
 @attrs.frozen(kw_only=True)
 class LowerOptions:
-    """The lowering options a function that lowers for you (``decode_loop``, ``serve_loop``,
-    ``verify``, ``lower_capture_list``, ``lower_step``...) hands on, whole, to every
-    :func:`lower` it calls. ``lower`` itself takes these as its own keywords, which mean the same
-    (and a few no caller hands on: ``publish``, ``steps_in_flight``).
+    """The lowering options: what :func:`lower` takes as ``lowering=``, and what a function that
+    lowers for you (``decode_loop``, ``serve_loop``, ``verify``, ``lower_capture_list``,
+    ``lower_step``...) takes as ``lowering=`` and hands on, whole, to every ``lower`` it calls.
 
     ``ring_size``: events per graph and buffer (default: the steps a graph has in flight);
     ``measure``: time each fence against the last reads; ``timeline``: record the stages and
@@ -54,9 +59,11 @@ class LowerOptions:
     ``check``: the poison-on-release check mode over ``state["shared"]``;
     ``optimize``: run the captured stages through readfence's compile passes (constant folding,
     shared subexpressions, Python bindings; ``False``: every node as traced);
-    ``UNSAFE_skip_soundness_check``: lower a declaration the audit refuses (to show it failing).
-    A loop sets what it runs with itself (it measures, keeps its own timeline and check mode):
-    those are its keywords, and a record that sets one of them is refused there.
+    ``UNSAFE_skip_soundness_check``: lower a declaration the audit refuses (to show it failing);
+    ``publish``: the shared buffers whose release the graph publishes (default: all).
+    A loop sets what it runs with itself (it measures, publishes every buffer its scheduler
+    writes, keeps its own timeline and check mode): a record that sets one of those is refused
+    there, saying where it goes.
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice, Policy, decode_loop
@@ -78,6 +85,7 @@ class LowerOptions:
     check: CheckState | None = attrs.field(default=None, validator=_instance(CheckState, "a CheckState"))
     optimize: bool = attrs.field(default=True, validator=_flag)
     UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+    publish: tuple[str, ...] | None = attrs.field(default=None, converter=_buffers)
 
 
 #: What each option of a default record is (a loop refuses a record that changes one it owns).
@@ -116,11 +124,11 @@ def set_by(options: LowerOptions | None, caller: str, *, keywords: Collection[st
     return attrs.evolve(options, **own)
 
 
-#: What a loop sets in its lowering itself: it measures its fences, and its timeline, check mode
-#: and soundness check are its own options (in its options record).
-LOOP_OWNED = ("measure", "timeline", "check", "UNSAFE_skip_soundness_check")
-#: Those a loop takes as its own options (it always measures: no option says that).
-LOOP_KEYWORDS = tuple(name for name in LOOP_OWNED if name != "measure")
+#: The lowering options a loop takes as its own options (in its options record).
+LOOP_KEYWORDS = ("timeline", "check", "UNSAFE_skip_soundness_check")
+#: What a loop sets in its lowering itself: those, and (no option says them) it measures its
+#: fences and publishes every buffer its scheduler writes.
+LOOP_OWNED = ("measure", "publish", *LOOP_KEYWORDS)
 
 
 def for_a_loop(options: LowerOptions | None, caller: str,
@@ -129,14 +137,3 @@ def for_a_loop(options: LowerOptions | None, caller: str,
     the user called) a record that sets what the loop sets itself (:data:`LOOP_OWNED`);
     ``keywords`` are those ``caller`` takes as its own keywords."""
     return set_by(options, caller, keywords=keywords, **{name: getattr(_DEFAULT, name) for name in LOOP_OWNED})
-
-
-def lower_with(options: LowerOptions, backend: BackendLike, mode: ForwardMode, *, batch_size: int, device: Device,
-               policy: Policy, cfg: ModelConfig | None = None, stream: Stream | None = None,
-               state: Mapping[str, dict[str, Tensor]] | None = None, steps_in_flight: int = 1) -> Lowered:
-    """:func:`lower` with ``options``: how a function that lowers for its caller calls it."""
-    return lower(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg, stream=stream,
-                 state=state, ring_size=options.ring_size, steps_in_flight=steps_in_flight,
-                 measure=options.measure, timeline=options.timeline, new_event=options.new_event,
-                 check=options.check, optimize=options.optimize,
-                 UNSAFE_skip_soundness_check=options.UNSAFE_skip_soundness_check)

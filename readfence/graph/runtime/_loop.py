@@ -27,9 +27,9 @@ from readfence.core.internal import positive_int
 from ..devices import Device, DeviceTimeout, Event, Read, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import for_a_loop, set_by
+from ..lowering.internal import for_a_loop, names_keywords, set_by
 from ..steps.internal import LoweredStep, Target, check_run, lower_step, scheduling_mode
-from ._options import LoopOptions, names_keywords, options_of, said_in
+from ._options import LoopOptions, options_of, said_in
 from ._result import LoopResult
 from ._sanitizer import Sanitizer, Violation
 from ._scheduler import Scheduler, StepSource, StepState
@@ -353,8 +353,8 @@ def decode_loop(
     state = make_state(cfg, device) if state is None else state
     check = opts.check
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    lowered = set_by(lowering, "decode_loop", keywords=said_in(LoopOptions), measure=True, timeline=opts.timeline,
-                     check=checker, UNSAFE_skip_soundness_check=unsafe)
+    lowered = set_by(lowering, "decode_loop", keywords=said_in(LoopOptions), measure=True, publish=None,
+                     timeline=opts.timeline, check=checker, UNSAFE_skip_soundness_check=unsafe)
     low = lower_step(backend, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
                      state=state, lowering=lowered)
     sched = Scheduler(cfg, scheduling_mode(backend, mode), batch_size, seed=opts.seed, finish_prob=opts.finish_prob)

@@ -13,14 +13,12 @@ How each graph is lowered is :class:`~readfence.graph.LowerOptions`, passed as `
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar, overload
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from readfence.core.internal import did_you_mean, positive_int
+from readfence.core.internal import positive_int
 
 from ..devices import Timeline
 from ..lowering import CheckState, LowerOptions
@@ -28,7 +26,6 @@ from ..lowering.internal import LOOP_KEYWORDS
 from ._staging import StagingRing, check_ring
 
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
 def _seed(_: object, field: attrs.Attribute[Any], value: object) -> None:
@@ -74,6 +71,23 @@ def _progress(_: object, field: attrs.Attribute[Any], value: object) -> None:
                         f"({type(value).__name__})")
 
 
+#: The checks :func:`~readfence.graph.verify` can run (a record's ``checks``); the observer only
+#: where Python runs the step.
+CHECKS: tuple[str, ...] = ("poison", "guard", "observer")
+
+
+def _checks(value: object) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"checks must be a collection of names from {list(CHECKS)}, got {value!r} "
+                        f"({type(value).__name__})")
+    chosen = frozenset(value)
+    if not chosen or not chosen <= set(CHECKS):
+        raise ValueError(f"checks must name at least one of {list(CHECKS)}, got {sorted(map(str, chosen))!r}")
+    return chosen
+
+
 def _ring(_: object, field: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
         check_ring(value)
@@ -107,7 +121,9 @@ class LoopOptions:
     ``run_serial``, the reference, reads the workload and ``progress`` and nothing else: one record
     serves the loop and the reference it is compared with. ``sanitize`` is for the ``run_*``
     helpers; a :class:`~readfence.graph.DecodeLoop` you run yourself is watched by what you add to
-    its device.
+    its device. ``checks`` is for :func:`~readfence.graph.verify`, which runs the loop in its own
+    check mode: the names from :data:`CHECKS` it runs (default: all, the observer where it can
+    watch; ``{"poison"}`` shows what poison alone catches).
 
     >>> from readfence.backends import paged
     >>> from readfence.graph import CpuDevice, Policy, run_overlapped, run_serial
@@ -122,6 +138,9 @@ class LoopOptions:
     ValueError: write_cost must be an int >= 0, got -1 (int)
     """
 
+    #: what its fields are, in the message for one given as a keyword (``names_keywords``)
+    option_kind: ClassVar[str] = "a loop option"
+
     seed: int = attrs.field(default=0, validator=_seed)
     finish_prob: float = attrs.field(default=0.1, validator=_probability)
     write_cost: int = attrs.field(default=0, validator=_count)
@@ -132,6 +151,7 @@ class LoopOptions:
     sanitize: bool = attrs.field(default=True, validator=_flag)
     progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
     UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
 
     def __attrs_post_init__(self) -> None:
         if self.write_cost and self.write_wait_s:
@@ -145,8 +165,9 @@ class ServeOptions:
     take whole, as ``options=``.
 
     ``max_prefill`` caps the tokens of one prefill step (default: the model's limit);
-    ``write_cost`` / ``write_wait_s``, ``timeline``, ``check``, ``sanitize``, ``progress`` and
-    ``UNSAFE_skip_soundness_check`` are as for :class:`LoopOptions`. The reference,
+    ``write_cost`` / ``write_wait_s``, ``timeline``, ``check``, ``sanitize``, ``progress``,
+    ``UNSAFE_skip_soundness_check`` and ``checks`` (for :func:`~readfence.graph.verify_serve`)
+    are as for :class:`LoopOptions`. The reference,
     ``run_serve_serial``, reads ``max_prefill``, ``write_wait_s`` and ``progress``.
 
     >>> from readfence.backends import paged
@@ -159,6 +180,8 @@ class ServeOptions:
     True
     """
 
+    option_kind: ClassVar[str] = "a serving loop option"
+
     max_prefill: int | None = attrs.field(default=None, validator=_max_prefill)
     write_cost: int = attrs.field(default=0, validator=_count)
     write_wait_s: float = attrs.field(default=0.0, validator=_seconds)
@@ -167,6 +190,7 @@ class ServeOptions:
     sanitize: bool = attrs.field(default=True, validator=_flag)
     progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
     UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
 
     def __attrs_post_init__(self) -> None:
         if self.write_cost and self.write_wait_s:
@@ -187,15 +211,16 @@ def options_of(options: object, kind: type[T], caller: str) -> T:
     Traceback (most recent call last):
     ...
     TypeError: run_overlapped(): options must be a readfence.graph.LoopOptions, got ServeOptions(...)
-    (the serving loop's options: serve_loop and run_serve take it)
+    (the serving loop's options: serve_loop, run_serve and verify_serve take it)
     """
     if options is None:
         return kind()
     if isinstance(options, kind):
         return options
     where = {LowerOptions: "lowering options: pass it as lowering=",
-             LoopOptions: "the decode loop's options: decode_loop, run_overlapped, run_traced and run_serial take it",
-             ServeOptions: "the serving loop's options: serve_loop and run_serve take it"}
+             LoopOptions: "the decode loop's options: decode_loop, run_overlapped, run_traced, run_serial and verify "
+                          "take it",
+             ServeOptions: "the serving loop's options: serve_loop, run_serve and verify_serve take it"}
     shown = f"{type(options).__name__}(...)" if type(options) in where else repr(options)
     hint = next((f" ({text})" for record, text in where.items() if isinstance(options, record)), "")
     raise TypeError(f"{caller}(): options must be a readfence.graph.{kind.__name__}, got {shown}{hint}"
@@ -211,64 +236,6 @@ def said_in(record: type) -> dict[str, str]:
     'options=LoopOptions(check=...)'
     """
     return {name: f"options={record.__name__}({name}=...)" for name in LOOP_KEYWORDS}
-
-
-def unexpected_keyword(caller: str, name: str, taken: Sequence[str], record: type | None = None) -> str:
-    """What ``caller`` says of a keyword ``name`` it does not take (it takes ``taken``, and its
-    options are a ``record``): the closest one it takes; for a field of its record or of
-    :class:`LowerOptions`, the record it goes in; for a ``_ms`` one, the unit (in Python
-    durations are seconds, on the command line milliseconds).
-
-    >>> print(unexpected_keyword("run_overlapped", "write_wait_ms", ["steps", "options"], LoopOptions))  # doctest: +NORMALIZE_WHITESPACE
-    run_overlapped() got an unexpected keyword argument 'write_wait_ms'; it is a loop option in seconds:
-    pass options=LoopOptions(write_wait_s=0.005) for the command line's --write-wait-ms 5
-    >>> print(unexpected_keyword("run_overlapped", "seed", ["steps", "options"], LoopOptions))
-    run_overlapped() got an unexpected keyword argument 'seed'; it is a loop option: pass options=LoopOptions(seed=...)
-    >>> print(unexpected_keyword("verify", "ring_size", ["steps", "lowering"]))
-    verify() got an unexpected keyword argument 'ring_size'; it is a lowering option: pass lowering=LowerOptions(ring_size=...)
-    """
-    fields = () if record is None else tuple(attrs.fields_dict(record))
-    kind = "a serving loop option" if record is ServeOptions else "a loop option"
-    hint = did_you_mean(name, sorted(taken))
-    seconds = f"{name[:-3]}_s"
-    if name.endswith("_ms") and seconds in taken:
-        hint = (f"; did you mean {seconds!r}? (seconds in Python: {seconds}=0.005 is the command line's "
-                f"--{name.replace('_', '-')} 5)")
-    elif name.endswith("_ms") and seconds in fields and record is not None:
-        hint = (f"; it is {kind} in seconds: pass options={record.__name__}({seconds}=0.005) for the command "
-                f"line's --{name.replace('_', '-')} 5")
-    elif name in fields and record is not None:
-        hint = f"; it is {kind}: pass options={record.__name__}({name}=...)"
-    elif name in attrs.fields_dict(LowerOptions) and "lowering" in taken:
-        hint = f"; it is a lowering option: pass lowering=LowerOptions({name}=...)"
-    return f"{caller}() got an unexpected keyword argument {name!r}{hint}"
-
-
-@overload
-def names_keywords(fn: Callable[P, T], *, options: type | None = None) -> Callable[P, T]: ...
-@overload
-def names_keywords(fn: None = None, *, options: type | None = None) -> Callable[[Callable[P, T]], Callable[P, T]]: ...
-
-
-def names_keywords(fn: Callable[P, T] | None = None, *,
-                   options: type | None = None) -> Callable[P, T] | Callable[[Callable[P, T]], Callable[P, T]]:
-    """``fn``, refusing a keyword it does not take with :func:`unexpected_keyword`'s message
-    (Python's own names neither the closest keyword, nor the record it belongs in, nor the
-    unit) before it runs. ``options`` is the record ``fn`` takes as ``options=``:
-    ``@names_keywords(options=LoopOptions)``."""
-    if fn is None:
-        return functools.partial(names_keywords, options=options)
-    taken = tuple(inspect.signature(fn).parameters)
-    inner = fn
-
-    @functools.wraps(inner)
-    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
-        for name in kwargs:
-            if name not in taken:
-                raise TypeError(unexpected_keyword(inner.__name__, name, taken, options))
-        return inner(*args, **kwargs)
-
-    return checked
 
 
 def as_record(values: Mapping[str, Any], record: type[T]) -> T:

@@ -16,10 +16,10 @@ from readfence.core.internal import positive_int
 from ..devices import Device
 from ..devices.internal import check_device
 from ..lowering import make_state, torch_device
-from ..lowering.internal import device_of
+from ..lowering.internal import device_of, names_keywords
 from ..steps.internal import Target, check_run, eager_step, scheduling_mode
 from ._loop import synthetic_work
-from ._options import LoopOptions, names_keywords, options_of
+from ._options import LoopOptions, options_of
 from ._result import LoopResult
 from ._scheduler import Scheduler
 

@@ -39,7 +39,7 @@ from readfence.core.internal import positive_int, request_ranges, tokens_per_req
 from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device
 from ..lowering import CheckState, LowerOptions, Policy, StepRun, make_state, torch_device
-from ..lowering.internal import check_owned, device_of, for_a_loop, set_by
+from ..lowering.internal import check_owned, device_of, for_a_loop, names_keywords, set_by
 from ..steps import CaptureList, PhasedStep, StepShape, StreamGroup, capture_list, lower_capture_list
 from ..steps.internal import (
     LoweredStep,
@@ -54,7 +54,7 @@ from ..steps.internal import (
 )
 from ._arrivals import Traffic
 from ._loop import DecodeLoop, fence_summary, sanitized, settled_on_error, synthetic_work
-from ._options import ServeOptions, names_keywords, options_of, said_in
+from ._options import ServeOptions, options_of, said_in
 from ._result import same_logits
 from ._sanitizer import Violation
 from ._serve_scheduler import DECODE, PREFILL, ServeScheduler, ServeStep
@@ -441,8 +441,9 @@ def serve_loop(
     state = make_state(cfg, device) if state is None else state
     check = opts.check
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None
-    lowered = set_by(lowering, "serve_loop", keywords=said_in(ServeOptions), measure=True, timeline=opts.timeline,
-                     check=checker, UNSAFE_skip_soundness_check=opts.UNSAFE_skip_soundness_check)
+    lowered = set_by(lowering, "serve_loop", keywords=said_in(ServeOptions), measure=True, publish=None,
+                     timeline=opts.timeline, check=checker,
+                     UNSAFE_skip_soundness_check=opts.UNSAFE_skip_soundness_check)
     work = synthetic_work(device, write_cost=opts.write_cost, write_wait_s=opts.write_wait_s)
     loop = ServeLoop(target, mode, policy, device, cfg, state, sched, sizes, {}, {}, lowered, {},
                      device.event("scheduler/written"), work, opts.timeline, checker, members(target))

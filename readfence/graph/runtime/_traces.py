@@ -30,11 +30,11 @@ from readfence.core.internal import replayed
 
 from ..devices import Device, DeviceObserver, Timeline
 from ..lowering import LowerOptions, Policy
-from ..lowering.internal import for_a_loop
+from ..lowering.internal import for_a_loop, names_keywords
 from ..steps import StepShape
 from ..steps.internal import Target
 from ._loop import run_overlapped
-from ._options import LoopOptions, names_keywords, options_of, said_in
+from ._options import LoopOptions, options_of, said_in
 from ._result import LoopResult
 
 #: Steps of each run a trace (and a plot) keeps.

@@ -2,8 +2,11 @@
 (not public: its names may change without notice)."""
 
 from ._loop import settled_on_error as settled_on_error
+from ._options import CHECKS as CHECKS
+from ._options import Options as Options
 from ._options import as_record as as_record
-from ._options import names_keywords as names_keywords
+from ._options import options_of as options_of
+from ._options import said_in as said_in
 from ._plot import LABEL_GAP as LABEL_GAP
 from ._plot import MIN_BAR as MIN_BAR
 from ._plot import OUTLIER as OUTLIER

@@ -21,8 +21,8 @@ from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig
 from readfence.core.internal import request_ranges, tokens_per_request
 
 from ..devices import Device, Event, Stream
-from ..lowering import Fence, Lowered, LowerOptions, Placement, Policy, StepRun, UnsoundLowering
-from ..lowering.internal import lower_with, lowering_options, placing_effect
+from ..lowering import Fence, Lowered, LowerOptions, Placement, Policy, StepRun, UnsoundLowering, lower
+from ..lowering.internal import lowering_options, placing_effect
 from ._shapes import StepShape
 
 
@@ -147,9 +147,9 @@ class PhasedStep:
                 self.graphs[ph.graph_key] = own(ph.mode, device=device, policy=policy, batch_size=batch_size, cfg=cfg,
                                                 state=state, lowering=lowering)
             else:
-                self.graphs[ph.graph_key] = lower_with(
-                    lowering, ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                    stream=stream, state=state, steps_in_flight=replays[ph.graph_key])
+                self.graphs[ph.graph_key] = lower(
+                    ph.backend, ph.mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg, stream=stream,
+                    state=state, lowering=lowering, steps_in_flight=replays[ph.graph_key])
         # Ranked by what each phase's graph places its events from (under EXACT its bound trace
         # joined with what its rehearsal saw): the phase chosen is one whose plan really covers
         # the buffer's last read, and check mode poisons the buffer at that very point.
@@ -293,8 +293,8 @@ class StreamGroup:
         self.tokens = tokens_per_request(mode)
         sizes = [hi - lo for lo, hi in request_ranges(batch_size, len(members))]
         self.lowered = [
-            lower_with(lowering, m, mode, batch_size=n, device=device, policy=policy, cfg=cfg,
-                       stream=device.stream(f"forward[{s}]"), state=state)
+            lower(m, mode, batch_size=n, device=device, policy=policy, cfg=cfg,
+                  stream=device.stream(f"forward[{s}]"), state=state, lowering=lowering)
             for s, (m, n) in enumerate(zip(members, sizes))
         ]
         self.label = f"per_stream/{policy.name}"

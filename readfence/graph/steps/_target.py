@@ -17,8 +17,8 @@ from readfence.core.internal import check_backend, check_forward_mode
 
 from ..devices import Device
 from ..devices.internal import check_device
-from ..lowering import Lowered, LowerOptions, Policy
-from ..lowering.internal import lower_with, lowering_options
+from ..lowering import Lowered, LowerOptions, Policy, lower
+from ..lowering.internal import lowering_options
 from ._composite import PhasedStep, StreamGroup, StreamOrder, eager_phases, eager_streams
 from ._shapes import STEP_SHAPES, StepShape
 
@@ -106,5 +106,5 @@ def lower_step(target: Target, mode: ForwardMode, *, device: Device, policy: Pol
     if callable(own):
         return own(mode, device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state,
                    lowering=lowering)
-    return lower_with(lowering, target, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg,
-                      state=state)
+    return lower(target, mode, batch_size=batch_size, device=device, policy=policy, cfg=cfg, state=state,
+                 lowering=lowering)

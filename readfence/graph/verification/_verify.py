@@ -26,8 +26,8 @@ own miscompile when the same step lowered without its compile passes (``optimize
 captured node as traced) matches the serial run, and the backend's (it is not deterministic, or
 keeps Python state a graph bakes) when that step differs too.
 
-``checks`` selects the checks (:data:`CHECKS`), so each can be shown to catch its own case
-with the others off.
+The loop's record's ``checks`` selects the checks (:data:`CHECKS`), so each can be shown to
+catch its own case with the others off.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from ..lowering import (
     make_state,
     torch_device,
 )
-from ..lowering.internal import for_a_loop, poison_points
+from ..lowering.internal import for_a_loop, names_keywords, poison_points
 from ..runtime import (
     DEFAULT_CAPTURE_SIZES,
     LoopOptions,
@@ -79,14 +79,12 @@ from ..runtime import (
     run_serve_serial,
     serve_loop,
 )
-from ..runtime.internal import names_keywords, same_logits
+from ..runtime.internal import CHECKS, Options, options_of, said_in, same_logits
 from ..steps import StepShape
 from ..steps.internal import Target, check_run
 
 State = Mapping[str, dict[str, Tensor]]
 
-#: The checks :func:`verify` can run (``checks=``); the observer only where Python runs the step.
-CHECKS: tuple[str, ...] = ("poison", "guard", "observer")
 
 
 @attrs.frozen
@@ -307,7 +305,12 @@ def _poisoned(loop: Any) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-@names_keywords
+#: verify's workload when its record gives none: requests finish often (the loop's default is
+#: 0.1), so a few steps reuse slots and pages.
+WORKLOAD = LoopOptions(finish_prob=0.3)
+
+
+@names_keywords(options=LoopOptions)
 def verify(
     target: Target,
     mode: ForwardMode = ForwardMode.DECODE,
@@ -317,35 +320,31 @@ def verify(
     batch_size: int = 4,
     device: Device,
     cfg: ModelConfig | None = None,
-    seed: int = 0,
-    finish_prob: float = 0.3,
     state: State | None = None,
-    observer: bool | None = None,
-    checks: Iterable[str] | None = None,
-    traffic: Traffic | None = None,
-    capture_sizes: Iterable[int] | None = None,
-    UNSAFE_skip_soundness_check: bool = False,
+    options: LoopOptions | None = None,
     lowering: LowerOptions | None = None,
 ) -> Result[VerifyReport, LateRead]:
-    """Check ``target`` (a backend, a ``per_stream`` group or a step shape) with poison on
-    release, the write guard and the runtime read observer, for each policy (default: all).
-    ``mode`` is any mode but ``IDLE`` (a step shape brings its own modes), ``steps`` a
-    positive int and ``batch_size`` an int in ``1..cfg.max_reqs``.
+    """Check ``target`` (a backend, a ``per_stream`` group or a step shape) in the decode loop
+    with poison on release, the write guard and the runtime read observer, for each policy
+    (default: all). ``mode`` is any mode but ``IDLE`` (a step shape brings its own modes),
+    ``steps`` a positive int and ``batch_size`` an int in ``1..cfg.max_reqs``; the keywords are
+    :func:`~readfence.graph.run_overlapped`'s.
 
     ``Success(VerifyReport)`` when every policy's outputs are bit-identical to the serial run
     and nothing read after a release or wrote shared state; else ``Failure(LateRead)``
     naming the policy, the buffer, the first step that differed and, when the observer saw
-    it, the stage and op. A declaration ``lower`` refuses is a finding too, unless
-    ``UNSAFE_skip_soundness_check=True`` lowers it anyway (to show it failing). ``state``
-    is the live state to run on (fresh by default): pass the one a backend holds references
-    to; it is reset between runs. ``traffic`` checks the serving loop instead of the decode loop
-    (``readfence.graph.serve_loop``: that traffic, a graph per batch size of ``capture_sizes``,
-    prefill steps between decode steps; ``mode``, ``batch_size``, ``seed`` and ``finish_prob``
-    then do not apply). ``checks`` (names from :data:`CHECKS`; default: all, the
-    observer where it can watch) runs only those: ``checks={"poison"}`` shows what poison alone
-    catches; ``observer=False`` is the same as leaving ``"observer"`` out. ``lowering`` (a
-    :class:`LowerOptions`: ring size, event factory...) goes to every graph's lowering; the check
-    mode, the measuring and the soundness check are verify's own.
+    it, the stage and op. ``state`` is the live state to run on (fresh by default): pass the one
+    a backend holds references to; it is reset between runs.
+
+    ``options`` (a :class:`~readfence.graph.LoopOptions`; default :data:`WORKLOAD`) is the
+    loop's record, which the loop and its serial reference both run: the workload (``seed``,
+    ``finish_prob``, synthetic write work), ``checks`` (names from :data:`CHECKS`; default: all,
+    the observer where it can watch: ``checks={"poison"}`` shows what poison alone catches) and
+    ``UNSAFE_skip_soundness_check``: a declaration ``lower`` refuses is a finding, unless that
+    lowers it anyway (to show it failing). The check mode is verify's own: a record that sets
+    ``check`` is refused. ``lowering`` (a :class:`LowerOptions`: ring size, event factory...)
+    goes to every graph's lowering; the measuring is the loop's. The serving loop is
+    :func:`verify_serve`.
 
     >>> from readfence.backends import paged, redeclare
     >>> from readfence.effects import ReadEffect, ReadEnd
@@ -355,7 +354,7 @@ def verify(
     ...     early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
     ...                                                           "seq_lens": ReadEnd.IN_REPLAY}))
     ...     bad = verify(early, steps=3, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
-    ...                  UNSAFE_skip_soundness_check=True).failure()
+    ...                  options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
     ...     print(bad.kind, bad.buffer, bad.step, bad.stage, bad.evidence)  # doctest: +ELLIPSIS
     verified paged in DECODE on cpu: 3 steps, batch size 2, checks: poison, guard and the runtime read observer
       PER_BUFFER clean; poisoned on release: req_to_token, seq_lens, state_slots, swa_map
@@ -363,41 +362,84 @@ def verify(
     """
     check_run(target, mode, "verify", "target")
     check_device(device)
-    options = for_a_loop(lowering, "verify", keywords=("UNSAFE_skip_soundness_check",))
-    policies = _policies(policy)
-    positive_int("steps", steps)
+    opts = _record(options, LoopOptions, WORKLOAD, "verify")
     cfg = ModelConfig() if cfg is None else cfg
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
+    return _verify(target, mode, policy, steps, device, cfg, state, opts, for_a_loop(lowering, "verify", said_in(LoopOptions)),
+                   {"batch_size": batch_size})
+
+
+@names_keywords(options=ServeOptions)
+def verify_serve(
+    target: Target,
+    *,
+    policy: Policy | Iterable[Policy] | None = None,
+    steps: int = 8,
+    device: Device,
+    traffic: Traffic | None = None,
+    capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES,
+    cfg: ModelConfig | None = None,
+    state: State | None = None,
+    options: ServeOptions | None = None,
+    lowering: LowerOptions | None = None,
+) -> Result[VerifyReport, LateRead]:
+    """:func:`verify` on the serving loop (``readfence.graph.serve_loop``: ``traffic``, a graph
+    per batch size of ``capture_sizes``, prefill steps between decode steps); the keywords are
+    :func:`~readfence.graph.run_serve`'s, and ``options`` (a :class:`~readfence.graph.ServeOptions`)
+    is the loop's record, as :func:`verify` takes the decode loop's.
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice, Traffic
+    >>> with CpuDevice() as dev:
+    ...     report = verify_serve(paged(), steps=6, device=dev, policy=Policy.EXACT, capture_sizes=[1, 2],
+    ...                           traffic=Traffic(rate=1.0, prompt=(2, 4), output=(1, 3))).unwrap()
+    >>> report.serving.endswith("capture sizes 1,2"), [c.policy.name for c in report.checks]
+    (True, ['EXACT'])
+    """
+    check_run(target, ForwardMode.DECODE, "verify_serve", "target")
+    check_device(device)
+    opts = _record(options, ServeOptions, ServeOptions(), "verify_serve")
+    traffic = Traffic() if traffic is None else traffic
+    if not isinstance(traffic, Traffic):
+        raise TypeError(f"traffic must be a readfence.graph.Traffic, got {traffic!r}")
+    cfg = ModelConfig() if cfg is None else cfg
+    return _verify(target, ForwardMode.DECODE, policy, steps, device, cfg, state, opts,
+                   for_a_loop(lowering, "verify_serve", said_in(ServeOptions)),
+                   {"traffic": traffic, "capture_sizes": tuple(capture_sizes)})
+
+
+def _record(options: object, kind: type[Options], default: Options, caller: str) -> Options:
+    # the loop's record as verify takes it: the check mode is verify's own
+    opts = default if options is None else options_of(options, kind, caller)
+    if opts.check is not False:
+        raise TypeError(f"{caller}() runs the loop in its own check mode: leave check out of its "
+                        f"{kind.__name__} (its checks= picks the checks it runs)")
+    return opts
+
+
+def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy] | None, steps: int, device: Device,
+            cfg: ModelConfig, state: State | None, opts: Options, options: LowerOptions,
+            size: dict[str, Any]) -> Result[VerifyReport, LateRead]:
+    # verify and verify_serve: ``size`` is the decode loop's batch size or the serving loop's traffic
+    policies = _policies(policy)
+    positive_int("steps", steps)
     where = torch_device(device)
     live = make_state(cfg, device) if state is None else state
     snapshot = _snapshot(live)
     name = _name(target)
-    common: dict[str, Any] = dict(steps=steps, batch_size=batch_size, cfg=cfg, seed=seed, finish_prob=finish_prob)
-    if capture_sizes is not None and traffic is None:
-        raise ValueError("capture_sizes applies to the serving loop: give traffic= too")
-    if traffic is not None:
-        if not isinstance(traffic, Traffic):
-            raise TypeError(f"traffic must be a readfence.graph.Traffic, got {traffic!r}")
-        mode = ForwardMode.DECODE
-        sizes = tuple(DEFAULT_CAPTURE_SIZES if capture_sizes is None else capture_sizes)
-        common = dict(steps=steps, cfg=cfg, traffic=traffic, capture_sizes=sizes)
-    chosen = _checks(checks)
-    if observer is not None and checks is not None and bool(observer) != ("observer" in chosen):
-        raise ValueError(f"observer={observer!r} contradicts checks={sorted(chosen)!r}: give one of them")
-    if where != "cpu" and (observer or (checks is not None and "observer" in chosen)):
+    common: dict[str, Any] = dict(steps=steps, cfg=cfg, record=opts, **size)
+    chosen = frozenset(CHECKS) if opts.checks is None else opts.checks
+    if where != "cpu" and opts.checks is not None and "observer" in chosen:
         raise ValueError(f"the runtime read observer cannot watch {device.name}: a replayed graph runs no Python")
-    if checks is not None:
-        observe = "observer" in chosen
-    else:
-        observe = where == "cpu" if observer is None else bool(observer)
+    observe = "observer" in chosen and where == "cpu"
     poison, guard = "poison" in chosen, "guard" in chosen
     ran = tuple(c for c in CHECKS if c in chosen and (c != "observer" or observe))
+    traffic = size.get("traffic")
 
-    if where == "cpu" and traffic is not None:
-        reference = run_serve_serial(target, state=live, **common).logits
-    elif where == "cpu":
-        reference = run_serial(target, mode, state=live, steps=steps, batch_size=batch_size, cfg=cfg,
-                               options=LoopOptions(seed=seed, finish_prob=finish_prob)).logits
+    if where == "cpu" and isinstance(opts, ServeOptions):
+        reference = run_serve_serial(target, state=live, steps=steps, cfg=cfg, options=opts, **size).logits
+    elif where == "cpu" and isinstance(opts, LoopOptions):
+        reference = run_serial(target, mode, state=live, steps=steps, cfg=cfg, options=opts, **size).logits
     else:  # float results differ between devices: the reference is COARSE on this device
         reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
     done = []
@@ -406,8 +448,8 @@ def verify(
         t0 = time.perf_counter()
         watch = LateReadWatch(live["shared"]) if observe else None
         try:
-            logits, check, loop = _run(target, mode, pol, device, live, watch, options,
-                                       unsafe=UNSAFE_skip_soundness_check, poison=poison, guard=guard, **common)
+            logits, check, loop = _run(target, mode, pol, device, live, watch, options, poison=poison, guard=guard,
+                                       **common)
         except UnsoundLowering as e:
             return Failure(_refused(name, mode, pol, e))
         except StageWriteError as e:
@@ -442,12 +484,12 @@ def verify(
         if differs is not None:
             candidates = _poisoned(loop) if poison else ()
             return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, options,
-                                      UNSAFE_skip_soundness_check, candidates, loop, **common))
+                                      candidates, loop, **common))
         done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
                                 0 if watch is None else watch.accesses))
     _reset(live, snapshot)
     serving = "" if traffic is None else _serving(traffic, common["capture_sizes"])
-    return Success(VerifyReport(name, mode, device.name, steps, batch_size, tuple(done), observe,
+    return Success(VerifyReport(name, mode, device.name, steps, size.get("batch_size", 0), tuple(done), observe,
                                 phase_modes(target), ran, serving))
 
 
@@ -456,35 +498,21 @@ def _serving(traffic: Traffic, sizes: Sequence[int]) -> str:
             f"{traffic.output[0]}..{traffic.output[1]}, seed {traffic.seed}, capture sizes {','.join(map(str, sizes))}")
 
 
-def _checks(checks: Iterable[str] | None) -> frozenset[str]:
-    if checks is None:
-        return frozenset(CHECKS)
-    if isinstance(checks, str):
-        raise TypeError(f"checks must be a collection of names from {list(CHECKS)}, got the string {checks!r}")
-    chosen = frozenset(checks)
-    bad = sorted(str(c) for c in chosen - set(CHECKS))
-    if bad or not chosen:
-        raise ValueError(f"checks must name at least one of {list(CHECKS)}, got {sorted(map(str, chosen))!r}")
-    return chosen
-
-
 def _run(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, watch: Any,
-         lowering: LowerOptions, *, steps: int, cfg: ModelConfig, batch_size: int = 0, seed: int = 0,
-         finish_prob: float = 0.0, traffic: Traffic | None = None, capture_sizes: Sequence[int] = (),
-         unsafe: bool = False, only: Iterable[str] | None = None, poison: bool = True,
-         guard: bool = True) -> tuple[list[Any], Any, Any]:
+         lowering: LowerOptions, *, steps: int, cfg: ModelConfig, record: Options, batch_size: int = 0,
+         traffic: Traffic | None = None, capture_sizes: Sequence[int] = (), only: Iterable[str] | None = None,
+         poison: bool = True, guard: bool = True) -> tuple[list[Any], Any, Any]:
+    # the loop with the caller's record, in verify's check mode
     check = CheckState(state["shared"], cfg, watcher=watch, only=only, poison=poison, guard=guard)
-    if traffic is not None:
+    if isinstance(record, ServeOptions):
         serve = serve_loop(target, policy=policy, device=device, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg,
-                           state=state, options=ServeOptions(check=check, UNSAFE_skip_soundness_check=unsafe),
-                           lowering=lowering)
+                           state=state, options=attrs.evolve(record, check=check), lowering=lowering)
         outputs = serve.run(steps, timeout=device.timeout)[2]
         return outputs, serve.check, serve
-    loop = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, state=state,
-                       options=LoopOptions(seed=seed, finish_prob=finish_prob, check=check,
-                                           UNSAFE_skip_soundness_check=unsafe), lowering=lowering)
-    runs, _ = loop.run(steps, timeout=device.timeout)
-    return [r.logits for r in runs], loop.check, loop
+    decode = decode_loop(target, mode, policy=policy, device=device, batch_size=batch_size, cfg=cfg, state=state,
+                         options=attrs.evolve(record, check=check), lowering=lowering)
+    runs, _ = decode.run(steps, timeout=device.timeout)
+    return [r.logits for r in runs], decode.check, decode
 
 
 #: What a difference no poison explains means: the lowered program is not the serial step.
@@ -501,7 +529,7 @@ MISCOMPILED = ("the lowered step differs from the serial step with nothing poiso
 
 
 def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
-               reference: Sequence[Any], differs: int, lowering: LowerOptions, unsafe: bool,
+               reference: Sequence[Any], differs: int, lowering: LowerOptions,
                poisoned: tuple[str, ...], loop: Any, **common: Any) -> LateRead:
     # The outputs differ and the observer named nothing. A run that poisons nothing holds every
     # buffer until the step's end: if it differs too, no late read explains it. Else each buffer
@@ -512,8 +540,7 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
 
     def first_difference(only: Sequence[str], options: LowerOptions = lowering) -> int | None:
         _reset(state, snapshot)
-        logits = _run(target, mode, policy, device, state, None, options, unsafe=unsafe, only=only, guard=False,
-                      **common)[0]
+        logits = _run(target, mode, policy, device, state, None, options, only=only, guard=False, **common)[0]
         return _first_difference(logits, reference)
 
     def unpoisoned(step: int, held: str = "") -> LateRead:
@@ -564,4 +591,5 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
 
 
-__all__ = ["CHECKS", "MISCOMPILED", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes", "verify"]
+__all__ = ["CHECKS", "MISCOMPILED", "WORKLOAD", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes",
+           "verify", "verify_serve"]
