@@ -90,6 +90,7 @@ from .tracing import torch_op as torch_op
 from .tracing import trace_cache_size as trace_cache_size
 from .tracing import trace_step as trace_step
 from .tracing import trusted_op as trusted_op
+from .tracing import unobserved as unobserved
 
 __all__ = [
     "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
@@ -101,7 +102,7 @@ __all__ = [
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
     "PYTHON", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "split_batch", "stage_named", "StageCall",
+    "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "split_batch", "stage_named", "StageCall",
     "StaleCaptureError", "StaleTrace", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "Watched",
     "Witness",

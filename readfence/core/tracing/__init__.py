@@ -61,6 +61,7 @@ from ._memory import same_values as same_values
 from ._memory import set_random_state as set_random_state
 from ._memory import span_of as span_of
 from ._memory import tensors_in as tensors_in
+from ._memory import unobserved as unobserved
 from ._memory import view_claim_holds as view_claim_holds
 from ._origin import torch_op as torch_op
 from ._origin import trusted_op as trusted_op
@@ -86,7 +87,7 @@ __all__ = [
     "kernel_access", "KernelAccess", "launches_unseen", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
-    "span_of", "StageWriteError", "StaleCaptureError", "state_key", "Table", "tensors_in", "torch_op",
+    "span_of", "StageWriteError", "StaleCaptureError", "state_key", "Table", "tensors_in", "torch_op", "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",
     "user_line", "view_claim_holds",
 ]

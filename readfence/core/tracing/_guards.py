@@ -53,6 +53,7 @@ import torch
 from readfence.effects import ReadfenceError
 
 from .._step import BODY, STAGES
+from ._memory import unobserved
 from ._reached import GONE as GONE
 from ._reached import Path as Path
 from ._reached import Reach as Reach
@@ -417,7 +418,12 @@ class KeptTensor:
 
     def stale(self, backend: object) -> str | None:
         """How the tensor changed since, seen from ``backend``: ``None`` when the graph still
-        reads what the backend keeps."""
+        reads what the backend keeps (asked at a replay a check mode may watch: readfence's own
+        look at memory)."""
+        with unobserved():
+            return self._stale(backend)
+
+    def _stale(self, backend: object) -> str | None:
         if not self.repointed and tensor_layout(self.tensor) != self.layout:
             return f"was resized or moved in place (now shape {tuple(self.tensor.shape)})"
         if not self.homes:

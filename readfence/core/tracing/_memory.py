@@ -72,6 +72,18 @@ def sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return ()
 
 
+def unobserved() -> contextlib.AbstractContextManager[None]:
+    """A block of readfence's own look at memory (``data_ptr()``, storages) while a step may be
+    watched: no torch-function mode (a read observer of check mode) takes it for the step's code
+    handing memory out.
+
+    >>> with unobserved():
+    ...     torch.zeros(2).data_ptr() != 0
+    True
+    """
+    return torch._C.DisableTorchFunction()
+
+
 def span_of(t: torch.Tensor) -> Span | None:
     """The span of ``t``'s elements, or ``None`` when it has none (``numel() == 0``).
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from readfence.core.internal import ALIASES_KEY, BufferMap, bind_arguments, copy_graph, trusted_op
+from readfence.core.internal import ALIASES_KEY, BufferMap, bind_arguments, copy_graph, trusted_op, unobserved
 from readfence.effects import ReadfenceError
 
 from ._fx_memory import HOOK_KEY
@@ -102,7 +102,7 @@ class _AliasCheck:
         for value, expected, what in zip(values, self.expected, self.values, strict=True):
             # readfence's own look at memory (``data_ptr()``): no mode watching the step (check
             # mode's read observer) may take it for the step's code handing memory out
-            with torch._C.DisableTorchFunction():
+            with unobserved():
                 hit = touched(value) - expected
             if hit:
                 raise ReplayAliasError(self.backend, self.stage, self.node, self.op, hit, what)
