@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from readfence.backends import paged, redeclare
 from readfence.cli import _audit_run, _params
@@ -80,7 +81,7 @@ def test_batch_sizes_are_traced_and_the_late_one_is_named(cli, monkeypatch):
     assert result.exit_code == 1
     assert ("UNSOUND: branch_on_batch_size in DECODE: seq_lens declared IN_REPLAY but read until POST_REPLAY "
             "(last read by node ") in result.output
-    assert "adversarial.py:66 in _gather: a traced read" in result.output  # the user's line
+    assert re.search(r"adversarial\.py:\d+ in _gather: a traced read", result.output)  # the user's line
     assert "at batch size 16" in result.output
 
 
