@@ -355,3 +355,21 @@ def test_the_tracer_checks_catch_a_private_reach_and_an_import_from_below(tmp_pa
     assert reach.startswith("readfence/core/_audit.py:") and "readfence.core.tracing._memory.span_of" in reach
     (below,) = tracer_imported_from_below(copy)
     assert below.startswith("readfence/core/_step.py:") and "readfence.core.tracing.span_of" in below
+
+
+#: The most lines a module of the package may have: past it, a module does more than one job.
+MODULE_LINES = 600
+
+
+def long_modules(root: Path) -> list[str]:
+    """The modules under ``root`` over :data:`MODULE_LINES` lines, with their sizes."""
+    return sorted(f"{p.relative_to(root.parent)}: {n} lines" for p in root.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > MODULE_LINES)
+
+
+def test_no_module_is_over_600_lines(tmp_path: Path) -> None:
+    assert long_modules(PACKAGE) == []
+    grown = tmp_path / "readfence"
+    grown.mkdir()
+    (grown / "big.py").write_text("x = 1\n" * (MODULE_LINES + 1))
+    assert long_modules(grown) == [f"readfence/big.py: {MODULE_LINES + 1} lines"]
