@@ -17,6 +17,7 @@ run (or the held one) differs from the serial run.
 from __future__ import annotations
 
 import inspect
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,18 +53,20 @@ def short_path(text: str) -> str:
     """``text`` with its absolute path cut to the path's package folder on (``readfence/...``,
     ``sglang/...``), so that a line reads the same on every machine.
 
-    >>> short_path("/x/site-packages/sglang/srt/a.py:3 in f"), short_path("/w/repo/readfence/core/b.py:9")
+    >>> short_path("/x/site-packages/sglang/srt/a.py:3 in f"), short_path(f"{_PACKAGE_HOME}readfence/core/b.py:9")
     ('sglang/srt/a.py:3 in f', 'readfence/core/b.py:9')
     """
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in text:
             head, _, tail = text.rpartition(marker)
             return head[: head.rfind(" ") + 1] + tail if " " in head else tail
-    at = text.find("/readfence/")
-    if at >= 0:
-        start = text.rfind(" ", 0, at) + 1
-        return text[:start] + text[at + 1:]
-    return text
+    # the folder that holds the package (a checkout, whatever its name: a clone is ``readfence/``
+    # too), not the first folder of that name on the path
+    return text.replace(_PACKAGE_HOME, "")
+
+
+#: The folder that holds the ``readfence`` package, with its trailing separator.
+_PACKAGE_HOME = str(pathlib.Path(__file__).resolve().parents[2]) + "/"
 
 
 def _audited(result: Result[RunnerAudit, RunnerUnsound]) -> Finding | None:
