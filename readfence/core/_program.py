@@ -41,7 +41,8 @@ instead, in the step, every time. What it costs is the stage's ``escape_end`` (s
   the trace's (the value a host read hands over is computed from traced reads: ``int(t.max())``
   of a copy of ``seq_lens`` reads ``seq_lens``), joined with what its Python was seen to read
   on the example steps and on the varied states, where a branch on the value goes another way
-  (:meth:`Program.varied_stages`);
+  (the step's ledger runs the Python of every stage that runs it on them:
+  ``core.internal.Ledger.observe_varied``);
 * ``prepare_in_graph``: ``POST_REPLAY`` for every buffer; its outputs are not copied, and on a
   path not traced they may be views of any buffer, read wherever the body consumes them. The
   body's inputs that it returns are analysed as aliasing every buffer (their consumers read
@@ -248,26 +249,6 @@ class Program:
             return None
         traced = {s.stage for s in self.stages}
         return next((s for s in STAGES if s not in traced), None)
-
-    def varied_stages(self) -> tuple[Stage, ...]:
-        """The stages whose Python the step runs and that may take a path there the trace's
-        example did not, on data: what they read on the generated states counts (the step's
-        ledger runs the Python of every stage that runs it there, these among them:
-        ``core.internal.Ledger.observe_varied``). Every stage of a step that is not replayed (it runs
-        their Python; a branch on a Python value may go either way); in a replayed step, a stage
-        that escapes where an escape counts only for the buffers it reaches (``escape_end``
-        ``NONE``: the out-of-graph stage) and hands its Python data (``StageAnalysis.data_escapes``),
-        since its Python may branch on what it read.
-
-        >>> from readfence.backends import paged
-        >>> from readfence.core import trace
-        >>> trace(paged(), ForwardMode.DECODE).varied_stages(), len(trace(paged(), ForwardMode.EXTEND).varied_stages())
-        ((), 3)
-        """
-        if not self.replayed:
-            return tuple(s.stage for s in self.stages)
-        return tuple(s.stage for s in self.stages
-                     if s.runs_python and s.analysis.data_escapes and s.escape_end is ReadEnd.NONE)
 
     def unfaithful(self) -> list[tuple[Stage, str, str, str]]:
         """``(stage, node, why, source)`` of every escape: what makes a stage unfaithful."""

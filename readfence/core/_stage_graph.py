@@ -185,10 +185,8 @@ class StageAnalysis:
     touched; ``copies`` are the nodes whose view claim their real memory refutes (``None``: no
     memory, fake tensors); ``hidden`` maps a higher-order op node to the buffers its branch
     graphs' captured tensors touch; ``initial`` maps a placeholder to the buffers it aliases;
-    ``data_escapes`` are the escape nodes that hand the stage's Python a value or memory with data
-    in it, which it may branch on (``Program.varied_stages``); ``rebound`` maps an op node to the
-    argument nodes its run pointed at a shared buffer's memory (``set_``, a kernel re-pointing its
-    ``out``), to those buffers.
+    ``rebound`` maps an op node to the argument nodes its run pointed at a shared buffer's memory
+    (``set_``, a kernel re-pointing its ``out``), to those buffers.
 
     >>> a = StageAnalysis({"add": frozenset({"seq_lens"}), "mul": frozenset({"seq_lens", "swa_map"})})
     >>> sorted(a.buffers_read()), a.last_reader("seq_lens")
@@ -204,7 +202,6 @@ class StageAnalysis:
     copies: frozenset[str] | None = None
     hidden: Mapping[str, frozenset[str]] = attrs.Factory(dict)
     initial: Mapping[str, frozenset[str]] = attrs.Factory(dict)
-    data_escapes: tuple[str, ...] = ()
     rebound: Mapping[str, Mapping[str, frozenset[str]]] = attrs.Factory(dict)
 
     def buffers_read(self) -> frozenset[str]:

@@ -39,7 +39,7 @@ class Stage:
       trace holds every read. On another path, taken where the Python branches on the value,
       the runs of its Python show what it reads: the read observer on the example steps, and on
       the varied states, whose values differ so that a branch on data goes another way
-      (``Program.varied_stages``, ``core.internal.Ledger.observe_varied``); the audit and ``lower`` count
+      (``core.internal.Ledger.observe_varied``, on every stage whose Python runs); the audit and ``lower`` count
       what they saw. A path none of them takes (a threshold no state crosses) is what ``verify``'s
       poison and the comparison with the serial run catch, as for any out-of-graph stage's Python
       that branches on what no trace sees (a counter it keeps).

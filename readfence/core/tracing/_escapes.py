@@ -70,33 +70,6 @@ def is_value_escape(node: fx.Node) -> bool:
     return len(node.args) > 1 and (node.args[1] in _VALUE_WHATS or str(node.args[1]).startswith(HOST_READ))
 
 
-def hands_data(node: fx.Node) -> bool:
-    """Whether an escape hands the host a value or memory computed from the step's data: its
-    tensor depends, through the graph, on an input or a captured tensor. A tensor made from
-    nothing (the empty mark an engine's adapter leaves that a stage runs its Python) hands over
-    nothing the step's state decides, so no Python branches on that state through it. Its shape
-    is no test: a tensor empty on the traced example (``t[t > n]``) may hold values on another step.
-
-    >>> g = fx.Graph()
-    >>> t = g.placeholder("t")
-    >>> mark = g.call_function(torch.ops.aten.empty.memory_format, ([0],))
-    >>> hands_data(g.call_function(OPAQUE_OP, (mark, "eager: runs its Python")))
-    False
-    >>> hands_data(g.call_function(OPAQUE_OP, (g.call_function(torch.ops.aten.max.default, (t,)), "item()")))
-    True
-    """
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return True
-    stack, seen = [node.args[0]], set()
-    while stack:
-        n = stack.pop()
-        if n.op in ("placeholder", "get_attr"):
-            return True
-        seen.add(n)
-        stack.extend(m for m in n.all_input_nodes if m not in seen)
-    return False
-
-
 #: The tracer's own modules: their frames sit between a user's stage and the ops it runs (the
 #: modes a stage is traced under, triton's launch hooks, the stage's rerun on a live state), so
 #: a node is named after the first frame outside them. A module of the tracer missing here

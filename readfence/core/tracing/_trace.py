@@ -42,7 +42,7 @@ from ._analysis import StageFacts, analysed, in_branches
 from ._captured import captured_tensors, fresh_literals_dropped, mark_persistent
 from ._collect import collection_paused
 from ._consumed import ReadKeys
-from ._escapes import OPAQUE_OP, hands_data
+from ._escapes import OPAQUE_OP
 from ._memory import BufferMap
 from ._probe import MemoryProbe, ProbeResult
 from ._record import GraphRecorder, Unrecordable, record
@@ -396,8 +396,6 @@ def _stage_graph(args: _StageArgs, run: _Run, facts: StageFacts, result: Analysi
         analysis=StageAnalysis(reads=result.reads, unknown=result.unknown, opaque=result.opaque,
                                faithful=not result.escapes, captured=facts.captured, memory=facts.memory,
                                copies=facts.copies, hidden=facts.hidden, initial=facts.initial,
-                               data_escapes=tuple(n.name for n in run.gm.graph.nodes
-                                                  if n.name in result.escapes and hands_data(n)),
                                rebound=facts.rebound),
         hooks=StageHooks(
             eager=_EagerStage.of(call, args.names, args.leaves, args.spec, guard),

@@ -99,7 +99,28 @@ def _max_prefill(_: object, field: attrs.Attribute[Any], value: object) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class LoopOptions:
+class _RunOptions:
+    """What both loops' records hold: the synthetic scheduler work (``write_cost``,
+    ``write_wait_s``) and what watches the run (``timeline``, ``check``, ``sanitize``,
+    ``progress``, ``UNSAFE_skip_soundness_check``, ``checks``): one set of fields, checked in one
+    place, documented on :class:`LoopOptions`."""
+
+    write_cost: int = attrs.field(default=0, validator=_count)
+    write_wait_s: float = attrs.field(default=0.0, validator=_seconds)
+    timeline: Timeline | None = attrs.field(default=None, validator=_optional(Timeline, "a Timeline"))
+    check: bool | CheckState = attrs.field(default=False, validator=_check)
+    sanitize: bool = attrs.field(default=True, validator=_flag)
+    progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
+    UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
+    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
+
+    def __attrs_post_init__(self) -> None:
+        if self.write_cost and self.write_wait_s:
+            raise ValueError("give write_cost (a matmul) or write_wait_s (a wait), not both")
+
+
+@attrs.frozen(kw_only=True)
+class LoopOptions(_RunOptions):
     """The decode loop's options: the record :func:`~readfence.graph.decode_loop` and the helpers
     that run it (:func:`~readfence.graph.run_overlapped`, :func:`~readfence.graph.run_traced`,
     :func:`~readfence.graph.run_serial`) take whole, as ``options=``.
@@ -143,23 +164,11 @@ class LoopOptions:
 
     seed: int = attrs.field(default=0, validator=_seed)
     finish_prob: float = attrs.field(default=0.1, validator=_probability)
-    write_cost: int = attrs.field(default=0, validator=_count)
-    write_wait_s: float = attrs.field(default=0.0, validator=_seconds)
     staging: StagingRing | None = attrs.field(default=None, validator=_ring)
-    timeline: Timeline | None = attrs.field(default=None, validator=_optional(Timeline, "a Timeline"))
-    check: bool | CheckState = attrs.field(default=False, validator=_check)
-    sanitize: bool = attrs.field(default=True, validator=_flag)
-    progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
-    UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
-    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
-
-    def __attrs_post_init__(self) -> None:
-        if self.write_cost and self.write_wait_s:
-            raise ValueError("give write_cost (a matmul) or write_wait_s (a wait), not both")
 
 
 @attrs.frozen(kw_only=True)
-class ServeOptions:
+class ServeOptions(_RunOptions):
     """The serving loop's options: the record :func:`~readfence.graph.serve_loop` and the helpers
     that run it (:func:`~readfence.graph.run_serve`, :func:`~readfence.graph.run_serve_serial`)
     take whole, as ``options=``.
@@ -183,18 +192,6 @@ class ServeOptions:
     option_kind: ClassVar[str] = "a serving loop option"
 
     max_prefill: int | None = attrs.field(default=None, validator=_max_prefill)
-    write_cost: int = attrs.field(default=0, validator=_count)
-    write_wait_s: float = attrs.field(default=0.0, validator=_seconds)
-    timeline: Timeline | None = attrs.field(default=None, validator=_optional(Timeline, "a Timeline"))
-    check: bool | CheckState = attrs.field(default=False, validator=_check)
-    sanitize: bool = attrs.field(default=True, validator=_flag)
-    progress: Callable[[int], None] | None = attrs.field(default=None, validator=_progress)
-    UNSAFE_skip_soundness_check: bool = attrs.field(default=False, validator=_flag)
-    checks: frozenset[str] | None = attrs.field(default=None, converter=_checks)
-
-    def __attrs_post_init__(self) -> None:
-        if self.write_cost and self.write_wait_s:
-            raise ValueError("give write_cost (a matmul) or write_wait_s (a wait), not both")
 
 
 #: A loop's record, by the keyword a loop takes it as.
