@@ -238,10 +238,7 @@ class CudaStream(Stream):
         with dev._lock:
             dev._check_open()
             if self._capture is not None:
-                raise CaptureError(
-                    f"stream {self.name!r} cannot wait on event {ev.name!r} inside a capture; "
-                    "wait before the replay instead"
-                )
+                raise CaptureError.wait_in_capture(self.name, ev.name)
             if ev.generation == 0:
                 raise EventNeverRecorded(ev.name, f"stream {self.name!r} wait")
             dev._notify_locked("on_wait", self.name, ev)

@@ -67,6 +67,16 @@ class EventNeverRecorded(DeviceError):
 class CaptureError(DeviceError):
     """Something that cannot happen inside (or outside) a graph capture, with the reason."""
 
+    @classmethod
+    def wait_in_capture(cls, stream: str, event: str) -> CaptureError:
+        """A stream's wait on an event inside its capture: every device refuses it (a graph
+        replays its waits on the events recorded at capture time, not the step's).
+
+        >>> print(CaptureError.wait_in_capture("forward", "sched"))
+        stream 'forward' cannot wait on event 'sched' inside a capture; wait before the replay instead
+        """
+        return cls(f"stream {stream!r} cannot wait on event {event!r} inside a capture; wait before the replay instead")
+
 
 class DeviceClosed(DeviceError):
     """The device was closed while work or waits were still pending."""
