@@ -8,6 +8,8 @@ the audit's verdicts on the same cases.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from readfence.core import CapturedStateError, StageWriteError
@@ -52,12 +54,20 @@ def test_refused_cases_cannot_be_lowered_with_an_early_fence(name) -> None:
                       state=state)
 
 
+@functools.cache
+def _serial(name: str):
+    # the serial run of an accepted case, shared by both policies' runs of it
+    case = CASES[name]
+    state = _state_for(case)
+    return run_serial(case.build(state), case.mode, steps=STEPS, batch_size=BATCH, cfg=CFG, state=state)
+
+
 @pytest.mark.parametrize("policy", [Policy.PER_BUFFER, Policy.EXACT], ids=str)
 @pytest.mark.parametrize("name", first_of_each([n for n, c in CASES.items() if c.verdict == "accepted"], lambda n: CASES[n].klass))
 def test_accepted_cases_run_bit_identical_to_serial_with_forward_delays(name, policy) -> None:
     case = CASES[name]
-    serial_state, live_state = _state_for(case), _state_for(case)
-    ref = run_serial(case.build(serial_state), case.mode, steps=STEPS, batch_size=BATCH, cfg=CFG, state=serial_state)
+    live_state = _state_for(case)
+    ref = _serial(name)
     faults = FaultInjector(seed=sum(map(ord, name + policy.name)), max_delay_s=0.002, streams=["forward"])
     with CpuDevice(timeout=30.0, faults=faults) as dev:
         res = run_overlapped(case.build(live_state), case.mode, steps=STEPS, policy=policy, device=dev,

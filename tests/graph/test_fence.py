@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
-from readfence.core import SHARED_BUFFERS, ForwardMode
+from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.graph import CpuDevice, DeviceTimeout, Fence, LowerOptions, Policy, Scheduler, lower
 from readfence.graph.devices import DeviceObserver, EventNeverRecorded, StreamError
 from readfence.graph.lowering import RingWrapError
@@ -20,6 +20,9 @@ from ._gates import make_gate
 M = ForwardMode
 SHORT = 0.2  # a wait that must time out
 T = 10.0  # a wait that must succeed
+# Two layers: both arms of a two-arm composite and both kinds of trtllm_mha's layers attend,
+# so each step still records an event per released buffer, at half the default model's cost.
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 EVENT_SEMANTICS = pytest.mark.parametrize("dev", [False, True], ids=["cpu-events", "cuda-events"], indirect=True)
 
 
@@ -41,7 +44,7 @@ def _batch(low, seed=0):
 
 
 def test_host_wait_on_a_fence_that_never_fires_times_out_clearly(dev):
-    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, cfg=CFG, device=dev,
                 policy=Policy.PER_BUFFER)
     batch = _batch(low)
     gate, block = make_gate(T)
@@ -68,7 +71,7 @@ def test_host_wait_on_a_fence_that_never_fires_times_out_clearly(dev):
 
 
 def test_device_side_wait_on_a_fence_that_never_fires_times_out(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT)
     batch = _batch(low)
     sched = dev.stream("schedule")
     gate, block = make_gate(T)
@@ -93,7 +96,7 @@ def test_device_side_wait_gives_up_after_the_device_timeout():
     # with DeviceTimeout (naming the event) instead of hanging, and the error surfaces at the
     # next host wait on that stream.
     with CpuDevice() as dev:
-        low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+        low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER)
         dev.timeout = SHORT  # after lowering: its eager rehearsal may take longer on a loaded machine
         batch = _batch(low)
         sched = dev.stream("schedule")
@@ -124,7 +127,7 @@ def test_waiting_on_an_unrecorded_event_is_refused(dev):
 
 
 def test_exception_in_a_launched_fn_surfaces_at_the_next_fence_wait(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT)
     batch = _batch(low)
 
     def boom():
@@ -154,7 +157,7 @@ def test_exception_in_a_launched_fn_surfaces_at_the_next_fence_wait(dev):
 
 def _run_rows_out_of_range(dev, backend):
     """A broken step: request rows outside the page table make the stage that maps them fail."""
-    low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    low = lower(backend, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER)
     batch = dict(_batch(low))
     batch["req_pool_indices"] = torch.tensor([0, 10_000])
     return low, low.run(batch, step=0)
@@ -184,7 +187,7 @@ def test_exception_in_the_out_of_graph_stage_surfaces_before_the_replay(dev):
 
 @EVENT_SEMANTICS
 def test_ring_of_one_wrapped_by_the_next_step_is_an_error(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                 lowering=LowerOptions(ring_size=1))
     batch = _batch(low)
     first = low.run(batch, step=0)
@@ -201,7 +204,7 @@ def test_ring_of_one_wrapped_by_the_next_step_is_an_error(dev):
 
 @EVENT_SEMANTICS
 def test_ring_of_two_makes_the_same_sequence_fine(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                 lowering=LowerOptions(ring_size=2))
     batch = _batch(low)
     first = low.run(batch, step=0)
@@ -221,7 +224,7 @@ def test_ring_of_two_makes_the_same_sequence_fine(dev):
 
 
 def test_fence_rejects_unknown_buffers_and_skips_unread_ones(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER)
     run = low.run(_batch(low), step=0)
     with pytest.raises(KeyError, match="kv_pool"):
         run.fence.synchronize(["kv_pool"], timeout=T)
@@ -248,7 +251,7 @@ def _bound_generations(fence):
 def test_a_fence_is_bound_to_the_records_its_own_run_made(dev, policy, mode, measure):
     # the fence derives its generations from the slot's run count; the events' own counters,
     # read right after each run, are the independent truth, and stay so as later runs go on
-    low = lower(hybrid_linear(trtllm_mha(), linear()), mode, batch_size=2, device=dev, policy=policy,
+    low = lower(hybrid_linear(trtllm_mha(), linear()), mode, batch_size=2, cfg=CFG, device=dev, policy=policy,
                 lowering=LowerOptions(ring_size=2, measure=measure))
     assert low.graphed is (mode is M.DECODE)
     batch = _batch(low)
@@ -269,7 +272,7 @@ def test_a_fence_is_bound_to_the_records_its_own_run_made(dev, policy, mode, mea
 def test_an_event_recorded_outside_its_graph_is_caught_at_the_wait(dev):
     # one event recorded by anyone but its graph's runs (here, by hand on another stream):
     # a wait on it would bind to that record, not the step's, so it is refused
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                 lowering=LowerOptions(ring_size=2))
     batch = _batch(low)
     run = low.run(batch, step=0)
@@ -286,7 +289,7 @@ def test_an_event_recorded_outside_its_graph_is_caught_at_the_wait(dev):
 def test_a_step_stopped_midway_leaves_the_next_fences_bound(dev, monkeypatch):
     # the replay raises after the step's PRE_REPLAY events were recorded: the slot's count of
     # runs and its events' records disagree from then on, unless the run resynchronises them
-    low = lower(trtllm_mha(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    low = lower(trtllm_mha(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                 lowering=LowerOptions(ring_size=1))
     batch = _batch(low)
     low.run(batch, step=0).fence.synchronize(timeout=T)
@@ -307,7 +310,7 @@ def test_a_step_stopped_midway_leaves_the_next_fences_bound(dev, monkeypatch):
 
 
 def test_a_batch_of_the_wrong_shape_or_keys_is_refused_before_anything_is_enqueued(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER)
     batch = _batch(low)
     wrong = {**batch, "positions": torch.zeros(3, dtype=torch.int64)}
     with pytest.raises(ValueError, match=r"batch\['positions'\] has shape \(3,\).*captured for \(2,\)"):
@@ -330,7 +333,7 @@ def test_a_steps_events_fire_on_its_stream_in_index_order(dev, policy, mode):
     from readfence.backends import REFERENCE_LEAVES, deepseek_v4, tbo
     for backend in (hybrid_linear(trtllm_mha(), linear()), tbo(deepseek_v4(), paged()),
                     *(make() for make in REFERENCE_LEAVES.values())):
-        low = lower(backend, mode, batch_size=2, device=dev, policy=policy, lowering=LowerOptions(measure=True))
+        low = lower(backend, mode, batch_size=2, cfg=CFG, device=dev, policy=policy, lowering=LowerOptions(measure=True))
         run = low.run(_batch(low), step=0)
         run.fence.wait_done(T)
         handles = [b.handle for b in (*run.fence.distinct, run.fence.done)]
@@ -350,7 +353,7 @@ class _Waits(DeviceObserver):
 def test_one_wait_on_the_latest_event_covers_a_lowered_fence_and_each_event_of_a_built_one():
     seen = _Waits()
     with CpuDevice(timeout=T, observers=[seen]) as dev:
-        low = lower(hybrid_linear(paged(), linear()), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+        low = lower(hybrid_linear(paged(), linear()), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT)
         run = low.run(_batch(low), step=0)
         distinct = run.fence.distinct
         assert len(distinct) >= 3

@@ -14,7 +14,7 @@ from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, LowerOptions, Policy, Scheduler, UnsoundLowering, lower, make_state
 from readfence.graph.devices import DeviceObserver, Read, Record
 from readfence.graph.lowering._plan import IN_GRAPH_STAGES
-from tests.conftest import DEFAULT as CFG
+from tests.conftest import SMALL as CFG  # two layers: each arm of hybrid_linear attends
 
 M = ForwardMode
 T = 10.0
@@ -42,7 +42,7 @@ def _events(fence):
 @pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND], ids=str)
 def test_one_lowered_step_equals_the_eager_step(dev, mode, policy):
     backend = hybrid_linear(trtllm_mha(), linear())
-    low = lower(backend, mode, batch_size=2, device=dev, policy=policy)
+    low = lower(backend, mode, batch_size=2, cfg=CFG, device=dev, policy=policy)
     batch = _step(low, mode)
     pools_before = {k: v.clone() for k, v in low.pools.items()}
     out = low.run(batch, step=0).result(T)
@@ -56,12 +56,12 @@ def test_one_lowered_step_equals_the_eager_step(dev, mode, policy):
 def test_each_lowered_graph_owns_its_events(dev):
     # different modes, batch sizes (shapes), streams and policies: no event object shared
     lows = [
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER),
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER),  # same everything
-        lower(paged(), M.DECODE, batch_size=3, device=dev, policy=Policy.PER_BUFFER),
-        lower(paged(), M.TARGET_VERIFY, batch_size=2, device=dev, policy=Policy.PER_BUFFER),
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, stream=dev.stream("other")),
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT),
+        lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER),
+        lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER),  # same everything
+        lower(paged(), M.DECODE, batch_size=3, cfg=CFG, device=dev, policy=Policy.PER_BUFFER),
+        lower(paged(), M.TARGET_VERIFY, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER),
+        lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER, stream=dev.stream("other")),
+        lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT),
     ]
     seen: dict[int, str] = {}
     for i, low in enumerate(lows):
@@ -75,13 +75,13 @@ def test_each_lowered_graph_owns_its_events(dev):
 
 
 def test_ring_slots_own_their_events_and_ring_one_reuses(dev):
-    ring2 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    ring2 = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                   lowering=LowerOptions(ring_size=2))
     batch = _step(ring2)
     f0, f1, f2 = (ring2.run(batch, step=i).fence for i in range(3))
     assert not set(_events(f0)) & set(_events(f1))
     assert set(_events(f0)) == set(_events(f2))  # slot 0 again
-    ring1 = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    ring1 = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                   lowering=LowerOptions(ring_size=1))
     g0, g1 = (ring1.run(batch, step=i).fence for i in range(2))
     assert set(_events(g0)) == set(_events(g1))
@@ -104,7 +104,7 @@ def _replays(obs):
 def test_without_in_graph_events_the_graph_records_nothing(policy):
     with CpuDevice(timeout=T, in_graph_events=False) as dev:
         backend = minimax(sparse(), dense())
-        low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=policy, lowering=LowerOptions(measure=True))
+        low = lower(backend, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=policy, lowering=LowerOptions(measure=True))
         obs = _Ops()
         dev.add_observer(obs)
         run = low.run(_step(low), step=0)
@@ -122,7 +122,7 @@ def test_without_in_graph_events_the_graph_records_nothing(policy):
 
 def test_exact_records_right_after_the_last_read_inside_the_graph(dev):
     backend = minimax(sparse(), dense())
-    low = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    low = lower(backend, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT)
     obs = _Ops()
     dev.add_observer(obs)
     low.run(_step(low), step=0).fence.synchronize(timeout=T)
@@ -144,36 +144,36 @@ def test_refusal_message_names_backend_mode_buffer_and_ends(dev):
     early = redeclare(paged(), lambda m: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY,
                                                          "seq_lens": ReadEnd.PRE_REPLAY}))
     with pytest.raises(UnsoundLowering) as err:
-        lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+        lower(early, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER)
     msg = str(err.value)
     for part in ("paged", "DECODE", "PER_BUFFER", "'seq_lens'", "PRE_REPLAY", "IN_REPLAY",
                  "fix: declare 'seq_lens' ending at IN_REPLAY (or later), or end the read earlier"):
         assert part in msg, (part, msg)
     assert re.search(r"last read by node '\w+' in stage \w+ at \S+\.py:\d+ in \w+: a traced read", msg), msg
     # the unsafe flag lowers it, one step early
-    low = lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER,
+    low = lower(early, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER,
                 lowering=LowerOptions(UNSAFE_skip_soundness_check=True))
     assert low.plan.end("seq_lens") is ReadEnd.PRE_REPLAY
     # COARSE needs no flag
-    assert lower(early, M.DECODE, batch_size=2, device=dev, policy=Policy.COARSE).plan.end("seq_lens") \
+    assert lower(early, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.COARSE).plan.end("seq_lens") \
         is ReadEnd.UNKNOWN
 
 
 def test_lower_validates_its_arguments(dev):
     with pytest.raises(TypeError, match="ForwardMode"):
-        lower(paged(), "decode", batch_size=2, device=dev, policy=Policy.EXACT)
+        lower(paged(), "decode", batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT)
     with pytest.raises(TypeError, match="Policy"):
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy="exact")
+        lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy="exact")
     with pytest.raises(ValueError, match="batch_size"):
-        lower(paged(), M.DECODE, batch_size=0, device=dev, policy=Policy.EXACT)
+        lower(paged(), M.DECODE, batch_size=0, cfg=CFG, device=dev, policy=Policy.EXACT)
     with pytest.raises(ValueError, match="max_reqs"):
-        lower(paged(), M.DECODE, batch_size=CFG.max_reqs + 1, device=dev, policy=Policy.EXACT)
+        lower(paged(), M.DECODE, batch_size=CFG.max_reqs + 1, cfg=CFG, device=dev, policy=Policy.EXACT)
     with pytest.raises(ValueError, match="ring_size"):
-        lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, lowering=LowerOptions(ring_size=0))
+        lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT, lowering=LowerOptions(ring_size=0))
 
 
 def test_run_checks_the_batch(dev):
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.EXACT)
     batch = _step(low)
     with pytest.raises(KeyError, match="input_ids"):
         low.run({k: v for k, v in batch.items() if k != "input_ids"})
@@ -183,7 +183,7 @@ def test_run_checks_the_batch(dev):
 
 
 def test_describe_lists_declared_observed_and_placement(dev):
-    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, cfg=CFG, device=dev,
                 policy=Policy.PER_BUFFER)
     rows = {r["buffer"]: r for r in low.describe()}
     assert set(rows) == set(SHARED_BUFFERS)
@@ -204,7 +204,7 @@ def test_lowering_rehearses_on_a_throwaway_example_not_on_the_live_state(dev):
             seen.append(label)
 
     dev.add_observer(Launches())
-    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, device=dev,
+    low = lower(hybrid_linear(trtllm_mha(), linear()), M.DECODE, batch_size=2, cfg=CFG, device=dev,
                 policy=Policy.EXACT, state=state)
     assert any(label.endswith("/rehearse") for label in seen)  # it did run, on the lowered stream
     for group, tensors in before.items():
@@ -266,7 +266,7 @@ def test_outputs_allocated_by_the_host_are_kept_for_the_stream_that_writes_them(
 
     kept = []
     monkeypatch.setattr(CpuStream, "keep", lambda self, tensor: kept.append((self.name, tensor)))
-    low = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER)
+    low = lower(paged(), M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER)
     run = low.run(example_step(low.cfg, M.DECODE, 2).batch, step=0)
     run.result(10)
     assert [(name, t is run.logits) for name, t in kept] == [(low.stream.name, True)]

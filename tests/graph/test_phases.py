@@ -36,6 +36,9 @@ laws.check_join_semilattice(
 )
 
 MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
+# The overlapped runs: two layers (each arm of a composite and both kinds of trtllm_mha's layers
+# attend) and eight rows; the races are between streams and steps, not between layers.
+SMALL = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 effects = st.dictionaries(st.sampled_from(SHARED_BUFFERS), st.sampled_from(list(ReadEnd))).map(ReadEffect.of)
 
 
@@ -58,7 +61,7 @@ def test_published_position_is_the_maximum(phases):
 
 @functools.cache
 def _serial(spec: str, steps: int):
-    return run_serial(parse_step(spec).unwrap(), steps=steps, batch_size=2)
+    return run_serial(parse_step(spec).unwrap(), steps=steps, batch_size=2, cfg=SMALL)
 
 
 @settings(max_examples=4, deadline=None)
@@ -71,9 +74,9 @@ def test_random_phase_sequences_overlap_like_serial(phases, seed):
         sound = e | trace(paged(), mode).traced()
         ph.append(Phase(f"p{i}", redeclare(paged(), lambda m, s=sound: s), mode, f"r{i}"))
     shape = StepShape("random", tuple(ph), "random")
-    ref = run_serial(shape, steps=12, batch_size=2, options=LoopOptions(seed=seed))
+    ref = run_serial(shape, steps=12, batch_size=2, cfg=SMALL, options=LoopOptions(seed=seed))
     with CpuDevice(faults=FaultInjector(seed=seed, max_delay_s=0.002)) as dev:
-        res = run_overlapped(shape, steps=12, policy=Policy.PER_BUFFER, device=dev, batch_size=2,
+        res = run_overlapped(shape, steps=12, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=SMALL,
                              options=LoopOptions(seed=seed))
     assert res.matches(ref) and res.violations == ()
 
@@ -100,7 +103,7 @@ def test_speculative_step_shapes_and_their_publisher(spec, publishers):
         assert got == expected, buffer
     ref = _serial(spec, 20)
     with CpuDevice(faults=FaultInjector(seed=3, max_delay_s=0.002)) as dev:
-        res = run_overlapped(shape, steps=20, policy=Policy.EXACT, device=dev, batch_size=2)
+        res = run_overlapped(shape, steps=20, policy=Policy.EXACT, device=dev, batch_size=2, cfg=SMALL)
     assert res.matches(ref) and res.violations == ()
 
 
@@ -121,9 +124,9 @@ GROUP = per_stream(paged(), trtllm_mha())
 
 
 def test_two_forward_streams_bit_identical_and_clean():
-    ref = run_serial(GROUP, steps=200, batch_size=4, options=LoopOptions(seed=5))
+    ref = run_serial(GROUP, steps=200, batch_size=4, cfg=SMALL, options=LoopOptions(seed=5))
     with CpuDevice(faults=FaultInjector(seed=5, max_delay_s=0.001)) as dev:
-        res = run_overlapped(GROUP, steps=200, policy=Policy.PER_BUFFER, device=dev, batch_size=4,
+        res = run_overlapped(GROUP, steps=200, policy=Policy.PER_BUFFER, device=dev, batch_size=4, cfg=SMALL,
                              options=LoopOptions(seed=5))
     assert res.matches(ref)
     assert res.violations == ()

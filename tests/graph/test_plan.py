@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from readfence.backends import deepseek_v4, dense, hybrid_linear, linear, minimax, paged, sparse, tbo, trtllm_mha
-from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode
+from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, SHARED_BUFFERS, ForwardMode, ModelConfig
 from readfence.effects import Capabilities, ReadEffect, ReadEnd, degrade, resolve
 from readfence.graph import CpuDevice, LowerOptions, Policy, lower
 from readfence.graph.lowering import Placement, plan_fences
@@ -23,6 +23,9 @@ M = ForwardMode
 NONE, PRE, IN, POST, UNKNOWN = (ReadEnd.NONE, ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY,
                                 ReadEnd.UNKNOWN)
 NO_IN_GRAPH = Capabilities(in_graph_events=False)
+# The lowered cases: two layers, so that each arm of a composite attends and a body read has an
+# earlier and a later reading node; more layers repeat the same nodes.
+CFG = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
 
 
 
@@ -133,8 +136,9 @@ def dev_no_in_graph():
 def test_lowered_placements_follow_the_policy(dev, name, mode):
     backend = BACKENDS[name]()
     declared = backend.read_effect(mode)
-    plans = {p: lower(backend, mode, batch_size=2, device=dev, policy=p).plan for p in Policy}
-    program = lower(backend, mode, batch_size=2, device=dev, policy=Policy.EXACT).program
+    lowered = {p: lower(backend, mode, batch_size=2, cfg=CFG, device=dev, policy=p) for p in Policy}
+    plans = {p: low.plan for p, low in lowered.items()}
+    program = lowered[Policy.EXACT].program
     observed = program.traced()
     assert observed <= declared  # the reference backends are sound
     for b in SHARED_BUFFERS:
@@ -158,8 +162,8 @@ def test_composition_with_buffers_ending_at_different_stages(dev):
     # hybrid_linear(trtllm_mha, linear): page table, lengths and swa map end before the replay,
     # state slots inside it. JOINED publishes all of them inside the graph.
     backend = hybrid_linear(trtllm_mha(), linear())
-    joined = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.JOINED).plan
-    per_buffer = lower(backend, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER).plan
+    joined = lower(backend, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.JOINED).plan
+    per_buffer = lower(backend, M.DECODE, batch_size=2, cfg=CFG, device=dev, policy=Policy.PER_BUFFER).plan
     assert {b: joined.end(b) for b in SHARED_BUFFERS} == dict.fromkeys(SHARED_BUFFERS, IN)
     assert {b: per_buffer.end(b) for b in SHARED_BUFFERS} == {
         "req_to_token": PRE, "seq_lens": PRE, "swa_map": PRE, "state_slots": IN}
@@ -173,7 +177,7 @@ def test_composition_with_buffers_ending_at_different_stages(dev):
 @pytest.mark.parametrize("name", ["minimax(sparse,dense)", "hybrid_linear(trtllm_mha,linear)"])
 def test_lowering_without_in_graph_events(dev_no_in_graph, name, policy):
     backend = BACKENDS[name]()
-    low = lower(backend, M.DECODE, batch_size=2, device=dev_no_in_graph, policy=policy,
+    low = lower(backend, M.DECODE, batch_size=2, cfg=CFG, device=dev_no_in_graph, policy=policy,
                 lowering=LowerOptions(measure=True))
     declared = backend.read_effect(M.DECODE)
     for b, p in low.plan.placements.items():

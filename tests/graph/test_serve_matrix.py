@@ -1,7 +1,7 @@
 """The serving loop over every reference backend, combinator and step shape, under EXACT and
 another policy in turn (every policy on a third of the targets; ``verify`` on every policy).
 
-Seventy-five steps of mixed traffic (arrivals, finishes, prefill between decodes, several
+Forty steps of mixed traffic (arrivals, finishes, prefill between decodes, several
 captured sizes, every row busy) with random delays on every stream: each request's outputs bit-identical to
 the serial reference, the sanitizer clean, the fences never before the last read, and
 ``verify`` (poison, guard, observer) clean on the same loop. That the traffic is mixed is
@@ -34,13 +34,16 @@ from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import CpuDevice, FaultInjector, Policy, Traffic, eagle, multi_eagle, ngram, run_serve, run_serve_serial, verify_serve
 
 M = ForwardMode
-CFG = ModelConfig(layers=1, max_reqs=8, max_ctx=32)
-SIZES = (1, 2, 4, 8)
+# Three usable rows and three captured sizes: each graph of a run is a lowering (most of a run's
+# time), and these still give every case the matrix is about: a padded decode (3 rows in b4),
+# every captured size, prefill at every batch size the rows allow, rows freed and handed out again.
+CFG = ModelConfig(layers=1, max_reqs=4, max_ctx=32)
+SIZES = (1, 2, 4)
 TRAFFIC = Traffic(rate=0.5, prompt=(4, 12), output=(2, 6), seed=11)
-# The schedule is the same for every target: by step 75 it has decoded in every captured size
-# (8 from step 31), prefilled at every batch size a 150-step run does (1 to 5), handed out
-# 34 requests over the 7 usable rows and, at step 70, decoded with all 7 busy (asserted).
-STEPS = 75
+# The schedule is the same for every target: by step 40 it has decoded in every captured size
+# (4 from step 11, 1 at step 33), prefilled at every batch size the rows allow (1 to 3), handed
+# out 13 requests over the 3 usable rows and decoded with all 3 busy from step 11 (asserted).
+STEPS = 40
 VERIFY_STEPS = 20
 
 TARGETS = {
@@ -76,7 +79,9 @@ def test_serve_is_bit_identical_clean_and_verified(name):
                             capture_sizes=SIZES, cfg=CFG)
         assert res.violations == (), f"{name} {policy.name}: " + "\n".join(map(str, res.violations[:5]))
         assert res.first_difference(ref) is None, f"{name} {policy.name}: differs at {res.first_difference(ref)}"
-        assert len(res.batch_sizes) >= 3 and res.prefill_steps >= 10, (res.batch_sizes, res.prefill_steps)
+        # every captured size ran (a per_stream pair pads a batch of one to two)
+        sizes = set(SIZES) - ({1} if name.startswith("per_stream") else set())
+        assert set(res.batch_sizes) == sizes and res.prefill_steps >= 10, (res.batch_sizes, res.prefill_steps)
         assert max(r.batch_size for r in res.records if r.kind == "decode") == CFG.max_reqs - 1  # every row busy
         assert all(s >= 0 for s in res.slack.values()), res.slack
     with CpuDevice(timeout=30) as dev:
