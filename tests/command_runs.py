@@ -4,11 +4,12 @@ The README's and the docs' commands, their samples and the commands other tests 
 by several test files, some alike (the same command in a bash block, in the prose and in a
 test of what it prints). :func:`run_readfence` runs a command once per run of the suite and
 hands every later caller, on any pytest-xdist worker, what it printed: the run is keyed by
-everything its output depends on (its arguments, its folder, the environment), and a file lock
-makes a second worker wait for the first instead of running it again.
+everything its output depends on (its arguments, its folder, the environment variables its test
+set), and a file lock makes a second worker wait for the first instead of running it again.
 
 It runs the program as installed: a test that patches readfence, or needs the run to happen in
-its own process state, calls the command itself (the ``cli`` fixture).
+its own process state, or sets the environment for a whole module, calls the command itself
+(the ``cli`` fixture).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The folder every worker of this test run shares, set by the session fixture in
 #: ``tests/conftest.py``; ``None`` (run outside pytest): nothing is shared.
 _shared: pathlib.Path | None = None
+
+#: The environment as the running test started (set by the fixture in ``tests/conftest.py``).
+_at_test_start: dict[str, str] | None = None
 
 #: How long a worker waits for another to finish the same command (its subprocess's own limit
 #: is 600 s): longer means the other worker hangs, and the test fails saying so.
@@ -49,14 +53,25 @@ def readfence_script() -> str:
     return found
 
 
+def note_test_start() -> None:
+    """Remember the environment as a test starts: a run's key holds what the test changed of it
+    (what a library sets when a test first imports it, e.g. SGLang's cache folders, is the
+    same for every command and must not tell two runs apart)."""
+    global _at_test_start
+    _at_test_start = dict(os.environ)
+
+
 def run_key(argv: list[str], cwd: str) -> str:
     """What a run's output depends on, hashed: its arguments, its folder and the environment
-    (pytest's own variables, which name the worker and the test, left out).
+    variables the running test set or removed (every variable outside a test; pytest's own,
+    which name the worker and the test, left out).
 
     >>> run_key(["plan", "paged"], ".") == run_key(["plan", "paged"], "."), run_key(["plan"], ".") == run_key(["plan", "paged"], ".")
     (True, False)
     """
-    env = sorted((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_"))
+    start = _at_test_start if _at_test_start is not None else {}
+    changed = {k: os.environ.get(k) for k in {*start, *os.environ} if os.environ.get(k) != start.get(k)}
+    env = sorted((k, v) for k, v in changed.items() if not k.startswith("PYTEST_"))  # None: removed
     text = json.dumps([argv, str(pathlib.Path(cwd).resolve()), env])
     return hashlib.sha256(text.encode()).hexdigest()
 

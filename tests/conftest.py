@@ -125,3 +125,12 @@ def command_runs_shared(tmp_path_factory: pytest.TempPathFactory) -> None:
 
     base = tmp_path_factory.getbasetemp()
     share_runs_in((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "command-runs")
+
+
+@pytest.fixture(autouse=True)
+def command_runs_environment() -> None:
+    """The environment as each test starts, for ``tests.command_runs`` to key a run by what the
+    test changed of it."""
+    from tests.command_runs import note_test_start
+
+    note_test_start()

@@ -40,9 +40,20 @@ def test_arguments_folder_and_environment_each_make_another_run(counted, tmp_pat
     monkeypatch.setenv("READFENCE_TEST_VARIABLE", "1")
     command_runs.run_readfence(["plan", "paged"], str(tmp_path))
     assert len(counted) == 4
+    monkeypatch.delenv("PATH")
+    command_runs.run_readfence(["plan", "paged"], str(tmp_path))
+    assert len(counted) == 5
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")  # pytest's own: names the worker, not the run
     command_runs.run_readfence(["plan", "paged"], str(tmp_path))
-    assert len(counted) == 4
+    assert len(counted) == 5
+
+
+def test_what_an_import_set_before_a_test_started_does_not_make_another_run(counted, tmp_path, monkeypatch):
+    command_runs.run_readfence(["plan", "paged"], str(tmp_path))
+    monkeypatch.setenv("READFENCE_TEST_CACHE_DIR", "/tmp/cache")  # as SGLang sets its cache folders on import
+    command_runs.note_test_start()  # the next test starts with it set
+    command_runs.run_readfence(["plan", "paged"], str(tmp_path))
+    assert len(counted) == 1
 
 
 def test_callers_at_once_wait_for_one_run(counted, tmp_path):
