@@ -115,3 +115,22 @@ def dev():
     with CpuDevice(timeout=30.0) as d:
         yield d
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def command_runs_shared(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One folder for every pytest-xdist worker of this run (their base temps' parent; this
+    run's own base temp without xdist), where ``tests.command_runs`` keeps each command's run."""
+    from tests.command_runs import share_runs_in
+
+    base = tmp_path_factory.getbasetemp()
+    share_runs_in((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "command-runs")
+
+
+@pytest.fixture(autouse=True)
+def command_runs_environment() -> None:
+    """The environment as each test starts, for ``tests.command_runs`` to key a run by what the
+    test changed of it."""
+    from tests.command_runs import note_test_start
+
+    note_test_start()

@@ -3,7 +3,8 @@
 A text block preceded by ``<!-- sample: readfence ARGS | FLAGS -->`` is compared with a real run
 of that command, line by line, after squeezing runs of spaces (column widths follow the values).
 FLAGS: ``numbers`` replaces every number with ``N`` (timings differ from run to run; the columns,
-rows and words do not); ``shrink`` does that and cuts ``--steps`` to 4; ``slow`` marks a run of a
+rows and words do not); ``shrink`` does that and runs the command as ``docs_pages.shrink``
+makes it (as ``tests/cli/test_readme_commands.py`` runs a bash block's command); ``slow`` marks a run of a
 minute or more as a slow test; ``stderr`` compares stderr too. A line ``...`` stands for any
 lines, and ``...`` inside a line for any text.
 """
@@ -15,8 +16,8 @@ import shlex
 
 import pytest
 
-from tests.cli.conftest import run_readfence
-from tests.docs_pages import samples
+from tests.command_runs import run_readfence
+from tests.docs_pages import run_folder, samples, shrink
 
 pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
 
@@ -64,12 +65,10 @@ def _case(page: str, command: str, flags: str, text: str) -> object:
 
 @pytest.mark.parametrize(("page", "command", "flags", "text"), [_case(*s) for s in SAMPLES])
 def test_a_readme_sample_is_what_the_command_prints(page, command, flags, text, tmp_path):
-    argv = shlex.split(command)[1:]
     flags = {f.strip() for f in (flags or "").split(",")}
-    if "shrink" in flags:
-        argv = [*argv, "--steps", "4"] if "--steps" not in argv else argv
-        argv[argv.index("--steps") + 1] = "4"
-    _, stdout, stderr = run_readfence(argv, str(tmp_path))
+    argv = (shrink if "shrink" in flags else list)(shlex.split(command))
+    # where and as the bash blocks' commands run: a command in both runs once
+    _, stdout, stderr = run_readfence(argv[1:], run_folder(argv, tmp_path))
     out = stdout + (stderr if "stderr" in flags else "")
     numbers = "numbers" in flags or "shrink" in flags
     expected = [normal(x, numbers) for x in text.strip("\n").splitlines()]

@@ -118,12 +118,10 @@ def test_the_json_of_an_error_row_says_what_raised(cli):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
 def test_the_readmes_forgetful_tbo_audit_runs_as_printed():
-    import pathlib
+    from tests.command_runs import ROOT, run_readfence
 
-    from tests.cli.conftest import run_readfence
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    code, out, err = run_readfence(shlex.split("audit --engine tests.engine.sglang_engines:forgetful_tbo"), str(root))
+    # the run the docs' prose shows (tests/cli/test_readme_inline_commands.py): run once for both
+    code, out, err = run_readfence(shlex.split("audit --engine tests.engine.sglang_engines:forgetful_tbo"), str(ROOT))
     assert code == 1, out + err  # unsound (it does not delegate), and DRAFT_EXTEND raises inside SGLang
     assert "UNSOUND: forgetful_tbo in DECODE: req_to_token declared IN_REPLAY" in out
     assert "ERROR: forgetful_tbo in DRAFT_EXTEND" in out and "Traceback" not in err

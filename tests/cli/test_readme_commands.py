@@ -1,5 +1,5 @@
 """Every ``readfence ...`` command in the bash blocks of the README and of the docs' pages runs
-(with fewer demo and serve steps).
+(``docs_pages.shrink``: with fewer demo and serve steps, from the repository's root).
 
 A command whose printed output the README shows as a sample is run, and its output compared,
 by ``tests/test_readme_samples.py``; the others run here (in-process but for the ``--tp`` runs:
@@ -14,8 +14,8 @@ import shlex
 
 import pytest
 
-from tests.cli.conftest import run_readfence
-from tests.docs_pages import PAGES, blocks, sampled_commands
+from tests.command_runs import run_readfence
+from tests.docs_pages import PAGES, blocks, run_folder, sampled_commands, shrink
 
 pytestmark = pytest.mark.slow  # end to end (the README, the scripts, worker processes): the full suite
 
@@ -23,32 +23,6 @@ TEXT = PAGES["README.md"]
 COMMANDS = list(dict.fromkeys(line.strip() for _, _, block in blocks("bash") for line in block.splitlines()
                               if line.startswith("readfence ")))
 SAMPLED = sampled_commands()
-
-
-def shrink(argv: list[str]) -> list[str]:
-    """A demo with 4 steps of 2 requests, a serving run of 8 steps (its traffic's first
-    prefills and its first decode steps in captured graphs): the README's flags otherwise
-    unchanged.
-
-    >>> shrink(["readfence", "demo", "--steps", "20"])
-    ['readfence', 'demo', '--steps', '4', '--batch-size', '2']
-    >>> shrink(["readfence", "serve", "paged", "--steps", "30", "--verify"])
-    ['readfence', 'serve', 'paged', '--steps', '8', '--verify']
-    """
-    if argv[1:2] == ["serve"] and "--steps" in argv:
-        out = list(argv)
-        out[out.index("--steps") + 1] = "8"
-        return out
-    if argv[1:2] != ["demo"]:
-        return argv
-    out = list(argv)
-    if "--steps" in out:
-        out[out.index("--steps") + 1] = "4"
-    else:
-        out += ["--steps", "4"]
-    if "--batch-size" not in out:
-        out += ["--batch-size", "2"]
-    return out
 
 
 def test_readme_shows_the_commands():
@@ -69,7 +43,7 @@ def test_some_commands_are_run_as_samples_and_the_rest_here():
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c not in SAMPLED])
 def test_readme_command_runs(command, tmp_path):
     argv = shrink(shlex.split(command))
-    code, stdout, stderr = run_readfence(argv[1:], str(tmp_path))
+    code, stdout, stderr = run_readfence(argv[1:], run_folder(argv, tmp_path))
     assert code == 0, f"{command}\n{stdout}\n{stderr}"
     assert "Traceback" not in stderr
     if "--json" in argv:

@@ -13,7 +13,7 @@ import shlex
 
 import pytest
 
-from tests.cli.conftest import run_readfence
+from tests.command_runs import run_readfence
 from tests.docs_pages import PAGES, ROOT, blocks, sampled_commands
 
 pytestmark = pytest.mark.slow  # end to end: the full suite

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from tests.cli.conftest import run_readfence
+from tests.command_runs import run_readfence
 
 MINE = "examples.my_backend:mine"        # README section 3's leaf
 MODEL = "examples.my_backend:model"      # a factory: hybrid_linear(mine, linear())
@@ -42,7 +42,9 @@ def test_verify_and_demo_take_a_factory_and_write_a_trace_and_a_plot(cli, tmp_pa
 
 @pytest.mark.slow
 def test_serve_and_tensor_parallel_ranks_take_it_too(tmp_path):
-    code, out, err = run_readfence(["serve", MODEL, "--steps", "6", "--policy", "exact"], str(tmp_path))
+    # one repetition over two graphs: what is tested is that serve takes the user's backend
+    code, out, err = run_readfence(["serve", MODEL, "--steps", "6", "--policy", "exact", "--capture-sizes", "1,2",
+                                    "--repeat", "1"], str(tmp_path))
     assert code == 0, out + err
     # each rank imports the module again: run where it is importable (the repository's root)
     code, out, err = run_readfence(["verify", MINE, "--tp", "2", "--steps", "2", "--batch-size", "2", "--policy",
