@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import sys
-import textwrap
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -77,8 +76,9 @@ def _leftmost(e: ast.expr) -> ast.expr:
 
 def _pointers(fn: Any) -> set[str]:
     """The parameters the kernel's source uses as the base of an address (through plain assignments)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    fdef = tree.body[0]
+    from readfence.core.tracing._kernel_access import parsed_source
+
+    tree = fdef = parsed_source(fn).node  # parsed once for this guess and the source walk alike
     assert isinstance(fdef, ast.FunctionDef)
     params = {a.arg for a in fdef.args.args}
     alias: dict[str, set[str]] = collections.defaultdict(set)
