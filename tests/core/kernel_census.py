@@ -7,9 +7,10 @@ No launch gives these kernels their arguments, so each is made up from the kerne
 used as a load's, a store's or a cast's base is a tensor, any other an integer. A guess triton
 rejects leaves that kernel's IR unbuilt (counted, by reason); the comparison is over the others.
 Importing SGLang's ~400 kernel modules takes a while and leaves them in ``sys.modules``: the test
-runs this in a process of its own.
+runs this in a process of its own, one per shard (``--shard I/N``: the I-th of N runs of the
+modules in order, so a test runner can run the shards side by side).
 
-    python -m tests.core.kernel_census [--json]
+    python -m tests.core.kernel_census [--json] [--shard I/N]
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import os
 import pathlib
 import sys
-import textwrap
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -44,21 +44,37 @@ _NAMED_POINTERS = ("ptr", "dst", "src", "out", "buf", "cache")
 _FLAGS = ("IS_", "HAS_", "USE_", "ENABLE", "EVEN", "SKIP", "CAUSAL", "APPLY", "DO_", "SAVE", "RETURN", "NEED", "WITH")
 
 
-def kernels(sglang_tree: bool = True) -> Iterator[tuple[str, str, Any]]:
-    """``(module, name, kernel)`` for every interpreted kernel defined in the tests and (``sglang_tree``)
-    SGLang's tree."""
+def module_names(sglang_tree: bool = True) -> list[str]:
+    """The modules whose kernels are compared: SGLang's that define one (``sglang_tree``), then the tests'."""
     import sglang
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from tests.engine.sglang_standins import standins_installed
 
     root = pathlib.Path(sglang.__file__).parent
     names = sorted("sglang." + ".".join(p.relative_to(root).with_suffix("").parts) for p in root.rglob("*.py")
                    if sglang_tree and "@triton.jit" in p.read_text(errors="ignore"))
+    return [*names, *TEST_MODULES]
+
+
+def shard_of(names: list[str], index: int, count: int) -> list[str]:
+    """The ``index``-th of ``count`` runs of ``names`` in order: a module imports after the ones before
+    it, as in one process (a package that some module's import leaves loaded is there for the next).
+
+    >>> [shard_of(list("abcde"), i, 2) for i in range(2)]
+    [['a', 'b'], ['c', 'd', 'e']]
+    """
+    return names[len(names) * index // count:len(names) * (index + 1) // count]
+
+
+def kernels(names: list[str]) -> Iterator[tuple[str, str, Any]]:
+    """``(module, name, kernel)`` for every interpreted kernel defined in the modules ``names`` (one
+    that cannot be imported here has none)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tests.engine.sglang_standins import standins_installed
+
     modules = []
     with standins_installed(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in [*names, *TEST_MODULES]:
+        for name in names:
             try:
                 modules.append(importlib.import_module(name))
             except BaseException:  # noqa: B036 (a module that needs a GPU library, or exits, is not a kernel here)
@@ -77,8 +93,9 @@ def _leftmost(e: ast.expr) -> ast.expr:
 
 def _pointers(fn: Any) -> set[str]:
     """The parameters the kernel's source uses as the base of an address (through plain assignments)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    fdef = tree.body[0]
+    from readfence.core.tracing._kernel_access import parsed_source
+
+    tree = fdef = parsed_source(fn).node  # parsed once for this guess and the source walk alike
     assert isinstance(fdef, ast.FunctionDef)
     params = {a.arg for a in fdef.args.args}
     alias: dict[str, set[str]] = collections.defaultdict(set)
@@ -140,15 +157,20 @@ def guess(fn: Any) -> dict[str, Any]:
     return out
 
 
-def census(sglang_tree: bool = True) -> dict[str, Any]:
-    """The comparison: counts, the kernels whose IR was not built (by reason), and the differences."""
+def census(sglang_tree: bool = True, shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """The comparison over the ``shard`` ``(I, N)`` of the modules: counts, the kernels whose IR was
+    not built (by reason), and the differences; ``every`` names all shards' modules, ``modules``
+    this shard's."""
     from readfence.core.tracing._kernel_access import source_access
     from readfence.core.tracing._kernel_ir import ir_access
 
     out: dict[str, Any] = {"kernels": 0, "built": 0, "sglang": 0, "sglang_built": 0, "source_misses": [],
                            "ir_only_unbounded": [], "source_only_unbounded": []}
     unbuilt: collections.Counter[str] = collections.Counter()
-    for module, name, kernel in kernels(sglang_tree):
+    every = module_names(sglang_tree)
+    index, count = shard
+    out["every"], out["modules"] = every, shard_of(every, index, count)
+    for module, name, kernel in kernels(out["modules"]):
         arguments = guess(kernel.fn)
         ir, source = ir_access(kernel, arguments), source_access(kernel, arguments)
         sglang = module.startswith("sglang.")
@@ -175,9 +197,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tests-only", action="store_true", help="the tests' kernels, not SGLang's")
+    parser.add_argument("--shard", default="0/1", help="I/N: the I-th of N runs of the modules (default: all)")
     args = parser.parse_args()
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
     with contextlib.redirect_stdout(sys.stderr):  # (triton prints an IR that fails to verify)
-        result = census(not args.tests_only)
+        result = census(not args.tests_only, (int(index), int(count)))
     if args.json:
         json.dump(result, sys.stdout)
         return

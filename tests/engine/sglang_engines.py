@@ -154,9 +154,24 @@ def _triton_classes() -> dict[str, Any]:
 
 TRITON_CLASSES = _triton_classes()
 
+#: The Triton backends' model: in triton's interpreter every attention kernel of a layer is most of
+#: a step's time, and one layer runs each of them (the page table is still read by a kernel before
+#: the replay, a late read still in the forward).
+TRITON_CFG = ModelConfig(layers=1, max_reqs=4, max_ctx=16)
+#: SGLang's Triton decode splits each request's context over ``triton_attention_num_kv_splits``
+#: programs per head (8 shipped, as the CPU reports no cores to size it by), and in the interpreter
+#: each program is a whole run of the kernel. Two still split every context and reduce the parts
+#: (the same kernels, the same reads of the page table and of the metadata), at a quarter of the
+#: runs. The CLI test audits the class by name, with the shipped default and two layers.
+TRITON_ARGS = {"triton_attention_num_kv_splits": 2}
 
-def _adapt(factory: Any, name: str, **server_args: Any) -> EngineBackend:
-    return adapt(factory, cfg=CFG, profile=sglang_profile(**server_args), name=name)
+
+def _adapt(factory: Any, name: str, cfg: ModelConfig = CFG, **server_args: Any) -> EngineBackend:
+    return adapt(factory, cfg=cfg, profile=sglang_profile(**server_args), name=name)
+
+
+def _triton(factory: Any, name: str) -> EngineBackend:
+    return _adapt(factory, name, TRITON_CFG, **TRITON_ARGS)
 
 
 def torch_native() -> EngineBackend:
@@ -218,36 +233,36 @@ def dots() -> EngineBackend:
 
 def triton_attn() -> EngineBackend:
     """SGLang's TritonAttnBackend as shipped: its kernels run in triton's interpreter."""
-    return _adapt(TRITON_CLASSES["TritonAttnBackend"], "TritonAttnBackend")
+    return _triton(TRITON_CLASSES["TritonAttnBackend"], "TritonAttnBackend")
 
 
 def honest_triton() -> EngineBackend:
-    return _adapt(TRITON_CLASSES["HonestTriton"], "HonestTriton")
+    return _triton(TRITON_CLASSES["HonestTriton"], "HonestTriton")
 
 
 def late_triton() -> EngineBackend:
-    return _adapt(TRITON_CLASSES["LateTriton"], "LateTriton")
+    return _triton(TRITON_CLASSES["LateTriton"], "LateTriton")
 
 
 def lazy_triton() -> EngineBackend:
-    return _adapt(TRITON_CLASSES["LazyTriton"], "LazyTriton")
+    return _triton(TRITON_CLASSES["LazyTriton"], "LazyTriton")
 
 
 def lazy_view_triton() -> EngineBackend:
-    return _adapt(TRITON_CLASSES["LazyViewTriton"], "LazyViewTriton")
+    return _triton(TRITON_CLASSES["LazyViewTriton"], "LazyViewTriton")
 
 
 def tbo_triton() -> EngineBackend:
     """SGLang's TboAttnBackend over three of SGLang's Triton backends."""
     triton = TRITON_CLASSES["TritonAttnBackend"]
-    return _adapt(lambda r: MODULES["tbo_backend"].TboAttnBackend.init_new(lambda: triton(r)), "tbo_triton")
+    return _triton(lambda r: MODULES["tbo_backend"].TboAttnBackend.init_new(lambda: triton(r)), "tbo_triton")
 
 
 def hybrid_linear_triton() -> EngineBackend:
     """SGLang's HybridLinearAttnBackend over two of SGLang's Triton backends, every layer full."""
     triton = TRITON_CLASSES["TritonAttnBackend"]
     wrapper = MODULES["hybrid_linear_attn_backend"].HybridLinearAttnBackend
-    return _adapt(lambda r: wrapper(triton(r), triton(r), list(range(CFG.layers))), "hybrid_linear_triton")
+    return _triton(lambda r: wrapper(triton(r), triton(r), list(range(TRITON_CFG.layers))), "hybrid_linear_triton")
 
 
 #: SGLang's Triton backends, for ``readfence audit --engine tests.engine.sglang_engines:TRITON``.

@@ -4,9 +4,10 @@ Its kernels run in triton's interpreter (``TRITON_INTERPRET=1``): its page table
 triton kernel ``create_flashinfer_kv_indices_triton`` in ``init_forward_metadata_out_graph``, which
 only a launch made an op shows. No shim but the torchvision (and sgl_kernel) import stand-ins:
 SGLang's own mode enum, layers, runtime context, ``ModelConfig``, KV index translator, forward-batch
-fields and capture mode. Skipped, with the reason, where SGLang or triton is not installed. An
-interpreted decode step of the two-layer model takes about half a second: the verify runs are few
-and the later variants ``slow``.
+fields and capture mode. Skipped, with the reason, where SGLang or triton is not installed. The
+backends run a one-layer model with two kv splits (``sglang_engines.TRITON_CFG``, ``TRITON_ARGS``):
+each interpreted program is a whole kernel run. The verify runs are few and the later variants
+``slow``; the CLI test audits the class by name as shipped.
 """
 
 from __future__ import annotations

@@ -168,24 +168,91 @@ def _is_jit(obj: Any) -> bool:
     return _is_triton(obj) and hasattr(obj, "fn") and python_function(obj) is not None
 
 
+@attrs.frozen
+class SourceKey:
+    """A function's compiled code and the file it was compiled from: what its source text is
+    (code objects compare equal across files)."""
+
+    code: types.CodeType
+    file: str
+
+
+@attrs.frozen
+class _Source:
+    """A function's parsed source: its first line, file, ``def`` node, parameters and the names it
+    assigns (never changed once made: each walk keeps its own provenance)."""
+
+    first: int
+    file: str
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+    params: tuple[str, ...]
+    positional: tuple[str, ...]
+    locals: frozenset[str]
+    #: each assignment's targets (the names each binds) and value, in walk order
+    assignments: tuple[tuple[tuple[tuple[str, ...], ...], ast.AST | None], ...]
+
+
+def _assignments(fdef: ast.AST) -> Iterator[tuple[list[ast.expr], ast.AST | None]]:
+    for node in ast.walk(fdef):
+        if isinstance(node, ast.Assign):
+            yield node.targets, node.value
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            yield [node.target], node.value
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            yield [node.target], node.iter
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                if item.optional_vars is not None:
+                    yield [item.optional_vars], item.context_expr
+        elif isinstance(node, ast.NamedExpr):
+            yield [node.target], node.value
+
+
+#: Each function's parsed source, by :class:`SourceKey`: a helper called from many kernels (``tl.sum``
+#: from every reduction) is read and parsed once, not at each call the walk follows.
+_SOURCES = CACHES.table("kernel_sources", SourceKey, "a triton kernel's parsed source", limit=4096, kept=True)
+
+
+def parsed_source(fn: Callable[..., Any]) -> _Source:
+    """A function's parsed source, read once per code object (``OSError``, ``TypeError``,
+    ``SyntaxError`` or ``StopIteration`` where it cannot be read).
+
+    >>> def k(src, dst, n):
+    ...     x = src + n
+    >>> source = parsed_source(k)
+    >>> source.params, sorted(source.locals), parsed_source(k) is source
+    (('src', 'dst', 'n'), ['dst', 'n', 'src', 'x'], True)
+    """
+    code = getattr(fn, "__code__", None)
+    key = SourceKey(code, code.co_filename) if isinstance(code, types.CodeType) else None
+    found: _Source | None = _SOURCES.get(key) if key is not None else None
+    if found is not None:
+        return found
+    lines, first = inspect.getsourcelines(fn)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    node = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    args = node.args
+    params = tuple(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
+    assigned = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    assignments = tuple((tuple(tuple(n.id for n in ast.walk(t) if isinstance(n, ast.Name)) for t in targets), value)
+                        for targets, value in _assignments(node))
+    made = _Source(first, inspect.getsourcefile(fn) or "?", node, params,
+                   tuple(a.arg for a in (*args.posonlyargs, *args.args)), frozenset(assigned | set(params)), assignments)
+    return _SOURCES.put(key, made) if key is not None else made
+
+
 class _Function:
     """One kernel function's source, names and provenance."""
 
     def __init__(self, fn: Callable[..., Any], given: Mapping[str, Any]) -> None:
         self.fn, self.given = fn, given
-        lines, self.first = inspect.getsourcelines(fn)
-        self.file = inspect.getsourcefile(fn) or "?"
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-        node = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-        self.node = node
-        args = node.args
-        self.params = tuple(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
-        self.positional = tuple(a.arg for a in (*args.posonlyargs, *args.args))
+        source = parsed_source(fn)
+        self.first, self.file, self.node, self.params = source.first, source.file, source.node, source.params
+        self.positional = source.positional
         self.globals: Mapping[str, Any] = getattr(fn, "__globals__", {})
         closure = inspect.getclosurevars(fn)
         self.nonlocals: Mapping[str, Any] = closure.nonlocals
-        self.locals = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        self.locals |= set(self.params)
+        self.locals, self.assignments = source.locals, source.assignments
         self.provenance: dict[str, frozenset[str]] = {p: frozenset({p}) for p in self.params}
 
     def where(self, node: ast.AST) -> str:
@@ -256,33 +323,17 @@ class _Function:
         kind, value = self.resolve(node)
         return kind == "object" and (value is _POINTER or _is_pointer_type(value))
 
-    def _assignments(self) -> Iterator[tuple[list[ast.expr], ast.AST | None]]:
-        for node in ast.walk(self.node):
-            if isinstance(node, ast.Assign):
-                yield node.targets, node.value
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                yield [node.target], node.value
-            elif isinstance(node, (ast.For, ast.AsyncFor)):
-                yield [node.target], node.iter
-            elif isinstance(node, (ast.With, ast.AsyncWith)):
-                for item in node.items:
-                    if item.optional_vars is not None:
-                        yield [item.optional_vars], item.context_expr
-            elif isinstance(node, ast.NamedExpr):
-                yield [node.target], node.value
-
     def settle(self) -> None:
         """Join every assignment's provenance into its targets until nothing changes."""
-        assignments = list(self._assignments())
         changed = True
         while changed:
             changed = False
-            for targets, value in assignments:
+            for targets, value in self.assignments:
                 source = self.of(value)
                 if not source:
                     continue
-                for target in targets:
-                    for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                for names in targets:
+                    for name in names:
                         old = self.provenance.get(name, frozenset())
                         if not source <= old:
                             self.provenance[name] = old | source
@@ -405,5 +456,5 @@ def _tl_standin() -> Any:
     return ns
 
 
-__all__ = ["FROM_IR", "FROM_SOURCE", "LOADS", "STORES", "KernelAccess", "every_argument", "python_function",
-           "source_access"]
+__all__ = ["FROM_IR", "FROM_SOURCE", "LOADS", "STORES", "KernelAccess", "SourceKey", "every_argument", "parsed_source",
+           "python_function", "source_access"]
