@@ -16,6 +16,7 @@ from _pytest.doctest import DoctestItem
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    """A doctest's run on one intra-op thread, then torch as it was; other items as they are."""
     if not isinstance(item, DoctestItem):
         return (yield)
     import torch
