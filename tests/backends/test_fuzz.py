@@ -95,17 +95,22 @@ def _combinators(sample: list[FuzzProgram]) -> Counter:
     return seen
 
 
+# The generators' draws the coverage tests below read, drawn once per module (hypothesis' 2,000
+# took most of their time): hypothesis is not uniform (it favours the first option of each
+# choice), so it needs more draws than the uniform decks.
 @pytest.fixture(scope="module")
-def drawn() -> dict[str, list[FuzzProgram]]:
-    """The generator's draws the coverage tests below read, drawn once (hypothesis' 2,000 took
-    most of their time): hypothesis is not uniform (it favours the first option of each
-    choice), so it needs more draws than the uniform decks."""
-    return {"hypothesis": _sample(2000), "uniform": list(random_programs(1500, seed=0))}
+def hypothesis_draws() -> list[FuzzProgram]:
+    return _sample(2000)
+
+
+@pytest.fixture(scope="module")
+def uniform_draws() -> list[FuzzProgram]:
+    return list(random_programs(1500, seed=0))
 
 
 @pytest.mark.parametrize("generator", ["hypothesis", "uniform"])
-def test_the_generator_produces_every_pattern_stage_via_combinator_and_shape(generator, drawn) -> None:
-    sample = drawn[generator]
+def test_the_generator_produces_every_pattern_stage_via_combinator_and_shape(generator, request) -> None:
+    sample = request.getfixturevalue(f"{generator}_draws")
     placements = [p for program in sample for p in program.placements()]
     assert set(VOCABULARY) == {p.pattern.name for p in placements}
     if generator == "uniform":  # hypothesis favours the first option of each choice: not all pairs
@@ -291,8 +296,8 @@ def test_a_read_on_another_thread_is_refused_by_the_trace_naming_backend_and_sta
     assert not (outcome.p1_violation or outcome.p2_violation or outcome.thread_missed)
 
 
-def test_the_generator_draws_every_read_on_another_thread(drawn) -> None:
-    for sample in drawn.values():
+def test_the_generator_draws_every_read_on_another_thread(hypothesis_draws, uniform_draws) -> None:
+    for sample in (hypothesis_draws, uniform_draws):
         placed = Counter(p.pattern.name for program in sample for p in program.placements() if p.pattern.threaded)
         assert set(placed) == set(THREADED), placed
         assert sum(bool(program.thread_reads()) for program in sample) >= 10
