@@ -1,11 +1,3 @@
-"""Fixtures of these tests: torch on one intra-op thread for every module."""
+"""Fixtures of these tests: torch on one intra-op thread for every module, as the core tests."""
 
-import pytest
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread(one_intra_op_thread):
-    """The tiny model's ops are too small to split over threads: torch's default pool made the
-    tests that trace, audit or run it three times slower on a loaded two-core machine (the
-    verdicts and outputs compared do not depend on it)."""
-    yield
+from ..core.conftest import _one_intra_op_thread  # noqa: F401 (fixtures)
