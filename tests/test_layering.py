@@ -16,6 +16,7 @@ The checker is fed deliberately bad modules below, so these tests can fail.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import shutil
 from collections.abc import Iterator
@@ -76,7 +77,18 @@ def imported(module: str, path: Path) -> Iterator[tuple[int, str]]:
     the layer is that of the longest known prefix.
     """
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    yield from _imports(package, path.read_text())
+
+
+@functools.cache
+def _imports(package: str, source: str) -> tuple[tuple[int, str], ...]:
+    # keyed by the text read: every check here reads every module, and a planted copy differs
+    # from the package in one file, so each distinct source is parsed once
+    return tuple(_statements(package, ast.parse(source)))
+
+
+def _statements(package: str, tree: ast.AST) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name

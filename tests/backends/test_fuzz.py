@@ -46,9 +46,6 @@ from tests.adversarial import blinded
 
 M = ForwardMode
 EXAMPLES = 100  # programs the property tests check, half each: 60 to 90 s on two cores
-# the pattern-by-pattern test runs a thousand eager steps: on torch's default pool, 98 s
-# instead of 8 on a loaded two-core machine
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _leaf(pattern: str, stage: str, buffer: str = "seq_lens", *, via: str = "argument", carry: bool = False,
@@ -98,10 +95,22 @@ def _combinators(sample: list[FuzzProgram]) -> Counter:
     return seen
 
 
+# The generators' draws the coverage tests below read, drawn once per module (hypothesis' 2,000
+# took most of their time): hypothesis is not uniform (it favours the first option of each
+# choice), so it needs more draws than the uniform decks.
+@pytest.fixture(scope="module")
+def hypothesis_draws() -> list[FuzzProgram]:
+    return _sample(2000)
+
+
+@pytest.fixture(scope="module")
+def uniform_draws() -> list[FuzzProgram]:
+    return list(random_programs(1500, seed=0))
+
+
 @pytest.mark.parametrize("generator", ["hypothesis", "uniform"])
-def test_the_generator_produces_every_pattern_stage_via_combinator_and_shape(generator) -> None:
-    # hypothesis is not uniform (it favours the first option of each choice): it needs more draws
-    sample = _sample(2000) if generator == "hypothesis" else list(random_programs(1500, seed=0))
+def test_the_generator_produces_every_pattern_stage_via_combinator_and_shape(generator, request) -> None:
+    sample = request.getfixturevalue(f"{generator}_draws")
     placements = [p for program in sample for p in program.placements()]
     assert set(VOCABULARY) == {p.pattern.name for p in placements}
     if generator == "uniform":  # hypothesis favours the first option of each choice: not all pairs
@@ -287,12 +296,11 @@ def test_a_read_on_another_thread_is_refused_by_the_trace_naming_backend_and_sta
     assert not (outcome.p1_violation or outcome.p2_violation or outcome.thread_missed)
 
 
-def test_the_generator_draws_every_read_on_another_thread() -> None:
-    # hypothesis favours some options over others: it needs more draws than the dealt decks
-    for drawn in (_sample(1000), list(random_programs(300, seed=0))):
-        placed = Counter(p.pattern.name for program in drawn for p in program.placements() if p.pattern.threaded)
+def test_the_generator_draws_every_read_on_another_thread(hypothesis_draws, uniform_draws) -> None:
+    for sample in (hypothesis_draws, uniform_draws):
+        placed = Counter(p.pattern.name for program in sample for p in program.placements() if p.pattern.threaded)
         assert set(placed) == set(THREADED), placed
-        assert sum(bool(program.thread_reads()) for program in drawn) >= 10
+        assert sum(bool(program.thread_reads()) for program in sample) >= 10
 
 
 def test_a_thread_started_after_a_host_read_is_refused_by_the_trace_too(dev) -> None:

@@ -36,9 +36,6 @@ from tests.conftest import SMALL as CFG
 from tests.conftest import first_of_each
 
 M = ForwardMode
-# traces and runs the tiny model eagerly: one intra-op thread (``tests/conftest.py``); nothing
-# compared depends on it
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 LEAVES = [paged(), trtllm_mha(), deepseek_v4(), deepseek_v4(dspark=True), linear(), sparse(), dense()]
 BACKENDS = [

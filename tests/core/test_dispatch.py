@@ -44,10 +44,14 @@ def test_a_handler_run_from_a_compiled_region_is_not_compiled(protected: bool) -
 
 
 def test_an_audit_imports_no_dynamo() -> None:
+    # a fresh process, so that nothing the suite imported counts; the smallest model runs every
+    # stage and check of an audit all the same
     code = ("import sys, torch\n"
+            "torch.set_num_threads(1)\n"
             "from readfence.backends import paged\n"
-            "from readfence.core import ForwardMode, audit\n"
-            "assert audit(paged(), ForwardMode.DECODE).unwrap()\n"
+            "from readfence.core import ForwardMode, ModelConfig, audit\n"
+            "cfg = ModelConfig(layers=1, max_reqs=8, max_ctx=16)\n"
+            "assert audit(paged(), ForwardMode.DECODE, cfg=cfg).unwrap()\n"
             "print('torch._dynamo' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False", done.stdout + done.stderr

@@ -11,6 +11,7 @@ from readfence.backends import REFERENCE_LEAVES, deepseek_v4, hybrid_linear, lin
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig, run_step
 from readfence.core.internal import example_step, forward, prepare, tokens_per_request
 from tests.conftest import DEFAULT as CFG
+from tests.conftest import TWO_LAYERS
 
 M = ForwardMode
 
@@ -93,10 +94,10 @@ def test_config_validation():
         example_step(CFG, M.DECODE, CFG.max_reqs + 1)
 
 
-def _traced(backend, mode, step):
+def _traced(backend, mode, step, cfg=CFG):
     def f(shared, batch, pools, params):
         meta = prepare(backend, mode, shared, batch)
-        return forward(CFG, params, pools, shared, batch, meta, backend, mode)
+        return forward(cfg, params, pools, shared, batch, meta, backend, mode)
 
     return make_fx(torch.func.functionalize(f, remove="mutations_and_views"))(
         step.shared, step.batch, step.pools, step.params)
@@ -104,10 +105,11 @@ def _traced(backend, mode, step):
 
 @pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.IDLE], ids=str)
 def test_forward_traces_with_make_fx_and_functionalize(mode):
+    # two layers: each child of the hybrid attends in one, and make_fx traces half the ops
     backend = hybrid_linear(trtllm_mha(), linear())
-    step = example_step(CFG, mode, 2)
-    graph = _traced(backend, mode, step.clone())
-    want = run_step(backend, mode, CFG, step.clone())
+    step = example_step(TWO_LAYERS, mode, 2)
+    graph = _traced(backend, mode, step.clone(), TWO_LAYERS)
+    want = run_step(backend, mode, TWO_LAYERS, step.clone())
     work = step.clone()
     got = graph(work.shared, work.batch, work.pools, work.params)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

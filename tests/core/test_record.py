@@ -35,9 +35,6 @@ from readfence.core.tracing._trace import trace_step
 from readfence.effects import ReadEffect, ReadEnd
 
 M = ForwardMode
-# tracing runs the step's ops on real tensors: on torch's default pool the file took 100 s
-# instead of 34 on a loaded two-core machine (the graphs compared do not depend on it)
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _programs(make: Any, mode: ForwardMode, layers: int, device: str = "cpu") -> tuple[Any, Any]:

@@ -24,9 +24,6 @@ from readfence.effects import ReadEffect, ReadEnd
 from tests.core.test_record import _same
 
 M = ForwardMode
-# traces and runs the tiny model eagerly: one intra-op thread (``tests/conftest.py``); nothing
-# compared depends on it
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _plain(monkeypatch: pytest.MonkeyPatch) -> None:

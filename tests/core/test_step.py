@@ -41,32 +41,34 @@ from tests.conftest import SMALL as CFG
 PACKAGE = pathlib.Path(readfence.__file__).parent
 
 
-def _string_literals(tree: ast.AST) -> list[ast.Constant]:
+def _string_literals(nodes: list[ast.AST]) -> list[ast.Constant]:
     docstrings = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 docstrings.add(id(first.value))
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docstrings]
+    return [n for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
 
 
-def _package_trees() -> list[tuple[pathlib.Path, ast.AST]]:
-    return [(f, ast.parse(f.read_text())) for f in sorted(PACKAGE.rglob("*.py"))]
+@pytest.fixture(scope="module")
+def package_nodes() -> list[tuple[pathlib.Path, list[ast.AST]]]:
+    """Every module of the package and the nodes of its syntax tree, parsed and walked once for
+    the tests that read the source."""
+    return [(f, list(ast.walk(ast.parse(f.read_text())))) for f in sorted(PACKAGE.rglob("*.py"))]
 
 
-def test_each_stage_name_is_a_string_literal_once_in_the_package() -> None:
-    trees = _package_trees()
-    assert len(trees) > 50  # the whole package was read
+def test_each_stage_name_is_a_string_literal_once_in_the_package(package_nodes) -> None:
+    assert len(package_nodes) > 50  # the whole package was read
+    literals = [(f"{f.relative_to(PACKAGE)}:{n.lineno}", n.value) for f, nodes in package_nodes
+                for n in _string_literals(nodes)]
     for stage in STAGES:
-        places = [f"{f.relative_to(PACKAGE)}:{n.lineno}" for f, tree in trees for n in _string_literals(tree)
-                  if n.value == stage.name]
+        places = [where for where, value in literals if value == stage.name]
         assert len(places) == 1 and places[0].startswith("core/_stages.py:"), (stage, places)
 
 
-def test_the_copy_into_the_graph_has_one_caller_in_the_package() -> None:
-    calls = [f"{f.relative_to(PACKAGE)}:{n.lineno}" for f, tree in _package_trees() for n in ast.walk(tree)
+def test_the_copy_into_the_graph_has_one_caller_in_the_package(package_nodes) -> None:
+    calls = [f"{f.relative_to(PACKAGE)}:{n.lineno}" for f, nodes in package_nodes for n in nodes
              if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "cross_into_graph"]
     assert len(calls) == 1 and calls[0].startswith("core/_step.py"), calls
 

@@ -17,9 +17,6 @@ from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import SMALL as CFG
 
 M = ForwardMode
-# traces and runs the tiny model eagerly: one intra-op thread (``tests/conftest.py``); nothing
-# compared depends on it
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 LEAVES = [paged(), trtllm_mha(), deepseek_v4(), deepseek_v4(dspark=True), linear(), sparse(), dense()]
 
 

@@ -8,7 +8,10 @@ from hypothesis import strategies as st
 from readfence.effects import ReadEffect, laws
 
 EFFECTS = st.from_type(ReadEffect)
-SEEDS = range(8)
+# Each seed is a whole run of the kit's 200 examples, whose pairs are counted: four runs show the
+# ordered-pair construction holds whatever hypothesis draws (tests/effects/test_laws_catch_broken.py
+# runs eight seeds against broken structures).
+SEEDS = range(4)
 
 # A product of three effect lattices (like a declaration: one effect per mode). Two values
 # drawn independently are seldom comparable here, so a law with an order premise is vacuous
