@@ -1,29 +1,25 @@
-"""The package's doctests run as its tests do: torch on one intra-op thread.
+"""What every test and doctest of the repository runs under: torch on one intra-op thread.
 
-The examples trace, audit and run the tiny model, whose ops are too small to split over
-threads; on a loaded two-core machine torch's default pool made them several times slower.
-What they print does not depend on it (``readfence.cli._torch_threads``: the CLI's commands
-run the same way).
+The suite's parallelism is its pytest-xdist workers (and a CPU device's streams, threads of
+their own); the tiny model's ops are too small to split over threads, and on a loaded two-core
+machine torch's default pool, beside two workers, made the tests that trace, audit or run it
+two to ten times slower. No verdict or output a test compares depends on it (the CLI's commands
+run the same way: ``readfence.cli._torch_threads``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Iterator
 
 import pytest
-from _pytest.doctest import DoctestItem
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    """A doctest's run on one intra-op thread, then torch as it was; other items as they are."""
-    if not isinstance(item, DoctestItem):
-        return (yield)
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    """Torch on one intra-op thread for a module's tests and doctests, then as it was."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        return (yield)
-    finally:
-        torch.set_num_threads(before)
+    yield
+    torch.set_num_threads(before)

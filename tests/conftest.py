@@ -90,31 +90,13 @@ def solo_group():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def one_intra_op_thread():
-    """Torch on one intra-op thread for a module's tests, then as it was (a module uses it with
-    ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``). The tiny model's ops are
-    too small to split over threads: on a loaded two-core machine torch's default pool made
-    tests that run or trace it eagerly three to ten times slower (``tests/graph/conftest.py``
-    does the same for every graph test, :func:`dev` while a device lives)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def dev():
-    """A CpuDevice whose waits time out after 30 s (a test that hangs fails instead), with
-    one intra-op thread while it lives: its streams are the parallelism (on two cores torch's
-    default pool makes small ops slower)."""
+    """A CpuDevice whose waits time out after 30 s (a test that hangs fails instead)."""
     from readfence.graph import CpuDevice
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     with CpuDevice(timeout=30.0) as d:
         yield d
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,14 +19,6 @@ CFG = ModelConfig(layers=2)
 MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _first(step, b: int, n: int):
     s = step.clone()
     s.batch = {k: (v[:b] if k == "req_pool_indices" else v[: b * n]).clone() for k, v in s.batch.items()}
