@@ -6,7 +6,10 @@ full run on a quiet two-core machine when the suite changes (as pytest-split kee
 durations file). A quick-tier run does not time the tests already listed, so they are kept:
 
     python -m pytest -q -n 2 -m "not slow" --junitxml=/tmp/run.xml
-    python scripts/slow_tests.py /tmp/run.xml [--over 0.7]
+    python scripts/slow_tests.py /tmp/run.xml [--over 0.3]
+
+From a full run (every test timed), ``--full`` writes the list afresh: a listed test the run
+did not collect (renamed, removed) is dropped, as is one now under ``--over``.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ def node_id(classname: str, name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("junit", type=pathlib.Path, help="pytest --junitxml output of a timed run")
-    parser.add_argument("--over", type=float, default=0.7, help="seconds at or above which a test is slow")
+    parser.add_argument("--over", type=float, default=0.3, help="seconds at or above which a test is slow")
+    parser.add_argument("--full", action="store_true", help="the run was the full suite: keep no earlier entry")
     args = parser.parse_args()
     cases = ET.parse(args.junit).iter("testcase")
-    kept = {line for line in OUT.read_text().splitlines() if line and not line.startswith("#")} if OUT.is_file() else set()
+    kept = ({line for line in OUT.read_text().splitlines() if line and not line.startswith("#")}
+            if OUT.is_file() and not args.full else set())
     slow = sorted(kept | {node_id(c.get("classname", ""), c.get("name", "")) for c in cases
                           if float(c.get("time", 0)) >= args.over})
     OUT.write_text(HEADER.format(over=args.over) + "".join(f"{n}\n" for n in slow))
