@@ -7,9 +7,10 @@ hands every later caller, on any pytest-xdist worker, what it printed: the run i
 everything its output depends on (its arguments, its folder, the environment variables its test
 set), and a file lock makes a second worker wait for the first instead of running it again.
 
-It runs the program as installed: a test that patches readfence, or needs the run to happen in
-its own process state, or sets the environment for a whole module, calls the command itself
-(the ``cli`` fixture).
+It runs the command in the worker's process (a ``--tp`` run: the installed script), and the
+first worker's run serves every other: a test that patches readfence, or needs the run to
+happen in its own process state, or sets the environment for a whole module, calls the command
+itself (the ``cli`` fixture).
 """
 
 from __future__ import annotations
