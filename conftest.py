@@ -17,9 +17,7 @@ import pytest
 @pytest.fixture(scope="module", autouse=True)
 def one_intra_op_thread() -> Iterator[None]:
     """Torch on one intra-op thread for a module's tests and doctests, then as it was."""
-    import torch
+    from readfence.cli._torch_threads import one_intra_op_thread as one_thread
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
