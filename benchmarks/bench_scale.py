@@ -223,13 +223,47 @@ def capture(sizes: Sequence[int], runs: int, dev: CpuDevice) -> dict[str, Any]:
             "extra_over_first": extra / first}
 
 
-def memory(layers: int, sizes: int) -> dict[str, Any]:
-    """Megabytes a fresh process's resident memory grows by as it lowers a capture list of
-    ``sizes`` sizes at ``layers`` layers, one size at a time, keeping every graph: for the first
-    size, and per further size (what each lowered size, and the trace cache, keep). Read from
-    ``/proc/self/statm`` after a collection (a peak from ``getrusage`` is no use here: Linux
-    carries it over ``exec`` from the forking benchmark's own)."""
-    code = ("import gc, os, torch\n"
+def fresh_processes(snippets: Sequence[tuple[str, str]], together: bool = False) -> dict[str, list[str]]:
+    """What each ``(name, code)`` snippet prints, by name (a name given twice: each run's), each
+    run in a fresh Python process: what it measures is a process's first import, call or
+    allocation. ``together`` (a smoke run, whose figures measure nothing): all of them in one
+    process, one after another, each in a namespace of its own: the same code runs and prints,
+    at one interpreter's and torch's import instead of one per snippet.
+
+    >>> fresh_processes([("a", "print(1)"), ("b", "print(2)")]) == fresh_processes(
+    ...     [("a", "print(1)"), ("b", "print(2)")], together=True) == {"a": ["1\\n"], "b": ["2\\n"]}
+    True
+    """
+    def run(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              timeout=600).stdout
+
+    if together:
+        driver = ("import contextlib, io, json, sys\n"
+                  "printed = []\n"
+                  "for code in json.loads(sys.argv[1]):\n"
+                  "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+                  "        exec(compile(code, '<snippet>', 'exec'), {'__name__': '__main__'})\n"
+                  "    printed.append(out.getvalue())\n"
+                  "print(json.dumps(printed))\n")
+        done = subprocess.run([sys.executable, "-c", driver, json.dumps([code for _, code in snippets])],
+                              capture_output=True, text=True, check=True, timeout=600)
+        outputs = json.loads(done.stdout)
+    else:
+        outputs = [run(code) for _, code in snippets]
+    got: dict[str, list[str]] = {}
+    for (name, _), out in zip(snippets, outputs, strict=True):
+        got.setdefault(name, []).append(out)
+    return got
+
+
+def memory_code(layers: int, sizes: int) -> str:
+    """A fresh process's code that prints the megabytes its resident memory grows by as it lowers
+    a capture list of ``sizes`` sizes at ``layers`` layers, one size at a time, keeping every
+    graph: for the first size, and per further size (what each lowered size, and the trace cache,
+    keep). Read from ``/proc/self/statm`` after a collection (a peak from ``getrusage`` is no use
+    here: Linux carries it over ``exec`` from the forking benchmark's own)."""
+    return ("import gc, os, torch\n"
             "from readfence.backends import hybrid_linear, linear, trtllm_mha\n"
             "from readfence.core import ForwardMode, ModelConfig\n"
             "from readfence.graph import CpuDevice, Policy, lower_capture_list, make_state\n"
@@ -245,10 +279,14 @@ def memory(layers: int, sizes: int) -> dict[str, Any]:
             "                                       device=dev, policy=Policy.EXACT, cfg=cfg, state=state))\n"
             "        seen.append(rss())\n"
             "print(seen[1] - seen[0], (seen[-1] - seen[1]) / (len(seen) - 2))\n")
-    if not os.path.exists("/proc/self/statm"):
+
+
+def memory(layers: int, sizes: int, printed: Sequence[str] | None) -> dict[str, Any]:
+    """``memory_code``'s figures from what it printed (``None``: not run, no ``/proc/self/statm``)."""
+    if printed is None:
         return {"layers": layers, "sizes": f"1..{sizes}", "skipped": "no /proc/self/statm (Linux only)"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
-    first, extra = map(float, done.stdout.split())
+    (out,) = printed
+    first, extra = map(float, out.split())
     return {"layers": layers, "sizes": f"1..{sizes}", "first_size_mb": first, "per_extra_size_mb": extra}
 
 
@@ -275,9 +313,22 @@ def fuzz(programs: int, dev: CpuDevice) -> float:
     return programs / (time.perf_counter() - start)
 
 
-def dispatch(ops: int, runs: int) -> dict[str, float]:
+#: A fresh process's first audit and first lowering, each a snippet that prints its seconds.
+FIRST_CALLS = {name: ("import time, torch\n"
+                      "from readfence.backends import paged\n"
+                      "from readfence.core import ForwardMode, audit\n"
+                      "from readfence.graph import CpuDevice, Policy, lower\n"
+                      f"start = time.perf_counter(); {call}\n"
+                      "print(time.perf_counter() - start)\n")
+               for name, call in {"first_audit_fresh_process_s": "audit(paged(), ForwardMode.DECODE)",
+                                  "first_lower_fresh_process_s": "lower(paged(), ForwardMode.DECODE, batch_size=2, "
+                                                                 "device=CpuDevice(), policy=Policy.EXACT)"}.items()}
+
+
+def dispatch(ops: int, runs: int, printed: dict[str, list[str]]) -> dict[str, float]:
     """Microseconds an op under no mode, under a mode with torch's handler wrapper, under one
-    with readfence's; seconds of a fresh process's first audit and first lowering (median of ``runs``)."""
+    with readfence's; seconds of a fresh process's first audit and first lowering (``FIRST_CALLS``
+    as ``printed``, median of its runs)."""
     def passing(base: type) -> type:
         class Passing(base):  # type: ignore[misc, valid-type]
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -300,27 +351,23 @@ def dispatch(ops: int, runs: int) -> dict[str, float]:
         for name, make in modes.items():
             seen[name].append(per_op(make()))
     out = {name: statistics.median(times) for name, times in seen.items()}
-    first = {"first_audit_fresh_process_s": "audit(paged(), ForwardMode.DECODE)",
-             "first_lower_fresh_process_s": "lower(paged(), ForwardMode.DECODE, batch_size=2, device=CpuDevice(), policy=Policy.EXACT)"}
-    for name, call in first.items():
-        code = ("import time, torch\n"
-                "from readfence.backends import paged\n"
-                "from readfence.core import ForwardMode, audit\n"
-                "from readfence.graph import CpuDevice, Policy, lower\n"
-                f"start = time.perf_counter(); {call}\n"
-                "print(time.perf_counter() - start)\n")
-        out[name] = statistics.median(
-            float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                 timeout=300).stdout) for _ in range(runs))
+    for name in FIRST_CALLS:
+        out[name] = statistics.median(float(x) for x in printed[name])
     return out
 
 
 def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
     """The figures above (``quick``, a smoke run: 1 and 2 layers audited at batch size 2,
-    capture sizes 1..2, one backend audited in one mode, one program, 1,000 ops; one run)."""
+    capture sizes 1..2, one backend audited in one mode, one program, 1,000 ops; one run; the
+    fresh processes' snippets run in one process)."""
     torch.set_num_threads(1)  # the device's streams are the parallelism (benchmarks/README.md)
     runs = runs or (1 if quick else 3)
     layers = (1, 2) if quick else (4, 16, 64)
+    kept = (2, 3) if quick else (64, 4)
+    linux = os.path.exists("/proc/self/statm")
+    snippets = [("memory", memory_code(*kept))] * linux + [(n, code) for n, code in FIRST_CALLS.items()
+                                                          for _ in range(runs)]
+    printed = fresh_processes(snippets, together=quick)
     with CpuDevice(timeout=120.0) as dev:
         trace(target(), M.DECODE, cfg=ModelConfig(layers=2))  # warm the tracer up
         by_depth = depth(layers, runs, dev, [2] if quick else None)
@@ -332,10 +379,10 @@ def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
                                "replay_check": replay_check(layers, runs, dev, by_depth),
                                "floor": floor(layers, runs, [2] if quick else None, by_depth),
                                "capture": capture(range(1, 3) if quick else range(1, 17), runs, dev),
-                               "memory": memory(*((2, 3) if quick else (64, 4))),
+                               "memory": memory(*kept, printed.get("memory")),
                                "audit_all_s": audit_all(1, quick),
                                "fuzz_programs_per_s": fuzz(1 if quick else 20, dev),
-                               "dispatch": dispatch(1_000 if quick else 20_000, runs)}
+                               "dispatch": dispatch(1_000 if quick else 20_000, runs, printed)}
     return out
 
 
