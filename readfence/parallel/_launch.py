@@ -5,8 +5,9 @@
 * as ``torch.multiprocessing`` children of this process (``start_processes``, forked from a
   server that imported readfence once, or spawned). This process hosts the ranks'
   ``TCPStore`` on a port the system picks, as torchrun's agent does
-  (``TORCHELASTIC_USE_AGENT_STORE``), so no port is guessed; each child gets torchrun's
-  environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
+  (``TORCHELASTIC_USE_AGENT_STORE``), so no port is guessed; each child gets this process's
+  environment as it is at the launch (a forked child too) and torchrun's (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
 * or, when this process is itself one rank started by ``torchrun`` (that environment is set),
   on this rank alone.
 
@@ -248,6 +249,9 @@ def _run_rank(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup) -> 
 
 def _child(index: int, env: Mapping[str, str], job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup,
              results: Any) -> None:
+    # a forkserver child starts with the environment of the first launch's server process: it
+    # takes the launcher's as it is now, as a spawned rank would (a variable set, or removed, since)
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
     results.put(_run_rank(job, args, setup))
@@ -407,7 +411,7 @@ def _start(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_
     # this process hosts the store the ranks rendezvous on, as torchrun's agent does
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=setup.collective_timeout_s))
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(setup.size),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(setup.size),
            "LOCAL_WORLD_SIZE": str(setup.size), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     if start_method == "forkserver":  # (effective when this process starts its fork server)
         mp.set_forkserver_preload(["readfence.parallel._launch"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 import torch.distributed as dist
@@ -70,6 +71,11 @@ def faulty_loop(rank, fail_rank: int, action: str) -> None:
 def nothing(rank) -> int:
     """Only the launch: the rank's number."""
     return rank.rank
+
+
+def environment(rank, name: str) -> str | None:
+    """The rank's value of the environment variable ``name`` (``None``: not set)."""
+    return os.environ.get(name)
 
 
 def fails(rank) -> None:

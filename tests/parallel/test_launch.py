@@ -91,3 +91,15 @@ def test_bad_arguments_are_named_before_any_process_starts():
         launch(jobs.faulty_loop, tp=2, device="tpu")
     with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"):
         launch(jobs.faulty_loop, tp=2, start_method="fork")
+
+
+def test_each_launch_hands_its_ranks_the_environment_as_it_is_then(monkeypatch):
+    # the second launch's ranks fork from the server the first one started, with the first one's
+    # environment: they still see a variable set, and not one removed, in between
+    monkeypatch.setenv("READFENCE_TEST_LAUNCH_ENV", "first")
+    monkeypatch.setenv("READFENCE_TEST_LAUNCH_GONE", "there")
+    assert launch(jobs.environment, "READFENCE_TEST_LAUNCH_ENV", tp=2) == {0: "first", 1: "first"}
+    monkeypatch.setenv("READFENCE_TEST_LAUNCH_ENV", "second")
+    monkeypatch.delenv("READFENCE_TEST_LAUNCH_GONE")
+    assert launch(jobs.environment, "READFENCE_TEST_LAUNCH_ENV", tp=2) == {0: "second", 1: "second"}
+    assert launch(jobs.environment, "READFENCE_TEST_LAUNCH_GONE", tp=1) == {0: None}
