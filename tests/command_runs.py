@@ -7,8 +7,8 @@ hands every later caller, on any pytest-xdist worker, what it printed: the run i
 everything its output depends on (its arguments, its folder, the environment variables its test
 set), and a file lock makes a second worker wait for the first instead of running it again.
 
-It runs the command in the worker's process (a ``--tp`` run: the installed script), and the
-first worker's run serves every other: a test that patches readfence, or needs the run to
+It runs the command in the worker's process (a ``--tp`` run's ranks too fork from there), and
+the first worker's run serves every other: a test that patches readfence, or needs the run to
 happen in its own process state, or sets the environment for a whole module, calls the command
 itself (the ``cli`` fixture).
 """
@@ -20,7 +20,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 
 from filelock import FileLock
@@ -34,8 +33,9 @@ _shared: pathlib.Path | None = None
 #: The environment as the running test started (set by the fixture in ``tests/conftest.py``).
 _at_test_start: dict[str, str] | None = None
 
-#: How long a worker waits for another to finish the same command (its subprocess's own limit
-#: is 600 s): longer means the other worker hangs, and the test fails saying so.
+#: How long a worker waits for another to finish the same command (every wait of a run, a
+#: device's, a collective's, a rank's, times out sooner): longer means the other worker hangs,
+#: and the test fails saying so.
 LOCK_TIMEOUT_S = 900.0
 
 
@@ -78,12 +78,12 @@ def run_key(argv: list[str], cwd: str) -> str:
 
 
 def _run(argv: list[str], cwd: str) -> tuple[int, str, str]:
-    """``readfence argv`` in ``cwd``: in-process (the traces this worker made are reused), but
-    a ``--tp`` run, which launches worker processes: the installed script, as a user runs it."""
-    if "--tp" in argv:
-        run = subprocess.run([readfence_script(), *argv], capture_output=True, text=True, cwd=cwd,
-                             timeout=600, check=False)
-        return run.returncode, run.stdout, run.stderr
+    """``readfence argv`` in ``cwd``, in-process: the traces this worker made are reused, and a
+    ``--tp`` run's ranks fork from the server process this worker's first launch started (with
+    this process's folder and environment as they are at the launch) instead of importing torch
+    in a fresh script and server each time. What the installed script and its ranks do as
+    processes is tested by the tests that run it (``tests/cli/test_script.py``,
+    ``tests/cli/test_error_lines.py``, ``tests/cli/test_tp.py``)."""
     from click.testing import CliRunner
 
     from readfence.cli import main
