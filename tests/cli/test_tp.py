@@ -11,6 +11,7 @@ import torch
 
 import readfence.parallel
 from readfence.parallel import RankFailure, TensorParallelError, launch
+from tests.command_runs import ROOT, run_readfence
 
 from ..parallel import jobs
 
@@ -40,16 +41,18 @@ def test_demo_runs_every_rank_against_its_serial_run(demo_tp_json):
     assert all(r["steps_per_s"] > 0 and r["schema_version"] == 1 for r in rows)
 
 
-def test_verify_prints_each_rank_report(cli):
-    result = cli("verify", "paged", "--tp", "2", "--policy", "per_buffer", *SMALL)
-    assert result.exit_code == 0, result.output
-    out = result.output
+def test_verify_prints_each_rank_report():
+    # the run docs/guide/tensor-parallel.md shows (tests/cli/test_readme_commands.py): run once for both
+    code, out, err = run_readfence(["verify", "paged", "--tp", "2", "--steps", "4", "--batch-size", "2"], str(ROOT))
+    assert code == 0, out + err
     assert out.startswith("tensor parallel: 2 ranks (gloo on cpu), each with its own scheduler")
     assert "reference: on every rank, a serial run with the same sharding" in out
     blocks = out.split("[rank ")[1:]
     assert [b[0] for b in blocks] == ["0", "1"]
     for block in blocks:
         assert "audit: every declaration sound at batch sizes 1, 2, 16" in block
+        for policy in ("COARSE    ", "JOINED    ", "PER_BUFFER", "EXACT     "):
+            assert f"  {policy} clean; poisoned on release: " in block, block
         assert "  PER_BUFFER clean; poisoned on release: req_to_token, seq_lens" in block
     assert out.rstrip().splitlines()[-1].startswith("every rank: clean under every policy")
 
