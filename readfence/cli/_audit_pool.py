@@ -102,11 +102,17 @@ def _context() -> Any:
     # (torch and readfence: 3 s a spawned worker would spend) and set torch to one thread
     # before any op, so no intra-op thread pool is used across the fork. Only a process with
     # no other thread is forked: a lock another thread holds at the fork stays held in the
-    # child forever (a caller running devices, a test runner); those get a fork server.
+    # child forever (a caller running devices, a test runner); those get a fork server, which
+    # imports this module (torch and readfence) once if it starts here, so that each worker of
+    # this pool and of every later one forks from it instead of importing them again (as
+    # ``readfence.parallel.launch`` preloads its own module for its ranks).
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1:
         return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if "forkserver" in methods:
+        multiprocessing.set_forkserver_preload([__name__])  # (effective when this starts the server)
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
 
 
 def _audit_mode(specs: tuple[str, ...], mode: str, batch_sizes: tuple[int, ...] | None) -> list[AuditReport]:

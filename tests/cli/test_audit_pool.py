@@ -84,3 +84,19 @@ def test_the_progress_bar_leaves_the_workers_forked(monkeypatch):
     before = {t.name for t in threading.enumerate()}
     assert _audit_run.audit_all(BACKENDS, MODES, progress=True, jobs=2) == []
     assert alive and set(alive[0]) <= before, alive
+
+
+def test_beside_another_thread_the_workers_fork_from_a_server_that_imported_readfence():
+    # a spawned worker, or one a bare fork server starts, imports torch and readfence again (3 s each)
+    import multiprocessing.forkserver
+
+    waiting = threading.Event()
+    other = threading.Thread(target=waiting.wait, daemon=True)
+    other.start()
+    try:
+        context = _audit_pool._context()
+    finally:
+        waiting.set()
+        other.join(timeout=10)
+    assert context.get_start_method() == "forkserver"
+    assert _audit_pool.__name__ in multiprocessing.forkserver._forkserver._preload_modules
