@@ -31,19 +31,9 @@ from readfence.backends import (
     trtllm_mha,
 )
 from readfence.core import ForwardMode, ModelConfig
-from readfence.graph import (
-    CpuDevice,
-    FaultInjector,
-    Policy,
-    Traffic,
-    eagle,
-    make_state,
-    multi_eagle,
-    ngram,
-    run_serve,
-    run_serve_serial,
-    verify_serve,
-)
+from readfence.graph import CpuDevice, FaultInjector, Policy, Traffic, eagle, multi_eagle, ngram, run_serve, run_serve_serial, verify_serve
+
+from ._live_state import LiveState
 
 M = ForwardMode
 # Three usable rows and three captured sizes: each graph of a run is a lowering (most of a run's
@@ -80,28 +70,17 @@ def _policies(name: str) -> tuple[Policy, ...]:
     return (Policy.EXACT, others[list(TARGETS).index(name) % len(others)])
 
 
-def _fresh(state, values) -> None:
-    for group, tensors in values.items():
-        for key, value in tensors.items():
-            state[group][key].copy_(value)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_serve_is_bit_identical_clean_and_verified(name):
     ref = run_serve_serial(TARGETS[name](), steps=STEPS, traffic=TRAFFIC, capture_sizes=SIZES, cfg=CFG)
-    # Every run is on one state, given back its fresh values before each (an engine's graphs of
-    # every size and policy share one live state): the lowerings after the first reuse what is
-    # known of its programs there (bindings, validation, compiled code, ledgers) instead of
-    # redoing it on a new state; each run's outputs are still compared with the serial run's.
-    state = make_state(CFG)
-    values = {group: {key: t.clone() for key, t in tensors.items()} for group, tensors in state.items()}
+    # every run on one live state, given back its fresh values before each (see ``_live_state``)
+    live = LiveState(CFG)
     for policy in _policies(name):
         seed = zlib.crc32(f"{name}/{policy.name}".encode()) % 10_000
-        _fresh(state, values)
         with CpuDevice(timeout=30, faults=FaultInjector(seed=seed, max_delay_s=0.0005)) as dev:
             res = run_serve(TARGETS[name](), steps=STEPS, policy=policy, device=dev, traffic=TRAFFIC,
-                            capture_sizes=SIZES, cfg=CFG, state=state)
+                            capture_sizes=SIZES, cfg=CFG, state=live.fresh())
         assert res.violations == (), f"{name} {policy.name}: " + "\n".join(map(str, res.violations[:5]))
         assert res.first_difference(ref) is None, f"{name} {policy.name}: differs at {res.first_difference(ref)}"
         # every captured size ran (a per_stream pair pads a batch of one to two)
@@ -109,10 +88,9 @@ def test_serve_is_bit_identical_clean_and_verified(name):
         assert set(res.batch_sizes) == sizes and res.prefill_steps >= 10, (res.batch_sizes, res.prefill_steps)
         assert max(r.batch_size for r in res.records if r.kind == "decode") == CFG.max_reqs - 1  # every row busy
         assert all(s >= 0 for s in res.slack.values()), res.slack
-    _fresh(state, values)
     with CpuDevice(timeout=30) as dev:
         report = verify_serve(TARGETS[name](), steps=VERIFY_STEPS, device=dev, cfg=CFG, traffic=TRAFFIC,
-                              capture_sizes=SIZES, state=state)
+                              capture_sizes=SIZES, state=live.fresh())
     checked = report.unwrap()  # a finding raises, naming the policy, buffer, step and op
     assert [c.policy for c in checked.checks] == list(Policy)
     assert checked.ran() == ["poison", "guard", "observer"]
