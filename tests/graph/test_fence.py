@@ -11,7 +11,7 @@ import torch
 
 from readfence.backends import hybrid_linear, linear, paged, trtllm_mha
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.graph import CpuDevice, DeviceTimeout, Fence, LowerOptions, Policy, Scheduler, lower
+from readfence.graph import CpuDevice, DeviceTimeout, Fence, LowerOptions, Policy, Scheduler, lower, make_state
 from readfence.graph.devices import DeviceObserver, EventNeverRecorded, StreamError
 from readfence.graph.lowering import RingWrapError
 
@@ -325,15 +325,24 @@ def test_a_batch_of_the_wrong_shape_or_keys_is_refused_before_anything_is_enqueu
     assert low._slots[0].clock.runs == 1
 
 
+@pytest.fixture(scope="module")
+def live():
+    """One live state for the lowerings below, as an engine's graphs share one: a backend lowered
+    again there (another policy) reuses what is known of its program on it (binding, validation,
+    compiled code) instead of redoing it on a new state. Each step writes its own batch into it."""
+    return make_state(CFG)
+
+
 @pytest.mark.parametrize("mode", [M.DECODE, M.EXTEND, M.TARGET_VERIFY], ids=["decode", "extend", "verify"])
 @pytest.mark.parametrize("policy", [pytest.param(Policy.PER_BUFFER, marks=pytest.mark.slow), Policy.EXACT])
-def test_a_steps_events_fire_on_its_stream_in_index_order(dev, policy, mode):
+def test_a_steps_events_fire_on_its_stream_in_index_order(dev, live, policy, mode):
     # what lets one wait on the latest event stand for a wait on each: the records' own
     # streams and timestamps (CpuDevice handles), not the plan's order
     from readfence.backends import REFERENCE_LEAVES, deepseek_v4, tbo
     for backend in (hybrid_linear(trtllm_mha(), linear()), tbo(deepseek_v4(), paged()),
                     *(make() for make in REFERENCE_LEAVES.values())):
-        low = lower(backend, mode, batch_size=2, cfg=CFG, device=dev, policy=policy, lowering=LowerOptions(measure=True))
+        low = lower(backend, mode, batch_size=2, cfg=CFG, device=dev, policy=policy, state=live,
+                    lowering=LowerOptions(measure=True))
         run = low.run(_batch(low), step=0)
         run.fence.wait_done(T)
         handles = [b.handle for b in (*run.fence.distinct, run.fence.done)]

@@ -31,6 +31,8 @@ from readfence.graph import (
 from readfence.graph.steps import Phase
 from tests.conftest import SINGLE_LAYER as CFG
 
+from ._live_state import LiveState
+
 STEPS, BATCH = 3, 2
 BACKENDS = [*(make() for make in REFERENCE_LEAVES.values()), hybrid_linear(trtllm_mha(), linear())]
 
@@ -75,12 +77,19 @@ CUDA_EVENT_CASES = {f"{shape}-{Policy.EXACT.name}-cuda-events": (shape, Policy.E
                     for kind in KINDS for shape in [KINDS[kind][2](*_roles(kind, 0))]}
 
 
+@functools.cache
+def _live(shape: str) -> LiveState:
+    # one live state per shape, shared by its policies' runs (see ``_live_state``)
+    return LiveState(CFG)
+
+
 @pytest.mark.parametrize(("shape", "policy", "cuda_events"),
                          [(*case, False) for case in CASES.values()] + list(CUDA_EVENT_CASES.values()),
                          ids=list(CASES) + list(CUDA_EVENT_CASES))
 def test_overlapped_step_matches_serial_and_is_race_free(shape, policy, cuda_events):
     with CpuDevice(timeout=10.0, cuda_events=cuda_events) as dev:
-        res = run_overlapped(shape, steps=STEPS, policy=policy, device=dev, batch_size=BATCH, cfg=CFG)
+        res = run_overlapped(shape, steps=STEPS, policy=policy, device=dev, batch_size=BATCH, cfg=CFG,
+                             state=_live(str(shape)).fresh())
     assert res.violations == (), "\n".join(map(str, res.violations[:4]))
     assert res.matches(_serial(shape))
 

@@ -55,6 +55,8 @@ from readfence.graph import (
 )
 from tests.conftest import TWO_LAYERS as CFG
 
+from ._live_state import LiveState
+
 M = ForwardMode
 # Every step overwrites the shared buffers the previous step read, every case's event ring has
 # one slot (it wraps every step) and the delays are drawn per step: 40 steps reorder the work
@@ -130,6 +132,12 @@ LOOP_CASES = [
 ]
 
 
+@functools.cache
+def _live(name: str, mode: ForwardMode) -> LiveState:
+    # one live state per case, shared by its policies' runs (see ``_live_state``)
+    return LiveState(CFG)
+
+
 @pytest.mark.parametrize(("name", "mode", "policy", "cuda_events"), LOOP_CASES)
 def test_overlapped_is_bit_identical_to_serial_and_clean(name, mode, policy, cuda_events):
     ref = _serial(name, mode)
@@ -137,7 +145,7 @@ def test_overlapped_is_bit_identical_to_serial_and_clean(name, mode, policy, cud
     seed = zlib.crc32(f"{name}/{mode.name}/{policy.name}".encode()) % 10_000  # the same in every process
     with CpuDevice(timeout=30, faults=_delays(seed), cuda_events=cuda_events) as dev:
         res = run_overlapped(BACKENDS[name](), mode, steps=STEPS, policy=policy, device=dev,
-                             batch_size=BATCH, cfg=CFG)
+                             batch_size=BATCH, cfg=CFG, state=_live(name, mode).fresh())
     assert res.steps == STEPS
     assert res.violations == (), "\n".join(map(str, res.violations[:5]))
     first_bad = next((i for i, (a, b) in enumerate(zip(res.logits, ref.logits)) if not _same(a, b)), None)

@@ -33,6 +33,8 @@ from readfence.backends import (
 from readfence.core import ForwardMode, ModelConfig
 from readfence.graph import CpuDevice, FaultInjector, Policy, Traffic, eagle, multi_eagle, ngram, run_serve, run_serve_serial, verify_serve
 
+from ._live_state import LiveState
+
 M = ForwardMode
 # Three usable rows and three captured sizes: each graph of a run is a lowering (most of a run's
 # time), and these still give every case the matrix is about: a padded decode (3 rows in b4),
@@ -72,11 +74,13 @@ def _policies(name: str) -> tuple[Policy, ...]:
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_serve_is_bit_identical_clean_and_verified(name):
     ref = run_serve_serial(TARGETS[name](), steps=STEPS, traffic=TRAFFIC, capture_sizes=SIZES, cfg=CFG)
+    # every run on one live state, given back its fresh values before each (see ``_live_state``)
+    live = LiveState(CFG)
     for policy in _policies(name):
         seed = zlib.crc32(f"{name}/{policy.name}".encode()) % 10_000
         with CpuDevice(timeout=30, faults=FaultInjector(seed=seed, max_delay_s=0.0005)) as dev:
             res = run_serve(TARGETS[name](), steps=STEPS, policy=policy, device=dev, traffic=TRAFFIC,
-                            capture_sizes=SIZES, cfg=CFG)
+                            capture_sizes=SIZES, cfg=CFG, state=live.fresh())
         assert res.violations == (), f"{name} {policy.name}: " + "\n".join(map(str, res.violations[:5]))
         assert res.first_difference(ref) is None, f"{name} {policy.name}: differs at {res.first_difference(ref)}"
         # every captured size ran (a per_stream pair pads a batch of one to two)
@@ -86,7 +90,7 @@ def test_serve_is_bit_identical_clean_and_verified(name):
         assert all(s >= 0 for s in res.slack.values()), res.slack
     with CpuDevice(timeout=30) as dev:
         report = verify_serve(TARGETS[name](), steps=VERIFY_STEPS, device=dev, cfg=CFG, traffic=TRAFFIC,
-                              capture_sizes=SIZES)
+                              capture_sizes=SIZES, state=live.fresh())
     checked = report.unwrap()  # a finding raises, naming the policy, buffer, step and op
     assert [c.policy for c in checked.checks] == list(Policy)
     assert checked.ran() == ["poison", "guard", "observer"]

@@ -10,6 +10,7 @@ step's data) is refused by ``lower``, naming stage, key and line.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -18,8 +19,20 @@ import torch
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.core import ForwardMode, StageOutputError, audit
 from readfence.effects import ReadEffect, ReadEnd
-from readfence.graph import CpuDevice, FaultInjector, Policy, UnsoundLowering, lower, run_overlapped, run_serial, verify
+from readfence.graph import (
+    CpuDevice,
+    FaultInjector,
+    LoopResult,
+    Policy,
+    UnsoundLowering,
+    lower,
+    run_overlapped,
+    run_serial,
+    verify,
+)
 from tests.conftest import SMALL as CFG
+
+from ._live_state import LiveState
 
 M = ForwardMode.DECODE
 PRE = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
@@ -77,23 +90,33 @@ def _faults(seed: int) -> FaultInjector:
     return FaultInjector(seed, max_delay_s=0.002, streams=["forward"], probability=0.3)
 
 
+@functools.cache
+def _serial(shape: str, steps: int, batch_size: int) -> LoopResult:
+    # the serial reference of a shape, run once for all its policies
+    return run_serial(SHAPES[shape], M, steps=steps, batch_size=batch_size, cfg=CFG)
+
+
+@functools.cache
+def _live(shape: str) -> LiveState:
+    # one live state per shape, shared by its policies' runs (see ``_live_state``)
+    return LiveState(CFG)
+
+
 @pytest.mark.parametrize("policy", list(Policy))
 def test_a_same_key_refinement_matches_serial_under_every_policy(policy: Policy) -> None:
-    backend = SHAPES["same_key"]
-    serial = run_serial(backend, M, steps=5, batch_size=2, cfg=CFG)
     with CpuDevice(timeout=20.0, faults=_faults(1)) as dev:
-        run = run_overlapped(backend, M, steps=5, policy=policy, device=dev, batch_size=2, cfg=CFG)
-    assert run.matches(serial) and run.violations == ()
+        run = run_overlapped(SHAPES["same_key"], M, steps=5, policy=policy, device=dev, batch_size=2, cfg=CFG,
+                             state=_live("same_key").fresh())
+    assert run.matches(_serial("same_key", 5, 2)) and run.violations == ()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("shape", "policy"), list(itertools.product(sorted(SHAPES), list(Policy))))
 def test_every_return_shape_matches_serial_under_every_policy(shape: str, policy: Policy) -> None:
-    backend = SHAPES[shape]
-    serial = run_serial(backend, M, steps=4, batch_size=3, cfg=CFG)
     with CpuDevice(timeout=20.0, faults=_faults(len(shape))) as dev:
-        run = run_overlapped(backend, M, steps=4, policy=policy, device=dev, batch_size=3, cfg=CFG)
-    assert run.matches(serial) and run.violations == ()
+        run = run_overlapped(SHAPES[shape], M, steps=4, policy=policy, device=dev, batch_size=3, cfg=CFG,
+                             state=_live(shape).fresh())
+    assert run.matches(_serial(shape, 4, 3)) and run.violations == ()
 
 
 def test_every_step_of_the_return_shapes_computes_something_new() -> None:

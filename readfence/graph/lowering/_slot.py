@@ -5,7 +5,10 @@ those events' records inserted after their nodes (``insert_records``) and compil
 (``compile_graph``), and, on a device with graphs, the captured graph of its in-graph stages.
 The stages are compiled once per lowering (:func:`compile_stages`), with a hook after every node
 an event may follow (:func:`record_sites`), which every slot binds to its own events and check
-actions (:class:`StageCode`): every slot runs the one code the lowering validated.
+actions (:class:`StageCode`): every slot runs the one code the lowering validated. The code is
+kept under all it is compiled from (:class:`CompileKey`): lowering the same step under another
+policy, or again, on the same state reuses it (its hooks are bound per slot, so nothing of a
+lowering's own is in it).
 :func:`build_slot` is the pass; :class:`StepLauncher` is how a step's stages are launched on
 the lowered stream, in a capture or eagerly, in the order of ``core.STAGES``.
 """
@@ -20,14 +23,14 @@ import attrs
 from torch import Tensor, fx
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
-from readfence.core.internal import BufferMap, Ledger, NodeReadsIn
+from readfence.core.internal import CACHES, BufferMap, Ledger, NodeReadsIn
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
 from ._fence import RunClock, SlotHead, claim_events, slot_head
 from ._fx_aliases import insert_alias_checks
 from ._fx_compile import CompiledGraph, compile_graph
-from ._fx_memory import UNKNOWN, InputMemory
+from ._fx_memory import UNKNOWN, InputMemory, storage_token
 from ._fx_records import AfterNode, hooks_for, insert_hooks, stage_ops
 from ._plan import IN_GRAPH_STAGES, FencePlan, LastRead, Placement
 from ._poison import CheckState, Watcher, poison_points
@@ -336,14 +339,51 @@ def compile_stage(stage: StageGraph, sites: frozenset[str], observed: NodeReadsI
     return StageCode(stage, gm, compiled, frozenset(sites), keep, writes)
 
 
+@attrs.frozen
+class CompileKey:
+    """All a program's compiled stages (:func:`compile_stages`) are computed from: the ``program``
+    (by identity: another trace, or one bound to another state, is another program), per stage the
+    hook ``sites`` and the nodes kept where they are (``keep``: those the trace or a run saw read a
+    shared buffer), whether a hook may write (``writes``), the ``live`` buffers the alias checks
+    compare against, ``optimize``, and what each stage input the caller gives holds (``inputs``:
+    its storage, by :func:`~readfence.graph.lowering._fx_memory.storage_token`, the only thing of a
+    tensor the passes read; an input the caller does not give is a static buffer of its own)."""
+
+    program: Program
+    sites: tuple[tuple[Stage, frozenset[str]], ...]
+    keep: tuple[tuple[Stage, frozenset[str]], ...]
+    inputs: tuple[tuple[str, Hashable], ...]
+    writes: bool
+    live: BufferMap | None
+    optimize: bool
+
+
+#: Compiled stages, shared by the lowerings of one program on one state (every policy, every size
+#: of a capture list lowered again): the very code a fresh compilation gives.
+_COMPILED = CACHES.table("compiled_stages", CompileKey, "the program's stages with hooks inserted, compiled by "
+                         "the passes", limit=128)
+
+
 def compile_stages(program: Program, sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor],
                    observed: NodeReadsIn, *, writes: bool = False, live: BufferMap | None = None,
-                   optimize: bool = True) -> dict[Stage, StageCode]:
+                   optimize: bool = True) -> Mapping[Stage, StageCode]:
     """Every stage of ``program`` compiled once for every slot (:func:`compile_stage`). What each
     compiled stage's inputs hold is told to its passes: the step's tensors in ``env`` (live
     state; an input ``env`` does not hold yet is a static buffer the lowering allocates, memory
     of its own), or, for an earlier in-graph stage's outputs, the memory that stage's analysis
-    says they may be (a stage that runs its Python may return any memory)."""
+    says they may be (a stage that runs its Python may return any memory). Computed once per
+    :class:`CompileKey` (the code is read-only: each slot binds its own hooks)."""
+    given = {n for s in program.stages for n in s.graph.inputs if n in env}
+    key = CompileKey(program, tuple((s.stage, frozenset(sites.get(s.stage, frozenset()))) for s in program.stages),
+                     tuple((s.stage, frozenset(node_reads(s, observed))) for s in program.stages),
+                     tuple(sorted((n, storage_token(env[n])) for n in given)), writes, live, optimize)
+    return _COMPILED.compute(key, lambda: MappingProxyType(_compile_stages(program, sites, env, observed, writes=writes,
+                                                                           live=live, optimize=optimize)))
+
+
+def _compile_stages(program: Program, sites: Mapping[Stage, frozenset[str]], env: Mapping[str, Tensor],
+                    observed: NodeReadsIn, *, writes: bool, live: BufferMap | None,
+                    optimize: bool) -> dict[Stage, StageCode]:
     produced: dict[str, InputMemory] = {}
     code: dict[Stage, StageCode] = {}
     for s in program.stages:
@@ -493,6 +533,6 @@ def _out_launch(spec: SlotSpec, launcher: StepLauncher, runner: StageRunner, pro
     return fn
 
 
-__all__ = ["CompiledStage", "LaunchedStage", "Slot", "SlotParts", "SlotSpec", "StageCode", "StepLauncher", "build_slot",
+__all__ = ["CompileKey", "CompiledStage", "LaunchedStage", "Slot", "SlotParts", "SlotSpec", "StageCode", "StepLauncher", "build_slot",
            "compile_stage", "compile_stages", "last_reader", "last_reads", "node_positions", "node_reads", "record_sites",
            "slot_parts"]
