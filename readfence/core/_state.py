@@ -201,7 +201,9 @@ def _randn(*shape: int, generator: torch.Generator, device: str | torch.device) 
 
 #: Seeded draws already made on the CPU, by what they were drawn for; a caller gets a copy.
 _DRAWN: collections.OrderedDict[Hashable, dict[str, Tensor]] = collections.OrderedDict()
-_DRAWN_LIMIT = 4  # (a 64-layer model's caches are tens of MB)
+#: A lowering's draws: the weights and the seeded caches of the trace's example and of the three
+#: generated states (fewer drew them again on every lowering; a 64-layer model's caches are 36 MB)
+_DRAWN_LIMIT = 5
 _DRAWN_LOCK = threading.Lock()
 
 
@@ -269,6 +271,8 @@ def make_pools(
     >>> tuple(pools["k_cache"].shape), tuple(pools["state"].shape)
     ((4, 1024, 2, 16), (4, 17, 2, 16, 16))
     """
+    if seed is None:  # zeros are made faster than copied, and kept they would push out a seeded draw
+        return _make_pools(cfg, device, None)
     return _drawn_once(("pools", cfg, seed), device, lambda: _make_pools(cfg, device, seed))
 
 
