@@ -445,7 +445,7 @@ class _NodeLabels:
                     call_args = tuple(env[a] if type(a) is torch.fx.Node else torch.fx.node.map_arg(a, fetch)
                                       for a in n.args)
                     call_kwargs = torch.fx.node.map_arg(n.kwargs, fetch) if n.kwargs else {}
-                    env[n] = n.target(*call_args, **call_kwargs)  # type: ignore[operator]
+                    env[n] = n.target(*call_args, **call_kwargs)
                 elif op == "placeholder":
                     env[n] = next(inputs)
                 elif op == "get_attr":
