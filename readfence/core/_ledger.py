@@ -416,7 +416,20 @@ class _NodeLabels:
     use), labelling what each node touches with ``stage:node``. A loop over the nodes rather than
     an interpreter: an ``fx.Interpreter`` with a label's context per node cost twice the observed
     ops themselves on a 64-layer body. A graph with other nodes (``call_module``, ``call_method``)
-    runs under ``fx.Interpreter``."""
+    runs under ``fx.Interpreter``.
+
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> shared = {"seq_lens": torch.arange(4)}
+    >>> gm = make_fx(lambda t: (t * 2)[1:].sum())(shared["seq_lens"])
+    >>> seen = []
+    >>> for run in (_NodeLabels, _LabelledInterpreter):   # the loop, and the interpreter it replaces
+    ...     observer = ReadObserver(shared)
+    ...     with observer:
+    ...         out = run(gm, observer, "body").run(shared["seq_lens"])
+    ...     seen.append((out.item(), [(a.buffer, a.stage) for a in observer.accesses], observer.current_stage))
+    >>> seen[0] == seen[1], seen[0]
+    (True, (12, [('seq_lens', 'body:mul')], 'unlabelled'))
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, observer: ReadObserver, stage: str) -> None:
         self.gm, self.observer, self.stage_name = gm, observer, stage
