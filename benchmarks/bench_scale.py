@@ -24,6 +24,9 @@ each measurement, median of ``--runs``:
   run each op, the least a per-op watcher in Python costs; per depth, beside the eager step,
   and the 64 / 4 layer ratios those runs alone set for the audit and ``lower``, everything
   else free;
+* ``ratio`` (``--ratio LAYERS`` alone): ``lower`` at that depth over its floor (``lower``'s part
+  of ``floor``), measured in the same rounds, and the validation's seconds and share of ``lower``
+  (as ``replay_check``);
 * ``audit_all``: every reference backend in every mode (4 layers);
 * ``fuzz``: programs per second of the differential fuzzer (one process);
 * ``dispatch``: microseconds an op (``x + 1``) takes with no mode, under a mode that only runs
@@ -34,6 +37,11 @@ each measurement, median of ``--runs``:
 
     python benchmarks/bench_scale.py [--runs 3] [--json]
     python benchmarks/bench_scale.py --quick      # smoke run of seconds: its figures measure nothing
+    python benchmarks/bench_scale.py --ratio 64 --runs 5 --cpu   # lower over its floor, the whole audit
+
+``--cpu`` times every figure measured in this process with its CPU seconds (``time.process_time``,
+the device's stream threads included), not wall seconds: on a machine shared with other jobs a
+figure then counts this process's work only. A fresh process's first audit and lowering stay wall.
 """
 
 from __future__ import annotations
@@ -71,11 +79,20 @@ def _median(fn: Callable[[], float], runs: int) -> float:
     return statistics.median(fn() for _ in range(runs))
 
 
+#: What every figure is timed with: wall seconds, or the process's CPU seconds (``--cpu``, on a
+#: machine shared with other jobs: a figure then counts only this process's work).
+_CLOCK: list[Callable[[], float]] = [time.perf_counter]
+
+
+def _now() -> float:
+    return _CLOCK[0]()
+
+
 def _timed(fn: Callable[[], object]) -> float:
     clear_trace_cache()
-    start = time.perf_counter()
+    start = _now()
     fn()
-    return time.perf_counter() - start
+    return _now() - start
 
 
 def _with_make_fx(cfg: ModelConfig) -> object:
@@ -170,6 +187,30 @@ def _runners(backend: Any) -> list[Any]:
     return list(found.values())
 
 
+def _watched(runner: Any, cfg: ModelConfig, size: int, runs: int) -> tuple[float, float]:
+    """Seconds of ``runner``'s example step at batch size ``size``: eager, and watched (under
+    :class:`_RunsCalls` and :class:`_RunsOps`), medians of ``runs`` after a warm-up run of each."""
+    step = example_step(cfg, M.DECODE, size)
+
+    def plain() -> float:
+        start = _now()
+        run_step(runner, M.DECODE, cfg, step)
+        return _now() - start
+
+    def under_modes() -> float:
+        with _RunsCalls(), _RunsOps():
+            return plain()
+
+    plain(), under_modes()  # warm: the first call of a shape pays its allocations
+    return _median(plain, runs), _median(under_modes, runs)
+
+
+def lower_floor(cfg: ModelConfig, runs: int) -> float:
+    """Seconds of the steps ``lower`` (batch size 2) runs watched, one per node of the tree, times
+    two (a trace and an observation each): the least a lowering that watches every op pays."""
+    return 2 * sum(_watched(runner, cfg, 2, runs)[1] for runner in _runners(target()))
+
+
 def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
           measured: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Seconds of the steps the audit (at ``audit_sizes``, default 1, 2, max) and ``lower`` (at
@@ -183,30 +224,42 @@ def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
         eager = watched = lower_watched = 0.0
         for runner in _runners(target()):
             for size in sorted({*sizes, 2}):
-                step = example_step(cfg, M.DECODE, size)
-
-                def plain() -> float:
-                    start = time.perf_counter()
-                    run_step(runner, M.DECODE, cfg, step)  # noqa: B023 (called in the loop)
-                    return time.perf_counter() - start
-
-                def under_modes() -> float:
-                    with _RunsCalls(), _RunsOps():
-                        return plain()
-
-                plain(), under_modes()  # warm: the first call of a shape pays its allocations
-                seconds = _median(under_modes, runs)
+                plain_s, watched_s = _watched(runner, cfg, size, runs)
                 if size in sizes:
-                    eager += _median(plain, runs)
-                    watched += seconds
+                    eager += plain_s
+                    watched += watched_s
                 if size == 2:
-                    lower_watched += seconds
+                    lower_watched += watched_s
         out[n] = {"eager_steps_s": eager, "watched_steps_s": watched, "audit_floor_s": 2 * watched,
                   "lower_floor_s": 2 * lower_watched}
     deep, shallow = layers[-1], layers[0]
     out[f"audit_{deep}_over_{shallow}_at_least"] = out[deep]["audit_floor_s"] / measured[shallow]["audit_s"]
     out[f"lower_{deep}_over_{shallow}_at_least"] = out[deep]["lower_floor_s"] / measured[shallow]["lower_s"]
     return out
+
+
+def ratio(layers: int, runs: int, dev: CpuDevice) -> dict[str, Any]:
+    """``lower`` at ``layers`` layers (batch size 2, EXACT) over its floor (:func:`lower_floor`),
+    and the validation's share of it (``lower`` with ``validate_replay`` a no-op): each round
+    measures the floor, ``lower`` and ``lower`` unvalidated one after the other, so that a slow
+    spell of a shared machine hits all three; medians of ``runs`` rounds."""
+    cfg = ModelConfig(layers=layers)
+
+    def lowered() -> object:
+        return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
+
+    lowered()  # warm: torch's first calls of each op, the example weights and caches drawn
+    floors, checked, unchecked = [], [], []
+    for _ in range(runs):
+        floors.append(lower_floor(cfg, 3))  # (one watched run a node swings by a third on a busy machine)
+        checked.append(_timed(lowered))
+        with _replay_unchecked():
+            unchecked.append(_timed(lowered))
+    lower_s, floor_s = statistics.median(checked), statistics.median(floors)
+    validation_s = lower_s - statistics.median(unchecked)
+    return {"layers": layers, "lower_s": lower_s, "floor_s": floor_s, "lower_over_floor": lower_s / floor_s,
+            "validation_s": validation_s, "validation_share": validation_s / lower_s,
+            "rounds": [f"{c:.2f}/{f:.2f}" for c, f in zip(checked, floors)]}
 
 
 def capture(sizes: Sequence[int], runs: int, dev: CpuDevice) -> dict[str, Any]:
@@ -307,10 +360,10 @@ def audit_all(runs: int, quick: bool = False) -> float:
 def fuzz(programs: int, dev: CpuDevice) -> float:
     """Programs per second of the differential fuzzer, one process."""
     drawn = list(random_programs(programs, 2026))
-    start = time.perf_counter()
+    start = _now()
     for p in drawn:
         check_program(p, device=dev)
-    return programs / (time.perf_counter() - start)
+    return programs / (_now() - start)
 
 
 #: A fresh process's first audit and first lowering, each a snippet that prints its seconds.
@@ -339,10 +392,10 @@ def dispatch(ops: int, runs: int, printed: dict[str, list[str]]) -> dict[str, fl
 
     def per_op(mode: Any) -> float:
         with mode:
-            start = time.perf_counter()
+            start = _now()
             for _ in range(ops):
                 x + 1
-            return (time.perf_counter() - start) / ops * 1e6
+            return (_now() - start) / ops * 1e6
 
     modes = {"op_us": contextlib.nullcontext, "torch_mode_op_us": passing(TorchDispatchMode),
              "readfence_mode_op_us": passing(DispatchMode)}
@@ -356,12 +409,19 @@ def dispatch(ops: int, runs: int, printed: dict[str, list[str]]) -> dict[str, fl
     return out
 
 
-def main(quick: bool = False, *, runs: int | None = None) -> dict[str, Any]:
+def main(quick: bool = False, *, runs: int | None = None, only_ratio: int | None = None) -> dict[str, Any]:
     """The figures above (``quick``, a smoke run: 1 and 2 layers audited at batch size 2,
     capture sizes 1..2, one backend audited in one mode, one program, 1,000 ops; one run; the
-    fresh processes' snippets run in one process)."""
+    fresh processes' snippets run in one process). ``only_ratio``: only :func:`ratio` at that
+    many layers (and every reference audit in one process, unless ``quick``)."""
     torch.set_num_threads(1)  # the device's streams are the parallelism (benchmarks/README.md)
     runs = runs or (1 if quick else 3)
+    if only_ratio is not None:
+        with CpuDevice(timeout=120.0) as dev:
+            figures = {"ratio": ratio(only_ratio, runs, dev)}
+        if not quick:
+            figures["audit_all_s"] = audit_all(1)
+        return figures
     layers = (1, 2) if quick else (4, 16, 64)
     kept = (2, 3) if quick else (64, 4)
     linux = os.path.exists("/proc/self/statm")
@@ -399,8 +459,13 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ratio", type=int, metavar="LAYERS", default=None,
+                    help="only lower at LAYERS layers over its floor, the validation's share, every reference audit")
+    ap.add_argument("--cpu", action="store_true", help="time with the process's CPU seconds, not wall seconds")
     a = ap.parse_args()
-    result = main(a.quick, runs=a.runs)
+    if a.cpu:
+        _CLOCK[0] = time.process_time
+    result = main(a.quick, runs=a.runs, only_ratio=a.ratio)
     print(json.dumps(result, indent=2, default=str) if a.json else "", end="")
     if not a.json:
         _print(result)

@@ -201,7 +201,9 @@ def _randn(*shape: int, generator: torch.Generator, device: str | torch.device) 
 
 #: Seeded draws already made on the CPU, by what they were drawn for; a caller gets a copy.
 _DRAWN: collections.OrderedDict[Hashable, dict[str, Tensor]] = collections.OrderedDict()
-_DRAWN_LIMIT = 4  # (a 64-layer model's caches are tens of MB)
+#: A lowering's draws: the weights and the seeded caches of the trace's example and of the three
+#: generated states (fewer drew them again on every lowering; a 64-layer model's caches are 36 MB)
+_DRAWN_LIMIT = 5
 _DRAWN_LOCK = threading.Lock()
 
 
@@ -269,6 +271,8 @@ def make_pools(
     >>> tuple(pools["k_cache"].shape), tuple(pools["state"].shape)
     ((4, 1024, 2, 16), (4, 17, 2, 16, 16))
     """
+    if seed is None:  # zeros are made faster than copied, and kept they would push out a seeded draw
+        return _make_pools(cfg, device, None)
     return _drawn_once(("pools", cfg, seed), device, lambda: _make_pools(cfg, device, seed))
 
 
@@ -388,20 +392,26 @@ def example_step(
     *,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    parts: tuple[str, ...] | None = None,
 ) -> StepInputs:
     """A consistent step: rows allocated, ``seq_lens`` set, history in the caches.
 
-    ``IDLE`` ignores ``batch_size`` and gives the empty batch.
+    ``IDLE`` ignores ``batch_size`` and gives the empty batch. ``parts`` names the input groups
+    to build, as :func:`varied_step`'s (default: all; a caller that takes only the batch's shapes
+    need not copy a deep model's caches): the others are left empty.
 
     >>> step = example_step(ModelConfig(), ForwardMode.TARGET_VERIFY, 2)
     >>> step.batch["positions"].tolist(), step.shared["seq_lens"][[0, 3]].tolist()
     ([3, 4, 5, 10, 11, 12], [6, 13])
     >>> example_step(ModelConfig(), ForwardMode.IDLE, 4).num_tokens
     0
+    >>> example_step(ModelConfig(), ForwardMode.DECODE, 2, parts=("shared", "batch")).pools
+    {}
     """
     mode = check_mode(mode)
     reqs, prefix = example_batch_layout(cfg, mode, batch_size, seed=seed)
-    return _step_of(cfg, mode, reqs, prefix, make_shared_state(cfg, device=device), seed=seed, device=device)
+    return _step_of(cfg, mode, reqs, prefix, make_shared_state(cfg, device=device), seed=seed, device=device,
+                    owned=parts is None or "pools" in parts or "params" in parts)
 
 
 #: What the generated states are (``varied_step``'s seeds 1, 2, 3, in that order): the layouts of
@@ -453,7 +463,7 @@ def varied_step(
     """
     mode = check_mode(mode)
     if mode is ForwardMode.IDLE:
-        return example_step(cfg, mode, batch_size, seed=seed, device=device)
+        return example_step(cfg, mode, batch_size, seed=seed, device=device, parts=parts)
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     span = cfg.max_ctx - tokens_per_request(mode) + 1
     g = _generator(7919 + seed)

@@ -102,7 +102,15 @@ def _storage_key(t: Tensor) -> tuple[int, int] | None:
 
 
 def _bytes(storage: torch.UntypedStorage) -> Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    """``storage``'s bytes as a tensor of the widest integer its size is a multiple of: equal
+    bytes are equal words, and ``torch.equal`` compares 8-byte words six times faster than bytes
+    (a 64-layer model's caches are compared after every replay)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    size = storage.nbytes()
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if size % dtype.itemsize == 0:
+            return flat.view(dtype)
+    return flat
 
 
 class _Memory:

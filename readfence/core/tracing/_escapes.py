@@ -99,8 +99,17 @@ def not_user_code(*files: str) -> None:
 def _skipped() -> tuple[str, ...]:
     triton = sys.modules.get("triton")
     where = getattr(triton, "__file__", None)
-    skip = (*_SKIP, *sorted(_MACHINERY))
-    return skip if where is None else (*skip, os.path.dirname(os.path.abspath(where)))
+    key = (where, len(_MACHINERY))  # (files are only ever added to ``_MACHINERY``)
+    known = _SKIPPED.get(key)
+    if known is None:
+        skip = (*_SKIP, *sorted(_MACHINERY))
+        known = _SKIPPED[key] = skip if where is None else (*skip, os.path.dirname(os.path.abspath(where)))
+    return known
+
+
+#: ``_skipped()`` by triton's file and the machinery's count: asked for every torch call a traced
+#: stage makes, and a path made absolute each time cost more than the walk up the stack.
+_SKIPPED: dict[tuple[str | None, int], tuple[str, ...]] = {}
 
 
 def user_line(also_skip: tuple[str, ...] = ()) -> str:

@@ -116,12 +116,19 @@ def _val(out: Any) -> Any:
     op's output itself would make torch detach it on return, a node make_fx does not have),
     lists and tuples of them, Python values."""
     if type(out) is torch.Tensor:
-        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+        return _meta(out.shape, out.stride(), out.dtype)
     if isinstance(out, torch.Tensor):
         return out.detach()
     if isinstance(out, (list, tuple)):
         return type(out)([_val(x) for x in out])
     return out
+
+
+@functools.lru_cache(maxsize=4096)  # by layout: a deep model's ops make a few hundred
+def _meta(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # one meta tensor per layout, shared by the nodes of that layout (a meta tensor holds no data
+    # and the passes only read it; making one per op was a tenth of what recording an op cost)
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 class GraphRecorder(DispatchMode):

@@ -132,9 +132,10 @@ def segment_signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Segm
     code, what it closes over (the key), torch's modes and default dtype, and each input's
     layout (a record or an observation is reused only for the same signature, and only after
     the ops that ran were checked against it)."""
+    with torch._C.DisableTorchFunction():  # readfence's own look at the tensors: no mode's handler sees it
+        layouts = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
     return SegmentSignature(segment.name, getattr(segment.fn, "__code__", segment.fn), segment.key,
-                            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
-                            tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
+                            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(), layouts)
 
 
 def _input_nodes(recorder: GraphRecorder, tensors: Sequence[torch.Tensor]) -> list[fx.Node] | None:

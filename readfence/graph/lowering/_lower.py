@@ -500,7 +500,7 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
               check: CheckState | None, replayed: bool, ledger: Ledger) -> tuple[StepLauncher, dict[str, Tensor]]:
     # the step's static buffers: its batch, the metadata copies, the logits; over the live state
     dev = device_of(state["shared"])
-    example = example_step(cfg, mode, batch_size, device=dev)
+    example = example_step(cfg, mode, batch_size, device=dev, parts=("shared", "batch"))
     batch = {k: torch.zeros_like(v, device=dev) for k, v in example.batch.items()}
     env: dict[str, Tensor] = flatten_inputs(shared=state["shared"], batch=batch, pools=state["pools"],
                                             params=state["params"])
