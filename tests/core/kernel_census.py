@@ -7,8 +7,8 @@ No launch gives these kernels their arguments, so each is made up from the kerne
 used as a load's, a store's or a cast's base is a tensor, any other an integer. A guess triton
 rejects leaves that kernel's IR unbuilt (counted, by reason); the comparison is over the others.
 Importing SGLang's ~400 kernel modules takes a while and leaves them in ``sys.modules``: the test
-runs this in a process of its own, one per shard (``--shard I/N``: the I-th of N runs of the
-modules in order, so a test runner can run the shards side by side).
+runs this in a process of its own (``--shard I/N`` runs the I-th of N runs of the modules in
+order, so that several processes can share the census).
 
     python -m tests.core.kernel_census [--json] [--shard I/N]
 """

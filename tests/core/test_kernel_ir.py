@@ -339,8 +339,10 @@ SOURCE_ONLY_UNBOUNDED = [["sglang.kernels.ops.attention.flash_mla_sm120", "_page
                          ["tests.core.test_kernel_ir", "store_rows"]]
 
 
-#: The census runs in this many processes, each over one run of the modules: test runners balance them.
-CENSUS_SHARDS = 2
+#: The census runs in this many processes, each over one run of the modules. One: each process pays
+#: torch's, triton's and SGLang's imports and the read of SGLang's tree again, which is most of what
+#: a second shard saved a test runner on two cores.
+CENSUS_SHARDS = 1
 
 
 @pytest.mark.slow  # imports SGLang's ~400 kernel modules and builds ~650 IRs, a shard of them per process

@@ -1,8 +1,10 @@
 """SGLang 0.5.23's real attention backends, adapted with SGLang's profile, and adversarial subclasses.
 
-Importing this module imports SGLang's attention modules (with the stand-ins of
-``sglang_standins`` for its GPU-only imports); ``REASON`` says why not where they cannot be.
-Every factory here is ``MODULE:FACTORY`` for ``readfence audit --engine`` too.
+The first use of ``MODULES``, ``REASON``, the classes or a factory imports SGLang's attention
+modules (with the stand-ins of ``sglang_standins`` for its GPU-only imports), once: importing this
+module does not, so that collecting tests that never build an SGLang backend does not pay SGLang's
+import. ``REASON`` says why not where they cannot be imported. Every factory here is
+``MODULE:FACTORY`` for ``readfence audit --engine`` too.
 
 The wrappers are built over children CPU can run: SGLang's torch-native backend, or ``LateNative``,
 a subclass whose one change is the honest declaration of what torch-native's ``forward`` does
@@ -15,6 +17,7 @@ installed, SGLang's ``TritonAttnBackend`` runs as shipped, its kernels in triton
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -24,18 +27,28 @@ from readfence.engine import EngineBackend, adapt, sglang_profile
 
 from .sglang_standins import import_sglang
 
-MODULES, REASON = import_sglang()
+
+@functools.cache
+def _sglang() -> tuple[dict[str, Any], str]:
+    return import_sglang()
+
+
+def _modules() -> dict[str, Any]:
+    return _sglang()[0]
+
 
 #: Two layers, four requests of at most 16 tokens: every trace and run stays cheap.
 CFG = ModelConfig(layers=2, max_reqs=4, max_ctx=16)
 
 
+@functools.cache
 def _classes() -> dict[str, Any]:
-    if not MODULES:
+    modules = _modules()
+    if not modules:
         return {}
-    base = MODULES["base_attn_backend"]
-    native = MODULES["torch_native_backend"].TorchNativeAttnBackend
-    ends, fm = base.SharedReadEnds, MODULES["base_attn_backend"].ForwardMode
+    base = modules["base_attn_backend"]
+    native = modules["torch_native_backend"].TorchNativeAttnBackend
+    ends, fm = base.SharedReadEnds, modules["base_attn_backend"].ForwardMode
 
     class LateNative(native):  # type: ignore[misc, valid-type]
         """torch-native, declaring what its forward does: the page table is read until the replay ends."""
@@ -50,7 +63,7 @@ def _classes() -> dict[str, Any]:
         def shared_read_ends(self, mode: Any) -> Any:
             return ends.PRE_REPLAY if mode == fm.EXTEND else super().shared_read_ends(mode)
 
-    class ForgetfulTbo(MODULES["tbo_backend"].TboAttnBackend):  # type: ignore[misc, name-defined]
+    class ForgetfulTbo(modules["tbo_backend"].TboAttnBackend):  # type: ignore[misc, name-defined]
         """SGLang's TBO with its ``shared_read_ends`` put back to the base class's default."""
 
         shared_read_ends = base.AttentionBackend.shared_read_ends
@@ -65,19 +78,21 @@ def _classes() -> dict[str, Any]:
             "BrokenNative": BrokenNative}
 
 
-CLASSES = _classes()
+def _triton_reason() -> str:
+    """Why SGLang's Triton backend is not here ("" where it is)."""
+    modules, reason = _sglang()
+    return reason or ("" if "triton_backend" in modules else
+                      "triton is not installed (pip install -e '.[triton]'): SGLang's TritonAttnBackend runs "
+                      "its kernels in triton's interpreter on a machine without a GPU")
 
-#: Why SGLang's Triton backend is not here ("" where it is).
-TRITON_REASON = REASON or ("" if "triton_backend" in MODULES else
-                           "triton is not installed (pip install -e '.[triton]'): SGLang's TritonAttnBackend runs "
-                           "its kernels in triton's interpreter on a machine without a GPU")
 
-
+@functools.cache
 def _triton_classes() -> dict[str, Any]:
-    if TRITON_REASON:
+    if _triton_reason():
         return {}
-    base = MODULES["base_attn_backend"]
-    triton = MODULES["triton_backend"].TritonAttnBackend
+    modules = _modules()
+    base = modules["base_attn_backend"]
+    triton = modules["triton_backend"].TritonAttnBackend
     ends, fm = base.SharedReadEnds, base.ForwardMode
     from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
 
@@ -152,8 +167,6 @@ def _triton_classes() -> dict[str, Any]:
             "LazyTriton": LazyTriton, "LazyViewTriton": LazyViewTriton}
 
 
-TRITON_CLASSES = _triton_classes()
-
 #: The Triton backends' model: in triton's interpreter every attention kernel of a layer is most of
 #: a step's time, and one layer runs each of them (the page table is still read by a kernel before
 #: the replay, a late read still in the forward).
@@ -176,95 +189,108 @@ def _triton(factory: Any, name: str) -> EngineBackend:
 
 def torch_native() -> EngineBackend:
     """SGLang's TorchNativeAttnBackend as shipped."""
-    return _adapt(MODULES["torch_native_backend"].TorchNativeAttnBackend, "TorchNativeAttnBackend")
+    return _adapt(_modules()["torch_native_backend"].TorchNativeAttnBackend, "TorchNativeAttnBackend")
 
 
 def late_native() -> EngineBackend:
-    return _adapt(CLASSES["LateNative"], "LateNative")
+    return _adapt(_classes()["LateNative"], "LateNative")
 
 
 def early_prefill() -> EngineBackend:
-    return _adapt(CLASSES["EarlyPrefillNative"], "EarlyPrefillNative")
+    return _adapt(_classes()["EarlyPrefillNative"], "EarlyPrefillNative")
 
 
 def broken() -> EngineBackend:
-    return _adapt(CLASSES["BrokenNative"], "BrokenNative")
+    return _adapt(_classes()["BrokenNative"], "BrokenNative")
 
 
 def tbo() -> EngineBackend:
     """SGLang's TboAttnBackend as shipped, over three LateNative."""
-    late = CLASSES["LateNative"]
-    return _adapt(lambda r: MODULES["tbo_backend"].TboAttnBackend.init_new(lambda: late(r)), "tbo")
+    late = _classes()["LateNative"]
+    return _adapt(lambda r: _modules()["tbo_backend"].TboAttnBackend.init_new(lambda: late(r)), "tbo")
 
 
 def forgetful_tbo() -> EngineBackend:
     """The seed's bug: TBO declaring the base default over children that read until POST_REPLAY."""
-    late = CLASSES["LateNative"]
-    return _adapt(lambda r: CLASSES["ForgetfulTbo"].init_new(lambda: late(r)), "forgetful_tbo")
+    late = _classes()["LateNative"]
+    return _adapt(lambda r: _classes()["ForgetfulTbo"].init_new(lambda: late(r)), "forgetful_tbo")
 
 
 def hybrid() -> EngineBackend:
     """SGLang's HybridAttnBackend: torch-native for prefill, LateNative for decode."""
-    native = MODULES["torch_native_backend"].TorchNativeAttnBackend
-    late = CLASSES["LateNative"]
-    return _adapt(lambda r: MODULES["hybrid_attn_backend"].HybridAttnBackend(r, native(r), late(r)), "hybrid")
+    native = _modules()["torch_native_backend"].TorchNativeAttnBackend
+    late = _classes()["LateNative"]
+    return _adapt(lambda r: _modules()["hybrid_attn_backend"].HybridAttnBackend(r, native(r), late(r)), "hybrid")
 
 
 def hybrid_linear() -> EngineBackend:
     """SGLang's HybridLinearAttnBackend with every layer a full-attention one (its linear child
     prepares metadata but attends no layer: no linear kernel runs on CPU)."""
-    late = CLASSES["LateNative"]
-    wrapper = MODULES["hybrid_linear_attn_backend"].HybridLinearAttnBackend
+    late = _classes()["LateNative"]
+    wrapper = _modules()["hybrid_linear_attn_backend"].HybridLinearAttnBackend
     return _adapt(lambda r: wrapper(late(r), late(r), list(range(CFG.layers))), "hybrid_linear")
 
 
 def minimax() -> EngineBackend:
     """SGLang's MiniMaxHybridAttnBackend (dense, sparse) over LateNative, no layer sparse."""
-    late = CLASSES["LateNative"]
-    wrapper = MODULES["minimax_sparse_backend"].MiniMaxHybridAttnBackend
+    late = _classes()["LateNative"]
+    wrapper = _modules()["minimax_sparse_backend"].MiniMaxHybridAttnBackend
     return _adapt(lambda r: wrapper(late(r), late(r), []), "minimax")
 
 
 def dots() -> EngineBackend:
     """SGLang's DotsHybridAttnBackend (dsa, swa) over LateNative."""
-    late = CLASSES["LateNative"]
-    return _adapt(lambda r: MODULES["dots_hybrid_backend"].DotsHybridAttnBackend(late(r), late(r)), "dots")
+    late = _classes()["LateNative"]
+    return _adapt(lambda r: _modules()["dots_hybrid_backend"].DotsHybridAttnBackend(late(r), late(r)), "dots")
 
 
 def triton_attn() -> EngineBackend:
     """SGLang's TritonAttnBackend as shipped: its kernels run in triton's interpreter."""
-    return _triton(TRITON_CLASSES["TritonAttnBackend"], "TritonAttnBackend")
+    return _triton(_triton_classes()["TritonAttnBackend"], "TritonAttnBackend")
 
 
 def honest_triton() -> EngineBackend:
-    return _triton(TRITON_CLASSES["HonestTriton"], "HonestTriton")
+    return _triton(_triton_classes()["HonestTriton"], "HonestTriton")
 
 
 def late_triton() -> EngineBackend:
-    return _triton(TRITON_CLASSES["LateTriton"], "LateTriton")
+    return _triton(_triton_classes()["LateTriton"], "LateTriton")
 
 
 def lazy_triton() -> EngineBackend:
-    return _triton(TRITON_CLASSES["LazyTriton"], "LazyTriton")
+    return _triton(_triton_classes()["LazyTriton"], "LazyTriton")
 
 
 def lazy_view_triton() -> EngineBackend:
-    return _triton(TRITON_CLASSES["LazyViewTriton"], "LazyViewTriton")
+    return _triton(_triton_classes()["LazyViewTriton"], "LazyViewTriton")
 
 
 def tbo_triton() -> EngineBackend:
     """SGLang's TboAttnBackend over three of SGLang's Triton backends."""
-    triton = TRITON_CLASSES["TritonAttnBackend"]
-    return _triton(lambda r: MODULES["tbo_backend"].TboAttnBackend.init_new(lambda: triton(r)), "tbo_triton")
+    triton = _triton_classes()["TritonAttnBackend"]
+    return _triton(lambda r: _modules()["tbo_backend"].TboAttnBackend.init_new(lambda: triton(r)), "tbo_triton")
 
 
 def hybrid_linear_triton() -> EngineBackend:
     """SGLang's HybridLinearAttnBackend over two of SGLang's Triton backends, every layer full."""
-    triton = TRITON_CLASSES["TritonAttnBackend"]
-    wrapper = MODULES["hybrid_linear_attn_backend"].HybridLinearAttnBackend
+    triton = _triton_classes()["TritonAttnBackend"]
+    wrapper = _modules()["hybrid_linear_attn_backend"].HybridLinearAttnBackend
     return _triton(lambda r: wrapper(triton(r), triton(r), list(range(TRITON_CFG.layers))), "hybrid_linear_triton")
 
 
-#: SGLang's Triton backends, for ``readfence audit --engine tests.engine.sglang_engines:TRITON``.
-TRITON = {"triton": triton_attn, "tbo_triton": tbo_triton, "hybrid_linear_triton": hybrid_linear_triton} \
-    if not TRITON_REASON else {}
+def _triton_engines() -> dict[str, Any]:
+    """SGLang's Triton backends, for ``readfence audit --engine tests.engine.sglang_engines:TRITON``."""
+    return {"triton": triton_attn, "tbo_triton": tbo_triton, "hybrid_linear_triton": hybrid_linear_triton} \
+        if not _triton_reason() else {}
+
+
+#: The names whose value needs SGLang imported, and what computes each (on first use).
+_LAZY = {"MODULES": _modules, "REASON": lambda: _sglang()[1], "CLASSES": _classes, "TRITON_REASON": _triton_reason,
+         "TRITON_CLASSES": _triton_classes, "TRITON": _triton_engines}
+
+
+def __getattr__(name: str) -> Any:
+    # (no ``__dir__`` listing these: pytest's collection reads every name ``dir`` gives)
+    if name in _LAZY:
+        return _LAZY[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

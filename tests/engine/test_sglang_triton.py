@@ -22,7 +22,14 @@ from readfence.graph import Policy
 
 from . import sglang_engines as sg
 
-pytestmark = pytest.mark.skipif(bool(sg.TRITON_REASON), reason=sg.TRITON_REASON or "-")
+
+@pytest.fixture(autouse=True, scope="module")
+def _sglangs_triton_backend() -> None:
+    """Skips where SGLang's Triton backend cannot run: asked here, not at collection, so that only a
+    run of these tests imports SGLang."""
+    if sg.TRITON_REASON:
+        pytest.skip(sg.TRITON_REASON)
+
 
 M = ForwardMode
 PRE, IN, POST, UNKNOWN = ReadEnd.PRE_REPLAY, ReadEnd.IN_REPLAY, ReadEnd.POST_REPLAY, ReadEnd.UNKNOWN
@@ -37,9 +44,16 @@ def _rows(report):
     return [(r.backend, r.mode, r.buffer, r.declared, r.truth, r.source, r.method, r.op) for r in report.rows()]
 
 
+@pytest.fixture(scope="module")
+def fresh_audits():
+    """The shipped backend's audit in each mode, each of an object built for it: audited once for the
+    tests that read them."""
+    return {mode: _audit(sg.triton_attn(), mode).unwrap() for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)}
+
+
 @pytest.mark.parametrize(("mode", "declared"), [(M.DECODE, IN), (M.TARGET_VERIFY, IN), (M.EXTEND, UNKNOWN)])
-def test_the_shipped_backend_reads_its_page_table_in_a_kernel_before_the_replay(mode, declared):
-    report = _audit(sg.triton_attn(), mode).unwrap()
+def test_the_shipped_backend_reads_its_page_table_in_a_kernel_before_the_replay(mode, declared, fresh_audits):
+    report = fresh_audits[mode]
     assert _rows(report) == [("TritonAttnBackend", mode, "req_to_token", declared, PRE, "traced",
                               "init_forward_metadata_out_graph", KERNEL)], report.table()
     assert report.sound and "UNTRACEABLE" not in report.table(), report.table()
@@ -62,10 +76,11 @@ def test_an_honest_subclass_is_exact_and_a_late_one_is_refused_naming_the_kernel
 
 
 @pytest.mark.slow
-def test_after_other_modes_the_shipped_backend_verifies_clean_under_joined_exact_and_the_engines_runner(dev):
+def test_after_other_modes_the_shipped_backend_verifies_clean_under_joined_exact_and_the_engines_runner(
+        dev, fresh_audits):
     engine = sg.triton_attn()
     before = [_rows(_audit(engine, mode).unwrap()) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
-    fresh = [_rows(_audit(sg.triton_attn(), mode).unwrap()) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
+    fresh = [_rows(fresh_audits[mode]) for mode in (M.EXTEND, M.TARGET_VERIFY, M.DECODE)]
     assert before == fresh  # the verdicts do not depend on what was audited before on the same object
     # the replayed forward reads what its own mode's capture left on the object, not the last mode's
     # (JOINED is SGLang's fence, EXACT the finest; every policy is verified in EXTEND below)
