@@ -38,6 +38,7 @@ from torch import Tensor
 
 from readfence.effects import ReadEffect, ReadEnd
 
+from ._node_labels import NodeLabels
 from ._observe import Access, Disagreement, Observation, ReadObserver, Watched, cross_check
 from ._program import NodeReads, Program, StageGraph, flatten_inputs
 from ._state import TRAFFIC_STATES, ModelConfig, example_step, varied_step
@@ -216,7 +217,7 @@ class Ledger:
         with self.watch(kind, label, shared) as observer, observer:
             def run(s: StageGraph, env: Mapping[str, Tensor]) -> dict[str, Tensor]:
                 if not s.runs_python:
-                    return s.run(env, call=_NodeLabels(s.graph.gm, observer, s.stage.name).run)
+                    return s.run(env, call=NodeLabels(s.graph.gm, observer, s.stage.name).run)
                 with observer.stage(s.stage.name), watch_threads(program.backend, s.stage.name, "the read observer"):
                     return s.run(env)
 
@@ -408,93 +409,6 @@ def _last_stage(program: Program) -> Stage:
 
 def _index(program: Program, stage: Stage) -> int:
     return next(i for i, s in enumerate(program.stages) if s.stage == stage)
-
-
-class _NodeLabels:
-    """Runs a stage graph node by node, as ``fx.Interpreter`` does (placeholders bound to the
-    arguments in order, attributes fetched, each call made, every value dropped after its last
-    use), labelling what each node touches with ``stage:node``. A loop over the nodes rather than
-    an interpreter: an ``fx.Interpreter`` with a label's context per node cost twice the observed
-    ops themselves on a 64-layer body. A graph with other nodes (``call_module``, ``call_method``)
-    runs under ``fx.Interpreter``.
-
-    >>> from torch.fx.experimental.proxy_tensor import make_fx
-    >>> shared = {"seq_lens": torch.arange(4)}
-    >>> gm = make_fx(lambda t: (t * 2)[1:].sum())(shared["seq_lens"])
-    >>> seen = []
-    >>> for run in (_NodeLabels, _LabelledInterpreter):   # the loop, and the interpreter it replaces
-    ...     observer = ReadObserver(shared)
-    ...     with observer:
-    ...         out = run(gm, observer, "body").run(shared["seq_lens"])
-    ...     seen.append((out.item(), [(a.buffer, a.stage) for a in observer.accesses], observer.current_stage))
-    >>> seen[0] == seen[1], seen[0]
-    (True, (12, [('seq_lens', 'body:mul')], 'unlabelled'))
-    """
-
-    def __init__(self, gm: torch.fx.GraphModule, observer: ReadObserver, stage: str) -> None:
-        self.gm, self.observer, self.stage_name = gm, observer, stage
-
-    def run(self, *args: Any) -> Any:
-        gm, observer, prefix = self.gm, self.observer, f"{self.stage_name}:"
-        nodes = list(gm.graph.nodes)
-        if any(n.op not in _PLAIN_NODES for n in nodes):
-            return _LabelledInterpreter(gm, observer, self.stage_name).run(*args)
-        last: dict[torch.fx.Node, torch.fx.Node] = {}  # each value's last user
-        for n in nodes:
-            for used in n.all_input_nodes:
-                last[used] = n
-        dropped: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        for used, user in last.items():
-            dropped.setdefault(user, []).append(used)
-        env: dict[torch.fx.Node, Any] = {}
-        fetch = env.__getitem__
-        inputs = iter(args)
-        before = observer.current_stage
-        try:
-            for n in nodes:
-                op = n.op
-                if op == "call_function":
-                    observer.current_stage = prefix + n.name
-                    call_args = tuple(env[a] if type(a) is torch.fx.Node else torch.fx.node.map_arg(a, fetch)
-                                      for a in n.args)
-                    call_kwargs = torch.fx.node.map_arg(n.kwargs, fetch) if n.kwargs else {}
-                    env[n] = n.target(*call_args, **call_kwargs)
-                elif op == "placeholder":
-                    env[n] = next(inputs)
-                elif op == "get_attr":
-                    observer.current_stage = prefix + n.name
-                    env[n] = _attribute(gm, str(n.target))
-                else:  # the output
-                    return torch.fx.node.map_arg(n.args[0], fetch)
-                for used in dropped.get(n, ()):
-                    del env[used]
-        finally:
-            observer.current_stage = before
-        return None
-
-
-#: The nodes :class:`_NodeLabels` runs itself.
-_PLAIN_NODES = frozenset({"placeholder", "get_attr", "call_function", "output"})
-
-
-def _attribute(gm: torch.nn.Module, target: str) -> Any:
-    # a get_attr node's value (a dotted path into the module)
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-class _LabelledInterpreter(torch.fx.Interpreter):
-    """``fx.Interpreter`` labelling what each node touches with ``stage:node``."""
-
-    def __init__(self, gm: torch.fx.GraphModule, observer: ReadObserver, stage: str) -> None:
-        super().__init__(gm)
-        self.observer, self.stage_name = observer, stage
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        with self.observer.stage(f"{self.stage_name}:{n.name}"):
-            return super().run_node(n)
 
 
 def state_label(seed: int) -> str:
