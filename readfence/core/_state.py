@@ -411,7 +411,7 @@ def example_step(
     mode = check_mode(mode)
     reqs, prefix = example_batch_layout(cfg, mode, batch_size, seed=seed)
     return _step_of(cfg, mode, reqs, prefix, make_shared_state(cfg, device=device), seed=seed, device=device,
-                    owned=parts is None or "pools" in parts or "params" in parts)
+                    parts=parts)
 
 
 #: What the generated states are (``varied_step``'s seeds 1, 2, 3, in that order): the layouts of
@@ -490,8 +490,7 @@ def varied_step(
         stale = torch.tensor([r for r in range(cfg.max_reqs) if r not in reqs], dtype=torch.int64)
         lens = torch.randint(1, cfg.max_ctx + 1, (len(stale),), generator=g, dtype=torch.int32)
         shared["seq_lens"].index_copy_(0, _on(device, stale), _on(device, lens))
-    return _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots,
-                    owned=parts is None or "pools" in parts or "params" in parts)
+    return _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots, parts=parts)
 
 
 def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int]]:
@@ -510,10 +509,12 @@ def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> t
 
 
 def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,
-             seed: int, device: str | torch.device, slots: Tensor | None = None, owned: bool = True) -> StepInputs:
+             seed: int, device: str | torch.device, slots: Tensor | None = None,
+             parts: tuple[str, ...] | None = None) -> StepInputs:
     # the step of requests ``reqs`` with ``prefix`` tokens each over ``shared`` (rows allocated;
-    # its page table the example's, its slots permuted by ``slots`` when given); without
-    # ``owned``, no pools nor parameters
+    # its page table the example's, its slots permuted by ``slots`` when given); pools and
+    # parameters only where ``parts`` (None: all) names either
+    owned = parts is None or "pools" in parts or "params" in parts
     n = tokens_per_request(mode)
     i64 = torch.int64
     req_t = torch.tensor(reqs, dtype=i64, device=device)
