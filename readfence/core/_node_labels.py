@@ -54,6 +54,8 @@ class NodeLabels:
         fetch = env.__getitem__
         inputs = iter(args)
         before = observer.current_stage
+        alone = observer.below_modes()  # (a node touching no buffer then runs below the modes: run_node_op)
+        run_op = observer.run_node_op
         try:
             for n in nodes:
                 op = n.op
@@ -62,7 +64,7 @@ class NodeLabels:
                     call_args = tuple(env[a] if type(a) is torch.fx.Node else torch.fx.node.map_arg(a, fetch)
                                       for a in n.args)
                     call_kwargs = torch.fx.node.map_arg(n.kwargs, fetch) if n.kwargs else {}
-                    env[n] = n.target(*call_args, **call_kwargs)
+                    env[n] = run_op(n.target, call_args, call_kwargs, alone)
                 elif op == "placeholder":
                     env[n] = next(inputs)
                 elif op == "get_attr":

@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from readfence.effects import ReadEnd
 
@@ -40,6 +40,7 @@ from .tracing import (
     SegmentSignature,
     bind_arguments,
     is_launch_op,
+    leaves,
     metadata_claim_holds,
     metadata_templates,
     op_aliasing,
@@ -71,6 +72,27 @@ _HOST_READS: dict[Any, str] = {
     torch.Tensor.__format__: "__format__()",
 }
 
+
+
+#: The dispatch keys through which Python modes (and tensor subclasses) see an op.
+_MODE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by op overload: a finite set per process
+def _quiet_op(func: Any) -> bool:
+    """Whether ``func`` is an op whose run can touch only the memory it is handed: torch's own
+    (or readfence's), not a kernel launch (``ReadObserver.run_node_op``)."""
+    return isinstance(func, torch._ops.OpOverload) and trusted_op(func) and not is_launch_op(func)
+
+
+def _untouched(buffers: BufferMap, tree: Any) -> bool:
+    """Whether every tensor in ``tree`` is a plain ``torch.Tensor`` (a subclass needs the Python
+    key to run) touching none of ``buffers``."""
+    for t in leaves(tree):
+        if isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or buffers.touched(t)):
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=4096)  # keyed by op overload: a finite set per process
@@ -231,6 +253,40 @@ class ReadObserver(DispatchMode):
         if len(self.accesses) == seen:
             _SEGMENT_OPS.put(signature, ran)  # (a run that touched a buffer is never a reference)
         return out
+
+    def below_modes(self) -> bool:
+        """Whether this observer is the only mode on this thread's stacks (its host-read mode the
+        only function mode): then an op :meth:`run_node_op` runs below them hides it from no other."""
+        dispatch = _get_current_dispatch_mode_stack()
+        function = torch.overrides._get_current_function_mode_stack()
+        return (len(dispatch) == 1 and dispatch[0] is self and len(function) == 1 and function[0] is self._host
+                and not self._skipping and self._listed is None)
+
+    def run_node_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], alone: bool) -> Any:
+        """``func(*args, **kwargs)``, one node of a stage graph run under this observer; with
+        ``alone`` (:meth:`below_modes`), below the modes where what the mode would record of it
+        is nothing: ``func`` is torch's own (``trusted_op``, decided by where it was registered;
+        not a launch or a higher-order op, whose kernels the mode runs under itself) and, by the
+        observer's own look at their memory, none of its tensors (plain ones only) touches a
+        buffer. A torch kernel touches only the memory it is handed: its args' (a composite's
+        decomposition works on the same). Every other op runs through the mode, as in eager code.
+
+        >>> shared = {"seq_lens": torch.arange(4)}
+        >>> obs = ReadObserver(shared)
+        >>> with obs:
+        ...     alone = obs.below_modes()
+        ...     x = obs.run_node_op(torch.ops.aten.mul.Tensor, (torch.ones(4), 2), {}, alone)   # touches nothing
+        ...     y = obs.run_node_op(torch.ops.aten.sum.default, (shared["seq_lens"],), {}, alone)
+        >>> alone, [(a.buffer, a.op) for a in obs.accesses]
+        (True, [('seq_lens', 'aten.sum.default')])
+        """
+        if alone and _quiet_op(func):
+            with unobserved():
+                quiet = _untouched(self.buffers, args) and (not kwargs or _untouched(self.buffers, kwargs))
+            if quiet:
+                with torch._C.DisableTorchFunction(), torch._C._ExcludeDispatchKeyGuard(_MODE_KEYS):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
     def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[tuple[Any, ...], Any]:
         """``fn(*tensors)``, unobserved or observed, and the ops it dispatched."""

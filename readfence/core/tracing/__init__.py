@@ -55,6 +55,7 @@ from ._kernel_ir import kernel_access as kernel_access
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
 from ._memory import meet_shared as meet_shared
+from ._memory import leaves as leaves
 from ._memory import metadata_claim_holds as metadata_claim_holds
 from ._memory import random_state as random_state
 from ._memory import same_values as same_values
@@ -84,7 +85,7 @@ from ._triton import launches_unseen as launches_unseen
 __all__ = [
     "analyse", "bind", "bind_arguments", "BufferMap", "CACHES", "Caches", "CapturedStateError", "clear_trace_cache",
     "code_key", "CodeKey", "copy_graph", "DispatchMode", "first_stale", "is_launch_op", "kept_tensors", "KeptTensor",
-    "kernel_access", "KernelAccess", "launches_unseen", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
+    "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
     "span_of", "StageWriteError", "StaleCaptureError", "state_key", "Table", "tensors_in", "torch_op", "unobserved",

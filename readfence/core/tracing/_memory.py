@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -135,13 +136,13 @@ def leaves(tree: object) -> list[Any]:
 
 def _walk(tree: object, out: list[Any]) -> None:
     kind = type(tree)
-    if kind is list or kind is tuple:
+    if kind is list or kind is tuple or kind is immutable_list:
         for x in tree:  # type: ignore[attr-defined]
             if type(x) in _SCALARS or isinstance(x, torch.Tensor):
                 out.append(x)
             else:
                 _walk(x, out)
-    elif kind is dict:
+    elif kind is dict or kind is immutable_dict:
         for x in tree.values():  # type: ignore[attr-defined]
             _walk(x, out)
     elif kind in _SCALARS or isinstance(tree, torch.Tensor):
