@@ -54,8 +54,8 @@ from ._kernel_access import KernelAccess as KernelAccess
 from ._kernel_ir import kernel_access as kernel_access
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
-from ._memory import meet_shared as meet_shared
 from ._memory import leaves as leaves
+from ._memory import meet_shared as meet_shared
 from ._memory import metadata_claim_holds as metadata_claim_holds
 from ._memory import random_state as random_state
 from ._memory import same_values as same_values

@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 

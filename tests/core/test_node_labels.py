@@ -1,0 +1,140 @@
+"""A stage graph run node by node under the read observer sees what the observed interpreter sees.
+
+``NodeLabels`` runs a node below the modes where the op is torch's own and, by the observer's own
+look at memory, none of its tensors touches a buffer (``ReadObserver.run_node_op``). The check
+that does not share that rule: ``LabelledInterpreter``, which runs every node through the mode.
+Attacks, each in a graph whose other nodes take the fast path: a node reading a view of a buffer,
+a node fed a captured buffer (``get_attr``), a custom op reading a buffer it was not given (a
+plan/run kernel) registered in a user namespace and in ``aten`` (where it was defined decides,
+not its name), a tensor subclass argument, and another mode on the stack.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from readfence.core import ReadObserver
+from readfence.core._node_labels import LabelledInterpreter, NodeLabels
+
+_COUNT = itertools.count()
+_KEPT: dict[str, torch.Tensor] = {}  # what a "plan" kept: read by the kernels below, not handed to them
+
+
+def _kernel(namespace: str):
+    name = f"rf_node_labels_run_{next(_COUNT)}"
+
+    @torch.library.custom_op(f"{namespace}::{name}", mutates_args=())
+    def run(q: torch.Tensor) -> torch.Tensor:
+        return q + _KEPT["pages"].float().sum()
+
+    @run.register_fake
+    def _(q):
+        return torch.empty_like(q)
+
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def _runs(gm: torch.fx.GraphModule, shared: dict[str, torch.Tensor], *args) -> list[tuple]:
+    """The output and the accesses of each way to run ``gm`` node by node, on fresh copies."""
+    seen = []
+    for runner in (NodeLabels, LabelledInterpreter):
+        observer = ReadObserver(shared)
+        with observer:
+            out = runner(gm, observer, "body").run(*args)
+        seen.append((out, sorted((a.buffer, a.stage, a.kind) for a in observer.accesses)))
+    return seen
+
+
+def _graphs(shared: dict[str, torch.Tensor]) -> dict[str, tuple[torch.fx.GraphModule, tuple]]:
+    user, in_aten = _kernel("rf_node_labels"), _kernel("aten")
+    pages = shared["req_to_token"]
+    x = torch.randn(4, 8)
+
+    def view_read(x, pages):
+        h = (x * 2).relu() @ torch.ones(8, 8)        # quiet nodes
+        return h + pages[1:3].float().sum()          # a view of the buffer, read by the sum
+
+    def captured(x):
+        return (x + 1) * pages.float().mean()        # the buffer enters as a constant of the graph
+
+    def kept_user(x):
+        return user((x * 3).tanh()) - 1              # the kernel reads what a plan kept
+
+    def kept_aten(x):
+        return in_aten(x.exp()) / 2                  # the same kernel, defined in ``aten``
+
+    return {
+        "view": (make_fx(view_read)(x, pages), (x, pages)),
+        "captured": (make_fx(captured)(x), (x,)),
+        "kept in a user namespace": (make_fx(kept_user)(x), (x,)),
+        "kept, defined in aten": (make_fx(kept_aten)(x), (x,)),
+    }
+
+
+@pytest.mark.parametrize("case", ["view", "captured", "kept in a user namespace", "kept, defined in aten"])
+def test_the_node_loop_sees_what_the_observed_interpreter_sees(case) -> None:
+    shared = {"req_to_token": torch.arange(12).reshape(4, 3)}
+    _KEPT["pages"] = shared["req_to_token"]
+    gm, args = _graphs(shared)[case]
+    (out, fast), (want, slow) = _runs(gm, shared, *args)
+    assert torch.equal(out, want)
+    assert fast == slow and fast, (fast, slow)  # the read is seen, by the node the interpreter names
+    assert all(stage.startswith("body:") for _, stage, _ in fast)
+
+
+def test_a_broken_fast_path_that_trusted_every_op_would_miss_the_kernel_s_read(monkeypatch) -> None:
+    # the rule the fast path rests on, made wrong on purpose: every op taken for torch's own. The
+    # interpreter, which runs every node through the mode, still sees the kernel's read; the loop does not
+    import readfence.core._read_observer as observed
+
+    shared = {"req_to_token": torch.arange(12).reshape(4, 3)}
+    _KEPT["pages"] = shared["req_to_token"]
+    gm, args = _graphs(shared)["kept in a user namespace"]
+    monkeypatch.setattr(observed, "_quiet_op", lambda func: True)
+    (_, fast), (_, slow) = _runs(gm, shared, *args)
+    assert slow and not fast
+
+
+def test_quiet_nodes_run_below_the_modes_only_where_the_observer_is_alone() -> None:
+    # another mode on the stack sees every op, as it would without the observer
+    class Counts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    shared = {"seq_lens": torch.arange(4)}
+    gm = make_fx(lambda x: (x * 2).exp().sum())(torch.ones(3))
+    alone = ReadObserver(shared)
+    with alone:
+        assert alone.below_modes()
+    x = torch.ones(3)
+    for outer_first in (True, False):
+        counts, observer = Counts(), ReadObserver(shared)
+        modes = (counts, observer) if outer_first else (observer, counts)
+        with modes[0], modes[1]:
+            assert not observer.below_modes()
+            NodeLabels(gm, observer, "body").run(x)
+        assert counts.ops == ["aten.mul.Tensor", "aten.exp.default", "aten.sum.default"], counts.ops
+
+
+def test_a_tensor_subclass_argument_runs_through_the_modes() -> None:
+    # a wrapper subclass needs the Python key to run: its node is never sent below the modes
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    shared = {"seq_lens": torch.arange(4, dtype=torch.float32)}
+    gm = make_fx(lambda a: a * 2)(torch.ones(4))
+    pair = TwoTensor(shared["seq_lens"], torch.ones(4))
+    observer = ReadObserver(shared)
+    with observer:
+        out = NodeLabels(gm, observer, "body").run(pair)
+    assert isinstance(out, TwoTensor) and torch.equal(out.a, shared["seq_lens"] * 2)
+    assert [(a.buffer, a.stage) for a in observer.accesses] == [("seq_lens", "body:mul")]
