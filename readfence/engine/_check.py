@@ -22,11 +22,11 @@ from readfence.effects import Failure, Success
 from readfence.effects.internal import table
 from readfence.graph import Device, LateRead, LoopOptions, LoopResult, Policy, UncapturableStage, UnsoundLowering, run_overlapped, run_serial, verify
 from readfence.graph.lowering import torch_device
+from readfence.graph.lowering.internal import preserved
 from readfence.graph.verification import WORKLOAD
 
 from ._adapter import EngineBackend, check_engine
 from ._contract import EngineError
-from ._observe import preserved
 from ._runner import RunnerModel, runner_model
 
 #: The name of the engine runner's row, next to readfence's policies.

@@ -9,29 +9,15 @@ afterwards. Like any observation it covers only the paths those steps took.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, Observation, step_functions
 from readfence.core.internal import check_forward_mode, observe_step, positive_int
 from readfence.graph import Scheduler
+from readfence.graph.lowering.internal import preserved
 
 from ._adapter import EngineBackend, check_engine
-
-
-@contextlib.contextmanager
-def preserved(state: Mapping[str, Mapping[str, Tensor]]) -> Iterator[None]:
-    """Every tensor of ``state`` holds its values again when the block ends."""
-    saved = {g: {k: v.clone() for k, v in d.items()} for g, d in state.items()}
-    try:
-        yield
-    finally:
-        for g, d in saved.items():
-            for k, v in d.items():
-                state[g][k].copy_(v)
 
 
 def observe_engine(engine: EngineBackend, mode: ForwardMode, *, batch_sizes: Sequence[int] = (2,), steps: int = 2,

@@ -3,4 +3,3 @@
 
 from ._load import load_attribute as load_attribute
 from ._load import load_engines as load_engines
-from ._observe import preserved as preserved

@@ -37,8 +37,8 @@ from readfence.engine import (
     runner_model,
     runner_step,
 )
-from readfence.engine.internal import preserved
 from readfence.graph import Device, DeviceError, LateRead, LoopOptions, LoopResult, Policy, Violation, make_state, run_overlapped, run_serial, verify
+from readfence.graph.lowering.internal import preserved
 from readfence.graph.runtime import StagingRing, check_staging
 from readfence.graph.runtime.internal import same_logits
 from readfence.graph.verification import WORKLOAD

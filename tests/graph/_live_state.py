@@ -13,6 +13,7 @@ from torch import Tensor
 
 from readfence.core import ModelConfig
 from readfence.graph import make_state
+from readfence.graph.lowering.internal import restore, snapshot
 
 
 class LiveState:
@@ -25,11 +26,9 @@ class LiveState:
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.state = make_state(cfg)
-        self._values = {group: {key: t.clone() for key, t in tensors.items()} for group, tensors in self.state.items()}
+        self._values = snapshot(self.state)
 
     def fresh(self) -> dict[str, dict[str, Tensor]]:
         """The state, every tensor given back its fresh values (in place: the same memory)."""
-        for group, tensors in self._values.items():
-            for key, value in tensors.items():
-                self.state[group][key].copy_(value)
+        restore(self.state, self._values)
         return self.state

@@ -37,6 +37,7 @@ from readfence.core import (
 from readfence.core.internal import EAGER, Ledger, RunKind, Watched, flatten_inputs
 from readfence.graph import CpuDevice, LoopOptions, Policy, Scheduler, UncapturableStage, make_state, run_overlapped, run_serial
 from readfence.graph.fuzz import FUZZ_CONFIG
+from readfence.graph.lowering.internal import restore, snapshot
 
 #: Patterns that the trace refuses whatever else the program does (writes, threads) would hide
 #: the rest of the program from every interpretation but the serial one.
@@ -45,14 +46,6 @@ STEPS, BATCH = 3, 3
 REFUSED = (CapturedStateError, StageOutputError, StageThreadError, StageWriteError, UncapturableStage)
 
 
-def _clone(state):
-    return {g: {k: v.clone() for k, v in d.items()} for g, d in state.items()}
-
-
-def _reset(state, saved) -> None:
-    for g, d in saved.items():
-        for k, v in d.items():
-            state[g][k].copy_(v)
 
 
 def _steps(program: FuzzProgram, cfg, state):
@@ -69,7 +62,7 @@ def _steps(program: FuzzProgram, cfg, state):
 def _interpretations(program: FuzzProgram) -> dict[str, bool]:
     cfg = program.config(FUZZ_CONFIG)
     state = make_state(cfg)
-    saved = _clone(state)
+    saved = snapshot(state)
     backend = program.build(state)
     fns = step_functions(backend, program.mode, cfg)
     try:
@@ -79,22 +72,22 @@ def _interpretations(program: FuzzProgram) -> dict[str, bool]:
     runnable = bound is not None and all(c.usable for c in bound.captured())
     for step in _steps(program, cfg, state):
         inputs = {"shared": state["shared"], "batch": step.batch, "params": state["params"]}
-        serial = eval_step(EAGER, fns, {**inputs, "pools": _clone(state)["pools"]})
+        serial = eval_step(EAGER, fns, {**inputs, "pools": snapshot(state)["pools"]})
         observer = ReadObserver(state["shared"])
         with observer:
-            watched = eval_step(Watched(observer), fns, {**inputs, "pools": _clone(state)["pools"]})
+            watched = eval_step(Watched(observer), fns, {**inputs, "pools": snapshot(state)["pools"]})
         assert torch.equal(watched, serial), f"observer\n{program}"
         if runnable:
-            env = flatten_inputs(**inputs, pools=_clone(state)["pools"])
+            env = flatten_inputs(**inputs, pools=snapshot(state)["pools"])
             assert torch.equal(run_program(bound, env), serial), f"traced program\n{program}"
-            env = flatten_inputs(**inputs, pools=_clone(state)["pools"])
+            env = flatten_inputs(**inputs, pools=snapshot(state)["pools"])
             Ledger(bound, cfg, BATCH, state).observe_program(RunKind.REHEARSAL, "observed", env, state["shared"])
             assert torch.equal(env["logits"], serial), f"traced program, observed\n{program}"
-    _reset(state, saved)
+    restore(state, saved)
     lowered = False
     reference = run_serial(backend, program.mode, steps=STEPS, batch_size=BATCH, cfg=cfg, state=state,
                            options=LoopOptions(seed=2))
-    _reset(state, saved)
+    restore(state, saved)
     try:
         with CpuDevice(timeout=30.0) as dev:
             run = run_overlapped(backend, program.mode, steps=STEPS, policy=Policy.COARSE, device=dev, batch_size=BATCH,

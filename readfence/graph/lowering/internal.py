@@ -13,4 +13,7 @@ from ._options import lowering_options as lowering_options
 from ._options import set_by as set_by
 from ._plan import placing_effect as placing_effect
 from ._poison import poison_points as poison_points
+from ._state_values import preserved as preserved
+from ._state_values import restore as restore
+from ._state_values import snapshot as snapshot
 from ._verdict import audit_verdict as audit_verdict

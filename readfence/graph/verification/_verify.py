@@ -68,7 +68,7 @@ from ..lowering import (
     make_state,
     torch_device,
 )
-from ..lowering.internal import for_a_loop, names_keywords, poison_points
+from ..lowering.internal import for_a_loop, names_keywords, poison_points, restore, snapshot
 from ..runtime import (
     DEFAULT_CAPTURE_SIZES,
     LoopOptions,
@@ -250,16 +250,6 @@ class LateReadWatch:
         self.local.released = {}
 
 
-def _snapshot(state: State) -> dict[str, dict[str, Tensor]]:
-    return {g: {k: v.clone() for k, v in d.items()} for g, d in state.items()}
-
-
-def _reset(state: State, snapshot: State) -> None:
-    for g, d in snapshot.items():
-        for k, v in d.items():
-            state[g][k].copy_(v)
-
-
 def phase_modes(target: Target) -> str:
     """A step shape's phases with their modes (``""`` for a backend or a ``per_stream`` group).
 
@@ -425,7 +415,7 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
     positive_int("steps", steps)
     where = torch_device(device)
     live = make_state(cfg, device) if state is None else state
-    snapshot = _snapshot(live)
+    kept = snapshot(live)
     name = _name(target)
     common: dict[str, Any] = dict(steps=steps, cfg=cfg, record=opts, **size)
     chosen = frozenset(CHECKS) if opts.checks is None else opts.checks
@@ -444,7 +434,7 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
         reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
     done = []
     for pol in policies:
-        _reset(live, snapshot)
+        restore(live, kept)
         t0 = time.perf_counter()
         watch = LateReadWatch(live["shared"]) if observe else None
         try:
@@ -483,11 +473,11 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
         differs = _first_difference(logits, reference)
         if differs is not None:
             candidates = _poisoned(loop) if poison else ()
-            return Failure(_attribute(target, mode, pol, device, live, snapshot, reference, differs, options,
+            return Failure(_attribute(target, mode, pol, device, live, kept, reference, differs, options,
                                       candidates, loop, **common))
         done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
                                 0 if watch is None else watch.accesses))
-    _reset(live, snapshot)
+    restore(live, kept)
     serving = "" if traffic is None else _serving(traffic, common["capture_sizes"])
     return Success(VerifyReport(name, mode, device.name, steps, size.get("batch_size", 0), tuple(done), observe,
                                 phase_modes(target), ran, serving))
@@ -528,7 +518,7 @@ MISCOMPILED = ("the lowered step differs from the serial step with nothing poiso
                "correctly meanwhile")
 
 
-def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, snapshot: State,
+def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, kept: State,
                reference: Sequence[Any], differs: int, lowering: LowerOptions,
                poisoned: tuple[str, ...], loop: Any, **common: Any) -> LateRead:
     # The outputs differ and the observer named nothing. A run that poisons nothing holds every
@@ -539,7 +529,7 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
     name = _name(target)
 
     def first_difference(only: Sequence[str], options: LowerOptions = lowering) -> int | None:
-        _reset(state, snapshot)
+        restore(state, kept)
         logits = _run(target, mode, policy, device, state, None, options, only=only, guard=False, **common)[0]
         return _first_difference(logits, reference)
 
