@@ -74,6 +74,8 @@ _HOST_READS: dict[Any, str] = {
 
 
 
+_function_modes, _dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
+
 #: The dispatch keys through which Python modes (and tensor subclasses) see an op.
 _MODE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.PythonTLSSnapshot)
@@ -280,7 +282,8 @@ class ReadObserver(DispatchMode):
         >>> alone, [(a.buffer, a.op) for a in obs.accesses]
         (True, [('seq_lens', 'aten.sum.default')])
         """
-        if alone and _quiet_op(func):
+        # (the stacks' depths again: a kernel that left a mode of its own on them sees every later op)
+        if alone and _quiet_op(func) and _function_modes() == 1 and _dispatch_modes() == 1:
             with unobserved():
                 quiet = _untouched(self.buffers, args) and (not kwargs or _untouched(self.buffers, kwargs))
             if quiet:

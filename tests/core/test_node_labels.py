@@ -126,6 +126,27 @@ def test_quiet_nodes_run_below_the_modes_only_where_the_observer_is_alone() -> N
         assert counts.ops == ["aten.mul.Tensor", "aten.exp.default", "aten.sum.default"], counts.ops
 
 
+def test_the_stacks_are_looked_at_again_at_every_node() -> None:
+    # a mode entered after the loop looked (a kernel that left one on the stack) sees the later nodes
+    class Counts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    observer, counts = ReadObserver({"seq_lens": torch.arange(4)}), Counts()
+    with observer:
+        alone = observer.below_modes()
+        with counts:
+            observer.run_node_op(torch.ops.aten.mul.Tensor, (x, 2), {}, alone)
+        observer.run_node_op(torch.ops.aten.mul.Tensor, (x, 3), {}, alone)
+    assert alone and counts.ops == ["aten.mul.Tensor"]
+
+
 def test_a_tensor_subclass_argument_runs_through_the_modes() -> None:
     # a wrapper subclass needs the Python key to run: its node is never sent below the modes
     from torch.testing._internal.two_tensor import TwoTensor
