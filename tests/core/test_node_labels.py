@@ -25,6 +25,18 @@ _COUNT = itertools.count()
 _KEPT: dict[str, torch.Tensor] = {}  # what a "plan" kept: read by the kernels below, not handed to them
 
 
+class Counts(TorchDispatchMode):
+    """Another mode: the ops it sees, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _kernel(namespace: str):
     name = f"rf_node_labels_run_{next(_COUNT)}"
 
@@ -102,15 +114,6 @@ def test_a_broken_fast_path_that_trusted_every_op_would_miss_the_kernel_s_read(m
 
 def test_quiet_nodes_run_below_the_modes_only_where_the_observer_is_alone() -> None:
     # another mode on the stack sees every op, as it would without the observer
-    class Counts(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     shared = {"seq_lens": torch.arange(4)}
     gm = make_fx(lambda x: (x * 2).exp().sum())(torch.ones(3))
     alone = ReadObserver(shared)
@@ -128,15 +131,6 @@ def test_quiet_nodes_run_below_the_modes_only_where_the_observer_is_alone() -> N
 
 def test_the_stacks_are_looked_at_again_at_every_node() -> None:
     # a mode entered after the loop looked (a kernel that left one on the stack) sees the later nodes
-    class Counts(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     x = torch.ones(3)
     observer, counts = ReadObserver({"seq_lens": torch.arange(4)}), Counts()
     with observer:

@@ -65,8 +65,12 @@ def test_a_spliced_step_is_the_recorded_step_and_the_traced_step(make: Any, mode
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     _segment.clear_templates()
     count = _counted(monkeypatch)
+    forgotten: list[str] = []  # a template whose call does not match its run is forgotten
+    forget = _segment._TEMPLATES.forget
+    monkeypatch.setattr(_segment._TEMPLATES, "forget", lambda key: (forgotten.append(key.name), forget(key)))
     first = _step(make, mode, 2, batch_size)  # layer 0 records the templates, layer 1 splices
     spliced = _step(make, mode, 2, batch_size)  # every layer splices
+    assert not forgotten  # every piece's run matched its record, call for call
     spliced_ops = count[0]
     traced = _step(make, mode, 2, batch_size, recorded=False)
     for program in (first, spliced):
@@ -257,3 +261,56 @@ def test_a_piece_whose_ops_changed_since_its_record_is_recorded_again(monkeypatc
     body = recorded.stages[-1].graph.gm.graph
     assert not any(n.target is torch.ops.aten.silu.default for n in body.nodes)
     assert sum(n.target is torch.ops.aten.sigmoid.default for n in body.nodes) == 2  # one per layer
+
+
+def _spliced_graph(piece: _segment.Segment, x: torch.Tensor, y: torch.Tensor) -> Any:
+    import contextlib
+
+    return _record.record(lambda a, b: piece(a, b), [x, y], ["x", "y"], outputs=lambda out: [out],
+                          context=lambda r: contextlib.nullcontext(), escape_op=None)[0]
+
+
+@pytest.mark.parametrize("change", ["a scalar", "the order of two arguments", "the value returned"])
+def test_a_piece_that_makes_the_same_ops_on_other_arguments_is_recorded_again(change: str) -> None:
+    # the ops a piece dispatches, in order, are its template's, but a value its code reads changed
+    # (an epsilon, a module setting), a function it calls swaps its arguments, or it returns another
+    # of its values: a splice would write the old calls. Each call is compared with its record,
+    # arguments and results included; the graph spliced must compute what the piece now computes
+    settings = {"eps": 1e-6, "swap": False, "last": True}
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b = (y, x) if settings["swap"] else (x, y)
+        d = torch.sub(a, b).add(settings["eps"])
+        e = d.mul(2.0)
+        return e if settings["last"] else d
+
+    piece = _segment.Segment("changing", fn)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _segment.clear_templates()
+    _spliced_graph(piece, x, y)  # the template, with the settings as they were
+    before = _spliced_graph(piece, x, y)(x, y)[0]
+    assert torch.equal(before, fn(x, y))
+    settings.update({"a scalar": {"eps": 0.5}, "the order of two arguments": {"swap": True},
+                     "the value returned": {"last": False}}[change])
+    after = _spliced_graph(piece, x, y)(x, y)[0]
+    assert torch.equal(after, fn(x, y)) and not torch.equal(after, before)
+
+
+def test_the_model_s_pieces_follow_a_module_setting_they_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the decoder's norm reads its epsilon from the module: changed, a lowering must trace and
+    # validate the new value (a stale template baked the old one, and the validation then refused
+    # a correct backend, blaming it)
+    from readfence.core import _model, clear_trace_cache
+    from readfence.graph import CpuDevice, Policy, lower
+
+    cfg = ModelConfig(layers=2)
+    _step(paged, M.DECODE, 2, 2)  # templates made with the module's epsilon
+    monkeypatch.setattr(_model, "_EPS", 1e-2)
+    clear_trace_cache()
+    program = _step(paged, M.DECODE, 2, 2)
+    eps = [n.args[1] for n in program.stage(BODY).graph.gm.graph.nodes
+           if n.target is torch.ops.aten.add.Tensor and not isinstance(n.args[1], torch.fx.Node)]
+    assert eps and set(eps) == {1e-2}
+    with CpuDevice() as dev:
+        lowered = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
+    assert lowered.optimized

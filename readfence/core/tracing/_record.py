@@ -147,7 +147,7 @@ class GraphRecorder(DispatchMode):
         super().__init__()
         self.fake = fake
         self.pauses = 0  # while positive, ops run unrecorded (an escape's value, computed for the host)
-        self.unrecorded: list[Any] | None = None  # when a list, the ops run unrecorded (as node targets) go in it
+        self.unrecorded: Any = None  # when set (a segment's listing), each op run unrecorded is added to it
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self.escape_op = escape_op
@@ -244,7 +244,9 @@ class GraphRecorder(DispatchMode):
                 out = self._decomposition(func, args, kwargs)  # listed as a record writes it
                 if out is not NotImplemented:
                     return out
-                self.unrecorded.append(node_target(func))
+                out = func(*args, **kwargs)
+                self.unrecorded.add(node_target(func), args, kwargs, out)
+                return out
             return func(*args, **kwargs)
         if not _recordable(func):
             raise Unrecordable(f"{func} holds a graph")

@@ -10,9 +10,12 @@ segment's ``key`` (the Python values it closes over). Like a ``jax.jit`` functio
 kept per signature (a :class:`Template`: the nodes, their arguments as references to the
 segment's inputs or to earlier nodes, their metadata) and a later call under a recorder runs
 the function eagerly, unrecorded, and writes the template's nodes over the call's input nodes:
-the graph is the one the record would have made, node for node and name for name. The ops
-that eager run dispatches must be the template's, in order; where they are not (a function the
-piece calls was replaced since), the call is recorded op by op and its record kept instead.
+the graph is the one the record would have made, node for node and name for name. The calls
+that eager run makes must be the template's, in order: each op with the same arguments (a
+tensor as the same input or the same earlier result, a Python value of the same type and bits)
+and the same results returned (:class:`_Listing`); where they are not (a function the piece
+calls was replaced since, a value its code reads changed), the call is recorded op by op and
+its record kept instead.
 
 A template is only made and only used where it cannot hide a read: every input a plain
 ``torch.Tensor`` whose memory touches no shared buffer (an output the backend returns that is a
@@ -66,13 +69,84 @@ class Template:
 
     nodes: tuple[tuple[Any, tuple[Any, ...], dict[str, Any], str, dict[str, Any]], ...]
     outputs: tuple[_In | _Ref, ...]
-    #: the ops the record saw dispatched, in order, as node targets (its nodes but the pieces
-    #: of a list)
-    ops: tuple[Any, ...] = attrs.field()
+    #: the calls the record made, as a :class:`_Listing` of an eager run writes them: each node's
+    #: target and arguments (a tensor as the input or the node it is, a Python value by its type
+    #: and, for a float, its bits); a list's pieces as ``getitem`` nodes
+    calls: tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...] = attrs.field()
 
-    @ops.default
-    def _ops(self) -> tuple[Any, ...]:
-        return tuple(t for t, *_ in self.nodes if t is not operator.getitem)
+    @calls.default
+    def _calls(self) -> tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...]:
+        return tuple((t, _value(args), {k: _value(v) for k, v in kwargs.items()}) for t, args, kwargs, *_ in self.nodes)
+
+
+def _value(v: Any) -> Any:
+    """An argument as a call is compared: references, containers and values whose equality is
+    their type's (an int, a string, a dtype) as they are; a float by its bits (``-0.0`` is not
+    ``0.0``, nor ``1.0`` the int ``1``), any other value with its type (``True`` is not ``1``)."""
+    kind = type(v)
+    if kind in _SELF_EQUAL:
+        return v
+    if kind is list or kind is tuple:
+        return kind([_value(x) for x in v])
+    if kind is float:
+        return (float, v.hex())
+    return (kind, v)
+
+
+#: Values equal only to values of their own type (``_In`` and ``_Ref``: attrs compares the class too).
+_SELF_EQUAL = frozenset({int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, _In, _Ref})
+
+
+class _Listing:
+    """The calls a segment's eager run made, unrecorded, in the form of :attr:`Template.calls`:
+    each op's target and its arguments, a tensor named by what it is (an input of the segment, or
+    the value of an earlier call, by identity; every tensor is held until the listing is dropped,
+    so no identity is reused), a list or tuple result's pieces as ``getitem`` calls. Two runs
+    with equal listings made the same calls on the same values: the template's graph is the run's."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.refs: dict[int, _In | _Ref] = {}
+        for index, t in enumerate(inputs):
+            self.refs.setdefault(id(t), _In(index))
+        self.held: list[Any] = list(inputs)
+        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def _arg(self, v: Any) -> Any:
+        kind = type(v)
+        if kind is torch.Tensor or isinstance(v, torch.Tensor):
+            return self.refs.get(id(v), _UNKNOWN)  # a tensor from outside the segment: no template holds it
+        if kind in _SELF_EQUAL:
+            return v
+        if kind is list or kind is tuple:
+            return kind([self._arg(x) for x in v])
+        return _value(v)
+
+    def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """An op the run dispatched, with what it returned."""
+        arg = self._arg
+        self.calls.append((target, tuple([arg(a) for a in args]), {k: arg(v) for k, v in kwargs.items()} if kwargs else {}))
+        self._result(out, _Ref(len(self.calls) - 1))
+
+    def _result(self, out: Any, ref: _Ref) -> None:
+        if isinstance(out, torch.Tensor):
+            self.refs[id(out)] = ref
+            self.held.append(out)
+        elif isinstance(out, (list, tuple)):  # as the record writes a list: a getitem node a piece
+            for index, element in enumerate(out):
+                self.calls.append((operator.getitem, (ref, index), {}))
+                self._result(element, _Ref(len(self.calls) - 1))
+
+    def returned(self, out: Any) -> tuple[_In | _Ref, ...] | None:
+        """What the segment returned, as references (``None``: not tensors the listing knows)."""
+        tensors = _outputs(out)
+        if tensors is None:
+            return None
+        refs = tuple(self.refs.get(id(t)) for t in tensors)
+        return None if any(r is None for r in refs) else refs  # type: ignore[return-value]
+
+
+#: An argument that is a tensor the listing does not know: equal to nothing a template holds.
+_UNKNOWN = object()
 
 
 @attrs.frozen
@@ -91,10 +165,10 @@ class SegmentSignature:
 
 
 #: Templates by signature: a model's few pieces, a handful of shapes each. Kept by
-#: ``clear_trace_cache``: a template is rechecked at every use (the ops a call dispatches must be
-#: its own), so it cannot outlive what it was recorded from.
+#: ``clear_trace_cache``: a template is rechecked at every use (the calls a run makes, arguments and
+#: results included, must be its own), so it cannot outlive what it was recorded from.
 _TEMPLATES = CACHES.table("segment_templates", SegmentSignature, "a model segment's record, spliced for a call "
-                          "that dispatches the same ops (rechecked at use)", limit=4096, kept=True)
+                          "that makes the same calls (rechecked at use)", limit=4096, kept=True)
 
 
 def clear_templates() -> None:
@@ -167,17 +241,16 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         if made is not None:
             _TEMPLATES.put(signature, made)
         return out
-    recorder.unrecorded = []
+    listing = recorder.unrecorded = _Listing(tensors)
     try:
         with recorder.paused(), torch._C.DisableTorchFunction():
             out = segment.fn(*tensors)
-        ran = tuple(recorder.unrecorded)
     finally:
         recorder.unrecorded = None
-    if ran != template.ops:
-        # it dispatched other ops than its record holds (a function it calls was replaced
-        # since; composites are listed decomposed, as recorded): record this call op by op,
-        # and keep that
+    if tuple(listing.calls) != template.calls or listing.returned(out) != template.outputs:
+        # it made other calls than its record holds, or returned another value (a function it
+        # calls was replaced since, a value its code reads changed; composites are listed
+        # decomposed, as recorded): record this call op by op, and keep that
         _TEMPLATES.forget(signature)
         return _record_segment(recorder, segment, tensors)
     _splice(recorder, template, inputs, out)
