@@ -79,15 +79,18 @@ class Template:
         return tuple((t, _value(args), {k: _value(v) for k, v in kwargs.items()}) for t, args, kwargs, *_ in self.nodes)
 
 
-def _value(v: Any) -> Any:
+def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
     """An argument as a call is compared: references, containers and values whose equality is
     their type's (an int, a string, a dtype) as they are; a float by its bits (``-0.0`` is not
-    ``0.0``, nor ``1.0`` the int ``1``), any other value with its type (``True`` is not ``1``)."""
+    ``0.0``, nor ``1.0`` the int ``1``), any other value with its type (``True`` is not ``1``);
+    with ``ref_of``, a tensor as the reference it names (an eager run's argument)."""
     kind = type(v)
     if kind in _SELF_EQUAL:
         return v
+    if ref_of is not None and isinstance(v, torch.Tensor):
+        return ref_of(v)
     if kind is list or kind is tuple:
-        return kind([_value(x) for x in v])
+        return kind([_value(x, ref_of) for x in v])
     if kind is float:
         return (float, v.hex())
     return (kind, v)
@@ -111,20 +114,14 @@ class _Listing:
         self.held: list[Any] = list(inputs)
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
-    def _arg(self, v: Any) -> Any:
-        kind = type(v)
-        if kind is torch.Tensor or isinstance(v, torch.Tensor):
-            return self.refs.get(id(v), _UNKNOWN)  # a tensor from outside the segment: no template holds it
-        if kind in _SELF_EQUAL:
-            return v
-        if kind is list or kind is tuple:
-            return kind([self._arg(x) for x in v])
-        return _value(v)
+    def _ref(self, t: torch.Tensor) -> Any:
+        return self.refs.get(id(t), _UNKNOWN)  # a tensor from outside the segment: no template holds it
 
     def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """An op the run dispatched, with what it returned."""
-        arg = self._arg
-        self.calls.append((target, tuple([arg(a) for a in args]), {k: arg(v) for k, v in kwargs.items()} if kwargs else {}))
+        ref = self._ref
+        self.calls.append((target, tuple([_value(a, ref) for a in args]),
+                           {k: _value(v, ref) for k, v in kwargs.items()} if kwargs else {}))
         self._result(out, _Ref(len(self.calls) - 1))
 
     def _result(self, out: Any, ref: _Ref) -> None:
