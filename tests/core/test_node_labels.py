@@ -131,8 +131,8 @@ def test_quiet_nodes_run_below_the_modes_only_where_the_observer_is_alone() -> N
 
 def test_the_stacks_are_looked_at_again_at_every_node() -> None:
     # a mode entered after the loop looked (a kernel that left one on the stack) sees the later nodes
-    x = torch.ones(3)
-    observer, counts = ReadObserver({"seq_lens": torch.arange(4)}), Counts()
+    x, seq_lens = torch.ones(3), torch.arange(4)  # (the buffer held: the observer watches its addresses)
+    observer, counts = ReadObserver({"seq_lens": seq_lens}), Counts()
     with observer:
         alone = observer.below_modes()
         with counts:

@@ -211,7 +211,8 @@ def test_the_observer_runs_a_piece_of_composite_ops_unobserved_after_its_first_r
     # run lists them as its observed run does (decomposed), so the two runs compare equal
     from readfence.core import ReadObserver
 
-    obs = ReadObserver({"table": torch.arange(8, dtype=torch.int32)})
+    table = torch.arange(8, dtype=torch.int32)  # held: memory a freed buffer left would be reused by x or w
+    obs = ReadObserver({"table": table})
     piece = _segment.Segment("head", lambda x, w: torch.nn.functional.linear(x, w).softmax(-1))
     x, w = torch.randn(3, 4), torch.randn(5, 4)
     with torch.inference_mode(inference), obs, obs.stage("body"):
