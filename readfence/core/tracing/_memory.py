@@ -396,7 +396,8 @@ class BufferMap:
                 stop = start + numel * t.element_size()
             else:
                 stop = start + (sum((n - 1) * abs(d) for n, d in zip(t.shape, t.stride())) + 1) * t.element_size()
-            return frozenset(n for n, lo, hi in self._cpu if lo < stop and start < hi)
+            hits = [n for n, lo, hi in self._cpu if lo < stop and start < hi]
+            return frozenset(hits) if hits else _NONE
         s = span_of(t)
         if s is None:
             return frozenset()
@@ -404,13 +405,15 @@ class BufferMap:
 
     def touched_by(self, tree: object) -> frozenset[str]:
         """The names touched by any tensor of a pytree."""
-        out: frozenset[str] = frozenset()
         if not self.spans:
-            return out
+            return _NONE
         if type(tree) is torch.Tensor:
             return self.touched(tree)
+        out = _NONE
         for t in tensors_in(tree):
-            out |= self.touched(t)
+            hit = self.touched(t)
+            if hit:  # (most tensors touch nothing: no new set for them)
+                out = out | hit
         return out
 
     def union(self, others: Iterable[BufferMap]) -> BufferMap:
