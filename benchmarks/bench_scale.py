@@ -25,8 +25,10 @@ each measurement, median of ``--runs``:
   and the 64 / 4 layer ratios those runs alone set for the audit and ``lower``, everything
   else free;
 * ``ratio`` (``--ratio LAYERS`` alone): ``lower`` at that depth over its floor (``lower``'s part
-  of ``floor``), measured in the same rounds, and the validation's seconds and share of ``lower``
-  (as ``replay_check``);
+  of ``floor``: the root's step, all its verdict runs when no node below places a fence), and over
+  the floor of every node of the tree (what ``lower`` watched when it audited the whole tree),
+  measured in the same rounds, and the validation's seconds and share of ``lower`` (as
+  ``replay_check``);
 * ``audit_all``: every reference backend in every mode (4 layers);
 * ``fuzz``: programs per second of the differential fuzzer (one process);
 * ``dispatch``: microseconds an op (``x + 1``) takes with no mode, under a mode that only runs
@@ -64,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
 from readfence.backends.fuzz import random_programs
 from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, run_step, step_functions, trace
-from readfence.core.internal import DispatchMode, example_step, runs_as, trace_step
+from readfence.core.internal import DispatchMode, child_runs, example_step, runs_as, trace_step
 from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 
@@ -187,6 +189,18 @@ def _runners(backend: Any) -> list[Any]:
     return list(found.values())
 
 
+def _lower_runners(backend: Any) -> list[Any]:
+    """The backends ``lower``'s verdict runs (``core.internal.audit_failure``): the root alone where
+    no node below it places a fence of its own (no node below can then change the verdict), else
+    every node of the tree."""
+    stack, placed = [backend], False
+    while stack:
+        node = stack.pop()
+        placed = placed or any(r.placed for r in child_runs(node, M.DECODE, 2))
+        stack += [child for _, child in node.children()]
+    return _runners(backend) if placed else [runs_as(backend, M.DECODE)]
+
+
 def _watched(runner: Any, cfg: ModelConfig, size: int, runs: int) -> tuple[float, float]:
     """Seconds of ``runner``'s example step at batch size ``size``: eager, and watched (under
     :class:`_RunsCalls` and :class:`_RunsOps`), medians of ``runs`` after a warm-up run of each."""
@@ -205,10 +219,12 @@ def _watched(runner: Any, cfg: ModelConfig, size: int, runs: int) -> tuple[float
     return _median(plain, runs), _median(under_modes, runs)
 
 
-def lower_floor(cfg: ModelConfig, runs: int) -> float:
-    """Seconds of the steps ``lower`` (batch size 2) runs watched, one per node of the tree, times
-    two (a trace and an observation each): the least a lowering that watches every op pays."""
-    return 2 * sum(_watched(runner, cfg, 2, runs)[1] for runner in _runners(target()))
+def lower_floor(cfg: ModelConfig, runs: int, runners: Sequence[Any] | None = None) -> float:
+    """Seconds of the steps ``lower`` (batch size 2) runs watched (``runners``, default
+    :func:`_lower_runners`: the root's), times two (a trace and an observation each): the least a
+    lowering that watches every op of them pays."""
+    chosen = _lower_runners(target()) if runners is None else runners
+    return 2 * sum(_watched(runner, cfg, 2, runs)[1] for runner in chosen)
 
 
 def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
@@ -222,13 +238,14 @@ def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
         cfg = ModelConfig(layers=n)
         sizes = tuple(audit_sizes) if audit_sizes is not None else default_batch_sizes(cfg)
         eager = watched = lower_watched = 0.0
+        lowered = [repr(r) for r in _lower_runners(target())]
         for runner in _runners(target()):
             for size in sorted({*sizes, 2}):
                 plain_s, watched_s = _watched(runner, cfg, size, runs)
                 if size in sizes:
                     eager += plain_s
                     watched += watched_s
-                if size == 2:
+                if size == 2 and repr(runner) in lowered:
                     lower_watched += watched_s
         out[n] = {"eager_steps_s": eager, "watched_steps_s": watched, "audit_floor_s": 2 * watched,
                   "lower_floor_s": 2 * lower_watched}
@@ -249,15 +266,17 @@ def ratio(layers: int, runs: int, dev: CpuDevice) -> dict[str, Any]:
         return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
 
     lowered()  # warm: torch's first calls of each op, the example weights and caches drawn
-    floors, checked, unchecked = [], [], []
+    floors, trees, checked, unchecked = [], [], [], []
     for _ in range(runs):
         floors.append(lower_floor(cfg, 3))  # (one watched run a node swings by a third on a busy machine)
+        trees.append(lower_floor(cfg, 3, _runners(target())))
         checked.append(_timed(lowered))
         with _replay_unchecked():
             unchecked.append(_timed(lowered))
-    lower_s, floor_s = statistics.median(checked), statistics.median(floors)
+    lower_s, floor_s, tree_s = statistics.median(checked), statistics.median(floors), statistics.median(trees)
     validation_s = lower_s - statistics.median(unchecked)
     return {"layers": layers, "lower_s": lower_s, "floor_s": floor_s, "lower_over_floor": lower_s / floor_s,
+            "tree_floor_s": tree_s, "lower_over_tree_floor": lower_s / tree_s,
             "validation_s": validation_s, "validation_share": validation_s / lower_s,
             "rounds": [f"{c:.2f}/{f:.2f}" for c, f in zip(checked, floors)]}
 

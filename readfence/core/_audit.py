@@ -206,6 +206,41 @@ def _check_state(state: object) -> None:
                             f"({type(value).__name__})")
 
 
+@attrs.frozen
+class _Plan:
+    """An audit's arguments, checked, and the nodes it audits: ``order`` is ``(path, node, batch
+    sizes, placed, number of children run, children not run)`` in pre-order, the root first."""
+
+    kw: dict[str, Any]
+    sizes: tuple[int, ...]
+    steps: int
+    varied: bool
+    order: tuple[tuple[str, BackendLike, tuple[int, ...], bool, int, tuple[tuple[str, str], ...]], ...]
+
+
+def _plan(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig | None, batch_sizes: Iterable[int] | None,
+          device: str, state: Mapping[str, Mapping[str, Tensor]] | None, observe_steps: int) -> _Plan:
+    check_backend(backend)
+    check_mode(mode)
+    _check_state(state)
+    if observe_steps != 0 or isinstance(observe_steps, bool):
+        positive_int("observe_steps (0 turns the observer off)", observe_steps)
+    cfg = ModelConfig() if cfg is None else cfg
+    sizes = _batch_sizes(cfg, batch_sizes)
+    # stages whose Python may take another path run on the varied states where it can run: on the CPU,
+    # or on the live state (traced on another device, the example holds fake tensors)
+    varied = observe_steps > 0 and (device == "cpu" or state is not None)
+    # each node only where the step runs it (a select's selected arm; a tbo child at its micro-batch sizes)
+    order: list[tuple[str, BackendLike, tuple[int, ...], bool, int, tuple[tuple[str, str], ...]]] = []
+    stack: list[tuple[str, BackendLike, tuple[int, ...], bool]] = [(backend.name, backend, sizes, True)]
+    while stack:
+        path, node, at, placed = stack.pop()
+        kids, idle = _children_run(path, node, mode, at)
+        order.append((path, node, at, placed, len(kids), idle))
+        stack.extend(kids)
+    return _Plan({"cfg": cfg, "device": device}, sizes, observe_steps if device == "cpu" else 0, varied, tuple(order))
+
+
 def audit_report(
     backend: BackendLike,
     mode: ForwardMode,
@@ -218,36 +253,57 @@ def audit_report(
     ledger: Ledger | None = None,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
-    check_backend(backend)
-    check_mode(mode)
-    _check_state(state)
-    if observe_steps != 0 or isinstance(observe_steps, bool):
-        positive_int("observe_steps (0 turns the observer off)", observe_steps)
-    cfg = ModelConfig() if cfg is None else cfg
-    sizes = _batch_sizes(cfg, batch_sizes)
-    kw = {"cfg": cfg, "device": device}
-    # stages whose Python may take another path run on the varied states where it can run: on the CPU,
-    # or on the live state (traced on another device, the example holds fake tensors)
-    varied = observe_steps > 0 and (device == "cpu" or state is not None)
-    # iterative post-order: children's reports are built before their parent's; each node only
-    # where the step runs it (a select's selected arm; a tbo child at its micro-batch sizes)
-    order: list[tuple[str, BackendLike, tuple[int, ...], bool, int, tuple[tuple[str, str], ...]]] = []
-    stack: list[tuple[str, BackendLike, tuple[int, ...], bool]] = [(backend.name, backend, sizes, True)]
-    while stack:
-        path, node, at, placed = stack.pop()
-        kids, idle = _children_run(path, node, mode, at)
-        order.append((path, node, at, placed, len(kids), idle))
-        stack.extend(kids)
+    plan = _plan(backend, mode, cfg, batch_sizes, device, state, observe_steps)
+    # post-order: children's reports are built before their parent's
     done: list[AuditReport] = []
-    for path, node, at, placed, n, idle in reversed(order):
+    for path, node, at, placed, n, idle in reversed(plan.order):
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
         given = ledger if node is backend and path == backend.name else None
-        report = _audit_node(path, node, mode, kw, at, state, observe_steps if device == "cpu" else 0, varied, given)
+        report = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied, given)
         done.append(attrs.evolve(report, children=kids_reports, placed=placed, not_run=idle))
     (root,) = done
     return root
+
+
+def audit_failure(
+    backend: BackendLike,
+    mode: ForwardMode,
+    *,
+    cfg: ModelConfig | None = None,
+    batch_sizes: Iterable[int] | None = None,
+    device: str = "cpu",
+    state: Mapping[str, Mapping[str, Tensor]] | None = None,
+    observe_steps: int = 1,
+    ledger: Ledger | None = None,
+) -> Unsound | None:
+    """``audit(...)``'s failure, ``None`` where it succeeds: the verdict ``lower`` refuses by,
+    computed from what it depends on. A node below the root is refused only where a fence placed
+    above it is early, which that fence's own entry says, or where it places a fence itself
+    (:meth:`AuditReport.judged`). So the root is audited first, alone: sound, with no node below
+    it placing a fence, that is the verdict, and the nodes below it are not traced (what they read
+    where the step runs them is in the root's trace and runs). Else the whole tree is audited, and
+    its refusal names the deepest reader.
+
+    >>> from readfence.backends import hybrid_linear, linear, paged
+    >>> from readfence.core import clear_trace_cache
+    >>> from readfence.core.tracing import trace_cache_size
+    >>> clear_trace_cache()
+    >>> print(audit_failure(hybrid_linear(paged(), linear()), ForwardMode.DECODE, batch_sizes=[2]))
+    None
+    >>> trace_cache_size()  # the root's step alone
+    1
+    """
+    plan = _plan(backend, mode, cfg, batch_sizes, device, state, observe_steps)
+    path, node, at, placed, _, idle = plan.order[0]
+    if not any(entry[3] for entry in plan.order[1:]):
+        root = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied, ledger)
+        if not attrs.evolve(root, placed=placed, not_run=idle).judged()[0]:
+            return None
+    report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state,
+                          observe_steps=observe_steps, ledger=ledger)
+    return _failure(report)
 
 
 def _children_run(path: str, node: BackendLike, mode: ForwardMode, sizes: tuple[int, ...]
@@ -319,9 +375,15 @@ def audit(
     """
     report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state,
                           observe_steps=observe_steps, ledger=ledger)
+    failure = _failure(report)
+    return Success(report) if failure is None else Failure(failure)
+
+
+def _failure(report: AuditReport) -> Unsound | None:
+    """The refusal of the deepest reader ``report`` judges (:meth:`AuditReport.judged`), if any."""
     bad = report.judged()[0]
     if not bad:
-        return Success(report)
+        return None
     path, entry, fence = bad[0]
-    return Failure(Unsound(report, path, mode, entry.buffer, entry.declared, entry.observed, entry.reader,
-                           entry.batch_size, fence))
+    return Unsound(report, path, report.mode, entry.buffer, entry.declared, entry.observed, entry.reader,
+                   entry.batch_size, fence)

@@ -6,6 +6,7 @@ than reaching into ``core``'s private modules, so what they depend on is listed 
 """
 
 from ._audit import BufferAudit as BufferAudit
+from ._audit import audit_failure as audit_failure
 from ._audit import audit_report as audit_report
 from ._audit import escape_note as escape_note
 from ._audit import format_table as format_table
@@ -93,7 +94,7 @@ from .tracing import trusted_op as trusted_op
 from .tracing import unobserved as unobserved
 
 __all__ = [
-    "ALIASES_KEY", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
+    "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
     "CACHES", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",

@@ -22,8 +22,7 @@ import attrs
 from torch import Tensor
 
 from readfence.core import BackendLike, ForwardMode, ModelConfig, Unsound
-from readfence.core import audit as audit_backend
-from readfence.core.internal import CACHES, CodeKey, Ledger, code_key, evidence_epoch, state_key
+from readfence.core.internal import CACHES, CodeKey, Ledger, audit_failure, code_key, evidence_epoch, state_key
 
 State = Mapping[str, Mapping[str, Tensor]]
 
@@ -66,8 +65,8 @@ def audit_verdict(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig, 
     None
     """
     def verdict() -> Unsound | None:
-        return audit_backend(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=device,
-                             state=state, ledger=ledger).swap().value_or(None)
+        return audit_failure(backend, mode, cfg=cfg, batch_sizes=[batch_size], device=device, state=state,
+                             ledger=ledger)
 
     try:
         key = VerdictKey(backend, code_key(backend), mode, cfg, batch_size, device, state_key(state))
