@@ -4,6 +4,7 @@ graph writes; folding and sharing only where nothing can tell the difference."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,27 @@ def _check(fn, *inputs, **compile_kw):
     assert _same(out_c, out_gm), compiled.source
     assert _same(b, a), "the compiled graph left its inputs in a different state"
     return compiled
+
+
+def test_a_value_used_once_by_the_next_call_is_written_into_it():
+    # a chain of single uses is one statement (no name, no line dropping it); a value used twice,
+    # or by a call that is not the next one, keeps its name; an in-place op in between keeps the order
+    def f(x, y):
+        a = (x * 2).neg().exp()          # each used once, by the next call
+        b = a + 1                        # used twice
+        y.mul_(3)                        # between c's producer and its use: c is named
+        c = b * y
+        return c + b + x.sum()
+
+    compiled = _check(f, torch.randn(4), torch.randn(4))
+    run = compiled.source.split("def run", 1)[1].splitlines()
+    statements = [line for line in run if re.match(r"\s+v\d+ = ", line) and not line.endswith("= None")]
+    calls = sum(n.op == "call_function" for n in make_fx(f)(torch.ones(4), torch.ones(4)).graph.nodes)
+    assert len(statements) == calls - 3, compiled.source  # x * 2, neg, exp written into the add
+    assert re.search(r"= (_f\d+)\((_f\d+)\((_f\d+)\((_f\d+)\(v0, 2\)\)\), 1\)", compiled.source), compiled.source
+    # each function is one name, however many nodes call it (two adds, two products here)
+    defined = re.findall(r"^(_f\d+) = ", compiled.computation, re.M)
+    assert len(defined) == len(set(defined)) == len(set(re.findall(r"_f\d+(?=\()", compiled.source))) < calls
 
 
 def test_folds_and_shares_only_pure_recomputation():

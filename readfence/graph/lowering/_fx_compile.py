@@ -44,7 +44,10 @@ runs no kernel: the mode answers the op with stand-ins for the node's traced out
 the candidate at a second op (torch's Python meta kernels import its compiler, about two seconds
 at a process's first lowering).
 Every kernel that runs, runs on the same inputs as in the GraphModule, so outputs are
-bit-identical.
+bit-identical. A value used once, by the very next call (no statement, hook or dropped reference
+in between), is written into that call, and every function is one name however many nodes call
+it: the same calls in the same order, in fewer statements (a 64-layer body's 10,778 lines became
+8,860, and Python's ``compile`` of them went from about 97 to 78 ms).
 
 >>> import torch
 >>> from torch import fx
@@ -369,24 +372,42 @@ def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings:
     def resolved(n: fx.Node) -> fx.Node:
         return same.get(n, n)
 
+    uses: dict[fx.Node, int] = {}
     for node in nodes:
         if node in same or node in folded:
             continue  # emits no code: its arguments are not used there
         for ref in _refs((node.args, node.kwargs)):
             last_use[resolved(ref)] = node
+            uses[resolved(ref)] = uses.get(resolved(ref), 0) + 1
 
     functions: list[str] = []  # what each called function is: part of the computation
 
+    named: dict[int, str] = {}  # a function called at many nodes is one name (by identity)
+
     def constant(value: Any, hint: str) -> str:
+        if hint == "f" and id(value) in named:
+            return named[id(value)]
         name = f"_{hint}{len(scope)}"
         scope[name] = value
         if hint == "f":
+            named[id(value)] = name
             functions.append(f"{name} = {value!r}")
         return name
 
+    # a value used once, by the very next statement, is written into it (no name, no line to drop it):
+    # ``pending`` is the last statement while it may still be, ``(node, call, index in body)``
+    pending: list[tuple[fx.Node, str, int]] = []
+    inlined: set[fx.Node] = set()
+
     def emit(value: Any) -> str:
         if isinstance(value, fx.Node):
-            return names[resolved(value)]
+            node = resolved(value)
+            if pending and pending[0][0] is node:
+                _, call, at = pending.pop()
+                del body[at]
+                inlined.add(node)
+                return call
+            return names[node]
         if isinstance(value, list):
             return "[" + ", ".join(emit(v) for v in value) + "]"
         if isinstance(value, tuple):
@@ -410,6 +431,7 @@ def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings:
         if node in same:
             continue
         if HOOK_KEY in node.meta and node.op == "call_function":
+            pending.clear()  # a hook's arguments are named (the computation leaves hook lines out)
             hook = f"_h{len(hooks)}"
             hooks.append((node.meta[HOOK_KEY], node.target))
             args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
@@ -433,16 +455,21 @@ def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings:
                 raise NotImplementedError(
                     f"compile_graph: node {node.name!r} is a {node.op} (make_fx graphs call functions)")
             if node.target is operator.getitem:
-                body.append(("op", f"{name} = {emit(node.args[0])}[{emit(node.args[1])}]"))
+                call = f"{emit(node.args[0])}[{emit(node.args[1])}]"
             else:
                 # the probed binding, else the C++ handle behind OpOverload.__call__
                 fn = _binding(node, specs) if bindings else None
                 bound += fn is not None
                 fn = fn or getattr(node.target, "_op", node.target)
                 args = [emit(a) for a in node.args] + [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
-                body.append(("op", f"{name} = {constant(fn, 'f')}({', '.join(args)})"))
-        done = [names[r] for r in freed.get(node, ()) if names.get(r, "").startswith("v")]
+                call = f"{constant(fn, 'f')}({', '.join(args)})"
+            pending.clear()
+            body.append(("op", f"{name} = {call}"))
+            if uses.get(node) == 1 and node.name not in keep:
+                pending.append((node, call, len(body) - 1))
+        done = [names[r] for r in freed.get(node, ()) if r not in inlined and names.get(r, "").startswith("v")]
         if done:  # free intermediates at their last use, as GraphModule code does
+            pending.clear()
             body.append(("free", " = ".join(done) + " = None"))
     hook_names = [f"_h{i}" for i in range(len(hooks))]
     source = (f"def bind({', '.join(hook_names)}):\n    def run({', '.join(params)}):\n"
