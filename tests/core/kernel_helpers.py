@@ -8,6 +8,13 @@ and checks that readfence's IR builder still sees the language as triton defines
 
 from __future__ import annotations
 
+import pytest
+
+from tests.conftest import NO_TRITON, TRITON
+
+if not TRITON:  # (collected for its doctests too: a clear skip, not an import error, without the extra)
+    pytest.skip(NO_TRITON, allow_module_level=True)
+
 import triton
 import triton.language as tl
 from triton.language import core
