@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from readfence.backends import hybrid_linear, join, linear, paged, per_stream, redeclare, select, sparse, tbo, trtllm_mha
+from readfence.backends.strategies import trees
 from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache
 from readfence.core.internal import audit_failure
 from readfence.core.tracing import trace_cache_size
@@ -77,3 +80,17 @@ def test_the_placed_member_is_refused_although_the_root_is_sound() -> None:
     failure = audit_failure(backend, M.DECODE, cfg=CFG, batch_sizes=[2])
     assert failure is not None and failure.path == "per_stream/members[0]/paged"
     assert failure.buffer == "req_to_token"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=trees(st.sampled_from([paged(), EARLY_PAGED, sparse(), linear(), _early(linear(), "state_slots")]),
+                  max_leaves=4),
+       mode=st.sampled_from([M.DECODE, M.TARGET_VERIFY]))
+def test_lowers_verdict_is_the_whole_audits_on_random_trees(tree: Any, mode: ForwardMode) -> None:
+    # every combinator (per_stream's members place fences; select and hybrid run one arm; tbo splits
+    # the batch) over leaves whose declarations are early, sound, or early where a sibling covers them
+    whole = audit(tree, mode, cfg=CFG, batch_sizes=[2]).swap().value_or(None)
+    shortcut = audit_failure(tree, mode, cfg=CFG, batch_sizes=[2])
+    event("refused" if whole is not None else "accepted with a latent node" if audit(
+        tree, mode, cfg=CFG, batch_sizes=[2]).unwrap().latent() else "accepted")
+    assert (None if shortcut is None else shortcut.message) == (None if whole is None else whole.message)
