@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
 from readfence.backends.fuzz import random_programs
 from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, run_step, step_functions, trace
-from readfence.core.internal import DispatchMode, child_runs, example_step, runs_as, trace_step
+from readfence.core.internal import DispatchMode, example_step, runs_as, trace_step, verdict_nodes
 from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 
@@ -176,29 +176,30 @@ class _RunsCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _runners(backend: Any) -> list[Any]:
-    """The backends the audit's steps run as: every node of the tree, a wrapper that hands its
-    whole step to a child as that child (traced and observed once)."""
+def _run_as(nodes: Sequence[Any]) -> list[Any]:
+    """The backends ``nodes``' steps run as (a wrapper that hands its whole step to a child as that
+    child), each once."""
     found: dict[str, Any] = {}
-    stack = [backend]
-    while stack:
-        node = stack.pop()
+    for node in nodes:
         runner = runs_as(node, M.DECODE)
         found.setdefault(repr(runner), runner)
-        stack += [child for _, child in node.children()]
     return list(found.values())
 
 
-def _lower_runners(backend: Any) -> list[Any]:
-    """The backends ``lower``'s verdict runs (``core.internal.audit_failure``): the root alone where
-    no node below it places a fence of its own (no node below can then change the verdict), else
-    every node of the tree."""
-    stack, placed = [backend], False
+def _runners(backend: Any) -> list[Any]:
+    """The backends the audit's steps run as: every node of the tree (traced and observed once)."""
+    nodes, stack = [], [backend]
     while stack:
         node = stack.pop()
-        placed = placed or any(r.placed for r in child_runs(node, M.DECODE, 2))
+        nodes.append(node)
         stack += [child for _, child in node.children()]
-    return _runners(backend) if placed else [runs_as(backend, M.DECODE)]
+    return _run_as(nodes)
+
+
+def _lower_runners(backend: Any) -> list[Any]:
+    """The backends ``lower``'s verdict runs (``core.internal.verdict_nodes``: the root alone where
+    no node below it places a fence of its own, else every node of the tree)."""
+    return _run_as(verdict_nodes(backend, M.DECODE, batch_sizes=[2]))
 
 
 def _watched(runner: Any, cfg: ModelConfig, size: int, runs: int) -> tuple[float, float]:

@@ -217,6 +217,11 @@ class _Plan:
     varied: bool
     order: tuple[tuple[str, BackendLike, tuple[int, ...], bool, int, tuple[tuple[str, str], ...]], ...]
 
+    @property
+    def placed_below(self) -> bool:
+        """Whether a node below the root places a fence of its own (a ``per_stream`` member)."""
+        return any(placed for _, _, _, placed, _, _ in self.order[1:])
+
 
 def _plan(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig | None, batch_sizes: Iterable[int] | None,
           device: str, state: Mapping[str, Mapping[str, Tensor]] | None, observe_steps: int) -> _Plan:
@@ -253,18 +258,26 @@ def audit_report(
     ledger: Ledger | None = None,
 ) -> AuditReport:
     """The audit tree of ``backend`` in ``mode``, whatever its verdicts (see ``audit``)."""
-    plan = _plan(backend, mode, cfg, batch_sizes, device, state, observe_steps)
-    # post-order: children's reports are built before their parent's
+    return _tree(_plan(backend, mode, cfg, batch_sizes, device, state, observe_steps), backend, mode, state, ledger)
+
+
+def _tree(plan: _Plan, backend: BackendLike, mode: ForwardMode, state: Mapping[str, Mapping[str, Tensor]] | None,
+          ledger: Ledger | None, root: AuditReport | None = None) -> AuditReport:
+    """Every node of ``plan`` audited, children's reports built before their parent's (post-order);
+    ``root``: the root's own report, already made."""
     done: list[AuditReport] = []
     for path, node, at, placed, n, idle in reversed(plan.order):
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        given = ledger if node is backend and path == backend.name else None
-        report = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied, given)
+        if root is not None and path == backend.name and node is backend:
+            report = root
+        else:
+            given = ledger if node is backend and path == backend.name else None
+            report = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied, given)
         done.append(attrs.evolve(report, children=kids_reports, placed=placed, not_run=idle))
-    (root,) = done
-    return root
+    (top,) = done
+    return top
 
 
 def audit_failure(
@@ -296,14 +309,28 @@ def audit_failure(
     1
     """
     plan = _plan(backend, mode, cfg, batch_sizes, device, state, observe_steps)
-    path, node, at, placed, _, idle = plan.order[0]
-    if not any(entry[3] for entry in plan.order[1:]):
+    root = None
+    if not plan.placed_below:
+        path, node, at, *_ = plan.order[0]
         root = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied, ledger)
-        if not attrs.evolve(root, placed=placed, not_run=idle).judged()[0]:
+        if not root.judged()[0]:  # (alone, the root is its own fence)
             return None
-    report = audit_report(backend, mode, cfg=cfg, batch_sizes=batch_sizes, device=device, state=state,
-                          observe_steps=observe_steps, ledger=ledger)
-    return _failure(report)
+    return _failure(_tree(plan, backend, mode, state, ledger, root))
+
+
+def verdict_nodes(backend: BackendLike, mode: ForwardMode, *, cfg: ModelConfig | None = None,
+                  batch_sizes: Iterable[int] | None = None) -> tuple[BackendLike, ...]:
+    """The nodes whose steps :func:`audit_failure` runs where the root is sound: the root alone,
+    unless a node below it places a fence of its own (then every node the audit judges).
+
+    >>> from readfence.backends import hybrid_linear, linear, paged, per_stream
+    >>> [b.name for b in verdict_nodes(hybrid_linear(paged(), linear()), ForwardMode.DECODE)]
+    ['hybrid_linear']
+    >>> [b.name for b in verdict_nodes(per_stream(paged(), linear()), ForwardMode.DECODE, batch_sizes=[2])]
+    ['per_stream', 'linear', 'paged']
+    """
+    plan = _plan(backend, mode, cfg, batch_sizes, "cpu", None, 1)
+    return tuple(node for _, node, *_ in (plan.order if plan.placed_below else plan.order[:1]))
 
 
 def _children_run(path: str, node: BackendLike, mode: ForwardMode, sizes: tuple[int, ...]

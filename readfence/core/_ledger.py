@@ -42,6 +42,7 @@ from ._node_labels import NodeLabels
 from ._observe import Access, Disagreement, Observation, ReadObserver, Watched, cross_check
 from ._program import NodeReads, Program, StageGraph, flatten_inputs
 from ._state import TRAFFIC_STATES, ModelConfig, example_step, varied_step
+from ._state_values import preserved
 from ._step import STAGE_ENDS, STAGES, Stage, StepFunctions, eval_step, stage_named
 from ._threads import watch_threads
 from .tracing import CACHES, BufferMap, state_key
@@ -432,7 +433,6 @@ def on_live_state(program: Program, state: State | None, make: Callable[[int], d
     keeps = state is not None and bool(program.captured())
     if keeps and settle is not None:  # nothing enqueued may run on the live buffers while they hold the example
         settle()
-    saved = [(t, t.clone()) for group in (state or {}).values() for t in group.values()] if keeps else []
 
     def example(seed: int) -> dict[str, Any]:
         groups = make(seed)
@@ -448,11 +448,8 @@ def on_live_state(program: Program, state: State | None, make: Callable[[int], d
             groups[name] = {**varied, **live}
         return groups
 
-    try:
+    with preserved(state) if keeps and state is not None else contextlib.nullcontext():
         yield example
-    finally:
-        for t, old in saved:
-            t.copy_(old)
 
 
 def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: State | None, *,

@@ -10,6 +10,7 @@ from ._audit import audit_failure as audit_failure
 from ._audit import audit_report as audit_report
 from ._audit import escape_note as escape_note
 from ._audit import format_table as format_table
+from ._audit import verdict_nodes as verdict_nodes
 from ._backend_trace import forget_trace as forget_trace
 from ._checks import check_backend as check_backend
 from ._checks import check_buffers as check_buffers
@@ -56,6 +57,9 @@ from ._state import make_pools as make_pools
 from ._state import request_ranges as request_ranges
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
+from ._state_values import preserved as preserved
+from ._state_values import restore as restore
+from ._state_values import snapshot as snapshot
 from ._step import EAGER as EAGER
 from ._step import Interpreter as Interpreter
 from ._step import OutputGuard as OutputGuard
@@ -103,8 +107,9 @@ __all__ = [
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
     "PYTHON", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
-    "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "split_batch", "stage_named", "StageCall",
+    "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "snapshot",
+    "split_batch", "stage_named", "StageCall",
     "StaleCaptureError", "StaleTrace", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
-    "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "Watched",
+    "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",
     "Witness",
 ]

@@ -376,9 +376,9 @@ def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings:
     for node in nodes:
         if node in same or node in folded:
             continue  # emits no code: its arguments are not used there
-        for ref in _refs((node.args, node.kwargs)):
-            last_use[resolved(ref)] = node
-            uses[resolved(ref)] = uses.get(resolved(ref), 0) + 1
+        for ref in map(resolved, _refs((node.args, node.kwargs))):
+            last_use[ref] = node
+            uses[ref] = uses.get(ref, 0) + 1
 
     functions: list[str] = []  # what each called function is: part of the computation
 

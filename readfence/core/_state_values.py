@@ -3,7 +3,8 @@
 A live state (``make_state``) is memory the step's code and the backend's own references point at:
 a check that runs a loop on it several times, and must start each from the same values, writes
 them back into that memory rather than making a new state. One rule for every such user (``verify``,
-the engine checks, tests that share a state across loops).
+the engine checks, a run on generated states written into the live buffers, tests that share a
+state across loops).
 """
 
 from __future__ import annotations
