@@ -102,6 +102,7 @@ from ._fence import Bound, Fence
 from ._issue import IssueSeam, StepRun, step_issuer
 from ._keywords import names_keywords
 from ._options import LowerOptions, lowering_options
+from ._pass_clock import PassClock
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
 from ._policy import Policy
@@ -151,19 +152,30 @@ class Lowered:
     the scheduler and other lowered graphs); ``observed`` is the effect EXACT placed from (the
     bound trace joined with every read a run of the step saw: its ledger's); ``ledger`` is the
     step's :class:`~readfence.core.internal.Ledger`; :meth:`run` enqueues one step and returns its
-    logits and :class:`Fence`.
+    logits and :class:`Fence`. ``pass_seconds`` is where the lowering's time went: wall seconds
+    per pass, in the order ``lower`` runs them (a pass run twice, summed).
+
+    >>> from readfence.backends import paged
+    >>> from readfence.graph import CpuDevice
+    >>> with CpuDevice() as dev:
+    ...     low = lower(paged(), ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.EXACT)
+    >>> list(low.pass_seconds)
+    ['trace', 'compile', 'validate', 'verdict', 'rehearse', 'plan', 'capture']
     """
 
     def __init__(self, *, backend: BackendLike, mode: ForwardMode, policy: Policy, device: Device, cfg: ModelConfig,
                  batch_size: int, program: Program, plan: FencePlan, launcher: StepLauncher, batch: dict[str, Tensor],
                  state: Mapping[str, dict[str, Tensor]], graphed: bool, measure: bool,
                  slots: Sequence[Slot], observed: ReadEffect, ledger: Ledger, check: CheckState | None = None,
-                 optimized: bool = True, kept: tuple[KeptTensor, ...] = ()) -> None:
+                 optimized: bool = True, kept: tuple[KeptTensor, ...] = (),
+                 pass_seconds: Mapping[str, float] | None = None) -> None:
         self.backend, self.mode, self.policy, self.device = backend, mode, policy, device
         # whether the captured stages run through the compile passes (folding, sharing, bindings)
         self.optimized = optimized
         self.observed = observed  # what EXACT placed from: the ledger's effect (the trace and every run's reads)
         self.ledger = ledger
+        # wall seconds of each of lower's passes (``graph.lowering._pass_clock.PASSES``), in order
+        self.pass_seconds: Mapping[str, float] = pass_seconds if pass_seconds is not None else {}
         self.cfg, self.batch_size, self.program, self.plan = cfg, batch_size, program, plan
         self.check, self.measure, self.graphed = check, measure, graphed
         self.kept = kept  # the tensors its compiled stages captured, where the backend keeps them
@@ -385,8 +397,10 @@ def lower(
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
     # the passes (see the module docstring): trace and bind; compile once for every ring slot and
     # validate; refuse an unsound declaration; rehearse; plan the fences; bind and capture per slot
-    program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-    ledger = ledger_of(program, cfg, batch_size, state)
+    clock = PassClock()
+    with clock.timing("trace"):
+        program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
+        ledger = ledger_of(program, cfg, batch_size, state)
     # the stages compiled as every slot will run them, a hook after each node a record or a check's
     # poison may follow (only EXACT places poison inside a graph), validated before the rehearsal
     # runs the step's Python once more
@@ -400,14 +414,15 @@ def lower(
 
     def validated(program: Program, ledger: Ledger) -> tuple[Mapping[Stage, StageCode], bool]:
         return _validated(program, ledger, backend, mode, device,
-                          compiled(program, record_sites(program, {}), known, {}, writes), options.optimize)
+                          compiled(program, record_sites(program, {}), known, {}, writes), options.optimize, clock)
 
     try:
         code, optimized = validated(program, ledger)
     except StaleTrace:  # its Python changed since, through a value no key holds: trace it again
         forget_trace(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
-        program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
-        ledger = ledger_of(program, cfg, batch_size, state)
+        with clock.timing("trace"):
+            program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
+            ledger = ledger_of(program, cfg, batch_size, state)
         code, optimized = validated(program, ledger)
     declared = backend.read_effect(mode)
 
@@ -418,8 +433,9 @@ def lower(
         # the generated states) no fence placed from the declaration may accept
         if policy is Policy.COARSE or options.UNSAFE_skip_soundness_check:
             return
-        failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
-                                state=state, ledger=ledger)
+        with clock.timing("verdict"):
+            failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),
+                                    state=state, ledger=ledger)
         if failure is not None:
             error = UnsoundLowering(
                 f"refusing to lower {backend.name} for {mode.name} with policy {policy.name}: {failure.message}"
@@ -431,16 +447,18 @@ def lower(
     # the rehearsal is the last run of the step's code before it is captured (whatever a backend
     # keeps from a run, it keeps from this one under every policy); what it saw joins the verdict
     # (asked again: made again only if the rehearsal changed what the ledger says)
-    rehearsal = rehearse(program, ledger=ledger, mode=mode, stream=stream, label=label)
+    with clock.timing("rehearse"):
+        rehearsal = rehearse(program, ledger=ledger, mode=mode, stream=stream, label=label)
     refuse_unsound()
-    # EXACT places from the bound trace joined with every read a run of the step saw, never below one
-    seen = ledger.node_reads()
-    observed = ledger.effect()
-    reads = last_reads(program, seen)
-    plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
-                       observed=observed, graphed=graphed)
-    launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
-                                program.replayed, ledger)
+    with clock.timing("plan"):
+        # EXACT places from the bound trace joined with every read a run of the step saw, never below one
+        seen = ledger.node_reads()
+        observed = ledger.effect()
+        reads = last_reads(program, seen)
+        plan = plan_fences(buffers=buffers, declared=declared, caps=device.caps, policy=policy, last_reads=reads,
+                           observed=observed, graphed=graphed)
+        launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
+                                    program.replayed, ledger)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
     kept = _kept(backend, program)
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
@@ -455,12 +473,13 @@ def lower(
                  for s in code}
         poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
         code, optimized = _validated(program, ledger, backend, mode, device,
-                                     compiled(program, sites, launcher.env, seen, poison), optimized)
-    slots = [build_slot(spec, launcher, p, code) for p in parts]
+                                     compiled(program, sites, launcher.env, seen, poison), optimized, clock)
+    with clock.timing("capture"):
+        slots = [build_slot(spec, launcher, p, code) for p in parts]
     return Lowered(
         backend=backend, mode=mode, policy=policy, device=device, cfg=cfg, batch_size=batch_size, program=program,
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
-        check=check, observed=observed, ledger=ledger, optimized=optimized, kept=kept,
+        check=check, observed=observed, ledger=ledger, optimized=optimized, kept=kept, pass_seconds=clock.seconds(),
     )
 
 
@@ -513,7 +532,7 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
 
 
 def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
-               compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool,
+               compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool, clock: PassClock,
                ) -> tuple[Mapping[Stage, StageCode], bool]:
     """The step's stages as every ring slot runs them (``compiled(passes)``: hooks for records and
     checks inserted, compiled through the passes or not), validated: each captured stage's compiled
@@ -529,19 +548,24 @@ def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: For
     Code compiled through the passes that differs where the same stages compiled without them
     (every node as traced) do not is readfence's own miscompile, not the backend's: the step then
     runs that plain code, validated as well. Returns the code and whether it went through the
-    passes."""
-    code = compiled(optimize)
+    passes (each compile and each validation timed on ``clock``)."""
+    with clock.timing("compile"):
+        code = compiled(optimize)
     if not program.replayed or program.aborted is not None:
-        ledger.observe_varied(settle=device.synchronize)
+        with clock.timing("validate"):
+            ledger.observe_varied(settle=device.synchronize)
         return code, optimize
     try:
-        _validate_code(program, ledger, backend, mode, device, code)
+        with clock.timing("validate"):
+            _validate_code(program, ledger, backend, mode, device, code)
         return code, optimize
     except NotGraphSafe:
         if not optimize:
             raise
-    plain = compiled(False)
-    _validate_code(program, ledger, backend, mode, device, plain)  # the backend's own refusal
+    with clock.timing("compile"):
+        plain = compiled(False)
+    with clock.timing("validate"):
+        _validate_code(program, ledger, backend, mode, device, plain)  # the backend's own refusal
     return plain, False
 
 
