@@ -66,8 +66,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
 from readfence.backends.fuzz import random_programs
 from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, run_step, step_functions, trace
-from readfence.core.internal import DispatchMode, example_step, runs_as, trace_step, verdict_nodes
-from readfence.graph import CpuDevice, Policy, lower, lower_capture_list
+from readfence.core.internal import REPLAY_SEEDS, DispatchMode, example_step, runs_as, trace_step, verdict_nodes
+from readfence.graph import CpuDevice, Policy, Scheduler, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 
 M = ForwardMode
@@ -256,28 +256,66 @@ def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
     return out
 
 
+def checks_floor(cfg: ModelConfig, runs: int, dev: CpuDevice, watched_floor: float) -> dict[str, float]:
+    """The least the runs ``lower``'s checks make cost (batch size 2): its watched floor (the
+    trace and the observer, ``watched_floor``), and per generated state (``REPLAY_SEEDS``) an
+    eager step beside a replay of the lowered step, and the rehearsal's run of the step (counted
+    as one replay: less than the graph run node by node under a watcher): each at its eager
+    cost, nothing of readfence's own around them. ``lower`` cannot be cheaper than this sum."""
+    runner = _lower_runners(target())[0]
+    step = example_step(cfg, M.DECODE, 2)
+    low = lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
+    batch = Scheduler(cfg, M.DECODE, 2).next_step().batch
+
+    def eager() -> float:
+        start = _now()
+        run_step(runner, M.DECODE, cfg, step)
+        return _now() - start
+
+    def replayed() -> float:
+        start = _now()
+        low.run(batch).result(timeout=60)
+        return _now() - start
+
+    eager(), replayed()  # warm
+    eager_s, replay_s = _median(eager, runs), _median(replayed, runs)
+    states = len(REPLAY_SEEDS)
+    return {"eager_step_s": eager_s, "lowered_step_s": replay_s,
+            "checks_floor_s": watched_floor + states * (eager_s + replay_s) + replay_s}
+
+
 def ratio(layers: int, runs: int, dev: CpuDevice) -> dict[str, Any]:
     """``lower`` at ``layers`` layers (batch size 2, EXACT) over its floor (:func:`lower_floor`),
-    and the validation's share of it (``lower`` with ``validate_replay`` a no-op): each round
-    measures the floor, ``lower`` and ``lower`` unvalidated one after the other, so that a slow
-    spell of a shared machine hits all three; medians of ``runs`` rounds."""
+    over the floor of its checks' runs (:func:`checks_floor`), where its time goes
+    (``Lowered.pass_seconds``, wall seconds, medians) and the validation's share of it (``lower``
+    with ``validate_replay`` a no-op): each round measures the floor, ``lower`` and ``lower``
+    unvalidated one after the other, so that a slow spell of a shared machine hits all three;
+    medians of ``runs`` rounds, every ``lower`` with the caches cleared (a first lowering)."""
     cfg = ModelConfig(layers=layers)
+    made: list[Any] = []
 
     def lowered() -> object:
-        return lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
+        made.append(lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg))
+        return made[-1]
 
     lowered()  # warm: torch's first calls of each op, the example weights and caches drawn
-    floors, trees, checked, unchecked = [], [], [], []
+    floors, trees, checked, unchecked, passes = [], [], [], [], []
     for _ in range(runs):
         floors.append(lower_floor(cfg, 3))  # (one watched run a node swings by a third on a busy machine)
         trees.append(lower_floor(cfg, 3, _runners(target())))
         checked.append(_timed(lowered))
+        passes.append(made[-1].pass_seconds)
         with _replay_unchecked():
             unchecked.append(_timed(lowered))
+        made.clear()
     lower_s, floor_s, tree_s = statistics.median(checked), statistics.median(floors), statistics.median(trees)
     validation_s = lower_s - statistics.median(unchecked)
+    checks = checks_floor(cfg, max(runs, 3), dev, floor_s)
     return {"layers": layers, "lower_s": lower_s, "floor_s": floor_s, "lower_over_floor": lower_s / floor_s,
             "tree_floor_s": tree_s, "lower_over_tree_floor": lower_s / tree_s,
+            **checks, "lower_over_checks_floor": lower_s / checks["checks_floor_s"],
+            "checks_floor_over_floor": checks["checks_floor_s"] / floor_s,
+            "passes_wall_s": {name: statistics.median(p[name] for p in passes) for name in passes[0]},
             "validation_s": validation_s, "validation_share": validation_s / lower_s,
             "rounds": [f"{c:.2f}/{f:.2f}" for c, f in zip(checked, floors)]}
 
