@@ -71,14 +71,18 @@ from ._step import stage_named as stage_named
 from ._validate import StaleTrace as StaleTrace
 from ._validate import validate_replay as validate_replay
 from .tracing import CACHES as CACHES
+from .tracing import SPLICED_KEY as SPLICED_KEY
 from .tracing import BufferMap as BufferMap
 from .tracing import Caches as Caches
 from .tracing import CodeKey as CodeKey
 from .tracing import DispatchMode as DispatchMode
 from .tracing import KeptTensor as KeptTensor
 from .tracing import Span as Span
+from .tracing import Spliced as Spliced
 from .tracing import StaleCaptureError as StaleCaptureError
 from .tracing import Table as Table
+from .tracing import Template as Template
+from .tracing import add_node as add_node
 from .tracing import bind_arguments as bind_arguments
 from .tracing import code_key as code_key
 from .tracing import copy_graph as copy_graph
@@ -98,7 +102,7 @@ from .tracing import trusted_op as trusted_op
 from .tracing import unobserved as unobserved
 
 __all__ = [
-    "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
+    "add_node", "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
     "CACHES", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
@@ -108,7 +112,7 @@ __all__ = [
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
     "PYTHON", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "snapshot",
-    "split_batch", "stage_named", "StageCall",
+    "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",
     "Witness",

@@ -44,6 +44,7 @@ from ._dispatch import DispatchMode as DispatchMode
 from ._escapes import REFERENCE_ESCAPES as REFERENCE_ESCAPES
 from ._escapes import not_user_code as not_user_code
 from ._escapes import user_line as user_line
+from ._fx import add_node as add_node
 from ._fx import copy_graph as copy_graph
 from ._guards import KeptTensor as KeptTensor
 from ._guards import StaleCaptureError as StaleCaptureError
@@ -71,8 +72,11 @@ from ._probe import rerun_with as rerun_with
 from ._schema import OpAliasing as OpAliasing
 from ._schema import bind as bind_arguments
 from ._schema import op_aliasing as op_aliasing
+from ._segment import SPLICED_KEY as SPLICED_KEY
 from ._segment import Segment as Segment
 from ._segment import SegmentSignature as SegmentSignature
+from ._segment import Spliced as Spliced
+from ._segment import Template as Template
 from ._segment import segment_signature as segment_signature
 from ._trace import UntraceableStage as UntraceableStage
 from ._trace import trace_functions as trace_functions
@@ -88,6 +92,7 @@ __all__ = [
     "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
+    "SPLICED_KEY", "Spliced", "Template", "add_node",
     "span_of", "StageWriteError", "StaleCaptureError", "state_key", "Table", "tensors_in", "torch_op", "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",
     "user_line", "view_claim_holds",

@@ -34,8 +34,9 @@ tensor([2., 2.])
 
 from __future__ import annotations
 
+import itertools
 import operator
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -77,6 +78,57 @@ class Template:
     @calls.default
     def _calls(self) -> tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...]:
         return tuple((t, _value(args), {k: _value(v) for k, v in kwargs.items()}) for t, args, kwargs, *_ in self.nodes)
+
+    @property
+    def returned(self) -> tuple[int, ...]:
+        """The indices of the nodes the segment returns (an input returned as it is is none)."""
+        return tuple(ref.index for ref in self.outputs if isinstance(ref, _Ref))
+
+    def inputs_of(self, nodes: Sequence[fx.Node]) -> dict[int, fx.Node] | None:
+        """The node each input of the segment is, in ``nodes`` spliced from this template (by
+        index of the segment's inputs; only those its nodes read), or ``None`` where ``nodes``
+        are not this template's calls (another target, another argument, another value of a
+        Python argument, one input given as two nodes)."""
+        if len(nodes) != len(self.nodes):
+            return None
+        inputs: dict[int, fx.Node] = {}
+
+        def same(want: Any, got: Any) -> bool:
+            if isinstance(want, _In):
+                return isinstance(got, fx.Node) and inputs.setdefault(want.index, got) is got
+            if isinstance(want, _Ref):
+                return got is nodes[want.index]
+            if isinstance(want, (list, tuple)):
+                return (isinstance(got, (list, tuple)) and len(got) == len(want)
+                        and all(same(w, g) for w, g in zip(want, got)))
+            return type(got) is type(want) and _value(got) == _value(want)
+
+        for node, (target, args, kwargs, _, _) in zip(nodes, self.nodes):
+            if (node.op != "call_function" or node.target is not target or kwargs.keys() != node.kwargs.keys()
+                    or not same(args, node.args) or not all(same(v, node.kwargs[k]) for k, v in kwargs.items())):
+                return None
+        return inputs
+
+    def graph(self, inputs: Mapping[int, Any]) -> tuple[fx.GraphModule, tuple[int, ...]]:
+        """The template as a graph of its own: a placeholder per input it reads (index order, each
+        with ``inputs[index]`` as its traced value), its nodes, and a tuple of the nodes it returns
+        (an input returned as it is is left out); with the indices of the nodes returned."""
+        graph = fx.Graph()
+        held = {i: graph.placeholder(f"input_{i}") for i in sorted(inputs)}
+        for i, node in held.items():
+            node.meta["val"] = inputs[i]
+        made: list[fx.Node] = []
+
+        def node_of(ref: _In | _Ref) -> fx.Node:
+            return held[ref.index] if isinstance(ref, _In) else made[ref.index]
+
+        for target, args, kwargs, name, meta in self.nodes:
+            node = add_node(graph, "call_function", target, _mapped(args, node_of),
+                            {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
+            node.meta.update(meta)
+            made.append(node)
+        graph.output(tuple(made[i] for i in self.returned))
+        return fx.GraphModule(torch.nn.Module(), graph), self.returned
 
 
 def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
@@ -309,8 +361,28 @@ def _template(recorder: GraphRecorder, tail: fx.Node, inputs: Sequence[fx.Node],
     return Template(tuple(nodes), tuple(outputs))
 
 
+#: Where a node was spliced from (``node.meta[SPLICED_KEY]``, a :class:`Spliced`): the nodes of
+#: one call of a segment, recorded once and spliced after that, are one piece a compile may call
+#: as one function (``graph.lowering._fx_pieces``).
+SPLICED_KEY = "readfence_spliced"
+
+
+@attrs.frozen(eq=False)
+class Spliced:
+    """A spliced node's template, the splice it belongs to (``call``: one number a splice) and
+    which of the template's nodes it is (``index``)."""
+
+    template: Template
+    call: int
+    index: int
+
+
+_SPLICES = itertools.count()
+
+
 def _splice(recorder: GraphRecorder, template: Template, inputs: Sequence[fx.Node], out: Any) -> None:
     made: list[fx.Node] = []
+    call = next(_SPLICES)
 
     def node_of(ref: _In | _Ref) -> fx.Node:
         return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
@@ -319,6 +391,7 @@ def _splice(recorder: GraphRecorder, template: Template, inputs: Sequence[fx.Nod
         node = add_node(recorder.graph, "call_function", target, _mapped(args, node_of),
                         {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
         node.meta.update(meta)
+        node.meta[SPLICED_KEY] = Spliced(template, call, len(made))
         made.append(node)
     tensors = _outputs(out)
     assert tensors is not None and len(tensors) == len(template.outputs)

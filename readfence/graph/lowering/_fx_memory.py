@@ -55,6 +55,11 @@ UNKNOWN = ("unknown",)
 HOOK_KEY = "readfence_hook"
 WRITES_KEY = "readfence_hook_writes"
 
+#: A call of a piece of the graph compiled on its own (``_fx_pieces``): a function of its arguments
+#: that writes no memory and returns a tuple; ``node.meta[PIECE_KEY]`` says, per value returned,
+#: which arguments (by position) it may be memory of, as the piece's own analysis found.
+PIECE_KEY = "readfence_piece"
+
 
 def storage_token(t: object) -> Hashable:
     """The token of ``t``'s whole storage (``UNKNOWN`` for a value with no real memory to see:
@@ -139,11 +144,17 @@ class GraphMemory:
         if node.op == "output":
             return self.tokens(node.args)
         if node.target is operator.getitem:
+            source = node.args[0]
+            if isinstance(source, fx.Node) and PIECE_KEY in source.meta:  # a piece's value: what the piece said
+                shares = source.meta[PIECE_KEY][node.args[1]]
+                return self.tokens([source.args[i] for i in shares]) | {("made", self._site, node.name)}
             return self.tokens(node.args[0])
         if HOOK_KEY in node.meta:  # an event or a check: it touches no tensor's data
             if node.meta.get(WRITES_KEY):
                 self.opaque = True
             return frozenset()
+        if PIECE_KEY in node.meta:  # nodes that write nothing, called as one: the tuple it returns (its getitems above)
+            return frozenset({("made", self._site, node.name)})
         aliasing = op_aliasing(node.target) if node.op == "call_function" and _schema_holds(node.target) else None
         if aliasing is None or aliasing.opaque:
             # a Python callable, or an op whose kernel someone else wrote (anyone may register one,
@@ -251,4 +262,4 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-__all__ = ["HOOK_KEY", "UNKNOWN", "WRITES_KEY", "GraphMemory", "InputMemory", "storage_token"]
+__all__ = ["HOOK_KEY", "PIECE_KEY", "UNKNOWN", "WRITES_KEY", "GraphMemory", "InputMemory", "storage_token"]

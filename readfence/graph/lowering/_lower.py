@@ -81,15 +81,12 @@ from readfence.core.internal import (
     check_backend,
     check_forward_mode,
     example_step,
-    first_stale,
     flatten_inputs,
     forget_trace,
     init_params,
-    kept_tensors,
     ledger_of,
     make_pools,
     positive_int,
-    reach,
     replayed,
     validate_replay,
     varied_states,
@@ -100,6 +97,7 @@ from ..devices import CudaDevice, Device, Event, Stream, Timeline
 from ..devices.internal import check_device
 from ._fence import Bound, Fence
 from ._issue import IssueSeam, StepRun, step_issuer
+from ._kept import captured_kept, kept_check, stale_capture
 from ._keywords import names_keywords
 from ._options import LowerOptions, lowering_options
 from ._pass_clock import PassClock
@@ -460,10 +458,10 @@ def lower(
         launcher, batch = _launcher(cfg, mode, batch_size, state, rehearsal, stream, label, timeline, check,
                                     program.replayed, ledger)
     # where a replay runs Python (the CPU device), opaque ops' outputs are checked at every replay
-    kept = _kept(backend, program)
+    kept = captured_kept(backend, program)
     spec = SlotSpec(label, program, plan, device, seen, graphed, measure,
                     device.event if new_event is None else new_event, check, timeline, reads, live,
-                    _kept_check(kept, backend, label))
+                    kept_check(kept, backend, label))
     parts = [slot_parts(spec, r) for r in range(ring_size)]
     if not all(c.serves(parts[0].after[stage], parts[0].actions[stage], frozenset(node_reads(program.stage(stage), seen)))
                for stage, c in code.items()):
@@ -481,37 +479,6 @@ def lower(
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
         check=check, observed=observed, ledger=ledger, optimized=optimized, kept=kept, pass_seconds=clock.seconds(),
     )
-
-
-def _kept(backend: BackendLike, program: Program) -> tuple[KeptTensor, ...]:
-    # the tensors the stages that replay a compiled graph captured (a stage that runs its Python
-    # reads what the backend keeps now), and where the backend keeps each
-    replayed_stages = [s for s in program.stages if not s.runs_python and s.analysis.captured]
-    return kept_tensors(replayed_stages, reach(backend, "backend")) if replayed_stages else ()
-
-
-def stale_capture(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> StaleCaptureError | None:
-    """The error that refuses to replay the graphs of ``label`` because one of the tensors they
-    captured (``kept``) changed where ``backend`` keeps it; ``None`` when none did."""
-    found = first_stale(kept, backend)
-    if found is None:
-        return None
-    tensor, what = found
-    return StaleCaptureError(backend.name, label, tensor.stage, tensor.where, what)
-
-
-def _kept_check(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> Callable[[], None] | None:
-    # what every replay checks once the out-of-graph stage's Python (which may have regrown a
-    # buffer) has run: nothing, for graphs that captured no tensor
-    if not kept:
-        return None
-
-    def check() -> None:
-        error = stale_capture(kept, backend, label)
-        if error is not None:
-            raise error
-
-    return check
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],

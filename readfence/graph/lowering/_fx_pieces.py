@@ -1,0 +1,179 @@
+"""Compile pass: every spliced call of a model piece becomes one call of the piece compiled once.
+
+A deep model's body repeats its own pieces in every layer (norms, projections, rotary, the MLP:
+``core.tracing.Segment``): the recorder records a piece once per input signature and splices that
+template for every later call, so a 64-layer body holds the same few dozen nodes once per layer,
+about half its nodes. Compiled node by node, every copy pays its memory analysis, its
+simplification, its bindings and its lines of generated Python. :func:`outline_pieces` hands
+``compile_graph`` a graph in which each spliced call is one call of its template compiled on its
+own, once per template, where that is the same computation:
+
+* the call's nodes are still exactly its template's (``Template.inputs_of``: the same targets and
+  arguments, node for node, each input one node), one after the other, none kept in place (a
+  read of a shared buffer) and no inserted hook among them, and nothing outside them uses a value
+  the piece does not return;
+* the template writes no memory: every node an op of torch's own whose schema writes nothing and
+  changes no tensor's memory (``set_``), decided from the schema as the memory analysis decides.
+
+The piece's call runs the same ops on the same values in the same order; what a call computes
+inside it is its own (the simplifying pass does not share a value of one call with another). The
+memory analysis takes the call at what was checked here (``PIECE_KEY``): it writes nothing, and
+what it returns may be any memory of its arguments. The lowering validates the code compiled from
+this graph, as it validates any.
+
+>>> from readfence.backends import paged
+>>> from readfence.core import BODY, ForwardMode, ModelConfig, trace
+>>> from readfence.graph.lowering._fx_compile import compile_graph
+>>> body = trace(paged(), ForwardMode.DECODE, cfg=ModelConfig(layers=3)).stage(BODY).graph.gm
+>>> compile_graph(body).stats["pieces"]   # layers 1 and 2 (layer 0 recorded the templates): two pieces each
+4
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Callable, Collection
+from typing import Any, Protocol
+
+import torch
+from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from readfence.core.internal import SPLICED_KEY, Template, add_node, op_aliasing, trusted_op
+
+from ._fx_memory import HOOK_KEY, PIECE_KEY, GraphMemory, InputMemory
+
+
+class CompiledPiece(Protocol):
+    """What this pass asks of a compiled piece (``compile_graph``'s ``CompiledGraph`` is one)."""
+
+    fn: Callable[..., Any]
+    computation: str
+    memory: GraphMemory | None
+
+
+#: How a piece's graph is compiled, given what each of its inputs holds (``compile_graph``'s ``inputs``).
+CompilePiece = Callable[[fx.GraphModule, tuple[InputMemory, ...]], CompiledPiece]
+
+
+class Piece:
+    """A template compiled on its own (``compiled``): called with its inputs' values, in the
+    order of the segment's inputs, it returns the tuple of its outputs (``returned``: which of the
+    template's nodes). Its ``repr`` names the code it runs (a digest of its ``computation``), so
+    that the code of a graph that calls it says what it computes."""
+
+    def __init__(self, compiled: CompiledPiece, returned: tuple[int, ...], shares: tuple[tuple[int, ...], ...]) -> None:
+        self.fn, self.returned, self.computation = compiled.fn, returned, compiled.computation
+        self.shares = shares  # per value returned, the inputs (by position) it may be memory of
+        # (a name as FX's own code generation asks of a call's target)
+        self.__name__ = self.__qualname__ = f"piece_{hashlib.sha1(compiled.computation.encode()).hexdigest()[:16]}"
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.fn(*inputs)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}>"
+
+
+def outline_pieces(gm: fx.GraphModule, keep: Collection[str], compile_piece: CompilePiece,
+                   ) -> tuple[fx.GraphModule, int]:
+    """``gm`` with each spliced call that may be one call of its template compiled once (see the
+    module docstring) replaced by that call and a ``getitem`` per value it returns, and how many
+    calls were; ``gm`` itself where none may (it is never changed). ``keep`` names the nodes that
+    stay where they are; ``compile_piece`` compiles a template's graph (through the passes, which
+    say what each value it returns may be memory of)."""
+    calls: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        mark = node.meta.get(SPLICED_KEY)
+        if mark is not None:
+            calls.setdefault(mark.call, []).append(node)
+    pieces: dict[int, Piece | None] = {}  # by template (identity)
+    chosen: dict[fx.Node, tuple[Piece, list[fx.Node], dict[int, fx.Node]]] = {}
+    for nodes in calls.values():
+        template = nodes[0].meta[SPLICED_KEY].template
+        inputs = _call_inputs(nodes, template, keep)
+        if inputs is None:
+            continue
+        if id(template) not in pieces:
+            pieces[id(template)] = _piece(template, inputs, compile_piece)
+        piece = pieces[id(template)]
+        if piece is not None:
+            chosen[nodes[0]] = (piece, nodes, inputs)
+    if not chosen:
+        return gm, 0
+    return _rebuilt(gm, chosen)
+
+
+def _call_inputs(nodes: list[fx.Node], template: Template, keep: Collection[str]) -> dict[int, fx.Node] | None:
+    # the nodes of one splice, as its template made them, else None
+    if [n.meta[SPLICED_KEY].index for n in nodes] != list(range(len(template.nodes))):
+        return None
+    if any(a.next is not b for a, b in zip(nodes, nodes[1:])):  # one after the other: no hook among them
+        return None
+    if any(n.name in keep or HOOK_KEY in n.meta or n.meta[SPLICED_KEY].template is not template for n in nodes):
+        return None
+    inputs = template.inputs_of(nodes)
+    if inputs is None:
+        return None
+    inside, returned = set(nodes), {nodes[i] for i in template.returned}
+    if any(user not in inside for n in nodes if n not in returned for user in n.users):
+        return None
+    return inputs
+
+
+def _piece(template: Template, inputs: dict[int, fx.Node], compile_piece: CompilePiece) -> Piece | None:
+    # the template compiled on its own, where it writes no memory (by each op's schema)
+    for target, *_ in template.nodes:
+        if target is operator.getitem:
+            continue
+        aliasing = op_aliasing(target) if isinstance(target, torch._ops.OpOverload) and trusted_op(target) else None
+        if (aliasing is None or aliasing.opaque or aliasing.writes
+                or torch.Tag.inplace_view in getattr(target, "tags", ())):
+            return None
+    graph, returned = template.graph({i: node.meta.get("val") for i, node in inputs.items()})
+    given = tuple(frozenset({("piece input", position)}) for position in range(len(inputs)))
+    compiled = compile_piece(graph, given)
+    if compiled.memory is None:
+        return None
+    shares = tuple(tuple(p for p in range(len(inputs)) if ("piece input", p) in tokens)
+                   for tokens in compiled.memory.outputs())
+    return Piece(compiled, returned, shares)
+
+
+def _rebuilt(gm: fx.GraphModule, chosen: dict[fx.Node, tuple[Piece, list[fx.Node], dict[int, fx.Node]]],
+             ) -> tuple[fx.GraphModule, int]:
+    # a new graph: every node copied under its own name, each chosen splice one call and its getitems
+    names = {n.name for n in gm.graph.nodes}
+    prefix = "piece"
+    while any(name.startswith(prefix) for name in names):
+        prefix += "_"
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    skipped: set[fx.Node] = set()
+    count = 0
+    for node in gm.graph.nodes:
+        if node in skipped:
+            continue
+        hit = chosen.get(node)
+        if hit is None:
+            env[node] = copied = add_node(graph, node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
+                                          fx.node.map_arg(node.kwargs, env.__getitem__), node.name, node.type)
+            copied.meta.update(node.meta)
+            if copied.name != node.name:  # (names are what ``keep`` and the hooks' sites say)
+                return gm, 0
+            continue
+        piece, nodes, inputs = hit
+        call = add_node(graph, "call_function", piece, tuple(env[inputs[i]] for i in sorted(inputs)), {},
+                        f"{prefix}{count}")
+        call.meta[PIECE_KEY] = piece.shares
+        for k, index in enumerate(piece.returned):
+            out = add_node(graph, "call_function", operator.getitem, (call, k), {}, f"{prefix}{count}_{k}")
+            out.meta.update((key, v) for key, v in nodes[index].meta.items() if key != SPLICED_KEY)
+            env[nodes[index]] = out
+        skipped.update(nodes)
+        count += 1
+    return _LazyGraphModule(gm, graph), count
+
+
+__all__ = ["Piece", "outline_pieces"]
