@@ -128,7 +128,9 @@ class Template:
             node.meta.update(meta)
             made.append(node)
         graph.output(tuple(made[i] for i in self.returned))
-        return fx.GraphModule(torch.nn.Module(), graph), self.returned
+        from torch.fx._lazy_graph_module import _LazyGraphModule  # (its Python made only if it is called)
+
+        return _LazyGraphModule(torch.nn.Module(), graph), self.returned
 
 
 def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
