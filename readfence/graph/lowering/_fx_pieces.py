@@ -18,8 +18,9 @@ own, once per template, where that is the same computation:
 The piece's call runs the same ops on the same values in the same order; what a call computes
 inside it is its own (the simplifying pass does not share a value of one call with another). The
 memory analysis takes the call at what was checked here (``PIECE_KEY``): it writes nothing, and
-what it returns may be any memory of its arguments. The lowering validates the code compiled from
-this graph, as it validates any.
+each value it returns may be memory of the arguments the piece's own analysis says (a view of an
+input is that input's memory). The lowering validates the code compiled from this graph, as it
+validates any.
 
 >>> from readfence.backends import paged
 >>> from readfence.core import BODY, ForwardMode, ModelConfig, trace
@@ -42,7 +43,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from readfence.core.internal import SPLICED_KEY, Template, add_node, op_aliasing, trusted_op
 
-from ._fx_memory import HOOK_KEY, PIECE_KEY, GraphMemory, InputMemory
+from ._fx_memory import HOOK_KEY, PIECE_KEY, UNKNOWN, GraphMemory, InputMemory
 
 
 class CompiledPiece(Protocol):
@@ -134,10 +135,11 @@ def _piece(template: Template, inputs: dict[int, fx.Node], compile_piece: Compil
     graph, returned = template.graph({i: node.meta.get("val") for i, node in inputs.items()})
     given = tuple(frozenset({("piece input", position)}) for position in range(len(inputs)))
     compiled = compile_piece(graph, given)
-    if compiled.memory is None:
+    memory = compiled.memory
+    if memory is None or memory.opaque:  # (no fact to take it at)
         return None
-    shares = tuple(tuple(p for p in range(len(inputs)) if ("piece input", p) in tokens)
-                   for tokens in compiled.memory.outputs())
+    shares = tuple(tuple(p for p in range(len(inputs)) if UNKNOWN in tokens or ("piece input", p) in tokens)
+                   for tokens in memory.outputs())
     return Piece(compiled, returned, shares)
 
 
