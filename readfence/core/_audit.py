@@ -270,11 +270,12 @@ def _tree(plan: _Plan, backend: BackendLike, mode: ForwardMode, state: Mapping[s
         kids_reports = tuple(done[len(done) - n :]) if n else ()
         if n:
             del done[len(done) - n :]
-        if root is not None and path == backend.name and node is backend:
+        is_root = node is backend and path == backend.name
+        if is_root and root is not None:
             report = root
         else:
-            given = ledger if node is backend and path == backend.name else None
-            report = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied, given)
+            report = _audit_node(path, node, mode, plan.kw, at, state, plan.steps, plan.varied,
+                                 ledger if is_root else None)
         done.append(attrs.evolve(report, children=kids_reports, placed=placed, not_run=idle))
     (top,) = done
     return top

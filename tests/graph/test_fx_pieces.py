@@ -144,3 +144,31 @@ def test_a_lowered_step_runs_its_pieces_and_equals_the_eager_step(dev, mode):
     expected = run_step(backend, mode, low.cfg, StepInputs(shared={k: v.clone() for k, v in low.shared.items()},
                                                            batch=nxt.batch, pools=pools, params=low.params))
     assert torch.equal(out, expected)
+
+
+_LIBRARIES: list[torch.library.Library] = []
+
+
+@pytest.mark.parametrize("namespace", ["rf_pieces_test", "aten"])
+def test_a_piece_calling_an_op_of_someone_else_s_kernel_is_compiled_node_by_node(namespace):
+    # its schema says it writes nothing; its kernel writes a workspace it closes over. Whatever the
+    # namespace it was registered in, the memory analysis does not take it at its word: no piece
+    ws = torch.zeros(3)
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    lib.define("rf_piece_bump(Tensor x) -> Tensor")
+
+    def bump(x):
+        ws.add_(1)
+        return x.clone()
+
+    lib.impl("rf_piece_bump", bump, "CPU")
+    _LIBRARIES.append(lib)
+    op = getattr(torch.ops, namespace).rf_piece_bump.default
+    piece = _segment.Segment(f"bumps_{namespace}", lambda x: op(x) * 2.0)
+
+    def two(x):
+        return (piece(piece(x)),)
+
+    gm = _recorded(two, torch.randn(4))
+    assert len(_spliced_calls(gm)) == 2
+    assert _compiled_alike(gm, torch.randn(4)).stats["pieces"] == 0

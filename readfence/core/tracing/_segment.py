@@ -109,6 +109,21 @@ class Template:
                 return None
         return inputs
 
+    def write(self, graph: fx.Graph, inputs: Mapping[int, fx.Node] | Sequence[fx.Node]) -> list[fx.Node]:
+        """The template's nodes written at the end of ``graph`` over ``inputs`` (the node of each
+        input, by index), their metadata its own; returns them in order."""
+        made: list[fx.Node] = []
+
+        def node_of(ref: _In | _Ref) -> fx.Node:
+            return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
+
+        for target, args, kwargs, name, meta in self.nodes:
+            node = add_node(graph, "call_function", target, _mapped(args, node_of),
+                            {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
+            node.meta.update(meta)
+            made.append(node)
+        return made
+
     def graph(self, inputs: Mapping[int, Any]) -> tuple[fx.GraphModule, tuple[int, ...]]:
         """The template as a graph of its own: a placeholder per input it reads (index order, each
         with ``inputs[index]`` as its traced value), its nodes, and a tuple of the nodes it returns
@@ -117,16 +132,7 @@ class Template:
         held = {i: graph.placeholder(f"input_{i}") for i in sorted(inputs)}
         for i, node in held.items():
             node.meta["val"] = inputs[i]
-        made: list[fx.Node] = []
-
-        def node_of(ref: _In | _Ref) -> fx.Node:
-            return held[ref.index] if isinstance(ref, _In) else made[ref.index]
-
-        for target, args, kwargs, name, meta in self.nodes:
-            node = add_node(graph, "call_function", target, _mapped(args, node_of),
-                            {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
-            node.meta.update(meta)
-            made.append(node)
+        made = self.write(graph, held)
         graph.output(tuple(made[i] for i in self.returned))
         from torch.fx._lazy_graph_module import _LazyGraphModule  # (its Python made only if it is called)
 
@@ -383,20 +389,12 @@ _SPLICES = itertools.count()
 
 
 def _splice(recorder: GraphRecorder, template: Template, inputs: Sequence[fx.Node], out: Any) -> None:
-    made: list[fx.Node] = []
+    made = template.write(recorder.graph, inputs)
     call = next(_SPLICES)
-
-    def node_of(ref: _In | _Ref) -> fx.Node:
-        return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
-
-    for target, args, kwargs, name, meta in template.nodes:
-        node = add_node(recorder.graph, "call_function", target, _mapped(args, node_of),
-                        {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
-        node.meta.update(meta)
-        node.meta[SPLICED_KEY] = Spliced(template, call, len(made))
-        made.append(node)
+    for index, node in enumerate(made):
+        node.meta[SPLICED_KEY] = Spliced(template, call, index)
     tensors = _outputs(out)
     assert tensors is not None and len(tensors) == len(template.outputs)
     for t, ref in zip(tensors, template.outputs, strict=True):
-        recorder.track(t, node_of(ref), NOTHING)
+        recorder.track(t, inputs[ref.index] if isinstance(ref, _In) else made[ref.index], NOTHING)
 

@@ -12,8 +12,9 @@ own, once per template, where that is the same computation:
   arguments, node for node, each input one node), one after the other, none kept in place (a
   read of a shared buffer) and no inserted hook among them, and nothing outside them uses a value
   the piece does not return;
-* the template writes no memory: every node an op of torch's own whose schema writes nothing and
-  changes no tensor's memory (``set_``), decided from the schema as the memory analysis decides.
+* the template writes no memory, as the memory analysis of its own graph finds (from each op's
+  schema, taken at its word only for torch's and readfence's own ops: any other makes it find
+  nothing, and the call stays node by node).
 
 The piece's call runs the same ops on the same values in the same order; what a call computes
 inside it is its own (the simplifying pass does not share a value of one call with another). The
@@ -37,11 +38,10 @@ import operator
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
-import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from readfence.core.internal import SPLICED_KEY, Template, add_node, op_aliasing, trusted_op
+from readfence.core.internal import SPLICED_KEY, Template, add_node
 
 from ._fx_memory import HOOK_KEY, PIECE_KEY, UNKNOWN, GraphMemory, InputMemory
 
@@ -124,19 +124,13 @@ def _call_inputs(nodes: list[fx.Node], template: Template, keep: Collection[str]
 
 
 def _piece(template: Template, inputs: dict[int, fx.Node], compile_piece: CompilePiece) -> Piece | None:
-    # the template compiled on its own, where it writes no memory (by each op's schema)
-    for target, *_ in template.nodes:
-        if target is operator.getitem:
-            continue
-        aliasing = op_aliasing(target) if isinstance(target, torch._ops.OpOverload) and trusted_op(target) else None
-        if (aliasing is None or aliasing.opaque or aliasing.writes
-                or torch.Tag.inplace_view in getattr(target, "tags", ())):
-            return None
+    # the template compiled on its own, where its own memory analysis finds it writes nothing (an op
+    # whose schema is not taken at its word makes the analysis opaque; ``set_`` writes its tensor)
     graph, returned = template.graph({i: node.meta.get("val") for i, node in inputs.items()})
     given = tuple(frozenset({("piece input", position)}) for position in range(len(inputs)))
     compiled = compile_piece(graph, given)
     memory = compiled.memory
-    if memory is None or memory.opaque:  # (no fact to take it at)
+    if memory is None or memory.opaque or memory.written:
         return None
     shares = tuple(tuple(p for p in range(len(inputs)) if UNKNOWN in tokens or ("piece input", p) in tokens)
                    for tokens in memory.outputs())
