@@ -65,8 +65,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, linear, reference_compositions, trtllm_mha
 from readfence.backends.fuzz import random_programs
-from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, run_step, step_functions, trace
-from readfence.core.internal import REPLAY_SEEDS, DispatchMode, example_step, runs_as, trace_step, verdict_nodes
+from readfence.core import ForwardMode, ModelConfig, audit, clear_trace_cache, default_batch_sizes, run_program, run_step, step_functions, trace
+from readfence.core.internal import REPLAY_SEEDS, DispatchMode, example_step, flatten_inputs, runs_as, trace_step, verdict_nodes
 from readfence.graph import CpuDevice, Policy, Scheduler, lower, lower_capture_list
 from readfence.graph.fuzz import check_program
 
@@ -258,10 +258,11 @@ def floor(layers: Sequence[int], runs: int, audit_sizes: Sequence[int] | None,
 
 def checks_floor(cfg: ModelConfig, runs: int, dev: CpuDevice, watched_floor: float) -> dict[str, float]:
     """The least the runs ``lower``'s checks make cost (batch size 2): its watched floor (the
-    trace and the observer, ``watched_floor``), and per generated state (``REPLAY_SEEDS``) an
-    eager step beside a replay of the lowered step, and the rehearsal's run of the step (counted
-    as one replay: less than the graph run node by node under a watcher): each at its eager
-    cost, nothing of readfence's own around them. ``lower`` cannot be cheaper than this sum."""
+    trace and the observer, ``watched_floor``), per generated state (``REPLAY_SEEDS``) an eager
+    step beside a replay of the lowered step, and the rehearsal: the lowered program run once on
+    another example with each op through a mode that only runs it (the rehearsal watches every
+    node it runs: this is its least price), nothing of readfence's own around them. ``lower``
+    cannot be cheaper than this sum."""
     runner = _lower_runners(target())[0]
     step = example_step(cfg, M.DECODE, 2)
     low = lower(target(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
@@ -277,11 +278,18 @@ def checks_floor(cfg: ModelConfig, runs: int, dev: CpuDevice, watched_floor: flo
         low.run(batch).result(timeout=60)
         return _now() - start
 
-    eager(), replayed()  # warm
-    eager_s, replay_s = _median(eager, runs), _median(replayed, runs)
+    def rehearsed() -> float:
+        env = flatten_inputs(**example_step(cfg, M.DECODE, 2, seed=1).groups())
+        start = _now()
+        with torch.no_grad(), _RunsCalls(), _RunsOps():
+            run_program(low.program, env)
+        return _now() - start
+
+    eager(), replayed(), rehearsed()  # warm
+    eager_s, replay_s, rehearsal_s = _median(eager, runs), _median(replayed, runs), _median(rehearsed, runs)
     states = len(REPLAY_SEEDS)
-    return {"eager_step_s": eager_s, "lowered_step_s": replay_s,
-            "checks_floor_s": watched_floor + states * (eager_s + replay_s) + replay_s}
+    return {"eager_step_s": eager_s, "lowered_step_s": replay_s, "rehearsal_floor_s": rehearsal_s,
+            "checks_floor_s": watched_floor + states * (eager_s + replay_s) + rehearsal_s}
 
 
 def ratio(layers: int, runs: int, dev: CpuDevice) -> dict[str, Any]:
