@@ -115,7 +115,7 @@ class Template:
         made: list[fx.Node] = []
 
         def node_of(ref: _In | _Ref) -> fx.Node:
-            return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
+            return _node_of(ref, inputs, made)
 
         for target, args, kwargs, name, meta in self.nodes:
             node = add_node(graph, "call_function", target, _mapped(args, node_of),
@@ -137,6 +137,11 @@ class Template:
         from torch.fx._lazy_graph_module import _LazyGraphModule  # (its Python made only if it is called)
 
         return _LazyGraphModule(torch.nn.Module(), graph), self.returned
+
+
+def _node_of(ref: _In | _Ref, inputs: Mapping[int, fx.Node] | Sequence[fx.Node], made: Sequence[fx.Node]) -> fx.Node:
+    """The node a template's reference names: the segment's input, or a node the template wrote (``made``)."""
+    return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
 
 
 def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
@@ -396,5 +401,5 @@ def _splice(recorder: GraphRecorder, template: Template, inputs: Sequence[fx.Nod
     tensors = _outputs(out)
     assert tensors is not None and len(tensors) == len(template.outputs)
     for t, ref in zip(tensors, template.outputs, strict=True):
-        recorder.track(t, inputs[ref.index] if isinstance(ref, _In) else made[ref.index], NOTHING)
+        recorder.track(t, _node_of(ref, inputs, made), NOTHING)
 
