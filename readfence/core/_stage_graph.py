@@ -96,8 +96,8 @@ class Captured:
     # the stage reads the same memory again on the next call: a constant it keeps (an
     # indexer's weights), not a value it computed once while being traced
     persistent: bool = False
-    # the step writes its memory too: a buffer the backend keeps and fills (its own snapshot)
-    filled: bool = False
+    # the stages that write its memory too: a buffer the backend keeps and fills (its own snapshot)
+    filled_by: frozenset[str] = frozenset()
     # consumed only by the copy torch makes of a tensor literal (``lift_fresh_copy``): a
     # literal made while tracing is a fresh constant, but one built over memory the stage
     # keeps (``torch.tensor`` of a numpy mirror of a buffer) is copied from it on every run

@@ -82,6 +82,7 @@ from .tracing import Spliced as Spliced
 from .tracing import StaleCaptureError as StaleCaptureError
 from .tracing import Table as Table
 from .tracing import Template as Template
+from .tracing import UnkeptCaptureError as UnkeptCaptureError
 from .tracing import add_node as add_node
 from .tracing import bind_arguments as bind_arguments
 from .tracing import code_key as code_key
@@ -113,7 +114,7 @@ __all__ = [
     "PYTHON", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
-    "StaleCaptureError", "StaleTrace", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
+    "StaleCaptureError", "StaleTrace", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",
     "Witness",
 ]

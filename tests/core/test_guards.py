@@ -186,7 +186,7 @@ class _Stage:
 
         self.stage = BODY
         self.graph = types.SimpleNamespace(gm=types.SimpleNamespace(_tensor_constant0=tensor, graph=types.SimpleNamespace(nodes=[])))
-        self.analysis = types.SimpleNamespace(captured=[types.SimpleNamespace(target="_tensor_constant0")])
+        self.analysis = types.SimpleNamespace(captured=[types.SimpleNamespace(target="_tensor_constant0", filled_by=frozenset())])
 
 
 class Owner:

@@ -312,3 +312,30 @@ def test_a_correct_backend_over_aliased_memory_runs_what_its_python_computes(nam
 def test_every_policy_runs_the_validated_code(policy) -> None:
     equal, low = lowered_against_eager(_set_kept_handle(), policy=policy)
     assert equal and low.optimized
+
+
+def _padded_metadata() -> object:
+    """A metadata buffer allocated with ``torch.empty`` for the largest batch, its first rows written
+    and only those read (cu_seqlens-style padding): the tail holds whatever memory held."""
+
+    def prep(mode, shared, batch, meta):
+        page = page_meta(shared, batch)
+        n = page["kv_lens"].shape[0]
+        padded = torch.empty(CFG.max_reqs * 4, dtype=torch.float32)
+        padded[:n].copy_(page["kv_lens"].float())
+        return {**page, "padded": padded}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        return out + meta["padded"][: out.shape[0]].sum() * 1e-3
+
+    return leaf("padded_metadata", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+
+
+@pytest.mark.parametrize("policy", [Policy.COARSE, Policy.EXACT], ids=str)
+def test_a_padded_buffer_s_unwritten_tail_is_no_difference_between_a_capture_and_its_python(policy) -> None:
+    # the validation compares what the two runs computed: memory both leave unwritten holds the same
+    # fill in each (were it compared as left, a correct backend would be refused as not graph-safe)
+    equal, low = lowered_against_eager(_padded_metadata(), policy=policy)
+    assert equal and low.optimized

@@ -10,7 +10,10 @@ Every check compares the lowered run with the serial run of the backend as it is
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +23,7 @@ import torch
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
 from readfence.core import ForwardMode, StepInputs, audit, clear_trace_cache, run_step
-from readfence.core.internal import CACHES, StaleCaptureError, code_key
+from readfence.core.internal import CACHES, StaleCaptureError, UnkeptCaptureError, code_key
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
     LowerOptions,
@@ -285,16 +288,19 @@ class _Regrown:
     written out of the graph every step, read in the graph. ``how`` is how it grows the buffer:
     ``replace`` (a new tensor on ``self``), ``dict`` (a new tensor in a dict it keeps), ``resize``
     (``resize_`` in place; the body reads it through a shape taken from the buffer), ``global`` (a
-    module global rebound)."""
+    module global rebound), ``deque`` (a new tensor appended to a one-slot deque it keeps)."""
 
     def __init__(self, how: str) -> None:
         self.how = how
         self.lens = torch.zeros(1, dtype=torch.int64)
         self.meta = {"lens": torch.zeros(1, dtype=torch.int64)}
+        self.lens_queue = collections.deque([torch.zeros(1, dtype=torch.int64)], maxlen=1)
 
     def buffer(self) -> torch.Tensor:
         if self.how == "dict":
             return self.meta["lens"]
+        if self.how == "deque":
+            return self.lens_queue[-1]
         return _BUFFERS[id(self)] if self.how == "global" else self.lens
 
     def prepare_out_graph(self, mode, shared, batch):
@@ -308,6 +314,8 @@ class _Regrown:
                 self.meta["lens"] = grown
             elif self.how == "global":
                 _BUFFERS[id(self)] = grown
+            elif self.how == "deque":
+                self.lens_queue.append(grown)
             else:
                 self.lens.resize_(n)
         self.buffer()[:n].copy_(meta["kv_lens"])
@@ -329,7 +337,7 @@ def _regrown(how: str) -> Any:
     return leaf("regrown", kernel.attend, prepare_out_graph=kernel.prepare_out_graph, declare=DECLARED)
 
 
-GROWN = ["replace", "dict", "resize", "global"]
+GROWN = ["replace", "dict", "resize", "global", "deque"]
 TRAFFIC = Traffic(rate=1.0, prompt=(4, 8), output=(2, 6))
 
 
@@ -343,7 +351,7 @@ def test_the_serving_loop_never_replays_a_graph_over_a_buffer_regrown_since(how:
     assert res.matches(ref), res.first_difference(ref)
 
 
-@pytest.mark.parametrize("how", ["replace", "resize"])
+@pytest.mark.parametrize("how", ["replace", "resize", "deque"])
 def test_a_capture_list_lowers_again_the_sizes_whose_buffer_was_regrown(how: str, dev) -> None:
     backend = _regrown(how)
     graphs = lower_capture_list(backend, M.DECODE, [1, 2, 4], device=dev, policy=Policy.PER_BUFFER, cfg=CFG)
@@ -381,6 +389,78 @@ def test_a_lowered_graph_refuses_to_replay_over_a_buffer_regrown_since(how: str,
     with pytest.raises(StreamError) as refused:
         run.result(30.0)
     assert isinstance(refused.value.original, StaleCaptureError)
+
+
+class _Unkept(_Regrown):
+    """:class:`_Regrown`'s buffer kept where no walk of the backend's values finds it again: ``cache``
+    (a one-entry ``functools.lru_cache`` keyed by the size), ``thread`` (a ``threading.local``),
+    ``computed`` (an attribute whose name is built at run time), filled by ``prepare_out_graph``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(how)
+        self.local = threading.local()
+        self.sized = functools.lru_cache(maxsize=1)(lambda n: torch.zeros(n, dtype=torch.int64))
+        setattr(self, "".join(["kept", "_lens"]), torch.zeros(1, dtype=torch.int64))
+
+    def held(self, n: int) -> torch.Tensor:
+        if self.how == "cache":
+            return self.sized(n)
+        name = "".join(["kept", "_lens"])
+        now = getattr(self.local, "lens", None) if self.how == "thread" else getattr(self, name)
+        if now is None or now.shape[0] < n:
+            now = torch.zeros(n, dtype=torch.int64)
+            if self.how == "thread":
+                self.local.lens = now
+            else:
+                setattr(self, name, now)
+        return now
+
+    def prepare_out_graph(self, mode, shared, batch):
+        meta = page_meta(shared, batch)
+        self.held(meta["kv_lens"].shape[0])[: meta["kv_lens"].shape[0]].copy_(meta["kv_lens"])
+        return meta
+
+    def attend(self, mode, layer, q, k, v, pools, shared, batch, meta):
+        n = meta["kv_indices"].shape[0]
+        return _attention(pools, layer, batch, meta, mode, q, k, v, self.held(n)[:n])
+
+
+def _unkept(how: str) -> Any:
+    kernel = _Unkept(how)
+    return leaf("unkept", kernel.attend, prepare_out_graph=kernel.prepare_out_graph, declare=DECLARED)
+
+
+def _matches_eager(backend: Any, graphs: Any) -> bool:
+    """Whether every graph of ``graphs`` computes the serial step of ``backend`` on a fresh batch."""
+    same = []
+    for size in graphs:
+        low = graphs[size]
+        batch = _batch(low)
+        expected = run_step(backend, M.DECODE, low.cfg, StepInputs(
+            shared={k: v.clone() for k, v in low.shared.items()}, batch=batch,
+            pools={k: v.clone() for k, v in low.pools.items()}, params=low.params))
+        same.append(torch.equal(low.run(batch, step=0).result(30.0), expected))
+    return all(same)
+
+
+@pytest.mark.parametrize("how", ["cache", "thread", "computed"])
+def test_a_buffer_the_step_s_python_fills_kept_where_no_walk_finds_it_is_refused_under_every_policy(how, dev) -> None:
+    for policy in Policy:
+        with pytest.raises(UnkeptCaptureError) as refused:
+            lower(_unkept(how), M.DECODE, batch_size=2, device=dev, policy=policy, cfg=CFG)
+        assert refused.value.backend == "unkept" and refused.value.stage == "body"
+        assert "prepare_out_graph fills on every step" in str(refused.value)
+
+
+def test_an_unkept_buffer_the_refusal_lets_through_is_read_stale_by_a_smaller_size(dev, monkeypatch) -> None:
+    # the refusal off: the size-1 graph reads the buffer the size-4 lowering replaced (the serial step,
+    # an independent check, differs), so the refusal is what keeps it from running
+    from readfence.graph.lowering import _kept
+
+    monkeypatch.setattr(_kept, "kept_tensors", lambda *a: ())
+    backend = _unkept("cache")
+    graphs = lower_capture_list(backend, M.DECODE, [1, 4], device=dev, policy=Policy.COARSE, cfg=CFG)
+    assert not _matches_eager(backend, graphs)
 
 
 def test_a_backend_that_allocates_for_the_largest_batch_is_lowered_once_per_size(dev) -> None:

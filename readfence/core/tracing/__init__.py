@@ -48,6 +48,7 @@ from ._fx import add_node as add_node
 from ._fx import copy_graph as copy_graph
 from ._guards import KeptTensor as KeptTensor
 from ._guards import StaleCaptureError as StaleCaptureError
+from ._guards import UnkeptCaptureError as UnkeptCaptureError
 from ._guards import first_stale as first_stale
 from ._guards import kept_tensors as kept_tensors
 from ._guards import reach as reach
@@ -55,6 +56,7 @@ from ._kernel_access import KernelAccess as KernelAccess
 from ._kernel_ir import kernel_access as kernel_access
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
+from ._memory import defined_memory as defined_memory
 from ._memory import leaves as leaves
 from ._memory import meet_shared as meet_shared
 from ._memory import metadata_claim_holds as metadata_claim_holds
@@ -89,11 +91,11 @@ from ._triton import launches_unseen as launches_unseen
 __all__ = [
     "analyse", "bind", "bind_arguments", "BufferMap", "CACHES", "Caches", "CapturedStateError", "clear_trace_cache",
     "code_key", "CodeKey", "copy_graph", "DispatchMode", "first_stale", "is_launch_op", "kept_tensors", "KeptTensor",
-    "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
+    "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds", "defined_memory",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
     "SPLICED_KEY", "Spliced", "Template", "add_node",
-    "span_of", "StageWriteError", "StaleCaptureError", "state_key", "Table", "tensors_in", "torch_op", "unobserved",
+    "span_of", "StageWriteError", "StaleCaptureError", "state_key", "UnkeptCaptureError", "Table", "tensors_in", "torch_op", "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",
     "user_line", "view_claim_holds",
 ]

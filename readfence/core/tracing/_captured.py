@@ -22,7 +22,7 @@ from readfence.effects import ReadfenceError
 
 from .._modes import ForwardMode
 from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, MatchedOn, Owned, Shared, StageGraph, Unmatched
-from .._step import EAGER, Stage, StageOutputError, StepFunctions, eval_step, foreign_subclass
+from .._step import Stage, StageCall, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._dispatch import DispatchMode
 from ._memory import BufferMap, met_shared, span_of, tensors_in
 from ._schema import bind as bind_arguments
@@ -86,15 +86,21 @@ def _match(value: torch.Tensor, buffers: BufferMap, owned: BufferMap) -> Match:
 
 class _Consumed(DispatchMode):
     """Records the memory every op's tensor arguments span (to tell kept constants from
-    values a stage computed once), and the memory of the arguments it writes (a buffer the
-    step fills itself: the backend's own)."""
+    values a stage computed once), and, by the stage that wrote them, the memory of the
+    arguments it writes (a buffer the step fills itself: the backend's own). It is also the
+    interpreter the step is run with, so that each write is the stage's that made it."""
 
     supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
         self.spans: list[Any] = []
-        self.written: list[Any] = []
+        self.written: list[tuple[str, Any]] = []
+        self.stage = ""
+
+    def call(self, call: StageCall) -> Any:
+        self.stage = call.stage.name
+        return call()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -107,7 +113,8 @@ class _Consumed(DispatchMode):
         aliasing = op_aliasing(func)
         if aliasing is not None and aliasing.writes:
             values = bind_arguments(func, args, kwargs)
-            self.written += [sp for i in aliasing.writes for t in tensors_in(values[i]) if (sp := span_of(t)) is not None]
+            self.written += [(self.stage, sp) for i in aliasing.writes for t in tensors_in(values[i])
+                             if (sp := span_of(t)) is not None]
         return func(*args, **kwargs)
 
 
@@ -128,25 +135,26 @@ def _kept(value: torch.Tensor) -> Foreign | Constant:
 
 
 def mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mapping[str, Any]) -> list[StageGraph]:
-    """The stages with their unmatched captured tensors marked ``persistent`` and ``filled``: the
-    step run once more, eagerly, a captured tensor whose memory it reads again is a constant the
-    backend keeps; one it does not read again was computed for that one call."""
+    """The stages with their unmatched captured tensors marked ``persistent`` and ``filled_by``:
+    the step run once more, eagerly, a captured tensor whose memory it reads again is a constant
+    the backend keeps; one it does not read again was computed for that one call; the stages
+    that write its memory fill it."""
     consumed = _Consumed()
     with consumed:
-        eval_step(EAGER, fns, groups)
+        eval_step(consumed, fns, groups)
     marked = []
     for s in stages:
         captured = []
         for c in s.analysis.captured:
             span = span_of(getattr(s.graph.gm, c.target))
             again = span is not None and any(span.overlaps(other) for other in consumed.spans)
-            filled = span is not None and any(span.overlaps(other) for other in consumed.written)
+            filled = frozenset(stage for stage, other in consumed.written if span is not None and span.overlaps(other))
             if not isinstance(c.matches, Unmatched):
                 captured.append(c)
                 continue
             # read again on the next call: the backend's own, unless its memory is a known state's
             kept = _kept(getattr(s.graph.gm, c.target)) if again else Unmatched()
-            captured.append(attrs.evolve(c, persistent=again, filled=filled,
+            captured.append(attrs.evolve(c, persistent=again, filled_by=filled,
                                          matches=kept if isinstance(kept, Constant) else c.matches))
         marked.append(attrs.evolve(s, analysis=attrs.evolve(s.analysis, captured=tuple(captured))))
     return marked

@@ -13,7 +13,7 @@ and following only what some code on the way names (:func:`reach`):
 * a bound method: its object and function; a ``functools.partial``: its function and arguments;
   a property, a static or class method, a ``__wrapped__`` function: what it wraps;
 * a module, a class and its bases, an object's ``__dict__`` or slots: the entries whose names some
-  reached code names; a list, tuple, dict or set: every item;
+  reached code names; a list, tuple, deque, dict or set: every item;
 * a tensor: its identity, storage, shape, strides and dtype, never its values (the step's data);
   a number, string, enum member or torch dtype: its value;
 * a triton kernel (``@triton.jit``, ``autotune``, ``heuristics``, interpreted or not): its identity
@@ -41,6 +41,7 @@ environment), it cannot see: :attr:`Settings.complete` says whether it stopped e
 
 from __future__ import annotations
 
+import collections
 import dis
 import functools
 import types
@@ -311,7 +312,7 @@ class _Walk:
         self.entries.append((path, (type(v).__name__,)))
         self.visit(getattr(v, attr), path.then("attr", attr), d)
 
-    def _sequence(self, v: list[Any] | tuple[Any, ...], path: Path, d: int) -> None:
+    def _sequence(self, v: list[Any] | tuple[Any, ...] | collections.deque[Any], path: Path, d: int) -> None:
         self.entries.append((path, (type(v).__name__, len(v))))
         for i, x in enumerate(v):
             self.visit(x, path.then("item", i), d)
@@ -395,6 +396,23 @@ class StaleCaptureError(ReadfenceError, ValueError):
             f"its largest size before lowering")
 
 
+class UnkeptCaptureError(ReadfenceError, ValueError):
+    """A graph would capture a tensor that the step's Python fills on every step (a metadata buffer
+    the backend keeps) but that the backend keeps nowhere the walk of its values can look: whether
+    the backend later replaces it (a cache that evicts, a thread-local, a name built at run time)
+    cannot be checked, and a replay would then read the old buffer."""
+
+    def __init__(self, backend: str, stage: str, shape: tuple[int, ...], filled_by: str) -> None:
+        self.backend, self.stage = backend, stage
+        super().__init__(
+            f"backend {backend!r}: stage {stage} would capture a tensor of shape {shape} that the Python of stage "
+            f"{filled_by} fills on every step, kept where readfence cannot find it again (not an attribute, closure, "
+            f"global, default or container item that the backend's code names: e.g. a functools.lru_cache entry, a "
+            f"threading.local, a getattr with a computed name): were the backend to replace it, a replay would read "
+            f"the old buffer unseen. Keep it on the backend object (or in a list or dict its code names), or return "
+            f"it from prepare_out_graph")
+
+
 @attrs.frozen(eq=False)
 class KeptTensor:
     """A tensor a graph captured (``stage``, its ``target`` in the graph), every place the backend
@@ -415,6 +433,7 @@ class KeptTensor:
     homes: tuple[tuple[Path, bool], ...]
     layout: tuple[Any, ...]
     repointed: bool = False
+    filled_by: frozenset[str] = frozenset()  # the stages whose run writes its memory
 
     def stale(self, backend: object) -> str | None:
         """How the tensor changed since, seen from ``backend``: ``None`` when the graph still
@@ -454,7 +473,7 @@ def kept_tensors(stages: Any, found: Reach) -> tuple[KeptTensor, ...]:
             t = getattr(s.graph.gm, c.target, None)
             if isinstance(t, torch.Tensor):
                 out.append(KeptTensor(s.stage.name, c.target, t, found.homes(t), tensor_layout(t),
-                                      repointed=c.target in _repointed(s.graph.gm)))
+                                      repointed=c.target in _repointed(s.graph.gm), filled_by=c.filled_by))
     return tuple(out)
 
 
@@ -475,5 +494,5 @@ def first_stale(kept: tuple[KeptTensor, ...], backend: object) -> tuple[KeptTens
     return None
 
 
-__all__ = ["DEPTH", "GONE", "LIMIT", "KeptTensor", "Path", "Reach", "Settings", "StaleCaptureError", "code_names",
+__all__ = ["DEPTH", "GONE", "LIMIT", "KeptTensor", "Path", "Reach", "Settings", "StaleCaptureError", "UnkeptCaptureError", "code_names",
            "first_stale", "kept_tensors", "reach", "tensor_layout"]

@@ -211,7 +211,7 @@ def metadata_claim_holds(outputs: Any, templates: Sequence[torch.Tensor],
         if mine is not None and any(mine.overlaps(s) for s in spans):
             return False
     devices = sorted({t.device.index or 0 for t in templates if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), _defined_memory():
+    with torch.random.fork_rng(devices=devices), defined_memory():
         state = random_state(devices)
         same = rerun(templates)
         set_random_state(state, devices)
@@ -219,14 +219,20 @@ def metadata_claim_holds(outputs: Any, templates: Sequence[torch.Tensor],
     return _same(same, other)
 
 
-_FILL_LOCK = threading.Lock()
+_FILL_LOCK = threading.RLock()  # (a run inside may check an op's claim: the same thread enters again)
 
 
 @contextlib.contextmanager
-def _defined_memory() -> Iterator[None]:
-    """Memory torch allocates uninitialised (``empty_like``, ``new_empty``) filled with a fixed value
-    (NaN, the dtype's largest) while inside: torch does so under deterministic algorithms, which are
-    switched on here, warning rather than failing, and put back as they were."""
+def defined_memory() -> Iterator[None]:
+    """Memory torch allocates uninitialised (``torch.empty``, ``empty_like``, ``new_empty``) filled
+    with a fixed value (NaN, the dtype's largest) while inside: torch does so under deterministic
+    algorithms, which are switched on here, warning rather than failing, and put back as they were.
+    Two runs compared inside then differ only where what they computed does.
+
+    >>> with defined_memory():
+    ...     torch.empty(2).isnan().all().item()
+    True
+    """
     with _FILL_LOCK:
         was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ by value, by layout, as code to follow, as a namespace walked by name, or by ide
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import os
@@ -63,7 +64,7 @@ def _classify(kind: type) -> str:
         how = "partial"
     elif issubclass(kind, tuple(_WRAPPERS)):
         how = "wrapper"
-    elif issubclass(kind, (list, tuple)):
+    elif issubclass(kind, (list, tuple, collections.deque)):  # (a deque indexes as a list does)
         how = "sequence"
     elif issubclass(kind, dict):
         how = "mapping"

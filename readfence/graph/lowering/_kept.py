@@ -12,14 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from readfence.core import BackendLike, Program
-from readfence.core.internal import KeptTensor, StaleCaptureError, first_stale, kept_tensors, reach
+from readfence.core.internal import KeptTensor, StaleCaptureError, UnkeptCaptureError, first_stale, kept_tensors, reach
 
 
 def captured_kept(backend: BackendLike, program: Program) -> tuple[KeptTensor, ...]:
     """The tensors the stages that replay a compiled graph captured (a stage that runs its Python
-    reads what the backend keeps now), and where the backend keeps each."""
+    reads what the backend keeps now), and where the backend keeps each. Refuses
+    (``UnkeptCaptureError``) one that the Python of a stage run in the step fills but that is kept
+    nowhere the walk finds: its replacement could not be seen."""
     replayed_stages = [s for s in program.stages if not s.runs_python and s.analysis.captured]
-    return kept_tensors(replayed_stages, reach(backend, "backend")) if replayed_stages else ()
+    kept = kept_tensors(replayed_stages, reach(backend, "backend")) if replayed_stages else ()
+    python = {s.stage.name for s in program.stages if s.runs_python}
+    for k in kept:
+        if not k.homes and k.filled_by & python:
+            raise UnkeptCaptureError(backend.name, k.stage, tuple(k.tensor.shape), min(k.filled_by & python))
+    return kept
 
 
 def stale_capture(kept: tuple[KeptTensor, ...], backend: BackendLike, label: str) -> StaleCaptureError | None:
