@@ -204,8 +204,7 @@ class _Comparing:
             return call()
         names, leaves, _ = call.named_leaves()
         env = {n: v for n, v in zip(names, leaves) if isinstance(v, Tensor)}
-        held = [(f"captured {c.target}", getattr(graph.graph.gm, c.target)) for c in graph.analysis.captured]
-        memory = _Memory([*env.items(), *held])
+        memory = _Memory([*env.items(), *self._held(graph)])
         before = memory.save(self.scratch)
         with _same_randomness(env.values()) as rewind:  # the replay, then the Python, on the same memory
             replayed = {k: v.clone() for k, v in self.replay(graph, env).items()}
@@ -225,6 +224,15 @@ class _Comparing:
         if changed is not None:
             self.mismatch = (graph, changed, "other bytes than its Python writes there")
         return out
+
+    def _held(self, graph: StageGraph) -> list[tuple[str, Tensor]]:
+        """The tensors ``graph`` captured, and those another captured stage's graph captured that a
+        run of this stage's Python writes (a buffer the stage made on its traced call and keeps for
+        the next stage: its graph makes a new one at every replay, which the next graph never reads)."""
+        name = graph.stage.name
+        return [(f"captured {c.target}" + ("" if s is graph else f" of stage {s.stage.name}"), getattr(s.graph.gm, c.target))
+                for s in self.program.stages if not s.runs_python
+                for c in s.analysis.captured if s is graph or name in c.filled_by]
 
 
 def _node_key(node: fx.Node, index: Mapping[fx.Node, int], gm: fx.GraphModule, state: frozenset[str]) -> tuple[Any, ...]:

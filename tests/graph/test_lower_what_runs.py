@@ -20,6 +20,7 @@ case is shown three ways:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -29,7 +30,7 @@ import torch
 import readfence.graph.lowering._fx_memory as fx_memory
 import readfence.graph.lowering._lower as lowering
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import SHARED_BUFFERS, ForwardMode, StepInputs, run_step
+from readfence.core import SHARED_BUFFERS, ForwardMode, NotGraphSafe, StepInputs, run_step
 from readfence.graph import CpuDevice, Policy, Scheduler, lower
 from tests.conftest import SMALL as CFG
 from tests.conftest import first_of_each
@@ -339,3 +340,56 @@ def test_a_padded_buffer_s_unwritten_tail_is_no_difference_between_a_capture_and
     # fill in each (were it compared as left, a correct backend would be refused as not graph-safe)
     equal, low = lowered_against_eager(_padded_metadata(), policy=policy)
     assert equal and low.optimized
+
+
+# -- a buffer an in-graph stage makes on its first call and keeps for the body -----------------------
+class _MadeOnFirstCall:
+    """``prepare_in_graph`` fills a lengths buffer the body reads, kept between the two (``how``): on
+    ``self`` (``attribute``), in a dict (``dict``), in a one-entry ``functools.lru_cache``
+    (``cache``), made on the first call (the trace's: its graph makes a new one at every replay,
+    while the body's graph captured the first); ``made_before`` makes it in ``__init__``."""
+
+    def __init__(self, how: str, made_before: bool = False) -> None:
+        self.how, self.slots = how, {}
+        self.ws = torch.zeros(CFG.max_reqs, dtype=torch.int64) if made_before else None
+        self.sized = functools.lru_cache(maxsize=1)(lambda n: torch.zeros(n, dtype=torch.int64))
+
+    def buffer(self) -> torch.Tensor:
+        if self.how == "cache":
+            return self.sized(CFG.max_reqs)
+        if self.how == "dict":
+            return self.slots.setdefault("lens", torch.zeros(CFG.max_reqs, dtype=torch.int64))
+        if self.ws is None:
+            self.ws = torch.zeros(CFG.max_reqs, dtype=torch.int64)
+        return self.ws
+
+    def prepare_in_graph(self, mode, shared, batch, meta):
+        page = page_meta(shared, batch)
+        self.buffer()[: page["kv_lens"].shape[0]].copy_(page["kv_lens"])
+        return page
+
+    def attend(self, mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        n = meta["kv_indices"].shape[0]
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], self.buffer()[:n])
+
+
+def _made_on_first_call(how: str, made_before: bool = False) -> object:
+    kernel = _MadeOnFirstCall(how, made_before)
+    return leaf(f"made_{how}", kernel.attend, prepare_in_graph=kernel.prepare_in_graph,
+                reads=["req_to_token", "seq_lens"])
+
+
+@pytest.mark.parametrize("how", ["attribute", "dict", "cache"])
+def test_a_buffer_an_in_graph_stage_made_on_its_traced_call_is_refused_and_its_replay_differs(how, monkeypatch) -> None:
+    with CpuDevice(timeout=T) as dev, pytest.raises(NotGraphSafe) as refused:
+        lower(_made_on_first_call(how), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG)
+    assert refused.value.stage == "prepare_in_graph" and "of stage body" in refused.value.output
+    with no_validation(monkeypatch):  # the refusal off: the body's graph reads a buffer no replay writes
+        equal, _ = lowered_against_eager(_made_on_first_call(how))
+    assert not equal
+
+
+def test_a_buffer_made_before_the_trace_and_filled_in_the_graph_runs_what_its_python_computes() -> None:
+    equal, _ = lowered_against_eager(_made_on_first_call("attribute", made_before=True))
+    assert equal

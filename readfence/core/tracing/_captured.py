@@ -150,7 +150,7 @@ def mark_persistent(stages: list[StageGraph], fns: StepFunctions, groups: Mappin
             again = span is not None and any(span.overlaps(other) for other in consumed.spans)
             filled = frozenset(stage for stage, other in consumed.written if span is not None and span.overlaps(other))
             if not isinstance(c.matches, Unmatched):
-                captured.append(c)
+                captured.append(attrs.evolve(c, filled_by=filled))
                 continue
             # read again on the next call: the backend's own, unless its memory is a known state's
             kept = _kept(getattr(s.graph.gm, c.target)) if again else Unmatched()
