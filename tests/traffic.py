@@ -57,6 +57,18 @@ def stale_rows(shared: Mapping[str, Tensor], batch: Mapping[str, Tensor], max_ct
     return lens[lens > 0].numel() > batch["req_pool_indices"].numel()
 
 
+def middle_length(shared: Mapping[str, Tensor], batch: Mapping[str, Tensor], max_ctx: int) -> bool:
+    # a split-KV style bucket: the batch's longest length neither short nor long
+    lens = batch["positions"] + 1
+    return bool(lens[lens > 2].numel()) and not lens[lens > (2 * max_ctx) // 3].numel()
+
+
+def pad_token(shared: Mapping[str, Tensor], batch: Mapping[str, Tensor], max_ctx: int) -> bool:
+    # a padding row's token (id 0), as a graph captured for a larger batch runs a smaller one
+    ids = batch["input_ids"]
+    return bool(ids[ids == 0].numel())
+
+
 Condition = Callable[[Mapping[str, Tensor], Mapping[str, Tensor], int], bool]
 
 
@@ -100,6 +112,8 @@ def out_of_graph_cases(max_ctx: int) -> dict[str, Callable[[bool], Any]]:
         "longest_context": lambda honest: out_of_graph("longest_context", at_longest, max_ctx, honest=honest),
         "reused_slot": lambda honest: out_of_graph("reused_slot", stale_rows, max_ctx, hidden="state_slots",
                                                    honest=honest),
+        "middle_length": lambda honest: out_of_graph("middle_length", middle_length, max_ctx, honest=honest),
+        "pad_token": lambda honest: out_of_graph("pad_token", pad_token, max_ctx, hidden="state_slots", honest=honest),
     }
 
 

@@ -437,9 +437,10 @@ def varied_step(
     * seed 2, ``longest_context``: every request at the longest context, rows from the top down;
     * seed 3, ``mixed_batch``: a mixed batch, as a prefill batch always is and a decode batch is
       once a request finished and its row was reused: requests at their first tokens and others
-      deep in context side by side, in random rows, with stale rows of finished requests; with 3
-      or more requests its last two are padding (one row, twice, at its first tokens), as a graph
-      captured for a larger batch runs a smaller one;
+      into their context side by side (the deepest at the middle of the context: its longest
+      length is the first tokens' nor the longest context's), in random rows, with stale rows of
+      finished requests; with 3 or more requests its last two are padding (one row, twice, at its
+      first tokens, token id 0), as a graph captured for a larger batch runs a smaller one;
     * any other seed: a random one of the three, with random rows and depths.
 
     From seed 2 on the page table, sliding-window map and state-slot map are permuted too
@@ -471,13 +472,14 @@ def varied_step(
         TRAFFIC_STATES[int(torch.randint(0, len(TRAFFIC_STATES), (1,), generator=g))]
     random = not 1 <= seed <= len(TRAFFIC_STATES)
     rows = torch.randperm(cfg.max_reqs, generator=g).tolist()
+    pad = 0
     if kind == "first_tokens":
         reqs, prefix = (rows[:batch_size], [0] * batch_size) if random else (list(range(batch_size)), [0] * batch_size)
     elif kind == "longest_context":
         top = list(range(cfg.max_reqs - 1, cfg.max_reqs - 1 - batch_size, -1))
         reqs, prefix = (rows[:batch_size] if random else top), [span - 1] * batch_size
     else:
-        reqs, prefix = _mixed(rows, batch_size, span, g)
+        reqs, prefix, pad = _mixed(rows, batch_size, span, g)
     shared = make_shared_state(cfg, device=device)
     slots = None
     if seed != 1:  # other bijections: a slot, a window slot, a state slot of another layout
@@ -490,22 +492,29 @@ def varied_step(
         stale = torch.tensor([r for r in range(cfg.max_reqs) if r not in reqs], dtype=torch.int64)
         lens = torch.randint(1, cfg.max_ctx + 1, (len(stale),), generator=g, dtype=torch.int32)
         shared["seq_lens"].index_copy_(0, _on(device, stale), _on(device, lens))
-    return _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots, parts=parts)
+    step = _step_of(cfg, mode, reqs, prefix, shared, seed=seed, device=device, slots=slots, parts=parts)
+    if pad:  # padding rows carry the pad id, as engines fill them
+        step.batch["input_ids"][(batch_size - pad) * tokens_per_request(mode):] = 0
+    return step
 
 
-def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int]]:
-    """Rows and prefix lengths of a mixed batch: half its requests (rounded up) new, the others
-    at random depths, in a random order; with 3 or more, the last two are padding (one row, at
-    its first tokens, twice)."""
+def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int], int]:
+    """Rows and prefix lengths of a mixed batch, and its number of padding requests: half its requests (rounded up) new, the others
+    at random depths up to the middle of the context, the first of them at the middle (the
+    batch's longest length is then neither the first tokens' nor the longest context's: a bucket
+    between the two is taken), in a random order; with 3 or more, the last two are padding (one
+    row, at its first tokens, twice)."""
     pad = 2 if batch_size >= 3 else 0
     real = batch_size - pad
     new = (real + 1) // 2 if real > 1 else 0
-    depths = torch.randint(1, max(span, 2), (real,), generator=g).clamp(max=span - 1).tolist()
+    middle = max((span - 1) // 2, 1)
+    depths = torch.randint(1, middle + 1, (real,), generator=g).tolist()
+    depths[new:new + 1] = [middle] * (real > new)
     prefix = [0] * new + depths[new:]
     order = torch.randperm(real, generator=g).tolist()
     prefix = [prefix[i] for i in order]
     reqs = rows[:real]
-    return reqs + [rows[real]] * pad, prefix + [0] * pad
+    return reqs + [rows[real]] * pad, prefix + [0] * pad, pad
 
 
 def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,

@@ -154,11 +154,15 @@ def _slow_but_first(names):
     return [pytest.param(n, marks=[] if i == 0 else [pytest.mark.slow]) for i, n in enumerate(names)]
 
 
-@pytest.mark.parametrize("name", _slow_but_first(list(traffic.out_of_graph_cases(CFG.max_ctx))))
+#: (a batch-size-1 example is at a middle length: its trace takes that path, no varied state is needed)
+_VARIED_ONLY = [n for n in traffic.out_of_graph_cases(CFG.max_ctx) if n != "middle_length"]
+
+
+@pytest.mark.parametrize("name", _slow_but_first(_VARIED_ONLY))
 def test_a_read_the_out_of_graph_stage_makes_only_on_some_traffic_is_refused(name) -> None:
     make = traffic.out_of_graph_cases(CFG.max_ctx)[name]
     bad = audit(make(False), M.DECODE, cfg=CFG).failure()
-    hidden = "state_slots" if name == "reused_slot" else "seq_lens"
+    hidden = "state_slots" if name in ("reused_slot", "pad_token") else "seq_lens"
     assert (bad.buffer, bad.declared, bad.observed, bad.reader[0]) == (hidden, ReadEnd.NONE, ReadEnd.PRE_REPLAY,
                                                                         PREPARE_OUT_GRAPH.name), bad.message
     assert "stage prepare_out_graph's Python read it on a varied state" in bad.message, bad.message

@@ -27,6 +27,8 @@ RUNS = {
     "mixed_batch": ({"steps": 8, "finish_prob": 0.3}, "seq_lens"),
     "longest_context": ({"steps": CFG.max_ctx, "finish_prob": 0.0, "batch_size": 2}, "seq_lens"),
     "reused_slot": ({"steps": 8, "finish_prob": 0.3}, "state_slots"),
+    "middle_length": ({"steps": 8, "finish_prob": 0.3}, "seq_lens"),
+    "pad_token": ({"steps": 8, "finish_prob": 0.3}, "state_slots"),
 }
 
 
