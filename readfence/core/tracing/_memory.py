@@ -226,23 +226,26 @@ _FILL_LOCK = threading.RLock()  # (a run inside may check an op's claim: the sam
 def defined_memory() -> Iterator[None]:
     """Memory torch allocates uninitialised (``torch.empty``, ``empty_like``, ``new_empty``) filled
     with a fixed value (NaN, the dtype's largest) while inside: torch does so under deterministic
-    algorithms, which are switched on here, warning rather than failing, and put back as they were.
-    Two runs compared inside then differ only where what they computed does.
+    algorithms, which are switched on here (warning rather than failing, where they were off) and
+    put back as they were. Two runs compared inside then differ only where what they computed does.
+    (The debug-mode switch, not ``use_deterministic_algorithms``: that one imports the compiler.)
 
     >>> with defined_memory():
     ...     torch.empty(2).isnan().all().item()
     True
     """
     with _FILL_LOCK:
-        was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+        mode, fill = torch.get_deterministic_debug_mode(), torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+        if mode == 0:
+            torch.set_deterministic_debug_mode(1)
+        if not fill:
+            torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
         try:
             yield
         finally:
-            torch.use_deterministic_algorithms(was, warn_only=warn_only)
-            torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
+            torch.set_deterministic_debug_mode(mode)
+            if not fill:
+                torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 
 def _twin(t: torch.Tensor) -> torch.Tensor:
