@@ -60,7 +60,7 @@ from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig
 from ._step import PREPARE_IN_GRAPH, Stage
-from .tracing import StageWriteError, bind
+from .tracing import StageWriteError, bind, random_kept
 
 
 def escape_note(stage: Stage) -> str:
@@ -246,6 +246,7 @@ def _plan(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig | None, batc
     return _Plan({"cfg": cfg, "device": device}, sizes, observe_steps if device == "cpu" else 0, varied, tuple(order))
 
 
+@random_kept()  # (the user's program draws next what it would have drawn without the audit)
 def audit_report(
     backend: BackendLike,
     mode: ForwardMode,
@@ -281,6 +282,7 @@ def _tree(plan: _Plan, backend: BackendLike, mode: ForwardMode, state: Mapping[s
     return top
 
 
+@random_kept()
 def audit_failure(
     backend: BackendLike,
     mode: ForwardMode,

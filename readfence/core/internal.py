@@ -93,6 +93,7 @@ from .tracing import kept_tensors as kept_tensors
 from .tracing import launches_unseen as launches_unseen
 from .tracing import not_user_code as not_user_code
 from .tracing import op_aliasing as op_aliasing
+from .tracing import random_kept as random_kept
 from .tracing import reach as reach
 from .tracing import span_of as span_of
 from .tracing import state_key as state_key
@@ -111,7 +112,7 @@ __all__ = [
     "KeptTensor", "late_read_fix", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
-    "PYTHON", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
+    "PYTHON", "random_kept", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",

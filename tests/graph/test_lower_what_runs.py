@@ -30,8 +30,8 @@ import torch
 import readfence.graph.lowering._fx_memory as fx_memory
 import readfence.graph.lowering._lower as lowering
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import SHARED_BUFFERS, ForwardMode, NotGraphSafe, StepInputs, run_step
-from readfence.graph import CpuDevice, Policy, Scheduler, lower
+from readfence.core import SHARED_BUFFERS, ForwardMode, NotGraphSafe, StepInputs, audit, run_step
+from readfence.graph import CpuDevice, Policy, Scheduler, lower, run_overlapped, run_serial
 from tests.conftest import SMALL as CFG
 from tests.conftest import first_of_each
 
@@ -393,3 +393,31 @@ def test_a_buffer_an_in_graph_stage_made_on_its_traced_call_is_refused_and_its_r
 def test_a_buffer_made_before_the_trace_and_filled_in_the_graph_runs_what_its_python_computes() -> None:
     equal, _ = lowered_against_eager(_made_on_first_call("attribute", made_before=True))
     assert equal
+
+
+# -- readfence's own runs draw no random numbers the program would draw ----------------------------
+def _sampling(how: str) -> object:
+    """A leaf whose attention output gets a little noise drawn from torch's global generator."""
+
+    def noise(out, meta):
+        if how == "rand":
+            return torch.rand(1) * 1e-3
+        return torch.nn.functional.dropout(out, p=0.5, training=True) * 1e-3
+
+    return _backend(f"sampling_{how}", noise)
+
+
+@pytest.mark.parametrize("how", ["rand", "dropout"])
+def test_lowering_and_auditing_leave_the_random_generator_where_the_program_left_it(how) -> None:
+    before = torch.get_rng_state()
+    assert audit(_sampling(how), M.DECODE, cfg=CFG).map(lambda r: r.sound).value_or(False)
+    with CpuDevice(timeout=T) as dev:
+        lower(_sampling(how), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.EXACT, cfg=CFG)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(0)
+    serial = run_serial(_sampling(how), M.DECODE, steps=3, batch_size=BATCH, cfg=CFG)
+    for policy in (Policy.COARSE, Policy.EXACT):  # the loop's steps draw what the serial steps drew
+        torch.manual_seed(0)
+        with CpuDevice(timeout=T) as dev:
+            run = run_overlapped(_sampling(how), M.DECODE, steps=3, policy=policy, device=dev, batch_size=BATCH, cfg=CFG)
+        assert run.matches(serial), policy

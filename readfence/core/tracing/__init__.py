@@ -60,6 +60,7 @@ from ._memory import defined_memory as defined_memory
 from ._memory import leaves as leaves
 from ._memory import meet_shared as meet_shared
 from ._memory import metadata_claim_holds as metadata_claim_holds
+from ._memory import random_kept as random_kept
 from ._memory import random_state as random_state
 from ._memory import same_values as same_values
 from ._memory import set_random_state as set_random_state
@@ -91,11 +92,13 @@ from ._triton import launches_unseen as launches_unseen
 __all__ = [
     "analyse", "bind", "bind_arguments", "BufferMap", "CACHES", "Caches", "CapturedStateError", "clear_trace_cache",
     "code_key", "CodeKey", "copy_graph", "DispatchMode", "first_stale", "is_launch_op", "kept_tensors", "KeptTensor",
-    "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds", "defined_memory",
+    "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
+    "defined_memory", "random_kept",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
     "SPLICED_KEY", "Spliced", "Template", "add_node",
-    "span_of", "StageWriteError", "StaleCaptureError", "state_key", "UnkeptCaptureError", "Table", "tensors_in", "torch_op", "unobserved",
+    "span_of", "StageWriteError", "StaleCaptureError", "state_key", "UnkeptCaptureError", "Table", "tensors_in", "torch_op",
+    "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",
     "user_line", "view_claim_holds",
 ]

@@ -257,6 +257,26 @@ def _twin(t: torch.Tensor) -> torch.Tensor:
     return twin.logical_not_() if t.dtype is torch.bool else twin.add_(1)
 
 
+@contextlib.contextmanager
+def random_kept() -> Iterator[None]:
+    """The random number generators (the CPU's, every visible CUDA device's) put back as they were
+    when the block ends: readfence's own runs of a step's code (traces, observers, validations,
+    rehearsals) draw nothing the user's program would draw next. Also a decorator.
+
+    >>> before = torch.get_rng_state()
+    >>> with random_kept():
+    ...     _ = torch.rand(3)
+    >>> torch.equal(torch.get_rng_state(), before)
+    True
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    state = random_state(devices)
+    try:
+        yield
+    finally:
+        set_random_state(state, devices)
+
+
 def random_state(devices: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The CPU generator's state and those of the CUDA ``devices``: what :func:`set_random_state`
     puts back, so that a second run draws the numbers the first one drew."""

@@ -87,6 +87,7 @@ from readfence.core.internal import (
     ledger_of,
     make_pools,
     positive_int,
+    random_kept,
     replayed,
     validate_replay,
     varied_states,
@@ -318,6 +319,7 @@ def make_state(cfg: ModelConfig, device: Device | str = "cpu") -> dict[str, dict
 
 
 @names_keywords
+@random_kept()  # (the step's runs here draw nothing the loop's steps would draw)
 def lower(
     backend: BackendLike,
     mode: ForwardMode,
