@@ -108,6 +108,12 @@ class Captured:
         return frozenset(self.matches.buffers) if isinstance(self.matches, Shared) else frozenset()
 
     @property
+    def of_another_state(self) -> bool:
+        """Whether its memory is a shared buffer of another state than the one last matched
+        against: wherever the step reads it, the fences of the state given do not guard it."""
+        return isinstance(self.matches, Foreign)
+
+    @property
     def usable(self) -> bool:
         """Memory the step really uses on every call: a live shared buffer, pool or parameter,
         or a constant the stage keeps (persistent, and no part of the example state)."""

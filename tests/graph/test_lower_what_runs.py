@@ -30,8 +30,10 @@ import torch
 import readfence.graph.lowering._fx_memory as fx_memory
 import readfence.graph.lowering._lower as lowering
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import SHARED_BUFFERS, ForwardMode, NotGraphSafe, StepInputs, audit, run_step
+from readfence.core import SHARED_BUFFERS, CapturedStateError, ForwardMode, NotGraphSafe, StepInputs, audit, run_step
+from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, Scheduler, lower, run_overlapped, run_serial
+from readfence.graph.lowering import UnsoundLowering
 from tests.conftest import SMALL as CFG
 from tests.conftest import first_of_each
 
@@ -421,3 +423,41 @@ def test_lowering_and_auditing_leave_the_random_generator_where_the_program_left
         with CpuDevice(timeout=T) as dev:
             run = run_overlapped(_sampling(how), M.DECODE, steps=3, policy=policy, device=dev, batch_size=BATCH, cfg=CFG)
         assert run.matches(serial), policy
+
+
+# -- a view of a shared buffer an earlier stage keeps on an object for the body -------------------------
+def _kept_view(mode: ForwardMode, end: object) -> object:
+    """``prepare_out_graph`` keeps a view of the lengths on an object; the body reads through it."""
+
+    class Plan:
+        lens: torch.Tensor | None = None
+
+    plan = Plan()
+
+    def out(mode, shared, batch):
+        plan.lens = shared["seq_lens"][:]
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = plan.lens.index_select(0, batch["req_pool_indices"]).long()
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+
+    effect = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": end})
+    return leaf(f"kept_view_{mode.name.lower()}", attend, prepare_out_graph=out, declare={mode: effect})
+
+
+def test_a_view_kept_for_the_body_of_a_step_that_runs_its_python_is_lowered_and_runs_as_serial() -> None:
+    serial = run_serial(_kept_view(M.EXTEND, ReadEnd.POST_REPLAY), M.EXTEND, steps=3, batch_size=BATCH, cfg=CFG)
+    for policy in (Policy.PER_BUFFER, Policy.EXACT):  # nothing is replayed: the body reads what the hook kept now
+        with CpuDevice(timeout=T) as dev:
+            run = run_overlapped(_kept_view(M.EXTEND, ReadEnd.POST_REPLAY), M.EXTEND, steps=3, policy=policy,
+                                 device=dev, batch_size=BATCH, cfg=CFG)
+        assert run.matches(serial) and run.violations == (), policy
+    with CpuDevice(timeout=T) as dev:
+        with pytest.raises(UnsoundLowering, match="'seq_lens' ends at PRE_REPLAY"):  # the read counts all the same
+            lower(_kept_view(M.EXTEND, ReadEnd.PRE_REPLAY), M.EXTEND, batch_size=BATCH, device=dev,
+                  policy=Policy.PER_BUFFER, cfg=CFG)
+        with pytest.raises(CapturedStateError, match="trace-time state"):  # a replayed body would read the trace's view
+            lower(_kept_view(M.DECODE, ReadEnd.POST_REPLAY), M.DECODE, batch_size=BATCH, device=dev,
+                  policy=Policy.COARSE, cfg=CFG)

@@ -557,10 +557,13 @@ def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode:
 def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, batch_size: int, device: Device,
                      state: Mapping[str, Mapping[str, Tensor]], graphed: bool) -> Program:
     """The traced step bound to the live ``state``; refuses what no fence can make correct:
-    captured trace-time state (stale whatever the policy) and, on a device whose graphs
-    capture kernels rather than Python, an in-graph stage that escapes the tracer."""
+    trace-time state a replayed graph captured (stale whatever the policy: a stage that runs its
+    Python reads what its code reaches now), another state's buffer any stage reads (the fences
+    guard the state given), and, on a device whose graphs capture kernels rather than Python, an
+    in-graph stage that escapes the tracer."""
     program = bind(trace_step(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device)), state)
-    unusable = [c for c in program.captured() if not c.usable]
+    unusable = [c for c in program.captured() if not c.usable
+                and (not program.stage(c.stage).runs_python or c.of_another_state)]
     if unusable:
         raise CapturedStateError(backend.name, mode, unusable)
     if torch_device(device) == "cuda" and program.aborted is not None:
