@@ -438,7 +438,7 @@ def varied_step(
     * seed 3, ``mixed_batch``: a mixed batch, as a prefill batch always is and a decode batch is
       once a request finished and its row was reused: requests at their first tokens and others
       into their context side by side (the deepest at the middle of the context: its longest
-      length is the first tokens' nor the longest context's), in random rows, with stale rows of
+      length is neither the first tokens' nor the longest context's), in random rows, with stale rows of
       finished requests; with 3 or more requests its last two are padding (one row, twice, at its
       first tokens, token id 0), as a graph captured for a larger batch runs a smaller one;
     * any other seed: a random one of the three, with random rows and depths.
@@ -499,11 +499,11 @@ def varied_step(
 
 
 def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int], int]:
-    """Rows and prefix lengths of a mixed batch, and its number of padding requests: half its requests (rounded up) new, the others
-    at random depths up to the middle of the context, the first of them at the middle (the
-    batch's longest length is then neither the first tokens' nor the longest context's: a bucket
-    between the two is taken), in a random order; with 3 or more, the last two are padding (one
-    row, at its first tokens, twice)."""
+    """Rows and prefix lengths of a mixed batch, and its number of padding requests: half its
+    requests (rounded up) new, the others at random depths up to the middle of the context, the
+    first of them at the middle (the batch's longest length is then neither the first tokens' nor
+    the longest context's: a bucket between the two is taken), in a random order; with 3 or more,
+    the last two are padding (one row, at its first tokens, twice)."""
     pad = 2 if batch_size >= 3 else 0
     real = batch_size - pad
     new = (real + 1) // 2 if real > 1 else 0

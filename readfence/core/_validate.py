@@ -230,7 +230,8 @@ class _Comparing:
         run of this stage's Python writes (a buffer the stage made on its traced call and keeps for
         the next stage: its graph makes a new one at every replay, which the next graph never reads)."""
         name = graph.stage.name
-        return [(f"captured {c.target}" + ("" if s is graph else f" of stage {s.stage.name}"), getattr(s.graph.gm, c.target))
+        return [(f"captured {c.target}" + ("" if s is graph else f" of stage {s.stage.name}"),
+                 getattr(s.graph.gm, c.target))
                 for s in self.program.stages if not s.runs_python
                 for c in s.analysis.captured if s is graph or name in c.filled_by]
 
