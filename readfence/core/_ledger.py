@@ -465,9 +465,34 @@ def varied_states(program: Program, cfg: ModelConfig, batch_size: int, state: St
     def make(seed: int) -> dict[str, Any]:
         groups: dict[str, Any] = varied_step(cfg, program.mode, batch_size, seed=seed, device=where,
                                              parts=parts).groups()
+        if state is not None:  # laid out as the live tensors are: a graph that baked the example's layout differs
+            for name in ("shared", "pools", "params"):
+                if name in groups:
+                    groups[name] = {k: laid_out_as(t, state.get(name, {}).get(k)) for k, t in groups[name].items()}
         return groups
 
     return on_live_state(program, state, make, settle=settle)
+
+
+def laid_out_as(t: Tensor, live: Tensor | None) -> Tensor:
+    """``t``'s values laid out as ``live`` is (its strides and storage offset in a storage of its
+    size), where ``live`` has ``t``'s shape and dtype but another layout (a view into a larger
+    allocation, a padded row); else ``t`` itself. A step's Python that reads a layout (a stride
+    handed to a kernel, a branch on an offset) then reads the live one, which the trace's example
+    did not have.
+
+    >>> live = torch.zeros(4, 8)[:, :6]
+    >>> moved = laid_out_as(torch.ones(4, 6), live)
+    >>> moved.stride(), bool((moved == 1).all())
+    ((8, 1), True)
+    """
+    if (live is None or live.shape != t.shape or live.dtype != t.dtype or live.layout is not torch.strided
+            or (live.stride() == t.stride() and live.storage_offset() == t.storage_offset())):
+        return t
+    room = torch.zeros(live.untyped_storage().nbytes() // live.element_size(), dtype=t.dtype, device=t.device)
+    moved = room.as_strided(live.shape, live.stride(), live.storage_offset())
+    moved.copy_(t)
+    return moved
 
 
 

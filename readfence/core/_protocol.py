@@ -17,6 +17,8 @@ Stage functions are pure over named tensors:
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
@@ -126,6 +128,10 @@ def runs_as(backend: BackendLike, mode: ForwardMode) -> BackendLike:
     else ``backend`` itself. Two backends that run as the same one trace and observe alike, so
     ``audit`` traces and observes that one once and reports it under each name.
 
+    Only a class of readfence's own (its combinators, leaves and engine adapters, by the file it is
+    defined in) is taken at its word: a user's class, or a user's subclass of one of readfence's,
+    may add a read of its own to the step it says it hands on, so its own step is traced.
+
     >>> from readfence.backends import per_stream, paged, trtllm_mha
     >>> runs_as(per_stream(paged(), trtllm_mha()), ForwardMode.DECODE) == paged()
     True
@@ -137,7 +143,22 @@ def runs_as(backend: BackendLike, mode: ForwardMode) -> BackendLike:
     if not isinstance(runner, BackendLike):
         raise TypeError(f"{backend.name}.runs_as({mode}) must return a backend, got {runner!r} "
                         f"({type(runner).__name__})")
-    return runner
+    return runner if _own_class(type(backend)) else backend
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _own_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in a file of readfence's package (where, not what it is named).
+
+    >>> from readfence.backends import paged
+    >>> _own_class(type(paged())), _own_class(dict)
+    (True, False)
+    """
+    module = sys.modules.get(cls.__module__)
+    where = getattr(module, "__file__", None)
+    return where is not None and os.path.abspath(where).startswith(_PACKAGE)
 
 
 def replayed(backend: BackendLike, mode: ForwardMode) -> bool:

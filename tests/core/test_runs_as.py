@@ -6,9 +6,11 @@ import pytest
 
 import readfence.core._audit as audit_module
 from readfence.backends import dense, hybrid, paged, per_stream, reference_compositions, select, tbo, trtllm_mha
-from readfence.core import ForwardMode, clear_trace_cache
+from readfence.core import ForwardMode, audit, clear_trace_cache
 from readfence.core._protocol import runs_as
 from readfence.core.internal import audit_report, trace_cache_size
+from readfence.graph import CpuDevice, Policy, lower
+from readfence.graph.lowering import UnsoundLowering
 from tests.conftest import ONE_LAYER, first_of_each
 from tests.core.test_observe import CASES
 
@@ -110,3 +112,52 @@ def test_what_a_reference_composition_runs_as_traces_to_its_own_program(mode):
         assert [(s.stage, s.graph.gm.code, s.graph.inputs, s.graph.outputs) for s in mine] == [
             (s.stage, s.graph.gm.code, s.graph.inputs, s.graph.outputs) for s in theirs], (str(backend), mode)
         assert [mine.reads(s.stage) for s in mine] == [theirs.reads(s.stage) for s in theirs]
+
+
+class _Wrapper:
+    """A user's wrapper that says it hands the whole step to its child (``runs_as``), declares the
+    child's effect, and, ``lies``, reads the lengths in its own body after the child's attention."""
+
+    name = "user_wrapper"
+
+    def __init__(self, lies: bool) -> None:
+        self.child, self.lies = paged(), lies
+
+    def read_effect(self, mode):
+        return self.child.read_effect(mode)
+
+    def read_end(self, mode):
+        return self.child.read_end(mode)
+
+    def children(self):
+        return (("inner", self.child),)
+
+    def runs_as(self, mode):
+        return self.child
+
+    def prepare_out_graph(self, mode, shared, batch):
+        return self.child.prepare_out_graph(mode, shared, batch)
+
+    def prepare_in_graph(self, mode, shared, batch, meta):
+        return self.child.prepare_in_graph(mode, shared, batch, meta)
+
+    def attend(self, mode, layer, q, k, v, pools, shared, batch, meta):
+        out = self.child.attend(mode, layer, q, k, v, pools, shared, batch, meta)
+        if self.lies:
+            out = out + 1e-2 * shared["seq_lens"].index_select(0, batch["req_pool_indices"]).float().sum()
+        return out
+
+
+@pytest.mark.parametrize("lies", [True, False])
+def test_a_user_s_wrapper_is_traced_as_itself_whatever_it_says_it_runs_as(lies) -> None:
+    # the audit and lower trace its own step: one verdict, which its own read decides
+    wrapper = _Wrapper(lies)
+    assert runs_as(wrapper, M.DECODE) is wrapper
+    sound = audit(wrapper, M.DECODE, cfg=ONE_LAYER, batch_sizes=[2]).map(lambda r: r.sound).value_or(False)
+    assert sound is not lies
+    with CpuDevice() as dev:
+        if lies:
+            with pytest.raises(UnsoundLowering, match="'seq_lens'"):
+                lower(wrapper, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=ONE_LAYER)
+        else:
+            lower(wrapper, M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=ONE_LAYER)

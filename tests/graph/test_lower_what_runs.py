@@ -461,3 +461,62 @@ def test_a_view_kept_for_the_body_of_a_step_that_runs_its_python_is_lowered_and_
         with pytest.raises(CapturedStateError, match="trace-time state"):  # a replayed body would read the trace's view
             lower(_kept_view(M.DECODE, ReadEnd.POST_REPLAY), M.DECODE, batch_size=BATCH, device=dev,
                   policy=Policy.COARSE, cfg=CFG)
+
+
+# -- a live state laid out otherwise than the trace's example ---------------------------------------
+def _padded_state() -> dict:
+    """A live state whose page table is a view of a wider allocation (rows padded: stride 24 for 16
+    columns) and whose lengths sit at an offset into a larger buffer, as an engine may allocate them."""
+    from readfence.graph import make_state
+
+    state = make_state(CFG)
+    table, lens = state["shared"]["req_to_token"], state["shared"]["seq_lens"]
+    wide = torch.zeros(table.shape[0], table.shape[1] + 8, dtype=table.dtype)
+    wide[:, : table.shape[1]] = table
+    arena = torch.zeros(lens.numel() + 32, dtype=lens.dtype)
+    arena[32:] = lens
+    state["shared"]["req_to_token"], state["shared"]["seq_lens"] = wide[:, : table.shape[1]], arena[32:]
+    return state
+
+
+def _layout_reader(how: str) -> object:
+    """Reads a layout as a Python value: ``stride`` gathers the page rows through ``as_strided`` with
+    the table's row stride, ``offset`` branches on where the lengths start in their storage."""
+
+    def prep(mode, shared, batch, meta):
+        table = shared["req_to_token"]
+        if how == "stride":  # the rows as the stride says they lie: the table itself, on any layout
+            table = torch.as_strided(table, table.shape, (table.stride(0), 1))
+        return page_meta({**shared, "req_to_token": table}, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        return out * (2.0 if how == "offset" and shared["seq_lens"].storage_offset() > 0 else 1.0)
+
+    return leaf(f"layout_{how}", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+
+
+@pytest.mark.parametrize("how", ["stride", "offset"])
+def test_a_layout_the_trace_s_example_did_not_have_is_checked_on_the_live_one(how, monkeypatch) -> None:
+    # the generated states are laid out as the live buffers are: the replay of a graph that baked
+    # the example's layout differs from its Python there (with the check off, from the serial step)
+    with CpuDevice(timeout=T) as dev, pytest.raises(NotGraphSafe):
+        lower(_layout_reader(how), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG,
+              state=_padded_state())
+    state = _padded_state()
+    with no_validation(monkeypatch), CpuDevice(timeout=T) as dev:
+        serial = run_serial(_layout_reader(how), M.DECODE, steps=2, batch_size=BATCH, cfg=CFG, state=_padded_state())
+        run = run_overlapped(_layout_reader(how), M.DECODE, steps=2, policy=Policy.COARSE, device=dev,
+                             batch_size=BATCH, cfg=CFG, state=state)
+    assert not run.matches(serial)
+
+
+def test_a_backend_that_reads_no_layout_runs_on_a_padded_live_state_as_serial() -> None:
+    from readfence.backends import paged
+
+    serial = run_serial(paged(), M.DECODE, steps=3, batch_size=BATCH, cfg=CFG, state=_padded_state())
+    with CpuDevice(timeout=T) as dev:
+        run = run_overlapped(paged(), M.DECODE, steps=3, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG,
+                             state=_padded_state())
+    assert run.matches(serial) and run.violations == ()

@@ -264,7 +264,8 @@ def phase_modes(target: Target) -> str:
 
 
 def _name(target: Target) -> str:
-    return getattr(target, "spec", None) or str(target)
+    # a spec where it has one (a readfence backend), else its name (a user's class need not print as one)
+    return getattr(target, "spec", None) or getattr(target, "name", None) or str(target)
 
 
 def _policies(policy: Policy | Iterable[Policy] | None) -> tuple[Policy, ...]:
