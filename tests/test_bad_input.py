@@ -327,3 +327,45 @@ def test_a_failure_still_equals_returns_own() -> None:
     assert failed == Failure(failed.failure()) and Failure(failed.failure()) == failed
     assert hash(failed) == hash(Failure(failed.failure()))
     assert repr(failed).startswith("<Failure: position 4")
+
+
+# -- values that would have hung or failed deep inside -------------------------------------------
+def test_sizes_that_would_build_forever_are_refused_naming_their_bound(closed) -> None:
+    from readfence.graph import Traffic
+
+    with pytest.raises(ValueError, match=r"LowerOptions.ring_size must be an int in 1..64, got 1000000000"):
+        LowerOptions(ring_size=10**9)
+    with pytest.raises(ValueError, match=r"steps_in_flight must be an int in 1..64"):
+        lower(paged(), M.DECODE, batch_size=2, device=closed, policy=Policy.EXACT, steps_in_flight=10**9)
+    with pytest.raises(ValueError, match=r"Traffic.rate must be a positive number of requests per step, at most 1024"):
+        Traffic(rate=1e9)
+    for seed in (1.5, True):
+        with pytest.raises(TypeError, match=r"Traffic.seed must be an int"):
+            Traffic(seed=seed)
+
+
+@pytest.mark.parametrize("max_reqs", [3, 5, 6])
+def test_a_model_whose_slots_the_example_layout_cannot_step_through_is_refused_when_made(max_reqs) -> None:
+    from readfence.core import ModelConfig
+
+    with pytest.raises(ValueError, match=rf"ModelConfig\(max_reqs={max_reqs}, max_ctx=64\): its num_\w+ \(\d+\) is a multiple"):
+        ModelConfig(max_reqs=max_reqs)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_batch_of_every_request_the_model_holds_runs(size) -> None:
+    from readfence.core import ModelConfig
+
+    cfg = ModelConfig(layers=1, max_reqs=size)
+    with CpuDevice(timeout=30.0) as dev:
+        run = run_overlapped(paged(), steps=2, policy=Policy.EXACT, device=dev, cfg=cfg, batch_size=size)
+    assert run.matches(run_serial(paged(), steps=2, cfg=cfg, batch_size=size))
+
+
+def test_a_rare_arrival_is_waited_for_in_one_jump_not_tick_by_tick() -> None:
+    from readfence.graph import Traffic
+    from readfence.graph.runtime import serve_scheduler
+
+    scheduler = serve_scheduler(paged(), Traffic(rate=1e-9, prompt=(4, 4), output=(2, 2)), (1,), CFG)
+    kind, reqs, *_, idle = scheduler.plan()
+    assert kind == "prefill" and len(reqs) == 1 and idle > 10**8  # (ticks counted, none looped through)

@@ -225,7 +225,7 @@ class DemoArgs:
     seed: int
     batch_size: int
     write_cost: int
-    write_wait_ms: float
+    write_wait_ms: float | None
     trace_path: pathlib.Path | None
     plot_path: pathlib.Path | None
     tp: int | None
@@ -246,9 +246,10 @@ class DemoArgs:
 @click.option("--write-cost", type=Amount(MAX_WRITE_COST, integer=True), default=0, show_default=True,
               help="Synthetic scheduler work per page-table write (an NxN matmul after the fence): "
                    "makes the overlap measurable (0..4096).")
-@click.option("--write-wait-ms", type=Amount(MAX_WRITE_WAIT_MS, unit=" ms"), default=5.0, show_default=True,
+@click.option("--write-wait-ms", type=Amount(MAX_WRITE_WAIT_MS, unit=" ms"), default=None,
               help="How long each page-table write takes, without using the CPU (a stand-in for the "
-                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free (0..1000).")
+                   "copy engine of a GPU): the work a fence lets overlap the forward. 0: writes are free (0..1000; "
+                   "default 5, or 0 with --write-cost: one kind of write work at a time).")
 @click.option("--trace", "trace_path", type=OutputFile(".json"),
               help="Write a Chrome trace-event JSON of every run's first 200 steps (open it in https://ui.perfetto.dev).")
 @click.option("--plot", "plot_path", type=OutputFile(".png"),
@@ -270,11 +271,14 @@ def demo(**given: Any) -> None:
 
     a = DemoArgs(**given)
     spec, steps, batch_size, seed = a.spec, a.steps, a.batch_size, a.seed
+    wait_ms = a.write_wait_ms if a.write_wait_ms is not None else (0.0 if a.write_cost else 5.0)
+    if a.write_cost and wait_ms:
+        raise InputError("give --write-cost (scheduler work on the CPU) or --write-wait-ms (a wait), not both")
     if a.tp is not None:
         from ._tp_cmd import run_on_ranks
 
         options = dict(steps=steps, batch_size=batch_size, seed=seed, write_cost=a.write_cost,
-                       write_wait_s=a.write_wait_ms / 1e3)
+                       write_wait_s=wait_ms / 1e3)
         run_on_ranks(_tp_rank, spec_text(spec), [p.name for p in a.policies], options, tp=a.tp, device=a.device,
                      as_json=a.as_json, what="every policy matched the serial run with the same sharding bit for bit; "
                                              "the sanitizer found no race")
@@ -285,7 +289,7 @@ def demo(**given: Any) -> None:
     progress = _Progress(steps * (1 + len(set(a.policies) | {Policy.COARSE})), enabled=not a.as_json)
     try:
         result = run_demo(spec, policies=a.policies, device=a.device, steps=steps, batch_size=batch_size,
-                          options=LoopOptions(seed=seed, write_cost=a.write_cost, write_wait_s=a.write_wait_ms / 1e3),
+                          options=LoopOptions(seed=seed, write_cost=a.write_cost, write_wait_s=wait_ms / 1e3),
                           trace=a.trace_path is not None or a.plot_path is not None,
                           progress=progress.step, on_policy=progress.phase)
     finally:
@@ -304,10 +308,10 @@ def demo(**given: Any) -> None:
     phases = phase_modes(spec) or None
     if a.as_json:
         echo_json(json_rows(result, spec=str(spec), phases=phases, steps=steps, batch_size=batch_size, seed=seed,
-                            write_cost=a.write_cost, write_wait_ms=a.write_wait_ms))
+                            write_cost=a.write_cost, write_wait_ms=wait_ms))
     else:
         click.echo(render(result, spec=str(spec), steps=steps, batch_size=batch_size, seed=seed, phases=phases,
-                          write_wait_ms=a.write_wait_ms))
+                          write_wait_ms=wait_ms))
         from readfence.graph.runtime.internal import TRACE_STEPS
 
         kept = f" (the first {TRACE_STEPS} steps of each run)" if steps > TRACE_STEPS else ""

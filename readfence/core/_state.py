@@ -122,6 +122,7 @@ class ModelConfig:
                 f"ModelConfig.max_ctx must hold one step of every mode "
                 f"(>= {max(_TOKENS_PER_REQUEST.values())}), got {self.max_ctx}"
             )
+        _check_bijections(self)
 
     @property
     def local_heads(self) -> int:
@@ -361,7 +362,9 @@ def _check_bijections(cfg: ModelConfig) -> None:
                             (3, cfg.num_swa_slots, "num_swa_slots"),
                             (7, cfg.num_state_slots, "num_state_slots")):
         if math.gcd(stride, n) != 1:
-            raise ValueError(f"example layout needs gcd({stride}, {what}={n}) == 1")
+            raise ValueError(f"ModelConfig(max_reqs={cfg.max_reqs}, max_ctx={cfg.max_ctx}): its {what} ({n}) is a "
+                             f"multiple of {stride}, the step by which the example states lay out their slots; "
+                             f"choose another max_reqs or max_ctx")
 
 
 def example_batch_layout(
@@ -514,7 +517,7 @@ def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> t
     order = torch.randperm(real, generator=g).tolist()
     prefix = [prefix[i] for i in order]
     reqs = rows[:real]
-    return reqs + [rows[real]] * pad, prefix + [0] * pad, pad
+    return reqs + ([rows[real]] * pad if pad else []), prefix + [0] * pad, pad
 
 
 def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,

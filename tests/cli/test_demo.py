@@ -63,6 +63,11 @@ def test_json_rows_have_the_documented_keys(cli):
     assert rows[0]["speedup_vs_coarse"] == 1.0
 
 
+def test_write_cost_alone_runs_with_free_waits(cli):
+    rows = json.loads(cli("demo", *FAST, "--policy", "exact", "--write-cost", "8", "--json").output)
+    assert [(r["write_cost"], r["write_wait_ms"], r["matches_serial"]) for r in rows] == [(8, 0.0, True)] * 2
+
+
 def test_trace_is_chrome_json_with_tracks_stages_writes_waits_and_releases(cli, tmp_path):
     path = tmp_path / "run.json"
     result = cli("demo", *FAST, "--policy", "per_buffer", "--trace", str(path))
@@ -159,6 +164,7 @@ def test_a_mismatch_with_serial_exits_1(cli, monkeypatch):
     (["--device", "tpu"], "invalid --device 'tpu': unknown device; allowed: auto, cpu, cuda"),
     (["--batch-size", "1000"], "invalid --batch-size '1000': must be at most 16 (the tiny model serves at most 16 requests)"),
     (["--trace", "no/such/dir/t.json"], "invalid --trace 'no/such/dir/t.json': directory 'no/such/dir' does not exist"),
+    (["--write-cost", "5", "--write-wait-ms", "2"], "give --write-cost (scheduler work on the CPU) or --write-wait-ms"),
 ])
 def test_bad_input_exits_2_with_one_line(cli, args, expected):
     result = cli("demo", *args)

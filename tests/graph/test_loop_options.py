@@ -44,8 +44,9 @@ SERVE_ENTRIES = (serve_loop, run_serve, run_serve_serial)
 @pytest.mark.parametrize(("field", "value", "error", "message"), [
     ("write_cost", -1, ValueError, "write_cost must be an int >= 0, got -1 (int)"),
     ("write_cost", 2.0, ValueError, "write_cost must be an int >= 0, got 2.0 (float)"),
-    ("write_wait_s", -0.5, ValueError, "write_wait_s must be a number of seconds >= 0, got -0.5 (float)"),
-    ("write_wait_s", True, ValueError, "write_wait_s must be a number of seconds >= 0, got True (bool)"),
+    ("write_wait_s", -0.5, ValueError, "write_wait_s must be a finite number of seconds >= 0, got -0.5 (float)"),
+    ("write_wait_s", float("inf"), ValueError, "write_wait_s must be a finite number of seconds >= 0, got inf (float)"),
+    ("write_wait_s", True, ValueError, "write_wait_s must be a finite number of seconds >= 0, got True (bool)"),
     ("timeline", "trace.json", TypeError, "timeline must be a Timeline or None, got 'trace.json' (str)"),
     ("check", "poison", TypeError, "check must be a bool or a CheckState, got 'poison' (str)"),
     ("sanitize", 1, TypeError, "sanitize must be a bool, got 1 (int)"),

@@ -100,7 +100,7 @@ from ._fence import Bound, Fence
 from ._issue import IssueSeam, StepRun, step_issuer
 from ._kept import captured_kept, kept_check, stale_capture
 from ._keywords import names_keywords
-from ._options import LowerOptions, lowering_options
+from ._options import MAX_RING, LowerOptions, lowering_options
 from ._pass_clock import PassClock
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
 from ._poison import CheckState, poison_points
@@ -379,7 +379,7 @@ def lower(
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
     options = lowering_options(lowering, "lower")
     measure, timeline, new_event, check = options.measure, options.timeline, options.new_event, options.check
-    positive_int("steps_in_flight", steps_in_flight)
+    positive_int("steps_in_flight", steps_in_flight, at_most=MAX_RING, limit="the most events a ring holds")
     ring_size = steps_in_flight if options.ring_size is None else options.ring_size
     if ring_size < steps_in_flight:
         raise ValueError(

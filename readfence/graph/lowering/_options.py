@@ -13,10 +13,14 @@ from readfence.core.internal import check_buffers, positive_int
 from ..devices import Event, Timeline
 from ._poison import CheckState
 
+#: The most events a graph's ring may hold per buffer: far beyond the steps any loop keeps in flight
+#: (each slot is a compiled copy of the step's hooks, built when the step is lowered).
+MAX_RING = 64
+
 
 def _ring_size(_: object, field: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
-        positive_int(f"LowerOptions.{field.name}", value)
+        positive_int(f"LowerOptions.{field.name}", value, at_most=MAX_RING, limit="the most steps a loop keeps in flight")
 
 
 def _flag(_: object, field: attrs.Attribute[Any], value: object) -> None:

@@ -26,9 +26,21 @@ def _length_range(_inst: object, attribute: attrs.Attribute, value: object) -> N
                          f"got {value!r}")
 
 
+#: The most requests a step may see arrive on average: far beyond any batch (a higher rate only fills
+#: the queue, and each arrival is drawn one by one).
+MAX_RATE = 1024.0
+
+
 def _rate(_inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"Traffic.rate must be a positive number of requests per step, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and 0 < value <= MAX_RATE)):
+        raise ValueError(f"Traffic.rate must be a positive number of requests per step, at most {MAX_RATE:g}, "
+                         f"got {value!r}")
+
+
+def _seed(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Traffic.seed must be an int, got {value!r} ({type(value).__name__})")
 
 
 @attrs.frozen
@@ -53,13 +65,13 @@ class Traffic:
     >>> Traffic(rate=0)
     Traceback (most recent call last):
     ...
-    ValueError: Traffic.rate must be a positive number of requests per step, got 0
+    ValueError: Traffic.rate must be a positive number of requests per step, at most 1024, got 0
     """
 
     rate: float = attrs.field(default=0.5, validator=_rate)
     prompt: tuple[int, int] = attrs.field(default=(4, 24), validator=_length_range)
     output: tuple[int, int] = attrs.field(default=(1, 12), validator=_length_range)
-    seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    seed: int = attrs.field(default=0, validator=lambda _i, _a, v: _seed(v))
 
     def arrivals(self) -> Arrivals:
         """The requests in arrival order, forever (an iterator over one seeded draw)."""

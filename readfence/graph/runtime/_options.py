@@ -13,6 +13,7 @@ How each graph is lowered is :class:`~readfence.graph.LowerOptions`, passed as `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -39,8 +40,9 @@ def _count(_: object, field: attrs.Attribute[Any], value: object) -> None:
 
 
 def _seconds(_: object, field: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{field.name} must be a number of seconds >= 0, got {value!r} ({type(value).__name__})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{field.name} must be a finite number of seconds >= 0, got {value!r} "
+                         f"({type(value).__name__})")
 
 
 def _probability(_: object, field: attrs.Attribute[Any], value: object) -> None:

@@ -199,6 +199,10 @@ class ServeScheduler:
             if chosen is not None:
                 break
             idle += 1
+            if not self.running and not self.waiting:  # nothing changes before the next arrival: go to its tick
+                ahead = max(int(self._next_arrival.arrival) - self.tick, 0)
+                self.tick += ahead
+                idle += ahead
         kind, reqs = chosen
         self.last_kind = kind
         n = CHUNK if kind == PREFILL else self.decode_tokens
