@@ -28,6 +28,7 @@ from ._params import (
     Policies,
     Positive,
     Spec,
+    check_shares,
     echo_json,
     merge_policies,
     spec_text,
@@ -271,6 +272,7 @@ def demo(**given: Any) -> None:
 
     a = DemoArgs(**given)
     spec, steps, batch_size, seed = a.spec, a.steps, a.batch_size, a.seed
+    check_shares(spec, batch_size)
     wait_ms = a.write_wait_ms if a.write_wait_ms is not None else (0.0 if a.write_cost else 5.0)
     if a.write_cost and wait_ms:
         raise InputError("give --write-cost (scheduler work on the CPU) or --write-wait-ms (a wait), not both")

@@ -209,6 +209,24 @@ def spec_text(spec: Any) -> str:
     return given if given is not None else str(spec)
 
 
+def check_shares(spec: Any, batch_size: int) -> None:
+    """``InputError`` unless every forward stream of ``spec`` gets a request at ``batch_size`` (a
+    ``per_stream`` group of ``m`` members needs ``m`` or more).
+
+    >>> from readfence.backends import paged, per_stream
+    >>> check_shares(per_stream(paged(), paged()), 1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    readfence.cli._errors.InputError: per_stream(paged, paged) runs 2 forward streams, ... at least 2, got 1
+    """
+    from readfence.graph.steps.internal import members
+
+    m = members(spec)
+    if batch_size < m:
+        raise InputError(f"{spec} runs {m} forward streams, each on a share of the batch: --batch-size must be at "
+                         f"least {m}, got {batch_size}")
+
+
 class Spec(click.ParamType):
     """A backend spec such as ``hybrid_linear(trtllm_mha, linear)``, a step shape, or
     ``MODULE:ATTR`` naming a backend of your own (:func:`load_spec`)."""

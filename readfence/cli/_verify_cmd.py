@@ -23,6 +23,7 @@ from ._params import (
     Policies,
     Positive,
     Spec,
+    check_shares,
     echo_json,
     merge_policies,
     refuse_mode_for_shape,
@@ -128,6 +129,8 @@ def verify_cmd(**given: Any) -> None:
     a = VerifyArgs(**given)
     spec, mode, policies, device, steps, batch_size, seed = a.spec, a.mode, a.policies, a.device, a.steps, \
         a.batch_size, a.seed
+    if spec is not None:
+        check_shares(spec, batch_size)
     unsafe, tp, as_json = a.unsafe, a.tp, a.as_json
     if a.engines is not None:
         from ._engine_cmd import verify_engines

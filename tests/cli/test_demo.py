@@ -165,6 +165,8 @@ def test_a_mismatch_with_serial_exits_1(cli, monkeypatch):
     (["--batch-size", "1000"], "invalid --batch-size '1000': must be at most 16 (the tiny model serves at most 16 requests)"),
     (["--trace", "no/such/dir/t.json"], "invalid --trace 'no/such/dir/t.json': directory 'no/such/dir' does not exist"),
     (["--write-cost", "5", "--write-wait-ms", "2"], "give --write-cost (scheduler work on the CPU) or --write-wait-ms"),
+    (["--spec", "per_stream(paged, linear)", "--batch-size", "1"], "runs 2 forward streams, each on a share of the "
+                                                                   "batch: --batch-size must be at least 2, got 1"),
 ])
 def test_bad_input_exits_2_with_one_line(cli, args, expected):
     result = cli("demo", *args)

@@ -106,6 +106,7 @@ def test_step_shapes_and_per_stream_groups_run_clean(cli, spec):
     (["paged", "--steps", "0"], "Error: invalid --steps '0': must be a positive integer"),
     (["paged", "--batch-size", "99"], "Error: invalid --batch-size '99': must be at most 16 (the tiny model serves at most 16 requests)"),
     (["paged", "--policy", "fast"], "Error: invalid --policy 'fast': unknown policy"),
+    (["per_stream(paged, linear)", "--batch-size", "1"], "Error: per_stream(paged, linear) runs 2 forward streams"),
 ])
 def test_bad_input_exits_2_with_one_line(cli, args, message):
     result = cli("verify", *args)
