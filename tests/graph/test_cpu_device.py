@@ -296,6 +296,7 @@ def test_exception_surfaces_at_next_wait_with_context(dev):
     assert err.stream == "forward" and err.label == "attend[3]"
     assert isinstance(err.__cause__, ValueError)
     assert "stream 'forward' failed in op 'attend[3]': ValueError: bad index" in str(err)
+    assert "sticky, as on CUDA" in str(err) and "open a new device" in str(err)  # a later run's error says why
     # a stream that waits on the failed one fails too, with the chain kept
     sched.wait(fence)
     sched.record(done)

@@ -45,7 +45,8 @@ class StreamError(DeviceError):
         self.stream = stream
         self.label = label
         self.original = cause
-        super().__init__(f"stream {stream!r} failed in op {label!r}: {type(cause).__name__}: {cause}")
+        super().__init__(f"stream {stream!r} failed in op {label!r}: {type(cause).__name__}: {cause} (the error is "
+                         f"sticky, as on CUDA: every later op on this stream fails with it; open a new device)")
         self.__cause__ = cause
 
 
