@@ -369,3 +369,17 @@ def test_a_rare_arrival_is_waited_for_in_one_jump_not_tick_by_tick() -> None:
     scheduler = serve_scheduler(paged(), Traffic(rate=1e-9, prompt=(4, 4), output=(2, 2)), (1,), CFG)
     kind, reqs, *_, idle = scheduler.plan()
     assert kind == "prefill" and len(reqs) == 1 and idle > 10**8  # (ticks counted, none looped through)
+
+
+def test_a_model_and_a_state_that_are_not_the_run_s_are_refused_naming_them() -> None:
+    from readfence.core import ModelConfig
+    from readfence.graph import make_state
+
+    with CpuDevice(timeout=30.0) as dev:
+        with pytest.raises(TypeError, match=r"cfg must be a readfence.core.ModelConfig .*got \{'layers': 2\} \(dict\)"):
+            run_overlapped(paged(), steps=2, policy=Policy.EXACT, device=dev, cfg={"layers": 2})
+        with pytest.raises(ValueError, match=r"state must map 'shared', 'pools' and 'params' .*got \['shared'\]"):
+            lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, state={"shared": {}})
+        with pytest.raises(ValueError, match=r"state\['shared'\]\['req_to_token'\] has shape \(4, 64\) .* where cfg gives "
+                                             r"\(16, 64\)"):
+            run_overlapped(paged(), steps=2, policy=Policy.EXACT, device=dev, state=make_state(ModelConfig(max_reqs=4)))

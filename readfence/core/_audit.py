@@ -58,7 +58,7 @@ from ._model import step_functions
 from ._modes import ForwardMode
 from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
-from ._state import ModelConfig
+from ._state import ModelConfig, model_config
 from ._step import PREPARE_IN_GRAPH, Stage
 from .tracing import StageWriteError, bind, random_kept
 
@@ -230,7 +230,7 @@ def _plan(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig | None, batc
     _check_state(state)
     if observe_steps != 0 or isinstance(observe_steps, bool):
         positive_int("observe_steps (0 turns the observer off)", observe_steps)
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     sizes = _batch_sizes(cfg, batch_sizes)
     # stages whose Python may take another path run on the varied states where it can run: on the CPU,
     # or on the live state (traced on another device, the example holds fake tensors)

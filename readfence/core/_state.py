@@ -338,6 +338,37 @@ def make_shared_state(cfg: ModelConfig, *, device: str | torch.device = "cpu") -
     return shared
 
 
+def model_config(cfg: object) -> ModelConfig:
+    """``cfg``, or the default model where it is ``None``; anything else than a :class:`ModelConfig`
+    is refused naming it (every entry point that takes ``cfg=`` asks here).
+
+    >>> model_config(None) == ModelConfig()
+    True
+    >>> model_config({"layers": 2})
+    Traceback (most recent call last):
+    ...
+    TypeError: cfg must be a readfence.core.ModelConfig (e.g. ModelConfig(layers=2)), got {'layers': 2} (dict)
+    """
+    if cfg is None:
+        return ModelConfig()
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a readfence.core.ModelConfig (e.g. ModelConfig(layers=2)), got {cfg!r} "
+                        f"({type(cfg).__name__})")
+    return cfg
+
+
+def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each shared buffer's shape and dtype in a state of ``cfg`` (what :func:`make_shared_state`
+    makes, without making it).
+
+    >>> made = make_shared_state(ModelConfig(max_reqs=4, max_ctx=8))
+    >>> {k: (tuple(t.shape), t.dtype) for k, t in made.items()} == shared_shapes(ModelConfig(max_reqs=4, max_ctx=8))
+    True
+    """
+    return {"req_to_token": ((cfg.max_reqs, cfg.max_ctx), torch.int32), "seq_lens": ((cfg.max_reqs,), torch.int32),
+            "swa_map": ((cfg.num_slots,), torch.int32), "state_slots": ((cfg.max_reqs,), torch.int32)}
+
+
 def buffer_ranges(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """The values each shared buffer may hold, ``[lo, hi)``: a KV slot, a length, a state slot.
 

@@ -54,7 +54,9 @@ from ._state import buffer_ranges as buffer_ranges
 from ._state import example_step as example_step
 from ._state import init_params as init_params
 from ._state import make_pools as make_pools
+from ._state import model_config as model_config
 from ._state import request_ranges as request_ranges
+from ._state import shared_shapes as shared_shapes
 from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
 from ._state_values import preserved as preserved
@@ -109,10 +111,10 @@ __all__ = [
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",
-    "KeptTensor", "late_read_fix", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools",
+    "KeptTensor", "late_read_fix", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
-    "PYTHON", "random_kept", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "rms_norm", "rotary", "ROW_BLOCK",
+    "PYTHON", "random_kept", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.backends import MODES, Backend
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core.internal import check_buffers, check_mode, example_step, span_of
+from readfence.core.internal import check_buffers, check_mode, example_step, model_config, span_of
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 
@@ -124,7 +124,7 @@ def adapt(
     if not callable(factory):
         raise TypeError(f"factory must be callable (runner) -> backend object, got {factory!r} "
                         f"({type(factory).__name__})")
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a readfence.core.ModelConfig, got {cfg!r} ({type(cfg).__name__})")
     profile = EngineProfile() if profile is None else profile

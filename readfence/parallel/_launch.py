@@ -366,10 +366,10 @@ def launch(
     >>> def heads(rank: Rank) -> int:   # (a job must be importable by its ranks: define it in a module)
     ...     return rank.cfg.local_heads
     """
-    from readfence.core.internal import positive_int, positive_seconds
+    from readfence.core.internal import model_config, positive_int, positive_seconds
 
     positive_int("tp", tp)
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a readfence.core.ModelConfig, got {cfg!r}")
     for what, total in (("heads", cfg.heads), ("mlp", cfg.mlp)):

@@ -86,9 +86,11 @@ from readfence.core.internal import (
     init_params,
     ledger_of,
     make_pools,
+    model_config,
     positive_int,
     random_kept,
     replayed,
+    shared_shapes,
     validate_replay,
     varied_states,
 )
@@ -389,9 +391,10 @@ def lower(
             f"bound yet; use ring_size >= {steps_in_flight}"
         )
     buffers = SHARED_BUFFERS if options.publish is None else options.publish
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
+    _check_live_state(state, cfg)
     graphed = replayed(backend, mode) and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
@@ -481,6 +484,20 @@ def lower(
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
         check=check, observed=observed, ledger=ledger, optimized=optimized, kept=kept, pass_seconds=clock.seconds(),
     )
+
+
+def _check_live_state(state: object, cfg: ModelConfig) -> None:
+    """``state`` holds what a step runs on (``shared``, ``pools``, ``params``), its shared buffers
+    shaped for ``cfg``; else an error naming what is wrong (not a failure inside the first replay)."""
+    if not isinstance(state, Mapping) or any(not isinstance(state.get(p), Mapping) for p in ("shared", "pools", "params")):
+        given = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"state must map 'shared', 'pools' and 'params' each to name -> tensor (make_state(cfg) makes "
+                         f"one), got {given}")
+    for name, (shape, dtype) in shared_shapes(cfg).items():
+        t = state["shared"].get(name)
+        if isinstance(t, Tensor) and (tuple(t.shape) != shape or t.dtype != dtype):
+            raise ValueError(f"state['shared'][{name!r}] has shape {tuple(t.shape)} ({t.dtype}) where cfg gives "
+                             f"{shape} ({dtype}): pass the ModelConfig the state was made for (cfg={cfg})")
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core.internal import positive_int
+from readfence.core.internal import model_config, positive_int
 
 from ..devices import Device, DeviceTimeout, Event, Read, Stream, Timeline, Write
 from ..devices.internal import check_device, copy_all_from_host
@@ -349,7 +349,7 @@ def decode_loop(
         found = check_staging(opts.staging)
         if found is not None and not unsafe:
             raise found
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     state = make_state(cfg, device) if state is None else state
     check = opts.check
     checker = check if isinstance(check, CheckState) else CheckState(state["shared"], cfg) if check else None

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core.internal import positive_int
+from readfence.core.internal import model_config, positive_int
 
 from ..devices import Device
 from ..devices.internal import check_device
@@ -64,7 +64,7 @@ def run_serial(
     elif isinstance(device, str) and device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device must be a readfence device object or a torch device kind ('cpu', 'cuda'), "
                          f"got {device!r}")
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     if device is None:
         where = "cpu" if state is None else device_of(state["shared"]).type
     else:

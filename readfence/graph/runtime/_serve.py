@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig
-from readfence.core.internal import positive_int, request_ranges, tokens_per_request
+from readfence.core.internal import model_config, positive_int, request_ranges, tokens_per_request
 
 from ..devices import Device, Event, Timeline
 from ..devices.internal import check_device
@@ -394,7 +394,7 @@ def serve_scheduler(target: Target, traffic: Traffic, capture_sizes: Iterable[in
     >>> serve_scheduler(paged(), Traffic(), [1, 2, 4]).max_batch
     4
     """
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     check_run(target, ForwardMode.DECODE)
     return _scheduler(target, ForwardMode.DECODE, cfg, traffic, capture_list(capture_sizes, cfg, target), max_prefill)
 
@@ -434,7 +434,7 @@ def serve_loop(
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a readfence.graph.Policy, got {policy!r}")
     opts = options_of(options, ServeOptions, "serve_loop")
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     traffic = Traffic() if traffic is None else traffic
     sizes = capture_list(capture_sizes, cfg, target)
     sched = _scheduler(target, mode, cfg, traffic, sizes, opts.max_prefill)
@@ -506,7 +506,7 @@ class SerialServe:
                  options: ServeOptions | None = None) -> None:
         check_run(target, ForwardMode.DECODE)
         opts = options_of(options, ServeOptions, "SerialServe")
-        self.target, self.cfg = target, ModelConfig() if cfg is None else cfg
+        self.target, self.cfg = target, model_config(cfg)
         traffic = Traffic() if traffic is None else traffic
         self.sizes = capture_list(capture_sizes, self.cfg, target)
         where = device if device is not None else ("cpu" if state is None else device_of(state["shared"]).type)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from readfence.backends import PerStream
 from readfence.core import ForwardMode, ModelConfig
-from readfence.core.internal import StaleCaptureError, positive_int
+from readfence.core.internal import StaleCaptureError, model_config, positive_int
 from readfence.graph.devices import Device
 from readfence.graph.lowering import LowerOptions, Policy, make_state
 
@@ -121,7 +121,7 @@ def lower_capture_list(
     ...     graphs.sizes, graphs.for_batch(3)[0]
     ((1, 2, 4), 4)
     """
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     sizes = capture_list(batch_sizes, cfg, target)
     state = make_state(cfg, device) if state is None else state
     graphs: dict[int, LoweredStep] = {}

@@ -52,7 +52,7 @@ from readfence.core import (
     StageThreadError,
     StageWriteError,
 )
-from readfence.core.internal import BufferMap, Ledger, RunKind, positive_int
+from readfence.core.internal import BufferMap, Ledger, RunKind, model_config, positive_int
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
 from readfence.effects.internal import one_line
 
@@ -354,7 +354,7 @@ def verify(
     check_run(target, mode, "verify", "target")
     check_device(device)
     opts = _record(options, LoopOptions, WORKLOAD, "verify")
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     return _verify(target, mode, policy, steps, device, cfg, state, opts, for_a_loop(lowering, "verify", said_in(LoopOptions)),
                    {"batch_size": batch_size})
@@ -393,7 +393,7 @@ def verify_serve(
     traffic = Traffic() if traffic is None else traffic
     if not isinstance(traffic, Traffic):
         raise TypeError(f"traffic must be a readfence.graph.Traffic, got {traffic!r}")
-    cfg = ModelConfig() if cfg is None else cfg
+    cfg = model_config(cfg)
     return _verify(target, ForwardMode.DECODE, policy, steps, device, cfg, state, opts,
                    for_a_loop(lowering, "verify_serve", said_in(ServeOptions)),
                    {"traffic": traffic, "capture_sizes": tuple(capture_sizes)})
