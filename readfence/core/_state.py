@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 
 import attrs
 import torch
@@ -580,42 +580,3 @@ def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[
         pools=make_pools(cfg, device=device, seed=seed) if owned else {},
         params=init_params(cfg, device=device) if owned else {},
     )
-
-
-def split_batch(batch: Mapping[str, Tensor], mode: ForwardMode, parts: int) -> list[dict[str, Tensor]]:
-    """Split a batch into ``parts`` micro-batches of consecutive requests (some may be empty).
-
-    Sizes follow ``torch.tensor_split``; slicing uses ``narrow`` (traceable, no ``[]``).
-
-    >>> step = example_step(ModelConfig(), ForwardMode.TARGET_VERIFY, 3)
-    >>> [mb["input_ids"].shape[0] for mb in split_batch(step.batch, ForwardMode.TARGET_VERIFY, 2)]
-    [6, 3]
-    """
-    sizes = request_ranges(int(batch["req_pool_indices"].shape[0]), parts)
-    return [_narrow_batch(batch, mode, lo, hi) for lo, hi in sizes]
-
-
-def request_ranges(batch_size: int, parts: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` request ranges of ``parts`` micro-batches (``torch.tensor_split`` sizes).
-
-    >>> request_ranges(5, 2)
-    [(0, 3), (3, 5)]
-    """
-    if parts <= 0:
-        raise ValueError(f"parts must be positive, got {parts}")
-    base, extra = divmod(batch_size, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-def _narrow_batch(batch: Mapping[str, Tensor], mode: ForwardMode, lo: int, hi: int) -> dict[str, Tensor]:
-    n = tokens_per_request(mode)
-    out = {}
-    for key, t in batch.items():
-        per = 1 if key == "req_pool_indices" else n
-        out[key] = t.narrow(0, lo * per, (hi - lo) * per)
-    return out

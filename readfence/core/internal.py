@@ -12,6 +12,8 @@ from ._audit import escape_note as escape_note
 from ._audit import format_table as format_table
 from ._audit import verdict_nodes as verdict_nodes
 from ._backend_trace import forget_trace as forget_trace
+from ._batch_split import request_ranges as request_ranges
+from ._batch_split import split_batch as split_batch
 from ._checks import check_backend as check_backend
 from ._checks import check_buffers as check_buffers
 from ._checks import check_forward_mode as check_forward_mode
@@ -55,9 +57,7 @@ from ._state import example_step as example_step
 from ._state import init_params as init_params
 from ._state import make_pools as make_pools
 from ._state import model_config as model_config
-from ._state import request_ranges as request_ranges
 from ._state import shared_shapes as shared_shapes
-from ._state import split_batch as split_batch
 from ._state import tokens_per_request as tokens_per_request
 from ._state_values import preserved as preserved
 from ._state_values import restore as restore

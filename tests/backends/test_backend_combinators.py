@@ -22,7 +22,8 @@ from readfence.backends import (
     trtllm_mha,
 )
 from readfence.core import ForwardMode, run_step
-from readfence.core._state import request_ranges, tokens_per_request
+from readfence.core._batch_split import request_ranges
+from readfence.core._state import tokens_per_request
 from readfence.core.internal import example_step, prepare, split_batch
 from readfence.effects import ReadEffect, ReadEnd
 from tests.conftest import DEFAULT as CFG

@@ -40,9 +40,9 @@ M = ForwardMode
 
 # -- the record ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("field", "value", "error", "message"), [
-    ("ring_size", 0, ValueError, "LowerOptions.ring_size must be a positive int, got 0 (int)"),
-    ("ring_size", True, ValueError, "LowerOptions.ring_size must be a positive int, got True (bool)"),
-    ("ring_size", 2.0, ValueError, "LowerOptions.ring_size must be a positive int, got 2.0 (float)"),
+    ("ring_size", 0, ValueError, "LowerOptions.ring_size must be an int in 1..64, got 0 (int)"),
+    ("ring_size", True, ValueError, "LowerOptions.ring_size must be an int in 1..64, got True (bool)"),
+    ("ring_size", 2.0, ValueError, "LowerOptions.ring_size must be an int in 1..64, got 2.0 (float)"),
     ("measure", 1, TypeError, "LowerOptions.measure must be a bool, got 1 (int)"),
     ("UNSAFE_skip_soundness_check", "yes", TypeError, "LowerOptions.UNSAFE_skip_soundness_check must be a bool"),
     ("timeline", [], TypeError, "LowerOptions.timeline must be a Timeline or None, got [] (list)"),

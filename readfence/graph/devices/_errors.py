@@ -1,8 +1,9 @@
 """Errors raised by devices: every message names the stream, event or op involved.
 
 >>> err = StreamError("forward", "attend[3]", ValueError("boom"))
->>> print(err)
-stream 'forward' failed in op 'attend[3]': ValueError: boom
+>>> print(err)  # doctest: +NORMALIZE_WHITESPACE
+stream 'forward' failed in op 'attend[3]': ValueError: boom (the error is sticky, as on CUDA: every later op on
+this stream fails with it; open a new device)
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ the functions that lower for you hand on to it.
 
 from ._fence import Bound, Fence, ForeignEventError, RingWrapError
 from ._fx_aliases import ReplayAliasError
-from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower, make_state, torch_device
+from ._live_state import make_state, torch_device
+from ._lower import Lowered, StepRun, UncapturableStage, UnsoundLowering, last_reads, lower
 from ._options import LowerOptions
 from ._plan import FencePlan, Placement, plan_fences
 from ._poison import POISONS, CheckState, poison_family

@@ -67,7 +67,6 @@ from readfence.core import (
     StageGraph,
     Unsound,
     bind,
-    make_shared_state,
     step_functions,
 )
 from readfence.core import trace as trace_step
@@ -83,14 +82,11 @@ from readfence.core.internal import (
     example_step,
     flatten_inputs,
     forget_trace,
-    init_params,
     ledger_of,
-    make_pools,
     model_config,
     positive_int,
     random_kept,
     replayed,
-    shared_shapes,
     validate_replay,
     varied_states,
 )
@@ -102,6 +98,7 @@ from ._fence import Bound, Fence
 from ._issue import IssueSeam, StepRun, step_issuer
 from ._kept import captured_kept, kept_check, stale_capture
 from ._keywords import names_keywords
+from ._live_state import check_live_state, device_of, make_state, torch_device
 from ._options import MAX_RING, LowerOptions, lowering_options
 from ._pass_clock import PassClock
 from ._plan import IN_GRAPH_STAGES, FencePlan, plan_fences
@@ -299,27 +296,6 @@ class Lowered:
         return f"<Lowered {self.label}: {len(self.plan.points())} fence point(s), ring {self.ring_size}>"
 
 
-def device_of(shared: Mapping[str, Tensor]) -> torch.device:
-    """The torch device of the live shared buffers."""
-    return next(iter(shared.values())).device
-
-
-def torch_device(device: Device | str) -> str:
-    """The torch device kind a readfence ``Device`` (or its name) runs on: ``cuda`` or ``cpu``."""
-    name = device if isinstance(device, str) else device.name
-    return "cuda" if name.startswith("cuda") else "cpu"
-
-
-def make_state(cfg: ModelConfig, device: Device | str = "cpu") -> dict[str, dict[str, Tensor]]:
-    """Fresh live tensors (shared buffers, pools, params) on ``device``'s torch device."""
-    where = torch_device(device)
-    return {
-        "shared": make_shared_state(cfg, device=where),
-        "pools": make_pools(cfg, device=where),
-        "params": init_params(cfg, device=where),
-    }
-
-
 @names_keywords
 @random_kept()  # (the step's runs here draw nothing the loop's steps would draw)
 def lower(
@@ -394,7 +370,7 @@ def lower(
     cfg = model_config(cfg)
     positive_int("batch_size", batch_size, at_most=cfg.max_reqs, limit="cfg.max_reqs")
     state = state if state is not None else make_state(cfg, device)
-    _check_live_state(state, cfg)
+    check_live_state(state, cfg)
     graphed = replayed(backend, mode) and device.caps.graphs
     stream = stream if stream is not None else device.stream("forward")
     label = f"{backend.name}/{mode.name}/b{batch_size}/{policy.name}/{stream.name}#{next(_COUNTER)}"
@@ -484,20 +460,6 @@ def lower(
         plan=plan, launcher=launcher, batch=batch, state=state, graphed=graphed, measure=measure, slots=slots,
         check=check, observed=observed, ledger=ledger, optimized=optimized, kept=kept, pass_seconds=clock.seconds(),
     )
-
-
-def _check_live_state(state: object, cfg: ModelConfig) -> None:
-    """``state`` holds what a step runs on (``shared``, ``pools``, ``params``), its shared buffers
-    shaped for ``cfg``; else an error naming what is wrong (not a failure inside the first replay)."""
-    if not isinstance(state, Mapping) or any(not isinstance(state.get(p), Mapping) for p in ("shared", "pools", "params")):
-        given = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"state must map 'shared', 'pools' and 'params' each to name -> tensor (make_state(cfg) makes "
-                         f"one), got {given}")
-    for name, (shape, dtype) in shared_shapes(cfg).items():
-        t = state["shared"].get(name)
-        if isinstance(t, Tensor) and (tuple(t.shape) != shape or t.dtype != dtype):
-            raise ValueError(f"state['shared'][{name!r}] has shape {tuple(t.shape)} ({t.dtype}) where cfg gives "
-                             f"{shape} ({dtype}): pass the ModelConfig the state was made for (cfg={cfg})")
 
 
 def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mapping[str, dict[str, Tensor]],
@@ -603,5 +565,4 @@ def _checked_program(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig, 
     return program
 
 
-__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "make_state",
-           "stale_capture"]
+__all__ = ["Lowered", "StepRun", "UncapturableStage", "UnsoundLowering", "last_reads", "lower", "stale_capture"]

@@ -79,7 +79,7 @@ class LowerOptions:
     >>> LowerOptions(ring_size=0)
     Traceback (most recent call last):
     ...
-    ValueError: LowerOptions.ring_size must be a positive int, got 0 (int)
+    ValueError: LowerOptions.ring_size must be an int in 1..64, got 0 (int); 64 is the most steps a loop keeps in flight
     """
 
     ring_size: int | None = attrs.field(default=None, validator=_ring_size)
