@@ -309,10 +309,12 @@ def test_capabilities_without_in_graph_events_run_correctly():
 def test_serial_reference_runs_on_the_device_it_is_given(monkeypatch):
     # The meta device stands in for CUDA (a device that is not the host): state, batches and
     # logits of the reference must all live there, or they cannot be compared with the run's.
+    import readfence.graph.lowering._live_state as live_state
     import readfence.graph.lowering._lower as lowering
     import readfence.graph.runtime._loop as runtime
     import readfence.graph.runtime._serial as serial
 
+    monkeypatch.setattr(live_state, "torch_device", lambda device: "meta")
     monkeypatch.setattr(lowering, "torch_device", lambda device: "meta")
     monkeypatch.setattr(runtime, "torch_device", lambda device: "meta")
     monkeypatch.setattr(serial, "torch_device", lambda device: "meta")
