@@ -264,3 +264,15 @@ def test_per_stream_steps_wait_for_the_other_streams_whatever_graph_ran_before()
     ref = _serial(target, steps=40)
     res = _serve(target, Policy.EXACT, steps=40, faults=FaultInjector(seed=0, max_delay_s=0.002, streams=["forward[0]"]))
     assert res.first_difference(ref) is None and res.violations == ()
+
+
+def test_a_step_shape_whose_target_is_a_per_stream_group_pads_a_lone_prefill_to_its_members() -> None:
+    # every stream of the group gets a request: a one-request prefill is padded to two, as for the group alone
+
+    target = eagle(per_stream(paged(), paged()), paged())
+    traffic = Traffic(rate=0.3, prompt=(4, 8), output=(2, 4), seed=0)
+    serial = run_serve_serial(target, steps=4, traffic=traffic, capture_sizes=[2, 4])
+    with CpuDevice(timeout=60.0) as dev:
+        res = run_serve(target, steps=4, policy=Policy.COARSE, device=dev, traffic=traffic, capture_sizes=[2, 4])
+    assert res.records[0].kind == "prefill" and len(res.records[0].requests) == 1 and res.records[0].padded == 2
+    assert res.matches(serial)

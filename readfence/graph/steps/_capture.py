@@ -31,12 +31,24 @@ from readfence.graph.devices import Device
 from readfence.graph.lowering import LowerOptions, Policy, make_state
 
 from ._composite import PhasedStep, StreamGroup, StreamOrder
+from ._shapes import StepShape
 from ._target import LoweredStep, Target, lower_step
 
 
 def members(target: Target) -> int:
-    """How many forward streams share a step of ``target`` (a ``per_stream`` group's members)."""
-    return len(target.members) if isinstance(target, PerStream) else 1
+    """How many forward streams share a step of ``target`` (a ``per_stream`` group's members; a step
+    shape's most, over its phases: a batch must give each of them a request).
+
+    >>> from readfence.backends import paged, per_stream
+    >>> from readfence.graph import eagle
+    >>> members(per_stream(paged(), paged())), members(eagle(per_stream(paged(), paged()), paged()))
+    (2, 2)
+    """
+    if isinstance(target, PerStream):
+        return len(target.members)
+    if isinstance(target, StepShape):
+        return max((members(p.backend) for p in target.phases), default=1)
+    return 1
 
 
 def capture_list(sizes: Iterable[int], cfg: ModelConfig, target: Target | None = None) -> tuple[int, ...]:
