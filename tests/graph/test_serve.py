@@ -276,3 +276,17 @@ def test_a_step_shape_whose_target_is_a_per_stream_group_pads_a_lone_prefill_to_
         res = run_serve(target, steps=4, policy=Policy.COARSE, device=dev, traffic=traffic, capture_sizes=[2, 4])
     assert res.records[0].kind == "prefill" and len(res.records[0].requests) == 1 and res.records[0].padded == 2
     assert res.matches(serial)
+
+
+@pytest.mark.parametrize("policy", [Policy.EXACT, Policy.PER_BUFFER], ids=str)
+def test_a_step_shape_s_decode_waits_for_its_target_group_s_prefill_on_the_other_streams(policy) -> None:
+    # the group's prefills run on forward[0] and forward[1], the shape's decode steps on forward: they
+    # share the pools, so each waits for the others' latest step (the draft read a half-written cache)
+    target = eagle(per_stream(paged(), paged()), paged())
+    traffic = Traffic(rate=6.0, prompt=(4, 8), output=(4, 6), seed=0)
+    serial = run_serve_serial(target, steps=3, traffic=traffic, capture_sizes=[2, 4, 8, 16])
+    slow_members = FaultInjector(seed=7, max_delay_s=0.02, streams=["forward[0]", "forward[1]"])
+    with CpuDevice(timeout=60.0, faults=slow_members) as dev:
+        res = run_serve(target, steps=3, policy=policy, device=dev, traffic=traffic, capture_sizes=[2, 4, 8, 16])
+    assert [r.kind for r in res.records] == ["prefill", "prefill", "decode"]
+    assert res.matches(serial), res.first_difference(serial)

@@ -128,8 +128,10 @@ class PhasedStep:
     soundness check, as an engine trusting its runner does."""
 
     def __init__(self, shape: StepShape, *, device: Device, policy: Policy, batch_size: int, cfg: ModelConfig,
-                 state: Mapping[str, dict[str, Tensor]], lowering: LowerOptions | None = None) -> None:
+                 state: Mapping[str, dict[str, Tensor]], lowering: LowerOptions | None = None,
+                 order: StreamOrder | None = None) -> None:
         lowering = lowering_options(lowering, "PhasedStep")
+        self.order = StreamOrder() if order is None else order
         self.shape, self.cfg = shape, cfg
         self.shared = state["shared"]
         self.tokens = shape.tokens
@@ -195,6 +197,11 @@ class PhasedStep:
         return (k, _sort_key(self.graphs[self.shape.phases[k].graph_key].plan.placements.get(buffer)))
 
     def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Event] = ()) -> StepRun:
+        # a loop that runs a per_stream group's steps on other streams (a serving loop's prefills of
+        # this shape's target) shares the pools with them: this step waits for their latest step
+        for name, prev in self.order.latest.items():
+            if name != self.stream.name:
+                self.stream.wait(prev.done.check(f"{self.label} step {step}"))
         runs = []
         last = len(self.shape.phases) - 1
         for i, ph in enumerate(self.shape.phases):
@@ -209,6 +216,7 @@ class PhasedStep:
         if self.shape.waits_on is not None:
             parts = self._coarse_where_unpublished(parts, runs, step)
         fence = JoinedFence(self.label, step, parts, (runs[-1].fence,))
+        self.order.latest[self.stream.name] = runs[-1].fence
         return StepRun(step, tuple(r.logits for r in runs), fence)
 
     def _coarse_where_unpublished(self, parts: dict[str, tuple[Fence, ...]], runs: Sequence[StepRun],
@@ -269,9 +277,10 @@ def eager_streams(members: Sequence[BackendLike], mode: ForwardMode, cfg: ModelC
 
 
 class StreamOrder:
-    """The latest step fence of each forward stream, shared by the ``per_stream`` groups of one
-    loop (a serving loop runs a group per batch size on the same streams): the members share the
-    KV and state pools, so each stream's step waits for every other stream's latest step."""
+    """The latest step fence of each forward stream, shared by the ``per_stream`` groups and step
+    shapes of one loop (a serving loop runs a group per batch size on the same streams, and a
+    shape's decode steps on another than its target group's prefills): they share the KV and state
+    pools, so each stream's step waits for every other stream's latest step."""
 
     def __init__(self) -> None:
         self.latest: dict[str, Fence] = {}

@@ -98,7 +98,7 @@ def lower_step(target: Target, mode: ForwardMode, *, device: Device, policy: Pol
     lowering = lowering_options(lowering, "lower_step")
     if isinstance(target, StepShape):
         return PhasedStep(target, device=device, policy=policy, batch_size=batch_size, cfg=cfg, state=state,
-                          lowering=lowering)
+                          lowering=lowering, order=order)
     if isinstance(target, PerStream):
         return StreamGroup(target.members, mode, device=device, policy=policy, batch_size=batch_size, cfg=cfg,
                            state=state, order=order, lowering=lowering)
