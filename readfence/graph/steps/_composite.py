@@ -199,9 +199,7 @@ class PhasedStep:
     def run(self, batch: Mapping[str, Tensor], *, step: int, after: Sequence[Event] = ()) -> StepRun:
         # a loop that runs a per_stream group's steps on other streams (a serving loop's prefills of
         # this shape's target) shares the pools with them: this step waits for their latest step
-        for name, prev in self.order.latest.items():
-            if name != self.stream.name:
-                self.stream.wait(prev.done.check(f"{self.label} step {step}"))
+        self.order.wait_on_others(self.stream, f"{self.label} step {step}")
         runs = []
         last = len(self.shape.phases) - 1
         for i, ph in enumerate(self.shape.phases):
@@ -285,6 +283,12 @@ class StreamOrder:
     def __init__(self) -> None:
         self.latest: dict[str, Fence] = {}
 
+    def wait_on_others(self, stream: Stream, what: str) -> None:
+        """Make ``stream`` wait for every other stream's latest step (``what`` names the step waiting)."""
+        for name, prev in self.latest.items():
+            if name != stream.name:
+                stream.wait(prev.done.check(what))
+
 
 class StreamGroup:
     """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]`` with ``lowering``;
@@ -322,18 +326,15 @@ class StreamGroup:
         # The members share the KV and state pools, and the scheduler may hand a slot freed by
         # one stream's request to another stream's request at once: each stream's step waits
         # for the other streams' previous step (bound before any member of this step runs).
-        latest = self.order.latest
         for low in self.lowered:
-            for name, prev in latest.items():
-                if name != low.stream.name:
-                    low.stream.wait(prev.done.check(f"{self.label} step {step}"))
+            self.order.wait_on_others(low.stream, f"{self.label} step {step}")
         runs: list[StepRun] = []
         for low, p in zip(self.lowered, parts):
             if self.checked and runs:
                 runs[-1].fence.wait_end(low.stream)
             runs.append(low.run(p, step=step, after=after))
         for low, r in zip(self.lowered, runs):
-            latest[low.stream.name] = r.fence
+            self.order.latest[low.stream.name] = r.fence
         fence = JoinedFence(self.label, step, {b: tuple(r.fence for r in runs) for b in SHARED_BUFFERS},
                             tuple(r.fence for r in runs))
         return StepRun(step, tuple(r.logits for r in runs), fence)
