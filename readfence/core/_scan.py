@@ -18,7 +18,9 @@ tensor(8.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -47,6 +49,35 @@ class LayerScan:
     post: Callable[[Any, Mapping[str, Any]], Tensor]
 
 
+#: The layer whose run recorded a node (``node.meta[LAYER_KEY]``, an int): what
+#: :func:`layers_marked` lets a recorder write.
+LAYER_KEY = "readfence_layer"
+
+#: Per thread, what :func:`run_scan` tells of the layer it runs (:func:`layers_marked`).
+_MARKS = threading.local()
+
+
+@contextlib.contextmanager
+def layers_marked(mark: Callable[[int | None], None]) -> Iterator[None]:
+    """While entered, :func:`run_scan` on this thread calls ``mark(index)`` as it starts layer
+    ``index`` and ``mark(None)`` when that layer has returned (the recorder marks the nodes each
+    layer made: a compile pass compiles the layers that compute alike once).
+
+    >>> import torch
+    >>> seen = []
+    >>> with layers_marked(seen.append):
+    ...     _ = run_scan(LayerScan(2, lambda inputs: 0, lambda i, c, inputs: c + i, lambda c, inputs: c), {})
+    >>> seen
+    [0, None, 1, None]
+    """
+    before = getattr(_MARKS, "mark", None)
+    _MARKS.mark = mark
+    try:
+        yield
+    finally:
+        _MARKS.mark = before
+
+
 def run_scan(scan: LayerScan, inputs: Mapping[str, Any]) -> Tensor:
     """The body ``scan`` describes, run on ``inputs`` (the fold, as written).
 
@@ -55,7 +86,12 @@ def run_scan(scan: LayerScan, inputs: Mapping[str, Any]) -> Tensor:
     >>> run_scan(scan, {"x": torch.tensor(0)})
     tensor(1)
     """
+    mark = getattr(_MARKS, "mark", None)
     carry = scan.pre(inputs)
     for index in range(scan.count):
+        if mark is not None:
+            mark(index)
         carry = scan.layer(index, carry, inputs)
+        if mark is not None:
+            mark(None)
     return scan.post(carry, inputs)

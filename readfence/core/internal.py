@@ -50,7 +50,9 @@ from ._program import flatten_inputs as flatten_inputs
 from ._protocol import child_runs as child_runs
 from ._protocol import replayed as replayed
 from ._protocol import runs_as as runs_as
+from ._scan import LAYER_KEY as LAYER_KEY
 from ._scan import LayerScan as LayerScan
+from ._scan import layers_marked as layers_marked
 from ._scan import run_scan as run_scan
 from ._state import buffer_ranges as buffer_ranges
 from ._state import example_step as example_step
@@ -111,7 +113,7 @@ __all__ = [
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",
-    "KeptTensor", "late_read_fix", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
+    "KeptTensor", "LAYER_KEY", "late_read_fix", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
     "PYTHON", "random_kept", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",

@@ -79,7 +79,7 @@ def test_folds_and_shares_only_pure_recomputation():
         return x * w + x * w             # the second product is the first one
 
     compiled = _check(f, torch.randn(4))
-    assert compiled.stats == {"nodes": 5, "folded": 2, "shared": 1, "bound": 2, "pieces": 0}
+    assert compiled.stats == {"nodes": 5, "folded": 2, "shared": 1, "bound": 2, "pieces": 0, "layer_runs": 0}
 
 
 def test_a_read_after_an_in_place_write_is_not_the_read_before_it():

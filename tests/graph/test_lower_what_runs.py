@@ -27,10 +27,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+import readfence.graph.lowering._fx_compile as fx_compile
 import readfence.graph.lowering._fx_memory as fx_memory
 import readfence.graph.lowering._lower as lowering
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import SHARED_BUFFERS, CapturedStateError, ForwardMode, NotGraphSafe, StepInputs, audit, run_step
+from readfence.core import (SHARED_BUFFERS, CapturedStateError, ForwardMode, ModelConfig, NotGraphSafe, StepInputs, audit,
+                            run_step)
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, Scheduler, lower, run_overlapped, run_serial
 from readfence.graph.lowering import UnsoundLowering
@@ -278,12 +280,13 @@ def no_validation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
-def lowered_against_eager(backend: object, policy: Policy = Policy.COARSE, steps: int = 2) -> tuple[bool, object]:
+def lowered_against_eager(backend: object, policy: Policy = Policy.COARSE, steps: int = 2,
+                          cfg: ModelConfig = CFG) -> tuple[bool, object]:
     """``backend`` lowered and run ``steps`` steps (the second replay meets what the first left in
     the graph's constants), each against its eager step on the same state: all equal?"""
     with CpuDevice(timeout=T) as dev:
-        low = lower(backend, M.DECODE, batch_size=BATCH, device=dev, policy=policy, cfg=CFG)
-        scheduler = Scheduler(CFG, M.DECODE, BATCH, seed=3)
+        low = lower(backend, M.DECODE, batch_size=BATCH, device=dev, policy=policy, cfg=cfg)
+        scheduler = Scheduler(cfg, M.DECODE, BATCH, seed=3)
         equal = True
         for step in range(steps):
             nxt = scheduler.next_step()
@@ -292,23 +295,34 @@ def lowered_against_eager(backend: object, policy: Policy = Policy.COARSE, steps
             pools = {k: v.clone() for k, v in low.pools.items()}
             shared = {k: v.clone() for k, v in low.shared.items()}
             out = low.run(nxt.batch, step=step).result(T)
-            expected = run_step(backend, M.DECODE, CFG, StepInputs(shared=shared, batch=nxt.batch, pools=pools,
+            expected = run_step(backend, M.DECODE, cfg, StepInputs(shared=shared, batch=nxt.batch, pools=pools,
                                                                    params=low.params))
             equal = equal and torch.equal(out, expected)
     return equal, low
 
 
+@contextlib.contextmanager
+def layers_node_by_node(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No class of layers compiled once: every node of the body goes through the simplifying pass."""
+    with monkeypatch.context() as m:
+        m.setattr(fx_compile, "outline_layers", lambda gm, compile_layer: (gm, 0))
+        yield
+
+
 @pytest.mark.parametrize("name", first_of_each(list(CASES), lambda n: CASES[n][0]))
 def test_a_correct_backend_over_aliased_memory_runs_what_its_python_computes(name, monkeypatch) -> None:
     make = CASES[name][1]
-    with blind_passes(monkeypatch), no_validation(monkeypatch):
-        equal, _ = lowered_against_eager(make())
-    assert not equal, f"{name}: the blind passes computed it right: the case attacks nothing"
-    equal, low = lowered_against_eager(make())
-    assert equal and low.optimized, f"{name}: the passes that see aliasing must compute it, and keep it optimized"
-    with blind_passes(monkeypatch):
+    with layers_node_by_node(monkeypatch):  # (inside a class of layers nothing is shared or folded)
+        with blind_passes(monkeypatch), no_validation(monkeypatch):
+            equal, _ = lowered_against_eager(make())
+        assert not equal, f"{name}: the blind passes computed it right: the case attacks nothing"
         equal, low = lowered_against_eager(make())
-    assert equal and not low.optimized, f"{name}: the validation of the code that runs must catch the blind passes"
+        assert equal and low.optimized, f"{name}: the passes that see aliasing must compute it, and keep it optimized"
+        with blind_passes(monkeypatch):
+            equal, low = lowered_against_eager(make())
+        assert equal and not low.optimized, f"{name}: the validation of the code that runs must catch the blind passes"
+    equal, low = lowered_against_eager(make())  # its layers one function where they compute alike
+    assert equal and low.optimized, f"{name}: the passes with layers compiled once must compute it"
 
 
 @pytest.mark.parametrize("policy", [Policy.EXACT, Policy.PER_BUFFER], ids=str)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._scan import LAYER_KEY, layers_marked
 from . import _probe
 from ._dispatch import DispatchMode
 from ._fx import add_node
@@ -159,6 +160,7 @@ class GraphRecorder(DispatchMode):
         self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], fx.Node, frozenset[str]]] = {}
         self.constants: dict[int, tuple[Any, str]] = {}  # id -> (the object, its attribute)
         self.watch: frozenset[str] = NOTHING  # what the current op's arguments touch
+        self.layer: tuple[int, fx.Node | None] | None = None  # the scan's layer running, the last node before it
 
     # -- the graph's ends --------------------------------------------------------------------
     def placeholder(self, name: str, t: torch.Tensor) -> fx.Node:
@@ -175,6 +177,20 @@ class GraphRecorder(DispatchMode):
         with torch._C.DisableTorchFunction():
             self.graph.output(tuple(self._arg(t) for t in tensors))
         return _LazyGraphModule(self.root, self.graph)
+
+    def mark_layer(self, index: int | None) -> None:
+        """The scan starts layer ``index``, or (``None``) the layer it ran returned: the nodes
+        recorded in between carry ``LAYER_KEY`` (``core.internal.layers_marked``)."""
+        if index is not None:
+            self.layer = (index, next(iter(reversed(self.graph.nodes)), None))
+            return
+        if self.layer is None:
+            return
+        (index, before), self.layer = self.layer, None
+        node = before.next if before is not None else next(iter(self.graph.nodes), None)
+        while node is not None and node.op != "root":
+            node.meta[LAYER_KEY] = index
+            node = node.next
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -367,7 +383,7 @@ def record(fn: Callable[..., Any], args: Sequence[torch.Tensor], names: Sequence
     recorder = GraphRecorder(escape_op, shared, fake=fake)
     for k, t in enumerate(args[:len(names)]):
         recorder.placeholder(f"arg{k}_1", t)
-    with context(recorder), recording(recorder):
+    with context(recorder), recording(recorder), layers_marked(recorder.mark_layer):
         out = fn(*args)
     gm = recorder.output(outputs(out))
     return gm, out, None if shared is None else recorder.probe

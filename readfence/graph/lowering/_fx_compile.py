@@ -61,7 +61,7 @@ it: the same calls in the same order, in fewer statements (a 64-layer body's 10,
 >>> torch.equal(run(x), gm(x))
 True
 >>> run.stats                               # the add and the one product left go through bindings
-{'nodes': 5, 'folded': 2, 'shared': 1, 'bound': 2, 'pieces': 0}
+{'nodes': 5, 'folded': 2, 'shared': 1, 'bound': 2, 'pieces': 0, 'layer_runs': 0}
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ from torch import fx
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
 
 from ._fx_memory import HOOK_KEY, GraphMemory, InputMemory
+from ._fx_layers import outline_layers
 from ._fx_pieces import outline_pieces
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
@@ -344,11 +345,25 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
     check) is called through a hook (:class:`CompiledGraph`)."""
     kept = frozenset(keep)
     with _collection_paused():
-        pieces = 0
-        if simplify and bindings:  # each spliced model piece one call of code compiled once (``_fx_pieces``)
-            gm, pieces = outline_pieces(gm, kept, lambda piece, given: _compile(piece, frozenset(), True, True, given))
+        pieces = layers = 0
+        if simplify and bindings:
+            # each class of layers one function (``_fx_layers``: every node kept as traced inside
+            # it), then each spliced model piece one call of code compiled once (``_fx_pieces``),
+            # inside a class's function and out of it
+            def piece(graph: fx.GraphModule, given: tuple[InputMemory, ...]) -> CompiledGraph:
+                return _compile(graph, frozenset(), True, True, given)
+
+            def layer(block: fx.GraphModule) -> CompiledGraph:
+                nonlocal pieces
+                block, inside = outline_pieces(block, kept, piece)
+                pieces += inside
+                return _compile(block, kept, False, True, None)
+
+            gm, layers = outline_layers(gm, layer)
+            gm, outside = outline_pieces(gm, kept, piece)
+            pieces += outside
         compiled = _compile(gm, kept, simplify, bindings, inputs)
-    compiled.stats["pieces"] = pieces
+    compiled.stats["pieces"], compiled.stats["layer_runs"] = pieces, layers
     return compiled
 
 

@@ -55,10 +55,13 @@ UNKNOWN = ("unknown",)
 HOOK_KEY = "readfence_hook"
 WRITES_KEY = "readfence_hook_writes"
 
-#: A call of a piece of the graph compiled on its own (``_fx_pieces``): a function of its arguments
-#: that writes no memory and returns a tuple; ``node.meta[PIECE_KEY]`` says, per value returned,
+#: A call of a piece of the graph compiled on its own (``_fx_pieces``, ``_fx_layers``): a function
+#: of its arguments that returns a tuple; ``node.meta[PIECE_KEY]`` says, per value returned,
 #: which arguments (by position) it may be memory of, as the piece's own analysis found.
 PIECE_KEY = "readfence_piece"
+#: The arguments (by position) such a call may write, as the piece's own analysis found (none
+#: for a model piece; a layer's run compiled once writes its slice of the caches).
+PIECE_WRITES_KEY = "readfence_piece_writes"
 
 
 def storage_token(t: object) -> Hashable:
@@ -153,7 +156,9 @@ class GraphMemory:
             if node.meta.get(WRITES_KEY):
                 self.opaque = True
             return frozenset()
-        if PIECE_KEY in node.meta:  # nodes that write nothing, called as one: the tuple it returns (its getitems above)
+        if PIECE_KEY in node.meta:  # nodes called as one: what they write, the tuple returned (its getitems above)
+            for i in node.meta.get(PIECE_WRITES_KEY, ()):
+                self._written |= self.tokens(node.args[i])
             return frozenset({("made", self._site, node.name)})
         aliasing = op_aliasing(node.target) if node.op == "call_function" and _schema_holds(node.target) else None
         if aliasing is None or aliasing.opaque:
@@ -262,4 +267,4 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-__all__ = ["HOOK_KEY", "PIECE_KEY", "UNKNOWN", "WRITES_KEY", "GraphMemory", "InputMemory", "storage_token"]
+__all__ = ["HOOK_KEY", "PIECE_KEY", "PIECE_WRITES_KEY", "UNKNOWN", "WRITES_KEY", "GraphMemory", "InputMemory", "storage_token"]

@@ -25,9 +25,10 @@ validates any.
 
 >>> from readfence.backends import paged
 >>> from readfence.core import BODY, ForwardMode, ModelConfig, trace
->>> from readfence.graph.lowering._fx_compile import compile_graph
+>>> from readfence.graph.lowering._fx_compile import _compile
 >>> body = trace(paged(), ForwardMode.DECODE, cfg=ModelConfig(layers=3)).stage(BODY).graph.gm
->>> compile_graph(body).stats["pieces"] in (4, 6)   # two a layer (layer 0's once an earlier trace made the templates)
+>>> compile_piece = lambda graph, given: _compile(graph, frozenset(), True, True, given)
+>>> outline_pieces(body, (), compile_piece)[1] in (4, 6)   # two a layer (layer 0's once an earlier trace made the templates)
 True
 """
 
@@ -35,15 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from readfence.core.internal import SPLICED_KEY, Template, add_node
+from readfence.core.internal import LAYER_KEY, SPLICED_KEY, Template, add_node
 
-from ._fx_memory import HOOK_KEY, PIECE_KEY, UNKNOWN, GraphMemory, InputMemory
+from ._fx_memory import HOOK_KEY, PIECE_KEY, PIECE_WRITES_KEY, UNKNOWN, GraphMemory, InputMemory
 
 
 class CompiledPiece(Protocol):
@@ -64,9 +65,11 @@ class Piece:
     template's nodes). Its ``repr`` names the code it runs (a digest of its ``computation``), so
     that the code of a graph that calls it says what it computes."""
 
-    def __init__(self, compiled: CompiledPiece, returned: tuple[int, ...], shares: tuple[tuple[int, ...], ...]) -> None:
+    def __init__(self, compiled: CompiledPiece, returned: tuple[int, ...], shares: tuple[tuple[int, ...], ...],
+                 writes: tuple[int, ...] = ()) -> None:
         self.fn, self.returned, self.computation = compiled.fn, returned, compiled.computation
         self.shares = shares  # per value returned, the inputs (by position) it may be memory of
+        self.writes = writes  # the inputs (by position) whose memory it may write
         # (a name as FX's own code generation asks of a call's target)
         self.__name__ = self.__qualname__ = f"piece_{hashlib.sha1(compiled.computation.encode()).hexdigest()[:16]}"
 
@@ -103,7 +106,7 @@ def outline_pieces(gm: fx.GraphModule, keep: Collection[str], compile_piece: Com
             chosen[nodes[0]] = (piece, nodes, inputs)
     if not chosen:
         return gm, 0
-    return _rebuilt(gm, chosen)
+    return rebuilt(gm, chosen, "piece")
 
 
 def _call_inputs(nodes: list[fx.Node], template: Template, keep: Collection[str]) -> dict[int, fx.Node] | None:
@@ -137,11 +140,12 @@ def _piece(template: Template, inputs: dict[int, fx.Node], compile_piece: Compil
     return Piece(compiled, returned, shares)
 
 
-def _rebuilt(gm: fx.GraphModule, chosen: dict[fx.Node, tuple[Piece, list[fx.Node], dict[int, fx.Node]]],
-             ) -> tuple[fx.GraphModule, int]:
-    # a new graph: every node copied under its own name, each chosen splice one call and its getitems
+def rebuilt(gm: fx.GraphModule, chosen: Mapping[fx.Node, tuple[Piece, list[fx.Node], Mapping[int, Any]]],
+            prefix: str) -> tuple[fx.GraphModule, int]:
+    """A new graph: every node of ``gm`` copied under its own name, each chosen run of nodes
+    (by its first: the piece, the nodes, its arguments by position, nodes or other values) one
+    call named ``prefix...`` and a ``getitem`` per value it returns; and how many calls."""
     names = {n.name for n in gm.graph.nodes}
-    prefix = "piece"
     while any(name.startswith(prefix) for name in names):
         prefix += "_"
     graph = fx.Graph()
@@ -160,9 +164,13 @@ def _rebuilt(gm: fx.GraphModule, chosen: dict[fx.Node, tuple[Piece, list[fx.Node
                 return gm, 0
             continue
         piece, nodes, inputs = hit
-        call = add_node(graph, "call_function", piece, tuple(env[inputs[i]] for i in sorted(inputs)), {},
-                        f"{prefix}{count}")
+        call = add_node(graph, "call_function", piece,
+                        tuple(env[v] if isinstance(v, fx.Node) else v for v in (inputs[i] for i in sorted(inputs))),
+                        {}, f"{prefix}{count}")
         call.meta[PIECE_KEY] = piece.shares
+        call.meta[PIECE_WRITES_KEY] = piece.writes
+        if LAYER_KEY in nodes[0].meta:  # (a layer's run goes on through the call)
+            call.meta[LAYER_KEY] = nodes[0].meta[LAYER_KEY]
         for k, index in enumerate(piece.returned):
             out = add_node(graph, "call_function", operator.getitem, (call, k), {}, f"{prefix}{count}_{k}")
             out.meta.update((key, v) for key, v in nodes[index].meta.items() if key != SPLICED_KEY)
@@ -172,4 +180,4 @@ def _rebuilt(gm: fx.GraphModule, chosen: dict[fx.Node, tuple[Piece, list[fx.Node
     return _LazyGraphModule(gm, graph), count
 
 
-__all__ = ["Piece", "outline_pieces"]
+__all__ = ["Piece", "outline_pieces", "rebuilt"]

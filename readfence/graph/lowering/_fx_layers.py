@@ -1,0 +1,203 @@
+"""Compile pass: the layers of a body that compute alike become calls of one compiled function.
+
+A deep model's body runs the same layer code in every layer: the recorder marks the nodes each
+layer made (``core.internal.LAYER_KEY``, written while the scan runs that layer), and a 64-layer
+body holds a few classes of layers, each repeated dozens of times. Compiled node by node, every
+copy pays its memory analysis, its bindings and its lines of generated Python. :func:`outline_layers`
+hands ``compile_graph`` a graph in which each layer's run of nodes is one call of a function
+compiled once per class, where that is the same computation. A class is decided from the nodes
+themselves, never from the layer's index or the backend's word:
+
+* a run is a layer's nodes one after the other, all calls of functions, no inserted hook among
+  them (an event, a poison, a check splits it);
+* two runs are one class when they are the same ops, node for node, on arguments of the same
+  structure (a node inside the run by its position there, one outside by the order it is first
+  met, each constant equal, floats by their bits) with the same traced values' shapes, strides
+  and dtypes, returning the same nodes; an integer that differs between the runs of a class (the
+  layer's own slice of a pool) is an argument of the function, as the tensors are;
+* the function runs every node of the run as traced, in order, on its arguments (no value is
+  shared or folded inside it: the arguments of one call may be one memory), and the graph's
+  memory analysis takes each call as writing the arguments its own analysis finds written (an op
+  whose schema is not taken at its word, or a ``set_``, leaves the run node by node).
+
+The lowering validates the code compiled from this graph, as it validates any.
+
+>>> from readfence.backends import paged
+>>> from readfence.core import BODY, ForwardMode, ModelConfig, trace
+>>> from readfence.graph.lowering._fx_compile import compile_graph
+>>> body = trace(paged(), ForwardMode.DECODE, cfg=ModelConfig(layers=3)).stage(BODY).graph.gm
+>>> compile_graph(body).stats["layer_runs"]   # the three layers compute alike: one run each
+3
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from readfence.core.internal import LAYER_KEY, add_node
+
+from ._fx_memory import HOOK_KEY, UNKNOWN, GraphMemory
+from ._fx_pieces import CompiledPiece, Piece, rebuilt
+
+#: How a class's function is compiled from the graph of its first run (every node kept, as traced).
+CompileLayer = Callable[[fx.GraphModule], CompiledPiece]
+
+
+class _Unshareable(Exception):
+    """A run whose arguments cannot be compared with another's."""
+
+
+def _runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    # each layer's nodes, one run a stretch of calls that no hook or other node breaks
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    layer: object = None
+    for node in gm.graph.nodes:
+        mark = node.meta.get(LAYER_KEY)
+        if mark is None or node.op != "call_function" or HOOK_KEY in node.meta or mark != layer:
+            if len(current) > 1:
+                runs.append(current)
+            current, layer = [], mark
+            if mark is None or node.op != "call_function" or HOOK_KEY in node.meta:
+                continue
+        current.append(node)
+    if len(current) > 1:
+        runs.append(current)
+    return runs
+
+
+def _value_key(val: Any) -> Hashable:
+    if isinstance(val, torch.Tensor):
+        return ("tensor", tuple(val.shape), tuple(val.stride()), val.dtype, val.device.type)
+    if isinstance(val, (list, tuple)):
+        return (type(val).__name__, tuple(_value_key(v) for v in val))
+    return type(val).__name__
+
+
+class _Run:
+    """A run's shape: its key (everything but its integers), its integers in order, the outside
+    nodes it reads in the order first met, and the positions of the nodes it returns."""
+
+    def __init__(self, nodes: list[fx.Node]) -> None:
+        self.nodes = nodes
+        self.position = {n: i for i, n in enumerate(nodes)}
+        self.inputs: list[fx.Node] = []
+        self._input_at: dict[fx.Node, int] = {}
+        self.integers: list[int] = []
+        steps = tuple((str(n.op), n.target, self._arg(n.args), self._arg(n.kwargs), _value_key(n.meta.get("val")))
+                      for n in nodes)
+        self.returned = tuple(i for i, n in enumerate(nodes) if any(u not in self.position for u in n.users))
+        self.key: Hashable = (steps, self.returned, len(self.inputs), len(self.integers))
+
+    def _arg(self, value: Any) -> Hashable:
+        kind = type(value)
+        if kind is fx.Node:
+            at = self.position.get(value)
+            if at is not None:
+                return ("node", at)
+            if value not in self._input_at:
+                self._input_at[value] = len(self.inputs)
+                self.inputs.append(value)
+            return ("input", self._input_at[value])
+        if kind is int:
+            self.integers.append(value)
+            return ("int",)
+        if kind in (bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format):
+            return (kind, value)
+        if kind is float:
+            return ("float", value.hex() if math.isfinite(value) else repr(value))
+        if isinstance(value, (list, tuple)):
+            return (kind.__name__, tuple(self._arg(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple((k, self._arg(v)) for k, v in value.items()))
+        try:
+            hash(value)
+        except TypeError as e:
+            raise _Unshareable from e
+        return (kind, id(value))  # (an object is the same argument only as itself)
+
+
+def _block(gm: fx.GraphModule, run: _Run, varying: Sequence[int]) -> fx.GraphModule:
+    # the run's nodes as a graph of their own: its inputs, then the integers that differ between
+    # the runs of its class, as placeholders; returning the nodes used after it
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for k, node in enumerate(run.inputs):
+        env[node] = placeholder = graph.placeholder(f"input{k}")
+        placeholder.meta["val"] = node.meta.get("val")
+    integer = {i: graph.placeholder(f"integer{i}") for i in varying}
+    count = [0]
+
+    def mapped(value: Any) -> Any:
+        if type(value) is fx.Node:
+            return env[value]
+        if type(value) is int:
+            at = count[0]
+            count[0] += 1
+            return integer.get(at, value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(mapped(v) for v in value)
+        if isinstance(value, dict):
+            return {k: mapped(v) for k, v in value.items()}
+        return value
+
+    for node in run.nodes:  # (the same walk as the key's: integers are numbered alike)
+        env[node] = copied = add_node(graph, "call_function", node.target, mapped(node.args), mapped(node.kwargs),
+                                      node.name)
+        copied.meta.update(node.meta)
+    graph.output(tuple(env[run.nodes[i]] for i in run.returned))
+    return _LazyGraphModule(gm, graph)
+
+
+def _layer_piece(block: fx.GraphModule, run: _Run, compile_layer: CompileLayer) -> Piece | None:
+    # the class's function, where the block's own memory analysis knows what it writes
+    if any(torch.Tag.inplace_view in getattr(n.target, "tags", ()) for n in run.nodes):
+        return None
+    given = tuple(frozenset({("piece input", p)}) for p in range(len(block.graph.find_nodes(op="placeholder"))))
+    memory = GraphMemory(block, given)
+    if memory.opaque:
+        return None
+    positions = range(len(given))
+    written = {p for p in positions if memory.find(("piece input", p)) in memory.written}
+    if any(memory.find(UNKNOWN) == c for c in memory.written):
+        written = set(positions)
+    shares = tuple(tuple(p for p in positions if UNKNOWN in tokens or ("piece input", p) in tokens)
+                   for tokens in memory.outputs())
+    return Piece(compile_layer(block), run.returned, shares, writes=tuple(sorted(written)))
+
+
+def outline_layers(gm: fx.GraphModule, compile_layer: CompileLayer) -> tuple[fx.GraphModule, int]:
+    """``gm`` with each layer's run whose class has more than one run (see the module docstring)
+    replaced by one call of the class's function, and how many runs were; ``gm`` itself where
+    none was (it is never changed). ``compile_layer`` compiles a class's graph."""
+    classes: dict[Hashable, list[_Run]] = {}
+    for nodes in _runs(gm):
+        try:
+            run = _Run(nodes)
+        except _Unshareable:
+            continue
+        classes.setdefault(run.key, []).append(run)
+    chosen: dict[fx.Node, tuple[Piece, list[fx.Node], dict[int, Any]]] = {}
+    for runs in classes.values():
+        if len(runs) < 2:
+            continue
+        first = runs[0]
+        varying = [i for i in range(len(first.integers)) if any(r.integers[i] != first.integers[i] for r in runs)]
+        piece = _layer_piece(_block(gm, first, varying), first, compile_layer)
+        if piece is None:
+            continue
+        for run in runs:
+            arguments: list[Any] = [*run.inputs, *(run.integers[i] for i in varying)]
+            chosen[run.nodes[0]] = (piece, run.nodes, dict(enumerate(arguments)))
+    if not chosen:
+        return gm, 0
+    return rebuilt(gm, chosen, "layer")
+
+
+__all__ = ["outline_layers"]

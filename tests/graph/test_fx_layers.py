@@ -1,0 +1,103 @@
+"""The layers of a body that compute alike compiled as one function, called once per layer: the
+same values as the eager step, every integer that differs between layers an argument, a
+function that writes known to write, and node by node wherever the layers differ or an op's
+schema is not taken at its word."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import readfence.graph.lowering._fx_memory as fx_memory
+from readfence.backends import REFERENCE_LEAVES, hybrid_linear, leaf, linear, page_meta, softmax_attention, store_kv, trtllm_mha
+from readfence.core import BODY, ForwardMode, ModelConfig, trace
+from readfence.graph.lowering._fx_compile import compile_graph
+from tests.graph.test_lower_what_runs import lowered_against_eager, no_validation
+
+M = ForwardMode
+LAYERS = ModelConfig(layers=4, max_reqs=8, max_ctx=16)
+
+
+def _body_runs(low: object) -> int:
+    return low._slots[0].stages[BODY].runner.graph.stats["layer_runs"]
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_LEAVES))
+def test_every_reference_leaf_s_layers_are_one_function_and_compute_the_eager_step(name) -> None:
+    equal, low = lowered_against_eager(REFERENCE_LEAVES[name](), cfg=LAYERS)
+    assert equal and low.optimized and _body_runs(low) >= LAYERS.layers
+
+
+def test_a_body_of_two_classes_of_layers_calls_two_functions() -> None:
+    body = trace(hybrid_linear(trtllm_mha(), linear()), M.DECODE, cfg=LAYERS, batch_size=2).stage(BODY).graph
+    compiled = compile_graph(body.gm)
+    assert compiled.stats["layer_runs"] == LAYERS.layers
+    functions = {line.split(" = ")[1] for line in compiled.computation.splitlines() if " = <piece_" in line}
+    assert len(functions) == 2, compiled.computation  # (the model's own pieces are called inside them)
+
+
+def _edges_read_what_the_middle_writes() -> object:
+    """The first and last layers read the whole state pool with the same op (and differ from each
+    other: neither is a class of two); the layers between write their slice of it. A pass that
+    took the middle layers' function for one that writes nothing would compute the last layer's
+    read once, before the writes."""
+    last = LAYERS.layers - 1
+
+    def prep(mode, shared, batch, meta):
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        if layer == 0:
+            return out + pools["state"].sum() * 1e-3
+        if layer == last:
+            return out - pools["state"].sum() * 1e-3
+        pools["state"].select(0, layer).add_(1.0)
+        return out
+
+    return leaf("edges_read_what_the_middle_writes", attend, prepare_in_graph=prep,
+                reads=["req_to_token", "seq_lens"])
+
+
+def test_what_a_class_of_layers_writes_is_known_to_be_written(monkeypatch) -> None:
+    # the deliberately broken analysis (a layer function's writes unseen) computes it wrong; the
+    # validation, which compares with the stages' Python and shares nothing with the analysis,
+    # catches that and runs the plain code
+    with monkeypatch.context() as m:
+        m.setattr(fx_memory, "PIECE_WRITES_KEY", "writes nobody looks up")
+        with no_validation(m):
+            equal, low = lowered_against_eager(_edges_read_what_the_middle_writes(), cfg=LAYERS)
+        assert not equal and _body_runs(low) == LAYERS.layers - 2, "the case attacks nothing"
+        equal, low = lowered_against_eager(_edges_read_what_the_middle_writes(), cfg=LAYERS)
+        assert equal and not low.optimized
+    equal, low = lowered_against_eager(_edges_read_what_the_middle_writes(), cfg=LAYERS)
+    assert equal and low.optimized and _body_runs(low) == LAYERS.layers - 2
+
+
+def _layer_scaled(by: str) -> object:
+    """Every layer computes alike but for a constant of its own: an integer (an argument of the
+    one function), a tensor it captured (an input, as any tensor) or a float (each layer its own
+    code)."""
+    scales = [torch.full((1,), 1.0 + i) for i in range(LAYERS.layers)]
+
+    def prep(mode, shared, batch, meta):
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        if by == "int":
+            return out.roll(layer, 0)
+        if by == "float":
+            return out * (1.0 + layer / 8)
+        return out * scales[layer]
+
+    return leaf(f"scaled_by_{by}", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+
+
+@pytest.mark.parametrize("by", ["int", "float", "tensor"])
+def test_a_constant_of_each_layer_is_computed_as_that_layer_s(by) -> None:
+    equal, low = lowered_against_eager(_layer_scaled(by), cfg=LAYERS)
+    assert equal and low.optimized
+    assert (_body_runs(low) >= LAYERS.layers) == (by != "float")
