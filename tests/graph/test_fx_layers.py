@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import readfence.graph.lowering._fx_compile as fx_compile
 import readfence.graph.lowering._fx_memory as fx_memory
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, leaf, linear, page_meta, softmax_attention, store_kv, trtllm_mha
 from readfence.core import BODY, ForwardMode, ModelConfig, trace
@@ -32,6 +33,7 @@ def test_a_body_of_two_classes_of_layers_calls_two_functions() -> None:
     body = trace(hybrid_linear(trtllm_mha(), linear()), M.DECODE, cfg=LAYERS, batch_size=2).stage(BODY).graph
     compiled = compile_graph(body.gm)
     assert compiled.stats["layer_runs"] == LAYERS.layers
+    assert compiled.hoisted  # (the causal mask every attention layer computes alike: once)
     functions = {line.split(" = ")[1] for line in compiled.computation.splitlines() if " = <piece_" in line}
     assert len(functions) == 2, compiled.computation  # (the model's own pieces are called inside them)
 
@@ -73,6 +75,41 @@ def test_what_a_class_of_layers_writes_is_known_to_be_written(monkeypatch) -> No
         assert equal and not low.optimized
     equal, low = lowered_against_eager(_edges_read_what_the_middle_writes(), cfg=LAYERS)
     assert equal and low.optimized and _body_runs(low) == LAYERS.layers - 2
+
+
+def _each_layer_reads_what_the_last_wrote() -> object:
+    """Every layer reads the whole state pool with the same op on the same input (an invariant of
+    the class by its arguments), then writes its slice: computed once, the read would miss the
+    writes of the layers before."""
+
+    def prep(mode, shared, batch, meta):
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        seen = pools["state"].sum()
+        pools["state"].select(0, layer).add_(1.0)
+        return out + seen * 1e-3
+
+    return leaf("each_layer_reads_what_the_last_wrote", attend, prepare_in_graph=prep,
+                reads=["req_to_token", "seq_lens"])
+
+
+def test_a_value_computed_once_for_a_class_of_layers_is_one_no_layer_writes(monkeypatch) -> None:
+    # taken for a value every layer computes alike (the check after the fact made blind), the read
+    # runs once and the output is wrong; the validation catches that; the check itself keeps it in
+    # every layer, and the layers are still one function
+    with monkeypatch.context() as m:
+        m.setattr(fx_compile, "hoists_hold", lambda gm, memory, hoisted: True)
+        with no_validation(m):
+            equal, low = lowered_against_eager(_each_layer_reads_what_the_last_wrote(), cfg=LAYERS)
+        assert not equal and _body_runs(low) == LAYERS.layers, "the case attacks nothing"
+        equal, low = lowered_against_eager(_each_layer_reads_what_the_last_wrote(), cfg=LAYERS)
+        assert equal and not low.optimized
+    equal, low = lowered_against_eager(_each_layer_reads_what_the_last_wrote(), cfg=LAYERS)
+    assert equal and low.optimized and _body_runs(low) == LAYERS.layers
+    assert not low._slots[0].stages[BODY].runner.graph.hoisted
 
 
 def _layer_scaled(by: str) -> object:

@@ -305,7 +305,7 @@ def lowered_against_eager(backend: object, policy: Policy = Policy.COARSE, steps
 def layers_node_by_node(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No class of layers compiled once: every node of the body goes through the simplifying pass."""
     with monkeypatch.context() as m:
-        m.setattr(fx_compile, "outline_layers", lambda gm, compile_layer: (gm, 0))
+        m.setattr(fx_compile, "outline_layers", lambda gm, compile_layer, hoistable=None: (gm, 0, frozenset()))
         yield
 
 

@@ -79,8 +79,8 @@ from torch import fx
 
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
 
-from ._fx_memory import HOOK_KEY, GraphMemory, InputMemory
-from ._fx_layers import outline_layers
+from ._fx_memory import HOOK_KEY, WRITES_KEY, GraphMemory, InputMemory
+from ._fx_layers import hoists_hold, outline_layers
 from ._fx_pieces import outline_pieces
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
@@ -318,6 +318,8 @@ class CompiledGraph:
         self._bind, self.source, self.stats, self.hooks = bind, source, stats, hooks
         self.computation, self.memory = computation, memory
         self.fn = bind(*(target for _, target in hooks))
+        self.outlined: fx.GraphModule | None = None  # the graph compiled, after the outlining passes
+        self.hoisted: frozenset[str] = frozenset()  # its nodes computed once for a class of layers
 
     def bind(self, targets: Mapping[Hashable, Callable[..., Any]]) -> Callable[..., Any]:
         """The compiled function (the same code object as :attr:`fn`'s) with each hook calling
@@ -345,25 +347,40 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
     check) is called through a hook (:class:`CompiledGraph`)."""
     kept = frozenset(keep)
     with _collection_paused():
-        pieces = layers = 0
-        if simplify and bindings:
-            # each class of layers one function (``_fx_layers``: every node kept as traced inside
-            # it), then each spliced model piece one call of code compiled once (``_fx_pieces``),
-            # inside a class's function and out of it
-            def piece(graph: fx.GraphModule, given: tuple[InputMemory, ...]) -> CompiledGraph:
-                return _compile(graph, frozenset(), True, True, given)
+        if not (simplify and bindings):
+            compiled = _compile(gm, kept, simplify, bindings, inputs)
+            compiled.stats["pieces"] = compiled.stats["layer_runs"] = 0
+            return compiled
+        # each class of layers one function (``_fx_layers``: what every run computes alike computed
+        # once before the first, every other node as traced inside it), then each spliced model
+        # piece one call of code compiled once (``_fx_pieces``), inside a class's function and out
+        # (a check's poison may write anything: no value is known to be computed alike then)
+        hoist = not any(n.meta.get(WRITES_KEY) for n in gm.graph.nodes)
+        compiled = _outlined(gm, kept, inputs, hoist=hoist)
+        if not hoists_hold(compiled.outlined, compiled.memory, compiled.hoisted):  # a value computed once is written
+            compiled = _outlined(gm, kept, inputs, hoist=False)
+    return compiled
 
-            def layer(block: fx.GraphModule) -> CompiledGraph:
-                nonlocal pieces
-                block, inside = outline_pieces(block, kept, piece)
-                pieces += inside
-                return _compile(block, kept, False, True, None)
 
-            gm, layers = outline_layers(gm, layer)
-            gm, outside = outline_pieces(gm, kept, piece)
-            pieces += outside
-        compiled = _compile(gm, kept, simplify, bindings, inputs)
-    compiled.stats["pieces"], compiled.stats["layer_runs"] = pieces, layers
+def _outlined(gm: fx.GraphModule, kept: frozenset[str], inputs: Sequence[InputMemory] | None, hoist: bool,
+              ) -> CompiledGraph:
+    pieces = 0
+
+    def piece(graph: fx.GraphModule, given: tuple[InputMemory, ...]) -> CompiledGraph:
+        return _compile(graph, frozenset(), True, True, given)
+
+    def layer(block: fx.GraphModule) -> CompiledGraph:
+        nonlocal pieces
+        block, inside = outline_pieces(block, kept, piece)
+        pieces += inside
+        return _compile(block, kept, False, True, None)
+
+    hoistable = (lambda node: node.name not in kept and _pure(node)) if hoist else None
+    outlined, layers, hoisted = outline_layers(gm, layer, hoistable)
+    outlined, outside = outline_pieces(outlined, kept, piece)
+    compiled = _compile(outlined, kept, True, True, inputs)
+    compiled.stats["pieces"], compiled.stats["layer_runs"] = pieces + outside, layers
+    compiled.outlined, compiled.hoisted = outlined, hoisted
     return compiled
 
 

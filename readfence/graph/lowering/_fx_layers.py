@@ -43,7 +43,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from readfence.core.internal import LAYER_KEY, add_node
 
 from ._fx_memory import HOOK_KEY, UNKNOWN, GraphMemory
-from ._fx_pieces import CompiledPiece, Piece, rebuilt
+from ._fx_pieces import CompiledPiece, Outlined, Piece, rebuilt
 
 #: How a class's function is compiled from the graph of its first run (every node kept, as traced).
 CompileLayer = Callable[[fx.GraphModule], CompiledPiece]
@@ -82,7 +82,8 @@ def _value_key(val: Any) -> Hashable:
 
 class _Run:
     """A run's shape: its key (everything but its integers), its integers in order, the outside
-    nodes it reads in the order first met, and the positions of the nodes it returns."""
+    nodes it reads in the order first met, the positions of the nodes it returns, and what each
+    node uses (outside nodes and integers by their numbers, nodes of the run by position)."""
 
     def __init__(self, nodes: list[fx.Node]) -> None:
         self.nodes = nodes
@@ -90,22 +91,29 @@ class _Run:
         self.inputs: list[fx.Node] = []
         self._input_at: dict[fx.Node, int] = {}
         self.integers: list[int] = []
-        steps = tuple((str(n.op), n.target, self._arg(n.args), self._arg(n.kwargs), _value_key(n.meta.get("val")))
-                      for n in nodes)
+        self.uses: list[tuple[set[int], set[int], set[int]]] = []  # per node: inputs, integers, nodes
+        steps = []
+        for n in nodes:
+            self.uses.append((set(), set(), set()))
+            steps.append((str(n.op), n.target, self._arg(n.args), self._arg(n.kwargs), _value_key(n.meta.get("val"))))
         self.returned = tuple(i for i, n in enumerate(nodes) if any(u not in self.position for u in n.users))
-        self.key: Hashable = (steps, self.returned, len(self.inputs), len(self.integers))
+        self.key: Hashable = (tuple(steps), self.returned, len(self.inputs), len(self.integers))
 
     def _arg(self, value: Any) -> Hashable:
         kind = type(value)
+        inputs, integers, made = self.uses[-1]
         if kind is fx.Node:
             at = self.position.get(value)
             if at is not None:
+                made.add(at)
                 return ("node", at)
             if value not in self._input_at:
                 self._input_at[value] = len(self.inputs)
                 self.inputs.append(value)
+            inputs.add(self._input_at[value])
             return ("input", self._input_at[value])
         if kind is int:
+            integers.add(len(self.integers))
             self.integers.append(value)
             return ("int",)
         if kind in (bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format):
@@ -123,15 +131,33 @@ class _Run:
         return (kind, id(value))  # (an object is the same argument only as itself)
 
 
-def _block(gm: fx.GraphModule, run: _Run, varying: Sequence[int]) -> fx.GraphModule:
-    # the run's nodes as a graph of their own: its inputs, then the integers that differ between
-    # the runs of its class, as placeholders; returning the nodes used after it
+def _invariant(runs: Sequence[_Run], varying: Sequence[int], hoistable: Callable[[fx.Node], bool]) -> list[int]:
+    """The positions of the nodes every run of a class computes alike: a pure op on the same
+    outside nodes in every run, integers that do not vary and other such nodes (their memory
+    never written: :func:`hoists_hold`, after the fact)."""
+    first = runs[0]
+    same = {k for k, node in enumerate(first.inputs) if all(r.inputs[k] is node for r in runs)}
+    varies, chosen = set(varying), set()
+    for j, node in enumerate(first.nodes):
+        inputs, integers, made = first.uses[j]
+        if inputs <= same and not integers & varies and made <= chosen and hoistable(node):
+            chosen.add(j)
+    return sorted(chosen)
+
+
+def _block(gm: fx.GraphModule, run: _Run, varying: Sequence[int], hoisted: Sequence[int]) -> fx.GraphModule:
+    # the run's nodes as a graph of their own: its inputs, the integers that differ between the
+    # runs of its class and the values computed once before its first run, as placeholders;
+    # returning the nodes used after it
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for k, node in enumerate(run.inputs):
         env[node] = placeholder = graph.placeholder(f"input{k}")
         placeholder.meta["val"] = node.meta.get("val")
     integer = {i: graph.placeholder(f"integer{i}") for i in varying}
+    for j in hoisted:
+        env[run.nodes[j]] = placeholder = graph.placeholder(f"invariant{j}")
+        placeholder.meta["val"] = run.nodes[j].meta.get("val")
     count = [0]
 
     def mapped(value: Any) -> Any:
@@ -148,14 +174,20 @@ def _block(gm: fx.GraphModule, run: _Run, varying: Sequence[int]) -> fx.GraphMod
         return value
 
     for node in run.nodes:  # (the same walk as the key's: integers are numbered alike)
-        env[node] = copied = add_node(graph, "call_function", node.target, mapped(node.args), mapped(node.kwargs),
-                                      node.name)
-        copied.meta.update(node.meta)
-    graph.output(tuple(env[run.nodes[i]] for i in run.returned))
+        args, kwargs = mapped(node.args), mapped(node.kwargs)
+        if node not in env:
+            env[node] = copied = add_node(graph, "call_function", node.target, args, kwargs, node.name)
+            copied.meta.update(node.meta)
+    graph.output(tuple(env[run.nodes[i]] for i in _returned(run, hoisted)))
     return _LazyGraphModule(gm, graph)
 
 
-def _layer_piece(block: fx.GraphModule, run: _Run, compile_layer: CompileLayer) -> Piece | None:
+def _returned(run: _Run, hoisted: Sequence[int]) -> tuple[int, ...]:
+    held = set(hoisted)
+    return tuple(i for i in run.returned if i not in held)
+
+
+def _layer_piece(block: fx.GraphModule, run: _Run, hoisted: Sequence[int], compile_layer: CompileLayer) -> Piece | None:
     # the class's function, where the block's own memory analysis knows what it writes
     if any(torch.Tag.inplace_view in getattr(n.target, "tags", ()) for n in run.nodes):
         return None
@@ -169,13 +201,17 @@ def _layer_piece(block: fx.GraphModule, run: _Run, compile_layer: CompileLayer) 
         written = set(positions)
     shares = tuple(tuple(p for p in positions if UNKNOWN in tokens or ("piece input", p) in tokens)
                    for tokens in memory.outputs())
-    return Piece(compile_layer(block), run.returned, shares, writes=tuple(sorted(written)))
+    return Piece(compile_layer(block), _returned(run, hoisted), shares, writes=tuple(sorted(written)))
 
 
-def outline_layers(gm: fx.GraphModule, compile_layer: CompileLayer) -> tuple[fx.GraphModule, int]:
+def outline_layers(gm: fx.GraphModule, compile_layer: CompileLayer,
+                   hoistable: Callable[[fx.Node], bool] | None = None) -> tuple[fx.GraphModule, int, frozenset[str]]:
     """``gm`` with each layer's run whose class has more than one run (see the module docstring)
-    replaced by one call of the class's function, and how many runs were; ``gm`` itself where
-    none was (it is never changed). ``compile_layer`` compiles a class's graph."""
+    replaced by one call of the class's function, how many runs were, and the names of the nodes
+    computed once for every run of their class (``hoistable`` says which nodes may be: pure ops;
+    none without it; :func:`hoists_hold` must confirm them on the new graph's memory analysis).
+    ``gm`` itself where no run was (it is never changed). ``compile_layer`` compiles a class's
+    graph."""
     classes: dict[Hashable, list[_Run]] = {}
     for nodes in _runs(gm):
         try:
@@ -183,21 +219,40 @@ def outline_layers(gm: fx.GraphModule, compile_layer: CompileLayer) -> tuple[fx.
         except _Unshareable:
             continue
         classes.setdefault(run.key, []).append(run)
-    chosen: dict[fx.Node, tuple[Piece, list[fx.Node], dict[int, Any]]] = {}
+    chosen: dict[fx.Node, Outlined] = {}
+    hoisted_names: set[str] = set()
     for runs in classes.values():
         if len(runs) < 2:
             continue
         first = runs[0]
         varying = [i for i in range(len(first.integers)) if any(r.integers[i] != first.integers[i] for r in runs)]
-        piece = _layer_piece(_block(gm, first, varying), first, compile_layer)
+        hoisted = _invariant(runs, varying, hoistable) if hoistable is not None else []
+        piece = _layer_piece(_block(gm, first, varying, hoisted), first, hoisted, compile_layer)
         if piece is None:
             continue
+        invariants = [first.nodes[j] for j in hoisted]
+        hoisted_names.update(n.name for n in invariants)
         for run in runs:
-            arguments: list[Any] = [*run.inputs, *(run.integers[i] for i in varying)]
-            chosen[run.nodes[0]] = (piece, run.nodes, dict(enumerate(arguments)))
+            arguments: list[Any] = [*run.inputs, *(run.integers[i] for i in varying), *invariants]
+            chosen[run.nodes[0]] = Outlined(
+                piece, run.nodes, dict(enumerate(arguments)), before=tuple(invariants) if run is first else (),
+                equal={} if run is first else {run.nodes[j]: first.nodes[j] for j in hoisted})
     if not chosen:
-        return gm, 0
-    return rebuilt(gm, chosen, "layer")
+        return gm, 0, frozenset()
+    outlined, count = rebuilt(gm, chosen, "layer")
+    return outlined, count, frozenset(hoisted_names) if count else frozenset()
 
 
-__all__ = ["outline_layers"]
+def hoists_hold(gm: fx.GraphModule | None, memory: GraphMemory | None, hoisted: frozenset[str]) -> bool:
+    """Whether computing the nodes ``hoisted`` once, before the first run of their class, computes
+    what each run did: no memory any of them or their arguments may be is written in ``gm`` (by
+    ``memory``, the analysis of ``gm`` the compile made; ``None`` or opaque: not known)."""
+    if not hoisted:
+        return True
+    if gm is None or memory is None or memory.opaque:
+        return False
+    nodes = [n for n in gm.graph.nodes if n.name in hoisted]
+    return not memory.classes([*nodes, *(a for n in nodes for a in n.all_input_nodes)]) & memory.written
+
+
+__all__ = ["hoists_hold", "outline_layers"]

@@ -39,6 +39,7 @@ import operator
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
+import attrs
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -93,7 +94,7 @@ def outline_pieces(gm: fx.GraphModule, keep: Collection[str], compile_piece: Com
         if mark is not None:
             calls.setdefault(mark.call, []).append(node)
     pieces: dict[int, Piece | None] = {}  # by template (identity)
-    chosen: dict[fx.Node, tuple[Piece, list[fx.Node], dict[int, fx.Node]]] = {}
+    chosen: dict[fx.Node, Outlined] = {}
     for nodes in calls.values():
         template = nodes[0].meta[SPLICED_KEY].template
         inputs = _call_inputs(nodes, template, keep)
@@ -103,7 +104,7 @@ def outline_pieces(gm: fx.GraphModule, keep: Collection[str], compile_piece: Com
             pieces[id(template)] = _piece(template, inputs, compile_piece)
         piece = pieces[id(template)]
         if piece is not None:
-            chosen[nodes[0]] = (piece, nodes, inputs)
+            chosen[nodes[0]] = Outlined(piece, nodes, inputs)
     if not chosen:
         return gm, 0
     return rebuilt(gm, chosen, "piece")
@@ -140,11 +141,23 @@ def _piece(template: Template, inputs: dict[int, fx.Node], compile_piece: Compil
     return Piece(compiled, returned, shares)
 
 
-def rebuilt(gm: fx.GraphModule, chosen: Mapping[fx.Node, tuple[Piece, list[fx.Node], Mapping[int, Any]]],
-            prefix: str) -> tuple[fx.GraphModule, int]:
-    """A new graph: every node of ``gm`` copied under its own name, each chosen run of nodes
-    (by its first: the piece, the nodes, its arguments by position, nodes or other values) one
-    call named ``prefix...`` and a ``getitem`` per value it returns; and how many calls."""
+@attrs.frozen(eq=False)
+class Outlined:
+    """A run of ``nodes`` made one call of ``piece`` on ``inputs`` (by position: nodes or other
+    values), after ``before`` (nodes of the run copied as they are, ahead of the call: values the
+    piece takes as inputs); ``equal`` maps each node of the run computed by an earlier copy to it."""
+
+    piece: Piece
+    nodes: list[fx.Node]
+    inputs: Mapping[int, Any]
+    before: tuple[fx.Node, ...] = ()
+    equal: Mapping[fx.Node, fx.Node] = attrs.field(factory=dict)
+
+
+def rebuilt(gm: fx.GraphModule, chosen: Mapping[fx.Node, Outlined], prefix: str) -> tuple[fx.GraphModule, int]:
+    """A new graph: every node of ``gm`` copied under its own name, each chosen run of nodes (by
+    its first) one call named ``prefix...`` and a ``getitem`` per value it returns; and how many
+    calls."""
     names = {n.name for n in gm.graph.nodes}
     while any(name.startswith(prefix) for name in names):
         prefix += "_"
@@ -152,18 +165,26 @@ def rebuilt(gm: fx.GraphModule, chosen: Mapping[fx.Node, tuple[Piece, list[fx.No
     env: dict[fx.Node, fx.Node] = {}
     skipped: set[fx.Node] = set()
     count = 0
+
+    def copy(node: fx.Node) -> fx.Node:
+        env[node] = copied = add_node(graph, node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
+                                      fx.node.map_arg(node.kwargs, env.__getitem__), node.name, node.type)
+        copied.meta.update(node.meta)
+        return copied
+
     for node in gm.graph.nodes:
         if node in skipped:
             continue
         hit = chosen.get(node)
         if hit is None:
-            env[node] = copied = add_node(graph, node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
-                                          fx.node.map_arg(node.kwargs, env.__getitem__), node.name, node.type)
-            copied.meta.update(node.meta)
-            if copied.name != node.name:  # (names are what ``keep`` and the hooks' sites say)
+            if copy(node).name != node.name:  # (names are what ``keep`` and the hooks' sites say)
                 return gm, 0
             continue
-        piece, nodes, inputs = hit
+        for early in hit.before:
+            copy(early)
+        for later, earlier in hit.equal.items():
+            env[later] = env[earlier]
+        piece, nodes, inputs = hit.piece, hit.nodes, hit.inputs
         call = add_node(graph, "call_function", piece,
                         tuple(env[v] if isinstance(v, fx.Node) else v for v in (inputs[i] for i in sorted(inputs))),
                         {}, f"{prefix}{count}")
@@ -180,4 +201,4 @@ def rebuilt(gm: fx.GraphModule, chosen: Mapping[fx.Node, tuple[Piece, list[fx.No
     return _LazyGraphModule(gm, graph), count
 
 
-__all__ = ["Piece", "outline_pieces", "rebuilt"]
+__all__ = ["Outlined", "Piece", "outline_pieces", "rebuilt"]
