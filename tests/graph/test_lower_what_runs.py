@@ -31,8 +31,7 @@ import readfence.graph.lowering._fx_compile as fx_compile
 import readfence.graph.lowering._fx_memory as fx_memory
 import readfence.graph.lowering._lower as lowering
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import (SHARED_BUFFERS, CapturedStateError, ForwardMode, ModelConfig, NotGraphSafe, StepInputs, audit,
-                            run_step)
+from readfence.core import SHARED_BUFFERS, CapturedStateError, ForwardMode, ModelConfig, NotGraphSafe, StepInputs, audit, run_step
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, Policy, Scheduler, lower, run_overlapped, run_serial
 from readfence.graph.lowering import UnsoundLowering

@@ -79,8 +79,8 @@ from torch import fx
 
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
 
-from ._fx_memory import HOOK_KEY, WRITES_KEY, GraphMemory, InputMemory
 from ._fx_layers import hoists_hold, outline_layers
+from ._fx_memory import HOOK_KEY, WRITES_KEY, GraphMemory, InputMemory
 from ._fx_pieces import outline_pieces
 
 _IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})

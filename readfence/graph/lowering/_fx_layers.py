@@ -137,7 +137,7 @@ def _invariant(runs: Sequence[_Run], varying: Sequence[int], hoistable: Callable
     never written: :func:`hoists_hold`, after the fact)."""
     first = runs[0]
     same = {k for k, node in enumerate(first.inputs) if all(r.inputs[k] is node for r in runs)}
-    varies, chosen = set(varying), set()
+    varies, chosen = set(varying), set[int]()
     for j, node in enumerate(first.nodes):
         inputs, integers, made = first.uses[j]
         if inputs <= same and not integers & varies and made <= chosen and hoistable(node):
