@@ -114,36 +114,67 @@ def _bytes(storage: torch.UntypedStorage) -> Tensor:
 
 
 class _Memory:
-    """The memory a stage can reach (its tensor arguments' storages and those its graph captured),
-    saved: put back before the second run, compared after it. A graph may write through a
-    captured tensor that is an argument's memory too (an engine object's own reference to the
-    live cache): both runs then run on the very memory the step uses, one after the other.
-    Each storage is looked at once, as words (:func:`_bytes`), and the copies of all of them are
-    one call: a 64-layer model's stage reaches some 400 storages, whose one by one handling
-    cost more than their bytes."""
+    """The memory a stage can reach: its tensor arguments' storages and those its graph captured.
+    The replay runs on copies of the arguments' storages (each argument viewed as it is, on its
+    storage's copy: arguments that share memory still do), and the Python on the memory itself;
+    the copies are then compared with what the Python left. Memory the graph captured (and any
+    argument over it: an engine object's own reference to the live cache) is the very memory both
+    runs use: saved, put back before the Python runs, compared after it. Each storage is looked
+    at once, as words (:func:`_bytes`), and the copies of all of them are one call: a 64-layer
+    model's stage reaches some 400 storages, whose one by one handling cost more than their
+    bytes."""
 
-    def __init__(self, named: Sequence[tuple[str, object]]) -> None:
-        storages: dict[tuple[int, int], tuple[torch.UntypedStorage, str]] = {}
-        for name, leaf in named:
+    def __init__(self, arguments: Sequence[tuple[str, object]], held: Sequence[tuple[str, Tensor]]) -> None:
+        in_place: dict[tuple[int, int], tuple[torch.UntypedStorage, str]] = {}
+        for name, t in held:
+            key = _storage_key(t)
+            if key is not None and key not in in_place:
+                in_place[key] = (t.untyped_storage(), name)
+        spans = [(st.device, key[0], key[0] + key[1]) for key, (st, _) in in_place.items()]
+        copied: dict[tuple[int, int], tuple[torch.UntypedStorage, str]] = {}
+        for name, leaf in arguments:
             if not isinstance(leaf, Tensor):
                 continue
             key = _storage_key(leaf)
-            if key is not None and key not in storages:
-                storages[key] = (leaf.untyped_storage(), name)
-        self.names = [name for _, name in storages.values()]
-        self.words = [_bytes(st) for st, _ in storages.values()]
+            if key is None or key in in_place or key in copied:
+                continue
+            st = leaf.untyped_storage()
+            over_held = any(st.device == d and key[0] < stop and start < key[0] + key[1] for d, start, stop in spans)
+            (in_place if over_held or type(leaf) is not Tensor else copied)[key] = (st, name)
+        self.names = [name for _, name in in_place.values()]
+        self.words = [_bytes(st) for st, _ in in_place.values()]
+        self._copied = list(copied)
+        self.copied_names = [name for _, name in copied.values()]
+        self.copied_words = [_bytes(st) for st, _ in copied.values()]
 
     def save(self, scratch: _Scratch) -> list[Tensor]:
+        """Copies of the memory both runs use."""
         return scratch.copies_of(self.words)
 
     def restore(self, saved: Sequence[Tensor]) -> None:
         if self.words:
             torch._foreach_copy_(self.words, list(saved))
 
-    def differs_from(self, saved: Sequence[Tensor]) -> str | None:
-        """The first memory whose bytes now are not ``saved``'s (named by an argument)."""
+    def on_copies(self, env: Mapping[str, Tensor], scratch: _Scratch) -> tuple[dict[str, Tensor], list[Tensor]]:
+        """``env`` with each argument over a copied storage viewed as it is on that storage's copy,
+        and the copies (to compare with :meth:`copies_differ` after the Python ran)."""
+        copies = scratch.copies_of(self.copied_words)
+        storage = {key: c.untyped_storage() for key, c in zip(self._copied, copies)}
+        viewed = {}
+        for name, t in env.items():
+            st = storage.get(_storage_key(t)) if type(t) is Tensor else None  # type: ignore[arg-type]
+            viewed[name] = t if st is None else torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                st, t.storage_offset(), t.size(), t.stride())
+        return viewed, copies
+
+    def differs_from(self, saved: Sequence[Tensor], copies: Sequence[Tensor]) -> str | None:
+        """The first memory whose bytes now are not ``saved``'s, or whose copy (``copies``, as the
+        replay left it) is not what the Python left (named by an argument)."""
         for name, now, old in zip(self.names, self.words, saved, strict=True):
             if not torch.equal(now, old):
+                return name
+        for name, now, replayed in zip(self.copied_names, self.copied_words, copies, strict=True):
+            if not torch.equal(now, replayed):
                 return name
         return None
 
@@ -204,17 +235,18 @@ class _Comparing:
             return call()
         names, leaves, _ = call.named_leaves()
         env = {n: v for n, v in zip(names, leaves) if isinstance(v, Tensor)}
-        memory = _Memory([*env.items(), *self._held(graph)])
+        memory = _Memory(list(env.items()), self._held(graph))
         before = memory.save(self.scratch)
-        with _same_randomness(env.values()) as rewind:  # the replay, then the Python, on the same memory
-            replayed = {k: v.clone() for k, v in self.replay(graph, env).items()}
+        with _same_randomness(env.values()) as rewind:  # the replay (on copies), then the Python
+            on_copies, copies = memory.on_copies(env, self.scratch)
+            replayed = {k: v.clone() for k, v in self.replay(graph, on_copies).items()}
             after_replay = memory.save(self.scratch)
             memory.restore(before)
             rewind()
             out = call()
         want = {n: v for n, v in call.output_names(out) if isinstance(v, Tensor)}
-        changed = memory.differs_from(after_replay)
-        self.scratch.give_back([*before, *after_replay])
+        changed = memory.differs_from(after_replay, copies)
+        self.scratch.give_back([*before, *after_replay, *copies])
         for name in graph.graph.outputs:
             got, expected = replayed[name], want.get(name)
             if expected is None or not same_values(got, expected):

@@ -533,3 +533,38 @@ def test_a_backend_that_reads_no_layout_runs_on_a_padded_live_state_as_serial() 
         run = run_overlapped(paged(), M.DECODE, steps=3, policy=Policy.EXACT, device=dev, batch_size=BATCH, cfg=CFG,
                              state=_padded_state())
     assert run.matches(serial) and run.violations == ()
+
+
+# -- a replay that leaves other bytes than the Python, its outputs alike ------------------------------
+def _writes_where_the_trace_said(memory: str) -> object:
+    """The body adds one where a Python value of the out-of-graph stage says (the step's deepest
+    position), into the state pool it is handed (``argument``) or a workspace it captured
+    (``captured``); its outputs do not depend on it. The graph bakes the traced position."""
+    kept: dict[str, int] = {}
+    ws = torch.zeros(64)
+
+    def out_graph(mode, shared, batch):
+        kept["n"] = int(batch["positions"].max())
+        return {}
+
+    def prep(mode, shared, batch, meta):
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        target = ws if memory == "captured" else pools["state"].view(-1)
+        target[kept["n"]].add_(1.0)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+
+    return leaf(f"writes_where_the_trace_said_{memory}", attend, prepare_out_graph=out_graph, prepare_in_graph=prep,
+                reads=["req_to_token", "seq_lens"])
+
+
+@pytest.mark.parametrize(("memory", "named"), [("argument", "pools.state"), ("captured", "captured _tensor_constant")])
+def test_a_replay_that_writes_other_bytes_than_its_python_is_not_graph_safe(memory, named) -> None:
+    # the replay runs on copies of the arguments' memory and on the captured memory itself; both are
+    # compared with what the Python left
+    with CpuDevice(timeout=T) as dev, pytest.raises(NotGraphSafe, match="other bytes than its Python writes") as e:
+        lower(_writes_where_the_trace_said(memory), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE,
+              cfg=CFG)
+    assert named in str(e.value)
