@@ -80,55 +80,84 @@ def _value_key(val: Any) -> Hashable:
     return type(val).__name__
 
 
+#: Argument types that stand for themselves in a key (with their type: ``1.0`` is no ``1``).
+_PLAIN = frozenset({bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
 class _Run:
     """A run's shape: its key (everything but its integers), its integers in order, the outside
-    nodes it reads in the order first met, the positions of the nodes it returns, and what each
-    node uses (outside nodes and integers by their numbers, nodes of the run by position)."""
+    nodes it reads in the order first met, and the positions of the nodes it returns."""
 
     def __init__(self, nodes: list[fx.Node]) -> None:
         self.nodes = nodes
-        self.position = {n: i for i, n in enumerate(nodes)}
+        self.position = position = {n: i for i, n in enumerate(nodes)}
         self.inputs: list[fx.Node] = []
-        self._input_at: dict[fx.Node, int] = {}
         self.integers: list[int] = []
-        self.uses: list[tuple[set[int], set[int], set[int]]] = []  # per node: inputs, integers, nodes
-        steps = []
-        for n in nodes:
-            self.uses.append((set(), set(), set()))
-            steps.append((str(n.op), n.target, self._arg(n.args), self._arg(n.kwargs), _value_key(n.meta.get("val"))))
-        self.returned = tuple(i for i, n in enumerate(nodes) if any(u not in self.position for u in n.users))
-        self.key: Hashable = (tuple(steps), self.returned, len(self.inputs), len(self.integers))
+        inputs, integers = self.inputs, self.integers
+        input_at: dict[fx.Node, int] = {}
 
-    def _arg(self, value: Any) -> Hashable:
-        kind = type(value)
-        inputs, integers, made = self.uses[-1]
-        if kind is fx.Node:
-            at = self.position.get(value)
-            if at is not None:
-                made.add(at)
-                return ("node", at)
-            if value not in self._input_at:
-                self._input_at[value] = len(self.inputs)
-                self.inputs.append(value)
-            inputs.add(self._input_at[value])
-            return ("input", self._input_at[value])
-        if kind is int:
-            integers.add(len(self.integers))
-            self.integers.append(value)
-            return ("int",)
-        if kind in (bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format):
-            return (kind, value)
-        if kind is float:
-            return ("float", value.hex() if math.isfinite(value) else repr(value))
-        if isinstance(value, (list, tuple)):
-            return (kind.__name__, tuple(self._arg(v) for v in value))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, self._arg(v)) for k, v in value.items()))
-        try:
-            hash(value)
-        except TypeError as e:
-            raise _Unshareable from e
-        return (kind, id(value))  # (an object is the same argument only as itself)
+        def arg(value: Any) -> Hashable:
+            kind = type(value)
+            if kind is fx.Node:
+                at = position.get(value)
+                if at is not None:
+                    return at  # (a node of the run: its place; nothing else in a key is a bare int)
+                k = input_at.get(value)
+                if k is None:
+                    k = input_at[value] = len(inputs)
+                    inputs.append(value)
+                return ("input", k)
+            if kind is int:
+                integers.append(value)
+                return "int"
+            if kind is tuple or kind is list:
+                return (kind, tuple([arg(v) for v in value]))
+            if kind in _PLAIN:
+                return (kind, value)
+            if kind is float:
+                return ("float", value.hex() if math.isfinite(value) else repr(value))
+            if isinstance(value, (list, tuple)):
+                return (kind, tuple([arg(v) for v in value]))
+            if isinstance(value, dict):
+                return ("dict", tuple((k, arg(v)) for k, v in value.items()))
+            try:
+                hash(value)
+            except TypeError as e:
+                raise _Unshareable from e
+            return (kind, id(value))  # (an object is the same argument only as itself)
+
+        steps = tuple((n.target, arg(n.args), arg(n.kwargs) if n.kwargs else (), _value_key(n.meta.get("val")))
+                      for n in nodes)
+        self.returned = tuple(i for i, n in enumerate(nodes) if any(u not in position for u in n.users))
+        self.key: Hashable = (steps, self.returned, len(inputs), len(integers))
+
+    def uses(self) -> list[tuple[set[int], set[int], set[int]]]:
+        """Per node: the outside nodes and integers it uses (by their numbers in the run) and the
+        nodes of the run (by place); the same walk as the key's."""
+        input_at = {node: k for k, node in enumerate(self.inputs)}
+        count = 0
+        out: list[tuple[set[int], set[int], set[int]]] = []
+        for node in self.nodes:
+            inputs, integers, made = set[int](), set[int](), set[int]()
+            stack: list[Any] = [node.args, node.kwargs] if node.kwargs else [node.args]
+            ordered: list[Any] = []
+            while stack:  # (depth first, in order: integers numbered as the key numbered them)
+                value = stack.pop(0)
+                if isinstance(value, (list, tuple)):
+                    stack[:0] = list(value)
+                elif isinstance(value, dict):
+                    stack[:0] = list(value.values())
+                else:
+                    ordered.append(value)
+            for value in ordered:
+                if type(value) is fx.Node:
+                    at = self.position.get(value)
+                    (made.add(at) if at is not None else inputs.add(input_at[value]))
+                elif type(value) is int:
+                    integers.add(count)
+                    count += 1
+            out.append((inputs, integers, made))
+        return out
 
 
 def _invariant(runs: Sequence[_Run], varying: Sequence[int], hoistable: Callable[[fx.Node], bool]) -> list[int]:
@@ -138,8 +167,7 @@ def _invariant(runs: Sequence[_Run], varying: Sequence[int], hoistable: Callable
     first = runs[0]
     same = {k for k, node in enumerate(first.inputs) if all(r.inputs[k] is node for r in runs)}
     varies, chosen = set(varying), set[int]()
-    for j, node in enumerate(first.nodes):
-        inputs, integers, made = first.uses[j]
+    for j, (node, (inputs, integers, made)) in enumerate(zip(first.nodes, first.uses())):
         if inputs <= same and not integers & varies and made <= chosen and hoistable(node):
             chosen.add(j)
     return sorted(chosen)
