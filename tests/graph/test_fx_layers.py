@@ -12,6 +12,7 @@ import readfence.graph.lowering._fx_compile as fx_compile
 import readfence.graph.lowering._fx_memory as fx_memory
 from readfence.backends import REFERENCE_LEAVES, hybrid_linear, leaf, linear, page_meta, softmax_attention, store_kv, trtllm_mha
 from readfence.core import BODY, ForwardMode, ModelConfig, trace
+from readfence.core.tracing import Segment
 from readfence.graph.lowering._fx_compile import compile_graph
 from tests.graph.test_lower_what_runs import lowered_against_eager, no_validation
 
@@ -109,6 +110,35 @@ def test_a_value_computed_once_for_a_class_of_layers_is_one_no_layer_writes(monk
         assert equal and not low.optimized
     equal, low = lowered_against_eager(_each_layer_reads_what_the_last_wrote(), cfg=LAYERS)
     assert equal and low.optimized and _body_runs(low) == LAYERS.layers
+    assert not low._slots[0].stages[BODY].runner.graph.hoisted
+
+
+def _a_piece_every_layer_writes() -> object:
+    """Layers 1..3 call a one-op model piece (a ``Segment``) on the same lengths and each writes
+    the fresh tensor it returned (layer 0 only makes the piece's record): a value the class
+    computes alike by its arguments, which every run then writes. Computed once it would carry each
+    layer's write into the next; the piece's outlining must not hide it from the check."""
+    piece = Segment("lengths_twice", lambda x: x * 2.0)
+
+    def prep(mode, shared, batch, meta):
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        y = piece(meta["kv_lens"].float())
+        if layer == 0:
+            return out
+        y.add_(1.0)
+        return out + y.sum() * 1e-3
+
+    return leaf("a_piece_every_layer_writes", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+
+
+def test_a_value_computed_once_is_checked_after_the_model_pieces_are_outlined(monkeypatch) -> None:
+    with monkeypatch.context() as m, no_validation(m):  # the check alone, the validation's backstop off
+        equal, low = lowered_against_eager(_a_piece_every_layer_writes(), cfg=LAYERS)
+    assert equal and low.optimized and _body_runs(low) == LAYERS.layers - 1
     assert not low._slots[0].stages[BODY].runner.graph.hoisted
 
 

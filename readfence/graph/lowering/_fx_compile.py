@@ -377,7 +377,8 @@ def _outlined(gm: fx.GraphModule, kept: frozenset[str], inputs: Sequence[InputMe
 
     hoistable = (lambda node: node.name not in kept and _pure(node)) if hoist else None
     outlined, layers, hoisted = outline_layers(gm, layer, hoistable)
-    outlined, outside = outline_pieces(outlined, kept, piece)
+    # (a value computed once stays the node it is, for ``hoists_hold`` to find)
+    outlined, outside = outline_pieces(outlined, kept | hoisted, piece)
     compiled = _compile(outlined, kept, True, True, inputs)
     compiled.stats["pieces"], compiled.stats["layer_runs"] = pieces + outside, layers
     compiled.outlined, compiled.hoisted = outlined, hoisted

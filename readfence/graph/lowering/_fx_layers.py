@@ -280,6 +280,8 @@ def hoists_hold(gm: fx.GraphModule | None, memory: GraphMemory | None, hoisted: 
     if gm is None or memory is None or memory.opaque:
         return False
     nodes = [n for n in gm.graph.nodes if n.name in hoisted]
+    if len(nodes) != len(hoisted):  # one a later pass made something else: not known
+        return False
     return not memory.classes([*nodes, *(a for n in nodes for a in n.all_input_nodes)]) & memory.written
 
 
