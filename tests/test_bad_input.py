@@ -378,7 +378,7 @@ def test_a_model_and_a_state_that_are_not_the_run_s_are_refused_naming_them() ->
     with CpuDevice(timeout=30.0) as dev:
         with pytest.raises(TypeError, match=r"cfg must be a readfence.core.ModelConfig .*got \{'layers': 2\} \(dict\)"):
             run_overlapped(paged(), steps=2, policy=Policy.EXACT, device=dev, cfg={"layers": 2})
-        with pytest.raises(ValueError, match=r"state must map 'shared', 'pools' and 'params' .*got \['shared'\]"):
+        with pytest.raises(ValueError, match=r"^state has no 'pools', 'params': it must be a mapping"):
             lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, state={"shared": {}})
         with pytest.raises(ValueError, match=r"state\['shared'\]\['req_to_token'\] has shape \(4, 64\) .* where cfg gives "
                                              r"\(16, 64\)"):

@@ -52,7 +52,7 @@ from ._audit_report import Unsound as Unsound
 from ._audit_report import Verdict as Verdict
 from ._audit_report import format_table as format_table
 from ._backend_trace import trace
-from ._checks import check_backend, check_mode, positive_int
+from ._checks import check_backend, check_mode, check_state, positive_int
 from ._ledger import Ledger, RunKind, ledger_of
 from ._model import step_functions
 from ._modes import ForwardMode
@@ -176,36 +176,6 @@ def _batch_sizes(cfg: ModelConfig, batch_sizes: Iterable[int] | None) -> tuple[i
     return tuple(sorted(set(sizes)))
 
 
-_STATE_PARTS = ("shared", "pools", "params")
-
-
-def _check_state(state: object) -> None:
-    """``state`` is ``None`` or the live tensors: a mapping with ``shared`` (and optionally
-    ``pools`` and ``params``), each a mapping of name -> tensor; else an error naming it.
-
-    >>> _check_state("x")  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    TypeError: state must be None or a mapping {'shared': ..., 'pools': ..., 'params': ...} of the live
-    tensors (readfence.graph.make_state(cfg) makes one), got 'x' (str)
-    """
-    if state is None:
-        return
-    how = ("a mapping {'shared': ..., 'pools': ..., 'params': ...} of the live tensors "
-           "(readfence.graph.make_state(cfg) makes one)")
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be None or {how}, got {state!r} ({type(state).__name__})")
-    unknown = [k for k in state if k not in _STATE_PARTS]
-    if unknown or "shared" not in state:
-        what = f"has unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "has no 'shared'"
-        raise ValueError(f"state {what}: it must be {how}")
-    for part in _STATE_PARTS:
-        if part in state and not isinstance(state[part], Mapping):
-            value = state[part]
-            raise TypeError(f"state[{part!r}] must be a mapping of name -> tensor, got {value!r} "
-                            f"({type(value).__name__})")
-
-
 @attrs.frozen
 class _Plan:
     """An audit's arguments, checked, and the nodes it audits: ``order`` is ``(path, node, batch
@@ -227,7 +197,7 @@ def _plan(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig | None, batc
           device: str, state: Mapping[str, Mapping[str, Tensor]] | None, observe_steps: int) -> _Plan:
     check_backend(backend)
     check_mode(mode)
-    _check_state(state)
+    check_state(state)
     if observe_steps != 0 or isinstance(observe_steps, bool):
         positive_int("observe_steps (0 turns the observer off)", observe_steps)
     cfg = model_config(cfg)

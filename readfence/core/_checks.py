@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ._modes import ForwardMode
@@ -158,5 +158,43 @@ def check_backend(
     raise TypeError(f"{name} must be {allowed}, got {_shown(value)}{hint}")
 
 
-__all__ = ["check_backend", "check_forward_mode", "check_mode", "check_buffers", "did_you_mean", "positive_int",
+#: The groups of a state's tensors (``make_state`` makes all three).
+STATE_PARTS = ("shared", "pools", "params")
+
+
+def check_state(state: object, *, required: tuple[str, ...] = ("shared",)) -> None:
+    """``state`` is ``None`` or the live tensors: a mapping of :data:`STATE_PARTS` (those in
+    ``required`` present), each a mapping of name -> tensor; else an error naming what is wrong.
+    ``audit`` takes ``shared`` alone; ``lower`` runs the step on all three.
+
+    >>> check_state("x")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    TypeError: state must be None or a mapping {'shared': ..., 'pools': ..., 'params': ...} of the live
+    tensors (readfence.graph.make_state(cfg) makes one), got 'x' (str)
+    >>> check_state({"shared": {}}, required=STATE_PARTS)  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: state has no 'pools', 'params': it must be a mapping {'shared': ..., 'pools': ..., 'params': ...}
+    of the live tensors (readfence.graph.make_state(cfg) makes one)
+    """
+    if state is None:
+        return
+    how = ("a mapping {'shared': ..., 'pools': ..., 'params': ...} of the live tensors "
+           "(readfence.graph.make_state(cfg) makes one)")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be None or {how}, got {_shown(state)}")
+    unknown = [k for k in state if k not in STATE_PARTS]
+    missing = [k for k in required if k not in state]
+    if unknown or missing:
+        what = (f"has unknown key(s) {', '.join(map(repr, unknown))}" if unknown
+                else f"has no {', '.join(map(repr, missing))}")
+        raise ValueError(f"state {what}: it must be {how}")
+    for part in STATE_PARTS:
+        if part in state and not isinstance(state[part], Mapping):
+            raise TypeError(f"state[{part!r}] must be a mapping of name -> tensor, got {_shown(state[part])}")
+
+
+__all__ = ["STATE_PARTS", "check_backend", "check_forward_mode", "check_mode", "check_buffers", "check_state",
+           "did_you_mean", "positive_int",
            "positive_seconds"]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import ModelConfig, make_shared_state
-from readfence.core.internal import init_params, make_pools, shared_shapes
+from readfence.core.internal import STATE_PARTS, check_state, init_params, make_pools, shared_shapes
 
 from ..devices import Device
 
@@ -38,10 +38,8 @@ def make_state(cfg: ModelConfig, device: Device | str = "cpu") -> dict[str, dict
 def check_live_state(state: object, cfg: ModelConfig) -> None:
     """``state`` holds what a step runs on (``shared``, ``pools``, ``params``), its shared buffers
     shaped for ``cfg``; else an error naming what is wrong (not a failure inside the first replay)."""
-    if not isinstance(state, Mapping) or any(not isinstance(state.get(p), Mapping) for p in ("shared", "pools", "params")):
-        given = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"state must map 'shared', 'pools' and 'params' each to name -> tensor (make_state(cfg) makes "
-                         f"one), got {given}")
+    check_state(state, required=STATE_PARTS)
+    assert isinstance(state, Mapping)
     for name, (shape, dtype) in shared_shapes(cfg).items():
         t = state["shared"].get(name)
         if isinstance(t, Tensor) and (tuple(t.shape) != shape or t.dtype != dtype):
