@@ -219,12 +219,13 @@ def check_shares(spec: Any, batch_size: int) -> None:
     ...
     readfence.cli._errors.InputError: per_stream(paged, paged) runs 2 forward streams, ... at least 2, got 1
     """
+    from readfence.graph.steps.internal import check_shares as check
     from readfence.graph.steps.internal import members
 
-    m = members(spec)
-    if batch_size < m:
-        raise InputError(f"{spec} runs {m} forward streams, each on a share of the batch: --batch-size must be at "
-                         f"least {m}, got {batch_size}")
+    try:
+        check(members(spec), batch_size, who=str(spec), name="--batch-size")
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 class Spec(click.ParamType):

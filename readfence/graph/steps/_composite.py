@@ -290,6 +290,20 @@ class StreamOrder:
                 stream.wait(prev.done.check(what))
 
 
+def check_shares(streams: int, batch_size: int, *, who: str, name: str = "batch_size") -> None:
+    """``ValueError`` unless each of ``streams`` forward streams gets a request of a batch of
+    ``batch_size`` (``who`` runs them; ``name`` is how the caller calls the batch size).
+
+    >>> check_shares(2, 1, who="per_stream(paged, paged)")
+    Traceback (most recent call last):
+    ...
+    ValueError: per_stream(paged, paged) runs 2 forward streams, each on a share of the batch: batch_size must be at least 2, got 1
+    """
+    if batch_size < streams:
+        raise ValueError(f"{who} runs {streams} forward streams, each on a share of the batch: {name} must be at "
+                         f"least {streams}, got {batch_size}")
+
+
 class StreamGroup:
     """A ``per_stream`` backend: member ``s`` lowered on stream ``forward[s]`` with ``lowering``;
     ``order`` is the stream order the groups of one loop share (default: this group's own)."""
@@ -298,9 +312,7 @@ class StreamGroup:
                  cfg: ModelConfig, state: Mapping[str, dict[str, Tensor]], order: StreamOrder | None = None,
                  lowering: LowerOptions | None = None) -> None:
         lowering = lowering_options(lowering, "StreamGroup")
-        if batch_size < len(members):
-            raise ValueError(f"per_stream with {len(members)} members needs batch_size >= {len(members)}, "
-                             f"got {batch_size}")
+        check_shares(len(members), batch_size, who=f"per_stream with {len(members)} members")
         self.members, self.mode, self.cfg = tuple(members), mode, cfg
         self.shared = state["shared"]
         self.tokens = tokens_per_request(mode)
