@@ -111,7 +111,6 @@ from ._stage_graph import MatchedOn as MatchedOn
 from ._stage_graph import NodeReads as NodeReads
 from ._stage_graph import NodeReadsIn as NodeReadsIn
 from ._stage_graph import Owned as Owned
-from ._stage_graph import Region as Region
 from ._stage_graph import Shared as Shared
 from ._stage_graph import StageAnalysis as StageAnalysis
 from ._stage_graph import StageGraph as StageGraph
@@ -121,7 +120,7 @@ from ._stage_graph import Unmatched as Unmatched
 from ._step import BODY, STAGES, Stage, flatten_group
 
 __all__ = [
-    "Captured", "Constant", "Region", "flatten_group", "flatten_inputs", "Foreign", "Match", "NodeReads", "NodeReadsIn",
+    "Captured", "Constant", "flatten_group", "flatten_inputs", "Foreign", "Match", "NodeReads", "NodeReadsIn",
     "Owned", "Program", "run_program", "Shared", "StageAnalysis", "StageGraph", "StageHooks", "TracedGraph",
     "Unmatched",
 ]

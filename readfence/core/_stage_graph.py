@@ -78,47 +78,6 @@ class MatchedOn(enum.Enum):
 
 
 @attrs.frozen
-class Region:
-    """Where a view lies in a shared buffer: the buffer, the view's size, strides and storage
-    offset from the buffer's, and the buffer's own size, strides and dtype (a live buffer laid out
-    otherwise holds no such region).
-
-    >>> table = torch.arange(12).view(3, 4)
-    >>> Region.of("req_to_token", table[1:], table).view_of(torch.zeros(3, 4, dtype=torch.int64)).shape
-    torch.Size([2, 4])
-    """
-
-    buffer: str
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    layout: tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
-
-    @classmethod
-    def of(cls, buffer: str, view: torch.Tensor, base: torch.Tensor) -> Region | None:
-        """``view``'s region of ``base`` (the buffer ``buffer``), or ``None`` where it is none: another
-        storage, another dtype, a view reaching outside the buffer."""
-        if (type(view) is not torch.Tensor or type(base) is not torch.Tensor or view.dtype != base.dtype
-                or view.layout is not torch.strided or base.layout is not torch.strided or view.is_meta
-                or view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()):
-            return None
-        offset = int(view.storage_offset() - base.storage_offset())
-        reach = offset + sum((n - 1) * d for n, d in zip(view.shape, view.stride()) if n > 0)
-        extent = sum((n - 1) * d for n, d in zip(base.shape, base.stride()) if n > 0)
-        if offset < 0 or reach > extent or any(d < 0 for d in view.stride()) or view.numel() == 0:
-            return None
-        return cls(buffer, tuple(view.shape), tuple(view.stride()), offset,
-                   (tuple(base.shape), tuple(base.stride()), base.dtype))
-
-    def view_of(self, live: torch.Tensor) -> torch.Tensor | None:
-        """The same region of ``live`` (the buffer of the state bound to), where ``live`` is laid
-        out as the buffer it was taken from; else ``None``."""
-        if type(live) is not torch.Tensor or (tuple(live.shape), tuple(live.stride()), live.dtype) != self.layout:
-            return None
-        return live.as_strided(self.size, self.stride, live.storage_offset() + self.offset)
-
-
-@attrs.frozen
 class Captured:
     """A tensor a stage reads without receiving it as an argument (closure, attribute, global).
 
@@ -143,9 +102,6 @@ class Captured:
     # literal made while tracing is a fresh constant, but one built over memory the stage
     # keeps (``torch.tensor`` of a numpy mirror of a buffer) is copied from it on every run
     literal: bool = False
-    # a view of one shared buffer of the state it was traced on: where in that buffer
-    # (:class:`Region`), so that binding can view the same region of the live buffer
-    region: Region | None = None
 
     @property
     def buffers(self) -> frozenset[str]:

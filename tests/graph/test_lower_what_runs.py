@@ -439,26 +439,24 @@ def test_lowering_and_auditing_leave_the_random_generator_where_the_program_left
 
 
 # -- a view of a shared buffer an earlier stage keeps on an object for the body -------------------------
-def _kept_view(mode: ForwardMode, end: object, buffer: str = "seq_lens") -> object:
-    """``prepare_out_graph`` keeps a view of the lengths (or of the page table's first rows) on an
-    object; the body reads through it."""
+def _kept_view(mode: ForwardMode, end: object) -> object:
+    """``prepare_out_graph`` keeps a view of the lengths on an object; the body reads through it."""
 
     class Plan:
-        kept: torch.Tensor | None = None
+        lens: torch.Tensor | None = None
 
     plan = Plan()
 
     def out(mode, shared, batch):
-        plan.kept = shared[buffer][:] if buffer == "seq_lens" else shared[buffer][:2]
+        plan.lens = shared["seq_lens"][:]
         return page_meta(shared, batch)
 
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
-        lens = (plan.kept.index_select(0, batch["req_pool_indices"]).long() if buffer == "seq_lens"
-                else meta["kv_lens"] + (plan.kept[0, 0] > 10**6).long())
+        lens = plan.lens.index_select(0, batch["req_pool_indices"]).long()
         return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
 
-    effect = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY, buffer: end})
+    effect = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": end})
     return leaf(f"kept_view_{mode.name.lower()}", attend, prepare_out_graph=out, declare={mode: effect})
 
 
@@ -473,40 +471,9 @@ def test_a_view_kept_for_the_body_of_a_step_that_runs_its_python_is_lowered_and_
         with pytest.raises(UnsoundLowering, match="'seq_lens' ends at PRE_REPLAY"):  # the read counts all the same
             lower(_kept_view(M.EXTEND, ReadEnd.PRE_REPLAY), M.EXTEND, batch_size=BATCH, device=dev,
                   policy=Policy.PER_BUFFER, cfg=CFG)
-
-
-@pytest.mark.parametrize("state", ["fresh", "laid_out_otherwise"])
-def test_a_view_kept_for_a_replayed_body_reads_the_same_region_of_the_live_buffer(state) -> None:
-    # the graph holds the region of the live lengths the trace's view had of its example's (an engine
-    # capturing on its live buffers holds that very view): a body read, fenced after the body, as
-    # serial; a declaration before the body is refused
-    def live() -> dict | None:
-        return None if state == "fresh" else _padded_state()
-
-    serial_state = live()
-    serial = run_serial(_kept_view(M.DECODE, ReadEnd.POST_REPLAY), M.DECODE, steps=3, batch_size=BATCH, cfg=CFG,
-                        state=serial_state)
-    for policy in (Policy.COARSE, Policy.EXACT):
-        loop_state = live()
-        with CpuDevice(timeout=T) as dev:
-            run = run_overlapped(_kept_view(M.DECODE, ReadEnd.POST_REPLAY), M.DECODE, steps=3, policy=policy,
-                                 device=dev, batch_size=BATCH, cfg=CFG, state=loop_state)
-        assert run.matches(serial) and run.violations == (), policy
-    with CpuDevice(timeout=T) as dev, pytest.raises(UnsoundLowering, match="'seq_lens' ends at IN_REPLAY"):
-        lower(_kept_view(M.DECODE, ReadEnd.IN_REPLAY), M.DECODE, batch_size=BATCH, device=dev,
-              policy=Policy.PER_BUFFER, cfg=CFG, state=live())
-
-
-def test_a_view_kept_of_a_buffer_the_live_state_lays_out_otherwise_is_refused() -> None:
-    # the live page table's rows are padded: the trace's region of its example has no same region
-    # there, and the graph would read the example's memory: trace-time state, refused under COARSE too
-    with CpuDevice(timeout=T) as dev, pytest.raises(CapturedStateError, match="trace-time state"):
-        lower(_kept_view(M.DECODE, ReadEnd.POST_REPLAY, "req_to_token"), M.DECODE, batch_size=BATCH, device=dev,
-              policy=Policy.COARSE, cfg=CFG, state=_padded_state())
-    with CpuDevice(timeout=T) as dev:  # on a live table laid out as the example's, the same region is read
-        low = lower(_kept_view(M.DECODE, ReadEnd.POST_REPLAY, "req_to_token"), M.DECODE, batch_size=BATCH,
-                    device=dev, policy=Policy.EXACT, cfg=CFG)
-    assert low.observed["req_to_token"] is ReadEnd.POST_REPLAY
+        with pytest.raises(CapturedStateError, match="trace-time state"):  # a replayed body would read the trace's view
+            lower(_kept_view(M.DECODE, ReadEnd.POST_REPLAY), M.DECODE, batch_size=BATCH, device=dev,
+                  policy=Policy.COARSE, cfg=CFG)
 
 
 # -- a live state laid out otherwise than the trace's example ---------------------------------------
@@ -601,17 +568,3 @@ def test_a_replay_that_writes_other_bytes_than_its_python_is_not_graph_safe(memo
         lower(_writes_where_the_trace_said(memory), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE,
               cfg=CFG)
     assert named in str(e.value)
-
-
-def test_a_wrong_region_of_the_live_buffer_is_caught_by_the_validation(monkeypatch) -> None:
-    # binding deliberately broken (the region one element off): the replay reads other lengths than
-    # the body's Python reads through its own view, and the comparison of the two refuses it
-    from readfence.core._stage_graph import Region
-
-    def shifted(self, live):
-        return live.as_strided(self.size, self.stride, live.storage_offset() + self.offset - 1)
-
-    monkeypatch.setattr(Region, "view_of", shifted)
-    with CpuDevice(timeout=T) as dev, pytest.raises(NotGraphSafe, match="stage body is not graph-safe"):
-        lower(_kept_view(M.DECODE, ReadEnd.POST_REPLAY), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE,
-              cfg=CFG, state=_padded_state())

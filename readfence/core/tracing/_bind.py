@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import fx
 
-from .._program import Captured, MatchedOn, Program, StageGraph, flatten_inputs
+from .._program import MatchedOn, Program, StageGraph, flatten_inputs
 from ._analysis import StageFacts, analysed, in_branches
 from ._cache import CACHES
 from ._captured import bind_captured
@@ -94,7 +94,7 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
             stages.append(s)
             continue
         gm = copy_graph(g.gm)
-        captured = tuple(c if c.state is MatchedOn.LIVE else _bound(c, gm, shared, owned, state["shared"])
+        captured = tuple(c if c.state is MatchedOn.LIVE else bind_captured(c, getattr(gm, c.target), shared, owned)
                          for c in a.captured)
         memory, changed, rebound = _live_memory(s, gm, state)
         live = in_branches(gm, shared)
@@ -108,15 +108,6 @@ def _bind(program: Program, state: Mapping[str, Mapping[str, torch.Tensor]]) -> 
                                 initial=initial)
         stages.append(attrs.evolve(s, graph=attrs.evolve(g, gm=gm), analysis=analysis))
     return attrs.evolve(program, stages=tuple(stages))
-
-
-def _bound(c: Captured, gm: fx.GraphModule, shared: BufferMap, owned: BufferMap,
-           live: Mapping[str, torch.Tensor]) -> Captured:
-    # (the copied graph holds the tensor the live state gives it: a region of a live buffer)
-    bound, value = bind_captured(c, getattr(gm, c.target), shared, owned, live)
-    if value is not getattr(gm, c.target):
-        setattr(gm, c.target, value)
-    return bound
 
 
 def _live_memory(s: StageGraph, gm: fx.GraphModule, state: Mapping[str, Mapping[str, torch.Tensor]],

@@ -21,7 +21,7 @@ from torch import fx
 from readfence.effects import ReadfenceError
 
 from .._modes import ForwardMode
-from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, MatchedOn, Owned, Region, Shared, StageGraph, Unmatched
+from .._program import SOURCE_KEY, Captured, Constant, Foreign, Match, MatchedOn, Owned, Shared, StageGraph, Unmatched
 from .._step import Stage, StageCall, StageOutputError, StepFunctions, eval_step, foreign_subclass
 from ._dispatch import DispatchMode
 from ._memory import BufferMap, met_shared, span_of, tensors_in
@@ -31,11 +31,9 @@ from ._schema import op_aliasing
 _LITERAL_USERS = frozenset({torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default})
 
 
-def captured_tensors(backend: str, stage: Stage, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap,
-                     shared: Mapping[str, Any] | None = None) -> list[Captured]:
+def captured_tensors(backend: str, stage: Stage, gm: fx.GraphModule, buffers: BufferMap, owned: BufferMap) -> list[Captured]:
     """The tensors ``gm`` holds as constants and uses, each matched against the example's shared
-    buffers (``shared``, named by ``buffers``: a view of one of them has its :class:`Region`) and
-    the tensors the step owns; a tensor subclass is refused (``StageOutputError``)."""
+    buffers and the tensors the step owns; a tensor subclass is refused (``StageOutputError``)."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "get_attr":
@@ -54,12 +52,8 @@ def captured_tensors(backend: str, stage: Stage, gm: fx.GraphModule, buffers: Bu
         literal = all(u.op == "call_function" and u.target in _LITERAL_USERS for u in node.users)
         users = tuple(u.name for u in node.users)
         source = next((str(u.meta[SOURCE_KEY]) for u in node.users if SOURCE_KEY in u.meta), "?")
-        matches = _match(value, buffers, owned)
-        region = (Region.of(matches.buffers[0], value, shared[matches.buffers[0]])
-                  if isinstance(matches, Shared) and len(matches.buffers) == 1 and shared is not None
-                  and isinstance(shared.get(matches.buffers[0]), torch.Tensor) else None)
-        out.append(Captured(stage, node.name, str(node.target), users, source, matches, literal=literal,
-                            region=region))
+        out.append(Captured(stage, node.name, str(node.target), users, source, _match(value, buffers, owned),
+                            literal=literal))
     return out
 
 
@@ -124,22 +118,11 @@ class _Consumed(DispatchMode):
         return func(*args, **kwargs)
 
 
-def bind_captured(c: Captured, value: torch.Tensor, shared: BufferMap, owned: BufferMap,
-                  live: Mapping[str, Any] | None = None) -> tuple[Captured, torch.Tensor]:
-    """``c`` matched against the live state (``shared`` names its shared buffers, ``live``), and
-    the tensor the bound graph holds for it: ``value``, or, for a view of a shared buffer of the
-    state the stage was traced on (a stage's own view kept on an object for a later stage, as an
-    engine keeps one made at capture on its live buffers), the same region of the live buffer, a
-    read of it (the validation then replays the graph on that live memory beside the Python)."""
+def bind_captured(c: Captured, value: torch.Tensor, shared: BufferMap, owned: BufferMap) -> Captured:
     matches = _match(value, shared, owned)
-    if (isinstance(matches, Unmatched) and c.region is not None and live is not None
-            and isinstance(buffer := live.get(c.region.buffer), torch.Tensor)):
-        moved = c.region.view_of(buffer)
-        if moved is not None:
-            return attrs.evolve(c, matches=Shared((c.region.buffer,)), state=MatchedOn.LIVE), moved
     if isinstance(matches, Unmatched) and c.persistent and isinstance(c.matches, Unmatched | Constant):
         matches = _kept(value)
-    return attrs.evolve(c, matches=matches, state=MatchedOn.LIVE), value
+    return attrs.evolve(c, matches=matches, state=MatchedOn.LIVE)
 
 
 def _kept(value: torch.Tensor) -> Foreign | Constant:

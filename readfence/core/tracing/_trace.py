@@ -370,7 +370,7 @@ def _stage_facts(call: StageCall, args: _StageArgs, run: _Run, shared: Mapping[s
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     initial = {node.name: buffers.touched(t) | carried.get(dotted, frozenset())
                for node, dotted, t in zip(placeholders, args.inputs, args.args, strict=True)}
-    captured = tuple(captured_tensors(call.backend, call.stage, gm, buffers, owned, shared))
+    captured = tuple(captured_tensors(call.backend, call.stage, gm, buffers, owned))
     if fake:  # no memory under fake tensors
         return StageFacts(initial=initial, captured=captured, memory={}, copies=None, changed=(),
                           hidden=in_branches(gm, buffers))
