@@ -18,7 +18,12 @@ themselves, never from the layer's index or the backend's word:
 * the function runs every node of the run as traced, in order, on its arguments (no value is
   shared or folded inside it: the arguments of one call may be one memory), and the graph's
   memory analysis takes each call as writing the arguments its own analysis finds written (an op
-  whose schema is not taken at its word, or a ``set_``, leaves the run node by node).
+  whose schema is not taken at its word, or a ``set_``, leaves the run node by node);
+* a value every run of a class computes alike (a pure op on the same outside nodes, integers that
+  do not vary, other such values: the causal mask each attention layer builds from the lengths)
+  is computed once, before the class's first run, and handed to the function; the compile keeps
+  that only where the compiled graph's memory analysis finds that value's memory and its
+  arguments' unwritten (:func:`hoists_hold`), else it compiles the graph again without.
 
 The lowering validates the code compiled from this graph, as it validates any.
 
