@@ -15,6 +15,7 @@ from readfence.core import BODY, ForwardMode, ModelConfig, trace
 from readfence.core.tracing import Segment
 from readfence.graph import Policy
 from readfence.graph.lowering._fx_compile import compile_graph
+from tests.graph.test_fx_memory import _workspace_bumper
 from tests.graph.test_lower_what_runs import lowered_against_eager, no_validation
 
 M = ForwardMode
@@ -171,23 +172,11 @@ def test_a_constant_of_each_layer_is_computed_as_that_layer_s(by) -> None:
     assert (_body_runs(low) >= LAYERS.layers) == (by != "float")
 
 
-_LIBRARIES: list[torch.library.Library] = []
-
-
 def _a_kernel_that_writes_what_it_closes_over() -> object:
     """Every layer calls a custom op whose schema says it writes nothing while its kernel bumps a
-    workspace it closes over, read back in the layer: the memory analysis does not take its schema
-    at its word, so no layer is one function of a class, and the step computes as its Python."""
-    ws = torch.zeros(1)
-    lib = torch.library.Library("rf_layers_test", "FRAGMENT")
-    lib.define("bump(Tensor x) -> Tensor")
-
-    def bump(x):
-        ws.add_(1.0)
-        return x.clone()
-
-    lib.impl("bump", bump, "CPU")
-    _LIBRARIES.append(lib)
+    workspace it closes over: the memory analysis does not take its schema at its word, so no
+    layer's call of it is inside a class's function, and the step computes as its Python."""
+    bump = _workspace_bumper("rf_layers_test", torch.zeros(1))
 
     def prep(mode, shared, batch, meta):
         return page_meta(shared, batch)
@@ -195,7 +184,7 @@ def _a_kernel_that_writes_what_it_closes_over() -> object:
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
         out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
-        return torch.ops.rf_layers_test.bump.default(out)
+        return bump(out)
 
     return leaf("a_kernel_that_writes_what_it_closes_over", attend, prepare_in_graph=prep,
                 reads=["req_to_token", "seq_lens"])
@@ -205,7 +194,7 @@ def test_a_layer_calling_a_kernel_not_taken_at_its_word_stays_node_by_node() -> 
     # (the rest of each layer, after the op's alias check, may still be a class's function)
     equal, low = lowered_against_eager(_a_kernel_that_writes_what_it_closes_over(), cfg=LAYERS)
     outlined = low._slots[0].stages[BODY].runner.graph.outlined
-    calls = [n for n in outlined.graph.nodes if n.target is torch.ops.rf_layers_test.bump.default]
+    calls = [n for n in outlined.graph.nodes if n.target is torch.ops.rf_layers_test.rf_bump_workspace.default]
     assert equal and low.optimized and len(calls) == LAYERS.layers
 
 

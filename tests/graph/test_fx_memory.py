@@ -70,18 +70,19 @@ def test_a_graphs_outputs_say_what_the_next_graph_is_given() -> None:
     assert memory.written_by_any(["v_1"]) and not memory.written_by_any(["m_1"])
 
 
-def _workspace_bumper(namespace: str, ws: torch.Tensor) -> object:
-    """An op whose schema says it writes nothing, whose kernel adds one to ``ws`` (a tensor it closes over)."""
+def _workspace_bumper(namespace: str, ws: torch.Tensor, name: str = "rf_bump_workspace") -> object:
+    """An op ``namespace::name`` whose schema says it writes nothing, whose kernel adds one to ``ws``
+    (a tensor it closes over)."""
     lib = torch.library.Library(namespace, "FRAGMENT")
-    lib.define("rf_bump_workspace(Tensor x) -> Tensor")
+    lib.define(f"{name}(Tensor x) -> Tensor")
 
     def bump(x: torch.Tensor) -> torch.Tensor:
         ws.add_(1)
         return x.clone()
 
-    lib.impl("rf_bump_workspace", bump, "CPU")
+    lib.impl(name, bump, "CPU")
     _LIBRARIES.append(lib)
-    return getattr(torch.ops, namespace).rf_bump_workspace.default
+    return getattr(getattr(torch.ops, namespace), name).default
 
 
 _LIBRARIES: list[torch.library.Library] = []

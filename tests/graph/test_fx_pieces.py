@@ -17,6 +17,7 @@ from readfence.graph.lowering import _fx_pieces
 from readfence.graph.lowering._fx_compile import compile_graph
 from tests.conftest import SMALL as CFG
 from tests.graph.test_fx_compile import _clones, _same
+from tests.graph.test_fx_memory import _workspace_bumper
 
 M = ForwardMode
 
@@ -146,24 +147,11 @@ def test_a_lowered_step_runs_its_pieces_and_equals_the_eager_step(dev, mode):
     assert torch.equal(out, expected)
 
 
-_LIBRARIES: list[torch.library.Library] = []
-
-
 @pytest.mark.parametrize("namespace", ["rf_pieces_test", "aten"])
 def test_a_piece_calling_an_op_of_someone_else_s_kernel_is_compiled_node_by_node(namespace):
     # its schema says it writes nothing; its kernel writes a workspace it closes over. Whatever the
     # namespace it was registered in, the memory analysis does not take it at its word: no piece
-    ws = torch.zeros(3)
-    lib = torch.library.Library(namespace, "FRAGMENT")
-    lib.define("rf_piece_bump(Tensor x) -> Tensor")
-
-    def bump(x):
-        ws.add_(1)
-        return x.clone()
-
-    lib.impl("rf_piece_bump", bump, "CPU")
-    _LIBRARIES.append(lib)
-    op = getattr(torch.ops, namespace).rf_piece_bump.default
+    op = _workspace_bumper(namespace, torch.zeros(3), name="rf_piece_bump")
     piece = _segment.Segment(f"bumps_{namespace}", lambda x: op(x) * 2.0)
 
     def two(x):
