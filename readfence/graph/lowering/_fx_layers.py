@@ -131,38 +131,23 @@ class _Run:
                 raise _Unshareable from e
             return (kind, id(value))  # (an object is the same argument only as itself)
 
-        steps = tuple((n.target, arg(n.args), arg(n.kwargs) if n.kwargs else (), _value_key(n.meta.get("val")))
-                      for n in nodes)
+        steps = []
+        self._integer_spans: list[tuple[int, int]] = []  # per node, the numbers of the integers it uses
+        for n in nodes:
+            first = len(integers)
+            steps.append((n.target, arg(n.args), arg(n.kwargs) if n.kwargs else (), _value_key(n.meta.get("val"))))
+            self._integer_spans.append((first, len(integers)))
         self.returned = tuple(i for i, n in enumerate(nodes) if any(u not in position for u in n.users))
-        self.key: Hashable = (steps, self.returned, len(inputs), len(integers))
+        self.key: Hashable = (tuple(steps), self.returned, len(inputs), len(integers))
 
     def uses(self) -> list[tuple[set[int], set[int], set[int]]]:
         """Per node: the outside nodes and integers it uses (by their numbers in the run) and the
-        nodes of the run (by place); the same walk as the key's."""
+        nodes of the run (by place)."""
         input_at = {node: k for k, node in enumerate(self.inputs)}
-        count = 0
-        out: list[tuple[set[int], set[int], set[int]]] = []
-        for node in self.nodes:
-            inputs, integers, made = set[int](), set[int](), set[int]()
-            stack: list[Any] = [node.args, node.kwargs] if node.kwargs else [node.args]
-            ordered: list[Any] = []
-            while stack:  # (depth first, in order: integers numbered as the key numbered them)
-                value = stack.pop(0)
-                if isinstance(value, (list, tuple)):
-                    stack[:0] = list(value)
-                elif isinstance(value, dict):
-                    stack[:0] = list(value.values())
-                else:
-                    ordered.append(value)
-            for value in ordered:
-                if type(value) is fx.Node:
-                    at = self.position.get(value)
-                    (made.add(at) if at is not None else inputs.add(input_at[value]))
-                elif type(value) is int:
-                    integers.add(count)
-                    count += 1
-            out.append((inputs, integers, made))
-        return out
+        position = self.position
+        return [({input_at[a] for a in n.all_input_nodes if a not in position}, set(range(*span)),
+                 {position[a] for a in n.all_input_nodes if a in position})
+                for n, span in zip(self.nodes, self._integer_spans)]
 
 
 def _invariant(runs: Sequence[_Run], varying: Sequence[int], hoistable: Callable[[fx.Node], bool]) -> list[int]:

@@ -43,7 +43,7 @@ import attrs
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from readfence.core.internal import LAYER_KEY, SPLICED_KEY, Template, add_node
+from readfence.core.internal import SPLICED_KEY, Template, add_node
 
 from ._fx_memory import HOOK_KEY, PIECE_KEY, PIECE_WRITES_KEY, UNKNOWN, GraphMemory, InputMemory
 
@@ -190,8 +190,6 @@ def rebuilt(gm: fx.GraphModule, chosen: Mapping[fx.Node, Outlined], prefix: str)
                         {}, f"{prefix}{count}")
         call.meta[PIECE_KEY] = piece.shares
         call.meta[PIECE_WRITES_KEY] = piece.writes
-        if LAYER_KEY in nodes[0].meta:  # (a layer's run goes on through the call)
-            call.meta[LAYER_KEY] = nodes[0].meta[LAYER_KEY]
         for k, index in enumerate(piece.returned):
             out = add_node(graph, "call_function", operator.getitem, (call, k), {}, f"{prefix}{count}_{k}")
             out.meta.update((key, v) for key, v in nodes[index].meta.items() if key != SPLICED_KEY)
