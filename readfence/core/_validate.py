@@ -157,12 +157,13 @@ class _Memory:
 
     def on_copies(self, env: Mapping[str, Tensor], scratch: _Scratch) -> tuple[dict[str, Tensor], list[Tensor]]:
         """``env`` with each argument over a copied storage viewed as it is on that storage's copy,
-        and the copies (to compare with :meth:`copies_differ` after the Python ran)."""
+        and the copies (that :meth:`differs_from` compares with what the Python left)."""
         copies = scratch.copies_of(self.copied_words)
         storage = {key: c.untyped_storage() for key, c in zip(self._copied, copies)}
         viewed = {}
         for name, t in env.items():
-            st = storage.get(_storage_key(t)) if type(t) is Tensor else None  # type: ignore[arg-type]
+            key = _storage_key(t) if type(t) is Tensor else None
+            st = storage.get(key) if key is not None else None
             viewed[name] = t if st is None else torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 st, t.storage_offset(), t.size(), t.stride())
         return viewed, copies
