@@ -152,6 +152,24 @@ def test_floats_compare_by_their_bits():
     assert torch.isnan(compiled(torch.ones(2))).all()
 
 
+def test_an_argument_is_the_same_only_with_its_type_and_an_object_only_as_itself():
+    # ``1 == True == 1.0`` and two equal objects may still act apart (a generator, a custom
+    # op's handle): the sharing pass and the layer classes compare by this one key
+    from fractions import Fraction
+
+    from readfence.graph.lowering._fx_keys import arg_key
+
+    def key(v):
+        return arg_key(v, node=lambda n: n)
+
+    assert len({key(1), key(True), key(1.0)}) == 3
+    assert key([1, (2.5, "a")]) == key([1, (2.5, "a")]) != key((1, (2.5, "a")))
+    half = Fraction(1, 2)
+    assert key(half) == key(half) != key(Fraction(1, 2))
+    with pytest.raises(TypeError):
+        key(bytearray(b"x"))  # (nothing can say it is the same)
+
+
 def test_an_opaque_python_call_turns_the_passes_off():
     poked = []
 

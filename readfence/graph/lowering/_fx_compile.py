@@ -79,6 +79,7 @@ from torch import fx
 
 from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
 
+from ._fx_keys import arg_key
 from ._fx_layers import hoists_hold, outline_layers
 from ._fx_memory import HOOK_KEY, WRITES_KEY, GraphMemory, InputMemory
 from ._fx_pieces import outline_pieces
@@ -110,25 +111,14 @@ def _refs(value: Any) -> list[fx.Node]:
     return out
 
 
-#: Argument types that stand for themselves in a key (with their type: ``1`` is not ``True``).
-_PLAIN = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
-
-
 def _key(value: Any) -> Any:
-    """A hashable stand-in for an argument; floats by their bits (``-0.0`` is not ``0.0``)."""
-    kind = type(value)
-    if kind is fx.Node:  # a node stands for itself: nodes are equal only to themselves
-        return value
-    if kind in _PLAIN:
-        return (kind, value)
-    if isinstance(value, (list, tuple)):
-        return (kind.__name__, tuple([_key(v) for v in value]))
-    if isinstance(value, dict):
-        return ("dict", tuple((k, _key(v)) for k, v in value.items()))
-    if isinstance(value, float):
-        return ("float", value.hex() if math.isfinite(value) else repr(value))
-    hash(value)  # TypeError: not shareable
-    return (kind, value)
+    """A hashable stand-in for an argument (``_fx_keys``): a node stands for itself (nodes are
+    equal only to themselves)."""
+    return arg_key(value, node=_node_itself)
+
+
+def _node_itself(node: fx.Node) -> fx.Node:
+    return node
 
 
 def _simplify(gm: fx.GraphModule, keep: frozenset[str], inputs: Sequence[InputMemory] | None,

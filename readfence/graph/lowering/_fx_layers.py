@@ -37,7 +37,6 @@ The lowering validates the code compiled from this graph, as it validates any.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -47,6 +46,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from readfence.core.internal import LAYER_KEY, add_node
 
+from ._fx_keys import arg_key
 from ._fx_memory import HOOK_KEY, UNKNOWN, GraphMemory
 from ._fx_pieces import CompiledPiece, Outlined, Piece, rebuilt
 
@@ -85,10 +85,6 @@ def _value_key(val: Any) -> Hashable:
     return type(val).__name__
 
 
-#: Argument types that stand for themselves in a key (with their type: ``1.0`` is no ``1``).
-_PLAIN = frozenset({bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
-
-
 class _Run:
     """A run's shape: its key (everything but its integers), its integers in order, the outside
     nodes it reads in the order first met, and the positions of the nodes it returns."""
@@ -101,35 +97,25 @@ class _Run:
         inputs, integers = self.inputs, self.integers
         input_at: dict[fx.Node, int] = {}
 
+        def node(value: fx.Node) -> Hashable:
+            at = position.get(value)
+            if at is not None:
+                return at  # (a node of the run: its place; nothing else in a key is a bare int)
+            k = input_at.get(value)
+            if k is None:
+                k = input_at[value] = len(inputs)
+                inputs.append(value)
+            return ("input", k)
+
+        def integer(value: int) -> Hashable:
+            integers.append(value)
+            return "int"
+
         def arg(value: Any) -> Hashable:
-            kind = type(value)
-            if kind is fx.Node:
-                at = position.get(value)
-                if at is not None:
-                    return at  # (a node of the run: its place; nothing else in a key is a bare int)
-                k = input_at.get(value)
-                if k is None:
-                    k = input_at[value] = len(inputs)
-                    inputs.append(value)
-                return ("input", k)
-            if kind is int:
-                integers.append(value)
-                return "int"
-            if kind is tuple or kind is list:
-                return (kind, tuple([arg(v) for v in value]))
-            if kind in _PLAIN:
-                return (kind, value)
-            if kind is float:
-                return ("float", value.hex() if math.isfinite(value) else repr(value))
-            if isinstance(value, (list, tuple)):
-                return (kind, tuple([arg(v) for v in value]))
-            if isinstance(value, dict):
-                return ("dict", tuple((k, arg(v)) for k, v in value.items()))
             try:
-                hash(value)
+                return arg_key(value, node, integer)
             except TypeError as e:
                 raise _Unshareable from e
-            return (kind, id(value))  # (an object is the same argument only as itself)
 
         steps = []
         self._integer_spans: list[tuple[int, int]] = []  # per node, the numbers of the integers it uses
