@@ -175,6 +175,15 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
                                f"instead of a dict (at {line}): a prepare stage returns a dict (of tensors, Python "
                                f"scalars, None, and dicts, lists and tuples of them){hint}", stage=stage.name)
     else:
+        unkeyed = _key_not_a_value(out, "")
+        if unkeyed is not None:
+            where, key = unkeyed
+            line = "?" if fn is None else returned_at(fn, kwargs or {}, out)
+            raise StageOutputError(
+                f"backend {backend!r} stage {stage.name} returned a dict keyed by {type(key).__name__} {_short(key)}"
+                f"{where} (at {line}): the stages after it find its outputs by key, and this key is equal to "
+                f"nothing as a Python value (its == gives {type(_equal(key)).__name__}); key it by a str, an int, "
+                f"an enum or a tuple of them", stage=stage.name)
         pairs, _ = pytree.tree_flatten_with_path(dict(out))
         wrong = next(((p, v) for p, v in pairs
                       if not isinstance(v, (Tensor, *PYTHON_VALUES)) or (isinstance(v, Tensor) and unfit_tensor(v))),
@@ -192,6 +201,31 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
         what += f" (plain dense tensors, as a graph's static buffers hold: {unfit[1]})"
     raise StageOutputError(f"backend {backend!r} stage {stage.name} returned {got} "
                            f"{where} (at {line}): a stage returns {what}", stage=stage.name)
+
+
+def _equal(key: object) -> object:
+    try:
+        return key == key
+    except Exception as e:  # (an == that raises: no key either)
+        return e
+
+
+def _key_not_a_value(value: object, where: str) -> tuple[str, object] | None:
+    """The first dict key in ``value`` (at any depth) whose ``==`` is no Python bool (a tensor's is
+    elementwise), with where its dict is: a key is found by comparing, which such a key cannot."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if type(_equal(k)) is not bool:
+                return (f" at key {where}" if where else ""), k
+            found = _key_not_a_value(v, f"{where}[{k!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _key_not_a_value(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _short(value: object) -> str:

@@ -97,8 +97,9 @@ class StageOutputError(ReadfenceError, ValueError):
 
     A stage returns a dict (``prepare_*``) or a tensor (``body``); a dict holds tensors, Python
     scalars (``bool``, ``int``, ``float``, ``str``), ``None``, and dicts, lists and tuples of
-    them, under keys of any hashable type. A traced graph bakes the Python values and tensor
-    shapes of the one step it traced, so one that changes from step to step is refused too.
+    them, under keys of any hashable type whose ``==`` is a Python bool (not a tensor). A traced
+    graph bakes the Python values and tensor shapes of the one step it traced, so one that
+    changes from step to step is refused too.
     The message names the backend, the stage, the key and the line that returned it; ``stage``
     is the stage's name (``None`` where no one stage is at fault).
     """

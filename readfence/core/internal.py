@@ -93,6 +93,7 @@ from .tracing import add_node as add_node
 from .tracing import bind_arguments as bind_arguments
 from .tracing import code_key as code_key
 from .tracing import copy_graph as copy_graph
+from .tracing import cuda_devices as cuda_devices
 from .tracing import first_stale as first_stale
 from .tracing import is_launch_op as is_launch_op
 from .tracing import kept_tensors as kept_tensors
@@ -100,7 +101,10 @@ from .tracing import launches_unseen as launches_unseen
 from .tracing import not_user_code as not_user_code
 from .tracing import op_aliasing as op_aliasing
 from .tracing import random_kept as random_kept
+from .tracing import random_state as random_state
 from .tracing import reach as reach
+from .tracing import same_values as same_values
+from .tracing import set_random_state as set_random_state
 from .tracing import span_of as span_of
 from .tracing import state_key as state_key
 from .tracing import torch_op as torch_op
@@ -118,8 +122,9 @@ __all__ = [
     "KeptTensor", "LAYER_KEY", "late_read_fix", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
-    "PYTHON", "random_kept", "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
-    "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "Span", "span_of", "unobserved", "snapshot",
+    "PYTHON", "cuda_devices", "random_kept", "random_state", "set_random_state",
+    "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
+    "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",

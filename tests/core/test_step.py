@@ -18,6 +18,7 @@ from readfence.core import (
     STAGES,
     ForwardMode,
     StageOutputError,
+    audit,
     eval_step,
     run_program,
     run_step,
@@ -181,6 +182,53 @@ def test_a_value_a_step_cannot_carry_is_refused_naming_stage_key_and_line(value,
     text = str(e.value)
     assert "stage prepare_in_graph" in text and "['odd']['inner'][0]" in text and what in text, text
     assert f"{__file__}:{inn.__code__.co_firstlineno + 1} in inn" in text, text
+
+
+class _ListEquality:
+    """A hashable key whose ``==`` is a list (as an array type's is elementwise)."""
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> list[bool]:  # type: ignore[override]
+        return [True]
+
+
+class _RaisingEquality:
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparing me")
+
+
+@pytest.mark.parametrize(("extra", "key", "where"), [
+    (lambda lens: {torch.tensor([1, 2]): lens}, "Tensor", ""),
+    (lambda lens: {"rows": [{torch.tensor(0): lens}]}, "Tensor", " at key ['rows'][0]"),
+    (lambda lens: {_ListEquality(): 1}, "_ListEquality", ""),
+    (lambda lens: {"inner": {_RaisingEquality(): lens}}, "_RaisingEquality", " at key ['inner']"),
+])
+def test_a_key_that_compares_as_no_python_value_is_refused_naming_stage_key_and_line(extra, key, where) -> None:
+    # hashable, but found by ``==`` (a tensor's is elementwise): every run refuses it alike, the
+    # serial one too, naming the stage, the key and the line, never a raw error from the tracer
+    def snap(mode, shared, batch):
+        meta = page_meta(shared, batch)
+        return {**meta, **extra(meta["kv_lens"] + 0)}
+
+    from readfence.graph import CpuDevice, Policy, lower
+
+    backend = leaf("keyed", _attend, prepare_out_graph=snap)
+    dev = CpuDevice()
+    runs = [lambda: trace(backend, ForwardMode.DECODE, cfg=CFG), lambda: audit(backend, ForwardMode.DECODE, cfg=CFG),
+            lambda: run_step(backend, ForwardMode.DECODE, CFG, example_step(CFG, ForwardMode.DECODE, 2)),
+            lambda: lower(backend, ForwardMode.DECODE, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG)]
+    with dev:
+        for run in runs:
+            with pytest.raises(StageOutputError) as e:
+                run()
+            text = str(e.value)
+            assert f"stage prepare_out_graph returned a dict keyed by {key}" in text and f"{where} (at " in text, text
+            assert f"{__file__}:{extra.__code__.co_firstlineno} in <lambda>" in text, text  # where the key is made
 
 
 def test_a_stage_must_return_a_dict_and_the_body_a_tensor() -> None:

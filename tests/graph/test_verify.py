@@ -427,3 +427,73 @@ def test_a_backend_that_differs_without_the_passes_too_is_still_blamed(policy, d
     bad = verify(unseen, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=policy).failure()
     assert (bad.kind, bad.evidence, bad.buffer) == ("differs", "output", None), str(bad)
     assert "not deterministic, or keeps Python state" in bad.detail and "readfence" not in bad.detail
+
+
+# -- steps that sample, and outputs that hold NaN: the same program, not a different one ---------
+def _sampling(declared: ReadEnd, where: str):
+    """A correct backend that samples (dropout in every layer's output, or noise its out-of-graph
+    stage draws), declared ``declared`` for both buffers."""
+    def snapshot(mode, shared, batch):
+        meta = page_meta(shared, batch)
+        return {**meta, "noise": torch.rand(()) * 1e-3} if where == "prepare_out_graph" else meta
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        if where == "body":
+            return torch.nn.functional.dropout(out, 0.1, training=True)
+        return out + meta["noise"]
+
+    effect = ReadEffect.of({"req_to_token": declared, "seq_lens": declared})
+    return leaf(f"sampling_in_{where}", attend, prepare_out_graph=snapshot, declare={M.DECODE: effect})
+
+
+@pytest.mark.parametrize("where", ["body", "prepare_out_graph"])
+def test_a_step_that_samples_verifies_clean_and_verify_draws_nothing(where, dev) -> None:
+    # every run verify makes (the serial reference, each policy's, each rerun) starts from the same
+    # random numbers, as two runs of the engine from one seed do; and verify leaves the generator
+    # as it found it
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    report = verify(_sampling(ReadEnd.PRE_REPLAY, where), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG)
+    assert {c.policy for c in report.unwrap().checks} == set(Policy), report
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_step_that_samples_and_reads_late_is_still_caught_and_blamed_on_its_buffer(dev) -> None:
+    # the rewind must not hide a race: declared before the replay, read in it (unsafe flag)
+    sampler = _sampling(ReadEnd.NONE, "body")
+    for checks in ({"poison"}, None):
+        bad = verify(sampler, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=Policy.PER_BUFFER,
+                     options=LoopOptions(checks=checks, UNSAFE_skip_soundness_check=True)).failure()
+        assert bad.kind == "late read" and bad.buffer in ("req_to_token", "seq_lens"), str(bad)
+        assert bad.evidence == ("poison" if checks else "observer"), str(bad)
+
+
+def _nan_on_first_token(declared: ReadEnd):
+    # a mean over a request's earlier tokens: 0 / 0 at its first, in every output of that step
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = meta["kv_lens"]
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+        earlier = (lens - 1).float()
+        mean = (earlier * 0.5) / earlier
+        return out + mean.repeat_interleave(out.shape[0] // lens.shape[0]).view(-1, *([1] * (out.dim() - 1)))
+
+    effect = ReadEffect.of({"req_to_token": declared, "seq_lens": declared})
+    return leaf("nan_on_first_token", attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch),
+                declare={M.DECODE: effect})
+
+
+def test_outputs_that_hold_nan_where_the_serial_run_does_verify_clean(dev) -> None:
+    # bit-identical outputs, NaN in the same places: the same program (a NaN is not unequal to
+    # itself here); a late read that changes them is still caught
+    from readfence.graph import run_serial
+
+    backend = _nan_on_first_token(ReadEnd.PRE_REPLAY)
+    assert run_serial(backend, M.DECODE, steps=STEPS, batch_size=BATCH, cfg=CFG).logits[0].isnan().any()
+    clean = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG)
+    assert {c.policy for c in clean.unwrap().checks} == set(Policy), clean
+    bad = verify(_nan_on_first_token(ReadEnd.NONE), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
+                 policy=Policy.PER_BUFFER, options=LoopOptions(checks={"poison"}, UNSAFE_skip_soundness_check=True))
+    assert bad.failure().kind == "late read" and bad.failure().buffer in ("req_to_token", "seq_lens"), str(bad)

@@ -56,6 +56,7 @@ from ._kernel_access import KernelAccess as KernelAccess
 from ._kernel_ir import kernel_access as kernel_access
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
+from ._memory import cuda_devices as cuda_devices
 from ._memory import defined_memory as defined_memory
 from ._memory import leaves as leaves
 from ._memory import meet_shared as meet_shared
@@ -93,7 +94,7 @@ __all__ = [
     "analyse", "bind", "bind_arguments", "BufferMap", "CACHES", "Caches", "CapturedStateError", "clear_trace_cache",
     "code_key", "CodeKey", "copy_graph", "DispatchMode", "first_stale", "is_launch_op", "kept_tensors", "KeptTensor",
     "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
-    "defined_memory", "random_kept",
+    "cuda_devices", "defined_memory", "random_kept",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
     "SPLICED_KEY", "Spliced", "Template", "add_node",

@@ -269,12 +269,18 @@ def random_kept() -> Iterator[None]:
     >>> torch.equal(torch.get_rng_state(), before)
     True
     """
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    devices = cuda_devices()
     state = random_state(devices)
     try:
         yield
     finally:
         set_random_state(state, devices)
+
+
+def cuda_devices() -> list[int]:
+    """Every visible CUDA device's index (none without CUDA): the generators :func:`random_kept`
+    keeps besides the CPU's."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def random_state(devices: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -8,8 +8,9 @@ import statistics
 from collections.abc import Sequence
 
 import attrs
-import torch
 from torch import Tensor
+
+from readfence.core.internal import same_values
 
 from ..lowering import Policy
 from ._sanitizer import Violation
@@ -62,14 +63,21 @@ class LoopResult:
 
 
 def same_logits(a: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...]) -> bool:
-    """Bit-identical logits (tensors, or tuples of them for composite steps), on one device."""
+    """Bit-identical logits (tensors, or tuples of them for composite steps), on one device: the
+    comparison every check of values makes (``core.internal.same_values``: a NaN where the other
+    has a NaN is the same value; a backend whose output holds one is not a different program).
+
+    >>> nan = torch.tensor([1.0, float("nan")])
+    >>> same_logits(nan, nan.clone()), same_logits((nan,), (torch.tensor([1.0, 2.0]),))
+    (True, False)
+    """
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.device != b.device:
             raise ValueError(
                 f"cannot compare logits on {a.device} with logits on {b.device} bit for bit: run the "
                 f"reference on the run's device (run_serial(..., device=...))"
             )
-        return torch.equal(a, b)
+        return same_values(a, b)
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return False
     return len(a) == len(b) and all(same_logits(x, y) for x, y in zip(a, b))

@@ -24,7 +24,9 @@ one is held until the step's end (after a run that poisons none: outputs that di
 are not a late read of any buffer). Outputs that differ with nothing poisoned are readfence's
 own miscompile when the same step lowered without its compile passes (``optimize=False``: every
 captured node as traced) matches the serial run, and the backend's (it is not deterministic, or
-keeps Python state a graph bakes) when that step differs too.
+keeps Python state a graph bakes) when that step differs too. Every run (the reference, each
+policy's, each rerun that attributes a difference) starts from the same live state and the same
+random numbers: a step that samples is compared with the serial run that drew what it draws.
 
 The loop's record's ``checks`` selects the checks (:data:`CHECKS`), so each can be shown to
 catch its own case with the others off.
@@ -35,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -52,7 +54,17 @@ from readfence.core import (
     StageThreadError,
     StageWriteError,
 )
-from readfence.core.internal import BufferMap, Ledger, RunKind, model_config, positive_int
+from readfence.core.internal import (
+    BufferMap,
+    Ledger,
+    RunKind,
+    cuda_devices,
+    model_config,
+    positive_int,
+    random_kept,
+    random_state,
+    set_random_state,
+)
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
 from readfence.effects.internal import one_line
 
@@ -408,6 +420,7 @@ def _record(options: object, kind: type[Options], default: Options, caller: str)
     return opts
 
 
+@random_kept()
 def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy] | None, steps: int, device: Device,
             cfg: ModelConfig, state: State | None, opts: Options, options: LowerOptions,
             size: dict[str, Any]) -> Result[VerifyReport, LateRead]:
@@ -416,7 +429,14 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
     positive_int("steps", steps)
     where = torch_device(device)
     live = make_state(cfg, device) if state is None else state
-    kept = snapshot(live)
+    kept, generators = snapshot(live), cuda_devices()
+    drawn = random_state(generators)
+
+    def rewind() -> None:
+        # every run starts where the first did: the same live state and the same random numbers
+        restore(live, kept)
+        set_random_state(drawn, generators)
+
     name = _name(target)
     common: dict[str, Any] = dict(steps=steps, cfg=cfg, record=opts, **size)
     chosen = frozenset(CHECKS) if opts.checks is None else opts.checks
@@ -435,7 +455,7 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
         reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
     done = []
     for pol in policies:
-        restore(live, kept)
+        rewind()
         t0 = time.perf_counter()
         watch = LateReadWatch(live["shared"]) if observe else None
         try:
@@ -474,7 +494,7 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
         differs = _first_difference(logits, reference)
         if differs is not None:
             candidates = _poisoned(loop) if poison else ()
-            return Failure(_attribute(target, mode, pol, device, live, kept, reference, differs, options,
+            return Failure(_attribute(target, mode, pol, device, live, rewind, reference, differs, options,
                                       candidates, loop, **common))
         done.append(PolicyCheck(pol, _poisoned(loop) if poison else (), seconds,
                                 0 if watch is None else watch.accesses))
@@ -519,7 +539,7 @@ MISCOMPILED = ("the lowered step differs from the serial step with nothing poiso
                "correctly meanwhile")
 
 
-def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, kept: State,
+def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, rewind: Callable[[], None],
                reference: Sequence[Any], differs: int, lowering: LowerOptions,
                poisoned: tuple[str, ...], loop: Any, **common: Any) -> LateRead:
     # The outputs differ and the observer named nothing. A run that poisons nothing holds every
@@ -530,7 +550,7 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
     name = _name(target)
 
     def first_difference(only: Sequence[str], options: LowerOptions = lowering) -> int | None:
-        restore(state, kept)
+        rewind()
         logits = _run(target, mode, policy, device, state, None, options, only=only, guard=False, **common)[0]
         return _first_difference(logits, reference)
 
