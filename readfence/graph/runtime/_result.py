@@ -67,6 +67,7 @@ def same_logits(a: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...]) 
     comparison every check of values makes (``core.internal.same_values``: a NaN where the other
     has a NaN is the same value; a backend whose output holds one is not a different program).
 
+    >>> import torch
     >>> nan = torch.tensor([1.0, float("nan")])
     >>> same_logits(nan, nan.clone()), same_logits((nan,), (torch.tensor([1.0, 2.0]),))
     (True, False)

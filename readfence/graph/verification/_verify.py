@@ -54,17 +54,7 @@ from readfence.core import (
     StageThreadError,
     StageWriteError,
 )
-from readfence.core.internal import (
-    BufferMap,
-    Ledger,
-    RunKind,
-    cuda_devices,
-    model_config,
-    positive_int,
-    random_kept,
-    random_state,
-    set_random_state,
-)
+from readfence.core.internal import BufferMap, Ledger, RunKind, cuda_devices, model_config, positive_int, random_kept, random_state, set_random_state
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
 from readfence.effects.internal import one_line
 
