@@ -63,8 +63,9 @@ from ._step import PREPARE_IN_GRAPH, Stage
 from .tracing import StageWriteError, bind, random_kept
 
 
-def escape_note(stage: Stage) -> str:
-    """What an escape means for its stage (the ``OPAQUE:`` lines of ``readfence audit`` end with it).
+def escape_note(stage: Stage, replayed: bool = True) -> str:
+    """What an escape means for its stage (the ``OPAQUE:`` lines of ``readfence audit`` end with it),
+    in a step that is ``replayed`` from a capture or not (which no graph captures).
 
     >>> from readfence.core import BODY, PREPARE_OUT_GRAPH
     >>> escape_note(PREPARE_OUT_GRAPH)  # doctest: +NORMALIZE_WHITESPACE
@@ -73,18 +74,22 @@ def escape_note(stage: Stage) -> str:
     >>> escape_note(BODY)  # doctest: +NORMALIZE_WHITESPACE
     'the stage runs as Python in the step: every buffer is read until POST_REPLAY; a CUDA graph
      cannot capture it (lower refuses it on CUDA: UncapturableStage)'
+    >>> escape_note(BODY, replayed=False)
+    'the stage runs as Python in the step: every buffer is read until POST_REPLAY; no graph captures this mode'
     """
     end = stage.escape_end
     if end is ReadEnd.NONE:
         return (f"the stage runs as Python before the replay: it reads what the value escaping was computed from "
                 f"and what its runs on varied states saw, until {stage.end.name}")
     returns = " (what it returns may be a view of any)" if stage == PREPARE_IN_GRAPH else ""
-    return (f"the stage runs as Python in the step: every buffer is read until {end.name}{returns}; "
-            f"a CUDA graph cannot capture it (lower refuses it on CUDA: UncapturableStage)")
+    capture = ("a CUDA graph cannot capture it (lower refuses it on CUDA: UncapturableStage)" if replayed else
+               "no graph captures this mode")
+    return f"the stage runs as Python in the step: every buffer is read until {end.name}{returns}; {capture}"
 
 
 def _why_opaque(program: Program) -> tuple[tuple[str, str, str], ...]:
-    out = [(s.stage.name, node, f"{why} at {source}" + (f"; {escape_note(s.stage)}" if why.startswith(ESCAPE) else ""))
+    out = [(s.stage.name, node, f"{why} at {source}" + (f"; {escape_note(s.stage, program.replayed)}"
+                                                          if why.startswith(ESCAPE) else ""))
            for s in program.stages for node, why, source in s.escapes()]
     out += [(c.stage.name, c.node, c.why()) for c in program.captured() if not c.usable and isinstance(c.matches, Unmatched)]
     if program.aborted is not None and program.aborted_stage is not None:  # fake tensors: no value to go on with

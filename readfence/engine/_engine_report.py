@@ -215,7 +215,7 @@ class EngineAudit:
             for stage, why, source in n.untraceable:
                 lines.append(f"UNTRACEABLE: {n.path} in {n.mode.name}: {STAGE_METHODS[stage]} "
                              f"({stage}) escapes the tracer ({why} at {source}): its reads are observed; "
-                             f"{escape_note(stage)}")
+                             f"{escape_note(stage, n.mode.uses_graph)}")
             if n.lowering:
                 lines.append(f"LOWERING: {n.path} in {n.mode.name}: {n.lowering}")
             if n.prefill:

@@ -209,6 +209,8 @@ class Outcome:
         # replay counts for what it reaches, and its Python's other paths are run on varied states
         if "a CUDA graph cannot capture it" in message:
             return f"{head}: escape in the graph (every buffer; uncapturable on CUDA)"
+        if "no graph captures this mode" in message:
+            return f"{head}: escape in a step no graph captures (every buffer)"
         if "on a varied state" in message:
             return f"{head}: read by a stage's Python on a varied state"
         if any(why in message for why in ("captured tensor", "tracer cannot see")):

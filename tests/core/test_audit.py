@@ -503,6 +503,10 @@ def test_an_opaque_read_is_unknown_never_none() -> None:
     ((stage, _, why),) = report.opaque
     assert stage == "prepare_in_graph" and why.startswith("escape: numpy() at ") and "_opaque_prep" in why
     assert "a CUDA graph cannot capture it" in why
+    # in a mode no graph captures, the same escape says so, and speaks of no CUDA graph
+    extend = audit(mine, M.EXTEND, cfg=CFG)
+    ((_, _, extend_why),) = (extend.failure().report if isinstance(extend, Failure) else extend.unwrap()).opaque
+    assert "no graph captures this mode" in extend_why and "CUDA" not in extend_why, extend_why
     # the escaping buffer UNKNOWN and every other one POST_REPLAY is sound; anything earlier is not
     honest = redeclare(mine, lambda m: ReadEffect.of({"state_slots": ReadEnd.UNKNOWN}, default=ReadEnd.POST_REPLAY))
     assert audit(honest, M.DECODE, cfg=CFG).unwrap().counts()["unsound"] == 0
