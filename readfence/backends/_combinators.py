@@ -35,6 +35,11 @@ def _check_backends(where: str, backends: Sequence[object]) -> tuple[Backend, ..
     for i, b in enumerate(backends):
         if not isinstance(b, Backend):
             raise TypeError(f"{where}: argument {i} must be a Backend, got {b!r} ({type(b).__name__})")
+        if isinstance(b, PerStream):
+            # run as a backend, a group is its first member: nested, its other members never run
+            raise TypeError(f"{where}: argument {i} is a per_stream group ({b}), which places one member on each "
+                            f"forward stream of a whole step: it cannot be a child of another backend (only its "
+                            f"first member would run); put per_stream at the top, or inside a step shape")
         checked.append(b)
     return tuple(checked)
 

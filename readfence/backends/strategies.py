@@ -57,7 +57,6 @@ def _extend(children: st.SearchStrategy[Backend]) -> st.SearchStrategy[Backend]:
     return st.one_of(
         some.map(lambda xs: join(*xs)),
         some.map(lambda xs: tbo(*xs)),
-        some.map(lambda xs: per_stream(*xs)),
         st.tuples(some, st.text("01", min_size=1, max_size=4)).map(
             lambda t: hybrid_linear(*t[0], pattern="".join(str(int(c) % len(t[0])) for c in t[1]))
         ),
@@ -69,12 +68,17 @@ def _extend(children: st.SearchStrategy[Backend]) -> st.SearchStrategy[Backend]:
 
 
 def trees(
-    leaves: st.SearchStrategy[Backend] | None = None, *, max_leaves: int = 10
+    leaves: st.SearchStrategy[Backend] | None = None, *, max_leaves: int = 10, groups: bool = False
 ) -> st.SearchStrategy[Backend]:
     """Random backend trees of ``leaves`` (reference and redeclared leaves by default) under
-    every combinator."""
+    every combinator; with ``groups``, some are ``per_stream`` groups of such trees (a group is a
+    whole step's streams, only ever at the root: no backend, ``join`` included, takes one as its
+    child, so the default draws none and the trees can be joined)."""
     base = leaves if leaves is not None else st.one_of(reference_leaves(), redeclared_leaves())
-    return st.recursive(base, _extend, max_leaves=max_leaves)
+    tree = st.recursive(base, _extend, max_leaves=max_leaves)
+    if not groups:
+        return tree
+    return st.one_of(tree, st.lists(tree, min_size=1, max_size=3).map(lambda xs: per_stream(*xs)))
 
 
 def leaf_paths(tree: Backend) -> list[tuple[int, ...]]:

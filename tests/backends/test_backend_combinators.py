@@ -132,13 +132,27 @@ def test_children_metadata_is_namespaced():
 
 
 def test_children_labels_and_paths():
-    b = tbo(deepseek_v4(), hybrid(decode=paged(), prefill=dense()), per_stream(linear(), sparse()))
-    assert [label for label, _ in b.children()] == ["primary", "children[0]", "children[1]"]
+    b = per_stream(tbo(deepseek_v4(), hybrid(decode=paged(), prefill=dense()), join(linear(), sparse())), paged())
+    assert [label for label, _ in b.children()] == ["members[0]", "members[1]"]
     assert [p for p, _ in b.walk()] == [
-        "tbo", "tbo/primary/deepseek_v4", "tbo/children[0]/hybrid", "tbo/children[0]/hybrid/decode/paged",
-        "tbo/children[0]/hybrid/prefill/dense", "tbo/children[1]/per_stream",
-        "tbo/children[1]/per_stream/members[0]/linear", "tbo/children[1]/per_stream/members[1]/sparse",
+        "per_stream", "per_stream/members[0]/tbo", "per_stream/members[0]/tbo/primary/deepseek_v4",
+        "per_stream/members[0]/tbo/children[0]/hybrid", "per_stream/members[0]/tbo/children[0]/hybrid/decode/paged",
+        "per_stream/members[0]/tbo/children[0]/hybrid/prefill/dense", "per_stream/members[0]/tbo/children[1]/join",
+        "per_stream/members[0]/tbo/children[1]/join/children[0]/linear",
+        "per_stream/members[0]/tbo/children[1]/join/children[1]/sparse", "per_stream/members[1]/paged",
     ]
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda g: tbo(paged(), g), lambda g: join(g, paged()), lambda g: hybrid_linear(g, linear()),
+    lambda g: minimax(g, paged()), lambda g: select({M.DECODE: g}, default=paged()),
+    lambda g: hybrid(decode=paged(), prefill=g), lambda g: per_stream(paged(), g),
+    lambda g: tbo(paged(), paged()).with_children([paged(), g]),
+])
+def test_a_per_stream_group_is_no_child_of_another_backend(wrap):
+    # run as a backend, a group is its first member: nested, its other members would never run
+    with pytest.raises(TypeError, match=r"is a per_stream group \(per_stream\(paged, linear\)\).*put per_stream at the top"):
+        wrap(per_stream(paged(), linear()))
 
 
 # -- the wrapper table -------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def test_the_placed_member_is_refused_although_the_root_is_sound() -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=trees(st.sampled_from([paged(), EARLY_PAGED, sparse(), linear(), _early(linear(), "state_slots")]),
-                  max_leaves=4),
+                  max_leaves=4, groups=True),
        mode=st.sampled_from([M.DECODE, M.TARGET_VERIFY]))
 def test_lowers_verdict_is_the_whole_audits_on_random_trees(tree: Any, mode: ForwardMode) -> None:
     # every combinator (per_stream's members place fences; select and hybrid run one arm; tbo splits
