@@ -383,3 +383,18 @@ def test_a_model_and_a_state_that_are_not_the_run_s_are_refused_naming_them() ->
         with pytest.raises(ValueError, match=r"state\['shared'\]\['req_to_token'\] has shape \(4, 64\) .* where cfg gives "
                                              r"\(16, 64\)"):
             run_overlapped(paged(), steps=2, policy=Policy.EXACT, device=dev, state=make_state(ModelConfig(max_reqs=4)))
+    # a shared buffer missing (or no tensor) is named by every run, the serial one too, before any step
+    for name, value in (("swa_map", None), ("seq_lens", [0, 1])):
+        state = make_state(ModelConfig())
+        if value is None:
+            del state["shared"][name]
+        else:
+            state["shared"][name] = value
+        named = rf"^state\['shared'\] must hold the shared buffer '{name}' as a tensor, got {'nothing' if value is None else 'list'}"
+        with CpuDevice(timeout=30.0) as dev:
+            with pytest.raises(ValueError, match=named):
+                run_serial(paged(), M.DECODE, steps=2, state=state)
+            with pytest.raises(ValueError, match=named):
+                lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, state=state)
+            with pytest.raises(ValueError, match=named):
+                run_overlapped(paged(), steps=2, policy=Policy.EXACT, device=dev, state=state)

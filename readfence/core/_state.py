@@ -83,6 +83,15 @@ def _positive(name: str) -> Callable[[object, attrs.Attribute, object], None]:
     return check
 
 
+#: The seeds a config may draw from: the weights' and (plus one) the caches' generator seeds.
+SEED_LIMIT = 2**63 - 2
+
+
+def _seed(_inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= SEED_LIMIT):
+        raise ValueError(f"ModelConfig.seed must be an int in 0..2**63-2, got {value!r} ({type(value).__name__})")
+
+
 @attrs.frozen
 class ModelConfig:
     """Sizes of the tiny decoder and of the scheduler's buffers (small: fast CPU tests).
@@ -107,7 +116,7 @@ class ModelConfig:
     mlp: int = attrs.field(default=64, validator=_positive("mlp"))
     max_reqs: int = attrs.field(default=16, validator=_positive("max_reqs"))
     max_ctx: int = attrs.field(default=64, validator=_positive("max_ctx"))
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_seed)
     tp: TensorParallel = attrs.field(factory=TensorParallel, validator=attrs.validators.instance_of(TensorParallel))
 
     def __attrs_post_init__(self) -> None:

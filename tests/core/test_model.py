@@ -92,6 +92,11 @@ def test_config_validation():
         ModelConfig(head_dim=3)
     with pytest.raises(ValueError, match="batch_size"):
         example_step(CFG, M.DECODE, CFG.max_reqs + 1)
+    # the seed is drawn from, not validated by torch: named where it is given
+    for seed in ("abc", 1.5, None, True, -1, 2**70):
+        with pytest.raises(ValueError, match=r"^ModelConfig.seed must be an int in 0..2\*\*63-2, got "):
+            ModelConfig(seed=seed)
+    assert ModelConfig(seed=2**63 - 2).seed == 2**63 - 2
 
 
 def _traced(backend, mode, step, cfg=CFG):

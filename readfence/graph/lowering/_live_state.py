@@ -42,7 +42,11 @@ def check_live_state(state: object, cfg: ModelConfig) -> None:
     assert isinstance(state, Mapping)
     for name, (shape, dtype) in shared_shapes(cfg).items():
         t = state["shared"].get(name)
-        if isinstance(t, Tensor) and (tuple(t.shape) != shape or t.dtype != dtype):
+        if not isinstance(t, Tensor):  # every loop writes each one before every step
+            got = "nothing" if name not in state["shared"] else f"{type(t).__name__} {t!r}"[:80]
+            raise ValueError(f"state['shared'] must hold the shared buffer {name!r} as a tensor, got {got}: a step "
+                             f"runs on all of {', '.join(map(repr, shared_shapes(cfg)))} (make_state(cfg) makes them)")
+        if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"state['shared'][{name!r}] has shape {tuple(t.shape)} ({t.dtype}) where cfg gives "
                              f"{shape} ({dtype}): pass the ModelConfig the state was made for (cfg={cfg})")
 

@@ -10,6 +10,7 @@ from ._fence import claim_events as claim_events
 from ._fence import event_owners as event_owners
 from ._keywords import names_keywords as names_keywords
 from ._keywords import unexpected_keyword as unexpected_keyword
+from ._live_state import check_live_state as check_live_state
 from ._live_state import device_of as device_of
 from ._options import LOOP_KEYWORDS as LOOP_KEYWORDS
 from ._options import for_a_loop as for_a_loop

@@ -16,7 +16,7 @@ from readfence.core.internal import model_config, positive_int
 from ..devices import Device
 from ..devices.internal import check_device
 from ..lowering import make_state, torch_device
-from ..lowering.internal import device_of, names_keywords
+from ..lowering.internal import check_live_state, device_of, names_keywords
 from ..steps.internal import Target, check_run, eager_step, scheduling_mode
 from ._loop import synthetic_work
 from ._options import LoopOptions, options_of
@@ -65,6 +65,8 @@ def run_serial(
         raise ValueError(f"device must be a readfence device object or a torch device kind ('cpu', 'cuda'), "
                          f"got {device!r}")
     cfg = model_config(cfg)
+    if state is not None:
+        check_live_state(state, cfg)
     if device is None:
         where = "cpu" if state is None else device_of(state["shared"]).type
     else:
