@@ -382,20 +382,27 @@ class Tbo(_JoinBase):
             runs += [ChildRun(label, child, hi - lo) for (label, child), (lo, hi) in zip(micro, ranges)]
         return tuple(runs)
 
-    def _parts(self, mode: M, batch: Tensors) -> list[dict[str, Tensor]]:
-        return split_batch(batch, mode, len(self.micro))
+    def _parts(self, mode: M, batch: Tensors) -> list[tuple[str, Backend, dict[str, Tensor], tuple[int, int]]]:
+        """Each child handed a request, with its micro-batch and its range of requests: a child
+        whose micro-batch is empty (a batch smaller than the children) runs nothing, as
+        :meth:`child_runs` says (``0``), and an engine runs no micro-batch of no request. A step
+        of no request at all (``IDLE``) runs every child on nothing, as engines run it."""
+        size = int(batch["req_pool_indices"].shape[0])
+        ranges = request_ranges(size, len(self.micro))
+        return [(label, child, part, span) for (label, child), part, span
+                in zip(self.micro, split_batch(batch, mode, len(self.micro)), ranges) if span[1] > span[0] or not size]
 
     def prepare_out_graph(self, mode: M, shared: Tensors, batch: Tensors) -> dict[str, Tensor]:
         meta = _namespaced("primary", self.primary.prepare_out_graph(mode, shared, batch))
         if self.micro:
-            for (label, child), part in zip(self.micro, self._parts(mode, batch)):
+            for label, child, part, _ in self._parts(mode, batch):
                 meta.update(_namespaced(label, child.prepare_out_graph(mode, shared, part)))
         return meta
 
     def prepare_in_graph(self, mode: M, shared: Tensors, batch: Tensors, meta: Tensors) -> dict[str, Tensor]:
         out = _namespaced("primary", self.primary.prepare_in_graph(mode, shared, batch, _own("primary", meta)))
         if self.micro:
-            for (label, child), part in zip(self.micro, self._parts(mode, batch)):
+            for label, child, part, _ in self._parts(mode, batch):
                 out.update(_namespaced(label, child.prepare_in_graph(mode, shared, part, _own(label, meta))))
         return out
 
@@ -404,9 +411,8 @@ class Tbo(_JoinBase):
         if not self.micro:
             return self.primary.attend(mode, layer, q, k, v, pools, shared, batch, _own("primary", meta))
         n = tokens_per_request(mode)
-        ranges = request_ranges(int(batch["req_pool_indices"].shape[0]), len(self.micro))
         outs = []
-        for (label, child), part, (lo, hi) in zip(self.micro, self._parts(mode, batch), ranges):
+        for label, child, part, (lo, hi) in self._parts(mode, batch):
             q_part, k_part, v_part = (x.narrow(0, lo * n, (hi - lo) * n) for x in (q, k, v))
             outs.append(child.attend(mode, layer, q_part, k_part, v_part, pools, shared, part, _own(label, meta)))
         return torch.cat(outs, dim=0)

@@ -87,6 +87,30 @@ def test_tbo_equals_children_on_their_micro_batches(mode, batch_size):
         assert torch.equal(got_step.pools[name], work.pools[name]), name
 
 
+def test_a_tbo_child_handed_no_request_runs_nothing():
+    # a batch smaller than the children leaves a micro-batch empty: that child is not called
+    # (an engine runs no micro-batch of no request), so a child whose metadata needs a request
+    # (a maximum over its lengths, as an engine's max_seq_len) is fine inside tbo at every size
+    from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+    from readfence.core import audit
+
+    def longest(mode, shared, batch):
+        meta = page_meta(shared, batch)
+        return {**meta, "longest": meta["kv_lens"].max()}  # raises on a micro-batch of no request
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"].clamp(max=meta["longest"]))
+
+    needs_a_request = leaf("needs_a_request", attend, prepare_out_graph=longest)
+    step = example_step(CFG, M.DECODE, 1, seed=3)
+    got = run_step(tbo(paged(), paged(), needs_a_request), M.DECODE, CFG, step.clone())
+    assert torch.equal(got, run_step(paged(), M.DECODE, CFG, step.clone()))
+    assert audit(tbo(paged(), paged(), needs_a_request), M.DECODE, cfg=CFG).unwrap().counts()["unsound"] == 0
+    with pytest.raises(RuntimeError):  # (the child alone, handed no request, would raise)
+        prepare(needs_a_request, M.DECODE, step.shared, split_batch(step.batch, M.DECODE, 2)[1])
+
+
 @pytest.mark.parametrize("mode", WORK_MODES, ids=str)
 def test_tbo_of_one_backend_equals_that_backend_end_to_end(mode):
     step = example_step(CFG, mode, 5, seed=4)
