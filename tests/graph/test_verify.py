@@ -497,3 +497,23 @@ def test_outputs_that_hold_nan_where_the_serial_run_does_verify_clean(dev) -> No
     bad = verify(_nan_on_first_token(ReadEnd.NONE), M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG,
                  policy=Policy.PER_BUFFER, options=LoopOptions(checks={"poison"}, UNSAFE_skip_soundness_check=True))
     assert bad.failure().kind == "late read" and bad.failure().buffer in ("req_to_token", "seq_lens"), str(bad)
+
+
+def test_a_refusal_names_the_mode_refused_not_the_loops(dev) -> None:
+    # the serving loop lowers its prefill steps in EXTEND: a declaration unsound there alone is
+    # reported in EXTEND, though the loop's decode mode is DECODE
+    from readfence.graph import Traffic, verify_serve
+
+    pre = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        rows = page_meta(shared, batch) if mode is M.EXTEND else meta  # EXTEND reads the page table in the body
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, rows["kv_indices"], rows["kv_lens"])
+
+    prefill_late = leaf("prefill_late", attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch),
+                        declare={m: pre for m in (M.DECODE, M.EXTEND, M.TARGET_VERIFY, M.DRAFT_EXTEND)})
+    bad = verify_serve(prefill_late, steps=8, policy=Policy.EXACT, device=dev, capture_sizes=[1, 2, 4], cfg=CFG,
+                       traffic=Traffic(rate=1.0, prompt=(2, 6), output=(2, 5))).failure()
+    assert (bad.kind, bad.mode, bad.buffer) == ("unsound declaration", M.EXTEND, "req_to_token"), str(bad)
+    assert "prefill_late in EXTEND under EXACT" in str(bad)

@@ -589,7 +589,9 @@ def _refused(name: str, mode: ForwardMode, policy: Policy, error: UnsoundLowerin
     if failure is None:
         return LateRead(name, mode, policy, "unsound declaration", "audit", detail=str(error))
     stage, op = failure.reader if failure.reader else (None, None)
-    return LateRead(name, mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op, str(error))
+    # the mode refused: the serving loop's prefill steps are lowered in EXTEND, whatever its decode mode
+    return LateRead(name, failure.mode, policy, "unsound declaration", "audit", failure.buffer, None, stage, op,
+                    str(error))
 
 
 __all__ = ["CHECKS", "MISCOMPILED", "WORKLOAD", "LateRead", "LateReadWatch", "PolicyCheck", "VerifyReport", "phase_modes",
