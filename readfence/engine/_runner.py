@@ -150,6 +150,7 @@ class EngineRunner:
         self.marker, self.graphed = marker, graphed
         self.mailbox = Mailbox(clear_on_take=model.clear_mailbox)
         self.shared, self.plan, self.program = inner.shared, inner.plan, inner.program
+        self.ledger = inner.ledger  # what every run of the step saw: verify's attribution reads it
         self.label = f"runner:{inner.label}"
         self.published: list[tuple[int, ReadEnd]] = []  # per step, what was resolved (UNKNOWN: nothing published)
         self.stale: list[tuple[int, int]] = []  # (step, the step whose event its scheduler was handed instead)
