@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 #: Argument types that stand for themselves (with their type) in a key.
-PLAIN = frozenset({bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_PLAIN = frozenset({bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
 def _itself(value: int) -> Hashable:
@@ -41,7 +41,7 @@ def arg_key(value: Any, node: Callable[[fx.Node], Hashable],
         return node(value)
     if kind is int:
         return integer(value)
-    if kind in PLAIN:
+    if kind in _PLAIN:
         return (kind, value)
     if kind is float:
         return ("float", value.hex() if math.isfinite(value) else repr(value))
@@ -53,4 +53,4 @@ def arg_key(value: Any, node: Callable[[fx.Node], Hashable],
     return (kind, id(value))  # (an object is the same argument only as itself)
 
 
-__all__ = ["PLAIN", "arg_key"]
+__all__ = ["arg_key"]
