@@ -56,6 +56,7 @@ from ._checks import check_backend, check_mode, check_state, positive_int
 from ._ledger import Ledger, RunKind, ledger_of
 from ._model import step_functions
 from ._modes import ForwardMode
+from ._observe import Access
 from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig, model_config
@@ -132,6 +133,7 @@ def judge(path: str, backend: BackendLike, mode: ForwardMode, books: Sequence[tu
     """The audit of ``backend`` (at ``path``) in ``mode``: its declaration against what its ledgers,
     one per batch size audited, say it reads (``core.internal.Ledger``): per buffer the latest
     end over them, the reader (the trace's, or the run that saw it) and the batch size."""
+    refuse_writes(path, (w for _, book in books for w in book.writes()))
     declared = backend.read_effect(mode)
     effects = [(n, book, book.effect()) for n, book in books]
     observed = ReadEffect.none()
@@ -156,6 +158,29 @@ def judge(path: str, backend: BackendLike, mode: ForwardMode, books: Sequence[tu
                      for _, book in books for d in book.disagreements())
     return AuditReport(path, mode, declared, observed, tuple(entries), (), opaque, tuple(n for n, _ in books),
                        tuple(dict.fromkeys(disagreements)))
+
+
+def refuse_writes(path: str, seen: Iterable[tuple[str, Access]]) -> None:
+    """Raise :class:`StageWriteError` for the first write of a shared buffer in ``seen`` (each
+    ``(the run that saw it, the access)``): a write a run of the step's code saw counts whatever the
+    trace says (an op whose schema declares none, a kernel writing memory it keeps a reference to).
+
+    >>> refuse_writes("paged", [("observer run 'example 0'", Access("seq_lens", "body", "aten.sum.default", "read"))])
+    >>> write = Access("seq_lens", "body", "my.op/aten.add_.Tensor", "write")
+    >>> try:
+    ...     refuse_writes("paged", [("observer run 'example 0'", write)])
+    ... except StageWriteError as e:
+    ...     print(e.stage, e.buffer, e.node)
+    body seq_lens my.op
+    """
+    for run, w in seen:
+        if w.kind != "write":
+            continue
+        stage, _, node = w.stage.partition(":")
+        kernel, _, inner = w.op.rpartition("/")
+        by = f"inside kernel {kernel} ({inner})" if kernel else f"by {w.op}"
+        why = f"{run} saw it written {by}"
+        raise StageWriteError(path, stage, w.buffer, node or kernel or w.op, w.op, why, w.source or "?")
 
 
 def default_batch_sizes(cfg: ModelConfig) -> tuple[int, ...]:

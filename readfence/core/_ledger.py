@@ -92,6 +92,11 @@ class Run:
     label: str
     accesses: tuple[Access, ...]
 
+    @property
+    def name(self) -> str:
+        """What it was, for a message: ``observer run 'example 0'``."""
+        return f"{self.kind.value} run '{self.label}'"
+
     def reads(self) -> Iterator[Access]:
         """Its reads and escapes (a write is not a read)."""
         return (a for a in self.accesses if a.kind != "write")
@@ -147,7 +152,10 @@ class Ledger:
         ``label`` of ``kind`` when the block ends, also when the code raised (what it read before
         counts). ``observer`` is one the caller runs already (check mode's, watching the live
         buffers over a whole step): what it sees during the block is recorded."""
-        observer = observer if observer is not None else ReadObserver(BufferMap.of(shared).union([self.live]))
+        if observer is None:
+            live = self.state
+            held = [*shared.values(), *(live["shared"].values() if live is not None else ())]
+            observer = ReadObserver(BufferMap.of(shared).union([self.live]), held=held)
         start = len(observer.accesses)
         try:
             yield observer
@@ -170,9 +178,10 @@ class Ledger:
             if new <= self._seen:
                 return
             before = self._memo.get(("effect", (), True))
+            wrote = any(k == "write" for k, _, _ in new - self._seen)
             self._seen |= new
             self.version = next(self._changes)
-        if before is None or before[1] != self.effect():  # what a verdict is made of changed
+        if wrote or before is None or before[1] != self.effect():  # what a verdict is made of changed
             with _EPOCH_LOCK:
                 _EPOCH += 1
 
@@ -326,6 +335,13 @@ class Ledger:
                 node = a_node(last) if run.kind is not RunKind.OBSERVER else last.op
                 return Witness(stage, node or PYTHON, run, end, last.source or self._source(stage, node or PYTHON))
         return None
+
+    def writes(self) -> tuple[tuple[str, Access], ...]:
+        """Every write of a shared buffer a run saw (by the op's schema, on the memory it was
+        handed, or inside a kernel the observer runs under itself), first seen first, with the run
+        that saw it (:attr:`Run.name`): a stage may only read shared state, and a write any run saw
+        is a write, whatever the trace says (``core.internal.refuse_writes``)."""
+        return tuple((run.name, a) for run in self.runs() for a in run.accesses if a.kind == "write")
 
     def observation(self) -> Observation:
         """The audit's observer's runs as an :class:`Observation` (what :func:`cross_check` holds

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import attrs
@@ -43,6 +43,7 @@ from .tracing import (
     leaves,
     metadata_claim_holds,
     metadata_templates,
+    moves_metadata_only,
     op_aliasing,
     rerun_with,
     segment_signature,
@@ -127,8 +128,8 @@ class Access:
     note: str = ""
     step: int = 0
     seq: int = 0
-    # ``file:line in function`` of a read inside a custom op's kernel (where a kernel reads what an
-    # earlier stage kept by reference: no trace has that line); "" elsewhere
+    # ``file:line in function`` of a write, or of a read inside a custom op's kernel (where a kernel
+    # reads what an earlier stage kept by reference: no trace has that line); "" elsewhere
     source: str = ""
 
     @property
@@ -207,9 +208,16 @@ class ReadObserver(DispatchMode):
 
     supports_higher_order_operators = True  # a higher-order op reads its operands (see below)
 
-    def __init__(self, buffers: BufferMap | Mapping[str, torch.Tensor], *, step: int = 0) -> None:
+    def __init__(self, buffers: BufferMap | Mapping[str, torch.Tensor], *, step: int = 0,
+                 held: Iterable[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.buffers = buffers if isinstance(buffers, BufferMap) else BufferMap.of(buffers)
+        # the buffers' tensor objects themselves (``None``: not known): an in-place view op
+        # (``moves_metadata_only``) writes no byte, only the object it is called on, which is a
+        # write where that object is one of these and nothing where it is a view of one
+        if held is None and not isinstance(buffers, BufferMap):
+            held = buffers.values()
+        self._held = None if held is None else {id(t) for t in held}
         self.step = step
         self.current_stage = "unlabelled"
         self.accesses: list[Access] = []
@@ -419,6 +427,8 @@ class ReadObserver(DispatchMode):
         for b in sorted(read):
             self._add(b, name, "read", note)
         for i in aliasing.writes:
+            if i == 0 and self._held is not None and id(values[0]) not in self._held and moves_metadata_only(func):
+                continue  # a view of a buffer re-shaped or re-pointed: no byte of it written
             for b in sorted(self.buffers.touched_by(values[i])):
                 self._add(b, name, "write", note)
         # arguments it uses for their metadata only (``zeros_like``): not read, if its run says so
@@ -446,7 +456,7 @@ class ReadObserver(DispatchMode):
         return "/".join([*self._within[-1:], name]) if self._within else name
 
     def _add(self, buffer: str, op: str, kind: Kind, note: str) -> None:
-        source = user_line(_OBSERVER_FILES) if self._within else ""
+        source = user_line(_OBSERVER_FILES) if self._within or kind == "write" else ""
         self.accesses.append(Access(buffer, self.current_stage, op, kind, note, self.step, self._seq, source))
 
     def _record(self, t: torch.Tensor, what: str, kind: Kind, note: str) -> None:

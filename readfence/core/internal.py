@@ -10,6 +10,7 @@ from ._audit import audit_failure as audit_failure
 from ._audit import audit_report as audit_report
 from ._audit import escape_note as escape_note
 from ._audit import format_table as format_table
+from ._audit import refuse_writes as refuse_writes
 from ._audit import verdict_nodes as verdict_nodes
 from ._backend_trace import forget_trace as forget_trace
 from ._batch_split import request_ranges as request_ranges
@@ -122,7 +123,7 @@ __all__ = [
     "KeptTensor", "LAYER_KEY", "late_read_fix", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
-    "PYTHON", "cuda_devices", "random_kept", "random_state", "set_random_state",
+    "PYTHON", "cuda_devices", "random_kept", "refuse_writes", "random_state", "set_random_state",
     "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",

@@ -30,7 +30,7 @@ and ``cfg=engine.cfg``), or ``engine.bind(other)`` to build it again over anothe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -39,8 +39,17 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.backends import MODES, Backend
-from readfence.core import SHARED_BUFFERS, ForwardMode, ModelConfig
-from readfence.core.internal import check_buffers, check_mode, example_step, model_config, span_of
+from readfence.core import (
+    PREPARE_IN_GRAPH,
+    PREPARE_OUT_GRAPH,
+    SHARED_BUFFERS,
+    ForwardMode,
+    ModelConfig,
+    ReadObserver,
+    Stage,
+    StageWriteError,
+)
+from readfence.core.internal import check_buffers, check_mode, example_step, model_config, refuse_writes, span_of
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 
@@ -336,9 +345,19 @@ class EngineBackend(Backend):
         engine's warm-up batch): the eager calls once (:meth:`_warm_up`). Returns whether it ran now."""
         b = self.binding
         key = (self.path, mode, batch_size)
+        if key in b.refused:
+            raise b.refused[key]
         if key in b.captured:
             return False
         b.captured.add(key)
+        try:
+            return self._capture_now(mode, batch_size, key)
+        except StageWriteError as e:
+            b.refused[key] = e  # (a tracer that falls back to another way of tracing calls again)
+            raise
+
+    def _capture_now(self, mode: ForwardMode, batch_size: int, key: tuple[Any, ...]) -> bool:
+        b = self.binding
         step = example_step(b.cfg, mode, batch_size)
         # a warm-up batch of its own (its lengths agree with its batch); a capture pads over the live state
         eager = not b.replayed(self.path, mode)
@@ -347,23 +366,38 @@ class EngineBackend(Backend):
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             fb = b.forward_batch(mode, shared, example, b.state["pools"], lens)
             if eager:
-                self._warm_up(mode, fb)
+                with self._watched(PREPARE_OUT_GRAPH, "the engine's warm-up call"):
+                    self._warm_up(mode, fb)
                 return True
         obj = self.object
         before = {id(o): dict(vars(o)) for o in _objects(obj) if hasattr(o, "__dict__")}
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
+        with torch._C.DisableTorchFunction(), _disable_current_modes(), \
+                self._watched(PREPARE_OUT_GRAPH, "the engine's capture-time call"):
             self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
                          captured=True,
                          in_capture=True)
         b.frozen[key] = [(o, name, value) for o in _objects(obj) if hasattr(o, "__dict__")
                          for name, value in vars(o).items() if before.get(id(o), {}).get(name, _NOTHING) is not value]
         with torch._C.DisableTorchFunction(), _disable_current_modes():
-            self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
-                         in_capture=False)
-            self._invoke("init_forward_metadata_in_graph", fb.forward_mode, obj.init_forward_metadata_in_graph, fb,
-                         captured=True)
+            with self._watched(PREPARE_OUT_GRAPH, "the engine's warm-up call"):
+                self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph,
+                             fb, in_capture=False)
+            with self._watched(PREPARE_IN_GRAPH, "the engine's capture-time call"):
+                self._invoke("init_forward_metadata_in_graph", fb.forward_mode, obj.init_forward_metadata_in_graph,
+                             fb, captured=True)
         self._recall(mode, batch_size)
         return True
+
+    @contextlib.contextmanager
+    def _watched(self, stage: Stage, what: str) -> Iterator[None]:
+        """The block, a call of the engine's code that no step makes (its capture-time call, its
+        warm-up: once per mode and batch size, on the live state), under a read observer of the live
+        shared buffers: a write of one is refused (``StageWriteError``) as a write any run of the
+        step saw is."""
+        observer = ReadObserver(self.binding.state["shared"])
+        with observer, observer.stage(stage.name):
+            yield
+        refuse_writes(self.who(), ((what, a) for a in observer.accesses))
 
     def _warm_up(self, mode: ForwardMode, fb: ForwardBatch) -> None:
         """The metadata calls of a step the engine runs eagerly, once, before its first step (an

@@ -57,6 +57,7 @@ from readfence.core.internal import (
     example_step,
     ledger_of,
     positive_int,
+    refuse_writes,
     stage_named,
 )
 from readfence.effects import Failure, ReadEffect, ReadEnd, Success
@@ -149,10 +150,12 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         escapes = _escapes(program)
         traced, readers = _traced(program, escapes)
     observation = observe_engine(node, mode, batch_sizes=[size], steps=steps, seed=seed)
+    refuse_writes(path, (("the scheduler steps' read observer", a) for a in observation.accesses))
     observed, varied = observation.observed(), {}
     if program is not None:  # the Python of the stages that run it, on the generated states, as core's audit
         ledger = ledger_of(program, cfg, size, node.state)
         ledger.observe_varied()
+        refuse_writes(path, ledger.writes())
         generated = (RunKind.VARIED, RunKind.VALIDATION)
         effect = ledger.effect(*generated, traced=False)
         for b in effect.buffers:

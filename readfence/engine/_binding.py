@@ -51,6 +51,9 @@ class Binding:
     shapes: dict[tuple[Path, str, ForwardMode, int], dict[str, tuple[int, ...]]] = attrs.Factory(dict)
     # the (node, mode, batch size) whose capture-time call has run
     captured: set[tuple[Path, ForwardMode, int]] = attrs.Factory(set)
+    # the (node, mode, batch size) whose capture-time or warm-up call was refused, and why: raised
+    # again by every later call (the call ran once; what it did is not undone by asking again)
+    refused: dict[tuple[Path, ForwardMode, int], Exception] = attrs.Factory(dict)
     # what each capture-time call left on the objects of the tree: (object, attribute, value)
     frozen: dict[tuple[Path, ForwardMode, int], list[tuple[Any, str, Any]]] = attrs.Factory(dict)
     # names this binding in the caches of traces and verdicts (an id() is reused once it is collected)

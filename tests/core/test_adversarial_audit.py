@@ -25,7 +25,8 @@ def _audit(case: Case):
     return backend, audit(backend, case.mode, cfg=CFG, state=STATE if case.captures else None)
 
 
-@pytest.mark.parametrize("name", first_of_each([n for n, c in CASES.items() if c.verdict == "refused" and c.klass != "writes"],
+@pytest.mark.parametrize("name", first_of_each([n for n, c in CASES.items() if c.verdict == "refused"
+                                               and c.klass not in ("writes", "kept_write")],
                                               lambda n: CASES[n].klass))
 def test_a_hidden_late_read_is_refused_naming_backend_mode_buffer_and_reader(name) -> None:
     case = CASES[name]
@@ -59,6 +60,18 @@ def test_a_write_through_any_view_or_op_is_an_error_naming_stage_buffer_and_op(n
         assert "mutates_args='unknown'" in str(e) and "mutates_args=()" in str(e)
     if name == "write_custom_undeclared":
         assert "bytes changed" in str(e)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.klass == "kept_write"])
+def test_a_write_by_a_kernel_through_a_reference_it_keeps_is_an_error_naming_the_run_that_saw_it(name) -> None:
+    # no trace sees it (no argument is the buffer); the audit's observer runs the kernel under
+    # itself, on the live buffers, and sees the write
+    case = CASES[name]
+    with pytest.raises(StageWriteError) as info:
+        _audit(case)
+    e = info.value
+    assert (e.backend, e.stage, e.buffer) == (name, "body", case.buffer), str(e)
+    assert "observer run" in str(e) and "saw it written inside kernel" in str(e) and "adversarial.py" in e.source, str(e)
 
 
 @pytest.mark.parametrize("name", first_of_each([n for n, c in CASES.items() if c.verdict in ("accepted", "invisible")],

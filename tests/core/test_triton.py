@@ -210,11 +210,10 @@ def _observed(unseen=False):
 def test_the_observer_sees_one_read_and_an_unseen_launch_is_unknown():
     # one read, named after the kernel; no write of the table the interpreter copies back
     assert _observed() == [("read", "triton_kernel.gather_rows.default", POST)]
-    # a launch readfence does not make an op: its pointers taken in Python make the table UNKNOWN, never
-    # nothing (and the interpreter's copy-back looks like a write of it)
+    # a launch readfence does not make an op, as on a GPU: its pointers taken in Python make the table
+    # UNKNOWN, never nothing; the interpreter's host copies and copy-back are no op of the stage's
     unseen = _observed(unseen=True)
-    assert ReadEnd.join_all(end for _, _, end in unseen) is ReadEnd.UNKNOWN, unseen
-    assert ("escape", "data_ptr()", ReadEnd.UNKNOWN) in unseen and ("write", "aten.copy_.default", POST) in unseen
+    assert unseen == [("escape", "data_ptr()", ReadEnd.UNKNOWN)], unseen
 
 
 @triton.jit

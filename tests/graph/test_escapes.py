@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from readfence.backends import page_meta
-from readfence.core import ForwardMode, audit, clear_trace_cache
+from readfence.core import ForwardMode, StageWriteError, audit, clear_trace_cache
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import CpuDevice, LoopOptions, Policy, UncapturableStage, lower, make_state, run_overlapped, run_serial, verify
 from tests.adversarial import CASES, _every, _host_read, body_reader
@@ -234,10 +234,15 @@ def _writes_through_data(mode, shared, batch, meta):
 
 def test_a_data_assignment_is_a_reference_escape_not_a_graph_that_misses_the_write(dev) -> None:
     backend = body_reader("writes_through_data", lambda s, b, m, layer, q: m["kv_lens"], prep=_writes_through_data)
-    bad = audit(backend, M.DECODE, cfg=CFG).failure()
+    # the trace alone: a reference escape, every buffer UNKNOWN from the stage on
+    bad = audit(backend, M.DECODE, cfg=CFG, observe_steps=0).failure()
     assert bad.report.observed["seq_lens"] is ReadEnd.UNKNOWN and "stage prepare_in_graph" in bad.message, bad.message
     assert "escape: .data assignment" in bad.message, bad.message
+    # a run of the stage's Python shows the write itself: refused as one, in the audit and in lower
+    with pytest.raises(StageWriteError) as e:
+        audit(backend, M.DECODE, cfg=CFG)
+    assert (e.value.stage, e.value.buffer, e.value.op) == ("prepare_in_graph", "seq_lens", "aten.add_.Tensor"), str(e.value)
+    assert "test_escapes.py" in e.value.source and "_writes_through_data" in e.value.source, e.value.source
     for policy in (Policy.PER_BUFFER, Policy.EXACT):
         refused = verify(backend, M.DECODE, steps=STEPS, batch_size=BATCH, device=dev, cfg=CFG, policy=policy).failure()
-        assert (refused.kind, refused.evidence) == ("unsound declaration", "audit") and ".data" in refused.detail, \
-            str(refused)
+        assert (refused.kind, refused.evidence, refused.buffer) == ("write", "audit", "seq_lens"), str(refused)

@@ -75,6 +75,7 @@ from ._probe import metadata_templates as metadata_templates
 from ._probe import rerun_with as rerun_with
 from ._schema import OpAliasing as OpAliasing
 from ._schema import bind as bind_arguments
+from ._schema import moves_metadata_only as moves_metadata_only
 from ._schema import op_aliasing as op_aliasing
 from ._segment import SPLICED_KEY as SPLICED_KEY
 from ._segment import Segment as Segment

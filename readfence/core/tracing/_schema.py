@@ -26,6 +26,8 @@ from torch._C import _SchemaArgType as _ArgType
 from torch._C import _SchemaArgument as _Arg
 from torch._C import _SchemaInfo
 
+from ._origin import trusted_op
+
 _OPAQUE_KINDS = ("AnyType", "ClassType", "InterfaceType", "PyObjectType", "CapsuleType")
 
 
@@ -105,6 +107,27 @@ def _aliasing(op: Any) -> OpAliasing:
                 and 0 not in writes and not any(0 in o for o in outputs))
     return OpAliasing(f"{schema.name}.{schema.overload_name}".rstrip("."), writes, outputs, bool(opaque_args),
                       opaque_args, annotated, (0,) if template else ())
+
+
+#: torch's in-place view ops that can reallocate the storage under ``self`` (a write of its memory)
+_STORAGE_RESIZERS = ("aten::resize_", "aten::resize_as_")
+
+
+def moves_metadata_only(op: Any) -> bool:
+    """Whether ``op`` is one of torch's own in-place view ops (tag ``inplace_view``: ``unsqueeze_``,
+    ``t_``, ``as_strided_``, ``set_``): it changes ``self``'s shape, strides or storage pointer, no
+    byte of the memory it was over; not one that can reallocate that storage (``resize_``), nor
+    anyone else's op carrying the tag (torch's own is decided by where it was registered). Its
+    schema marks ``self`` written: a write of the tensor object, which matters where that object is
+    one another party holds (a state's buffer itself), not where it is a view of one.
+
+    >>> moves_metadata_only(torch.ops.aten.unsqueeze_.default), moves_metadata_only(torch.ops.aten.resize_.default)
+    (True, False)
+    >>> moves_metadata_only(torch.ops.aten.add_.Tensor)
+    False
+    """
+    return (isinstance(op, torch._ops.OpOverload) and torch.Tag.inplace_view in op.tags
+            and op.name() not in _STORAGE_RESIZERS and trusted_op(op))
 
 
 @functools.cache

@@ -48,12 +48,14 @@ from readfence.effects import ReadfenceError
 from .._threads import note_kernel, stage_stream
 from ._kernel_access import KernelAccess, python_function
 from ._kernel_ir import interpreter_lock, kernel_access
+from ._memory import tensors_in
 
 #: The namespace of the launch ops: ``triton_kernel::<kernel name>``.
 NAMESPACE = "triton_kernel"
 
 _lock = threading.RLock()
 _inside = threading.local()  # .depth: a launch op's kernel is running on this thread
+_unseen = threading.local()  # .depth: launches are not made ops on this thread (``launches_unseen``)
 _originals: dict[type, Callable[..., Any]] = {}  # the launch classes' own ``run``, while wrapped
 _ops: dict[Any, Any] = {}  # Python function of a kernel -> its op overload
 _launch_ops: set[Any] = set()  # the op overloads made here, a launch op by this registration
@@ -304,6 +306,14 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
         if warmup:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         note_kernel(kernel_name(self))  # on a thread a watched stage started: its refusal names the kernel
+        if getattr(_unseen, "depth", 0) and torch._C._len_torch_dispatch_stack() > 0:
+            # a launch readfence does not make an op, as on a GPU: triton's launcher takes each
+            # tensor's pointer in Python (an escape), and the kernel's own work is no op of the
+            # stage's (the interpreter's host copies and its copy-back of every argument are not)
+            for t in tensors_in((args, kwargs)):
+                t.data_ptr()
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), _one_at_a_time(self):
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         if not _watched():
             with _one_at_a_time(self):
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -353,15 +363,15 @@ def launches_unseen() -> Iterator[None]:
     what readfence reports of kernels it cannot see.
 
     >>> with launches_unseen():
-    ...     _watched()
-    False
+    ...     _unseen.depth
+    1
     """
-    depth = getattr(_inside, "depth", 0)
-    _inside.depth = depth + 1
+    depth = getattr(_unseen, "depth", 0)
+    _unseen.depth = depth + 1
     try:
         yield
     finally:
-        _inside.depth = depth
+        _unseen.depth = depth
 
 
 __all__ = ["NAMESPACE", "Launch", "LaunchStreamError", "UnboundedKernelError", "UnsupportedLaunchError", "is_launch_op", "kernel_name",

@@ -86,6 +86,7 @@ from readfence.core.internal import (
     model_config,
     positive_int,
     random_kept,
+    refuse_writes,
     replayed,
     validate_replay,
     varied_states,
@@ -409,8 +410,13 @@ def lower(
         # the audit's own verdict, at the batch size lowered, on the live state, from the step's
         # ledger: whatever it refuses (a declaration below the trace, below a read any run of the
         # step saw: the audit's observer, the rehearsal, the Python of the stages that run it on
-        # the generated states) no fence placed from the declaration may accept
-        if policy is Policy.COARSE or options.UNSAFE_skip_soundness_check:
+        # the generated states) no fence placed from the declaration may accept; a write of a
+        # shared buffer any run saw is refused under every policy, as the trace's own are (the
+        # unsafe flag lowers it anyway, for the run-time guard to show)
+        if options.UNSAFE_skip_soundness_check:
+            return
+        refuse_writes(backend.name, ledger.writes())
+        if policy is Policy.COARSE:
             return
         with clock.timing("verdict"):
             failure = audit_verdict(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device),

@@ -56,7 +56,6 @@ from readfence.core import (
 )
 from readfence.core.internal import BufferMap, Ledger, RunKind, cuda_devices, model_config, positive_int, random_kept, random_state, set_random_state
 from readfence.effects import Failure, Success  # unwrap() says why; neither is a bool
-from readfence.effects.internal import one_line
 
 from ..devices import Device, DeviceError
 from ..devices.internal import check_device
@@ -84,51 +83,10 @@ from ..runtime import (
 from ..runtime.internal import CHECKS, Options, options_of, said_in, same_logits
 from ..steps import StepShape
 from ..steps.internal import Target, check_run
+from ._finding import LateRead as LateRead
 
 State = Mapping[str, dict[str, Tensor]]
 
-
-
-@attrs.frozen
-class LateRead:
-    """A finding of :func:`verify`: a read after the buffer's release, a write by the forward,
-    an output that differs, or a declaration the lowering refuses.
-
-    ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"``,
-    ``"thread"`` (a stage hands work to another thread: ``op`` names it), ``"miscompiled"``
-    (readfence's compile passes are wrong: a bug of readfence's, not of the backend) or ``"refused"``
-    (captured trace-time state, a stage no graph can capture, a captured stage that computes
-    other than its Python, an opaque op whose output aliased a shared buffer at a replay where
-    no example showed it: ``op`` names it); ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``,
-    ``"output"``, ``"audit"``, ``"replay"`` (the capture replayed on fresh states differs from
-    the stage's Python: ``stage`` and ``op``, the output, name it), ``"rerun"`` (the step lowered
-    without readfence's compile passes matches the serial run where the lowered step does not) or
-    ``"run"`` (found while the step ran).
-    """
-
-    target: str
-    mode: ForwardMode
-    policy: Policy
-    kind: str
-    evidence: str
-    buffer: str | None = None
-    step: int | None = None
-    stage: str | None = None
-    op: str | None = None
-    detail: str = attrs.field(default="", converter=one_line)  # one line: a report shows it in a row
-
-    def __str__(self) -> str:
-        where = f" of {self.buffer!r}" if self.buffer else ""
-        when = f" at step {self.step}" if self.step is not None else ""
-        by = f" by {self.stage}: {self.op}" if self.op else ""
-        text = (f"{self.kind}{where}{when}{by} ({self.evidence}): {self.target} in {self.mode.name} "
-                f"under {self.policy.name}")
-        return f"{text}; {self.detail}" if self.detail else text
-
-    def as_json(self) -> dict[str, Any]:
-        return {"spec": self.target, "mode": self.mode.name, "policy": self.policy.name, "verdict": self.kind,
-                "evidence": self.evidence, "buffer": self.buffer, "step": self.step, "stage": self.stage,
-                "op": self.op, "detail": self.detail}
 
 
 @attrs.frozen
@@ -206,7 +164,7 @@ class LateReadWatch:
     """
 
     def __init__(self, shared: Mapping[str, Tensor]) -> None:
-        self.buffers = BufferMap.of(shared)
+        self.buffers, self.held = BufferMap.of(shared), tuple(shared.values())
         self.local = threading.local()
         self.lock = threading.Lock()
         self.found: list[tuple[int, str, str, str]] = []  # (step, buffer, stage, op)
@@ -215,7 +173,7 @@ class LateReadWatch:
     def _observer(self) -> ReadObserver:
         obs = getattr(self.local, "observer", None)
         if obs is None:
-            obs = self.local.observer = ReadObserver(self.buffers)
+            obs = self.local.observer = ReadObserver(self.buffers, held=self.held)
             self.local.released, self.local.step = {}, -1
         return obs
 
@@ -437,12 +395,15 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
     ran = tuple(c for c in CHECKS if c in chosen and (c != "observer" or observe))
     traffic = size.get("traffic")
 
-    if where == "cpu" and isinstance(opts, ServeOptions):
-        reference = run_serve_serial(target, state=live, steps=steps, cfg=cfg, options=opts, **size).logits
-    elif where == "cpu" and isinstance(opts, LoopOptions):
-        reference = run_serial(target, mode, state=live, steps=steps, cfg=cfg, options=opts, **size).logits
-    else:  # float results differ between devices: the reference is COARSE on this device
-        reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
+    try:
+        if where == "cpu" and isinstance(opts, ServeOptions):
+            reference = run_serve_serial(target, state=live, steps=steps, cfg=cfg, options=opts, **size).logits
+        elif where == "cpu" and isinstance(opts, LoopOptions):
+            reference = run_serial(target, mode, state=live, steps=steps, cfg=cfg, options=opts, **size).logits
+        else:  # float results differ between devices: the reference is COARSE on this device
+            reference = _run(target, mode, Policy.COARSE, device, live, None, options, **common)[0]
+    except StageWriteError as e:  # (an engine's capture-time call, watched in the serial run too)
+        return Failure(LateRead.refused_write(name, mode, policies[0], e))
     done = []
     for pol in policies:
         rewind()
@@ -454,7 +415,7 @@ def _verify(target: Target, mode: ForwardMode, policy: Policy | Iterable[Policy]
         except UnsoundLowering as e:
             return Failure(_refused(name, mode, pol, e))
         except StageWriteError as e:
-            return Failure(LateRead(name, mode, pol, "write", "audit", e.buffer, None, e.stage, e.op, str(e)))
+            return Failure(LateRead.refused_write(name, mode, pol, e))
         except StageOutputError as e:  # refused by the lowering: a value the graphs cannot carry
             return Failure(LateRead(name, mode, pol, "refused", "audit", stage=e.stage, detail=str(e)))
         except (StageThreadError, DeviceError) as e:  # a stage hands work to another thread

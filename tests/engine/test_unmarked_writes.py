@@ -1,0 +1,201 @@
+"""A write of a shared buffer that only a run of the engine's code shows: an op whose schema declares
+no write (registered in ``aten`` or a user namespace) writing memory the class keeps from its
+runner, in an out-of-graph method, an in-graph one or ``forward``. No trace sees it (the op is handed
+no shared buffer, or its schema says it only reads); the scheduler steps' read observer runs the
+op's kernel under itself and sees the write, and ``audit_engine`` refuses it as a
+``StageWriteError`` naming the method's stage and the buffer (``verify_engine`` reports it under
+every fence). The calls the adapter makes once, outside any step (the capture-time call, the
+warm-up), run watched as well: a write there is refused too. The check that shares nothing with
+the observer, the guard comparing the buffers' bytes, is shown catching such a write in
+``tests/core/test_observed_writes.py``."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+import torch
+
+from readfence.backends import softmax_attention
+from readfence.core import ForwardMode, StageWriteError
+from readfence.engine import adapt, audit_engine, verify_engine
+from readfence.graph import Policy, lower
+
+from .conftest import CFG
+
+
+class _Ends(enum.Enum):
+    PRE_REPLAY = 1
+    IN_REPLAY = 2
+    POST_REPLAY = 3
+    UNKNOWN = 4
+
+
+#: (namespace, method, buffer) -> the class whose method writes ``buffer`` through such an op
+_LIBS: dict[str, torch.library.Library] = {}
+_KEPT: dict[str, torch.Tensor] = {}  # what a kernel writes by a reference of its own (a closure)
+
+
+def _op(namespace: str, name: str, schema: str, kernel) -> object:
+    lib = _LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+    lib.define(f"{name}{schema}")
+    lib.impl(name, kernel, "CPU")
+    lib.impl(name, lambda x, *a, **k: torch.empty_like(x), "Meta")
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def _bump_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    out.add_(1)  # the schema below declares no write of ``out``
+    return x.clone()
+
+
+def _bump_kept(x: torch.Tensor) -> torch.Tensor:
+    _KEPT["buffer"].add_(1)  # memory no argument hands it
+    return x.clone()
+
+
+def _read_kept(x: torch.Tensor) -> torch.Tensor:
+    return x + _KEPT["buffer"][:1].sum() * 0  # reads what it keeps, writes nothing
+
+
+_OPS = {
+    ("aten", "out"): _op("aten", "rf_unmarked_bump_out", "(Tensor x, *, Tensor out) -> Tensor", _bump_out),
+    ("rf_unmarked_user", "out"): _op("rf_unmarked_user", "bump_out", "(Tensor x, *, Tensor out) -> Tensor", _bump_out),
+    ("aten", "kept"): _op("aten", "rf_unmarked_bump_kept", "(Tensor x) -> Tensor", _bump_kept),
+    ("rf_unmarked_user", "kept"): _op("rf_unmarked_user", "bump_kept", "(Tensor x) -> Tensor", _bump_kept),
+    ("aten", "read"): _op("aten", "rf_unmarked_read_kept", "(Tensor x) -> Tensor", _read_kept),
+}
+
+#: the engine method -> the stage it is
+STAGES = {"init_forward_metadata_out_graph": "prepare_out_graph", "init_forward_metadata_in_graph": "prepare_in_graph",
+          "forward": "body"}
+
+
+def _writer(namespace: str, how: str, method: str, buffer: str) -> type:
+    op = _OPS[(namespace, how)]
+
+    class Writes:
+        def __init__(self, runner):
+            pool = runner.req_to_token_pool
+            self.table, self.target = pool.req_to_token, getattr(pool, buffer)
+            _KEPT["buffer"] = self.target
+
+        def _bump(self, x: torch.Tensor) -> torch.Tensor:
+            return op(x, out=self.target) if how == "out" else op(x)
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.idx = self.table.index_select(0, fb.req_pool_indices).long()
+            self.lens = fb.seq_lens.long().clone()
+            if method == "init_forward_metadata_out_graph":
+                self.lens = self._bump(self.lens)
+
+        def init_forward_metadata_in_graph(self, fb):
+            if method == "init_forward_metadata_in_graph":
+                self.lens = self._bump(self.lens)
+
+        def shared_read_ends(self, mode):
+            return _Ends.POST_REPLAY
+
+        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
+            lens = self._bump(self.lens) if method == "forward" else self.lens
+            pool = fb.token_to_kv_pool
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
+                                     layer.layer_id, self.idx, lens)
+
+    Writes.__name__ = Writes.__qualname__ = f"Writes_{how}_{method}"
+    return Writes
+
+
+CASES = [("aten", "out", "init_forward_metadata_out_graph", "seq_lens"),
+         ("rf_unmarked_user", "out", "init_forward_metadata_out_graph", "seq_lens"),
+         ("aten", "kept", "init_forward_metadata_out_graph", "req_to_token"),
+         ("rf_unmarked_user", "kept", "init_forward_metadata_in_graph", "seq_lens"),
+         ("aten", "kept", "forward", "seq_lens"),
+         ("rf_unmarked_user", "kept", "forward", "req_to_token")]
+
+
+@pytest.mark.parametrize(("namespace", "how", "method", "buffer"), CASES)
+def test_a_write_only_a_run_of_the_code_shows_is_refused_naming_stage_and_buffer(namespace, how, method, buffer):
+    engine = adapt(_writer(namespace, how, method, buffer), cfg=CFG)
+    with pytest.raises(StageWriteError) as e:
+        audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1)
+    assert (e.value.stage, e.value.buffer) == (STAGES[method], buffer), str(e.value)
+    assert "saw it written" in str(e.value) and "test_unmarked_writes.py" in e.value.source, str(e.value)
+
+
+def test_verify_engine_reports_the_write_under_every_fence(dev):
+    # (the capture-time call writes too, in the serial reference: refused there, a finding per fence)
+    engine = adapt(_writer("aten", "out", "init_forward_metadata_out_graph", "seq_lens"), cfg=CFG)
+    found = verify_engine(engine, device=dev, steps=2, batch_size=2).failure()
+    assert found.report.rows and all((r.finding.kind, r.finding.buffer, r.finding.stage) == (
+        "write", "seq_lens", "prepare_out_graph") for r in found.report.rows), str(found.report)
+
+
+def test_the_same_op_reading_what_it_keeps_is_no_write():
+    # precision: the kernel reads the kept buffer in forward (declared POST_REPLAY): sound, not refused
+    engine = adapt(_writer("aten", "read", "forward", "seq_lens"), cfg=CFG)
+    report = audit_engine(engine, ForwardMode.DECODE, batch_sizes=[2], steps=1).unwrap()
+    assert "seq_lens" in str(report)
+
+
+def _once_writer(when: str, buffer: str) -> type:
+    """A class that writes ``buffer`` of its runner once: in its capture-time call, in its first
+    call of any kind (with the old bytes put back: no guard comparing bytes afterwards sees it), in
+    the first call of its in-graph method, or in EXTEND's first (warm-up) call."""
+
+    class WritesOnce:
+        def __init__(self, runner):
+            pool = runner.req_to_token_pool
+            self.table, self.target, self.calls, self.in_calls = pool.req_to_token, getattr(pool, buffer), 0, 0
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.calls += 1
+            if (when == "capture" and in_capture) or (when == "extend_first" and self.calls == 1
+                                                      and fb.forward_mode.is_extend()):
+                self.target.fill_(1)
+            if when == "first_call" and self.calls == 1:
+                self.target.add_(1)
+                self.target.sub_(1)
+            self.idx = self.table.index_select(0, fb.req_pool_indices).long()
+            self.lens = fb.seq_lens.long().clone()
+
+        def init_forward_metadata_in_graph(self, fb):
+            self.in_calls += 1
+            if when == "in_graph_first" and self.in_calls == 1:
+                self.target.mul_(1)
+
+        def shared_read_ends(self, mode):
+            return _Ends.POST_REPLAY
+
+        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
+            pool = fb.token_to_kv_pool
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
+                                     layer.layer_id, self.idx, self.lens)
+
+    WritesOnce.__name__ = WritesOnce.__qualname__ = f"WritesOnce_{when}"
+    return WritesOnce
+
+
+ONCE = [("capture", "seq_lens", ForwardMode.DECODE, "prepare_out_graph", "capture-time call"),
+        ("first_call", "req_to_token", ForwardMode.DECODE, "prepare_out_graph", "capture-time call"),
+        ("in_graph_first", "seq_lens", ForwardMode.DECODE, "prepare_in_graph", "capture-time call"),
+        ("extend_first", "seq_lens", ForwardMode.EXTEND, "prepare_out_graph", "warm-up call")]
+
+
+@pytest.mark.parametrize(("when", "buffer", "mode", "stage", "call"), ONCE, ids=[c[0] for c in ONCE])
+def test_a_write_in_a_call_no_step_makes_is_refused_by_the_audit_and_by_lower(when, buffer, mode, stage, call, dev):
+    # the capture-time call and the warm-up run once per mode and batch size, outside any step: they
+    # run watched too, and a write there is refused however often it is asked again
+    engine = adapt(_once_writer(when, buffer), cfg=CFG)
+    with pytest.raises(StageWriteError) as e:
+        audit_engine(engine, mode, batch_sizes=[2], steps=1)
+    assert (e.value.stage, e.value.buffer) == (stage, buffer) and call in str(e.value), str(e.value)
+    assert "test_unmarked_writes.py" in e.value.source, e.value.source
+    with pytest.raises(StageWriteError) as again:
+        lower(engine, mode, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=engine.state)
+    assert (again.value.stage, again.value.buffer) == (stage, buffer), str(again.value)
+    fresh = adapt(_once_writer(when, buffer), cfg=CFG)  # lowered first, no audit before it
+    with pytest.raises(StageWriteError):
+        lower(fresh, mode, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=fresh.state)
