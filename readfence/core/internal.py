@@ -104,6 +104,7 @@ from .tracing import op_aliasing as op_aliasing
 from .tracing import random_kept as random_kept
 from .tracing import random_state as random_state
 from .tracing import reach as reach
+from .tracing import runs_an_op_for_a_mode as runs_an_op_for_a_mode
 from .tracing import same_values as same_values
 from .tracing import set_random_state as set_random_state
 from .tracing import span_of as span_of
@@ -123,7 +124,7 @@ __all__ = [
     "KeptTensor", "LAYER_KEY", "late_read_fix", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
-    "PYTHON", "cuda_devices", "random_kept", "refuse_writes", "random_state", "set_random_state",
+    "PYTHON", "cuda_devices", "random_kept", "refuse_writes", "runs_an_op_for_a_mode", "random_state", "set_random_state",
     "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from readfence.core import BODY, PREPARE_IN_GRAPH, PREPARE_OUT_GRAPH, ForwardMode, Stage
+from readfence.core.internal import runs_an_op_for_a_mode
 from readfence.effects import ReadEnd, ReadfenceError
 
 _P = ParamSpec("_P")
@@ -126,7 +127,10 @@ def origin_of(error: BaseException) -> str:
         return kind
     tb, last = error.__traceback__, ""
     while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
+        code = tb.tb_frame.f_code
+        if runs_an_op_for_a_mode(code):
+            break  # a mode of readfence's watching the op: the op was called where the frame before is
+        last = code.co_filename
         tb = tb.tb_next
     for name in ORIGINS:
         if last and library_file(last, (name,)):

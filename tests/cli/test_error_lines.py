@@ -35,7 +35,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 #: Where a command reports the error as a finding of its own (exit status 1, its report naming it,
 #: on one line) rather than as an ``Error:`` line: verify reports a stage that writes or hands work
 #: to a thread (its audit refuses it), and an engine's verify a method that raised, per fence.
-FINDINGS = {("verify", "StageWriteError"), ("verify", "StageThreadError"), ("engine verify", "EngineError")}
+FINDINGS = {("verify", "StageWriteError"), ("verify", "StageThreadError"), ("engine verify", "EngineError"),
+            ("engine verify", "StageWriteError")}
 
 #: What an engine command makes of its engine breaking the contract or its code raising: the engine's
 #: fault, named with its method and line, as bad input (exit status 2).

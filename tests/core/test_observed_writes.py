@@ -100,3 +100,55 @@ def test_the_guard_alone_which_shares_nothing_with_the_observer_catches_the_writ
     bad = verify(backend, M, steps=2, batch_size=2, device=dev, cfg=CFG, state=state, policy=Policy.COARSE,
                  options=LoopOptions(checks={"guard"}, UNSAFE_skip_soundness_check=True)).failure()
     assert (bad.kind, bad.evidence, bad.buffer) == ("write", "guard", buffer), str(bad)
+
+
+#: torch's in-place view ops, as a stage may call them on a tensor (``t``: the page table or a view of it)
+RESHAPES = {
+    "t_": lambda t: t.t_().t_(),
+    "unsqueeze_": lambda t: t.unsqueeze_(0).squeeze_(0),
+    "as_strided_": lambda t: t.as_strided_(t.shape, t.stride()),
+    "set_": lambda t: t.set_(t.detach()),
+}
+
+
+def _reshaper(name: str, itself: bool, stage: str):
+    def reshaped(shared):
+        table = shared["req_to_token"]
+        RESHAPES[name](table if itself else table[:, :])
+
+    def out(mode, shared, batch):
+        if stage == "prepare_out_graph":
+            reshaped(shared)
+        return {"kv_lens": kv_lens(shared, batch)}
+
+    def inn(mode, shared, batch, meta):
+        if stage == "prepare_in_graph":
+            reshaped(shared)
+        return {"kv_indices": kv_indices(shared, batch)}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+
+    return leaf(f"reshapes_{name}_{'itself' if itself else 'a_view'}", attend, prepare_out_graph=out,
+                prepare_in_graph=inn, reads=["req_to_token", "seq_lens"])
+
+
+@pytest.mark.parametrize("stage", ["prepare_out_graph", "prepare_in_graph"])
+@pytest.mark.parametrize("name", list(RESHAPES))
+def test_an_in_place_view_op_writes_no_byte_of_a_view_but_reshapes_the_buffer_itself(name, stage):
+    # precision: re-shaping or re-pointing a view the stage made writes nothing the scheduler owns
+    # (the trace and every run agree); the buffer's own tensor object is the scheduler's: refused
+    state = make_state(CFG)
+    report = audit(_reshaper(name, False, stage), M, cfg=CFG, batch_sizes=[2], state=state).unwrap()
+    assert report.sound and report.observed["req_to_token"] is ReadEnd.IN_REPLAY, str(report)
+    with pytest.raises(StageWriteError) as e:
+        audit(_reshaper(name, True, stage), M, cfg=CFG, batch_sizes=[2], state=make_state(CFG))
+    assert (e.value.stage, e.value.buffer) == (stage, "req_to_token"), str(e.value)
+
+
+def test_a_stage_reshaping_a_view_runs_bit_identical_to_serial(dev):
+    backend = _reshaper("unsqueeze_", False, "prepare_in_graph")
+    serial = run_serial(backend, M, steps=3, batch_size=2, cfg=CFG)
+    result = verify(backend, M, steps=3, batch_size=2, device=dev, cfg=CFG, policy=[Policy.PER_BUFFER, Policy.EXACT])
+    assert result.unwrap() and len(serial.logits) == 3

@@ -41,6 +41,7 @@ from ._cache import code_key as code_key
 from ._cache import trace_cache_size as trace_cache_size
 from ._captured import CapturedStateError as CapturedStateError
 from ._dispatch import DispatchMode as DispatchMode
+from ._dispatch import runs_an_op_for_a_mode as runs_an_op_for_a_mode
 from ._escapes import REFERENCE_ESCAPES as REFERENCE_ESCAPES
 from ._escapes import not_user_code as not_user_code
 from ._escapes import user_line as user_line

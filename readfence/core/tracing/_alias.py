@@ -27,7 +27,7 @@ from torch._ops import HigherOrderOperator
 
 from .._program import ALIASES_KEY, ESCAPE, OPAQUE_KEY, READS_KEY
 from ._collectives import hidden_writes, inert, is_wait, starts_collective
-from ._schema import bind, op_aliasing
+from ._schema import bind, moves_metadata_only, op_aliasing
 
 Aliases = frozenset[str]
 _EMPTY: Aliases = frozenset()
@@ -58,6 +58,12 @@ def _node_refs(value: Any) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(value, out.append)
     return out
+
+
+def _made_here(value: Any) -> bool:
+    """Whether ``value`` is a tensor the stage's own ops made (a view of a buffer, say), not one it
+    was handed or captured (a state's buffer itself: its shape is another party's)."""
+    return isinstance(value, fx.Node) and value.op == "call_function"
 
 
 def analyse(
@@ -190,6 +196,8 @@ def analyse(
         arg_aliases = [al(v) for v in values]
         written: set[str] = set()
         write_args = aliasing.writes + hidden_writes(target)
+        if write_args[:1] == (0,) and _made_here(values[0]) and moves_metadata_only(target):
+            write_args = write_args[1:]  # a view the stage made, re-shaped or re-pointed: no byte written
         for i in write_args:
             written |= arg_aliases[i]
         outs = [frozenset().union(*(arg_aliases[i] for i in sources)) for sources in aliasing.outputs]

@@ -19,6 +19,7 @@ that op fail (torch's ``Unsupported``), in the step readfence lowers as in the u
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -54,6 +55,23 @@ def without_dynamo(handler: Callable[..., Any]) -> Callable[..., Any]:
     functools.update_wrapper(run, handler)
     _EVAL_FRAME.set_code_exec_strategy(run.__code__, _EVAL_FRAME._FrameExecStrategy(skip, _EVAL_FRAME._FrameAction.DEFAULT))
     return run
+
+
+#: The code of every handler :func:`without_dynamo` wraps (one code object for all of them).
+_RUN_CODE = without_dynamo(lambda: None).__code__
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # readfence's folder
+
+
+def runs_an_op_for_a_mode(code: Any) -> bool:
+    """Whether a frame of ``code`` is readfence's dispatch machinery running an op for one of its
+    modes (a handler, or the wrapper around one): an error raised below it is the op's, called
+    where the frame above it is.
+
+    >>> runs_an_op_for_a_mode(without_dynamo(len).__code__), runs_an_op_for_a_mode(without_dynamo.__code__)
+    (True, False)
+    """
+    return code is _RUN_CODE or (getattr(code, "co_name", "") in ("__torch_dispatch__", "__torch_function__")
+                                 and code.co_filename.startswith(_HERE))
 
 
 class _Eager:
