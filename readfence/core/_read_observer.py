@@ -421,14 +421,17 @@ class ReadObserver(DispatchMode):
         if aliasing.is_view:
             return aliasing
         values = bind_arguments(func, args, kwargs)
+        if moves_metadata_only(func):  # re-shapes or re-points ``self``: reads no byte, writes the object
+            if self._held is None or id(values[0]) in self._held:
+                for b in sorted(self.buffers.touched_by(values[0])):
+                    self._add(b, self._qualified(str(func)), "write", "")
+            return None
         read = self.buffers.touched_by([values[i] for i in aliasing.data_args(len(values))])
         name = self._qualified(str(func))
         note = "opaque argument type: counted as a read" if aliasing.opaque else ""
         for b in sorted(read):
             self._add(b, name, "read", note)
         for i in aliasing.writes:
-            if i == 0 and self._held is not None and id(values[0]) not in self._held and moves_metadata_only(func):
-                continue  # a view of a buffer re-shaped or re-pointed: no byte of it written
             for b in sorted(self.buffers.touched_by(values[i])):
                 self._add(b, name, "write", note)
         # arguments it uses for their metadata only (``zeros_like``): not read, if its run says so

@@ -40,21 +40,35 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from readfence.backends import MODES, Backend
 from readfence.core import (
-    PREPARE_IN_GRAPH,
-    PREPARE_OUT_GRAPH,
     SHARED_BUFFERS,
     ForwardMode,
     ModelConfig,
     ReadObserver,
-    Stage,
     StageWriteError,
 )
-from readfence.core.internal import check_buffers, check_mode, example_step, model_config, refuse_writes, span_of
+from readfence.core.internal import (
+    BufferMap,
+    check_buffers,
+    check_mode,
+    example_step,
+    model_config,
+    refuse_writes,
+    span_of,
+)
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import make_state
 
 from ._binding import Binding, Factory, State, Tensors, _objects
-from ._contract import PREFILL, ContractError, EngineError, call, check_contract, forward_method, read_end_of
+from ._contract import (
+    PREFILL,
+    ContractError,
+    EngineError,
+    call,
+    check_contract,
+    forward_method,
+    read_end_of,
+    stage_of_method,
+)
 from ._lift import Lifter, leaves, path_text, restore
 from ._profile import EngineProfile
 from ._tree import Path, children, step_text
@@ -83,16 +97,39 @@ def _check_tree(root: Any, name: str) -> None:
 
 
 
-def _capture_state(root: Any, who: str, cfg: ModelConfig) -> None:
+@contextlib.contextmanager
+def watched_call(shared: Mapping[str, Tensor], who: str, method: str, what: str, *,
+                 also: Mapping[str, Tensor] | None = None) -> Iterator[None]:
+    """The block, a call of the engine's code ``method`` that readfence makes outside any run of
+    the step (its capture-time call, its warm-up, ``shared_read_ends``, the prefill's resolution,
+    ``init_cuda_graph_state``), under a read observer of the live shared buffers (and ``also``,
+    the state a call's forward batch is over): a write of one is refused (``StageWriteError``, in
+    the method's stage, naming ``what`` saw it) as a write any run of the step saw is. Where one of
+    readfence's modes is on, a run watches the call already: nothing more is done."""
+    if torch._C._len_torch_dispatch_stack():
+        yield
+        return
+    given = [shared, *([also] if also is not None else [])]
+    observer = ReadObserver(BufferMap.of(shared).union([BufferMap.of(m) for m in given[1:]]),
+                            held=[t for m in given for t in m.values()])
+    with observer, observer.stage(stage_of_method(method).name):
+        yield
+    refuse_writes(who, ((what, a) for a in observer.accesses))
+
+
+def _capture_state(root: Any, who: str, cfg: ModelConfig, shared: Mapping[str, Tensor]) -> None:
     """The graph runner's ``init_cuda_graph_state(max_bs, max_num_tokens)``, where the class has one
     (the base class's raises ``NotImplementedError``: a backend that keeps no graph state)."""
     fn = getattr(root, "init_cuda_graph_state", None)
     if not callable(fn):
         return
     try:
-        fn(max_bs=cfg.max_reqs, max_num_tokens=cfg.max_reqs * cfg.max_ctx)
+        with watched_call(shared, who, "init_cuda_graph_state", "the engine's call of init_cuda_graph_state"):
+            fn(max_bs=cfg.max_reqs, max_num_tokens=cfg.max_reqs * cfg.max_ctx)
     except NotImplementedError:
         return
+    except StageWriteError:
+        raise
     except Exception as e:
         raise EngineError(f"{who}.init_cuda_graph_state raised {type(e).__name__}: {e}",
                           method="init_cuda_graph_state") from e
@@ -170,7 +207,7 @@ def adapt(
         binding = Binding(factory, layout, cfg, state, dict(server_args or {}), runner, root, profile, modes, name,
                           fields)
         if binding.graphs:
-            _capture_state(root, label, cfg)
+            _capture_state(root, label, cfg, state["shared"])
         _own_buffers(root, state)
         return _node(binding, (), label, covered, set())
 
@@ -221,7 +258,8 @@ def _declaration(binding: Binding, obj: Any, who: str, reads: tuple[str, ...]) -
     table = []
     for mode in MODES:
         em = binding.modes.engine(mode)
-        value = call(obj, who, "shared_read_ends", em, obj.shared_read_ends, em)
+        with watched_call(binding.state["shared"], who, "shared_read_ends", "the engine's call of shared_read_ends"):
+            value = call(obj, who, "shared_read_ends", em, obj.shared_read_ends, em)
         table.append(ReadEffect.uniform(covered, read_end_of(value, f"{who}.shared_read_ends({mode.name})")))
     return tuple(table)
 
@@ -315,11 +353,14 @@ class EngineBackend(Backend):
         return self.binding.replayed(self.path, check_mode(mode))
 
     def _invoke(self, method: str, em: Any, fn: Callable[..., Any], *args: Any, captured: bool = False,
-                **kwargs: Any) -> Any:
+                alone: bool = False, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, a contract method, in the engine's runtime context; ``captured``: a
-        call the engine makes while it captures a graph (the graph's code runs once, then, in the engine)."""
+        call the engine makes while it captures a graph (the graph's code runs once, then, in the engine);
+        ``alone``: a call readfence makes outside any run of the step, watched (:func:`watched_call`)."""
         b = self.binding
-        with b.profile.context(b.runner), b.profile.capture(b.runner) if captured else contextlib.nullcontext():
+        what = f"the engine's {'capture-time call' if captured else 'call'} of {method} outside any step"
+        with b.profile.context(b.runner), b.profile.capture(b.runner) if captured else contextlib.nullcontext(), \
+                watched_call(b.state["shared"], self.who(), method, what) if alone else contextlib.nullcontext():
             return call(self.object, self.who(), method, em, fn, *args, **kwargs)
 
     # -- the stages -------------------------------------------------------------------------
@@ -365,39 +406,25 @@ class EngineBackend(Backend):
         lens = shared["seq_lens"].index_select(0, example["req_pool_indices"]) if "seq_lens" in absent(b.layout) else None
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             fb = b.forward_batch(mode, shared, example, b.state["pools"], lens)
-            if eager:
-                with self._watched(PREPARE_OUT_GRAPH, "the engine's warm-up call"):
+            if eager:  # (its forward batch is over an example state of its own: watched too)
+                with watched_call(b.state["shared"], self.who(), EAGER_ENTRY, "the engine's warm-up call",
+                                  also=shared):
                     self._warm_up(mode, fb)
                 return True
         obj = self.object
         before = {id(o): dict(vars(o)) for o in _objects(obj) if hasattr(o, "__dict__")}
-        with torch._C.DisableTorchFunction(), _disable_current_modes(), \
-                self._watched(PREPARE_OUT_GRAPH, "the engine's capture-time call"):
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
             self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
-                         captured=True,
-                         in_capture=True)
+                         captured=True, alone=True, in_capture=True)
         b.frozen[key] = [(o, name, value) for o in _objects(obj) if hasattr(o, "__dict__")
                          for name, value in vars(o).items() if before.get(id(o), {}).get(name, _NOTHING) is not value]
         with torch._C.DisableTorchFunction(), _disable_current_modes():
-            with self._watched(PREPARE_OUT_GRAPH, "the engine's warm-up call"):
-                self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph,
-                             fb, in_capture=False)
-            with self._watched(PREPARE_IN_GRAPH, "the engine's capture-time call"):
-                self._invoke("init_forward_metadata_in_graph", fb.forward_mode, obj.init_forward_metadata_in_graph,
-                             fb, captured=True)
+            self._invoke("init_forward_metadata_out_graph", fb.forward_mode, obj.init_forward_metadata_out_graph, fb,
+                         alone=True, in_capture=False)
+            self._invoke("init_forward_metadata_in_graph", fb.forward_mode, obj.init_forward_metadata_in_graph, fb,
+                         captured=True, alone=True)
         self._recall(mode, batch_size)
         return True
-
-    @contextlib.contextmanager
-    def _watched(self, stage: Stage, what: str) -> Iterator[None]:
-        """The block, a call of the engine's code that no step makes (its capture-time call, its
-        warm-up: once per mode and batch size, on the live state), under a read observer of the live
-        shared buffers: a write of one is refused (``StageWriteError``) as a write any run of the
-        step saw is."""
-        observer = ReadObserver(self.binding.state["shared"])
-        with observer, observer.stage(stage.name):
-            yield
-        refuse_writes(self.who(), ((what, a) for a in observer.accesses))
 
     def _warm_up(self, mode: ForwardMode, fb: ForwardBatch) -> None:
         """The metadata calls of a step the engine runs eagerly, once, before its first step (an
@@ -536,13 +563,13 @@ class EngineBackend(Backend):
         em = b.modes.engine(ForwardMode.EXTEND)
         lens = self._runner_copy(self.state["shared"], batch).get(RUNNER_LENS)
         fb = b.forward_batch(ForwardMode.EXTEND, self.state["shared"], batch, self.state["pools"], lens, spec=False)
-        end = self._invoke(PREFILL, em, fn, fb, num_qo_tokens=fb.num_tokens, build_snapshot=False)
+        end = self._invoke(PREFILL, em, fn, fb, alone=True, num_qo_tokens=fb.num_tokens, build_snapshot=False)
         return read_end_of(end, f"{self.who()}.{PREFILL}")
 
     def declared_end(self, mode: ForwardMode) -> ReadEnd:
         """The object's scalar declaration in ``mode``, asked now (``shared_read_ends``)."""
         obj, em = self.object, self.binding.modes.engine(check_mode(mode))
-        value = self._invoke("shared_read_ends", em, obj.shared_read_ends, em)
+        value = self._invoke("shared_read_ends", em, obj.shared_read_ends, em, alone=True)
         return read_end_of(value, f"{self.who()}.shared_read_ends({em.name})")
 
     def __repr__(self) -> str:

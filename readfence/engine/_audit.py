@@ -37,8 +37,6 @@ import attrs
 from returns.result import Result
 
 from readfence.core import (
-    BODY,
-    PREPARE_OUT_GRAPH,
     SHARED_BUFFERS,
     AuditReport,
     ForwardMode,
@@ -63,7 +61,7 @@ from readfence.core.internal import (
 from readfence.effects import Failure, ReadEffect, ReadEnd, Success
 
 from ._adapter import EAGER, EngineBackend, check_engine
-from ._contract import PREFILL, STAGE_METHODS, EngineError, traced_failure
+from ._contract import PREFILL, STAGE_METHODS, EngineError, stage_of_method, traced_failure
 from ._engine_report import _VARIED_OP, OBSERVED, TRACED
 from ._engine_report import ENGINE_MODES as ENGINE_MODES
 from ._engine_report import EngineAudit as EngineAudit
@@ -144,7 +142,7 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         # stage's reads are observed, and nothing of the step can be lowered
         program = None
         why = " ".join(str(e.__cause__).split())
-        escapes = {_stage_of(e.method): [(f"make_fx cannot trace it: {type(e.__cause__).__name__}: {why}",
+        escapes = {stage_of_method(e.method): [(f"make_fx cannot trace it: {type(e.__cause__).__name__}: {why}",
                                           e.where or "?")]}
     if program is not None:
         escapes = _escapes(program)
@@ -168,14 +166,6 @@ def _run(node: EngineBackend, mode: ForwardMode, size: int, steps: int, seed: in
         resolved = node.prefill_end(example_step(cfg, mode, size).batch)
     return _Run(size, program, traced, readers, observed, observation, escapes, node.read_effect(mode).end, resolved,
                 varied)
-
-
-def _stage_of(method: str) -> Stage:
-    """The stage a contract method runs in (the eager entry point runs before the replay)."""
-    for stage, name in STAGE_METHODS.items():
-        if method == name or (stage == BODY and method.startswith("forward")):
-            return stage
-    return PREPARE_OUT_GRAPH
 
 
 def _row(node: EngineBackend, path: str, mode: ForwardMode, buffer: str, runs: Sequence[_Run], per_batch: bool) -> EngineRow:

@@ -46,6 +46,20 @@ STAGE_METHODS: dict[Stage, str] = {
 PREFILL = "resolve_prefill_shared_read_ends"
 
 
+def stage_of_method(method: str) -> Stage:
+    """The stage a method of the engine's object runs in: a contract method's; any other (the
+    eager entry point, ``shared_read_ends``, the prefill's resolution) runs on the host before the
+    replay.
+
+    >>> stage_of_method("forward_decode").name, stage_of_method("shared_read_ends").name
+    ('body', 'prepare_out_graph')
+    """
+    for stage, name in STAGE_METHODS.items():
+        if method == name or (stage == BODY and method.startswith("forward")):
+            return stage
+    return PREPARE_OUT_GRAPH
+
+
 class ContractError(ReadfenceError, TypeError):
     """An engine backend object does not follow the contract (a method missing or misshapen)."""
 
@@ -110,6 +124,7 @@ def engine_line(error: BaseException) -> str:
 
 #: Where an exception can be raised, besides the engine's own code.
 ORIGINS = ("torch", "triton", "readfence")
+_OP_CALL = os.path.join("torch", "_ops.py")  # where torch's op objects call their kernels
 
 
 def origin_of(error: BaseException) -> str:
@@ -125,12 +140,16 @@ def origin_of(error: BaseException) -> str:
     kind = type(error).__module__.split(".")[0]
     if kind in ORIGINS:
         return kind
-    tb, last = error.__traceback__, ""
+    tb, last, watched = error.__traceback__, "", False
     while tb is not None:
         code = tb.tb_frame.f_code
-        if runs_an_op_for_a_mode(code):
-            break  # a mode of readfence's watching the op: the op was called where the frame before is
-        last = code.co_filename
+        # a mode of readfence's watching the op, and the op's call below it, are no one's code: an
+        # error raised there is the op's, called where the frame above the mode is (a kernel the
+        # mode runs below it is code again)
+        watched = runs_an_op_for_a_mode(code) or (watched and (library_file(code.co_filename, ("readfence",))
+                                                               or code.co_filename.endswith(_OP_CALL)))
+        if not watched:
+            last = code.co_filename
         tb = tb.tb_next
     for name in ORIGINS:
         if last and library_file(last, (name,)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 import pytest
+import torch
 
 from readfence.core import ForwardMode, ModelConfig, StepInputs, run_step
 from readfence.engine import ContractError, EngineError, EngineMode, adapt
@@ -225,3 +226,26 @@ def test_an_exception_is_said_to_be_raised_by_whose_code_raised_it():
         audit_engine(adapt(KernelBug, cfg=CFG), ForwardMode.DECODE, batch_sizes=[2], steps=1)
     assert caught.value.origin == "triton"
     assert "test_contract.py" in caught.value.where, caught.value.where  # the engine's line, not triton's
+
+
+@torch.library.custom_op("rf_contract_test::lookup", mutates_args=())
+def _lookup(x: torch.Tensor) -> torch.Tensor:
+    return {}["missing"]  # the engine's own kernel raises
+
+
+@_lookup.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_an_error_in_the_engine_s_own_kernel_is_the_engine_s_under_readfence_s_modes():
+    # the capture-time call runs under the read observer, which runs the kernel below it: the error
+    # is the kernel's (the engine's code, its line named), not torch's dispatch machinery's
+    class KernelRaises(KeptCopies):
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+            super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            _lookup(self.meta["lens"])
+
+    with pytest.raises(EngineError, match=r"KernelRaises.init_forward_metadata_out_graph raised KeyError in DECODE") as e:
+        _step(adapt(KernelRaises, cfg=CFG))
+    assert e.value.origin == "engine" and "test_contract.py" in (e.value.where or ""), (e.value.origin, e.value.where)

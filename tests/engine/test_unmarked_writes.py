@@ -199,3 +199,75 @@ def test_a_write_in_a_call_no_step_makes_is_refused_by_the_audit_and_by_lower(wh
     fresh = adapt(_once_writer(when, buffer), cfg=CFG)  # lowered first, no audit before it
     with pytest.raises(StageWriteError):
         lower(fresh, mode, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG, state=fresh.state)
+
+
+def _method_writer(method: str) -> type:
+    """A class whose ``method``, one readfence calls outside any step, writes the live lengths."""
+
+    class WritesOutside:
+        def __init__(self, runner):
+            pool = runner.req_to_token_pool
+            self.table, self.lens_live = pool.req_to_token, pool.seq_lens
+
+        def _write(self, name: str) -> None:
+            if name == method:
+                self.lens_live.fill_(3)
+
+        def init_cuda_graph_state(self, max_bs, max_num_tokens):
+            self._write("init_cuda_graph_state")
+
+        def shared_read_ends(self, mode):
+            self._write("shared_read_ends")
+            return _Ends.POST_REPLAY
+
+        def resolve_prefill_shared_read_ends(self, forward_batch, num_qo_tokens, build_snapshot=True):
+            self._write("resolve_prefill_shared_read_ends")
+            return _Ends.POST_REPLAY
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.idx = self.table.index_select(0, fb.req_pool_indices).long()
+            self.lens = fb.seq_lens.long().clone()
+
+        def init_forward_metadata_in_graph(self, fb):
+            pass
+
+        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
+            pool = fb.token_to_kv_pool
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
+                                     layer.layer_id, self.idx, self.lens)
+
+    WritesOutside.__name__ = WritesOutside.__qualname__ = f"WritesIn_{method}"
+    return WritesOutside
+
+
+@pytest.mark.parametrize("method", ["init_cuda_graph_state", "shared_read_ends"])
+def test_a_write_in_a_method_asked_while_adapting_is_refused_there(method):
+    with pytest.raises(StageWriteError) as e:
+        adapt(_method_writer(method), cfg=CFG)
+    assert e.value.buffer == "seq_lens" and f"call of {method}" in str(e.value), str(e.value)
+
+
+def test_a_write_in_the_prefill_s_resolution_is_refused_by_the_audit():
+    # asked on the live state before an EXTEND step (what the engine's runner publishes from)
+    engine = adapt(_method_writer("resolve_prefill_shared_read_ends"), cfg=CFG)
+    with pytest.raises(StageWriteError) as e:
+        audit_engine(engine, ForwardMode.EXTEND, batch_sizes=[2], steps=1)
+    assert e.value.buffer == "seq_lens" and "resolve_prefill_shared_read_ends" in str(e.value), str(e.value)
+
+
+def test_the_extend_warm_up_is_watched_on_the_example_state_its_batch_is_over():
+    # the warm-up's forward batch is over an example state of its own, not the live one
+    class WarmUpWrites(_method_writer("none")):
+        calls = 0
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            type(self).calls += 1
+            if type(self).calls == 1:
+                fb.req_to_token_pool.req_to_token.zero_()
+            super().init_forward_metadata_out_graph(fb, in_capture)
+
+    engine = adapt(WarmUpWrites, cfg=CFG)
+    with pytest.raises(StageWriteError) as e:
+        audit_engine(engine, ForwardMode.EXTEND, batch_sizes=[2], steps=1)
+    assert e.value.buffer == "req_to_token" and "warm-up call" in str(e.value), str(e.value)

@@ -208,7 +208,7 @@ def analyse(
             schema = target._schema
             names = tuple(schema.arguments[i].name for i in write_args if arg_aliases[i])
             writes.append(Write(node.name, str(target), frozenset(written), str(schema), names))
-        view = aliasing.is_view
+        view = aliasing.is_view or moves_metadata_only(target)  # (an in-place view op reads no byte either)
         refuted = copies is not None and node.name in copies  # its claim to read no data, on memory
         if view and (refuted or (copies is None and not aliasing.annotated)):
             view = False  # not a view after all, or maybe not: it reads its inputs
