@@ -53,9 +53,11 @@ from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import Stage, StageCall, StepFunctions, eval_step
 from .tracing import CACHES, defined_memory, random_state, same_values, set_random_state, trace_step
 
-#: The seed of the state a capture validated before is checked on again at every later use: the
-#: Python it was validated against may have changed since through a value no cache key holds (a
-#: name no code spells, state outside Python). One more state, not all: a check, not a validation.
+#: The seed of the state a capture validated before is checked on at every later use, with the
+#: states it was validated on: the Python it was validated against may have changed since through
+#: a value no cache key holds (a name no code spells, an attribute whose name the code assigns on
+#: another object, state outside Python), and the change shows only where it changes what the step
+#: computes (a threshold only short requests cross): on any of the states, not on a chosen one.
 RECHECK_SEED = len(REPLAY_SEEDS) + 1
 
 
@@ -343,8 +345,8 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     runs a captured stage's graph (default: its GraphModule), and ``key`` says what that code
     computes beside the program (the lowering's compiled code): a program passes once per seeds
     and key, and another code for it is validated anew. A program that passed before with this
-    code is checked on one more state (:data:`RECHECK_SEED`); a difference in a program that
-    passed before, with any code, raises :class:`StaleTrace` (its Python may have changed since
+    code is checked again on those states and one more (:data:`RECHECK_SEED`); a difference in a
+    program that passed before, with any code, raises :class:`StaleTrace` (its Python may have changed since
     through a value no cache key holds: a lowering traces it again, and the fresh trace gets the
     verdict). What the Python of the stages that run it in the step reads on each state is
     recorded in ``ledger`` (a run of kind ``validation``, named after the state:
@@ -364,8 +366,10 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
         return
     validated = ValidatedKey(program, seeds, key)
     scratch = _Scratch()
-    if validated in _VALIDATED:  # passed before: checked again on one more state
-        _compare(program, fns, example, (RECHECK_SEED,), replay, scratch, StaleTrace, ledger)
+    if validated in _VALIDATED:
+        # passed before: checked again on every state and one more (a value no key holds that
+        # changed since shows where it changes what the step computes: on any of them)
+        _compare(program, fns, example, (*seeds, RECHECK_SEED), replay, scratch, StaleTrace, ledger)
         return
     passed_before = any(k.program is program for k in _VALIDATED)
     _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe, ledger)

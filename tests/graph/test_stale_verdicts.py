@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -510,3 +511,55 @@ def test_an_attribute_of_an_engine_object_changed_between_two_lowerings_is_lower
     assert code_key(engine) != key  # the object's attribute is part of the key
     made = traces.stats.misses
     assert matches() and traces.stats.misses > made
+
+
+# -- a setting no key holds, whose change shows on some states only ------------------------------
+class _Metadata:
+    """What a backend fills every step (an engine's per-step metadata object)."""
+
+    window = 0
+
+
+WINDOWS = numpy.array([1])  # a setting changed in place: no key holds an array's contents
+
+
+class _Windowed:
+    """A body that scales the requests shorter than a window (a threshold only short requests
+    cross): its window is an attribute whose name the out-of-graph stage assigns on another object
+    every step (per-step state, to the walk of its code), or an array's entry."""
+
+    def __init__(self, window: int, by_array: bool) -> None:
+        self.window, self.by_array = window, by_array
+
+    def out(self, mode, shared, batch):
+        md = _Metadata()
+        md.window = 0  # the same name, another object
+        return page_meta(shared, batch)
+
+    def attend(self, mode, layer, q, k, v, pools, shared, batch, meta):
+        out = _attention(pools, layer, batch, meta, mode, q, k, v)
+        window = int(WINDOWS[0]) if self.by_array else self.window
+        scale = (meta["kv_lens"] < window).to(out.dtype) + 1
+        return out * scale.repeat_interleave(out.shape[0] // scale.shape[0]).view(-1, *([1] * (out.dim() - 1)))
+
+
+@pytest.mark.parametrize("by_array", [False, True], ids=["attribute_assigned_elsewhere", "array_entry"])
+def test_a_setting_no_key_holds_whose_change_shows_on_short_requests_only_is_caught(by_array, dev) -> None:
+    # a validated capture used again is checked on every generated state, not on one: the change
+    # shows where a request is short, which the longest-context state alone never has
+    windowed = _Windowed(1, by_array)
+    backend = leaf("windowed", windowed.attend, prepare_out_graph=windowed.out, declare=DECLARED)
+    traces = CACHES["traces"]
+    before = run_serial(backend, steps=2, batch_size=2, cfg=CFG).logits
+    try:
+        assert _matches_serial(backend, dev, Policy.COARSE)
+        key = code_key(backend)
+        windowed.window, WINDOWS[0] = 10, 10
+        assert code_key(backend) == key  # the key cannot see it ...
+        after = run_serial(backend, steps=2, batch_size=2, cfg=CFG).logits
+        assert not all(torch.equal(a, b) for a, b in zip(before, after))  # (the change matters on this traffic)
+        made = traces.stats.misses
+        assert _matches_serial(backend, dev, Policy.COARSE)  # ... the capture's check on every state does
+        assert traces.stats.misses == made + 1  # traced again, once
+    finally:
+        WINDOWS[0] = 1
