@@ -71,21 +71,57 @@ STAGES = {"init_forward_metadata_out_graph": "prepare_out_graph", "init_forward_
           "forward": "body"}
 
 
+class _PageReader:
+    """An engine class that reads the page table and the lengths before the replay and declares its
+    reads to end at POST_REPLAY; the classes below add one write each. ``target`` is the runner's
+    buffer ``buffer`` it keeps."""
+
+    buffer = "seq_lens"
+
+    def __init__(self, runner):
+        pool = runner.req_to_token_pool
+        self.table, self.target = pool.req_to_token, getattr(pool, self.buffer)
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        self.idx = self.table.index_select(0, fb.req_pool_indices).long()
+        self.lens = fb.seq_lens.long().clone()
+
+    def init_forward_metadata_in_graph(self, fb):
+        pass
+
+    def shared_read_ends(self, mode):
+        return _Ends.POST_REPLAY
+
+    def body_lens(self) -> torch.Tensor:
+        return self.lens
+
+    def forward(self, q, k, v, layer, fb, save_kv_cache=True):
+        lens = self.body_lens()
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
+                                 layer.layer_id, self.idx, lens)
+
+
+def _named(cls: type, name: str) -> type:
+    cls.__name__ = cls.__qualname__ = name
+    return cls
+
+
 def _writer(namespace: str, how: str, method: str, buffer: str) -> type:
     op = _OPS[(namespace, how)]
 
-    class Writes:
+    class Writes(_PageReader):
         def __init__(self, runner):
-            pool = runner.req_to_token_pool
-            self.table, self.target = pool.req_to_token, getattr(pool, buffer)
+            self.buffer = buffer
+            super().__init__(runner)
             _KEPT["buffer"] = self.target
 
         def _bump(self, x: torch.Tensor) -> torch.Tensor:
             return op(x, out=self.target) if how == "out" else op(x)
 
         def init_forward_metadata_out_graph(self, fb, in_capture=False):
-            self.idx = self.table.index_select(0, fb.req_pool_indices).long()
-            self.lens = fb.seq_lens.long().clone()
+            super().init_forward_metadata_out_graph(fb, in_capture)
             if method == "init_forward_metadata_out_graph":
                 self.lens = self._bump(self.lens)
 
@@ -93,18 +129,10 @@ def _writer(namespace: str, how: str, method: str, buffer: str) -> type:
             if method == "init_forward_metadata_in_graph":
                 self.lens = self._bump(self.lens)
 
-        def shared_read_ends(self, mode):
-            return _Ends.POST_REPLAY
+        def body_lens(self) -> torch.Tensor:
+            return self._bump(self.lens) if method == "forward" else self.lens
 
-        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
-            lens = self._bump(self.lens) if method == "forward" else self.lens
-            pool = fb.token_to_kv_pool
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-            return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
-                                     layer.layer_id, self.idx, lens)
-
-    Writes.__name__ = Writes.__qualname__ = f"Writes_{how}_{method}"
-    return Writes
+    return _named(Writes, f"Writes_{how}_{method}")
 
 
 CASES = [("aten", "out", "init_forward_metadata_out_graph", "seq_lens"),
@@ -144,10 +172,12 @@ def _once_writer(when: str, buffer: str) -> type:
     call of any kind (with the old bytes put back: no guard comparing bytes afterwards sees it), in
     the first call of its in-graph method, or in EXTEND's first (warm-up) call."""
 
-    class WritesOnce:
+    class WritesOnce(_PageReader):
+        calls = in_calls = 0
+
         def __init__(self, runner):
-            pool = runner.req_to_token_pool
-            self.table, self.target, self.calls, self.in_calls = pool.req_to_token, getattr(pool, buffer), 0, 0
+            self.buffer = buffer
+            super().__init__(runner)
 
         def init_forward_metadata_out_graph(self, fb, in_capture=False):
             self.calls += 1
@@ -157,25 +187,14 @@ def _once_writer(when: str, buffer: str) -> type:
             if when == "first_call" and self.calls == 1:
                 self.target.add_(1)
                 self.target.sub_(1)
-            self.idx = self.table.index_select(0, fb.req_pool_indices).long()
-            self.lens = fb.seq_lens.long().clone()
+            super().init_forward_metadata_out_graph(fb, in_capture)
 
         def init_forward_metadata_in_graph(self, fb):
             self.in_calls += 1
             if when == "in_graph_first" and self.in_calls == 1:
                 self.target.mul_(1)
 
-        def shared_read_ends(self, mode):
-            return _Ends.POST_REPLAY
-
-        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
-            pool = fb.token_to_kv_pool
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-            return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
-                                     layer.layer_id, self.idx, self.lens)
-
-    WritesOnce.__name__ = WritesOnce.__qualname__ = f"WritesOnce_{when}"
-    return WritesOnce
+    return _named(WritesOnce, f"WritesOnce_{when}")
 
 
 ONCE = [("capture", "seq_lens", ForwardMode.DECODE, "prepare_out_graph", "capture-time call"),
@@ -204,14 +223,10 @@ def test_a_write_in_a_call_no_step_makes_is_refused_by_the_audit_and_by_lower(wh
 def _method_writer(method: str) -> type:
     """A class whose ``method``, one readfence calls outside any step, writes the live lengths."""
 
-    class WritesOutside:
-        def __init__(self, runner):
-            pool = runner.req_to_token_pool
-            self.table, self.lens_live = pool.req_to_token, pool.seq_lens
-
+    class WritesOutside(_PageReader):
         def _write(self, name: str) -> None:
             if name == method:
-                self.lens_live.fill_(3)
+                self.target.fill_(3)
 
         def init_cuda_graph_state(self, max_bs, max_num_tokens):
             self._write("init_cuda_graph_state")
@@ -224,21 +239,7 @@ def _method_writer(method: str) -> type:
             self._write("resolve_prefill_shared_read_ends")
             return _Ends.POST_REPLAY
 
-        def init_forward_metadata_out_graph(self, fb, in_capture=False):
-            self.idx = self.table.index_select(0, fb.req_pool_indices).long()
-            self.lens = fb.seq_lens.long().clone()
-
-        def init_forward_metadata_in_graph(self, fb):
-            pass
-
-        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
-            pool = fb.token_to_kv_pool
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-            return softmax_attention(fb.forward_mode.readfence, q, {"k_cache": pool.k_buffer, "v_cache": pool.v_buffer},
-                                     layer.layer_id, self.idx, self.lens)
-
-    WritesOutside.__name__ = WritesOutside.__qualname__ = f"WritesIn_{method}"
-    return WritesOutside
+    return _named(WritesOutside, f"WritesIn_{method}")
 
 
 @pytest.mark.parametrize("method", ["init_cuda_graph_state", "shared_read_ends"])
