@@ -71,6 +71,9 @@ class NotGraphSafe(ReadfenceError, ValueError):
     replay left different) and ``line`` (``"?"`` when unknown) say where.
     """
 
+    #: the seed of the generated state it differs on (:func:`validate_replay`'s), where known
+    seed: int | None = None
+
     def __init__(self, backend: str, mode: str, stage: str, output: str, what: str, line: str) -> None:
         self.backend, self.mode, self.stage, self.output, self.line = backend, mode, stage, output, line
         where = f" (the graph bakes what {line} computed on the traced step)" if line != "?" else ""
@@ -85,7 +88,9 @@ class NotGraphSafe(ReadfenceError, ValueError):
 class StaleTrace(NotGraphSafe):
     """A capture validated before no longer computes what its Python computes now: the Python
     changed since the program was traced, through a value no cache key holds. The trace is stale,
-    not the backend wrong: a lowering traces it again, and validates the new trace."""
+    not the backend wrong: a lowering traces it again, and validates the new trace on the states
+    it was validated on and on the one this one differs on (``seed``): a backend whose capture is
+    wrong there whatever changed is refused, not traced again at every lowering."""
 
 
 def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
@@ -361,18 +366,25 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
     ...                 lambda seed: varied_step(cfg, ForwardMode.DECODE, 2, seed=seed).groups(),
     ...                 ledger=ledger_of(program, cfg, 2))
     """
-    seeds = tuple(seeds)
     if program.aborted is not None or all(s.runs_python for s in program.stages):
         return
+    # and every state its capture was once found to differ on: asking on others forgets no refusal
+    differed: tuple[int, ...] = _DIFFERED.get(DifferedKey(program), ())
+    seeds = tuple(dict.fromkeys((*seeds, *differed)))
     validated = ValidatedKey(program, seeds, key)
     scratch = _Scratch()
-    if validated in _VALIDATED:
-        # passed before: checked again on every state and one more (a value no key holds that
-        # changed since shows where it changes what the step computes: on any of them)
-        _compare(program, fns, example, (*seeds, RECHECK_SEED), replay, scratch, StaleTrace, ledger)
-        return
-    passed_before = any(k.program is program for k in _VALIDATED)
-    _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe, ledger)
+    try:
+        if validated in _VALIDATED:
+            # passed before: checked again on every state and one more (a value no key holds that
+            # changed since shows where it changes what the step computes: on any of them)
+            _compare(program, fns, example, (*seeds, RECHECK_SEED), replay, scratch, StaleTrace, ledger)
+            return
+        passed_before = any(k.program is program for k in _VALIDATED)
+        _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe, ledger)
+    except NotGraphSafe as e:
+        if e.seed is not None:
+            _DIFFERED.put(DifferedKey(program), tuple(dict.fromkeys((*differed, e.seed))))
+        raise
     _VALIDATED.put(validated, True)
 
 
@@ -389,7 +401,9 @@ def _compare(program: Program, fns: StepFunctions, example: Callable[[int], Mapp
         if comparing.mismatch is not None:
             stage, output, what = comparing.mismatch
             line = _locate(program, fns, example(seed), stage.stage)
-            raise error(program.backend, program.mode.name, stage.stage.name, output, what, line)
+            found = error(program.backend, program.mode.name, stage.stage.name, output, what, line)
+            found.seed = seed
+            raise found
 
 
 @attrs.frozen
@@ -402,6 +416,17 @@ class ValidatedKey:
     seeds: tuple[int, ...]
     code: Hashable
 
+
+@attrs.frozen
+class DifferedKey:
+    """A program (by identity) whose capture differed from its Python on some generated state."""
+
+    program: Program
+
+
+#: Per program, the seeds of the states its capture was found to differ on.
+_DIFFERED = CACHES.table("differed", DifferedKey, "the seeds of the states the program's captured stages were "
+                         "found to compute other than its Python on", limit=256)
 
 #: Programs validated, with the seeds and the code replayed.
 _VALIDATED = CACHES.table("validated", ValidatedKey, "the program's captured stages, replayed by the code, compute "

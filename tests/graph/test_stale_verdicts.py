@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from readfence.backends import leaf, page_meta, softmax_attention, store_kv
-from readfence.core import ForwardMode, StepInputs, audit, clear_trace_cache, run_step
+from readfence.core import ForwardMode, NotGraphSafe, StepInputs, audit, clear_trace_cache, run_step
 from readfence.core.internal import CACHES, StaleCaptureError, UnkeptCaptureError, code_key
 from readfence.effects import ReadEffect, ReadEnd
 from readfence.graph import (
@@ -563,3 +563,61 @@ def test_a_setting_no_key_holds_whose_change_shows_on_short_requests_only_is_cau
         assert traces.stats.misses == made + 1  # traced again, once
     finally:
         WINDOWS[0] = 1
+
+
+def _rows_in_order(mode, shared, batch, meta):
+    # a Python value from the order of the batch's rows (a count the tracer cannot see), baked
+    rows = batch["req_pool_indices"]
+    steps = rows[1:] - rows[:-1]
+    ordered = int(torch.nonzero(((steps >= 0).all() | (steps <= 0).all()).reshape(1)).shape[0])
+    return {**page_meta(shared, batch), "scale": torch.tensor(1.0 if ordered else 0.5)}
+
+
+def test_a_capture_found_wrong_on_a_state_stays_refused_whatever_is_asked_later(dev) -> None:
+    # at batch size 3 the rows are in order on the trace's example and on every generated state,
+    # not on the state a later lowering checks again: the first lowering accepts it (a documented
+    # limit), the next finds the difference, traces again, checks the fresh trace there too, and
+    # refuses it; so does every later lowering, on whatever states it asks
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        return _attention(pools, layer, batch, meta, mode, q, k, v) * meta["scale"]
+
+    backend = leaf("rows_in_order", attend, prepare_in_graph=_rows_in_order, reads=["req_to_token", "seq_lens"])
+    lower(backend, M.DECODE, batch_size=3, device=dev, policy=Policy.COARSE, cfg=CFG)
+    for policy in (Policy.COARSE, Policy.COARSE, Policy.PER_BUFFER):
+        with pytest.raises(NotGraphSafe, match="meta_in.scale") as refused:
+            lower(backend, M.DECODE, batch_size=3, device=dev, policy=policy, cfg=CFG)
+        assert type(refused.value) is NotGraphSafe and "_rows_in_order" in refused.value.line, refused.value
+
+
+class _OutOfOrder:
+    """A setting (``scale``, read by an attribute whose name the out-of-graph stage assigns on another
+    object) applied to the requests whose rows are out of order: at batch size 3 only the state a
+    later lowering checks again has such rows."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def out(self, mode, shared, batch):
+        md = _Metadata()
+        md.scale = 0.0  # the same name, another object
+        return page_meta(shared, batch)
+
+    def attend(self, mode, layer, q, k, v, pools, shared, batch, meta):
+        rows = batch["req_pool_indices"]
+        steps = rows[1:] - rows[:-1]
+        unordered = ~((steps >= 0).all() | (steps <= 0).all())
+        return _attention(pools, layer, batch, meta, mode, q, k, v) * torch.where(unordered, self.scale, 1.0)
+
+
+def test_a_stale_trace_is_traced_again_not_taken_for_readfence_s_miscompile(dev) -> None:
+    # the changed setting shows on the recheck's state alone: the old trace differs there, which is
+    # its staleness (traced again, and the fresh trace validated there too), not a fault of the
+    # compile passes (whose fallback, the code without them, would pass on the other states)
+    kept = _OutOfOrder()
+    backend = leaf("out_of_order", kept.attend, prepare_out_graph=kept.out, declare=DECLARED)
+    assert lower(backend, M.DECODE, batch_size=3, device=dev, policy=Policy.COARSE, cfg=CFG).optimized
+    kept.scale = 2.0
+    traces = CACHES["traces"]
+    made = traces.stats.misses
+    assert lower(backend, M.DECODE, batch_size=3, device=dev, policy=Policy.COARSE, cfg=CFG).optimized
+    assert traces.stats.misses == made + 1

@@ -71,6 +71,7 @@ from readfence.core import (
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
+    REPLAY_SEEDS,
     BufferMap,
     KeptTensor,
     Ledger,
@@ -392,18 +393,21 @@ def lower(
                  seen: NodeReadsIn, poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
         return lambda passes: compile_stages(program, sites, env, seen, writes=poison, live=live, optimize=passes)
 
-    def validated(program: Program, ledger: Ledger) -> tuple[Mapping[Stage, StageCode], bool]:
-        return _validated(program, ledger, backend, mode, device,
+    def validated(program: Program, ledger: Ledger, seeds: tuple[int, ...] = REPLAY_SEEDS
+                  ) -> tuple[Mapping[Stage, StageCode], bool]:
+        return _validated(program, ledger, backend, mode, device, seeds,
                           compiled(program, record_sites(program, {}), known, {}, writes), options.optimize, clock)
 
     try:
         code, optimized = validated(program, ledger)
-    except StaleTrace:  # its Python changed since, through a value no key holds: trace it again
+    except StaleTrace as stale:  # its Python changed since, through a value no key holds: trace it again
         forget_trace(backend, mode, cfg=cfg, batch_size=batch_size, device=torch_device(device))
         with clock.timing("trace"):
             program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
             ledger = ledger_of(program, cfg, batch_size, state)
-        code, optimized = validated(program, ledger)
+        # validated also where the stale one differed: a capture wrong there whatever changed is refused
+        extra = () if stale.seed is None else (stale.seed,)
+        code, optimized = validated(program, ledger, tuple(dict.fromkeys((*REPLAY_SEEDS, *extra))))
     declared = backend.read_effect(mode)
 
     def refuse_unsound() -> None:
@@ -457,7 +461,7 @@ def lower(
         sites = {s: frozenset(parts[0].after[s]) | frozenset(parts[0].actions[s]) | record_sites(program, seen)[s]
                  for s in code}
         poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
-        code, optimized = _validated(program, ledger, backend, mode, device,
+        code, optimized = _validated(program, ledger, backend, mode, device, REPLAY_SEEDS,
                                      compiled(program, sites, launcher.env, seen, poison), optimized, clock)
     with clock.timing("capture"):
         slots = [build_slot(spec, launcher, p, code) for p in parts]
@@ -486,8 +490,8 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
 
 
 def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
-               compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool, clock: PassClock,
-               ) -> tuple[Mapping[Stage, StageCode], bool]:
+               seeds: tuple[int, ...], compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool,
+               clock: PassClock) -> tuple[Mapping[Stage, StageCode], bool]:
     """The step's stages as every ring slot runs them (``compiled(passes)``: hooks for records and
     checks inserted, compiled through the passes or not), validated: each captured stage's compiled
     code, its hooks bound to nothing, must compute what its Python computes on the generated states
@@ -511,20 +515,20 @@ def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: For
         return code, optimize
     try:
         with clock.timing("validate"):
-            _validate_code(program, ledger, backend, mode, device, code)
+            _validate_code(program, ledger, backend, mode, device, code, seeds)
         return code, optimize
-    except NotGraphSafe:
-        if not optimize:
+    except NotGraphSafe as e:
+        if not optimize or isinstance(e, StaleTrace):  # (a stale trace is traced again, not a miscompile)
             raise
     with clock.timing("compile"):
         plain = compiled(False)
     with clock.timing("validate"):
-        _validate_code(program, ledger, backend, mode, device, plain)  # the backend's own refusal
+        _validate_code(program, ledger, backend, mode, device, plain, seeds)  # the backend's own refusal
     return plain, False
 
 
 def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
-                   code: Mapping[Stage, StageCode]) -> None:
+                   code: Mapping[Stage, StageCode], seeds: tuple[int, ...]) -> None:
     # each captured stage replayed as the slots run it: the very code, no event fired
     runners = {stage: c.validating() for stage, c in code.items() if c.compiled is not None}
 
@@ -534,7 +538,8 @@ def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode:
     key = tuple((str(stage), r.graph.computation) for stage, r in runners.items())
     cfg, state = ledger.cfg, ledger.state
     with varied_states(program, cfg, ledger.batch_size, state, settle=device.synchronize) as example:
-        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay, key=key)
+        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay, key=key,
+                        seeds=seeds)
     # a capture validated before, on another state, ran nothing here: its Python is observed instead
     ledger.observe_varied(settle=device.synchronize)
 
