@@ -16,8 +16,9 @@
    observed on those states instead). Code that differs only through the compile passes (the
    same stages compiled without them pass) is readfence's miscompile: the plain code, validated
    as well, is what runs (``Lowered.optimized`` is then False). A capture validated before is
-   checked on one more state, and traced again (1-3) if its Python changed since through a value
-   no cache key holds (``core.internal.StaleTrace``);
+   checked again on those states and one more, and traced again (1-3) if its Python changed since
+   through a value no cache key holds (``core.internal.StaleTrace``: no miscompile), the new trace
+   validated on the state where the old one differed too;
 4. unless the policy is COARSE, refuse an unsound declaration: the audit's verdict, made from the
    step's ledger, which the validation and the audit's own runs recorded into: a read any of
    them saw is a read;
