@@ -569,7 +569,8 @@ class EngineBackend(Backend):
     def declared_end(self, mode: ForwardMode) -> ReadEnd:
         """The object's scalar declaration in ``mode``, asked now (``shared_read_ends``)."""
         obj, em = self.object, self.binding.modes.engine(check_mode(mode))
-        value = self._invoke("shared_read_ends", em, obj.shared_read_ends, em, alone=True)
+        # (not watched again: asked every step of a loop, it was watched in every mode when adapted)
+        value = self._invoke("shared_read_ends", em, obj.shared_read_ends, em)
         return read_end_of(value, f"{self.who()}.shared_read_ends({em.name})")
 
     def __repr__(self) -> str:
