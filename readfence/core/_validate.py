@@ -377,13 +377,14 @@ def validate_replay(program: Program, fns: StepFunctions, example: Callable[[int
         if validated in _VALIDATED:
             # passed before: checked again on every state and one more (a value no key holds that
             # changed since shows where it changes what the step computes: on any of them)
-            _compare(program, fns, example, (*seeds, RECHECK_SEED), replay, scratch, StaleTrace, ledger)
+            _compare(program, fns, example, tuple(dict.fromkeys((*seeds, RECHECK_SEED))), replay, scratch, StaleTrace,
+                     ledger)
             return
         passed_before = any(k.program is program for k in _VALIDATED)
         _compare(program, fns, example, seeds, replay, scratch, StaleTrace if passed_before else NotGraphSafe, ledger)
     except NotGraphSafe as e:
         if e.seed is not None:
-            _DIFFERED.put(DifferedKey(program), tuple(dict.fromkeys((*differed, e.seed))))
+            differs_on(program, e.seed)
         raise
     _VALIDATED.put(validated, True)
 
@@ -404,6 +405,14 @@ def _compare(program: Program, fns: StepFunctions, example: Callable[[int], Mapp
             found = error(program.backend, program.mode.name, stage.stage.name, output, what, line)
             found.seed = seed
             raise found
+
+
+def differs_on(program: Program, seed: int) -> None:
+    """Have every later validation of ``program`` try the generated state of ``seed`` too: a capture
+    of it (or of a stale trace of the same step, which ``program`` traces again) was found to differ
+    there, and asking on other states must not forget it."""
+    key = DifferedKey(program)
+    _DIFFERED.put(key, tuple(dict.fromkeys((*_DIFFERED.get(key, ()), seed))))
 
 
 @attrs.frozen
@@ -433,5 +442,5 @@ _VALIDATED = CACHES.table("validated", ValidatedKey, "the program's captured sta
                           "what its Python computes on the seeds' states", limit=256)
 
 
-__all__ = ["RECHECK_SEED", "REPLAY_SEEDS", "NotGraphSafe", "StaleTrace", "ValidatedKey", "baked_at", "same_values",
+__all__ = ["RECHECK_SEED", "REPLAY_SEEDS", "NotGraphSafe", "StaleTrace", "ValidatedKey", "baked_at", "differs_on", "same_values",
            "validate_replay"]

@@ -76,6 +76,7 @@ from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
 from ._validate import StaleTrace as StaleTrace
+from ._validate import differs_on as differs_on
 from ._validate import validate_replay as validate_replay
 from .tracing import CACHES as CACHES
 from .tracing import SPLICED_KEY as SPLICED_KEY
@@ -128,7 +129,7 @@ __all__ = [
     "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
-    "StaleCaptureError", "StaleTrace", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
+    "StaleCaptureError", "StaleTrace", "differs_on", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",
     "Witness",
 ]

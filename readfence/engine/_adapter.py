@@ -358,9 +358,10 @@ class EngineBackend(Backend):
         call the engine makes while it captures a graph (the graph's code runs once, then, in the engine);
         ``alone``: a call readfence makes outside any run of the step, watched (:func:`watched_call`)."""
         b = self.binding
-        what = f"the engine's {'capture-time call' if captured else 'call'} of {method} outside any step"
-        with b.profile.context(b.runner), b.profile.capture(b.runner) if captured else contextlib.nullcontext(), \
-                watched_call(b.state["shared"], self.who(), method, what) if alone else contextlib.nullcontext():
+        watched = contextlib.nullcontext() if not alone else watched_call(
+            b.state["shared"], self.who(), method,
+            f"the engine's {'capture-time call' if captured else 'call'} of {method} outside any step")
+        with b.profile.context(b.runner), b.profile.capture(b.runner) if captured else contextlib.nullcontext(), watched:
             return call(self.object, self.who(), method, em, fn, *args, **kwargs)
 
     # -- the stages -------------------------------------------------------------------------

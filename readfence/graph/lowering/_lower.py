@@ -72,7 +72,6 @@ from readfence.core import (
 )
 from readfence.core import trace as trace_step
 from readfence.core.internal import (
-    REPLAY_SEEDS,
     BufferMap,
     KeptTensor,
     Ledger,
@@ -81,6 +80,7 @@ from readfence.core.internal import (
     StaleTrace,
     check_backend,
     check_forward_mode,
+    differs_on,
     example_step,
     flatten_inputs,
     forget_trace,
@@ -394,9 +394,8 @@ def lower(
                  seen: NodeReadsIn, poison: bool) -> Callable[[bool], Mapping[Stage, StageCode]]:
         return lambda passes: compile_stages(program, sites, env, seen, writes=poison, live=live, optimize=passes)
 
-    def validated(program: Program, ledger: Ledger, seeds: tuple[int, ...] = REPLAY_SEEDS
-                  ) -> tuple[Mapping[Stage, StageCode], bool]:
-        return _validated(program, ledger, backend, mode, device, seeds,
+    def validated(program: Program, ledger: Ledger) -> tuple[Mapping[Stage, StageCode], bool]:
+        return _validated(program, ledger, backend, mode, device,
                           compiled(program, record_sites(program, {}), known, {}, writes), options.optimize, clock)
 
     try:
@@ -406,9 +405,9 @@ def lower(
         with clock.timing("trace"):
             program = _checked_program(backend, mode, cfg, batch_size, device, state, graphed)
             ledger = ledger_of(program, cfg, batch_size, state)
-        # validated also where the stale one differed: a capture wrong there whatever changed is refused
-        extra = () if stale.seed is None else (stale.seed,)
-        code, optimized = validated(program, ledger, tuple(dict.fromkeys((*REPLAY_SEEDS, *extra))))
+        if stale.seed is not None:  # validated also where the stale one differed: wrong there whatever changed, refused
+            differs_on(program, stale.seed)
+        code, optimized = validated(program, ledger)
     declared = backend.read_effect(mode)
 
     def refuse_unsound() -> None:
@@ -462,7 +461,7 @@ def lower(
         sites = {s: frozenset(parts[0].after[s]) | frozenset(parts[0].actions[s]) | record_sites(program, seen)[s]
                  for s in code}
         poison = writes or any(a for acts in parts[0].actions.values() for a in acts.values())
-        code, optimized = _validated(program, ledger, backend, mode, device, REPLAY_SEEDS,
+        code, optimized = _validated(program, ledger, backend, mode, device,
                                      compiled(program, sites, launcher.env, seen, poison), optimized, clock)
     with clock.timing("capture"):
         slots = [build_slot(spec, launcher, p, code) for p in parts]
@@ -491,8 +490,8 @@ def _launcher(cfg: ModelConfig, mode: ForwardMode, batch_size: int, state: Mappi
 
 
 def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
-               seeds: tuple[int, ...], compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool,
-               clock: PassClock) -> tuple[Mapping[Stage, StageCode], bool]:
+               compiled: Callable[[bool], Mapping[Stage, StageCode]], optimize: bool, clock: PassClock,
+               ) -> tuple[Mapping[Stage, StageCode], bool]:
     """The step's stages as every ring slot runs them (``compiled(passes)``: hooks for records and
     checks inserted, compiled through the passes or not), validated: each captured stage's compiled
     code, its hooks bound to nothing, must compute what its Python computes on the generated states
@@ -516,7 +515,7 @@ def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: For
         return code, optimize
     try:
         with clock.timing("validate"):
-            _validate_code(program, ledger, backend, mode, device, code, seeds)
+            _validate_code(program, ledger, backend, mode, device, code)
         return code, optimize
     except NotGraphSafe as e:
         if not optimize or isinstance(e, StaleTrace):  # (a stale trace is traced again, not a miscompile)
@@ -524,12 +523,12 @@ def _validated(program: Program, ledger: Ledger, backend: BackendLike, mode: For
     with clock.timing("compile"):
         plain = compiled(False)
     with clock.timing("validate"):
-        _validate_code(program, ledger, backend, mode, device, plain, seeds)  # the backend's own refusal
+        _validate_code(program, ledger, backend, mode, device, plain)  # the backend's own refusal
     return plain, False
 
 
 def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode: ForwardMode, device: Device,
-                   code: Mapping[Stage, StageCode], seeds: tuple[int, ...]) -> None:
+                   code: Mapping[Stage, StageCode]) -> None:
     # each captured stage replayed as the slots run it: the very code, no event fired
     runners = {stage: c.validating() for stage, c in code.items() if c.compiled is not None}
 
@@ -539,8 +538,7 @@ def _validate_code(program: Program, ledger: Ledger, backend: BackendLike, mode:
     key = tuple((str(stage), r.graph.computation) for stage, r in runners.items())
     cfg, state = ledger.cfg, ledger.state
     with varied_states(program, cfg, ledger.batch_size, state, settle=device.synchronize) as example:
-        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay, key=key,
-                        seeds=seeds)
+        validate_replay(program, step_functions(backend, mode, cfg), example, ledger=ledger, replay=replay, key=key)
     # a capture validated before, on another state, ran nothing here: its Python is observed instead
     ledger.observe_varied(settle=device.synchronize)
 
