@@ -522,7 +522,7 @@ def varied_step(
         top = list(range(cfg.max_reqs - 1, cfg.max_reqs - 1 - batch_size, -1))
         reqs, prefix = (rows[:batch_size] if random else top), [span - 1] * batch_size
     else:
-        reqs, prefix, pad = _mixed(rows, batch_size, span, g)
+        reqs, prefix, pad = _mixed(rows, batch_size, span, tokens_per_request(mode), g)
     shared = make_shared_state(cfg, device=device)
     slots = None
     if seed != 1:  # other bijections: a slot, a window slot, a state slot of another layout
@@ -541,16 +541,22 @@ def varied_step(
     return step
 
 
-def _mixed(rows: list[int], batch_size: int, span: int, g: torch.Generator) -> tuple[list[int], list[int], int]:
-    """Rows and prefix lengths of a mixed batch, and its number of padding requests: half its
-    requests (rounded up) new, the others at random depths up to the middle of the context, the
-    first of them at the middle (the batch's longest length is then neither the first tokens' nor
-    the longest context's: a bucket between the two is taken), in a random order; with 3 or more,
-    the last two are padding (one row, at its first tokens, twice)."""
+def _mixed(rows: list[int], batch_size: int, span: int, tokens: int,
+           g: torch.Generator) -> tuple[list[int], list[int], int]:
+    """Rows and prefix lengths of a mixed batch of requests of ``tokens`` new tokens each, and its
+    number of padding requests: half its requests (rounded up) new, the others at random depths up
+    to the middle of the context, the first of them at the middle (the batch's longest length is
+    then neither the first tokens' nor the longest context's: a bucket between the two is taken),
+    in a random order; with 3 or more, the last two are padding (one row, at its first tokens,
+    twice). The middle length is not a power of two: at batch size 1 it is the batch's longest,
+    and with a power-of-two context the others (the first token, the longest context) are."""
     pad = 2 if batch_size >= 3 else 0
     real = batch_size - pad
     new = (real + 1) // 2 if real > 1 else 0
     middle = max((span - 1) // 2, 1)
+    length = middle + tokens
+    if middle > 1 and length & (length - 1) == 0:
+        middle -= 1
     depths = torch.randint(1, middle + 1, (real,), generator=g).tolist()
     depths[new:new + 1] = [middle] * (real > new)
     prefix = [0] * new + depths[new:]

@@ -107,9 +107,14 @@ def _statistics(shared: dict, batch: dict, cfg: ModelConfig, mode: ForwardMode) 
     new, deep = int((pos == 0).sum()), int((pos > 0).sum())
     return {
         "new": new, "deep": deep, "mixed": bool(new and deep), "all new": new == len(rows),
-        "at the longest": bool((lens == cfg.max_ctx).any()), "stale rows": int((shared["seq_lens"] > 0).sum()) - int(
+        "at the longest": bool((lens == cfg.max_ctx).any()), "longest a power of two": _power_of_two(int(lens.max())),
+        "stale rows": int((shared["seq_lens"] > 0).sum()) - int(
             rows.unique().numel()), "repeated rows": int(rows.numel() - rows.unique().numel()),
     }
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.EXTEND])
@@ -118,7 +123,7 @@ def test_every_value_real_traffic_varies_differs_from_the_example_on_a_generated
     # serving loop's padded batches; every statistic that takes another value there than on the
     # trace's example takes another on one of the generated states, at every batch size lowered
     cfg = CFG
-    for size in (2, 4):
+    for size in (1, 2, 4):
         example = _statistics(example_step(cfg, mode, size).shared, example_step(cfg, mode, size).batch, cfg, mode)
         scheduler = Scheduler(cfg, mode, size, seed=3, finish_prob=0.3)
         seen: dict[str, set] = {k: set() for k in example}

@@ -88,20 +88,20 @@ def test_a_custom_op_reading_the_live_lengths_it_keeps_is_refused_by_lower_and_r
 @pytest.mark.parametrize("name", _slow_but_first(traffic.BAKED))
 def test_a_count_baked_into_a_capture_is_refused_under_every_policy_and_differs_from_serial(name, dev,
                                                                                             monkeypatch) -> None:
-    backend = traffic.baked(name, CFG.max_ctx)
+    backend, size = traffic.baked(name, CFG.max_ctx), traffic.BAKED_AT.get(name, 4)
     for policy in Policy:
         with pytest.raises(NotGraphSafe, match="stage prepare_in_graph is not graph-safe"):
-            lower(backend, M.DECODE, batch_size=4, device=dev, policy=policy, cfg=CFG)
-    refused = _verify(backend, M.DECODE, dev, policy=Policy.COARSE).failure()
+            lower(backend, M.DECODE, batch_size=size, device=dev, policy=policy, cfg=CFG)
+    refused = _verify(backend, M.DECODE, dev, policy=Policy.COARSE, batch_size=size).failure()
     assert (refused.kind, refused.evidence, refused.stage) == ("refused", "replay", "prepare_in_graph"), str(refused)
     # the check that shares nothing with the validation: the serial run, on the loop's own traffic
     import readfence.graph.lowering._lower as lowering
 
     monkeypatch.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)
     state = make_state(CFG)
-    reference = run_serial(backend, M.DECODE, steps=8, batch_size=4, cfg=CFG, state=state,
+    reference = run_serial(backend, M.DECODE, steps=8, batch_size=size, cfg=CFG, state=state,
                            options=LoopOptions(finish_prob=0.3))
-    run = run_overlapped(backend, M.DECODE, steps=8, policy=Policy.COARSE, device=dev, batch_size=4, cfg=CFG,
+    run = run_overlapped(backend, M.DECODE, steps=8, policy=Policy.COARSE, device=dev, batch_size=size, cfg=CFG,
                          state=make_state(CFG), options=LoopOptions(finish_prob=0.3))
     assert not run.matches(reference)
 
