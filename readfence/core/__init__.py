@@ -44,6 +44,7 @@ from ._step import PREPARE_IN_GRAPH as PREPARE_IN_GRAPH
 from ._step import PREPARE_OUT_GRAPH as PREPARE_OUT_GRAPH
 from ._step import STAGES as STAGES
 from ._step import Stage as Stage
+from ._step import StageArgumentError as StageArgumentError
 from ._step import StageOutputError as StageOutputError
 from ._step import cross_into_graph as cross_into_graph
 from ._step import eval_step as eval_step
@@ -62,7 +63,8 @@ from .tracing import kernel_access as kernel_access
 __all__ = [
     "BODY", "PREPARE_IN_GRAPH", "PREPARE_OUT_GRAPH", "SHARED_BUFFERS", "STAGES", "AuditReport",
     "BackendLike", "BufferAudit", "ChildRun", "CapturedStateError", "Disagreement", "ForwardMode", "ModelConfig",
-    "NotGraphSafe", "Observation", "Program", "ReadObserver", "Stage", "StageAnalysis", "StageGraph", "StageHooks", "StageOutputError",
+    "NotGraphSafe", "Observation", "Program", "ReadObserver", "Stage", "StageAnalysis", "StageArgumentError", "StageGraph", "StageHooks",
+    "StageOutputError",
     "StageThreadError", "StageWriteError", "StepInputs", "KernelAccess", "Latent", "LaunchStreamError",
     "TensorParallel", "TracedGraph", "UnboundedKernelError", "Unsound", "UntraceableStage", "Verdict", "all_reduce", "audit",
     "bind", "clear_trace_cache",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeAlias, assert_never
+from typing import Any, TypeAlias, assert_never
 
 import attrs
 import torch
@@ -177,6 +177,18 @@ class TracedGraph:
     def node_order(self) -> dict[str, int]:
         """Node name -> its position in the graph."""
         return {n.name: i for i, n in enumerate(self.gm.graph.nodes)}
+
+    def traced_outputs(self) -> dict[str, Any]:
+        """Output name -> the value it had on the traced step (``None`` where none was recorded).
+
+        >>> import torch
+        >>> from torch import fx
+        >>> TracedGraph(fx.symbolic_trace(lambda x: (x + 1,)), ("shared.seq_lens",), ("meta.n",)).traced_outputs()
+        {'meta.n': None}
+        """
+        output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        return {name: getattr(node, "meta", {}).get("val") for name, node in zip(self.outputs, values)}
 
 
 @attrs.frozen

@@ -122,8 +122,10 @@ def unfit_tensor(t: Tensor) -> tuple[str, str] | None:
 
 
 def _fits(out: Tensor, like: Tensor) -> bool:
-    # q's shape, or its rows flattened ([T, heads * dim]): what the model reshapes it from
-    return out.shape == like.shape or (out.shape[:1] == like.shape[:1] and out.numel() == like.numel())
+    # q's shape, or its rows flattened ([T, heads * dim]): what the model reshapes it from; q's
+    # dtype and device, which the model's next matmul takes it on
+    return (out.dtype == like.dtype and out.device == like.device
+            and (out.shape == like.shape or (out.shape[:1] == like.shape[:1] and out.numel() == like.numel())))
 
 
 def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callable[..., object] | None = None,
@@ -150,20 +152,25 @@ def check_stage_output(stage: Stage, out: _T, *, backend: str = "?", fn: Callabl
     >>> check_stage_output(BODY, q[:, :1], backend="mine", like=q, layer=0)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    readfence.core._stages.StageOutputError: backend 'mine' attend returned a tensor of shape [2, 1, 8] in layer 0 (at ?):
-    attend returns a tensor shaped like q, [2, 4, 8]
+    readfence.core._stages.StageOutputError: backend 'mine' attend returned a tensor of shape [2, 1, 8] (torch.float32 on cpu)
+    in layer 0 (at ?): attend returns a tensor shaped like q, [2, 4, 8], of q's dtype and device (torch.float32 on cpu)
+    >>> check_stage_output(BODY, q.double(), backend="mine", like=q, layer=0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    readfence.core._stages.StageOutputError: backend 'mine' attend returned a tensor of shape [2, 4, 8] (torch.float64 on cpu) ...
     """
     bad: object
     if stage is BODY and like is not None:
         unfit = unfit_tensor(out) if isinstance(out, Tensor) else None
         if isinstance(out, Tensor) and unfit is None and _fits(out, like):
             return out
-        got = (unfit[0] if unfit is not None else f"a tensor of shape {list(out.shape)}"
+        got = (unfit[0] if unfit is not None else f"a tensor of shape {list(out.shape)} ({out.dtype} on {out.device})"
                if isinstance(out, Tensor) else f"{type(out).__name__} {_short(out)}")
         line = "?" if fn is None else returned_at(fn, kwargs or {}, out)
         unwrap = f" (a plain tensor: {unfit[1]})" if unfit is not None else ""
         raise StageOutputError(f"backend {backend!r} attend returned {got} in layer {layer} (at {line}): attend returns "
-                               f"a tensor shaped like q, {list(like.shape)}{unwrap}", stage=stage.name)
+                               f"a tensor shaped like q, {list(like.shape)}, of q's dtype and device ({like.dtype} on "
+                               f"{like.device}){unwrap}", stage=stage.name)
     if stage is BODY:
         if isinstance(out, Tensor) and unfit_tensor(out) is None:
             return out
@@ -253,6 +260,23 @@ def cross_into_graph(meta: _T) -> _T:
     (True, 2)
     """
     return pytree.tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, meta)
+
+
+def as_static(value: Tensor, traced: object) -> Tensor:
+    """``value`` as the graph's static buffer for it holds it: laid out as the traced step's output
+    ``traced`` (what the graph was traced reading: a stride a stage hands a kernel is the traced
+    one), where the two differ only in layout; else ``value`` itself. The lowered step copies each
+    step's output into that buffer, so a capture is validated on this, not on the Python's layout.
+
+    >>> traced = torch.zeros(3, 2).t()
+    >>> as_static(torch.ones(2, 3), traced).stride(), as_static(torch.ones(2, 3), torch.zeros(2, 3)).stride()
+    ((1, 2), (3, 1))
+    """
+    if (not isinstance(traced, Tensor) or value.is_meta or traced.shape != value.shape or traced.dtype != value.dtype
+            or traced.stride() == value.stride() or value.layout is not torch.strided):
+        return value
+    static = torch.empty_strided(value.shape, traced.stride(), dtype=value.dtype, device=value.device)
+    return static.copy_(value)
 
 
 def same_value(a: object, b: object) -> bool:
@@ -357,8 +381,13 @@ class OutputGuard:
 
     def check(self, out: object, fn: Callable[..., object] | None = None, kwargs: Mapping[str, Any] | None = None) -> None:
         """Refuse ``out`` unless it has the structure, shapes, dtypes and consumed Python values
-        traced (``fn`` and ``kwargs``, the stage's call, only to name the line in the error)."""
-        pairs, spec = pytree.tree_flatten_with_path(out)
+        traced (``fn`` and ``kwargs``, the stage's call, only to name the line in the error). A
+        dict's keys are held as a set: the stages after it take its values by key, in any order.
+
+        >>> from readfence.core import PREPARE_OUT_GRAPH
+        >>> OutputGuard.of(PREPARE_OUT_GRAPH, {"a": 1, "b": {"c": 2, "d": 3}}).check({"b": {"d": 3, "c": 2}, "a": 1})
+        """
+        pairs, spec = pytree.tree_flatten_with_path(_ordered_like(out, self.spec))
         if spec == self.spec and all(self._same(self._baked(p, v), b) for (p, v), b in zip(pairs, self.baked)):
             return
 
@@ -389,6 +418,19 @@ class OutputGuard:
         raise fail(f"{_short(value)} at key {key} where the traced step returned {was}", value,
                    "the graphs after it bake the Python values of the step they were traced on; return it as a "
                    "tensor, or compute it from shapes only")
+
+
+def _ordered_like(value: Any, spec: pytree.TreeSpec) -> Any:
+    """``value`` with each plain dict in it that has the keys of the dict at its place in ``spec``
+    holding them in ``spec``'s order (a dict whose insertion order changed is the same output)."""
+    if spec.type is dict and type(value) is dict:
+        keys = spec.context
+        if len(keys) != len(value) or not all(k in value for k in keys):
+            return value
+        return {k: _ordered_like(value[k], child) for k, child in zip(keys, spec.children(), strict=True)}
+    if spec.type in (list, tuple) and type(value) is spec.type and len(value) == spec.num_children:
+        return spec.type(_ordered_like(v, child) for v, child in zip(value, spec.children(), strict=True))
+    return value
 
 
 def _key_of(entry: Any) -> Any:

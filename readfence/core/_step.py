@@ -37,8 +37,11 @@ from typing import Any, Protocol, TypeVar, cast
 import attrs
 from torch.utils import _pytree as pytree
 
+from ._stage_args import StageArgumentError as StageArgumentError
+from ._stage_args import plain, read_only
 from ._stage_output import PYTHON_VALUES as PYTHON_VALUES
 from ._stage_output import OutputGuard as OutputGuard
+from ._stage_output import as_static as as_static
 from ._stage_output import check_stage_output as check_stage_output
 from ._stage_output import cross_into_graph as cross_into_graph
 from ._stage_output import foreign_subclass as foreign_subclass
@@ -159,7 +162,9 @@ class StepFunctions:
 
 def _checked(stage: Stage, fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
     def run(**kwargs: Any) -> Any:
-        return check_stage_output(stage, fn(**kwargs), backend=backend, fn=fn, kwargs=kwargs)
+        # its arguments read-only (``_stage_args``): a change would reach the next stage serially only
+        handed = {k: read_only(v, stage.name, k, backend=backend) for k, v in kwargs.items()}
+        return check_stage_output(stage, plain(fn(**handed)), backend=backend, fn=fn, kwargs=kwargs)
 
     return run
 

@@ -50,7 +50,7 @@ from readfence.effects import ReadfenceError
 from ._ledger import REPLAY_SEEDS, Ledger, RunKind, state_label
 from ._observe import ReadObserver
 from ._program import SOURCE_KEY, Program, StageGraph
-from ._step import Stage, StageCall, StepFunctions, eval_step
+from ._step import PREPARE_OUT_GRAPH, Stage, StageCall, StepFunctions, as_static, eval_step
 from .tracing import CACHES, defined_memory, random_state, same_values, set_random_state, trace_step
 
 #: The seed of the state a capture validated before is checked on at every later use, with the
@@ -229,6 +229,7 @@ class _Comparing:
     def __init__(self, program: Program, replay: Replay, observer: ReadObserver, scratch: _Scratch) -> None:
         self.program, self.replay, self.observer, self.scratch = program, replay, observer, scratch
         self.mismatch: tuple[StageGraph, str, str] | None = None  # (stage, output, what)
+        self.crossing = program.stage(PREPARE_OUT_GRAPH).graph.traced_outputs()
 
     def call(self, call: StageCall) -> Any:
         graph = self.program.stage(call.stage)
@@ -243,6 +244,8 @@ class _Comparing:
             return call()
         names, leaves, _ = call.named_leaves()
         env = {n: v for n, v in zip(names, leaves) if isinstance(v, Tensor)}
+        # the copies crossing into the graph as its static buffers hold them (the traced layout)
+        env.update({n: as_static(env[n], t) for n, t in self.crossing.items() if n in env})
         memory = _Memory(list(env.items()), self._held(graph))
         before = memory.save(self.scratch)
         with _same_randomness(env.values()) as rewind:  # the replay (on copies), then the Python

@@ -72,6 +72,7 @@ from ._step import Interpreter as Interpreter
 from ._step import OutputGuard as OutputGuard
 from ._step import StageCall as StageCall
 from ._step import StepFunctions as StepFunctions
+from ._step import as_static as as_static
 from ._step import check_stage_output as check_stage_output
 from ._step import flatten_group as flatten_group
 from ._step import stage_named as stage_named
@@ -118,7 +119,7 @@ from .tracing import unobserved as unobserved
 
 __all__ = [
     "add_node", "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
-    "CACHES", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output", "check_state", "STATE_PARTS",
+    "CACHES", "as_static", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output", "check_state", "STATE_PARTS",
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",

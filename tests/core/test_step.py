@@ -276,8 +276,18 @@ def _attend_one_head(mode, layer, q, k, v, pools, shared, batch, meta):
     return _attend(mode, layer, q, k, v, pools, shared, batch, meta)[:, :1]
 
 
-@pytest.mark.parametrize("attend,got", [(_attend_none, "NoneType None"), (_attend_one_head, "a tensor of shape [2, 1, ")])
-def test_attend_returning_none_or_a_wrong_shape_is_named_with_its_leaf_layer_and_line(attend, got) -> None:
+def _attend_double(mode, layer, q, k, v, pools, shared, batch, meta):
+    return _attend(mode, layer, q, k, v, pools, shared, batch, meta).double()
+
+
+def _attend_on_meta(mode, layer, q, k, v, pools, shared, batch, meta):
+    return torch.empty_like(_attend(mode, layer, q, k, v, pools, shared, batch, meta), device="meta")
+
+
+@pytest.mark.parametrize("attend,got", [(_attend_none, "NoneType None"), (_attend_one_head, "a tensor of shape [2, 1, "),
+                                        (_attend_double, f"a tensor of shape [2, {CFG.heads}, {CFG.head_dim}] (torch.float64 on cpu)"),
+                                        (_attend_on_meta, f"a tensor of shape [2, {CFG.heads}, {CFG.head_dim}] (torch.float32 on meta)")])
+def test_attend_returning_none_or_a_wrong_shape_dtype_or_device_is_named_with_its_leaf_layer_and_line(attend, got) -> None:
     from readfence.backends import hybrid_linear, linear
     from readfence.graph import run_serial
 
@@ -288,7 +298,8 @@ def test_attend_returning_none_or_a_wrong_shape_is_named_with_its_leaf_layer_and
         text = str(e.value)
         assert text.startswith(f"backend 'bad_attend' attend returned {got}"), text
         assert " in layer 0 (at " in text and f"{__file__}:" in text and f"in {attend.__name__})" in text, text
-        assert text.endswith(f"attend returns a tensor shaped like q, [2, {CFG.heads}, {CFG.head_dim}]"), text
+        assert text.endswith(f"attend returns a tensor shaped like q, [2, {CFG.heads}, {CFG.head_dim}], of q's dtype "
+                             f"and device (torch.float32 on cpu)"), text
 
 
 def test_attend_may_return_qs_rows_flattened() -> None:

@@ -1,0 +1,203 @@
+"""A stage's arguments, read-only: the step's groups and the metadata it is handed.
+
+The serial step hands one step's dicts to every stage (``shared``, ``batch`` and the metadata the
+out-of-graph stage returned), while a lowered step hands each stage its own, and an engine's
+scheduler owns the ``shared`` dict itself. A stage that assigns a key of one of them (rebinds
+``shared["swa_map"]`` to another tensor, replaces ``meta["kv_lens"]`` for the body, appends to a
+list the metadata holds) would change what the next stage sees in one run and not in the other,
+or change the live state outside any fence. So every stage gets its arguments as read-only
+containers (:func:`read_only`): reading them is reading a dict or a list, changing them raises
+:class:`StageArgumentError` naming the backend, the stage, the key and the line. What a stage
+returns is made plain again (:func:`plain`): a stage may return the metadata it was handed.
+
+>>> meta = read_only({"n": [1, 2]}, "prepare_in_graph", "meta", backend="mine")
+>>> meta["n"][1], dict(meta) == {"n": [1, 2]}, plain({"m": meta}) == {"m": {"n": [1, 2]}}
+(2, True, True)
+>>> meta["n"].append(3)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+readfence.core._stage_args.StageArgumentError: backend 'mine' stage prepare_in_graph changed meta['n'] (append, at ...): ...
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn
+
+from torch.utils import _pytree as pytree
+
+from readfence.effects import ReadfenceError
+
+
+class StageArgumentError(ReadfenceError, TypeError):
+    """A stage changed one of its arguments (assigned or deleted a key of ``shared``, ``batch``,
+    ``meta``..., changed a list it was handed): the message names the backend, the stage, what it
+    changed and the line; ``stage`` is the stage's name."""
+
+    def __init__(self, message: str, *, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def _caller() -> str:
+    frame = sys._getframe(4)  # (past the refusal, the container's check and the method called)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class _Where:
+    __slots__ = ("backend", "stage", "path")
+
+    def __init__(self, backend: str, stage: str, path: str) -> None:
+        self.backend, self.stage, self.path = backend, stage, path
+
+    def refuse(self, how: str) -> NoReturn:
+        shared = self.path.startswith("shared")
+        why = ("the scheduler owns the shared state: rebinding one of its buffers changes the live state outside "
+               "any fence" if shared else
+               "the serial step hands these to the stages after it and a lowered step hands each stage its own, so "
+               "the change would reach the next stage in one and not in the other")
+        raise StageArgumentError(
+            f"backend {self.backend!r} stage {self.stage} changed {self.path} ({how}, at {_caller()}): a stage's "
+            f"arguments are read-only ({why}); return the new value under a key of the stage's output instead",
+            stage=self.stage)
+
+
+class _ReadOnlyDict(dict[Any, Any]):
+    """A dict a stage may read and not change."""
+
+    __slots__ = ("_where",)
+    _where: _Where
+
+    def _refuse(self, how: str, key: Any = None) -> NoReturn:
+        where = self._where
+        at = where.path if key is None else f"{where.path}[{key!r}]"
+        _Where(where.backend, where.stage, at).refuse(how)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._refuse("assigned", key)
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse("deleted", key)
+
+    def __ior__(self, other: Any) -> Any:  # type: ignore[misc]
+        self._refuse("|=")
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._refuse("pop", key)
+
+    def popitem(self) -> Any:
+        self._refuse("popitem")
+
+    def clear(self) -> None:
+        self._refuse("clear")
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse("update")
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            return self[key]
+        self._refuse("setdefault", key)
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
+
+
+class _ReadOnlyList(list[Any]):
+    """A list a stage may read and not change."""
+
+    __slots__ = ("_where",)
+    _where: _Where
+
+    def _refuse(self, how: str) -> NoReturn:
+        self._where.refuse(how)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._refuse("item assigned")
+
+    def __delitem__(self, index: Any) -> None:
+        self._refuse("item deleted")
+
+    def __iadd__(self, other: Any) -> Any:  # type: ignore[misc]
+        self._refuse("+=")
+
+    def __imul__(self, other: Any) -> Any:  # type: ignore[misc]
+        self._refuse("*=")
+
+    def append(self, value: Any) -> None:
+        self._refuse("append")
+
+    def extend(self, values: Any) -> None:
+        self._refuse("extend")
+
+    def insert(self, index: Any, value: Any) -> None:
+        self._refuse("insert")
+
+    def remove(self, value: Any) -> None:
+        self._refuse("remove")
+
+    def pop(self, index: Any = -1) -> Any:
+        self._refuse("pop")
+
+    def clear(self) -> None:
+        self._refuse("clear")
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse("sort")
+
+    def reverse(self) -> None:
+        self._refuse("reverse")
+
+    def __reduce__(self) -> Any:
+        return (list, (list(self),))
+
+
+def read_only(value: Any, stage: str, path: str, *, backend: str = "?") -> Any:
+    """``value`` with every dict and list in it (``value`` itself included) read-only, as the
+    stage ``stage`` of ``backend`` is handed it at ``path`` (an argument's name); tensors and other
+    values as they are."""
+    kind = type(value)
+    if kind is dict or kind is _ReadOnlyDict:
+        out = _ReadOnlyDict((k, read_only(v, stage, f"{path}[{k!r}]", backend=backend)) for k, v in value.items())
+        out._where = _Where(backend, stage, path)
+        return out
+    if kind is list or kind is _ReadOnlyList:
+        seq = _ReadOnlyList(read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value))
+        seq._where = _Where(backend, stage, path)
+        return seq
+    if kind is tuple:
+        return tuple(read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value))
+    return value
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every read-only dict and list in it made a plain one again (what a stage
+    returns: it may return what it was handed)."""
+    kind = type(value)
+    if kind is _ReadOnlyDict or kind is dict:
+        return {k: plain(v) for k, v in value.items()} if _holds_read_only(value) else value
+    if kind is _ReadOnlyList or kind is list:
+        return [plain(v) for v in value] if _holds_read_only(value) else value
+    if kind is tuple:
+        return tuple(plain(v) for v in value) if _holds_read_only(value) else value
+    return value
+
+
+def _holds_read_only(value: Any) -> bool:
+    kind = type(value)
+    if kind is _ReadOnlyDict or kind is _ReadOnlyList:
+        return True
+    if kind is dict:
+        return any(_holds_read_only(v) for v in value.values())
+    if kind is list or kind is tuple:
+        return any(_holds_read_only(v) for v in value)
+    return False
+
+
+# torch's tree utilities (and code a stage calls that uses them) walk them as the dict and the list they are
+pytree.register_pytree_node(_ReadOnlyDict, lambda d: pytree._dict_flatten(d), lambda values, keys: dict(zip(keys, values)),
+                            flatten_with_keys_fn=lambda d: pytree._dict_flatten_with_keys(d))
+pytree.register_pytree_node(_ReadOnlyList, lambda s: pytree._list_flatten(s), lambda values, _: list(values),
+                            flatten_with_keys_fn=lambda s: pytree._list_flatten_with_keys(s))
+
+__all__ = ["StageArgumentError", "plain", "read_only"]
