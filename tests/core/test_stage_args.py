@@ -155,3 +155,41 @@ def test_the_same_keys_in_another_order_are_the_same_output(mode, dev) -> None:
     orders = {tuple(_out_in_data_order(mode, step.shared, step.batch))
               for step in (scheduler.next_step() for _ in range(6))}
     assert len(orders) == 2, orders
+
+
+def _around_the_refusal(mode, shared, batch, meta):
+    dict.__setitem__(meta, "kv_lens", meta["kv_lens"].clamp(max=2))  # the base class's own method
+    meta["table"]["kv_lens"] = meta["kv_lens"]  # a defaultdict, changed as it is
+    return {}
+
+
+def _out_with_a_defaultdict(mode, shared, batch):
+    import collections
+
+    meta = page_meta(shared, batch)
+    return {**meta, "table": collections.defaultdict(int, {"kv_lens": meta["kv_lens"]})}
+
+
+def test_a_change_made_around_the_refusal_reaches_no_other_stage(dev) -> None:
+    # each stage's arguments are copies of its own, as a lowered step's are: the serial run and the
+    # loop both compute what the same backend without the change computes
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):  # the lengths from both places
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = torch.minimum(meta["kv_lens"], meta["table"]["kv_lens"])
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+
+    def make(prep):
+        return leaf("around", attend, prepare_out_graph=_out_with_a_defaultdict, declare={M.DECODE: DECLARED},
+                    **({} if prep is None else {"prepare_in_graph": prep}))
+
+    def serial(backend):
+        return run_serial(backend, M.DECODE, steps=4, batch_size=2, cfg=CFG, state=make_state(CFG),
+                          options=LoopOptions(finish_prob=0.3))
+
+    unchanged = serial(make(None))
+    assert serial(make(_around_the_refusal)).matches(unchanged)
+    run = run_overlapped(make(_around_the_refusal), M.DECODE, steps=4, policy=Policy.COARSE, device=dev, batch_size=2,
+                         cfg=CFG, state=make_state(CFG), options=LoopOptions(finish_prob=0.3))
+    assert run.matches(unchanged) and not run.violations
+    # and the change, had it reached the body, would show: clamping the lengths changes the logits
+    assert not serial(make(lambda mode, shared, batch, meta: {"kv_lens": meta["kv_lens"].clamp(max=2)})).matches(unchanged)
