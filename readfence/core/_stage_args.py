@@ -10,8 +10,8 @@ containers (:func:`read_only`): reading them is reading a dict or a list, changi
 :class:`StageArgumentError` naming the backend, the stage, the key and the line. What a stage
 returns is made plain again (:func:`plain`): a stage may return the metadata it was handed.
 Each container is the stage's own copy, as in a lowered step: a change made around the refusal
-(``dict.__setitem__`` on one, a dict of another type such as a ``defaultdict``, which is copied
-as it is) reaches no other stage and not the caller's state.
+(``dict.__setitem__`` on one) reaches no other stage and not the caller's state. A container of
+another type (an ``OrderedDict``, a ``defaultdict`` a stage returned) is handed as it is.
 
 >>> meta = read_only({"n": [1, 2]}, "prepare_in_graph", "meta", backend="mine")
 >>> meta["n"][1], dict(meta) == {"n": [1, 2]}, plain({"m": meta}) == {"m": {"n": [1, 2]}}
@@ -24,7 +24,6 @@ readfence.core._stage_args.StageArgumentError: backend 'mine' stage prepare_in_g
 
 from __future__ import annotations
 
-import copy
 import sys
 from typing import Any, NoReturn
 
@@ -171,11 +170,6 @@ def read_only(value: Any, stage: str, path: str, *, backend: str = "?") -> Any:
         return seq
     if kind is tuple:
         return tuple(read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value))
-    if isinstance(value, (dict, list)):  # another dict or list type: a copy of its own, as it is
-        own = copy.copy(value)
-        for key, v in (value.items() if isinstance(value, dict) else enumerate(value)):
-            own[key] = read_only(v, stage, f"{path}[{key!r}]", backend=backend)
-        return own
     return value
 
 

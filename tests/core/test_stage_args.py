@@ -159,15 +159,13 @@ def test_the_same_keys_in_another_order_are_the_same_output(mode, dev) -> None:
 
 def _around_the_refusal(mode, shared, batch, meta):
     dict.__setitem__(meta, "kv_lens", meta["kv_lens"].clamp(max=2))  # the base class's own method
-    meta["table"]["kv_lens"] = meta["kv_lens"]  # a defaultdict, changed as it is
+    dict.__setitem__(meta["table"], "kv_lens", meta["kv_lens"])
     return {}
 
 
-def _out_with_a_defaultdict(mode, shared, batch):
-    import collections
-
+def _out_with_a_table(mode, shared, batch):
     meta = page_meta(shared, batch)
-    return {**meta, "table": collections.defaultdict(int, {"kv_lens": meta["kv_lens"]})}
+    return {**meta, "table": {"kv_lens": meta["kv_lens"]}}
 
 
 def test_a_change_made_around_the_refusal_reaches_no_other_stage(dev) -> None:
@@ -179,7 +177,7 @@ def test_a_change_made_around_the_refusal_reaches_no_other_stage(dev) -> None:
         return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
 
     def make(prep):
-        return leaf("around", attend, prepare_out_graph=_out_with_a_defaultdict, declare={M.DECODE: DECLARED},
+        return leaf("around", attend, prepare_out_graph=_out_with_a_table, declare={M.DECODE: DECLARED},
                     **({} if prep is None else {"prepare_in_graph": prep}))
 
     def serial(backend):
