@@ -10,8 +10,10 @@ containers (:func:`read_only`): reading them is reading a dict or a list, changi
 :class:`StageArgumentError` naming the backend, the stage, the key and the line. What a stage
 returns is made plain again (:func:`plain`): a stage may return the metadata it was handed.
 Each container is the stage's own copy, as in a lowered step: a change made around the refusal
-(``dict.__setitem__`` on one) reaches no other stage and not the caller's state. A container of
-another type (an ``OrderedDict``, a ``defaultdict`` a stage returned) is handed as it is.
+(``dict.__setitem__`` on one) reaches no other stage and not the caller's state; nor does a change
+to an ``OrderedDict``, a ``defaultdict`` or a ``deque`` a stage returned, each handed on as a copy
+of its own type (not refused: their own methods stay theirs). In the body, the last stage, ``meta``
+is a dict of its own to change.
 
 >>> meta = read_only({"n": [1, 2]}, "prepare_in_graph", "meta", backend="mine")
 >>> meta["n"][1], dict(meta) == {"n": [1, 2]}, plain({"m": meta}) == {"m": {"n": [1, 2]}}
@@ -24,6 +26,8 @@ readfence.core._stage_args.StageArgumentError: backend 'mine' stage prepare_in_g
 
 from __future__ import annotations
 
+import collections
+import copy
 import sys
 from typing import Any, NoReturn
 
@@ -43,7 +47,9 @@ class StageArgumentError(ReadfenceError, TypeError):
 
 
 def _caller() -> str:
-    frame = sys._getframe(4)  # (past the refusal, the container's check and the method called)
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:  # the first frame not this module's
+        frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
@@ -65,94 +71,54 @@ class _Where:
             stage=self.stage)
 
 
-class _ReadOnlyDict(dict[Any, Any]):
-    """A dict a stage may read and not change."""
+def _guarded(base: type, name: str, keyed: bool) -> Any:
+    """``base``'s method ``name``, refused on a container handed to a stage (``keyed``: its first
+    argument is the key it changes), run as it is on one the stage built itself."""
+    method = getattr(base, name)
 
-    __slots__ = ("_where",)
-    _where: _Where
-
-    def _refuse(self, how: str, key: Any = None) -> NoReturn:
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         where = self._where
-        at = where.path if key is None else f"{where.path}[{key!r}]"
-        _Where(where.backend, where.stage, at).refuse(how)
+        if where is None:
+            return method(self, *args, **kwargs)
+        at = f"{where.path}[{args[0]!r}]" if keyed and args else where.path
+        _Where(where.backend, where.stage, at).refuse(name.strip("_") if name != "__setitem__" or not keyed
+                                                       else "assigned")
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._refuse("assigned", key)
+    guarded.__name__ = name
+    return guarded
 
-    def __delitem__(self, key: Any) -> None:
-        self._refuse("deleted", key)
 
-    def __ior__(self, other: Any) -> Any:  # type: ignore[misc]
-        self._refuse("|=")
+class _ReadOnlyDict(dict[Any, Any]):
+    """A dict a stage may read and not change (one it builds as ``type(meta)(...)`` is its own)."""
 
-    def pop(self, key: Any, *default: Any) -> Any:
-        self._refuse("pop", key)
-
-    def popitem(self) -> Any:
-        self._refuse("popitem")
-
-    def clear(self) -> None:
-        self._refuse("clear")
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        self._refuse("update")
+    _where: _Where | None = None
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key in self:
             return self[key]
-        self._refuse("setdefault", key)
+        return _guarded(dict, "setdefault", True)(self, key, default)
 
     def __reduce__(self) -> Any:
         return (dict, (dict(self),))
 
 
+for _name, _keyed in (("__setitem__", True), ("__delitem__", True), ("__ior__", False), ("pop", True),
+                      ("popitem", False), ("clear", False), ("update", False)):
+    setattr(_ReadOnlyDict, _name, _guarded(dict, _name, _keyed))
+
+
 class _ReadOnlyList(list[Any]):
-    """A list a stage may read and not change."""
+    """A list a stage may read and not change (one it builds as ``type(rows)(...)`` is its own)."""
 
-    __slots__ = ("_where",)
-    _where: _Where
-
-    def _refuse(self, how: str) -> NoReturn:
-        self._where.refuse(how)
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        self._refuse("item assigned")
-
-    def __delitem__(self, index: Any) -> None:
-        self._refuse("item deleted")
-
-    def __iadd__(self, other: Any) -> Any:  # type: ignore[misc]
-        self._refuse("+=")
-
-    def __imul__(self, other: Any) -> Any:  # type: ignore[misc]
-        self._refuse("*=")
-
-    def append(self, value: Any) -> None:
-        self._refuse("append")
-
-    def extend(self, values: Any) -> None:
-        self._refuse("extend")
-
-    def insert(self, index: Any, value: Any) -> None:
-        self._refuse("insert")
-
-    def remove(self, value: Any) -> None:
-        self._refuse("remove")
-
-    def pop(self, index: Any = -1) -> Any:
-        self._refuse("pop")
-
-    def clear(self) -> None:
-        self._refuse("clear")
-
-    def sort(self, *args: Any, **kwargs: Any) -> None:
-        self._refuse("sort")
-
-    def reverse(self) -> None:
-        self._refuse("reverse")
+    _where: _Where | None = None
 
     def __reduce__(self) -> Any:
         return (list, (list(self),))
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "remove", "pop",
+              "clear", "sort", "reverse"):
+    setattr(_ReadOnlyList, _name, _guarded(list, _name, False))
 
 
 def read_only(value: Any, stage: str, path: str, *, backend: str = "?") -> Any:
@@ -170,7 +136,19 @@ def read_only(value: Any, stage: str, path: str, *, backend: str = "?") -> Any:
         return seq
     if kind is tuple:
         return tuple(read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value))
+    if kind in _OTHER_DICTS:  # the other containers a stage may return: the stage's own copies, as they are
+        own = copy.copy(value)
+        for k, v in value.items():
+            dict.__setitem__(own, k, read_only(v, stage, f"{path}[{k!r}]", backend=backend))
+        return own
+    if kind is collections.deque:
+        return collections.deque((read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value)),
+                                 maxlen=value.maxlen)
     return value
+
+
+#: Dicts of other types a stage may return (torch's tree utilities walk them), each handed on as a copy.
+_OTHER_DICTS = (collections.OrderedDict, collections.defaultdict)
 
 
 def plain(value: Any) -> Any:
@@ -183,6 +161,13 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value] if _holds_read_only(value) else value
     if kind is tuple:
         return tuple(plain(v) for v in value) if _holds_read_only(value) else value
+    if kind in _OTHER_DICTS and _holds_read_only(value):
+        own = copy.copy(value)
+        for k, v in value.items():
+            dict.__setitem__(own, k, plain(v))
+        return own
+    if kind is collections.deque and _holds_read_only(value):
+        return collections.deque((plain(v) for v in value), maxlen=value.maxlen)
     return value
 
 
@@ -190,9 +175,9 @@ def _holds_read_only(value: Any) -> bool:
     kind = type(value)
     if kind is _ReadOnlyDict or kind is _ReadOnlyList:
         return True
-    if kind is dict:
+    if kind is dict or kind in _OTHER_DICTS:
         return any(_holds_read_only(v) for v in value.values())
-    if kind is list or kind is tuple:
+    if kind is list or kind is tuple or kind is collections.deque:
         return any(_holds_read_only(v) for v in value)
     return False
 

@@ -163,7 +163,9 @@ class StepFunctions:
 def _checked(stage: Stage, fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
     def run(**kwargs: Any) -> Any:
         # its arguments read-only (``_stage_args``): a change would reach the next stage serially only
-        handed = {k: read_only(v, stage.name, k, backend=backend) for k, v in kwargs.items()}
+        # (the body's ``meta``, a dict ``eval_step`` makes for it, reaches none: the body is the last)
+        handed = {k: v if stage is BODY and k == "meta" else read_only(v, stage.name, k, backend=backend)
+                  for k, v in kwargs.items()}
         return check_stage_output(stage, plain(fn(**handed)), backend=backend, fn=fn, kwargs=kwargs)
 
     return run

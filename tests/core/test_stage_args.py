@@ -9,6 +9,8 @@ lowered loop really differ (the check that shares nothing with it).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -160,12 +162,13 @@ def test_the_same_keys_in_another_order_are_the_same_output(mode, dev) -> None:
 def _around_the_refusal(mode, shared, batch, meta):
     dict.__setitem__(meta, "kv_lens", meta["kv_lens"].clamp(max=2))  # the base class's own method
     dict.__setitem__(meta["table"], "kv_lens", meta["kv_lens"])
+    meta["ordered"]["kv_lens"] = meta["kv_lens"]  # an OrderedDict: its own methods, on a copy of its own
     return {}
 
 
 def _out_with_a_table(mode, shared, batch):
     meta = page_meta(shared, batch)
-    return {**meta, "table": {"kv_lens": meta["kv_lens"]}}
+    return {**meta, "table": {"kv_lens": meta["kv_lens"]}, "ordered": collections.OrderedDict(kv_lens=meta["kv_lens"])}
 
 
 def test_a_change_made_around_the_refusal_reaches_no_other_stage(dev) -> None:
@@ -173,7 +176,7 @@ def test_a_change_made_around_the_refusal_reaches_no_other_stage(dev) -> None:
     # loop both compute what the same backend without the change computes
     def attend(mode, layer, q, k, v, pools, shared, batch, meta):  # the lengths from both places
         store_kv(pools, layer, batch["out_cache_loc"], k, v)
-        lens = torch.minimum(meta["kv_lens"], meta["table"]["kv_lens"])
+        lens = torch.minimum(torch.minimum(meta["kv_lens"], meta["table"]["kv_lens"]), meta["ordered"]["kv_lens"])
         return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
 
     def make(prep):
@@ -191,3 +194,28 @@ def test_a_change_made_around_the_refusal_reaches_no_other_stage(dev) -> None:
     assert run.matches(unchanged) and not run.violations
     # and the change, had it reached the body, would show: clamping the lengths changes the logits
     assert not serial(make(lambda mode, shared, batch, meta: {"kv_lens": meta["kv_lens"].clamp(max=2)})).matches(unchanged)
+
+
+def _body_caching(mode, layer, q, k, v, pools, shared, batch, meta):
+    if "scale" not in meta:  # the body, the last stage: its meta is a dict of its own
+        meta["scale"] = torch.full((1,), 0.5)
+    return _attend(mode, layer, q, k, v, pools, shared, batch, meta) * meta["scale"]
+
+
+def _rebuilt(mode, shared, batch, meta):
+    mine = type(meta)((k, v) for k, v in meta.items())  # a container the stage builds is its own to change
+    mine["kv_lens"] = mine["kv_lens"].clamp(min=1)
+    return {"kv_lens": mine["kv_lens"]}
+
+
+@pytest.mark.parametrize("name", ["body caching", "rebuilt"])
+def test_a_body_caching_in_its_meta_and_a_stage_changing_a_container_it_built_are_accepted(name, dev) -> None:
+    backend = (leaf("body_caching", _body_caching, prepare_out_graph=_out, declare={M.DECODE: DECLARED})
+               if name == "body caching" else
+               leaf("rebuilt", _attend, prepare_out_graph=_out, prepare_in_graph=_rebuilt, declare={M.DECODE: DECLARED}))
+    assert audit(backend, M.DECODE, cfg=CFG).unwrap()
+    reference = run_serial(backend, M.DECODE, steps=4, batch_size=2, cfg=CFG, state=make_state(CFG),
+                           options=LoopOptions(finish_prob=0.3))
+    run = run_overlapped(backend, M.DECODE, steps=4, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
+                         state=make_state(CFG), options=LoopOptions(finish_prob=0.3))
+    assert run.matches(reference) and not run.violations

@@ -31,9 +31,9 @@ class ReadKeys(dict):
     """A stage's ``meta`` while it is traced: a ``dict`` that adds to ``read`` the key of every
     value the stage reads from it (every key, where it reads them all at once)."""
 
-    def __init__(self, data: dict[Any, Any], read: set[Any]) -> None:
+    def __init__(self, data: Any = (), read: set[Any] | None = None) -> None:
         super().__init__(data)
-        self._read = read
+        self._read = set() if read is None else read  # (one a stage builds as type(meta)(...) is its own)
 
     def _all(self) -> None:
         self._read.update(super().keys())
