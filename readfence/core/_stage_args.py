@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import copy
 import sys
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from torch.utils import _pytree as pytree
@@ -81,11 +82,14 @@ def _guarded(base: type, name: str, keyed: bool) -> Any:
         if where is None:
             return method(self, *args, **kwargs)
         at = f"{where.path}[{args[0]!r}]" if keyed and args else where.path
-        _Where(where.backend, where.stage, at).refuse(name.strip("_") if name != "__setitem__" or not keyed
-                                                       else "assigned")
+        _Where(where.backend, where.stage, at).refuse(_HOW.get(name, name))
 
     guarded.__name__ = name
     return guarded
+
+
+#: How the error words a change made by a dunder method (others by their name: ``append``).
+_HOW = {"__setitem__": "assigned", "__delitem__": "deleted", "__ior__": "|=", "__iadd__": "+=", "__imul__": "*="}
 
 
 class _ReadOnlyDict(dict[Any, Any]):
@@ -96,12 +100,13 @@ class _ReadOnlyDict(dict[Any, Any]):
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key in self:
             return self[key]
-        return _guarded(dict, "setdefault", True)(self, key, default)
+        return _SETDEFAULT(self, key, default)
 
     def __reduce__(self) -> Any:
         return (dict, (dict(self),))
 
 
+_SETDEFAULT = _guarded(dict, "setdefault", True)  # (a key it already holds is only read)
 for _name, _keyed in (("__setitem__", True), ("__delitem__", True), ("__ior__", False), ("pop", True),
                       ("popitem", False), ("clear", False), ("update", False)):
     setattr(_ReadOnlyDict, _name, _guarded(dict, _name, _keyed))
@@ -123,51 +128,56 @@ for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "e
 
 def read_only(value: Any, stage: str, path: str, *, backend: str = "?") -> Any:
     """``value`` with every dict and list in it (``value`` itself included) read-only, as the
-    stage ``stage`` of ``backend`` is handed it at ``path`` (an argument's name); tensors and other
-    values as they are."""
-    kind = type(value)
-    if kind is dict or kind is _ReadOnlyDict:
-        out = _ReadOnlyDict((k, read_only(v, stage, f"{path}[{k!r}]", backend=backend)) for k, v in value.items())
-        out._where = _Where(backend, stage, path)
-        return out
-    if kind is list or kind is _ReadOnlyList:
-        seq = _ReadOnlyList(read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value))
-        seq._where = _Where(backend, stage, path)
-        return seq
-    if kind is tuple:
-        return tuple(read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value))
-    if kind in _OTHER_DICTS:  # the other containers a stage may return: the stage's own copies, as they are
-        own = copy.copy(value)
-        for k, v in value.items():
-            dict.__setitem__(own, k, read_only(v, stage, f"{path}[{k!r}]", backend=backend))
-        return own
-    if kind is collections.deque:
-        return collections.deque((read_only(v, stage, f"{path}[{i}]", backend=backend) for i, v in enumerate(value)),
-                                 maxlen=value.maxlen)
-    return value
+    stage ``stage`` of ``backend`` is handed it at ``path`` (an argument's name); the other
+    containers a stage may return copies of their own; tensors and other values as they are."""
+    if type(value) not in _CONTAINERS:  # (most of what a stage is handed: each tensor of its groups)
+        return value
+    where = _Where(backend, stage, path)
 
+    def handed(kind: type) -> Callable[[Iterable[Any]], Any]:  # a read-only container, refusing at ``path``
+        def make(items: Iterable[Any]) -> Any:
+            out = kind(items)
+            out._where = where
+            return out
+        return make
 
-#: Dicts of other types a stage may return (torch's tree utilities walk them), each handed on as a copy.
-_OTHER_DICTS = (collections.OrderedDict, collections.defaultdict)
+    def child(key: Any, v: Any) -> Any:  # (a child's path made only for a container: most are tensors)
+        return v if type(v) not in _CONTAINERS else read_only(v, stage, f"{path}[{key!r}]", backend=backend)
+
+    return _each(value, child, as_dict=handed(_ReadOnlyDict), as_list=handed(_ReadOnlyList))
 
 
 def plain(value: Any) -> Any:
     """``value`` with every read-only dict and list in it made a plain one again (what a stage
     returns: it may return what it was handed)."""
+    return _each(value, lambda _, v: plain(v)) if _holds_read_only(value) else value
+
+
+#: Dicts of other types a stage may return (torch's tree utilities walk them), each handed on as a copy.
+_OTHER_DICTS = (collections.OrderedDict, collections.defaultdict)
+#: Every container :func:`_each` walks.
+_CONTAINERS = frozenset({dict, list, tuple, collections.deque, _ReadOnlyDict, _ReadOnlyList, *_OTHER_DICTS})
+
+
+def _each(value: Any, fn: Callable[[Any, Any], Any], *, as_dict: Callable[[Iterable[Any]], Any] = dict,
+          as_list: Callable[[Iterable[Any]], Any] = list) -> Any:
+    """A container of ``value``'s kind holding ``fn(key, child)`` for each of its children (a dict's
+    by key, a sequence's by index), a plain dict or list made by ``as_dict`` or ``as_list``; a
+    value that is no container as it is."""
     kind = type(value)
-    if kind is _ReadOnlyDict or kind is dict:
-        return {k: plain(v) for k, v in value.items()} if _holds_read_only(value) else value
-    if kind is _ReadOnlyList or kind is list:
-        return [plain(v) for v in value] if _holds_read_only(value) else value
+    if kind is dict or kind is _ReadOnlyDict:
+        return as_dict((k, fn(k, v)) for k, v in value.items())
+    if kind is list or kind is _ReadOnlyList:
+        return as_list(fn(i, v) for i, v in enumerate(value))
     if kind is tuple:
-        return tuple(plain(v) for v in value) if _holds_read_only(value) else value
-    if kind in _OTHER_DICTS and _holds_read_only(value):
+        return tuple(fn(i, v) for i, v in enumerate(value))
+    if kind in _OTHER_DICTS:  # a copy of its own type (an OrderedDict's order, a defaultdict's factory)
         own = copy.copy(value)
         for k, v in value.items():
-            dict.__setitem__(own, k, plain(v))
+            dict.__setitem__(own, k, fn(k, v))
         return own
-    if kind is collections.deque and _holds_read_only(value):
-        return collections.deque((plain(v) for v in value), maxlen=value.maxlen)
+    if kind is collections.deque:
+        return collections.deque((fn(i, v) for i, v in enumerate(value)), maxlen=value.maxlen)
     return value
 
 
