@@ -222,7 +222,9 @@ def baked(name: str, max_ctx: int) -> Any:
     capture bakes the count of the traced step, which is the same on the trace's example and on
     every state of the first-tokens and longest-context kinds, and another on a mixed batch.
     ``power_of_two``: whether the batch's longest length is a power of two (a split-KV bucket's
-    test), which at batch size 1 is so on the example, the first token and the longest context."""
+    test), which at batch size 1 is so on the example, the first token and the longest context;
+    ``power_of_two_between``: whether it is a power of two strictly between the first token's and
+    the longest context's (so on neither), which at batch sizes 2 and 4 is not so on the example."""
 
     def count(shared: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> int:
         pos = batch["positions"]
@@ -230,9 +232,11 @@ def baked(name: str, max_ctx: int) -> Any:
             return pos[pos == 0].numel() * pos[pos > 0].numel()
         if name == "mixed":
             return 3 if mixed(shared, batch, max_ctx) else 0
-        if name == "power_of_two":
+        if name.startswith("power_of_two"):
             lens = shared["seq_lens"].index_select(0, batch["req_pool_indices"])
             longest = lens[lens == lens.max()]
+            if name == "power_of_two_between":
+                longest = longest[(longest > 1) & (longest < max_ctx)]
             return 3 if longest[(longest & (longest - 1)) == 0].numel() else 0
         lens = shared["seq_lens"]
         return lens[lens > 0].numel() - batch["req_pool_indices"].numel()
@@ -251,7 +255,7 @@ def baked(name: str, max_ctx: int) -> Any:
     return leaf(f"baked_{name}", attend, prepare_in_graph=prep, declare={M.DECODE: effect})
 
 
-BAKED = ("pairs", "mixed", "stale", "power_of_two")
+BAKED = ("pairs", "mixed", "stale", "power_of_two", "power_of_two_between")
 
 #: The batch size each spelling of :data:`BAKED` hides at best (the power-of-two test at batch size
 #: 1, where every length the trace's example and two of the generated states take is one).

@@ -480,8 +480,9 @@ def varied_step(
     * seed 2, ``longest_context``: every request at the longest context, rows from the top down;
     * seed 3, ``mixed_batch``: a mixed batch, as a prefill batch always is and a decode batch is
       once a request finished and its row was reused: requests at their first tokens and others
-      into their context side by side (the deepest at the middle of the context: its longest
-      length is neither the first tokens' nor the longest context's), in random rows, with stale rows of
+      into their context side by side (the deepest about the middle of the context: its longest
+      length is neither the first tokens' nor the longest context's, and a power of two where the
+      example's is not, and the other way round), in random rows, with stale rows of
       finished requests; with 3 or more requests its last two are padding (one row, twice, at its
       first tokens, token id 0), as a graph captured for a larger batch runs a smaller one;
     * any other seed: a random one of the three, with random rows and depths.
@@ -522,7 +523,10 @@ def varied_step(
         top = list(range(cfg.max_reqs - 1, cfg.max_reqs - 1 - batch_size, -1))
         reqs, prefix = (rows[:batch_size] if random else top), [span - 1] * batch_size
     else:
-        reqs, prefix, pad = _mixed(rows, batch_size, span, tokens_per_request(mode), g)
+        _, example = example_batch_layout(cfg, mode, batch_size)
+        longest = max(example) + tokens_per_request(mode)
+        reqs, prefix, pad = _mixed(rows, batch_size, span, tokens_per_request(mode), g,
+                                   power_of_two=not _power_of_two(longest))
     shared = make_shared_state(cfg, device=device)
     slots = None
     if seed != 1:  # other bijections: a slot, a window slot, a state slot of another layout
@@ -541,21 +545,25 @@ def varied_step(
     return step
 
 
-def _mixed(rows: list[int], batch_size: int, span: int, tokens: int,
-           g: torch.Generator) -> tuple[list[int], list[int], int]:
+def _mixed(rows: list[int], batch_size: int, span: int, tokens: int, g: torch.Generator, *,
+           power_of_two: bool) -> tuple[list[int], list[int], int]:
     """Rows and prefix lengths of a mixed batch of requests of ``tokens`` new tokens each, and its
     number of padding requests: half its requests (rounded up) new, the others at random depths up
-    to the middle of the context, the first of them at the middle (the batch's longest length is
+    to about the middle of the context, the first of them there (the batch's longest length is
     then neither the first tokens' nor the longest context's: a bucket between the two is taken),
     in a random order; with 3 or more, the last two are padding (one row, at its first tokens,
-    twice). The middle length is not a power of two: at batch size 1 it is the batch's longest,
-    and with a power-of-two context the others (the first token, the longest context) are."""
+    twice). That longest length is a power of two as ``power_of_two`` says: the other way than the
+    example's at this batch size, so a test of it (a split-KV bucket's) differs from the example's
+    here, whether it asks "a power of two" (the first token and a power-of-two context are) or "a
+    power of two strictly between" (neither is)."""
     pad = 2 if batch_size >= 3 else 0
     real = batch_size - pad
     new = (real + 1) // 2 if real > 1 else 0
     middle = max((span - 1) // 2, 1)
-    length = middle + tokens
-    if middle > 1 and length & (length - 1) == 0:
+    if power_of_two:
+        below = 1 << (middle + tokens).bit_length() - 1  # the power of two at or below
+        middle = max(below - tokens, 1)
+    elif middle > 1 and _power_of_two(middle + tokens):
         middle -= 1
     depths = torch.randint(1, middle + 1, (real,), generator=g).tolist()
     depths[new:new + 1] = [middle] * (real > new)
@@ -564,6 +572,10 @@ def _mixed(rows: list[int], batch_size: int, span: int, tokens: int,
     prefix = [prefix[i] for i in order]
     reqs = rows[:real]
     return reqs + ([rows[real]] * pad if pad else []), prefix + [0] * pad, pad
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,

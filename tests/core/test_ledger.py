@@ -108,6 +108,7 @@ def _statistics(shared: dict, batch: dict, cfg: ModelConfig, mode: ForwardMode) 
     return {
         "new": new, "deep": deep, "mixed": bool(new and deep), "all new": new == len(rows),
         "at the longest": bool((lens == cfg.max_ctx).any()), "longest a power of two": _power_of_two(int(lens.max())),
+        "longest a power of two strictly between": 1 < int(lens.max()) < cfg.max_ctx and _power_of_two(int(lens.max())),
         "stale rows": int((shared["seq_lens"] > 0).sum()) - int(
             rows.unique().numel()), "repeated rows": int(rows.numel() - rows.unique().numel()),
     }
