@@ -36,6 +36,8 @@ _ADVICE = {
                "deterministic function of what the scheduler wrote; `readfence demo` shows the "
                "sanitizer's view",
     "unsound declaration": "fix the declaration (see the detail)",
+    "padding": "a request's outputs depend on the padding rows of the captured size its batch runs in (a "
+               "reduction over the whole batch): mask the padding out of what reaches a request",
     "miscompiled": "readfence's own compile passes computed something else (a bug in readfence, not in the "
                    "backend): report it; LowerOptions(optimize=False) lowers the step without them",
 }

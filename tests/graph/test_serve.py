@@ -231,6 +231,74 @@ def test_verify_on_the_serving_loop_is_clean():
     assert report.ran() == ["poison", "guard", "observer"] and "serving" in str(report)
 
 
+# -- outputs that depend on the padding rows ----------------------------------------------------------
+
+
+def _padding_dependent(how: str):
+    """A paged leaf, declared honestly, whose requests' outputs depend on every row of the batch
+    the graph runs: the padding rows of a larger captured size change them."""
+    from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        if how == "mean_length":
+            return out + 1e-2 * meta["kv_lens"].float().mean()
+        if how == "batch_norm":  # normalised over the whole batch's queries
+            return out / (1.0 + q.float().abs().sum())
+        return out + 1e-3 * float(q.shape[0])  # the number of rows, a Python value
+
+    pre = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
+    return leaf(f"padding_{how}", attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch),
+                declare={ForwardMode.DECODE: pre, ForwardMode.EXTEND: pre})
+
+
+@pytest.mark.parametrize("how", ["mean_length", "batch_norm", "rows"])
+def test_outputs_that_depend_on_the_padding_are_named_padding_not_a_nondeterministic_backend(how):
+    backend, traffic = _padding_dependent(how), Traffic(rate=1.0, prompt=(4, 8), output=(2, 6), seed=1)
+    kw = dict(steps=14, traffic=traffic, capture_sizes=[1, 2, 4], cfg=CFG)
+    # the independent check, without verify: the loop matches the serial run padded as it pads,
+    # and not the serial run at each batch's own size
+    with CpuDevice(timeout=30) as dev:
+        loop = run_serve(backend, policy=Policy.PER_BUFFER, device=dev, **kw)
+    assert any(r.kind == "decode" and r.padded > len(r.requests) for r in loop.records)  # some batch padded
+    assert not loop.matches(run_serve_serial(backend, **kw))
+    assert loop.matches(run_serve_serial(backend, padded=True, **kw))
+    with CpuDevice(timeout=30) as dev:
+        found = verify_serve(backend, device=dev, policy=Policy.PER_BUFFER, **kw).failure()
+    assert (found.kind, found.evidence, found.buffer) == ("padding", "rerun", None), str(found)
+    assert "padded=True" in found.detail
+
+
+def test_a_backend_that_keeps_state_still_differs_and_is_not_blamed_on_the_padding():
+    from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+
+    calls = []
+
+    def out_graph(mode, shared, batch):  # a counter kept in Python: every run of the step moves it on
+        calls.append(1)
+        return {**page_meta(shared, batch), "bias": torch.full((1,), 1e-3 * len(calls))}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + meta["bias"]
+
+    pre = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})
+    backend = leaf("counter", attend, prepare_out_graph=out_graph, declare={ForwardMode.DECODE: pre,
+                                                                           ForwardMode.EXTEND: pre})
+    with CpuDevice(timeout=30) as dev:
+        found = verify_serve(backend, steps=10, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, capture_sizes=[1, 2, 4],
+                             traffic=Traffic(rate=1.0, prompt=(4, 8), output=(2, 6), seed=1)).failure()
+    assert (found.kind, found.evidence) == ("differs", "output"), str(found)
+
+
+def test_the_padded_serial_reference_of_a_correct_backend_is_the_unpadded_one():
+    kw = dict(steps=20, traffic=TRAFFIC, capture_sizes=SIZES, cfg=CFG)
+    assert run_serve_serial(paged(), padded=True, **kw).matches(run_serve_serial(paged(), **kw))
+    with pytest.raises(ValueError, match="per_stream group"):
+        run_serve_serial(per_stream(paged(), paged()), padded=True, **kw)
+
+
 # -- the scheduler ------------------------------------------------------------------------------------
 
 

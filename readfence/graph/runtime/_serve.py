@@ -33,6 +33,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from readfence.backends import PerStream
 from readfence.core import SHARED_BUFFERS, BackendLike, ForwardMode, ModelConfig
 from readfence.core.internal import model_config, positive_int, request_ranges, tokens_per_request
 
@@ -204,8 +205,9 @@ def _first_request(record: StepRecord, a: Tensor | tuple[Tensor, ...], b: Tensor
 
 def _unpad(out: Any, low: Any, real: int, padded: int, tokens: int) -> Tensor | tuple[Tensor, ...]:
     """The outputs of ``real`` requests of a step run in a graph of ``padded`` (padding dropped)."""
-    if isinstance(low, PhasedStep):
-        return tuple(part.narrow(0, 0, real * tokens_per_request(ph.mode)) for part, ph in zip(out, low.shape.phases))
+    if isinstance(low, (PhasedStep, StepShape)):
+        shape = low.shape if isinstance(low, PhasedStep) else low
+        return tuple(part.narrow(0, 0, real * tokens_per_request(ph.mode)) for part, ph in zip(out, shape.phases))
     if isinstance(low, StreamGroup):
         ranges = request_ranges(padded, len(low.lowered))
         return tuple(part.narrow(0, 0, max(0, min(hi, real) - lo) * tokens) for part, (lo, hi) in zip(out, ranges))
@@ -503,7 +505,7 @@ class SerialServe:
     def __init__(self, target: Target, *, traffic: Traffic | None = None,
                  capture_sizes: Iterable[int] = DEFAULT_CAPTURE_SIZES, cfg: ModelConfig | None = None,
                  state: Mapping[str, dict[str, Tensor]] | None = None, device: str | None = None,
-                 options: ServeOptions | None = None) -> None:
+                 options: ServeOptions | None = None, padded: bool = False) -> None:
         check_run(target, ForwardMode.DECODE)
         opts = options_of(options, ServeOptions, "SerialServe")
         self.target, self.cfg = target, model_config(cfg)
@@ -515,6 +517,10 @@ class SerialServe:
         self.scheduler = _scheduler(target, ForwardMode.DECODE, self.cfg, traffic, self.sizes, opts.max_prefill)
         self.members, self.prefill = members(target), prefill_target(target)
         self.write_wait_s, self.progress = opts.write_wait_s, opts.progress
+        if padded and isinstance(target, PerStream):
+            raise ValueError("run_serve_serial(padded=True): a per_stream group's members already serve the "
+                             "shares of the padded size; pad a backend or a step shape")
+        self.pad = padded
 
     def run(self, steps: int, progress: Callable[[int], None] | None = None) -> ServeResult:
         """The next ``steps`` steps; ``progress(i)`` (default: the options') after step ``i``."""
@@ -531,7 +537,12 @@ class SerialServe:
                 state["shared"][b].copy_(nxt.shared[b])
             batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
             padded = _padded(nxt.kind, nxt.batch_size, self.sizes, self.members)
-            if nxt.kind == DECODE:
+            if nxt.kind == DECODE and self.pad and padded > nxt.batch_size:  # as the loop runs it
+                run = self.scheduler.pad(nxt, padded)
+                run = run if where == "cpu" else {k: v.to(where) for k, v in run.items()}
+                out = eager_step(self.target, mode, cfg, state, run, padded)
+                outputs.append(_unpad(out, self.target, nxt.batch_size, padded, nxt.tokens))
+            elif nxt.kind == DECODE:
                 outputs.append(eager_step(self.target, mode, cfg, state, batch, padded))
             else:
                 outputs.append(eager_step(self.prefill, ForwardMode.EXTEND, cfg, state, batch, padded))
@@ -557,10 +568,14 @@ def run_serve_serial(
     state: Mapping[str, dict[str, Tensor]] | None = None,
     device: str | None = None,
     options: ServeOptions | None = None,
+    padded: bool = False,
 ) -> ServeResult:
     """The reference of the serving loop: the same schedule (same traffic, capture list and
     limits), eager, one step after another, each step at its exact batch size (a ``per_stream``
-    group's members serve the requests of their shares of the padded size, as in the loop).
+    group's members serve the requests of their shares of the padded size, as in the loop);
+    with ``padded``, each decode step padded as the loop pads it to the captured size it runs in,
+    the padding's outputs dropped (a backend whose requests' outputs depend on the padding rows,
+    a reduction over the whole batch, matches the loop only then).
     ``device`` is the torch device kind it runs on (``"cpu"``, ``"cuda"``; default: where
     ``state`` lives, else the CPU). ``options`` is the loop's own :class:`ServeOptions`, of which
     it reads ``max_prefill``, ``progress`` and ``write_wait_s`` (it sleeps that long before each
@@ -573,5 +588,5 @@ def run_serve_serial(
     """
     positive_int("steps", steps)
     serial = SerialServe(target, traffic=traffic, capture_sizes=capture_sizes, cfg=cfg, state=state, device=device,
-                         options=options_of(options, ServeOptions, "run_serve_serial"))
+                         options=options_of(options, ServeOptions, "run_serve_serial"), padded=padded)
     return serial.run(steps)

@@ -19,13 +19,16 @@ class LateRead:
 
     ``kind``: ``"late read"``, ``"write"``, ``"differs"``, ``"unsound declaration"``,
     ``"thread"`` (a stage hands work to another thread: ``op`` names it), ``"miscompiled"``
-    (readfence's compile passes are wrong: a bug of readfence's, not of the backend) or ``"refused"``
+    (readfence's compile passes are wrong: a bug of readfence's, not of the backend), ``"padding"``
+    (in the serving loop: a request's outputs depend on the padding rows its batch is run with, as
+    the serial run padded the same way shows) or ``"refused"``
     (captured trace-time state, a stage no graph can capture, a captured stage that computes
     other than its Python, an opaque op whose output aliased a shared buffer at a replay where
     no example showed it: ``op`` names it); ``evidence``: ``"observer"``, ``"poison"``, ``"guard"``,
     ``"output"``, ``"audit"``, ``"replay"`` (the capture replayed on fresh states differs from
     the stage's Python: ``stage`` and ``op``, the output, name it), ``"rerun"`` (the step lowered
-    without readfence's compile passes matches the serial run where the lowered step does not) or
+    without readfence's compile passes, or the serial run padded as the loop pads, matches where the
+    lowered step does not) or
     ``"run"`` (found while the step ran).
     """
 

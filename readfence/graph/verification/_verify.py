@@ -44,6 +44,7 @@ import attrs
 from returns.result import Result
 from torch import Tensor
 
+from readfence.backends import PerStream
 from readfence.core import (
     CapturedStateError,
     ForwardMode,
@@ -490,6 +491,14 @@ MISCOMPILED = ("the lowered step differs from the serial step with nothing poiso
                "correctly meanwhile")
 
 
+#: What it means when the serial run with each batch padded as the loop pads it matches the loop.
+PADDING = ("the lowered step differs from the serial step with nothing poisoned, and the serial step with each decode "
+           "batch padded as the serving loop pads it (to the captured size it runs in: run_serve_serial(padded=True)) "
+           "matches it: a request's outputs depend on the padding rows, as from a reduction over the whole batch; an "
+           "engine replaying a graph captured for a larger batch computes the same. Mask the padding rows out of "
+           "what reaches a request, or compare with the padded reference")
+
+
 def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device, state: State, rewind: Callable[[], None],
                reference: Sequence[Any], differs: int, lowering: LowerOptions,
                poisoned: tuple[str, ...], loop: Any, **common: Any) -> LateRead:
@@ -500,16 +509,31 @@ def _attribute(target: Target, mode: ForwardMode, policy: Policy, device: Device
     # reader is the one the step's ledger saw read it past its release, if any run did.
     name = _name(target)
 
-    def first_difference(only: Sequence[str], options: LowerOptions = lowering) -> int | None:
+    def first_difference(only: Sequence[str], options: LowerOptions = lowering, against: Sequence[Any] = reference,
+                         ) -> int | None:
         rewind()
         logits = _run(target, mode, policy, device, state, None, options, only=only, guard=False, **common)[0]
-        return _first_difference(logits, reference)
+        return _first_difference(logits, against)
+
+    def padding_explains() -> bool:
+        # the serving loop runs a batch in a larger captured graph, padded: the serial step padded
+        # the same way, against the loop with nothing poisoned
+        record, traffic = common["record"], common.get("traffic")
+        if not isinstance(record, ServeOptions) or traffic is None or isinstance(target, PerStream):
+            return False
+        rewind()
+        padded = run_serve_serial(target, state=state, steps=common["steps"], cfg=common["cfg"], options=record,
+                                  traffic=traffic, capture_sizes=common["capture_sizes"], padded=True).logits
+        return _first_difference(padded, reference) is not None and first_difference((), against=padded) is None
 
     def unpoisoned(step: int, held: str = "") -> LateRead:
-        # no late read explains it: readfence's compile passes, or the backend? The step again,
-        # lowered without the passes and nothing poisoned, tells them apart
+        # no late read explains it: readfence's compile passes, the padding, or the backend? The
+        # step again, lowered without the passes and nothing poisoned, then the serial step padded
+        # as the loop pads it, tell them apart
         if lowering.optimize and first_difference((), attrs.evolve(lowering, optimize=False)) is None:
             return LateRead(name, mode, policy, "miscompiled", "rerun", None, step, detail=MISCOMPILED)
+        if padding_explains():
+            return LateRead(name, mode, policy, "padding", "rerun", None, step, detail=PADDING)
         return LateRead(name, mode, policy, "differs", "output", None, step, detail=NOTHING_POISONED + held)
 
     if not poisoned:
