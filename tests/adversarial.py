@@ -164,14 +164,15 @@ def _stashed_clone(state: State | None) -> Any:
     return body_reader("stashed_clone", lambda s, b, m, layer, q: _gather(stash["lens"], b), out=out)
 
 
-def _stashed_dlpack(state: State | None) -> Any:
+def _stashed_dlpack(state: State | None, declare: Mapping | None = None) -> Any:
     stash: dict[str, Tensor] = {}
 
     def out(mode, shared, batch):
         stash["lens"] = torch.from_dlpack(torch.to_dlpack(shared["seq_lens"]))
         return {}
 
-    return body_reader("stashed_dlpack", lambda s, b, m, layer, q: _gather(stash["lens"], b), out=out)
+    return body_reader("stashed_dlpack", lambda s, b, m, layer, q: _gather(stash["lens"], b), out=out,
+                       declare=declare)
 
 
 # -- class 4: escapes and data-dependent branches -------------------------------------------
@@ -472,9 +473,15 @@ def _cases() -> list[Case]:
         honest = _declare(lens=POST)
         cases.append(Case(f"{name}_declared_post", "captured",
                           lambda state, make=make, honest=honest: make(state, honest), "accepted", captures=True))
-    cases.append(Case("dlpack_arg", "baked", _fixed("dlpack_arg", _dlpack_arg), "refused", "seq_lens"))
+    # a DLPack alias of the stage's own argument, made in the body or kept by an earlier stage at
+    # every step, is a view of the buffer the step runs on: a read of it there
+    cases.append(Case("dlpack_arg", "views", _fixed("dlpack_arg", _dlpack_arg), "refused", "seq_lens"))
+    cases.append(Case("dlpack_arg_declared_post", "views",
+                      _fixed("dlpack_arg_post", _dlpack_arg, declare=_declare(lens=POST)), "accepted"))
+    cases.append(Case("stashed_dlpack", "captured", _stashed_dlpack, "refused", "seq_lens"))
+    cases.append(Case("stashed_dlpack_declared_post", "captured",
+                      lambda state: _stashed_dlpack(state, _declare(lens=POST)), "accepted"))
     cases.append(Case("stashed_clone", "baked", _stashed_clone, "refused", "seq_lens"))
-    cases.append(Case("stashed_dlpack", "baked", _stashed_dlpack, "refused", "seq_lens"))
     for name, fn in (("host_read", _host_read), ("host_iteration", _host_iteration),
                      ("branch_on_content", _branch_on_content)):
         cases.append(Case(name, "unfaithful", _fixed(name, fn), "refused", "seq_lens"))

@@ -234,3 +234,105 @@ def test_a_stage_that_holds_live_memory_or_calls_an_opaque_op_is_run_again() -> 
     assert _may_touch(holder, (torch.zeros(3),), live)
     opaque = fx.symbolic_trace(lambda x: torch.ops.readfence_test_bind.rows_of(x))
     assert _may_touch(opaque, (torch.zeros(3),), live)  # a custom op may close over live memory
+
+
+# -- a view of the state an earlier stage keeps, read by a later one -----------------------------
+#: How an out-of-graph stage keeps a view of the lengths it was handed (a new tensor every step, so
+#: the trace meets it as a tensor the body did not receive).
+KEPT_VIEWS = {
+    "slice": lambda lens: lens[:],
+    "view": lambda lens: lens.view(-1),
+    "detach": lambda lens: lens.detach(),
+    "offset": lambda lens: lens[1:],  # another start: the body reads rows shifted by one
+    "strided": lambda lens: lens.as_strided((lens.numel() // 2,), (2,)),  # every other row
+}
+
+
+def _kept_view(how: str, end: ReadEnd, *, stale: bool = False):
+    """A paged leaf whose ``prepare_out_graph`` keeps ``KEPT_VIEWS[how]`` of the lengths on an
+    object every step (``stale``: only on its first call, so later steps read that first state's
+    memory), and whose body reads the lengths only through it (declared to end at ``end``)."""
+    from readfence.backends import page_meta
+
+    class Holder:
+        lens: torch.Tensor | None = None
+
+    held = Holder()
+
+    def out(mode, shared, batch):
+        if not stale or held.lens is None:
+            held.lens = KEPT_VIEWS[how](shared["seq_lens"])
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        lens = held.lens.index_select(0, batch["req_pool_indices"] % held.lens.numel()).long().clamp(1, CFG.max_ctx)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], lens)
+
+    effect = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": end})
+    return leaf(f"kept_view_{how}{'_stale' if stale else ''}", attend, prepare_out_graph=out, declare={M: effect})
+
+
+@pytest.mark.parametrize("how", list(KEPT_VIEWS))
+def test_a_view_of_its_state_an_earlier_stage_keeps_is_a_read_of_the_live_buffer(how) -> None:
+    # the graph reads that view of the state it runs on: audited as a read in the body, lowered,
+    # and the loop computes what the serial run does (checked without readfence's verdict)
+    honest, early = _kept_view(how, ReadEnd.POST_REPLAY), _kept_view(how, ReadEnd.PRE_REPLAY)
+    assert audit(honest, M, cfg=CFG).unwrap().observed["seq_lens"] is ReadEnd.POST_REPLAY
+    refused = audit(early, M, cfg=CFG).failure()
+    assert (refused.buffer, refused.observed) == ("seq_lens", ReadEnd.POST_REPLAY), str(refused)
+    with CpuDevice(timeout=60) as dev:
+        for policy in (Policy.PER_BUFFER, Policy.EXACT):
+            ran = run_overlapped(honest, M, steps=6, policy=policy, device=dev, batch_size=2, cfg=CFG,
+                                 state=make_state(CFG))
+            assert ran.matches(run_serial(honest, M, steps=6, batch_size=2, cfg=CFG, state=make_state(CFG)))
+        with pytest.raises(UnsoundLowering, match="seq_lens"):
+            lower(early, M, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, state=make_state(CFG))
+
+
+@pytest.mark.parametrize("how", ["slice", "strided"])
+def test_a_view_kept_from_another_steps_state_is_refused_and_really_differs(how) -> None:
+    # kept on the first call only: the Python reads that state's memory at every later step, which
+    # the graph (reading the view of the state it runs on) does not; refused under every policy
+    from readfence.core import NotGraphSafe
+
+    with CpuDevice(timeout=60) as dev:
+        for policy in Policy:
+            with pytest.raises((NotGraphSafe, CapturedStateError)):
+                lower(_kept_view(how, ReadEnd.POST_REPLAY, stale=True), M, batch_size=2, device=dev, policy=policy,
+                      cfg=CFG, state=make_state(CFG))
+        # the independent check: without the validation, the loop (its graph reads the view of the
+        # live state) and the same backend's serial run (its Python reads the view it kept from the
+        # first state it met, the trace's) differ
+        import readfence.graph.lowering._lower as lowering
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lowering, "validate_replay", lambda *args, **kwargs: None)
+            stale = _kept_view(how, ReadEnd.POST_REPLAY, stale=True)
+            ran = run_overlapped(stale, M, steps=6, policy=Policy.COARSE, device=dev, batch_size=2, cfg=CFG,
+                                 state=make_state(CFG))
+            reference = run_serial(stale, M, steps=6, batch_size=2, cfg=CFG, state=make_state(CFG))
+        assert not ran.matches(reference)
+
+
+def test_a_view_of_another_dtype_is_still_trace_time_state() -> None:
+    # reinterpreted bytes are no view of the buffer the graph can take from its input: refused as before
+    from readfence.backends import page_meta
+
+    class Holder:
+        lens: torch.Tensor | None = None
+
+    held = Holder()
+
+    def out(mode, shared, batch):
+        held.lens = shared["seq_lens"].view(torch.float32)
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + held.lens.sum() * 0
+
+    backend = leaf("kept_view_float", attend, prepare_out_graph=out,
+                   declare={M: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.POST_REPLAY})})
+    with CpuDevice(timeout=60) as dev, pytest.raises(CapturedStateError, match="_tensor_constant"):
+        lower(backend, M, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, state=make_state(CFG))

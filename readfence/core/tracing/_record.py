@@ -245,12 +245,51 @@ class GraphRecorder(DispatchMode):
 
     def _constant(self, t: torch.Tensor) -> fx.Node:
         # as make_fx's tracer does: once as an attribute, a get_attr node for each use
+        view = self._view_of_input(t)
+        if view is not None:
+            return view
         self.watch |= self.touched(t)
         node = self._attribute(t, "_param_constant" if isinstance(t, torch.nn.Parameter) else "_tensor_constant")
         node.meta["val"] = _val(t)
         touched = self.touched(t)
         if touched:
             self.probe.touched[node.name] = touched
+        return node
+
+    def _view_of_input(self, t: torch.Tensor) -> fx.Node | None:
+        """``t``, a tensor the stage reached without receiving it (kept on an object or in a closure by
+        an earlier stage), recorded as the view it is of a shared buffer the stage did receive, or
+        ``None``. An earlier stage that keeps ``shared["seq_lens"][:]`` keeps a view of the state
+        each step runs on: the graph then reads that view of its own input, on whatever state it
+        runs on, where a constant would hold the example's memory. Code that kept a view of another
+        step's state computes something else than that graph; the validation's replays on other
+        states show it (only a view of the same dtype, within one contiguous buffer)."""
+        if self.shared is None or self.fake or type(t) is not torch.Tensor or t.numel() == 0:
+            return None
+        touched = self.touched(t)
+        buf = self.shared.get(next(iter(touched))) if len(touched) == 1 else None
+        hit = None if buf is None else self.tracked.get(id(buf))
+        if buf is None or hit is None or hit[0]() is not buf or hit[1].op != "placeholder":
+            return None
+        with torch._C.DisableTorchFunction():
+            same = (t.dtype == buf.dtype and t.device == buf.device and buf.is_contiguous()
+                    and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+            offset = t.storage_offset() - buf.storage_offset()
+            reach = offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            if not same or offset < 0 or min(t.stride(), default=0) < 0 or reach >= buf.numel():
+                return None
+            aten, n = torch.ops.aten, buf.numel()
+            steps = [(aten.view.default, ([-1],), (n,), (1,))]
+            if offset:
+                steps.append((aten.slice.Tensor, (0, offset, n), (n - offset,), (1,)))
+            steps.append((aten.as_strided.default, (list(t.shape), list(t.stride())), t.shape, t.stride()))
+            node = hit[1]
+            for target, rest, shape, stride in steps:
+                node = self._node(target, (node, *rest), {}, node_name(target.overloadpacket.__name__))
+                node.meta["val"] = _meta(torch.Size(shape), tuple(stride), t.dtype)
+                self.probe.touched[node.name] = touched
+        self.watch |= touched
+        self.track(t, node, touched)
         return node
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
