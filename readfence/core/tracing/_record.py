@@ -274,12 +274,13 @@ class GraphRecorder(DispatchMode):
         with torch._C.DisableTorchFunction():
             same = (t.dtype == buf.dtype and t.device == buf.device and buf.is_contiguous()
                     and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
-            offset = t.storage_offset() - buf.storage_offset()
-            reach = offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            offset = int(t.storage_offset() - buf.storage_offset())
+            reach = offset + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
             if not same or offset < 0 or min(t.stride(), default=0) < 0 or reach >= buf.numel():
                 return None
-            aten, n = torch.ops.aten, buf.numel()
-            steps = [(aten.view.default, ([-1],), (n,), (1,))]
+            aten, n = torch.ops.aten, int(buf.numel())
+            steps: list[tuple[Any, tuple[Any, ...], Sequence[int], Sequence[int]]] = [
+                (aten.view.default, ([-1],), (n,), (1,))]
             if offset:
                 steps.append((aten.slice.Tensor, (0, offset, n), (n - offset,), (1,)))
             steps.append((aten.as_strided.default, (list(t.shape), list(t.stride())), t.shape, t.stride()))
