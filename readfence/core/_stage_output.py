@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._stages import BODY, Stage, StageOutputError
+from ._words import copy_of, words_dtype
 
 _T = TypeVar("_T")
 
@@ -259,7 +260,7 @@ def cross_into_graph(meta: _T) -> _T:
     >>> meta["lens"].untyped_storage().data_ptr() != lens.untyped_storage().data_ptr(), meta["n"]
     (True, 2)
     """
-    return pytree.tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, meta)
+    return pytree.tree_map(lambda v: copy_of(v) if isinstance(v, Tensor) else v, meta)
 
 
 def as_static(value: Tensor, traced: object) -> Tensor:
@@ -275,7 +276,8 @@ def as_static(value: Tensor, traced: object) -> Tensor:
     if (not isinstance(traced, Tensor) or value.is_meta or traced.shape != value.shape or traced.dtype != value.dtype
             or traced.stride() == value.stride() or value.layout is not torch.strided):
         return value
-    static = torch.empty_strided(value.shape, traced.stride(), dtype=value.dtype, device=value.device)
+    static = torch.empty_strided(value.shape, traced.stride(), dtype=words_dtype(value.dtype),
+                                 device=value.device).view(value.dtype)
     return static.copy_(value)
 
 

@@ -51,6 +51,7 @@ from ._ledger import REPLAY_SEEDS, Ledger, RunKind, state_label
 from ._observe import ReadObserver
 from ._program import SOURCE_KEY, Program, StageGraph
 from ._step import PREPARE_OUT_GRAPH, Stage, StageCall, StepFunctions, as_static, eval_step
+from ._words import as_words, copy_of, words_dtype
 from .tracing import CACHES, defined_memory, random_state, same_values, set_random_state, trace_step
 
 #: The seed of the state a capture validated before is checked on at every later use, with the
@@ -96,6 +97,8 @@ class StaleTrace(NotGraphSafe):
 def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"shape {tuple(got.shape)} ({got.dtype}) where its Python gives {tuple(want.shape)} ({want.dtype})"
+    if as_words(got) is not got:  # a dtype torch cannot compare: its words, as bits
+        got, want = as_words(got), as_words(want)
     differs = (got != want) & ~(got.isnan() & want.isnan()) if got.is_floating_point() else got != want
     index = tuple(int(i) for i in differs.nonzero()[0]) if differs.any() else ()
     return f"{got[index].item()!r} where its Python gives {want[index].item()!r} (element {list(index)})"
@@ -171,8 +174,8 @@ class _Memory:
         for name, t in env.items():
             key = _storage_key(t) if type(t) is Tensor else None
             st = storage.get(key) if key is not None else None
-            viewed[name] = t if st is None else torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                st, t.storage_offset(), t.size(), t.stride())
+            viewed[name] = t if st is None else torch.empty(0, dtype=words_dtype(t.dtype), device=t.device).set_(
+                st, t.storage_offset(), t.size(), t.stride()).view(t.dtype)
         return viewed, copies
 
     def differs_from(self, saved: Sequence[Tensor], copies: Sequence[Tensor]) -> str | None:
@@ -250,7 +253,7 @@ class _Comparing:
         before = memory.save(self.scratch)
         with _same_randomness(env.values()) as rewind:  # the replay (on copies), then the Python
             on_copies, copies = memory.on_copies(env, self.scratch)
-            replayed = {k: v.clone() for k, v in self.replay(graph, on_copies).items()}
+            replayed = {k: copy_of(v) for k, v in self.replay(graph, on_copies).items()}
             after_replay = memory.save(self.scratch)
             memory.restore(before)
             rewind()

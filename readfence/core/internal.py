@@ -79,6 +79,7 @@ from ._step import stage_named as stage_named
 from ._validate import StaleTrace as StaleTrace
 from ._validate import differs_on as differs_on
 from ._validate import validate_replay as validate_replay
+from ._words import as_words as as_words
 from .tracing import CACHES as CACHES
 from .tracing import SPLICED_KEY as SPLICED_KEY
 from .tracing import BufferMap as BufferMap
@@ -119,7 +120,8 @@ from .tracing import unobserved as unobserved
 
 __all__ = [
     "add_node", "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
-    "CACHES", "as_static", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output", "check_state", "STATE_PARTS",
+    "CACHES", "as_static", "as_words", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
+    "check_state", "STATE_PARTS",
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",

@@ -206,3 +206,21 @@ def test_the_plain_code_verify_reruns_calls_no_layer_function() -> None:
         low = lower(REFERENCE_LEAVES["paged"](), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=LAYERS,
                     lowering=LowerOptions(optimize=False))
     assert not low.optimized and _body_runs(low) == 0
+
+
+@pytest.mark.parametrize("signs", [("nan", "-nan"), ("inf", "-inf")])
+def test_layers_whose_constants_differ_only_in_sign_are_two_classes(signs, monkeypatch) -> None:
+    # a NaN's (or an infinity's) sign is part of its value: torch.signbit reads it, so the layers
+    # differ and the pass computes each its own (checked against the eager step with the
+    # validation off, which would otherwise fall back to the plain code and hide a wrong merge)
+    even, odd = (float(s) for s in signs)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        return out + 1e-2 * torch.signbit(torch.full_like(out, even if layer % 2 == 0 else odd)).float()
+
+    backend = leaf(f"sign_{signs[0]}", attend, prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch))
+    with no_validation(monkeypatch):
+        equal, low = lowered_against_eager(backend, cfg=LAYERS)
+    assert equal and low.optimized

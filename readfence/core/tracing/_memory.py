@@ -23,6 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .._words import as_words
+
 
 @attrs.frozen
 class Span:
@@ -320,6 +322,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.device.type == "meta":  # no data: nothing to differ
         return True
+    a, b = as_words(a), as_words(b)
     if torch.equal(a, b):
         return True
     if not (a.is_floating_point() or a.is_complex()):

@@ -11,6 +11,7 @@ run).
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -33,6 +34,9 @@ def arg_key(value: Any, node: Callable[[fx.Node], Hashable],
 
     >>> arg_key((0.0, 1, True), node=lambda n: n) == arg_key((-0.0, 1, True), node=lambda n: n)
     False
+    >>> nan = float("nan")
+    >>> arg_key(nan, node=lambda n: n) == arg_key(-nan, node=lambda n: n)
+    False
     >>> arg_key([2, 3], node=lambda n: n, integer=lambda i: "int")
     (<class 'list'>, ('int', 'int'))
     """
@@ -44,7 +48,9 @@ def arg_key(value: Any, node: Callable[[fx.Node], Hashable],
     if kind in _PLAIN:
         return (kind, value)
     if kind is float:
-        return ("float", value.hex() if math.isfinite(value) else repr(value))
+        # by its bits: a NaN's sign and payload, an infinity's sign are the value's too (signbit,
+        # copysign and a bit view read them)
+        return ("float", value.hex() if math.isfinite(value) else struct.pack("<d", value))
     if isinstance(value, (list, tuple)):
         return (kind, tuple([arg_key(v, node, integer) for v in value]))
     if isinstance(value, dict):

@@ -23,7 +23,7 @@ import attrs
 from torch import Tensor, fx
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH, STAGES, Program, Stage, StageGraph, StageOutputError
-from readfence.core.internal import CACHES, BufferMap, Ledger, NodeReadsIn
+from readfence.core.internal import CACHES, BufferMap, Ledger, NodeReadsIn, as_words
 from readfence.effects import ReadEnd
 
 from ..devices import Device, Event, Graph, Op, Record, Stream, Timeline
@@ -138,7 +138,7 @@ class StepLauncher:
                     f"the graph was lowered for shape {tuple(static.shape)}: a graph reads metadata of one "
                     f"shape per batch size; pad it to a fixed shape, as engines' graph runners do",
                     stage=PREPARE_OUT_GRAPH.name)
-            static.copy_(v)
+            (as_words(static).copy_(as_words(v)) if static.dtype == v.dtype else static.copy_(v))
 
     def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], object]) -> None:
         runner, ops = slot.stages[stage]
