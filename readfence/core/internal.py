@@ -81,6 +81,7 @@ from ._validate import differs_on as differs_on
 from ._validate import validate_replay as validate_replay
 from ._words import as_words as as_words
 from .tracing import CACHES as CACHES
+from .tracing import SHARES_KEY as SHARES_KEY
 from .tracing import SPLICED_KEY as SPLICED_KEY
 from .tracing import BufferMap as BufferMap
 from .tracing import Caches as Caches
@@ -131,7 +132,7 @@ __all__ = [
     "PYTHON", "cuda_devices", "random_kept", "refuse_writes", "runs_an_op_for_a_mode", "random_state", "set_random_state",
     "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
     "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Span", "span_of", "unobserved", "snapshot",
-    "split_batch", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
+    "split_batch", "SHARES_KEY", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "differs_on", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",
     "Witness",

@@ -127,3 +127,59 @@ def test_an_op_of_torch_that_writes_nothing_lets_the_sums_be_shared() -> None:
     assert run.stats["shared"] == 1
     got, want = run(torch.ones(4)), gm(torch.ones(4))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# -- an output a schema calls fresh that is its input's memory -------------------------------------
+#: Ways to make a value twice where the first is written between: each makes a copy and returns a
+#: view of it through ``aten._unsafe_view``, whose schema declares a fresh output.
+RESHAPED_TWICE = {
+    "reshape_of_transpose": lambda x: x.t().reshape(-1),
+    "flatten_of_transpose": lambda x: x.t().flatten(),
+    "mT_reshape": lambda x: x.mT.reshape(x.shape[1], -1),
+    "unsafe_view": lambda x: torch.ops.aten._unsafe_view(x * 2, [-1]),
+}
+
+
+@pytest.mark.parametrize("name", list(RESHAPED_TWICE))
+def test_a_value_made_twice_is_not_shared_when_the_first_was_written_through_a_view_no_schema_declares(name) -> None:
+    make = RESHAPED_TWICE[name]
+
+    def f(x):
+        first = make(x)
+        first.add_(100.0)  # writes the copy the first one made
+        return make(x).sum() + first.sum() * 0  # the second is a new copy of the unwritten x
+
+    import contextlib
+
+    from readfence.core.tracing._record import record
+
+    gm, _, _ = record(f, [torch.ones(2, 3)], ["x"], outputs=lambda out: (out,), context=lambda r: contextlib.nullcontext(),
+                      escape_op=None)  # (the trace's recorder: it notes what each op's output was)
+    x = torch.arange(6.0).view(2, 3)
+    # the independent reference: the graph itself, op by op
+    assert torch.equal(compile_graph(gm)(x.clone())[0], gm(x.clone())[0])
+
+
+@pytest.mark.parametrize("name", ["reshape_of_transpose", "unsafe_view"])
+def test_a_stage_that_writes_a_reshaped_copy_and_makes_it_again_runs_as_its_eager_step(name, monkeypatch) -> None:
+    # the step lowered with its passes and without the validation (which would fall back to the
+    # plain step where the passes differ from it) computes its eager step, step after step
+    from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+    from tests.graph.test_lower_what_runs import lowered_against_eager, no_validation
+
+    make = RESHAPED_TWICE[name]
+
+    def prep(mode, shared, batch, meta):
+        out = page_meta(shared, batch)
+        x = torch.stack([out["kv_lens"].float(), out["kv_lens"].float() * 3])
+        first = make(x)
+        first.add_(100.0)
+        return {**out, "bias": make(x).sum() + first.sum() * 0}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + 1e-3 * meta["bias"]
+
+    with no_validation(monkeypatch):
+        equal, low = lowered_against_eager(leaf(f"twice_{name}", attend, prepare_in_graph=prep), steps=2)
+    assert equal and low.optimized

@@ -341,6 +341,10 @@ class GraphRecorder(DispatchMode):
             self.probe.add(node, facts, self._rebound(facts))
         with torch._C.DisableTorchFunction():
             self._outputs(out, node, facts)
+            if not self.fake:
+                shares = _shared_storage(out, args, kwargs, node_args, node_kwargs)
+                if shares:
+                    node.meta[SHARES_KEY] = shares
         return out
 
     def _rebound(self, facts: OpFacts) -> dict[int, fx.Node] | None:
@@ -391,6 +395,29 @@ class GraphRecorder(DispatchMode):
                     self.track(element, item, touched)
 
         each(out, node)
+
+
+#: ``node.meta[SHARES_KEY]``: the names of the argument nodes whose storage an op's output was seen
+#: to share when it ran, whatever its schema says (``aten._unsafe_view`` declares a fresh output and
+#: returns a view): the compile passes' memory analysis takes it beside the schema's claims.
+SHARES_KEY = "readfence_shares"
+
+
+def _storage(t: object) -> int:
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type == "meta":
+        return 0
+    st = t.untyped_storage()
+    return st.data_ptr() if st.nbytes() else 0
+
+
+def _shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any) -> tuple[str, ...]:
+    """The names of the nodes, among an op's arguments, whose storage one of its outputs is."""
+    produced = {p for p in map(_storage, leaves(out) if isinstance(out, (list, tuple)) else (out,)) if p}
+    if not produced:
+        return ()
+    names = [n.name for t, n in zip(leaves((args, kwargs)), leaves((node_args, node_kwargs)))
+             if isinstance(n, fx.Node) and _storage(t) in produced]
+    return tuple(dict.fromkeys(names))
 
 
 @contextlib.contextmanager

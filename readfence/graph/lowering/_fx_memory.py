@@ -14,7 +14,10 @@ is decided from facts, never from op names:
   the kernel): any other op, in whatever namespace, may write what it can reach, as a Python
   callable may;
 * each op's tags: an ``inplace_view`` op (``set_``) changes which memory its ``self`` is, so
-  from then on that tensor may be any memory the op was given.
+  from then on that tensor may be any memory the op was given;
+* what each op's output was seen to be when the trace ran it (``SHARES_KEY``): the storage of
+  an argument, which a schema may not say (torch's ``_unsafe_view``, which ``reshape`` calls on a
+  copy it made, returns a view under a schema that declares a fresh output).
 
 Memory is named by *tokens*: ``("storage", space, start, stop)`` for a real storage, and any
 other hashable for memory made while a graph runs (its allocation site) or given by an earlier
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from readfence.core.internal import bind_arguments, is_launch_op, op_aliasing, trusted_op
+from readfence.core.internal import SHARES_KEY, bind_arguments, is_launch_op, op_aliasing, trusted_op
 
 #: What a graph input's memory is, as the caller knows it: the tensor it will hold, the tokens
 #: of the memory it may be (an earlier graph's :meth:`GraphMemory.outputs`), or ``None``: any.
@@ -175,6 +178,11 @@ class GraphMemory:
         out: set[Hashable] = set()
         for sources in aliasing.outputs:
             out |= self.tokens([values[i] for i in sources]) if sources else {("made", self._site, node.name)}
+        # and the memory the output was seen to be when the op ran, whatever the schema claims
+        # (``_unsafe_view``'s output is its input's memory, under a schema that declares none)
+        seen = [self._nodes[name] for name in node.meta.get(SHARES_KEY, ()) if name in self._nodes]
+        if seen:
+            out |= self.tokens(seen)
         return frozenset(out or {("made", self._site, node.name)})
 
     # -- classes of tokens that may be one memory ------------------------------------------
