@@ -45,6 +45,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._checks import check_mode, positive_int
+from ._mixed_batch import mixed_batch, power_of_two
 from ._modes import ForwardMode
 from ._parallel import TensorParallel, shard_heads, shard_params
 from .tracing import meet_shared
@@ -525,8 +526,8 @@ def varied_step(
     else:
         _, example = example_batch_layout(cfg, mode, batch_size)
         longest = max(example) + tokens_per_request(mode)
-        reqs, prefix, pad = _mixed(rows, batch_size, span, tokens_per_request(mode), g,
-                                   power_of_two=not _power_of_two(longest))
+        reqs, prefix, pad = mixed_batch(rows, batch_size, span, tokens_per_request(mode), g,
+                                        longest_power_of_two=not power_of_two(longest))
     shared = make_shared_state(cfg, device=device)
     slots = None
     if seed != 1:  # other bijections: a slot, a window slot, a state slot of another layout
@@ -543,39 +544,6 @@ def varied_step(
     if pad:  # padding rows carry the pad id, as engines fill them
         step.batch["input_ids"][(batch_size - pad) * tokens_per_request(mode):] = 0
     return step
-
-
-def _mixed(rows: list[int], batch_size: int, span: int, tokens: int, g: torch.Generator, *,
-           power_of_two: bool) -> tuple[list[int], list[int], int]:
-    """Rows and prefix lengths of a mixed batch of requests of ``tokens`` new tokens each, and its
-    number of padding requests: half its requests (rounded up) new, the others at random depths up
-    to about the middle of the context, the first of them there (the batch's longest length is
-    then neither the first tokens' nor the longest context's: a bucket between the two is taken),
-    in a random order; with 3 or more, the last two are padding (one row, at its first tokens,
-    twice). That longest length is a power of two as ``power_of_two`` says: the other way than the
-    example's at this batch size, so a test of it (a split-KV bucket's) differs from the example's
-    here, whether it asks "a power of two" (the first token and a power-of-two context are) or "a
-    power of two strictly between" (neither is)."""
-    pad = 2 if batch_size >= 3 else 0
-    real = batch_size - pad
-    new = (real + 1) // 2 if real > 1 else 0
-    middle = max((span - 1) // 2, 1)
-    if power_of_two:
-        below = 1 << (middle + tokens).bit_length() - 1  # the power of two at or below
-        middle = max(below - tokens, 1)
-    elif middle > 1 and _power_of_two(middle + tokens):
-        middle -= 1
-    depths = torch.randint(1, middle + 1, (real,), generator=g).tolist()
-    depths[new:new + 1] = [middle] * (real > new)
-    prefix = [0] * new + depths[new:]
-    order = torch.randperm(real, generator=g).tolist()
-    prefix = [prefix[i] for i in order]
-    reqs = rows[:real]
-    return reqs + ([rows[real]] * pad if pad else []), prefix + [0] * pad, pad
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _step_of(cfg: ModelConfig, mode: ForwardMode, reqs: list[int], prefix: list[int], shared: dict[str, Tensor], *,

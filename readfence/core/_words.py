@@ -20,12 +20,16 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _has_kernels(dtype: torch.dtype) -> bool:
     # whether torch compares tensors of ``dtype`` (those it cannot compare, it cannot fill either,
     # complex32 aside, which it fills)
-    words = [torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype) for _ in range(2)]
-    try:
-        torch.equal(*words)
-        return True
-    except (NotImplementedError, RuntimeError):
-        return False
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # (asked inside a stage, under readfence's own modes: the probe is none of the stage's ops)
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        words = [torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype) for _ in range(2)]
+        try:
+            torch.equal(*words)
+            return True
+        except (NotImplementedError, RuntimeError):
+            return False
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,7 @@ from .tracing import first_stale as first_stale
 from .tracing import is_launch_op as is_launch_op
 from .tracing import kept_tensors as kept_tensors
 from .tracing import launches_unseen as launches_unseen
+from .tracing import leaves as leaves
 from .tracing import not_user_code as not_user_code
 from .tracing import op_aliasing as op_aliasing
 from .tracing import random_kept as random_kept
@@ -126,7 +127,8 @@ __all__ = [
     "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",
-    "KeptTensor", "LAYER_KEY", "late_read_fix", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of", "make_pools", "model_config",
+    "KeptTensor", "LAYER_KEY", "late_read_fix", "leaves", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of",
+    "make_pools", "model_config",
     "matmul_rows", "NodeReads", "NodeReadsIn", "not_user_code", "observe_step",
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
     "PYTHON", "cuda_devices", "random_kept", "refuse_writes", "runs_an_op_for_a_mode", "random_state", "set_random_state",

@@ -397,8 +397,8 @@ class GraphRecorder(DispatchMode):
         each(out, node)
 
 
-#: ``node.meta[SHARES_KEY]``: the names of the argument nodes whose storage an op's output was seen
-#: to share when it ran, whatever its schema says (``aten._unsafe_view`` declares a fresh output and
+#: ``node.meta[SHARES_KEY]``: where the argument nodes are (positions among the leaves of the node's
+#: arguments) whose storage an op's output was seen to share when it ran, whatever its schema says (``aten._unsafe_view`` declares a fresh output and
 #: returns a view): the compile passes' memory analysis takes it beside the schema's claims.
 SHARES_KEY = "readfence_shares"
 
@@ -410,14 +410,16 @@ def _storage(t: object) -> int:
     return st.data_ptr() if st.nbytes() else 0
 
 
-def _shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any) -> tuple[str, ...]:
-    """The names of the nodes, among an op's arguments, whose storage one of its outputs is."""
-    produced = {p for p in map(_storage, leaves(out) if isinstance(out, (list, tuple)) else (out,)) if p}
+def _shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any) -> tuple[int, ...]:
+    """Where, among the leaves of an op's node arguments (``leaves((args, kwargs))``: a pass that
+    copies the node keeps them), the nodes are whose storage one of its outputs is."""
+    produced = {_storage(out)} if type(out) is torch.Tensor else set(map(_storage, leaves(out))) \
+        if isinstance(out, (list, tuple)) else set()
+    produced.discard(0)
     if not produced:
         return ()
-    names = [n.name for t, n in zip(leaves((args, kwargs)), leaves((node_args, node_kwargs)))
-             if isinstance(n, fx.Node) and _storage(t) in produced]
-    return tuple(dict.fromkeys(names))
+    return tuple(i for i, (t, n) in enumerate(zip(leaves((args, kwargs)), leaves((node_args, node_kwargs))))
+                 if isinstance(n, fx.Node) and _storage(t) in produced)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from readfence.core.internal import SHARES_KEY, bind_arguments, is_launch_op, op_aliasing, trusted_op
+from readfence.core.internal import SHARES_KEY, bind_arguments, is_launch_op, leaves, op_aliasing, trusted_op
 
 #: What a graph input's memory is, as the caller knows it: the tensor it will hold, the tokens
 #: of the memory it may be (an earlier graph's :meth:`GraphMemory.outputs`), or ``None``: any.
@@ -180,9 +180,10 @@ class GraphMemory:
             out |= self.tokens([values[i] for i in sources]) if sources else {("made", self._site, node.name)}
         # and the memory the output was seen to be when the op ran, whatever the schema claims
         # (``_unsafe_view``'s output is its input's memory, under a schema that declares none)
-        seen = [self._nodes[name] for name in node.meta.get(SHARES_KEY, ()) if name in self._nodes]
-        if seen:
-            out |= self.tokens(seen)
+        shares = node.meta.get(SHARES_KEY)
+        if shares:
+            flat = leaves((node.args, node.kwargs))
+            out |= self.tokens([flat[i] for i in shares if i < len(flat) and isinstance(flat[i], fx.Node)])
         return frozenset(out or {("made", self._site, node.name)})
 
     # -- classes of tokens that may be one memory ------------------------------------------
