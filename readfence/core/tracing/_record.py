@@ -44,6 +44,7 @@ from ._dispatch import DispatchMode
 from ._fx import add_node
 from ._memory import BufferMap, leaves
 from ._probe import NO_FACTS, OpFacts, ProbeResult
+from ._schema import op_aliasing
 
 NOTHING: frozenset[str] = frozenset()
 
@@ -341,7 +342,9 @@ class GraphRecorder(DispatchMode):
             self.probe.add(node, facts, self._rebound(facts))
         with torch._C.DisableTorchFunction():
             self._outputs(out, node, facts)
-            if not self.fake:
+            aliasing = op_aliasing(func)
+            # (an output the schema says is an argument's memory needs no look: the schema holds that)
+            if not self.fake and (aliasing is None or aliasing.opaque or not all(aliasing.outputs)):
                 shares = _shared_storage(out, args, kwargs, node_args, node_kwargs)
                 if shares:
                     node.meta[SHARES_KEY] = shares
