@@ -336,3 +336,35 @@ def test_a_view_of_another_dtype_is_still_trace_time_state() -> None:
                    declare={M: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.POST_REPLAY})})
     with CpuDevice(timeout=60) as dev, pytest.raises(CapturedStateError, match="_tensor_constant"):
         lower(backend, M, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=CFG, state=make_state(CFG))
+
+
+@pytest.mark.parametrize("buffer", ["req_to_token", "seq_lens"])
+def test_a_kept_view_reads_the_live_buffer_laid_out_otherwise_than_the_example(buffer) -> None:
+    # the live page table's rows padded (stride 24 for 16 columns), the lengths at an offset into
+    # an arena: the graph takes the kept view's elements in their logical order from the live buffer
+    from readfence.backends import page_meta
+    from tests.graph.test_lower_what_runs import _padded_state
+
+    class Holder:
+        view: torch.Tensor | None = None
+
+    held = Holder()
+
+    def out(mode, shared, batch):
+        held.view = shared[buffer][1:]  # rows (or lengths) from the second on, kept for the body
+        return page_meta(shared, batch)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        rows = (batch["req_pool_indices"] - 1).clamp(min=0)
+        extra = held.view.index_select(0, rows).float().sum() * 1e-4
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + extra
+
+    effect = ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY,
+                            buffer: ReadEnd.POST_REPLAY})
+    backend = leaf(f"kept_view_padded_{buffer}", attend, prepare_out_graph=out, declare={M: effect})
+    serial = run_serial(backend, M, steps=4, batch_size=2, cfg=CFG, state=_padded_state())
+    with CpuDevice(timeout=60) as dev:
+        run = run_overlapped(backend, M, steps=4, policy=Policy.PER_BUFFER, device=dev, batch_size=2, cfg=CFG,
+                             state=_padded_state())
+    assert run.matches(serial) and run.violations == ()

@@ -280,8 +280,10 @@ class GraphRecorder(DispatchMode):
             if not same or offset < 0 or min(t.stride(), default=0) < 0 or reach >= buf.numel():
                 return None
             aten, n = torch.ops.aten, int(buf.numel())
+            # the elements in their logical order (the example's buffer is contiguous: its storage
+            # order), a copy where the live buffer is laid out otherwise (a padded page table)
             steps: list[tuple[Any, tuple[Any, ...], Sequence[int], Sequence[int]]] = [
-                (aten.view.default, ([-1],), (n,), (1,))]
+                (aten.reshape.default, ([-1],), (n,), (1,))]
             if offset:
                 steps.append((aten.slice.Tensor, (0, offset, n), (n - offset,), (1,)))
             steps.append((aten.as_strided.default, (list(t.shape), list(t.stride())), t.shape, t.stride()))
