@@ -89,3 +89,23 @@ def test_such_tensors_compare_bit_for_bit(name) -> None:
     a = _encode(torch.arange(4), dtype)
     b = _encode(torch.tensor([0, 1, 2, 5]), dtype)
     assert same_values(a, _encode(torch.arange(4), dtype)) and not same_values(a, b)
+
+
+@pytest.mark.parametrize("name", ["bits8", "float4_e2m1fn_x2"])
+def test_an_empty_tensor_of_such_a_dtype_crosses_into_the_graph(name) -> None:
+    dtype = getattr(torch, name)
+
+    def out(mode, shared, batch):
+        return {**page_meta(shared, batch), "none": torch.zeros(0, dtype=torch.uint8).view(dtype)}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + meta["none"].numel()
+
+    backend = leaf(f"empty_{name}", attend, prepare_out_graph=out,
+                   declare={M: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY, "seq_lens": ReadEnd.PRE_REPLAY})})
+    serial = run_serial(backend, M, steps=3, batch_size=2, cfg=CFG, state=make_state(CFG))
+    with CpuDevice(timeout=60) as dev:
+        run = run_overlapped(backend, M, steps=3, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
+                             state=make_state(CFG))
+    assert run.matches(serial)

@@ -17,7 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from readfence.backends import deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
 from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.core._program import flatten_inputs
-from readfence.core.internal import example_step
+from readfence.core.internal import SHARES_KEY, example_step
+from readfence.core.tracing._record import shared_storage
 from readfence.graph.lowering._fx_compile import binding_for, compile_graph
 from readfence.graph.lowering._fx_records import insert_records
 
@@ -41,9 +42,29 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _check(fn, *inputs, **compile_kw):
-    """Compile ``make_fx(fn)``; run both on copies of ``inputs``: outputs and inputs after equal."""
+class _Recorded(torch.fx.Interpreter):
+    """Runs a graph once, noting on each op what the trace's recorder notes (``SHARES_KEY``: the
+    arguments whose storage its output was): the graphs lowering compiles carry it, make_fx's do not
+    (without it the passes take an output a schema calls fresh for any memory it was given)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op == "call_function":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            n.meta[SHARES_KEY] = shared_storage(out, args, kwargs, n.args, n.kwargs)
+        return out
+
+
+def _fx(fn, *inputs):
+    """``make_fx(fn)`` with each op's output memory noted, as the recorder's graphs are."""
     gm = make_fx(fn)(*_clones(inputs))
+    _Recorded(gm).run(*_clones(inputs))
+    return gm
+
+
+def _check(fn, *inputs, **compile_kw):
+    """Compile ``fn``'s graph; run both on copies of ``inputs``: outputs and inputs after equal."""
+    gm = _fx(fn, *inputs)
     compiled = compile_graph(gm, **compile_kw)
     a, b = _clones(inputs), _clones(inputs)
     out_gm, out_c = gm(*a), compiled(*b)
@@ -194,7 +215,7 @@ def test_event_records_do_not_turn_the_passes_off():
     class Ev:
         name = "e"
 
-    gm = make_fx(lambda x: x * 2 + x * 2)(torch.ones(2))
+    gm = _fx(lambda x: x * 2 + x * 2, torch.ones(2))
     first_mul = next(n.name for n in gm.graph.nodes if n.op == "call_function")
     compiled = compile_graph(insert_records(gm, {first_mul: [Ev()]}, Dev()))
     assert compiled.stats["shared"] == 1 and torch.equal(compiled(torch.ones(2)), torch.full((2,), 4.0))
@@ -202,7 +223,7 @@ def test_event_records_do_not_turn_the_passes_off():
 
 
 def test_kept_nodes_run_where_they_are():
-    gm = make_fx(lambda x, i: x.index_select(0, i) + x.index_select(0, i))(torch.randn(4), torch.tensor([1]))
+    gm = _fx(lambda x, i: x.index_select(0, i) + x.index_select(0, i), torch.randn(4), torch.tensor([1]))
     reads = [n.name for n in gm.graph.nodes if "index_select" in str(n.target)]
     assert compile_graph(gm).stats["shared"] == 1
     assert compile_graph(gm, keep=reads).stats["shared"] == 0
@@ -356,7 +377,7 @@ def test_a_program_over_inputs_that_share_memory_compiles_to_its_results():
     # same memory, the same read of y again
     _, x, y = _aliased_inputs(4)
     fn = _aliasing_program([("write", 0)])
-    gm = make_fx(fn)(*_aliased_inputs(4)[1:])
+    gm = _fx(fn, *_aliased_inputs(4)[1:])
     base_gm, *args_gm = _aliased_inputs(4)
     base_c, *args_c = _aliased_inputs(4)
     assert _same(compile_graph(gm, inputs=(x, y))(*args_c), gm(*args_gm))

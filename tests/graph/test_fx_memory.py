@@ -7,6 +7,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from readfence.core.internal import SHARES_KEY
 from readfence.graph.lowering._fx_compile import compile_graph
 from readfence.graph.lowering._fx_memory import UNKNOWN, GraphMemory, storage_token
 
@@ -98,6 +99,9 @@ def _sum_around(op: object, ws: torch.Tensor) -> fx.GraphModule:
     out = g.call_function(op, (x,))
     after = g.call_function(torch.ops.aten.sum.default, (w,))
     g.output((g.call_function(torch.ops.aten.add.Tensor, (before, after)), out))
+    for node in g.nodes:  # as the trace's recorder leaves them: each output seen to share no argument's memory
+        if node.op == "call_function":
+            node.meta[SHARES_KEY] = ()
     return fx.GraphModule(root, g)
 
 
@@ -140,8 +144,10 @@ RESHAPED_TWICE = {
 }
 
 
+@pytest.mark.parametrize("tracer", ["recorder", "make_fx"])
 @pytest.mark.parametrize("name", list(RESHAPED_TWICE))
-def test_a_value_made_twice_is_not_shared_when_the_first_was_written_through_a_view_no_schema_declares(name) -> None:
+def test_a_value_made_twice_is_not_shared_when_the_first_was_written_through_a_view_no_schema_declares(name,
+                                                                                                      tracer) -> None:
     make = RESHAPED_TWICE[name]
 
     def f(x):
@@ -153,15 +159,19 @@ def test_a_value_made_twice_is_not_shared_when_the_first_was_written_through_a_v
 
     from readfence.core.tracing._record import record
 
-    gm, _, _ = record(f, [torch.ones(2, 3)], ["x"], outputs=lambda out: (out,), context=lambda r: contextlib.nullcontext(),
-                      escape_op=None)  # (the trace's recorder: it notes what each op's output was)
+    # the trace's recorder notes what each op's output was; a stage it cannot record is traced by
+    # make_fx, whose graph says nothing of it: an output called fresh may then be any memory given
+    gm = (record(f, [torch.ones(2, 3)], ["x"], outputs=lambda out: (out,), context=lambda r: contextlib.nullcontext(),
+                 escape_op=None)[0] if tracer == "recorder" else make_fx(lambda x: (f(x),))(torch.ones(2, 3)))
     x = torch.arange(6.0).view(2, 3)
     # the independent reference: the graph itself, op by op
     assert torch.equal(compile_graph(gm)(x.clone())[0], gm(x.clone())[0])
 
 
+@pytest.mark.parametrize("complex_scalar", [False, True], ids=["recorded", "make_fx"])
 @pytest.mark.parametrize("name", ["reshape_of_transpose", "unsafe_view"])
-def test_a_stage_that_writes_a_reshaped_copy_and_makes_it_again_runs_as_its_eager_step(name, monkeypatch) -> None:
+def test_a_stage_that_writes_a_reshaped_copy_and_makes_it_again_runs_as_its_eager_step(name, complex_scalar,
+                                                                                      monkeypatch) -> None:
     # the step lowered with its passes and without the validation (which would fall back to the
     # plain step where the passes differ from it) computes its eager step, step after step
     from readfence.backends import leaf, page_meta, softmax_attention, store_kv
@@ -172,6 +182,8 @@ def test_a_stage_that_writes_a_reshaped_copy_and_makes_it_again_runs_as_its_eage
     def prep(mode, shared, batch, meta):
         out = page_meta(shared, batch)
         x = torch.stack([out["kv_lens"].float(), out["kv_lens"].float() * 3])
+        if complex_scalar:  # an argument the recorder cannot hold: the stage is traced by make_fx
+            x = (x * (1 + 0j)).real.contiguous()
         first = make(x)
         first.add_(100.0)
         return {**out, "bias": make(x).sum() + first.sum() * 0}
@@ -181,5 +193,6 @@ def test_a_stage_that_writes_a_reshaped_copy_and_makes_it_again_runs_as_its_eage
         return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + 1e-3 * meta["bias"]
 
     with no_validation(monkeypatch):
-        equal, low = lowered_against_eager(leaf(f"twice_{name}", attend, prepare_in_graph=prep), steps=2)
+        equal, low = lowered_against_eager(leaf(f"twice_{name}_{int(complex_scalar)}", attend, prepare_in_graph=prep),
+                                           steps=2)
     assert equal and low.optimized

@@ -569,3 +569,20 @@ def test_a_replay_that_writes_other_bytes_than_its_python_is_not_graph_safe(memo
         lower(_writes_where_the_trace_said(memory), M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE,
               cfg=CFG)
     assert named in str(e.value)
+
+
+def test_a_graph_that_cannot_run_on_the_live_layout_is_refused_naming_its_stage() -> None:
+    # reshape(-1) of the example's contiguous page table records as a view, which the padded live
+    # layout cannot take: refused as a stage whose graph is not its Python there, not a raw error
+    def prep(mode, shared, batch, meta):
+        flat = shared["req_to_token"].reshape(-1)
+        return {**page_meta(shared, batch), "first": flat[:1].clone()}
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"]) + meta["first"] * 0
+
+    backend = leaf("flat_table", attend, prepare_in_graph=prep, reads=["req_to_token", "seq_lens"])
+    assert run_serial(backend, M.DECODE, steps=2, batch_size=BATCH, cfg=CFG, state=_padded_state()).logits
+    with CpuDevice(timeout=T) as dev, pytest.raises(NotGraphSafe, match="stage prepare_in_graph .*RuntimeError"):
+        lower(backend, M.DECODE, batch_size=BATCH, device=dev, policy=Policy.COARSE, cfg=CFG, state=_padded_state())

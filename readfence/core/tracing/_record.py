@@ -347,9 +347,8 @@ class GraphRecorder(DispatchMode):
             aliasing = op_aliasing(func)
             # (an output the schema says is an argument's memory needs no look: the schema holds that)
             if not self.fake and (aliasing is None or aliasing.opaque or not all(aliasing.outputs)):
-                shares = _shared_storage(out, args, kwargs, node_args, node_kwargs)
-                if shares:
-                    node.meta[SHARES_KEY] = shares
+                # (``()``: looked, and it shares none: a node without the key was not looked at)
+                node.meta[SHARES_KEY] = shared_storage(out, args, kwargs, node_args, node_kwargs)
         return out
 
     def _rebound(self, facts: OpFacts) -> dict[int, fx.Node] | None:
@@ -403,7 +402,8 @@ class GraphRecorder(DispatchMode):
 
 
 #: ``node.meta[SHARES_KEY]``: where the argument nodes are (positions among the leaves of the node's
-#: arguments) whose storage an op's output was seen to share when it ran, whatever its schema says (``aten._unsafe_view`` declares a fresh output and
+#: arguments) whose storage an op's output was seen to share when it ran, whatever its schema says
+#: (set on every op whose schema calls an output fresh; a graph make_fx traced has none) (``aten._unsafe_view`` declares a fresh output and
 #: returns a view): the compile passes' memory analysis takes it beside the schema's claims.
 SHARES_KEY = "readfence_shares"
 
@@ -415,7 +415,7 @@ def _storage(t: object) -> int:
     return st.data_ptr() if st.nbytes() else 0
 
 
-def _shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any) -> tuple[int, ...]:
+def shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any) -> tuple[int, ...]:
     """Where, among the leaves of an op's node arguments (``leaves((args, kwargs))``: a pass that
     copies the node keeps them), the nodes are whose storage one of its outputs is."""
     produced = {_storage(out)} if type(out) is torch.Tensor else set(map(_storage, leaves(out))) \

@@ -179,10 +179,11 @@ class GraphMemory:
         for sources in aliasing.outputs:
             out |= self.tokens([values[i] for i in sources]) if sources else {("made", self._site, node.name)}
         # and the memory the output was seen to be when the op ran, whatever the schema claims
-        # (``_unsafe_view``'s output is its input's memory, under a schema that declares none)
-        shares = node.meta.get(SHARES_KEY)
-        if shares:
+        # (``_unsafe_view``'s output is its input's memory, under a schema that declares none);
+        # where no run looked (a graph make_fx traced), any memory it was given
+        if not all(aliasing.outputs):
             flat = leaves((node.args, node.kwargs))
+            shares = node.meta.get(SHARES_KEY, range(len(flat)))
             out |= self.tokens([flat[i] for i in shares if i < len(flat) and isinstance(flat[i], fx.Node)])
         return frozenset(out or {("made", self._site, node.name)})
 

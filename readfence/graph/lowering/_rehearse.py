@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from readfence.core import PREPARE_OUT_GRAPH, ForwardMode, Program, StageOutputError, StageThreadError
-from readfence.core.internal import Ledger, RunKind, as_static, example_step, flatten_inputs
+from readfence.core.internal import Ledger, RunKind, as_static, as_words, example_step, flatten_inputs
 
 from ..devices import DeviceError, Stream
 
@@ -82,7 +82,8 @@ def rehearse(program: Program, *, ledger: Ledger, mode: ForwardMode, stream: Str
     # (a meta tensor, a shape without data, keeps a buffer without data: there is nothing to copy);
     # each laid out as the traced step's output, which the graph was traced reading (and validated on)
     traced = program.stage(PREPARE_OUT_GRAPH).graph.traced_outputs()
-    meta = {k: as_static(torch.zeros_like(env[k], device="meta" if env[k].is_meta else device), traced[k])
+    meta = {k: as_static(torch.zeros_like(as_words(env[k]), device="meta" if env[k].is_meta else device
+                                          ).view(env[k].dtype), traced[k])
             for k in traced}
     return Rehearsal(meta)
 
