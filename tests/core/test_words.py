@@ -109,3 +109,34 @@ def test_an_empty_tensor_of_such_a_dtype_crosses_into_the_graph(name) -> None:
         run = run_overlapped(backend, M, steps=3, policy=Policy.EXACT, device=dev, batch_size=2, cfg=CFG,
                              state=make_state(CFG))
     assert run.matches(serial)
+
+
+@pytest.mark.parametrize("name", ["bits8", "float4_e2m1fn_x2"])
+def test_a_stage_that_allocates_such_a_dtype_itself_is_validated_without_the_fill(name, monkeypatch) -> None:
+    # the stage's own .contiguous() of a transposed tensor allocates the dtype, which torch cannot
+    # fill: the state is compared without the fixed fill, and a baked count is still refused there
+    dtype = getattr(torch, name)
+
+    def backend(baked: bool):
+        def prep(mode, shared, batch, meta):
+            lens = shared["seq_lens"].index_select(0, batch["req_pool_indices"])
+            lens = lens * (lens[lens > 3].numel() + 1 if baked else 1)
+            pair = torch.stack([lens, lens + 1]).to(torch.uint8).view(dtype)
+            return {"odd": pair.t().contiguous()}
+
+        def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+            store_kv(pools, layer, batch["out_cache_loc"], k, v)
+            o = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+            return o * (1 + 1e-3 * meta["odd"].view(torch.uint8).float().sum())
+
+        return leaf(f"own_{name}_{int(baked)}", attend, prepare_out_graph=lambda mode, s, b: page_meta(s, b),
+                    prepare_in_graph=prep, declare={M: ReadEffect.of({"req_to_token": ReadEnd.PRE_REPLAY,
+                                                                      "seq_lens": ReadEnd.IN_REPLAY})})
+
+    serial = run_serial(backend(False), M, steps=4, batch_size=2, cfg=CFG, state=make_state(CFG))
+    with CpuDevice(timeout=60) as dev:
+        run = run_overlapped(backend(False), M, steps=4, policy=Policy.COARSE, device=dev, batch_size=2, cfg=CFG,
+                             state=make_state(CFG))
+        assert run.matches(serial)
+        with pytest.raises(NotGraphSafe, match="prepare_in_graph"):
+            lower(backend(True), M, batch_size=2, device=dev, policy=Policy.COARSE, cfg=CFG)
