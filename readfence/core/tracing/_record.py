@@ -273,10 +273,11 @@ class GraphRecorder(DispatchMode):
         if buf is None or hit is None or hit[0]() is not buf or hit[1].op != "placeholder":
             return None
         with torch._C.DisableTorchFunction():
-            same = (t.dtype == buf.dtype and t.device == buf.device and buf.is_contiguous()
-                    and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
-            offset = int(t.storage_offset() - buf.storage_offset())
-            reach = offset + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+            # where it starts in the buffer, by address (a DLPack alias of a piece has a storage of its own)
+            start, size = t.data_ptr() - buf.data_ptr(), t.element_size()
+            same = t.dtype == buf.dtype and t.device == buf.device and buf.is_contiguous() and start % size == 0
+            offset = start // size
+            reach = offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
             if not same or offset < 0 or min(t.stride(), default=0) < 0 or reach >= buf.numel():
                 return None
             aten, n = torch.ops.aten, int(buf.numel())
