@@ -196,3 +196,18 @@ def test_a_stage_that_writes_a_reshaped_copy_and_makes_it_again_runs_as_its_eage
         equal, low = lowered_against_eager(leaf(f"twice_{name}_{int(complex_scalar)}", attend, prepare_in_graph=prep),
                                            steps=2)
     assert equal and low.optimized
+
+
+def test_a_plan_traced_on_fake_tensors_notes_each_ops_output_memory_too() -> None:
+    # a plan for a CUDA device is traced on fake tensors: their storages say what each output is
+    # (without the note every output a schema calls fresh would be taken for any memory given)
+    from readfence.backends import paged
+    from readfence.core import ForwardMode, trace
+
+    def marks(device: str) -> list[tuple[str, tuple[int, ...]]]:
+        program = trace(paged(), ForwardMode.DECODE, batch_size=2, device=device)
+        return [(n.name, n.meta[SHARES_KEY]) for s in program.stages for n in s.graph.gm.graph.nodes
+                if SHARES_KEY in n.meta]
+
+    real, fake = marks("cpu"), marks("cuda")
+    assert real and fake == real

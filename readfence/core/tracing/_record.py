@@ -347,9 +347,9 @@ class GraphRecorder(DispatchMode):
             self._outputs(out, node, facts)
             aliasing = op_aliasing(func)
             # (an output the schema says is an argument's memory needs no look: the schema holds that)
-            if not self.fake and (aliasing is None or aliasing.opaque or not all(aliasing.outputs)):
+            if aliasing is None or aliasing.opaque or not all(aliasing.outputs):
                 # (``()``: looked, and it shares none: a node without the key was not looked at)
-                node.meta[SHARES_KEY] = shared_storage(out, args, kwargs, node_args, node_kwargs)
+                node.meta[SHARES_KEY] = shared_storage(out, args, kwargs, node_args, node_kwargs, real=not self.fake)
         return out
 
     def _rebound(self, facts: OpFacts) -> dict[int, fx.Node] | None:
@@ -409,23 +409,27 @@ class GraphRecorder(DispatchMode):
 SHARES_KEY = "readfence_shares"
 
 
-def _storage(t: object) -> int:
-    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type == "meta":
-        return 0
+def _storages(t: object, real: bool) -> tuple[tuple[str, int], ...]:
+    # a tensor's storage, as the object under it (fake tensors' too: a view shares its base's) and,
+    # for real memory, its address (a DLPack alias is another object over the same bytes)
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return ()
     st = t.untyped_storage()
-    return st.data_ptr() if st.nbytes() else 0
+    return (("impl", st._cdata), ("ptr", st.data_ptr())) if real and st.nbytes() and t.device.type != "meta" \
+        else (("impl", st._cdata),)
 
 
-def shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any) -> tuple[int, ...]:
+def shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs: Any, *,
+                   real: bool = True) -> tuple[int, ...]:
     """Where, among the leaves of an op's node arguments (``leaves((args, kwargs))``: a pass that
-    copies the node keeps them), the nodes are whose storage one of its outputs is."""
-    produced = {_storage(out)} if type(out) is torch.Tensor else set(map(_storage, leaves(out))) \
-        if isinstance(out, (list, tuple)) else set()
-    produced.discard(0)
+    copies the node keeps them), the nodes are whose storage one of its outputs is (``real``: the
+    tensors hold memory, else fake or meta tensors, compared by their storage objects alone)."""
+    produced = {k for o in ((out,) if isinstance(out, torch.Tensor) else leaves(out) if isinstance(out, (list, tuple))
+                            else ()) for k in _storages(o, real)}
     if not produced:
         return ()
     return tuple(i for i, (t, n) in enumerate(zip(leaves((args, kwargs)), leaves((node_args, node_kwargs))))
-                 if isinstance(n, fx.Node) and _storage(t) in produced)
+                 if isinstance(n, fx.Node) and not produced.isdisjoint(_storages(t, real)))
 
 
 @contextlib.contextmanager
