@@ -17,8 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from readfence.backends import deepseek_v4, hybrid_linear, linear, paged, tbo, trtllm_mha
 from readfence.core import ForwardMode, ModelConfig, trace
 from readfence.core._program import flatten_inputs
-from readfence.core.internal import SHARES_KEY, example_step
-from readfence.core.tracing._record import shared_storage
+from readfence.core.internal import example_step
+from readfence.core.tracing import note_output_memory
 from readfence.graph.lowering._fx_compile import binding_for, compile_graph
 from readfence.graph.lowering._fx_records import insert_records
 
@@ -42,24 +42,10 @@ def _same(a, b) -> bool:
     return a == b
 
 
-class _Recorded(torch.fx.Interpreter):
-    """Runs a graph once, noting on each op what the trace's recorder notes (``SHARES_KEY``: the
-    arguments whose storage its output was): the graphs lowering compiles carry it, make_fx's do not
-    (without it the passes take an output a schema calls fresh for any memory it was given)."""
-
-    def run_node(self, n):
-        out = super().run_node(n)
-        if n.op == "call_function":
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            n.meta[SHARES_KEY] = shared_storage(out, args, kwargs, n.args, n.kwargs)
-        return out
-
-
 def _fx(fn, *inputs):
-    """``make_fx(fn)`` with each op's output memory noted, as the recorder's graphs are."""
-    gm = make_fx(fn)(*_clones(inputs))
-    _Recorded(gm).run(*_clones(inputs))
-    return gm
+    """``make_fx(fn)`` with each op's output memory noted, as the recorder's graphs are (without the
+    note the passes take an output a schema calls fresh for any memory it was given)."""
+    return note_output_memory(make_fx(fn)(*_clones(inputs)), *inputs)
 
 
 def _check(fn, *inputs, **compile_kw):

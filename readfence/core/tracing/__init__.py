@@ -75,6 +75,7 @@ from ._origin import trusted_op as trusted_op
 from ._probe import metadata_templates as metadata_templates
 from ._probe import rerun_with as rerun_with
 from ._record import SHARES_KEY as SHARES_KEY
+from ._record import note_output_memory as note_output_memory
 from ._schema import OpAliasing as OpAliasing
 from ._schema import bind as bind_arguments
 from ._schema import moves_metadata_only as moves_metadata_only
@@ -100,7 +101,7 @@ __all__ = [
     "cuda_devices", "defined_memory", "random_kept",
     "metadata_templates", "not_user_code", "op_aliasing", "OpAliasing", "random_state", "reach", "REFERENCE_ESCAPES",
     "rerun_with", "same_values", "Segment", "segment_signature", "SegmentSignature", "set_random_state", "Span",
-    "SHARES_KEY", "SPLICED_KEY", "Spliced", "Template", "add_node",
+    "SHARES_KEY", "note_output_memory", "SPLICED_KEY", "Spliced", "Template", "add_node",
     "span_of", "StageWriteError", "StaleCaptureError", "state_key", "UnkeptCaptureError", "Table", "tensors_in", "torch_op",
     "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",

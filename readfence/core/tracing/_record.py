@@ -432,6 +432,29 @@ def shared_storage(out: Any, args: Any, kwargs: Any, node_args: Any, node_kwargs
                  if isinstance(n, fx.Node) and not produced.isdisjoint(_storages(t, real)))
 
 
+def note_output_memory(gm: fx.GraphModule, *inputs: Any) -> fx.GraphModule:
+    """``gm`` with each op's ``SHARES_KEY`` noted as the recorder notes it, from one run of it on
+    copies of ``inputs``: for a graph traced otherwise (make_fx), whose compile passes would else
+    take every output a schema calls fresh for any memory it was given.
+
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> gm = note_output_memory(make_fx(lambda x: x.t().reshape(-1) * 2)(torch.ones(2, 3)), torch.ones(2, 3))
+    >>> [(n.name, n.meta[SHARES_KEY]) for n in gm.graph.nodes if n.op == "call_function"][1:]
+    [('clone', ()), ('_unsafe_view', (0,)), ('mul', ())]
+    """
+
+    class Noting(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if n.op == "call_function":
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                n.meta[SHARES_KEY] = shared_storage(out, args, kwargs, n.args, n.kwargs)
+            return out
+
+    Noting(gm).run(*(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs))
+    return gm
+
+
 @contextlib.contextmanager
 def recording(recorder: GraphRecorder) -> Iterator[GraphRecorder]:
     """``recorder`` entered, with the cycle collector held off and compiled functions run as

@@ -55,7 +55,8 @@ it: the same calls in the same order, in fewer statements (a 64-layer body's 10,
 >>> def f(x):
 ...     w = torch.arange(4.0).exp()          # depends on no input: folded
 ...     return x * w + x * w                 # the second product is the first one
->>> gm = make_fx(f)(torch.ones(4))
+>>> from readfence.core.tracing import note_output_memory
+>>> gm = note_output_memory(make_fx(f)(torch.ones(4)), torch.ones(4))   # (what readfence's trace notes)
 >>> run = compile_graph(gm)
 >>> x = torch.randn(4)
 >>> torch.equal(run(x), gm(x))
