@@ -97,8 +97,7 @@ class StaleTrace(NotGraphSafe):
 def _first_difference(name: str, got: Tensor, want: Tensor) -> str:
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"shape {tuple(got.shape)} ({got.dtype}) where its Python gives {tuple(want.shape)} ({want.dtype})"
-    if as_words(got) is not got:  # a dtype torch cannot compare: its words, as bits
-        got, want = as_words(got), as_words(want)
+    got, want = as_words(got), as_words(want)  # (a dtype torch cannot compare: its words, as bits)
     differs = (got != want) & ~(got.isnan() & want.isnan()) if got.is_floating_point() else got != want
     index = tuple(int(i) for i in differs.nonzero()[0]) if differs.any() else ()
     return f"{got[index].item()!r} where its Python gives {want[index].item()!r} (element {list(index)})"
@@ -262,7 +261,7 @@ class _Comparing:
                 rewind()
                 out = call()
                 self.scratch.give_back([*before, *copies])
-                what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                what = (str(e).strip().splitlines() or [""])[0]
                 self.mismatch = (graph, "(its replay)", f"{type(e).__name__}: {what} where its Python runs")
                 return out
             after_replay = memory.save(self.scratch)

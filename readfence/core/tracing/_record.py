@@ -274,10 +274,10 @@ class GraphRecorder(DispatchMode):
             return None
         with torch._C.DisableTorchFunction():
             # where it starts in the buffer, by address (a DLPack alias of a piece has a storage of its own)
-            start, size = t.data_ptr() - buf.data_ptr(), t.element_size()
-            same = t.dtype == buf.dtype and t.device == buf.device and buf.is_contiguous() and start % size == 0
-            offset = start // size
-            reach = offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            start, itemsize = t.data_ptr() - buf.data_ptr(), t.element_size()
+            same = t.dtype == buf.dtype and t.device == buf.device and buf.is_contiguous() and start % itemsize == 0
+            offset = start // itemsize
+            reach = offset + sum((dim - 1) * st for dim, st in zip(t.shape, t.stride()))
             if not same or offset < 0 or min(t.stride(), default=0) < 0 or reach >= buf.numel():
                 return None
             aten, n = torch.ops.aten, int(buf.numel())
@@ -404,8 +404,9 @@ class GraphRecorder(DispatchMode):
 
 #: ``node.meta[SHARES_KEY]``: where the argument nodes are (positions among the leaves of the node's
 #: arguments) whose storage an op's output was seen to share when it ran, whatever its schema says
-#: (set on every op whose schema calls an output fresh; a graph make_fx traced has none) (``aten._unsafe_view`` declares a fresh output and
-#: returns a view): the compile passes' memory analysis takes it beside the schema's claims.
+#: (``aten._unsafe_view`` declares a fresh output and returns a view). The recorder sets it on every
+#: op whose schema calls an output fresh (a graph make_fx traced has none: ``note_output_memory``);
+#: the compile passes' memory analysis takes it beside the schema's claims.
 SHARES_KEY = "readfence_shares"
 
 

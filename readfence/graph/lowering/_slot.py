@@ -138,7 +138,10 @@ class StepLauncher:
                     f"the graph was lowered for shape {tuple(static.shape)}: a graph reads metadata of one "
                     f"shape per batch size; pad it to a fixed shape, as engines' graph runners do",
                     stage=PREPARE_OUT_GRAPH.name)
-            (as_words(static).copy_(as_words(v)) if static.dtype == v.dtype else static.copy_(v))
+            if static.dtype == v.dtype:  # (as words: a dtype torch cannot copy, copied bit for bit)
+                as_words(static).copy_(as_words(v))
+            else:
+                static.copy_(v)
 
     def launch_stage(self, slot: Slot, stage: Stage, step: int | None, sink: Callable[[dict[str, Tensor]], object]) -> None:
         runner, ops = slot.stages[stage]

@@ -535,15 +535,13 @@ class SerialServe:
                 time.sleep(self.write_wait_s)
             for b in SHARED_BUFFERS:
                 state["shared"][b].copy_(nxt.shared[b])
-            batch = nxt.batch if where == "cpu" else {k: v.to(where) for k, v in nxt.batch.items()}
             padded = _padded(nxt.kind, nxt.batch_size, self.sizes, self.members)
-            if nxt.kind == DECODE and self.pad and padded > nxt.batch_size:  # as the loop runs it
-                run = self.scheduler.pad(nxt, padded)
-                run = run if where == "cpu" else {k: v.to(where) for k, v in run.items()}
-                out = eager_step(self.target, mode, cfg, state, run, padded)
-                outputs.append(_unpad(out, self.target, nxt.batch_size, padded, nxt.tokens))
-            elif nxt.kind == DECODE:
-                outputs.append(eager_step(self.target, mode, cfg, state, batch, padded))
+            pad = nxt.kind == DECODE and self.pad and padded > nxt.batch_size  # as the loop runs it
+            batch = self.scheduler.pad(nxt, padded) if pad else nxt.batch
+            batch = batch if where == "cpu" else {k: v.to(where) for k, v in batch.items()}
+            if nxt.kind == DECODE:
+                out = eager_step(self.target, mode, cfg, state, batch, padded)
+                outputs.append(_unpad(out, self.target, nxt.batch_size, padded, nxt.tokens) if pad else out)
             else:
                 outputs.append(eager_step(self.prefill, ForwardMode.EXTEND, cfg, state, batch, padded))
             records.append(StepRecord(nxt.step, nxt.kind, nxt.requests, padded, f"{nxt.kind} b{padded}", False,
