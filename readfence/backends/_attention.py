@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import attrs
 import torch
 from torch import Tensor
 
 from readfence.core import ForwardMode
-from readfence.core.internal import pad_rows, tokens_per_request
+from readfence.core.internal import Segment, pad_rows, tokens_per_request
 
 Tensors = Mapping[str, Tensor]
 
@@ -115,6 +116,28 @@ def softmax_attention(
         raise ValueError(f"{mode}: {tokens} query tokens for {batch_size} requests x {n} tokens")
     keys = gather(pools[prefix + "k_cache"], layer, indices)  # [B, C, H, D]
     values = gather(pools[prefix + "v_cache"], layer, indices)
+    # the math over the gathered rows reads no buffer of the step: one piece of the model,
+    # recorded once per shape and spliced after that (``Segment``), in every layer
+    if not _hashable(select):  # (a selector that is no value cannot key a record: the math op by op)
+        return _attention_math(q, keys, values, lens, n, window, select)
+    math = Segment("softmax_attention", lambda q, keys, values, lens: _attention_math(q, keys, values, lens, n, window, select),
+                   key=(n, window, select))
+    return math(q, keys, values, lens)  # type: ignore[no-any-return]
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _attention_math(q: Tensor, keys: Tensor, values: Tensor, lens: Tensor, n: int, window: int | None,
+                    select: Selector | None) -> Tensor:
+    """:func:`softmax_attention` over the gathered ``keys`` and ``values`` ``[B, C, H, D]``."""
+    batch_size, ctx, heads, dim = keys.shape
+    tokens = q.shape[0]
     qb = q.reshape(batch_size, n, heads, dim)
     # a multiple of ROW_BLOCK requests per batched matmul: a request's scores must not depend on
     # how many requests share the call (readfence.core._invariant)
@@ -138,18 +161,26 @@ def top_pages(top_k: int, page_size: int) -> Selector:
     >>> sel(scores, torch.ones(1, 1, 1, 4, dtype=torch.bool)).int().tolist()
     [[[[1, 1, 0, 0]]]]
     """
+    return _TopPages(top_k, page_size)
 
-    def select(scores: Tensor, mask: Tensor) -> Tensor:
+
+@attrs.frozen
+class _TopPages:
+    """:func:`top_pages`'s selector: a value, so two selectors of the same pages are one
+    segment key."""
+
+    top_k: int
+    page_size: int
+
+    def __call__(self, scores: Tensor, mask: Tensor) -> Tensor:
         *lead, ctx = scores.shape
-        if ctx % page_size:
-            raise ValueError(f"context {ctx} is not a multiple of page_size {page_size}")
-        pages = ctx // page_size
-        page_scores = scores.masked_fill(mask.logical_not(), float("-inf")).view(*lead, pages, page_size).amax(-1)
-        chosen = torch.topk(page_scores, min(top_k, pages), dim=-1).indices
+        if ctx % self.page_size:
+            raise ValueError(f"context {ctx} is not a multiple of page_size {self.page_size}")
+        pages = ctx // self.page_size
+        page_scores = scores.masked_fill(mask.logical_not(), float("-inf")).view(*lead, pages, self.page_size).amax(-1)
+        chosen = torch.topk(page_scores, min(self.top_k, pages), dim=-1).indices
         keep = torch.zeros_like(page_scores, dtype=torch.bool).scatter(-1, chosen, True)
-        return mask & keep.repeat_interleave(page_size, dim=-1)
-
-    return select
+        return mask & keep.repeat_interleave(self.page_size, dim=-1)
 
 
 def linear_attention(
@@ -166,6 +197,15 @@ def linear_attention(
     (True, 4.0)
     """
     n = tokens_per_request(mode)
+    # reads no buffer of the step (its state is the rows the caller gathered): a piece of the
+    # model, recorded once per shape and spliced after that (``Segment``)
+    recurrence = Segment("linear_attention", lambda q, k, v, state: _linear_recurrence(q, k, v, state, n, decay),
+                         key=(n, decay))
+    return recurrence(q, k, v, state)  # type: ignore[no-any-return]
+
+
+def _linear_recurrence(q: Tensor, k: Tensor, v: Tensor, state: Tensor, n: int, decay: float) -> tuple[Tensor, Tensor]:
+    """:func:`linear_attention` over ``n`` new tokens a request."""
     batch_size, heads, dim, _ = state.shape
     qb, kb, vb = (x.reshape(batch_size, n, heads, dim) for x in (q * dim**-0.5, k, v))
     outs = []

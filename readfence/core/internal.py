@@ -88,6 +88,7 @@ from .tracing import Caches as Caches
 from .tracing import CodeKey as CodeKey
 from .tracing import DispatchMode as DispatchMode
 from .tracing import KeptTensor as KeptTensor
+from .tracing import Segment as Segment
 from .tracing import Span as Span
 from .tracing import Spliced as Spliced
 from .tracing import StaleCaptureError as StaleCaptureError
@@ -133,7 +134,7 @@ __all__ = [
     "on_live_state", "op_aliasing", "OutputGuard", "pad_rows", "positive_int", "positive_seconds", "prepare",
     "PYTHON", "cuda_devices", "random_kept", "refuse_writes", "runs_an_op_for_a_mode", "random_state", "set_random_state",
     "reach", "ReadKind", "REPLAY_SEEDS", "replayed", "request_ranges", "shared_shapes", "rms_norm", "rotary", "ROW_BLOCK",
-    "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Span", "span_of", "unobserved", "snapshot",
+    "preserved", "restore", "Run", "RunKind", "run_scan", "runs_as", "same_values", "Segment", "Span", "span_of", "unobserved", "snapshot",
     "split_batch", "SHARES_KEY", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "differs_on", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -168,19 +169,27 @@ _SELF_EQUAL = frozenset({int, str, type(None), torch.dtype, torch.device, torch.
 class _Listing:
     """The calls a segment's eager run made, unrecorded, in the form of :attr:`Template.calls`:
     each op's target and its arguments, a tensor named by what it is (an input of the segment, or
-    the value of an earlier call, by identity; every tensor is held until the listing is dropped,
-    so no identity is reused), a list or tuple result's pieces as ``getitem`` calls. Two runs
-    with equal listings made the same calls on the same values: the template's graph is the run's."""
+    the value of an earlier call, by identity, checked through a weak reference: a tensor that
+    died and whose identity a later one took is named by nothing), a list or tuple result's
+    pieces as ``getitem`` calls. Two runs with equal listings made the same calls on the same
+    values: the template's graph is the run's. (Results are held weakly, as the recorder holds
+    them: a strong reference to a factory function's result makes torch detach it on return, a
+    call the record does not have.)"""
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
-        self.refs: dict[int, _In | _Ref] = {}
+        self.refs: dict[int, tuple[weakref.ref[torch.Tensor], _In | _Ref]] = {}
         for index, t in enumerate(inputs):
-            self.refs.setdefault(id(t), _In(index))
-        self.held: list[Any] = list(inputs)
+            self.refs.setdefault(id(t), (weakref.ref(t), _In(index)))
+        self.inputs = tuple(inputs)  # (alive while the listing is)
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
 
+    def _known(self, t: torch.Tensor) -> _In | _Ref | None:
+        hit = self.refs.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
     def _ref(self, t: torch.Tensor) -> Any:
-        return self.refs.get(id(t), _UNKNOWN)  # a tensor from outside the segment: no template holds it
+        known = self._known(t)
+        return _UNKNOWN if known is None else known  # a tensor from outside the segment: no template holds it
 
     def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """An op the run dispatched, with what it returned."""
@@ -191,8 +200,7 @@ class _Listing:
 
     def _result(self, out: Any, ref: _Ref) -> None:
         if isinstance(out, torch.Tensor):
-            self.refs[id(out)] = ref
-            self.held.append(out)
+            self.refs[id(out)] = (weakref.ref(out), ref)
         elif isinstance(out, (list, tuple)):  # as the record writes a list: a getitem node a piece
             for index, element in enumerate(out):
                 self.calls.append((operator.getitem, (ref, index), {}))
@@ -203,7 +211,7 @@ class _Listing:
         tensors = _outputs(out)
         if tensors is None:
             return None
-        refs = tuple(self.refs.get(id(t)) for t in tensors)
+        refs = tuple(self._known(t) for t in tensors)
         return None if any(r is None for r in refs) else refs  # type: ignore[return-value]
 
 
