@@ -122,7 +122,7 @@ def softmax_attention(
         return _attention_math(q, keys, values, lens, n, window, select)
     math = Segment("softmax_attention", lambda q, keys, values, lens: _attention_math(q, keys, values, lens, n, window, select),
                    key=(n, window, select))
-    return math(q, keys, values, lens)  # type: ignore[no-any-return]
+    return math(q, keys, values, lens)
 
 
 def _hashable(value: object) -> bool:
@@ -201,7 +201,7 @@ def linear_attention(
     # model, recorded once per shape and spliced after that (``Segment``)
     recurrence = Segment("linear_attention", lambda q, k, v, state: _linear_recurrence(q, k, v, state, n, decay),
                          key=(n, decay))
-    return recurrence(q, k, v, state)  # type: ignore[no-any-return]
+    return recurrence(q, k, v, state)
 
 
 def _linear_recurrence(q: Tensor, k: Tensor, v: Tensor, state: Tensor, n: int, decay: float) -> tuple[Tensor, Tensor]:
