@@ -61,7 +61,7 @@ from ._program import ESCAPE, Program, Unmatched
 from ._protocol import BackendLike, child_runs, runs_as
 from ._state import ModelConfig, model_config
 from ._step import PREPARE_IN_GRAPH, Stage
-from .tracing import StageWriteError, bind, random_kept
+from .tracing import StageWriteError, bind, collection_paused, random_kept
 
 
 def escape_note(stage: Stage, replayed: bool = True) -> str:
@@ -247,6 +247,7 @@ def _plan(backend: BackendLike, mode: ForwardMode, cfg: ModelConfig | None, batc
 
 
 @random_kept()  # (the user's program draws next what it would have drawn without the audit)
+@collection_paused()  # (its traces and runs keep what they make: a collection in between walks it all for nothing)
 def audit_report(
     backend: BackendLike,
     mode: ForwardMode,
@@ -283,6 +284,7 @@ def _tree(plan: _Plan, backend: BackendLike, mode: ForwardMode, state: Mapping[s
 
 
 @random_kept()
+@collection_paused()
 def audit_failure(
     backend: BackendLike,
     mode: ForwardMode,

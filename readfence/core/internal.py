@@ -98,6 +98,7 @@ from .tracing import UnkeptCaptureError as UnkeptCaptureError
 from .tracing import add_node as add_node
 from .tracing import bind_arguments as bind_arguments
 from .tracing import code_key as code_key
+from .tracing import collection_paused as collection_paused
 from .tracing import copy_graph as copy_graph
 from .tracing import cuda_devices as cuda_devices
 from .tracing import first_stale as first_stale
@@ -125,7 +126,7 @@ __all__ = [
     "add_node", "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
     "CACHES", "as_static", "as_words", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
     "check_state", "STATE_PARTS",
-    "child_runs", "code_key", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
+    "child_runs", "code_key", "collection_paused", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",
     "KeptTensor", "LAYER_KEY", "late_read_fix", "leaves", "layers_marked", "launches_unseen", "LayerScan", "Ledger", "ledger_of",

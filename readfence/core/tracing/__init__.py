@@ -40,6 +40,7 @@ from ._cache import clear_trace_cache as clear_trace_cache
 from ._cache import code_key as code_key
 from ._cache import trace_cache_size as trace_cache_size
 from ._captured import CapturedStateError as CapturedStateError
+from ._collect import collection_paused as collection_paused
 from ._dispatch import DispatchMode as DispatchMode
 from ._dispatch import runs_an_op_for_a_mode as runs_an_op_for_a_mode
 from ._escapes import REFERENCE_ESCAPES as REFERENCE_ESCAPES
@@ -95,7 +96,7 @@ from ._triton import is_launch_op as is_launch_op
 from ._triton import launches_unseen as launches_unseen
 
 __all__ = [
-    "analyse", "bind", "bind_arguments", "BufferMap", "CACHES", "Caches", "CapturedStateError", "clear_trace_cache",
+    "analyse", "bind", "bind_arguments", "BufferMap", "CACHES", "Caches", "CapturedStateError", "clear_trace_cache", "collection_paused",
     "code_key", "CodeKey", "copy_graph", "DispatchMode", "first_stale", "is_launch_op", "kept_tensors", "KeptTensor",
     "kernel_access", "KernelAccess", "launches_unseen", "leaves", "LaunchStreamError", "meet_shared", "metadata_claim_holds",
     "cuda_devices", "defined_memory", "random_kept",

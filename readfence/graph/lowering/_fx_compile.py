@@ -67,18 +67,16 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeGuard
 
 import torch
 from torch import fx
 
-from readfence.core.internal import DispatchMode, bind_arguments, op_aliasing, torch_op
+from readfence.core.internal import DispatchMode, bind_arguments, collection_paused, op_aliasing, torch_op
 
 from ._fx_keys import arg_key
 from ._fx_layers import hoists_hold, outline_layers
@@ -337,7 +335,10 @@ def compile_graph(gm: fx.GraphModule, *, keep: Iterable[str] = (), simplify: boo
     inputs are taken to share none. A node marked ``HOOK_KEY`` (an inserted event, poison or
     check) is called through a hook (:class:`CompiledGraph`)."""
     kept = frozenset(keep)
-    with _collection_paused():
+    # the compile makes tens of thousands of short-lived tuples and sets; each young collection
+    # they trigger may walk the process's traced graphs (a 64-layer body's compile took 0.71 s of
+    # CPU with the collector on, 0.37 s with it off); nothing it makes is cyclic garbage
+    with collection_paused():
         if not (simplify and bindings):
             compiled = _compile(gm, kept, simplify, bindings, inputs)
             compiled.stats["pieces"] = compiled.stats["layer_runs"] = 0
@@ -374,21 +375,6 @@ def _outlined(gm: fx.GraphModule, kept: frozenset[str], inputs: Sequence[InputMe
     compiled.stats["pieces"], compiled.stats["layer_runs"] = pieces + outside, layers
     compiled.outlined, compiled.hoisted = outlined, hoisted
     return compiled
-
-
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    # The compile makes tens of thousands of short-lived tuples and sets; each young collection
-    # they trigger may walk the process's traced graphs (a 64-layer body's compile took 0.71 s
-    # of CPU with the collector on, 0.37 s with it off). Nothing the compile makes is cyclic
-    # garbage: the collector resumes, as it was, when the compile returns.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _compile(gm: fx.GraphModule, keep: frozenset[str], simplify: bool, bindings: bool,

@@ -80,6 +80,7 @@ from readfence.core.internal import (
     StaleTrace,
     check_backend,
     check_forward_mode,
+    collection_paused,
     differs_on,
     example_step,
     flatten_inputs,
@@ -301,6 +302,7 @@ class Lowered:
 
 @names_keywords
 @random_kept()  # (the step's runs here draw nothing the loop's steps would draw)
+@collection_paused()  # (its traces and runs keep what they make: a collection in between walks it all for nothing)
 def lower(
     backend: BackendLike,
     mode: ForwardMode,
