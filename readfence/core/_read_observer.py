@@ -303,8 +303,9 @@ class ReadObserver(DispatchMode):
         """``fn(*tensors)``, unobserved or observed, and the ops it dispatched."""
         self._listed, self._skipping = [], skipping
         try:
-            with torch._C.DisableTorchFunction() if skipping else contextlib.nullcontext():
-                out = fn(*tensors)
+            # (the host-read mode stays on unobserved: a host read or an escape reaches no
+            # dispatcher, so no op list can tell a run that makes one from one that does not)
+            out = fn(*tensors)
             return tuple(self._listed), out
         finally:
             self._listed, self._skipping = None, False

@@ -32,6 +32,7 @@ from readfence.core._state import example_step
 from readfence.core.tracing import _record, _segment
 from readfence.core.tracing._trace import trace_step
 from readfence.effects import ReadEffect, ReadEnd
+from readfence.graph import lower
 from tests.core.test_record import _same
 
 M = ForwardMode
@@ -207,6 +208,66 @@ def test_an_attention_whose_selector_is_no_value_runs_its_math_op_by_op() -> Non
     q = torch.randn(2, 2, 16)
     args = (M.DECODE, q, step.pools, 0, meta["kv_indices"], meta["kv_lens"])
     assert torch.equal(softmax_attention(*args, select=_Selector()), softmax_attention(*args))
+
+
+class _Peeking:
+    """A selector (a value, so it keys the attention's record) that in layers above 0 hands its
+    value of ``seq_lens`` to the host, where the page count comes from (``spelling``): the calls
+    reach no dispatcher, so the piece's ops are those of layer 0's record."""
+
+    def __init__(self, spelling: str) -> None:
+        self.spelling, self.src = spelling, None
+
+    def __call__(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        k = 1
+        if self.src is not None:
+            host = {"tolist": lambda t: t.tolist()[0], "numpy": lambda t: int(t.numpy()[0]),
+                    "data_ptr": lambda t: t.data_ptr() % 2, "item": lambda t: t[0].item()}[self.spelling](self.src)
+            k = 2 if host in (5, 6, 1) else 1
+        pages = scores.masked_fill(mask.logical_not(), float("-inf")).view(*scores.shape[:-1], -1, 8).amax(-1)
+        keep = torch.zeros_like(pages, dtype=torch.bool).scatter(-1, torch.topk(pages, k, dim=-1).indices, True)
+        return mask & keep.repeat_interleave(8, dim=-1)
+
+
+def _peeker(spelling: str, declared: ReadEnd = ReadEnd.PRE_REPLAY) -> Any:
+    select = _Peeking(spelling)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        select.src = shared["seq_lens"] if layer > 0 else None
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"], select=select)
+
+    return leaf("peeker", attend, prepare_out_graph=lambda mode, shared, batch: page_meta(shared, batch),
+                declare={M.DECODE: ReadEffect.of({"req_to_token": declared, "seq_lens": declared})})
+
+
+@pytest.mark.parametrize("spelling", ["tolist", "numpy", "data_ptr", "item"])
+def test_a_host_read_inside_a_piece_is_seen_when_its_ops_are_its_records(spelling: str) -> None:
+    # layer 0 records the attention's math (no host read); layer 1's run makes the same ops and
+    # hands seq_lens to the host above the dispatcher: its splice, and the observer's unobserved
+    # run of it, must see the escape as a run of the code would (a listing taken with
+    # torch-function modes off saw nothing, and the loop baked layer 0's page count)
+    cfg = ModelConfig(layers=3)
+    program = _step(lambda: _peeker(spelling), M.DECODE, 3, 2)
+    assert program.traced()["seq_lens"] > ReadEnd.PRE_REPLAY  # the trace's line
+    seen = observe(_peeker(spelling), M.DECODE, cfg=cfg, steps=1)
+    assert seen.observed()["seq_lens"] > ReadEnd.PRE_REPLAY  # the observer's own
+    failure = audit(_peeker(spelling), M.DECODE, cfg=cfg, batch_sizes=[2]).failure()
+    assert failure.buffer in ("req_to_token", "seq_lens")
+
+
+def test_a_piece_hiding_a_host_read_is_refused_and_runs_as_serial_under_coarse() -> None:
+    from readfence.graph import CpuDevice, LoopOptions, Policy, UnsoundLowering, make_state, run_overlapped, run_serial
+
+    cfg = ModelConfig(layers=2, max_reqs=8, max_ctx=16)
+    with CpuDevice(timeout=60.0) as dev:
+        with pytest.raises(UnsoundLowering, match="seq_lens|req_to_token"):
+            lower(_peeker("tolist"), M.DECODE, batch_size=2, device=dev, policy=Policy.PER_BUFFER, cfg=cfg)
+        options = LoopOptions(finish_prob=0.3)
+        serial = run_serial(_peeker("tolist"), M.DECODE, steps=8, batch_size=2, cfg=cfg, state=make_state(cfg), options=options)
+        run = run_overlapped(_peeker("tolist"), M.DECODE, steps=8, policy=Policy.COARSE, device=dev, batch_size=2, cfg=cfg,
+                             state=make_state(cfg), options=options)
+    assert run.matches(serial) and not run.violations
 
 
 def test_a_piece_that_calls_a_factory_function_is_spliced(monkeypatch: pytest.MonkeyPatch) -> None:

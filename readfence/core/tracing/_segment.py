@@ -313,7 +313,9 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         return out
     listing = recorder.unrecorded = _Listing(tensors)
     try:
-        with recorder.paused(), torch._C.DisableTorchFunction():
+        # (torch-function modes stay on: a host read or an escape reaches no dispatcher, and the
+        # tracer's mode turns it into a call the record does not have)
+        with recorder.paused():
             out = segment.fn(*tensors)
     finally:
         recorder.unrecorded = None
