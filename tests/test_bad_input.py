@@ -69,6 +69,39 @@ def test_a_spec_string_is_refused_naming_the_argument_and_the_parser(entry, clos
         _entry_points(closed)[entry]("paged")
 
 
+def _chain(depth: int):
+    from readfence.backends import join
+
+    tree = paged()
+    for _ in range(depth - 1):
+        tree = join(tree, paged())
+    return tree
+
+
+@pytest.mark.parametrize("entry", ["audit", "trace", "lower", "run_serial", "run_overlapped", "decode_loop",
+                                   "verify", "lower_step"])
+def test_a_tree_deeper_than_the_checks_walk_is_refused_naming_the_limit(entry, closed) -> None:
+    # a backend value is built for any depth; the audit's walks recurse once a level, and a tree
+    # some three hundred levels deep died in them with a raw RecursionError
+    from readfence.core.internal import MAX_TREE_DEPTH
+
+    with pytest.raises(ValueError, match=rf"'join' is a tree more than {MAX_TREE_DEPTH} levels deep"):
+        _entry_points(closed)[entry](_chain(MAX_TREE_DEPTH + 1))
+
+
+def test_a_tree_as_deep_as_the_limit_is_lowered_and_runs_as_serial() -> None:
+    from readfence.core import ModelConfig
+    from readfence.core.internal import MAX_TREE_DEPTH, tree_depth
+    from readfence.graph import make_state
+
+    tree, cfg = _chain(MAX_TREE_DEPTH), ModelConfig(layers=1)
+    assert tree_depth(tree) == MAX_TREE_DEPTH
+    with CpuDevice(timeout=60.0) as dev:
+        serial = run_serial(tree, steps=2, cfg=cfg, state=make_state(cfg))
+        run = run_overlapped(tree, steps=2, policy=Policy.EXACT, device=dev, cfg=cfg, state=make_state(cfg))
+    assert run.matches(serial)
+
+
 def test_a_step_shape_spec_string_points_to_the_step_parser(closed) -> None:
     with pytest.raises(TypeError, match=r"readfence\.graph\.parse_step\('eagle\(paged, paged\)'\)"):
         run_serial("eagle(paged, paged)", steps=2)

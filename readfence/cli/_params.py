@@ -256,7 +256,11 @@ class Spec(click.ParamType):
                 if ctx is not None:
                     ctx.meta[_GIVEN] = value
                 return spec
-            return parse_spec(value)
+            from readfence.core import BackendLike
+            from readfence.core.internal import check_tree_depth
+
+            spec = parse_spec(value)
+            return check_tree_depth(spec, "the spec") if isinstance(spec, BackendLike) else spec
         except ValueError as e:
             raise _fail(param, value, str(e)) from None
 

@@ -139,7 +139,8 @@ def check_backend(
 ) -> BackendLike | _T:
     """``value`` if it is a backend (:class:`BackendLike`) or one of ``accept``; else a
     ``TypeError`` naming ``name`` and ``allowed``. A spec string gets the call that parses it
-    (``parse_hint(text)``, by default ``readfence.backends.parse``).
+    (``parse_hint(text)``, by default ``readfence.backends.parse``). A tree deeper than
+    :data:`MAX_TREE_DEPTH` levels is a ``ValueError`` saying so.
 
     >>> check_backend("paged")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
@@ -147,8 +148,10 @@ def check_backend(
     TypeError: backend must be a backend (e.g. readfence.backends.paged()), got 'paged' (str); to use
     a spec string, parse it first: readfence.backends.parse('paged').unwrap()
     """
-    if isinstance(value, accept) or isinstance(value, BackendLike):
+    if isinstance(value, accept):
         return value
+    if isinstance(value, BackendLike):
+        return check_tree_depth(value, name)
     hint = ""
     if isinstance(value, str):
         call = parse_hint(value) if parse_hint is not None else f"readfence.backends.parse({value!r}).unwrap()"
@@ -156,6 +159,42 @@ def check_backend(
     elif isinstance(value, type) or (callable(value) and isinstance(getattr(value, "__name__", None), str)):
         hint = f"; did you forget to call it ({value.__name__}())?"
     raise TypeError(f"{name} must be {allowed}, got {_shown(value)}{hint}")
+
+
+#: The deepest backend tree the audit, the observer and ``lower`` take: their walks of a tree recurse
+#: once per level, and Python's stack holds some three hundred levels of them (a backend value
+#: itself, its effects, equality and printing, is built for any depth).
+MAX_TREE_DEPTH = 100
+
+
+def tree_depth(backend: BackendLike) -> int:
+    """The levels of ``backend``'s tree (a leaf is one), walked without recursion; counting stops
+    past :data:`MAX_TREE_DEPTH`.
+
+    >>> from readfence.backends import join, paged
+    >>> tree_depth(paged()), tree_depth(join(join(paged(), paged()), paged()))
+    (1, 3)
+    """
+    deepest, stack = 0, [(backend, 1)]
+    while stack and deepest <= MAX_TREE_DEPTH:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for _, child in node.children())
+    return deepest
+
+
+def check_tree_depth(backend: BackendLike, name: str = "backend") -> BackendLike:
+    """``backend``, if its tree is at most :data:`MAX_TREE_DEPTH` levels deep; else a ``ValueError``
+    naming ``name`` and the limit.
+
+    >>> from readfence.backends import paged
+    >>> check_tree_depth(paged()).name
+    'paged'
+    """
+    if tree_depth(backend) > MAX_TREE_DEPTH:
+        raise ValueError(f"{name} {backend.name!r} is a tree more than {MAX_TREE_DEPTH} levels deep: readfence audits, "
+                         f"observes and lowers trees up to {MAX_TREE_DEPTH} levels deep (MAX_TREE_DEPTH)")
+    return backend
 
 
 #: The groups of a state's tensors (``make_state`` makes all three).

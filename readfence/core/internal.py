@@ -15,15 +15,18 @@ from ._audit import verdict_nodes as verdict_nodes
 from ._backend_trace import forget_trace as forget_trace
 from ._batch_split import request_ranges as request_ranges
 from ._batch_split import split_batch as split_batch
+from ._checks import MAX_TREE_DEPTH as MAX_TREE_DEPTH
 from ._checks import STATE_PARTS as STATE_PARTS
 from ._checks import check_backend as check_backend
 from ._checks import check_buffers as check_buffers
 from ._checks import check_forward_mode as check_forward_mode
 from ._checks import check_mode as check_mode
 from ._checks import check_state as check_state
+from ._checks import check_tree_depth as check_tree_depth
 from ._checks import did_you_mean as did_you_mean
 from ._checks import positive_int as positive_int
 from ._checks import positive_seconds as positive_seconds
+from ._checks import tree_depth as tree_depth
 from ._invariant import ROW_BLOCK as ROW_BLOCK
 from ._invariant import matmul_rows as matmul_rows
 from ._invariant import pad_rows as pad_rows
@@ -125,7 +128,7 @@ from .tracing import unobserved as unobserved
 __all__ = [
     "add_node", "ALIASES_KEY", "audit_failure", "audit_report", "bind_arguments", "buffer_ranges", "BufferAudit", "BufferMap", "Caches",
     "CACHES", "as_static", "as_words", "check_backend", "check_buffers", "check_forward_mode", "check_mode", "check_stage_output",
-    "check_state", "STATE_PARTS",
+    "check_state", "check_tree_depth", "STATE_PARTS", "MAX_TREE_DEPTH", "tree_depth",
     "child_runs", "code_key", "collection_paused", "CodeKey", "copy_graph", "did_you_mean", "DispatchMode", "EAGER", "escape_note",
     "evidence_epoch", "example_step", "first_stale", "flatten_group", "flatten_inputs", "forget_trace",
     "format_table", "forward", "init_params", "Interpreter", "is_launch_op", "kept_tensors",

@@ -142,12 +142,16 @@ def test_a_bare_readfence_prints_its_usage_and_one_error_line(script):
      "Error: --mode does not apply to the step shape 'eagle(paged, trtllm_mha, draft_steps=2)': its phases fix their "
      "own modes (draft_decode[0]:DECODE"),
     (["plan", "ngram(paged)", "--mode", "extend"], "Error: --mode does not apply to the step shape 'ngram(paged)'"),
+    (["audit", "join(" * 150 + "paged" + ")" * 150], "Error: invalid SPEC 'join(join("),
+    (["plan", "eagle(" + "join(" * 150 + "paged" + ")" * 150 + ", paged)"], "Error: invalid SPEC 'eagle(join("),
 ])
 def test_errors_say_what_was_given_and_what_was_meant(cli, argv, says):
     result = click.testing.CliRunner().invoke(main, argv, prog_name="readfence")
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(says), lines
+    if "join(" * 150 in "".join(argv):  # a tree deeper than the audit walks: the limit named, no traceback
+        assert "is a tree more than 100 levels deep" in lines[0], lines
 
 
 def test_verify_mode_lists_only_modes_it_takes_and_idle_is_refused_with_the_reason(cli):
