@@ -136,24 +136,6 @@ def _viewer() -> Any:
                 declare={M.DECODE: effect})
 
 
-def test_a_piece_given_a_buffers_memory_is_recorded_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    _step(_viewer, M.DECODE, 3, 2)  # templates of every piece made
-    spliced, traced = _step(_viewer, M.DECODE, 3, 2), _step(_viewer, M.DECODE, 3, 2, recorded=False)
-    _same(spliced, traced)
-    # the body reads req_to_token after attend (layer 1's output projection): POST_REPLAY, and
-    # its last reader is a node of the model's piece
-    assert spliced.traced()["req_to_token"] is ReadEnd.POST_REPLAY
-    stage, node = spliced.last_reader("req_to_token")
-    assert stage == BODY and "/readfence/core/_" in spliced.stages[-1].graph.source(node)
-    # the observer, which reads memory itself, sees the read in the body whether or not the
-    # pieces run unobserved where they can touch nothing
-    seen = observe(_viewer(), M.DECODE, steps=1)
-    assert seen.observed()["req_to_token"] is ReadEnd.POST_REPLAY
-    assert seen.last_reader("req_to_token")[0] == "body"
-    failure = audit(_viewer(), M.DECODE, cfg=ModelConfig(layers=3), batch_sizes=[2]).failure()
-    assert failure.buffer == "req_to_token"
-
-
 def _buffer_lengths(copy: bool) -> Any:
     """An ``attend`` whose lengths are the first rows of ``seq_lens`` itself (not a copy made in
     a prepare stage; with ``copy``, a copy made in the body): the attention's own math, the
@@ -172,20 +154,25 @@ def _lengths_reader(copy: bool = False) -> Any:
                 declare={M.DECODE: ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})})
 
 
-def test_an_attention_given_a_buffer_s_memory_is_recorded_op_by_op() -> None:
-    # the attention's math is a piece of the model only where its inputs are the step's own
-    # copies: given seq_lens itself, every layer's mask reads the buffer in the body (a template
-    # of the same signature, made from a copy of it, is not spliced over the buffer's memory)
-    _step(lambda: _lengths_reader(copy=True), M.DECODE, 3, 2)
-    spliced, traced = _step(_lengths_reader, M.DECODE, 3, 2), _step(_lengths_reader, M.DECODE, 3, 2, recorded=False)
+@pytest.mark.parametrize(("make", "warm", "buffer", "piece"), [
+    (_viewer, _viewer, "req_to_token", "/readfence/core/_"),
+    (_lengths_reader, lambda: _lengths_reader(copy=True), "seq_lens", "/readfence/backends/_attention.py"),
+], ids=["model-piece-given-attends-view", "attention-given-seq_lens"])
+def test_a_piece_given_a_buffers_memory_is_recorded_op_by_op(make: Any, warm: Any, buffer: str, piece: str) -> None:
+    # the templates of every piece made first (the attention's from a backend that copies: a
+    # template of the same signature is not spliced over the buffer's memory); the body then
+    # reads the buffer in a later layer's piece: POST_REPLAY, its last reader a node of the piece
+    _step(warm, M.DECODE, 3, 2)
+    spliced, traced = _step(make, M.DECODE, 3, 2), _step(make, M.DECODE, 3, 2, recorded=False)
     _same(spliced, traced)
-    assert spliced.traced()["seq_lens"] is ReadEnd.POST_REPLAY
-    stage, node = spliced.last_reader("seq_lens")
-    assert stage == BODY and "/readfence/backends/_attention.py" in spliced.stages[-1].graph.source(node)
-    seen = observe(_lengths_reader(), M.DECODE, steps=1)
-    assert seen.observed()["seq_lens"] is ReadEnd.POST_REPLAY and seen.last_reader("seq_lens")[0] == "body"
-    failure = audit(_lengths_reader(), M.DECODE, cfg=ModelConfig(layers=3), batch_sizes=[2]).failure()
-    assert failure.buffer == "seq_lens"
+    assert spliced.traced()[buffer] is ReadEnd.POST_REPLAY
+    stage, node = spliced.last_reader(buffer)
+    assert stage == BODY and piece in spliced.stages[-1].graph.source(node)
+    # the observer, which reads memory itself, sees the read in the body whether or not the
+    # pieces run unobserved where they can touch nothing
+    seen = observe(make(), M.DECODE, steps=1)
+    assert seen.observed()[buffer] is ReadEnd.POST_REPLAY and seen.last_reader(buffer)[0] == "body"
+    assert audit(make(), M.DECODE, cfg=ModelConfig(layers=3), batch_sizes=[2]).failure().buffer == buffer
 
 
 class _Selector:
