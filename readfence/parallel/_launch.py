@@ -111,6 +111,7 @@ _KIND_TEXT = {
     "collective": "stopped in a collective",
     "exited": "exited without reporting",
     "unfinished": "did not finish and was terminated",
+    "returned": "returned while the others were still in a collective",
 }
 
 
@@ -169,6 +170,20 @@ class _Outcome:
     rank: int
     value: Any = None
     failure: RankFailure | None = None
+    collectives: int | None = None  # (a rank that returned: how many it started)
+
+
+def _failures(outcomes: Sequence[_Outcome]) -> list[RankFailure]:
+    """The failed ranks' reports, and where some stopped in a collective, each rank that returned
+    having started fewer collectives than they did: the collective they waited in is one it never
+    joined (a job that returns early on some ranks only), so it failed first-hand."""
+    failures = [o.failure for o in outcomes if o.failure is not None]
+    waited = [f.collectives for f in failures if f.kind == "collective" and f.collectives is not None]
+    if not waited:
+        return failures
+    early = [RankFailure(o.rank, "returned", f"{type(o.value).__name__} {str(o.value)[:80]!r}", o.collectives)
+             for o in outcomes if o.failure is None and o.collectives is not None and o.collectives < max(waited)]
+    return failures + early
 
 
 # -- one rank ------------------------------------------------------------------------------------
@@ -237,7 +252,8 @@ def _run_rank(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup) -> 
         group = dist.group.WORLD.group_name  # type: ignore[union-attr]
         cfg = attrs.evolve(setup.cfg, tp=TensorParallel(size=size, rank=rank, group=group))
         ctx = Rank(rank, size, local_rank, setup.device, cfg, setup.device_timeout_s, setup.collective_timeout_s)
-        return _Outcome(rank, value=job(ctx, *args))
+        value = job(ctx, *args)
+        return _Outcome(rank, value=value, collectives=_collectives_started())
     except BaseException as exc:  # reported, not raised: the launcher decides who failed first-hand
         failure = RankFailure(rank, _kind(exc), f"{type(exc).__name__}: {exc}", _collectives_started(),
                               traceback.format_exc())
@@ -300,8 +316,9 @@ def _collect(context: Any, results: Any, size: int, grace_s: float, deadline_s: 
             if i not in outcomes and p.exitcode is not None:
                 # its report, if any, is in the pipe before it exits: give the pipe a moment
                 if now - exited_at.setdefault(i, now) > 2.0:
-                    why = f"exit code {p.exitcode}" + (" (its result could not be sent back: a job must return "
-                                                       "something picklable)" if p.exitcode == 0 else "")
+                    why = f"exit code {p.exitcode}" + (" without a result: the job ended its process itself "
+                                                       "(os._exit), or its result could not be sent back (a job "
+                                                       "must return something picklable)" if p.exitcode == 0 else "")
                     outcomes[i] = _Outcome(i, failure=RankFailure(i, "exited", why))
                     failed_at = failed_at or now
         overdue = (failed_at is not None and now - failed_at > grace_s) or (
@@ -425,7 +442,7 @@ def _start(job: Callable[..., Any], args: tuple[Any, ...], setup: _Setup, grace_
         _reap(context, [o.rank for o in outcomes if o.failure is not None and o.failure.kind == "unfinished"])
         results.close()
         del store
-    failures = [o.failure for o in outcomes if o.failure is not None]
+    failures = _failures(outcomes)
     if failures:
         raise TensorParallelError(failures, setup.size, context.pids())
     return {o.rank: o.value for o in outcomes}

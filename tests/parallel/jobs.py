@@ -68,6 +68,16 @@ def faulty_loop(rank, fail_rank: int, action: str) -> None:
         run_overlapped(paged(), steps=6, policy=Policy.PER_BUFFER, device=dev, batch_size=BATCH, cfg=rank.cfg)
 
 
+def returns_early(rank, early_rank: int) -> str:
+    """The overlapped loop of ``paged`` on every rank but ``early_rank``, which returns at once:
+    the others wait in an all-reduce it never joins."""
+    if rank.rank == early_rank:
+        return "skipped"
+    with rank.open_device() as dev:
+        run_overlapped(paged(), steps=3, policy=Policy.PER_BUFFER, device=dev, batch_size=BATCH, cfg=rank.cfg)
+    return "ran"
+
+
 def nothing(rank) -> int:
     """Only the launch: the rank's number."""
     return rank.rank

@@ -82,6 +82,19 @@ def test_a_failing_rank_stops_every_rank_and_is_named(action, grace_s, kind, say
     assert _ended(error.pids) and not multiprocessing.active_children()
 
 
+def test_a_rank_that_returns_while_the_others_wait_in_a_collective_is_the_one_named():
+    # the rank that left is not a failure of its own, but the all-reduce the others stopped in is
+    # one it never joined: it started fewer collectives than they did
+    with pytest.raises(TensorParallelError) as caught:
+        launch(jobs.returns_early, 0, tp=2, collective_timeout_s=4, device_timeout_s=6, grace_s=120, deadline_s=600)
+    error = caught.value
+    assert error.culprits == (0,), str(error)
+    assert error.failures[0].kind == "returned" and "'skipped'" in error.failures[0].message, str(error)
+    assert error.failures[1].kind == "collective", str(error)
+    assert str(error).startswith("tensor-parallel run of 2 ranks failed on rank 0: rank 0 returned while the others")
+    assert _ended(error.pids) and not multiprocessing.active_children()
+
+
 def test_bad_arguments_are_named_before_any_process_starts():
     with pytest.raises(ValueError, match=r"tp=3 cannot shard the model: it has heads=2.*allowed: 1, 2"):
         launch(jobs.faulty_loop, tp=3)
