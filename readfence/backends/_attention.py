@@ -117,20 +117,11 @@ def softmax_attention(
     keys = gather(pools[prefix + "k_cache"], layer, indices)  # [B, C, H, D]
     values = gather(pools[prefix + "v_cache"], layer, indices)
     # the math over the gathered rows reads no buffer of the step: one piece of the model,
-    # recorded once per shape and spliced after that (``Segment``), in every layer
-    if not _hashable(select):  # (a selector that is no value cannot key a record: the math op by op)
-        return _attention_math(q, keys, values, lens, n, window, select)
+    # recorded once per shape and spliced after that (``Segment``), in every layer (a selector
+    # that is no value keys no record: the math is recorded op by op)
     math = Segment("softmax_attention", lambda q, keys, values, lens: _attention_math(q, keys, values, lens, n, window, select),
                    key=(n, window, select))
     return math(q, keys, values, lens)
-
-
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _attention_math(q: Tensor, keys: Tensor, values: Tensor, lens: Tensor, n: int, window: int | None,

@@ -188,6 +188,9 @@ class _Selector:
 
 
 def test_an_attention_whose_selector_is_no_value_runs_its_math_op_by_op() -> None:
+    # a key that cannot be hashed keys no record: under the recorder and the observer alike the
+    # math runs as the code it is (it raised TypeError looking its record up), and computes what
+    # the math without a selector computes (this one keeps every key)
     from readfence.core.internal import example_step as make_step
 
     step = make_step(ModelConfig(), M.DECODE, 2)
@@ -195,6 +198,17 @@ def test_an_attention_whose_selector_is_no_value_runs_its_math_op_by_op() -> Non
     q = torch.randn(2, 2, 16)
     args = (M.DECODE, q, step.pools, 0, meta["kv_indices"], meta["kv_lens"])
     assert torch.equal(softmax_attention(*args, select=_Selector()), softmax_attention(*args))
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        return softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"], select=_Selector())
+
+    def make() -> Any:
+        return leaf("unkeyed", attend, prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch))
+
+    _same(_step(make, M.DECODE, 2, 2), _step(make, M.DECODE, 2, 2, recorded=False))
+    assert audit(make(), M.DECODE, cfg=ModelConfig(layers=2), batch_sizes=[2]).unwrap().observed == \
+        audit(paged(), M.DECODE, cfg=ModelConfig(layers=2), batch_sizes=[2]).unwrap().observed
 
 
 class _Peeking:

@@ -250,20 +250,32 @@ def clear_templates() -> None:
 class Segment:
     """``fn`` as a piece of the model whose record is reused (see the module docstring);
     ``key``: what else its ops depend on (closed-over Python values). Call it with tensors; it
-    returns what ``fn`` returns (a tensor or a tuple of tensors).
+    returns what ``fn`` returns (a tensor or a tuple of tensors). A key (or a code) that cannot be
+    hashed keys no record: the piece runs as the code it is, recorded and observed op by op.
 
     >>> import torch
     >>> Segment("norm", lambda x: x / x.norm(), key=()).name
     'norm'
+    >>> Segment("listed", lambda x: x, key=[1]).keyed
+    False
     """
 
     name: str
     fn: Callable[..., Any]
     key: Hashable = ()
+    keyed: bool = attrs.field(init=False, eq=False, repr=False)
+
+    @keyed.default
+    def _keyed(self) -> bool:
+        try:
+            hash((self.key, getattr(self.fn, "__code__", self.fn)))
+        except TypeError:
+            return False
+        return True
 
     def __call__(self, *tensors: torch.Tensor) -> Any:
         stack = _get_current_dispatch_mode_stack()
-        mode: Any = stack[-1] if stack else None
+        mode: Any = stack[-1] if stack and self.keyed else None
         if isinstance(mode, GraphRecorder):
             return _record_segment(mode, self, tensors)
         if hasattr(mode, "run_segment"):  # the read observer: unobserved where it can touch no buffer
