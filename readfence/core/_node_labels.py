@@ -7,6 +7,7 @@ stage's graph this way, so a read the observer sees is named by the graph node t
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ class NodeLabels:
     arguments in order, attributes fetched, each call made, every value dropped after its last
     use), labelling what each node touches with ``stage:node``. A loop over the nodes rather than
     an interpreter: an ``fx.Interpreter`` with a label's context per node cost twice the observed
-    ops themselves on a 64-layer body. A graph with other nodes (``call_module``, ``call_method``)
-    runs under ``fx.Interpreter``.
+    ops themselves on a 64-layer body. A value known to hold no buffer's memory in its storage (an
+    input or attribute the observer found so, a result of torch's own ops on such values alone)
+    is not looked at again: the ops on it run below the modes unlabelled, as they record nothing.
+    A graph with other nodes (``call_module``, ``call_method``) runs under ``fx.Interpreter``.
 
     >>> from torch.fx.experimental.proxy_tensor import make_fx
     >>> shared = {"seq_lens": torch.arange(4)}
@@ -55,21 +58,35 @@ class NodeLabels:
         inputs = iter(args)
         before = observer.current_stage
         alone = observer.below_modes()  # (a node touching no buffer then runs below the modes: run_node_op)
-        run_op = observer.run_node_op
+        run_op, quiet = observer.run_node_op, observer.quiet
+        # the nodes whose values hold no buffer's memory in their storages: an input or attribute the
+        # observer found so, or a quiet op's result on such values alone (new memory or views of
+        # those storages); a quiet op on them alone touches no buffer, and is not looked at again
+        clean: set[torch.fx.Node] = set()
         try:
             for n in nodes:
                 op = n.op
                 if op == "call_function":
-                    observer.current_stage = prefix + n.name
+                    target = n.target
+                    made_clean = (alone and all(a in clean for a in n.all_input_nodes)
+                                  and (target is operator.getitem or quiet(target)) and _plain_arguments(n))
+                    if not made_clean:  # (a clean node records nothing: no label)
+                        observer.current_stage = prefix + n.name
                     call_args = tuple(env[a] if type(a) is torch.fx.Node else torch.fx.node.map_arg(a, fetch)
                                       for a in n.args)
                     call_kwargs = torch.fx.node.map_arg(n.kwargs, fetch) if n.kwargs else {}
-                    env[n] = run_op(n.target, call_args, call_kwargs, alone)
+                    env[n] = run_op(target, call_args, call_kwargs, alone, made_clean)
+                    if made_clean:
+                        clean.add(n)
                 elif op == "placeholder":
                     env[n] = next(inputs)
+                    if alone and observer.holds_no_buffer(env[n]):
+                        clean.add(n)
                 elif op == "get_attr":
                     observer.current_stage = prefix + n.name
                     env[n] = _attribute(gm, str(n.target))
+                    if alone and observer.holds_no_buffer(env[n]):
+                        clean.add(n)
                 else:  # the output
                     return torch.fx.node.map_arg(n.args[0], fetch)
                 for used in dropped.get(n, ()):
@@ -81,6 +98,28 @@ class NodeLabels:
 
 #: The nodes :class:`NodeLabels` runs itself.
 PLAIN_NODES = frozenset({"placeholder", "get_attr", "call_function", "output"})
+
+
+def _plain_arguments(n: torch.fx.Node) -> bool:
+    # every argument a node or a plain Python value (in lists, tuples and dicts): a tensor, a
+    # storage or any other object written into the arguments is memory not looked at
+    for v in (*n.args, *n.kwargs.values()):
+        kind = type(v)
+        if kind is not torch.fx.Node and kind not in _PLAIN and not _plain(v):
+            return False
+    return True
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(_plain(x) for x in v.values())
+    return type(v) is torch.fx.Node or type(v) in _PLAIN
+
+
+#: Arguments that hold no memory.
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
 def _attribute(gm: torch.nn.Module, target: str) -> Any:

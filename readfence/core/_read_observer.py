@@ -272,7 +272,28 @@ class ReadObserver(DispatchMode):
         return (len(dispatch) == 1 and dispatch[0] is self and len(function) == 1 and function[0] is self._host
                 and not self._skipping and self._listed is None)
 
-    def run_node_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], alone: bool) -> Any:
+    @staticmethod
+    def quiet(func: Any) -> bool:
+        """Whether ``func`` touches only the memory it is handed: an op of torch's own (or
+        readfence's), not a kernel launch or a higher-order op (:meth:`run_node_op`)."""
+        return _quiet_op(func)
+
+    def holds_no_buffer(self, value: Any) -> bool:
+        """Whether no buffer's memory lies in the storage of any tensor in ``value`` (plain
+        tensors only), by the observer's own look at it (``BufferMap.in_storage_of``). Then no op
+        of torch's own on it reaches a buffer, nor on what such ops make of it: new memory, or
+        views of those storages (a view's bounds are its storage's).
+
+        >>> arena = torch.zeros(8)
+        >>> obs = ReadObserver({"seq_lens": arena[:2]})
+        >>> obs.holds_no_buffer([torch.ones(2), 3]), obs.holds_no_buffer(arena[4:])
+        (True, False)
+        """
+        with unobserved():
+            return not any(isinstance(t, torch.Tensor) and self.buffers.in_storage_of(t) for t in leaves(value))
+
+    def run_node_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], alone: bool,
+                    clean: bool = False) -> Any:
         """``func(*args, **kwargs)``, one node of a stage graph run under this observer; with
         ``alone`` (:meth:`below_modes`), below the modes where what the mode would record of it
         is nothing: ``func`` is torch's own (``trusted_op``, decided by where it was registered;
@@ -280,6 +301,9 @@ class ReadObserver(DispatchMode):
         observer's own look at their memory, none of its tensors (plain ones only) touches a
         buffer. A torch kernel touches only the memory it is handed: its args' (a composite's
         decomposition works on the same). Every other op runs through the mode, as in eager code.
+        ``clean``: the caller knows ``func`` is :meth:`quiet` (or Python's ``getitem``) and no tensor
+        of its arguments holds a buffer in its storage (each made by such ops from values
+        :meth:`holds_no_buffer` passed): the look is not repeated.
 
         >>> shared = {"seq_lens": torch.arange(4)}
         >>> obs = ReadObserver(shared)
@@ -291,10 +315,11 @@ class ReadObserver(DispatchMode):
         (True, [('seq_lens', 'aten.sum.default')])
         """
         # (the stacks' depths again: a kernel that left a mode of its own on them sees every later op)
-        if alone and _quiet_op(func) and _function_modes() == 1 and _dispatch_modes() == 1:
-            with unobserved():
-                quiet = _untouched(self.buffers, args) and (not kwargs or _untouched(self.buffers, kwargs))
-            if quiet:
+        if alone and _function_modes() == 1 and _dispatch_modes() == 1 and (clean or _quiet_op(func)):
+            if not clean:
+                with unobserved():
+                    clean = _untouched(self.buffers, args) and (not kwargs or _untouched(self.buffers, kwargs))
+            if clean:
                 with torch._C.DisableTorchFunction(), torch._C._ExcludeDispatchKeyGuard(_MODE_KEYS):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)

@@ -6,7 +6,10 @@ that does not share that rule: ``LabelledInterpreter``, which runs every node th
 Attacks, each in a graph whose other nodes take the fast path: a node reading a view of a buffer,
 a node fed a captured buffer (``get_attr``), a custom op reading a buffer it was not given (a
 plan/run kernel) registered in a user namespace and in ``aten`` (where it was defined decides,
-not its name), a tensor subclass argument, and another mode on the stack.
+not its name), a tensor subclass argument, and another mode on the stack. Values known to hold
+no buffer in their storages (an input the observer looked at, a quiet op's result on such values)
+are not looked at again: a strided view into a storage that holds a buffer, and a custom op's
+result, are the attacks on that.
 """
 
 from __future__ import annotations
@@ -153,3 +156,58 @@ def test_a_tensor_subclass_argument_runs_through_the_modes() -> None:
         out = NodeLabels(gm, observer, "body").run(pair)
     assert isinstance(out, TwoTensor) and torch.equal(out.a, shared["seq_lens"] * 2)
     assert [(a.buffer, a.stage) for a in observer.accesses] == [("seq_lens", "body:mul")]
+
+
+def _arena_reads() -> tuple[dict[str, torch.Tensor], torch.fx.GraphModule, torch.Tensor]:
+    # the buffer is the front of one storage; the stage is handed a view of its back, reads it
+    # (quiet nodes over that view), and reaches the front with a strided view of the same storage
+    arena = torch.arange(16.0)
+    shared = {"seq_lens": arena[:4]}
+    x = arena[8:]
+    gm = make_fx(lambda x: (x * 2).sum() + torch.as_strided(x.exp(), (4,), (1,), 0).sum()
+                 + torch.as_strided(x, (4,), (1,), 0).mul(3).sum())(x)
+    return shared, gm, x
+
+
+def test_a_view_of_a_storage_that_holds_a_buffer_is_looked_at_at_every_node() -> None:
+    # the loop's clean values are decided by storage, not by the elements a tensor spans: an input
+    # whose storage holds a buffer is no clean value, so the op that strides into the buffer and
+    # the ops over its result are looked at, as the interpreter (every node through the mode) sees
+    shared, gm, x = _arena_reads()
+    (out, fast), (want, slow) = _runs(gm, shared, x)
+    assert torch.equal(out, want)
+    assert fast == slow and [(b, stage) for b, stage, _ in fast] == [("seq_lens", "body:mul_1")], fast
+
+
+def test_clean_values_decided_by_the_elements_spanned_would_miss_the_strided_read(monkeypatch) -> None:
+    # the rule made wrong on purpose (a tensor clean where its own elements touch no buffer): the
+    # loop then runs the strided view and its readers below the modes and records nothing, while
+    # the interpreter still sees the read
+    from readfence.core.tracing import BufferMap
+
+    shared, gm, x = _arena_reads()
+    monkeypatch.setattr(BufferMap, "in_storage_of", lambda self, t: bool(self.touched(t)))
+    (_, fast), (_, slow) = _runs(gm, shared, x)
+    assert slow and not fast
+
+
+def test_clean_values_follow_quiet_ops_only() -> None:
+    # a value a custom op (not torch's own) made from clean values is no clean value: the op may
+    # hand back memory it was not given, and the ops over its result are looked at
+    shared = {"req_to_token": torch.arange(12).reshape(4, 3)}
+    _KEPT["pages"] = shared["req_to_token"]
+    name = f"rf_node_labels_hands_{next(_COUNT)}"
+
+    @torch.library.custom_op(f"rf_node_labels::{name}", mutates_args=())
+    def hands(q: torch.Tensor) -> torch.Tensor:
+        return _KEPT["pages"].float().flatten()[: q.numel()].clone() + 0 * q
+
+    @hands.register_fake
+    def _(q):
+        return torch.empty_like(q)
+
+    op = getattr(torch.ops.rf_node_labels, name).default
+    x = torch.randn(6)
+    gm = make_fx(lambda x: (op(x * 2) + 1).sum())(x)
+    (out, fast), (want, slow) = _runs(gm, shared, x)
+    assert torch.equal(out, want) and fast == slow and fast, (fast, slow)

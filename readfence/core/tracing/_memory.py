@@ -441,6 +441,31 @@ class BufferMap:
             return frozenset()
         return frozenset(n for n, span in self.spans if span.overlaps(s))
 
+    def in_storage_of(self, t: torch.Tensor) -> bool:
+        """Whether any named memory may lie in the storage ``t`` is a view of (where that is not
+        known, a tensor subclass, a sparse or an addressless tensor: True). A view of that storage,
+        whatever its offset and strides, touches nothing else (torch checks a view's bounds against
+        its storage): when this is False, no torch op on ``t`` can reach a named region.
+
+        >>> arena = torch.zeros(8)
+        >>> m = BufferMap.of({"seq_lens": arena[:2]})
+        >>> m.in_storage_of(arena[4:]), m.in_storage_of(torch.zeros(8))
+        (True, False)
+        """
+        if not self.spans:
+            return False
+        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_meta:
+            return True
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        stop = start + storage.nbytes()
+        if start == stop:
+            return False
+        if t.is_cpu:
+            return any(lo < stop and start < hi for _, lo, hi in self._cpu)
+        whole = Span((t.device.type, t.device.index), start, stop)
+        return any(span.overlaps(whole) for _, span in self.spans)
+
     def touched_by(self, tree: object) -> frozenset[str]:
         """The names touched by any tensor of a pytree."""
         if not self.spans:
