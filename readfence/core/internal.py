@@ -104,6 +104,7 @@ from .tracing import code_key as code_key
 from .tracing import collection_paused as collection_paused
 from .tracing import copy_graph as copy_graph
 from .tracing import cuda_devices as cuda_devices
+from .tracing import define as define
 from .tracing import first_stale as first_stale
 from .tracing import is_launch_op as is_launch_op
 from .tracing import kept_tensors as kept_tensors
@@ -142,5 +143,5 @@ __all__ = [
     "split_batch", "SHARES_KEY", "SPLICED_KEY", "Spliced", "stage_named", "StageCall", "Template",
     "StaleCaptureError", "StaleTrace", "differs_on", "UnkeptCaptureError", "state_key", "state_label", "StepFunctions", "Table", "tokens_per_request",
     "torch_op", "trace_cache_size", "trace_step", "trusted_op", "validate_replay", "varied_states", "verdict_nodes", "Watched",
-    "Witness",
+    "Witness", "define",
 ]

@@ -462,3 +462,40 @@ def test_the_model_s_pieces_follow_a_module_setting_they_read(monkeypatch: pytes
     with CpuDevice() as dev:
         lowered = lower(paged(), M.DECODE, batch_size=2, device=dev, policy=Policy.EXACT, cfg=cfg)
     assert lowered.optimized
+
+
+def _written(template: Any, write: Any) -> tuple[torch.fx.Graph, list[Any]]:
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"input_{i}") for i in range(1 + max(
+        (ref.index for node in template.nodes for ref in _refs((node[1], node[2])) if isinstance(ref, _segment._In)),
+        default=0))]
+    made = write(graph, inputs)
+    graph.output(tuple(made))
+    return graph, made
+
+
+def _refs(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [r for v in value for r in _refs(v)]
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _refs(v)]
+    return [value]
+
+
+def test_a_template_s_generated_writer_writes_what_its_nodes_say() -> None:
+    # every template a hybrid step records, written by its generated writer and node by node from
+    # its nodes (``Template.write_each``, the writer's reference): the same graph, node for node
+    _segment.clear_templates()
+    _step(lambda: hybrid_linear(trtllm_mha(), linear()), M.DECODE, 2, 2)
+    templates = [entry.value for entry in _segment._TEMPLATES._entries.values()]
+    assert len(templates) >= 3
+    for template in templates:
+        (fast, made), (slow, _) = _written(template, template.write), _written(template, template.write_each)
+        assert [(n.op, n.target, n.name, str(n.args), str(n.kwargs), n.meta.keys(), sorted(u.name for u in n.users))
+                for n in fast.nodes] == \
+               [(n.op, n.target, n.name, str(n.args), str(n.kwargs), n.meta.keys(), sorted(u.name for u in n.users))
+                for n in slow.nodes]
+        assert all(node.meta["val"] is meta["val"] for node, (*_, meta) in zip(made, template.nodes, strict=True))
+        # each write makes its own lists (a pass that edits one node's arguments edits no other's)
+        (_, again) = _written(template, template.write)
+        assert all(x is not y for a, b in zip(made, again) for x, y in zip(a.args, b.args) if isinstance(x, list))

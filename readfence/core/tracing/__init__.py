@@ -40,6 +40,7 @@ from ._cache import clear_trace_cache as clear_trace_cache
 from ._cache import code_key as code_key
 from ._cache import trace_cache_size as trace_cache_size
 from ._captured import CapturedStateError as CapturedStateError
+from ._codegen import define as define
 from ._collect import collection_paused as collection_paused
 from ._dispatch import DispatchMode as DispatchMode
 from ._dispatch import runs_an_op_for_a_mode as runs_an_op_for_a_mode
@@ -106,5 +107,5 @@ __all__ = [
     "span_of", "StageWriteError", "StaleCaptureError", "state_key", "UnkeptCaptureError", "Table", "tensors_in", "torch_op",
     "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",
-    "user_line", "view_claim_holds",
+    "user_line", "view_claim_holds", "define",
 ]

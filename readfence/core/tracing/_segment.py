@@ -46,6 +46,7 @@ from torch import fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._cache import CACHES
+from ._codegen import define
 from ._fx import add_node
 from ._record import NOTHING, GraphRecorder, node_name
 
@@ -75,6 +76,9 @@ class Template:
     #: target and arguments (a tensor as the input or the node it is, a Python value by its type
     #: and, for a float, its bits); a list's pieces as ``getitem`` nodes
     calls: tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...] = attrs.field()
+
+    #: :meth:`write` as one generated function (made at the first write)
+    _writer: Callable[..., list[fx.Node]] | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @calls.default
     def _calls(self) -> tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...]:
@@ -113,6 +117,14 @@ class Template:
     def write(self, graph: fx.Graph, inputs: Mapping[int, fx.Node] | Sequence[fx.Node]) -> list[fx.Node]:
         """The template's nodes written at the end of ``graph`` over ``inputs`` (the node of each
         input, by index), their metadata its own; returns them in order."""
+        writer = self._writer
+        if writer is None:  # (made at the first write: a template written once never pays for it)
+            writer = _writer_of(self)
+            object.__setattr__(self, "_writer", writer)
+        return writer(graph, inputs)
+
+    def write_each(self, graph: fx.Graph, inputs: Mapping[int, fx.Node] | Sequence[fx.Node]) -> list[fx.Node]:
+        """:meth:`write`, node by node, as the generated writer does it (its reference)."""
         made: list[fx.Node] = []
 
         def node_of(ref: _In | _Ref) -> fx.Node:
@@ -138,6 +150,45 @@ class Template:
         from torch.fx._lazy_graph_module import _LazyGraphModule  # (its Python made only if it is called)
 
         return _LazyGraphModule(torch.nn.Module(), graph), self.returned
+
+
+def _writer_of(template: Template) -> Callable[..., list[fx.Node]]:
+    """:meth:`Template.write` as a function of its own: each node's arguments written out as
+    Python displays (each input as ``inputs[i]``, each earlier node by its variable, a list as a new
+    list), a Python value as it is in the template, so that a splice builds no argument by walking
+    the template's (the splices of a deep model write most of its graph)."""
+    scope: dict[str, Any] = {"add_node": add_node}
+    held: dict[int, str] = {}
+
+    def constant(value: Any) -> str:
+        name = held.get(id(value))
+        if name is None:
+            name = held[id(value)] = f"c{len(held)}"
+            scope[name] = value
+        return name
+
+    def display(value: Any) -> str:
+        if isinstance(value, _In):
+            return f"inputs[{value.index}]"
+        if isinstance(value, _Ref):
+            return f"n{value.index}"
+        if isinstance(value, list):
+            return "[" + "".join(f"{display(v)}, " for v in value) + "]"
+        if isinstance(value, tuple):
+            return "(" + "".join(f"{display(v)}, " for v in value) + ")"
+        return constant(value)  # (immutable: ints, floats, dtypes, None... as the record holds them)
+
+    lines = ["def write(graph, inputs):"]
+    for i, (target, args, kwargs, name, meta) in enumerate(template.nodes):
+        pairs = "".join(f"{k!r}: {display(v)}, " for k, v in kwargs.items())
+        lines.append(f"    n{i} = add_node(graph, 'call_function', {constant(target)}, {display(tuple(args))}, "
+                     f"{{{pairs}}}, {name!r})")
+        lines.append(f"    n{i}.meta.update({constant(meta)})")
+    lines.append("    return [" + "".join(f"n{i}, " for i in range(len(template.nodes))) + "]")
+    return define("write", "\n".join(lines) + "\n", scope, f"<segment template writer {next(_WRITERS)}>")
+
+
+_WRITERS = itertools.count()
 
 
 def _node_of(ref: _In | _Ref, inputs: Mapping[int, fx.Node] | Sequence[fx.Node], made: Sequence[fx.Node]) -> fx.Node:

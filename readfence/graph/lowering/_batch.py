@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from torch import Tensor
 
-from ._codegen import define
+from readfence.core.internal import define
 
 BatchGatherer = Callable[[Mapping[str, Tensor]], tuple[Tensor, ...]]
 

@@ -36,12 +36,12 @@ import torch
 from torch import Tensor
 
 from readfence.core import BODY, PREPARE_OUT_GRAPH
+from readfence.core.internal import define
 from readfence.effects import ReadEnd
 
 from ..devices import Event, Stream
 from ..devices.internal import copy_all_from_host
 from ._batch import gather_code
-from ._codegen import define
 from ._fence import Fence
 
 if TYPE_CHECKING:
