@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ._observe import ReadObserver
+from .tracing import PLAIN_VALUES
 
 
 class NodeLabels:
@@ -61,7 +62,9 @@ class NodeLabels:
         run_op, quiet = observer.run_node_op, observer.quiet
         # the nodes whose values hold no buffer's memory in their storages: an input or attribute the
         # observer found so, or a quiet op's result on such values alone (new memory or views of
-        # those storages); a quiet op on them alone touches no buffer, and is not looked at again
+        # those storages); a quiet op on them alone touches no buffer, and is not looked at again.
+        # Any other op may re-point a tensor (``set_``): its inputs are clean no more, and after an
+        # op that is not torch's own (it may reach any tensor), no value is
         clean: set[torch.fx.Node] = set()
         try:
             for n in nodes:
@@ -78,6 +81,13 @@ class NodeLabels:
                     env[n] = run_op(target, call_args, call_kwargs, alone, made_clean)
                     if made_clean:
                         clean.add(n)
+                    elif clean:
+                        if target is operator.getitem or quiet(target):
+                            # torch's own op re-points only what it is handed (``set_`` onto a buffer)
+                            clean.difference_update(n.all_input_nodes)
+                        else:
+                            # a kernel not torch's may re-point any tensor it was given or keeps
+                            clean.clear()
                 elif op == "placeholder":
                     env[n] = next(inputs)
                     if alone and observer.holds_no_buffer(env[n]):
@@ -105,7 +115,7 @@ def _plain_arguments(n: torch.fx.Node) -> bool:
     # storage or any other object written into the arguments is memory not looked at
     for v in (*n.args, *n.kwargs.values()):
         kind = type(v)
-        if kind is not torch.fx.Node and kind not in _PLAIN and not _plain(v):
+        if kind is not torch.fx.Node and kind not in PLAIN_VALUES and not _plain(v):
             return False
     return True
 
@@ -115,11 +125,8 @@ def _plain(v: Any) -> bool:
         return all(_plain(x) for x in v)
     if isinstance(v, dict):
         return all(_plain(x) for x in v.values())
-    return type(v) is torch.fx.Node or type(v) in _PLAIN
+    return type(v) is torch.fx.Node or type(v) in PLAIN_VALUES
 
-
-#: Arguments that hold no memory.
-_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
 def _attribute(gm: torch.nn.Module, target: str) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
@@ -32,9 +33,11 @@ from readfence.effects import ReadEnd
 from ._step import STAGE_ENDS
 from .tracing import (
     CACHES,
+    PLAIN_VALUES,
     REFERENCE_ESCAPES,
     BufferMap,
     DispatchMode,
+    Listing,
     OpAliasing,
     Segment,
     SegmentSignature,
@@ -225,7 +228,7 @@ class ReadObserver(DispatchMode):
         self._within: list[str] = []  # the custom ops whose kernels are running under the mode
         self._busy = False
         self._skipping = False  # a model segment that can touch no buffer is running
-        self._listed: list[Any] | None = None  # the ops a segment's run dispatched so far
+        self._listed: Listing | None = None  # the calls a segment's run made so far
         self._host: _HostReads | None = None
 
     # -- use -------------------------------------------------------------------------------
@@ -242,15 +245,18 @@ class ReadObserver(DispatchMode):
 
     def run_segment(self, segment: Segment, tensors: Sequence[Any]) -> Any:
         """``segment(*tensors)``, a piece of the model (``core._segment``: a function of its
-        tensor arguments alone), unobserved where none of them is memory of a shared buffer
-        (looked at here, not taken from any trace) and it dispatches the very ops, in order, of
-        an observed run with the same signature that touched no buffer: the ops whose accesses
-        an observed run would record, and none touched one. Anything else runs observed (a
-        piece that dispatched other ops, such as a function it calls replaced since, again)."""
+        tensor arguments alone), unobserved where none of them holds memory of a shared buffer in
+        its storage (looked at here, not taken from any trace) and it makes the very calls, in
+        order, of an observed run with the same signature that touched no buffer, each on the same
+        values (``tracing.Listing``: an input, or an earlier call's result), each an op of torch's
+        own (:meth:`quiet`). Such ops on such values touch no memory but theirs and what they make.
+        Anything else runs observed: a piece that made other calls, or one given a tensor from
+        outside it (a closure's, a global's: it may be a buffer on another run) or calling an op
+        whose kernel is not torch's (it may reach memory it was not handed), at every run."""
         fn = segment.fn
         if self._skipping or self._listed is not None or any(type(t) is not torch.Tensor for t in tensors):
             return fn(*tensors)
-        if self._quietly(self.buffers.touched_by, tensors):
+        if self._quietly(lambda: any(self.buffers.in_storage_of(t) for t in tensors)):
             return fn(*tensors)
         signature = segment_signature(segment, tensors)
         expected = _SEGMENT_OPS.get(signature)
@@ -260,7 +266,7 @@ class ReadObserver(DispatchMode):
                 return out
         seen = len(self.accesses)
         ran, out = self._listing(fn, tensors, skipping=False)
-        if len(self.accesses) == seen:
+        if len(self.accesses) == seen and ran is not None:
             _SEGMENT_OPS.put(signature, ran)  # (a run that touched a buffer is never a reference)
         return out
 
@@ -290,7 +296,8 @@ class ReadObserver(DispatchMode):
         (True, False)
         """
         with unobserved():
-            return not any(isinstance(t, torch.Tensor) and self.buffers.in_storage_of(t) for t in leaves(value))
+            return all(type(t) in PLAIN_VALUES or (isinstance(t, torch.Tensor) and not self.buffers.in_storage_of(t))
+                       for t in leaves(value))  # (a storage, a module, any other object: not known)
 
     def run_node_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], alone: bool,
                     clean: bool = False) -> Any:
@@ -324,16 +331,21 @@ class ReadObserver(DispatchMode):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[tuple[Any, ...], Any]:
-        """``fn(*tensors)``, unobserved or observed, and the ops it dispatched."""
-        self._listed, self._skipping = [], skipping
+    def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[Any, Any]:
+        """``fn(*tensors)``, unobserved or observed, and the calls it made with what it returned
+        (``None`` where no other run may be taken for it: a call given a tensor from outside the
+        piece, or an op that is not torch's own)."""
+        listing = self._listed = Listing(tensors)
+        self._skipping = skipping
         try:
             # (the host-read mode stays on unobserved: a host read or an escape reaches no
             # dispatcher, so no op list can tell a run that makes one from one that does not)
             out = fn(*tensors)
-            return tuple(self._listed), out
         finally:
             self._listed, self._skipping = None, False
+        if listing.outside or not all(t is operator.getitem or _quiet_op(t) for t, _, _ in listing.calls):
+            return None, out
+        return (tuple(listing.calls), listing.returned(out)), out
 
     def consume(self, tree: object, what: str) -> None:
         """Record a read of every buffer the tensors of ``tree`` touch, by ``what``.
@@ -365,8 +377,14 @@ class ReadObserver(DispatchMode):
     # -- the dispatcher's side -------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if self._listed is not None:
-            self._listed.append(func)
+        listing = self._listed
+        if listing is None:
+            return self._dispatch(func, args, kwargs)
+        out = self._dispatch(func, args, kwargs)
+        listing.add(func, args, kwargs, out)
+        return out
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         composite = _decomposes(func)
         if not self._skipping:
             self._seq += 1

@@ -15,6 +15,8 @@ result, are the attacks on that.
 from __future__ import annotations
 
 import itertools
+import operator
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +213,93 @@ def test_clean_values_follow_quiet_ops_only() -> None:
     gm = make_fx(lambda x: (op(x * 2) + 1).sum())(x)
     (out, fast), (want, slow) = _runs(gm, shared, x)
     assert torch.equal(out, want) and fast == slow and fast, (fast, slow)
+
+
+_ARENA = torch.arange(8.0)  # the buffer is its front; its back touches no element of the buffer
+_HELD: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("rf_node_labels::bind_back", mutates_args=())
+def _bind_back(x: torch.Tensor) -> torch.Tensor:
+    x.set_(_ARENA[4:])  # the tensor it is handed, now over the arena's back
+    return torch.zeros(1)
+
+
+@_bind_back.register_fake
+def _(x):
+    return torch.empty(1)
+
+
+@torch.library.custom_op("rf_node_labels::bind_kept", mutates_args=())
+def _bind_kept(q: torch.Tensor) -> torch.Tensor:
+    _HELD["ws"].set_(_ARENA[4:])  # a tensor it keeps, not one it is handed
+    return q + 1
+
+
+@_bind_kept.register_fake
+def _(q):
+    return torch.empty_like(q)
+
+
+def _repointed(case: str) -> tuple[torch.fx.GraphModule, Any]:
+    if case == "its argument":
+        def handed(x):
+            z = torch.ops.rf_node_labels.bind_back.default(x)
+            return torch.as_strided(x, (4,), (1,), 0).sum() + z
+
+        return make_fx(handed)(torch.zeros(0)), lambda: (torch.zeros(0),)
+    if case == "a tensor it keeps":
+        def kept(q, ws):
+            return torch.ops.rf_node_labels.bind_kept.default(q).sum() + torch.as_strided(ws, (4,), (1,), 0).sum()
+
+        def inputs():
+            _HELD["ws"] = torch.zeros(4)
+            return torch.ones(2), _HELD["ws"]
+
+        _HELD["ws"] = torch.zeros(4)
+        return make_fx(kept)(torch.ones(2), torch.zeros(4)), inputs
+    # torch's own set_, handed the buffer: the clean tensor it re-points is clean no more (a graph
+    # whose later use names the tensor's own node, not set_'s, as a pass that drops in-place
+    # results could write it)
+    graph = torch.fx.Graph()
+    x, front = graph.placeholder("x"), graph.placeholder("front")
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 1))
+    graph.call_function(torch.ops.aten.set_.source_Tensor, (y, front))
+    graph.output(graph.call_function(torch.ops.aten.sum.default, (y,)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph), lambda: (torch.zeros(4), _ARENA[:4])
+
+
+@pytest.mark.parametrize("case", ["its argument", "a tensor it keeps", "torch's set_"])
+def test_a_clean_tensor_an_op_re_points_at_a_buffer_is_looked_at_after(case: str) -> None:
+    # a value found clean before an op re-points it (a custom op's kernel sets it over memory whose
+    # storage holds the buffer, one it was handed or one it keeps; torch's own ``set_`` given the
+    # buffer): the reads after it are seen, as the interpreter sees them
+    shared = {"seq_lens": _ARENA[:4]}
+    gm, inputs = _repointed(case)
+    seen = []
+    for runner in (NodeLabels, LabelledInterpreter):
+        observer = ReadObserver(shared)
+        with observer:
+            out = runner(gm, observer, "body").run(*inputs())
+        seen.append((out.item(), sorted((a.buffer, a.kind) for a in observer.accesses)))
+    assert seen[0] == seen[1] and ("seq_lens", "read") in seen[0][1], seen
+
+
+def test_an_object_that_is_no_tensor_is_no_clean_value() -> None:
+    # a placeholder holding something the observer cannot look into (an object that hands a buffer
+    # out through getitem) is not clean, nor what is taken from it
+    shared = {"seq_lens": torch.arange(4.0)}
+
+    class Holder:
+        def __getitem__(self, i):
+            return shared["seq_lens"]
+
+    graph = torch.fx.Graph()
+    holder = graph.placeholder("holder")
+    item = graph.call_function(operator.getitem, (holder, 0))
+    graph.output(graph.call_function(torch.ops.aten.sum.default, (item,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    observer = ReadObserver(shared)
+    with observer:
+        out = NodeLabels(gm, observer, "body").run(Holder())
+    assert out.item() == 6.0 and [(a.buffer, a.stage) for a in observer.accesses] == [("seq_lens", "body:sum_default")]

@@ -26,7 +26,7 @@ from readfence.backends import (
     tbo,
     trtllm_mha,
 )
-from readfence.core import BODY, ForwardMode, ModelConfig, audit, observe, step_functions
+from readfence.core import BODY, ForwardMode, ModelConfig, _read_observer, audit, observe, step_functions
 from readfence.core._program import SOURCE_KEY
 from readfence.core._state import example_step
 from readfence.core.tracing import _record, _segment
@@ -350,6 +350,85 @@ def test_the_observer_observes_every_run_of_a_piece_that_reads_a_buffer_it_close
         for _ in range(3):
             piece(x)
     assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")] * 3
+
+
+def test_the_observer_observes_a_piece_given_a_tensor_from_outside_it_at_every_run() -> None:
+    # the piece reads a tensor it closes over (through a dict): a scratch tensor on its first run,
+    # the buffer on the next, with the very same ops. Its calls are listed with their arguments, and
+    # a call given a tensor from outside the piece makes a run no other is taken for: observed
+    from readfence.core import ReadObserver
+
+    table = torch.arange(8, dtype=torch.float32)
+    source = {"t": torch.zeros(8)}
+    obs = ReadObserver({"table": table})
+    piece = _segment.Segment("mix", lambda x: x + source["t"].sum())
+    x = torch.ones(3)
+    with obs, obs.stage("body"):
+        piece(x)
+        source["t"] = table
+        out = piece(x)
+    assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
+    assert torch.equal(out, torch.full((3,), 29.0))
+
+
+def test_the_observer_observes_a_piece_calling_an_op_that_is_not_torch_s_at_every_run() -> None:
+    # a custom op's kernel reads what a plan kept, not an argument: on the second run the plan holds
+    # the buffer. The ops and their arguments are the same; the op is not torch's own, so no run of
+    # the piece is taken for another
+    from readfence.core import ReadObserver
+
+    table = torch.arange(8, dtype=torch.float32)
+    plan = {"rows": torch.zeros(8)}
+    name = "rf_segment_planned_sum"
+
+    @torch.library.custom_op(f"rf_segment::{name}", mutates_args=())
+    def planned(x: torch.Tensor) -> torch.Tensor:
+        return x + plan["rows"].sum()
+
+    @planned.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    op = getattr(torch.ops.rf_segment, name).default
+    obs = ReadObserver({"table": table})
+    piece = _segment.Segment("planned", lambda x: op(x * 2))
+    x = torch.ones(3)
+    with obs, obs.stage("body"):
+        piece(x)
+        plan["rows"] = table
+        out = piece(x)
+    assert [(a.buffer, a.op) for a in obs.accesses] == [("table", f"rf_segment.{name}.default/aten.sum.default")]
+    assert torch.equal(out, torch.full((3,), 30.0))
+    # and a piece with such an op is never a reference, even one whose kernel reads nothing but its
+    # argument (a kernel may read without an op of its own: a raw pointer, a compiled library)
+
+    @torch.library.custom_op("rf_segment::rf_segment_doubled", mutates_args=())
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @doubled.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    pure = _segment.Segment("pure", lambda x: torch.ops.rf_segment.rf_segment_doubled.default(x + 1))
+    with obs, obs.stage("body"):
+        pure(x)
+    assert _read_observer._SEGMENT_OPS.get(_segment.segment_signature(pure, (x,))) is None
+
+
+def test_the_observer_observes_a_piece_whose_input_s_storage_holds_a_buffer() -> None:
+    # the input's own elements touch no buffer, its storage does: a strided view of it reaches the
+    # buffer (its first run, on memory of its own, touched none and made the reference)
+    from readfence.core import ReadObserver
+
+    arena = torch.arange(16, dtype=torch.float32)
+    obs = ReadObserver({"table": arena[:4]})
+    piece = _segment.Segment("strided", lambda x: torch.as_strided(x, (4,), (1,), 0).sum() + x)
+    with obs, obs.stage("body"):
+        piece(torch.arange(8, 16, dtype=torch.float32))
+        out = piece(arena[8:])
+    assert [(a.buffer, a.op) for a in obs.accesses] == [("table", "aten.sum.default")]
+    assert torch.equal(out, arena[8:] + 6)
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])

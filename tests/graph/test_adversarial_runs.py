@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
-from readfence.core import CapturedStateError, StageWriteError
+from readfence.core import CapturedStateError, ForwardMode, StageWriteError
 from readfence.graph import (
     CpuDevice,
     FaultInjector,
@@ -159,3 +160,65 @@ def test_a_per_stream_member_judged_at_its_share_runs_bit_identical_and_its_raci
         assert refused.evidence == "audit" and refused.buffer == "seq_lens", refused
         late = verify(racing, **common, options=LoopOptions(UNSAFE_skip_soundness_check=True)).failure()
         assert late.buffer == "seq_lens" and late.evidence != "audit", late
+
+
+_ARENAS: dict[int, tuple] = {}
+
+
+def _arena_rebinder(state):
+    # the live ``seq_lens`` is the front of an arena the backend keeps (plan/run): its body's
+    # kernel points a fresh tensor at the arena's back (no element of a buffer: the alias check
+    # after an opaque op passes it), and the body then reaches the front through a strided view
+    # of that tensor's storage: a read of ``seq_lens`` after the kernel, by memory alone
+    from readfence.backends import leaf, page_meta, softmax_attention, store_kv
+    from readfence.backends.fuzz import keep, planned_gather
+    from readfence.effects import ReadEffect, ReadEnd
+
+    lens = state["shared"]["seq_lens"]
+    n = lens.numel()
+    arena = torch.zeros(2 * n, dtype=lens.dtype)
+    arena[:n].copy_(lens)
+    state["shared"]["seq_lens"] = arena[:n]
+    handle = keep(state["shared"]["seq_lens"])
+    _ARENAS[handle] = (arena, n)
+    name = f"rf_adversarial_bind_back_{handle}"
+
+    @torch.library.custom_op(f"rf_adversarial::{name}", mutates_args=())
+    def bind_back(x: torch.Tensor) -> torch.Tensor:
+        x.set_(arena[n:])
+        return torch.zeros(1)
+
+    @bind_back.register_fake
+    def _(x):
+        return x.new_empty(1, dtype=torch.float32)
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        got = planned_gather(batch["req_pool_indices"], handle)  # a read of seq_lens the rehearsal sees
+        out = softmax_attention(mode, q, pools, layer, meta["kv_indices"], meta["kv_lens"])
+        x = torch.zeros(0, dtype=torch.int32)
+        z = bind_back(x)
+        late = torch.as_strided(x, (n,), (1,), 0).float().sum()  # the last read of seq_lens
+        return out + 1e-3 * (late + got.float().sum() + z.sum())
+
+    declared = ReadEffect.of({"req_to_token": ReadEnd.IN_REPLAY, "seq_lens": ReadEnd.POST_REPLAY})
+    return leaf("arena_rebinder", attend, prepare_in_graph=lambda mode, shared, batch, meta: page_meta(shared, batch),
+                declare={ForwardMode.DECODE: declared})
+
+
+def test_exact_waits_for_a_read_through_a_tensor_a_kernel_re_pointed() -> None:
+    # the rehearsal's node loop takes a value made clean as clean no more once an op not torch's
+    # own ran (its kernel may re-point any tensor): EXACT's event for seq_lens follows the strided
+    # read, and poison on release (which shares no rule with the loop) finds the step clean
+    from readfence.graph import verify
+
+    cfg = CFG
+    state = make_state(cfg)
+    backend = _arena_rebinder(state)
+    with CpuDevice(timeout=30.0) as dev:
+        low = lower(backend, ForwardMode.DECODE, batch_size=BATCH, device=dev, policy=Policy.EXACT, cfg=cfg, state=state)
+        placement = {r["buffer"]: r["placement"] for r in low.describe()}["seq_lens"]
+        assert not placement.startswith("after node body:plan_run"), placement
+        result = verify(backend, ForwardMode.DECODE, steps=4, batch_size=BATCH, device=dev, cfg=cfg, state=state,
+                        policy=Policy.EXACT, options=LoopOptions(checks={"poison"}))
+    assert result.map(lambda _: True).value_or(False), result

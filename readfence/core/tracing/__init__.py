@@ -57,6 +57,7 @@ from ._guards import kept_tensors as kept_tensors
 from ._guards import reach as reach
 from ._kernel_access import KernelAccess as KernelAccess
 from ._kernel_ir import kernel_access as kernel_access
+from ._memory import PLAIN_VALUES as PLAIN_VALUES
 from ._memory import BufferMap as BufferMap
 from ._memory import Span as Span
 from ._memory import cuda_devices as cuda_devices
@@ -83,6 +84,7 @@ from ._schema import bind as bind_arguments
 from ._schema import moves_metadata_only as moves_metadata_only
 from ._schema import op_aliasing as op_aliasing
 from ._segment import SPLICED_KEY as SPLICED_KEY
+from ._segment import Listing as Listing
 from ._segment import Segment as Segment
 from ._segment import SegmentSignature as SegmentSignature
 from ._segment import Spliced as Spliced
@@ -107,5 +109,5 @@ __all__ = [
     "span_of", "StageWriteError", "StaleCaptureError", "state_key", "UnkeptCaptureError", "Table", "tensors_in", "torch_op",
     "unobserved",
     "trace_cache_size", "trace_functions", "trace_step", "trusted_op", "UnboundedKernelError", "UntraceableStage",
-    "user_line", "view_claim_holds", "define",
+    "user_line", "view_claim_holds", "define", "Listing", "PLAIN_VALUES",
 ]

@@ -158,6 +158,9 @@ _NONE: frozenset[str] = frozenset()
 #: Leaves that hold no tensor, skipped without asking the pytree registry.
 _SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
 
+#: Values that hold no memory (what a graph's arguments are besides its nodes and tensors).
+PLAIN_VALUES = _SCALARS
+
 
 def tensors_in(tree: object) -> Iterator[torch.Tensor]:
     """Every tensor in a pytree (lists of pieces, dicts, tuples), in order; a wrapper subclass

@@ -13,7 +13,7 @@ the function eagerly, unrecorded, and writes the template's nodes over the call'
 the graph is the one the record would have made, node for node and name for name. The calls
 that eager run makes must be the template's, in order: each op with the same arguments (a
 tensor as the same input or the same earlier result, a Python value of the same type and bits)
-and the same results returned (:class:`_Listing`); where they are not (a function the piece
+and the same results returned (:class:`Listing`); where they are not (a function the piece
 calls was replaced since, a value its code reads changed), the call is recorded op by op and
 its record kept instead.
 
@@ -72,7 +72,7 @@ class Template:
 
     nodes: tuple[tuple[Any, tuple[Any, ...], dict[str, Any], str, dict[str, Any]], ...]
     outputs: tuple[_In | _Ref, ...]
-    #: the calls the record made, as a :class:`_Listing` of an eager run writes them: each node's
+    #: the calls the record made, as a :class:`Listing` of an eager run writes them: each node's
     #: target and arguments (a tensor as the input or the node it is, a Python value by its type
     #: and, for a float, its bits); a list's pieces as ``getitem`` nodes
     calls: tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...] = attrs.field()
@@ -217,7 +217,7 @@ def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
 _SELF_EQUAL = frozenset({int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, _In, _Ref})
 
 
-class _Listing:
+class Listing:
     """The calls a segment's eager run made, unrecorded, in the form of :attr:`Template.calls`:
     each op's target and its arguments, a tensor named by what it is (an input of the segment, or
     the value of an earlier call, by identity, checked through a weak reference: a tensor that
@@ -233,6 +233,9 @@ class _Listing:
             self.refs.setdefault(id(t), (weakref.ref(t), _In(index)))
         self.inputs = tuple(inputs)  # (alive while the listing is)
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        #: whether a call was given a tensor from outside the segment (none of its inputs, no
+        #: earlier call's value: a closure's, a global's): such a listing equals no other run's
+        self.outside = False
 
     def _known(self, t: torch.Tensor) -> _In | _Ref | None:
         hit = self.refs.get(id(t))
@@ -240,7 +243,10 @@ class _Listing:
 
     def _ref(self, t: torch.Tensor) -> Any:
         known = self._known(t)
-        return _UNKNOWN if known is None else known  # a tensor from outside the segment: no template holds it
+        if known is None:  # a tensor from outside the segment: no template holds it
+            self.outside = True
+            return _UNKNOWN
+        return known
 
     def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """An op the run dispatched, with what it returned."""
@@ -374,7 +380,7 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         if made is not None:
             _TEMPLATES.put(signature, made)
         return out
-    listing = recorder.unrecorded = _Listing(tensors)
+    listing = recorder.unrecorded = Listing(tensors)
     try:
         # (torch-function modes stay on: a host read or an escape reaches no dispatcher, and the
         # tracer's mode turns it into a call the record does not have)
