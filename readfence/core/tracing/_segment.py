@@ -250,13 +250,22 @@ class Listing:
 
     def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """An op the run dispatched, with what it returned."""
-        ref = self._ref
-        self.calls.append((target, tuple([_value(a, ref) for a in args]),
-                           {k: _value(v, ref) for k, v in kwargs.items()} if kwargs else {}))
+        ref, refs = self._ref, self.refs
+        listed = []
+        for a in args:  # (a plain tensor or a value equal only to its own type's: most arguments, at once)
+            kind = type(a)
+            if kind is torch.Tensor:
+                hit = refs.get(id(a))
+                listed.append(hit[1] if hit is not None and hit[0]() is a else ref(a))
+            elif kind in _SELF_EQUAL:
+                listed.append(a)
+            else:
+                listed.append(_value(a, ref))
+        self.calls.append((target, tuple(listed), {k: _value(v, ref) for k, v in kwargs.items()} if kwargs else {}))
         self._result(out, _Ref(len(self.calls) - 1))
 
     def _result(self, out: Any, ref: _Ref) -> None:
-        if isinstance(out, torch.Tensor):
+        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
             self.refs[id(out)] = (weakref.ref(out), ref)
         elif isinstance(out, (list, tuple)):  # as the record writes a list: a getitem node a piece
             for index, element in enumerate(out):
