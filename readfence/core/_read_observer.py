@@ -157,7 +157,10 @@ class _HostReads(TorchFunctionMode):
             if func in _HOST_READS:
                 obs._record(args[0], _HOST_READS[func], "read", "host read without an op")
             elif func in REFERENCE_ESCAPES:  # the tracer's table: the two agree on what hands memory out
-                obs._record(args[0], REFERENCE_ESCAPES[func], "escape", "memory leaves the dispatcher")
+                for t in args:  # (and what it is handed: a ``.data`` assignment's value)
+                    if isinstance(t, torch.Tensor):
+                        obs._record(t, REFERENCE_ESCAPES[func], "escape", "memory leaves the dispatcher")
+                obs._left_dispatcher()
         return func(*args, **(kwargs or {}))
 
 
@@ -260,14 +263,13 @@ class ReadObserver(DispatchMode):
             return fn(*tensors)
         signature = segment_signature(segment, tensors)
         expected = _SEGMENT_OPS.get(signature)
-        if expected is not None:
-            ran, out = self._listing(fn, tensors, skipping=True)
-            if ran == expected:
-                return out
         seen = len(self.accesses)
-        ran, out = self._listing(fn, tensors, skipping=False)
-        if len(self.accesses) == seen and ran is not None:
-            _SEGMENT_OPS.put(signature, ran)  # (a run that touched a buffer is never a reference)
+        listing, out = self._listing(fn, tensors, None if expected is None else expected[0])
+        if expected is None:
+            if self._reference(listing) and len(self.accesses) == seen:  # (one that touched a buffer is none)
+                _SEGMENT_OPS.put(signature, (tuple(listing.calls), listing.returned(out)))
+        elif listing.diverged:  # observed from its first call not the reference's: the next run is observed whole
+            _SEGMENT_OPS.forget(signature)
         return out
 
     def below_modes(self) -> bool:
@@ -331,21 +333,36 @@ class ReadObserver(DispatchMode):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any], *, skipping: bool) -> tuple[Any, Any]:
-        """``fn(*tensors)``, unobserved or observed, and the calls it made with what it returned
-        (``None`` where no other run may be taken for it: a call given a tensor from outside the
-        piece, or an op that is not torch's own)."""
-        listing = self._listed = Listing(tensors)
-        self._skipping = skipping
+    def _listing(self, fn: Callable[..., Any], tensors: Sequence[Any],
+                 expected: Sequence[Any] | None) -> tuple[Listing, Any]:
+        """``fn(*tensors)`` and the listing of its calls. With ``expected`` (a reference's calls),
+        unobserved as long as each call is the reference's at its place, observed from the first
+        that is not (or once memory is re-pointed or handed out without an op): the calls before
+        it were the reference's, on the same values, and touched no buffer. One run: whatever it
+        does (a cache it fills, an error it raises) is the run's own, never made again."""
+        listing = self._listed = Listing(tensors, expected)
+        self._skipping = expected is not None
         try:
             # (the host-read mode stays on unobserved: a host read or an escape reaches no
             # dispatcher, so no op list can tell a run that makes one from one that does not)
             out = fn(*tensors)
         finally:
             self._listed, self._skipping = None, False
-        if listing.outside or not all(t is operator.getitem or _quiet_op(t) for t, _, _ in listing.calls):
-            return None, out
-        return (tuple(listing.calls), listing.returned(out)), out
+        return listing, out
+
+    @staticmethod
+    def _reference(listing: Listing) -> bool:
+        """Whether another run may be held to ``listing``'s calls: each on an input or an earlier
+        call's value, each an op of torch's own (its kernel touches only what it is handed)."""
+        return not listing.outside and all(t is operator.getitem or _quiet_op(t) for t, _, _ in listing.calls)
+
+    def _left_dispatcher(self) -> None:
+        # memory handed out or re-pointed without an op (``.data``, ``numpy()``) while a piece runs:
+        # its listing is no reference, and an unobserved run is observed from here on
+        listing = self._listed
+        if listing is not None:
+            listing.outside = listing.diverged = True
+            self._skipping = False
 
     def consume(self, tree: object, what: str) -> None:
         """Record a read of every buffer the tensors of ``tree`` touch, by ``what``.
@@ -380,8 +397,11 @@ class ReadObserver(DispatchMode):
         listing = self._listed
         if listing is None:
             return self._dispatch(func, args, kwargs)
+        at = listing.enter(func, args, kwargs)
+        if listing.diverged:  # not the reference's call: this one and every later one observed
+            self._skipping = False
         out = self._dispatch(func, args, kwargs)
-        listing.add(func, args, kwargs, out)
+        listing.leave(at, out)
         return out
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

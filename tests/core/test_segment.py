@@ -578,3 +578,65 @@ def test_a_template_s_generated_writer_writes_what_its_nodes_say() -> None:
         # each write makes its own lists (a pass that edits one node's arguments edits no other's)
         (_, again) = _written(template, template.write)
         assert all(x is not y for a, b in zip(made, again) for x, y in zip(a.args, b.args) if isinstance(x, list))
+
+
+def _twice(case: str, plain: bool) -> tuple[list[Any], Any]:
+    """A piece run twice under one observer (a reference, then a run something changed for), as
+    the observer runs pieces (``plain``: as the code it is, every op observed)."""
+    from readfence.core import ReadObserver
+
+    _read_observer._SEGMENT_OPS.clear()
+    table = torch.arange(8, dtype=torch.float32)
+    state: dict[str, Any] = {"memo": 1.0, "limits": None, "k": 2, "src": torch.zeros(3)}
+
+    def memo(x):  # a host value it keeps, made again once it was dropped (a new step)
+        if state["memo"] is None:
+            state["memo"] = table.max().item()
+        return x * state["memo"]
+
+    def raises(x):  # a check of the buffer that raises, caught by the caller
+        if state["limits"] is not None and bool((state["limits"] > 5).any()):
+            raise OverflowError("past the limit")
+        return x * 2
+
+    def data(x):  # a tensor re-pointed without an op
+        y = x * 1
+        y.data = state["src"]
+        return x + y.sum()
+
+    storage = table.untyped_storage()  # (taken before any observer)
+
+    def stored(x):  # memory reached through a storage, no tensor
+        return x + torch.empty(0).set_(storage, 4, (4,), (1,)).sum()
+
+    fn = {"memo": memo, "raises": raises, "in place": lambda x: x.add_(1) * state["k"], "data": data,
+          "storage": stored}[case]
+    piece = _segment.Segment(case, fn)
+    call = (lambda *t: piece.fn(*t)) if plain else piece
+    x = torch.ones(3)
+    if case == "storage":  # the reference made under an observer of other buffers
+        with ReadObserver({"other": torch.zeros(4)}) as first, first.stage("body"):
+            call(x)
+    obs = ReadObserver({"table": table})
+    with obs, obs.stage("body"):
+        if case != "storage":
+            call(x)
+        state.update(memo=None, limits=table, k=3, src=table[:3])
+        try:
+            out = call(x)
+        except OverflowError:
+            out = x * 3
+    return [(a.buffer, a.op, a.kind) for a in obs.accesses], (out, x)
+
+
+@pytest.mark.parametrize("case", ["memo", "raises", "in place", "data", "storage"])
+def test_a_piece_run_is_one_run_observed_from_its_first_call_not_its_reference_s(case: str) -> None:
+    # the observer held to the piece as the code it is, every op observed: the same accesses and
+    # values. A run is never made twice (an unobserved attempt, then an observed one: what the first
+    # did, a cache filled, an error raised, an in-place op, was never seen or was done twice); it is
+    # observed from its first call that is not the reference's (a tensor from outside, a storage, a
+    # tensor re-pointed without an op)
+    spliced, plain = _twice(case, False), _twice(case, True)
+    assert spliced[0] == plain[0], (spliced[0], plain[0])
+    assert (case == "in place") != any(b == "table" for b, _, _ in plain[0])  # (the in-place piece reads no buffer)
+    assert all(torch.equal(a, b) for a, b in zip(spliced[1], plain[1]))

@@ -196,7 +196,7 @@ def _node_of(ref: _In | _Ref, inputs: Mapping[int, fx.Node] | Sequence[fx.Node],
     return inputs[ref.index] if isinstance(ref, _In) else made[ref.index]
 
 
-def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
+def _value(v: Any, ref_of: Callable[[Any], Any] | None = None) -> Any:
     """An argument as a call is compared: references, containers and values whose equality is
     their type's (an int, a string, a dtype) as they are; a float by its bits (``-0.0`` is not
     ``0.0``, nor ``1.0`` the int ``1``), any other value with its type (``True`` is not ``1``);
@@ -204,8 +204,8 @@ def _value(v: Any, ref_of: Callable[[torch.Tensor], Any] | None = None) -> Any:
     kind = type(v)
     if kind in _SELF_EQUAL:
         return v
-    if ref_of is not None and isinstance(v, torch.Tensor):
-        return ref_of(v)
+    if ref_of is not None and isinstance(v, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+        return ref_of(v)  # (a storage is no input nor result: memory from outside the segment)
     if kind is list or kind is tuple:
         return kind([_value(x, ref_of) for x in v])
     if kind is float:
@@ -227,29 +227,34 @@ class Listing:
     them: a strong reference to a factory function's result makes torch detach it on return, a
     call the record does not have.)"""
 
-    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, inputs: Sequence[torch.Tensor], expected: Sequence[Any] | None = None) -> None:
         self.refs: dict[int, tuple[weakref.ref[torch.Tensor], _In | _Ref]] = {}
         for index, t in enumerate(inputs):
             self.refs.setdefault(id(t), (weakref.ref(t), _In(index)))
         self.inputs = tuple(inputs)  # (alive while the listing is)
         self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
         #: whether a call was given a tensor from outside the segment (none of its inputs, no
-        #: earlier call's value: a closure's, a global's): such a listing equals no other run's
+        #: earlier call's value: a closure's, a global's; a storage): such a listing equals no
+        #: other run's (a caller may also mark it so: a tensor re-pointed without an op)
         self.outside = False
+        #: the calls the run is held to, as they are made (``None``: none): ``diverged`` once a
+        #: call is not the one ``expected`` has at its place, or one more than it has
+        self.expected = expected
+        self.diverged = False
 
     def _known(self, t: torch.Tensor) -> _In | _Ref | None:
         hit = self.refs.get(id(t))
         return hit[1] if hit is not None and hit[0]() is t else None
 
-    def _ref(self, t: torch.Tensor) -> Any:
+    def _ref(self, t: Any) -> Any:
         known = self._known(t)
         if known is None:  # a tensor from outside the segment: no template holds it
             self.outside = True
             return _UNKNOWN
         return known
 
-    def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        """An op the run dispatched, with what it returned."""
+    def enter(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+        """List a call before it runs; returns its place (:meth:`leave` names its result by it)."""
         ref, refs = self._ref, self.refs
         listed = []
         for a in args:  # (a plain tensor or a value equal only to its own type's: most arguments, at once)
@@ -261,15 +266,30 @@ class Listing:
                 listed.append(a)
             else:
                 listed.append(_value(a, ref))
-        self.calls.append((target, tuple(listed), {k: _value(v, ref) for k, v in kwargs.items()} if kwargs else {}))
-        self._result(out, _Ref(len(self.calls) - 1))
+        self._append((target, tuple(listed), {k: _value(v, ref) for k, v in kwargs.items()} if kwargs else {}))
+        return len(self.calls) - 1
+
+    def leave(self, index: int, out: Any) -> None:
+        """The call listed at ``index`` returned ``out``."""
+        self._result(out, _Ref(index))
+
+    def add(self, target: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """An op the run dispatched, with what it returned."""
+        self.leave(self.enter(target, args, kwargs), out)
+
+    def _append(self, call: tuple[Any, tuple[Any, ...], dict[str, Any]]) -> None:
+        calls, expected = self.calls, self.expected
+        calls.append(call)
+        if expected is not None and not self.diverged:
+            at = len(calls) - 1
+            self.diverged = at >= len(expected) or expected[at] != call
 
     def _result(self, out: Any, ref: _Ref) -> None:
         if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
             self.refs[id(out)] = (weakref.ref(out), ref)
         elif isinstance(out, (list, tuple)):  # as the record writes a list: a getitem node a piece
             for index, element in enumerate(out):
-                self.calls.append((operator.getitem, (ref, index), {}))
+                self._append((operator.getitem, (ref, index), {}))
                 self._result(element, _Ref(len(self.calls) - 1))
 
     def returned(self, out: Any) -> tuple[_In | _Ref, ...] | None:
