@@ -640,3 +640,76 @@ def test_a_piece_run_is_one_run_observed_from_its_first_call_not_its_reference_s
     assert spliced[0] == plain[0], (spliced[0], plain[0])
     assert (case == "in place") != any(b == "table" for b, _, _ in plain[0])  # (the in-place piece reads no buffer)
     assert all(torch.equal(a, b) for a, b in zip(spliced[1], plain[1]))
+
+
+def _recorded_twice(case: str, plain: bool) -> tuple[list[str], Any, Any]:
+    """A step that calls a piece twice (its template made on the first call, something changed
+    before the second), recorded with the buffer given (``plain``: the piece as the code it is)."""
+    import contextlib
+
+    from readfence.core.tracing._trace import OPAQUE_OP
+
+    _segment.clear_templates()
+    table = torch.arange(8, dtype=torch.float32)
+    state: dict[str, Any] = {"memo": 1.0, "limits": None, "k": 2}
+
+    def memo(x):
+        if state["memo"] is None:
+            state["memo"] = table.max().item()
+        return x * state["memo"]
+
+    def raises(x):
+        if state["limits"] is not None and bool((state["limits"] > 5).any()):
+            raise OverflowError("past the limit")
+        return x * 2
+
+    fn = {"memo": memo, "raises": raises, "in place": lambda x: x.add_(1) * state["k"]}[case]
+    piece = _segment.Segment(case, fn)
+    call = (lambda *t: piece.fn(*t)) if plain else piece
+
+    def step(x):
+        first = call(x)
+        state.update(memo=None, limits=table, k=3)
+        try:
+            return call(x) + first
+        except OverflowError:
+            return x * 3 + first
+
+    gm, out, probe = _record.record(step, [torch.ones(3)], ["x"], outputs=lambda o: [o],
+                                    context=lambda r: contextlib.nullcontext(), escape_op=OPAQUE_OP,
+                                    shared={"table": table})
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"], probe.touched, out
+
+
+@pytest.mark.parametrize("case", ["memo", "raises", "in place"])
+def test_a_spliced_piece_s_run_is_recorded_from_its_first_call_not_its_template_s(case: str) -> None:
+    # the trace held to the piece recorded as the code it is: the same ops, the same buffers read,
+    # the same value. The run is never made twice (an unrecorded attempt, then a recorded one lost
+    # what the first did: a cache filled, an error raised); the calls before the first that is not
+    # the template's are written from it, and the rest recorded
+    spliced, plain = _recorded_twice(case, False), _recorded_twice(case, True)
+    assert spliced[0] == plain[0] and spliced[1] == plain[1], (spliced, plain)
+    assert (case == "in place") != bool(plain[1])
+    assert torch.equal(spliced[2], plain[2])
+
+
+def test_a_piece_whose_input_s_storage_holds_a_buffer_is_recorded_op_by_op() -> None:
+    # the input's elements touch no buffer, its storage does: the piece strides into the buffer,
+    # so its call is recorded op by op (its template was made on memory of its own), and the trace
+    # finds the read as the plain record does
+    import contextlib
+
+    from readfence.core.tracing._trace import OPAQUE_OP
+
+    arena = torch.arange(16, dtype=torch.float32)
+    touched = []
+    for plain in (False, True):
+        _segment.clear_templates()
+        piece = _segment.Segment("strided", lambda x: torch.as_strided(x, (4,), (1,), 0).sum() + x)
+        call = (lambda *t: piece.fn(*t)) if plain else piece
+        gm, out, probe = _record.record(lambda own, back: call(own) + call(back),
+                                        [torch.arange(8, 16, dtype=torch.float32), arena[8:]], ["own", "back"],
+                                        outputs=lambda o: [o], context=lambda r: contextlib.nullcontext(),
+                                        escape_op=OPAQUE_OP, shared={"table": arena[:4]})
+        touched.append(sorted(set().union(*probe.touched.values())))
+    assert touched[0] == touched[1] == ["table"], touched

@@ -149,7 +149,7 @@ class GraphRecorder(DispatchMode):
         super().__init__()
         self.fake = fake
         self.pauses = 0  # while positive, ops run unrecorded (an escape's value, computed for the host)
-        self.unrecorded: Any = None  # when set (a segment's listing), each op run unrecorded is added to it
+        self.unrecorded: Any = None  # when set (a spliced piece's listing), ops run unrecorded while they are its template's
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self.escape_op = escape_op
@@ -210,6 +210,13 @@ class GraphRecorder(DispatchMode):
             return NOTHING
         with torch._C.DisableTorchFunction():  # looking at its memory is no escape of the stage's
             return self.buffers.touched(t)
+
+    def in_storage_of_buffer(self, t: torch.Tensor) -> bool:
+        """Whether a shared buffer's memory may lie in ``t``'s storage (``BufferMap.in_storage_of``)."""
+        if self.buffers is None:
+            return False
+        with torch._C.DisableTorchFunction():
+            return self.buffers.in_storage_of(t)
 
     def track(self, t: torch.Tensor, node: fx.Node, touched: frozenset[str]) -> None:
         """Follow ``t`` as ``node``'s value, touching ``touched``."""
@@ -299,14 +306,21 @@ class GraphRecorder(DispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is _DEVICE or self.pauses:
-            if self.unrecorded is not None and func is not _DEVICE:
-                out = self._decomposition(func, args, kwargs)  # listed as a record writes it
-                if out is not NotImplemented:
-                    return out
-                out = func(*args, **kwargs)
-                self.unrecorded.add(node_target(func), args, kwargs, out)
+        listing = self.unrecorded
+        if listing is not None and not self.pauses and func is not _DEVICE:
+            # a spliced piece's run: each call run unrecorded while it is its template's, listed
+            # as a record writes it (a composite decomposed); from the first that is not, the
+            # calls before it are written from the template and this one and the rest recorded
+            out = self._decomposition(func, args, kwargs)
+            if out is not NotImplemented:
                 return out
+            at = listing.enter(node_target(func), args, kwargs)
+            if not listing.diverged:
+                out = func(*args, **kwargs)
+                listing.leave(at, out)
+                return out
+            listing.resume()
+        if func is _DEVICE or self.pauses:
             return func(*args, **kwargs)
         if not _recordable(func):
             raise Unrecordable(f"{func} holds a graph")

@@ -13,18 +13,21 @@ the function eagerly, unrecorded, and writes the template's nodes over the call'
 the graph is the one the record would have made, node for node and name for name. The calls
 that eager run makes must be the template's, in order: each op with the same arguments (a
 tensor as the same input or the same earlier result, a Python value of the same type and bits)
-and the same results returned (:class:`Listing`); where they are not (a function the piece
-calls was replaced since, a value its code reads changed), the call is recorded op by op and
-its record kept instead.
+and the same results returned (:class:`Listing`), compared as each is made. From the first
+that is not (a function the piece calls was replaced since, a value its code reads changed, a
+tensor from outside the piece), the calls before it are written from the template and that one
+and the rest recorded; the next call records a template again. A run is never made twice: what
+it did (a cache it filled, an error it raised) is in the graph.
 
 A template is only made and only used where it cannot hide a read: every input a plain
-``torch.Tensor`` whose memory touches no shared buffer (an output the backend returns that is a
-view of one, a tensor subclass, a fake tensor: the piece is recorded op by op), and a record
+``torch.Tensor`` whose storage holds no shared buffer's memory (an output the backend returns that
+is a view of one, a tensor subclass, a fake tensor: the piece is recorded op by op), and a record
 that made nothing but operator nodes over its inputs and their results, none touching a buffer.
 Only the recorder splices. The read observer runs a segment unobserved where, by its own look at
-their memory, none of its inputs is a shared buffer's and the ops it dispatches are those of its
-own observed run of that signature (``ReadObserver.run_segment``: it keeps its own lists, not
-the recorder's templates); the poison and the serial comparison run the function as it is.
+their storages, none of its inputs holds a shared buffer's memory, and only while its calls are
+those of its own observed run of that signature (``ReadObserver.run_segment``: it keeps its own
+references, not the recorder's templates); the poison and the serial comparison run the function
+as it is.
 
 >>> import torch
 >>> double = Segment("double", lambda x: x * 2)
@@ -123,14 +126,16 @@ class Template:
             object.__setattr__(self, "_writer", writer)
         return writer(graph, inputs)
 
-    def write_each(self, graph: fx.Graph, inputs: Mapping[int, fx.Node] | Sequence[fx.Node]) -> list[fx.Node]:
-        """:meth:`write`, node by node, as the generated writer does it (its reference)."""
+    def write_each(self, graph: fx.Graph, inputs: Mapping[int, fx.Node] | Sequence[fx.Node],
+                   count: int | None = None) -> list[fx.Node]:
+        """:meth:`write`, node by node, as the generated writer does it (its reference); with
+        ``count``, its first ``count`` nodes only."""
         made: list[fx.Node] = []
 
         def node_of(ref: _In | _Ref) -> fx.Node:
             return _node_of(ref, inputs, made)
 
-        for target, args, kwargs, name, meta in self.nodes:
+        for target, args, kwargs, name, meta in self.nodes[:count]:
             node = add_node(graph, "call_function", target, _mapped(args, node_of),
                             {k: _mapped(v, node_of) for k, v in kwargs.items()}, name)
             node.meta.update(meta)
@@ -241,6 +246,7 @@ class Listing:
         #: call is not the one ``expected`` has at its place, or one more than it has
         self.expected = expected
         self.diverged = False
+        self.matched = 0  # how many calls, from the first, are ``expected``'s
 
     def _known(self, t: torch.Tensor) -> _In | _Ref | None:
         hit = self.refs.get(id(t))
@@ -283,6 +289,7 @@ class Listing:
         if expected is not None and not self.diverged:
             at = len(calls) - 1
             self.diverged = at >= len(expected) or expected[at] != call
+            self.matched = at if self.diverged else at + 1
 
     def _result(self, out: Any, ref: _Ref) -> None:
         if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
@@ -383,14 +390,14 @@ def segment_signature(segment: Segment, tensors: Sequence[torch.Tensor]) -> Segm
 def _input_nodes(recorder: GraphRecorder, tensors: Sequence[torch.Tensor]) -> list[fx.Node] | None:
     """The node of each input, or None where one is not a plain tensor the record follows whose
     memory touches no shared buffer."""
-    if recorder.fake or recorder.pauses:
+    if recorder.fake or recorder.pauses or recorder.unrecorded is not None:  # (a piece inside a listed one: plain)
         return None
     nodes = []
     for t in tensors:
         if type(t) is not torch.Tensor:
             return None
         hit = recorder.tracked.get(id(t))
-        if hit is None or hit[0]() is not t or hit[2] or recorder.touched(t):
+        if hit is None or hit[0]() is not t or hit[2] or recorder.touched(t) or recorder.in_storage_of_buffer(t):
             return None
         nodes.append(hit[1])
     return nodes
@@ -409,22 +416,51 @@ def _record_segment(recorder: GraphRecorder, segment: Segment, tensors: Sequence
         if made is not None:
             _TEMPLATES.put(signature, made)
         return out
-    listing = recorder.unrecorded = Listing(tensors)
+    listing = recorder.unrecorded = _Splicing(recorder, template, inputs, tensors)
     try:
         # (torch-function modes stay on: a host read or an escape reaches no dispatcher, and the
         # tracer's mode turns it into a call the record does not have)
-        with recorder.paused():
-            out = segment.fn(*tensors)
+        out = segment.fn(*tensors)
+    except BaseException:
+        listing.resume()  # what ran before the error is the graph's (the caller may go on)
+        raise
     finally:
         recorder.unrecorded = None
-    if tuple(listing.calls) != template.calls or listing.returned(out) != template.outputs:
-        # it made other calls than its record holds, or returned another value (a function it
-        # calls was replaced since, a value its code reads changed; composites are listed
-        # decomposed, as recorded): record this call op by op, and keep that
+    if listing.resumed or len(listing.calls) != len(template.calls) or listing.returned(out) != template.outputs:
+        # it made other calls than its record holds (a function it calls was replaced since, a
+        # value its code reads changed), or fewer, or returned another value: recorded from its
+        # first call that is not the template's, and its next call records a template again
+        listing.resume()
         _TEMPLATES.forget(signature)
-        return _record_segment(recorder, segment, tensors)
+        return out
     _splice(recorder, template, inputs, out)
     return out
+
+
+class _Splicing(Listing):
+    """A spliced piece's listing (held to its template's calls), and how its run goes on recorded
+    from the first call that is not the template's (:meth:`resume`): one run, never made again."""
+
+    def __init__(self, recorder: GraphRecorder, template: Template, inputs: Sequence[fx.Node],
+                 tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__(tensors, template.calls)
+        self.recorder, self.template, self.input_nodes = recorder, template, inputs
+        self.resumed = False
+
+    def resume(self) -> None:
+        """Write the template's nodes of the calls made so far that are its own, follow their values,
+        and record every later call (the listing is the recorder's no more)."""
+        if self.resumed:
+            return
+        self.resumed = True
+        recorder = self.recorder
+        if recorder.unrecorded is self:
+            recorder.unrecorded = None
+        made = self.template.write_each(recorder.graph, self.input_nodes, self.matched)
+        for held, ref in list(self.refs.values()):
+            t = held()
+            if isinstance(ref, _Ref) and ref.index < len(made) and t is not None:
+                recorder.track(t, made[ref.index], NOTHING)  # (the template's calls touch no buffer)
 
 
 def _mapped(value: Any, fn: Callable[[Any], Any]) -> Any:
