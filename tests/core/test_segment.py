@@ -706,8 +706,8 @@ def test_a_piece_whose_input_s_storage_holds_a_buffer_is_recorded_op_by_op() -> 
     for plain in (False, True):
         _segment.clear_templates()
         piece = _segment.Segment("strided", lambda x: torch.as_strided(x, (4,), (1,), 0).sum() + x)
-        call = (lambda *t: piece.fn(*t)) if plain else piece
-        gm, out, probe = _record.record(lambda own, back: call(own) + call(back),
+        call = piece.fn if plain else piece
+        gm, out, probe = _record.record(lambda own, back, call=call: call(own) + call(back),
                                         [torch.arange(8, 16, dtype=torch.float32), arena[8:]], ["own", "back"],
                                         outputs=lambda o: [o], context=lambda r: contextlib.nullcontext(),
                                         escape_op=OPAQUE_OP, shared={"table": arena[:4]})
