@@ -713,3 +713,52 @@ def test_a_piece_whose_input_s_storage_holds_a_buffer_is_recorded_op_by_op() -> 
                                         escape_op=OPAQUE_OP, shared={"table": arena[:4]})
         touched.append(sorted(set().union(*probe.touched.values())))
     assert touched[0] == touched[1] == ["table"], touched
+
+
+class _Calibrated:
+    """A selector that keeps a host scale, made again from ``seq_lens`` once dropped (by identity:
+    one key of the attention's piece)."""
+
+    def __init__(self) -> None:
+        self.scale: float | None = 1.0
+        self.source: torch.Tensor | None = None
+
+    def __call__(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            self.scale = float(self.source.max())  # a read of seq_lens in the body
+        return mask & (scores * self.scale > float("-inf"))
+
+
+def _calibrated() -> Any:
+    # a paged backend whose selector recalibrates at layer 1 of every step (its other layers run
+    # the attention's piece as recorded): seq_lens read in the body, declared IN_REPLAY
+    from readfence.backends import kv_indices, kv_lens
+
+    selector = _Calibrated()
+
+    def attend(mode, layer, q, k, v, pools, shared, batch, meta):
+        store_kv(pools, layer, batch["out_cache_loc"], k, v)
+        selector.source = shared["seq_lens"]
+        if layer == 1:
+            selector.scale = None
+        return softmax_attention(mode, q, pools, layer, kv_indices(shared, batch), meta["kv_lens"], select=selector)
+
+    declared = ReadEffect.of({"req_to_token": ReadEnd.POST_REPLAY, "seq_lens": ReadEnd.IN_REPLAY})
+    return leaf("calibrated", attend, prepare_in_graph=lambda mode, shared, batch, meta: {"kv_lens": kv_lens(shared, batch)},
+                declare={M.DECODE: declared})
+
+
+def test_a_selector_that_reads_a_buffer_once_per_step_is_refused_with_its_pieces_spliced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # end to end: the audit (trace and observer alike) finds the body's read of seq_lens whether the
+    # attention's piece is spliced and run unobserved or run as the code it is
+    cfg = ModelConfig(layers=3)
+    found = []
+    for plain in (False, True):
+        with monkeypatch.context() as patch:
+            if plain:
+                _plain(patch)
+            verdict = audit(_calibrated(), M.DECODE, cfg=cfg)
+            seen = observe(_calibrated(), M.DECODE, cfg=cfg, steps=1).observed()
+        found.append((not verdict.map(lambda r: r.sound).value_or(False), seen["seq_lens"]))
+    assert found[0] == found[1] == (True, ReadEnd.POST_REPLAY), found
